@@ -1,0 +1,251 @@
+"""Tests of the benchmark suite: workload parsing and errors, the report helpers (hand-traced),
+byte counts of the bandwidth ceiling, and smoke runs of every bench on tiny models that check
+the files and the structure of the results (never wall-clock numbers)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import tiny_hf_model, write_tiny_checkpoint
+from tests.tiny import tiny_llama, tiny_tokenizer
+from tidespec.bench.cli import register
+from tidespec.bench.decode import DecodeBenchConfig, run_decode_bench, wave_indices
+from tidespec.bench.profile import ProfileConfig, kv_bytes_per_token, run_profile, weight_bytes_per_token
+from tidespec.bench.report import command_line, markdown_table, percentile, summarize
+from tidespec.bench.spec import SpecBenchConfig, run_spec_bench
+from tidespec.bench.workload import (WorkloadError, load_prompts, load_workload, prompt_token_ids,
+                                     resolve_workload_path)
+from tidespec.config import ConfigError, ModelConfig
+from tidespec.models.loader import LoadedModel, load_model
+
+
+def _write(path: Path, lines: list[str]) -> Path:
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _rec(i: int, prompt: str, kind: str = "completion") -> str:
+    return json.dumps({"id": f"r{i}", "domain": "test", "kind": kind, "prompt": prompt, "source": "unit",
+                       "license": "CC0"})
+
+
+# ----------------------------------------------------------------------------- workloads
+
+
+def test_workload_loads_in_order_with_limit_and_blank_lines(tmp_path: Path) -> None:
+    f = _write(tmp_path / "w.jsonl", [_rec(0, "t3 t4"), "", _rec(1, "hi", "chat"), _rec(2, "t5")])
+    recs = load_workload(f)
+    assert [r.id for r in recs] == ["r0", "r1", "r2"]
+    assert [r.line for r in recs] == [1, 3, 4]
+    assert recs[1].kind == "chat" and recs[0].license == "CC0"
+    assert [r.id for r in load_workload(f, limit=2)] == ["r0", "r1"]
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"id": "a", "domain": "d", "kind": "completion"', "w.jsonl:2: bad JSON"),
+    ('{"id": "a", "domain": "d", "kind": "completion"}', "w.jsonl:2: missing key(s) prompt"),
+    ('{"id": "a", "domain": "d", "kind": "poem", "prompt": "x"}', "w.jsonl:2: unknown kind 'poem'"),
+    ('{"id": "r0", "domain": "d", "kind": "chat", "prompt": "x"}', "w.jsonl:2: duplicate id 'r0'"),
+    ('{"id": 7, "domain": "d", "kind": "chat", "prompt": "x"}', "w.jsonl:2: 'id' must be a string"),
+    ('{"id": "a", "domain": "d", "kind": "chat", "prompt": "  "}', "w.jsonl:2: empty prompt"),
+    ('[1, 2]', "w.jsonl:2: expected a JSON object"),
+])
+def test_workload_errors_name_the_line(tmp_path: Path, line: str, message: str) -> None:
+    f = _write(tmp_path / "w.jsonl", [_rec(0, "ok"), line])
+    with pytest.raises(WorkloadError) as exc:
+        load_workload(f)
+    assert message in str(exc.value)
+    assert "\n" not in str(exc.value)
+    assert isinstance(exc.value, ConfigError)  # the CLI prints it as one line
+
+
+def test_workload_missing_empty_and_bad_limit(tmp_path: Path) -> None:
+    with pytest.raises(WorkloadError, match="not found"):
+        load_workload(tmp_path / "nope.jsonl")
+    with pytest.raises(WorkloadError, match="no records"):
+        load_workload(_write(tmp_path / "e.jsonl", ["", "  "]))
+    with pytest.raises(WorkloadError, match="limit must be >= 1"):
+        load_workload(_write(tmp_path / "w.jsonl", [_rec(0, "x")]), limit=0)
+
+
+def test_builtin_workloads_ship_with_sources_and_licenses() -> None:
+    for name in ("code", "chat"):
+        path = resolve_workload_path(name)
+        assert path.parent.name == "workloads" and path.name == f"{name}.jsonl"
+        recs = load_workload(name)
+        assert 12 <= len(recs) <= 20
+        assert all(r.source and r.license for r in recs)
+        assert all(r.license.startswith(("MIT", "Apache-2.0")) for r in recs)
+    assert {r.kind for r in load_workload("code")} == {"completion", "chat"}
+
+
+def test_prompt_tokenization_completion_and_chat(tmp_path: Path) -> None:
+    tok = tiny_tokenizer(64)
+    f = _write(tmp_path / "w.jsonl", [_rec(0, "t3 t4 t5"), _rec(1, "t6 t7", "chat")])
+    recs = load_workload(f)
+    assert prompt_token_ids(recs[0], tok) == [3, 4, 5]
+    with pytest.raises(WorkloadError, match="no chat template"):
+        prompt_token_ids(recs[1], tok)
+    tok.chat_template = "{% for m in messages %}t9 {{ m['content'] }} t20 {% endfor %}{% if add_generation_prompt %}t21{% endif %}"
+    assert prompt_token_ids(recs[1], tok) == [9, 6, 7, 20, 21]
+    prompts = load_prompts(f, tok, limit=1)
+    assert len(prompts) == 1 and prompts[0].token_ids == [3, 4, 5] and prompts[0].record.id == "r0"
+
+
+# ----------------------------------------------------------------------------- report helpers
+
+
+def test_percentile_hand_traced() -> None:
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5  # midway between the 2nd and 3rd value
+    assert percentile([4.0, 1.0, 3.0, 2.0], 90) == pytest.approx(3.7)  # rank 0.9 * 3 = 2.7 -> 3 + 0.7
+    assert percentile(list(range(1, 11)), 90) == pytest.approx(9.1)  # rank 8.1 -> 9 + 0.1
+    assert percentile([5.0], 10) == 5.0
+    assert percentile([1.0, float("nan"), 3.0], 50) == 2.0  # NaN ignored
+    assert math.isnan(percentile([], 50))
+    with pytest.raises(ValueError):
+        percentile([1.0], 101)
+    s = summarize([3.0, 1.0, 2.0])
+    assert (s["min"], s["p50"], s["max"], s["mean"], s["n"]) == (1.0, 2.0, 3.0, 2.0, 3.0)
+
+
+def test_markdown_table_and_command_line() -> None:
+    text = markdown_table(["name", "tok/s", "x"], [["a", 31.25, 2], ["b", float("nan"), None]])
+    assert text.splitlines() == ["| name | tok/s | x |", "|---|---:|---:|", "| a | 31.2 | 2 |", "| b | - | - |"]
+    with pytest.raises(ValueError):
+        markdown_table(["a"], [[1, 2]])
+    assert command_line(["/usr/bin/tidespec", "bench", "decode", "--workload", "my file.jsonl"]) == \
+        "tidespec bench decode --workload 'my file.jsonl'"
+
+
+def test_wave_indices_cycle_prompts() -> None:
+    assert wave_indices(3, 2) == [[0, 1], [2, 0]]
+    assert wave_indices(2, 4) == [[0, 1, 0, 1]]
+    assert wave_indices(3, 1) == [[0], [1], [2]]
+
+
+def test_bytes_per_token_hand_counted() -> None:
+    model = tiny_llama(dtype=torch.float32)  # vocab 64, hidden 32, inter 64, 2 layers, 4 heads, 2 kv, hd 8, untied
+    per_layer = 32 + 32 + (32 + 16 + 16) * 32 + 32 * 32 + 2 * 64 * 32 + 32 * 64  # norms, qkv, o, gate|up, down
+    elements = 32 + 64 * 32 + 32 + 2 * per_layer  # one embedding row, lm_head, final norm, layers
+    assert weight_bytes_per_token(model) == 4 * elements == 82688
+    assert kv_bytes_per_token(model, 200) == 2 * 2 * 2 * 8 * 200 * 4
+
+
+# ----------------------------------------------------------------------------- smoke runs
+
+
+def _tiny_target(dtype: torch.dtype = torch.float32) -> LoadedModel:
+    model = tiny_llama(dtype=dtype)
+    return LoadedModel(model=model, tokenizer=tiny_tokenizer(64), config=model.cfg, path="")
+
+
+def _hf_target(tmp_path: Path, dtype: torch.dtype) -> LoadedModel:
+    hf, _ = tiny_hf_model("llama", torch.float32)
+    return load_model(str(write_tiny_checkpoint(hf, tmp_path / "ckpt")), dtype=dtype)
+
+
+def _workload(tmp_path: Path, prefix: str = "t", n: int = 3) -> Path:
+    # ids 20..49 (in the tiny tokenizers t1 is a special token, so "t1x" would split)
+    prompts = [" ".join(f"{prefix}{20 + (i * 7 + j) % 30}" for j in range(6 + 2 * i)) for i in range(n)]
+    return _write(tmp_path / "wl.jsonl", [_rec(i, p) for i, p in enumerate(prompts)])
+
+
+def test_decode_bench_smoke_writes_json_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = DecodeBenchConfig(workload=str(_workload(tmp_path)), limit=3, batch_sizes=(1, 2), max_tokens=6)
+    out = tmp_path / "out"
+    doc = run_decode_bench(cfg, _tiny_target(), out_dir=out, command="tidespec bench decode --test")
+    assert (out / "plot.png").stat().st_size > 0 and (out / "table.md").is_file()
+    saved = json.loads((out / "results.json").read_text())
+    assert saved["command"] == "tidespec bench decode --test"
+    assert saved["machine"]["torch_threads"] >= 1 and saved["machine"]["dtype"] == "float32"
+    rows = {r["batch_size"]: r for r in doc["rows"]}
+    assert rows[1]["requests"] == 3 and rows[2]["requests"] == 4  # 2 waves of 2, prompts cycled
+    assert rows[1]["output_tokens"] == 3 * 6 and rows[2]["output_tokens"] == 4 * 6  # EOS ignored
+    assert all(r["tokens_per_s"] > 0 and r["decode_tokens_per_s"] > 0 for r in doc["rows"])
+    assert all(r["ttft_ms"]["p50"] > 0 and r["tpot_ms"]["p90"] >= r["tpot_ms"]["p50"] for r in doc["rows"])
+    assert "throughput_ratio_largest_vs_batch1" in doc["headline"]
+    printed = capsys.readouterr().out
+    assert "Command: `tidespec bench decode --test`" in printed and "| tidespec | 2 | 4 |" in printed
+
+
+def test_decode_bench_compare_hf(tmp_path: Path) -> None:
+    target = _hf_target(tmp_path, torch.float32)
+    cfg = DecodeBenchConfig(workload=str(_workload(tmp_path, "w", 2)), batch_sizes=(1,), max_tokens=5,
+                            compare_hf=True)
+    doc = run_decode_bench(cfg, target, out_dir=tmp_path / "out", echo=False)
+    hf = [r for r in doc["rows"] if r["engine"] == "hf-transformers"]
+    assert len(hf) == 1 and hf[0]["output_tokens"] == 2 * 5
+    assert doc["headline"]["vs_hf_with_prefill"] > 0 and doc["headline"]["vs_hf_decode_only"] > 0
+    assert len(doc["requests"]["hf"]) == 2
+
+
+def test_decode_bench_compare_hf_needs_a_checkpoint(tmp_path: Path) -> None:
+    cfg = DecodeBenchConfig(workload=str(_workload(tmp_path)), batch_sizes=(1,), max_tokens=4, compare_hf=True)
+    with pytest.raises(ConfigError, match="HF checkpoint"):
+        run_decode_bench(cfg, _tiny_target(), out_dir=tmp_path / "out", echo=False)
+
+
+def test_spec_bench_smoke_lossless_and_hf(tmp_path: Path) -> None:
+    target = _hf_target(tmp_path, torch.float64)  # float64: speculation must reproduce plain exactly
+    cfg = SpecBenchConfig(workload=str(_workload(tmp_path, "w", 2)), drafters=("none", "ngram", "suffix", "draft-model"),
+                          gammas=(1, 3), max_tokens=8, compare_hf=True, hf_pld_tokens=(2,))
+    out = tmp_path / "out"
+    doc = run_spec_bench(cfg, target, model_config=ModelConfig(dtype="float64"), out_dir=out, echo=False)
+    assert (out / "plot.png").stat().st_size > 0 and (out / "results.json").is_file()
+    labels = [c["label"] for c in doc["configs"]]
+    assert labels == ["plain", "ngram g=1", "ngram g=3", "suffix g=1", "suffix g=3", "draft-model g=1",
+                      "draft-model g=3"]
+    assert doc["configs"][0]["speedup"] == 1.0
+    for c in doc["configs"]:
+        assert c["mismatches"] == 0, c["label"]
+        assert c["output_tokens"] == 2 * 8 and len(c["per_request"]) == 2
+        assert c["per_request_speedup"]["min"] <= c["per_request_speedup"]["p50"] <= c["per_request_speedup"]["max"]
+        assert all(x["speedup"] < 1.0 for x in c["losses"])
+    dm = [c for c in doc["configs"] if c["drafter"] == "draft-model"]
+    assert all(c["num_drafts"] > 0 and c["mean_acceptance_length"] >= 1.0 for c in dm)
+    assert [h["label"] for h in doc["hf"]] == ["hf plain", "hf prompt-lookup k=2"]
+    assert doc["hf"][0]["speedup"] == 1.0 and "hf_pld_speedup" in doc["headline"]
+    assert doc["headline"]["total_mismatches"] == 0
+
+
+def test_profile_smoke(tmp_path: Path) -> None:
+    cfg = ProfileConfig(ns=(1, 2, 4), batch_sizes=(1, 2), context=16, repeats=2, target_s=0.01, bandwidth_mib=8)
+    out = tmp_path / "out"
+    doc = run_profile(cfg, _tiny_target(), out_dir=out, command="x", echo=False)
+    assert (out / "plot.png").stat().st_size > 0
+    assert [(r["batch_size"], r["n"]) for r in doc["rows"]] == [(1, 1), (1, 2), (1, 4), (2, 1), (2, 2), (2, 4)]
+    assert all(r["ratio_to_n1"] == 1.0 for r in doc["rows"] if r["n"] == 1)
+    assert all(1 <= r["repeats"] <= 2 for r in doc["rows"])
+    assert doc["bandwidth_gb_s"] > 0 and doc["ceiling_tokens_per_s"] > 0
+    assert doc["weight_bytes_per_token"] == 82688
+
+
+def test_cli_runs_bench_decode_on_a_checkpoint(tmp_path: Path) -> None:
+    hf, _ = tiny_hf_model("llama", torch.float32)
+    ckpt = write_tiny_checkpoint(hf, tmp_path / "ckpt")
+    parser = argparse.ArgumentParser(prog="tidespec")
+    register(parser.add_subparsers(dest="command", required=True))
+    out = tmp_path / "out"
+    ns = parser.parse_args(["bench", "decode", "--model", str(ckpt), "--workload", str(_workload(tmp_path, "w", 2)),
+                            "--batch-sizes", "1,2", "--max-tokens", "4", "--threads", "1", "--out", str(out)])
+    threads = torch.get_num_threads()
+    try:
+        assert ns.func(ns) == 0
+    finally:
+        torch.set_num_threads(threads)
+    saved = json.loads((out / "results.json").read_text())
+    assert [r["batch_size"] for r in saved["rows"]] == [1, 2]
+    assert saved["machine"]["torch_threads"] == 1
+    bad = parser.parse_args(["bench", "decode", "--batch-sizes", "1,x"])
+    with pytest.raises(ConfigError, match="batch-sizes"):
+        bad.func(bad)
+    spec_ns = parser.parse_args(["bench", "spec", "--drafters", "ngram,bogus"])
+    with pytest.raises(ConfigError, match="unknown drafter"):
+        spec_ns.func(spec_ns)
+    assert not hasattr(spec_ns, "num_speculative_tokens") and spec_ns.ngram_max == 4

@@ -1,0 +1,151 @@
+"""Prometheus metrics: hand-traced feeds from StepStats / RequestOutputs, and /metrics on a live app.
+
+The end-to-end test runs the tiny model with the n-gram drafter on a repetitive prompt, so the
+first decode step must speculate (the suffix ``t7`` occurs earlier in the prompt), and checks
+that the counters parsed from ``/metrics`` agree with the request's own ``usage``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.tiny import tiny_llama, tiny_tokenizer
+from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from tidespec.engine.engine import LLMEngine, RequestOutput
+from tidespec.engine.stats import RequestStats, StepStats
+from tidespec.metrics import Metrics
+from tidespec.server.app import ServerConfig, create_app
+from tidespec.spec.drafters.ngram import NgramDrafter
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread() -> Iterator[None]:
+    """Tiny models run fastest single-threaded; on a shared, busy machine intra-op threads only contend."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+def _value(m: Metrics, name: str, **labels: str) -> float:
+    v = m.registry.get_sample_value(name, labels)
+    return 0.0 if v is None else v
+
+
+def _output(n_out: int, reason: str, stats: RequestStats) -> RequestOutput:
+    return RequestOutput("r", [5, 6, 7], list(range(n_out)), "x", "", [], True, reason, stats)
+
+
+def test_on_step_hand_traced() -> None:
+    m = Metrics()
+    m.on_step(StepStats(num_drafts=2, num_draft_tokens=8, num_accepted_tokens=5, accepted_per_pos=[2, 2, 1],
+                        spec_lens={0: 4, 1: 4, 2: 0}, num_prefill_tokens=11, num_emitted_tokens=7,
+                        num_running=3, num_waiting=1, kv_usage=0.75))
+    m.on_step(StepStats(num_drafts=1, num_draft_tokens=4, num_accepted_tokens=1, accepted_per_pos=[1],
+                        spec_lens={0: 2}, num_emitted_tokens=2, num_running=1, kv_usage=0.25))
+    assert _value(m, "tidespec:spec_decode_num_drafts_total") == 3
+    assert _value(m, "tidespec:spec_decode_num_draft_tokens_total") == 12
+    assert _value(m, "tidespec:spec_decode_num_accepted_tokens_total") == 6
+    assert _value(m, "tidespec:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 3
+    assert _value(m, "tidespec:spec_decode_num_accepted_tokens_per_pos_total", position="1") == 2
+    assert _value(m, "tidespec:spec_decode_num_accepted_tokens_per_pos_total", position="2") == 1
+    assert _value(m, "tidespec:prompt_tokens_total") == 11
+    assert _value(m, "tidespec:generation_tokens_total") == 9
+    # gauges hold the last step
+    assert _value(m, "tidespec:num_requests_running") == 1
+    assert _value(m, "tidespec:num_requests_waiting") == 0
+    assert _value(m, "tidespec:kv_cache_usage_perc") == 0.25
+    assert _value(m, "tidespec:spec_decode_current_num_speculative_tokens") == 2.0
+
+
+def test_current_spec_is_mean_of_last_step() -> None:
+    m = Metrics()
+    m.on_step(StepStats(spec_lens={0: 4, 1: 4, 2: 0}))
+    assert _value(m, "tidespec:spec_decode_current_num_speculative_tokens") == pytest.approx(8 / 3)
+    m.on_step(StepStats())
+    assert _value(m, "tidespec:spec_decode_current_num_speculative_tokens") == 0.0
+
+
+def test_on_request_finished_latencies_and_routes() -> None:
+    m = Metrics(max_routes=2)
+    st = RequestStats(arrival_time=10.0, first_token_time=10.5, finish_time=12.5, num_drafts=3, num_draft_tokens=12,
+                      num_accepted_tokens=7)
+    m.on_request_finished(_output(5, "length", st), "code")
+    # TTFT 0.5 s, TPOT (12.5 - 10.5) / (5 - 1) = 0.5 s, e2e 2.5 s
+    assert _value(m, "tidespec:time_to_first_token_seconds_sum") == pytest.approx(0.5)
+    assert _value(m, "tidespec:time_per_output_token_seconds_sum") == pytest.approx(0.5)
+    assert _value(m, "tidespec:e2e_request_latency_seconds_sum") == pytest.approx(2.5)
+    assert _value(m, "tidespec:e2e_request_latency_seconds_bucket", le="2.5") == 1
+    assert _value(m, "tidespec:e2e_request_latency_seconds_bucket", le="2.0") == 0
+    assert _value(m, "tidespec:request_success_total", finish_reason="length") == 1
+    assert _value(m, "tidespec:request_spec_decode_num_draft_tokens_total", route="code") == 12
+    assert _value(m, "tidespec:request_spec_decode_num_accepted_tokens_total", route="code") == 7
+    assert _value(m, "tidespec:request_spec_decode_num_drafts_total", route="code") == 3
+    assert _value(m, "tidespec:request_generation_tokens_total", route="code") == 5
+    # one output token: no TPOT sample; an abort before any token: no TTFT sample
+    m.on_request_finished(_output(1, "stop", RequestStats(0.0, 0.1, 0.1)), None)
+    m.on_request_finished(_output(0, "abort", RequestStats(0.0, None, 0.3)), "chat")
+    assert _value(m, "tidespec:time_per_output_token_seconds_count") == 1
+    assert _value(m, "tidespec:time_to_first_token_seconds_count") == 2
+    assert _value(m, "tidespec:e2e_request_latency_seconds_count") == 3
+    assert _value(m, "tidespec:request_success_total", finish_reason="abort") == 1
+    assert _value(m, "tidespec:request_generation_tokens_total", route="default") == 1
+    # route labels are bounded: max_routes=2 holds code, chat; a third becomes "other"
+    m.on_request_finished(_output(2, "stop", RequestStats(0.0, 0.1, 0.2)), "math")
+    assert _value(m, "tidespec:request_generation_tokens_total", route="other") == 2
+    assert m.route("math") == "other" and m.route("code") == "code"
+
+
+def test_registries_are_independent() -> None:
+    a, b = Metrics(), Metrics()
+    a.on_step(StepStats(num_drafts=1))
+    assert _value(a, "tidespec:spec_decode_num_drafts_total") == 1
+    assert _value(b, "tidespec:spec_decode_num_drafts_total") == 0
+
+
+def _families(text: str) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
+    """Parsed samples: {sample name: {sorted labels: value}}."""
+    out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def test_metrics_endpoint_spec_counters_move() -> None:
+    tok = tiny_tokenizer(64)
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=128, max_num_seqs=2), scheduler=SchedulerConfig(max_waiting=4),
+                       spec=SpecConfig(drafter="ngram", num_speculative_tokens=3))
+    engine = LLMEngine(tiny_llama(64), tok, cfg, drafter=NgramDrafter(1, 3))
+    with TestClient(create_app(engine, ServerConfig(served_model_name="tiny"))) as client:
+        before = _families(client.get("/metrics").text)
+        assert before["tidespec:spec_decode_num_drafts_total"][()] == 0
+        prompt = " ".join(["t5 t6 t7"] * 6)
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 24,
+                                                 "temperature": 0, "ignore_eos": True},
+                        headers={"X-Tidespec-Route": "repeat"})
+        assert r.status_code == 200, r.text
+        usage = r.json()["usage"]
+        after = _families(client.get("/metrics").text)
+    drafts = after["tidespec:spec_decode_num_drafts_total"][()]
+    draft_tokens = after["tidespec:spec_decode_num_draft_tokens_total"][()]
+    accepted = after["tidespec:spec_decode_num_accepted_tokens_total"][()]
+    assert drafts >= 1 and draft_tokens >= drafts
+    assert 0 <= accepted <= draft_tokens
+    assert usage["draft_tokens"] == draft_tokens and usage["accepted_tokens"] == accepted
+    per_pos = after.get("tidespec:spec_decode_num_accepted_tokens_per_pos_total", {})
+    assert sum(per_pos.values()) == accepted
+    route = (("route", "repeat"),)
+    assert after["tidespec:request_spec_decode_num_draft_tokens_total"][route] == draft_tokens
+    assert after["tidespec:request_spec_decode_num_accepted_tokens_total"][route] == accepted
+    assert after["tidespec:request_success_total"][(("finish_reason", "length"),)] == 1
+    assert after["tidespec:generation_tokens_total"][()] == usage["completion_tokens"] == 24
+    assert after["tidespec:prompt_tokens_total"][()] == usage["prompt_tokens"] == 18
+    assert after["tidespec:time_to_first_token_seconds_count"][()] == 1
+    assert after["tidespec:kv_cache_usage_perc"][()] == 0.0
+    assert after["tidespec:num_requests_running"][()] == 0.0

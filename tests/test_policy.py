@@ -1,0 +1,260 @@
+"""Speculation policies: guards by hand, static, analytic (TIDE), bandit (Nightjar), hybrid."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tidespec.control.policy import (
+    AnalyticPolicy,
+    BanditPolicy,
+    GuardConfig,
+    Guards,
+    HybridPolicy,
+    PlanInput,
+    PolicyOptions,
+    SeqState,
+    SpeculationPolicy,
+    StaticPolicy,
+    StepFeedback,
+    alpha_of_step,
+    bucket_of,
+    make_policy,
+)
+from tidespec.control.speedup import Profile, expected_accept_length, practical_speedup
+
+D0 = 0.0005
+
+
+def synthetic_profile() -> Profile:
+    """Memory-bound up to 16 tokens (10 ms), then compute-bound: 10 ms per 16 tokens."""
+    return Profile(
+        target_latency={1: 0.010, 16: 0.010, 32: 0.020, 64: 0.040, 128: 0.080, 256: 0.160, 512: 0.320},
+        draft_cost={"default": D0},
+        catchup={(1, 1): 0.001, (100, 1): 0.01},
+        key="synthetic",
+    )
+
+
+def plan_input(batch: int, kv: float = 0.1, temperature: float = 0.0) -> PlanInput:
+    return PlanInput(batch, kv, [SeqState(i, temperature, 100, None) for i in range(batch)])
+
+
+def feedback(batch: int, gamma: int, alpha: float, slowdown: float = 1.0) -> StepFeedback:
+    """One step of a world that follows eq. 2 and the synthetic profile exactly."""
+    p = synthetic_profile()
+    accepted = round(batch * (expected_accept_length(alpha, gamma) - 1.0)) if gamma else 0
+    draft_time = gamma * D0
+    verify_time = p.target(batch * (gamma + 1))
+    return StepFeedback(
+        batch_size=batch,
+        gamma=gamma,
+        num_seqs_speculated=batch if gamma else 0,
+        num_draft_tokens=batch * gamma,
+        num_accepted_tokens=accepted,
+        num_emitted_tokens=batch + accepted,
+        step_time=(draft_time + verify_time) * slowdown,
+        draft_time=draft_time * slowdown,
+        verify_time=verify_time * slowdown,
+    )
+
+
+def test_bucket_of() -> None:
+    assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 8, 9, 33)] == [1, 2, 4, 4, 8, 8, 16, 64]
+    with pytest.raises(ValueError):
+        bucket_of(0)
+
+
+def test_alpha_of_step_moment_estimate() -> None:
+    fb = StepFeedback(4, 4, 4, 16, 8, 12, 0.02, 0.002, 0.018)
+    alpha = alpha_of_step(fb)
+    assert alpha is not None
+    assert expected_accept_length(alpha, 4) == pytest.approx(3.0, abs=1e-7)  # 1 + 8/4
+    assert alpha == pytest.approx(0.74127, abs=1e-5)
+    assert alpha_of_step(StepFeedback(4, 0, 0, 0, 0, 4, 0.01, 0.0, 0.01)) is None
+
+
+# ---- guards ----
+def test_guards_hand_cases() -> None:
+    guards = Guards(StaticPolicy(4), GuardConfig(kv_threshold=0.85, temperature_threshold=0.8, gamma_max=8))
+    seqs = [
+        SeqState(1, 0.0, 100, None),  # policy: 4
+        SeqState(2, 1.0, 100, None),  # hot: 0
+        SeqState(3, 1.0, 100, 12),  # override beats temperature, capped at gamma_max: 8
+        SeqState(4, 0.0, 3, None),  # 3 tokens left: at most 2 drafts
+        SeqState(5, 0.0, 100, 0),  # opted out: 0
+        SeqState(6, 0.5, 100, 2),  # override: 2
+        SeqState(7, 0.0, 1, None),  # last token: plain decode
+        SeqState(8, 0.8, 100, None),  # at the threshold (not above): 4
+    ]
+    assert guards.plan(PlanInput(8, 0.5, seqs)) == {1: 4, 2: 0, 3: 8, 4: 2, 5: 0, 6: 2, 7: 0, 8: 4}
+    assert guards.plan(PlanInput(8, 0.9, seqs)) == {i: 0 for i in range(1, 9)}  # KV pressure
+    s = guards.stats()
+    assert s["guard_kv"] == 1 and s["guard_temperature"] == 2 and s["guard_opt_out"] == 2
+    assert s["guard_override"] == 4 and s["guard_remaining"] == 2
+    assert s["gamma"] == 4 and s["steps"] == 2
+
+
+def test_guards_forward_feedback_to_inner() -> None:
+    inner = AnalyticPolicy(synthetic_profile(), gamma_max=4, prior_alpha=0.9)
+    guards = Guards(inner)
+    guards.plan(plan_input(2))
+    guards.observe(feedback(2, 3, 0.2))
+    assert inner.alphas.alpha(2) < 0.9
+
+
+def test_guard_config_validation() -> None:
+    with pytest.raises(ValueError):
+        GuardConfig(kv_threshold=0.0)
+    with pytest.raises(ValueError):
+        GuardConfig(temperature_threshold=-1.0)
+
+
+# ---- static ----
+def test_static_policy() -> None:
+    policy = StaticPolicy(3)
+    assert policy.plan(plan_input(3)) == {0: 3, 1: 3, 2: 3}
+    policy.observe(feedback(3, 3, 0.5))
+    assert policy.stats() == {"gamma": 3.0, "steps": 1.0}
+    assert isinstance(policy, SpeculationPolicy)
+    with pytest.raises(ValueError):
+        StaticPolicy(-1)
+
+
+# ---- analytic ----
+def test_analytic_speculates_at_batch_one_high_alpha_and_stops_at_large_batch_low_alpha() -> None:
+    p = synthetic_profile()
+    policy = AnalyticPolicy(p, gamma_max=4, ema=0.2, prior_alpha=0.7)
+    # before any data: the prior alpha 0.7 at b = 1 (beta = 1, c = 0.05) favours the longest gamma
+    assert policy.plan(plan_input(1)) == {0: 4}
+    for _ in range(60):
+        policy.observe(feedback(1, 4, 0.9))
+        policy.observe(feedback(64, 2, 0.3))
+    assert policy.alphas.alpha(1) == pytest.approx(0.9, abs=0.05)
+    assert policy.alphas.alpha(64) == pytest.approx(0.3, abs=0.03)
+    assert policy.plan(plan_input(1)) == {0: 4}
+    s = policy.stats()
+    # hand check: E[l](alpha, 4) / (4 * 0.05 + 1)
+    assert s["speedup_b1"] == pytest.approx(expected_accept_length(policy.alphas.alpha(1), 4) / 1.2, abs=1e-9)
+    # b = 64, alpha 0.3: gamma 1 verifies 128 tokens in 80 ms vs 40 ms: 1.3 / (2 + 0.0125) < 1
+    assert set(policy.plan(plan_input(64)).values()) == {0}
+    s = policy.stats()
+    assert s["gamma_b64"] == 0 and s["speedup_b64"] == 1.0 and s["gamma_b1"] == 4
+
+
+def test_analytic_unseen_bucket_uses_global_alpha() -> None:
+    policy = AnalyticPolicy(synthetic_profile(), gamma_max=4, ema=0.5, prior_alpha=0.7)
+    policy.observe(feedback(1, 4, 0.0))
+    assert policy.alphas.alpha(1) == pytest.approx(0.35)
+    assert policy.alphas.alpha(32) == pytest.approx(0.35)  # no data at 32: global EMA
+
+
+# ---- bandit ----
+BEST_GOODPUT = [1000.0, 1300.0, 1500.0, 1400.0, 1200.0]  # tokens/s per arm at batch 8
+
+
+def noisy_feedback(rng: random.Random, gamma: int, batch: int = 8) -> StepFeedback:
+    g = BEST_GOODPUT[gamma] * (1.0 + rng.uniform(-0.05, 0.05))
+    return StepFeedback(batch, gamma, batch if gamma else 0, batch * gamma, 0, 100, 100.0 / g, 0.0, 100.0 / g)
+
+
+def test_bandit_converges_to_best_arm() -> None:
+    policy = BanditPolicy(gamma_max=4, seed=11)
+    world = random.Random(5)
+    late_exploit: list[int] = []
+    counts = [0] * 5
+    for t in range(3000):
+        gamma = policy.plan(plan_input(8))[0]
+        counts[gamma] += 1
+        if t >= 2000 and not policy.bandit.last_explored:
+            late_exploit.append(gamma)
+        policy.observe(noisy_feedback(world, gamma))
+    means = policy.bandit.arm_means(8)
+    assert max(range(5), key=means.__getitem__) == 2
+    assert means[2] == pytest.approx(1500.0, rel=0.02)
+    assert late_exploit.count(2) / len(late_exploit) > 0.95
+    assert counts[2] == max(counts) and counts[2] > 0.5 * sum(counts)
+    s = policy.stats()
+    assert s["explore_steps"] + s["exploit_steps"] == 3000
+    assert s["explore_steps_b8"] == s["explore_steps"]
+
+
+def test_bandit_policy_goodput_is_emitted_over_step_time() -> None:
+    policy = BanditPolicy(gamma_max=2, seed=0)
+    policy.plan(plan_input(2))
+    policy.observe(StepFeedback(2, 1, 2, 2, 1, 3, 0.01, 0.001, 0.009))
+    assert policy.bandit.arm_means(2) == pytest.approx([0.0, 300.0, 0.0])
+
+
+# ---- hybrid ----
+def test_hybrid_prior_is_analytic_goodput() -> None:
+    p = synthetic_profile()
+    policy = HybridPolicy(p, gamma_max=3, prior_alpha=0.6)
+    means = policy.bandit.arm_means(1)
+    # b = 1: baseline 1 / T(1) = 100 tokens/s, times eq. 5
+    assert means == pytest.approx([100.0 * practical_speedup(0.6, g, 1, p) for g in range(4)], abs=1e-9)
+    assert means[2] == pytest.approx(100.0 * (1 + 0.6 + 0.36) / (2 * 0.05 + 1.0), abs=1e-9)
+
+
+def test_hybrid_explore_scale_rule() -> None:
+    policy = HybridPolicy(synthetic_profile(), gamma_max=3, regret_wide=0.2, explore_floor=0.25)
+    assert policy.explore_scale(1, [100.0, 100.0, 100.0, 100.0]) == 1.0  # flat: full exploration
+    # mean 77.5 of best 100: regret 0.225 >= regret_wide -> floor
+    assert policy.explore_scale(1, [100.0, 70.0, 70.0, 70.0]) == pytest.approx(0.25)
+    # regret 0.1: half way -> 1 - 0.75 * 0.5
+    assert policy.explore_scale(1, [100.0, 90.0, 90.0, 80.0]) == pytest.approx(0.625)
+
+
+def run_world(policy: SpeculationPolicy, steps: int, batch: int, alpha: float) -> list[int]:
+    chosen = []
+    for _ in range(steps):
+        gamma = policy.plan(plan_input(batch))[0]
+        chosen.append(gamma)
+        policy.observe(feedback(batch, gamma, alpha, slowdown=1.25))
+    return chosen
+
+
+def test_hybrid_explores_less_than_bandit_when_prior_is_confident() -> None:
+    # b = 64, alpha = 0.3 on the synthetic profile: plain decoding wins by far (gamma 1 halves
+    # goodput), and the engine is 25% slower than the profile (calibration kappa -> 0.8)
+    p = synthetic_profile()
+    bandit = BanditPolicy(gamma_max=4, seed=2)
+    hybrid = HybridPolicy(p, gamma_max=4, seed=2, prior_alpha=0.3)
+    b_choices = run_world(bandit, 1500, 64, 0.3)
+    h_choices = run_world(hybrid, 1500, 64, 0.3)
+    b_explore = bandit.stats()["explore_steps"]
+    h_explore = hybrid.stats()["explore_steps"]
+    assert h_explore < 0.5 * b_explore
+    assert h_choices.count(0) > b_choices.count(0)
+    assert hybrid.stats()["calibration"] == pytest.approx(0.8, abs=0.02)
+    assert hybrid.stats()["explore_scale_mean"] == pytest.approx(0.25)
+
+
+def test_hybrid_learns_when_prior_is_wrong() -> None:
+    # prior says alpha = 0.05 (speculation useless) but the world has alpha = 0.95 at b = 1
+    hybrid = HybridPolicy(synthetic_profile(), gamma_max=4, seed=4, prior_alpha=0.05)
+    assert hybrid.plan(plan_input(1))[0] in range(5)
+    chosen = run_world(hybrid, 1500, 1, 0.95)
+    assert sum(g == 4 for g in chosen[-300:]) > 250
+
+
+# ---- factory ----
+def test_make_policy() -> None:
+    p = synthetic_profile()
+    opts = PolicyOptions(gamma_max=4, profile=p, seed=1)
+    assert isinstance(make_policy("static", opts), StaticPolicy)
+    assert isinstance(make_policy("analytic", opts), AnalyticPolicy)
+    assert isinstance(make_policy("bandit", opts), BanditPolicy)
+    assert isinstance(make_policy("hybrid", opts), HybridPolicy)
+    guarded = make_policy("bandit", PolicyOptions(gamma_max=4, guards=GuardConfig(gamma_max=4)))
+    assert isinstance(guarded, Guards) and guarded.name == "bandit"
+    assert make_policy("static", PolicyOptions(gamma_max=4, static_gamma=0)).plan(plan_input(2)) == {0: 0, 1: 0}
+    with pytest.raises(ValueError):
+        make_policy("oracle", opts)
+    with pytest.raises(ValueError):
+        make_policy("analytic", PolicyOptions(gamma_max=4))
+    for name in ("static", "analytic", "bandit", "hybrid"):
+        policy = make_policy(name, opts)
+        assert isinstance(policy, SpeculationPolicy)
+        assert policy.plan(PlanInput(0, 0.0, [])) == {}

@@ -1,0 +1,483 @@
+"""The OpenAI-compatible server against a real uvicorn on a loopback port, driven by the official client.
+
+Most tests use the tiny random model from ``tests/tiny.py`` (word-level tokens ``t0 .. t63``,
+``t0`` = EOS) behind a minimal chat template; one integration test repeats the core checks on the
+embedded SmolLM2-135M. Concurrency tests use httpx's async client; errors must be OpenAI error
+objects; a disconnecting client must leave no KV behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from tests.tiny import tiny_llama, tiny_tokenizer
+from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from tidespec.engine.engine import LLMEngine
+from tidespec.models.loader import LoadedModel
+from tidespec.runtime import build_engine
+from tidespec.server.app import ServerConfig, create_app
+from tidespec.server.async_engine import AsyncEngine
+from tidespec.spec.drafters.ngram import NgramDrafter
+from tidespec.spec.proposal import DraftInput, DraftProposal, Observation
+
+CHAT_TEMPLATE = ("{% for m in messages %}t3 {{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}t2{% endif %}")
+MODEL = "tiny"
+
+
+def tiny_engine(max_num_seqs: int = 16, max_waiting: int = 64, max_model_len: int = 160,
+                drafter: Any = None) -> LLMEngine:
+    tok = tiny_tokenizer(64)
+    tok.chat_template = CHAT_TEMPLATE
+    spec = SpecConfig(drafter="ngram" if drafter is not None else "none", num_speculative_tokens=3)
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs),
+                       scheduler=SchedulerConfig(max_waiting=max_waiting), spec=spec)
+    return LLMEngine(tiny_llama(64), tok, cfg, drafter=drafter)
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread() -> Iterator[None]:
+    """Tiny models run fastest single-threaded; on a shared, busy machine intra-op threads only contend."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+class LiveServer:
+    """uvicorn serving ``app`` on 127.0.0.1:<free port> in a background thread."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+        # log_config=None: uvicorn's loggers propagate to the root logger, so caplog sees them
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None,
+                                                    log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
+        self.port = 0
+
+    def __enter__(self) -> LiveServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("uvicorn did not start")
+            time.sleep(0.02)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def aengine(self) -> AsyncEngine:
+        return self.app.state.async_engine
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def engine_state(self) -> tuple[float, int, int, int]:
+        """(kv usage, running, waiting, known seqs), read in the engine thread."""
+        return self.aengine.call(lambda e: (e.kv.usage(), e.num_running, e.num_waiting, len(e.seqs))).result(10)
+
+    def wait_idle(self, timeout: float = 10.0) -> tuple[float, int, int, int]:
+        deadline = time.monotonic() + timeout
+        state = self.engine_state()
+        while state != (0.0, 0, 0, 0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+            state = self.engine_state()
+        return state
+
+
+@pytest.fixture(scope="module")
+def srv() -> Iterator[LiveServer]:
+    engine = tiny_engine()
+    with LiveServer(create_app(engine, ServerConfig(served_model_name=MODEL))) as s:
+        yield s
+
+
+def _stream_text(chunks: Any, chat: bool) -> tuple[str, str | None, Any]:
+    text, finish, usage = "", None, None
+    for ch in chunks:
+        if ch.usage is not None:
+            usage = ch.usage
+        for c in ch.choices:
+            piece = c.delta.content if chat else c.text
+            text += piece or ""
+            finish = c.finish_reason or finish
+    return text, finish, usage
+
+
+# ----------------------------------------------------------------------------- basic API
+def test_models_and_health(srv: LiveServer) -> None:
+    models = srv.client().models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "top_p": 0.9, "seed": 1234}])
+def test_completion_stream_equals_nonstream(srv: LiveServer, sampling: dict[str, Any]) -> None:
+    c = srv.client()
+    full = c.completions.create(model=MODEL, prompt="t5 t6 t7", max_tokens=20, **sampling)
+    stream = c.completions.create(model=MODEL, prompt="t5 t6 t7", max_tokens=20, stream=True,
+                                  stream_options={"include_usage": True}, **sampling)
+    text, finish, usage = _stream_text(stream, chat=False)
+    assert full.object == "text_completion" and full.id.startswith("cmpl-")
+    assert text == full.choices[0].text and text
+    assert finish == full.choices[0].finish_reason
+    assert usage.completion_tokens == full.usage.completion_tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens == 3
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1.0, "seed": 7}])
+def test_chat_stream_equals_nonstream(srv: LiveServer, sampling: dict[str, Any]) -> None:
+    c = srv.client()
+    msgs = [{"role": "system", "content": "t9"}, {"role": "user", "content": "t5 t6"}]
+    full = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, **sampling)
+    stream = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, stream=True,
+                                       stream_options={"include_usage": True}, **sampling)
+    text, finish, usage = _stream_text(stream, chat=True)
+    assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
+    assert text == full.choices[0].message.content and text
+    assert finish == full.choices[0].finish_reason
+    # template: "t3 t9 t3 t5 t6 t2" -> 6 prompt tokens
+    assert usage.prompt_tokens == full.usage.prompt_tokens == 6
+    assert usage.completion_tokens == full.usage.completion_tokens
+
+
+def test_stop_strings(srv: LiveServer) -> None:
+    c = srv.client()
+    full = c.completions.create(model=MODEL, prompt="t8 t9", max_tokens=24, temperature=0).choices[0].text
+    words = full.split()
+    assert len(words) >= 6
+    stop = words[4]
+    expected = full[:full.find(stop)]
+    got = c.completions.create(model=MODEL, prompt="t8 t9", max_tokens=24, temperature=0, stop=[stop, "zzz"])
+    assert got.choices[0].text == expected and got.choices[0].finish_reason == "stop"
+    streamed, finish, _ = _stream_text(c.completions.create(model=MODEL, prompt="t8 t9", max_tokens=24,
+                                                            temperature=0, stop=stop, stream=True), chat=False)
+    assert streamed == expected and finish == "stop"
+
+
+def test_usage_counts(srv: LiveServer) -> None:
+    c = srv.client()
+    r = c.completions.create(model=MODEL, prompt="t4 t5 t6 t7 t8", max_tokens=7, temperature=0,
+                             extra_body={"ignore_eos": True, "tidespec": {"enabled": False}})
+    u = r.usage
+    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (5, 7, 12)
+    assert r.choices[0].finish_reason == "length"
+    assert len(r.choices[0].text.split()) == 7
+    extra = u.model_extra or {}
+    assert extra["draft_tokens"] == 0 and extra["accepted_tokens"] == 0
+    chat = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t4"}],
+                                     max_completion_tokens=3, temperature=0, extra_body={"ignore_eos": True})
+    assert (chat.usage.prompt_tokens, chat.usage.completion_tokens) == (3, 3)
+    # prompt as a one-element list and as token ids: same tokens, same greedy output
+    a = c.completions.create(model=MODEL, prompt=["t4 t5"], max_tokens=5, temperature=0)
+    b = c.completions.create(model=MODEL, prompt=[4, 5], max_tokens=5, temperature=0)
+    assert a.choices[0].text == b.choices[0].text and a.usage.prompt_tokens == 2
+
+
+# ----------------------------------------------------------------------------- errors
+def _error(resp: httpx.Response, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def test_errors_are_openai_style(srv: LiveServer) -> None:
+    c = srv.client()
+    bad: list[tuple[dict[str, Any], str]] = [
+        (dict(prompt="t5", temperature=5.0), "temperature"),
+        (dict(prompt="t5", n=2), "n"),
+        (dict(prompt=["t5", "t6"]), "prompt"),
+        (dict(prompt=""), "prompt is empty"),
+        (dict(prompt="t5 t6", max_tokens=400), "exceeds the context length"),
+        (dict(prompt="t5", max_tokens=0), "max_tokens"),
+        (dict(prompt="t5", top_p=0.0), "top_p"),
+        (dict(prompt="t5", stop=""), "stop"),
+        (dict(prompt=[1, 2, 64]), "vocab size"),
+        (dict(prompt="t5", extra_body={"tidespec": {"num_speculative_tokens": -1}}), "num_speculative_tokens"),
+    ]
+    for kwargs, needle in bad:
+        with pytest.raises(openai.BadRequestError) as ei:
+            c.completions.create(model=MODEL, **kwargs)
+        assert ei.value.status_code == 400
+        assert needle in ei.value.body["message"], (kwargs, ei.value.body)  # type: ignore[index]
+    with pytest.raises(openai.NotFoundError) as nf:
+        c.completions.create(model="gpt-17", prompt="t5")
+    assert nf.value.body["code"] == "model_not_found"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as em:
+        c.chat.completions.create(model=MODEL, messages=[])
+    assert "messages" in em.value.body["message"]  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=MODEL, messages=[{"role": "robot", "content": "t5"}])  # type: ignore[list-item]
+    # raw HTTP: malformed JSON, a non-object body, unknown route and method, bad route header
+    url = f"{srv.url}/v1/completions"
+    assert "invalid JSON" in _error(httpx.post(url, content=b'{"prompt": ', headers={
+        "content-type": "application/json"}), 400)["message"]
+    _error(httpx.post(url, json=[1, 2]), 400)
+    _error(httpx.get(f"{srv.url}/v1/nothing"), 404)
+    _error(httpx.delete(f"{srv.url}/v1/models"), 405)
+    _error(httpx.post(url, json={"prompt": "t5"}, headers={"X-Tidespec-Route": "bad label!"}), 400)
+    assert _error(httpx.post(url, content=b"x" * (5 * 2**20), headers={"content-type": "application/json"}),
+                  413)["code"] == "body_too_large"
+    assert srv.wait_idle() == (0.0, 0, 0, 0)
+
+
+def test_api_key() -> None:
+    engine = tiny_engine(max_num_seqs=2, max_waiting=2)
+    with TestClient(create_app(engine, ServerConfig(served_model_name=MODEL, api_key="s3cret"))) as client:
+        assert client.get("/health").status_code == 200
+        for path in ("/v1/models", "/metrics", "/openapi.json"):
+            err = _error(client.get(path), 401)  # type: ignore[arg-type]
+            assert err["code"] == "invalid_api_key"
+        _error(client.get("/v1/models", headers={"Authorization": "Bearer wrong"}), 401)  # type: ignore[arg-type]
+        assert client.get("/v1/models", headers={"Authorization": "Bearer s3cret"}).status_code == 200
+        r = client.post("/v1/completions", json={"prompt": "t5", "max_tokens": 2},
+                        headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+# ----------------------------------------------------------------------------- concurrency
+def test_concurrent_streams_with_disconnects(srv: LiveServer, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING)
+    rng = random.Random(0)
+    prompts = [f"t{rng.randrange(2, 64)} t{rng.randrange(2, 64)} t{rng.randrange(2, 64)}" for _ in range(32)]
+    leavers = set(rng.sample(range(32), 11))
+    cut_at = {i: rng.randrange(1, 12) for i in leavers}
+    body = {"model": MODEL, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+    aborts_before = _abort_count(srv)
+    slow = _slow_steps(srv, 0.005)  # leave room for clients to disconnect mid-stream
+    try:
+        async def one(client: httpx.AsyncClient, i: int) -> tuple[str, str | None, bool]:
+            text, finish, chunks = "", None, 0
+            async with client.stream("POST", "/v1/completions", json={**body, "prompt": prompts[i], "stream": True}) as r:
+                assert r.status_code == 200
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        return text, finish, True
+                    ch = json.loads(line[6:])
+                    assert "error" not in ch, ch
+                    text += ch["choices"][0]["text"]
+                    finish = ch["choices"][0]["finish_reason"] or finish
+                    chunks += 1
+                    if i in leavers and chunks >= cut_at[i]:
+                        return text, finish, False  # leaving the context closes the connection
+            return text, finish, False
+
+        async def main() -> list[tuple[str, str | None, bool]]:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60,
+                                         limits=httpx.Limits(max_connections=64)) as client:
+                return list(await asyncio.gather(*(one(client, i) for i in range(32))))
+
+        results = asyncio.run(main())
+    finally:
+        slow()
+    assert srv.wait_idle() == (0.0, 0, 0, 0)  # every KV slot is free again, nothing left running
+    assert _abort_count(srv) - aborts_before >= 1  # disconnects really aborted engine requests
+    refs = _greedy_refs(srv, [prompts[i] for i in range(32) if i not in leavers], body)
+    for i, (text, finish, done) in enumerate(results):
+        if i in leavers:
+            continue
+        assert done and finish == "length", (i, text)
+        assert text == refs[prompts[i]], i
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert not errors, [r.getMessage() for r in errors]
+
+
+def _slow_steps(srv: LiveServer, seconds: float) -> Callable[[], None]:
+    """Make every engine step take at least ``seconds`` (a step listener); returns the undo."""
+    def sleep(_stats: object) -> None:
+        time.sleep(seconds)
+    srv.aengine.call(lambda e: e.step_listeners.append(sleep)).result(10)
+    return lambda: srv.aengine.call(lambda e: e.step_listeners.remove(sleep)).result(10)
+
+
+def _abort_count(srv: LiveServer) -> float:
+    v = srv.app.state.metrics.registry.get_sample_value("tidespec:request_success_total", {"finish_reason": "abort"})
+    return 0.0 if v is None else v
+
+
+def _greedy_refs(srv: LiveServer, prompts: list[str], body: dict[str, Any]) -> dict[str, str]:
+    async def main() -> dict[str, str]:
+        async with httpx.AsyncClient(base_url=srv.url, timeout=60) as client:
+            rs = await asyncio.gather(*(client.post("/v1/completions", json={**body, "prompt": p}) for p in prompts))
+        return {p: r.json()["choices"][0]["text"] for p, r in zip(prompts, rs)}
+    return asyncio.run(main())
+
+
+def test_nonstreaming_disconnect_aborts(srv: LiveServer) -> None:
+    aborts_before = _abort_count(srv)
+    slow = _slow_steps(srv, 0.02)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{srv.url}/v1/completions", json={"model": MODEL, "prompt": "t5", "max_tokens": 120,
+                                                          "ignore_eos": True}, timeout=0.5)
+        assert srv.wait_idle(timeout=5.0) == (0.0, 0, 0, 0)
+    finally:
+        slow()
+    assert _abort_count(srv) == aborts_before + 1
+
+
+def test_overload_gets_200_or_429() -> None:
+    engine = tiny_engine(max_num_seqs=2, max_waiting=2)
+    with LiveServer(create_app(engine, ServerConfig(served_model_name=MODEL))) as s:
+        async def main() -> list[int]:
+            async with httpx.AsyncClient(base_url=s.url, timeout=60, limits=httpx.Limits(max_connections=80)) as c:
+                async def one(i: int) -> int:
+                    r = await c.post("/v1/completions", json={"model": MODEL, "prompt": f"t{2 + i % 60} t7",
+                                                              "max_tokens": 24, "stream": i % 2 == 0})
+                    if r.status_code == 429:
+                        assert r.json()["error"]["type"] == "rate_limit_error"
+                        assert r.headers["retry-after"] == "1"
+                    elif r.status_code == 200 and i % 2 == 0:
+                        assert r.text.endswith("data: [DONE]\n\n")
+                    return r.status_code
+                return list(await asyncio.gather(*(one(i) for i in range(60))))
+
+        statuses = asyncio.run(main())
+        assert set(statuses) <= {200, 429}
+        assert statuses.count(429) >= 1 and statuses.count(200) >= 4
+        assert s.aengine.peak_in_flight <= 4  # max_num_seqs + max_waiting: memory stays bounded
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        assert s.wait_idle() == (0.0, 0, 0, 0)
+        ok = s.client().completions.create(model=MODEL, prompt="t5", max_tokens=3)
+        assert ok.usage.completion_tokens >= 1
+
+
+# ----------------------------------------------------------------------------- engine failures
+class _PoisonError(RuntimeError):
+    def __init__(self, seq_ids: list[int]) -> None:
+        super().__init__(f"poisoned sequences {seq_ids}")
+        self.seq_ids = seq_ids
+
+
+class PoisonDrafter:
+    """N-gram drafter that raises for sequences whose first prompt token is ``poison``; the error
+    names them (``seq_ids``) when ``attributable``, else it is a plain RuntimeError."""
+
+    name = "poison"
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(self, poison: int, attributable: bool) -> None:
+        self.inner = NgramDrafter(1, 3)
+        self.poison = poison
+        self.attributable = attributable
+
+    def propose(self, inputs: list[DraftInput]) -> DraftProposal:
+        bad = [i.seq_id for i in inputs if i.token_ids[0] == self.poison]
+        if bad:
+            raise _PoisonError(bad) if self.attributable else RuntimeError("drafter crashed")
+        return self.inner.propose(inputs)
+
+    def observe(self, observations: list[Observation]) -> None:
+        self.inner.observe(observations)
+
+    def release(self, seq_id: int) -> None:
+        self.inner.release(seq_id)
+
+
+async def _run_mixed(url: str, prompts: list[str], stream: list[bool]) -> list[tuple[int, str, bool]]:
+    """(status, text, got an error) per prompt, all sent at once."""
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        async def one(p: str, s: bool) -> tuple[int, str, bool]:
+            body = {"model": MODEL, "prompt": p, "max_tokens": 16, "temperature": 0, "ignore_eos": True, "stream": s}
+            r = await c.post("/v1/completions", json=body)
+            if not s or r.status_code != 200:
+                return r.status_code, r.json()["choices"][0]["text"] if r.status_code == 200 else "", "error" in r.json()
+            text, err = "", False
+            for line in r.text.splitlines():
+                if line.startswith("data: {"):
+                    ch = json.loads(line[6:])
+                    err = err or "error" in ch
+                    text += "" if "error" in ch else ch["choices"][0]["text"]
+            return r.status_code, text, err
+        return list(await asyncio.gather(*(one(p, s) for p, s in zip(prompts, stream))))
+
+
+def test_engine_error_fails_only_that_request(caplog: pytest.LogCaptureFixture) -> None:
+    engine = tiny_engine(max_num_seqs=8, drafter=PoisonDrafter(63, attributable=True))
+    with LiveServer(create_app(engine, ServerConfig(served_model_name=MODEL))) as s:
+        good = ["t5 t6 t5 t6", "t9 t8 t7", "t11 t12 t11"]
+        refs = {p: s.client().completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0,
+                                                 extra_body={"ignore_eos": True}).choices[0].text for p in good}
+        with caplog.at_level(logging.ERROR, logger="tidespec.server"):
+            results = asyncio.run(_run_mixed(s.url, ["t63 t5 t6", *good, "t63 t1"], [True, False, True, False, False]))
+        poisoned = [results[0], results[4]]
+        assert results[0][0] == 200 and results[0][2]  # streaming: error event after the 200 header
+        assert results[4][0] == 500 and results[4][2]
+        for p, (status, text, err) in zip(good, results[1:4]):
+            assert status == 200 and not err and text == refs[p]
+        assert any("engine step failed" in r.getMessage() for r in caplog.records)
+        assert len(poisoned) == 2
+        assert s.wait_idle() == (0.0, 0, 0, 0)
+        assert httpx.get(f"{s.url}/health").status_code == 200
+
+
+def test_unattributable_engine_error_fails_in_flight_and_recovers() -> None:
+    engine = tiny_engine(max_num_seqs=8, drafter=PoisonDrafter(63, attributable=False))
+    with LiveServer(create_app(engine, ServerConfig(served_model_name=MODEL))) as s:
+        results = asyncio.run(_run_mixed(s.url, ["t63 t5", "t9 t8 t7"], [False, False]))
+        assert results[0][0] == 500 and results[0][2]
+        assert all(status in (200, 500) for status, _, _ in results)
+        assert s.wait_idle() == (0.0, 0, 0, 0)
+        after = s.client().completions.create(model=MODEL, prompt="t9 t8 t7", max_tokens=4, temperature=0)
+        assert after.choices[0].text
+        assert s.aengine.num_step_errors >= 1
+
+
+# ----------------------------------------------------------------------------- embedded model
+@pytest.mark.integration
+def test_embedded_model_end_to_end(embedded: LoadedModel) -> None:
+    engine = build_engine(EngineConfig(cache=CacheConfig(max_model_len=1024, max_num_seqs=4)),
+                          model=embedded.model, tokenizer=embedded.tokenizer)
+    with LiveServer(create_app(engine, ServerConfig(served_model_name="smollm2"))) as s:
+        c = s.client()
+        msgs = [{"role": "user", "content": "Name three colors."}]
+        for sampling in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 11}):
+            full = c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=12, **sampling)
+            text, finish, usage = _stream_text(c.chat.completions.create(
+                model="smollm2", messages=msgs, max_tokens=12, stream=True, stream_options={"include_usage": True},
+                **sampling), chat=True)
+            assert text == full.choices[0].message.content and text.strip()
+            assert finish == full.choices[0].finish_reason
+            assert usage.completion_tokens == full.usage.completion_tokens <= 12
+            expect_prompt = len(embedded.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True,
+                                                                       return_dict=False))
+            assert usage.prompt_tokens == full.usage.prompt_tokens == expect_prompt
+        prompt = "def fibonacci(n):\n"
+        comp = c.completions.create(model="smollm2", prompt=prompt, max_tokens=16, temperature=0)
+        streamed, _, _ = _stream_text(c.completions.create(model="smollm2", prompt=prompt, max_tokens=16,
+                                                           temperature=0, stream=True), chat=False)
+        assert streamed == comp.choices[0].text
+        assert comp.usage.prompt_tokens == len(embedded.tokenizer.encode(prompt, add_special_tokens=False))
+        assert comp.usage.total_tokens == comp.usage.prompt_tokens + comp.usage.completion_tokens
+        text = comp.choices[0].text
+        stop = next(w for w in text.split() if len(w) >= 2 and text.find(w) > 0)
+        stopped = c.completions.create(model="smollm2", prompt=prompt, max_tokens=16, temperature=0, stop=[stop])
+        assert stopped.choices[0].text == text[:text.find(stop)]
+        assert stopped.choices[0].finish_reason == "stop"
+        assert s.wait_idle() == (0.0, 0, 0, 0)

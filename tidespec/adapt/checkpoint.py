@@ -1,0 +1,417 @@
+"""EAGLE-3 checkpoints in the vLLM / SGLang layout, and a versioned, atomically published drafter area.
+
+Why this exists: the trainer process (TIDE Sec. 3.3) hands new drafter weights to the serving
+engine through a directory, and the same files should load in vLLM / SGLang unchanged. A reader
+(the engine polling for a newer drafter) must never see a half-written checkpoint.
+
+Layout of one checkpoint directory (names as vLLM's ``llama_eagle3.py`` loads them)::
+
+    config.json          {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+                          "hidden_size": H, "num_hidden_layers": 1, "vocab_size": V,
+                          "draft_vocab_size": Vd, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [...]}, ...}
+    model.safetensors    fc.weight [H, 3H]
+                         midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight [H]
+                         midlayer.self_attn.q_proj.weight [n_h*hd, 2H]  (k_proj, v_proj: [n_kv*hd, 2H])
+                         midlayer.self_attn.o_proj.weight [H, n_h*hd]
+                         midlayer.mlp.{gate,up}_proj.weight [I, H], midlayer.mlp.down_proj.weight [H, I]
+                         norm.weight [H], lm_head.weight [Vd, H]
+                         d2t [Vd] int64 (target_id = draft_id + d2t[draft_id]), t2d [V] bool
+                         embed_tokens.weight [V, H]  (optional; vLLM takes the target's otherwise)
+
+Publish area::
+
+    root/
+      v1/ v2/ ...        complete checkpoints (+ metrics.json), each renamed into place whole
+      LATEST             "2\\n", replaced atomically after the rename
+      .tmp-v3-<uuid>/    a write in progress (or a crashed one): never read
+
+Worked example::
+
+    n = publish(root, head, {"accept_len": 2.7})   # -> 1, then 2, ...
+    latest_version(root)                            # -> n
+    pub = load_version(root, n)                     # PublishedDrafter(version, config, state_dict, metrics)
+    drafter.load_state(pub.version, pub.state_dict, pub.config)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from tidespec.models.llama import LlamaConfig
+from tidespec.spec.drafters.eagle3 import Eagle3Config, Eagle3ConfigError, Eagle3Head
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+METRICS_NAME = "metrics.json"
+LATEST_NAME = "LATEST"
+LOCK_NAME = ".lock"
+TMP_PREFIX = ".tmp-"
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+class DrafterCheckpointError(ValueError):
+    """A drafter checkpoint directory is missing, malformed or does not fit the target (one line)."""
+
+
+@dataclass
+class PublishedDrafter:
+    version: int
+    config: Eagle3Config
+    state_dict: dict[str, torch.Tensor]  # Eagle3Head.state_dict() names
+    metrics: dict[str, Any]
+
+
+# ----------------------------------------------------------------------------------------------
+# config and tensor names
+# ----------------------------------------------------------------------------------------------
+
+
+def config_to_hf(cfg: Eagle3Config, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``config.json`` dict vLLM / SGLang read for an EAGLE-3 Llama draft."""
+    out: dict[str, Any] = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden_size,
+        "target_hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "num_hidden_layers": 1,
+        "vocab_size": cfg.target_vocab_size,
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(cfg.tap_layers), "use_aux_hidden_state": True},
+    }
+    if cfg.rope_scaling is not None:
+        out["rope_scaling"] = dict(cfg.rope_scaling)
+    return out
+
+
+def config_from_hf(d: dict[str, Any], target_cfg: LlamaConfig | None = None) -> Eagle3Config:
+    """Parse an EAGLE-3 ``config.json``; tap layers default to the target's EAGLE-3 layers."""
+    try:
+        archs = d.get("architectures") or []
+        if ARCHITECTURE not in archs:
+            raise DrafterCheckpointError(f"architectures {archs} does not name {ARCHITECTURE}")
+        if int(d.get("num_hidden_layers", 1)) != 1:
+            raise DrafterCheckpointError(f"num_hidden_layers must be 1, got {d.get('num_hidden_layers')}")
+        hidden = int(d["hidden_size"])
+        heads = int(d["num_attention_heads"])
+        taps = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if taps is None:
+            if target_cfg is None:
+                raise DrafterCheckpointError("config has no eagle_aux_hidden_state_layer_ids and no target was given")
+            taps = Eagle3Config.for_target(target_cfg).tap_layers
+        vocab = int(d["vocab_size"])
+        return Eagle3Config(
+            hidden_size=hidden, num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or hidden // heads),
+            intermediate_size=int(d["intermediate_size"]),
+            target_vocab_size=vocab,
+            draft_vocab_size=int(d.get("draft_vocab_size") or vocab),
+            tap_layers=tuple(int(t) for t in taps),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_scaling=d.get("rope_scaling"),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        if isinstance(exc, DrafterCheckpointError):
+            raise
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DrafterCheckpointError(f"bad EAGLE-3 config.json: {reason}") from None
+
+
+def expected_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensor name -> shape (``embed_tokens.weight`` excluded: it is optional)."""
+    h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    m = "midlayer."
+    return {
+        "fc.weight": (h, cfg.tap_size),
+        m + "input_layernorm.weight": (h,),
+        m + "hidden_norm.weight": (h,),
+        m + "self_attn.q_proj.weight": (q, 2 * h),
+        m + "self_attn.k_proj.weight": (kv, 2 * h),
+        m + "self_attn.v_proj.weight": (kv, 2 * h),
+        m + "self_attn.o_proj.weight": (h, q),
+        m + "post_attention_layernorm.weight": (h,),
+        m + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+        m + "mlp.up_proj.weight": (cfg.intermediate_size, h),
+        m + "mlp.down_proj.weight": (h, cfg.intermediate_size),
+        "norm.weight": (h,),
+        "lm_head.weight": (cfg.draft_vocab_size, h),
+        "d2t": (cfg.draft_vocab_size,),
+        "t2d": (cfg.target_vocab_size,),
+    }
+
+
+def head_to_checkpoint(cfg: Eagle3Config, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``Eagle3Head.state_dict()`` -> checkpoint tensors (q|k|v and gate|up split, contiguous copies)."""
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    out: dict[str, torch.Tensor] = {}
+    for name, t in sd.items():
+        t = t.detach()
+        if name == "midlayer.self_attn.qkv_proj.weight":
+            for part, piece in zip(("q", "k", "v"), t.split([q, kv, kv], dim=0)):
+                out[f"midlayer.self_attn.{part}_proj.weight"] = piece.contiguous().clone()
+        elif name == "midlayer.mlp.gate_up_proj.weight":
+            gate, up = t.split(cfg.intermediate_size, dim=0)
+            out["midlayer.mlp.gate_proj.weight"] = gate.contiguous().clone()
+            out["midlayer.mlp.up_proj.weight"] = up.contiguous().clone()
+        else:
+            out[name] = t.contiguous().clone()
+    return out
+
+
+def checkpoint_to_head(ckpt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors -> ``Eagle3Head.state_dict()`` names (``layers.0.`` read as ``midlayer.``)."""
+    renamed = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in ckpt.items()}
+    out: dict[str, torch.Tensor] = {}
+    a, m = "midlayer.self_attn.", "midlayer.mlp."
+    for name, t in renamed.items():
+        if name == "embed_tokens.weight" or name.startswith((a + "q_proj", a + "k_proj", a + "v_proj",
+                                                             m + "gate_proj", m + "up_proj")):
+            continue
+        out[name] = t
+    out[a + "qkv_proj.weight"] = torch.cat([renamed[a + "q_proj.weight"], renamed[a + "k_proj.weight"],
+                                            renamed[a + "v_proj.weight"]])
+    out[m + "gate_up_proj.weight"] = torch.cat([renamed[m + "gate_proj.weight"], renamed[m + "up_proj.weight"]])
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# export / import / validate
+# ----------------------------------------------------------------------------------------------
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def export_eagle3(head: Eagle3Head, directory: Path | str, embed: torch.nn.Embedding | None = None) -> None:
+    """Write ``config.json`` + ``model.safetensors`` (fsynced) into ``directory`` (created if needed).
+
+    Not atomic by itself; ``publish`` wraps it in a temp-dir + rename.
+    """
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = head_to_checkpoint(head.cfg, head.state_dict())
+    if embed is not None:
+        tensors["embed_tokens.weight"] = embed.weight.detach().to(head.dtype).contiguous().clone()
+    save_file(tensors, str(d / WEIGHTS_NAME), metadata={"format": "pt"})
+    _fsync_path(d / WEIGHTS_NAME)
+    _write_json(d / CONFIG_NAME, config_to_hf(head.cfg, head.dtype))
+    _fsync_path(d)
+
+
+def _read_config(d: Path) -> dict[str, Any]:
+    try:
+        with open(d / CONFIG_NAME, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except FileNotFoundError:
+        raise DrafterCheckpointError(f"{d} has no {CONFIG_NAME}") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DrafterCheckpointError(f"{d / CONFIG_NAME} is unreadable: {str(exc).splitlines()[0]}") from None
+    if not isinstance(cfg, dict):
+        raise DrafterCheckpointError(f"{d / CONFIG_NAME} is not a JSON object")
+    return cfg
+
+
+def _read_tensors(d: Path) -> dict[str, torch.Tensor]:
+    path = d / WEIGHTS_NAME
+    if not path.is_file():
+        raise DrafterCheckpointError(f"{d} has no {WEIGHTS_NAME}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise DrafterCheckpointError(f"{path} is unreadable: {str(exc).splitlines()[0]}") from None
+
+
+def _check_tensors(cfg: Eagle3Config, tensors: dict[str, torch.Tensor]) -> None:
+    tensors = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
+    expected = expected_shapes(cfg)
+    for name, shape in expected.items():
+        if name not in tensors:
+            raise DrafterCheckpointError(f"checkpoint is missing tensor {name}")
+        if tuple(tensors[name].shape) != shape:
+            raise DrafterCheckpointError(f"tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+    for name, t in tensors.items():
+        if name == "embed_tokens.weight":
+            if tuple(t.shape) != (cfg.target_vocab_size, cfg.hidden_size):
+                raise DrafterCheckpointError(f"tensor {name} has shape {tuple(t.shape)}, "
+                                             f"expected {(cfg.target_vocab_size, cfg.hidden_size)}")
+        elif name not in expected:
+            raise DrafterCheckpointError(f"unexpected tensor {name} in checkpoint")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise DrafterCheckpointError(f"tensor {name} has non-finite values")
+    d2t, t2d = tensors["d2t"], tensors["t2d"]
+    if d2t.dtype != torch.int64 or t2d.dtype != torch.bool:
+        raise DrafterCheckpointError(f"d2t must be int64 and t2d bool, got {d2t.dtype} and {t2d.dtype}")
+    targets = torch.arange(cfg.draft_vocab_size) + d2t  # [Vd]
+    if cfg.draft_vocab_size and (int(targets.min()) < 0 or int(targets.max()) >= cfg.target_vocab_size):
+        raise DrafterCheckpointError("d2t maps a draft id outside the target vocabulary")
+    if torch.unique(targets).numel() != cfg.draft_vocab_size:
+        raise DrafterCheckpointError("d2t maps two draft ids to the same target id")
+    if int(t2d.sum()) != cfg.draft_vocab_size or not bool(t2d[targets].all()):
+        raise DrafterCheckpointError("t2d does not mark exactly the target ids d2t maps to")
+
+
+def import_eagle3(directory: Path | str, target_cfg: LlamaConfig | None = None
+                  ) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
+    """Read a checkpoint dir -> (config, ``Eagle3Head.state_dict()``-named tensors).
+
+    Checkpoints without ``d2t``/``t2d`` are accepted when the draft vocabulary is the full target
+    vocabulary (identity map), as vLLM does. ``embed_tokens.weight`` is ignored (the target's is used).
+    """
+    d = Path(directory)
+    cfg = config_from_hf(_read_config(d), target_cfg)
+    tensors = _read_tensors(d)
+    if "d2t" not in tensors and "t2d" not in tensors and cfg.draft_vocab_size == cfg.target_vocab_size:
+        tensors["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+        tensors["t2d"] = torch.ones(cfg.target_vocab_size, dtype=torch.bool)
+    _check_tensors(cfg, tensors)
+    return cfg, checkpoint_to_head(tensors)
+
+
+def validate_eagle3_dir(directory: Path | str, target_cfg: LlamaConfig) -> None:
+    """Raise ``DrafterCheckpointError`` unless the dir is a complete, finite EAGLE-3 checkpoint for
+    ``target_cfg`` (names, shapes, vocab maps, width, vocabulary, tap layers)."""
+    try:
+        cfg, _ = import_eagle3(directory, target_cfg)
+    except Eagle3ConfigError as exc:
+        raise DrafterCheckpointError(f"bad EAGLE-3 config: {exc}") from None
+    if cfg.hidden_size != target_cfg.hidden_size:
+        raise DrafterCheckpointError(f"hidden_size {cfg.hidden_size} != target hidden_size {target_cfg.hidden_size}")
+    if cfg.target_vocab_size != target_cfg.vocab_size:
+        raise DrafterCheckpointError(f"vocab_size {cfg.target_vocab_size} != target vocab_size {target_cfg.vocab_size}")
+    if cfg.tap_layers[-1] >= target_cfg.num_layers:
+        raise DrafterCheckpointError(f"tap layers {cfg.tap_layers} exceed the target's {target_cfg.num_layers} layers")
+
+
+# ----------------------------------------------------------------------------------------------
+# versioned publish area
+# ----------------------------------------------------------------------------------------------
+
+
+def list_versions(root: Path | str) -> list[int]:
+    """Complete versions present (``v{N}`` dirs; temp dirs are ignored), ascending."""
+    r = Path(root)
+    if not r.is_dir():
+        return []
+    out = [int(m.group(1)) for p in r.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir()]
+    return sorted(out)
+
+
+def latest_version(root: Path | str) -> int | None:
+    """The version ``LATEST`` points at; without a readable ``LATEST``, the newest ``v{N}`` dir."""
+    r = Path(root)
+    try:
+        n = int((r / LATEST_NAME).read_text(encoding="utf-8").strip())
+        if (r / f"v{n}").is_dir():
+            return n
+    except (OSError, ValueError):
+        pass
+    versions = list_versions(r)
+    return versions[-1] if versions else None
+
+
+def publish(root: Path | str, head: Eagle3Head, metrics: dict[str, Any],
+            embed: torch.nn.Embedding | None = None) -> int:
+    """Write ``root/v{N}`` atomically (temp dir, fsync, rename) and point ``LATEST`` at it; returns N.
+
+    Concurrent publishers each get a distinct N (a lost rename race retries with N+1); ``LATEST``
+    only ever moves forward.
+    """
+    r = Path(root)
+    r.mkdir(parents=True, exist_ok=True)
+    metrics_json = json.loads(json.dumps(metrics))  # fail early on non-JSON metrics
+    while True:
+        versions = list_versions(r)
+        n = (versions[-1] if versions else 0) + 1
+        tmp = r / f"{TMP_PREFIX}v{n}-{uuid.uuid4().hex[:8]}"
+        try:
+            export_eagle3(head, tmp, embed)
+            _write_json(tmp / METRICS_NAME, {"version": n, **metrics_json})
+            _fsync_path(tmp)
+            try:
+                os.rename(tmp, r / f"v{n}")
+            except OSError:
+                if (r / f"v{n}").exists():
+                    continue  # another publisher took v{n}: try the next number
+                raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        break
+    _fsync_path(r)
+    with open(r / LOCK_NAME, "a+", encoding="utf-8") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        current = latest_version(r) if (r / LATEST_NAME).exists() else None
+        if current is None or n > current:
+            tmp_latest = r / f"{TMP_PREFIX}{LATEST_NAME}-{uuid.uuid4().hex[:8]}"
+            with open(tmp_latest, "w", encoding="utf-8") as f:
+                f.write(f"{n}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp_latest, r / LATEST_NAME)
+            _fsync_path(r)
+    return n
+
+
+def load_version(root: Path | str, version: int, target_cfg: LlamaConfig | None = None) -> PublishedDrafter:
+    """Read ``root/v{version}``; with ``target_cfg`` it is validated against the target first."""
+    d = Path(root) / f"v{version}"
+    if not d.is_dir():
+        raise DrafterCheckpointError(f"version {version} not found under {root}")
+    if target_cfg is not None:
+        validate_eagle3_dir(d, target_cfg)
+    cfg, sd = import_eagle3(d, target_cfg)
+    try:
+        metrics = json.loads((d / METRICS_NAME).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        metrics = {}
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DrafterCheckpointError(f"{d / METRICS_NAME} is unreadable: {str(exc).splitlines()[0]}") from None
+    return PublishedDrafter(version=version, config=cfg, state_dict=sd, metrics=metrics)
+
+
+def state_dict_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    """Bitwise equality of two state dicts (names, dtypes, shapes, values)."""
+    if a.keys() != b.keys():
+        return False
+    return all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)

@@ -1,0 +1,281 @@
+"""Training an EAGLE-3 head from captured target signals: training-time-test loss, AdamW, evaluation.
+
+Why this exists: TIDE (Sec. 3.3) fine-tunes the drafter from hidden states the serving engine
+already produced, without re-running the target. A signal segment is one run of consecutive
+positions of one sequence: the target's taps there, the tokens, and (optionally) the target's own
+next-token choices, which are the labels.
+
+Training-time test (EAGLE-3): the head is unrolled ``ttt_steps`` times over every position of a
+segment at once. Step 1 reads ``fc(taps)``; step s >= 2 reads the head's own pre-norm output of
+step s-1 at the same row, with the token one further along, at rope position ``row + s - 1``.
+Attention of step s at row j: causal over step 1's keys (rows <= j, the real context) plus the
+row's own keys of steps 2..s (the speculative chain) — the keys the inference drafter sees when
+it drafts s tokens after position j (``Eagle3Head.forward_ttt``). Inputs are ground-truth tokens
+(teacher forcing); gradients flow through the unroll. The loss of step s is cross-entropy over
+the draft vocabulary, weighted ``step_weight_decay ** (s - 1)``; labels outside the draft
+vocabulary are ignored.
+
+Indexing for a segment of N positions (``token_ids`` [N+1], ``token_ids[i]`` at position i):
+step s at row j inputs token ``token_ids[j+s]`` and predicts ``token_ids[j+s+1]`` (or
+``target_next_ids[j+s]``). Example N=4, s=2: rows 0..2 input tokens 2..4; labels exist for
+rows 0..1 (tokens 3, 4) from ``token_ids`` alone, or rows 0..2 with ``target_next_ids``.
+
+Evaluation (``evaluate``) simulates greedy chain drafting of ``gamma`` tokens from every row
+whose labels are all known and counts how many match the target's actual continuation:
+acceptance length = accepted + 1 (the bonus token).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidespec.spec.drafters.eagle3 import Eagle3Head, TTTCache
+
+
+class Eagle3TrainError(ValueError):
+    """Bad training input or configuration (one line)."""
+
+
+@dataclass
+class SignalSegment:
+    """Consecutive positions ``start_position .. start_position+N-1`` of one sequence."""
+
+    taps: torch.Tensor  # [N, 3H] target taps at those positions
+    token_ids: torch.Tensor  # [N+1] int64: token at each position, then the token that followed
+    target_next_ids: torch.Tensor | None = None  # [N] int64 target's own next token at each position
+    start_position: int = 0
+
+    def __post_init__(self) -> None:
+        n = self.taps.shape[0]
+        if self.taps.dim() != 2 or n < 1:
+            raise Eagle3TrainError(f"taps must be [N>=1, 3H], got {tuple(self.taps.shape)}")
+        if tuple(self.token_ids.shape) != (n + 1,):
+            raise Eagle3TrainError(f"token_ids must have shape ({n + 1},), got {tuple(self.token_ids.shape)}")
+        if self.target_next_ids is not None and tuple(self.target_next_ids.shape) != (n,):
+            raise Eagle3TrainError(f"target_next_ids must have shape ({n},), got {tuple(self.target_next_ids.shape)}")
+        if self.start_position < 0:
+            raise Eagle3TrainError(f"start_position must be >= 0, got {self.start_position}")
+
+    @property
+    def num_positions(self) -> int:
+        return int(self.taps.shape[0])
+
+    def labels(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target-vocab labels [N] for unroll step ``step`` (1-based) and a validity mask [N]."""
+        n = self.num_positions
+        rows = torch.arange(n)
+        if self.target_next_ids is not None:
+            idx = rows + step  # target's choice after the input token at position j + step
+            valid = idx <= n - 1
+            return self.target_next_ids[idx.clamp(max=n - 1)], valid
+        idx = rows + step + 1
+        valid = idx <= n
+        return self.token_ids[idx.clamp(max=n)], valid
+
+
+def segments_from_rows(taps: torch.Tensor, token_ids: torch.Tensor, next_token_ids: torch.Tensor,
+                       seq_ids: torch.Tensor, positions: torch.Tensor) -> list[SignalSegment]:
+    """Group signal-store rows (one per position) into per-sequence runs of consecutive positions.
+
+    Example: seq_ids [7, 7, 7, 9], positions [3, 4, 6, 0] -> segments (7: 3..4), (7: 6), (9: 0).
+    """
+    order = sorted(range(len(seq_ids)), key=lambda i: (int(seq_ids[i]), int(positions[i])))
+    segments: list[SignalSegment] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        if run:
+            idx = torch.tensor(run)
+            toks = torch.cat([token_ids[idx], next_token_ids[idx[-1:]]])
+            segments.append(SignalSegment(taps[idx], toks, None, int(positions[run[0]])))
+
+    for i in order:
+        if run and (int(seq_ids[i]) != int(seq_ids[run[-1]]) or int(positions[i]) != int(positions[run[-1]]) + 1):
+            flush()
+            run = []
+        run.append(i)
+    flush()
+    return segments
+
+
+def _as_trainable(t: torch.Tensor, head: Eagle3Head) -> torch.Tensor:
+    """Inference tensors (from ``LlamaModel.forward``) cannot be saved for backward: copy them."""
+    t = t.to(dtype=head.dtype, device=head.device)
+    return t.clone() if t.is_inference() else t
+
+
+@dataclass
+class SignalBatch:
+    """Segments padded to a common length N (padding after each segment's rows)."""
+
+    taps: torch.Tensor  # [B, N, 3H]
+    token_ids: torch.Tensor  # [B, N+1] int64 (padding repeats the last token)
+    positions: torch.Tensor  # [B, N] int64 rope position of each row
+    segments: list[SignalSegment]
+
+    @staticmethod
+    def collate(segments: list[SignalSegment], head: Eagle3Head) -> "SignalBatch":
+        if not segments:
+            raise Eagle3TrainError("a batch needs at least one segment")
+        n = max(s.num_positions for s in segments)
+        taps = torch.zeros(len(segments), n, segments[0].taps.shape[1], dtype=head.dtype, device=head.device)
+        tokens = torch.zeros(len(segments), n + 1, dtype=torch.int64, device=head.device)
+        for b, seg in enumerate(segments):
+            k = seg.num_positions
+            taps[b, :k] = seg.taps.to(dtype=head.dtype, device=head.device)
+            tokens[b, :k + 1] = seg.token_ids.to(head.device)
+            tokens[b, k + 1:] = tokens[b, k]
+        starts = torch.tensor([s.start_position for s in segments], dtype=torch.int64, device=head.device)
+        positions = starts.unsqueeze(1) + torch.arange(n, device=head.device)  # [B, N]
+        return SignalBatch(taps, tokens, positions, list(segments))
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.taps.shape[1])
+
+    def labels(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Padded target-vocab labels [B, N] of unroll step ``step`` (1-based) and validity [B, N]."""
+        labels = torch.zeros(len(self.segments), self.num_rows, dtype=torch.int64, device=self.taps.device)
+        valid = torch.zeros(len(self.segments), self.num_rows, dtype=torch.bool, device=self.taps.device)
+        for b, seg in enumerate(self.segments):
+            lab, ok = seg.labels(step)
+            labels[b, :seg.num_positions] = lab.to(labels.device)
+            valid[b, :seg.num_positions] = ok.to(valid.device)
+        return labels, valid
+
+
+def unroll(head: Eagle3Head, embed: nn.Embedding, batch: SignalBatch, num_steps: int,
+           self_feed: bool = False) -> list[torch.Tensor]:
+    """Training-time-test unroll over a padded batch -> per-step logits, each [B, N, draft_vocab].
+
+    ``self_feed=False``: step s inputs the ground-truth token ``token_ids[j+s]`` (training).
+    ``self_feed=True``: step s >= 2 inputs the head's own greedy token of step s-1 at that row,
+    which is exactly greedy chain drafting from every row at once (evaluation).
+    """
+    n = batch.num_rows
+    rows = torch.arange(n, device=head.device)
+    fused = head.fuse(_as_trainable(batch.taps, head))  # [B, N, H]
+    cache = TTTCache()
+    out: list[torch.Tensor] = []
+    for step in range(1, num_steps + 1):
+        if step > 1 and self_feed:
+            tokens = head.draft_to_target(out[-1].argmax(-1))  # [B, N]
+        else:
+            tokens = batch.token_ids[:, (rows + step).clamp(max=n)]  # [B, N]
+        with torch.no_grad():
+            embeds = embed(tokens.to(embed.weight.device)).to(dtype=head.dtype, device=head.device)  # [B, N, H]
+        fused, logits = head.forward_ttt(fused, embeds, batch.positions + step - 1, cache)
+        out.append(logits)
+    return out
+
+
+def ttt_loss(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], ttt_steps: int,
+             step_weight_decay: float = 0.8) -> tuple[torch.Tensor, list[float]]:
+    """Weighted sum over steps of the mean cross-entropy -> (loss, per-step top-1 accuracy)."""
+    batch = SignalBatch.collate(segments, head)
+    t2d_index = head.target_to_draft()  # [V]
+    loss = torch.zeros((), dtype=torch.float32, device=head.device)
+    acc: list[float] = []
+    for s, logits in enumerate(unroll(head, embed, batch, ttt_steps), start=1):
+        labels, valid = batch.labels(s)
+        draft_labels = t2d_index[labels]  # [B, N], -1 = not in the draft vocab
+        keep = valid & (draft_labels >= 0)
+        if not bool(keep.any()):
+            acc.append(float("nan"))
+            continue
+        kept_logits, kept_labels = logits[keep], draft_labels[keep]  # [K, Vd], [K]
+        loss = loss + (step_weight_decay ** (s - 1)) * F.cross_entropy(kept_logits.float(), kept_labels)
+        acc.append(float((kept_logits.argmax(-1) == kept_labels).float().mean()))
+    return loss, acc
+
+
+@dataclass
+class Eagle3TrainConfig:
+    ttt_steps: int = 3  # unrolled drafting steps (EAGLE-3 uses up to 7; TIDE drafts 3 tokens)
+    step_weight_decay: float = 0.8  # loss weight of step s is decay ** (s - 1)
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0  # max grad norm; 0 = off
+
+    def __post_init__(self) -> None:
+        if self.ttt_steps < 1:
+            raise Eagle3TrainError(f"ttt_steps must be >= 1, got {self.ttt_steps}")
+        if not 0.0 < self.step_weight_decay <= 1.0:
+            raise Eagle3TrainError(f"step_weight_decay must be in (0, 1], got {self.step_weight_decay}")
+        if self.lr <= 0 or self.weight_decay < 0 or self.grad_clip < 0:
+            raise Eagle3TrainError("lr must be > 0; weight_decay and grad_clip must be >= 0")
+
+
+class Eagle3Trainer:
+    """AdamW on the head's parameters (the target's embedding stays frozen and outside)."""
+
+    def __init__(self, head: Eagle3Head, embed: nn.Embedding, cfg: Eagle3TrainConfig | None = None) -> None:
+        self.head = head
+        self.embed = embed
+        self.cfg = cfg if cfg is not None else Eagle3TrainConfig()
+        self.optimizer = torch.optim.AdamW(head.parameters(), lr=self.cfg.lr, betas=self.cfg.betas,
+                                           weight_decay=self.cfg.weight_decay)
+        self.num_steps = 0
+
+    def step(self, segments: list[SignalSegment]) -> tuple[float, list[float]]:
+        """One optimizer step on a batch of segments -> (loss, per-step top-1 accuracy)."""
+        if not segments:
+            raise Eagle3TrainError("a training step needs at least one segment")
+        self.head.train()
+        loss, acc = ttt_loss(self.head, self.embed, segments, self.cfg.ttt_steps, self.cfg.step_weight_decay)
+        self.optimizer.zero_grad(set_to_none=True)
+        if loss.requires_grad:
+            loss.backward()
+            if self.cfg.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(self.head.parameters(), self.cfg.grad_clip)
+            self.optimizer.step()
+        self.num_steps += 1
+        self.head.eval()
+        return float(loss.detach()), acc
+
+
+@torch.no_grad()
+def evaluate(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], gamma: int = 3) -> float:
+    """Simulated mean acceptance length of greedy chains of ``gamma`` drafts against the target's
+    actual continuation, over every row of every segment whose ``gamma`` labels are all known.
+
+    Example: drafts [a, b, c] where the target continued [a, b, x] -> 2 accepted -> length 3.
+    Returns NaN when no row qualifies.
+    """
+    if gamma < 1:
+        raise Eagle3TrainError(f"gamma must be >= 1, got {gamma}")
+    batch = SignalBatch.collate(segments, head)
+    step_logits = unroll(head, embed, batch, gamma, self_feed=True)
+    alive = torch.ones(len(segments), batch.num_rows, dtype=torch.bool, device=head.device)  # [B, N]
+    accepted = torch.zeros(len(segments), batch.num_rows, dtype=torch.int64, device=head.device)
+    rows_ok = alive.clone()
+    for s, logits in enumerate(step_logits, start=1):
+        labels, valid = batch.labels(s)
+        rows_ok &= valid
+        alive &= head.draft_to_target(logits.argmax(-1)) == labels
+        accepted += alive.long()
+    if not bool(rows_ok.any()):
+        return float("nan")
+    return float((accepted[rows_ok] + 1).double().mean())
+
+
+def select_draft_vocab(token_counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``size`` most frequent target ids as the draft vocabulary -> (d2t [size] int64, t2d [V] bool).
+
+    Draft ids follow ascending target id; ties in count go to the lower id.
+    Example: counts [5, 0, 9, 1], size 2 -> kept target ids [0, 2] -> d2t [0, 1], t2d [T, F, T, F].
+    """
+    v = token_counts.shape[0]
+    if not 1 <= size <= v:
+        raise Eagle3TrainError(f"draft vocab size must be in [1, {v}], got {size}")
+    order = torch.sort(-token_counts.double(), stable=True).indices  # most frequent first, ties by id
+    kept = torch.sort(order[:size]).values.to(torch.int64)  # [size] ascending target ids
+    d2t = kept - torch.arange(size, dtype=torch.int64)
+    t2d = torch.zeros(v, dtype=torch.bool)
+    t2d[kept] = True
+    return d2t, t2d

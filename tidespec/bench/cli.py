@@ -1,0 +1,150 @@
+"""``tidespec bench {decode,spec,profile,serve}``: the benchmark sub-commands.
+
+Why this exists: the benchmarks are part of the product (their numbers go into
+docs/benchmarks.md), so they are run from the same CLI with the same model flags as
+``tidespec generate``; this module only turns flags into the benchmark configs and calls
+``run_decode_bench`` / ``run_spec_bench`` / ``run_profile``. Each run prints a markdown report
+(command, machine, table) and writes ``results.json``, ``plot.png`` and ``table.md``.
+
+Worked example::
+
+    tidespec bench decode --workload code --batch-sizes 1,4,16 --max-tokens 128 --threads 2 --compare hf
+    tidespec bench spec --workload code --drafters none,ngram,suffix,draft-model --gammas 1,3,5,8 --compare hf
+    tidespec bench profile --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from tidespec.bench.decode import DecodeBenchConfig, parse_int_list, run_decode_bench
+from tidespec.bench.profile import ProfileConfig, run_profile
+from tidespec.bench.report import command_line
+from tidespec.bench.spec import SpecBenchConfig, run_spec_bench
+from tidespec.config import ConfigError, ModelConfig, SchedulerConfig, SpecConfig, add_dataclass_args, dataclass_from_args
+
+# SpecConfig fields the spec bench sweeps itself (so they are not flags there).
+_SWEPT_SPEC_FIELDS = ("drafter", "num_speculative_tokens")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``bench`` with its sub-commands to the top-level parser's sub-parsers."""
+    bench = subparsers.add_parser("bench", help="benchmarks: decode throughput, speculation, T(n) profile, serving")
+    sub = bench.add_subparsers(dest="bench_command", required=True)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+
+    d = sub.add_parser("decode", help="plain decoding tokens/s, TTFT, TPOT per batch size (optionally vs HF)",
+                       formatter_class=fmt)
+    _add_workload_args(d, limit=16)
+    d.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes")
+    d.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers generate() at batch 1")
+    add_dataclass_args(d, ModelConfig)
+    add_dataclass_args(d, SchedulerConfig)
+    d.set_defaults(func=cmd_decode)
+
+    s = sub.add_parser("spec", help="drafters x gamma vs plain decoding, per-prompt spread (optionally vs HF)",
+                       formatter_class=fmt)
+    _add_workload_args(s, limit=16)
+    s.add_argument("--drafters", default="none,ngram,suffix,draft-model",
+                   help="comma-separated drafters (none = plain, always included)")
+    s.add_argument("--gammas", default="1,3,5,8", help="comma-separated speculation lengths")
+    s.add_argument("--batch-size", type=int, default=1, help="requests per wave")
+    s.add_argument("--compare", choices=["hf"], default=None,
+                   help="also run HF generate() plain and with prompt lookup")
+    s.add_argument("--hf-pld-tokens", default="10", help="HF prompt_lookup_num_tokens value(s), comma-separated")
+    add_dataclass_args(s, ModelConfig)
+    add_dataclass_args(s, SchedulerConfig)
+    _add_spec_options(s)
+    s.set_defaults(func=cmd_spec)
+
+    p = sub.add_parser("profile", help="T(n) per batch size, memory bandwidth, batch-1 ceiling",
+                       formatter_class=fmt)
+    p.add_argument("--ns", default="1,2,4,8,16,32,64", help="new tokens per sequence, comma-separated")
+    p.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated batch sizes")
+    p.add_argument("--context", type=int, default=200, help="tokens already in each sequence's cache")
+    p.add_argument("--repeats", type=int, default=5, help="most timed forwards per shape (median kept)")
+    p.add_argument("--target-seconds", type=float, default=0.4,
+                   help="timed seconds aimed at per shape; big shapes get fewer repeats")
+    p.add_argument("--bandwidth-mib", type=int, default=256, help="buffer size of the copy bandwidth test")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-profile-<time>)")
+    add_dataclass_args(p, ModelConfig)
+    p.set_defaults(func=cmd_profile)
+
+    _register_serve(sub)
+
+
+def _register_serve(sub: argparse._SubParsersAction) -> None:
+    """``bench serve`` lives in ``tidespec.bench.serve`` (written separately); skipped until it exists."""
+    try:
+        from tidespec.bench.serve import add_args, run
+    except ModuleNotFoundError as exc:
+        if exc.name != "tidespec.bench.serve":
+            raise
+        return
+    sv = sub.add_parser("serve", help="load test of the OpenAI-compatible server",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_args(sv)
+    sv.set_defaults(func=run)
+
+
+def _add_workload_args(p: argparse.ArgumentParser, limit: int) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--workload", default="code", help="JSONL path, or a built-in name: code, chat")
+    g.add_argument("--limit", type=int, default=limit, help="use the first N records")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request (EOS ignored)")
+    g.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run")
+    g.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-<kind>-<time>)")
+
+
+def _add_spec_options(p: argparse.ArgumentParser) -> None:
+    """Drafter options from ``SpecConfig`` (all fields but the swept drafter and gamma)."""
+    g = p.add_argument_group("drafter options")
+    for f in dataclasses.fields(SpecConfig):
+        if f.name in _SWEPT_SPEC_FIELDS:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_ = f.metadata.get("help", "")
+        if isinstance(f.default, bool):
+            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_, dest=f.name)
+        else:
+            tp = type(f.default) if f.default is not None else str
+            g.add_argument(flag, type=tp, default=f.default, help=help_, dest=f.name)
+
+
+def _str_list(text: str, name: str) -> tuple[str, ...]:
+    values = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not values:
+        raise ConfigError(f"{name} must be a non-empty comma-separated list, got {text!r}")
+    return values
+
+
+def cmd_decode(ns: argparse.Namespace) -> int:
+    cfg = DecodeBenchConfig(workload=ns.workload, limit=ns.limit, batch_sizes=parse_int_list(ns.batch_sizes, "--batch-sizes"),
+                            max_tokens=ns.max_tokens, compare_hf=ns.compare == "hf", warmup=not ns.no_warmup)
+    run_decode_bench(cfg, model_config=dataclass_from_args(ModelConfig, ns),
+                     scheduler=dataclass_from_args(SchedulerConfig, ns), out_dir=ns.out, command=command_line())
+    return 0
+
+
+def cmd_spec(ns: argparse.Namespace) -> int:
+    cfg = SpecBenchConfig(workload=ns.workload, limit=ns.limit, drafters=_str_list(ns.drafters, "--drafters"),
+                          gammas=parse_int_list(ns.gammas, "--gammas"), batch_size=ns.batch_size,
+                          max_tokens=ns.max_tokens, compare_hf=ns.compare == "hf",
+                          hf_pld_tokens=parse_int_list(ns.hf_pld_tokens, "--hf-pld-tokens"),
+                          warmup=not ns.no_warmup)
+    base = SpecConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(SpecConfig)
+                         if f.name not in _SWEPT_SPEC_FIELDS})
+    run_spec_bench(cfg, model_config=dataclass_from_args(ModelConfig, ns),
+                   scheduler=dataclass_from_args(SchedulerConfig, ns), spec_base=base, out_dir=ns.out,
+                   command=command_line())
+    return 0
+
+
+def cmd_profile(ns: argparse.Namespace) -> int:
+    cfg = ProfileConfig(ns=parse_int_list(ns.ns, "--ns"), batch_sizes=parse_int_list(ns.batch_sizes, "--batch-sizes"),
+                        context=ns.context, repeats=ns.repeats, target_s=ns.target_seconds,
+                        bandwidth_mib=ns.bandwidth_mib)
+    run_profile(cfg, model_config=dataclass_from_args(ModelConfig, ns), out_dir=ns.out, command=command_line())
+    return 0

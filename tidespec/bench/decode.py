@@ -1,0 +1,387 @@
+"""``tidespec bench decode``: plain-decoding throughput and latency per batch size, optionally vs HF.
+
+Why this exists: every speed claim of tidespec starts from plain decoding — how many tokens per
+second one target model gives at batch 1 and how that scales with batch size — and from how it
+compares with the reference everyone knows, HF transformers ``generate()``, on the same
+prompts, in the same process, on the same cores.
+
+Method. Every request generates exactly ``max_tokens`` tokens (``ignore_eos``; HF gets
+``min_new_tokens = max_new_tokens``), greedy. For batch size B the workload's prompts are sent
+in waves of B requests added together (prompts cycled to fill the last wave); the engine runs
+until the wave finishes. Per batch size it reports:
+
+* tokens/s with prefill: output tokens / wall time of the waves;
+* tokens/s decode-only: tokens emitted by engine steps that ran no prefill / those steps' wall
+  time (at batch 1 this is (n - 1) / (time after the first token));
+* TTFT (arrival -> first token) and TPOT ((finish - first token) / (n - 1)) mean, p50, p90.
+
+``--compare hf`` runs ``AutoModelForCausalLM.from_pretrained(<model dir>).generate()`` on each
+batch-1 prompt right after ours (interleaved, so drift of a shared machine hits both alike);
+its TTFT comes from a streamer timestamp.
+
+Worked example::
+
+    target = resolve_target(None)                          # embedded SmolLM2-135M, float32
+    cfg = DecodeBenchConfig(workload="code", limit=4, batch_sizes=(1, 4), max_tokens=32)
+    result = run_decode_bench(cfg, target, out_dir=Path("runs/x"), command="tidespec bench decode ...")
+    result["rows"][0]["tokens_per_s"], result["headline"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.generation.streamers import BaseStreamer
+
+from tidespec.bench.report import (default_out_dir, machine_info, machine_line, markdown_table, new_figure,
+                                   save_figure, summarize, write_json, write_text)
+from tidespec.bench.workload import Prompt, load_prompts
+from tidespec.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from tidespec.engine.engine import LLMEngine
+from tidespec.models.loader import LoadedModel, load_model
+from tidespec.runtime import DTYPES, build_engine
+from tidespec.sampling import SamplingParams
+
+
+# --------------------------------------------------------------------------- shared plumbing
+
+
+def resolve_target(model: LoadedModel | str | None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    """An already-built ``LoadedModel`` as is; else load a path (None = the embedded model)."""
+    if isinstance(model, LoadedModel):
+        return model
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    return load_model(model, dtype=DTYPES[dtype], device=device)
+
+
+def parse_int_list(text: str, name: str, minimum: int = 1) -> tuple[int, ...]:
+    """``"1,4,16"`` -> ``(1, 4, 16)``; one-line ``ConfigError`` on anything else."""
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{name} must be a comma-separated list of integers, got {text!r}") from None
+    if not values or any(v < minimum for v in values):
+        raise ConfigError(f"{name} must list integers >= {minimum}, got {text!r}")
+    return values
+
+
+def bench_engine_config(prompts: list[Prompt], max_tokens: int, max_batch: int, max_position: int,
+                        model: ModelConfig | None = None, scheduler: SchedulerConfig | None = None,
+                        spec: SpecConfig | None = None) -> EngineConfig:
+    """An engine config sized for the workload: ``max_batch`` KV slots just long enough for the
+    longest prompt plus ``max_tokens`` (plus speculation slack), capped by the model's context."""
+    spec = spec or SpecConfig()
+    longest = max(len(p.token_ids) for p in prompts)
+    need = longest + max_tokens + spec.num_speculative_tokens + 1
+    if need > max_position:
+        raise ConfigError(f"longest prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                          f"context ({max_position}); lower --max-tokens or --limit the workload")
+    return EngineConfig(model=model or ModelConfig(), cache=CacheConfig(max_model_len=max(need, 8), max_num_seqs=max_batch),
+                        scheduler=scheduler or SchedulerConfig(), spec=spec)
+
+
+@dataclass
+class RequestRecord:
+    """Timing and output of one request (ours or HF's). Times in seconds."""
+
+    prompt_index: int
+    prompt_id: str
+    prompt_tokens: int
+    output_tokens: int
+    ttft: float
+    latency: float  # arrival -> last token
+    token_ids: list[int] = field(default_factory=list, repr=False)
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def tpot(self) -> float:
+        """Mean time per output token after the first; NaN for a single token."""
+        return (self.latency - self.ttft) / (self.output_tokens - 1) if self.output_tokens > 1 else float("nan")
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: v for k, v in dataclasses.asdict(self).items() if k != "token_ids"}
+        d["tpot"] = self.tpot
+        return d
+
+
+@dataclass
+class WaveResult:
+    """One wave: requests added together and run to completion."""
+
+    requests: list[RequestRecord]
+    wall_time: float
+    decode_tokens: int  # tokens emitted by steps without prefill
+    decode_time: float  # wall time of those steps
+
+
+def run_wave(engine: LLMEngine, prompts: list[Prompt], indices: list[int], params: SamplingParams) -> WaveResult:
+    """Add ``prompts[i]`` for each i in ``indices`` at once and step the engine until all finish."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("run_wave needs an idle engine")
+    decode_tokens, decode_time = 0, 0.0
+    t0 = time.perf_counter()
+    rids = [engine.add_request(prompts[i].token_ids, params) for i in indices]
+    final: dict[str, Any] = {}
+    while engine.has_unfinished_requests():
+        ts = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - ts
+        if not outs:
+            continue
+        if engine.last_stats.num_prefill_tokens == 0:
+            decode_tokens += engine.last_stats.num_emitted_tokens
+            decode_time += dt
+        for o in outs:
+            if o.finished:
+                final[o.request_id] = o
+    wall = time.perf_counter() - t0
+    records = []
+    for rid, i in zip(rids, indices):
+        o = final[rid]
+        s = o.stats
+        first = s.first_token_time if s.first_token_time is not None else s.arrival_time
+        finish = s.finish_time if s.finish_time is not None else first
+        records.append(RequestRecord(i, prompts[i].record.id, len(prompts[i].token_ids), len(o.token_ids),
+                                     first - s.arrival_time, finish - s.arrival_time, list(o.token_ids),
+                                     s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens))
+    return WaveResult(records, wall, decode_tokens, decode_time)
+
+
+def wave_indices(num_prompts: int, batch_size: int) -> list[list[int]]:
+    """Prompt indices per wave: ceil(N / B) waves of B, prompts cycled to fill the last.
+
+    Example: ``wave_indices(3, 2) == [[0, 1], [2, 0]]``.
+    """
+    waves = math.ceil(num_prompts / batch_size)
+    return [[(w * batch_size + j) % num_prompts for j in range(batch_size)] for w in range(waves)]
+
+
+class _TimingStreamer(BaseStreamer):
+    """Records when ``generate()`` hands over each chunk (the first call carries the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        self.times.append(time.perf_counter())
+
+
+class HFRunner:
+    """HF transformers ``AutoModelForCausalLM`` on the same checkpoint, for reference timings."""
+
+    def __init__(self, path: str, dtype: str = "float32", device: str = "cpu") -> None:
+        if not path:
+            raise ConfigError("--compare hf needs the model's HF checkpoint directory (none is known for this model)")
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], attn_implementation="sdpa")
+        self.model = self.model.to(device).eval()
+        self.device = device
+        eos = self.model.generation_config.eos_token_id
+        self.eos = eos[0] if isinstance(eos, list) else eos
+
+    def generate(self, prompt: Prompt, index: int, max_tokens: int, pld_tokens: int | None = None) -> RequestRecord:
+        """Greedy ``generate()`` of exactly ``max_tokens`` tokens at batch 1 (prompt lookup when
+        ``pld_tokens`` is set)."""
+        from transformers import GenerationConfig
+
+        ids = torch.tensor([prompt.token_ids], dtype=torch.int64, device=self.device)  # [1, P]
+        gc = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+                              eos_token_id=self.eos, pad_token_id=self.eos, prompt_lookup_num_tokens=pld_tokens)
+        streamer = _TimingStreamer()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=gc,
+                                      streamer=streamer)
+        t1 = time.perf_counter()
+        new = out[0, ids.shape[1]:].tolist()
+        first = streamer.times[1] if len(streamer.times) > 2 else t1
+        return RequestRecord(index, prompt.record.id, len(prompt.token_ids), len(new), first - t0, t1 - t0, new)
+
+
+def records_summary(records: list[RequestRecord], wall_time: float, decode_tokens: int,
+                    decode_time: float) -> dict[str, Any]:
+    """Throughput and latency figures of a set of requests (ms for latencies)."""
+    out_tokens = sum(r.output_tokens for r in records)
+    ttft = summarize([r.ttft * 1e3 for r in records])
+    tpot = summarize([r.tpot * 1e3 for r in records])
+    return {
+        "requests": len(records),
+        "output_tokens": out_tokens,
+        "wall_time_s": wall_time,
+        "tokens_per_s": out_tokens / wall_time if wall_time > 0 else float("nan"),
+        "decode_tokens_per_s": decode_tokens / decode_time if decode_time > 0 else float("nan"),
+        "ttft_ms": {k: ttft[k] for k in ("mean", "p50", "p90")},
+        "tpot_ms": {k: tpot[k] for k in ("mean", "p50", "p90")},
+    }
+
+
+def hf_decode_split(records: list[RequestRecord]) -> tuple[int, float]:
+    """(tokens after the first, time after the first token) summed over HF requests."""
+    return (sum(r.output_tokens - 1 for r in records), sum(r.latency - r.ttft for r in records))
+
+
+# --------------------------------------------------------------------------- the decode bench
+
+
+@dataclass
+class DecodeBenchConfig:
+    workload: str = "code"
+    limit: int = 16
+    batch_sizes: tuple[int, ...] = (1, 4, 16)
+    max_tokens: int = 128
+    compare_hf: bool = False
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        if self.limit < 1:
+            raise ConfigError(f"limit must be >= 1, got {self.limit}")
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise ConfigError(f"batch sizes must be >= 1, got {self.batch_sizes}")
+        if self.max_tokens < 2:
+            raise ConfigError(f"max_tokens must be >= 2 (TPOT needs two tokens), got {self.max_tokens}")
+
+
+def run_decode_bench(cfg: DecodeBenchConfig, target: LoadedModel | str | None = None, *,
+                     model_config: ModelConfig | None = None, scheduler: SchedulerConfig | None = None,
+                     out_dir: Path | None = None, command: str = "", echo: bool = True) -> dict[str, Any]:
+    """Run the decode benchmark, write ``results.json``, ``plot.png`` and ``table.md`` into
+    ``out_dir`` (default ``runs/bench-decode-<timestamp>``), print the table when ``echo``, and
+    return the JSON document."""
+    mc = model_config or ModelConfig()
+    if mc.threads:
+        torch.set_num_threads(mc.threads)
+    target = resolve_target(target if target is not None else mc.model, mc.dtype, mc.device)
+    prompts = load_prompts(cfg.workload, target.tokenizer, cfg.limit)
+    econf = bench_engine_config(prompts, cfg.max_tokens, max(cfg.batch_sizes), target.model.cfg.max_position_embeddings,
+                                mc, scheduler)
+    engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
+    hf = HFRunner(target.path, mc.dtype, mc.device) if cfg.compare_hf else None
+    params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=True)
+    if cfg.warmup:
+        run_wave(engine, prompts, [0], SamplingParams(max_tokens=min(8, cfg.max_tokens), ignore_eos=True))
+        if hf is not None:
+            hf.generate(prompts[0], 0, min(8, cfg.max_tokens))
+
+    rows: list[dict[str, Any]] = []
+    per_batch_requests: dict[str, list[dict[str, Any]]] = {}
+    hf_records: list[RequestRecord] = []
+    for b in cfg.batch_sizes:
+        waves: list[WaveResult] = []
+        records: list[RequestRecord] = []
+        for idx in wave_indices(len(prompts), b):
+            waves.append(run_wave(engine, prompts, idx, params))
+            records.extend(waves[-1].requests)
+            if hf is not None and b == 1:  # interleaved with ours, prompt by prompt
+                hf_records.append(hf.generate(prompts[idx[0]], idx[0], cfg.max_tokens))
+        summary = records_summary(records, sum(w.wall_time for w in waves), sum(w.decode_tokens for w in waves),
+                                  sum(w.decode_time for w in waves))
+        rows.append({"engine": "tidespec", "batch_size": b, "waves": len(waves), **summary})
+        per_batch_requests[str(b)] = [r.to_json() for r in records]
+    if hf is not None and not hf_records:  # batch 1 not in the list: still measure HF at batch 1
+        hf_records = [hf.generate(p, i, cfg.max_tokens) for i, p in enumerate(prompts)]
+    hf_row = None
+    if hf_records:
+        dtok, dtime = hf_decode_split(hf_records)
+        hf_row = {"engine": "hf-transformers", "batch_size": 1, "waves": len(hf_records),
+                  **records_summary(hf_records, sum(r.latency for r in hf_records), dtok, dtime)}
+        per_batch_requests["hf"] = [r.to_json() for r in hf_records]
+
+    headline = _decode_headline(rows, hf_row)
+    info = machine_info(mc.dtype)
+    doc = {
+        "bench": "decode",
+        "model": target.path or type(target.model).__name__,
+        "workload": cfg.workload,
+        "prompt_ids": [p.record.id for p in prompts],
+        "config": dataclasses.asdict(cfg),
+        "engine_config": dataclasses.asdict(econf),
+        "rows": rows + ([hf_row] if hf_row else []),
+        "headline": headline,
+        "requests": per_batch_requests,
+    }
+    out_dir = out_dir or default_out_dir("decode")
+    write_json(out_dir, "results.json", doc, command, info)
+    _plot_decode(rows, hf_row, out_dir)
+    text = format_decode_report(doc, command, info)
+    write_text(out_dir, "table.md", text)
+    if echo:
+        print(text)
+        print(f"\nwrote {out_dir / 'results.json'}, {out_dir / 'plot.png'}")
+    return doc
+
+
+def _decode_headline(rows: list[dict[str, Any]], hf_row: dict[str, Any] | None) -> dict[str, Any]:
+    by_b = {r["batch_size"]: r for r in rows}
+    head: dict[str, Any] = {}
+    if 1 in by_b and len(by_b) > 1:
+        bmax = max(by_b)
+        head["largest_batch"] = bmax
+        head["throughput_ratio_largest_vs_batch1"] = by_b[bmax]["tokens_per_s"] / by_b[1]["tokens_per_s"]
+        head["decode_ratio_largest_vs_batch1"] = by_b[bmax]["decode_tokens_per_s"] / by_b[1]["decode_tokens_per_s"]
+    if hf_row is not None and 1 in by_b:
+        head["vs_hf_with_prefill"] = by_b[1]["tokens_per_s"] / hf_row["tokens_per_s"]
+        head["vs_hf_decode_only"] = by_b[1]["decode_tokens_per_s"] / hf_row["decode_tokens_per_s"]
+    return head
+
+
+def format_decode_report(doc: dict[str, Any], command: str, info: dict[str, Any]) -> str:
+    """Markdown: command, machine, the table, the headline ratios."""
+    table = markdown_table(
+        ["engine", "batch", "requests", "tok/s (with prefill)", "tok/s (decode only)", "TTFT mean ms",
+         "TTFT p50", "TTFT p90", "TPOT mean ms", "TPOT p50", "TPOT p90"],
+        [[r["engine"], r["batch_size"], r["requests"], r["tokens_per_s"], r["decode_tokens_per_s"],
+          r["ttft_ms"]["mean"], r["ttft_ms"]["p50"], r["ttft_ms"]["p90"], r["tpot_ms"]["mean"],
+          r["tpot_ms"]["p50"], r["tpot_ms"]["p90"]] for r in doc["rows"]])
+    cfg = doc["config"]
+    lines = [f"### Decode throughput ({doc['workload']}, {len(doc['prompt_ids'])} prompts, "
+             f"{cfg['max_tokens']} tokens each, greedy, EOS ignored)", "",
+             f"Command: `{command}`", "", f"Machine: {machine_line(info)}", "", table, ""]
+    h = doc["headline"]
+    if "throughput_ratio_largest_vs_batch1" in h:
+        lines.append(f"- batch {h['largest_batch']} / batch 1 throughput: {h['throughput_ratio_largest_vs_batch1']:.2f}x "
+                     f"with prefill, {h['decode_ratio_largest_vs_batch1']:.2f}x decode-only")
+    if "vs_hf_with_prefill" in h:
+        lines.append(f"- tidespec / HF transformers generate() at batch 1: {h['vs_hf_with_prefill']:.2f}x with prefill, "
+                     f"{h['vs_hf_decode_only']:.2f}x decode-only")
+    return "\n".join(lines)
+
+
+def _plot_decode(rows: list[dict[str, Any]], hf_row: dict[str, Any] | None, out_dir: Path) -> Path:
+    fig, (ax, ax2) = new_figure(2)
+    bs = [r["batch_size"] for r in rows]
+    ax.plot(bs, [r["tokens_per_s"] for r in rows], "o-", label="tidespec (with prefill)")
+    ax.plot(bs, [r["decode_tokens_per_s"] for r in rows], "s--", label="tidespec (decode only)")
+    if hf_row is not None:
+        ax.plot([1], [hf_row["tokens_per_s"]], "r*", markersize=12, label="HF generate (with prefill)")
+        ax.plot([1], [hf_row["decode_tokens_per_s"]], "rx", markersize=10, label="HF generate (decode only)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(bs, [str(b) for b in bs])
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("output tokens / s")
+    ax.set_title("Decode throughput")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax2.plot(bs, [r["tpot_ms"]["p50"] for r in rows], "o-", label="TPOT p50")
+    ax2.plot(bs, [r["ttft_ms"]["p50"] for r in rows], "s--", label="TTFT p50")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xticks(bs, [str(b) for b in bs])
+    ax2.set_yscale("log")
+    ax2.set_xlabel("batch size")
+    ax2.set_ylabel("ms")
+    ax2.set_title("Latency per batch size")
+    ax2.grid(True, alpha=0.3)
+    ax2.legend(fontsize=8)
+    return save_figure(fig, out_dir, "plot.png")

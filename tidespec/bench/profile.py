@@ -1,0 +1,249 @@
+"""``tidespec bench profile``: the cost model speculation lives on — T(n) per batch size, memory
+bandwidth, and the bandwidth-bound ceiling of batch-1 decoding.
+
+Why this exists: speculative decoding pays off only while verifying n tokens costs about as
+much as decoding one, i.e. while T(n)/T(1) stays near 1. That ratio depends on the machine
+(memory bandwidth vs compute) and on the batch size, so the adaptive controllers and the
+benchmark write-up need it measured, not assumed. The bandwidth ceiling says how far plain
+batch-1 decoding is from the hardware limit (every weight byte read once per token).
+
+Method. T(n, B) = wall time of one target forward of n new tokens for each of B sequences on a
+``context``-token KV cache (default 200), logits for every new row (as verification needs),
+driving ``LlamaModel.forward`` directly with a ``KVCache`` whose context is filled with random
+values (the contents do not change the cost). One warm-up forward per shape, then
+``repeats`` timed forwards — fewer on big shapes, so each shape costs about ``target_s`` — and
+the median is kept. Bandwidth = 2 x bytes / time of a large ``Tensor.copy_`` (read + write),
+median of 5 after a warm-up. Ceiling (tokens/s) = bandwidth / bytes read per batch-1 token,
+where bytes = the weights (each unique matrix once; an untied input embedding table is not
+read, only one row) + the K/V of a ``context``-token cache.
+
+Worked example (numbers illustrative)::
+
+    doc = run_profile(ProfileConfig(ns=(1, 4), batch_sizes=(1, 2)), resolve_target(None))
+    doc["bandwidth_gb_s"]          # e.g. 9.8
+    doc["ceiling_tokens_per_s"]    # e.g. 9.8e9 / 0.55e9 = 17.8
+    doc["rows"][1]                 # {"batch_size": 1, "n": 4, "t_ms": 61.0, "ratio_to_n1": 1.3, ...}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tidespec.bench.decode import resolve_target
+from tidespec.bench.report import (default_out_dir, machine_info, machine_line, markdown_table, new_figure,
+                                   save_figure, write_json, write_text)
+from tidespec.config import ConfigError, ModelConfig
+from tidespec.engine.kv_cache import KVCache
+from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.models.loader import LoadedModel
+
+
+@dataclass
+class ProfileConfig:
+    ns: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    context: int = 200
+    repeats: int = 5  # most timed forwards per shape
+    target_s: float = 0.4  # timed seconds aimed at per shape (fewer repeats on big shapes)
+    bandwidth_mib: int = 256  # size of each buffer of the copy test
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.ns or any(n < 1 for n in self.ns):
+            raise ConfigError(f"ns must be >= 1, got {self.ns}")
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise ConfigError(f"batch sizes must be >= 1, got {self.batch_sizes}")
+        if self.context < 1:
+            raise ConfigError(f"context must be >= 1, got {self.context}")
+        if self.repeats < 1:
+            raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
+        if self.target_s <= 0:
+            raise ConfigError(f"target_s must be > 0, got {self.target_s}")
+        if self.bandwidth_mib < 1:
+            raise ConfigError(f"bandwidth_mib must be >= 1, got {self.bandwidth_mib}")
+
+
+def weight_bytes_per_token(model: LlamaModel) -> int:
+    """Bytes of parameters one batch-1 decode step reads: every unique parameter once, except an
+    untied input-embedding table, of which only one row is read.
+
+    Example: tied SmolLM2-135M in float32: all ~134.5M parameters x 4 B ~ 538 MB.
+    """
+    unique = {id(p): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in unique.values())
+    emb = model.embed_tokens.weight
+    if model.lm_head.weight is not emb:
+        total -= emb.numel() * emb.element_size() - emb.shape[1] * emb.element_size()
+    return total
+
+
+def kv_bytes_per_token(model: LlamaModel, context: int) -> int:
+    """Bytes of K and V read by one decode step over a ``context``-token cache."""
+    c = model.cfg
+    return 2 * c.num_layers * c.num_kv_heads * c.head_dim * context * model.embed_tokens.weight.element_size()
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for queued device work so wall-clock timings are real (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory_bandwidth(mib: int = 256, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """GB/s of a large tensor copy on ``device`` (read + write counted), median of ``repeats``
+    after a warm-up."""
+    dev = torch.device(device)
+    n = mib * 1024 * 1024 // 4
+    src = torch.ones(n, dtype=torch.float32, device=dev)  # touched, so pages are committed
+    dst = torch.zeros(n, dtype=torch.float32, device=dev)
+    dst.copy_(src)
+    _sync(dev)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        dst.copy_(src)
+        _sync(dev)
+        times.append(time.perf_counter() - t)
+    return 2 * n * 4 / statistics.median(times) / 1e9
+
+
+def time_forward(model: LlamaModel, kv: KVCache, batch: int, n: int, context: int, repeats: int, target_s: float,
+                 gen: torch.Generator) -> tuple[float, int]:
+    """Median seconds of one forward of ``n`` new tokens for each of ``batch`` sequences on a
+    ``context``-token cache, and the number of timed repeats."""
+    ids = torch.randint(0, model.cfg.vocab_size, (batch * n,), generator=gen).to(model.device)  # [B*n]
+    layout = BatchLayout.build(q_lens=[n] * batch, ctx_lens=[context] * batch, slots=list(range(batch)),
+                               device=model.device)
+    _sync(model.device)
+    t = time.perf_counter()
+    model(ids, layout, kv, logits_rows=None)  # warm-up; also sizes the repeat count
+    _sync(model.device)
+    warm = time.perf_counter() - t
+    reps = max(1, min(repeats, int(target_s / max(warm, 1e-9))))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        model(ids, layout, kv, logits_rows=None)
+        _sync(model.device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), reps
+
+
+def run_profile(cfg: ProfileConfig, target: LoadedModel | LlamaModel | str | None = None, *,
+                model_config: ModelConfig | None = None, out_dir: Path | None = None, command: str = "",
+                echo: bool = True) -> dict[str, Any]:
+    """Measure T(n) over the grid plus bandwidth; write ``results.json``, ``plot.png``,
+    ``table.md`` into ``out_dir`` (default ``runs/bench-profile-<timestamp>``); return the JSON."""
+    mc = model_config or ModelConfig()
+    if mc.threads:
+        torch.set_num_threads(mc.threads)
+    if isinstance(target, LlamaModel):
+        model, name = target, type(target).__name__
+    else:
+        loaded = resolve_target(target if target is not None else mc.model, mc.dtype, mc.device)
+        model, name = loaded.model, loaded.path or type(loaded.model).__name__
+    if cfg.context + max(cfg.ns) > model.cfg.max_position_embeddings:
+        raise ConfigError(f"context + largest n ({cfg.context + max(cfg.ns)}) exceeds the model's context "
+                          f"({model.cfg.max_position_embeddings})")
+    gen = torch.Generator().manual_seed(cfg.seed)
+    kv = KVCache.for_model(model.cfg, num_slots=max(cfg.batch_sizes), max_len=cfg.context + max(cfg.ns),
+                           dtype=model.dtype, device=model.device)
+    fill_gen = gen if model.device.type == "cpu" else None  # a CPU generator cannot fill device tensors
+    for k, v in zip(kv.k, kv.v):  # plausible K/V values in the context region
+        k.normal_(generator=fill_gen)
+        v.normal_(generator=fill_gen)
+
+    rows: list[dict[str, Any]] = []
+    t_start = time.perf_counter()
+    for b in cfg.batch_sizes:
+        t1 = None
+        for n in sorted(cfg.ns):
+            t, reps = time_forward(model, kv, b, n, cfg.context, cfg.repeats, cfg.target_s, gen)
+            t1 = t if n == min(cfg.ns) else t1
+            rows.append({"batch_size": b, "n": n, "t_ms": t * 1e3, "repeats": reps,
+                         "ratio_to_n1": t / t1 if t1 else float("nan"),
+                         "tokens_per_s": b * n / t})
+    grid_s = time.perf_counter() - t_start
+    bw = memory_bandwidth(cfg.bandwidth_mib, device=model.device)
+    wbytes = weight_bytes_per_token(model)
+    kvbytes = kv_bytes_per_token(model, cfg.context)
+    ceiling = bw * 1e9 / (wbytes + kvbytes)
+    b1 = [r for r in rows if r["batch_size"] == 1 and r["n"] == 1]
+    measured = 1e3 / b1[0]["t_ms"] if b1 else float("nan")
+    info = machine_info(str(model.dtype).replace("torch.", ""))
+    doc = {
+        "bench": "profile",
+        "model": name,
+        "config": dataclasses.asdict(cfg),
+        "rows": rows,
+        "grid_seconds": grid_s,
+        "bandwidth_gb_s": bw,
+        "weight_bytes_per_token": wbytes,
+        "kv_bytes_per_token": kvbytes,
+        "ceiling_tokens_per_s": ceiling,
+        "ceiling_weights_only_tokens_per_s": bw * 1e9 / wbytes,
+        "batch1_forward_tokens_per_s": measured,
+        "batch1_fraction_of_ceiling": measured / ceiling,
+    }
+    out_dir = out_dir or default_out_dir("profile")
+    write_json(out_dir, "results.json", doc, command, info)
+    _plot_profile(rows, cfg, out_dir)
+    text = format_profile_report(doc, command, info)
+    write_text(out_dir, "table.md", text)
+    if echo:
+        print(text)
+        print(f"\nwrote {out_dir / 'results.json'}, {out_dir / 'plot.png'}")
+    return doc
+
+
+def format_profile_report(doc: dict[str, Any], command: str, info: dict[str, Any]) -> str:
+    cfg = doc["config"]
+    bs = list(cfg["batch_sizes"])
+    ns = sorted(cfg["ns"])
+    cell = {(r["batch_size"], r["n"]): r for r in doc["rows"]}
+    t_table = markdown_table(["n"] + [f"B={b} ms" for b in bs],
+                             [[n] + [cell[(b, n)]["t_ms"] for b in bs] for n in ns], digits=1)
+    r_table = markdown_table(["n"] + [f"B={b}" for b in bs],
+                             [[n] + [cell[(b, n)]["ratio_to_n1"] for b in bs] for n in ns], digits=2)
+    lines = [f"### T(n): one target forward of n new tokens per sequence on a {cfg['context']}-token cache", "",
+             f"Command: `{command}`", "", f"Machine: {machine_line(info)}", "",
+             "Median wall time per forward (ms):", "", t_table, "", "T(n) / T(1):", "", r_table, "",
+             f"- memory bandwidth (tensor copy, read + write): {doc['bandwidth_gb_s']:.1f} GB/s",
+             f"- bytes per batch-1 token: weights {doc['weight_bytes_per_token'] / 1e6:.1f} MB + KV at "
+             f"{cfg['context']} tokens {doc['kv_bytes_per_token'] / 1e6:.1f} MB",
+             f"- bandwidth-bound ceiling, batch-1 decode: {doc['ceiling_tokens_per_s']:.1f} tokens/s "
+             f"(weights only: {doc['ceiling_weights_only_tokens_per_s']:.1f})",
+             f"- measured batch-1 forward 1/T(1): {doc['batch1_forward_tokens_per_s']:.1f} tokens/s = "
+             f"{doc['batch1_fraction_of_ceiling']:.0%} of the ceiling (engine overhead not included)"]
+    return "\n".join(lines)
+
+
+def _plot_profile(rows: list[dict[str, Any]], cfg: ProfileConfig, out_dir: Path) -> Path:
+    fig, (ax, ax2) = new_figure(2)
+    for b in cfg.batch_sizes:
+        rs = sorted((r for r in rows if r["batch_size"] == b), key=lambda r: r["n"])
+        ax.plot([r["n"] for r in rs], [r["ratio_to_n1"] for r in rs], "o-", label=f"B={b}")
+        ax2.plot([r["n"] for r in rs], [r["tokens_per_s"] for r in rs], "o-", label=f"B={b}")
+    ns = sorted(cfg.ns)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ns, [str(n) for n in ns])
+    ax.set_xlabel("new tokens per sequence n")
+    ax.set_ylabel("T(n) / T(1)")
+    ax.set_title(f"Forward cost vs n ({cfg.context}-token cache)")
+    ax2.set_xscale("log", base=2)
+    ax2.set_xticks(ns, [str(n) for n in ns])
+    ax2.set_yscale("log")
+    ax2.set_xlabel("new tokens per sequence n")
+    ax2.set_ylabel("tokens processed / s")
+    ax2.set_title("Forward throughput")
+    for a in (ax, ax2):
+        a.grid(True, alpha=0.3)
+        a.legend(fontsize=8)
+    return save_figure(fig, out_dir, "plot.png")

@@ -1,0 +1,306 @@
+"""``tidespec bench spec``: drafters x gamma vs plain decoding on one workload, with per-prompt spread.
+
+Why this exists: a mean speedup hides the prompts where speculation loses (drafts rejected, so
+every step pays for a bigger verification forward and gets one token). This benchmark puts
+every drafter and speculation length next to plain decoding *of the same engine* on the same
+prompts, reports the spread of the per-prompt speedup and lists the losers, and optionally
+adds HF transformers' plain ``generate()`` and its prompt-lookup decoding
+(``prompt_lookup_num_tokens``) as the outside reference.
+
+Method. Greedy, every request generates exactly ``max_tokens`` tokens (EOS ignored). One engine
+per configuration (plain; drafter x gamma), all built up front and sharing the target weights.
+The prompts run in waves of ``batch_size``; for each wave every configuration runs it in turn
+(round-robin), so a shared machine's drift hits all configurations alike. Per configuration:
+
+* tokens/s = output tokens / wall time of its waves; speedup = that / plain's tokens/s;
+* mean acceptance length = (accepted + drafts) / drafts (tokens per speculating step);
+* per-request speedup = plain latency / this latency for the same request: min, p10, median,
+  p90, max, and every request below 1.0;
+* ``mismatches``: requests whose tokens differ from plain's (greedy speculation is lossless, so
+  this should be 0; a float32 near-tie can flip one).
+
+Worked example::
+
+    cfg = SpecBenchConfig(workload="code", limit=4, drafters=("ngram", "suffix"), gammas=(3, 5),
+                          max_tokens=64)
+    doc = run_spec_bench(cfg, resolve_target(None), out_dir=Path("runs/spec"))
+    doc["configs"][1]["speedup"], doc["configs"][1]["per_request_speedup"]["p10"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from tidespec.bench.decode import (HFRunner, RequestRecord, bench_engine_config, resolve_target, run_wave,
+                                   wave_indices)
+from tidespec.bench.report import (default_out_dir, machine_info, machine_line, markdown_table, new_figure,
+                                   save_figure, summarize, write_json, write_text)
+from tidespec.bench.workload import load_prompts
+from tidespec.config import DRAFTERS, ConfigError, ModelConfig, SchedulerConfig, SpecConfig
+from tidespec.engine.engine import LLMEngine
+from tidespec.models.loader import LoadedModel
+from tidespec.runtime import build_engine
+from tidespec.sampling import SamplingParams
+
+PLAIN = "plain"
+
+
+@dataclass
+class SpecBenchConfig:
+    workload: str = "code"
+    limit: int = 16
+    drafters: tuple[str, ...] = ("none", "ngram", "suffix", "draft-model")
+    gammas: tuple[int, ...] = (1, 3, 5, 8)
+    batch_size: int = 1
+    max_tokens: int = 128
+    compare_hf: bool = False
+    hf_pld_tokens: tuple[int, ...] = (10,)
+    warmup: bool = True
+
+    def __post_init__(self) -> None:
+        bad = [d for d in self.drafters if d not in DRAFTERS]
+        if bad:
+            raise ConfigError(f"unknown drafter(s) {', '.join(bad)}; choose from {', '.join(DRAFTERS)}")
+        if not self.drafters:
+            raise ConfigError("need at least one drafter")
+        if not self.gammas or any(g < 1 or g > 64 for g in self.gammas):
+            raise ConfigError(f"gammas must be in [1, 64], got {self.gammas}")
+        if self.batch_size < 1:
+            raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.limit < 1:
+            raise ConfigError(f"limit must be >= 1, got {self.limit}")
+        if self.max_tokens < 2:
+            raise ConfigError(f"max_tokens must be >= 2, got {self.max_tokens}")
+        if any(k < 1 for k in self.hf_pld_tokens):
+            raise ConfigError(f"hf_pld_tokens must be >= 1, got {self.hf_pld_tokens}")
+
+    def grid(self) -> list[tuple[str, int]]:
+        """(drafter, gamma) per configuration; plain first, always (``none`` means plain)."""
+        return [(PLAIN, 0)] + [(d, g) for d in self.drafters if d != "none" for g in self.gammas]
+
+
+def config_label(drafter: str, gamma: int) -> str:
+    return PLAIN if drafter == PLAIN else f"{drafter} g={gamma}"
+
+
+@dataclass
+class _Run:
+    """One configuration's engine (ours) or HF mode, and its records in request order."""
+
+    label: str
+    drafter: str
+    gamma: int
+    engine: LLMEngine | None = None
+    pld: int | None = None  # HF prompt lookup tokens (None = HF plain)
+    records: list[RequestRecord] = dataclasses.field(default_factory=list)
+    wall: float = 0.0
+
+
+def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None, *,
+                   model_config: ModelConfig | None = None, scheduler: SchedulerConfig | None = None,
+                   spec_base: SpecConfig | None = None, out_dir: Path | None = None, command: str = "",
+                   echo: bool = True) -> dict[str, Any]:
+    """Run the grid, write ``results.json``, ``plot.png``, ``table.md`` into ``out_dir`` (default
+    ``runs/bench-spec-<timestamp>``), print the report when ``echo``, return the JSON document.
+    ``spec_base`` carries drafter options (n-gram sizes, suffix budget, draft model, tree)."""
+    mc = model_config or ModelConfig()
+    if mc.threads:
+        torch.set_num_threads(mc.threads)
+    base = spec_base or SpecConfig()
+    target = resolve_target(target if target is not None else mc.model, mc.dtype, mc.device)
+    prompts = load_prompts(cfg.workload, target.tokenizer, cfg.limit)
+    runs: list[_Run] = []
+    for drafter, gamma in cfg.grid():
+        spec = dataclasses.replace(base, drafter="none" if drafter == PLAIN else drafter,
+                                   num_speculative_tokens=gamma)
+        econf = bench_engine_config(prompts, cfg.max_tokens, cfg.batch_size,
+                                    target.model.cfg.max_position_embeddings, mc, scheduler, spec)
+        engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
+        runs.append(_Run(config_label(drafter, gamma), drafter, gamma, engine=engine))
+    hf_runs: list[_Run] = []
+    hf: HFRunner | None = None
+    if cfg.compare_hf:
+        hf = HFRunner(target.path, mc.dtype, mc.device)
+        hf_runs = [_Run("hf plain", "hf", 0)] + [_Run(f"hf prompt-lookup k={k}", "hf-pld", k, pld=k)
+                                                 for k in cfg.hf_pld_tokens]
+    params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=True)
+    if cfg.warmup:
+        warm = SamplingParams(max_tokens=min(8, cfg.max_tokens), ignore_eos=True)
+        for r in runs:
+            assert r.engine is not None
+            run_wave(r.engine, prompts, [0], warm)
+        if hf is not None:
+            hf.generate(prompts[0], 0, min(8, cfg.max_tokens))
+
+    waves = wave_indices(len(prompts), cfg.batch_size)
+    for idx in waves:  # round-robin: every configuration runs this wave before the next wave
+        for r in runs:
+            assert r.engine is not None
+            w = run_wave(r.engine, prompts, idx, params)
+            r.records.extend(w.requests)
+            r.wall += w.wall_time
+        if hf is not None:
+            for i in idx:
+                for h in hf_runs:
+                    rec = hf.generate(prompts[i], i, cfg.max_tokens, h.pld)
+                    h.records.append(rec)
+                    h.wall += rec.latency
+
+    plain = runs[0]
+    configs = [_summarize_run(r, plain) for r in runs]
+    hf_summary = [_summarize_run(h, hf_runs[0]) for h in hf_runs]
+    for h in hf_summary:  # HF figures relative to our plain decoding too
+        h["tokens_per_s_vs_tidespec_plain"] = h["tokens_per_s"] / configs[0]["tokens_per_s"]
+    headline = _spec_headline(configs, hf_summary)
+    info = machine_info(mc.dtype)
+    doc = {
+        "bench": "spec",
+        "model": target.path or type(target.model).__name__,
+        "workload": cfg.workload,
+        "prompt_ids": [p.record.id for p in prompts],
+        "config": dataclasses.asdict(cfg),
+        "spec_options": dataclasses.asdict(base),
+        "configs": configs,
+        "hf": hf_summary,
+        "headline": headline,
+    }
+    out_dir = out_dir or default_out_dir("spec")
+    write_json(out_dir, "results.json", doc, command, info)
+    _plot_spec(configs, hf_summary, out_dir)
+    text = format_spec_report(doc, command, info)
+    write_text(out_dir, "table.md", text)
+    if echo:
+        print(text)
+        print(f"\nwrote {out_dir / 'results.json'}, {out_dir / 'plot.png'}")
+    return doc
+
+
+def _summarize_run(run: _Run, plain: _Run) -> dict[str, Any]:
+    tokens = sum(r.output_tokens for r in run.records)
+    plain_tokens = sum(r.output_tokens for r in plain.records)
+    tps = tokens / run.wall if run.wall > 0 else float("nan")
+    plain_tps = plain_tokens / plain.wall if plain.wall > 0 else float("nan")
+    drafts = sum(r.num_drafts for r in run.records)
+    draft_tokens = sum(r.num_draft_tokens for r in run.records)
+    accepted = sum(r.num_accepted_tokens for r in run.records)
+    per_req = [{"request": k, "prompt_id": r.prompt_id, "latency_s": r.latency,
+                "speedup": p.latency / r.latency if r.latency > 0 else float("nan"),
+                "mean_acceptance_length": (r.num_accepted_tokens + r.num_drafts) / r.num_drafts
+                if r.num_drafts else float("nan")}
+               for k, (r, p) in enumerate(zip(run.records, plain.records))]
+    speedups = [x["speedup"] for x in per_req]
+    spread = summarize(speedups)
+    return {
+        "label": run.label,
+        "drafter": run.drafter,
+        "gamma": run.gamma,
+        "requests": len(run.records),
+        "output_tokens": tokens,
+        "wall_time_s": run.wall,
+        "tokens_per_s": tps,
+        "speedup": tps / plain_tps,
+        "mean_acceptance_length": (accepted + drafts) / drafts if drafts else float("nan"),
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else float("nan"),
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "per_request_speedup": {k: spread[k] for k in ("min", "p10", "p50", "p90", "max")},
+        "losses": [{"prompt_id": x["prompt_id"], "speedup": x["speedup"]} for x in per_req if x["speedup"] < 1.0],
+        "mismatches": sum(1 for r, p in zip(run.records, plain.records) if r.token_ids != p.token_ids),
+        "per_request": per_req,
+    }
+
+
+def _spec_headline(configs: list[dict[str, Any]], hf: list[dict[str, Any]]) -> dict[str, Any]:
+    spec_cfgs = [c for c in configs if c["drafter"] != PLAIN]
+    head: dict[str, Any] = {"plain_tokens_per_s": configs[0]["tokens_per_s"]}
+    if spec_cfgs:
+        best = max(spec_cfgs, key=lambda c: c["tokens_per_s"])
+        head.update(best_config=best["label"], best_speedup=best["speedup"],
+                    best_mean_acceptance_length=best["mean_acceptance_length"],
+                    best_losses=len(best["losses"]), total_mismatches=sum(c["mismatches"] for c in spec_cfgs))
+    pld = [h for h in hf if h["drafter"] == "hf-pld"]
+    if hf:
+        head["hf_plain_tokens_per_s"] = hf[0]["tokens_per_s"]
+        head["tidespec_plain_vs_hf_plain"] = configs[0]["tokens_per_s"] / hf[0]["tokens_per_s"]
+    if pld:
+        best_pld = max(pld, key=lambda h: h["speedup"])
+        head.update(hf_pld_best=best_pld["label"], hf_pld_speedup=best_pld["speedup"])
+        if spec_cfgs:
+            head["best_speedup_minus_hf_pld_speedup"] = head["best_speedup"] - best_pld["speedup"]
+    return head
+
+
+def format_spec_report(doc: dict[str, Any], command: str, info: dict[str, Any]) -> str:
+    """Markdown: command, machine, the configuration table, the spread table, headline, losers."""
+    rows = doc["configs"] + doc["hf"]
+    main = markdown_table(
+        ["configuration", "tok/s", "speedup", "mean acc. len", "acc. rate", "mismatches"],
+        [[c["label"], c["tokens_per_s"], c["speedup"], c["mean_acceptance_length"], c["acceptance_rate"],
+          c["mismatches"] if c["drafter"] not in ("hf", "hf-pld") else None] for c in rows], digits=2)
+    spread = markdown_table(
+        ["configuration", "min", "p10", "median", "p90", "max", "prompts slower than plain"],
+        [[c["label"], *[c["per_request_speedup"][k] for k in ("min", "p10", "p50", "p90", "max")],
+          f"{len(c['losses'])}/{c['requests']}"] for c in rows if c["drafter"] != PLAIN and c["drafter"] != "hf"],
+        digits=2)
+    cfg = doc["config"]
+    lines = [f"### Speculative decoding ({doc['workload']}, {len(doc['prompt_ids'])} prompts, batch "
+             f"{cfg['batch_size']}, {cfg['max_tokens']} tokens each, greedy, EOS ignored)", "",
+             f"Command: `{command}`", "", f"Machine: {machine_line(info)}", "",
+             "Speedup = tokens/s over the same engine's plain decoding (HF rows: over HF plain generate()).", "",
+             main, "", "Per-prompt speedup (plain latency / configuration latency, same prompt):", "", spread, ""]
+    h = doc["headline"]
+    if "best_config" in h:
+        lines.append(f"- best: {h['best_config']} at {h['best_speedup']:.2f}x plain, mean acceptance length "
+                     f"{h['best_mean_acceptance_length']:.2f}, slower than plain on {h['best_losses']} prompt(s); "
+                     f"outputs differing from plain: {h['total_mismatches']}")
+    if "hf_pld_speedup" in h:
+        lines.append(f"- HF prompt lookup ({h['hf_pld_best']}): {h['hf_pld_speedup']:.2f}x HF plain; "
+                     f"tidespec plain / HF plain: {h['tidespec_plain_vs_hf_plain']:.2f}x")
+    for c in doc["configs"]:
+        if c["losses"]:
+            worst = sorted(c["losses"], key=lambda x: x["speedup"])[:5]
+            lines.append(f"- {c['label']} loses on: " + ", ".join(f"{x['prompt_id']} ({x['speedup']:.2f}x)"
+                                                                 for x in worst)
+                         + (" ..." if len(c["losses"]) > 5 else ""))
+    return "\n".join(lines)
+
+
+def _plot_spec(configs: list[dict[str, Any]], hf: list[dict[str, Any]], out_dir: Path) -> Path:
+    rows = configs + hf
+    labels = [c["label"] for c in rows]
+    fig, (ax1, ax2, ax3) = new_figure(3, width_per_col=max(5.0, 0.45 * len(rows)), height=4.5)
+    colors = ["tab:gray" if c["drafter"] in (PLAIN, "hf") else
+              "tab:orange" if c["drafter"] == "hf-pld" else "tab:blue" for c in rows]
+    x = np.arange(len(rows))
+    ax1.bar(x, [c["tokens_per_s"] for c in rows], color=colors)
+    ax1.axhline(configs[0]["tokens_per_s"], color="k", lw=0.8, ls="--")
+    ax1.set_ylabel("output tokens / s")
+    ax1.set_title("Throughput per configuration")
+    spec_rows = [c for c in configs if c["drafter"] != PLAIN]
+    xs = np.arange(len(spec_rows))
+    ax2.bar(xs, [c["mean_acceptance_length"] for c in spec_rows], color="tab:blue")
+    ax2.set_xticks(xs, [c["label"] for c in spec_rows], rotation=60, ha="right", fontsize=8)
+    ax2.set_ylabel("tokens per speculating step")
+    ax2.set_title("Mean acceptance length")
+    box_rows = [c for c in rows if c["drafter"] not in (PLAIN, "hf")]
+    data = [[p["speedup"] for p in c["per_request"]] for c in box_rows]
+    if data:
+        ax3.boxplot(data, positions=range(len(data)), widths=0.6, showfliers=False)
+        jitter = np.random.default_rng(0)
+        for i, d in enumerate(data):
+            ax3.plot(i + jitter.uniform(-0.18, 0.18, len(d)), d, ".", alpha=0.6, color="tab:blue")
+        ax3.set_xticks(range(len(data)), [c["label"] for c in box_rows], rotation=60, ha="right", fontsize=8)
+    ax3.axhline(1.0, color="r", lw=0.8, ls="--")
+    ax3.set_ylabel("per-prompt speedup vs plain")
+    ax3.set_title("Per-prompt spread")
+    ax1.set_xticks(x, labels, rotation=60, ha="right", fontsize=8)
+    for ax in (ax1, ax2, ax3):
+        ax.grid(True, axis="y", alpha=0.3)
+    return save_figure(fig, out_dir, "plot.png")

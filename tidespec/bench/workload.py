@@ -1,0 +1,153 @@
+"""Prompt workloads for the benchmarks: JSONL files -> validated records -> prompt token ids.
+
+Why this exists: a benchmark number means nothing without knowing exactly which prompts, in
+which order and with which template produced it. Every benchmark reads prompts through this
+module, which accepts any JSONL of the shape described in ``../shared/workloads/README.md``::
+
+    {"id": "code-0001", "domain": "code", "kind": "completion" | "chat", "prompt": "...",
+     "source": "...", "license": "..."}
+
+``completion`` prompts are tokenized as raw text (with the tokenizer's own special tokens,
+e.g. Llama's BOS); ``chat`` prompts become one user message wrapped in the model's chat template
+with the generation prompt appended. Order is the file's order; ``limit`` keeps the first N.
+
+The names ``code`` and ``chat`` resolve to small sets shipped in ``tidespec/workloads/`` (a file
+of that name in the working directory wins).
+
+Worked example::
+
+    records = load_workload("code", limit=2)       # the shipped code set, first two records
+    prompts = tokenize_workload(records, tokenizer)
+    prompts[0].record.id, len(prompts[0].token_ids)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from tidespec.config import ConfigError
+
+KINDS = ("completion", "chat")
+REQUIRED_KEYS = ("id", "domain", "kind", "prompt")
+BUILTIN_WORKLOADS = ("code", "chat")
+
+
+class WorkloadError(ConfigError):
+    """A workload file cannot be used; the one-line message names the file and line."""
+
+
+@dataclass(frozen=True)
+class WorkloadRecord:
+    id: str
+    domain: str
+    kind: str  # "completion" | "chat"
+    prompt: str
+    source: str = ""
+    license: str = ""
+    line: int = 0  # 1-based line in the file it came from
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """A record and its token ids as the engine and HF both receive them."""
+
+    record: WorkloadRecord
+    token_ids: list[int]
+
+
+def resolve_workload_path(name_or_path: str | Path) -> Path:
+    """A path as given when it exists; else a built-in workload name; else ``WorkloadError``."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    if str(name_or_path) in BUILTIN_WORKLOADS:
+        shipped = resources.files("tidespec") / "workloads" / f"{name_or_path}.jsonl"
+        if shipped.is_file():
+            return Path(str(shipped))
+        raise WorkloadError(f"built-in workload {name_or_path!r} is missing from the installed package")
+    if path.exists():
+        raise WorkloadError(f"workload {path} is not a file")
+    raise WorkloadError(f"workload {name_or_path} not found (give a JSONL path or one of "
+                        f"{', '.join(BUILTIN_WORKLOADS)})")
+
+
+def parse_record(obj: Any, where: str, line: int) -> WorkloadRecord:
+    """Validate one decoded JSON value; ``where`` (``file:line``) prefixes every error."""
+    if not isinstance(obj, dict):
+        raise WorkloadError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    missing = [k for k in REQUIRED_KEYS if k not in obj]
+    if missing:
+        raise WorkloadError(f"{where}: missing key(s) {', '.join(missing)}")
+    for key in (*REQUIRED_KEYS, "source", "license"):
+        if key in obj and not isinstance(obj[key], str):
+            raise WorkloadError(f"{where}: {key!r} must be a string, got {type(obj[key]).__name__}")
+    if obj["kind"] not in KINDS:
+        raise WorkloadError(f"{where}: unknown kind {obj['kind']!r} (expected completion or chat)")
+    if not obj["prompt"].strip():
+        raise WorkloadError(f"{where}: empty prompt")
+    return WorkloadRecord(id=obj["id"], domain=obj["domain"], kind=obj["kind"], prompt=obj["prompt"],
+                          source=obj.get("source", ""), license=obj.get("license", ""), line=line)
+
+
+def load_workload(name_or_path: str | Path, limit: int | None = None) -> list[WorkloadRecord]:
+    """All records of a workload in file order (blank lines skipped), the first ``limit`` if set.
+
+    Raises ``WorkloadError`` naming the line for bad JSON, a missing key, an unknown kind, an
+    empty prompt or a duplicate id, and for a file with no records.
+    """
+    if limit is not None and limit < 1:
+        raise WorkloadError(f"limit must be >= 1, got {limit}")
+    path = resolve_workload_path(name_or_path)
+    records: list[WorkloadRecord] = []
+    seen: dict[str, int] = {}
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise WorkloadError(f"cannot read workload {path}: {exc}") from None
+    for lineno, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        where = f"{path}:{lineno}"
+        try:
+            obj = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise WorkloadError(f"{where}: bad JSON ({exc.msg} at column {exc.colno})") from None
+        rec = parse_record(obj, where, lineno)
+        if rec.id in seen:
+            raise WorkloadError(f"{where}: duplicate id {rec.id!r} (first on line {seen[rec.id]})")
+        seen[rec.id] = lineno
+        records.append(rec)
+        if limit is not None and len(records) >= limit:
+            break
+    if not records:
+        raise WorkloadError(f"workload {path} has no records")
+    return records
+
+
+def prompt_token_ids(record: WorkloadRecord, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Token ids of one record: raw text for ``completion``, chat template for ``chat``."""
+    if record.kind == "chat":
+        if not getattr(tokenizer, "chat_template", None):
+            raise WorkloadError(f"record {record.id!r} (line {record.line}) is a chat prompt but the "
+                                "tokenizer has no chat template")
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": record.prompt}],
+                                            add_generation_prompt=True, tokenize=True, return_dict=False)
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer.encode(record.prompt)]
+
+
+def tokenize_workload(records: list[WorkloadRecord], tokenizer: PreTrainedTokenizerBase) -> list[Prompt]:
+    """Tokenize every record, keeping the order."""
+    return [Prompt(record=r, token_ids=prompt_token_ids(r, tokenizer)) for r in records]
+
+
+def load_prompts(name_or_path: str | Path, tokenizer: PreTrainedTokenizerBase,
+                 limit: int | None = None) -> list[Prompt]:
+    """``load_workload`` then ``tokenize_workload``."""
+    return tokenize_workload(load_workload(name_or_path, limit), tokenizer)

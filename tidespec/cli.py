@@ -1,0 +1,108 @@
+"""``tidespec`` command line: generate, serve, bench, profile, train-drafter.
+
+Why this exists: one entry point whose flags come from the config dataclasses
+(``tidespec.config.add_engine_args``), so every flag and default lives in one place. Errors a
+user can fix (bad path, bad parameter) print one line ``error: ...`` and exit 2 — no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+
+from tidespec.config import ConfigError, add_engine_args, engine_config_from_args
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Exception types that mean "the user asked for something impossible"."""
+    from tidespec.engine.engine import RequestError
+    from tidespec.engine.scheduler import QueueFullError
+    from tidespec.models.llama import ModelConfigError
+    from tidespec.models.loader import ModelLoadError
+    from tidespec.sampling import SamplingParamsError
+    return (ConfigError, ModelLoadError, ModelConfigError, SamplingParamsError, RequestError, QueueFullError,
+            FileNotFoundError)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=128, help="tokens to generate (default: 128)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default: 0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (default: 1)")
+    g.add_argument("--top-k", type=int, default=0, help="top-k sampling, 0 = off (default: 0)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+
+
+def sampling_from_args(ns: argparse.Namespace):  # -> SamplingParams
+    from tidespec.sampling import SamplingParams
+    return SamplingParams(temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k, seed=ns.seed,
+                          max_tokens=ns.max_tokens, stop=list(ns.stop), ignore_eos=ns.ignore_eos)
+
+
+def cmd_generate(ns: argparse.Namespace) -> int:
+    from tidespec.engine.engine import LLM
+    params = sampling_from_args(ns)
+    config = engine_config_from_args(ns)
+    llm = LLM(config)
+    prompts = ns.prompt or [sys.stdin.read()]
+    inputs = [llm.chat_prompt(p) if ns.chat else p for p in prompts]
+    t0 = time.perf_counter()
+    outs = llm.generate(inputs, params)
+    dt = time.perf_counter() - t0
+    n = sum(len(o.token_ids) for o in outs)
+    for o in outs:
+        print(o.text)
+        s = o.stats
+        if s.num_drafts:
+            print(f"[{o.request_id}: {len(o.token_ids)} tokens, drafts {s.num_drafts}, draft tokens "
+                  f"{s.num_draft_tokens}, accepted {s.num_accepted_tokens} "
+                  f"({s.num_accepted_tokens / max(1, s.num_draft_tokens):.0%}), mean acceptance length "
+                  f"{s.mean_acceptance_length:.2f}]", file=sys.stderr)
+    print(f"[{n} tokens in {dt:.2f} s: {n / dt:.1f} tok/s, drafter {config.spec.drafter}]", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tidespec", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for prompts",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g.add_argument("prompt", nargs="*", help="prompt(s); read from stdin when none")
+    g.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    add_engine_args(g)
+    add_sampling_args(g)
+    g.set_defaults(func=cmd_generate)
+    for register in _registrars():
+        register(sub)
+    return parser
+
+
+def _registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
+    """Sub-command groups that live with the code they run."""
+    regs: list[Callable[[argparse._SubParsersAction], None]] = []
+    from tidespec.bench.cli import register as bench
+    regs.append(bench)
+    from tidespec.server.cli import register as serve
+    regs.append(serve)
+    return regs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return int(ns.func(ns) or 0)
+    except _user_errors() as exc:
+        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"error: {msg}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

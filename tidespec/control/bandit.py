@@ -1,0 +1,245 @@
+"""Nightjar's per-batch-size bandit over speculation lengths (Nightjar Algorithm 1, eq. 3).
+
+Why this exists: the best speculation length depends on the batch size, the hardware and the
+current acceptance rate, none of which a static gamma knows. Nightjar treats each batch size as
+its own ADA-BINGREEDY bandit over the arms gamma in {0, ..., Gamma_max} (0 = speculation off),
+rewarded by the goodput (tokens/s) the step achieved. Exploring keeps measuring arms that look
+bad, so disabling speculation never deadlocks (a pure estimate-and-threshold controller that
+turns speculation off stops seeing acceptance data).
+
+Schedule (Algorithm 1, per batch size B; all counters start at j = H = b = tau = 1)::
+
+    at the first round of a bin (tau == 1): the bin explores with probability 1/sqrt(b),
+        else exploits                                               (line 8)
+    explore: gamma ~ Uniform{0..Gamma_max};  exploit: gamma by eq. 3   (lines 11, 14)
+    after playing: tau += 1; if tau > sqrt(H): next bin (b += 1, tau = 1);
+        if b > sqrt(H): next block (j += 1, H = 2**(j-1), b = 1)     (lines 16-23)
+
+Hand trace of the first 10 rounds of one batch size (bin length = number of taus with
+tau <= sqrt(H); bins per block likewise)::
+
+    round  1      block j=1 (H=1):  bin 1, 1 round       (explore prob 1/sqrt(1) = 1)
+    round  2      block j=2 (H=2):  bin 1, 1 round       (explore prob 1)
+    rounds 3-4    block j=3 (H=4):  bin 1, rounds 3, 4   (explore prob 1)
+    rounds 5-6                      bin 2, rounds 5, 6   (explore prob 1/sqrt(2))
+    rounds 7-8    block j=4 (H=8):  bin 1 (prob 1);  rounds 9-10: bin 2 (prob 1/sqrt(2))
+    rounds 11-26  block j=5 (H=16): 4 bins of 4 rounds
+
+Note that b restarts at 1 in every block (line 23), so each block's first bin explores
+(probability 1); blocks grow as 2**(j-1), so that is a vanishing fraction of rounds.
+
+Exploitation (eq. 3), with g~ the incremental mean goodput of arm gamma at this batch size::
+
+    gamma* = argmin_gamma  1 / g~[gamma]  +  I(gamma_prev = 0 and gamma > 0) * c_prefill / gamma
+
+An arm never observed has g~ = 0, i.e. an infinite objective; ties go to the shorter gamma.
+c_prefill is the cost (seconds) of catching a stateful drafter up after speculation was off:
+``switching_cost(lag_tokens, batch_size)``, where lag_tokens is Nightjar's L_max (the engine may
+pass it; by default the number of consecutive gamma = 0 steps, i.e. tokens each running
+sequence emitted without the drafter). gamma_prev is the arm actually played on the previous
+engine step (any batch size: the drafter's state is global); before the first step there is no
+previous arm and no switching cost.
+
+Worked example of the switching term: after a gamma = 0 step with means g~ = [1000, 1100, 1200]
+tokens/s and c_prefill = 0.002 s, the objectives are 1/1000 = 1.0e-3 for gamma = 0,
+1/1100 + 0.002/1 = 2.91e-3 for gamma = 1 and 1/1200 + 0.002/2 = 1.83e-3 for gamma = 2: the bandit
+stays at 0, although gamma = 2 wins by 20% once the drafter is warm.
+
+Extensions used by the hybrid policy (both off by default, which is the paper's algorithm): a
+``prior`` giving each arm a predicted goodput that counts as ``prior_count`` pseudo-observations,
+and an ``explore_scale`` in (0, 1] multiplying the exploration probability of a bin.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+SwitchingCost = Callable[[int, int], float]  # (lag_tokens, batch_size) -> seconds
+Prior = Callable[[int], Sequence[float]]  # bucket -> predicted goodput per arm, tokens/s
+ExploreScale = Callable[[int, Sequence[float]], float]  # (bucket, arm means) -> factor in (0, 1]
+
+
+class Position(NamedTuple):
+    """Where a batch size's next round falls in Algorithm 1's hierarchy."""
+
+    block: int  # j_B
+    block_size: int  # H_B
+    bin: int  # b_B
+    round: int  # tau_B
+
+
+@dataclass
+class _BucketState:
+    """Algorithm 1's per-batch-size state plus the arm statistics."""
+
+    num_arms: int
+    j: int = 1
+    H: int = 1
+    b: int = 1
+    tau: int = 1
+    explore_bin: bool = False
+    means: list[float] = field(default_factory=list)  # [num_arms] incremental mean goodput (data only)
+    counts: list[int] = field(default_factory=list)  # [num_arms] observations per arm
+    time_s: list[float] = field(default_factory=list)  # [num_arms] total step time per arm
+    explore_steps: int = 0
+    exploit_steps: int = 0
+    last_choice: int = 0
+
+    def __post_init__(self) -> None:
+        self.means = [0.0] * self.num_arms
+        self.counts = [0] * self.num_arms
+        self.time_s = [0.0] * self.num_arms
+
+    def advance(self) -> None:
+        """Algorithm 1 lines 16-23 (tau > sqrt(H) is tested exactly as tau**2 > H)."""
+        self.tau += 1
+        if self.tau * self.tau > self.H:
+            self.b += 1
+            self.tau = 1
+            if self.b * self.b > self.H:
+                self.j += 1
+                self.H = 2 ** (self.j - 1)
+                self.b = 1
+
+
+class NightjarBandit:
+    """Per-batch-size ADA-BINGREEDY bandit over gamma in {0..gamma_max} (Nightjar Algorithm 1).
+
+    Call ``select(batch_size)`` once per engine step before drafting and ``update(...)`` once
+    after it with the arm actually played and the goodput it achieved. Deterministic given the
+    seed (or an injected ``rng``).
+    """
+
+    def __init__(
+        self,
+        gamma_max: int,
+        switching_cost: SwitchingCost | None = None,
+        seed: int = 0,
+        *,
+        bucket: Callable[[int], int] | None = None,
+        prior: Prior | None = None,
+        prior_count: float = 0.0,
+        explore_scale: ExploreScale | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        if gamma_max < 1:
+            raise ValueError(f"gamma_max must be >= 1, got {gamma_max}")
+        if prior_count < 0 or (prior_count > 0 and prior is None):
+            raise ValueError(f"prior_count must be >= 0 and needs a prior, got {prior_count}")
+        self.gamma_max = gamma_max
+        self.switching_cost = switching_cost
+        self.bucket = bucket or (lambda b: b)
+        self.prior = prior
+        self.prior_count = prior_count
+        self.explore_scale = explore_scale
+        self.rng = rng if rng is not None else random.Random(seed)
+        self._states: dict[int, _BucketState] = {}
+        self._last_gamma: int | None = None  # arm played on the previous engine step
+        self._zero_run = 0  # consecutive engine steps played with gamma = 0
+        self.last_explored = False
+
+    # ---- state ---------------------------------------------------------------------------
+    def _state(self, batch_size: int) -> tuple[int, _BucketState]:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        key = self.bucket(batch_size)
+        if key not in self._states:
+            self._states[key] = _BucketState(num_arms=self.gamma_max + 1)
+        return key, self._states[key]
+
+    def position(self, batch_size: int) -> Position:
+        """Block, block size, bin and round the next ``select(batch_size)`` falls in."""
+        _, st = self._state(batch_size)
+        return Position(st.j, st.H, st.b, st.tau)
+
+    def arm_means(self, batch_size: int) -> list[float]:
+        """Mean goodput per arm as eq. 3 sees it: data blended with the prior's pseudo-counts."""
+        key, st = self._state(batch_size)
+        if self.prior is None or self.prior_count == 0:
+            return list(st.means)
+        prior = list(self.prior(key))
+        if len(prior) != st.num_arms:
+            raise ValueError(f"prior must give {st.num_arms} arm values, got {len(prior)}")
+        n0 = self.prior_count
+        return [(n0 * p + n * m) / (n0 + n) for p, m, n in zip(prior, st.means, st.counts)]
+
+    def arm_counts(self, batch_size: int) -> list[int]:
+        return list(self._state(batch_size)[1].counts)
+
+    # ---- decisions -----------------------------------------------------------------------
+    def objective(self, batch_size: int, lag_tokens: int | None = None) -> list[float]:
+        """Eq. 3's value of every arm at this step (lower is better)."""
+        means = self.arm_means(batch_size)
+        switching = self._last_gamma == 0 and self.switching_cost is not None
+        cost = 0.0
+        if switching and self.switching_cost is not None:
+            lag = lag_tokens if lag_tokens is not None else self._zero_run
+            cost = self.switching_cost(lag, batch_size)
+        out = []
+        for gamma, g in enumerate(means):
+            value = 1.0 / g if g > 0 else math.inf
+            if switching and gamma > 0:
+                value += cost / gamma
+            out.append(value)
+        return out
+
+    def select(self, batch_size: int, lag_tokens: int | None = None) -> int:
+        """Choose gamma for this engine step at ``batch_size`` (Algorithm 1 lines 5-23)."""
+        key, st = self._state(batch_size)
+        if st.tau == 1:
+            p = 1.0 / math.sqrt(st.b)
+            if self.explore_scale is not None:
+                p *= min(1.0, max(0.0, self.explore_scale(key, self.arm_means(batch_size))))
+            st.explore_bin = self.rng.random() < p
+        if st.explore_bin:
+            gamma = self.rng.randrange(self.gamma_max + 1)
+            st.explore_steps += 1
+        else:
+            obj = self.objective(batch_size, lag_tokens)
+            gamma = min(range(len(obj)), key=obj.__getitem__)
+            st.exploit_steps += 1
+        self.last_explored = st.explore_bin
+        st.last_choice = gamma
+        st.advance()
+        return gamma
+
+    def update(self, batch_size: int, gamma: int, goodput: float, step_time: float) -> None:
+        """Record the reward of the arm actually played (incremental mean, Nightjar eq. 3 text)."""
+        if not 0 <= gamma <= self.gamma_max:
+            raise ValueError(f"gamma must be in [0, {self.gamma_max}], got {gamma}")
+        if not math.isfinite(goodput) or goodput < 0:
+            raise ValueError(f"goodput must be finite and >= 0, got {goodput}")
+        if not math.isfinite(step_time) or step_time < 0:
+            raise ValueError(f"step_time must be finite and >= 0, got {step_time}")
+        _, st = self._state(batch_size)
+        st.counts[gamma] += 1
+        st.means[gamma] += (goodput - st.means[gamma]) / st.counts[gamma]
+        st.time_s[gamma] += step_time
+        self._last_gamma = gamma
+        self._zero_run = self._zero_run + 1 if gamma == 0 else 0
+
+    # ---- reporting -----------------------------------------------------------------------
+    @property
+    def explore_steps(self) -> int:
+        return sum(st.explore_steps for st in self._states.values())
+
+    @property
+    def exploit_steps(self) -> int:
+        return sum(st.exploit_steps for st in self._states.values())
+
+    def buckets(self) -> list[int]:
+        return sorted(self._states)
+
+    def bucket_summary(self, key: int) -> dict[str, float]:
+        """Counters of one bucket (keys as returned by ``buckets()``)."""
+        st = self._states[key]
+        return {
+            "gamma": float(st.last_choice),
+            "explore_steps": float(st.explore_steps),
+            "exploit_steps": float(st.exploit_steps),
+            "block": float(st.j),
+        }

@@ -1,0 +1,544 @@
+"""Speculation policies: how many draft tokens each sequence gets this engine step.
+
+Why this exists: the engine asks one question per step (``plan``) and reports what happened
+(``observe``); which controller answers is a configuration choice. Four controllers share the
+``SpeculationPolicy`` protocol:
+
+- ``StaticPolicy``: a fixed gamma (the classic engine).
+- ``AnalyticPolicy``: TIDE eq. 5 on a profiled T(n)/D0 with alpha estimated online per
+  batch-size bucket; picks the gamma with the best predicted speedup, 0 if none beats 1.0.
+- ``BanditPolicy``: Nightjar's per-batch-size bandit rewarded by goodput (tokens/s).
+- ``HybridPolicy`` (ours): the bandit with the analytic model as its prior (see its docstring).
+
+``Guards`` wraps any of them with the operational rules of the field guide (paper 004): KV
+pressure and high temperature switch speculation off, a per-request override wins over the
+policy, and no sequence drafts past its remaining output budget. ``make_policy`` builds one by
+name.
+
+Feedback convention: ``StepFeedback.gamma`` is the arm that ran, i.e. the largest per-sequence
+gamma of the step (0 when nothing was drafted); bandits credit the step's goodput
+``num_emitted_tokens / step_time`` to that arm.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol, runtime_checkable
+
+from tidespec.control.bandit import NightjarBandit, SwitchingCost
+from tidespec.control.speedup import (
+    Profile,
+    alpha_from_accept_length,
+    best_gamma,
+    practical_speedup,
+)
+
+
+# ---- contracts ---------------------------------------------------------------------------
+@dataclass
+class SeqState:
+    """What a policy may know about one running sequence."""
+
+    seq_id: int
+    temperature: float
+    remaining_tokens: int  # output tokens this sequence may still emit (max_tokens - emitted)
+    override: int | None = None  # per-request gamma from the API: 0 = opt out, None = policy decides
+
+
+@dataclass
+class PlanInput:
+    batch_size: int  # running decode sequences this step
+    kv_usage: float  # fraction of KV slots/blocks in use, [0, 1]
+    seqs: list[SeqState]
+
+
+@dataclass
+class StepFeedback:
+    batch_size: int
+    gamma: int  # the arm that ran: largest per-sequence gamma this step (0 = no drafting)
+    num_seqs_speculated: int  # sequences that drafted at least one token
+    num_draft_tokens: int  # drafted tokens, summed over sequences
+    num_accepted_tokens: int  # accepted drafted tokens (bonus/recovered not included)
+    num_emitted_tokens: int  # tokens appended to outputs: accepted + one bonus/recovered per seq
+    step_time: float  # seconds, whole step
+    draft_time: float  # seconds spent drafting
+    verify_time: float  # seconds spent in the target forward
+
+
+@runtime_checkable
+class SpeculationPolicy(Protocol):
+    name: str
+
+    def plan(self, inp: PlanInput) -> dict[int, int]:
+        """seq_id -> gamma (0 = plain decode) for every sequence in ``inp.seqs``."""
+        ...
+
+    def observe(self, fb: StepFeedback) -> None: ...
+
+    def stats(self) -> dict[str, float]: ...
+
+
+def bucket_of(batch_size: int) -> int:
+    """Power-of-two bucket (rounding up): 1 -> 1, 2 -> 2, 3 -> 4, 5 -> 8, 33 -> 64."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return 1 << (batch_size - 1).bit_length()
+
+
+def _check_gamma_max(gamma_max: int) -> None:
+    if not 1 <= gamma_max <= 64:
+        raise ValueError(f"gamma_max must be in [1, 64], got {gamma_max}")
+
+
+# ---- static ------------------------------------------------------------------------------
+class StaticPolicy:
+    """Always the same gamma (0 = never speculate)."""
+
+    def __init__(self, gamma: int) -> None:
+        if not 0 <= gamma <= 64:
+            raise ValueError(f"gamma must be in [0, 64], got {gamma}")
+        self.name = "static"
+        self.gamma = gamma
+        self._steps = 0
+
+    def plan(self, inp: PlanInput) -> dict[int, int]:
+        self._steps += 1
+        return {s.seq_id: self.gamma for s in inp.seqs}
+
+    def observe(self, fb: StepFeedback) -> None:
+        return None
+
+    def stats(self) -> dict[str, float]:
+        return {"gamma": float(self.gamma), "steps": float(self._steps)}
+
+
+# ---- acceptance tracking -----------------------------------------------------------------
+def alpha_of_step(fb: StepFeedback) -> float | None:
+    """Moment estimate of eq. 2's alpha from one step, None if nothing was drafted.
+
+    Mean drafted per speculating sequence is gamma_eff = draft / seqs, mean emitted is
+    E[l] = 1 + accepted / seqs; alpha solves E[l](alpha, gamma_eff) = that. Example: 4 seqs,
+    16 drafted, 8 accepted -> gamma_eff 4, E[l] 3 -> alpha = 0.7245 (the ratio 8/16 = 0.5
+    would undercount: drafts after a rejection can never be accepted).
+    """
+    if fb.num_seqs_speculated <= 0 or fb.num_draft_tokens <= 0:
+        return None
+    gamma_eff = fb.num_draft_tokens / fb.num_seqs_speculated
+    accept_length = 1.0 + fb.num_accepted_tokens / fb.num_seqs_speculated
+    return alpha_from_accept_length(accept_length, gamma_eff)
+
+
+@dataclass
+class AlphaTracker:
+    """Per-bucket EMAs of alpha, falling back to a global EMA, then to the prior."""
+
+    prior_alpha: float = 0.7
+    ema: float = 0.1  # weight of the newest step
+    global_alpha: float = field(init=False)
+    per_bucket: dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.prior_alpha <= 1.0:
+            raise ValueError(f"prior_alpha must be in [0, 1], got {self.prior_alpha}")
+        if not 0.0 < self.ema <= 1.0:
+            raise ValueError(f"ema must be in (0, 1], got {self.ema}")
+        self.global_alpha = self.prior_alpha
+
+    def alpha(self, bucket: int) -> float:
+        return self.per_bucket.get(bucket, self.global_alpha)
+
+    def update(self, bucket: int, alpha: float) -> None:
+        w = self.ema
+        old = self.per_bucket.get(bucket, self.global_alpha)  # a new bucket starts from the global EMA
+        self.per_bucket[bucket] = old + w * (alpha - old)
+        self.global_alpha += w * (alpha - self.global_alpha)
+
+
+# ---- analytic (TIDE) ---------------------------------------------------------------------
+class AnalyticPolicy:
+    """TIDE's adaptive drafter: best eq.-5 gamma at this batch size and the bucket's alpha.
+
+    It starts from ``prior_alpha`` (optimistic by default so it speculates and measures), then
+    follows the bucket's EMA. A bucket that never speculates keeps learning only through the
+    global EMA fed by other buckets; with all buckets off it stays off (the "decision deadlock"
+    Nightjar points out; ``HybridPolicy`` explores instead).
+    """
+
+    def __init__(
+        self,
+        profile: Profile,
+        gamma_max: int,
+        ema: float = 0.1,
+        prior_alpha: float = 0.7,
+        drafter: str | None = None,
+    ) -> None:
+        _check_gamma_max(gamma_max)
+        self.name = "analytic"
+        self.profile = profile
+        self.gamma_max = gamma_max
+        self.drafter = drafter
+        self.alphas = AlphaTracker(prior_alpha=prior_alpha, ema=ema)
+        self._chosen: dict[int, int] = {}
+        self._speedup: dict[int, float] = {}
+        self._last_speedup = 1.0
+
+    def decide(self, batch_size: int) -> tuple[int, float]:
+        """(gamma, predicted speedup) for this batch size now."""
+        alpha = self.alphas.alpha(bucket_of(batch_size))
+        return best_gamma(alpha, batch_size, self.profile, self.gamma_max, self.drafter)
+
+    def plan(self, inp: PlanInput) -> dict[int, int]:
+        if not inp.seqs:
+            return {}
+        gamma, speedup = self.decide(inp.batch_size)
+        key = bucket_of(inp.batch_size)
+        self._chosen[key] = gamma
+        self._speedup[key] = speedup
+        self._last_speedup = speedup
+        return {s.seq_id: gamma for s in inp.seqs}
+
+    def observe(self, fb: StepFeedback) -> None:
+        alpha = alpha_of_step(fb)
+        if alpha is not None and fb.batch_size >= 1:
+            self.alphas.update(bucket_of(fb.batch_size), alpha)
+
+    def stats(self) -> dict[str, float]:
+        out = {"predicted_speedup": self._last_speedup, "alpha": self.alphas.global_alpha}
+        for key in sorted(self._chosen):
+            out[f"gamma_b{key}"] = float(self._chosen[key])
+            out[f"speedup_b{key}"] = self._speedup[key]
+            out[f"alpha_b{key}"] = self.alphas.alpha(key)
+        return out
+
+
+# ---- bandit (Nightjar) -------------------------------------------------------------------
+def _bandit_stats(bandit: NightjarBandit) -> dict[str, float]:
+    out = {"explore_steps": float(bandit.explore_steps), "exploit_steps": float(bandit.exploit_steps)}
+    for key in bandit.buckets():
+        for name, value in bandit.bucket_summary(key).items():
+            out[f"{name}_b{key}"] = value
+    return out
+
+
+def _goodput(fb: StepFeedback) -> float:
+    return fb.num_emitted_tokens / fb.step_time if fb.step_time > 0 else 0.0
+
+
+class BanditPolicy:
+    """Nightjar: one bandit per batch size (``bucketed=True``: per power-of-two bucket)."""
+
+    def __init__(
+        self,
+        gamma_max: int,
+        seed: int = 0,
+        switching_cost: SwitchingCost | None = None,
+        bucketed: bool = False,
+    ) -> None:
+        _check_gamma_max(gamma_max)
+        self.name = "bandit"
+        self.gamma_max = gamma_max
+        self.bandit = NightjarBandit(
+            gamma_max, switching_cost, seed, bucket=bucket_of if bucketed else None
+        )
+
+    def plan(self, inp: PlanInput) -> dict[int, int]:
+        if not inp.seqs:
+            return {}
+        gamma = self.bandit.select(inp.batch_size)
+        return {s.seq_id: gamma for s in inp.seqs}
+
+    def observe(self, fb: StepFeedback) -> None:
+        if fb.batch_size >= 1 and fb.step_time > 0:
+            self.bandit.update(fb.batch_size, min(fb.gamma, self.gamma_max), _goodput(fb), fb.step_time)
+
+    def stats(self) -> dict[str, float]:
+        return _bandit_stats(self.bandit)
+
+
+# ---- hybrid (ours) -----------------------------------------------------------------------
+class HybridPolicy:
+    """Nightjar's bandit with TIDE's analytic model as prior and exploration governor.
+
+    Prior. Every arm gamma of bucket B carries the predicted goodput
+
+        g_pred(B, gamma) = kappa * practical_speedup(alpha_B, gamma, B) * B / T(B)
+
+    worth ``prior_count`` pseudo-observations: eq. 3 sees (n0 g_pred + n g_data) / (n0 + n),
+    so data overrides the prior after a few steps. The prior is evaluated live, not frozen at
+    bucket creation: alpha_B is the AnalyticPolicy-style EMA of alpha (per power-of-two bucket,
+    global fallback) and kappa an EMA of observed / predicted goodput over all steps (engine
+    overheads the profile does not see), so a bucket reached late starts from what was learned
+    elsewhere. Example: b = 1 on a 10 ms profile with D0 = 0.5 ms, alpha 0.6, kappa 1:
+    g_pred(1, 2) = 100 tokens/s * 1.96 / 1.1 = 178.2 tokens/s.
+
+    Exploration. Nightjar explores blindly at probability 1/sqrt(b) per bin. Where the model
+    (blended with data) says an exploration step is expensive, the hybrid explores less; the
+    expected relative loss of one uniform exploration step is
+
+        regret = 1 - mean(m) / max(m)          (m: the bucket's blended arm means)
+        scale  = max(floor, 1 - (1 - floor) * min(1, regret / regret_wide))
+
+    and the bin explores with probability scale / sqrt(b). The floor keeps exploring, so a
+    wrong prior is still corrected (no deadlock), and since m blends in data, exploration
+    returns towards Nightjar's rate when measurements flatten the arms.
+
+    Worked example (gpt-oss-120b profile of TIDE Table 5, gamma_max 4, floor 0.25,
+    regret_wide 0.15, kappa 1):
+    B = 64, alpha = 0.3: m = [6849, 6829, 6165, 5437, 4911] tokens/s, mean 6038, regret 0.118,
+    scale = 1 - 0.75 * 0.118 / 0.15 = 0.408: a block's first bin explores with probability
+    0.41 instead of 1.
+    B = 1, alpha = 0.8: m = [293, 425, 500, 535, 548], regret 0.160 >= 0.15, scale = 0.25.
+    B = 32, alpha = 0.5: m = [4190, 4929, 4932, 4626, 4339], regret 0.067, scale = 0.67.
+    """
+
+    def __init__(
+        self,
+        profile: Profile,
+        gamma_max: int,
+        seed: int = 0,
+        prior_count: float = 4.0,
+        prior_alpha: float = 0.7,
+        ema: float = 0.1,
+        regret_wide: float = 0.15,
+        explore_floor: float = 0.25,
+        use_switching_cost: bool = True,
+        bucketed: bool = False,
+        drafter: str | None = None,
+    ) -> None:
+        _check_gamma_max(gamma_max)
+        if prior_count <= 0:
+            raise ValueError(f"prior_count must be > 0, got {prior_count}")
+        if regret_wide <= 0:
+            raise ValueError(f"regret_wide must be > 0, got {regret_wide}")
+        if not 0.0 < explore_floor <= 1.0:
+            raise ValueError(f"explore_floor must be in (0, 1], got {explore_floor}")
+        self.name = "hybrid"
+        self.gamma_max = gamma_max
+        self.profile = profile
+        self.drafter = drafter
+        self.regret_wide = regret_wide
+        self.explore_floor = explore_floor
+        self.alphas = AlphaTracker(prior_alpha=prior_alpha, ema=ema)
+        self.ema = ema
+        self.kappa = 1.0
+        self._bucket: Callable[[int], int] = bucket_of if bucketed else (lambda b: b)
+        self._scale_sum = 0.0
+        self._scale_n = 0
+        self._last_predicted_speedup = 1.0
+        self.bandit = NightjarBandit(
+            gamma_max,
+            profile.catchup_cost if use_switching_cost else None,
+            seed,
+            bucket=self._bucket,
+            prior=self.predicted_goodputs,
+            prior_count=prior_count,
+            explore_scale=self.explore_scale,
+        )
+
+    def predicted_goodputs(self, key: int) -> list[float]:
+        """g_pred for every arm of bucket ``key`` (tokens/s), calibrated by kappa."""
+        alpha = self.alphas.alpha(bucket_of(key))
+        base = self.kappa * self.profile.baseline_tokens_per_s(key)
+        return [
+            base * practical_speedup(alpha, g, key, self.profile, self.drafter) for g in range(self.gamma_max + 1)
+        ]
+
+    def explore_scale(self, key: int, means: Sequence[float]) -> float:
+        """The factor on 1/sqrt(b) described in the class docstring."""
+        best = max(means)
+        scale = 1.0
+        if best > 0:
+            regret = 1.0 - sum(means) / len(means) / best
+            scale = max(self.explore_floor, 1.0 - (1.0 - self.explore_floor) * min(1.0, regret / self.regret_wide))
+        self._scale_sum += scale
+        self._scale_n += 1
+        return scale
+
+    def plan(self, inp: PlanInput) -> dict[int, int]:
+        if not inp.seqs:
+            return {}
+        key = self._bucket(inp.batch_size)
+        gamma = self.bandit.select(inp.batch_size)
+        alpha = self.alphas.alpha(bucket_of(key))
+        self._last_predicted_speedup = practical_speedup(alpha, gamma, key, self.profile, self.drafter)
+        return {s.seq_id: gamma for s in inp.seqs}
+
+    def observe(self, fb: StepFeedback) -> None:
+        if fb.batch_size < 1 or fb.step_time <= 0:
+            return
+        gamma = min(fb.gamma, self.gamma_max)
+        goodput = _goodput(fb)
+        key = self._bucket(fb.batch_size)
+        predicted = self.predicted_goodputs(key)[gamma] / self.kappa
+        if predicted > 0 and goodput > 0:
+            self.kappa += self.ema * (goodput / predicted - self.kappa)
+        self.bandit.update(fb.batch_size, gamma, goodput, fb.step_time)
+        alpha = alpha_of_step(fb)
+        if alpha is not None:
+            self.alphas.update(bucket_of(key), alpha)
+
+    def stats(self) -> dict[str, float]:
+        out = _bandit_stats(self.bandit)
+        out["predicted_speedup"] = self._last_predicted_speedup
+        out["calibration"] = self.kappa
+        out["alpha"] = self.alphas.global_alpha
+        out["explore_scale_mean"] = self._scale_sum / self._scale_n if self._scale_n else 1.0
+        return out
+
+
+# ---- guards ------------------------------------------------------------------------------
+@dataclass
+class GuardConfig:
+    """Operational limits (defaults from the field guide, paper 004)."""
+
+    kv_threshold: float = 0.85  # KV usage above this -> no speculation (reservations x (gamma+1))
+    temperature_threshold: float = 0.8  # sampling temperature above this -> no speculation
+    gamma_max: int = 8  # cap for per-request overrides
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.kv_threshold <= 1.0:
+            raise ValueError(f"kv_threshold must be in (0, 1], got {self.kv_threshold}")
+        if self.temperature_threshold < 0:
+            raise ValueError(f"temperature_threshold must be >= 0, got {self.temperature_threshold}")
+        _check_gamma_max(self.gamma_max)
+
+
+class Guards:
+    """Operational rules on top of any policy, applied per sequence in this order:
+
+    1. override == 0 -> 0 (the request opted out);
+    2. override > 0 -> min(override, gamma_max), otherwise the policy's gamma, set to 0 when
+       temperature > temperature_threshold (an explicit override beats this heuristic);
+    3. kv_usage > kv_threshold -> 0 for everyone (memory safety beats preferences);
+    4. gamma <= remaining_tokens - 1 (a step emits up to gamma + 1 tokens).
+
+    Example (kv_threshold 0.85, temperature_threshold 0.8, gamma_max 8, policy says 4):
+    seq (t=0.0, remaining 100, None) -> 4; (t=1.0, 100, None) -> 0; (t=1.0, 100, 12) -> 8;
+    (t=0.0, 3, None) -> 2; any seq at kv_usage 0.9 -> 0.
+    The inner policy is always consulted and always observes, so its schedule and statistics
+    see every step; bandits credit the arm that actually ran (``StepFeedback.gamma``).
+    """
+
+    def __init__(self, inner: SpeculationPolicy, config: GuardConfig | None = None) -> None:
+        self.inner = inner
+        self.config = config or GuardConfig()
+        self.name = inner.name
+        self._counts = {"kv": 0, "temperature": 0, "override": 0, "opt_out": 0, "remaining": 0}
+
+    def plan(self, inp: PlanInput) -> dict[int, int]:
+        cfg = self.config
+        raw = self.inner.plan(inp)
+        kv_pressure = inp.kv_usage > cfg.kv_threshold
+        if kv_pressure:
+            self._counts["kv"] += 1
+        out: dict[int, int] = {}
+        for s in inp.seqs:
+            if s.override == 0:
+                gamma = 0
+                self._counts["opt_out"] += 1
+            elif s.override is not None:
+                gamma = min(s.override, cfg.gamma_max)
+                self._counts["override"] += 1
+            elif s.temperature > cfg.temperature_threshold:
+                gamma = 0
+                self._counts["temperature"] += 1
+            else:
+                gamma = raw.get(s.seq_id, 0)
+            if kv_pressure:
+                gamma = 0
+            cap = max(0, s.remaining_tokens - 1)
+            if gamma > cap:
+                gamma = cap
+                self._counts["remaining"] += 1
+            out[s.seq_id] = gamma
+        return out
+
+    def observe(self, fb: StepFeedback) -> None:
+        self.inner.observe(fb)
+
+    def stats(self) -> dict[str, float]:
+        out = dict(self.inner.stats())
+        for name, n in self._counts.items():
+            out[f"guard_{name}"] = float(n)
+        return out
+
+
+# ---- factory -----------------------------------------------------------------------------
+@dataclass
+class PolicyOptions:
+    """Everything ``make_policy`` may need; fields a policy does not use are ignored."""
+
+    gamma_max: int = 4
+    static_gamma: int | None = None  # static: defaults to gamma_max
+    profile: Profile | None = None  # analytic / hybrid (bandit: switching cost)
+    seed: int = 0
+    ema: float = 0.1
+    prior_alpha: float = 0.7
+    bucketed: bool = False  # bandit / hybrid: power-of-two buckets instead of exact batch sizes
+    guards: GuardConfig | None = None  # None: no guards
+
+    def __post_init__(self) -> None:
+        _check_gamma_max(self.gamma_max)
+        if self.static_gamma is not None and not 0 <= self.static_gamma <= 64:
+            raise ValueError(f"static_gamma must be in [0, 64], got {self.static_gamma}")
+
+
+def _need_profile(opts: PolicyOptions, name: str) -> Profile:
+    if opts.profile is None:
+        raise ValueError(f"policy {name!r} needs a profile")
+    return opts.profile
+
+
+def _static(o: PolicyOptions) -> SpeculationPolicy:
+    return StaticPolicy(o.gamma_max if o.static_gamma is None else o.static_gamma)
+
+
+def _analytic(o: PolicyOptions) -> SpeculationPolicy:
+    return AnalyticPolicy(_need_profile(o, "analytic"), o.gamma_max, ema=o.ema, prior_alpha=o.prior_alpha)
+
+
+def _bandit(o: PolicyOptions) -> SpeculationPolicy:
+    cost = o.profile.catchup_cost if o.profile is not None else None
+    return BanditPolicy(o.gamma_max, seed=o.seed, switching_cost=cost, bucketed=o.bucketed)
+
+
+def _hybrid(o: PolicyOptions) -> SpeculationPolicy:
+    return HybridPolicy(
+        _need_profile(o, "hybrid"), o.gamma_max, seed=o.seed, prior_alpha=o.prior_alpha, ema=o.ema, bucketed=o.bucketed
+    )
+
+
+POLICIES: Mapping[str, Callable[[PolicyOptions], SpeculationPolicy]] = MappingProxyType(
+    {"static": _static, "analytic": _analytic, "bandit": _bandit, "hybrid": _hybrid}
+)
+
+
+def make_policy(name: str, options: PolicyOptions | None = None) -> SpeculationPolicy:
+    """Build policy ``name`` (static, analytic, bandit, hybrid), wrapped in Guards if configured."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    opts = options or PolicyOptions()
+    policy = POLICIES[name](opts)
+    return Guards(policy, opts.guards) if opts.guards is not None else policy
+
+
+__all__ = [
+    "AlphaTracker",
+    "AnalyticPolicy",
+    "BanditPolicy",
+    "GuardConfig",
+    "Guards",
+    "HybridPolicy",
+    "PlanInput",
+    "PolicyOptions",
+    "POLICIES",
+    "SeqState",
+    "SpeculationPolicy",
+    "StaticPolicy",
+    "StepFeedback",
+    "alpha_of_step",
+    "bucket_of",
+    "make_policy",
+]

@@ -1,0 +1,279 @@
+"""TIDE's analytic speedup model: when does speculating pay at this batch size?
+
+Why this exists: speculation amortises one weight read over several tokens, which only helps
+while decoding is memory-bound. As the batch grows, verifying ``b * (gamma + 1)`` tokens costs
+visibly more than decoding ``b`` tokens, and a fixed-gamma engine loses throughput (TIDE
+section 4.1, Nightjar Fig. 2). Given a profile measured once per model/device/dtype, this
+module predicts the speedup of every speculation length so a controller can pick one (or 0).
+
+The model (TIDE eqs. 2-5), with ``T(n)`` the target latency to process ``n`` tokens in one
+forward pass and ``D0`` the draft cost of one drafting step (batch-independent: it is CPU
+launch overhead for small drafters)::
+
+    E[l](alpha, gamma) = (1 - alpha**(gamma + 1)) / (1 - alpha)        # eq. 2, = gamma+1 at alpha=1
+    beta(b, gamma)     = T(b * (gamma + 1)) / T(b)                     # verification / plain decode
+    c(b)               = D0 / T(b)                                     # draft / plain decode
+    speedup            = E[l] / (c(b) * gamma + beta(b, gamma))        # eq. 5
+
+Worked example with TIDE's gpt-oss-120b profile (Table 5, milliseconds), b = 1, gamma = 3,
+alpha = 0.7::
+
+    E[l]  = (1 - 0.7**4) / 0.3             = 2.533
+    beta  = T(4) / T(1) = 4.341 / 3.416    = 1.27078
+    c     = 0.393 / 3.416                  = 0.115047
+    speedup = 2.533 / (3 * 0.115047 + 1.27078) = 1.56754
+
+At b = 512 the same alpha would need T(2048), far outside the table; at b = 128,
+``beta = T(512) / T(128) = 21.50 / 11.79 = 1.824`` and the speedup falls to 1.35.
+
+``T(n)`` between measured points is interpolated linearly over the running maximum of the
+table (latency never decreases with more tokens, so measurement noise is flattened); beyond the
+last point it is extrapolated along the last segment (the compute-bound regime is linear in n).
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_DRAFTER = "default"
+PROFILE_FORMAT_VERSION = 1
+
+
+def _interp(xs: list[float], ys: list[float], x: float) -> float:
+    """Piecewise-linear interpolation; clamp below ``xs[0]``, extend the last segment above."""
+    if len(xs) == 1 or x <= xs[0]:
+        return ys[0]
+    i = bisect.bisect_left(xs, x)
+    if i == len(xs):
+        i = len(xs) - 1  # extrapolate along the last segment
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+
+
+@dataclass
+class Profile:
+    """Profiled costs of one model on one device and dtype (all times in seconds).
+
+    ``target_latency[n]``: one target forward pass over ``n`` new tokens in total (the batch's
+    decode tokens, e.g. ``b * (gamma + 1)`` when verifying). ``draft_cost[name]``: D0 of one
+    drafting step of drafter ``name``; ``draft_cost["default"]`` is required and used for
+    unknown names. ``catchup[(tokens, batch)]``: time for a stateful drafter to re-ingest
+    ``tokens`` lagging tokens for each of ``batch`` sequences after speculation was off
+    (Nightjar's c_prefill(L_max, B), Table 1).
+    """
+
+    target_latency: dict[int, float]
+    draft_cost: dict[str, float]
+    catchup: dict[tuple[int, int], float] = field(default_factory=dict)
+    key: str = ""  # model/device/dtype this profile was measured for
+    _ts: list[float] = field(init=False, repr=False, compare=False)
+    _tlat: list[float] = field(init=False, repr=False, compare=False)
+    _rows: dict[int, tuple[list[float], list[float]]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.target_latency:
+            raise ValueError("target_latency must have at least one measured point")
+        for n, t in self.target_latency.items():
+            if n < 1 or not math.isfinite(t) or t <= 0:
+                raise ValueError(f"target_latency needs n >= 1 and finite T > 0, got T({n}) = {t}")
+        if DEFAULT_DRAFTER not in self.draft_cost:
+            raise ValueError(f"draft_cost must contain the {DEFAULT_DRAFTER!r} drafter")
+        for name, d in self.draft_cost.items():
+            if not math.isfinite(d) or d < 0:
+                raise ValueError(f"draft_cost[{name!r}] must be finite and >= 0, got {d}")
+        for (tokens, batch), cost in self.catchup.items():
+            if tokens < 0 or batch < 1 or not math.isfinite(cost) or cost < 0:
+                raise ValueError(f"catchup needs tokens >= 0, batch >= 1, cost >= 0, got {(tokens, batch)}: {cost}")
+        self._ts = [float(n) for n in sorted(self.target_latency)]
+        envelope: list[float] = []
+        for n in sorted(self.target_latency):
+            envelope.append(max(self.target_latency[n], envelope[-1] if envelope else 0.0))
+        self._tlat = envelope
+        rows: dict[int, dict[int, float]] = {}
+        for (tokens, batch), cost in self.catchup.items():
+            rows.setdefault(batch, {})[tokens] = cost
+        self._rows = {b: ([float(t) for t in sorted(r)], [r[t] for t in sorted(r)]) for b, r in rows.items()}
+
+    # ---- lookups -------------------------------------------------------------------------
+    def target(self, n: float) -> float:
+        """T(n), seconds: interpolated over the monotone envelope of the measured table."""
+        if n <= 0:
+            raise ValueError(f"T(n) needs n > 0, got {n}")
+        return _interp(self._ts, self._tlat, float(n))
+
+    def d0(self, drafter: str | None = None) -> float:
+        """D0 of ``drafter`` (the default drafter's when None or unknown), seconds per drafting step."""
+        return self.draft_cost.get(drafter or DEFAULT_DRAFTER, self.draft_cost[DEFAULT_DRAFTER])
+
+    def catchup_cost(self, tokens: int, batch: int) -> float:
+        """Seconds to catch a stateful drafter up on ``tokens`` lagging tokens for ``batch`` seqs.
+
+        Linear in tokens within each measured batch row (extended past the last point), linear
+        between the two nearest batch rows, clamped to the outermost rows; 0 with no table.
+        """
+        if not self._rows or tokens <= 0:
+            return 0.0
+        batches = sorted(self._rows)
+        if batch <= batches[0] or batch >= batches[-1]:
+            row = batches[0] if batch <= batches[0] else batches[-1]
+            return max(0.0, _interp(*self._rows[row], float(tokens)))
+        i = bisect.bisect_left(batches, batch)
+        lo, hi = batches[i - 1], batches[i]
+        c_lo = _interp(*self._rows[lo], float(tokens))
+        c_hi = _interp(*self._rows[hi], float(tokens))
+        return max(0.0, c_lo + (c_hi - c_lo) * (batch - lo) / (hi - lo))
+
+    def baseline_tokens_per_s(self, b: int) -> float:
+        """Plain-decode goodput at batch ``b``: b tokens every T(b) seconds."""
+        return b / self.target(b)
+
+    # ---- (de)serialisation ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": PROFILE_FORMAT_VERSION,
+            "key": self.key,
+            "target_latency_s": {str(n): t for n, t in sorted(self.target_latency.items())},
+            "draft_cost_s": dict(sorted(self.draft_cost.items())),
+            "catchup_s": [[tokens, batch, cost] for (tokens, batch), cost in sorted(self.catchup.items())],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        if data.get("version") != PROFILE_FORMAT_VERSION:
+            raise ValueError(f"unsupported profile version {data.get('version')!r}, expected {PROFILE_FORMAT_VERSION}")
+        return cls(
+            target_latency={int(n): float(t) for n, t in data["target_latency_s"].items()},
+            draft_cost={str(k): float(v) for k, v in data["draft_cost_s"].items()},
+            catchup={(int(t), int(b)): float(c) for t, b, c in data.get("catchup_s", [])},
+            key=str(data.get("key", "")),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Profile:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        return cls.from_json(Path(path).read_text())
+
+
+# ---- the model ---------------------------------------------------------------------------
+def _check(alpha: float, gamma: float) -> None:
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if gamma < 0:
+        raise ValueError(f"gamma must be >= 0, got {gamma}")
+
+
+def expected_accept_length(alpha: float, gamma: float) -> float:
+    """Eq. 2: expected tokens emitted per step (accepted drafts + the bonus/recovered token).
+
+    ``expected_accept_length(0.7, 3) = (1 - 0.7**4) / 0.3 = 2.533``; at alpha = 1 every draft is
+    accepted: gamma + 1. ``gamma`` may be fractional (a mean draft length).
+    """
+    _check(alpha, gamma)
+    if alpha > 1.0 - 1e-12:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1.0)) / (1.0 - alpha)
+
+
+def alpha_from_accept_length(accept_length: float, gamma: float, tol: float = 1e-10) -> float:
+    """Invert eq. 2: the per-token acceptance rate alpha with E[l](alpha, gamma) = accept_length.
+
+    This is the moment estimator of alpha from observed steps: with gamma = 4 and 2.3616
+    accepted drafts per sequence on average (accept_length 3.3616), alpha = 0.8; the naive
+    ratio accepted / drafted = 2.3616 / 4 = 0.59 would underestimate it, because drafts after
+    the first rejection are counted as drafted but can never be accepted.
+    """
+    if gamma <= 0:
+        raise ValueError(f"gamma must be > 0 to estimate alpha, got {gamma}")
+    if accept_length <= 1.0:
+        return 0.0
+    if accept_length >= gamma + 1.0:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    while hi - lo > tol:
+        mid = 0.5 * (lo + hi)
+        if expected_accept_length(mid, gamma) < accept_length:
+            lo = mid
+        else:
+            hi = mid
+    return 0.5 * (lo + hi)
+
+
+def beta(profile: Profile, b: int, gamma: int) -> float:
+    """beta(b) = T(b (gamma + 1)) / T(b): cost of verifying gamma drafts + 1 vs. one plain step."""
+    return profile.target(b * (gamma + 1)) / profile.target(b)
+
+
+def c(profile: Profile, b: int, drafter: str | None = None) -> float:
+    """c(b) = D0 / T(b): one drafting step relative to one plain decode step at batch b."""
+    return profile.d0(drafter) / profile.target(b)
+
+
+def practical_speedup(alpha: float, gamma: int, b: int, profile: Profile, drafter: str | None = None) -> float:
+    """Eq. 5: E[l] / (c(b) gamma + beta(b)); exactly 1.0 at gamma = 0 (plain decoding)."""
+    _check(alpha, gamma)
+    if b < 1:
+        raise ValueError(f"batch size must be >= 1, got {b}")
+    if gamma == 0:
+        return 1.0
+    return expected_accept_length(alpha, gamma) / (c(profile, b, drafter) * gamma + beta(profile, b, gamma))
+
+
+def best_gamma(
+    alpha: float, b: int, profile: Profile, gamma_max: int, drafter: str | None = None
+) -> tuple[int, float]:
+    """The gamma in 1..gamma_max with the highest eq.-5 speedup, or (0, 1.0) if none beats 1.0.
+
+    Ties go to the shorter gamma (less KV reserved for the same predicted gain).
+    """
+    if gamma_max < 0:
+        raise ValueError(f"gamma_max must be >= 0, got {gamma_max}")
+    best, best_s = 0, 1.0
+    for g in range(1, gamma_max + 1):
+        s = practical_speedup(alpha, g, b, profile, drafter)
+        if s > best_s:
+            best, best_s = g, s
+    return best, best_s
+
+
+def min_alpha_for_gain(
+    b: int, gamma: int, profile: Profile, drafter: str | None = None, tol: float = 1e-9
+) -> float:
+    """Smallest alpha with practical_speedup(alpha) >= 1 (bisection; the speedup rises with alpha).
+
+    Returns ``math.inf`` when even alpha = 1 gives no gain ((gamma + 1) <= c gamma + beta), and
+    0.0 when any alpha gains (only possible with a non-monotone profile).
+    """
+    if gamma < 1:
+        raise ValueError(f"gamma must be >= 1, got {gamma}")
+    if practical_speedup(1.0, gamma, b, profile, drafter) <= 1.0:
+        return math.inf
+    if practical_speedup(0.0, gamma, b, profile, drafter) >= 1.0:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while hi - lo > tol:
+        mid = 0.5 * (lo + hi)
+        if practical_speedup(mid, gamma, b, profile, drafter) >= 1.0:
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def min_accept_length_for_gain(b: int, gamma: int, profile: Profile, drafter: str | None = None) -> float:
+    """TIDE section 5.4's threshold: the acceptance length E[l] needed for any gain at batch b."""
+    a = min_alpha_for_gain(b, gamma, profile, drafter)
+    return math.inf if math.isinf(a) else expected_accept_length(a, gamma)

@@ -1,0 +1,87 @@
+"""Slot-based KV cache with per-sequence ownership, multi-token append, rollback and compaction.
+
+Why this exists: speculative decoding writes K/V for draft tokens that may be rejected, so the
+cache must roll back to any earlier length cheaply; tree verification writes sibling branches
+and must keep only the accepted path. Each sequence owns one contiguous slot of
+``max_model_len`` positions: rollback is setting a length, compaction is a copy of a few
+positions, and attention reads a contiguous view (no gather) — the right trade on CPU, where
+a paged gather per step would cost more than it saves. Memory is reserved with ``torch.empty``
+so untouched pages are never committed by the OS.
+
+Worked example::
+
+    kv = KVCache.for_model(cfg, num_slots=2, max_len=16, dtype=torch.float32)
+    s = kv.allocate()            # -> 0
+    kv.set_length(s, 7)          # after the model wrote 7 positions
+    kv.set_length(s, 5)          # roll back 2 rejected drafts
+    kv.compact(s, src=[6, 9], dst_start=5)   # keep tree tokens at offsets 6 and 9 as 5, 6
+    kv.free(s)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tidespec.models.llama import LlamaConfig
+
+
+class KVCache:
+    """Per-layer K/V tensors ``[num_slots, n_kv, max_len, hd]`` plus slot bookkeeping."""
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        shape = (num_slots, num_kv_heads, max_len, head_dim)
+        self.k: list[torch.Tensor] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v: list[torch.Tensor] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.num_slots = num_slots
+        self.max_len = max_len
+        self.lengths: list[int] = [0] * num_slots
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    @classmethod
+    def for_model(cls, cfg: LlamaConfig, num_slots: int, max_len: int, dtype: torch.dtype,
+                  device: torch.device | str = "cpu") -> "KVCache":
+        return cls(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def allocate(self) -> int | None:
+        """Take a free slot, or None when all are owned."""
+        if not self._free:
+            return None
+        slot = self._free.pop()
+        self.lengths[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        if slot in self._free:
+            raise ValueError(f"slot {slot} freed twice")
+        self.lengths[slot] = 0
+        self._free.append(slot)
+
+    def set_length(self, slot: int, length: int) -> None:
+        """Mark the first ``length`` positions valid (append after a forward, or roll back)."""
+        if not 0 <= length <= self.max_len:
+            raise ValueError(f"length {length} outside [0, {self.max_len}]")
+        self.lengths[slot] = length
+
+    def compact(self, slot: int, src: list[int], dst_start: int) -> None:
+        """Move K/V at offsets ``src`` (ascending) to ``dst_start, dst_start+1, ...`` in every layer."""
+        if not src:
+            return
+        if src == list(range(dst_start, dst_start + len(src))):
+            return
+        idx = torch.tensor(src, dtype=torch.int64, device=self.k[0].device)
+        for k, v in zip(self.k, self.v):
+            k[slot, :, dst_start:dst_start + len(src)] = k[slot, :, idx]
+            v[slot, :, dst_start:dst_start + len(src)] = v[slot, :, idx]
+
+    def usage(self) -> float:
+        """Fraction of all token positions holding valid K/V (for metrics and KV-pressure guards)."""
+        return sum(self.lengths) / float(self.num_slots * self.max_len)
+
+    def slot_usage(self) -> float:
+        """Fraction of slots owned by a sequence."""
+        return 1.0 - len(self._free) / self.num_slots

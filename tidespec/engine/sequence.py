@@ -1,0 +1,62 @@
+"""Per-request state: tokens, KV ownership, sampling generator, streaming text, statistics.
+
+Why this exists: the scheduler, runner and verifier all act on a request; keeping its state in
+one dataclass (and nothing in globals) makes continuous batching and abort easy to reason about.
+
+Token bookkeeping: ``token_ids = prompt_ids + output_ids``; ``num_cached`` tokens have final K/V
+in the target cache. While decoding, exactly one token (the last output) is not yet cached.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from tidespec.engine.detok import IncrementalDetokenizer
+from tidespec.engine.stats import RequestStats
+from tidespec.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    detok: IncrementalDetokenizer
+    spec_override: int | None = None  # per-request gamma (0 = opt out), None = policy decides
+    label: str | None = None  # route/domain label for bucketed metrics
+    output_ids: list[int] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in sync
+    num_cached: int = 0
+    slot: int | None = None
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: str | None = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    pending_text: str = ""  # detokenized text held back while it could start a stop string
+    emitted_text: str = ""  # text already given to the client
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_cached < len(self.prompt_ids)
+
+    @property
+    def remaining_tokens(self) -> int:
+        return self.params.max_tokens - len(self.output_ids)
+
+    def append(self, tok: int) -> None:
+        self.output_ids.append(tok)
+        self.token_ids.append(tok)

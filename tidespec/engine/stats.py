@@ -1,0 +1,61 @@
+"""Step and request statistics: the one data source for metrics, controllers and reports.
+
+Why this exists: dashboards and the adaptive controllers must read the same numbers, or a
+controller can be tuned against figures nobody sees. The engine fills one ``StepStats`` per
+step; ``RequestStats`` accumulate per request and travel with its outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class StepStats:
+    step: int = 0
+    batch_size: int = 0  # sequences in the step (decode + prefill)
+    num_decode_seqs: int = 0
+    num_prefill_tokens: int = 0
+    num_drafts: int = 0  # sequences that speculated this step
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # tokens appended to outputs this step
+    accepted_per_pos: list[int] = field(default_factory=list)  # [max depth] accepted count per draft position
+    spec_lens: dict[int, int] = field(default_factory=dict)  # seq_id -> gamma chosen this step
+    draft_time: float = 0.0  # seconds in drafter.propose
+    verify_time: float = 0.0  # seconds in the target forward (+ verification)
+    other_time: float = 0.0  # scheduling, bookkeeping, detokenization
+    total_time: float = 0.0
+    kv_usage: float = 0.0
+    num_running: int = 0
+    num_waiting: int = 0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per speculating sequence per step (accepted + 1); 0 when none speculated."""
+        return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
+class RequestStats:
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_steps: int = 0  # decode steps that produced tokens for this request
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add_accepted(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_accepted:
+            self.accepted_per_pos.extend([0] * (num_accepted - len(self.accepted_per_pos)))
+        for i in range(num_accepted):
+            self.accepted_per_pos[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return (self.num_accepted_tokens + self.num_drafts) / self.num_drafts if self.num_drafts else 0.0

@@ -1,0 +1,155 @@
+"""Prometheus metrics fed from the engine's own statistics.
+
+Why this exists: dashboards and the adaptive controllers must read the same numbers. So there is
+one data source: ``StepStats`` (via ``LLMEngine.step_listeners``) feed the step-level counters and
+gauges, finished ``RequestOutput``s (their ``RequestStats``) feed the latency histograms and the
+per-route counters. Names follow vLLM's with a ``tidespec:`` prefix, so existing vLLM dashboards
+need only a prefix change (prometheus-client appends ``_total`` to counters, as vLLM's do).
+
+Per-route bucketing: a mean acceptance over mixed traffic hides the half of the traffic below
+break-even, so requests may carry a route/domain label (the server takes it from the
+``X-Tidespec-Route`` header) and the ``tidespec:request_spec_decode_*`` counters are labelled by
+it. Labels come from clients, so they are bounded: at most ``max_routes`` distinct values, later
+ones are counted as ``"other"``; requests without a label count as ``"default"``.
+
+Every ``Metrics`` owns its ``CollectorRegistry`` (no global default registry), so several servers
+or tests in one process never collide.
+
+Worked example (hand-traced)::
+
+    m = Metrics()
+    m.on_step(StepStats(num_drafts=2, num_draft_tokens=8, num_accepted_tokens=5,
+                        accepted_per_pos=[2, 2, 1], spec_lens={0: 4, 1: 4, 2: 0}))
+    # spec_decode_num_drafts_total 2, _num_draft_tokens_total 8, _num_accepted_tokens_total 5,
+    # _num_accepted_tokens_per_pos_total{position="0"} 2, {"1"} 2, {"2"} 1,
+    # spec_decode_current_num_speculative_tokens = mean(4, 4, 0) = 2.667
+    m.render()   # text exposition format for GET /metrics
+"""
+
+from __future__ import annotations
+
+import threading
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from tidespec.engine.engine import RequestOutput
+from tidespec.engine.stats import StepStats
+
+PREFIX = "tidespec:"
+DEFAULT_ROUTE = "default"
+OTHER_ROUTE = "other"
+
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+                1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+               240.0, 480.0)
+
+
+class Metrics:
+    """The server's Prometheus metrics; see the module docstring."""
+
+    def __init__(self, registry: CollectorRegistry | None = None, max_routes: int = 32) -> None:
+        if max_routes < 1:
+            raise ValueError(f"max_routes must be >= 1, got {max_routes}")
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        self.max_routes = max_routes
+        self._routes: set[str] = set()
+        self._routes_lock = threading.Lock()
+        r = self.registry
+        p = PREFIX
+        # step-level (StepStats)
+        self.num_drafts = Counter(f"{p}spec_decode_num_drafts", "Sequence-steps that speculated.", registry=r)
+        self.num_draft_tokens = Counter(f"{p}spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r)
+        self.num_accepted_tokens = Counter(f"{p}spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                           registry=r)
+        self.accepted_per_pos = Counter(f"{p}spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by position in the draft (0 = first).",
+                                        ["position"], registry=r)
+        self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.generation_tokens = Counter(f"{p}generation_tokens", "Tokens generated.", registry=r)
+        self.running = Gauge(f"{p}num_requests_running", "Requests holding a KV slot.", registry=r)
+        self.waiting = Gauge(f"{p}num_requests_waiting", "Requests queued for a KV slot.", registry=r)
+        self.kv_usage = Gauge(f"{p}kv_cache_usage_perc", "KV cache usage (fraction of slots, 0..1).", registry=r)
+        self.current_spec = Gauge(f"{p}spec_decode_current_num_speculative_tokens",
+                                  "Mean speculation length over the decode sequences of the last step.",
+                                  registry=r)
+        # request-level (finished RequestOutputs)
+        self.request_success = Counter(f"{p}request_success", "Finished requests.", ["finish_reason"], registry=r)
+        self.ttft = Histogram(f"{p}time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS,
+                              registry=r)
+        self.tpot = Histogram(f"{p}time_per_output_token_seconds", "Mean time per output token after the first.",
+                              buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram(f"{p}e2e_request_latency_seconds", "Arrival to finish.", buckets=E2E_BUCKETS,
+                             registry=r)
+        self.req_drafts = Counter(f"{p}request_spec_decode_num_drafts", "Speculating steps of finished requests.",
+                                  ["route"], registry=r)
+        self.req_draft_tokens = Counter(f"{p}request_spec_decode_num_draft_tokens",
+                                        "Draft tokens of finished requests.", ["route"], registry=r)
+        self.req_accepted_tokens = Counter(f"{p}request_spec_decode_num_accepted_tokens",
+                                           "Accepted draft tokens of finished requests.", ["route"], registry=r)
+        self.req_generation_tokens = Counter(f"{p}request_generation_tokens", "Output tokens of finished requests.",
+                                             ["route"], registry=r)
+        # server-level
+        self.rejected = Counter(f"{p}request_rejected", "Requests refused before reaching the engine.",
+                                ["reason"], registry=r)
+
+    # ------------------------------------------------------------------ feeds
+    def on_step(self, stats: StepStats) -> None:
+        """Step listener: ``engine.step_listeners.append(metrics.on_step)``."""
+        self.num_drafts.inc(stats.num_drafts)
+        self.num_draft_tokens.inc(stats.num_draft_tokens)
+        self.num_accepted_tokens.inc(stats.num_accepted_tokens)
+        for pos, n in enumerate(stats.accepted_per_pos):
+            if n:
+                self.accepted_per_pos.labels(position=str(pos)).inc(n)
+        self.prompt_tokens.inc(stats.num_prefill_tokens)
+        self.generation_tokens.inc(stats.num_emitted_tokens)
+        self.set_load(stats.num_running, stats.num_waiting, stats.kv_usage)
+        lens = list(stats.spec_lens.values())
+        self.current_spec.set(sum(lens) / len(lens) if lens else 0.0)
+
+    def set_load(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
+        """Gauges of the engine's load (also set when the engine goes idle without a step)."""
+        self.running.set(num_running)
+        self.waiting.set(num_waiting)
+        self.kv_usage.set(kv_usage)
+
+    def on_request_finished(self, output: RequestOutput, label: str | None = None) -> None:
+        """Record a finished request (any finish reason, aborts included)."""
+        s = output.stats
+        self.request_success.labels(finish_reason=output.finish_reason or "unknown").inc()
+        if s.first_token_time is not None:
+            self.ttft.observe(max(0.0, s.first_token_time - s.arrival_time))
+            n = len(output.token_ids)
+            if s.finish_time is not None and n > 1:
+                self.tpot.observe(max(0.0, (s.finish_time - s.first_token_time) / (n - 1)))
+        if s.finish_time is not None:
+            self.e2e.observe(max(0.0, s.finish_time - s.arrival_time))
+        route = self.route(label)
+        self.req_drafts.labels(route=route).inc(s.num_drafts)
+        self.req_draft_tokens.labels(route=route).inc(s.num_draft_tokens)
+        self.req_accepted_tokens.labels(route=route).inc(s.num_accepted_tokens)
+        self.req_generation_tokens.labels(route=route).inc(len(output.token_ids))
+
+    def on_rejected(self, reason: str) -> None:
+        """A request the server refused (``queue_full``, ``invalid``, ``unauthorized``)."""
+        self.rejected.labels(reason=reason).inc()
+
+    # ------------------------------------------------------------------ helpers
+    def route(self, label: str | None) -> str:
+        """The bounded route label for a request label."""
+        if not label:
+            return DEFAULT_ROUTE
+        with self._routes_lock:
+            if label in self._routes:
+                return label
+            if len(self._routes) < self.max_routes:
+                self._routes.add(label)
+                return label
+        return OTHER_ROUTE
+
+    def render(self) -> bytes:
+        """The text exposition format of this registry."""
+        return generate_latest(self.registry)

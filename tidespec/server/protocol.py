@@ -1,0 +1,271 @@
+"""OpenAI wire format: request and response models for ``/v1/completions`` and ``/v1/chat/completions``.
+
+Why this exists: the HTTP layer must reject malformed input *before* it reaches the engine, with a
+message a client can act on, and must answer in exactly the shape the official ``openai`` client
+parses. Pydantic models in strict mode give both: a wrong type (``"n": "1"``, ``"stream": 1``) or
+an out-of-range value (``"temperature": 7``) fails validation and becomes an OpenAI-style 400
+(see ``tidespec.server.app``); everything that validates maps one-to-one onto ``SamplingParams``.
+
+Extensions beyond OpenAI (all optional):
+
+* ``top_k`` (as vLLM; ``-1`` and ``0`` mean off),
+* ``tidespec: {"enabled": bool, "num_speculative_tokens": int}`` — per-request speculation
+  (``enabled: false`` -> 0 draft tokens; no ``num_speculative_tokens`` -> the engine's default),
+* ``usage.draft_tokens`` / ``usage.accepted_tokens`` in every response,
+* ``drafter_version`` on responses when the engine's drafter exposes a ``version``.
+
+Worked example::
+
+    req = CompletionRequest.model_validate({"model": "m", "prompt": "Hi", "max_tokens": 8,
+                                            "stop": "\\n", "tidespec": {"enabled": False}})
+    req.sampling_params(default_max_tokens=16)   # SamplingParams(max_tokens=8, stop=["\\n"], ...)
+    req.spec_tokens()                             # 0
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from tidespec.sampling import SamplingParams
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_LEN = 256
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
+# temperatures below this are greedy (as vLLM's _SAMPLING_EPS): logits / 1e-163 overflow to inf
+GREEDY_BELOW_TEMPERATURE = 1e-5
+
+
+class _Strict(BaseModel):
+    """Strict types (no ``"1"`` -> 1 coercion), no NaN/inf; unknown fields are ignored like OpenAI's
+    server does for forward compatibility, except the unsupported features checked below."""
+
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TidespecOptions(_Strict):
+    """Per-request speculation control (a tidespec extension)."""
+
+    enabled: bool = True
+    num_speculative_tokens: Annotated[int, Field(ge=0, le=64)] | None = None
+
+
+class _SamplingRequest(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    stop: str | Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]],
+                          Field(max_length=MAX_STOP_STRINGS)] | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: Annotated[str, Field(max_length=256)] | None = None
+    ignore_eos: bool = False  # vLLM extension
+    tidespec: TidespecOptions | None = None
+    # OpenAI features tidespec does not implement: accepted only at their neutral values.
+    logprobs: bool | Annotated[int, Field(ge=0, le=0)] | None = None
+    echo: Literal[False] | None = None
+    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, v: str | list[str] | None) -> str | list[str] | None:
+        if isinstance(v, str) and not 1 <= len(v) <= MAX_STOP_LEN:
+            raise ValueError(f"a stop string must have 1 to {MAX_STOP_LEN} characters")
+        return v
+
+    @field_validator("logprobs")
+    @classmethod
+    def _no_logprobs(cls, v: bool | int | None) -> bool | int | None:
+        if v is True:
+            raise ValueError("logprobs are not supported")
+        return v
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The engine's ``SamplingParams``; raises ``SamplingParamsError`` on an invalid combination."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        max_tokens = self._max_tokens()
+        temperature = 1.0 if self.temperature is None else float(self.temperature)
+        return SamplingParams(
+            temperature=0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature,
+            top_p=1.0 if self.top_p is None else float(self.top_p),
+            top_k=max(0, self.top_k or 0),
+            seed=self.seed,
+            max_tokens=default_max_tokens if max_tokens is None else max_tokens,
+            stop=stop,
+            ignore_eos=self.ignore_eos,
+        )
+
+    def spec_tokens(self) -> int | None:
+        """Per-request speculation length: None = the engine decides, 0 = no speculation."""
+        if self.tidespec is None:
+            return None
+        if not self.tidespec.enabled:
+            return 0
+        return self.tidespec.num_speculative_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    # a string, a one-element list of strings (n=1 batches only), or token ids
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[
+        list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
+    suffix: Literal[""] | None = None
+
+    def prompt_input(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, str):
+            return p
+        if isinstance(p[0], str):
+            return p[0]  # type: ignore[return-value]
+        return list(p)  # type: ignore[arg-type]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
+    name: Annotated[str, Field(max_length=256)] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def max_tokens_given(self) -> bool:
+        return self._max_tokens() is not None
+
+    def template_messages(self) -> list[dict[str, str]]:
+        """Messages as the tokenizer's chat template expects them (``developer`` -> ``system``)."""
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+                for m in self.messages]
+
+
+# ----------------------------------------------------------------------------- responses
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    draft_tokens: int = 0  # tidespec: draft tokens proposed for this request
+    accepted_tokens: int = 0  # tidespec: of those, accepted by the target
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    drafter_version: str | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    drafter_version: str | None = None
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+    drafter_version: str | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "tidespec"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorInfo

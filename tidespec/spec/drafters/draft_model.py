@@ -1,0 +1,287 @@
+"""Draft-model drafter: a small same-tokenizer Llama-family model proposes the next tokens.
+
+Why this exists: the classic speculative-decoding drafter (Leviathan et al., 2023) is a cheaper
+autoregressive model sharing the target's tokenizer — a separate small checkpoint or the target
+itself truncated to its first k layers (``LlamaModel.truncated(k)``). It keeps its own KV cache,
+so it must stay in step with the target's context under continuous batching: a sequence may
+skip speculation for several steps, drafts may be rejected, or a sequence may be seen for the
+first time mid-generation.
+
+Catch-up by prefix matching. Per sequence the drafter remembers the token ids whose draft K/V is
+valid in its slot. At ``propose`` it keeps the longest common prefix of those and the sequence's
+context (always re-feeding at least the last context token, whose logits start drafting), rolls
+the rest back, and feeds every missing context token in ONE ragged forward over all sequences of
+the call. Chain drafts that were fed keep their K/V and stay in the token list, so accepted drafts
+are reused for free next step and rejected ones are rolled back by the prefix comparison.
+
+Worked example (chain, gamma=3)::
+
+    propose(ctx=[5, 6, 7])       # feed [5, 6, 7] -> draft a; feed a -> b; feed b -> c
+                                 # proposal [a, b, c]; draft KV holds [5, 6, 7, a, b]
+    propose(ctx=[5, 6, 7, a, x]) # target accepted a, corrected b -> x
+                                 # common prefix [5, 6, 7, a] (4 tokens), kept prefix 4 ->
+                                 # roll back b, feed only [x]
+
+Trees (``DraftInput.tree``): the tree is grown level by level; every node gets its top-k
+children by draft probability; when a level would exceed the token budget gamma, the children
+with the highest path probability are kept (the greedy main line is always kept, so the tree
+always contains the draft's greedy chain as deep as the tree goes). Because the model's
+attention sees the whole cached prefix, each level re-feeds the whole tree built so far on top of
+the context with a tree attention mask (trees are a handful of tokens); the tree's K/V is rolled
+back afterwards. Tree drafts are point masses (``draft_probs=None``).
+
+The draft model must share the target's tokenizer; ``draft_probs`` rows have the draft model's
+vocabulary size (the verifier pads when the target's vocabulary is larger).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from tidespec.engine.kv_cache import KVCache
+from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.sampling import SamplingParams, make_generator, sample_from, target_probs
+from tidespec.spec.proposal import DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.spec.tree import tree_depths, tree_mask
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: decorrelates the draft's stream from the target's
+
+
+def draft_seed(seed: int | None) -> int | None:
+    """Seed for the draft sampler derived from the request seed, never equal to it.
+
+    The verifier's uniforms must be independent of the drafted token; seeding the draft's
+    generator with the request seed itself would replay the target sampler's random stream.
+    Example: ``draft_seed(0) == 0x1E3779B97F4A7C15`` (kept below 2**63); ``draft_seed(None) is None``.
+    """
+    if seed is None:
+        return None
+    return (seed ^ _SEED_MIX) % (1 << 63)
+
+
+@dataclass
+class _Feed:
+    """Tokens one sequence feeds in one draft forward and the rows whose logits it needs."""
+
+    slot: int
+    tokens: list[int]  # [q] new tokens
+    ctx_len: int  # K/V positions before them
+    rows: list[int]  # local row indices needing logits
+    depths: list[int] | None = None  # tree depths below the context, None = chain
+    mask: torch.Tensor | None = None  # [q, q] tree mask, None = causal
+
+
+@dataclass
+class _ChainJob:
+    """Autoregressive chain drafting for one sequence."""
+
+    slot: int
+    ctx_len: int
+    gamma: int
+    params: SamplingParams
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)  # drafted ids so far
+    probs: list[torch.Tensor] = field(default_factory=list)  # [V] each, when sampling
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.gamma
+
+    def consume(self, logits: torch.Tensor) -> None:
+        """logits: [1, V] at the last fed position -> one more draft token."""
+        if self.params.greedy:
+            self.tokens.append(int(logits[0].argmax().item()))
+            return
+        probs = target_probs(logits, self.params)[0]  # [V]
+        self.tokens.append(sample_from(probs, self.generator))
+        self.probs.append(probs)
+
+    def next_feed(self) -> _Feed:
+        return _Feed(self.slot, [self.tokens[-1]], self.ctx_len + len(self.tokens) - 1, [0])
+
+    def result(self) -> SeqDraft:
+        probs = torch.stack(self.probs) if self.probs else None  # [n, V]
+        return SeqDraft(list(self.tokens), None, probs)
+
+
+@dataclass
+class _TreeJob:
+    """Level-by-level top-k tree drafting for one sequence."""
+
+    slot: int
+    ctx_len: int
+    gamma: int
+    top_k: int
+    tokens: list[int] = field(default_factory=list)  # [n] topological order
+    parents: list[int] = field(default_factory=list)  # [n]
+    logp: list[float] = field(default_factory=list)  # [n] path log-probability
+    frontier: list[int] = field(default_factory=lambda: [-1])  # nodes of the last level (-1 = root)
+    main: int = -1  # node on the greedy main line at the last level (-1 = root)
+
+    @property
+    def done(self) -> bool:
+        return len(self.tokens) >= self.gamma
+
+    def consume(self, logits: torch.Tensor) -> None:
+        """logits: [F, V] for the frontier nodes -> append the next level."""
+        logprobs = torch.log_softmax(logits.double(), dim=-1)  # [F, V]
+        k = min(self.top_k, logprobs.shape[-1])
+        top_lp, top_ids = torch.topk(logprobs, k, dim=-1)  # [F, k] each, descending
+        cands: list[tuple[float, int, int, bool]] = []  # (path logp, parent, token, on main line)
+        for f, node in enumerate(self.frontier):
+            base = self.logp[node] if node >= 0 else 0.0
+            for r in range(k):
+                cands.append((base + float(top_lp[f, r]), node, int(top_ids[f, r]), node == self.main and r == 0))
+        budget = self.gamma - len(self.tokens)
+        if len(cands) > budget:
+            order = sorted(range(len(cands)), key=lambda c: (not cands[c][3], -cands[c][0], c))
+            keep = set(order[:budget])
+            cands = [c for i, c in enumerate(cands) if i in keep]
+        self.frontier = []
+        for lp, parent, tok, on_main in cands:
+            if on_main:
+                self.main = len(self.tokens)
+            self.frontier.append(len(self.tokens))
+            self.tokens.append(tok)
+            self.parents.append(parent)
+            self.logp.append(lp)
+
+    def next_feed(self) -> _Feed:
+        # the root (last context token) is already cached: keep only the drafts' block of the mask
+        mask = tree_mask(self.parents)[1:, 1:]  # [n, n]
+        return _Feed(self.slot, list(self.tokens), self.ctx_len, list(self.frontier), tree_depths(self.parents), mask)
+
+    def result(self) -> SeqDraft:
+        return SeqDraft(list(self.tokens), list(self.parents), None)
+
+
+class DraftModelDrafter:
+    """``Drafter`` backed by a small Llama-family model with its own slot KV cache.
+
+    ``max_num_seqs`` bounds live sequences (one slot each, allocated on first sight, freed by
+    ``release``); ``max_model_len`` bounds context + drafts per sequence (gamma is clamped to
+    fit). ``tree_top_k`` is the branching factor of tree proposals (1 = always a chain).
+    """
+
+    tap_layers: tuple[int, ...] = ()
+
+    def __init__(self, model: LlamaModel, max_num_seqs: int, max_model_len: int, tree_top_k: int = 2,
+                 name: str = "draft-model") -> None:
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        if tree_top_k < 1:
+            raise ValueError(f"tree_top_k must be >= 1, got {tree_top_k}")
+        self.model = model
+        self.name = name
+        self.tree_top_k = tree_top_k
+        self.max_model_len = max_model_len
+        self.kv = KVCache.for_model(model.cfg, max_num_seqs, max_model_len, model.dtype, model.device)
+        self._slots: dict[int, int] = {}  # seq_id -> KV slot
+        self._cached: dict[int, list[int]] = {}  # seq_id -> token ids whose draft K/V is valid
+        self._generators: dict[int, torch.Generator] = {}  # seq_id -> draft sampler stream
+
+    @property
+    def num_live(self) -> int:
+        return len(self._slots)
+
+    def propose(self, inputs: list[DraftInput]) -> DraftProposal:
+        """Catch every sequence up in one forward, then draft all of them step by step, batched."""
+        seen: set[int] = set()
+        jobs: list[tuple[int, _ChainJob | _TreeJob]] = []
+        catchup: list[_Feed] = []
+        for inp in inputs:
+            if inp.seq_id in seen:
+                raise ValueError(f"sequence {inp.seq_id} appears twice in one propose call")
+            seen.add(inp.seq_id)
+            ctx = inp.token_ids
+            if not ctx:
+                raise ValueError(f"sequence {inp.seq_id} has an empty context")
+            gamma = min(inp.num_speculative_tokens, self.max_model_len - len(ctx) + 1)
+            if gamma < 1:
+                continue  # context (plus one draft) does not fit the draft cache: no speculation
+            slot = self._slot_for(inp)
+            keep = min(_common_prefix(self._cached[inp.seq_id], ctx), len(ctx) - 1)
+            self.kv.set_length(slot, keep)
+            self._cached[inp.seq_id] = list(ctx)
+            catchup.append(_Feed(slot, list(ctx[keep:]), keep, [len(ctx) - keep - 1]))
+            job: _ChainJob | _TreeJob
+            if inp.tree and self.tree_top_k > 1:
+                job = _TreeJob(slot, len(ctx), gamma, self.tree_top_k)
+            else:
+                job = _ChainJob(slot, len(ctx), gamma, inp.params, self._generators[inp.seq_id])
+            jobs.append((inp.seq_id, job))
+        if not jobs:
+            return DraftProposal()
+        for (_, job), logits in zip(jobs, self._forward(catchup)):
+            job.consume(logits)
+        while True:
+            active = [job for _, job in jobs if not job.done]
+            if not active:
+                break
+            for job, logits in zip(active, self._forward([job.next_feed() for job in active])):
+                job.consume(logits)
+        drafts: dict[int, SeqDraft] = {}
+        for seq_id, job in jobs:
+            if isinstance(job, _ChainJob):
+                # the fed drafts (all but the last) keep their K/V: reused when accepted
+                self._cached[seq_id].extend(job.tokens[:-1])
+            self.kv.set_length(job.slot, len(self._cached[seq_id]))
+            drafts[seq_id] = job.result()
+        return DraftProposal(drafts)
+
+    def observe(self, observations: list[Observation]) -> None:
+        """No-op: catch-up happens at ``propose`` by comparing contexts."""
+
+    def release(self, seq_id: int) -> None:
+        """Free a finished sequence's slot (unknown ids are ignored)."""
+        slot = self._slots.pop(seq_id, None)
+        if slot is None:
+            return
+        self.kv.free(slot)
+        del self._cached[seq_id]
+        del self._generators[seq_id]
+
+    def _slot_for(self, inp: DraftInput) -> int:
+        slot = self._slots.get(inp.seq_id)
+        if slot is not None:
+            return slot
+        slot = self.kv.allocate()
+        if slot is None:
+            raise RuntimeError(f"draft KV cache is full ({self.kv.num_slots} slots): "
+                               "release finished sequences or raise max_num_seqs")
+        self._slots[inp.seq_id] = slot
+        self._cached[inp.seq_id] = []
+        self._generators[inp.seq_id] = make_generator(draft_seed(inp.params.seed), self.model.device)
+        return slot
+
+    def _forward(self, feeds: list[_Feed]) -> list[torch.Tensor]:
+        """One ragged forward over all feeds; returns per feed its logits rows [len(rows), V]."""
+        device = self.model.device
+        ids = torch.tensor([t for f in feeds for t in f.tokens], dtype=torch.int64, device=device)  # [T]
+        layout = BatchLayout.build([len(f.tokens) for f in feeds], [f.ctx_len for f in feeds],
+                                   [f.slot for f in feeds], depths=[f.depths for f in feeds],
+                                   tree_masks=[f.mask for f in feeds], device=device)
+        rows: list[int] = []
+        start = 0
+        for f in feeds:
+            rows.extend(start + r for r in f.rows)
+            start += len(f.tokens)
+        out = self.model(ids, layout, self.kv, logits_rows=torch.tensor(rows, dtype=torch.int64, device=device))
+        if out.logits is None:
+            raise RuntimeError("draft forward returned no logits")
+        for f in feeds:
+            self.kv.set_length(f.slot, f.ctx_len + len(f.tokens))
+        return list(out.logits.split([len(f.rows) for f in feeds]))  # [len(rows), V] each
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix. Example: ``_common_prefix([1, 2, 3], [1, 2, 4]) == 2``."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i

@@ -1,0 +1,735 @@
+"""EAGLE-3 draft head and the ``Drafter`` that proposes chains and EAGLE-2 dynamic trees with it.
+
+Why this exists: TIDE (Sec. 3.2) trains an EAGLE-3 head online from hidden states the target
+already computes while serving. The head is one decoder layer plus a draft-vocabulary LM head
+that reads the target's hidden states entering three tap layers (low, middle, high), so a new
+head trained by the trainer process can be swapped in between engine steps. The module layout
+follows vLLM's / SGLang's ``LlamaForCausalLMEagle3`` so exported checkpoints load there
+(see ``tidespec.adapt.checkpoint``).
+
+One head step at rope position ``i`` (``fused`` is ``fc(taps_i)`` for a real position, or the
+head's own previous pre-norm output while drafting)::
+
+    residual = fused                                              # [T, H]
+    x = cat(input_layernorm(embed(token_{i+1})), hidden_norm(fused))   # [T, 2H]
+    h = residual + o_proj(attn(q/k/v_proj(x)))                     # q/k/v take 2H inputs
+    h = h + mlp(post_attention_layernorm(h))                       # pre-norm output, fed back
+    logits = lm_head(norm(h))                                      # [T, draft_vocab]
+
+Pairing (as in EAGLE): the head at position i sees the target hidden of position i and the
+token at position i+1, and predicts the token at i+2. Target token ids are recovered from draft
+ids by ``target_id = draft_id + d2t[draft_id]``.
+
+Drafter state per sequence: the head's own K/V for every position whose tap row and next token
+are final (one slot of a 1-layer ``KVCache``), plus the last position's output (pre-norm hidden
+and logits), which starts the next proposal. Speculative positions are written past the cached
+length and simply forgotten afterwards (the rollback is not advancing the length).
+
+Worked example (context ``t0..t4``, target KV holds t0..t3, taps h0..h3 observed)::
+
+    head KV: positions 0..3 from (h0,t1) (h1,t2) (h2,t3) (h3,t4); last output g3, logits z3
+    chain gamma=3: d1 = argmax z3; (g3, d1) at pos 4 -> d2; (g4', d2) at pos 5 -> d3
+    after propose the head KV length is 4 again
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from tidespec.engine.kv_cache import KVCache
+from tidespec.models.llama import MLP, Attention, BatchLayout, LlamaConfig, RMSNorm, rope_inv_freq, rotate_half
+from tidespec.sampling import SamplingParams, make_generator, sample_from, target_probs
+from tidespec.spec.drafters.draft_model import draft_seed
+from tidespec.spec.proposal import DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.spec.tree import tree_depths, tree_mask
+
+
+class Eagle3ConfigError(ValueError):
+    """An EAGLE-3 head configuration is invalid; the message is one line."""
+
+
+def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's tap layers ``(2, L//2, L-3)`` (inputs of those target layers, as vLLM taps them).
+
+    Tiny targets where those collide fall back to ``(0, L//2, L-1)``: the target model returns
+    taps deduplicated and in layer order, so the three layers must be distinct.
+    Examples: ``default_tap_layers(32) == (2, 16, 29)``; ``default_tap_layers(4) == (0, 2, 3)``.
+    """
+    if num_layers < 3:
+        raise Eagle3ConfigError(f"EAGLE-3 needs a target with >= 3 layers, got {num_layers}")
+    taps = (2, num_layers // 2, num_layers - 3)
+    if taps[0] < taps[1] < taps[2]:
+        return taps
+    return (0, num_layers // 2, num_layers - 1)
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """Shape of an EAGLE-3 head; ``for_target`` derives it from the target's config."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_vocab_size: int
+    draft_vocab_size: int
+    tap_layers: tuple[int, ...]
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                     "target_vocab_size", "draft_vocab_size"):
+            if getattr(self, name) <= 0:
+                raise Eagle3ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise Eagle3ConfigError(f"num_heads ({self.num_heads}) not divisible by num_kv_heads ({self.num_kv_heads})")
+        if self.draft_vocab_size > self.target_vocab_size:
+            raise Eagle3ConfigError(
+                f"draft_vocab_size ({self.draft_vocab_size}) exceeds target_vocab_size ({self.target_vocab_size})")
+        taps = tuple(int(t) for t in self.tap_layers)
+        if len(taps) != 3 or taps[0] < 0 or not taps[0] < taps[1] < taps[2]:
+            raise Eagle3ConfigError(f"tap_layers must be 3 strictly increasing layer indices, got {self.tap_layers}")
+        object.__setattr__(self, "tap_layers", taps)
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise Eagle3ConfigError("rms_norm_eps and rope_theta must be positive")
+
+    @classmethod
+    def for_target(cls, target_cfg: LlamaConfig, draft_vocab_size: int | None = None) -> "Eagle3Config":
+        """Head matching the target's width, heads and rope; ``draft_vocab_size=None`` = full vocab."""
+        return cls(
+            hidden_size=target_cfg.hidden_size,
+            num_heads=target_cfg.num_heads,
+            num_kv_heads=target_cfg.num_kv_heads,
+            head_dim=target_cfg.head_dim,
+            intermediate_size=target_cfg.intermediate_size,
+            target_vocab_size=target_cfg.vocab_size,
+            draft_vocab_size=draft_vocab_size if draft_vocab_size is not None else target_cfg.vocab_size,
+            tap_layers=default_tap_layers(target_cfg.num_layers),
+            rms_norm_eps=target_cfg.rms_norm_eps,
+            rope_theta=target_cfg.rope_theta,
+            rope_scaling=target_cfg.rope_scaling,
+            max_position_embeddings=target_cfg.max_position_embeddings,
+        )
+
+    @property
+    def tap_size(self) -> int:
+        return len(self.tap_layers) * self.hidden_size
+
+    def layer_config(self) -> LlamaConfig:
+        """The one-layer Llama config the head's attention / MLP / rope are built from."""
+        return LlamaConfig(
+            vocab_size=self.draft_vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings,
+        )
+
+
+class Eagle3Layer(nn.Module):
+    """The head's decoder layer; its q/k/v projection reads ``2H`` (embedding | fused hidden)."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        lcfg = cfg.layer_config()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the token embedding
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the fused hidden
+        self.self_attn = Attention(lcfg)
+        attn = self.self_attn
+        attn.qkv_proj = nn.Linear(2 * cfg.hidden_size, attn.q_size + 2 * attn.kv_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(lcfg)
+
+    def attn_input(self, fused: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """[T, H], [T, H] -> [T, 2H]: normalized embedding first, then normalized hidden (vLLM order)."""
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(fused)], dim=-1)
+
+    def finish(self, fused: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual (the un-normed fused hidden) + attention, then the MLP block -> pre-norm [T, H]."""
+        h = fused + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass
+class TTTCache:
+    """K/V of earlier training-time-test steps: step s holds ``[B, N, n_kv, hd]``."""
+
+    k: list[torch.Tensor] = field(default_factory=list)
+    v: list[torch.Tensor] = field(default_factory=list)
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3 draft head: ``fc`` (3H -> H), one decoder layer, final norm, draft-vocab LM head.
+
+    The token embedding is the target's (frozen, not owned): callers pass embeddings in.
+    ``d2t`` [draft_vocab] int64 and ``t2d`` [target_vocab] bool are persistent buffers.
+    """
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(cfg.tap_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)  # identity prefix map by default
+        t2d = torch.zeros(cfg.target_vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.layer_config()), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install a draft vocabulary (see ``tidespec.adapt.eagle3_train.select_draft_vocab``)."""
+        if tuple(d2t.shape) != tuple(self.d2t.shape) or tuple(t2d.shape) != tuple(self.t2d.shape):
+            raise Eagle3ConfigError(f"vocab map shapes {tuple(d2t.shape)}/{tuple(t2d.shape)} do not match the head")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids -> target ids (same shape)."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_to_draft(self) -> torch.Tensor:
+        """[target_vocab] int64: draft id of each target id, -1 where it is not in the draft vocab."""
+        inv = torch.full((self.cfg.target_vocab_size,), -1, dtype=torch.int64, device=self.d2t.device)
+        ids = torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device)
+        inv[self.draft_to_target(ids)] = ids
+        return inv
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, hd] like the target's (float32 angles, then cast)."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()  # [T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """[T, 3H] target taps -> [T, H] fused hidden."""
+        return self.fc(taps)
+
+    def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """[T, H] pre-norm output -> [T, draft_vocab] logits."""
+        return self.lm_head(self.norm(prenorm))
+
+    def forward(self, fused: torch.Tensor, embeds: torch.Tensor, layout: BatchLayout,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inference step over a ragged batch with the head's KV cache (``[S, n_kv, L, hd]``).
+
+        fused, embeds: [T, H] -> (pre-norm output [T, H], logits [T, draft_vocab]).
+        """
+        layer = self.midlayer
+        cos, sin = self.rope(layout.positions, fused.dtype)
+        attn = layer.self_attn(layer.attn_input(fused, embeds), cos, sin, layout, k_cache, v_cache)
+        out = layer.finish(fused, attn)
+        return out, self.logits(out)
+
+    def forward_ttt(self, fused: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+                    cache: TTTCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """One training-time-test step over B padded segments of N rows, differentiable, no KV slots.
+
+        fused, embeds: [B, N, H]; positions: [B, N] rope positions of this step (row start + j + s).
+        Step s (0-based, ``len(cache.k)`` before the call) at row j stands for drafting step s+1
+        started after real position j: the query attends causally to step 0's keys at rows <= j
+        and to its own row's keys of steps 1..s (the speculative chain), exactly the keys the
+        inference path sees when drafting from position j. Padding rows must come last in each
+        segment (causality keeps real rows from seeing them). Returns (pre-norm [B, N, H],
+        logits [B, N, draft_vocab]).
+
+        Example mask for N=3, step s=2 (columns: step-0 rows 0..2, then steps 1, 2 diagonal)::
+
+            row 0: [1 0 0 | 1 | 1]
+            row 1: [1 1 0 | 1 | 1]
+            row 2: [1 1 1 | 1 | 1]
+        """
+        layer = self.midlayer
+        attn = layer.self_attn
+        b, n = fused.shape[0], fused.shape[1]
+        x = layer.attn_input(fused, embeds)  # [B, N, 2H]
+        q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+        q = q.view(b, n, attn.n_h, attn.hd)
+        k = k.view(b, n, attn.n_kv, attn.hd)
+        v = v.view(b, n, attn.n_kv, attn.hd)
+        cos, sin = self.rope(positions, fused.dtype)  # [B, N, hd]
+        c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [B, N, 1, hd]
+        q = q * c + rotate_half(q) * s
+        k = k * c + rotate_half(k) * s
+        cache.k.append(k)
+        cache.v.append(v)
+        rep = attn.n_h // attn.n_kv
+        ks = [t.repeat_interleave(rep, dim=2) for t in cache.k]  # each [B, N, n_h, hd]
+        vs = [t.repeat_interleave(rep, dim=2) for t in cache.v]
+        scale = 1.0 / math.sqrt(attn.hd)
+        causal = torch.ones(n, n, dtype=torch.bool, device=fused.device).tril()  # [N, N]
+        first = torch.einsum("bihd,bjhd->bhij", q, ks[0]) * scale  # [B, n_h, N, N]
+        first = first.masked_fill(~causal, float("-inf"))
+        diag = [torch.einsum("bihd,bihd->bhi", q, kk).unsqueeze(-1) * scale for kk in ks[1:]]  # [B, n_h, N, 1] each
+        probs = torch.softmax(torch.cat([first, *diag], dim=-1), dim=-1)  # [B, n_h, N, N + s]
+        out = torch.einsum("bhij,bjhd->bihd", probs[..., :n], vs[0])  # [B, N, n_h, hd]
+        for m, vv in enumerate(vs[1:]):
+            out = out + probs[..., n + m].transpose(1, 2).unsqueeze(-1) * vv
+        h = layer.finish(fused, attn.o_proj(out.reshape(b, n, attn.q_size)))
+        return h, self.logits(h)
+
+
+# ----------------------------------------------------------------------------------------------
+# EAGLE-2 dynamic tree
+# ----------------------------------------------------------------------------------------------
+
+
+def rerank_tree(scores: list[float], parents: list[int], budget: int) -> tuple[list[int], list[int]]:
+    """Keep the ``budget`` candidates with the highest cumulative log-probability, as a tree.
+
+    ``parents[j]`` indexes an earlier candidate or is -1 (root child); ``scores`` are cumulative
+    path log-probabilities (a child never scores above its parent). A candidate is kept only
+    when its parent is kept, so the result is always a tree; ties go to the shallower, earlier
+    candidate. Returns (kept candidate indices in topological order, their parents re-indexed).
+
+    Example: scores [-0.1, -1.0, -0.3, -2.0], parents [-1, -1, 0, 2], budget 3
+    -> order by score: 0, 2, 1 -> kept [0, 1, 2] -> parents [-1, -1, 0].
+    """
+    depths = tree_depths(parents)
+    order = sorted(range(len(scores)), key=lambda j: (-scores[j], depths[j], j))
+    kept: set[int] = set()
+    for j in order:
+        if len(kept) >= budget:
+            break
+        if parents[j] < 0 or parents[j] in kept:
+            kept.add(j)
+    topo = sorted(kept, key=lambda j: (depths[j], j))
+    new_index = {j: i for i, j in enumerate(topo)}
+    return topo, [new_index[parents[j]] if parents[j] >= 0 else -1 for j in topo]
+
+
+# ----------------------------------------------------------------------------------------------
+# Drafter
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Eagle3DrafterConfig:
+    """Drafter-side knobs (the head's shape lives in ``Eagle3Config``)."""
+
+    max_num_seqs: int = 32  # KV slots = sequences tracked at once
+    max_model_len: int = 2048  # head KV positions per sequence (context + drafts)
+    tree_depth: int = 5  # EAGLE-2: expansion depth
+    tree_top_k: int = 4  # EAGLE-2: children per expanded node and frontier width
+    tree_budget: int = 0  # tokens kept after the global rerank; 0 = the sequence's gamma
+    retain_taps: bool = True  # keep every tap row so a weight swap can rebuild the head KV exactly
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise Eagle3ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_model_len < 2:
+            raise Eagle3ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+        if self.tree_depth < 1 or self.tree_top_k < 1:
+            raise Eagle3ConfigError(f"tree_depth and tree_top_k must be >= 1, got {self.tree_depth}, {self.tree_top_k}")
+        if self.tree_budget < 0:
+            raise Eagle3ConfigError(f"tree_budget must be >= 0, got {self.tree_budget}")
+
+
+class _TapStore:
+    """Tap rows of one sequence kept as appended chunks; rows before ``start`` may be dropped."""
+
+    def __init__(self) -> None:
+        self.chunks: list[torch.Tensor] = []  # each [n_i, 3H]
+        self.start = 0  # position of the first row still held
+        self.end = 0  # one past the last position appended
+
+    def append(self, rows: torch.Tensor) -> None:
+        if rows.shape[0]:
+            self.chunks.append(rows)
+            self.end += rows.shape[0]
+
+    def rows(self, a: int, b: int) -> torch.Tensor:
+        """[b - a, 3H] rows for positions a..b-1 (must be held)."""
+        if a < self.start or b > self.end:
+            raise IndexError(f"tap rows {a}..{b} not held ({self.start}..{self.end})")
+        out: list[torch.Tensor] = []
+        pos = self.start
+        for c in self.chunks:
+            lo, hi = max(a, pos), min(b, pos + c.shape[0])
+            if lo < hi:
+                out.append(c[lo - pos:hi - pos])
+            pos += c.shape[0]
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def drop_before(self, a: int) -> None:
+        """Forget rows before position a (chunk granularity is refined by slicing)."""
+        if a <= self.start:
+            return
+        keep = self.rows(a, self.end) if a < self.end else None
+        self.chunks = [keep] if keep is not None else []
+        self.start = a
+
+
+@dataclass
+class _SeqState:
+    slot: int
+    taps: _TapStore
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)  # context token ids known to the drafter
+    kv_len: int = 0  # head positions with final K/V: pairs (tap_i, token_{i+1}) for i < kv_len
+    last_hidden: torch.Tensor | None = None  # [H] pre-norm output at position kv_len - 1
+    last_logits: torch.Tensor | None = None  # [draft_vocab] logits at position kv_len - 1
+    stale: bool = False  # head weights changed since kv was computed: rebuild from taps
+    broken: bool = False  # taps missing for some position: cannot draft for this sequence
+    seeded: bool = False  # generator seeded from the request seed already
+
+    def root_output(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pre-norm hidden [H], logits [Vd]) at the last final position: where drafting starts."""
+        if self.last_hidden is None or self.last_logits is None:
+            raise RuntimeError("no observed position to draft from")
+        return self.last_hidden, self.last_logits
+
+
+@dataclass
+class _CatchUp:
+    state: _SeqState
+    start: int  # first head position to compute
+    end: int  # one past the last
+
+
+@dataclass
+class _TreeJob:
+    """EAGLE-2 expansion state for one sequence."""
+
+    seq_id: int
+    state: _SeqState
+    budget: int
+    depth: int
+    tokens: list[int] = field(default_factory=list)  # [n] draft ids of all candidates
+    parents: list[int] = field(default_factory=list)  # [n] candidate parent (-1 = root)
+    scores: list[float] = field(default_factory=list)  # [n] cumulative log-prob
+    expanded: list[int] = field(default_factory=list)  # candidates forwarded so far (topological)
+    frontier: list[int] = field(default_factory=list)  # candidates to forward this level
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # candidate -> its pre-norm output [H]
+
+    def add_children(self, parent: int, logits: torch.Tensor, top_k: int) -> list[int]:
+        """logits [Vd] at ``parent`` (-1 = root) -> top-k children appended; returns their indices."""
+        logp = torch.log_softmax(logits.double(), dim=-1)
+        k = min(top_k, logp.shape[-1])
+        top_lp, top_ids = torch.topk(logp, k)
+        base = self.scores[parent] if parent >= 0 else 0.0
+        new: list[int] = []
+        for lp, tok in zip(top_lp.tolist(), top_ids.tolist()):
+            new.append(len(self.tokens))
+            self.tokens.append(int(tok))
+            self.parents.append(parent)
+            self.scores.append(base + float(lp))
+        return new
+
+
+class Eagle3Drafter:
+    """``Drafter`` running an ``Eagle3Head`` beside the target (name ``"eagle3"``).
+
+    The engine must run the target with ``tap_layers=self.tap_layers`` and pass the taps of
+    every newly final position through ``observe`` (also while speculation is off, so the head
+    KV stays aligned). ``propose`` drafts only for sequences whose head KV covers the context
+    up to the last token; others get no draft.
+
+    Weight swap (``load_state``): every sequence is marked stale; with ``retain_taps`` its head
+    KV is recomputed from the retained taps on its next ``observe``/``propose`` (exactly what a
+    fresh drafter with the new weights would hold). With ``retain_taps=False`` the old K/V and
+    last output are kept (computed by the old weights) and new positions use the new weights —
+    acceptance may be a little lower until those sequences finish. Either way losslessness does
+    not depend on it: the target verifies every draft.
+    """
+
+    name = "eagle3"
+
+    def __init__(self, head: Eagle3Head, embed: nn.Embedding, cfg: Eagle3DrafterConfig | None = None,
+                 version: int = 0) -> None:
+        self.cfg = cfg if cfg is not None else Eagle3DrafterConfig()
+        if embed.weight.shape != (head.cfg.target_vocab_size, head.cfg.hidden_size):
+            raise Eagle3ConfigError(
+                f"embedding {tuple(embed.weight.shape)} does not match the head "
+                f"({head.cfg.target_vocab_size}, {head.cfg.hidden_size})")
+        self.head = head.eval()
+        self.embed = embed
+        self.version = version
+        self.kv = self._new_kv()
+        self._states: dict[int, _SeqState] = {}
+        self._untracked: set[int] = set()  # first seen with no free slot: later taps would be misaligned
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return self.head.cfg.tap_layers
+
+    @property
+    def num_live(self) -> int:
+        return len(self._states)
+
+    def _new_kv(self) -> KVCache:
+        c = self.head.cfg
+        return KVCache(1, self.cfg.max_num_seqs, self.cfg.max_model_len, c.num_kv_heads, c.head_dim,
+                       self.head.dtype, self.head.device)
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def load_state(self, version: int, state_dict: dict[str, torch.Tensor], config: Eagle3Config | None = None) -> None:
+        """Swap in new head weights (between engine steps). A different ``config`` (e.g. another
+        draft vocabulary) rebuilds the head; attention-shape changes also reallocate the KV."""
+        with torch.no_grad():
+            if config is not None and config != self.head.cfg:
+                if config.tap_layers != self.head.cfg.tap_layers:
+                    raise Eagle3ConfigError(f"tap layers changed {self.head.cfg.tap_layers} -> {config.tap_layers}")
+                old = self.head
+                head = Eagle3Head(config).to(dtype=old.dtype, device=old.device)
+                head.load_state_dict(state_dict)
+                self.head = head.eval()
+                if (config.num_kv_heads, config.head_dim) != (old.cfg.num_kv_heads, old.cfg.head_dim):
+                    self.kv = self._new_kv()
+                    for st in self._states.values():
+                        st.slot = self._allocate_slot()
+            else:
+                self.head.load_state_dict(state_dict)
+        self.version = version
+        for st in self._states.values():
+            st.stale = True
+
+    # -- protocol --------------------------------------------------------------------------------
+
+    def release(self, seq_id: int) -> None:
+        self._untracked.discard(seq_id)
+        st = self._states.pop(seq_id, None)
+        if st is not None:
+            self.kv.free(st.slot)
+
+    @torch.inference_mode()
+    def observe(self, observations: list[Observation]) -> None:
+        """Extend each sequence's head KV over its newly final positions (batched forward)."""
+        touched: list[_SeqState] = []
+        for obs in observations:
+            st = self._state(obs.seq_id)
+            if st is None:
+                continue
+            if len(obs.token_ids) > len(st.tokens):
+                st.tokens = list(obs.token_ids)
+            if obs.num_new_cached <= 0:
+                touched.append(st)
+                continue
+            if obs.taps is None:
+                st.broken = True  # a hole in the taps: the head KV can no longer be aligned
+                continue
+            if tuple(obs.taps.shape) != (obs.num_new_cached, self.head.cfg.tap_size):
+                raise ValueError(f"taps for sequence {obs.seq_id} have shape {tuple(obs.taps.shape)}, "
+                                 f"expected ({obs.num_new_cached}, {self.head.cfg.tap_size})")
+            # copy: the engine may reuse its tap buffer, and a view would pin the whole batch's taps
+            st.taps.append(obs.taps.to(dtype=self.head.dtype, device=self.head.device, copy=True))
+            touched.append(st)
+        self._sync(touched)
+
+    @torch.inference_mode()
+    def propose(self, inputs: list[DraftInput]) -> DraftProposal:
+        ready: list[tuple[DraftInput, _SeqState]] = []
+        seen: set[int] = set()
+        for inp in inputs:
+            if inp.seq_id in seen:
+                raise ValueError(f"sequence {inp.seq_id} appears twice in one propose call")
+            seen.add(inp.seq_id)
+            st = self._state(inp.seq_id)
+            if st is None:
+                continue
+            if len(inp.token_ids) > len(st.tokens):
+                st.tokens = list(inp.token_ids)
+            ready.append((inp, st))
+        self._sync([st for _, st in ready])
+        proposal = DraftProposal()
+        chains: list[tuple[DraftInput, _SeqState, int]] = []
+        trees: list[_TreeJob] = []
+        for inp, st in ready:
+            n = len(inp.token_ids)
+            if st.broken or st.kv_len != n - 1 or st.last_logits is None or st.tokens[:n] != list(inp.token_ids):
+                continue  # head KV does not cover the context up to the last token
+            room = self.cfg.max_model_len - st.kv_len
+            if inp.tree:
+                budget = self.cfg.tree_budget or inp.num_speculative_tokens
+                depth = min(self.cfg.tree_depth, budget, room)
+                if depth >= 1:
+                    trees.append(_TreeJob(inp.seq_id, st, budget, depth))
+            else:
+                gamma = min(inp.num_speculative_tokens, room)
+                if gamma >= 1:
+                    chains.append((inp, st, gamma))
+        if chains:
+            proposal.drafts.update(self._propose_chains(chains))
+        if trees:
+            for job, draft in zip(trees, self._propose_trees(trees)):
+                proposal.drafts[job.seq_id] = draft
+        return proposal
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _allocate_slot(self) -> int:
+        slot = self.kv.allocate()
+        if slot is None:
+            raise RuntimeError("no free head KV slot")
+        return slot
+
+    def _state(self, seq_id: int) -> _SeqState | None:
+        st = self._states.get(seq_id)
+        if st is None:
+            slot = None if seq_id in self._untracked else self.kv.allocate()
+            if slot is None:
+                self._untracked.add(seq_id)  # more live sequences than slots: never drafted for
+                return None
+            st = _SeqState(slot=slot, taps=_TapStore(), generator=make_generator(None))
+            self._states[seq_id] = st
+        return st
+
+    def _embed(self, token_ids: list[int]) -> torch.Tensor:
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.embed.weight.device)
+        return self.embed(ids).to(dtype=self.head.dtype, device=self.head.device)  # [T, H]
+
+    def _sync(self, states: list[_SeqState]) -> None:
+        """Rebuild stale sequences and extend every sequence's head KV to
+        ``min(taps held, tokens - 1)`` positions, in one ragged forward."""
+        jobs: list[_CatchUp] = []
+        for st in states:
+            if st.broken:
+                continue
+            if st.stale and self.cfg.retain_taps:
+                st.kv_len, st.last_hidden, st.last_logits = 0, None, None
+            st.stale = False
+            end = min(st.taps.end, len(st.tokens) - 1, self.cfg.max_model_len)
+            if end > st.kv_len:
+                jobs.append(_CatchUp(st, st.kv_len, end))
+        if not jobs:
+            return
+        taps = torch.cat([j.state.taps.rows(j.start, j.end) for j in jobs])  # [T, 3H]
+        tokens = [t for j in jobs for t in j.state.tokens[j.start + 1:j.end + 1]]  # token i+1 pairs with tap i
+        layout = BatchLayout.build([j.end - j.start for j in jobs], [j.start for j in jobs],
+                                   [j.state.slot for j in jobs], device=self.head.device)
+        out, logits = self.head(self.head.fuse(taps), self._embed(tokens), layout, self.kv.k[0], self.kv.v[0])
+        row = 0
+        for j in jobs:
+            row += j.end - j.start
+            st = j.state
+            st.kv_len = j.end
+            st.last_hidden, st.last_logits = out[row - 1].clone(), logits[row - 1].clone()
+            self.kv.set_length(st.slot, st.kv_len)
+            if not self.cfg.retain_taps:
+                st.taps.drop_before(st.kv_len)
+
+    def _draw(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+              ) -> tuple[int, torch.Tensor | None]:
+        """logits [Vd] -> (target token id, [V] draft probs over the target vocab or None if greedy)."""
+        if params.greedy:
+            return int(self.head.draft_to_target(logits.argmax()).item()), None
+        q = target_probs(logits.unsqueeze(0), params)[0]  # [Vd]
+        draft_id = sample_from(q, gen)
+        full = torch.zeros(self.head.cfg.target_vocab_size, dtype=q.dtype, device=q.device)  # [V]
+        full[self.head.draft_to_target(torch.arange(q.shape[0], device=q.device))] = q
+        return int(self.head.draft_to_target(torch.tensor(draft_id, device=q.device)).item()), full
+
+    def _propose_chains(self, chains: list[tuple[DraftInput, _SeqState, int]]) -> dict[int, SeqDraft]:
+        """Greedy / sampled chains, all sequences batched one token per forward."""
+        toks: dict[int, list[int]] = {}
+        probs: dict[int, list[torch.Tensor]] = {}
+        hidden: dict[int, torch.Tensor] = {}
+        for inp, st, _ in chains:
+            gen = self._generator(inp, st)
+            root_hidden, root_logits = st.root_output()
+            tok, p = self._draw(root_logits, inp.params, gen)
+            toks[inp.seq_id] = [tok]
+            probs[inp.seq_id] = [p] if p is not None else []
+            hidden[inp.seq_id] = root_hidden
+        step = 1
+        while True:
+            live = [(inp, st) for inp, st, g in chains if len(toks[inp.seq_id]) < g]
+            if not live:
+                break
+            fused = torch.stack([hidden[inp.seq_id] for inp, _ in live])  # [B, H]
+            embeds = self._embed([toks[inp.seq_id][-1] for inp, _ in live])  # [B, H]
+            layout = BatchLayout.build([1] * len(live), [st.kv_len + step - 1 for _, st in live],
+                                       [st.slot for _, st in live], device=self.head.device)
+            out, logits = self.head(fused, embeds, layout, self.kv.k[0], self.kv.v[0])
+            for b, (inp, st) in enumerate(live):
+                tok, p = self._draw(logits[b], inp.params, st.generator)
+                toks[inp.seq_id].append(tok)
+                if p is not None:
+                    probs[inp.seq_id].append(p)
+                hidden[inp.seq_id] = out[b]
+            step += 1
+        return {inp.seq_id: SeqDraft(toks[inp.seq_id], None,
+                                     torch.stack(probs[inp.seq_id]) if probs[inp.seq_id] else None)
+                for inp, _, _ in chains}
+
+    def _generator(self, inp: DraftInput, st: _SeqState) -> torch.Generator:
+        """Per-sequence draft sampler, seeded once from the request seed (never equal to it)."""
+        if not st.seeded:
+            seed = draft_seed(inp.params.seed)
+            if seed is not None:
+                st.generator.manual_seed(seed)
+            st.seeded = True
+        return st.generator
+
+    def _propose_trees(self, jobs: list[_TreeJob]) -> list[SeqDraft]:
+        """EAGLE-2: expand the best ``top_k`` nodes per level by cumulative log-prob, each with its
+        top-k children; after ``depth`` levels keep the best ``budget`` candidates globally.
+
+        Each level re-feeds every expanded node so far (a handful) on top of the cached context
+        with an ancestor-or-self mask; the speculative K/V past ``kv_len`` is never kept.
+        """
+        top_k = self.cfg.tree_top_k
+        for job in jobs:
+            job.frontier = job.add_children(-1, job.state.root_output()[1], top_k)
+        for level in range(1, max(j.depth for j in jobs)):
+            live = [j for j in jobs if level < j.depth and j.frontier]
+            if not live:
+                break
+            fused_rows: list[torch.Tensor] = []
+            tokens: list[int] = []
+            q_lens: list[int] = []
+            depths: list[list[int]] = []
+            masks: list[torch.Tensor] = []
+            for job in live:
+                job.expanded = job.expanded + job.frontier
+                nodes = job.expanded
+                local = {c: i for i, c in enumerate(nodes)}
+                parents = [local[job.parents[c]] if job.parents[c] >= 0 else -1 for c in nodes]
+                for c in nodes:
+                    p = job.parents[c]
+                    fused_rows.append(job.hidden[p] if p >= 0 else job.state.root_output()[0])
+                    tokens.append(job.tokens[c])
+                q_lens.append(len(nodes))
+                depths.append(tree_depths(parents))
+                masks.append(tree_mask(parents)[1:, 1:])  # [q, q] drop the (cached) root
+            layout = BatchLayout.build(q_lens, [j.state.kv_len for j in live], [j.state.slot for j in live],
+                                       depths=depths, tree_masks=masks, device=self.head.device)
+            target_ids = self.head.draft_to_target(torch.tensor(tokens, device=self.head.device)).tolist()
+            out, logits = self.head(torch.stack(fused_rows), self._embed(target_ids), layout,
+                                    self.kv.k[0], self.kv.v[0])
+            row = 0
+            for job in live:
+                level_rows = {c: row + i for i, c in enumerate(job.expanded)}
+                row += len(job.expanded)
+                children: list[int] = []
+                for c in job.frontier:
+                    job.hidden[c] = out[level_rows[c]]
+                    children.extend(job.add_children(c, logits[level_rows[c]], top_k))
+                children.sort(key=lambda c: (-job.scores[c], c))
+                job.frontier = children[:top_k]
+        drafts: list[SeqDraft] = []
+        for job in jobs:
+            kept, parents = rerank_tree(job.scores, job.parents, job.budget)
+            ids = self.head.draft_to_target(torch.tensor([job.tokens[c] for c in kept], device=self.head.device))
+            drafts.append(SeqDraft(ids.tolist(), parents, None))
+        return drafts

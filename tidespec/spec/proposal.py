@@ -1,0 +1,97 @@
+"""Data contracts between the engine and drafters (vLLM's words: accepted / recovered / bonus).
+
+Why this exists: adding a drafter must never touch the engine loop. A drafter sees a list of
+``DraftInput`` (one per sequence that should speculate this step) and returns one
+``DraftProposal``; after verification the engine tells it what was kept through ``observe``.
+
+A proposal per sequence is a flattened tree in topological order: ``parents[j]`` is the index
+of token j's parent in the same list, or -1 for a child of the last verified token. A chain is
+the special case ``parents = [-1, 0, 1, ...]`` (stored as ``None``).
+
+Worked example: the tree  last -> a -> b, last -> c  is
+``draft_token_ids=[a, c, b]``, ``parent_indices=[-1, -1, 0]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from tidespec.sampling import SamplingParams
+
+
+@dataclass
+class DraftInput:
+    """What a drafter may look at for one sequence."""
+
+    seq_id: int
+    token_ids: list[int]  # prompt + output so far; the last one is not yet in the target's KV
+    num_speculative_tokens: int  # gamma for this sequence this step (>= 1)
+    params: SamplingParams
+    tree: bool = False  # whether a tree-shaped proposal is allowed
+
+
+@dataclass
+class SeqDraft:
+    """One sequence's proposal."""
+
+    token_ids: list[int]  # [n] draft tokens, topological order
+    parent_indices: list[int] | None = None  # [n] parent index (-1 = root); None = chain
+    draft_probs: torch.Tensor | None = None  # [n, V] draft distribution each token was drawn from; None = point mass
+
+    def __post_init__(self) -> None:
+        if self.parent_indices is not None:
+            if len(self.parent_indices) != len(self.token_ids):
+                raise ValueError("parent_indices must have one entry per draft token")
+            for j, p in enumerate(self.parent_indices):
+                if not -1 <= p < j:
+                    raise ValueError(f"parent of draft token {j} is {p}: must be -1 or an earlier index")
+        if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.token_ids):
+            raise ValueError("draft_probs must have one row per draft token")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parent_indices is not None and any(p != j - 1 for j, p in enumerate(self.parent_indices))
+
+
+@dataclass
+class DraftProposal:
+    """Drafts for a batch, keyed by sequence id. A missing or empty entry means no speculation."""
+
+    drafts: dict[int, SeqDraft] = field(default_factory=dict)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(d.num_tokens for d in self.drafts.values())
+
+
+@dataclass
+class Observation:
+    """What the engine reports to drafters after a step, per sequence: the tokens that are now
+    final (verified prompt chunk or accepted drafts + bonus/recovered) and, when the drafter
+    asked for taps, the target's hidden taps at the positions that produced them."""
+
+    seq_id: int
+    token_ids: list[int]  # full context after this step (prompt + output)
+    num_new_cached: int  # tokens whose target KV became final this step
+    taps: torch.Tensor | None = None  # [num_new_cached, num_taps * H] or None
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A speculative drafter. Stateless drafters may ignore ``observe`` and ``release``."""
+
+    name: str
+    tap_layers: tuple[int, ...]  # target layers whose input hidden states this drafter needs; () = none
+
+    def propose(self, inputs: list[DraftInput]) -> DraftProposal: ...
+
+    def observe(self, observations: list[Observation]) -> None: ...
+
+    def release(self, seq_id: int) -> None: ...

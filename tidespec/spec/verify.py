@@ -1,0 +1,115 @@
+"""Lossless verification of a draft chain or tree against the target's logits.
+
+Why this exists: it is the single place where speculation could change what the model says.
+Everything here is exact: greedy verification reproduces plain argmax decoding token for token;
+sampled verification reproduces the target's sampling distribution (Leviathan et al. 2023 for
+chains with draft probabilities; recursive rejection over siblings, as SpecInfer/EAGLE do, for
+trees and model-free point-mass drafts).
+
+Rows: verification runs the target on ``[root] + drafts`` where ``root`` is the last verified
+token. Row 0 holds the logits after the root (the distribution of the first draft position);
+row ``j + 1`` holds the logits after draft token ``j``.
+
+Worked example (greedy chain): drafts ``[5, 7, 9]``, target argmax per row ``[5, 7, 2, 4]``
+-> drafts 0 and 1 accepted, draft 2 rejected, the target's token at the mismatch (2) is the
+*recovered* token: emitted ``[5, 7, 2]``. Had the argmax been ``[5, 7, 9, 4]`` all three would be
+accepted and 4 is the *bonus* token: emitted ``[5, 7, 9, 4]``.
+
+Worked example (sampled, point mass): p = [.5, .3, .2], draft token 1. Accept with prob p[1]=.3;
+on rejection sample from the residual (p with token 1 zeroed) = [.714, 0, .286]. Overall
+P(1) = .3, P(0) = .7 * .714 = .5, P(2) = .7 * .286 = .2 = p. Exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tidespec.sampling import SamplingParams, sample_from, target_probs
+from tidespec.spec.proposal import SeqDraft
+from tidespec.spec.tree import children
+
+
+@dataclass
+class VerifyResult:
+    accepted: list[int]  # indices (into the draft list) of accepted drafts, root to leaf
+    token_ids: list[int]  # emitted tokens: accepted drafts, then one recovered or bonus token
+    bonus: bool  # True when every draft on the path was accepted and the last token is the bonus
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted)
+
+
+def children_of(draft: SeqDraft) -> list[list[int]]:
+    """``result[0]`` = children of the root, ``result[j + 1]`` = children of draft j."""
+    parents = draft.parent_indices if draft.parent_indices is not None else list(range(-1, draft.num_tokens - 1))
+    return children(parents)
+
+
+def verify_greedy(draft: SeqDraft, target_argmax: list[int]) -> VerifyResult:
+    """Walk the tree following the target's argmax; ``target_argmax`` has ``n + 1`` entries."""
+    kids = children_of(draft)
+    accepted: list[int] = []
+    row = 0
+    while True:
+        want = target_argmax[row]
+        nxt = next((j for j in kids[row] if draft.token_ids[j] == want), None)
+        if nxt is None:
+            bonus = not kids[row]
+            return VerifyResult(accepted, [draft.token_ids[j] for j in accepted] + [want], bonus)
+        accepted.append(nxt)
+        row = nxt + 1
+
+
+def residual_probs(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:
+    """Distribution to resample from after rejecting ``token``: normalize((p - q)+).
+
+    ``q`` None means the draft was a point mass at ``token``: the residual is p with that
+    token removed. Example: p=[.5,.3,.2], q=None, token=1 -> [.714, 0, .286].
+    """
+    if q is None:
+        r = p.clone()
+        r[token] = 0.0
+    else:
+        r = (p - q).clamp_min(0.0)
+    total = r.sum()
+    if total <= 0:  # p == q exactly: rejection had probability 0; any draw from p is exact
+        return p
+    return r / total
+
+
+def verify_sampled(draft: SeqDraft, logits: torch.Tensor, params: SamplingParams,
+                   generator: torch.Generator | None) -> VerifyResult:
+    """Exact rejection sampling over a chain (with or without draft probs) or a point-mass tree.
+
+    logits: [n + 1, V] target logits rows as described in the module docstring.
+    """
+    if draft.draft_probs is not None and draft.is_tree:
+        raise ValueError("tree proposals must be point mass (draft_probs=None) for exact verification")
+    probs = target_probs(logits, params)  # [n + 1, V]
+    kids = children_of(draft)
+    accepted: list[int] = []
+    row = 0
+    while True:
+        p = probs[row]
+        candidates = kids[row]
+        if not candidates:  # leaf reached: bonus token from the target
+            tok = sample_from(p, generator)
+            return VerifyResult(accepted, [draft.token_ids[j] for j in accepted] + [tok], True)
+        chosen: int | None = None
+        for j in candidates:
+            x = draft.token_ids[j]
+            q = draft.draft_probs[j].to(p.dtype) if draft.draft_probs is not None else None
+            qx = float(q[x]) if q is not None else 1.0
+            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            if qx > 0 and u * qx < float(p[x]):  # accept with prob min(1, p(x)/q(x))
+                chosen = j
+                break
+            p = residual_probs(p, q, x)
+        if chosen is None:  # every candidate rejected: recovered token from the residual
+            tok = sample_from(p, generator)
+            return VerifyResult(accepted, [draft.token_ids[j] for j in accepted] + [tok], False)
+        accepted.append(chosen)
+        row = chosen + 1
