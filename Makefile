@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tidespec-installed
 TORCH := torch==2.13.0
-PYTEST_ARGS ?=
+PYTEST_ARGS ?= -n 2 --durations=15
 
 .PHONY: demo test venv clean
 

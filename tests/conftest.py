@@ -126,14 +126,12 @@ def embedded() -> LoadedModel:
     return load_model(None, dtype=torch.float32)
 
 
-@pytest.fixture
-def single_thread() -> Iterator[None]:
-    """Run a test's torch ops on one thread (restored afterwards). On a small CPU shared with other
-    processes, two OpenMP threads spin-waiting on each other make a 135M forward several times
-    slower than one thread."""
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread() -> Iterator[None]:
+    """Run all tests' torch ops on one thread. The suite's models are tiny (or 135M at batch 1):
+    intra-op threads only add spin-wait overhead, and on a small CPU shared with other processes
+    two OpenMP threads waiting on each other make a forward several times slower."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    yield
+    torch.set_num_threads(before)

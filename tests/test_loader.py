@@ -23,6 +23,7 @@ from tests.conftest import full_logits, tiny_hf_model, write_tiny_checkpoint
 from tidespec.models import loader
 from tidespec.models.loader import LoadedModel, ModelLoadError, cache_dir, hf_checkpoint_dir, load_model
 
+
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -145,7 +146,10 @@ def test_second_load_reuses_conversion(tiny_gguf: tuple[transformers.PreTrainedM
     second = load_model(str(path), dtype=torch.bfloat16)
     assert calls == [path] and first.path == second.path
     assert second.model.dtype == torch.bfloat16
-    assert second.model.inv_freq.dtype == torch.float32  # rope frequencies stay exact
+    pos = torch.arange(0, 100, 7)
+    # rope tables come from float32 frequencies whatever the model dtype
+    assert torch.equal(second.model.rope(pos, torch.bfloat16)[0],
+                       first.model.rope(pos, torch.float32)[0].to(torch.bfloat16))
     os.utime(path)  # a touched (maybe replaced) file gets a fresh conversion
     assert Path(hf_checkpoint_dir(str(path))) != Path(first.path) and len(calls) == 2
 

@@ -7,10 +7,8 @@ that the counters parsed from ``/metrics`` agree with the request's own ``usage`
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import pytest
-import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -24,13 +22,6 @@ from tidespec.spec.drafters.ngram import NgramDrafter
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models run fastest single-threaded; on a shared, busy machine intra-op threads only contend."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 def _value(m: Metrics, name: str, **labels: str) -> float:
     v = m.registry.get_sample_value(name, labels)

@@ -23,6 +23,7 @@ from tidespec.engine.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.models.loader import LoadedModel
 
+
 ARCHS = sorted(TINY_HF_ARCHS)
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
 HF_RMSNORMS = (modeling_llama.LlamaRMSNorm, modeling_mistral.MistralRMSNorm, modeling_qwen2.Qwen2RMSNorm,
@@ -128,7 +129,6 @@ def embedded_hf_reference(embedded: LoadedModel) -> transformers.PreTrainedModel
 
 
 @pytest.mark.integration
-@pytest.mark.usefixtures("single_thread")
 def test_embedded_matches_transformers(embedded: LoadedModel,
                                        embedded_hf_reference: transformers.PreTrainedModel) -> None:
     """The three chat prompts run as one ragged batch through our model; HF runs each alone."""

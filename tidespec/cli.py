@@ -22,8 +22,9 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from tidespec.models.llama import ModelConfigError
     from tidespec.models.loader import ModelLoadError
     from tidespec.sampling import SamplingParamsError
+    from tidespec.adapt.cli import user_errors as adapt_errors
     return (ConfigError, ModelLoadError, ModelConfigError, SamplingParamsError, RequestError, QueueFullError,
-            FileNotFoundError)
+            FileNotFoundError, *adapt_errors())
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -66,6 +67,27 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(ns: argparse.Namespace) -> int:
+    from tidespec.control.profiler import load_or_measure
+    from tidespec.runtime import build_engine
+    config = engine_config_from_args(ns)
+    engine = build_engine(config)
+    t0 = time.perf_counter()
+    prof, path = load_or_measure(engine.model, engine.drafter, refresh=ns.refresh,
+                                 progress=lambda m: print(m, file=sys.stderr))
+    print(f"profile {prof.key} ({time.perf_counter() - t0:.1f} s; cached at {path})")
+    qs = sorted({q for _, q in prof.verify_latency})
+    print("| batch | " + " | ".join(f"T(b, q={q}) ms" for q in qs) + " |")
+    print("|---" * (len(qs) + 1) + "|")
+    for b in sorted({b for b, _ in prof.verify_latency}):
+        print(f"| {b} | " + " | ".join(f"{prof.verify(b, q) * 1e3:.1f}" for q in qs) + " |")
+    print("D0: " + ", ".join(f"{k}={v * 1e3:.2f} ms" for k, v in prof.draft_cost.items()))
+    if prof.catchup:
+        print("catch-up (tokens, batch) ms: " + ", ".join(
+            f"({t},{b})={c * 1e3:.1f}" for (t, b), c in sorted(prof.catchup.items())))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tidespec", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +98,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(g)
     add_sampling_args(g)
     g.set_defaults(func=cmd_generate)
+    pr = sub.add_parser("profile", help="measure (or show the cached) costs the adaptive policies use",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    pr.add_argument("--refresh", action="store_true", help="measure again even if a cached profile exists")
+    add_engine_args(pr)
+    pr.set_defaults(func=cmd_profile)
     for register in _registrars():
         register(sub)
     return parser
@@ -88,6 +115,8 @@ def _registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
     regs.append(bench)
     from tidespec.server.cli import register as serve
     regs.append(serve)
+    from tidespec.adapt.cli import register as train_drafter
+    regs.append(train_drafter)
     return regs
 
 

@@ -66,7 +66,8 @@ class SchedulerConfig:
             raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
 
 
-DRAFTERS = ("none", "ngram", "suffix", "draft-model")
+DRAFTERS = ("none", "ngram", "suffix", "draft-model", "eagle3")
+POLICIES = ("static", "analytic", "bandit", "hybrid")
 
 
 @dataclass
@@ -82,6 +83,29 @@ class SpecConfig:
     draft_model: str | None = _f(None, "draft model path (same tokenizer); default: the target truncated")
     draft_layers: int = _f(0, "draft model: use the target's first k layers (0 = use --draft-model)")
     tree_top_k: int = _f(2, "draft model trees: children per node")
+    policy: str = _f("static", "speculation-length policy", choices=POLICIES)
+    profile: str | None = _f(None, "profile JSON for analytic/hybrid (default: measured at start-up, cached)")
+    guard_kv_usage: float = _f(0.9, "no speculation while KV usage is above this fraction")
+    guard_temperature: float = _f(2.0, "no speculation for requests sampled above this temperature")
+    # --- EAGLE-3 (tidespec.adapt.online) ---
+    eagle3_dir: str | None = _f(None, "EAGLE-3: publish root (v1/, v2/, LATEST: the newest valid version is served) "
+                                "or one exported checkpoint dir; none = a fresh random head (still lossless)")
+    eagle3_draft_vocab: int = _f(0, "EAGLE-3: draft vocabulary of a fresh head (0 = the target's vocabulary)")
+    eagle3_tree_depth: int = _f(5, "EAGLE-3 trees (--tree): expansion depth")
+    eagle3_tree_top_k: int = _f(4, "EAGLE-3 trees (--tree): children per expanded node and frontier width")
+    online_training: bool = _f(False, "EAGLE-3: capture the target's hidden states while serving, train in a child "
+                               "process, swap better drafters in between steps (needs --eagle3-dir)")
+    signal_dir: str | None = _f(None, "training-signal store directory (default: <eagle3-dir>/signals)")
+    signal_budget_mb: int = _f(2048, "signal store byte budget in MiB (oldest shards evicted first)")
+    online_poll_s: float = _f(2.0, "seconds between checks for a newly published drafter")
+    trainer_device: str | None = _f(None, "device of the trainer child process (default: --device)")
+    collect_force: bool = _f(False, "collect training signals all the time, not only after an acceptance drop")
+    collect_bootstrap: bool = _f(False, "collect from the start (automatic while nothing is published)")
+    collect_epsilon: float = _f(0.02, "selective collection: short-vs-long EMA acceptance drop that means a shift")
+    collect_n_init: int = _f(20, "selective collection: requests averaged before shift detection starts")
+    collect_n_threshold: int = _f(16384, "selective collection: new signal rows that trigger a training round")
+    collect_lambda_short: float = _f(0.9, "selective collection: short EMA decay")
+    collect_lambda_long: float = _f(0.99, "selective collection: long EMA decay")
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -96,6 +120,33 @@ class SpecConfig:
             raise ConfigError(f"draft_layers must be >= 0, got {self.draft_layers}")
         if self.tree_top_k < 1:
             raise ConfigError(f"tree_top_k must be >= 1, got {self.tree_top_k}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        if not 0.0 < self.guard_kv_usage <= 1.0:
+            raise ConfigError(f"guard_kv_usage must be in (0, 1], got {self.guard_kv_usage}")
+        if self.guard_temperature < 0:
+            raise ConfigError(f"guard_temperature must be >= 0, got {self.guard_temperature}")
+        if self.eagle3_draft_vocab < 0:
+            raise ConfigError(f"eagle3_draft_vocab must be >= 0, got {self.eagle3_draft_vocab}")
+        if self.eagle3_tree_depth < 1 or self.eagle3_tree_top_k < 1:
+            raise ConfigError(f"eagle3_tree_depth and eagle3_tree_top_k must be >= 1, got "
+                              f"{self.eagle3_tree_depth}, {self.eagle3_tree_top_k}")
+        if self.signal_budget_mb < 1:
+            raise ConfigError(f"signal_budget_mb must be >= 1, got {self.signal_budget_mb}")
+        if self.online_poll_s <= 0:
+            raise ConfigError(f"online_poll_s must be > 0, got {self.online_poll_s}")
+        if not 0.0 <= self.collect_lambda_short < self.collect_lambda_long < 1.0:
+            raise ConfigError(f"need 0 <= collect_lambda_short < collect_lambda_long < 1, got "
+                              f"{self.collect_lambda_short}, {self.collect_lambda_long}")
+        if not 0.0 <= self.collect_epsilon < 1.0:
+            raise ConfigError(f"collect_epsilon must be in [0, 1), got {self.collect_epsilon}")
+        if self.collect_n_init < 1 or self.collect_n_threshold < 1:
+            raise ConfigError(f"collect_n_init and collect_n_threshold must be >= 1, got "
+                              f"{self.collect_n_init}, {self.collect_n_threshold}")
+        if self.online_training and self.drafter != "eagle3":
+            raise ConfigError("--online-training needs --drafter eagle3")
+        if self.online_training and not self.eagle3_dir:
+            raise ConfigError("--online-training needs --eagle3-dir (the directory drafters are published to)")
 
     @property
     def enabled(self) -> bool:
@@ -110,9 +161,11 @@ class EngineConfig:
     spec: SpecConfig = field(default_factory=SpecConfig)
 
     def __post_init__(self) -> None:
-        if self.scheduler.max_num_batched_tokens < self.cache.max_num_seqs * (self.spec.num_speculative_tokens + 1):
-            # every running sequence must fit its verification tokens in one step
-            self.scheduler.max_num_batched_tokens = self.cache.max_num_seqs * (self.spec.num_speculative_tokens + 1)
+        need = self.cache.max_num_seqs * (self.spec.num_speculative_tokens + 1) + 16
+        if self.scheduler.max_num_batched_tokens < need:
+            # every running sequence must fit its verification tokens in one step, with room left
+            # for prefill chunks so a full batch of decoders cannot starve new requests
+            self.scheduler.max_num_batched_tokens = need
 
 
 ENGINE_SECTIONS: tuple[type, ...] = (ModelConfig, CacheConfig, SchedulerConfig, SpecConfig)
@@ -141,8 +194,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
         elif get_origin(tp) is Literal:
             group.add_argument(flag, choices=list(get_args(tp)), default=default, help=help_, dest=f.name)
         elif tp in (int, float, str):
-            group.add_argument(flag, type=tp, default=default, help=f"{help_} (default: {default})",
-                               choices=f.metadata.get("choices"), dest=f.name)
+            group.add_argument(flag, type=tp, default=default, help=help_, choices=f.metadata.get("choices"),
+                               dest=f.name)
         else:
             raise TypeError(f"unsupported config field type {tp!r} for {cls.__name__}.{f.name}")
 

@@ -6,10 +6,15 @@ engine the same way; this is that one way.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from tidespec.config import EngineConfig, SpecConfig
+from tidespec.control.policy import GuardConfig, PolicyOptions, SpeculationPolicy, make_policy
+from tidespec.control.profiler import STATEFUL_DRAFTERS, load_or_measure
+from tidespec.control.speedup import Profile
 from tidespec.engine.engine import LLMEngine
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import load_model
@@ -29,6 +34,12 @@ def build_drafter(spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_m
         from tidespec.spec.drafters.suffix import SuffixDrafter
         return SuffixDrafter(max_tree_tokens=spec.suffix_max_tree_tokens, min_prob=spec.suffix_min_prob,
                              factor=spec.suffix_factor)
+    if spec.drafter == "eagle3":
+        from tidespec.adapt.online import build_eagle3_drafter
+        from tidespec.spec.drafters.eagle3 import Eagle3DrafterConfig
+        return build_eagle3_drafter(target, spec.eagle3_dir, spec.eagle3_draft_vocab, Eagle3DrafterConfig(
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, tree_depth=spec.eagle3_tree_depth,
+            tree_top_k=spec.eagle3_tree_top_k))
     from tidespec.spec.drafters.draft_model import DraftModelDrafter
     if spec.draft_layers:
         draft = target.truncated(spec.draft_layers)
@@ -44,9 +55,28 @@ def build_drafter(spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_m
                              tree_top_k=spec.tree_top_k)
 
 
+def build_policy(spec: SpecConfig, model: LlamaModel, drafter: Drafter | None,
+                 progress: Callable[[str], None] | None = None) -> SpeculationPolicy | None:
+    """The speculation-length policy with guards; profiles the model first when the policy needs
+    costs (analytic, hybrid; bandit for the switching cost of a stateful drafter)."""
+    if drafter is None:
+        return None
+    profile: Profile | None = None
+    needs_profile = spec.policy in ("analytic", "hybrid") or (
+        spec.policy == "bandit" and drafter.name in STATEFUL_DRAFTERS)
+    if spec.profile:
+        profile = Profile.load(spec.profile)
+    elif needs_profile:
+        profile, _ = load_or_measure(model, drafter, progress=progress)
+    guards = GuardConfig(kv_threshold=spec.guard_kv_usage, temperature_threshold=spec.guard_temperature,
+                         gamma_max=spec.num_speculative_tokens)
+    return make_policy(spec.policy, PolicyOptions(gamma_max=spec.num_speculative_tokens, profile=profile,
+                                                  guards=guards))
+
+
 def build_engine(config: EngineConfig, model: LlamaModel | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None, drafter: Drafter | None = None) -> LLMEngine:
-    """Load (unless given) the model and tokenizer and wire the configured drafter."""
+    """Load (unless given) the model and tokenizer and wire the configured drafter and policy."""
     mc = config.model
     if mc.threads:
         torch.set_num_threads(mc.threads)
@@ -56,4 +86,5 @@ def build_engine(config: EngineConfig, model: LlamaModel | None = None,
     max_len = min(config.cache.max_model_len, model.cfg.max_position_embeddings)
     if drafter is None:
         drafter = build_drafter(config.spec, model, config.cache.max_num_seqs, max_len)
-    return LLMEngine(model, tokenizer, config, drafter=drafter)
+    policy = build_policy(config.spec, model, drafter) if config.spec.num_speculative_tokens else None
+    return LLMEngine(model, tokenizer, config, drafter=drafter, policy=policy)

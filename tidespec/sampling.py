@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 import torch
 
 
+GREEDY_TEMPERATURE = 1e-5
+
+
 class SamplingParamsError(ValueError):
     """A sampling parameter is out of range; the message is one line, fit for an HTTP 400."""
 
@@ -54,7 +57,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below 1e-5 are greedy (as in vLLM): dividing logits by them overflows."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

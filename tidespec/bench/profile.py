@@ -37,11 +37,13 @@ from typing import Any
 import torch
 
 from tidespec.bench.decode import resolve_target
+from tidespec.control.profiler import sync_device as _sync
+from tidespec.control.profiler import time_forward
 from tidespec.bench.report import (default_out_dir, machine_info, machine_line, markdown_table, new_figure,
                                    save_figure, write_json, write_text)
 from tidespec.config import ConfigError, ModelConfig
 from tidespec.engine.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import LoadedModel
 
 
@@ -90,12 +92,6 @@ def kv_bytes_per_token(model: LlamaModel, context: int) -> int:
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * context * model.embed_tokens.weight.element_size()
 
 
-def _sync(device: torch.device) -> None:
-    """Wait for queued device work so wall-clock timings are real (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def memory_bandwidth(mib: int = 256, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     """GB/s of a large tensor copy on ``device`` (read + write counted), median of ``repeats``
     after a warm-up."""
@@ -112,28 +108,6 @@ def memory_bandwidth(mib: int = 256, repeats: int = 5, device: torch.device | st
         _sync(dev)
         times.append(time.perf_counter() - t)
     return 2 * n * 4 / statistics.median(times) / 1e9
-
-
-def time_forward(model: LlamaModel, kv: KVCache, batch: int, n: int, context: int, repeats: int, target_s: float,
-                 gen: torch.Generator) -> tuple[float, int]:
-    """Median seconds of one forward of ``n`` new tokens for each of ``batch`` sequences on a
-    ``context``-token cache, and the number of timed repeats."""
-    ids = torch.randint(0, model.cfg.vocab_size, (batch * n,), generator=gen).to(model.device)  # [B*n]
-    layout = BatchLayout.build(q_lens=[n] * batch, ctx_lens=[context] * batch, slots=list(range(batch)),
-                               device=model.device)
-    _sync(model.device)
-    t = time.perf_counter()
-    model(ids, layout, kv, logits_rows=None)  # warm-up; also sizes the repeat count
-    _sync(model.device)
-    warm = time.perf_counter() - t
-    reps = max(1, min(repeats, int(target_s / max(warm, 1e-9))))
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        model(ids, layout, kv, logits_rows=None)
-        _sync(model.device)
-        times.append(time.perf_counter() - t)
-    return statistics.median(times), reps
 
 
 def run_profile(cfg: ProfileConfig, target: LoadedModel | LlamaModel | str | None = None, *,

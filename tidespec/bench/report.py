@@ -130,8 +130,6 @@ def command_line(argv: Sequence[str] | None = None) -> str:
     prog = Path(args[0]).name
     if prog in ("cli.py", "__main__.py"):
         prog = "python -m tidespec.cli"
-    elif prog.startswith("pytest") or prog == "-c":
-        prog = "python " + prog
     return " ".join([prog, shlex.join(args[1:])]).strip()
 
 

@@ -44,17 +44,10 @@ from urllib.parse import urlparse
 import httpx
 import numpy as np
 
+from tidespec.bench.workload import WorkloadRecord, load_workload
 from tidespec.config import ConfigError
 
 ROUTE_HEADER = "X-Tidespec-Route"
-
-
-@dataclass
-class WorkItem:
-    id: str
-    domain: str
-    kind: str  # "completion" | "chat"
-    prompt: str
 
 
 @dataclass
@@ -94,30 +87,6 @@ def check_loopback(base_url: str) -> str:
     if not ok:
         raise ConfigError(f"--base-url must point to a loopback address (127.0.0.0/8, ::1, localhost), got {host!r}")
     return base_url.rstrip("/")
-
-
-def load_workload(path: str | Path) -> list[WorkItem]:
-    """Read a workload JSONL (keys id, domain, kind, prompt); ``ConfigError`` on a malformed line."""
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"workload file not found: {p}")
-    items: list[WorkItem] = []
-    with p.open(encoding="utf-8") as fh:
-        for lineno, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-                kind = rec.get("kind", "completion")
-                if kind not in ("completion", "chat") or not isinstance(rec["prompt"], str) or not rec["prompt"]:
-                    raise ValueError("kind must be completion|chat and prompt a non-empty string")
-                items.append(WorkItem(str(rec.get("id", lineno)), str(rec.get("domain", "default")), kind,
-                                      rec["prompt"]))
-            except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise ConfigError(f"{p}:{lineno}: bad workload record ({exc})") from exc
-    if not items:
-        raise ConfigError(f"workload {p} has no records")
-    return items
 
 
 def load_rate_trace(path: str | Path) -> list[tuple[float, float]]:
@@ -190,7 +159,7 @@ def arrival_times(trace: list[tuple[float, float]], num_requests: int, duration:
 
 
 # ----------------------------------------------------------------------------- requests
-async def _one_request(client: httpx.AsyncClient, rec: RequestRecord, item: WorkItem, ns: argparse.Namespace,
+async def _one_request(client: httpx.AsyncClient, rec: RequestRecord, item: WorkloadRecord, ns: argparse.Namespace,
                        model: str, t0: float) -> None:
     body: dict[str, Any] = {"model": model, "max_tokens": ns.max_tokens, "temperature": ns.temperature,
                             "stream": True, "stream_options": {"include_usage": True}}
@@ -269,7 +238,7 @@ async def _resolve_model(client: httpx.AsyncClient, model: str | None) -> str:
     return str(resp.json()["data"][0]["id"])
 
 
-async def run_load(ns: argparse.Namespace, base_url: str, items: list[WorkItem],
+async def run_load(ns: argparse.Namespace, base_url: str, items: list[WorkloadRecord],
                    arrivals: list[float]) -> tuple[list[RequestRecord], float, str]:
     """Send one request per arrival time; returns the records, the wall time and the model name."""
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
@@ -382,7 +351,7 @@ def plot(records: list[RequestRecord], wall_s: float, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    bin_s = max(1.0, wall_s / 60)
+    bin_s = max(0.1, wall_s / 40)
     nbins = max(1, int(math.ceil(wall_s / bin_s)))
     edges = np.arange(nbins + 1) * bin_s
     mids = edges[:-1] + bin_s / 2
@@ -431,8 +400,11 @@ def launch_server(engine_args: str, port: int, api_key: str | None, timeout: flo
     env = dict(os.environ)
     if api_key:
         env["TIDESPEC_API_KEY"] = api_key
-    out = log_path.open("wb") if log_path is not None else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    if log_path is not None:
+        with log_path.open("wb") as out:  # the child keeps its own descriptor
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    else:
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
     deadline = time.monotonic() + timeout
     url = f"http://127.0.0.1:{port}/health"
     while time.monotonic() < deadline:
@@ -463,10 +435,11 @@ def stop_server(proc: subprocess.Popen[bytes]) -> None:
 def add_args(parser: argparse.ArgumentParser) -> None:
     """Flags of ``tidespec bench serve``."""
     g = parser.add_argument_group("load")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL (loopback only)")
-    g.add_argument("--model", default=None, help="model name to send (default: the server's first model)")
-    g.add_argument("--api-key", default=os.environ.get("TIDESPEC_API_KEY"), help="API key (default: env TIDESPEC_API_KEY)")
-    g.add_argument("--workload", required=True, help="workload JSONL: {id, domain, kind: completion|chat, prompt}")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server URL, loopback only")
+    g.add_argument("--model", default=None, help="model name to send; None = the server's first model")
+    g.add_argument("--api-key", default=None, help="API key; env TIDESPEC_API_KEY when not given")
+    g.add_argument("--workload", required=True,
+                   help="workload JSONL {id, domain, kind: completion|chat, prompt}, or a built-in name: code, chat")
     g.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
                    help="shuffle the workload order (seeded)")
     g.add_argument("--rate", type=float, default=math.inf, help="Poisson arrival rate, req/s (inf = all at once)")
@@ -479,7 +452,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     g.add_argument("--seed", type=int, default=0, help="arrival/shuffle seed; request i gets seed + i")
     g.add_argument("--spec-tokens", type=int, default=None,
-                   help="per-request tidespec.num_speculative_tokens (0 = disable; default: server's)")
+                   help="per-request tidespec.num_speculative_tokens (0 = disable; None = the server's)")
     g.add_argument("--route-header", action=argparse.BooleanOptionalAction, default=True,
                    help=f"send each record's domain as {ROUTE_HEADER}")
     g.add_argument("--out", default=None, help="directory for bench_serve.json and bench_serve.png")
@@ -506,6 +479,8 @@ def _validate(ns: argparse.Namespace) -> None:
 def run(ns: argparse.Namespace) -> int:
     """Run the benchmark described by ``ns`` (see ``add_args``); returns the exit code."""
     _validate(ns)
+    if ns.api_key is None:
+        ns.api_key = os.environ.get("TIDESPEC_API_KEY") or None
     items = load_workload(ns.workload)
     trace = load_rate_trace(ns.rate_trace) if ns.rate_trace else [(0.0, ns.rate)]
     arrivals = arrival_times(trace, ns.num_requests, ns.duration, random.Random(ns.seed))

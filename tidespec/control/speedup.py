@@ -71,9 +71,14 @@ class Profile:
     draft_cost: dict[str, float]
     catchup: dict[tuple[int, int], float] = field(default_factory=dict)
     key: str = ""  # model/device/dtype this profile was measured for
+    # optional T(b, q): one forward with q new tokens for each of b sequences. On a CPU engine
+    # that attends per sequence, b sequences x q tokens costs more than b*q tokens of one
+    # sequence, so beta and c use this table when it is measured.
+    verify_latency: dict[tuple[int, int], float] = field(default_factory=dict)
     _ts: list[float] = field(init=False, repr=False, compare=False)
     _tlat: list[float] = field(init=False, repr=False, compare=False)
     _rows: dict[int, tuple[list[float], list[float]]] = field(init=False, repr=False, compare=False)
+    _vrows: dict[int, tuple[list[float], list[float]]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.target_latency:
@@ -94,10 +99,11 @@ class Profile:
         for n in sorted(self.target_latency):
             envelope.append(max(self.target_latency[n], envelope[-1] if envelope else 0.0))
         self._tlat = envelope
-        rows: dict[int, dict[int, float]] = {}
-        for (tokens, batch), cost in self.catchup.items():
-            rows.setdefault(batch, {})[tokens] = cost
-        self._rows = {b: ([float(t) for t in sorted(r)], [r[t] for t in sorted(r)]) for b, r in rows.items()}
+        self._rows = _batch_rows(self.catchup)
+        for (b, q), t in self.verify_latency.items():
+            if b < 1 or q < 1 or not math.isfinite(t) or t <= 0:
+                raise ValueError(f"verify_latency needs b, q >= 1 and finite T > 0, got T({b}, {q}) = {t}")
+        self._vrows = _batch_rows({(q, b): t for (b, q), t in self.verify_latency.items()})
 
     # ---- lookups -------------------------------------------------------------------------
     def target(self, n: float) -> float:
@@ -118,19 +124,17 @@ class Profile:
         """
         if not self._rows or tokens <= 0:
             return 0.0
-        batches = sorted(self._rows)
-        if batch <= batches[0] or batch >= batches[-1]:
-            row = batches[0] if batch <= batches[0] else batches[-1]
-            return max(0.0, _interp(*self._rows[row], float(tokens)))
-        i = bisect.bisect_left(batches, batch)
-        lo, hi = batches[i - 1], batches[i]
-        c_lo = _interp(*self._rows[lo], float(tokens))
-        c_hi = _interp(*self._rows[hi], float(tokens))
-        return max(0.0, c_lo + (c_hi - c_lo) * (batch - lo) / (hi - lo))
+        return max(0.0, _row_interp(self._rows, float(tokens), batch))
+
+    def verify(self, b: int, q: int) -> float:
+        """T(b, q): b sequences with q new tokens each; T(b * q) when no 2-D table was measured."""
+        if not self._vrows:
+            return self.target(b * q)
+        return _row_interp(self._vrows, float(q), b)
 
     def baseline_tokens_per_s(self, b: int) -> float:
-        """Plain-decode goodput at batch ``b``: b tokens every T(b) seconds."""
-        return b / self.target(b)
+        """Plain-decode goodput at batch ``b``: b tokens every T(b, 1) seconds."""
+        return b / self.verify(b, 1)
 
     # ---- (de)serialisation ---------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -140,6 +144,7 @@ class Profile:
             "target_latency_s": {str(n): t for n, t in sorted(self.target_latency.items())},
             "draft_cost_s": dict(sorted(self.draft_cost.items())),
             "catchup_s": [[tokens, batch, cost] for (tokens, batch), cost in sorted(self.catchup.items())],
+            "verify_latency_s": [[b, q, t] for (b, q), t in sorted(self.verify_latency.items())],
         }
 
     @classmethod
@@ -151,6 +156,7 @@ class Profile:
             draft_cost={str(k): float(v) for k, v in data["draft_cost_s"].items()},
             catchup={(int(t), int(b)): float(c) for t, b, c in data.get("catchup_s", [])},
             key=str(data.get("key", "")),
+            verify_latency={(int(b), int(q)): float(t) for b, q, t in data.get("verify_latency_s", [])},
         )
 
     def to_json(self) -> str:
@@ -169,6 +175,26 @@ class Profile:
 
 
 # ---- the model ---------------------------------------------------------------------------
+def _batch_rows(table: dict[tuple[int, int], float]) -> dict[int, tuple[list[float], list[float]]]:
+    """{(x, batch): y} -> {batch: (sorted xs, ys)}."""
+    rows: dict[int, dict[int, float]] = {}
+    for (x, batch), y in table.items():
+        rows.setdefault(batch, {})[x] = y
+    return {b: ([float(t) for t in sorted(r)], [r[t] for t in sorted(r)]) for b, r in rows.items()}
+
+
+def _row_interp(rows: dict[int, tuple[list[float], list[float]]], x: float, batch: int) -> float:
+    """Linear in x within each batch row, linear between the two nearest rows, clamped outside."""
+    batches = sorted(rows)
+    if batch <= batches[0] or batch >= batches[-1]:
+        row = batches[0] if batch <= batches[0] else batches[-1]
+        return _interp(*rows[row], x)
+    i = bisect.bisect_left(batches, batch)
+    lo, hi = batches[i - 1], batches[i]
+    y_lo, y_hi = _interp(*rows[lo], x), _interp(*rows[hi], x)
+    return y_lo + (y_hi - y_lo) * (batch - lo) / (hi - lo)
+
+
 def _check(alpha: float, gamma: float) -> None:
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"alpha must be in [0, 1], got {alpha}")
@@ -214,12 +240,12 @@ def alpha_from_accept_length(accept_length: float, gamma: float, tol: float = 1e
 
 def beta(profile: Profile, b: int, gamma: int) -> float:
     """beta(b) = T(b (gamma + 1)) / T(b): cost of verifying gamma drafts + 1 vs. one plain step."""
-    return profile.target(b * (gamma + 1)) / profile.target(b)
+    return profile.verify(b, gamma + 1) / profile.verify(b, 1)
 
 
 def c(profile: Profile, b: int, drafter: str | None = None) -> float:
     """c(b) = D0 / T(b): one drafting step relative to one plain decode step at batch b."""
-    return profile.d0(drafter) / profile.target(b)
+    return profile.d0(drafter) / profile.verify(b, 1)
 
 
 def practical_speedup(alpha: float, gamma: int, b: int, profile: Profile, drafter: str | None = None) -> float:

@@ -25,15 +25,16 @@ import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from tidespec.config import EngineConfig
+from tidespec.control.policy import PlanInput, SeqState, SpeculationPolicy, StepFeedback
 from tidespec.engine.detok import IncrementalDetokenizer
 from tidespec.engine.kv_cache import KVCache
-from tidespec.engine.scheduler import PrefillChunk, ScheduledBatch, Scheduler
+from tidespec.engine.scheduler import ScheduledBatch, Scheduler
 from tidespec.engine.sequence import Sequence
 from tidespec.engine.stats import RequestStats, StepStats
 from tidespec.models.llama import BatchLayout, LlamaModel
@@ -64,10 +65,6 @@ class RequestOutput:
         return len(self.prompt_token_ids)
 
 
-# A planner maps the decode sequences of a step to a speculation length each.
-Planner = Callable[[list[Sequence], float], dict[int, int]]
-
-
 @dataclass
 class _Row:
     """Where one scheduled item's tokens sit in the flattened forward."""
@@ -82,12 +79,12 @@ class LLMEngine:
     """Continuous-batching engine over one target model, optional drafter and planner."""
 
     def __init__(self, model: LlamaModel, tokenizer: PreTrainedTokenizerBase, config: EngineConfig,
-                 drafter: Drafter | None = None, planner: Planner | None = None) -> None:
+                 drafter: Drafter | None = None, policy: SpeculationPolicy | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self.drafter = drafter
-        self.planner = planner
+        self.policy = policy
         self.device = model.device
         cc = config.cache
         self.max_model_len = min(cc.max_model_len, model.cfg.max_position_embeddings)
@@ -100,6 +97,12 @@ class LLMEngine:
         self.last_stats = StepStats()
         self.history: deque[StepStats] = deque(maxlen=4096)
         self.step_listeners: list[Callable[[StepStats], None]] = []
+        # called with the step's observations (final tokens + target taps) after the drafter saw
+        # them; training-signal capture hooks in here. Must return quickly (copy, never block).
+        self.observation_consumers: list[Callable[[list[Observation]], None]] = []
+        # called at the start of every step, between steps: the place to swap in a new drafter
+        # version that a background thread already loaded. Must return quickly.
+        self.between_steps: list[Callable[["LLMEngine"], None]] = []
         eos = list(model.cfg.eos_token_ids)
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
             eos.append(tokenizer.eos_token_id)
@@ -154,6 +157,8 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
+        for hook in self.between_steps:
+            hook(self)
         t0 = time.perf_counter()
         stats = StepStats(step=self.step_count)
         self.step_count += 1
@@ -173,6 +178,7 @@ class LLMEngine:
         for seq in batch.decode:
             row = rows[seq.seq_id]
             res = self._verify(seq, row, logits, argmax)
+            start = seq.num_cached
             kept_rows = self._commit_kv(seq, row, res)
             if row.draft is not None and row.draft.num_tokens:
                 seq.stats.add_accepted(row.draft.num_tokens, res.num_accepted)
@@ -183,8 +189,9 @@ class LLMEngine:
             o = self._emit(seq, res.token_ids, stats)
             outputs.append(o)
             if taps_wanted and not o.finished:
-                observations.append(Observation(seq.seq_id, list(seq.token_ids), len(kept_rows),
-                                                out.taps.index_select(0, torch.tensor(kept_rows, device=self.device))))
+                observations.append(Observation(
+                    seq.seq_id, list(seq.token_ids), len(kept_rows),
+                    out.taps.index_select(0, torch.tensor(kept_rows, device=self.device)), start))
         for chunk in batch.prefill:
             seq = chunk.seq
             row = rows[seq.seq_id]
@@ -198,10 +205,12 @@ class LLMEngine:
                 finished = o.finished
             if taps_wanted and not finished:
                 observations.append(Observation(seq.seq_id, list(seq.token_ids), chunk.num_tokens,
-                                                out.taps[row.start:row.start + row.num]))
+                                                out.taps[row.start:row.start + row.num], chunk.start))
         stats.verify_time = time.perf_counter() - t_verify
         if observations and self.drafter is not None:
             self.drafter.observe(observations)
+            for consume in self.observation_consumers:
+                consume(observations)
         stats.batch_size = len(batch.decode) + len(batch.prefill)
         stats.num_decode_seqs = len(batch.decode)
         stats.spec_lens = {s.seq_id: g for s, g in zip(batch.decode, gammas)}
@@ -210,6 +219,12 @@ class LLMEngine:
         stats.kv_usage = self.kv.usage()
         stats.num_running = self.num_running
         stats.num_waiting = self.num_waiting
+        if self.policy is not None and batch.decode:
+            self.policy.observe(StepFeedback(
+                batch_size=len(batch.decode), gamma=max(gammas), num_seqs_speculated=stats.num_drafts,
+                num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens,
+                num_emitted_tokens=stats.num_emitted_tokens, step_time=stats.total_time,
+                draft_time=stats.draft_time, verify_time=stats.verify_time))
         self.last_stats = stats
         self.history.append(stats)
         for listener in self.step_listeners:
@@ -220,8 +235,9 @@ class LLMEngine:
     def _plan(self, decode: list[Sequence]) -> list[int]:
         if self.drafter is None or not decode:
             return [0] * len(decode)
-        if self.planner is not None:
-            chosen = self.planner(decode, self.kv.usage())
+        if self.policy is not None:
+            chosen = self.policy.plan(PlanInput(len(decode), self.kv.usage(), [
+                SeqState(s.seq_id, s.params.temperature, s.remaining_tokens, s.spec_override) for s in decode]))
             gam = [chosen.get(s.seq_id, 0) for s in decode]
         else:
             gam = [self.gamma_max if s.spec_override is None else s.spec_override for s in decode]
@@ -230,7 +246,7 @@ class LLMEngine:
                 for g, s in zip(gam, decode)]
 
     def _propose(self, decode: list[Sequence], gammas: list[int], stats: StepStats) -> DraftProposal:
-        inputs = [DraftInput(s.seq_id, s.token_ids, g, s.params, self.use_tree)
+        inputs = [DraftInput(s.seq_id, s.token_ids, g, s.params, self.use_tree, len(s.prompt_ids))
                   for s, g in zip(decode, gammas) if g > 0]
         if not inputs or self.drafter is None:
             return DraftProposal()

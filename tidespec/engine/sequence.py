@@ -25,7 +25,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass
+@dataclass(eq=False)  # identity equality: queues remove sequences by identity, never by field values
 class Sequence:
     seq_id: int
     request_id: str

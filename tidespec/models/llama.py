@@ -318,9 +318,14 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
+        self.tie_weights()
+        # cos/sin tables per (device, dtype), built lazily; kept out of the module's buffers so
+        # .to(bfloat16) never degrades the float32 rope computation
+        self._rope_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tie_weights(self) -> None:
+        if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -331,10 +336,18 @@ class LlamaModel(nn.Module):
         return self.embed_tokens.weight.device
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [T, hd] computed in float32 like HF's reference, then cast."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()  # [T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        """cos/sin [T, hd] looked up in a table computed in float32 exactly as HF's reference
+        computes them per forward (position * inv_freq in float32, then cos/sin, then cast)."""
+        key = (positions.device, dtype)
+        table = self._rope_tables.get(key)
+        if table is None:
+            inv = rope_inv_freq(self.cfg).to(positions.device)  # [hd/2] float32
+            pos = torch.arange(self.cfg.max_position_embeddings, device=positions.device).float()
+            freqs = pos.unsqueeze(-1) * inv  # [P, hd/2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [P, hd]
+            table = (emb.cos().to(dtype), emb.sin().to(dtype))
+            self._rope_tables[key] = table
+        return table[0].index_select(0, positions), table[1].index_select(0, positions)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, layout: BatchLayout, kv: KVStorage,
@@ -351,7 +364,7 @@ class LlamaModel(nn.Module):
             h = layer(h, cos, sin, layout, kv.k[i], kv.v[i])
         h = self.norm(h)
         rows = h if logits_rows is None else h.index_select(0, logits_rows)
-        logits = self.lm_head(rows).float() if rows.shape[0] else None
+        logits = self.lm_head(rows).to(torch.promote_types(h.dtype, torch.float32)) if rows.shape[0] else None
         tap_t = torch.cat(taps, dim=-1) if taps else None  # [T, num_taps * H]
         return ModelOutput(logits=logits, taps=tap_t, last_hidden=h)
 
@@ -402,7 +415,7 @@ class LlamaModel(nn.Module):
         small.layers = nn.ModuleList(list(self.layers)[:num_layers])
         small.norm = self.norm
         small.lm_head = self.lm_head
-        small.register_buffer("inv_freq", self.inv_freq.clone(), persistent=False)
+        small._rope_tables = self._rope_tables
         return small
 
 

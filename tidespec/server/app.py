@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import re
 import secrets
 import time
@@ -48,6 +47,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tidespec.config import ConfigError
 from tidespec.engine.engine import LLMEngine, RequestError, RequestOutput
 from tidespec.engine.scheduler import QueueFullError
 from tidespec.metrics import Metrics
@@ -70,8 +70,6 @@ from tidespec.server.protocol import (
     ModelList,
     Usage,
 )
-
-log = logging.getLogger("tidespec.server")
 
 ROUTE_HEADER = "x-tidespec-route"
 _ROUTE_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
@@ -102,13 +100,13 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
-            raise ValueError("served_model_name must be non-empty")
+            raise ConfigError("served_model_name must be non-empty")
         if self.max_body_bytes < 1024:
-            raise ValueError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
+            raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
         if self.default_completion_max_tokens < 1:
-            raise ValueError(f"default_completion_max_tokens must be >= 1, got {self.default_completion_max_tokens}")
+            raise ConfigError(f"default_completion_max_tokens must be >= 1, got {self.default_completion_max_tokens}")
         if self.disconnect_poll_s <= 0:
-            raise ValueError(f"disconnect_poll_s must be > 0, got {self.disconnect_poll_s}")
+            raise ConfigError(f"disconnect_poll_s must be > 0, got {self.disconnect_poll_s}")
 
 
 class ApiError(Exception):
@@ -189,7 +187,10 @@ class _Guard:
                 await resp(scope, receive, send)
                 return
         length = headers.get("content-length")
-        if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+        if length is not None and not length.isdigit():
+            await error_response(400, "invalid Content-Length header")(scope, receive, send)
+            return
+        if length is not None and int(length) > self.max_body_bytes:
             resp = error_response(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
             await resp(scope, receive, send)
             return

@@ -200,14 +200,13 @@ class AsyncEngine:
         except BaseException:
             self._streams.pop(rid, None)
             if not fut.done() or fut.cancelled() or fut.exception() is None:
-                self.abort(rid)  # we were cancelled while the add was pending: undo it
+                self._commands.put(_Abort(rid))  # we were cancelled while the add was pending: undo it
             raise
         return stream
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; a no-op once it finished). Frees its KV in the engine thread."""
-        stream = self._streams.pop(request_id, None)
-        if stream is not None or self.running:
+        if self._streams.pop(request_id, None) is not None:
             self._commands.put(_Abort(request_id))
 
     def call(self, fn: Callable[[LLMEngine], T]) -> concurrent.futures.Future[T]:

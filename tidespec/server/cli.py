@@ -32,18 +32,17 @@ log = logging.getLogger("tidespec.server")
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``serve`` sub-command to the ``tidespec`` CLI."""
-    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     add_engine_args(p)
     g = p.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
-    g.add_argument("--port", type=int, default=8000, help="TCP port")
+    g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    g.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     g.add_argument("--api-key", default=None,
                    help=f"require 'Authorization: Bearer KEY' on every route but /health (default: env {API_KEY_ENV})")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients must send (default: the checkpoint's name)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn and tidespec log level")
+                   help="uvicorn and tidespec log level (default: info)")
     p.set_defaults(func=cmd_serve, max_waiting=DEFAULT_MAX_WAITING)
 
 
@@ -88,10 +87,23 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         log.warning("binding %s: the server is reachable from other machines%s", ns.host,
                     "" if api_key else " and has no API key")
     engine = build_engine(config)
+    online = None
+    if config.spec.online_training:
+        from tidespec.adapt.online import OnlineConfig, attach_online_training
+        from tidespec.adapt.trainer import start_trainer_process
+        online = attach_online_training(engine, OnlineConfig.from_spec(config.spec))
+        online.trainer = start_trainer_process(
+            online.config, config.model.model, dtype=config.model.dtype,
+            device=config.spec.trainer_device or config.model.device, draft_vocab=config.spec.eagle3_draft_vocab)
     app = create_app(engine, server_config)
-    log.info("serving %r on http://%s:%d (drafter %s, max_waiting %d)", server_config.served_model_name, ns.host,
-             ns.port, config.spec.drafter, config.scheduler.max_waiting)
-    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, timeout_graceful_shutdown=10)
+    log.info("serving %r on http://%s:%d (drafter %s, policy %s, max_waiting %d%s)", server_config.served_model_name,
+             ns.host, ns.port, config.spec.drafter, config.spec.policy, config.scheduler.max_waiting,
+             ", online training" if online is not None else "")
+    try:
+        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, timeout_graceful_shutdown=10)
+    finally:
+        if online is not None:
+            online.close()
     return 0
 
 

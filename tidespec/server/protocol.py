@@ -28,13 +28,12 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from tidespec.sampling import SamplingParams
+from tidespec.sampling import GREEDY_TEMPERATURE, SamplingParams
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 # temperatures below this are greedy (as vLLM's _SAMPLING_EPS): logits / 1e-163 overflow to inf
-GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 class _Strict(BaseModel):
@@ -102,7 +101,7 @@ class _SamplingRequest(_Strict):
         max_tokens = self._max_tokens()
         temperature = 1.0 if self.temperature is None else float(self.temperature)
         return SamplingParams(
-            temperature=0.0 if temperature < GREEDY_BELOW_TEMPERATURE else temperature,
+            temperature=0.0 if temperature < GREEDY_TEMPERATURE else temperature,
             top_p=1.0 if self.top_p is None else float(self.top_p),
             top_k=max(0, self.top_k or 0),
             seed=self.seed,

@@ -31,6 +31,7 @@ class DraftInput:
     num_speculative_tokens: int  # gamma for this sequence this step (>= 1)
     params: SamplingParams
     tree: bool = False  # whether a tree-shaped proposal is allowed
+    num_prompt_tokens: int = 0  # where the prompt ends in token_ids (0 = unknown)
 
 
 @dataclass
@@ -81,6 +82,7 @@ class Observation:
     token_ids: list[int]  # full context after this step (prompt + output)
     num_new_cached: int  # tokens whose target KV became final this step
     taps: torch.Tensor | None = None  # [num_new_cached, num_taps * H] or None
+    start: int = -1  # cache position of the first newly cached token (-1 = unknown)
 
 
 @runtime_checkable

@@ -1,0 +1,369 @@
+"""Online EAGLE-3 glue: capture rows are the right (position, token, label, taps), capture never
+blocks the engine, drafter versions swap in between steps losslessly, bad versions are refused."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny import tiny_llama, tiny_tokenizer
+from tidespec.adapt.capture import CaptureBuffer
+from tidespec.adapt.checkpoint import (
+    LATEST_NAME,
+    WEIGHTS_NAME,
+    DrafterCheckpointError,
+    export_eagle3,
+    publish,
+)
+from tidespec.adapt.collection import CollectionConfig, SelectiveCollector
+from tidespec.adapt.online import (
+    TRAINER_STATE_NAME,
+    OnlineConfig,
+    OnlineConfigError,
+    SignalCollector,
+    attach_online_training,
+    build_eagle3_drafter,
+    fresh_head,
+)
+from tidespec.adapt.store import SignalShard, SignalStore
+from tidespec.config import CacheConfig, EngineConfig, SpecConfig
+from tidespec.engine.engine import LLMEngine
+from tidespec.engine.kv_cache import KVCache
+from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.sampling import SamplingParams
+from tidespec.spec.drafters.eagle3 import Eagle3DrafterConfig, Eagle3Head
+
+V = 48
+LAYERS = 8  # EAGLE-3 taps (2, 4, 5): distinct without the tiny-model fallback
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14], [3, 3, 3, 3]]
+MAX_TOKENS = 20
+SLEEP_S = 0.5
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    return tiny_llama(V, layers=LAYERS, seed=2, scale=3.0)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer(V)
+
+
+def make_engine(model: LlamaModel, tok, drafter=None, gamma: int = 3, tree: bool = False,
+                slots: int = 4) -> LLMEngine:
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=slots),
+                       spec=SpecConfig(num_speculative_tokens=gamma if drafter is not None else 0, tree=tree))
+    return LLMEngine(model, tok, cfg, drafter=drafter)
+
+
+def drafter_cfg() -> Eagle3DrafterConfig:
+    return Eagle3DrafterConfig(max_num_seqs=4, max_model_len=96, tree_depth=3, tree_top_k=2)
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], labels: list[str | None] | None = None,
+        between=None) -> tuple[list[list[int]], int]:
+    """Greedy outputs in prompt order and the number of draft tokens; ``between(step)`` runs
+    after every step."""
+    params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
+    labels = labels or [None] * len(prompts)
+    ids = [engine.add_request(p, params, label=lab) for p, lab in zip(prompts, labels)]
+    done: dict[str, list[int]] = {}
+    drafted = 0
+    step = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+                drafted += o.stats.num_draft_tokens
+        step += 1
+        if between is not None:
+            between(step)
+    return [done[i] for i in ids], drafted
+
+
+@pytest.fixture(scope="module")
+def plain(model: LlamaModel, tok) -> list[list[int]]:
+    return run(make_engine(model, tok), PROMPTS)[0]
+
+
+def random_head(model: LlamaModel, seed: int) -> Eagle3Head:
+    head = fresh_head(model.cfg, None, model.dtype, seed=seed)
+    with torch.no_grad():  # larger weights: drafts depend visibly on the inputs
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(seed))
+    return head
+
+
+def full_taps(model: LlamaModel, ids: list[int], layers: tuple[int, ...]) -> torch.Tensor:
+    """[len, 3H] target taps of a whole sequence in one prefill."""
+    kv = KVCache.for_model(model.cfg, 1, 128, model.dtype)
+    out = model(torch.tensor(ids), BatchLayout.build([len(ids)], [0], [0]), kv, tap_layers=layers)
+    assert out.taps is not None
+    return out.taps
+
+
+def rows_of(shards: list[SignalShard]) -> dict[str, torch.Tensor]:
+    return {n: torch.cat([getattr(s, n) for s in shards])
+            for n in ("taps", "token_ids", "next_token_ids", "seq_ids", "positions")}
+
+
+# ----------------------------------------------------------------------------------------------
+# capture
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("capture_prompt", [True, False])
+def test_capture_pushes_position_token_label_and_taps(model: LlamaModel, tok, capture_prompt: bool) -> None:
+    drafter = build_eagle3_drafter(model, None, cfg=drafter_cfg())
+    engine = make_engine(model, tok, drafter)
+    buf = CaptureBuffer(None, 4096, 64, taps_dtype=torch.float64)
+    collector = SignalCollector(engine, buf, SelectiveCollector(CollectionConfig(force=True)),
+                                capture_prompt=capture_prompt, salt=3)
+    engine.observation_consumers.append(collector)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    outs, drafted = run(engine, prompts, labels=["code", "chat"])
+    assert drafted > 0
+    buf.flush()
+    shards = buf.drain()
+    rows = rows_of(shards)
+    assert set(rows["seq_ids"].tolist()) == {3 << 40 | 0, 3 << 40 | 1}
+    assert {d for s in shards for d in s.row_domains()} == {"code", "chat"}
+    for k, (prompt, out) in enumerate(zip(prompts, outs)):
+        full = prompt + out
+        mine = rows["seq_ids"] == (3 << 40 | k)
+        pos = rows["positions"][mine]
+        order = pos.argsort()
+        pos = pos[order]
+        toks, labels, taps = rows["token_ids"][mine][order], rows["next_token_ids"][mine][order], rows["taps"][mine][order]
+        first = 0 if capture_prompt else len(prompt) - 1
+        # every final position exactly once, up to the last step before the request finished
+        assert pos.tolist() == list(range(first, first + len(pos)))
+        assert len(pos) >= MAX_TOKENS - 5
+        assert toks.tolist() == [full[p] for p in pos.tolist()]
+        assert labels.tolist() == [full[p + 1] for p in pos.tolist()]
+        assert torch.allclose(taps, full_taps(model, full, drafter.tap_layers)[pos], atol=1e-9)
+    # hand-checked: the prefill of request 0 ([5, 6, 7, 8] -> first output token o0)
+    mine = rows["seq_ids"] == (3 << 40)
+    by_pos = {int(p): (int(t), int(lab)) for p, t, lab in
+              zip(rows["positions"][mine], rows["token_ids"][mine], rows["next_token_ids"][mine])}
+    o0 = outs[0][0]
+    if capture_prompt:
+        assert [by_pos[p] for p in range(4)] == [(5, 6), (6, 7), (7, 8), (8, o0)]
+    else:
+        assert 2 not in by_pos and by_pos[3] == (8, o0)
+
+
+def test_no_capture_while_collection_is_off(model: LlamaModel, tok) -> None:
+    engine = make_engine(model, tok, build_eagle3_drafter(model, None, cfg=drafter_cfg()))
+    buf = CaptureBuffer(None, 1024, 64)
+    selective = SelectiveCollector(CollectionConfig(n_init=1))  # off until a shift is detected
+    collector = SignalCollector(engine, buf, selective)
+    engine.observation_consumers.append(collector)
+    engine.step_listeners.append(collector.on_step)
+    run(engine, PROMPTS[:2])
+    assert buf.num_captured == 0 and collector.num_skipped_rows > 0
+    assert selective.state()["num_requests"] == 2  # both requests drafted and fed their acceptance
+
+
+class SlowStore(SignalStore):
+    """Every append takes SLEEP_S longer (a congested shared filesystem)."""
+
+    def append(self, shard: SignalShard) -> str:
+        time.sleep(SLEEP_S)
+        return super().append(shard)
+
+
+def test_capture_never_blocks_the_engine_with_a_slow_store(model: LlamaModel, tok, tmp_path: Path) -> None:
+    def step_times(with_capture: bool) -> tuple[list[float], CaptureBuffer | None]:
+        engine = make_engine(model, tok, build_eagle3_drafter(model, None, cfg=drafter_cfg()))
+        buf = None
+        if with_capture:
+            buf = CaptureBuffer(SlowStore(tmp_path / "sig", 1 << 30), 48, 16, taps_dim=3 * model.cfg.hidden_size)
+            engine.observation_consumers.append(
+                SignalCollector(engine, buf, SelectiveCollector(CollectionConfig(force=True))))
+        times: list[float] = []
+        engine.step_listeners.append(lambda s: times.append(s.total_time))
+        run(engine, PROMPTS * 2)
+        return times, buf
+
+    base, _ = step_times(False)
+    slow, buf = step_times(True)
+    assert buf is not None
+    stats = buf.stats()
+    assert stats["num_dropped"] > 0  # the ring filled while the store was sleeping
+    assert stats["num_captured"] > 0
+    # a blocking push would put SLEEP_S into several steps; allow generous scheduling noise
+    p90 = sorted(slow)[int(0.9 * len(slow))]
+    assert p90 < SLEEP_S / 2, (p90, statistics.median(base))
+    assert statistics.median(slow) < 3 * statistics.median(base) + 0.02
+    buf.close()
+
+
+# ----------------------------------------------------------------------------------------------
+# drafter versions
+# ----------------------------------------------------------------------------------------------
+
+
+def online_cfg(tmp_path: Path) -> OnlineConfig:
+    return OnlineConfig(publish_root=str(tmp_path / "drafter"), signal_dir=str(tmp_path / "signals"),
+                        capture_capacity_rows=2048, capture_flush_rows=64,
+                        collection=CollectionConfig(force=True))
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_greedy_equals_plain_across_a_drafter_swap(model: LlamaModel, tok, plain: list[list[int]],
+                                                   tmp_path: Path, tree: bool) -> None:
+    cfg = online_cfg(tmp_path)
+    assert publish(cfg.publish_root, random_head(model, 1), {"note": "v1"}) == 1
+    drafter = build_eagle3_drafter(model, cfg.publish_root, cfg=drafter_cfg())
+    assert drafter.version == 1
+    engine = make_engine(model, tok, drafter, gamma=4, tree=tree)
+    online = attach_online_training(engine, cfg, start=False)
+    swapped_at: list[int] = []
+
+    def between(step: int) -> None:
+        if step == 4:  # mid-generation: publish v2, the poller loads it, the next step swaps it in
+            publish(cfg.publish_root, random_head(model, 2), {"note": "v2"})
+            assert online.updater.poll_once() == 2
+            assert drafter.version == 1  # not yet: only between steps
+        if drafter.version == 2 and not swapped_at:
+            swapped_at.append(step)
+            assert engine.has_unfinished_requests()
+
+    outs, drafted = run(engine, PROMPTS, between=between)
+    assert outs == plain
+    assert drafted > 0
+    assert swapped_at == [5]
+    state = online.state()
+    assert state["drafter_version"] == 2 and state["swaps"] == 1 and state["collection_enabled"]
+    assert state["captured"] > 0 and state["dropped"] == 0
+    online.close()
+    store = SignalStore(cfg.signal_dir, 1 << 30)
+    assert {i.drafter_version for i in store.list_shards()} == {1, 2}  # shards never mix versions
+
+
+def test_background_poller_swaps_without_help(model: LlamaModel, tok, tmp_path: Path) -> None:
+    cfg = online_cfg(tmp_path)
+    cfg.poll_s = 0.02
+    engine = make_engine(model, tok, build_eagle3_drafter(model, cfg.publish_root, cfg=drafter_cfg()))
+    online = attach_online_training(engine, cfg)
+    assert online.drafter.version == 0
+    publish(cfg.publish_root, random_head(model, 5), {})
+    deadline = time.monotonic() + 10
+    while online.drafter.version != 1 and time.monotonic() < deadline:
+        engine.step()  # an idle step still runs the between-steps hooks
+        time.sleep(0.01)
+    assert online.drafter.version == 1
+    online.close()
+
+
+def test_partial_and_invalid_versions_are_refused_and_serving_continues(
+        model: LlamaModel, tok, plain: list[list[int]], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cfg = online_cfg(tmp_path)
+    root = Path(cfg.publish_root)
+    publish(root, random_head(model, 1), {})
+    drafter = build_eagle3_drafter(model, root, cfg=drafter_cfg())
+    engine = make_engine(model, tok, drafter, gamma=4)
+    online = attach_online_training(engine, cfg, start=False)
+    up = online.updater
+
+    # a trainer killed mid-write leaves a temp dir: never considered
+    partial = root / ".tmp-v2-deadbeef"
+    export_eagle3(random_head(model, 2), partial)
+    (partial / WEIGHTS_NAME).write_bytes((partial / WEIGHTS_NAME).read_bytes()[:100])
+    assert up.poll_once() is None and drafter.version == 1
+
+    # a complete-looking v2 whose weights file is truncated (copied by hand, disk full, ...)
+    shutil.copytree(partial, root / "v2")
+    (root / LATEST_NAME).write_text("2\n")
+    # a v3 for another target (hidden size 16)
+    other = tiny_llama(V, layers=LAYERS, hidden_size=16, head_dim=4)
+    export_eagle3(fresh_head(other.cfg, None, torch.float64), root / "v3")
+    # a v4 with non-finite weights
+    bad = random_head(model, 4)
+    with torch.no_grad():
+        bad.fc.weight[0, 0] = float("nan")
+    export_eagle3(bad, root / "v4")
+    (root / LATEST_NAME).write_text("4\n")
+    with caplog.at_level(logging.WARNING, logger="tidespec.adapt.online"):
+        for version in (2, 3, 4):
+            (root / LATEST_NAME).write_text(f"{version}\n")
+            assert up.poll_once() is None
+    assert sorted(up.refused) == [2, 3, 4]
+    for version, reason in ((2, "unreadable"), (3, "hidden_size"), (4, "non-finite")):
+        assert any(f"refusing EAGLE-3 drafter version {version}" in r.getMessage() and reason in r.getMessage()
+                   for r in caplog.records), version
+    outs, _ = run(engine, PROMPTS)
+    assert outs == plain and drafter.version == 1  # still serving v1
+
+    # a good v5 after the bad ones is accepted
+    assert publish(root, random_head(model, 5), {}) == 5
+    assert up.poll_once() == 5
+    engine.step()
+    assert drafter.version == 5
+    online.close()
+
+    # at start-up: a root whose only versions are invalid -> logged, fresh head; a bad plain dir -> error
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tidespec.adapt.online"):
+        shutil.rmtree(root / "v1")
+        shutil.rmtree(root / "v5")
+        (root / LATEST_NAME).unlink()
+        fresh = build_eagle3_drafter(model, root, cfg=drafter_cfg())
+    assert fresh.version == 0
+    assert sum("refusing EAGLE-3 drafter version" in r.getMessage() for r in caplog.records) == 3
+    with pytest.raises(DrafterCheckpointError, match="non-finite"):
+        build_eagle3_drafter(model, root / "v4", cfg=drafter_cfg())
+
+
+def test_trainer_rounds_drive_selective_collection(model: LlamaModel, tok, tmp_path: Path) -> None:
+    cfg = online_cfg(tmp_path)
+    cfg.collection = CollectionConfig(bootstrap=True)
+    engine = make_engine(model, tok, build_eagle3_drafter(model, None, cfg=drafter_cfg()))
+    online = attach_online_training(engine, cfg, start=False)
+    assert online.state()["collection_enabled"]
+    root = Path(cfg.publish_root)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / TRAINER_STATE_NAME).write_text(
+        '{"last_shard_id": null, "rounds": [{"round": 1, "alpha_train": 0.1, "alpha_eval": 0.3}]}')
+    online.updater.poll_once()
+    assert online.selective.state()["deployments"] == 1 and online.state()["collection_enabled"]
+    (root / TRAINER_STATE_NAME).write_text(
+        '{"last_shard_id": null, "rounds": [{"round": 1, "alpha_train": 0.1, "alpha_eval": 0.3},'
+        ' {"round": 2, "alpha_train": 0.3, "alpha_eval": 0.25}]}')
+    online.updater.poll_once()
+    assert not online.state()["collection_enabled"]  # a round that did not improve stops collection
+    online.close()
+
+
+def test_online_config_from_spec_fields(tmp_path: Path) -> None:
+    class Spec:
+        eagle3_dir: str | None = str(tmp_path / "root")
+        signal_dir: str | None = None
+        signal_budget_mb = 64
+        online_poll_s = 1.5
+        collect_force = False
+        collect_bootstrap = False
+        collect_epsilon = 0.05
+        collect_n_init = 4
+        collect_n_threshold = 100
+        collect_lambda_short = 0.5
+        collect_lambda_long = 0.9
+
+    cfg = OnlineConfig.from_spec(Spec())
+    assert cfg.signal_dir == str(tmp_path / "root" / "signals") and cfg.signal_budget_bytes == 64 << 20
+    assert cfg.collection.bootstrap  # nothing published yet: collect from the start
+    assert cfg.collection.n_threshold == 100 and cfg.poll_s == 1.5
+    Spec.eagle3_dir = None
+    with pytest.raises(OnlineConfigError, match="eagle3-dir"):
+        OnlineConfig.from_spec(Spec())
+    with pytest.raises(OnlineConfigError, match="capture_flush_rows"):
+        OnlineConfig(publish_root="a", signal_dir="b", capture_capacity_rows=4, capture_flush_rows=8)

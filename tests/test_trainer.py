@@ -1,0 +1,209 @@
+"""The draft-trainer process: data preparation (hand-traced), a round that learns and publishes,
+the offline bootstrap, and 2-process gloo DDP through ``torchrun`` producing a drafter the engine loads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import tiny_hf_model, write_tiny_checkpoint
+from tests.tiny import tiny_llama, tiny_tokenizer
+from tidespec.adapt.capture import CaptureBuffer
+from tidespec.adapt.checkpoint import latest_version, load_version
+from tidespec.adapt.collection import CollectionConfig, SelectiveCollector
+from tidespec.adapt.eagle3_train import SignalSegment
+from tidespec.adapt.online import (
+    TRAINER_STATE_NAME,
+    OnlineConfig,
+    SignalCollector,
+    build_eagle3_drafter,
+)
+from tidespec.adapt.store import SignalShard, SignalStore
+from tidespec.adapt.trainer import (
+    DraftTrainer,
+    TrainerConfig,
+    TrainerConfigError,
+    capture_from_workload,
+    cut_segment,
+    segments_by_sequence,
+    split_heldout,
+    start_trainer_process,
+)
+from tidespec.config import CacheConfig, EngineConfig, SpecConfig
+from tidespec.engine.engine import LLMEngine
+from tidespec.models.llama import LlamaModel
+from tidespec.models.loader import load_model
+from tidespec.sampling import SamplingParams
+from tidespec.spec.drafters.eagle3 import Eagle3DrafterConfig
+
+V = 48
+LAYERS = 8
+REPO = Path(__file__).resolve().parents[1]
+
+
+def seg(start: int, n: int, width: int = 2) -> SignalSegment:
+    """Segment whose taps/tokens encode their position (tap row p = [p, p], token p = p)."""
+    pos = torch.arange(start, start + n)
+    return SignalSegment(pos[:, None].double().repeat(1, width), torch.arange(start, start + n + 1), None, start)
+
+
+def test_cut_segment_hand_traced() -> None:
+    pieces = cut_segment(seg(10, 5), 2)
+    assert [(p.start_position, p.num_positions) for p in pieces] == [(10, 2), (12, 2), (14, 1)]
+    assert pieces[1].token_ids.tolist() == [12, 13, 14]  # tokens of its positions + the next one
+    assert pieces[1].taps[:, 0].tolist() == [12.0, 13.0]
+
+
+def test_segments_by_sequence_and_split_hand_traced() -> None:
+    def shard(seq: list[int], pos: list[int]) -> SignalShard:
+        p = torch.tensor(pos)
+        return SignalShard(taps=p[:, None].float().repeat(1, 2), token_ids=p * 10, next_token_ids=p * 10 + 10,
+                           seq_ids=torch.tensor(seq), positions=p)
+
+    # seq 7 spans two shards (positions 3, 4 | 5) and repeats position 4; seq 9 has a hole
+    by_seq = segments_by_sequence([shard([7, 7, 9, 9], [3, 4, 0, 1]), shard([7, 7, 9], [4, 5, 3])], max_len=8)
+    assert sorted(by_seq) == [7, 9]
+    assert [(s.start_position, s.token_ids.tolist()) for s in by_seq[7]] == [(3, [30, 40, 50, 60])]
+    assert [(s.start_position, s.num_positions) for s in by_seq[9]] == [(0, 2), (3, 1)]
+    train, held = split_heldout({3: [seg(0, 4)], 8: [seg(0, 5)], 9: [seg(0, 6)], 12: [seg(0, 7)]}, 0.5)
+    assert [s.num_positions for s in train] == [4, 6] and [s.num_positions for s in held] == [5, 7]
+    train, held = split_heldout({3: [seg(0, 10)]}, 0.2)  # one sequence: its tail is held out
+    assert [(s.start_position, s.num_positions) for s in train] == [(0, 8)]
+    assert [(s.start_position, s.num_positions) for s in held] == [(8, 2)]
+    assert held[0].token_ids.tolist() == [8, 9, 10]
+
+
+def test_trainer_config_validation(tmp_path: Path) -> None:
+    with pytest.raises(TrainerConfigError, match="signal-dir"):
+        TrainerConfig()
+    with pytest.raises(TrainerConfigError, match="heldout_frac"):
+        TrainerConfig(signal_dir="s", publish_root="p", heldout_frac=1.0)
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaModel:
+    # unit-scale weights: the target's greedy text is learnable from a few hundred positions
+    return tiny_llama(V, layers=LAYERS, seed=2, scale=1.0)
+
+
+def engine_acceptance(model: LlamaModel, drafter, prompts: list[list[int]]) -> tuple[list[list[int]], float]:
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=4),
+                       spec=SpecConfig(num_speculative_tokens=4 if drafter is not None else 0))
+    engine = LLMEngine(model, tiny_tokenizer(V), cfg, drafter=drafter)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done = {}
+    drafts = accepted = 0
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+                drafts += o.stats.num_drafts
+                accepted += o.stats.num_accepted_tokens
+    return [done[i] for i in ids], (accepted + drafts) / max(1, drafts)
+
+
+def test_once_round_from_workload_learns_and_publishes(model: LlamaModel, tmp_path: Path) -> None:
+    gen = torch.Generator().manual_seed(0)
+    workload = tmp_path / "w.jsonl"
+    tok = tiny_tokenizer(V)
+    words = [t for t in range(3, V) if tok.encode(f"t{t}") == [t]]  # ids whose text round-trips
+    prompts = [[words[int(i)] for i in torch.randint(0, len(words), (int(torch.randint(3, 8, (1,), generator=gen)),),
+                                                     generator=gen)] for _ in range(32)]
+    workload.write_text("".join(json.dumps({"id": f"r{i}", "domain": "code", "kind": "completion",
+                                            "prompt": " ".join(f"t{t}" for t in p)}) + "\n"
+                                for i, p in enumerate(prompts)))
+    sig, root = tmp_path / "signals", tmp_path / "drafter"
+    stats = capture_from_workload(model, tiny_tokenizer(V), str(workload), sig, max_tokens=40, progress=False)
+    assert stats["num_captured"] > 1200 and stats["num_dropped"] == 0
+    cfg = TrainerConfig(signal_dir=str(sig), publish_root=str(root), max_steps=120, batch_segments=8, lr=3e-3,
+                        gamma=4, heldout_frac=0.25, progress=False)
+    trainer = DraftTrainer(cfg, model.cfg, model.embed_tokens)
+    results = trainer.run(once=True)
+    assert len(results) == 1
+    r = results[0]
+    assert r.published_version == 1 and latest_version(root) == 1
+    assert r.candidate_accept_len > r.baseline_accept_len + 0.3, r
+    state = json.loads((root / TRAINER_STATE_NAME).read_text())
+    assert state["last_shard_id"] == SignalStore(sig, 1 << 30).list_shards()[-1].shard_id
+    assert state["rounds"][0]["published_version"] == 1
+    assert 0.0 <= state["rounds"][0]["alpha_train"] < state["rounds"][0]["alpha_eval"] <= 1.0
+    assert load_version(root, 1).metrics["heldout_accept_len"] == pytest.approx(r.candidate_accept_len)
+    assert trainer.run_round(min_signals=1) is None  # every shard consumed
+
+    # the engine serves the published version losslessly, with a better acceptance than version 0
+    test_prompts = prompts[:4]
+    plain, _ = engine_acceptance(model, None, test_prompts)
+    dcfg = Eagle3DrafterConfig(max_num_seqs=4, max_model_len=96)
+    fresh_out, fresh_len = engine_acceptance(model, build_eagle3_drafter(model, None, cfg=dcfg), test_prompts)
+    trained = build_eagle3_drafter(model, root, cfg=dcfg)
+    assert trained.version == 1
+    trained_out, trained_len = engine_acceptance(model, trained, test_prompts)
+    assert fresh_out == plain and trained_out == plain
+    assert trained_len > fresh_len + 0.3, (fresh_len, trained_len)
+
+
+def test_two_process_gloo_ddp_publishes_a_drafter_the_engine_loads(tmp_path: Path) -> None:
+    hf, _ = tiny_hf_model("llama", torch.float32, seed=3, num_hidden_layers=LAYERS)
+    with torch.no_grad():  # halved weights: greedy text the head can learn from a few hundred rows
+        for name, p in hf.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.mul_(0.5)
+    loaded = load_model(str(write_tiny_checkpoint(hf, tmp_path / "target")))
+    ours, tok, ckpt = loaded.model, loaded.tokenizer, loaded.path
+    sig, root = tmp_path / "signals", tmp_path / "drafter"
+
+    # capture signals from the target through the engine (taps-only drafter, collection forced)
+    drafter = build_eagle3_drafter(ours, None, cfg=Eagle3DrafterConfig(max_num_seqs=4, max_model_len=96))
+    engine = LLMEngine(ours, tok, EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=4),
+                                                spec=SpecConfig(num_speculative_tokens=2)), drafter=drafter)
+    buf = CaptureBuffer(SignalStore(sig, 1 << 30), 4096, 256, taps_dim=drafter.head.cfg.tap_size)
+    engine.observation_consumers.append(SignalCollector(engine, buf, SelectiveCollector(CollectionConfig(force=True))))
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 96, (5,), generator=gen).tolist() for _ in range(16)]
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    for p in prompts:
+        engine.add_request(p, params)
+    plain: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        plain.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    buf.close()
+    assert buf.num_captured > 200
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "-m", "tidespec.adapt.cli", "train-drafter", "--model", str(ckpt), "--signal-dir", str(sig),
+           "--publish-root", str(root), "--once", "--max-steps", "100", "--batch-segments", "2", "--lr", "3e-3",
+           "--gamma", "2", "--heldout-frac", "0.25", "--threads", "1", "--no-progress", "--backend", "gloo"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "published v1" in proc.stdout
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("v")) == ["v1"]  # only rank 0 published
+    pub = load_version(root, 1, ours.cfg)
+    assert pub.metrics["world_size"] == 2
+    assert pub.metrics["heldout_accept_len"] > pub.metrics["baseline_accept_len"] + 0.5
+
+    # the engine loads it and stays lossless
+    loaded = build_eagle3_drafter(ours, root, cfg=Eagle3DrafterConfig(max_num_seqs=4, max_model_len=96))
+    assert loaded.version == 1
+    engine = LLMEngine(ours, tok, EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=4),
+                                                spec=SpecConfig(num_speculative_tokens=2)), drafter=loaded)
+    ids = [engine.add_request(p, params) for p in prompts]
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        got.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert [got[i] for i in ids] == [plain[f"req-{k}"] for k in range(len(prompts))]
+
+
+def test_start_trainer_process_runs_the_cli_and_logs(tmp_path: Path) -> None:
+    online = OnlineConfig(publish_root=str(tmp_path / "drafter"), signal_dir=str(tmp_path / "signals"))
+    proc = start_trainer_process(online, model=str(tmp_path / "no-such-model"), draft_vocab=0)
+    assert proc.wait(timeout=120) == 2  # flags parsed; the missing model is a one-line user error
+    log = (tmp_path / "drafter" / "trainer.log").read_text()
+    assert log.startswith("error: ") and "no-such-model" in log and "Traceback" not in log

@@ -1,0 +1,506 @@
+"""Engine-side glue of online drafter training: capture signals while serving, swap in new drafters.
+
+Why this exists: TIDE (Sec. 3, 4.2) reuses the hidden states the target already computed during
+prefill and verification as training signals, trains an EAGLE-3 head in a separate process, and
+deploys a new head only when it is measurably better. The building blocks live elsewhere
+(``capture``, ``store``, ``collection``, ``checkpoint``, ``eagle3_train``); this module plugs them
+into a running ``LLMEngine`` through its two hooks, without touching the engine loop:
+
+* ``SignalCollector`` — an ``engine.observation_consumers`` entry. For every observation (the
+  positions whose target KV became final this step, with their taps) it pushes rows
+  ``(position i, token_i, label = token_{i+1}, taps_i)`` into a non-blocking ``CaptureBuffer``,
+  but only while TIDE's ``SelectiveCollector`` says collection is on. Its ``engine.step_listeners``
+  entry feeds the collector the acceptance rate of every finished request.
+* ``DrafterUpdater`` — a background thread polls the publish root (``checkpoint.publish``) for a
+  newer version, loads and validates it off the hot path and parks it in memory; its
+  ``engine.between_steps`` entry swaps the parked weights in with ``Eagle3Drafter.load_state``.
+  A version that fails validation (a half-copied or corrupt directory, the wrong target) is
+  refused with one log line and serving continues on the current drafter. It also relays the
+  trainer's round outcomes (``trainer_state.json``) to the collector (Algorithm 1: a round that
+  does not improve switches collection off).
+
+Worked example (rows of one decode step)::
+
+    context t0..t6 (t6 just sampled), obs.start = 4, obs.num_new_cached = 2, taps [2, 3H]
+    -> push positions [4, 5], tokens [t4, t5], labels [t5, t6], taps rows 0..1
+
+    online = attach_online_training(engine, OnlineConfig(publish_root="runs/drafter",
+                                                         signal_dir="runs/signals"))
+    ... engine.step() as usual ...
+    online.state()   # {"drafter_version": 3, "collection_enabled": True, "captured": 5120, ...}
+    online.close()
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import subprocess
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from tidespec.adapt.capture import CaptureBuffer
+from tidespec.adapt.checkpoint import (
+    CONFIG_NAME,
+    DrafterCheckpointError,
+    PublishedDrafter,
+    import_eagle3,
+    latest_version,
+    list_versions,
+    load_version,
+    validate_eagle3_dir,
+)
+from tidespec.adapt.collection import CollectionConfig, SelectiveCollector
+from tidespec.adapt.store import TAPS_DTYPES, SignalStore
+from tidespec.engine.stats import StepStats
+from tidespec.models.llama import LlamaConfig, LlamaModel
+from tidespec.spec.drafters.eagle3 import (
+    Eagle3Config,
+    Eagle3ConfigError,
+    Eagle3Drafter,
+    Eagle3DrafterConfig,
+    Eagle3Head,
+)
+from tidespec.spec.proposal import DraftInput, DraftProposal, Observation
+
+if TYPE_CHECKING:
+    from tidespec.engine.engine import LLMEngine
+    from tidespec.engine.sequence import Sequence
+
+logger = logging.getLogger(__name__)
+
+TRAINER_STATE_NAME = "trainer_state.json"  # written by the trainer into the publish root
+FRESH_HEAD_SEED = 0  # engine and trainer build the same random head when nothing was published
+SEQ_SALT_SHIFT = 40  # store seq id = salt << 40 | engine seq id (engine ids restart per process)
+
+
+class OnlineConfigError(ValueError):
+    """An online-training setting is invalid; the message is one line."""
+
+
+# ----------------------------------------------------------------------------------------------
+# building the drafter
+# ----------------------------------------------------------------------------------------------
+
+
+def fresh_head(target_cfg: LlamaConfig, draft_vocab_size: int | None = None, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu", seed: int = FRESH_HEAD_SEED) -> Eagle3Head:
+    """A randomly initialised head, identical for equal arguments (the global RNG is untouched).
+
+    The engine starts from it when nothing is published yet, and the trainer evaluates it as the
+    "current" drafter then, so both sides agree on what version 0 is.
+    """
+    vocab = draft_vocab_size if draft_vocab_size else None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = Eagle3Head(Eagle3Config.for_target(target_cfg, vocab))
+    return head.to(dtype=dtype, device=device).eval()
+
+
+def head_from_published(pub: PublishedDrafter, dtype: torch.dtype, device: torch.device | str) -> Eagle3Head:
+    """An ``Eagle3Head`` holding a published (or imported) state dict."""
+    head = Eagle3Head(pub.config)
+    head.load_state_dict(pub.state_dict)
+    return head.to(dtype=dtype, device=device).eval()
+
+
+def is_checkpoint_dir(path: Path | str) -> bool:
+    """A single exported checkpoint (``config.json`` inside) rather than a publish root."""
+    return (Path(path) / CONFIG_NAME).is_file()
+
+
+def load_latest_valid(root: Path | str, target_cfg: LlamaConfig) -> PublishedDrafter | None:
+    """The newest version under ``root`` that validates against the target, newest first; each
+    refused version is logged. None when the root holds no valid version."""
+    newest = latest_version(root)
+    candidates = sorted({v for v in list_versions(root) if newest is None or v <= newest}, reverse=True)
+    for version in candidates:
+        try:
+            return load_version(root, version, target_cfg)
+        except DrafterCheckpointError as exc:
+            logger.warning("refusing EAGLE-3 drafter version %d under %s: %s", version, root, exc)
+    return None
+
+
+def build_eagle3_drafter(target: LlamaModel, source: str | Path | None, draft_vocab_size: int = 0,
+                         cfg: Eagle3DrafterConfig | None = None) -> Eagle3Drafter:
+    """The EAGLE-3 drafter for ``target``.
+
+    ``source``: None -> a fresh random head (version 0; lossless anyway, it learns online);
+    a directory with ``config.json`` -> that exported checkpoint (validated; a bad one raises
+    ``DrafterCheckpointError``), version 0; otherwise a publish root -> its newest valid version,
+    or a fresh head when it has none. ``draft_vocab_size`` (0 = full vocabulary) only shapes a
+    fresh head.
+    """
+    dtype, device = target.dtype, target.device
+    head: Eagle3Head | None = None
+    version = 0
+    if source is not None and is_checkpoint_dir(source):
+        validate_eagle3_dir(source, target.cfg)
+        config, state = import_eagle3(source, target.cfg)
+        head = head_from_published(PublishedDrafter(0, config, state, {}), dtype, device)
+    elif source is not None:
+        pub = load_latest_valid(source, target.cfg)
+        if pub is not None:
+            head, version = head_from_published(pub, dtype, device), pub.version
+    if head is None:
+        head = fresh_head(target.cfg, draft_vocab_size or None, dtype, device)
+    return Eagle3Drafter(head, target.embed_tokens, cfg, version=version)
+
+
+class TapCaptureDrafter:
+    """A drafter that never drafts but makes the engine tap the target's hidden states.
+
+    Used to capture signals from plain decoding (``train-drafter --from-workload``) without
+    running any head: the engine only emits observations when its drafter has ``tap_layers``.
+    """
+
+    name = "taps"
+
+    def __init__(self, tap_layers: tuple[int, ...]) -> None:
+        self.tap_layers = tuple(tap_layers)
+
+    def propose(self, inputs: list[DraftInput]) -> DraftProposal:
+        return DraftProposal()
+
+    def observe(self, observations: list[Observation]) -> None:
+        return None
+
+    def release(self, seq_id: int) -> None:
+        return None
+
+
+# ----------------------------------------------------------------------------------------------
+# configuration
+# ----------------------------------------------------------------------------------------------
+
+
+class Eagle3SpecFields(Protocol):
+    """The ``SpecConfig`` fields online training reads (see ``OnlineConfig.from_spec``)."""
+
+    eagle3_dir: str | None
+    signal_dir: str | None
+    signal_budget_mb: int
+    online_poll_s: float
+    collect_force: bool
+    collect_bootstrap: bool
+    collect_epsilon: float
+    collect_n_init: int
+    collect_n_threshold: int
+    collect_lambda_short: float
+    collect_lambda_long: float
+
+
+@dataclass
+class OnlineConfig:
+    """Where drafters are published and signals stored, and how capture behaves."""
+
+    publish_root: str
+    signal_dir: str
+    signal_budget_bytes: int = 2 << 30
+    taps_dtype: str = "bfloat16"  # on-disk (and host-buffer) dtype of the taps
+    capture_capacity_rows: int = 8192  # host ring; pushes that do not fit are dropped (counted)
+    capture_flush_rows: int = 1024  # rows per shard
+    max_shard_age_s: float = 5.0  # a partial shard is cut after this long
+    capture_prompt: bool = True  # also capture prompt positions (labels = the prompt's next token)
+    poll_s: float = 2.0  # seconds between checks of the publish root
+    collection: CollectionConfig = field(default_factory=CollectionConfig)
+
+    def __post_init__(self) -> None:
+        if not self.publish_root or not self.signal_dir:
+            raise OnlineConfigError("publish_root and signal_dir must be set")
+        if self.signal_budget_bytes <= 0:
+            raise OnlineConfigError(f"signal_budget_bytes must be > 0, got {self.signal_budget_bytes}")
+        if self.taps_dtype not in TAPS_DTYPES:
+            raise OnlineConfigError(f"taps_dtype must be one of {', '.join(TAPS_DTYPES)}, got {self.taps_dtype!r}")
+        if not 1 <= self.capture_flush_rows <= self.capture_capacity_rows:
+            raise OnlineConfigError(f"need 1 <= capture_flush_rows ({self.capture_flush_rows}) <= "
+                                    f"capture_capacity_rows ({self.capture_capacity_rows})")
+        if self.max_shard_age_s <= 0 or self.poll_s <= 0:
+            raise OnlineConfigError("max_shard_age_s and poll_s must be > 0")
+
+    @classmethod
+    def from_spec(cls, spec: Eagle3SpecFields) -> OnlineConfig:
+        """From the ``--eagle3-dir`` / ``--signal-dir`` / ``--collect-*`` flags.
+
+        Collection starts on (``bootstrap``) when nothing is published yet: with no trained
+        drafter there is no acceptance level to detect a shift against.
+        """
+        if not spec.eagle3_dir:
+            raise OnlineConfigError("online training needs --eagle3-dir (the drafter publish root)")
+        if is_checkpoint_dir(spec.eagle3_dir):
+            raise OnlineConfigError(f"--eagle3-dir {spec.eagle3_dir} is one exported checkpoint; online training "
+                                    "needs a publish root (a directory of v1/, v2/, ...)")
+        root = str(spec.eagle3_dir)
+        bootstrap = spec.collect_bootstrap or latest_version(root) is None
+        return cls(
+            publish_root=root,
+            signal_dir=spec.signal_dir or str(Path(root) / "signals"),
+            signal_budget_bytes=spec.signal_budget_mb << 20,
+            poll_s=spec.online_poll_s,
+            collection=CollectionConfig(lambda_short=spec.collect_lambda_short, lambda_long=spec.collect_lambda_long,
+                                        epsilon=spec.collect_epsilon, n_init=spec.collect_n_init,
+                                        n_threshold=spec.collect_n_threshold, force=spec.collect_force,
+                                        bootstrap=bootstrap),
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# capture
+# ----------------------------------------------------------------------------------------------
+
+
+class SignalCollector:
+    """Observation consumer: turns the engine's observations into capture pushes, gated by
+    TIDE's selective collection. Runs on the engine thread; ``push`` never blocks.
+
+    Store seq ids are ``salt << 40 | engine seq id`` with a random per-collector salt, so rows of
+    two serving processes (whose engine ids both start at 0) never merge into one segment.
+    """
+
+    def __init__(self, engine: LLMEngine, buffer: CaptureBuffer, selective: SelectiveCollector, *,
+                 capture_prompt: bool = True, salt: int | None = None) -> None:
+        self.engine = engine
+        self.buffer = buffer
+        self.selective = selective
+        self.capture_prompt = capture_prompt
+        self.salt = (random.getrandbits(22) if salt is None else salt) << SEQ_SALT_SHIFT
+        self.num_skipped_rows = 0  # rows seen while collection was off
+        self._live: dict[int, Sequence] = {}  # seq id -> running sequence, for acceptance on finish
+
+    def store_seq_id(self, engine_seq_id: int) -> int:
+        return self.salt | engine_seq_id
+
+    def __call__(self, observations: list[Observation]) -> None:
+        """``engine.observation_consumers`` entry."""
+        if not self.selective.collection_enabled:
+            self.num_skipped_rows += sum(max(0, o.num_new_cached) for o in observations)
+            return
+        seqs = {s.seq_id: s for s in self.engine.seqs.values()}
+        for obs in observations:
+            if obs.taps is None or obs.num_new_cached <= 0 or obs.start < 0:
+                continue
+            start = obs.start
+            n = min(obs.num_new_cached, len(obs.token_ids) - 1 - start)  # rows whose label is known
+            seq = seqs.get(obs.seq_id)
+            lo = 0
+            if not self.capture_prompt and seq is not None:
+                lo = max(0, len(seq.prompt_ids) - 1 - start)  # the last prompt position's label is generated
+            if n - lo <= 0:
+                continue
+            alpha: float | None = None
+            domain = ""
+            if seq is not None:
+                st = seq.stats
+                alpha = st.num_accepted_tokens / st.num_draft_tokens if st.num_draft_tokens else None
+                domain = seq.label or ""
+            ids = obs.token_ids
+            self.buffer.push(self.store_seq_id(obs.seq_id), list(range(start + lo, start + n)),
+                             ids[start + lo:start + n], ids[start + lo + 1:start + n + 1],
+                             obs.taps[lo:n], domain=domain, alpha=alpha)
+
+    def on_step(self, stats: StepStats) -> None:
+        """``engine.step_listeners`` entry: feed Algorithm 1 the acceptance rate of finished requests.
+
+        A request that drafted is running during at least one earlier step, so tracking the
+        engine's live sequences after every step sees every request that has an acceptance rate.
+        """
+        for seq_id, seq in list(self._live.items()):
+            if seq.finish_reason is None:
+                continue
+            del self._live[seq_id]
+            st = seq.stats
+            if st.num_draft_tokens:
+                self.selective.observe_request(min(1.0, st.num_accepted_tokens / st.num_draft_tokens))
+        for seq in self.engine.seqs.values():
+            if seq.finish_reason is None:
+                self._live[seq.seq_id] = seq
+
+
+# ----------------------------------------------------------------------------------------------
+# drafter updates
+# ----------------------------------------------------------------------------------------------
+
+
+def read_trainer_rounds(root: Path | str) -> list[dict[str, Any]]:
+    """The trainer's round log (``trainer_state.json`` ``rounds``); [] when absent or unreadable."""
+    try:
+        doc = json.loads((Path(root) / TRAINER_STATE_NAME).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return []
+    rounds = doc.get("rounds") if isinstance(doc, dict) else None
+    return [r for r in rounds if isinstance(r, dict)] if isinstance(rounds, list) else []
+
+
+class DrafterUpdater:
+    """Polls a publish root in a background thread and swaps new drafter versions in between steps.
+
+    The thread does all I/O, validation and tensor conversion; ``between_steps`` (the engine hook)
+    only copies already-loaded weights into the head, and does nothing when nothing is pending.
+    """
+
+    def __init__(self, drafter: Eagle3Drafter, root: Path | str, target_cfg: LlamaConfig, poll_s: float = 2.0,
+                 selective: SelectiveCollector | None = None, capture: CaptureBuffer | None = None) -> None:
+        if poll_s <= 0:
+            raise OnlineConfigError(f"poll_s must be > 0, got {poll_s}")
+        self.drafter = drafter
+        self.root = Path(root)
+        self.target_cfg = target_cfg
+        self.poll_s = poll_s
+        self.selective = selective
+        self.capture = capture
+        self.refused: dict[int, str] = {}  # version -> reason
+        self.num_swaps = 0
+        self._seen = drafter.version  # newest version loaded or refused
+        self._rounds_seen = len(read_trainer_rounds(self.root))  # rounds before we started are history
+        self._lock = threading.Lock()
+        self._pending: PublishedDrafter | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> DrafterUpdater:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tidespec-drafter-updater", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self, timeout: float | None = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.poll_once()
+            except Exception:  # the poller must survive anything (serving goes on)
+                logger.exception("drafter updater: polling %s failed", self.root)
+            self._stop.wait(self.poll_s)
+
+    def poll_once(self) -> int | None:
+        """Check the root once; park a newer valid version for the next step. Returns the parked
+        version, or None. Also relays new trainer rounds to the selective collector."""
+        self._relay_rounds()
+        newest = latest_version(self.root)
+        if newest is None or newest <= self._seen:
+            return None
+        self._seen = newest
+        try:
+            pub = load_version(self.root, newest, self.target_cfg)  # validates names, shapes, finiteness
+            if pub.config.tap_layers != self.drafter.tap_layers:
+                raise DrafterCheckpointError(
+                    f"tap layers {pub.config.tap_layers} differ from the serving drafter's {self.drafter.tap_layers}")
+        except (DrafterCheckpointError, Eagle3ConfigError) as exc:
+            self.refused[newest] = str(exc)
+            logger.warning("refusing EAGLE-3 drafter version %d under %s: %s; keeping version %d",
+                           newest, self.root, exc, self.drafter.version)
+            return None
+        head = self.drafter.head
+        pub.state_dict = {k: (v.to(device=head.device, dtype=head.dtype) if v.is_floating_point()
+                              else v.to(device=head.device)) for k, v in pub.state_dict.items()}
+        with self._lock:
+            self._pending = pub
+        logger.info("drafter version %d loaded from %s (metrics %s); swapping in at the next step",
+                    pub.version, self.root, pub.metrics)
+        return pub.version
+
+    def _relay_rounds(self) -> None:
+        if self.selective is None:
+            return
+        rounds = read_trainer_rounds(self.root)
+        for r in rounds[self._rounds_seen:]:
+            try:
+                a_train = min(1.0, max(0.0, float(r["alpha_train"])))
+                a_eval = min(1.0, max(0.0, float(r["alpha_eval"])))
+            except (KeyError, TypeError, ValueError):
+                continue
+            decision = self.selective.report_training(a_train, a_eval)
+            logger.info("trainer round %s: alpha %.3f -> %.3f, %s", r.get("round"), a_train, a_eval, decision.value)
+        self._rounds_seen = max(self._rounds_seen, len(rounds))
+
+    def between_steps(self, engine: LLMEngine) -> None:
+        """``engine.between_steps`` entry: swap in a parked version (weights already in memory)."""
+        if self._pending is None:
+            return
+        with self._lock:
+            pub, self._pending = self._pending, None
+        if pub is None:
+            return
+        cfg = pub.config if pub.config != self.drafter.head.cfg else None
+        self.drafter.load_state(pub.version, pub.state_dict, cfg)
+        if self.capture is not None:
+            self.capture.set_drafter_version(pub.version)
+        self.num_swaps += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# the bundle the runtime attaches
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class OnlineTraining:
+    """Everything ``attach_online_training`` wired into an engine; ``state()`` feeds metrics."""
+
+    config: OnlineConfig
+    drafter: Eagle3Drafter
+    store: SignalStore
+    capture: CaptureBuffer
+    selective: SelectiveCollector
+    collector: SignalCollector
+    updater: DrafterUpdater
+    trainer: subprocess.Popen[bytes] | None = None  # set by the caller when it starts one
+
+    def state(self) -> dict[str, Any]:
+        cap = self.capture.stats()
+        sel = self.selective.state()
+        return {
+            "drafter_version": self.drafter.version,
+            "collection_enabled": bool(sel["collection_enabled"]),
+            "captured": cap["num_captured"],
+            "dropped": cap["num_dropped"],
+            "flushed": cap["num_flushed"],
+            "flush_errors": cap["num_flush_errors"],
+            "swaps": self.updater.num_swaps,
+            "refused_versions": sorted(self.updater.refused),
+            "trainer_running": self.trainer is not None and self.trainer.poll() is None,
+            "collector": sel,
+        }
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop polling, flush captured rows to the store, stop the trainer child if any."""
+        self.updater.close()
+        self.capture.close(timeout)
+        if self.trainer is not None and self.trainer.poll() is None:
+            self.trainer.terminate()
+            try:
+                self.trainer.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.trainer.kill()
+                self.trainer.wait()
+
+
+def attach_online_training(engine: LLMEngine, config: OnlineConfig, *, start: bool = True) -> OnlineTraining:
+    """Wire capture, selective collection and drafter updates into ``engine`` (whose drafter
+    must be an ``Eagle3Drafter``). ``start=False`` leaves the poller thread off (tests poll by hand)."""
+    drafter = engine.drafter
+    if not isinstance(drafter, Eagle3Drafter):
+        raise OnlineConfigError("online training needs the eagle3 drafter (--drafter eagle3)")
+    store = SignalStore(config.signal_dir, config.signal_budget_bytes, config.taps_dtype)
+    capture = CaptureBuffer(store, config.capture_capacity_rows, config.capture_flush_rows,
+                            taps_dim=drafter.head.cfg.tap_size, max_shard_age_s=config.max_shard_age_s,
+                            drafter_version=drafter.version)
+    selective = SelectiveCollector(config.collection)
+    collector = SignalCollector(engine, capture, selective, capture_prompt=config.capture_prompt)
+    updater = DrafterUpdater(drafter, config.publish_root, engine.model.cfg, config.poll_s, selective, capture)
+    engine.observation_consumers.append(collector)
+    engine.step_listeners.append(collector.on_step)
+    engine.between_steps.append(updater.between_steps)
+    if start:
+        updater.start()
+    return OnlineTraining(config, drafter, store, capture, selective, collector, updater)

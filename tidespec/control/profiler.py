@@ -1,0 +1,187 @@
+"""Start-up profiler for the adaptive policies: T(b, q), D0 per drafter, catch-up cost table.
+
+Why this exists: TIDE's analytic model (eq. 5) and Nightjar's switching cost need measured
+costs of *this* model on *this* device and dtype. Measuring takes seconds, so the result is
+cached per (model, device, dtype, drafter) under the tidespec cache directory and reused until
+``refresh`` is asked for.
+
+What is measured (all medians after a warm-up):
+- ``verify_latency[(b, q)]``: one target forward with q new tokens for each of b sequences on a
+  ``context``-token cache (q = gamma + 1 when verifying, 1 for plain decode);
+- ``target_latency[n]``: the same for one sequence and n tokens (TIDE's T(n));
+- ``draft_cost[name]``: D0, one ``propose`` with gamma = 1 on a ``context``-token sequence;
+- ``catchup[(L, b)]``: extra seconds a stateful drafter spends re-ingesting L lagging tokens for
+  each of b sequences (Nightjar's c_prefill(L, B)).
+
+Worked example::
+
+    prof = load_or_measure(model, drafter, key_parts={"model": "smollm2-135m"})
+    prof.verify(1, 5) / prof.verify(1, 1)   # beta(1) at gamma = 4
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tidespec.control.speedup import Profile
+from tidespec.engine.kv_cache import KVCache
+from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.sampling import SamplingParams
+from tidespec.spec.proposal import DraftInput, Drafter
+
+STATEFUL_DRAFTERS = frozenset({"draft-model", "eagle3"})
+
+
+@dataclass
+class ProfilerConfig:
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    tokens_per_seq: tuple[int, ...] = (1, 2, 3, 5, 9)  # q = gamma + 1 for gamma in {0, 1, 2, 4, 8}
+    single_seq_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    catchup_tokens: tuple[int, ...] = (1, 8, 32, 128)
+    catchup_batches: tuple[int, ...] = (1, 4, 16)
+    context: int = 200
+    repeats: int = 3
+    target_s: float = 0.3  # time budget per shape (fewer repeats on slow shapes)
+
+    def __post_init__(self) -> None:
+        if self.context < 1 or self.repeats < 1:
+            raise ValueError("context and repeats must be >= 1")
+        if min(self.batch_sizes) < 1 or min(self.tokens_per_seq) < 1:
+            raise ValueError("batch sizes and tokens per sequence must be >= 1")
+
+
+def sync_device(device: torch.device) -> None:
+    """Wait for queued device work so wall-clock timings are real (no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_forward(model: LlamaModel, kv: KVCache, batch: int, n: int, context: int, repeats: int, target_s: float,
+                 gen: torch.Generator) -> tuple[float, int]:
+    """Median seconds of one forward of ``n`` new tokens for each of ``batch`` sequences on a
+    ``context``-token cache, and the number of timed repeats."""
+    ids = torch.randint(0, model.cfg.vocab_size, (batch * n,), generator=gen).to(model.device)  # [B*n]
+    layout = BatchLayout.build(q_lens=[n] * batch, ctx_lens=[context] * batch, slots=list(range(batch)),
+                               device=model.device)
+    sync_device(model.device)
+    t = time.perf_counter()
+    model(ids, layout, kv, logits_rows=None)  # warm-up; also sizes the repeat count
+    sync_device(model.device)
+    warm = time.perf_counter() - t
+    reps = max(1, min(repeats, int(target_s / max(warm, 1e-9))))
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        model(ids, layout, kv, logits_rows=None)
+        sync_device(model.device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times), reps
+
+
+def profile_cache_dir() -> Path:
+    root = os.environ.get("TIDESPEC_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "tidespec") / "profiles"
+
+
+def profile_key(model: LlamaModel, drafter_name: str, extra: dict[str, str] | None = None) -> str:
+    """Stable key of what the costs depend on: architecture, dtype, device, drafter, threads."""
+    parts = {"cfg": repr(model.cfg), "dtype": str(model.dtype), "device": str(model.device),
+             "drafter": drafter_name, "threads": str(torch.get_num_threads()), **(extra or {})}
+    digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
+    return f"{model.cfg.architecture}-L{model.cfg.num_layers}-H{model.cfg.hidden_size}-{drafter_name}-{digest}"
+
+
+def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerConfig | None = None,
+                    progress: Callable[[str], None] | None = None) -> Profile:
+    """Measure a ``Profile`` (see the module docstring)."""
+    cfg = cfg or ProfilerConfig()
+    say = progress or (lambda _msg: None)
+    gen = torch.Generator().manual_seed(0)
+    max_b = max(cfg.batch_sizes + cfg.catchup_batches)
+    max_q = max(cfg.tokens_per_seq + cfg.single_seq_tokens)
+    kv = KVCache.for_model(model.cfg, max_b, cfg.context + max_q + 1, model.dtype, model.device)
+    for k, v in zip(kv.k, kv.v):  # attention cost does not depend on the values; avoid garbage NaNs
+        k.zero_()
+        v.zero_()
+    verify: dict[tuple[int, int], float] = {}
+    for b in cfg.batch_sizes:
+        for q in cfg.tokens_per_seq:
+            verify[(b, q)], _ = time_forward(model, kv, b, q, cfg.context, cfg.repeats, cfg.target_s, gen)
+        say(f"T(b={b}, q) = " + ", ".join(f"{verify[(b, q)] * 1e3:.1f}" for q in cfg.tokens_per_seq) + " ms")
+    single = {n: time_forward(model, kv, 1, n, cfg.context, cfg.repeats, cfg.target_s, gen)[0]
+              for n in cfg.single_seq_tokens}
+    draft_cost = {"default": 0.0}
+    catchup: dict[tuple[int, int], float] = {}
+    if drafter is not None:
+        d0 = _draft_cost(drafter, model.cfg.vocab_size, cfg, gen)
+        draft_cost = {"default": d0, drafter.name: d0}
+        say(f"D0({drafter.name}) = {d0 * 1e3:.2f} ms")
+        if drafter.name in STATEFUL_DRAFTERS:
+            catchup = _catchup(drafter, model.cfg.vocab_size, cfg, gen)
+            say("catch-up table measured")
+    key = profile_key(model, drafter.name if drafter is not None else "none")
+    return Profile(target_latency=single, draft_cost=draft_cost, catchup=catchup, key=key, verify_latency=verify)
+
+
+def _propose_time(drafter: Drafter, contexts: list[list[int]], seq_ids: list[int]) -> float:
+    inputs = [DraftInput(i, ctx, 1, SamplingParams()) for i, ctx in zip(seq_ids, contexts)]
+    t = time.perf_counter()
+    drafter.propose(inputs)
+    return time.perf_counter() - t
+
+
+def _draft_cost(drafter: Drafter, vocab: int, cfg: ProfilerConfig, gen: torch.Generator) -> float:
+    ctx = torch.randint(0, vocab, (cfg.context,), generator=gen).tolist()
+    sid = 1 << 40  # far from real sequence ids
+    _propose_time(drafter, [ctx], [sid])  # warm-up (and first-sight prefill of stateful drafters)
+    times = []
+    for _ in range(max(3, cfg.repeats)):
+        ctx = ctx + [int(torch.randint(0, vocab, (1,), generator=gen))]
+        times.append(_propose_time(drafter, [ctx], [sid]))
+    drafter.release(sid)
+    return statistics.median(times)
+
+
+def _catchup(drafter: Drafter, vocab: int, cfg: ProfilerConfig, gen: torch.Generator) -> dict[tuple[int, int], float]:
+    """Extra propose time when L tokens arrived since the last propose, for b sequences."""
+    table: dict[tuple[int, int], float] = {}
+    base_id = 1 << 41
+    for b in cfg.catchup_batches:
+        ids = [base_id + i for i in range(b)]
+        ctxs = [torch.randint(0, vocab, (cfg.context,), generator=gen).tolist() for _ in ids]
+        _propose_time(drafter, ctxs, ids)
+        ctxs = [c + [1] for c in ctxs]
+        one = _propose_time(drafter, ctxs, ids)
+        for lag in cfg.catchup_tokens:
+            ctxs = [c + torch.randint(0, vocab, (lag,), generator=gen).tolist() for c in ctxs]
+            table[(lag, b)] = max(0.0, _propose_time(drafter, ctxs, ids) - one)
+        for i in ids:
+            drafter.release(i)
+    return table
+
+
+def load_or_measure(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerConfig | None = None,
+                    refresh: bool = False, progress: Callable[[str], None] | None = None) -> tuple[Profile, Path]:
+    """The cached profile for this model/device/dtype/drafter, measured (and cached) when missing."""
+    key = profile_key(model, drafter.name if drafter is not None else "none")
+    path = profile_cache_dir() / f"{key}.json"
+    if path.exists() and not refresh:
+        try:
+            return Profile.load(path), path
+        except (ValueError, KeyError, json.JSONDecodeError):
+            pass  # stale format or a torn write: measure again below
+    prof = measure_profile(model, drafter, cfg, progress)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(prof.to_json())
+    os.replace(tmp, path)
+    return prof, path
