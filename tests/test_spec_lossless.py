@@ -107,3 +107,33 @@ def test_mixed_gammas_in_one_step_equal_alone(model, tok, plain):
             seen_mixed = True
     assert seen_mixed
     assert [done[i] for i in ids] == plain[:3]
+
+
+def synthetic_profile():
+    """A memory-bound-looking profile: verifying a few tokens costs little more than one."""
+    from tidespec.control.speedup import Profile
+    return Profile(target_latency={1: 0.010, 4: 0.011, 8: 0.012, 16: 0.016, 64: 0.05},
+                   draft_cost={"default": 0.001})
+
+
+@pytest.mark.parametrize("policy", ["static", "analytic", "bandit", "hybrid"])
+def test_every_policy_keeps_greedy_outputs(model, tok, plain, policy):
+    """Policies change only how far to speculate, never what is generated."""
+    from tidespec.control.policy import GuardConfig, PolicyOptions, make_policy
+
+    spec = SpecConfig(drafter="ngram", num_speculative_tokens=4)
+    pol = make_policy(policy, PolicyOptions(gamma_max=4, profile=synthetic_profile(), seed=3,
+                                            guards=GuardConfig(gamma_max=4)))
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=4), spec=spec)
+    e = LLMEngine(model, tok, cfg, drafter=build_drafter(spec, model, 4, 96), policy=pol)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ids = [e.add_request(p, params) for p in PROMPTS]
+    done = {}
+    gammas = set()
+    while e.has_unfinished_requests():
+        for o in e.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+        gammas.update(e.last_stats.spec_lens.values())
+    assert [done[i] for i in ids] == plain
+    assert max(gammas) > 0  # the policy did let the drafter speculate

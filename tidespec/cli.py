@@ -121,7 +121,12 @@ def _registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    return run_command(build_parser(), argv)
+
+
+def run_command(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse and run; user errors become one line ``error: ...`` and exit code 2. Also the
+    entry of the standalone sub-command modules (``python -m tidespec.server.cli serve``)."""
     ns = parser.parse_args(argv)
     try:
         return int(ns.func(ns) or 0)

@@ -64,17 +64,12 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (``python -m tidespec.adapt.cli ...``), used by child processes."""
+    from tidespec.cli import run_command
+
     parser = argparse.ArgumentParser(prog="tidespec")
     register(parser.add_subparsers(dest="command", required=True))
-    ns = parser.parse_args(argv)
-    try:
-        return int(ns.func(ns) or 0)
-    except user_errors() as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"error: {msg}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_command(parser, argv)
 
 
 if __name__ == "__main__":

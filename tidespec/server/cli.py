@@ -108,19 +108,12 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m tidespec.server.cli serve ...``), used by ``bench serve --launch``."""
-    from tidespec.cli import _user_errors
+    """Standalone entry (``python -m tidespec.server.cli ...``), used by child processes."""
+    from tidespec.cli import run_command
 
     parser = argparse.ArgumentParser(prog="tidespec")
     register(parser.add_subparsers(dest="command", required=True))
-    ns = parser.parse_args(argv)
-    try:
-        return int(ns.func(ns) or 0)
-    except _user_errors() as exc:
-        print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    return run_command(parser, argv)
 
 
 if __name__ == "__main__":

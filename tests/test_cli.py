@@ -1,0 +1,46 @@
+"""The CLI turns bad input into one-line ``error: ...`` messages with exit code 2, no traceback."""
+
+from __future__ import annotations
+
+import pytest
+
+from tidespec.cli import main
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["generate", "hi", "--temperature", "-1"], "temperature must be >= 0"),
+    (["generate", "hi", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["generate", "hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+    (["generate", "hi", "--model", "/nonexistent/model"], "/nonexistent/model"),
+    (["generate", "hi", "--num-speculative-tokens", "-2"], "num_speculative_tokens"),
+    (["generate", "hi", "--drafter", "ngram", "--ngram-min", "5", "--ngram-max", "2"], "ngram_min"),
+])
+def test_bad_input_gives_one_line_error(argv, needle, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and needle in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+def test_non_model_file_is_one_line_error(tmp_path, capsys):
+    junk = tmp_path / "weights.gguf"
+    junk.write_text("not a model")
+    assert main(["generate", "hi", "--model", str(junk)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and len(err.splitlines()) == 1
+
+
+@pytest.mark.integration
+def test_prompt_longer_than_context_is_one_line_error(capsys):
+    assert main(["generate", "word " * 200, "--max-model-len", "64", "--max-tokens", "8"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "exceeds the context" in err and len(err.splitlines()) == 1
+
+
+@pytest.mark.integration
+def test_generate_prints_text_and_acceptance(capsys):
+    assert main(["generate", "def add(a, b):\n    return a + b\n\ndef sub(a, b):", "--max-tokens", "16",
+                 "--drafter", "ngram", "--max-model-len", "256", "--max-num-seqs", "1"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out.strip()
+    assert "tok/s" in cap.err and "drafter ngram" in cap.err
