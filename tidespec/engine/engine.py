@@ -206,7 +206,8 @@ class LLMEngine:
             if taps_wanted and not finished:
                 observations.append(Observation(seq.seq_id, list(seq.token_ids), chunk.num_tokens,
                                                 out.taps[row.start:row.start + row.num], chunk.start))
-        stats.verify_time = time.perf_counter() - t_verify
+        # verify = target forward + verification + KV commit; output processing counts as other
+        stats.verify_time = time.perf_counter() - t_verify - stats.other_time
         if observations and self.drafter is not None:
             self.drafter.observe(observations)
             for consume in self.observation_consumers:
@@ -215,7 +216,7 @@ class LLMEngine:
         stats.num_decode_seqs = len(batch.decode)
         stats.spec_lens = {s.seq_id: g for s, g in zip(batch.decode, gammas)}
         stats.total_time = time.perf_counter() - t0
-        stats.other_time = stats.total_time - stats.draft_time - stats.verify_time
+        stats.other_time = stats.total_time - stats.draft_time - stats.verify_time  # incl. output processing
         stats.kv_usage = self.kv.usage()
         stats.num_running = self.num_running
         stats.num_waiting = self.num_waiting
@@ -330,8 +331,14 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- output side
     def _emit(self, seq: Sequence, new_tokens: list[int], stats: StepStats) -> RequestOutput:
-        """Append tokens with stop checks, detokenize, build the output."""
+        """Append tokens with stop checks, detokenize, build the output (timed into other_time)."""
         now = time.perf_counter()
+        try:
+            return self._emit_tokens(seq, new_tokens, stats, now)
+        finally:
+            stats.other_time += time.perf_counter() - now
+
+    def _emit_tokens(self, seq: Sequence, new_tokens: list[int], stats: StepStats, now: float) -> RequestOutput:
         if seq.stats.first_token_time is None:
             seq.stats.first_token_time = now
         seq.stats.num_steps += 1
