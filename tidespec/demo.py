@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ns = ap.parse_args(argv)
     torch.set_num_threads(ns.threads)
-    con = Console()
+    con = Console(width=max(Console().width, 132))  # the table needs ~130 columns; never wrap it
     con.print("[bold]tidespec demo[/bold] — embedded SmolLM2-135M-Instruct, float32, CPU, batch 1, greedy, "
               f"policy: static gamma={ns.gamma}")
     t_load = time.perf_counter()
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     decode_one(loaded.model, loaded.tokenizer, SpecConfig(), prompts[0][1].token_ids, 4)  # warm-up
     table = Table(title="plain vs speculative decoding (identical outputs checked)")
     for col in ("domain", "prompt", "tokens", "plain tok/s"):
-        table.add_column(col)
+        table.add_column(col, no_wrap=True)
     for name in drafters:
         table.add_column(f"{name} speedup")
         table.add_column(f"{name} accept len")
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     lossless = True
     for domain, p in prompts:
         base = decode_one(loaded.model, loaded.tokenizer, SpecConfig(), p.token_ids, ns.max_tokens)
-        row = [domain, p.record.prompt.strip().replace("\n", " ")[:40], str(len(base.tokens)),
+        row = [domain, " ".join(p.record.prompt.split())[:28], str(len(base.tokens)),
                f"{len(base.tokens) / base.seconds:.1f}"]
         for name, spec in drafters.items():
             r = decode_one(loaded.model, loaded.tokenizer, spec, p.token_ids, ns.max_tokens)
