@@ -124,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(build_parser(), argv)
 
 
+def standalone_main(register: Callable[[argparse._SubParsersAction], None], argv: list[str] | None = None) -> int:
+    """Entry of a sub-command module run on its own (``python -m tidespec.server.cli serve``),
+    as child processes and ``bench serve --launch`` do."""
+    parser = argparse.ArgumentParser(prog="tidespec")
+    register(parser.add_subparsers(dest="command", required=True))
+    return run_command(parser, argv)
+
+
 def run_command(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     """Parse and run; user errors become one line ``error: ...`` and exit code 2. Also the
     entry of the standalone sub-command modules (``python -m tidespec.server.cli serve``)."""

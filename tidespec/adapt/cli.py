@@ -64,12 +64,9 @@ def user_errors() -> tuple[type[BaseException], ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (``python -m tidespec.adapt.cli ...``), used by child processes."""
-    from tidespec.cli import run_command
+    from tidespec.cli import standalone_main
 
-    parser = argparse.ArgumentParser(prog="tidespec")
-    register(parser.add_subparsers(dest="command", required=True))
-    return run_command(parser, argv)
+    return standalone_main(register, argv)
 
 
 if __name__ == "__main__":
