@@ -36,7 +36,7 @@ from tidespec.engine.detok import IncrementalDetokenizer
 from tidespec.engine.kv_cache import KVCache
 from tidespec.engine.scheduler import ScheduledBatch, Scheduler
 from tidespec.engine.sequence import Sequence
-from tidespec.engine.stats import RequestStats, StepStats
+from tidespec.engine.stats import RequestStats, StepStats, add_per_position
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.sampling import SamplingParams, make_generator, sample_from, target_probs
 from tidespec.spec.proposal import DraftInput, DraftProposal, Drafter, Observation, SeqDraft
@@ -185,7 +185,7 @@ class LLMEngine:
                 stats.num_drafts += 1
                 stats.num_draft_tokens += row.draft.num_tokens
                 stats.num_accepted_tokens += res.num_accepted
-                _add_per_pos(stats.accepted_per_pos, res.num_accepted)
+                add_per_position(stats.accepted_per_pos, res.num_accepted)
             o = self._emit(seq, res.token_ids, stats)
             outputs.append(o)
             if taps_wanted and not o.finished:
@@ -383,13 +383,6 @@ class LLMEngine:
         self.scheduler.remove(seq)
         if self.drafter is not None:
             self.drafter.release(seq.seq_id)
-
-
-def _add_per_pos(acc: list[int], n: int) -> None:
-    if len(acc) < n:
-        acc.extend([0] * (n - len(acc)))
-    for i in range(n):
-        acc[i] += 1
 
 
 def _find_stop(text: str, stops: list[str]) -> int | None:

@@ -10,6 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+def add_per_position(acc: list[int], num_accepted: int) -> None:
+    """Count one accepted token at each draft position 0..num_accepted-1 (grows ``acc``).
+
+    Example: acc = [3, 1]; add_per_position(acc, 3) -> acc == [4, 2, 1].
+    """
+    if len(acc) < num_accepted:
+        acc.extend([0] * (num_accepted - len(acc)))
+    for i in range(num_accepted):
+        acc[i] += 1
+
+
 @dataclass
 class StepStats:
     step: int = 0
@@ -51,10 +62,7 @@ class RequestStats:
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
-        if len(self.accepted_per_pos) < num_accepted:
-            self.accepted_per_pos.extend([0] * (num_accepted - len(self.accepted_per_pos)))
-        for i in range(num_accepted):
-            self.accepted_per_pos[i] += 1
+        add_per_position(self.accepted_per_pos, num_accepted)
 
     @property
     def mean_acceptance_length(self) -> float:
