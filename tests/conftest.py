@@ -4,13 +4,12 @@ Why this exists: most tests need a model, and the right one is almost always a t
 (seconds, deterministic, float64 so near-ties cannot hide bugs). Integration tests share one
 embedded SmolLM2-135M load per session.
 
-Reuse from any test module::
+Reuse from any test module (our model alone, without transformers: ``tests/tiny.py``)::
 
-    from tests.conftest import tiny_model, tiny_hf_model, full_logits, tiny_tokenizer
+    from tests.conftest import tiny_hf_model, full_logits, write_tiny_checkpoint
 
-    model = tiny_model(torch.float64, vocab=64, seed=1)      # our LlamaModel, no HF involved
     hf, ours = tiny_hf_model("qwen3", torch.float32)          # same random weights in both
-    logits = full_logits(model, [1, 2, 3])                    # [3, vocab], one prefill
+    logits = full_logits(ours, [1, 2, 3])                     # [3, vocab], one prefill
 """
 
 from __future__ import annotations
@@ -79,17 +78,6 @@ def tiny_hf_model(arch: str, dtype: torch.dtype, seed: int = 0,
     ours = LlamaModel(LlamaConfig.from_hf(hf_cfg.to_dict()))
     ours.load_hf_state_dict(hf.state_dict())
     return hf, ours.to(dtype).eval()
-
-
-def tiny_model(dtype: torch.dtype = torch.float64, vocab: int = 64, seed: int = 0, **overrides: Any) -> LlamaModel:
-    """Our ``LlamaModel`` from a random tiny Llama config (hidden 32, 2 layers, 4 heads, 2 KV
-    heads), without transformers. ``overrides`` replace ``LlamaConfig`` fields."""
-    fields: dict[str, Any] = dict(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=2,
-                                  num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
-                                  max_position_embeddings=512, bos_token_id=0, eos_token_ids=(1,))
-    model = LlamaModel(LlamaConfig(**{**fields, **overrides}))
-    randomize_(model, seed)
-    return model.to(dtype).eval()
 
 
 def full_logits(model: LlamaModel, ids: list[int] | torch.Tensor) -> torch.Tensor:
