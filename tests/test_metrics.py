@@ -13,6 +13,8 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.tiny import tiny_llama, tiny_tokenizer
+from tidespec.control.policy import PolicyOptions, StaticPolicy, make_policy
+from tidespec.control.speedup import Profile, alpha_from_accept_length, practical_speedup
 from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine, RequestOutput
 from tidespec.engine.stats import RequestStats, StepStats
@@ -140,3 +142,60 @@ def test_metrics_endpoint_spec_counters_move() -> None:
     assert after["tidespec:time_to_first_token_seconds_count"][()] == 1
     assert after["tidespec:kv_cache_usage_perc"][()] == 0.0
     assert after["tidespec:num_requests_running"][()] == 0.0
+
+
+def _profile() -> Profile:
+    return Profile(target_latency={1: 0.05, 4: 0.1, 16: 0.3}, draft_cost={"default": 0.001})
+
+
+def test_policy_metrics_hand_traced() -> None:
+    """Two decode steps at batch 4, gamma 3, 0.2 s each, 8 tokens each, T(4, 1) = 0.1 s:
+    measured speedup = 2 * 8 * 0.1 / 4 / 0.4 = 1.0; a step with prefill is not tallied."""
+    m = Metrics()
+    profile = _profile()
+    m.attach_policy(StaticPolicy(3), profile)
+    step = dict(num_decode_seqs=4, batch_size=4, spec_lens={i: 3 for i in range(4)}, num_emitted_tokens=8,
+                total_time=0.2, num_drafts=4, num_draft_tokens=12, num_accepted_tokens=4)
+    m.on_step(StepStats(**step))
+    m.on_step(StepStats(**step))
+    m.on_step(StepStats(**{**step, "num_prefill_tokens": 30, "total_time": 5.0}))
+    m.render()
+    assert _value(m, "tidespec:spec_policy_info", policy="static") == 1
+    assert _value(m, "tidespec:spec_policy_gamma", bucket="4") == 3
+    assert _value(m, "tidespec:spec_policy_steps_total", bucket="4", gamma="3") == 2
+    assert _value(m, "tidespec:spec_policy_stat", stat="gamma") == 3
+    assert _value(m, "tidespec:spec_policy_measured_speedup", bucket="4") == pytest.approx(1.0)
+    alpha = alpha_from_accept_length(1.0 + 4 / 4, 12 / 4)  # 2 tokens per speculating seq at gamma 3
+    assert _value(m, "tidespec:spec_policy_predicted_speedup", bucket="4") == pytest.approx(
+        practical_speedup(alpha, 3, 4, profile))
+
+
+def test_no_policy_no_policy_metrics() -> None:
+    m = Metrics()
+    m.on_step(StepStats(num_decode_seqs=1, batch_size=1, spec_lens={0: 2}, num_emitted_tokens=2, total_time=0.1))
+    text = m.render().decode()
+    assert "spec_policy_gamma{" not in text and "spec_policy_measured_speedup{" not in text
+
+
+def test_metrics_endpoint_exports_policy_decisions() -> None:
+    """A live server with the hybrid policy: which policy runs, its explore/exploit counts, the
+    gamma it chose per bucket, and predicted next to measured speedup are on /metrics."""
+    tok = tiny_tokenizer(64)
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=128, max_num_seqs=2), scheduler=SchedulerConfig(max_waiting=4),
+                       spec=SpecConfig(drafter="ngram", num_speculative_tokens=3))
+    policy = make_policy("hybrid", PolicyOptions(gamma_max=3, profile=_profile()))
+    engine = LLMEngine(tiny_llama(64), tok, cfg, drafter=NgramDrafter(1, 3), policy=policy)
+    with TestClient(create_app(engine, ServerConfig(served_model_name="tiny"))) as client:
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": " ".join(["t5 t6 t7"] * 6),
+                                                 "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        fams = _families(client.get("/metrics").text)
+    assert fams["tidespec:spec_policy_info"][(("policy", "hybrid"),)] == 1
+    decisions = fams["tidespec:spec_policy_decisions"]
+    explore, exploit = decisions[(("kind", "explore"),)], decisions[(("kind", "exploit"),)]
+    steps = fams["tidespec:spec_policy_steps_total"]
+    assert explore + exploit >= sum(steps.values()) >= 1
+    assert set(fams["tidespec:spec_policy_gamma"]) == {(("bucket", "1"),)}
+    assert fams["tidespec:spec_policy_measured_speedup"][(("bucket", "1"),)] > 0
+    assert fams["tidespec:spec_policy_predicted_speedup"][(("bucket", "1"),)] > 0
+    assert (("stat", "calibration"),) in fams["tidespec:spec_policy_stat"]

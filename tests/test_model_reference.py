@@ -9,8 +9,11 @@ loading the same converted checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers
 from torch import nn
 from transformers.models.llama import modeling_llama
@@ -20,7 +23,7 @@ from transformers.models.qwen3 import modeling_qwen3
 
 from tests.conftest import TINY_HF_ARCHS, full_logits, tiny_hf_model
 from tidespec.engine.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.models.llama import BatchLayout, Linear, LlamaModel
 from tidespec.models.loader import LoadedModel
 
 
@@ -143,3 +146,49 @@ def test_embedded_matches_transformers(embedded: LoadedModel,
         ref = _hf_logits(embedded_hf_reference, ids)
         assert ref.std() > 1.0
         assert (got - ref).abs().max().item() < 1e-4
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """The suite runs on one thread (conftest); these tests need the split-GEMM path, which only
+    runs with >= 2 intra-op threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 128, 129])
+@pytest.mark.parametrize("n_out", [64, 63])
+def test_split_linear_equals_f_linear(rows: int, n_out: int, two_threads: None) -> None:
+    """Row-blocked ``bmm`` (rows <= 128, out features divisible by the thread count) and the
+    fallback to ``F.linear`` compute the same product; bias included."""
+    gen = torch.Generator().manual_seed(rows + n_out)
+    lin = Linear(48, n_out, bias=True).double()
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n_out, 48, generator=gen, dtype=torch.float64))
+        lin.bias.copy_(torch.randn(n_out, generator=gen, dtype=torch.float64))
+    x = torch.randn(rows, 48, generator=gen, dtype=torch.float64)
+    with torch.inference_mode():
+        got = lin(x)
+        assert got.shape == (rows, n_out)
+        assert (got - F.linear(x, lin.weight, lin.bias)).abs().max().item() < 1e-12
+        with torch.no_grad():  # an in-place weight update (load_state_dict) is seen by the cached view
+            lin.weight.mul_(2.0)
+        assert (lin(x) - F.linear(x, lin.weight, lin.bias)).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_three_sequences_on_two_threads_match_hf(arch: str, honest_hf_dtype: None, two_threads: None) -> None:
+    """Three sequences in one forward take the scatter (index_put) K/V write and, on two
+    threads, the split-GEMM projections; each must still match HF alone to 1e-10 in float64."""
+    hf, ours = tiny_hf_model(arch, torch.float64, seed=6)
+    vocab = hf.config.vocab_size
+    seqs = [_prompt(n, vocab, seed=10 + n) for n in (6, 9, 4)]
+    kv = KVCache.for_model(ours.cfg, num_slots=4, max_len=16, dtype=torch.float64)
+    ours(torch.tensor(seqs[1][:5]), BatchLayout.build([5], [0], [3]), kv, logits_rows=torch.tensor([], dtype=torch.int64))
+    layout = BatchLayout.build(q_lens=[6, 4, 4], ctx_lens=[0, 5, 0], slots=[0, 3, 1])
+    out = ours(torch.tensor(seqs[0] + seqs[1][5:] + seqs[2]), layout, kv)
+    got = _logits_in_model_dtype(ours, out.last_hidden)
+    refs = [_hf_logits(hf, seqs[0]), _hf_logits(hf, seqs[1])[5:], _hf_logits(hf, seqs[2])]
+    assert (got - torch.cat(refs)).abs().max().item() < 1e-10

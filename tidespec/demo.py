@@ -4,7 +4,11 @@ Why this exists: the shortest honest answer to "does speculation help here, and 
 lossless?" Each prompt (a few code and chat prompts from the shipped workloads) is decoded
 greedily with plain decoding and with each drafter; the demo checks the outputs are identical,
 and prints per-prompt speedup and mean acceptance length — per prompt, because a mean over
-prompts hides the ones where speculation loses.
+prompts hides the ones where speculation loses. The n-gram and suffix columns run the
+``static`` policy (fixed gamma); the last column runs the suffix drafter under the ``hybrid``
+policy (Nightjar's bandit with TIDE's profiled model as prior; the profile is measured once and
+cached), one policy instance across all prompts as a server would, and the demo ends with what
+that policy decided.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from tidespec.bench.workload import load_prompts
 from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.models.loader import load_model
-from tidespec.runtime import build_drafter
+from tidespec.control.policy import SpeculationPolicy
+from tidespec.runtime import build_drafter, build_policy
 from tidespec.sampling import SamplingParams
 
 
@@ -33,9 +38,10 @@ class Run:
     mean_acceptance_length: float
 
 
-def decode_one(model, tokenizer, spec: SpecConfig, prompt: list[int], max_tokens: int) -> Run:
+def decode_one(model, tokenizer, spec: SpecConfig, prompt: list[int], max_tokens: int,
+               policy: SpeculationPolicy | None = None) -> Run:
     cfg = EngineConfig(cache=CacheConfig(max_model_len=1024, max_num_seqs=1), spec=spec)
-    engine = LLMEngine(model, tokenizer, cfg, drafter=build_drafter(spec, model, 1, 1024))
+    engine = LLMEngine(model, tokenizer, cfg, drafter=build_drafter(spec, model, 1, 1024), policy=policy)
     engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
     t0 = time.perf_counter()
     final = None
@@ -54,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ns = ap.parse_args(argv)
     torch.set_num_threads(ns.threads)
-    con = Console(width=max(Console().width, 132))  # the table needs ~130 columns; never wrap it
-    con.print("[bold]tidespec demo[/bold] — embedded SmolLM2-135M-Instruct, float32, CPU, batch 1, greedy, "
-              f"policy: static gamma={ns.gamma}")
+    con = Console(width=max(Console().width, 176))  # the table needs ~170 columns; never wrap it
+    con.print("[bold]tidespec demo[/bold] — embedded SmolLM2-135M-Instruct, float32, CPU, batch 1, greedy; "
+              f"policies: static gamma={ns.gamma} (ngram, suffix), hybrid gamma<={ns.gamma} (suffix+hybrid)")
     t_load = time.perf_counter()
     loaded = load_model(None)
     con.print(f"model loaded in {time.perf_counter() - t_load:.1f} s from {loaded.path}")
@@ -67,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
         "ngram": SpecConfig(drafter="ngram", num_speculative_tokens=ns.gamma, ngram_min=2, ngram_max=4),
         "suffix": SpecConfig(drafter="suffix", num_speculative_tokens=ns.gamma),
     }
+    adaptive = SpecConfig(drafter="suffix", num_speculative_tokens=ns.gamma, policy="hybrid")
+    policy = build_policy(adaptive, loaded.model, build_drafter(adaptive, loaded.model, 1, 1024),
+                          progress=lambda m: con.print(f"  {m}"))
+    assert policy is not None
+    policies: dict[str, SpeculationPolicy | None] = {name: None for name in drafters}
+    drafters["suffix+hybrid"] = adaptive
+    policies["suffix+hybrid"] = policy
     decode_one(loaded.model, loaded.tokenizer, SpecConfig(), prompts[0][1].token_ids, 4)  # warm-up
     table = Table(title="plain vs speculative decoding (identical outputs checked)")
     for col in ("domain", "prompt", "tokens", "plain tok/s"):
@@ -81,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         row = [domain, " ".join(p.record.prompt.split())[:28], str(len(base.tokens)),
                f"{len(base.tokens) / base.seconds:.1f}"]
         for name, spec in drafters.items():
-            r = decode_one(loaded.model, loaded.tokenizer, spec, p.token_ids, ns.max_tokens)
+            r = decode_one(loaded.model, loaded.tokenizer, spec, p.token_ids, ns.max_tokens, policies[name])
             same = r.tokens == base.tokens
             lossless &= same
             totals[name][0] += base.seconds
@@ -93,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     con.print(table)
     for name, (tb, ts) in totals.items():
         con.print(f"{name}: overall speedup {tb / ts:.2f}x over plain decoding")
+    st = policy.stats()
+    con.print(f"policy that ran in suffix+hybrid: {policy.name} — {st.get('explore_steps', 0):.0f} exploration / "
+              f"{st.get('exploit_steps', 0):.0f} exploitation steps, gamma chosen at batch 1: "
+              f"{st.get('gamma_b1', float('nan')):.0f}, model calibration {st.get('calibration', float('nan')):.2f}")
     con.print("outputs identical to plain decoding: " + ("[green]yes[/green]" if lossless else "[red]NO[/red]"))
     return 0 if lossless else 1
 

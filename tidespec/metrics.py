@@ -24,14 +24,28 @@ Worked example (hand-traced)::
     # _num_accepted_tokens_per_pos_total{position="0"} 2, {"1"} 2, {"2"} 1,
     # spec_decode_current_num_speculative_tokens = mean(4, 4, 0) = 2.667
     m.render()   # text exposition format for GET /metrics
+
+Policy metrics (``attach_policy``): the chosen speculation length per batch-size bucket
+(``spec_policy_gamma{bucket}``, and ``spec_policy_steps_total{bucket, gamma}`` counting decode steps
+by the gamma that ran), the policy's own counters mirrored at scrape time
+(``spec_policy_decisions{kind="explore"|"exploit"}``, ``spec_policy_stat{stat}``), and — given the
+profile — the analytic model checked against reality per bucket: ``spec_policy_measured_speedup``
+(plain-decode time of the emitted tokens, ``sum(emitted * T(b, 1) / b)``, over the wall time of
+the decode-only steps) next to ``spec_policy_predicted_speedup`` (TIDE eq. 5 at the bucket's
+measured alpha, mean gamma and mean batch size). Example: two decode steps at batch 4, gamma 3,
+each 0.2 s emitting 8 tokens, with T(4, 1) = 0.1 s -> measured = 2 * 8 * 0.1 / 4 / 0.4 = 1.0.
+The per-step work is a few additions; eq. 5 and the policy's ``stats()`` run only on a scrape.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tidespec.control.policy import SpeculationPolicy, bucket_of
+from tidespec.control.speedup import Profile, alpha_from_accept_length, practical_speedup
 from tidespec.engine.engine import RequestOutput
 from tidespec.engine.stats import StepStats
 
@@ -45,6 +59,33 @@ TPOT_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0
                 1.0, 2.5, 5.0)
 E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                240.0, 480.0)
+
+
+@dataclass
+class _BucketTally:
+    """Running sums of the decode-only steps of one batch-size bucket."""
+
+    steps: int = 0
+    seqs: int = 0  # sum of batch sizes
+    gamma_sum: int = 0  # sum of the gamma that ran
+    emitted: int = 0
+    time: float = 0.0
+    plain_time: float = 0.0  # sum(emitted * T(b, 1) / b): what plain decoding would have taken
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+
+    def predicted_speedup(self, profile: Profile) -> float | None:
+        """Eq. 5 at this bucket's measured alpha, mean gamma (rounded) and mean batch size."""
+        if not self.steps:
+            return None
+        gamma = round(self.gamma_sum / self.steps)
+        b = max(1, round(self.seqs / self.steps))
+        if gamma == 0 or not self.drafts:
+            return 1.0
+        gamma_eff = self.draft_tokens / self.drafts
+        alpha = alpha_from_accept_length(1.0 + self.accepted / self.drafts, gamma_eff)
+        return practical_speedup(alpha, gamma, b, profile)
 
 
 class Metrics:
@@ -91,6 +132,24 @@ class Metrics:
                                            "Accepted draft tokens of finished requests.", ["route"], registry=r)
         self.req_generation_tokens = Counter(f"{p}request_generation_tokens", "Output tokens of finished requests.",
                                              ["route"], registry=r)
+        # speculation policy (attach_policy)
+        self.policy: SpeculationPolicy | None = None
+        self.profile: Profile | None = None
+        self._tallies: dict[int, _BucketTally] = {}
+        self.policy_info = Gauge(f"{p}spec_policy_info", "The speculation policy that runs (value 1).", ["policy"],
+                                 registry=r)
+        self.policy_gamma = Gauge(f"{p}spec_policy_gamma", "Speculation length of the last decode step, by batch-"
+                                  "size bucket (power of two, rounding up).", ["bucket"], registry=r)
+        self.policy_steps = Counter(f"{p}spec_policy_steps", "Decode steps by batch-size bucket and the gamma that ran.",
+                                    ["bucket", "gamma"], registry=r)
+        self.policy_decisions = Gauge(f"{p}spec_policy_decisions", "Bandit decisions so far, by kind.", ["kind"],
+                                      registry=r)
+        self.policy_stat = Gauge(f"{p}spec_policy_stat", "The policy's own statistics (SpeculationPolicy.stats()).",
+                                 ["stat"], registry=r)
+        self.policy_measured = Gauge(f"{p}spec_policy_measured_speedup", "Decode goodput over plain decoding's "
+                                     "(profiled T(b, 1)), by batch-size bucket.", ["bucket"], registry=r)
+        self.policy_predicted = Gauge(f"{p}spec_policy_predicted_speedup", "TIDE eq. 5 at the bucket's measured "
+                                      "alpha and mean gamma, by batch-size bucket.", ["bucket"], registry=r)
         # server-level
         self.rejected = Counter(f"{p}request_rejected", "Requests refused before reaching the engine.",
                                 ["reason"], registry=r)
@@ -109,6 +168,49 @@ class Metrics:
         self.set_load(stats.num_running, stats.num_waiting, stats.kv_usage)
         lens = list(stats.spec_lens.values())
         self.current_spec.set(sum(lens) / len(lens) if lens else 0.0)
+        if self.policy is not None and stats.num_decode_seqs and not stats.num_prefill_tokens:
+            self._tally_decode_step(stats, max(lens, default=0))
+
+    def attach_policy(self, policy: SpeculationPolicy, profile: Profile | None = None) -> None:
+        """Export ``policy``'s decisions; with ``profile`` also predicted vs measured speedup."""
+        self.policy, self.profile = policy, profile
+        self.policy_info.labels(policy=policy.name).set(1)
+
+    def _tally_decode_step(self, stats: StepStats, gamma: int) -> None:
+        b = stats.num_decode_seqs
+        key = bucket_of(b)
+        self.policy_gamma.labels(bucket=str(key)).set(gamma)
+        self.policy_steps.labels(bucket=str(key), gamma=str(gamma)).inc()
+        t = self._tallies.setdefault(key, _BucketTally())
+        t.steps += 1
+        t.seqs += b
+        t.gamma_sum += gamma
+        t.emitted += stats.num_emitted_tokens
+        t.time += stats.total_time
+        t.drafts += stats.num_drafts
+        t.draft_tokens += stats.num_draft_tokens
+        t.accepted += stats.num_accepted_tokens
+        if self.profile is not None:
+            t.plain_time += stats.num_emitted_tokens * self.profile.verify(b, 1) / b
+
+    def _refresh_policy(self) -> None:
+        """Scrape-time gauges: the policy's stats and the per-bucket speedup check."""
+        if self.policy is None:
+            return
+        stats = self.policy.stats()
+        for kind in ("explore", "exploit"):
+            if f"{kind}_steps" in stats:
+                self.policy_decisions.labels(kind=kind).set(stats[f"{kind}_steps"])
+        for name, value in stats.items():
+            self.policy_stat.labels(stat=name).set(value)
+        if self.profile is None:
+            return
+        for key, t in self._tallies.items():
+            if t.time > 0:
+                self.policy_measured.labels(bucket=str(key)).set(t.plain_time / t.time)
+            predicted = t.predicted_speedup(self.profile)
+            if predicted is not None:
+                self.policy_predicted.labels(bucket=str(key)).set(predicted)
 
     def set_load(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
         """Gauges of the engine's load (also set when the engine goes idle without a step)."""
@@ -152,4 +254,5 @@ class Metrics:
 
     def render(self) -> bytes:
         """The text exposition format of this registry."""
+        self._refresh_policy()
         return generate_latest(self.registry)

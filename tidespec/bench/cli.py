@@ -87,6 +87,11 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_args(sv)
     sv.set_defaults(func=run)
+    from tidespec.bench import load
+    ld = sub.add_parser("load", help="policies under a rate sweep and a dynamic trace, through the server",
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    load.add_args(ld)
+    ld.set_defaults(func=load.run)
 
 
 def _add_workload_args(p: argparse.ArgumentParser, limit: int) -> None:

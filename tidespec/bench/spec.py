@@ -30,12 +30,14 @@ Worked example::
 from __future__ import annotations
 
 import dataclasses
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 from tidespec.bench.decode import (HFRunner, RequestRecord, bench_engine_config, resolve_target, run_wave,
                                    wave_indices)
@@ -139,18 +141,24 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
             hf.generate(prompts[0], 0, min(8, cfg.max_tokens))
 
     waves = wave_indices(len(prompts), cfg.batch_size)
-    for idx in waves:  # round-robin: every configuration runs this wave before the next wave
-        for r in runs:
-            assert r.engine is not None
-            w = run_wave(r.engine, prompts, idx, params)
-            r.records.extend(w.requests)
-            r.wall += w.wall_time
-        if hf is not None:
-            for i in idx:
-                for h in hf_runs:
-                    rec = hf.generate(prompts[i], i, cfg.max_tokens, h.pld)
-                    h.records.append(rec)
-                    h.wall += rec.latency
+    total = len(waves) * (len(runs) + len(hf_runs) * cfg.batch_size)
+    with tqdm(total=total, desc="bench spec", unit="run", disable=not echo, file=sys.stderr) as bar:
+        for wi, idx in enumerate(waves):  # round-robin: every configuration runs this wave before the next wave
+            for r in runs:
+                assert r.engine is not None
+                bar.set_postfix_str(f"wave {wi + 1}/{len(waves)} {r.label}")
+                w = run_wave(r.engine, prompts, idx, params)
+                r.records.extend(w.requests)
+                r.wall += w.wall_time
+                bar.update()
+            if hf is not None:
+                for i in idx:
+                    for h in hf_runs:
+                        bar.set_postfix_str(f"wave {wi + 1}/{len(waves)} {h.label}")
+                        rec = hf.generate(prompts[i], i, cfg.max_tokens, h.pld)
+                        h.records.append(rec)
+                        h.wall += rec.latency
+                        bar.update()
 
     plain = runs[0]
     configs = [_summarize_run(r, plain) for r in runs]

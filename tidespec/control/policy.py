@@ -96,11 +96,12 @@ def _check_gamma_max(gamma_max: int) -> None:
 class StaticPolicy:
     """Always the same gamma (0 = never speculate)."""
 
-    def __init__(self, gamma: int) -> None:
+    def __init__(self, gamma: int, profile: Profile | None = None) -> None:
         if not 0 <= gamma <= 64:
             raise ValueError(f"gamma must be in [0, 64], got {gamma}")
         self.name = "static"
         self.gamma = gamma
+        self.profile = profile  # not used to decide; kept so metrics can check speedup against it
         self._steps = 0
 
     def plan(self, inp: PlanInput) -> dict[int, int]:
@@ -235,10 +236,12 @@ class BanditPolicy:
         seed: int = 0,
         switching_cost: SwitchingCost | None = None,
         bucketed: bool = False,
+        profile: Profile | None = None,
     ) -> None:
         _check_gamma_max(gamma_max)
         self.name = "bandit"
         self.gamma_max = gamma_max
+        self.profile = profile  # not used to decide; kept so metrics can check speedup against it
         self.bandit = NightjarBandit(
             gamma_max, switching_cost, seed, bucket=bucket_of if bucketed else None
         )
@@ -492,7 +495,7 @@ def _need_profile(opts: PolicyOptions, name: str) -> Profile:
 
 
 def _static(o: PolicyOptions) -> SpeculationPolicy:
-    return StaticPolicy(o.gamma_max if o.static_gamma is None else o.static_gamma)
+    return StaticPolicy(o.gamma_max if o.static_gamma is None else o.static_gamma, profile=o.profile)
 
 
 def _analytic(o: PolicyOptions) -> SpeculationPolicy:
@@ -501,7 +504,7 @@ def _analytic(o: PolicyOptions) -> SpeculationPolicy:
 
 def _bandit(o: PolicyOptions) -> SpeculationPolicy:
     cost = o.profile.catchup_cost if o.profile is not None else None
-    return BanditPolicy(o.gamma_max, seed=o.seed, switching_cost=cost, bucketed=o.bucketed)
+    return BanditPolicy(o.gamma_max, seed=o.seed, switching_cost=cost, bucketed=o.bucketed, profile=o.profile)
 
 
 def _hybrid(o: PolicyOptions) -> SpeculationPolicy:
@@ -524,6 +527,13 @@ def make_policy(name: str, options: PolicyOptions | None = None) -> SpeculationP
     return Guards(policy, opts.guards) if opts.guards is not None else policy
 
 
+def policy_profile(policy: SpeculationPolicy) -> Profile | None:
+    """The profile a policy (or the policy inside ``Guards``) plans with; None for static/bandit."""
+    inner = policy.inner if isinstance(policy, Guards) else policy
+    profile = getattr(inner, "profile", None)
+    return profile if isinstance(profile, Profile) else None
+
+
 __all__ = [
     "AlphaTracker",
     "AnalyticPolicy",
@@ -541,4 +551,5 @@ __all__ = [
     "alpha_of_step",
     "bucket_of",
     "make_policy",
+    "policy_profile",
 ]

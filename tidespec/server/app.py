@@ -50,6 +50,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tidespec.config import ConfigError
 from tidespec.engine.engine import LLMEngine, RequestError, RequestOutput
 from tidespec.engine.scheduler import QueueFullError
+from tidespec.control.policy import policy_profile
 from tidespec.metrics import Metrics
 from tidespec.sampling import SamplingParams, SamplingParamsError
 from tidespec.server.async_engine import AsyncEngine, EngineRequestError, EngineStoppedError, RequestStream
@@ -415,6 +416,8 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: M
     """The FastAPI app serving ``engine``; the engine loop starts and stops with the app's lifespan."""
     config = config or ServerConfig()
     metrics = metrics or Metrics()
+    if engine.policy is not None and metrics.policy is None:
+        metrics.attach_policy(engine.policy, policy_profile(engine.policy))
     server = _Server(engine, config, metrics)
 
     @asynccontextmanager

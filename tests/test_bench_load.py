@@ -1,0 +1,103 @@
+"""``tidespec bench load``: configuration names, the verdict's arithmetic, and one real run.
+
+The end-to-end test launches real ``tidespec serve`` subprocesses on a tiny checkpoint (plain,
+static-2, hybrid), replays a two-segment trace and one constant rate, and checks that every
+request completes, the policy metrics were scraped (hybrid speculates at least once, so its
+bucket shows a predicted and a measured speedup) and the report and plots are written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import tiny_hf_model, write_tiny_checkpoint
+from tidespec.bench.load import LoadBenchConfig, RunResult, run_load_bench, server_args, verdict
+from tidespec.config import ConfigError
+
+
+def _summary(tok_s: float, e2e: float) -> dict:
+    pct = {"mean": e2e, "p50": e2e, "p90": e2e, "p99": e2e}
+    return {"output_tok_per_s": tok_s, "e2e_s": pct, "ttft_s": pct, "tpot_s": pct, "completed": 1,
+            "num_requests": 1, "acceptance_rate": 0.0}
+
+
+def test_server_args_per_configuration() -> None:
+    cfg = LoadBenchConfig(drafter="ngram", gamma_max=4, threads=2, max_num_seqs=8)
+    assert server_args("plain", cfg).startswith("--drafter none ")
+    assert server_args("static-3", cfg).startswith("--drafter ngram --policy static --num-speculative-tokens 3 ")
+    assert server_args("hybrid", cfg).startswith("--drafter ngram --policy hybrid --num-speculative-tokens 4 ")
+    assert "--threads 2 --max-num-seqs 8" in server_args("bandit", cfg)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"configs": ("static-x",)}, "integer G"),
+    ({"configs": ("static",)}, "unknown configuration"),
+    ({"configs": ("fastest",)}, "unknown configuration"),
+    ({"rates": (0.0,)}, "rates"),
+    ({"duration": 0.0}, "duration"),
+    ({"drafter": "none"}, "plain decoding"),
+])
+def test_config_validation(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        LoadBenchConfig(**kwargs)
+
+
+def test_verdict_hand_traced() -> None:
+    """Rate 0.4: best static static-2 (24 tok/s), best adaptive hybrid (23.5): 0.979.
+    Rate 2: plain 60 is the best static, analytic 59: 0.983 of both best static and plain.
+    Trace: hybrid 30 tok/s vs best static plain 25 (+20 %); mean e2e 2.0 s vs 2.5 s (+20 %)."""
+    cfg = LoadBenchConfig(rates=(0.4, 2.0), configs=("plain", "static-2", "analytic", "hybrid"))
+    rs = [RunResult("plain", "rate", 0.4, _summary(20, 1.0)), RunResult("static-2", "rate", 0.4, _summary(24, 0.8)),
+          RunResult("hybrid", "rate", 0.4, _summary(23.5, 0.8)), RunResult("analytic", "rate", 0.4, _summary(21, 1)),
+          RunResult("plain", "rate", 2.0, _summary(60, 5)), RunResult("static-2", "rate", 2.0, _summary(50, 6)),
+          RunResult("analytic", "rate", 2.0, _summary(59, 5)), RunResult("hybrid", "rate", 2.0, _summary(40, 7)),
+          RunResult("plain", "trace", None, _summary(25, 2.5)), RunResult("static-2", "trace", None, _summary(22, 3)),
+          RunResult("hybrid", "trace", None, _summary(30, 2.0),
+                    speedup={"1": {"measured": 1.2, "predicted": 1.32, "gamma": 3.0},
+                             "8": {"measured": 0.9, "predicted": 0.9, "gamma": 0.0}})]
+    v = verdict(rs, cfg)
+    r04, r2 = v["per_rate"]
+    assert (r04["best_static"], r04["best_adaptive"]) == ("static-2", "hybrid")
+    assert r04["ratio"] == pytest.approx(23.5 / 24)
+    assert (r2["best_static"], r2["best_adaptive"]) == ("plain", "analytic")
+    assert r2["ratio"] == pytest.approx(59 / 60) and r2["adaptive_over_plain"] == pytest.approx(59 / 60)
+    t = v["trace"]
+    assert t["best_adaptive"] == "hybrid" and t["throughput_margin"] == pytest.approx(0.2)
+    assert t["lowest_latency_static"] == "plain" and t["latency_margin"] == pytest.approx(0.2)
+    # only the speculating bucket counts for the model check: |1.32 / 1.2 - 1| = 0.1
+    e = v["speedup_model_abs_error"]
+    assert e["n"] == 1 and e["median"] == pytest.approx(0.1) and e["within_15pct"] == 1
+
+
+def test_load_bench_end_to_end_through_real_servers(tmp_path: Path) -> None:
+    hf, _ = tiny_hf_model("llama", torch.float32)
+    ckpt = write_tiny_checkpoint(hf, tmp_path / "ckpt")
+    prompts = [" ".join(["t21 t22 t23 t24"] * 4), " ".join(["t30 t31 t32"] * 5)]
+    wl = tmp_path / "wl.jsonl"
+    wl.write_text("".join(json.dumps({"id": f"p{i}", "domain": "code", "kind": "completion", "prompt": p}) + "\n"
+                          for i, p in enumerate(prompts)), encoding="utf-8")
+    cfg = LoadBenchConfig(workload=str(wl), model=str(ckpt), rates=(4.0,), duration=1.0,
+                          trace=((0.0, 4.0), (1.0, 0.0)), configs=("plain", "static-2", "hybrid"), drafter="ngram",
+                          gamma_max=3, max_tokens=12, max_num_seqs=4, threads=1)
+    out = tmp_path / "out"
+    doc = run_load_bench(cfg, out, command="test")
+    results = doc["results"]
+    assert [(r["config"], r["kind"]) for r in results] == [
+        ("plain", "trace"), ("plain", "rate"), ("static-2", "trace"), ("static-2", "rate"),
+        ("hybrid", "trace"), ("hybrid", "rate")]
+    for r in results:
+        s = r["summary"]
+        assert s["completed"] == s["num_requests"] >= 1 and s["errors"] == 0, r["config"]
+        assert s["total_output_tokens"] == 12 * s["completed"]
+    assert all(not r["speedup"] for r in results if r["config"] == "plain")  # no policy, no policy metrics
+    static = [r for r in results if r["config"] == "static-2"]
+    assert all(1 <= v["gamma"] <= 2 and v["predicted"] > 0 and v["measured"] > 0  # guards cap gamma at the end
+               for r in static for v in r["speedup"].values())
+    assert doc["verdict"]["per_rate"][0]["rate"] == 4.0 and "trace" in doc["verdict"]
+    for name in ("bench_load.json", "README.md", "sweep.png", "trace.png", "speedup.png", "profile.json"):
+        assert (out / name).stat().st_size > 0, name
+    assert "Verdict per rate" in (out / "README.md").read_text(encoding="utf-8")

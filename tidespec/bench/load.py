@@ -1,0 +1,436 @@
+"""``tidespec bench load``: speculation policies under load, through the real server.
+
+Why this exists: the adaptive policies (``analytic``, ``bandit``, ``hybrid``) only earn their
+keep if, at every load, they match the best fixed setting for that load — and beat every fixed
+setting when the load changes. This drives ``tidespec serve`` (one subprocess per configuration)
+with the open-loop client of ``tidespec bench serve`` and compares, per configuration:
+
+* a static-load sweep: Poisson arrivals at each ``--rates`` value for ``--duration`` seconds,
+  from idle to saturation (rates in ascending order on one server, as a deployment sees load
+  grow; adaptive policies keep what they learned);
+* a dynamic-rate trace (low -> high -> low with bursts, like Nightjar's Figure 9) on a fresh
+  server: throughput and latency over time;
+* the analytic model against reality: after each run the server's ``/metrics`` give, per
+  batch-size bucket, the measured speedup over plain decoding (profiled T(b, 1)) and TIDE
+  eq. 5's prediction at the measured acceptance (``tidespec.metrics``); every server loads the
+  same profile, measured once at the start (``--profile`` to reuse one).
+
+Configurations (``--configs``): ``plain`` (no drafter), ``static-G`` (the drafter at fixed
+gamma G), and ``analytic`` / ``bandit`` / ``hybrid`` (the drafter with gamma_max
+``--gamma-max``). Throughput is output tokens per second over the span from the first send to
+the last completion; latency is end-to-end per request.
+
+Worked example of the verdict: at rate 1.2 req/s plain makes 60 tok/s, static-2 57, hybrid 59:
+best static = 60 (plain), best adaptive = 59, ratio 0.983 >= 0.97 -> holds.
+
+Outputs in ``--out``: ``bench_load.json`` (every summary and per-request record), ``README.md``
+(tables), ``sweep.png`` (throughput, mean and p99 latency vs rate), ``trace.png`` (throughput
+and latency over time per configuration), ``speedup.png`` (predicted vs measured per bucket).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from tidespec.bench.report import (command_line, default_out_dir, machine_info, machine_line, markdown_table,
+                                   new_figure, save_figure, write_json, write_text)
+from tidespec.bench.serve import (RequestRecord, _free_port, arrival_times, launch_server, run_load, stop_server,
+                                  summarize)
+from tidespec.bench.workload import load_workload
+from tidespec.config import POLICIES, ConfigError
+
+ADAPTIVE = ("analytic", "bandit", "hybrid")
+# (start second, req/s): idle, a ramp to saturation, a burst, back to idle (Nightjar Fig. 9's shape)
+DYNAMIC_TRACE: tuple[tuple[float, float], ...] = (
+    (0.0, 0.1), (15.0, 0.5), (30.0, 1.5), (45.0, 0.1), (55.0, 3.0), (58.0, 0.1), (70.0, 0.0))
+
+
+@dataclass
+class LoadBenchConfig:
+    workload: str = "code"
+    model: str | None = None  # checkpoint for every server (None: the embedded model)
+    rates: tuple[float, ...] = (0.1, 0.4, 1.5)
+    duration: float = 25.0  # seconds of arrivals per rate
+    trace: tuple[tuple[float, float], ...] | None = DYNAMIC_TRACE  # None: no trace run
+    configs: tuple[str, ...] = ("plain", "static-1", "static-2", "static-3", "static-4", "static-5", *ADAPTIVE)
+    drafter: str = "suffix"
+    gamma_max: int = 5
+    max_tokens: int = 64
+    max_num_seqs: int = 16
+    threads: int = 2
+    max_concurrency: int = 64
+    timeout: float = 300.0
+    seed: int = 0
+    profile: str | None = None  # profile JSON; None: measure once into the output directory
+    extra_server_args: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.rates or any(not (r > 0 and math.isfinite(r)) for r in self.rates):
+            raise ConfigError(f"rates must be finite and > 0, got {self.rates}")
+        self.rates = tuple(sorted(self.rates))
+        if self.duration <= 0:
+            raise ConfigError(f"duration must be > 0, got {self.duration}")
+        if not self.configs:
+            raise ConfigError("configs must not be empty")
+        for name in self.configs:
+            server_args(name, self)  # raises on an unknown name
+        if not 1 <= self.gamma_max <= 16:
+            raise ConfigError(f"gamma_max must be in [1, 16], got {self.gamma_max}")
+        if self.drafter == "none":
+            raise ConfigError("drafter must be a real drafter (plain decoding is the 'plain' configuration)")
+        if self.max_tokens < 1 or self.max_num_seqs < 1 or self.max_concurrency < 1:
+            raise ConfigError("max_tokens, max_num_seqs and max_concurrency must be >= 1")
+
+
+def server_args(name: str, cfg: LoadBenchConfig) -> str:
+    """Engine flags of configuration ``name``: ``plain``, ``static-G`` or an adaptive policy.
+
+    Example: ``server_args("static-3", LoadBenchConfig())`` ->
+    ``"--drafter suffix --policy static --num-speculative-tokens 3"`` (+ the common flags).
+    """
+    if name == "plain":
+        spec = "--drafter none"
+    elif name.startswith("static-"):
+        try:
+            gamma = int(name.removeprefix("static-"))
+        except ValueError:
+            raise ConfigError(f"bad configuration {name!r}: static-G needs an integer G") from None
+        if not 1 <= gamma <= 16:
+            raise ConfigError(f"bad configuration {name!r}: G must be in [1, 16]")
+        spec = f"--drafter {cfg.drafter} --policy static --num-speculative-tokens {gamma}"
+    elif name in POLICIES and name != "static":
+        spec = f"--drafter {cfg.drafter} --policy {name} --num-speculative-tokens {cfg.gamma_max}"
+    else:
+        raise ConfigError(f"unknown configuration {name!r}; use plain, static-G or one of {', '.join(ADAPTIVE)}")
+    common = f"--threads {cfg.threads} --max-num-seqs {cfg.max_num_seqs} --max-waiting 1024"
+    profile = f" --profile {shlex.quote(cfg.profile)}" if cfg.profile else ""
+    model = f" --model {shlex.quote(cfg.model)}" if cfg.model else ""
+    extra = f" {cfg.extra_server_args}" if cfg.extra_server_args else ""
+    return f"{spec} {common}{model}{profile}{extra}"
+
+
+@dataclass
+class RunResult:
+    config: str
+    kind: str  # "rate" or "trace"
+    rate: float | None
+    summary: dict[str, Any]
+    speedup: dict[str, dict[str, float]] = field(default_factory=dict)  # bucket -> {measured, predicted, gamma}
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _client_ns(cfg: LoadBenchConfig) -> argparse.Namespace:
+    """The knobs ``bench.serve.run_load`` reads."""
+    return argparse.Namespace(api_key=None, max_concurrency=cfg.max_concurrency, timeout=cfg.timeout, model=None,
+                              shuffle=True, seed=cfg.seed, max_tokens=cfg.max_tokens, temperature=0.0,
+                              spec_tokens=None, route_header=True)
+
+
+def scrape_speedup(base_url: str) -> dict[str, dict[str, float]]:
+    """Per-bucket measured/predicted speedup and last gamma from the server's ``/metrics``."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    out: dict[str, dict[str, float]] = {}
+    names = {"tidespec:spec_policy_measured_speedup": "measured",
+             "tidespec:spec_policy_predicted_speedup": "predicted", "tidespec:spec_policy_gamma": "gamma"}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name in names and "bucket" in s.labels:
+                out.setdefault(s.labels["bucket"], {})[names[s.name]] = float(s.value)
+    return out
+
+
+def _run(base_url: str, items: list[Any], arrivals: list[float], cfg: LoadBenchConfig,
+         name: str, kind: str, rate: float | None) -> RunResult:
+    records, wall_s, _ = asyncio.run(run_load(_client_ns(cfg), base_url, items, arrivals))
+    summary = summarize(records, wall_s)
+    return RunResult(name, kind, rate, summary, scrape_speedup(base_url), [asdict(r) for r in records])
+
+
+def _line(r: RunResult) -> str:
+    s = r.summary
+    what = f"rate {r.rate:g}" if r.rate is not None else "trace"
+    mean = s["e2e_s"]["mean"]
+    return (f"[{r.config:>9s} {what:>9s}] {s['completed']}/{s['num_requests']} ok, "
+            f"{s['output_tok_per_s']:.1f} tok/s, e2e mean {mean if mean is None else round(mean, 2)} s")
+
+
+def ensure_profile(cfg: LoadBenchConfig, out_dir: Path) -> str:
+    """Path of the profile every server loads: ``cfg.profile`` or one measured now (cached)."""
+    if cfg.profile:
+        return cfg.profile
+    from tidespec.config import EngineConfig, ModelConfig, SpecConfig
+    from tidespec.control.profiler import load_or_measure
+    from tidespec.runtime import build_engine
+    import torch
+
+    torch.set_num_threads(cfg.threads)
+    engine = build_engine(EngineConfig(model=ModelConfig(model=cfg.model, threads=cfg.threads),
+                                       spec=SpecConfig(drafter=cfg.drafter, num_speculative_tokens=cfg.gamma_max)))
+    prof, _ = load_or_measure(engine.model, engine.drafter, progress=lambda m: print(m, file=sys.stderr))
+    path = out_dir / "profile.json"
+    prof.save(path)
+    return str(path)
+
+
+def run_load_bench(cfg: LoadBenchConfig, out_dir: Path | None = None, command: str = "") -> dict[str, Any]:
+    """Run every configuration (trace first on a fresh server, then the rate sweep)."""
+    out_dir = out_dir or default_out_dir("load")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    items = load_workload(cfg.workload)
+    cfg.profile = ensure_profile(cfg, out_dir)
+    results: list[RunResult] = []
+    t_start = time.perf_counter()
+    for ci, name in enumerate(cfg.configs):
+        port = _free_port()
+        base_url = f"http://127.0.0.1:{port}"
+        print(f"[{ci + 1}/{len(cfg.configs)}] {name}: tidespec serve {server_args(name, cfg)}", file=sys.stderr)
+        proc = launch_server(server_args(name, cfg), port, None, 600.0, out_dir / f"server-{name}.log")
+        try:
+            warm = arrival_times([(0.0, math.inf)], 2, None, random.Random(0))
+            asyncio.run(run_load(_client_ns(cfg), base_url, items, warm))  # first-request costs out of the way
+            if cfg.trace is not None:
+                arrivals = arrival_times(list(cfg.trace), 100_000, None, random.Random(cfg.seed))
+                results.append(_run(base_url, items, arrivals, cfg, name, "trace", None))
+                print(_line(results[-1]), file=sys.stderr)
+            for rate in cfg.rates:
+                arrivals = arrival_times([(0.0, rate)], 100_000, cfg.duration, random.Random(cfg.seed + 1))
+                results.append(_run(base_url, items, arrivals, cfg, name, "rate", rate))
+                print(_line(results[-1]) + f"  ({time.perf_counter() - t_start:.0f} s so far)", file=sys.stderr)
+        finally:
+            stop_server(proc)
+    doc = {"config": asdict(cfg), "machine": machine_info("float32"), "command": command,
+           "results": [asdict(r) for r in results]}
+    doc["verdict"] = verdict(results, cfg)
+    write_json(out_dir, "bench_load.json", {k: v for k, v in doc.items() if k not in ("command", "machine")},
+               command, doc["machine"])
+    write_text(out_dir, "README.md", report(doc, command))
+    plot_sweep(results, cfg, out_dir)
+    if cfg.trace is not None:
+        plot_trace(results, cfg, out_dir)
+    plot_speedup(results, out_dir)
+    print(report(doc, command))
+    print(f"wrote {out_dir}/bench_load.json, README.md and plots", file=sys.stderr)
+    return doc
+
+
+# ----------------------------------------------------------------------------- analysis
+def _tput(r: RunResult) -> float:
+    return float(r.summary["output_tok_per_s"])
+
+
+def _mean_e2e(r: RunResult) -> float:
+    v = r.summary["e2e_s"]["mean"]
+    return math.inf if v is None else float(v)
+
+
+def verdict(results: list[RunResult], cfg: LoadBenchConfig) -> dict[str, Any]:
+    """The issue's checks: per rate, best adaptive / best static throughput (>= 0.97), at the top
+    rate best adaptive / plain (>= 0.97); on the trace, the best adaptive against the best static
+    in throughput and mean latency.
+
+    Example: rate 0.4 -> static {plain: 20, static-2: 24}, adaptive {hybrid: 23.5}:
+    ratio 23.5 / 24 = 0.979 -> ok.
+    """
+    out: dict[str, Any] = {"per_rate": []}
+    for rate in cfg.rates:
+        at = [r for r in results if r.kind == "rate" and r.rate == rate]
+        static = [r for r in at if r.config not in ADAPTIVE]
+        adaptive = [r for r in at if r.config in ADAPTIVE]
+        if not static or not adaptive:
+            continue
+        bs, ba = max(static, key=_tput), max(adaptive, key=_tput)
+        row = {"rate": rate, "best_static": bs.config, "best_static_tok_s": _tput(bs), "best_adaptive": ba.config,
+               "best_adaptive_tok_s": _tput(ba), "ratio": _tput(ba) / _tput(bs) if _tput(bs) else None}
+        plain = next((r for r in at if r.config == "plain"), None)
+        if plain is not None and _tput(plain):
+            row["adaptive_over_plain"] = _tput(ba) / _tput(plain)
+        out["per_rate"].append(row)
+    trace = [r for r in results if r.kind == "trace"]
+    static = [r for r in trace if r.config not in ADAPTIVE]
+    adaptive = [r for r in trace if r.config in ADAPTIVE]
+    if static and adaptive:
+        bs, ba = max(static, key=_tput), max(adaptive, key=_tput)
+        fastest = min(static, key=_mean_e2e)
+        out["trace"] = {"best_static": bs.config, "best_static_tok_s": _tput(bs), "best_adaptive": ba.config,
+                        "best_adaptive_tok_s": _tput(ba), "throughput_margin": _tput(ba) / _tput(bs) - 1.0,
+                        "lowest_latency_static": fastest.config, "static_mean_e2e_s": _mean_e2e(fastest),
+                        "adaptive_mean_e2e_s": _mean_e2e(ba),
+                        "latency_margin": 1.0 - _mean_e2e(ba) / _mean_e2e(fastest)}
+    errors = [abs(v["predicted"] / v["measured"] - 1.0) for r in results for v in r.speedup.values()
+              if v.get("measured") and "predicted" in v and v.get("gamma", 0) > 0]
+    out["speedup_model_abs_error"] = {"n": len(errors), "median": float(np.median(errors)) if errors else None,
+                                      "max": max(errors) if errors else None,
+                                      "within_15pct": sum(e <= 0.15 for e in errors)}
+    return out
+
+
+def report(doc: dict[str, Any], command: str) -> str:
+    """Markdown: sweep table, trace table, verdict, model check."""
+    results = [RunResult(**r) for r in doc["results"]]
+    lines = [f"Command: `{command}`", "", f"Machine: {machine_line(doc['machine'])}", ""]
+    rows = []
+    for r in results:
+        s = r.summary
+        rows.append([r.config, "trace" if r.kind == "trace" else f"{r.rate:g}", f"{s['completed']}/{s['num_requests']}",
+                     s["output_tok_per_s"], _ms(s["e2e_s"]["mean"]), _ms(s["e2e_s"]["p99"]),
+                     _ms(s["ttft_s"]["mean"]), _ms(s["tpot_s"]["mean"]), f"{s['acceptance_rate']:.2f}"])
+    lines.append(markdown_table(["config", "rate req/s", "ok", "tok/s", "e2e mean ms", "e2e p99 ms",
+                                 "TTFT mean ms", "TPOT mean ms", "acc. rate"], rows))
+    v = doc["verdict"]
+    lines += ["", "Verdict per rate (best adaptive vs best static; at the top rate also vs plain):", ""]
+    lines.append(markdown_table(["rate", "best static", "tok/s", "best adaptive", "tok/s", "ratio", "adaptive/plain"],
+                                [[f"{x['rate']:g}", x["best_static"], x["best_static_tok_s"], x["best_adaptive"],
+                                  x["best_adaptive_tok_s"], _r(x["ratio"]), _r(x.get("adaptive_over_plain"))]
+                                 for x in v["per_rate"]]))
+    if "trace" in v:
+        t = v["trace"]
+        lines += ["", f"Trace: best adaptive {t['best_adaptive']} {t['best_adaptive_tok_s']:.1f} tok/s vs best static "
+                  f"{t['best_static']} {t['best_static_tok_s']:.1f} tok/s (margin {t['throughput_margin']:+.1%}); "
+                  f"mean e2e {t['adaptive_mean_e2e_s']:.2f} s vs lowest static {t['lowest_latency_static']} "
+                  f"{t['static_mean_e2e_s']:.2f} s (margin {t['latency_margin']:+.1%})."]
+    rows = [[r.config, "trace" if r.kind == "trace" else f"{r.rate:g}", b, f"{x.get('gamma', 0):g}",
+             _r(x.get("predicted")), _r(x.get("measured")),
+             _pct(x["predicted"] / x["measured"] - 1.0) if x.get("measured") and "predicted" in x else "-"]
+            for r in results for b, x in sorted(r.speedup.items(), key=lambda kv: int(kv[0]))]
+    if rows:
+        e = v["speedup_model_abs_error"]
+        lines += ["", "Analytic model (TIDE eq. 5 at measured acceptance) vs measured speedup over plain, per "
+                  f"batch-size bucket: median |error| {_pct(e['median'])}, max {_pct(e['max'])}, "
+                  f"{e['within_15pct']}/{e['n']} within 15 %.", ""]
+        lines.append(markdown_table(["config", "rate", "bucket", "last gamma", "predicted", "measured", "error"], rows))
+    return "\n".join(lines) + "\n"
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def _r(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3f}"
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:+.1%}"
+
+
+# ----------------------------------------------------------------------------- plots
+def plot_sweep(results: list[RunResult], cfg: LoadBenchConfig, out_dir: Path) -> Path:
+    fig, axes = new_figure(3)
+    for name in cfg.configs:
+        rs = sorted((r for r in results if r.kind == "rate" and r.config == name), key=lambda r: r.rate or 0.0)
+        if not rs:
+            continue
+        style = "-" if name in ADAPTIVE else "--"
+        xs = [r.rate for r in rs]
+        axes[0].plot(xs, [_tput(r) for r in rs], style, marker="o", label=name)
+        axes[1].plot(xs, [_mean_e2e(r) for r in rs], style, marker="o", label=name)
+        axes[2].plot(xs, [r.summary["e2e_s"]["p99"] or math.nan for r in rs], style, marker="o", label=name)
+    for ax, title in zip(axes, ("output tok/s", "mean e2e latency s", "p99 e2e latency s")):
+        ax.set_xlabel("arrival rate (req/s)")
+        ax.set_title(title)
+        ax.set_xscale("log")
+    axes[0].legend(fontsize=7)
+    return save_figure(fig, out_dir, "sweep.png")
+
+
+def plot_trace(results: list[RunResult], cfg: LoadBenchConfig, out_dir: Path) -> Path:
+    fig, axes = new_figure(2, width_per_col=6.5)
+    trace = list(cfg.trace or ())
+    end = max((t for t, _ in trace), default=1.0)
+    bin_s = max(5.0, end / 20)
+    for name in cfg.configs:
+        r = next((x for x in results if x.kind == "trace" and x.config == name), None)
+        if r is None:
+            continue
+        recs = [RequestRecord(**x) for x in r.records]
+        ok = [x for x in recs if x.ok and x.e2e_s is not None]
+        if not ok:
+            continue
+        span = max(x.start_s + (x.e2e_s or 0.0) for x in ok)
+        edges = np.arange(0.0, span + bin_s, bin_s)
+        toks = np.histogram([t for x in ok for t in x.chunk_times_s], edges)[0] / bin_s
+        style = "-" if name in ADAPTIVE else "--"
+        axes[0].plot(edges[:-1] + bin_s / 2, toks, style, label=name)
+        axes[1].plot([x.start_s for x in ok], [x.e2e_s for x in ok], style, marker=".", label=name)
+    ax2 = axes[0].twinx()
+    ts = [t for t, _ in trace] + [end]
+    ax2.step(ts, [r for _, r in trace] + [trace[-1][1] if trace else 0.0], where="post", color="grey", alpha=0.4)
+    ax2.set_ylabel("offered req/s (grey)")
+    axes[0].set_title("output chunks/s over time")
+    axes[1].set_title("e2e latency by send time (s)")
+    for ax in axes:
+        ax.set_xlabel("time since start (s)")
+    axes[0].legend(fontsize=7)
+    return save_figure(fig, out_dir, "trace.png")
+
+
+def plot_speedup(results: list[RunResult], out_dir: Path) -> Path:
+    fig, axes = new_figure(1)
+    pts = [(v["measured"], v["predicted"], int(b)) for r in results for b, v in r.speedup.items()
+           if v.get("measured") and "predicted" in v and v.get("gamma", 0) > 0]
+    if pts:
+        m, p, b = zip(*pts)
+        sc = axes[0].scatter(m, p, c=np.log2(b), cmap="viridis")
+        lo, hi = min(m + p) * 0.9, max(m + p) * 1.1
+        axes[0].plot([lo, hi], [lo, hi], "k--", lw=1)
+        axes[0].fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="grey", alpha=0.15)
+        fig.colorbar(sc, ax=axes[0], label="log2 batch bucket")
+    axes[0].set_xlabel("measured speedup over plain")
+    axes[0].set_ylabel("predicted (eq. 5)")
+    axes[0].set_title("analytic model vs measured (±15 % band)")
+    return save_figure(fig, out_dir, "speedup.png")
+
+
+# ----------------------------------------------------------------------------- CLI
+def add_args(p: argparse.ArgumentParser) -> None:
+    d = LoadBenchConfig()
+    p.add_argument("--workload", default=d.workload, help="JSONL path, or a built-in name: code, chat")
+    p.add_argument("--model", default=None, help="checkpoint for every server (default: the embedded model)")
+    p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates), help="arrival rates, req/s, comma-separated")
+    p.add_argument("--duration", type=float, default=d.duration, help="seconds of arrivals per rate")
+    p.add_argument("--trace", default="dynamic",
+                   help="rate trace for the dynamic run: 'dynamic' (built in), 'none', or a CSV/JSONL of (time_s, rate)")
+    p.add_argument("--configs", default=",".join(d.configs), help="plain, static-G, analytic, bandit, hybrid")
+    p.add_argument("--drafter", default=d.drafter, help="drafter of the speculating configurations")
+    p.add_argument("--gamma-max", type=int, default=d.gamma_max, help="gamma_max of the adaptive policies")
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="max_tokens of every request")
+    p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="server's batch limit")
+    p.add_argument("--threads", type=int, default=d.threads, help="server's torch threads")
+    p.add_argument("--seed", type=int, default=d.seed, help="arrival/shuffle seed")
+    p.add_argument("--profile", default=None, help="profile JSON every server loads (default: measured once)")
+    p.add_argument("--server-args", default="", help="extra engine flags for every server")
+    p.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-load-<time>)")
+
+
+def run(ns: argparse.Namespace) -> int:
+    from tidespec.bench.serve import load_rate_trace
+
+    if ns.trace == "none":
+        trace = None
+    elif ns.trace == "dynamic":
+        trace = DYNAMIC_TRACE
+    else:
+        trace = tuple(load_rate_trace(ns.trace))
+    try:
+        rates = tuple(float(x) for x in ns.rates.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--rates must be comma-separated numbers, got {ns.rates!r}") from None
+    cfg = LoadBenchConfig(workload=ns.workload, model=ns.model, rates=rates, duration=ns.duration, trace=trace,
+                          configs=tuple(x.strip() for x in ns.configs.split(",") if x.strip()), drafter=ns.drafter,
+                          gamma_max=ns.gamma_max, max_tokens=ns.max_tokens, max_num_seqs=ns.max_num_seqs,
+                          threads=ns.threads, seed=ns.seed, profile=ns.profile, extra_server_args=ns.server_args)
+    run_load_bench(cfg, ns.out, command_line())
+    return 0
