@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_hf_model, write_tiny_checkpoint
-from tidespec.bench.load import LoadBenchConfig, RunResult, run_load_bench, server_args, verdict
+from tidespec.bench.load import LoadBenchConfig, RunResult, replot, run_load_bench, server_args, verdict
 from tidespec.config import ConfigError
 
 
@@ -101,3 +101,15 @@ def test_load_bench_end_to_end_through_real_servers(tmp_path: Path) -> None:
     for name in ("bench_load.json", "README.md", "sweep.png", "trace.png", "speedup.png", "profile.json"):
         assert (out / name).stat().st_size > 0, name
     assert "Verdict per rate" in (out / "README.md").read_text(encoding="utf-8")
+    (out / "README.md").unlink()
+    again = replot(out)  # re-rendered from bench_load.json alone
+    assert again["verdict"] == doc["verdict"] and (out / "README.md").is_file()
+
+
+def test_token_times_spread_tokens_over_chunks() -> None:
+    from tidespec.bench.load import token_times
+    from tidespec.bench.serve import RequestRecord
+
+    recs = [RequestRecord(0, "a", "code", "completion", 0.0, completion_tokens=6, chunk_times_s=[1.0, 2.0]),
+            RequestRecord(1, "b", "code", "completion", 0.0, completion_tokens=0)]
+    assert token_times(recs) == ([1.0, 2.0], [3.0, 3.0])

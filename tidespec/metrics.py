@@ -31,10 +31,13 @@ by the gamma that ran), the policy's own counters mirrored at scrape time
 (``spec_policy_decisions{kind="explore"|"exploit"}``, ``spec_policy_stat{stat}``), and — given the
 profile — the analytic model checked against reality per bucket: ``spec_policy_measured_speedup``
 (plain-decode time of the emitted tokens, ``sum(emitted * T(b, 1) / b)``, over the wall time of
-the decode-only steps) next to ``spec_policy_predicted_speedup`` (TIDE eq. 5 at the bucket's
-measured alpha, mean gamma and mean batch size). Example: two decode steps at batch 4, gamma 3,
-each 0.2 s emitting 8 tokens, with T(4, 1) = 0.1 s -> measured = 2 * 8 * 0.1 / 4 / 0.4 = 1.0.
-The per-step work is a few additions; eq. 5 and the policy's ``stats()`` run only on a scrape.
+the decode-only steps) next to ``spec_policy_predicted_speedup``: the same numerator over what
+TIDE's cost model says those steps cost, ``sum(T(b, 1 + drafted / b) + D0)`` — eq. 5 with the
+measured tokens per step in place of E[l](alpha), so the check isolates the cost side (profiled
+forward times vs real steps, including everything a step does besides the forward). Example:
+two decode steps at batch 4, 12 drafted and 8 emitted each, 0.2 s each, T(4, 1) = 0.1 s,
+T(4, 4) = 0.16 s, D0 = 0: measured = 2 * 8 * 0.1 / 4 / 0.4 = 1.0, predicted = 0.4 / 0.32 = 1.25.
+The per-step work is two profile lookups; the policy's ``stats()`` runs only on a scrape.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tidespec.control.policy import SpeculationPolicy, bucket_of
-from tidespec.control.speedup import Profile, alpha_from_accept_length, practical_speedup
+from tidespec.control.speedup import Profile
 from tidespec.engine.engine import RequestOutput
 from tidespec.engine.stats import StepStats
 
@@ -65,27 +68,9 @@ E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 class _BucketTally:
     """Running sums of the decode-only steps of one batch-size bucket."""
 
-    steps: int = 0
-    seqs: int = 0  # sum of batch sizes
-    gamma_sum: int = 0  # sum of the gamma that ran
-    emitted: int = 0
-    time: float = 0.0
+    time: float = 0.0  # measured step wall time
     plain_time: float = 0.0  # sum(emitted * T(b, 1) / b): what plain decoding would have taken
-    drafts: int = 0
-    draft_tokens: int = 0
-    accepted: int = 0
-
-    def predicted_speedup(self, profile: Profile) -> float | None:
-        """Eq. 5 at this bucket's measured alpha, mean gamma (rounded) and mean batch size."""
-        if not self.steps:
-            return None
-        gamma = round(self.gamma_sum / self.steps)
-        b = max(1, round(self.seqs / self.steps))
-        if gamma == 0 or not self.drafts:
-            return 1.0
-        gamma_eff = self.draft_tokens / self.drafts
-        alpha = alpha_from_accept_length(1.0 + self.accepted / self.drafts, gamma_eff)
-        return practical_speedup(alpha, gamma, b, profile)
+    model_time: float = 0.0  # sum(T(b, 1 + drafted / b) + D0 if drafted): eq. 5's cost of these steps
 
 
 class Metrics:
@@ -182,16 +167,12 @@ class Metrics:
         self.policy_gamma.labels(bucket=str(key)).set(gamma)
         self.policy_steps.labels(bucket=str(key), gamma=str(gamma)).inc()
         t = self._tallies.setdefault(key, _BucketTally())
-        t.steps += 1
-        t.seqs += b
-        t.gamma_sum += gamma
-        t.emitted += stats.num_emitted_tokens
         t.time += stats.total_time
-        t.drafts += stats.num_drafts
-        t.draft_tokens += stats.num_draft_tokens
-        t.accepted += stats.num_accepted_tokens
         if self.profile is not None:
-            t.plain_time += stats.num_emitted_tokens * self.profile.verify(b, 1) / b
+            prof = self.profile
+            t.plain_time += stats.num_emitted_tokens * prof.verify(b, 1) / b
+            t.model_time += prof.verify(b, 1 + stats.num_draft_tokens / b) + (
+                prof.d0() if stats.num_draft_tokens else 0.0)
 
     def _refresh_policy(self) -> None:
         """Scrape-time gauges: the policy's stats and the per-bucket speedup check."""
@@ -208,9 +189,8 @@ class Metrics:
         for key, t in self._tallies.items():
             if t.time > 0:
                 self.policy_measured.labels(bucket=str(key)).set(t.plain_time / t.time)
-            predicted = t.predicted_speedup(self.profile)
-            if predicted is not None:
-                self.policy_predicted.labels(bucket=str(key)).set(predicted)
+            if t.model_time > 0:
+                self.policy_predicted.labels(bucket=str(key)).set(t.plain_time / t.model_time)
 
     def set_load(self, num_running: int, num_waiting: int, kv_usage: float) -> None:
         """Gauges of the engine's load (also set when the engine goes idle without a step)."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import random
 import shlex
@@ -361,20 +362,37 @@ def plot_trace(results: list[RunResult], cfg: LoadBenchConfig, out_dir: Path) ->
             continue
         span = max(x.start_s + (x.e2e_s or 0.0) for x in ok)
         edges = np.arange(0.0, span + bin_s, bin_s)
-        toks = np.histogram([t for x in ok for t in x.chunk_times_s], edges)[0] / bin_s
+        times, weights = token_times(ok)
+        toks = np.histogram(times, edges, weights=weights)[0] / bin_s
         style = "-" if name in ADAPTIVE else "--"
         axes[0].plot(edges[:-1] + bin_s / 2, toks, style, label=name)
-        axes[1].plot([x.start_s for x in ok], [x.e2e_s for x in ok], style, marker=".", label=name)
+        axes[1].scatter([x.start_s for x in ok], [x.e2e_s for x in ok], s=8, label=name,
+                        marker="o" if name in ADAPTIVE else "x")
     ax2 = axes[0].twinx()
     ts = [t for t, _ in trace] + [end]
     ax2.step(ts, [r for _, r in trace] + [trace[-1][1] if trace else 0.0], where="post", color="grey", alpha=0.4)
     ax2.set_ylabel("offered req/s (grey)")
-    axes[0].set_title("output chunks/s over time")
+    axes[0].set_title("output tokens/s over time")
     axes[1].set_title("e2e latency by send time (s)")
     for ax in axes:
         ax.set_xlabel("time since start (s)")
     axes[0].legend(fontsize=7)
     return save_figure(fig, out_dir, "trace.png")
+
+
+def token_times(records: list[RequestRecord]) -> tuple[list[float], list[float]]:
+    """(chunk arrival times, tokens per chunk): a speculative step streams several tokens in one
+    chunk, so each request's completion tokens are spread evenly over its chunks.
+
+    Example: one request of 6 tokens in chunks at 1.0 and 2.0 s -> ([1.0, 2.0], [3.0, 3.0]).
+    """
+    times: list[float] = []
+    weights: list[float] = []
+    for r in records:
+        if r.chunk_times_s:
+            times += r.chunk_times_s
+            weights += [r.completion_tokens / len(r.chunk_times_s)] * len(r.chunk_times_s)
+    return times, weights
 
 
 def plot_speedup(results: list[RunResult], out_dir: Path) -> Path:
@@ -413,10 +431,36 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", default=None, help="profile JSON every server loads (default: measured once)")
     p.add_argument("--server-args", default="", help="extra engine flags for every server")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-load-<time>)")
+    p.add_argument("--replot", type=Path, default=None, metavar="DIR",
+                   help="only re-render README.md and the plots of an earlier run in DIR")
+
+
+def replot(out_dir: Path) -> dict[str, Any]:
+    """Re-render README.md and the plots of an earlier run from its ``bench_load.json``."""
+    path = out_dir / "bench_load.json"
+    if not path.is_file():
+        raise ConfigError(f"no bench_load.json in {out_dir}")
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    c = doc["config"]
+    cfg = LoadBenchConfig(**{**c, "rates": tuple(c["rates"]), "configs": tuple(c["configs"]),
+                             "trace": None if c["trace"] is None else tuple(tuple(x) for x in c["trace"])})
+    results = [RunResult(**r) for r in doc["results"]]
+    doc["verdict"] = verdict(results, cfg)
+    write_text(out_dir, "README.md", report(doc, doc.get("command", "")))
+    plot_sweep(results, cfg, out_dir)
+    if cfg.trace is not None:
+        plot_trace(results, cfg, out_dir)
+    plot_speedup(results, out_dir)
+    return doc
 
 
 def run(ns: argparse.Namespace) -> int:
     from tidespec.bench.serve import load_rate_trace
+
+    if ns.replot is not None:
+        replot(ns.replot)
+        print(f"re-rendered {ns.replot}/README.md and plots", file=sys.stderr)
+        return 0
 
     if ns.trace == "none":
         trace = None

@@ -251,7 +251,7 @@ class Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         T, k = x.shape
         if T > 1 and T <= self.max_split_rows and n_out >= self.wide_ratio * k:  # LM head, verification
-            out = torch.mm(self.weight, x.t()).t()  # [out, T] -> [T, out] (a view)
+            out = torch.mm(self.weight, x.t()).t().contiguous()  # [out, T] -> [T, out]
             return out if self.bias is None else out + self.bias
         key = (s, self.weight.data_ptr())
         if self._split_key != key:  # the blocked view of the weight, rebuilt only if it moved
