@@ -1,4 +1,4 @@
-"""``tidespec bench {decode,spec,profile,serve}``: the benchmark sub-commands.
+"""``tidespec bench {decode,spec,profile,serve,load}``: the benchmark sub-commands.
 
 Why this exists: the benchmarks are part of the product (their numbers go into
 docs/benchmarks.md), so they are run from the same CLI with the same model flags as
