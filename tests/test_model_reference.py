@@ -159,10 +159,11 @@ def two_threads() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("rows", [1, 5, 128, 129])
-@pytest.mark.parametrize("n_out", [64, 63])
+@pytest.mark.parametrize("n_out", [64, 63, 400, 401])
 def test_split_linear_equals_f_linear(rows: int, n_out: int, two_threads: None) -> None:
-    """Row-blocked ``bmm`` (rows <= 128, out features divisible by the thread count) and the
-    fallback to ``F.linear`` compute the same product; bias included."""
+    """Row-blocked ``bmm`` (rows <= 128, out features divisible by the thread count), ``W @ x^T``
+    for a wide matrix (out >= 8 x in, 2..128 rows; odd widths too) and the fallback to
+    ``F.linear`` compute the same product; bias included."""
     gen = torch.Generator().manual_seed(rows + n_out)
     lin = Linear(48, n_out, bias=True).double()
     with torch.no_grad():

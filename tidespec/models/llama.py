@@ -231,8 +231,10 @@ class Linear(nn.Linear):
     multiplying them as a batch measured 1.6-2.4x faster for 1-16 rows (``docs/benchmarks.md``).
     For a wide matrix (an LM head: 49152 x 576) with 2+ rows, ``W @ x^T`` measured 1.7-2.1x
     faster than the split (MKL handles the tall-skinny orientation well; the row-major one is
-    compute-bound from 2 rows on). Every output element is still one dot product over the full input dimension, so results
-    are the same up to the kernel's summation order (as between any two BLAS kernels).
+    compute-bound from 2 rows on). Every output element is still one dot product over the full
+    input dimension, so results are the same up to the kernel's summation order (as between
+    any two BLAS kernels). Module hooks are not supported on the hot path (the model calls
+    ``.forward`` directly).
 
     Example: weight [3072, 576], x [1, 576], 2 threads ->
     bmm([2, 1, 576] x [2, 576, 1536]) -> [2, 1, 1536] -> [1, 3072].
@@ -247,12 +249,14 @@ class Linear(nn.Linear):
         # x: [T, in] -> [T, out]
         s = torch.get_num_threads()
         n_out = self.weight.shape[0]
-        if s < 2 or x.dim() != 2 or x.shape[0] > self.max_split_rows or n_out % s or x.device.type != "cpu":
+        if s < 2 or x.dim() != 2 or x.shape[0] > self.max_split_rows or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         T, k = x.shape
-        if T > 1 and T <= self.max_split_rows and n_out >= self.wide_ratio * k:  # LM head, verification
+        if T > 1 and n_out >= self.wide_ratio * k:  # LM head at verification
             out = torch.mm(self.weight, x.t()).t().contiguous()  # [out, T] -> [T, out]
             return out if self.bias is None else out + self.bias
+        if n_out % s:
+            return F.linear(x, self.weight, self.bias)
         key = (s, self.weight.data_ptr())
         if self._split_key != key:  # the blocked view of the weight, rebuilt only if it moved
             self._split_w = self.weight.view(s, n_out // s, k).transpose(1, 2)  # [s, in, out/s]
