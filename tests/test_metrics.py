@@ -199,3 +199,23 @@ def test_metrics_endpoint_exports_policy_decisions() -> None:
     assert fams["tidespec:spec_policy_measured_speedup"][(("bucket", "1"),)] > 0
     assert fams["tidespec:spec_policy_predicted_speedup"][(("bucket", "1"),)] > 0
     assert (("stat", "calibration"),) in fams["tidespec:spec_policy_stat"]
+
+
+def test_drafter_version_follows_swaps_in_responses_and_metrics() -> None:
+    """An online-trained drafter changes ``version`` between steps; responses and
+    ``tidespec:spec_decode_drafter_version`` must report the version in use now, not at start-up."""
+    tok = tiny_tokenizer(64)
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=128, max_num_seqs=2), scheduler=SchedulerConfig(max_waiting=4),
+                       spec=SpecConfig(drafter="ngram", num_speculative_tokens=3))
+    drafter = NgramDrafter(1, 3)
+    drafter.version = 3  # what Eagle3Drafter.load_state sets on a swap
+    engine = LLMEngine(tiny_llama(64), tok, cfg, drafter=drafter)
+    body = {"model": "tiny", "prompt": "t5 t6 t7 t5 t6", "max_tokens": 4, "temperature": 0}
+    with TestClient(create_app(engine, ServerConfig(served_model_name="tiny"))) as client:
+        first = client.post("/v1/completions", json=body).json()
+        v3 = _families(client.get("/metrics").text)["tidespec:spec_decode_drafter_version"][()]
+        drafter.version = 4
+        second = client.post("/v1/completions", json=body).json()
+        v4 = _families(client.get("/metrics").text)["tidespec:spec_decode_drafter_version"][()]
+    assert (first["drafter_version"], second["drafter_version"]) == ("3", "4")
+    assert (v3, v4) == (3.0, 4.0)

@@ -135,6 +135,9 @@ class Metrics:
                                      "(profiled T(b, 1)), by batch-size bucket.", ["bucket"], registry=r)
         self.policy_predicted = Gauge(f"{p}spec_policy_predicted_speedup", "TIDE eq. 5 at the bucket's measured "
                                       "alpha and mean gamma, by batch-size bucket.", ["bucket"], registry=r)
+        self.drafter: object | None = None
+        self.drafter_version = Gauge(f"{p}spec_decode_drafter_version", "Version of the drafter in use (online "
+                                     "training publishes new ones; read at scrape time).", registry=r)
         # server-level
         self.rejected = Counter(f"{p}request_rejected", "Requests refused before reaching the engine.",
                                 ["reason"], registry=r)
@@ -173,6 +176,10 @@ class Metrics:
             t.plain_time += stats.num_emitted_tokens * prof.verify(b, 1) / b
             t.model_time += prof.verify(b, 1 + stats.num_draft_tokens / b) + (
                 prof.d0() if stats.num_draft_tokens else 0.0)
+
+    def attach_drafter(self, drafter: object) -> None:
+        """Export ``drafter.version`` (an online-trained drafter's current version)."""
+        self.drafter = drafter
 
     def _refresh_policy(self) -> None:
         """Scrape-time gauges: the policy's stats and the per-bucket speedup check."""
@@ -235,4 +242,7 @@ class Metrics:
     def render(self) -> bytes:
         """The text exposition format of this registry."""
         self._refresh_policy()
+        version = getattr(self.drafter, "version", None)
+        if isinstance(version, (int, float)):
+            self.drafter_version.set(version)
         return generate_latest(self.registry)

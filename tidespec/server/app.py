@@ -248,8 +248,12 @@ class _Server:
                                    on_finished=metrics.on_request_finished, on_idle=self._idle)
         self.created = int(time.time())
         self.vocab_size = engine.model.cfg.vocab_size
-        version = getattr(engine.drafter, "version", None) if engine.drafter is not None else None
-        self.drafter_version = None if version is None else str(version)
+
+    @property
+    def drafter_version(self) -> str | None:
+        """The drafter's version now (online training swaps versions between steps)."""
+        version = getattr(self.engine.drafter, "version", None) if self.engine.drafter is not None else None
+        return None if version is None else str(version)
 
     def _idle(self, eng: LLMEngine) -> None:
         self.metrics.set_load(eng.num_running, eng.num_waiting, eng.kv.usage())
@@ -418,6 +422,8 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: M
     metrics = metrics or Metrics()
     if engine.policy is not None and metrics.policy is None:
         metrics.attach_policy(engine.policy, policy_profile(engine.policy))
+    if engine.drafter is not None and hasattr(engine.drafter, "version"):
+        metrics.attach_drafter(engine.drafter)
     server = _Server(engine, config, metrics)
 
     @asynccontextmanager
