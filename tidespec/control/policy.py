@@ -528,7 +528,8 @@ def make_policy(name: str, options: PolicyOptions | None = None) -> SpeculationP
 
 
 def policy_profile(policy: SpeculationPolicy) -> Profile | None:
-    """The profile a policy (or the policy inside ``Guards``) plans with; None for static/bandit."""
+    """The profile a policy (or the policy inside ``Guards``) holds — analytic and hybrid plan with it,
+    static and bandit keep it for the metrics; None when it was built without one."""
     inner = policy.inner if isinstance(policy, Guards) else policy
     profile = getattr(inner, "profile", None)
     return profile if isinstance(profile, Profile) else None
