@@ -123,3 +123,13 @@ def _one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def two_threads() -> Iterator[None]:
+    """Two intra-op threads for one test, as served (``--threads 2``): the row-blocked GEMM paths
+    of ``models.llama.Linear`` only run with two or more threads; the rest of the suite runs on one."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)

@@ -85,16 +85,6 @@ def test_speculative_greedy_equals_plain(embedded, prompts, plain_alone, drafter
         assert_same_or_near_tie(embedded, p, ref, g)
 
 
-@pytest.fixture
-def two_threads():
-    """As served (``--threads 2``): the row-blocked GEMM paths of ``models.llama.Linear`` only run
-    with two or more threads; the rest of the suite runs on one."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 def test_two_threads_batched_and_speculative_equal_plain_alone(embedded, prompts, plain_alone, two_threads):
     """Plain decoding alone on one thread is the reference; batched plain decoding and suffix
     speculation (chain and tree), both on two threads, must reproduce it (or hit a logged near-tie)."""

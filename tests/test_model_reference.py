@@ -9,8 +9,6 @@ loading the same converted checkpoint.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -146,16 +144,6 @@ def test_embedded_matches_transformers(embedded: LoadedModel,
         ref = _hf_logits(embedded_hf_reference, ids)
         assert ref.std() > 1.0
         assert (got - ref).abs().max().item() < 1e-4
-
-
-@pytest.fixture
-def two_threads() -> Iterator[None]:
-    """The suite runs on one thread (conftest); these tests need the split-GEMM path, which only
-    runs with >= 2 intra-op threads."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("rows", [1, 5, 128, 129])

@@ -217,12 +217,7 @@ def run_load_bench(cfg: LoadBenchConfig, out_dir: Path | None = None, command: s
     doc["verdict"] = verdict(results, cfg)
     write_json(out_dir, "bench_load.json", {k: v for k, v in doc.items() if k not in ("command", "machine")},
                command, doc["machine"])
-    write_text(out_dir, "README.md", report(doc, command))
-    plot_sweep(results, cfg, out_dir)
-    if cfg.trace is not None:
-        plot_trace(results, cfg, out_dir)
-    plot_speedup(results, out_dir)
-    print(report(doc, command))
+    print(_render(doc, results, cfg, out_dir))
     print(f"wrote {out_dir}/bench_load.json, README.md and plots", file=sys.stderr)
     return doc
 
@@ -446,12 +441,19 @@ def replot(out_dir: Path) -> dict[str, Any]:
                              "trace": None if c["trace"] is None else tuple(tuple(x) for x in c["trace"])})
     results = [RunResult(**r) for r in doc["results"]]
     doc["verdict"] = verdict(results, cfg)
-    write_text(out_dir, "README.md", report(doc, doc.get("command", "")))
+    _render(doc, results, cfg, out_dir)
+    return doc
+
+
+def _render(doc: dict[str, Any], results: list[RunResult], cfg: LoadBenchConfig, out_dir: Path) -> str:
+    """Write README.md and the plots of one run; returns the README text."""
+    text = report(doc, doc.get("command", ""))
+    write_text(out_dir, "README.md", text)
     plot_sweep(results, cfg, out_dir)
     if cfg.trace is not None:
         plot_trace(results, cfg, out_dir)
     plot_speedup(results, out_dir)
-    return doc
+    return text
 
 
 def run(ns: argparse.Namespace) -> int:
