@@ -143,6 +143,23 @@ def test_analytic_speculates_at_batch_one_high_alpha_and_stops_at_large_batch_lo
     assert s["gamma_b64"] == 0 and s["speedup_b64"] == 1.0 and s["gamma_b1"] == 4
 
 
+def test_analytic_probes_a_bucket_stuck_off_and_recovers() -> None:
+    """b = 4 with alpha 0: drafting costs c > 0 for nothing, so the model says off; every 3rd off
+    step probes gamma 1. Probes that see alpha 0.95 pull the bucket's EMA up until the model turns
+    speculation back on (5 verified tokens per sequence cost no more than 1 at b = 4 here)."""
+    policy = AnalyticPolicy(synthetic_profile(), gamma_max=4, ema=0.5, prior_alpha=0.0, probe_every=3)
+    gammas = [policy.plan(plan_input(4))[0] for _ in range(6)]
+    assert gammas == [0, 0, 1, 0, 0, 1] and policy.stats()["probe_steps"] == 2
+    for _ in range(12):
+        g = policy.plan(plan_input(4))[0]
+        policy.observe(feedback(4, g, 0.95) if g else feedback(4, 0, 0.0))
+    assert policy.plan(plan_input(4))[0] >= 1 and policy.alphas.alpha(4) > 0.8
+    never = AnalyticPolicy(synthetic_profile(), gamma_max=4, prior_alpha=0.0, probe_every=0)
+    assert {never.plan(plan_input(4))[0] for _ in range(200)} == {0}
+    with pytest.raises(ValueError, match="probe_every"):
+        AnalyticPolicy(synthetic_profile(), gamma_max=4, probe_every=-1)
+
+
 def test_analytic_unseen_bucket_uses_global_alpha() -> None:
     policy = AnalyticPolicy(synthetic_profile(), gamma_max=4, ema=0.5, prior_alpha=0.7)
     policy.observe(feedback(1, 4, 0.0))

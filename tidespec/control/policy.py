@@ -162,9 +162,13 @@ class AnalyticPolicy:
     """TIDE's adaptive drafter: best eq.-5 gamma at this batch size and the bucket's alpha.
 
     It starts from ``prior_alpha`` (optimistic by default so it speculates and measures), then
-    follows the bucket's EMA. A bucket that never speculates keeps learning only through the
-    global EMA fed by other buckets; with all buckets off it stays off (the "decision deadlock"
-    Nightjar points out; ``HybridPolicy`` explores instead).
+    follows the bucket's EMA. A bucket whose model says "off" would never measure alpha again
+    (the "decision deadlock" Nightjar points out; with every bucket off it stays off for good), so
+    after ``probe_every`` consecutive off steps in a bucket it speculates one step at gamma 1 — a
+    probe that refreshes the bucket's alpha (our addition to TIDE; 0 disables it). A probe costs
+    one gamma-1 verification per ``probe_every`` steps: at most ~1/probe_every of a step's time.
+
+    Worked example (probe_every 3, the model says 0 throughout): gammas 0, 0, 1, 0, 0, 1, ...
     """
 
     def __init__(
@@ -174,9 +178,15 @@ class AnalyticPolicy:
         ema: float = 0.1,
         prior_alpha: float = 0.7,
         drafter: str | None = None,
+        probe_every: int = 64,
     ) -> None:
         _check_gamma_max(gamma_max)
+        if probe_every < 0:
+            raise ValueError(f"probe_every must be >= 0, got {probe_every}")
         self.name = "analytic"
+        self.probe_every = probe_every
+        self.num_probes = 0
+        self._off_steps: dict[int, int] = {}  # bucket -> consecutive steps the model said 0
         self.profile = profile
         self.gamma_max = gamma_max
         self.drafter = drafter
@@ -195,6 +205,14 @@ class AnalyticPolicy:
             return {}
         gamma, speedup = self.decide(inp.batch_size)
         key = bucket_of(inp.batch_size)
+        if gamma == 0 and self.probe_every:
+            off = self._off_steps.get(key, 0) + 1
+            if off >= self.probe_every:
+                gamma, off = 1, 0
+                self.num_probes += 1
+            self._off_steps[key] = off
+        else:
+            self._off_steps[key] = 0
         self._chosen[key] = gamma
         self._speedup[key] = speedup
         self._last_speedup = speedup
@@ -206,7 +224,8 @@ class AnalyticPolicy:
             self.alphas.update(bucket_of(fb.batch_size), alpha)
 
     def stats(self) -> dict[str, float]:
-        out = {"predicted_speedup": self._last_speedup, "alpha": self.alphas.global_alpha}
+        out = {"predicted_speedup": self._last_speedup, "alpha": self.alphas.global_alpha,
+               "probe_steps": float(self.num_probes)}
         for key in sorted(self._chosen):
             out[f"gamma_b{key}"] = float(self._chosen[key])
             out[f"speedup_b{key}"] = self._speedup[key]
