@@ -15,7 +15,7 @@ import torch
 from tests.conftest import tiny_hf_model, write_tiny_checkpoint
 from tests.tiny import tiny_llama, tiny_tokenizer
 from tidespec.adapt.capture import CaptureBuffer
-from tidespec.adapt.checkpoint import latest_version, load_version
+from tidespec.adapt.checkpoint import import_eagle3, latest_version, load_version
 from tidespec.adapt.collection import CollectionConfig, SelectiveCollector
 from tidespec.adapt.eagle3_train import SignalSegment
 from tidespec.adapt.online import (
@@ -31,6 +31,7 @@ from tidespec.adapt.trainer import (
     TrainerConfigError,
     capture_from_workload,
     cut_segment,
+    export_latest,
     segments_by_sequence,
     split_heldout,
     start_trainer_process,
@@ -147,6 +148,20 @@ def test_once_round_from_workload_learns_and_publishes(model: LlamaModel, tmp_pa
     trained_out, trained_len = engine_acceptance(model, trained, test_prompts)
     assert fresh_out == plain and trained_out == plain
     assert trained_len > fresh_len + 0.3, (fresh_len, trained_len)
+
+    # --export-dir: the newest version as one checkpoint in bfloat16, which the engine takes as is
+    export = tmp_path / "export"
+    assert export_latest(root, export, model.cfg, torch.bfloat16) == 1
+    cfg_x, sd_x = import_eagle3(export, model.cfg)
+    pub = load_version(root, 1)
+    assert cfg_x == pub.config
+    for name, t in pub.state_dict.items():
+        want = t.to(torch.bfloat16) if t.is_floating_point() else t
+        assert sd_x[name].dtype == want.dtype and torch.equal(sd_x[name], want), name
+    exported = build_eagle3_drafter(model, export, cfg=dcfg)
+    assert engine_acceptance(model, exported, test_prompts)[0] == plain
+    with pytest.raises(TrainerConfigError, match="nothing valid is published"):
+        export_latest(tmp_path / "empty", tmp_path / "x", model.cfg, torch.float32)
 
 
 def test_two_process_gloo_ddp_publishes_a_drafter_the_engine_loads(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 import types
 import typing
 from dataclasses import dataclass, field
@@ -99,7 +100,10 @@ class SpecConfig:
     signal_budget_mb: int = _f(2048, "signal store byte budget in MiB (oldest shards evicted first)")
     online_poll_s: float = _f(2.0, "seconds between checks for a newly published drafter")
     trainer_device: str | None = _f(None, "device of the trainer child process (default: --device)")
+    trainer_args: str = _f("", "extra flags for the trainer child process, e.g. \"--threads 1 --epochs 3\"")
     collect_force: bool = _f(False, "collect training signals all the time, not only after an acceptance drop")
+    collect_prompt: bool = _f(False, "also capture prompt positions (labels are the user's text, not the target's "
+                                     "outputs; repeated chat templates then dominate the trainer's held-out score)")
     collect_bootstrap: bool = _f(False, "collect from the start (automatic while nothing is published)")
     collect_epsilon: float = _f(0.02, "selective collection: short-vs-long EMA acceptance drop that means a shift")
     collect_n_init: int = _f(20, "selective collection: requests averaged before shift detection starts")
@@ -143,6 +147,10 @@ class SpecConfig:
         if self.collect_n_init < 1 or self.collect_n_threshold < 1:
             raise ConfigError(f"collect_n_init and collect_n_threshold must be >= 1, got "
                               f"{self.collect_n_init}, {self.collect_n_threshold}")
+        try:
+            shlex.split(self.trainer_args)
+        except ValueError as exc:
+            raise ConfigError(f"trainer_args is not a valid command-line fragment: {exc}") from None
         if self.online_training and self.drafter != "eagle3":
             raise ConfigError("--online-training needs --drafter eagle3")
         if self.online_training and not self.eagle3_dir:

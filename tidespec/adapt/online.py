@@ -188,6 +188,7 @@ class Eagle3SpecFields(Protocol):
     signal_budget_mb: int
     online_poll_s: float
     collect_force: bool
+    collect_prompt: bool
     collect_bootstrap: bool
     collect_epsilon: float
     collect_n_init: int
@@ -207,7 +208,7 @@ class OnlineConfig:
     capture_capacity_rows: int = 8192  # host ring; pushes that do not fit are dropped (counted)
     capture_flush_rows: int = 1024  # rows per shard
     max_shard_age_s: float = 5.0  # a partial shard is cut after this long
-    capture_prompt: bool = True  # also capture prompt positions (labels = the prompt's next token)
+    capture_prompt: bool = False  # also capture prompt positions (labels = the prompt's next token)
     poll_s: float = 2.0  # seconds between checks of the publish root
     collection: CollectionConfig = field(default_factory=CollectionConfig)
 
@@ -242,6 +243,7 @@ class OnlineConfig:
             publish_root=root,
             signal_dir=spec.signal_dir or str(Path(root) / "signals"),
             signal_budget_bytes=spec.signal_budget_mb << 20,
+            capture_prompt=spec.collect_prompt,
             poll_s=spec.online_poll_s,
             collection=CollectionConfig(lambda_short=spec.collect_lambda_short, lambda_long=spec.collect_lambda_long,
                                         epsilon=spec.collect_epsilon, n_init=spec.collect_n_init,
@@ -455,6 +457,7 @@ class OnlineTraining:
     collector: SignalCollector
     updater: DrafterUpdater
     trainer: subprocess.Popen[bytes] | None = None  # set by the caller when it starts one
+    _closed: bool = field(default=False, init=False, repr=False)
 
     def state(self) -> dict[str, Any]:
         cap = self.capture.stats()
@@ -473,7 +476,10 @@ class OnlineTraining:
         }
 
     def close(self, timeout: float = 10.0) -> None:
-        """Stop polling, flush captured rows to the store, stop the trainer child if any."""
+        """Stop polling, flush captured rows to the store, stop the trainer child if any (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
         self.updater.close()
         self.capture.close(timeout)
         if self.trainer is not None and self.trainer.poll() is None:

@@ -31,15 +31,18 @@ nccl on CUDA); rank 0 lists shards and decides, the others follow its broadcasts
 from __future__ import annotations
 
 import copy
+import ctypes
+import functools
 import json
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -53,6 +56,7 @@ from tqdm import tqdm
 from tidespec.adapt.capture import CaptureBuffer
 from tidespec.adapt.checkpoint import (
     PublishedDrafter,
+    export_eagle3,
     import_eagle3,
     load_version,
     publish,
@@ -81,6 +85,7 @@ from tidespec.spec.drafters.eagle3 import Eagle3Config, Eagle3Head
 
 logger = logging.getLogger(__name__)
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -122,6 +127,9 @@ class TrainerConfig:
     max_tokens: int = _h(128, "bootstrap: tokens generated per prompt")
     budget_mb: int = _h(2048, "signal store byte budget in MiB (bootstrap writes; readers ignore it)")
     seed: int = _h(0, "seed of shuffling and of a fresh head's draft-vocabulary head")
+    export_dir: str | None = _h(None, "at the end, write the newest published drafter to this directory as one "
+                                      "EAGLE-3 checkpoint (the vLLM/SGLang layout; --bootstrap/--eagle3-dir take it)")
+    export_dtype: Literal["float32", "bfloat16", "float16"] = _h("float32", "dtype of the --export-dir weights")
     backend: Literal["auto", "gloo", "nccl"] = _h("auto", "torch.distributed backend under torchrun")
     progress: bool = _h(True, "show progress bars (rank 0)")
 
@@ -635,12 +643,27 @@ def train_drafter(cfg: TrainerConfig) -> list[RoundResult]:
         if cfg.from_workload:  # the bootstrap signals form one round now, whatever their count
             first = trainer.run_round(min_signals=1)
             results = [first] if first is not None else []
-            if cfg.once or (cfg.max_rounds and len(results) >= cfg.max_rounds):
-                return results
-            return results + trainer.run(max_rounds=cfg.max_rounds - len(results) if cfg.max_rounds else 0)
-        return trainer.run()
+            if not (cfg.once or (cfg.max_rounds and len(results) >= cfg.max_rounds)):
+                results += trainer.run(max_rounds=cfg.max_rounds - len(results) if cfg.max_rounds else 0)
+        else:
+            results = trainer.run()
+        if cfg.export_dir and ctx.is_main:
+            export_latest(cfg.publish_root, cfg.export_dir, loaded.config, DTYPES[cfg.export_dtype])
+        return results
     finally:
         ctx.close()
+
+
+def export_latest(root: str | Path, directory: str | Path, target_cfg: LlamaConfig, dtype: torch.dtype) -> int:
+    """Write the newest valid published version under ``root`` as one exported checkpoint in
+    ``dtype`` (a bfloat16 copy halves the size; the engine casts to the target's dtype on load).
+    Returns the version exported; ``TrainerConfigError`` when nothing valid is published."""
+    pub = load_latest_valid(root, target_cfg)
+    if pub is None:
+        raise TrainerConfigError(f"nothing valid is published under {root}; nothing to export")
+    export_eagle3(head_from_published(pub, dtype, "cpu"), directory)
+    logger.info("exported drafter version %d from %s to %s (%s)", pub.version, root, directory, dtype)
+    return pub.version
 
 
 def start_trainer_process(online: OnlineConfig, model: str | None, dtype: str = "float32", device: str = "cpu",
@@ -663,4 +686,16 @@ def start_trainer_process(online: OnlineConfig, model: str | None, dtype: str = 
     log = Path(log_path) if log_path is not None else Path(online.publish_root) / "trainer.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:  # the child keeps its own descriptor
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_die_with_parent())
+
+
+def _die_with_parent() -> Callable[[], object] | None:
+    """On Linux, a ``preexec_fn`` asking the kernel to SIGTERM the child when its parent dies, so a
+    serving process that is killed (SIGKILL, a crash) never leaves its trainer running. ``prctl``
+    has no wrapper in the standard library; libc's is looked up here, before the fork, so the child
+    only makes the one foreign call."""
+    if sys.platform != "linux":
+        return None
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return functools.partial(prctl, PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)

@@ -416,8 +416,13 @@ class _Server:
                 self.aengine.abort(stream.request_id)
 
 
-def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: Metrics | None = None) -> FastAPI:
-    """The FastAPI app serving ``engine``; the engine loop starts and stops with the app's lifespan."""
+def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: Metrics | None = None,
+               on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+    """The FastAPI app serving ``engine``; the engine loop starts and stops with the app's lifespan.
+
+    ``on_shutdown`` runs after the engine loop stopped (e.g. stopping online training's trainer
+    child): uvicorn re-raises SIGTERM once the app has shut down, so code after ``uvicorn.run``
+    never runs on a SIGTERM."""
     config = config or ServerConfig()
     metrics = metrics or Metrics()
     if engine.policy is not None and metrics.policy is None:
@@ -436,6 +441,8 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: M
             await server.aengine.shutdown()
             if metrics.on_step in engine.step_listeners:
                 engine.step_listeners.remove(metrics.on_step)
+            if on_shutdown is not None:
+                on_shutdown()
 
     app = FastAPI(title="tidespec", version="0.1.0", lifespan=lifespan,
                   description="OpenAI-compatible API of the tidespec engine")

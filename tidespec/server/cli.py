@@ -19,6 +19,7 @@ import dataclasses
 import ipaddress
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -94,8 +95,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         online = attach_online_training(engine, OnlineConfig.from_spec(config.spec))
         online.trainer = start_trainer_process(
             online.config, config.model.model, dtype=config.model.dtype,
-            device=config.spec.trainer_device or config.model.device, draft_vocab=config.spec.eagle3_draft_vocab)
-    app = create_app(engine, server_config)
+            device=config.spec.trainer_device or config.model.device, draft_vocab=config.spec.eagle3_draft_vocab,
+            extra_args=shlex.split(config.spec.trainer_args))
+    app = create_app(engine, server_config, on_shutdown=online.close if online is not None else None)
     log.info("serving %r on http://%s:%d (drafter %s, policy %s, max_waiting %d%s)", server_config.served_model_name,
              ns.host, ns.port, config.spec.drafter, config.spec.policy, config.scheduler.max_waiting,
              ", online training" if online is not None else "")
