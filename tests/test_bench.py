@@ -75,14 +75,18 @@ def test_workload_missing_empty_and_bad_limit(tmp_path: Path) -> None:
 
 
 def test_builtin_workloads_ship_with_sources_and_licenses() -> None:
-    for name in ("code", "chat"):
+    sizes = {"code": 16, "chat": 48, "code_unseen": 32, "drafter_boot": 150}
+    for name, size in sizes.items():
         path = resolve_workload_path(name)
         assert path.parent.name == "workloads" and path.name == f"{name}.jsonl"
         recs = load_workload(name)
-        assert 12 <= len(recs) <= 20
+        assert len(recs) == size
         assert all(r.source and r.license for r in recs)
-        assert all(r.license.startswith(("MIT", "Apache-2.0")) for r in recs)
+        assert all(r.license.startswith(("MIT", "Apache-2.0", "PSF-2.0")) for r in recs)
     assert {r.kind for r in load_workload("code")} == {"completion", "chat"}
+    # the shipped drafter's evaluation set holds no prompt it was trained on
+    boot = {r.prompt for r in load_workload("drafter_boot")}
+    assert not boot & {r.prompt for r in load_workload("code_unseen")}
 
 
 def test_prompt_tokenization_completion_and_chat(tmp_path: Path) -> None:

@@ -1,14 +1,25 @@
-"""``make demo``: plain decoding vs speculative drafters on the embedded SmolLM2-135M-Instruct.
+"""``make demo``: the mission's showcase on the embedded SmolLM2-135M-Instruct, in two parts.
 
-Why this exists: the shortest honest answer to "does speculation help here, and is it
-lossless?" Each prompt (a few code and chat prompts from the shipped workloads) is decoded
-greedily with plain decoding and with each drafter; the demo checks the outputs are identical,
-and prints per-prompt speedup and mean acceptance length — per prompt, because a mean over
-prompts hides the ones where speculation loses. The n-gram and suffix columns run the
-``static`` policy (fixed gamma); the last column runs the suffix drafter under the ``hybrid``
-policy (Nightjar's bandit with TIDE's profiled model as prior; the profile is measured once and
-cached), one policy instance across all prompts as a server would, and the demo ends with what
-that policy decided.
+Why this exists: the shortest honest answer to "does speculation help here, is it lossless, and
+does the drafter learn while it serves?"
+
+Part 1 — drafters and policy. A few code and chat prompts, each decoded greedily with plain
+decoding and with each model-free drafter; the demo checks the outputs are identical and prints
+per-prompt speedup and mean acceptance length (per prompt, because a mean hides the prompts where
+speculation loses). The n-gram and suffix columns run the ``static`` policy (fixed gamma); the
+last column runs the suffix drafter under the ``hybrid`` policy (Nightjar's bandit with TIDE's
+profiled model as prior; the profile is measured once and cached), and the demo reports what that
+policy decided.
+
+Part 2 — an EAGLE-3 drafter learning online (TIDE). A request trace that shifts domain — code the
+drafter never saw, then chat — runs through the engine with plain decoding and with the EAGLE-3
+drafter plus online training: the engine captures the target's hidden states, selective
+collection switches on at the shift, ``tidespec train-drafter`` runs as a child process and the
+engine swaps each better drafter in between steps. A live progress line shows acceptance,
+drafter version and tokens/s; the demo ends with a per-phase table against plain decoding, a
+plot, and the losslessness check (every output equal to plain's). The starting drafter is the
+bootstrap shipped in ``tidespec/assets`` (trained by our own ``train-drafter`` on prompts disjoint
+from the trace; recipe in its README), or a fresh head when it is missing.
 """
 
 from __future__ import annotations
@@ -17,19 +28,23 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from tidespec.bench.shift import ShiftBenchConfig, run_shift_bench
 from tidespec.bench.workload import load_prompts
 from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.models.loader import load_model
 from tidespec.control.policy import SpeculationPolicy
+from tidespec.models.loader import LoadedModel, load_model
 from tidespec.runtime import build_drafter, build_policy
 from tidespec.sampling import SamplingParams
 
+BOOTSTRAP_DRAFTER = "eagle3-smollm2-135m-instruct"  # directory under tidespec/assets
 
 @dataclass
 class Run:
@@ -52,20 +67,8 @@ def decode_one(model, tokenizer, spec: SpecConfig, prompt: list[int], max_tokens
     return Run(final.token_ids, time.perf_counter() - t0, final.stats.mean_acceptance_length)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts-per-domain", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=96)
-    ap.add_argument("--gamma", type=int, default=4)
-    ap.add_argument("--threads", type=int, default=2)
-    ns = ap.parse_args(argv)
-    torch.set_num_threads(ns.threads)
-    con = Console(width=max(Console().width, 176))  # the table needs ~170 columns; never wrap it
-    con.print("[bold]tidespec demo[/bold] — embedded SmolLM2-135M-Instruct, float32, CPU, batch 1, greedy; "
-              f"policies: static gamma={ns.gamma} (ngram, suffix), hybrid gamma<={ns.gamma} (suffix+hybrid)")
-    t_load = time.perf_counter()
-    loaded = load_model(None)
-    con.print(f"model loaded in {time.perf_counter() - t_load:.1f} s from {loaded.path}")
+def part_drafters(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bool:
+    """Part 1: plain vs n-gram, suffix and suffix+hybrid per prompt; True when all outputs matched."""
     prompts = []
     for name in ("code", "chat"):
         prompts += [(name, p) for p in load_prompts(name, loaded.tokenizer, limit=ns.prompts_per_domain)]
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     drafters["suffix+hybrid"] = adaptive
     policies["suffix+hybrid"] = policy
     decode_one(loaded.model, loaded.tokenizer, SpecConfig(), prompts[0][1].token_ids, 4)  # warm-up
-    table = Table(title="plain vs speculative decoding (identical outputs checked)")
+    table = Table(title="part 1: plain vs model-free drafters, batch 1 (identical outputs checked)")
     for col in ("domain", "prompt", "tokens", "plain tok/s"):
         table.add_column(col, no_wrap=True)
     for name in drafters:
@@ -110,7 +113,81 @@ def main(argv: list[str] | None = None) -> int:
     con.print(f"policy that ran in suffix+hybrid: {policy.name} — {st.get('explore_steps', 0):.0f} exploration / "
               f"{st.get('exploit_steps', 0):.0f} exploitation steps, gamma chosen at batch 1: "
               f"{st.get('gamma_b1', float('nan')):.0f}, model calibration {st.get('calibration', float('nan')):.2f}")
-    con.print("outputs identical to plain decoding: " + ("[green]yes[/green]" if lossless else "[red]NO[/red]"))
+    return lossless
+
+
+def shipped_bootstrap() -> Path | None:
+    """The bootstrap EAGLE-3 drafter shipped for the embedded model, if installed."""
+    path = Path(str(resources.files("tidespec") / "assets" / BOOTSTRAP_DRAFTER))
+    return path if (path / "config.json").is_file() else None
+
+
+def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bool:
+    """Part 2: the domain-shift trace, plain vs EAGLE-3 with online training; True when lossless."""
+    boot = shipped_bootstrap()
+    con.print(f"starting drafter: {boot if boot else 'fresh random head (no shipped bootstrap found)'}; "
+              f"policy: static gamma={ns.gamma} (chains); trainer: a child process with 1 thread")
+    cfg = ShiftBenchConfig(workloads=f"code_unseen:{ns.code_requests},chat:{ns.chat_requests}",
+                           max_tokens=ns.max_tokens, gamma=ns.gamma, concurrency=2, configs="plain,online",
+                           bootstrap=str(boot) if boot else None, min_signals=ns.min_signals, collect_n_init=4,
+                           window=4, bin_s=10.0, overhead_repeats=0, recompute_rows=0)
+    out = Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    doc = run_shift_bench(cfg, loaded, out, command="make demo", log=lambda _: None)
+    plain, online = doc["configs"]["plain"], doc["configs"]["online"]
+    table = Table(title="part 2: EAGLE-3 learning online under a domain shift (vs plain decoding, 2 in flight)")
+    for col in ("phase", "requests", "plain tok/s", "online tok/s", "speedup", "accept len (all)",
+                "accept len (2nd half)", "drafter versions"):
+        table.add_column(col, no_wrap=True)
+    for pp, po in zip(plain["phases"], online["phases"]):
+        table.add_row(f"{po['phase']}: {po['workload']}", str(po["requests"]), f"{pp['tok_s']:.1f}",
+                      f"{po['tok_s']:.1f}", f"{po['speedup']:.2f}x", f"{po['mean_acceptance_length']:.2f}",
+                      f"{po['second_half_acceptance_length']:.2f}", ",".join(f"v{v}" for v in po["versions"]))
+    table.add_row("all", str(sum(p["requests"] for p in online["phases"])), f"{plain['tok_s']:.1f}",
+                  f"{online['tok_s']:.1f}", f"{online['speedup']:.2f}x", f"{online['mean_acceptance_length']:.2f}",
+                  "", "")
+    con.print(table)
+    on = online["online"]
+    for r in on.get("rounds", []):
+        pub = f"published v{r['published_version']}" if r.get("published_version") else "not published"
+        con.print(f"trainer round {r['round']}: {r['num_train_rows']} rows, held-out acceptance length "
+                  f"{r['baseline_accept_len'] or float('nan'):.2f} -> {r['candidate_accept_len'] or float('nan'):.2f}"
+                  f", {pub}")
+    con.print(f"signals captured {on['captured']} (dropped {on['dropped']}), drafter swaps {on['swaps']}, "
+              f"collection {'on' if on['collection_enabled'] else 'off'} at the end")
+    con.print(f"plot: {out / 'shift.png'}  report: {out / 'README.md'}")
+    mismatches = online["mismatches"]
+    con.print(f"outputs identical to plain decoding: {len(doc['runs']['online']['requests']) - mismatches}/"
+              f"{len(doc['runs']['online']['requests'])} requests")
+    return mismatches == 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts-per-domain", type=int, default=2, help="part 1: prompts per domain")
+    ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
+    ap.add_argument("--gamma", type=int, default=4, help="speculation length (gamma_max for hybrid)")
+    ap.add_argument("--code-requests", type=int, default=8, help="part 2: requests of the code phase")
+    ap.add_argument("--chat-requests", type=int, default=32, help="part 2: requests of the chat phase")
+    ap.add_argument("--min-signals", type=int, default=768, help="part 2: signal rows per training round")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--part", choices=["all", "drafters", "online"], default="all", help="which part to run")
+    ns = ap.parse_args(argv)
+    torch.set_num_threads(ns.threads)
+    con = Console(width=max(Console().width, 176))  # the tables need ~170 columns; never wrap them
+    con.print("[bold]tidespec demo[/bold] — embedded SmolLM2-135M-Instruct, float32, CPU, greedy")
+    t_start = time.perf_counter()
+    loaded = load_model(None)
+    con.print(f"model loaded in {time.perf_counter() - t_start:.1f} s from {loaded.path}")
+    lossless = True
+    if ns.part in ("all", "drafters"):
+        con.print(f"[bold]part 1[/bold]: drafters and policy — static gamma={ns.gamma} (ngram, suffix), "
+                  f"hybrid gamma<={ns.gamma} (suffix+hybrid)")
+        lossless &= part_drafters(con, loaded, ns)
+    if ns.part in ("all", "online"):
+        con.print("[bold]part 2[/bold]: EAGLE-3 learning online — code it never saw, then chat")
+        lossless &= part_online(con, loaded, ns)
+    con.print(f"demo took {time.perf_counter() - t_start:.0f} s; outputs identical to plain decoding: "
+              + ("[green]yes[/green]" if lossless else "[red]NO[/red]"))
     return 0 if lossless else 1
 
 

@@ -1,4 +1,4 @@
-"""``tidespec bench {decode,spec,profile,serve,load}``: the benchmark sub-commands.
+"""``tidespec bench {decode,spec,profile,shift,serve,load}``: the benchmark sub-commands.
 
 Why this exists: the benchmarks are part of the product (their numbers go into
 docs/benchmarks.md), so they are run from the same CLI with the same model flags as
@@ -11,6 +11,7 @@ Worked example::
     tidespec bench decode --workload code --batch-sizes 1,4,16 --max-tokens 128 --threads 2 --compare hf
     tidespec bench spec --workload code --drafters none,ngram,suffix,draft-model --gammas 1,3,5,8 --compare hf
     tidespec bench profile --threads 2
+    tidespec bench shift --workloads code,chat,code --bootstrap runs/boot/drafter --threads 2
 """
 
 from __future__ import annotations
@@ -19,9 +20,12 @@ import argparse
 import dataclasses
 from pathlib import Path
 
-from tidespec.bench.decode import DecodeBenchConfig, parse_int_list, run_decode_bench
+import torch
+
+from tidespec.bench.decode import DecodeBenchConfig, parse_int_list, resolve_target, run_decode_bench
 from tidespec.bench.profile import ProfileConfig, run_profile
 from tidespec.bench.report import command_line
+from tidespec.bench.shift import ShiftBenchConfig, run_shift_bench
 from tidespec.bench.spec import SpecBenchConfig, run_spec_bench
 from tidespec.config import ConfigError, ModelConfig, SchedulerConfig, SpecConfig, add_dataclass_args, dataclass_from_args
 
@@ -71,6 +75,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-profile-<time>)")
     add_dataclass_args(p, ModelConfig)
     p.set_defaults(func=cmd_profile)
+
+    sh = sub.add_parser("shift", help="EAGLE-3 under a domain shift: plain vs frozen vs online training",
+                        formatter_class=fmt)
+    add_dataclass_args(sh, ShiftBenchConfig)
+    add_dataclass_args(sh, ModelConfig)
+    sh.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-shift-<time>)")
+    sh.set_defaults(func=cmd_shift)
 
     _register_serve(sub)
 
@@ -152,4 +163,13 @@ def cmd_profile(ns: argparse.Namespace) -> int:
                         context=ns.context, repeats=ns.repeats, target_s=ns.target_seconds,
                         bandwidth_mib=ns.bandwidth_mib)
     run_profile(cfg, model_config=dataclass_from_args(ModelConfig, ns), out_dir=ns.out, command=command_line())
+    return 0
+
+
+def cmd_shift(ns: argparse.Namespace) -> int:
+    mc = dataclass_from_args(ModelConfig, ns)
+    cfg = dataclass_from_args(ShiftBenchConfig, ns)
+    if mc.threads:
+        torch.set_num_threads(mc.threads)
+    run_shift_bench(cfg, resolve_target(mc.model, mc.dtype, mc.device), ns.out, command=command_line())
     return 0

@@ -1,0 +1,105 @@
+"""``tidespec bench shift``: the trace's phases, config validation, the curves, and one real run.
+
+The end-to-end run uses a tiny float64 checkpoint (so greedy outputs must match plain exactly):
+plain, frozen (fresh head) and online (capture, selective collection in bootstrap mode, a real
+``train-drafter`` child process) over a three-phase trace, then the capture-overhead pair and
+the signals-vs-recompute epoch; whether the trainer publishes in time is not asserted (timing).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import tiny_hf_model, tiny_tokenizer, write_tiny_checkpoint
+from tidespec.bench.decode import resolve_target
+from tidespec.bench.shift import ShiftBenchConfig, _curves, build_trace, recompute_taps, run_shift_bench
+from tidespec.config import ConfigError
+
+
+def _workload(path: Path, domain: str, n: int, base: int) -> Path:
+    lines = [json.dumps({"id": f"{domain}-{i}", "domain": domain, "kind": "completion",
+                         "prompt": " ".join(f"w{base + (i + j) % 7}" for j in range(6))}) for i in range(n)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_trace_phases_take_fresh_records(tmp_path: Path) -> None:
+    a = _workload(tmp_path / "a.jsonl", "a", 12, 10)
+    b = _workload(tmp_path / "b.jsonl", "b", 6, 40)
+    cfg = ShiftBenchConfig(workloads=f"{a},{b}:3,{a}", requests_per_phase=4, offset=2)
+    assert cfg.phase_specs == [(str(a), 4), (str(b), 3), (str(a), 4)]
+    trace = build_trace(cfg, tiny_tokenizer())
+    assert [(t.phase, t.workload, t.prompt.record.id) for t in trace] == [
+        (0, "a", "a-2"), (0, "a", "a-3"), (0, "a", "a-4"), (0, "a", "a-5"), (1, "b", "b-2"), (1, "b", "b-3"),
+        (1, "b", "b-4"), (2, "a", "a-6"), (2, "a", "a-7"), (2, "a", "a-8"), (2, "a", "a-9")]
+    with pytest.raises(ConfigError, match="records 2..6"):
+        build_trace(ShiftBenchConfig(workloads=str(b), requests_per_phase=5, offset=2), tiny_tokenizer())
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"configs": "plain,fast"}, "subset"),
+    ({"configs": ""}, "subset"),
+    ({"workloads": " , "}, "at least one"),
+    ({"gamma": 0}, "gamma"),
+    ({"bootstrap": "/no/such/dir"}, "not a directory"),
+    ({"signal_dir": "/no/such/dir"}, "not a directory"),
+    ({"collect_epsilon": 1.0}, "collect_epsilon"),
+    ({"workloads": "code:0"}, "request count"),
+])
+def test_config_validation(kwargs: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        ShiftBenchConfig(**kwargs)
+
+
+def test_curves_window_acceptance_and_bin_rates() -> None:
+    """Windows of 2 finished requests: (3 + 2) / 2 = 2.5 and (1 + 1) / 1 = 2.0; 10 tokens in
+    [0, 1) s and 4 in [1, 1.5] s -> 10 tok/s and 8 tok/s."""
+    run = {"requests": [{"t_end": 1.0, "drafts": 1, "accepted": 2}, {"t_end": 0.5, "drafts": 1, "accepted": 1},
+                        {"t_end": 2.0, "drafts": 1, "accepted": 1}],
+           "steps": [{"t": 0.2, "emitted": 6}, {"t": 0.9, "emitted": 4}, {"t": 1.5, "emitted": 4}]}
+    xs, ys, ts, rates = _curves(run, window=2, bin_s=1.0)
+    assert (xs, ys) == ([2, 3], [2.5, 2.0])
+    assert ts == [0.5, 1.25] and rates == [10.0, 8.0]
+
+
+def test_recompute_taps_match_the_engine_forward() -> None:
+    from tests.test_eagle3 import capture  # the reference one-prefill capture
+
+    _, target = tiny_hf_model("qwen2", torch.float64)
+    ids = [5, 9, 11, 3, 7, 20]
+    assert torch.equal(recompute_taps(target, ids, (0, 1, 2)), capture(target, ids, (0, 1, 2)))
+
+
+def test_shift_bench_end_to_end(tmp_path: Path) -> None:
+    hf, _ = tiny_hf_model("qwen2", torch.float64)
+    ckpt = write_tiny_checkpoint(hf, tmp_path / "ckpt")
+    a = _workload(tmp_path / "a.jsonl", "a", 6, 10)
+    b = _workload(tmp_path / "b.jsonl", "b", 3, 40)
+    cfg = ShiftBenchConfig(workloads=f"{a},{b},{a}", requests_per_phase=3, max_tokens=10, gamma=3, concurrency=2,
+                           draft_vocab=0, min_signals=16, trainer_epochs=1.0, window=2, bin_s=0.5,
+                           overhead_repeats=1, overhead_requests=2, recompute_rows=64, capture_prompt=True)
+    target = resolve_target(str(ckpt), "float64")
+    out = tmp_path / "out"
+    doc = run_shift_bench(cfg, target, out, command="test", progress=False, log=lambda _: None)
+    configs = doc["configs"]
+    assert list(configs) == ["plain", "frozen", "online"]
+    for name in ("frozen", "online"):
+        assert configs[name]["mismatches"] == 0, name  # greedy speculation is lossless
+        assert configs[name]["mean_acceptance_length"] >= 1.0
+        assert [p["workload"] for p in configs[name]["phases"]] == ["a", "b", "a"]
+    runs = doc["runs"]
+    assert all(len(r["requests"]) == 9 and all(q["tokens"] == 10 for q in r["requests"]) for r in runs.values())
+    online = configs["online"]["online"]
+    assert online["captured"] > 0 and online["dropped"] == 0  # nothing published: collection bootstraps on
+    assert online["trainer_running"] is False  # stopped with the run
+    ov = doc["capture_overhead"]
+    assert len(ov["pairs"]) == 1 and ov["ratio_on_off"] > 0
+    ts = doc["training_sources"]
+    assert ts["rows"] > 0 and ts["recompute_s"] > 0 and ts["speedup"] > 0
+    for name in ("bench_shift.json", "README.md", "shift.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert (out / "online" / "trainer.log").is_file()
