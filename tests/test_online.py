@@ -357,9 +357,11 @@ def test_online_config_from_spec_fields(tmp_path: Path) -> None:
         collect_n_threshold = 100
         collect_lambda_short = 0.5
         collect_lambda_long = 0.9
+        collect_prompt = True
 
     cfg = OnlineConfig.from_spec(Spec())
     assert cfg.signal_dir == str(tmp_path / "root" / "signals") and cfg.signal_budget_bytes == 64 << 20
+    assert cfg.capture_prompt
     assert cfg.collection.bootstrap  # nothing published yet: collect from the start
     assert cfg.collection.n_threshold == 100 and cfg.poll_s == 1.5
     Spec.eagle3_dir = None
