@@ -16,7 +16,7 @@ import torch
 
 from tests.conftest import tiny_hf_model, tiny_tokenizer, write_tiny_checkpoint
 from tidespec.bench.decode import resolve_target
-from tidespec.bench.shift import ShiftBenchConfig, _curves, build_trace, recompute_taps, run_shift_bench
+from tidespec.bench.shift import ShiftBenchConfig, _curves, build_trace, recompute_taps, replot, run_shift_bench
 from tidespec.config import ConfigError
 
 
@@ -103,3 +103,6 @@ def test_shift_bench_end_to_end(tmp_path: Path) -> None:
     for name in ("bench_shift.json", "README.md", "shift.png"):
         assert (out / name).stat().st_size > 0, name
     assert (out / "online" / "trainer.log").is_file()
+    (out / "README.md").unlink()
+    again = replot(out)  # re-rendered from bench_shift.json alone
+    assert again["configs"]["online"]["mismatches"] == 0 and (out / "README.md").is_file()

@@ -80,6 +80,25 @@ def test_segments_by_sequence_and_split_hand_traced() -> None:
     assert held[0].token_ids.tolist() == [8, 9, 10]
 
 
+def test_replay_takes_newest_consumed_shards_within_budget(tmp_path: Path, model: LlamaModel) -> None:
+    """Consumed shards of 3, 5 and 4 rows (oldest first), replay_rows 9 -> the 4- and 5-row shards;
+    the pending shard is never replayed."""
+    store = SignalStore(tmp_path / "s", 1 << 30)
+    taps_dim = 3 * model.cfg.hidden_size
+    ids = []
+    for seq, n in enumerate((3, 5, 4, 6)):
+        p = torch.arange(n)
+        ids.append(store.append(SignalShard(taps=torch.zeros(n, taps_dim), token_ids=p, next_token_ids=p + 1,
+                                            seq_ids=torch.full((n,), seq), positions=p.clone())))
+    cfg = TrainerConfig(signal_dir=str(tmp_path / "s"), publish_root=str(tmp_path / "p"), replay_rows=9,
+                        progress=False)
+    trainer = DraftTrainer(cfg, model.cfg, model.embed_tokens)
+    trainer.state.last_shard_id = ids[2]
+    pending = trainer.pending_signals()
+    assert [i.shard_id for i in pending] == [ids[3]]
+    assert [i.shard_id for i in trainer.replay_signals(pending)] == [ids[2], ids[1]]
+
+
 def test_trainer_config_validation(tmp_path: Path) -> None:
     with pytest.raises(TrainerConfigError, match="signal-dir"):
         TrainerConfig()

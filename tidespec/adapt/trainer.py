@@ -12,6 +12,8 @@ One round::
     new shards since the last consumed shard id  (>= min_signals rows, else wait poll_s)
       -> rows grouped per sequence into runs of consecutive positions, cut to max_segment_len
       -> split by sequence: ~heldout_frac of the sequences held out (positions split if only one)
+      -> plus up to replay_rows rows of earlier rounds' shards (newest first), training only, so a
+         round on a new domain does not erase the old one
       -> candidate = current head (or, from a fresh head with a smaller draft vocab, a fresh head
          whose draft vocabulary is the most frequent tokens of the training rows)
       -> training-time-test AdamW steps (DDP over ranks: each rank takes its slice of every batch)
@@ -115,6 +117,8 @@ class TrainerConfig:
     max_steps: int = _h(0, "optimizer steps per round (0 = from --epochs)")
     batch_segments: int = _h(8, "segments per optimizer step (per rank)")
     max_segment_len: int = _h(256, "positions per training segment (longer runs are cut)")
+    replay_rows: int = _h(4096, "also train on up to this many rows of earlier rounds (newest first), so a round "
+                                "on a new domain does not erase the old one; 0 = new rows only")
     lr: float = _h(1e-3, "AdamW learning rate")
     ttt_steps: int = _h(3, "training-time-test unroll steps")
     gamma: int = _h(4, "draft length of the simulated-acceptance evaluation")
@@ -138,7 +142,7 @@ class TrainerConfig:
             raise TrainerConfigError("--signal-dir is required")
         if not self.publish_root:
             raise TrainerConfigError("--publish-root is required")
-        for name in ("threads", "draft_vocab", "max_steps", "max_rounds", "workload_limit"):
+        for name in ("threads", "draft_vocab", "max_steps", "max_rounds", "workload_limit", "replay_rows"):
             if getattr(self, name) < 0:
                 raise TrainerConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("min_signals", "batch_segments", "ttt_steps", "gamma", "max_tokens", "budget_mb"):
@@ -438,6 +442,25 @@ class DraftTrainer:
         infos = self.store.list_shards(since=self.state.last_shard_id) if self.ctx.is_main else None
         return self.ctx.broadcast(infos)
 
+    def replay_signals(self, pending: list[ShardInfo]) -> list[ShardInfo]:
+        """Already-consumed shards still in the store, newest first, up to ``replay_rows`` rows
+        (rank 0's choice on every rank).
+
+        Example: consumed shards of 300, 500 and 400 rows (oldest first), replay_rows 800 ->
+        the 400- and 500-row shards (the 300-row one would exceed the budget)."""
+        chosen: list[ShardInfo] | None = None
+        if self.ctx.is_main:
+            new = {i.shard_id for i in pending}
+            chosen, rows = [], 0
+            for info in reversed(self.store.list_shards()):
+                if info.shard_id in new:
+                    continue
+                if rows + info.num_signals > self.cfg.replay_rows:
+                    break
+                chosen.append(info)
+                rows += info.num_signals
+        return self.ctx.broadcast(chosen)
+
     def run_round(self, min_signals: int | None = None) -> RoundResult | None:
         """Train and maybe publish once, if at least ``min_signals`` (default ``cfg.min_signals``)
         new rows arrived; None otherwise (nothing consumed)."""
@@ -445,16 +468,20 @@ class DraftTrainer:
         infos = self.pending_signals()
         if not infos or sum(i.num_signals for i in infos) < max(1, need):
             return None
+        replay = self.replay_signals(infos) if self.cfg.replay_rows else []
         read: dict[str, SignalShard] = {}
-        for info in infos:
+        for info in infos + replay:
             try:
                 read[info.shard_id] = self.store.read(info.shard_id)
             except ShardGone:
                 logger.info("shard %s was evicted before it was read", info.shard_id)
         common = set(read).intersection(*self.ctx.all_gather(set(read)))  # every rank trains on the same rows
         shards = [read[i.shard_id] for i in infos if i.shard_id in common]
+        old = [read[i.shard_id] for i in replay if i.shard_id in common]
         self.state.last_shard_id = infos[-1].shard_id
         train, heldout = split_heldout(segments_by_sequence(shards, self.cfg.max_segment_len), self.cfg.heldout_frac)
+        # replayed rows only train (the held-out split measures the traffic of now)
+        train += [seg for segs in segments_by_sequence(old, self.cfg.max_segment_len).values() for seg in segs]
         train = [s for s in train if s.num_positions >= 2]  # one position has no label at step 1
         parent = self._refresh_current()
         parent_version = self.current_version

@@ -26,6 +26,7 @@ from tidespec.bench.decode import DecodeBenchConfig, parse_int_list, resolve_tar
 from tidespec.bench.profile import ProfileConfig, run_profile
 from tidespec.bench.report import command_line
 from tidespec.bench.shift import ShiftBenchConfig, run_shift_bench
+from tidespec.bench.shift import replot as replot_shift
 from tidespec.bench.spec import SpecBenchConfig, run_spec_bench
 from tidespec.config import ConfigError, ModelConfig, SchedulerConfig, SpecConfig, add_dataclass_args, dataclass_from_args
 
@@ -81,6 +82,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_dataclass_args(sh, ShiftBenchConfig)
     add_dataclass_args(sh, ModelConfig)
     sh.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-shift-<time>)")
+    sh.add_argument("--replot", type=Path, default=None, metavar="DIR",
+                    help="only re-render README.md and shift.png of an earlier run in DIR")
     sh.set_defaults(func=cmd_shift)
 
     _register_serve(sub)
@@ -167,6 +170,10 @@ def cmd_profile(ns: argparse.Namespace) -> int:
 
 
 def cmd_shift(ns: argparse.Namespace) -> int:
+    if ns.replot is not None:
+        replot_shift(ns.replot)
+        print(f"re-rendered {ns.replot}/README.md and shift.png")
+        return 0
     mc = dataclass_from_args(ModelConfig, ns)
     cfg = dataclass_from_args(ShiftBenchConfig, ns)
     if mc.threads:

@@ -43,6 +43,7 @@ Outputs in the output directory: ``bench_shift.json`` (every step and request), 
 
 from __future__ import annotations
 
+import json
 import math
 import shlex
 import shutil
@@ -75,6 +76,7 @@ from tidespec.sampling import SamplingParams
 from tidespec.spec.drafters.eagle3 import Eagle3Config, Eagle3DrafterConfig
 
 CONFIGS = ("plain", "frozen", "online")
+COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:orange"}  # same in both panels
 
 
 def _h(default: Any, help: str) -> Any:
@@ -535,6 +537,17 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
     return doc
 
 
+def replot(out_dir: Path) -> dict[str, Any]:
+    """Re-render README.md and shift.png of an earlier run from its ``bench_shift.json``."""
+    path = out_dir / "bench_shift.json"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found (is {out_dir} a bench shift output directory?)")
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    write_text(out_dir, "README.md", report(doc))
+    plot_shift(doc, out_dir)
+    return doc
+
+
 # ----------------------------------------------------------------------------------------------
 # report and plot
 # ----------------------------------------------------------------------------------------------
@@ -627,13 +640,14 @@ def plot_shift(doc: dict[str, Any], out_dir: Path) -> Path:
         ax_a.axvline(edge, color="grey", linestyle=":", linewidth=1)
     for name, run in doc["runs"].items():
         xs, ys, ts, rates = _curves(run, cfg["window"], cfg["bin_s"])
+        color = COLORS.get(name)
         if xs:
-            ax_a.plot(xs, ys, marker="o", markersize=3, label=name)
-        ax_t.plot(ts, rates, label=name)
+            ax_a.plot(xs, ys, marker="o", markersize=3, label=name, color=color)
+        ax_t.plot(ts, rates, label=name, color=color)
         if name == "online":
             swaps = [s["t"] for a, s in zip(run["steps"], run["steps"][1:]) if s["version"] != a["version"]]
             for j, t in enumerate(swaps):
-                ax_t.axvline(t, color="tab:green", linestyle="--", linewidth=0.8,
+                ax_t.axvline(t, color=color, linestyle="--", linewidth=0.8,
                              label="online: new drafter" if j == 0 else None)
     ax_a.set_xlabel(f"requests finished (phases: {' -> '.join(doc['phases'])})")
     ax_a.set_ylabel(f"mean acceptance length (window {cfg['window']})")
