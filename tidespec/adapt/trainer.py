@@ -492,7 +492,7 @@ class DraftTrainer:
             return None
         candidate = self._candidate(train)
         t0 = time.perf_counter()
-        loss = self._train(candidate, train, seed=self.cfg.seed + round_no)
+        loss = self.train_head(candidate, train, seed=self.cfg.seed + round_no)
         train_time = time.perf_counter() - t0
         version: int | None = None
         base = cand = float("nan")
@@ -530,8 +530,10 @@ class DraftTrainer:
         if self.ctx.is_main:
             self.state.save(self.root)
 
-    def _train(self, head: Eagle3Head, train: list[SignalSegment], seed: int) -> float:
-        """AdamW training-time-test steps; under DDP each rank takes its slice of every global batch."""
+    def train_head(self, head: Eagle3Head, train: list[SignalSegment], seed: int) -> float:
+        """Train ``head`` in place: AdamW training-time-test steps (``max_steps``, else ``epochs``
+        passes over ``train``); under DDP each rank takes its slice of every global batch. Returns
+        the mean loss of the last quarter of the steps."""
         cfg, ctx = self.cfg, self.ctx
         objective = _TTTObjective(head, self.embed, cfg.ttt_steps)
         model: nn.Module = (DistributedDataParallel(objective, broadcast_buffers=False) if ctx.enabled

@@ -195,7 +195,7 @@ def build_trace(cfg: ShiftBenchConfig, tokenizer: Any) -> list[TraceItem]:
         chunk = cache[name][start:start + n]
         if len(chunk) < n:
             raise ConfigError(f"workload {name} has {len(cache[name])} records; phase {i + 1} needs records "
-                              f"{start}..{start + n - 1} (lower --requests-per-phase or --offset)")
+                              f"{start}..{start + n - 1} (ask fewer requests of that phase, or a lower --offset)")
         cursor[name] = cursor.get(name, 0) + n
         items += [TraceItem(i, Path(name).stem, p) for p in chunk]
     return items
@@ -435,7 +435,7 @@ def measure_training_sources(target: LoadedModel, signal_dir: Path, cfg: ShiftBe
             head = fresh_head(target.config, cfg.draft_vocab or None, trainer.dtype, trainer.device)
             pieces = [p for s in segments for p in cut_segment(s, tcfg.max_segment_len)]
             t = time.perf_counter()
-            trainer._train(head, pieces, seed=cfg.seed)
+            trainer.train_head(head, pieces, seed=cfg.seed)
             return time.perf_counter() - t
 
         train(whole[:1])  # warm-up (first autograd and optimizer calls), not timed
