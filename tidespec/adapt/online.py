@@ -127,29 +127,31 @@ def load_latest_valid(root: Path | str, target_cfg: LlamaConfig) -> PublishedDra
     return None
 
 
+def load_drafter_source(source: str | Path, target_cfg: LlamaConfig) -> PublishedDrafter | None:
+    """What ``source`` holds: a directory with ``config.json`` -> that exported checkpoint
+    (validated; a bad one raises ``DrafterCheckpointError``) as version 0; otherwise a publish
+    root -> its newest valid version, or None when it has none."""
+    if is_checkpoint_dir(source):
+        validate_eagle3_dir(source, target_cfg)
+        config, state = import_eagle3(source, target_cfg)
+        return PublishedDrafter(0, config, state, {})
+    return load_latest_valid(source, target_cfg)
+
+
 def build_eagle3_drafter(target: LlamaModel, source: str | Path | None, draft_vocab_size: int = 0,
                          cfg: Eagle3DrafterConfig | None = None) -> Eagle3Drafter:
     """The EAGLE-3 drafter for ``target``.
 
     ``source``: None -> a fresh random head (version 0; lossless anyway, it learns online);
-    a directory with ``config.json`` -> that exported checkpoint (validated; a bad one raises
-    ``DrafterCheckpointError``), version 0; otherwise a publish root -> its newest valid version,
-    or a fresh head when it has none. ``draft_vocab_size`` (0 = full vocabulary) only shapes a
-    fresh head.
+    otherwise what ``load_drafter_source`` finds there (an exported checkpoint as version 0, or a
+    publish root's newest valid version), or a fresh head when a publish root has none.
+    ``draft_vocab_size`` (0 = full vocabulary) only shapes a fresh head.
     """
-    dtype, device = target.dtype, target.device
-    head: Eagle3Head | None = None
-    version = 0
-    if source is not None and is_checkpoint_dir(source):
-        validate_eagle3_dir(source, target.cfg)
-        config, state = import_eagle3(source, target.cfg)
-        head = head_from_published(PublishedDrafter(0, config, state, {}), dtype, device)
-    elif source is not None:
-        pub = load_latest_valid(source, target.cfg)
-        if pub is not None:
-            head, version = head_from_published(pub, dtype, device), pub.version
-    if head is None:
-        head = fresh_head(target.cfg, draft_vocab_size or None, dtype, device)
+    pub = load_drafter_source(source, target.cfg) if source is not None else None
+    if pub is None:
+        head, version = fresh_head(target.cfg, draft_vocab_size or None, target.dtype, target.device), 0
+    else:
+        head, version = head_from_published(pub, target.dtype, target.device), pub.version
     return Eagle3Drafter(head, target.embed_tokens, cfg, version=version)
 
 

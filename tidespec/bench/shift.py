@@ -58,10 +58,10 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from tidespec.adapt.checkpoint import PublishedDrafter, import_eagle3, publish
+from tidespec.adapt.checkpoint import publish
 from tidespec.adapt.collection import CollectionConfig
 from tidespec.adapt.online import (OnlineConfig, OnlineTraining, attach_online_training, build_eagle3_drafter,
-                                   head_from_published, is_checkpoint_dir, load_latest_valid, read_trainer_rounds)
+                                   head_from_published, load_drafter_source, read_trainer_rounds)
 from tidespec.adapt.store import SignalShard, SignalStore
 from tidespec.bench.report import (default_out_dir, machine_info, machine_line, markdown_table, new_figure,
                                    save_figure, write_json, write_text)
@@ -293,14 +293,9 @@ def seed_publish_root(root: Path, bootstrap: str | None, target: LlamaModel) -> 
     start from the same weights); None without a bootstrap. Returns the version published."""
     if bootstrap is None:
         return None
-    if is_checkpoint_dir(bootstrap):
-        config, state = import_eagle3(bootstrap, target.cfg)
-        pub = PublishedDrafter(0, config, state, {})
-    else:
-        found = load_latest_valid(bootstrap, target.cfg)
-        if found is None:
-            raise ConfigError(f"bootstrap {bootstrap} holds no valid EAGLE-3 drafter for this target")
-        pub = found
+    pub = load_drafter_source(bootstrap, target.cfg)
+    if pub is None:
+        raise ConfigError(f"bootstrap {bootstrap} holds no valid EAGLE-3 drafter for this target")
     head = head_from_published(pub, target.dtype, target.device)
     return publish(root, head, {"bootstrap": str(bootstrap), "bootstrap_version": pub.version})
 
