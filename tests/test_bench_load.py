@@ -1,4 +1,4 @@
-"""``tidespec bench load``: configuration names, the verdict's arithmetic, and one real run.
+"""``tidespec bench load``: configuration names, the verdict's arithmetic, the model check, one real run.
 
 The end-to-end test launches real ``tidespec serve`` subprocesses on a tiny checkpoint (plain,
 static-2, hybrid), replays a two-segment trace and one constant rate, and checks that every
@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from tests.conftest import tiny_hf_model, write_tiny_checkpoint
-from tidespec.bench.load import LoadBenchConfig, RunResult, replot, run_load_bench, server_args, verdict
+from tidespec.bench.load import (LoadBenchConfig, RunResult, averaged, diff_steps, model_check, replot,
+                                 run_load_bench, server_args, verdict)
 from tidespec.config import ConfigError
+from tidespec.control.speedup import Profile
 
 
 def _summary(tok_s: float, e2e: float) -> dict:
@@ -56,9 +58,7 @@ def test_verdict_hand_traced() -> None:
           RunResult("plain", "rate", 2.0, _summary(60, 5)), RunResult("static-2", "rate", 2.0, _summary(50, 6)),
           RunResult("analytic", "rate", 2.0, _summary(59, 5)), RunResult("hybrid", "rate", 2.0, _summary(40, 7)),
           RunResult("plain", "trace", None, _summary(25, 2.5)), RunResult("static-2", "trace", None, _summary(22, 3)),
-          RunResult("hybrid", "trace", None, _summary(30, 2.0),
-                    speedup={"1": {"measured": 1.2, "predicted": 1.32, "gamma": 3.0},
-                             "8": {"measured": 0.9, "predicted": 0.9, "gamma": 0.0}})]
+          RunResult("hybrid", "trace", None, _summary(30, 2.0))]
     v = verdict(rs, cfg)
     r04, r2 = v["per_rate"]
     assert (r04["best_static"], r04["best_adaptive"]) == ("static-2", "hybrid")
@@ -68,9 +68,58 @@ def test_verdict_hand_traced() -> None:
     t = v["trace"]
     assert t["best_adaptive"] == "hybrid" and t["throughput_margin"] == pytest.approx(0.2)
     assert t["lowest_latency_static"] == "plain" and t["latency_margin"] == pytest.approx(0.2)
-    # only the speculating bucket counts for the model check: |1.32 / 1.2 - 1| = 0.1
-    e = v["speedup_model_abs_error"]
-    assert e["n"] == 1 and e["median"] == pytest.approx(0.1) and e["within_15pct"] == 1
+    assert "model_abs_error" not in v  # no profile, no model check
+
+
+def _steps(steps: float, seqs: float, total: float, forward: float, draft: float, emitted: float,
+           drafted: float) -> dict[str, float]:
+    return {"steps": steps, "seqs": seqs, "total": total, "forward": forward, "draft": draft,
+            "other": total - forward - draft, "emitted": emitted, "drafted": drafted}
+
+
+def test_model_check_hand_traced() -> None:
+    """model_check's docstring example: plain bucket 4 at 25 ms per token, static-3 at 15 ms ->
+    measured 1.667; eq. 5 2.5 * 0.08 / 0.114 = 1.754. Bucket 1 has too few steps; the trace has
+    no plain run to compare with."""
+    profile = Profile(target_latency={1: 0.05}, draft_cost={"default": 0.004},
+                      verify_latency={(4, 1): 0.08, (4, 4): 0.11})
+    plain = RunResult("plain", "rate", 1.0, _summary(1, 1), steps={
+        "4": _steps(100, 400, 10.0, 8.0, 0.0, 400, 0), "1": _steps(5, 5, 0.3, 0.25, 0, 5, 0)})
+    spec = RunResult("static-3", "rate", 1.0, _summary(1, 1), steps={
+        "4": _steps(50, 200, 7.5, 5.0, 0.2, 500, 600), "1": _steps(50, 50, 3.0, 2.5, 0.1, 120, 150)})
+    lone = RunResult("static-3", "trace", None, _summary(1, 1), steps={"4": _steps(50, 200, 7.5, 5, 0.2, 500, 600)})
+    rows = model_check([plain, spec, lone], profile, min_steps=20)
+    assert len(rows) == 1
+    x = rows[0]
+    assert (x["config"], x["bucket"], x["mean_batch"]) == ("static-3", 4, 4.0)
+    assert x["measured"] == pytest.approx(25 / 15)
+    assert x["predicted"] == pytest.approx(2.5 * 0.08 / 0.114)
+    assert x["plain_forward_vs_profile"] == pytest.approx(1.0) and x["draft_ms"] == pytest.approx(4.0)
+    assert x["forward_vs_profile"] == pytest.approx(0.1 / 0.11)
+    cfg = LoadBenchConfig(rates=(1.0,), configs=("plain", "static-3", "hybrid"))
+    v = verdict([plain, spec, lone], cfg, profile)
+    assert v["model_abs_error"]["n"] == 1
+    assert v["model_abs_error"]["median"] == pytest.approx(abs(x["predicted"] / x["measured"] - 1))
+
+
+def test_verdict_compares_means_over_repeats() -> None:
+    """Two rounds: plain 40 and 36 (mean 38), bandit 37 and 37 (mean 37): ratio 37 / 38 = 0.974,
+    although round 1 alone would give 0.925."""
+    cfg = LoadBenchConfig(rates=(1.5,), configs=("plain", "bandit"), repeats=2)
+    rs = [RunResult("plain", "rate", 1.5, _summary(40, 2.0), repeat=0),
+          RunResult("bandit", "rate", 1.5, _summary(37, 2.2), repeat=0),
+          RunResult("plain", "rate", 1.5, _summary(36, 2.4), repeat=1),
+          RunResult("bandit", "rate", 1.5, _summary(37, 2.2), repeat=1)]
+    row = verdict(rs, cfg)["per_rate"][0]
+    assert (row["best_static"], row["best_adaptive"]) == ("plain", "bandit")
+    assert row["ratio"] == pytest.approx(37 / 38) and row["best_static_runs"] == [40, 36]
+    assert averaged(rs)[0].summary["e2e_s"]["mean"] == pytest.approx(2.2)
+
+
+def test_diff_steps_isolates_one_run() -> None:
+    after = {"4": {"steps": 10.0, "total": 2.0}, "8": {"steps": 3.0, "total": 1.0}}
+    before = {"4": {"steps": 4.0, "total": 0.5}, "8": {"steps": 3.0, "total": 1.0}}
+    assert diff_steps(after, before) == {"4": {"steps": 6.0, "total": 1.5}}
 
 
 def test_load_bench_end_to_end_through_real_servers(tmp_path: Path) -> None:
@@ -82,7 +131,7 @@ def test_load_bench_end_to_end_through_real_servers(tmp_path: Path) -> None:
                           for i, p in enumerate(prompts)), encoding="utf-8")
     cfg = LoadBenchConfig(workload=str(wl), model=str(ckpt), rates=(4.0,), duration=1.0,
                           trace=((0.0, 4.0), (1.0, 0.0)), configs=("plain", "static-2", "hybrid"), drafter="ngram",
-                          gamma_max=3, max_tokens=12, max_num_seqs=4, threads=1)
+                          gamma_max=3, max_tokens=12, max_num_seqs=4, threads=1, min_steps=1)
     out = tmp_path / "out"
     doc = run_load_bench(cfg, out, command="test")
     results = doc["results"]
@@ -98,6 +147,10 @@ def test_load_bench_end_to_end_through_real_servers(tmp_path: Path) -> None:
     assert all(1 <= v["gamma"] <= 2 and v["predicted"] > 0 and v["measured"] > 0  # guards cap gamma at the end
                for r in static for v in r["speedup"].values())
     assert doc["verdict"]["per_rate"][0]["rate"] == 4.0 and "trace" in doc["verdict"]
+    assert all(r["steps"] and all(b["steps"] >= 1 for b in r["steps"].values()) for r in results)  # every server
+    assert all(b["drafted"] == 0 for r in results if r["config"] == "plain" for b in r["steps"].values())
+    checks = doc["model_check"]
+    assert checks and all(x["config"] != "plain" and x["measured"] > 0 and x["predicted"] > 0 for x in checks)
     for name in ("bench_load.json", "README.md", "sweep.png", "trace.png", "speedup.png", "profile.json"):
         assert (out / name).stat().st_size > 0, name
     assert "Verdict per rate" in (out / "README.md").read_text(encoding="utf-8")

@@ -177,6 +177,28 @@ def test_no_policy_no_policy_metrics() -> None:
     assert "spec_policy_gamma{" not in text and "spec_policy_measured_speedup{" not in text
 
 
+def test_decode_step_breakdown_counted_without_policy() -> None:
+    """Two decode steps at batch 3 (bucket 4) and one at batch 1, no policy: steps, batch sizes,
+    time by part and tokens add up per bucket; a step with prefill is not counted."""
+    m = Metrics()
+    step = dict(num_decode_seqs=3, batch_size=3, num_emitted_tokens=5, num_draft_tokens=6, total_time=0.3,
+                verify_time=0.2, draft_time=0.04, other_time=0.06)
+    m.on_step(StepStats(**step))
+    m.on_step(StepStats(**step))
+    m.on_step(StepStats(**{**step, "num_decode_seqs": 1, "num_emitted_tokens": 1, "num_draft_tokens": 0}))
+    m.on_step(StepStats(**{**step, "num_prefill_tokens": 30, "total_time": 5.0}))
+    assert _value(m, "tidespec:decode_steps_total", bucket="4") == 2
+    assert _value(m, "tidespec:decode_step_seqs_total", bucket="4") == 6
+    assert _value(m, "tidespec:decode_step_seconds_total", bucket="4", part="total") == pytest.approx(0.6)
+    assert _value(m, "tidespec:decode_step_seconds_total", bucket="4", part="forward") == pytest.approx(0.4)
+    assert _value(m, "tidespec:decode_step_seconds_total", bucket="4", part="draft") == pytest.approx(0.08)
+    assert _value(m, "tidespec:decode_step_seconds_total", bucket="4", part="other") == pytest.approx(0.12)
+    assert _value(m, "tidespec:decode_step_tokens_total", bucket="4", kind="emitted") == 10
+    assert _value(m, "tidespec:decode_step_tokens_total", bucket="4", kind="drafted") == 12
+    assert _value(m, "tidespec:decode_steps_total", bucket="1") == 1
+    assert _value(m, "tidespec:decode_step_tokens_total", bucket="1", kind="drafted") == 0
+
+
 def test_metrics_endpoint_exports_policy_decisions() -> None:
     """A live server with the hybrid policy: which policy runs, its explore/exploit counts, the
     gamma it chose per bucket, and predicted next to measured speedup are on /metrics."""

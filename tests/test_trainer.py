@@ -237,7 +237,9 @@ def test_two_process_gloo_ddp_publishes_a_drafter_the_engine_loads(tmp_path: Pat
 
 def test_start_trainer_process_runs_the_cli_and_logs(tmp_path: Path) -> None:
     online = OnlineConfig(publish_root=str(tmp_path / "drafter"), signal_dir=str(tmp_path / "signals"))
-    proc = start_trainer_process(online, model=str(tmp_path / "no-such-model"), draft_vocab=0)
+    proc = start_trainer_process(online, model=str(tmp_path / "no-such-model"), draft_vocab=0, nice=7)
+    # niced below the parent, so serving on a shared CPU goes first (read while it imports torch)
+    assert os.getpriority(os.PRIO_PROCESS, proc.pid) == os.getpriority(os.PRIO_PROCESS, 0) + 7
     assert proc.wait(timeout=120) == 2  # flags parsed; the missing model is a one-line user error
     log = (tmp_path / "drafter" / "trainer.log").read_text()
     assert log.startswith("error: ") and "no-such-model" in log and "Traceback" not in log

@@ -27,16 +27,18 @@ class ConfigError(ValueError):
     """A configuration value is invalid; the message is a single line."""
 
 
-def _f(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
+def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
+    """A dataclass field that ``add_dataclass_args`` turns into ``--flag`` with this help (and
+    ``choices=`` when given): every config dataclass declares its CLI this way."""
     return field(default=default, metadata={"help": help, **kw})
 
 
 @dataclass
 class ModelConfig:
-    model: str | None = _f(None, "HF checkpoint dir or GGUF file; default: embedded SmolLM2-135M-Instruct")
-    dtype: Literal["float32", "bfloat16", "float16", "float64"] = _f("float32", "weights and activations dtype")
-    device: str = _f("cpu", "torch device (cpu, cuda, cuda:1)")
-    threads: int = _f(0, "torch intra-op threads (0 = torch default)")
+    model: str | None = opt(None, "HF checkpoint dir or GGUF file; default: embedded SmolLM2-135M-Instruct")
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = opt("float32", "weights and activations dtype")
+    device: str = opt("cpu", "torch device (cpu, cuda, cuda:1)")
+    threads: int = opt(0, "torch intra-op threads (0 = torch default)")
 
     def __post_init__(self) -> None:
         if self.threads < 0:
@@ -45,8 +47,8 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    max_model_len: int = _f(2048, "longest sequence (prompt + output) a request may reach, tokens")
-    max_num_seqs: int = _f(32, "KV slots = most sequences running at once")
+    max_model_len: int = opt(2048, "longest sequence (prompt + output) a request may reach, tokens")
+    max_num_seqs: int = opt(32, "KV slots = most sequences running at once")
 
     def __post_init__(self) -> None:
         if self.max_model_len < 8:
@@ -57,8 +59,8 @@ class CacheConfig:
 
 @dataclass
 class SchedulerConfig:
-    max_num_batched_tokens: int = _f(512, "token budget of one engine step (decode + prefill chunks)")
-    max_waiting: int = _f(0, "bounded waiting queue; 0 = unbounded (the server sets a bound)")
+    max_num_batched_tokens: int = opt(512, "token budget of one engine step (decode + prefill chunks)")
+    max_waiting: int = opt(0, "bounded waiting queue; 0 = unbounded (the server sets a bound)")
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 16:
@@ -73,43 +75,45 @@ POLICIES = ("static", "analytic", "bandit", "hybrid")
 
 @dataclass
 class SpecConfig:
-    drafter: str = _f("none", "speculative drafter", choices=DRAFTERS)
-    num_speculative_tokens: int = _f(4, "draft tokens per step (gamma)")
-    tree: bool = _f(False, "allow tree-shaped proposals (drafters that support them)")
-    ngram_min: int = _f(1, "n-gram drafter: shortest suffix to match")
-    ngram_max: int = _f(4, "n-gram drafter: longest suffix to match")
-    suffix_max_tree_tokens: int = _f(20000, "suffix drafter: global tree budget (tokens), oldest evicted first")
-    suffix_min_prob: float = _f(0.1, "suffix drafter: prune candidates below this empirical probability")
-    suffix_factor: float = _f(1.0, "suffix drafter: speculation length per matched token")
-    draft_model: str | None = _f(None, "draft model path (same tokenizer); default: the target truncated")
-    draft_layers: int = _f(0, "draft model: use the target's first k layers (0 = use --draft-model)")
-    tree_top_k: int = _f(2, "draft model trees: children per node")
-    policy: str = _f("static", "speculation-length policy", choices=POLICIES)
-    profile: str | None = _f(None, "profile JSON for analytic/hybrid (default: measured at start-up, cached)")
-    guard_kv_usage: float = _f(0.9, "no speculation while KV usage is above this fraction")
-    guard_temperature: float = _f(2.0, "no speculation for requests sampled above this temperature")
+    drafter: str = opt("none", "speculative drafter", choices=DRAFTERS)
+    num_speculative_tokens: int = opt(4, "draft tokens per step (gamma)")
+    tree: bool = opt(False, "allow tree-shaped proposals (drafters that support them)")
+    ngram_min: int = opt(1, "n-gram drafter: shortest suffix to match")
+    ngram_max: int = opt(4, "n-gram drafter: longest suffix to match")
+    suffix_max_tree_tokens: int = opt(20000, "suffix drafter: global tree budget (tokens), oldest evicted first")
+    suffix_min_prob: float = opt(0.1, "suffix drafter: prune candidates below this empirical probability")
+    suffix_factor: float = opt(1.0, "suffix drafter: speculation length per matched token")
+    draft_model: str | None = opt(None, "draft model path (same tokenizer); default: the target truncated")
+    draft_layers: int = opt(0, "draft model: use the target's first k layers (0 = use --draft-model)")
+    tree_top_k: int = opt(2, "draft model trees: children per node")
+    policy: str = opt("static", "speculation-length policy", choices=POLICIES)
+    profile: str | None = opt(None, "profile JSON for analytic/hybrid (default: measured at start-up, cached)")
+    guard_kv_usage: float = opt(0.9, "no speculation while KV usage is above this fraction")
+    guard_temperature: float = opt(2.0, "no speculation for requests sampled above this temperature")
     # --- EAGLE-3 (tidespec.adapt.online) ---
-    eagle3_dir: str | None = _f(None, "EAGLE-3: publish root (v1/, v2/, LATEST: the newest valid version is served) "
+    eagle3_dir: str | None = opt(None, "EAGLE-3: publish root (v1/, v2/, LATEST: the newest valid version is served) "
                                 "or one exported checkpoint dir; none = a fresh random head (still lossless)")
-    eagle3_draft_vocab: int = _f(0, "EAGLE-3: draft vocabulary of a fresh head (0 = the target's vocabulary)")
-    eagle3_tree_depth: int = _f(5, "EAGLE-3 trees (--tree): expansion depth")
-    eagle3_tree_top_k: int = _f(4, "EAGLE-3 trees (--tree): children per expanded node and frontier width")
-    online_training: bool = _f(False, "EAGLE-3: capture the target's hidden states while serving, train in a child "
+    eagle3_draft_vocab: int = opt(0, "EAGLE-3: draft vocabulary of a fresh head (0 = the target's vocabulary)")
+    eagle3_tree_depth: int = opt(5, "EAGLE-3 trees (--tree): expansion depth")
+    eagle3_tree_top_k: int = opt(4, "EAGLE-3 trees (--tree): children per expanded node and frontier width")
+    online_training: bool = opt(False, "EAGLE-3: capture the target's hidden states while serving, train in a child "
                                "process, swap better drafters in between steps (needs --eagle3-dir)")
-    signal_dir: str | None = _f(None, "training-signal store directory (default: <eagle3-dir>/signals)")
-    signal_budget_mb: int = _f(2048, "signal store byte budget in MiB (oldest shards evicted first)")
-    online_poll_s: float = _f(2.0, "seconds between checks for a newly published drafter")
-    trainer_device: str | None = _f(None, "device of the trainer child process (default: --device)")
-    trainer_args: str = _f("", "extra flags for the trainer child process, e.g. \"--threads 1 --epochs 3\"")
-    collect_force: bool = _f(False, "collect training signals all the time, not only after an acceptance drop")
-    collect_prompt: bool = _f(False, "also capture prompt positions (labels are the user's text, not the target's "
+    signal_dir: str | None = opt(None, "training-signal store directory (default: <eagle3-dir>/signals)")
+    signal_budget_mb: int = opt(2048, "signal store byte budget in MiB (oldest shards evicted first)")
+    online_poll_s: float = opt(2.0, "seconds between checks for a newly published drafter")
+    trainer_device: str | None = opt(None, "device of the trainer child process (default: --device)")
+    trainer_args: str = opt("", "extra flags for the trainer child process, e.g. \"--threads 1 --epochs 3\"")
+    trainer_nice: int = opt(0, "niceness added to the trainer child (e.g. 10): on a CPU shared with serving, the "
+                               "engine then runs first and training takes what is left, so rounds take longer")
+    collect_force: bool = opt(False, "collect training signals all the time, not only after an acceptance drop")
+    collect_prompt: bool = opt(False, "also capture prompt positions (labels are the user's text, not the target's "
                                      "outputs; repeated chat templates then dominate the trainer's held-out score)")
-    collect_bootstrap: bool = _f(False, "collect from the start (automatic while nothing is published)")
-    collect_epsilon: float = _f(0.02, "selective collection: short-vs-long EMA acceptance drop that means a shift")
-    collect_n_init: int = _f(20, "selective collection: requests averaged before shift detection starts")
-    collect_n_threshold: int = _f(16384, "selective collection: new signal rows that trigger a training round")
-    collect_lambda_short: float = _f(0.9, "selective collection: short EMA decay")
-    collect_lambda_long: float = _f(0.99, "selective collection: long EMA decay")
+    collect_bootstrap: bool = opt(False, "collect from the start (automatic while nothing is published)")
+    collect_epsilon: float = opt(0.02, "selective collection: short-vs-long EMA acceptance drop that means a shift")
+    collect_n_init: int = opt(20, "selective collection: requests averaged before shift detection starts")
+    collect_n_threshold: int = opt(16384, "selective collection: new signal rows that trigger a training round")
+    collect_lambda_short: float = opt(0.9, "selective collection: short EMA decay")
+    collect_lambda_long: float = opt(0.99, "selective collection: long EMA decay")
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -147,6 +151,8 @@ class SpecConfig:
         if self.collect_n_init < 1 or self.collect_n_threshold < 1:
             raise ConfigError(f"collect_n_init and collect_n_threshold must be >= 1, got "
                               f"{self.collect_n_init}, {self.collect_n_threshold}")
+        if not 0 <= self.trainer_nice <= 19:
+            raise ConfigError(f"trainer_nice must be in [0, 19], got {self.trainer_nice}")
         try:
             shlex.split(self.trainer_args)
         except ValueError as exc:

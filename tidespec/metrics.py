@@ -38,6 +38,14 @@ forward times vs real steps, including everything a step does besides the forwar
 two decode steps at batch 4, 12 drafted and 8 emitted each, 0.2 s each, T(4, 1) = 0.1 s,
 T(4, 4) = 0.16 s, D0 = 0: measured = 2 * 8 * 0.1 / 4 / 0.4 = 1.0, predicted = 0.4 / 0.32 = 1.25.
 The per-step work is two profile lookups; the policy's ``stats()`` runs only on a scrape.
+
+Where a decode step's time goes, per batch-size bucket, with or without a policy (plain servers
+too, so a benchmark can compare a speculating server with a plain one bucket by bucket, as TIDE's
+Figure 8 does): ``decode_steps_total{bucket}``, ``decode_step_seqs_total{bucket}`` (sum of batch
+sizes), ``decode_step_seconds_total{bucket, part}`` with part ``total`` / ``forward`` (target
+forward + verification) / ``draft`` / ``other`` (scheduling, bookkeeping, detokenization), and
+``decode_step_tokens_total{bucket, kind}`` with kind ``emitted`` / ``drafted``. Counters, so a
+client takes differences between two scrapes to isolate one run.
 """
 
 from __future__ import annotations
@@ -135,6 +143,16 @@ class Metrics:
                                      "(profiled T(b, 1)), by batch-size bucket.", ["bucket"], registry=r)
         self.policy_predicted = Gauge(f"{p}spec_policy_predicted_speedup", "TIDE eq. 5 at the bucket's measured "
                                       "alpha and mean gamma, by batch-size bucket.", ["bucket"], registry=r)
+        # decode-step breakdown per bucket (every server; see the module docstring)
+        self.decode_steps = Counter(f"{p}decode_steps", "Decode-only steps, by batch-size bucket.", ["bucket"],
+                                    registry=r)
+        self.decode_seqs = Counter(f"{p}decode_step_seqs", "Sum of the batch sizes of the decode-only steps.",
+                                   ["bucket"], registry=r)
+        self.decode_seconds = Counter(f"{p}decode_step_seconds", "Wall time of the decode-only steps, by part: "
+                                      "total, forward, draft, other.", ["bucket", "part"], registry=r)
+        self.decode_tokens = Counter(f"{p}decode_step_tokens", "Tokens of the decode-only steps: emitted, drafted.",
+                                     ["bucket", "kind"], registry=r)
+        self._decode_children: dict[int, tuple[Counter, ...]] = {}
         self.drafter: object | None = None
         self.drafter_version = Gauge(f"{p}spec_decode_drafter_version", "Version of the drafter in use (online "
                                      "training publishes new ones; read at scrape time).", registry=r)
@@ -156,13 +174,30 @@ class Metrics:
         self.set_load(stats.num_running, stats.num_waiting, stats.kv_usage)
         lens = list(stats.spec_lens.values())
         self.current_spec.set(sum(lens) / len(lens) if lens else 0.0)
-        if self.policy is not None and stats.num_decode_seqs and not stats.num_prefill_tokens:
-            self._tally_decode_step(stats, max(lens, default=0))
+        if stats.num_decode_seqs and not stats.num_prefill_tokens:
+            self._count_decode_step(stats)
+            if self.policy is not None:
+                self._tally_decode_step(stats, max(lens, default=0))
 
     def attach_policy(self, policy: SpeculationPolicy, profile: Profile | None = None) -> None:
         """Export ``policy``'s decisions; with ``profile`` also predicted vs measured speedup."""
         self.policy, self.profile = policy, profile
         self.policy_info.labels(policy=policy.name).set(1)
+
+    def _count_decode_step(self, stats: StepStats) -> None:
+        key = bucket_of(stats.num_decode_seqs)
+        c = self._decode_children.get(key)
+        if c is None:  # labelled children looked up once per bucket, not every step
+            k = str(key)
+            c = self._decode_children[key] = (
+                self.decode_steps.labels(bucket=k), self.decode_seqs.labels(bucket=k),
+                *(self.decode_seconds.labels(bucket=k, part=part) for part in ("total", "forward", "draft", "other")),
+                self.decode_tokens.labels(bucket=k, kind="emitted"),
+                self.decode_tokens.labels(bucket=k, kind="drafted"))
+        values = (1, stats.num_decode_seqs, stats.total_time, stats.verify_time, stats.draft_time, stats.other_time,
+                  stats.num_emitted_tokens, stats.num_draft_tokens)
+        for child, value in zip(c, values):
+            child.inc(max(0.0, value))
 
     def _tally_decode_step(self, stats: StepStats, gamma: int) -> None:
         b = stats.num_decode_seqs

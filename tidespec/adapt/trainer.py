@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import functools
 import json
 import logging
 import math
@@ -82,6 +81,7 @@ from tidespec.adapt.online import (
     load_latest_valid,
 )
 from tidespec.adapt.store import ShardGone, ShardInfo, SignalShard, SignalStore
+from tidespec.config import opt
 from tidespec.models.llama import LlamaConfig, LlamaModel
 from tidespec.spec.drafters.eagle3 import Eagle3Config, Eagle3Head
 
@@ -95,47 +95,43 @@ class TrainerConfigError(ValueError):
     """A trainer setting is invalid; the message is one line."""
 
 
-def _h(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass
 class TrainerConfig:
     """Flags of ``tidespec train-drafter`` (one field = one ``--flag``)."""
 
-    signal_dir: str = _h("", "signal store directory to watch (written by the engine or --from-workload)")
-    publish_root: str = _h("", "drafter publish root (v1/, v2/, LATEST); the engine's --eagle3-dir")
-    model: str | None = _h(None, "target checkpoint (HF dir or GGUF); default: embedded SmolLM2-135M-Instruct")
-    dtype: Literal["float32", "bfloat16", "float16", "float64"] = _h("float32", "target weights dtype")
-    device: str = _h("cpu", "torch device for the target embedding and training (cpu, cuda, cuda:1)")
-    threads: int = _h(0, "torch intra-op threads (0 = torch default)")
-    draft_vocab: int = _h(0, "draft vocabulary of a fresh head, most frequent captured tokens (0 = full vocab)")
-    init_from: str | None = _h(None, "exported EAGLE-3 checkpoint to start from when nothing is published")
-    min_signals: int = _h(16384, "new signal rows (positions) that trigger a training round")
-    heldout_frac: float = _h(0.1, "fraction of sequences held out to compare candidate and current drafter")
-    epochs: float = _h(2.0, "passes over the round's training segments")
-    max_steps: int = _h(0, "optimizer steps per round (0 = from --epochs)")
-    batch_segments: int = _h(8, "segments per optimizer step (per rank)")
-    max_segment_len: int = _h(256, "positions per training segment (longer runs are cut)")
-    replay_rows: int = _h(4096, "also train on up to this many rows of earlier rounds (newest first), so a round "
+    signal_dir: str = opt("", "signal store directory to watch (written by the engine or --from-workload)")
+    publish_root: str = opt("", "drafter publish root (v1/, v2/, LATEST); the engine's --eagle3-dir")
+    model: str | None = opt(None, "target checkpoint (HF dir or GGUF); default: embedded SmolLM2-135M-Instruct")
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = opt("float32", "target weights dtype")
+    device: str = opt("cpu", "torch device for the target embedding and training (cpu, cuda, cuda:1)")
+    threads: int = opt(0, "torch intra-op threads (0 = torch default)")
+    draft_vocab: int = opt(0, "draft vocabulary of a fresh head, most frequent captured tokens (0 = full vocab)")
+    init_from: str | None = opt(None, "exported EAGLE-3 checkpoint to start from when nothing is published")
+    min_signals: int = opt(16384, "new signal rows (positions) that trigger a training round")
+    heldout_frac: float = opt(0.1, "fraction of sequences held out to compare candidate and current drafter")
+    epochs: float = opt(2.0, "passes over the round's training segments")
+    max_steps: int = opt(0, "optimizer steps per round (0 = from --epochs)")
+    batch_segments: int = opt(8, "segments per optimizer step (per rank)")
+    max_segment_len: int = opt(256, "positions per training segment (longer runs are cut)")
+    replay_rows: int = opt(4096, "also train on up to this many rows of earlier rounds (newest first), so a round "
                                 "on a new domain does not erase the old one; 0 = new rows only")
-    lr: float = _h(1e-3, "AdamW learning rate")
-    ttt_steps: int = _h(3, "training-time-test unroll steps")
-    gamma: int = _h(4, "draft length of the simulated-acceptance evaluation")
-    min_gain: float = _h(0.0, "publish only if the mean acceptance length improves by more than this")
-    poll_s: float = _h(10.0, "seconds between checks of the signal store")
-    max_rounds: int = _h(0, "stop after this many training rounds (0 = run until interrupted)")
-    once: bool = _h(False, "run one round on the signals available now (at least one row) and exit")
-    from_workload: str | None = _h(None, "bootstrap: generate greedily from this JSONL workload, capture, train")
-    workload_limit: int = _h(0, "bootstrap: first N workload records (0 = all)")
-    max_tokens: int = _h(128, "bootstrap: tokens generated per prompt")
-    budget_mb: int = _h(2048, "signal store byte budget in MiB (bootstrap writes; readers ignore it)")
-    seed: int = _h(0, "seed of shuffling and of a fresh head's draft-vocabulary head")
-    export_dir: str | None = _h(None, "at the end, write the newest published drafter to this directory as one "
+    lr: float = opt(1e-3, "AdamW learning rate")
+    ttt_steps: int = opt(3, "training-time-test unroll steps")
+    gamma: int = opt(4, "draft length of the simulated-acceptance evaluation")
+    min_gain: float = opt(0.0, "publish only if the mean acceptance length improves by more than this")
+    poll_s: float = opt(10.0, "seconds between checks of the signal store")
+    max_rounds: int = opt(0, "stop after this many training rounds (0 = run until interrupted)")
+    once: bool = opt(False, "run one round on the signals available now (at least one row) and exit")
+    from_workload: str | None = opt(None, "bootstrap: generate greedily from this JSONL workload, capture, train")
+    workload_limit: int = opt(0, "bootstrap: first N workload records (0 = all)")
+    max_tokens: int = opt(128, "bootstrap: tokens generated per prompt")
+    budget_mb: int = opt(2048, "signal store byte budget in MiB (bootstrap writes; readers ignore it)")
+    seed: int = opt(0, "seed of shuffling and of a fresh head's draft-vocabulary head")
+    export_dir: str | None = opt(None, "at the end, write the newest published drafter to this directory as one "
                                       "EAGLE-3 checkpoint (the vLLM/SGLang layout; --bootstrap/--eagle3-dir take it)")
-    export_dtype: Literal["float32", "bfloat16", "float16"] = _h("float32", "dtype of the --export-dir weights")
-    backend: Literal["auto", "gloo", "nccl"] = _h("auto", "torch.distributed backend under torchrun")
-    progress: bool = _h(True, "show progress bars (rank 0)")
+    export_dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "dtype of the --export-dir weights")
+    backend: Literal["auto", "gloo", "nccl"] = opt("auto", "torch.distributed backend under torchrun")
+    progress: bool = opt(True, "show progress bars (rank 0)")
 
     def __post_init__(self) -> None:
         if not self.signal_dir:
@@ -697,10 +693,13 @@ def export_latest(root: str | Path, directory: str | Path, target_cfg: LlamaConf
 
 def start_trainer_process(online: OnlineConfig, model: str | None, dtype: str = "float32", device: str = "cpu",
                           draft_vocab: int = 0, extra_args: Sequence[str] = (),
-                          log_path: Path | str | None = None) -> subprocess.Popen[bytes]:
+                          log_path: Path | str | None = None, nice: int = 0) -> subprocess.Popen[bytes]:
     """Start ``train-drafter`` as a child process watching ``online``'s store and publish root.
 
-    ``device``: where it trains (another GPU keeps training off the serving device).
+    ``device``: where it trains (another GPU keeps training off the serving device). ``nice``:
+    added to the child's niceness, so on a CPU shared with serving the scheduler runs the
+    engine's threads first and training takes what serving leaves (0 keeps the parent's; Linux's
+    scheduler weighs a nice-10 thread at about a tenth of a nice-0 one).
     ``draft_vocab`` must equal the engine's fresh-head draft vocabulary. Output goes to
     ``log_path`` (default: ``<publish_root>/trainer.log``). Stop it with ``terminate()``.
     """
@@ -716,15 +715,24 @@ def start_trainer_process(online: OnlineConfig, model: str | None, dtype: str = 
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:  # the child keeps its own descriptor
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=_die_with_parent())
+                                preexec_fn=_child_setup(nice))
 
 
-def _die_with_parent() -> Callable[[], object] | None:
-    """On Linux, a ``preexec_fn`` asking the kernel to SIGTERM the child when its parent dies, so a
-    serving process that is killed (SIGKILL, a crash) never leaves its trainer running. ``prctl``
-    has no wrapper in the standard library; libc's is looked up here, before the fork, so the child
-    only makes the one foreign call."""
-    if sys.platform != "linux":
+def _child_setup(nice: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for the trainer child: raise its niceness by ``nice`` and, on Linux, ask
+    the kernel to SIGTERM it when its parent dies, so a serving process that is killed (SIGKILL,
+    a crash) never leaves its trainer running. ``prctl`` has no wrapper in the standard library;
+    libc's is looked up here, before the fork, so the child only makes the one foreign call."""
+    if nice < 0:
+        raise TrainerConfigError(f"nice must be >= 0 (an unprivileged process cannot lower it), got {nice}")
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+    if prctl is None and nice == 0:
         return None
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return functools.partial(prctl, PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+    def setup() -> None:
+        if nice:
+            os.nice(nice)
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+    return setup

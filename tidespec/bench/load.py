@@ -10,10 +10,16 @@ with the open-loop client of ``tidespec bench serve`` and compares, per configur
   grow; adaptive policies keep what they learned);
 * a dynamic-rate trace (low -> high -> low with bursts, like Nightjar's Figure 9) on a fresh
   server: throughput and latency over time;
-* the analytic model against reality: after each run the server's ``/metrics`` give, per
-  batch-size bucket, the measured speedup over plain decoding (profiled T(b, 1)) and TIDE
-  eq. 5's prediction at the measured acceptance (``tidespec.metrics``); every server loads the
-  same profile, measured once at the start (``--profile`` to reuse one).
+* the analytic model against reality (TIDE Figure 8, ``model_check``): every server counts its
+  decode-only steps per batch-size bucket (time by part, tokens; ``tidespec.metrics``), scraped
+  before and after each run; a speculating run's seconds per token in a bucket over the plain
+  run's at the same load is the measured speedup, set against eq. 5 from the profile (measured
+  once at the start, ``--profile`` to reuse one), with where the step time went.
+
+Prompts: with ``--fresh-prompts`` (default) each server walks one shuffled pass of the workload
+across its runs, so no prompt is sent twice while the workload lasts (a repeated prompt lets
+the suffix drafter replay its earlier output and inflates acceptance); every server sees the same
+prompts in the same order.
 
 Configurations (``--configs``): ``plain`` (no drafter), ``static-G`` (the drafter at fixed
 gamma G), and ``analytic`` / ``bandit`` / ``hybrid`` (the drafter with gamma_max
@@ -52,6 +58,7 @@ from tidespec.bench.serve import (RequestRecord, _free_port, arrival_times, laun
                                   summarize)
 from tidespec.bench.workload import load_workload
 from tidespec.config import POLICIES, ConfigError
+from tidespec.control.speedup import Profile
 
 ADAPTIVE = ("analytic", "bandit", "hybrid")
 # (start second, req/s): idle, a ramp to saturation, a burst, back to idle (Nightjar Fig. 9's shape)
@@ -77,6 +84,9 @@ class LoadBenchConfig:
     seed: int = 0
     profile: str | None = None  # profile JSON; None: measure once into the output directory
     extra_server_args: str = ""
+    fresh_prompts: bool = True  # each server walks one shuffled pass of the workload: no prompt is sent twice
+    min_steps: int = 20  # model check: buckets with fewer decode steps (either server) are left out
+    repeats: int = 1  # rounds over all configurations (fresh servers each); the verdict uses the means
 
     def __post_init__(self) -> None:
         if not self.rates or any(not (r > 0 and math.isfinite(r)) for r in self.rates):
@@ -94,6 +104,8 @@ class LoadBenchConfig:
             raise ConfigError("drafter must be a real drafter (plain decoding is the 'plain' configuration)")
         if self.max_tokens < 1 or self.max_num_seqs < 1 or self.max_concurrency < 1:
             raise ConfigError("max_tokens, max_num_seqs and max_concurrency must be >= 1")
+        if self.min_steps < 1 or self.repeats < 1:
+            raise ConfigError(f"min_steps and repeats must be >= 1, got {self.min_steps}, {self.repeats}")
 
 
 def server_args(name: str, cfg: LoadBenchConfig) -> str:
@@ -131,13 +143,50 @@ class RunResult:
     summary: dict[str, Any]
     speedup: dict[str, dict[str, float]] = field(default_factory=dict)  # bucket -> {measured, predicted, gamma}
     records: list[dict[str, Any]] = field(default_factory=list)
+    steps: dict[str, dict[str, float]] = field(default_factory=dict)  # bucket -> decode-step counters of this run
+    repeat: int = 0  # which round over the configurations (--repeats)
 
 
-def _client_ns(cfg: LoadBenchConfig) -> argparse.Namespace:
-    """The knobs ``bench.serve.run_load`` reads."""
+def _client_ns(cfg: LoadBenchConfig, offset: int = 0) -> argparse.Namespace:
+    """The knobs ``bench.serve.run_load`` reads; ``offset``: where in the shuffled workload to start."""
     return argparse.Namespace(api_key=None, max_concurrency=cfg.max_concurrency, timeout=cfg.timeout, model=None,
                               shuffle=True, seed=cfg.seed, max_tokens=cfg.max_tokens, temperature=0.0,
-                              spec_tokens=None, route_header=True)
+                              spec_tokens=None, route_header=True, offset=offset)
+
+
+# Prometheus series of the decode-step breakdown (tidespec.metrics) -> our short names
+STEP_SERIES = {"tidespec:decode_steps_total": None, "tidespec:decode_step_seqs_total": None,
+               "tidespec:decode_step_seconds_total": "part", "tidespec:decode_step_tokens_total": "kind"}
+
+
+def scrape_steps(base_url: str) -> dict[str, dict[str, float]]:
+    """Per bucket: ``steps``, ``seqs`` (sum of batch sizes), seconds ``total`` / ``forward`` /
+    ``draft`` / ``other``, tokens ``emitted`` / ``drafted`` — cumulative since the server started."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    out: dict[str, dict[str, float]] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name not in STEP_SERIES or "bucket" not in s.labels:
+                continue
+            label = STEP_SERIES[s.name]
+            key = s.labels[label] if label else ("steps" if s.name == "tidespec:decode_steps_total" else "seqs")
+            out.setdefault(s.labels["bucket"], {})[key] = float(s.value)
+    return out
+
+
+def diff_steps(after: dict[str, dict[str, float]], before: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """``after - before`` per bucket and counter; buckets with no new steps are dropped.
+
+    Example: after {"4": {"steps": 10, "total": 2.0}}, before {"4": {"steps": 4, "total": 0.5}}
+    -> {"4": {"steps": 6, "total": 1.5}}.
+    """
+    out = {}
+    for bucket, cur in after.items():
+        prev = before.get(bucket, {})
+        d = {k: v - prev.get(k, 0.0) for k, v in cur.items()}
+        if d.get("steps", 0.0) > 0:
+            out[bucket] = d
+    return out
 
 
 def scrape_speedup(base_url: str) -> dict[str, dict[str, float]]:
@@ -154,17 +203,19 @@ def scrape_speedup(base_url: str) -> dict[str, dict[str, float]]:
 
 
 def _run(base_url: str, items: list[Any], arrivals: list[float], cfg: LoadBenchConfig,
-         name: str, kind: str, rate: float | None) -> RunResult:
-    records, wall_s, _ = asyncio.run(run_load(_client_ns(cfg), base_url, items, arrivals))
+         name: str, kind: str, rate: float | None, offset: int, repeat: int) -> RunResult:
+    before = scrape_steps(base_url)
+    records, wall_s, _ = asyncio.run(run_load(_client_ns(cfg, offset), base_url, items, arrivals))
     summary = summarize(records, wall_s)
-    return RunResult(name, kind, rate, summary, scrape_speedup(base_url), [asdict(r) for r in records])
+    return RunResult(name, kind, rate, summary, scrape_speedup(base_url), [asdict(r) for r in records],
+                     diff_steps(scrape_steps(base_url), before), repeat)
 
 
 def _line(r: RunResult) -> str:
     s = r.summary
     what = f"rate {r.rate:g}" if r.rate is not None else "trace"
     mean = s["e2e_s"]["mean"]
-    return (f"[{r.config:>9s} {what:>9s}] {s['completed']}/{s['num_requests']} ok, "
+    return (f"[{r.config:>9s}{'' if not r.repeat else f' #{r.repeat + 1}'} {what:>9s}] {s['completed']}/{s['num_requests']} ok, "
             f"{s['output_tok_per_s']:.1f} tok/s, e2e mean {mean if mean is None else round(mean, 2)} s")
 
 
@@ -187,34 +238,47 @@ def ensure_profile(cfg: LoadBenchConfig, out_dir: Path) -> str:
 
 
 def run_load_bench(cfg: LoadBenchConfig, out_dir: Path | None = None, command: str = "") -> dict[str, Any]:
-    """Run every configuration (trace first on a fresh server, then the rate sweep)."""
+    """Run every configuration (trace first on a fresh server, then the rate sweep); with
+    ``cfg.repeats`` > 1, round after round over all configurations (ABAB..., so a slow spell of
+    the machine hits every configuration alike)."""
     out_dir = out_dir or default_out_dir("load")
     out_dir.mkdir(parents=True, exist_ok=True)
     items = load_workload(cfg.workload)
     cfg.profile = ensure_profile(cfg, out_dir)
     results: list[RunResult] = []
     t_start = time.perf_counter()
-    for ci, name in enumerate(cfg.configs):
+    rounds = [(rep, ci, name) for rep in range(cfg.repeats) for ci, name in enumerate(cfg.configs)]
+    for rep, ci, name in rounds:
         port = _free_port()
         base_url = f"http://127.0.0.1:{port}"
-        print(f"[{ci + 1}/{len(cfg.configs)}] {name}: tidespec serve {server_args(name, cfg)}", file=sys.stderr)
-        proc = launch_server(server_args(name, cfg), port, None, 600.0, out_dir / f"server-{name}.log")
+        what = f"round {rep + 1}/{cfg.repeats}, " if cfg.repeats > 1 else ""
+        print(f"[{what}{ci + 1}/{len(cfg.configs)}] {name}: tidespec serve {server_args(name, cfg)}", file=sys.stderr)
+        log = out_dir / (f"server-{name}.log" if cfg.repeats == 1 else f"server-{name}-r{rep + 1}.log")
+        proc = launch_server(server_args(name, cfg), port, None, 600.0, log)
         try:
             warm = arrival_times([(0.0, math.inf)], 2, None, random.Random(0))
             asyncio.run(run_load(_client_ns(cfg), base_url, items, warm))  # first-request costs out of the way
+            offset = len(warm) if cfg.fresh_prompts else 0  # every server gets the same prompts in the same order
             if cfg.trace is not None:
                 arrivals = arrival_times(list(cfg.trace), 100_000, None, random.Random(cfg.seed))
-                results.append(_run(base_url, items, arrivals, cfg, name, "trace", None))
+                results.append(_run(base_url, items, arrivals, cfg, name, "trace", None, offset, rep))
+                offset += len(arrivals) if cfg.fresh_prompts else 0
                 print(_line(results[-1]), file=sys.stderr)
             for rate in cfg.rates:
                 arrivals = arrival_times([(0.0, rate)], 100_000, cfg.duration, random.Random(cfg.seed + 1))
-                results.append(_run(base_url, items, arrivals, cfg, name, "rate", rate))
+                results.append(_run(base_url, items, arrivals, cfg, name, "rate", rate, offset, rep))
+                offset += len(arrivals) if cfg.fresh_prompts else 0
                 print(_line(results[-1]) + f"  ({time.perf_counter() - t_start:.0f} s so far)", file=sys.stderr)
+            if cfg.fresh_prompts and offset > len(items):
+                print(f"note: {offset} requests on {len(items)} prompts: {offset - len(items)} prompts were sent twice "
+                      "(a larger workload avoids repeats)", file=sys.stderr)
         finally:
             stop_server(proc)
+    profile = Profile.load(cfg.profile)
     doc = {"config": asdict(cfg), "machine": machine_info("float32"), "command": command,
-           "results": [asdict(r) for r in results]}
-    doc["verdict"] = verdict(results, cfg)
+           "results": [asdict(r) for r in results], "profile": profile.to_dict()}
+    doc["verdict"] = verdict(results, cfg, profile)
+    doc["model_check"] = model_check(results, profile, cfg.min_steps)
     write_json(out_dir, "bench_load.json", {k: v for k, v in doc.items() if k not in ("command", "machine")},
                command, doc["machine"])
     print(_render(doc, results, cfg, out_dir))
@@ -232,15 +296,37 @@ def _mean_e2e(r: RunResult) -> float:
     return math.inf if v is None else float(v)
 
 
-def verdict(results: list[RunResult], cfg: LoadBenchConfig) -> dict[str, Any]:
+def averaged(results: list[RunResult]) -> list[RunResult]:
+    """One result per (config, kind, rate): throughput and mean e2e averaged over repeats, the
+    per-repeat throughputs kept in ``summary["tok_s_runs"]``.
+
+    Example: static-2 at rate 1.0 made 30 and 34 tok/s in two rounds -> one result at 32 tok/s
+    with ``tok_s_runs`` [30, 34].
+    """
+    groups: dict[tuple[str, str, float | None], list[RunResult]] = {}
+    for r in results:
+        groups.setdefault((r.config, r.kind, r.rate), []).append(r)
+    out = []
+    for (config, kind, rate), rs in groups.items():
+        summary = dict(rs[0].summary)
+        summary["tok_s_runs"] = [_tput(r) for r in rs]
+        summary["output_tok_per_s"] = float(np.mean(summary["tok_s_runs"]))
+        summary["e2e_s"] = {**summary["e2e_s"], "mean": float(np.mean([_mean_e2e(r) for r in rs]))}
+        out.append(RunResult(config, kind, rate, summary))
+    return out
+
+
+def verdict(results: list[RunResult], cfg: LoadBenchConfig, profile: Profile | None = None) -> dict[str, Any]:
     """The issue's checks: per rate, best adaptive / best static throughput (>= 0.97), at the top
     rate best adaptive / plain (>= 0.97); on the trace, the best adaptive against the best static
-    in throughput and mean latency.
+    in throughput and mean latency; with ``profile``, the error of the analytic model
+    (``model_check``).
 
     Example: rate 0.4 -> static {plain: 20, static-2: 24}, adaptive {hybrid: 23.5}:
-    ratio 23.5 / 24 = 0.979 -> ok.
+    ratio 23.5 / 24 = 0.979 -> ok. With repeats, each configuration counts with its mean.
     """
     out: dict[str, Any] = {"per_rate": []}
+    raw, results = results, averaged(results)
     for rate in cfg.rates:
         at = [r for r in results if r.kind == "rate" and r.rate == rate]
         static = [r for r in at if r.config not in ADAPTIVE]
@@ -249,7 +335,8 @@ def verdict(results: list[RunResult], cfg: LoadBenchConfig) -> dict[str, Any]:
             continue
         bs, ba = max(static, key=_tput), max(adaptive, key=_tput)
         row = {"rate": rate, "best_static": bs.config, "best_static_tok_s": _tput(bs), "best_adaptive": ba.config,
-               "best_adaptive_tok_s": _tput(ba), "ratio": _tput(ba) / _tput(bs) if _tput(bs) else None}
+               "best_adaptive_tok_s": _tput(ba), "ratio": _tput(ba) / _tput(bs) if _tput(bs) else None,
+               "best_static_runs": bs.summary["tok_s_runs"], "best_adaptive_runs": ba.summary["tok_s_runs"]}
         plain = next((r for r in at if r.config == "plain"), None)
         if plain is not None and _tput(plain):
             row["adaptive_over_plain"] = _tput(ba) / _tput(plain)
@@ -265,12 +352,59 @@ def verdict(results: list[RunResult], cfg: LoadBenchConfig) -> dict[str, Any]:
                         "lowest_latency_static": fastest.config, "static_mean_e2e_s": _mean_e2e(fastest),
                         "adaptive_mean_e2e_s": _mean_e2e(ba),
                         "latency_margin": 1.0 - _mean_e2e(ba) / _mean_e2e(fastest)}
-    errors = [abs(v["predicted"] / v["measured"] - 1.0) for r in results for v in r.speedup.values()
-              if v.get("measured") and "predicted" in v and v.get("gamma", 0) > 0]
-    out["speedup_model_abs_error"] = {"n": len(errors), "median": float(np.median(errors)) if errors else None,
-                                      "max": max(errors) if errors else None,
-                                      "within_15pct": sum(e <= 0.15 for e in errors)}
+    if profile is None:
+        return out
+    errors = [abs(x["predicted"] / x["measured"] - 1.0) for x in model_check(raw, profile, cfg.min_steps)]
+    out["model_abs_error"] = {"n": len(errors), "median": float(np.median(errors)) if errors else None,
+                              "max": max(errors) if errors else None,
+                              "within_15pct": sum(e <= 0.15 for e in errors)}
     return out
+
+
+def model_check(results: list[RunResult], profile: Profile, min_steps: int = 20) -> list[dict[str, Any]]:
+    """TIDE's Figure 8 per batch-size bucket: measured speedup of each speculating run over the
+    ``plain`` run at the same load (seconds per emitted token of their decode-only steps in that
+    bucket, from the servers' ``decode_step_*`` counters) against eq. 5 from the profile alone at
+    the run's measured tokens per step: ``e * T(b, 1) / (T(b, 1 + d) + D0)``, with b the bucket's
+    mean batch size, e the emitted and d the drafted tokens per sequence-step.
+
+    Also where the speculating step's time went, to explain an error: its forward against the
+    profile's T(b, 1 + d) (and the plain server's forward against T(b, 1): a server slower than
+    the profile by the same factor in both cancels out of the ratio), its drafting time against
+    D0, and the share of step time outside forward and drafting.
+
+    Worked example: plain bucket 4 with 100 steps, 400 seqs, 10 s total, 8 s forward, 400 emitted
+    (25 ms per token); a static-3 run with 50 steps, 200 seqs, 7.5 s, 200 * 2.5 = 500 emitted,
+    600 drafted (15 ms per token): measured = 25 / 15 = 1.667. With T(4, 1) = 0.08 s,
+    T(4, 4) = 0.11 s, D0 = 0.004 s: predicted = 2.5 * 0.08 / 0.114 = 1.754 (+5.3 %); the plain
+    server's forward is 0.08 s per step, 1.0x the profile.
+    """
+    rows: list[dict[str, Any]] = []
+    plain = {(r.kind, r.rate, r.repeat): r for r in results if r.config == "plain"}
+    for r in results:
+        base = plain.get((r.kind, r.rate, r.repeat))
+        if r.config == "plain" or base is None:
+            continue
+        for bucket, st in sorted(r.steps.items(), key=lambda kv: int(kv[0])):
+            pl = base.steps.get(bucket)
+            if (pl is None or min(st["steps"], pl["steps"]) < min_steps or not st.get("drafted")
+                    or not st.get("emitted") or not pl.get("emitted")):
+                continue
+            b, b_plain = st["seqs"] / st["steps"], pl["seqs"] / pl["steps"]
+            e, d = st["emitted"] / st["seqs"], st["drafted"] / st["seqs"]
+            t1, tq, d0 = profile.verify(b, 1), profile.verify(b, 1.0 + d), profile.d0()
+            rows.append({
+                "config": r.config, "kind": r.kind, "rate": r.rate, "repeat": r.repeat, "bucket": int(bucket),
+                "steps": int(st["steps"]),
+                "mean_batch": b, "tokens_per_seq_step": e, "drafted_per_seq_step": d,
+                "measured": (pl["total"] / pl["emitted"]) / (st["total"] / st["emitted"]),
+                "predicted": e * t1 / (tq + d0),
+                "forward_vs_profile": (st["forward"] / st["steps"]) / tq,
+                "plain_forward_vs_profile": (pl["forward"] / pl["steps"]) / profile.verify(b_plain, 1),
+                "draft_ms": 1000.0 * st["draft"] / st["steps"], "d0_ms": 1000.0 * d0,
+                "other_share": st["other"] / st["total"] if st["total"] else 0.0,
+                "step_ms": 1000.0 * st["total"] / st["steps"]})
+    return rows
 
 
 def report(doc: dict[str, Any], command: str) -> str:
@@ -278,9 +412,14 @@ def report(doc: dict[str, Any], command: str) -> str:
     results = [RunResult(**r) for r in doc["results"]]
     lines = [f"Command: `{command}`", "", f"Machine: {machine_line(doc['machine'])}", ""]
     rows = []
+    rounds = max((r.repeat for r in results), default=0) > 0
+
+    def label(config: str, repeat: int) -> str:
+        return f"{config} #{repeat + 1}" if rounds else config
+
     for r in results:
         s = r.summary
-        rows.append([r.config, "trace" if r.kind == "trace" else f"{r.rate:g}", f"{s['completed']}/{s['num_requests']}",
+        rows.append([label(r.config, r.repeat), "trace" if r.kind == "trace" else f"{r.rate:g}", f"{s['completed']}/{s['num_requests']}",
                      s["output_tok_per_s"], _ms(s["e2e_s"]["mean"]), _ms(s["e2e_s"]["p99"]),
                      _ms(s["ttft_s"]["mean"]), _ms(s["tpot_s"]["mean"]), f"{s['acceptance_rate']:.2f}"])
     lines.append(markdown_table(["config", "rate req/s", "ok", "tok/s", "e2e mean ms", "e2e p99 ms",
@@ -288,8 +427,9 @@ def report(doc: dict[str, Any], command: str) -> str:
     v = doc["verdict"]
     lines += ["", "Verdict per rate (best adaptive vs best static; at the top rate also vs plain):", ""]
     lines.append(markdown_table(["rate", "best static", "tok/s", "best adaptive", "tok/s", "ratio", "adaptive/plain"],
-                                [[f"{x['rate']:g}", x["best_static"], x["best_static_tok_s"], x["best_adaptive"],
-                                  x["best_adaptive_tok_s"], _r(x["ratio"]), _r(x.get("adaptive_over_plain"))]
+                                [[f"{x['rate']:g}", x["best_static"], _runs(x["best_static_tok_s"], x.get("best_static_runs")),
+                                  x["best_adaptive"], _runs(x["best_adaptive_tok_s"], x.get("best_adaptive_runs")),
+                                  _r(x["ratio"]), _r(x.get("adaptive_over_plain"))]
                                  for x in v["per_rate"]]))
     if "trace" in v:
         t = v["trace"]
@@ -297,17 +437,30 @@ def report(doc: dict[str, Any], command: str) -> str:
                   f"{t['best_static']} {t['best_static_tok_s']:.1f} tok/s (margin {t['throughput_margin']:+.1%}); "
                   f"mean e2e {t['adaptive_mean_e2e_s']:.2f} s vs lowest static {t['lowest_latency_static']} "
                   f"{t['static_mean_e2e_s']:.2f} s (margin {t['latency_margin']:+.1%})."]
-    rows = [[r.config, "trace" if r.kind == "trace" else f"{r.rate:g}", b, f"{x.get('gamma', 0):g}",
-             _r(x.get("predicted")), _r(x.get("measured")),
-             _pct(x["predicted"] / x["measured"] - 1.0) if x.get("measured") and "predicted" in x else "-"]
-            for r in results for b, x in sorted(r.speedup.items(), key=lambda kv: int(kv[0]))]
-    if rows:
-        e = v["speedup_model_abs_error"]
-        lines += ["", "Analytic model (TIDE eq. 5 at measured acceptance) vs measured speedup over plain, per "
-                  f"batch-size bucket: median |error| {_pct(e['median'])}, max {_pct(e['max'])}, "
-                  f"{e['within_15pct']}/{e['n']} within 15 %.", ""]
-        lines.append(markdown_table(["config", "rate", "bucket", "last gamma", "predicted", "measured", "error"], rows))
+    checks = doc.get("model_check", [])
+    if checks:
+        e = v["model_abs_error"]
+        lines += ["", "Analytic model (eq. 5 from the profile, at the measured tokens per step) vs measured speedup "
+                  "over the plain server at the same load, per batch-size bucket (TIDE Fig. 8; `model_check`): "
+                  f"median |error| {_pct(e['median'])}, max {_pct(e['max'])}, {e['within_15pct']}/{e['n']} "
+                  "within 15 %.", ""]
+        lines.append(markdown_table(
+            ["config", "rate", "bucket", "mean b", "tok/seq-step", "measured", "predicted", "error", "fwd/profile",
+             "plain fwd/profile", "draft ms", "D0 ms", "other share"],
+            [[label(x["config"], x.get("repeat", 0)), "trace" if x["kind"] == "trace" else f"{x['rate']:g}", x["bucket"],
+              f"{x['mean_batch']:.1f}",
+              f"{x['tokens_per_seq_step']:.2f}", _r(x["measured"]), _r(x["predicted"]),
+              _pct(x["predicted"] / x["measured"] - 1.0), f"{x['forward_vs_profile']:.2f}",
+              f"{x['plain_forward_vs_profile']:.2f}", f"{x['draft_ms']:.1f}", f"{x['d0_ms']:.2f}",
+              f"{x['other_share']:.1%}"] for x in checks]))
     return "\n".join(lines) + "\n"
+
+
+def _runs(mean: float, runs: list[float] | None) -> str:
+    """``32.0`` or, over several rounds, ``32.0 (30.0, 34.0)``."""
+    if not runs or len(runs) < 2:
+        return f"{mean:.1f}"
+    return f"{mean:.1f} ({', '.join(f'{x:.1f}' for x in runs)})"
 
 
 def _ms(v: float | None) -> str:
@@ -325,6 +478,7 @@ def _pct(v: float | None) -> str:
 # ----------------------------------------------------------------------------- plots
 def plot_sweep(results: list[RunResult], cfg: LoadBenchConfig, out_dir: Path) -> Path:
     fig, axes = new_figure(3)
+    results = averaged(results)
     for name in cfg.configs:
         rs = sorted((r for r in results if r.kind == "rate" and r.config == name), key=lambda r: r.rate or 0.0)
         if not rs:
@@ -390,18 +544,17 @@ def token_times(records: list[RequestRecord]) -> tuple[list[float], list[float]]
     return times, weights
 
 
-def plot_speedup(results: list[RunResult], out_dir: Path) -> Path:
+def plot_speedup(checks: list[dict[str, Any]], out_dir: Path) -> Path:
+    """Predicted (eq. 5) vs measured speedup over the plain server, one point per (run, bucket)."""
     fig, axes = new_figure(1)
-    pts = [(v["measured"], v["predicted"], int(b)) for r in results for b, v in r.speedup.items()
-           if v.get("measured") and "predicted" in v and v.get("gamma", 0) > 0]
-    if pts:
-        m, p, b = zip(*pts)
-        sc = axes[0].scatter(m, p, c=np.log2(b), cmap="viridis")
+    if checks:
+        m, p = [x["measured"] for x in checks], [x["predicted"] for x in checks]
+        sc = axes[0].scatter(m, p, c=[math.log2(x["bucket"]) for x in checks], cmap="viridis")
         lo, hi = min(m + p) * 0.9, max(m + p) * 1.1
         axes[0].plot([lo, hi], [lo, hi], "k--", lw=1)
         axes[0].fill_between([lo, hi], [lo * 0.85, hi * 0.85], [lo * 1.15, hi * 1.15], color="grey", alpha=0.15)
         fig.colorbar(sc, ax=axes[0], label="log2 batch bucket")
-    axes[0].set_xlabel("measured speedup over plain")
+    axes[0].set_xlabel("measured speedup over the plain server")
     axes[0].set_ylabel("predicted (eq. 5)")
     axes[0].set_title("analytic model vs measured (±15 % band)")
     return save_figure(fig, out_dir, "speedup.png")
@@ -425,6 +578,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed, help="arrival/shuffle seed")
     p.add_argument("--profile", default=None, help="profile JSON every server loads (default: measured once)")
     p.add_argument("--server-args", default="", help="extra engine flags for every server")
+    p.add_argument("--fresh-prompts", action=argparse.BooleanOptionalAction, default=d.fresh_prompts,
+                   help="each server walks one shuffled pass of the workload (no prompt twice while it lasts); "
+                        "--no-fresh-prompts restarts the shuffled order at every run")
+    p.add_argument("--repeats", type=int, default=d.repeats,
+                   help="rounds over all configurations, each on fresh servers; the verdict compares means")
+    p.add_argument("--min-steps", type=int, default=d.min_steps,
+                   help="model check: leave out buckets with fewer decode steps than this")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-load-<time>)")
     p.add_argument("--replot", type=Path, default=None, metavar="DIR",
                    help="only re-render README.md and the plots of an earlier run in DIR")
@@ -440,7 +600,9 @@ def replot(out_dir: Path) -> dict[str, Any]:
     cfg = LoadBenchConfig(**{**c, "rates": tuple(c["rates"]), "configs": tuple(c["configs"]),
                              "trace": None if c["trace"] is None else tuple(tuple(x) for x in c["trace"])})
     results = [RunResult(**r) for r in doc["results"]]
-    doc["verdict"] = verdict(results, cfg)
+    profile = Profile.from_dict(doc["profile"]) if doc.get("profile") else None
+    doc["verdict"] = verdict(results, cfg, profile)
+    doc["model_check"] = model_check(results, profile, cfg.min_steps) if profile is not None else []
     _render(doc, results, cfg, out_dir)
     return doc
 
@@ -452,7 +614,7 @@ def _render(doc: dict[str, Any], results: list[RunResult], cfg: LoadBenchConfig,
     plot_sweep(results, cfg, out_dir)
     if cfg.trace is not None:
         plot_trace(results, cfg, out_dir)
-    plot_speedup(results, out_dir)
+    plot_speedup(doc.get("model_check", []), out_dir)
     return text
 
 
@@ -477,6 +639,7 @@ def run(ns: argparse.Namespace) -> int:
     cfg = LoadBenchConfig(workload=ns.workload, model=ns.model, rates=rates, duration=ns.duration, trace=trace,
                           configs=tuple(x.strip() for x in ns.configs.split(",") if x.strip()), drafter=ns.drafter,
                           gamma_max=ns.gamma_max, max_tokens=ns.max_tokens, max_num_seqs=ns.max_num_seqs,
-                          threads=ns.threads, seed=ns.seed, profile=ns.profile, extra_server_args=ns.server_args)
+                          threads=ns.threads, seed=ns.seed, profile=ns.profile, extra_server_args=ns.server_args,
+                          fresh_prompts=ns.fresh_prompts, min_steps=ns.min_steps, repeats=ns.repeats)
     run_load_bench(cfg, ns.out, command_line())
     return 0

@@ -249,8 +249,12 @@ async def run_load(ns: argparse.Namespace, base_url: str, items: list[WorkloadRe
         order = list(range(len(items)))
         if ns.shuffle:
             random.Random(ns.seed or 0).shuffle(order)
-        records = [RequestRecord(i, items[order[i % len(items)]].id, items[order[i % len(items)]].domain,
-                                 items[order[i % len(items)]].kind, t) for i, t in enumerate(arrivals)]
+        offset = getattr(ns, "offset", 0)  # bench load: where this run starts in the shuffled workload
+
+        def item(i: int) -> WorkloadRecord:
+            return items[order[(offset + i) % len(items)]]
+
+        records = [RequestRecord(i, item(i).id, item(i).domain, item(i).kind, t) for i, t in enumerate(arrivals)]
         t0 = time.perf_counter()
 
         async def launch(rec: RequestRecord) -> None:
@@ -258,7 +262,7 @@ async def run_load(ns: argparse.Namespace, base_url: str, items: list[WorkloadRe
             if delay > 0:
                 await asyncio.sleep(delay)
             async with sem:
-                await _one_request(client, rec, items[order[rec.index % len(items)]], ns, model, t0)
+                await _one_request(client, rec, item(rec.index), ns, model, t0)
 
         tasks = [asyncio.create_task(launch(r)) for r in records]
         hard_stop = (arrivals[-1] if arrivals else 0.0) + ns.timeout + 5.0

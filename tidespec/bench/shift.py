@@ -66,7 +66,7 @@ from tidespec.adapt.store import SignalShard, SignalStore
 from tidespec.bench.report import (default_out_dir, machine_info, machine_line, markdown_table, new_figure,
                                    save_figure, write_json, write_text)
 from tidespec.bench.workload import Prompt, load_prompts
-from tidespec.config import CacheConfig, ConfigError, EngineConfig, SpecConfig
+from tidespec.config import CacheConfig, ConfigError, EngineConfig, SpecConfig, opt
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.kv_cache import KVCache
 from tidespec.engine.stats import StepStats
@@ -79,41 +79,37 @@ CONFIGS = ("plain", "frozen", "online")
 COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:orange"}  # same in both panels
 
 
-def _h(default: Any, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass
 class ShiftBenchConfig:
     """Flags of ``tidespec bench shift`` (one field = one ``--flag``)."""
 
-    workloads: str = _h("code_unseen,chat,code_unseen", "phases of the trace: comma-separated workload JSONLs or "
+    workloads: str = opt("code_unseen,chat,code_unseen", "phases of the trace: comma-separated workload JSONLs or "
                                                        "built-in names, each optionally NAME:N for N requests")
-    requests_per_phase: int = _h(16, "requests of a phase that gives no :N")
-    offset: int = _h(0, "skip the first N records of every workload (e.g. the ones a bootstrap drafter saw)")
-    max_tokens: int = _h(128, "tokens generated per request (EOS ignored)")
-    gamma: int = _h(4, "speculation length of the EAGLE-3 configurations (chains)")
-    concurrency: int = _h(4, "requests in flight (closed loop)")
-    configs: str = _h("plain,frozen,online", "comma-separated subset of plain, frozen, online; 'none' runs only "
+    requests_per_phase: int = opt(16, "requests of a phase that gives no :N")
+    offset: int = opt(0, "skip the first N records of every workload (e.g. the ones a bootstrap drafter saw)")
+    max_tokens: int = opt(128, "tokens generated per request (EOS ignored)")
+    gamma: int = opt(4, "speculation length of the EAGLE-3 configurations (chains)")
+    concurrency: int = opt(4, "requests in flight (closed loop)")
+    configs: str = opt("plain,frozen,online", "comma-separated subset of plain, frozen, online; 'none' runs only "
                                              "the capture-overhead and signals-vs-recompute measurements")
-    bootstrap: str | None = _h(None, "starting drafter: a publish root or an exported EAGLE-3 checkpoint "
+    bootstrap: str | None = opt(None, "starting drafter: a publish root or an exported EAGLE-3 checkpoint "
                                      "(default: a fresh random head)")
-    draft_vocab: int = _h(8192, "draft vocabulary of a fresh head (0 = the target's)")
-    min_signals: int = _h(4096, "online: new signal rows that trigger a training round")
-    collect_n_init: int = _h(8, "online: requests averaged before shift detection starts")
-    collect_epsilon: float = _h(0.02, "online: short-vs-long EMA acceptance drop that means a shift")
-    collect_force: bool = _h(False, "online: collect all the time, not only after a detected shift")
-    capture_prompt: bool = _h(False, "online: also capture prompt positions (default: the target's outputs only)")
-    trainer_threads: int = _h(1, "online: torch threads of the trainer child process")
-    trainer_epochs: float = _h(4.0, "online: passes over each round's signals")
-    trainer_args: str = _h("", "online: extra train-drafter flags")
-    window: int = _h(8, "requests per point of the acceptance curve")
-    bin_s: float = _h(15.0, "seconds per point of the tokens/s curve")
-    overhead_repeats: int = _h(2, "capture overhead: off/on pairs (0 = skip)")
-    overhead_requests: int = _h(8, "capture overhead: requests per run")
-    recompute_rows: int = _h(4096, "signals vs recompute: rows timed (0 = skip)")
-    signal_dir: str | None = _h(None, "signals vs recompute: store to read (default: the online run's)")
-    seed: int = _h(0, "seed of the trainer")
+    draft_vocab: int = opt(8192, "draft vocabulary of a fresh head (0 = the target's)")
+    min_signals: int = opt(4096, "online: new signal rows that trigger a training round")
+    collect_n_init: int = opt(8, "online: requests averaged before shift detection starts")
+    collect_epsilon: float = opt(0.02, "online: short-vs-long EMA acceptance drop that means a shift")
+    collect_force: bool = opt(False, "online: collect all the time, not only after a detected shift")
+    capture_prompt: bool = opt(False, "online: also capture prompt positions (default: the target's outputs only)")
+    trainer_threads: int = opt(1, "online: torch threads of the trainer child process")
+    trainer_epochs: float = opt(4.0, "online: passes over each round's signals")
+    trainer_args: str = opt("", "online: extra train-drafter flags")
+    window: int = opt(8, "requests per point of the acceptance curve")
+    bin_s: float = opt(15.0, "seconds per point of the tokens/s curve")
+    overhead_repeats: int = opt(2, "capture overhead: off/on pairs (0 = skip)")
+    overhead_requests: int = opt(8, "capture overhead: requests per run")
+    recompute_rows: int = opt(4096, "signals vs recompute: rows timed (0 = skip)")
+    signal_dir: str | None = opt(None, "signals vs recompute: store to read (default: the online run's)")
+    seed: int = opt(0, "seed of the trainer")
 
     def __post_init__(self) -> None:
         if not self.phases:

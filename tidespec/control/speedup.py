@@ -126,7 +126,7 @@ class Profile:
             return 0.0
         return max(0.0, _row_interp(self._rows, float(tokens), batch))
 
-    def verify(self, b: int, q: int) -> float:
+    def verify(self, b: float, q: float) -> float:
         """T(b, q): b sequences with q new tokens each; T(b * q) when no 2-D table was measured."""
         if not self._vrows:
             return self.target(b * q)
@@ -183,7 +183,7 @@ def _batch_rows(table: dict[tuple[int, int], float]) -> dict[int, tuple[list[flo
     return {b: ([float(t) for t in sorted(r)], [r[t] for t in sorted(r)]) for b, r in rows.items()}
 
 
-def _row_interp(rows: dict[int, tuple[list[float], list[float]]], x: float, batch: int) -> float:
+def _row_interp(rows: dict[int, tuple[list[float], list[float]]], x: float, batch: float) -> float:
     """Linear in x within each batch row, linear between the two nearest rows, clamped outside."""
     batches = sorted(rows)
     if batch <= batches[0] or batch >= batches[-1]:

@@ -96,7 +96,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         online.trainer = start_trainer_process(
             online.config, config.model.model, dtype=config.model.dtype,
             device=config.spec.trainer_device or config.model.device, draft_vocab=config.spec.eagle3_draft_vocab,
-            extra_args=shlex.split(config.spec.trainer_args))
+            extra_args=shlex.split(config.spec.trainer_args), nice=config.spec.trainer_nice)
     app = create_app(engine, server_config, on_shutdown=online.close if online is not None else None)
     log.info("serving %r on http://%s:%d (drafter %s, policy %s, max_waiting %d%s)", server_config.served_model_name,
              ns.host, ns.port, config.spec.drafter, config.spec.policy, config.scheduler.max_waiting,
