@@ -204,6 +204,25 @@ def test_bandit_policy_goodput_is_emitted_over_step_time() -> None:
     assert policy.bandit.arm_means(2) == pytest.approx([0.0, 300.0, 0.0])
 
 
+def test_steps_with_prefill_are_not_credited_to_an_arm() -> None:
+    """A step that also prefilled 64 prompt tokens (slow for reasons no arm controls) leaves the
+    arm's mean and count alone, but the switching-cost state still follows the arm played; the
+    hybrid's calibration ignores it too, and still learns alpha from it."""
+    policy = BanditPolicy(gamma_max=2, seed=0)
+    policy.plan(plan_input(2))
+    policy.observe(StepFeedback(2, 1, 2, 2, 1, 3, 0.01, 0.001, 0.009))
+    policy.plan(plan_input(2))
+    policy.observe(StepFeedback(2, 0, 0, 0, 0, 2, 0.2, 0.0, 0.19, num_prefill_tokens=64))
+    assert policy.bandit.arm_means(2) == pytest.approx([0.0, 300.0, 0.0])
+    assert policy.bandit.arm_counts(2) == [0, 1, 0]
+    assert policy.bandit._last_gamma == 0 and policy.bandit._zero_run == 1
+    hybrid = HybridPolicy(synthetic_profile(), gamma_max=2, prior_alpha=0.6)
+    hybrid.plan(plan_input(1))
+    hybrid.observe(StepFeedback(1, 2, 1, 2, 0, 1, 0.5, 0.001, 0.4, num_prefill_tokens=64))
+    assert hybrid.kappa == 1.0 and hybrid.bandit.arm_counts(1) == [0, 0, 0]
+    assert hybrid.alphas.global_alpha < 0.6  # nothing of 2 drafts accepted: alpha went down
+
+
 # ---- hybrid ----
 def test_hybrid_prior_is_analytic_goodput() -> None:
     p = synthetic_profile()

@@ -207,18 +207,24 @@ class NightjarBandit:
         st.advance()
         return gamma
 
-    def update(self, batch_size: int, gamma: int, goodput: float, step_time: float) -> None:
-        """Record the reward of the arm actually played (incremental mean, Nightjar eq. 3 text)."""
+    def update(self, batch_size: int, gamma: int, goodput: float, step_time: float, credit: bool = True) -> None:
+        """Record the reward of the arm actually played (incremental mean, Nightjar eq. 3 text).
+
+        ``credit=False``: the arm was played (the switching-cost state follows it) but its reward
+        says nothing about the arm — e.g. a step that also prefilled a prompt chunk, whose cost no
+        arm controls — so the arm's mean and count stay as they were.
+        """
         if not 0 <= gamma <= self.gamma_max:
             raise ValueError(f"gamma must be in [0, {self.gamma_max}], got {gamma}")
         if not math.isfinite(goodput) or goodput < 0:
             raise ValueError(f"goodput must be finite and >= 0, got {goodput}")
         if not math.isfinite(step_time) or step_time < 0:
             raise ValueError(f"step_time must be finite and >= 0, got {step_time}")
-        _, st = self._state(batch_size)
-        st.counts[gamma] += 1
-        st.means[gamma] += (goodput - st.means[gamma]) / st.counts[gamma]
-        st.time_s[gamma] += step_time
+        if credit:
+            _, st = self._state(batch_size)
+            st.counts[gamma] += 1
+            st.means[gamma] += (goodput - st.means[gamma]) / st.counts[gamma]
+            st.time_s[gamma] += step_time
         self._last_gamma = gamma
         self._zero_run = self._zero_run + 1 if gamma == 0 else 0
 

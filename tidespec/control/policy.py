@@ -17,7 +17,11 @@ name.
 
 Feedback convention: ``StepFeedback.gamma`` is the arm that ran, i.e. the largest per-sequence
 gamma of the step (0 when nothing was drafted); bandits credit the step's goodput
-``num_emitted_tokens / step_time`` to that arm.
+``num_emitted_tokens / step_time`` to that arm — on decode-only steps. A step that also prefills
+a prompt chunk is not credited: its time is mostly the chunk's, which no arm controls, and under
+load such steps are frequent, so crediting them buries differences of a few per cent between arms
+in noise (measured in docs/benchmarks.md section 5a: the hybrid kept speculating at batch 16).
+Acceptance (alpha) is still learned from them.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ class StepFeedback:
     step_time: float  # seconds, whole step
     draft_time: float  # seconds spent drafting
     verify_time: float  # seconds spent in the target forward
+    num_prefill_tokens: int = 0  # prompt tokens prefilled in the same step (chunked prefill)
 
 
 @runtime_checkable
@@ -273,7 +278,8 @@ class BanditPolicy:
 
     def observe(self, fb: StepFeedback) -> None:
         if fb.batch_size >= 1 and fb.step_time > 0:
-            self.bandit.update(fb.batch_size, min(fb.gamma, self.gamma_max), _goodput(fb), fb.step_time)
+            self.bandit.update(fb.batch_size, min(fb.gamma, self.gamma_max), _goodput(fb), fb.step_time,
+                               credit=not fb.num_prefill_tokens)
 
     def stats(self) -> dict[str, float]:
         return _bandit_stats(self.bandit)
@@ -393,10 +399,11 @@ class HybridPolicy:
         gamma = min(fb.gamma, self.gamma_max)
         goodput = _goodput(fb)
         key = self._bucket(fb.batch_size)
+        credit = not fb.num_prefill_tokens  # see the module docstring
         predicted = self.predicted_goodputs(key)[gamma] / self.kappa
-        if predicted > 0 and goodput > 0:
+        if credit and predicted > 0 and goodput > 0:
             self.kappa += self.ema * (goodput / predicted - self.kappa)
-        self.bandit.update(fb.batch_size, gamma, goodput, fb.step_time)
+        self.bandit.update(fb.batch_size, gamma, goodput, fb.step_time, credit=credit)
         alpha = alpha_of_step(fb)
         if alpha is not None:
             self.alphas.update(bucket_of(key), alpha)

@@ -225,7 +225,8 @@ class LLMEngine:
                 batch_size=len(batch.decode), gamma=max(gammas), num_seqs_speculated=stats.num_drafts,
                 num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens,
                 num_emitted_tokens=stats.num_emitted_tokens, step_time=stats.total_time,
-                draft_time=stats.draft_time, verify_time=stats.verify_time))
+                draft_time=stats.draft_time, verify_time=stats.verify_time,
+                num_prefill_tokens=stats.num_prefill_tokens))
         self.last_stats = stats
         self.history.append(stats)
         for listener in self.step_listeners:
