@@ -97,7 +97,7 @@ def test_model_check_hand_traced() -> None:
     assert x["plain_forward_vs_profile"] == pytest.approx(1.0) and x["draft_ms"] == pytest.approx(4.0)
     assert x["forward_vs_profile"] == pytest.approx(0.1 / 0.11)
     cfg = LoadBenchConfig(rates=(1.0,), configs=("plain", "static-3", "hybrid"))
-    v = verdict([plain, spec, lone], cfg, profile)
+    v = verdict([plain, spec, lone], cfg, rows)
     assert v["model_abs_error"]["n"] == 1
     assert v["model_abs_error"]["median"] == pytest.approx(abs(x["predicted"] / x["measured"] - 1))
 

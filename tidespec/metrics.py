@@ -37,7 +37,11 @@ measured tokens per step in place of E[l](alpha), so the check isolates the cost
 forward times vs real steps, including everything a step does besides the forward). Example:
 two decode steps at batch 4, 12 drafted and 8 emitted each, 0.2 s each, T(4, 1) = 0.1 s,
 T(4, 4) = 0.16 s, D0 = 0: measured = 2 * 8 * 0.1 / 4 / 0.4 = 1.0, predicted = 0.4 / 0.32 = 1.25.
-The per-step work is two profile lookups; the policy's ``stats()`` runs only on a scrape.
+The per-step work is two profile lookups; the policy's ``stats()`` runs only on a scrape. Both
+gauges take the *profiled* T(b, 1) as plain decoding's cost, so their ratio shows how far a served
+step is from the profile (on the 2-core VM: 1.3-1.4x, mostly a slower forward), not the model's
+error: for that, compare with a plain server's ``decode_step_*`` counters (``tidespec bench load``
+does, docs/benchmarks.md section 5).
 
 Where a decode step's time goes, per batch-size bucket, with or without a policy (plain servers
 too, so a benchmark can compare a speculating server with a plain one bucket by bucket, as TIDE's

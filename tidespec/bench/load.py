@@ -215,7 +215,8 @@ def _line(r: RunResult) -> str:
     s = r.summary
     what = f"rate {r.rate:g}" if r.rate is not None else "trace"
     mean = s["e2e_s"]["mean"]
-    return (f"[{r.config:>9s}{'' if not r.repeat else f' #{r.repeat + 1}'} {what:>9s}] {s['completed']}/{s['num_requests']} ok, "
+    name = r.config if not r.repeat else f"{r.config} #{r.repeat + 1}"
+    return (f"[{name:>9s} {what:>9s}] {s['completed']}/{s['num_requests']} ok, "
             f"{s['output_tok_per_s']:.1f} tok/s, e2e mean {mean if mean is None else round(mean, 2)} s")
 
 
@@ -277,8 +278,8 @@ def run_load_bench(cfg: LoadBenchConfig, out_dir: Path | None = None, command: s
     profile = Profile.load(cfg.profile)
     doc = {"config": asdict(cfg), "machine": machine_info("float32"), "command": command,
            "results": [asdict(r) for r in results], "profile": profile.to_dict()}
-    doc["verdict"] = verdict(results, cfg, profile)
     doc["model_check"] = model_check(results, profile, cfg.min_steps)
+    doc["verdict"] = verdict(results, cfg, doc["model_check"])
     write_json(out_dir, "bench_load.json", {k: v for k, v in doc.items() if k not in ("command", "machine")},
                command, doc["machine"])
     print(_render(doc, results, cfg, out_dir))
@@ -316,17 +317,18 @@ def averaged(results: list[RunResult]) -> list[RunResult]:
     return out
 
 
-def verdict(results: list[RunResult], cfg: LoadBenchConfig, profile: Profile | None = None) -> dict[str, Any]:
+def verdict(results: list[RunResult], cfg: LoadBenchConfig,
+            checks: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """The issue's checks: per rate, best adaptive / best static throughput (>= 0.97), at the top
     rate best adaptive / plain (>= 0.97); on the trace, the best adaptive against the best static
-    in throughput and mean latency; with ``profile``, the error of the analytic model
-    (``model_check``).
+    in throughput and mean latency; with ``checks`` (``model_check``'s rows), the error of the
+    analytic model.
 
     Example: rate 0.4 -> static {plain: 20, static-2: 24}, adaptive {hybrid: 23.5}:
     ratio 23.5 / 24 = 0.979 -> ok. With repeats, each configuration counts with its mean.
     """
     out: dict[str, Any] = {"per_rate": []}
-    raw, results = results, averaged(results)
+    results = averaged(results)
     for rate in cfg.rates:
         at = [r for r in results if r.kind == "rate" and r.rate == rate]
         static = [r for r in at if r.config not in ADAPTIVE]
@@ -352,9 +354,9 @@ def verdict(results: list[RunResult], cfg: LoadBenchConfig, profile: Profile | N
                         "lowest_latency_static": fastest.config, "static_mean_e2e_s": _mean_e2e(fastest),
                         "adaptive_mean_e2e_s": _mean_e2e(ba),
                         "latency_margin": 1.0 - _mean_e2e(ba) / _mean_e2e(fastest)}
-    if profile is None:
+    if checks is None:
         return out
-    errors = [abs(x["predicted"] / x["measured"] - 1.0) for x in model_check(raw, profile, cfg.min_steps)]
+    errors = [abs(x["predicted"] / x["measured"] - 1.0) for x in checks]
     out["model_abs_error"] = {"n": len(errors), "median": float(np.median(errors)) if errors else None,
                               "max": max(errors) if errors else None,
                               "within_15pct": sum(e <= 0.15 for e in errors)}
@@ -419,7 +421,8 @@ def report(doc: dict[str, Any], command: str) -> str:
 
     for r in results:
         s = r.summary
-        rows.append([label(r.config, r.repeat), "trace" if r.kind == "trace" else f"{r.rate:g}", f"{s['completed']}/{s['num_requests']}",
+        rows.append([label(r.config, r.repeat), "trace" if r.kind == "trace" else f"{r.rate:g}",
+                     f"{s['completed']}/{s['num_requests']}",
                      s["output_tok_per_s"], _ms(s["e2e_s"]["mean"]), _ms(s["e2e_s"]["p99"]),
                      _ms(s["ttft_s"]["mean"]), _ms(s["tpot_s"]["mean"]), f"{s['acceptance_rate']:.2f}"])
     lines.append(markdown_table(["config", "rate req/s", "ok", "tok/s", "e2e mean ms", "e2e p99 ms",
@@ -427,7 +430,8 @@ def report(doc: dict[str, Any], command: str) -> str:
     v = doc["verdict"]
     lines += ["", "Verdict per rate (best adaptive vs best static; at the top rate also vs plain):", ""]
     lines.append(markdown_table(["rate", "best static", "tok/s", "best adaptive", "tok/s", "ratio", "adaptive/plain"],
-                                [[f"{x['rate']:g}", x["best_static"], _runs(x["best_static_tok_s"], x.get("best_static_runs")),
+                                [[f"{x['rate']:g}", x["best_static"],
+                                  _runs(x["best_static_tok_s"], x.get("best_static_runs")),
                                   x["best_adaptive"], _runs(x["best_adaptive_tok_s"], x.get("best_adaptive_runs")),
                                   _r(x["ratio"]), _r(x.get("adaptive_over_plain"))]
                                  for x in v["per_rate"]]))
@@ -447,7 +451,8 @@ def report(doc: dict[str, Any], command: str) -> str:
         lines.append(markdown_table(
             ["config", "rate", "bucket", "mean b", "tok/seq-step", "measured", "predicted", "error", "fwd/profile",
              "plain fwd/profile", "draft ms", "D0 ms", "other share"],
-            [[label(x["config"], x.get("repeat", 0)), "trace" if x["kind"] == "trace" else f"{x['rate']:g}", x["bucket"],
+            [[label(x["config"], x.get("repeat", 0)), "trace" if x["kind"] == "trace" else f"{x['rate']:g}",
+              x["bucket"],
               f"{x['mean_batch']:.1f}",
               f"{x['tokens_per_seq_step']:.2f}", _r(x["measured"]), _r(x["predicted"]),
               _pct(x["predicted"] / x["measured"] - 1.0), f"{x['forward_vs_profile']:.2f}",
@@ -601,8 +606,8 @@ def replot(out_dir: Path) -> dict[str, Any]:
                              "trace": None if c["trace"] is None else tuple(tuple(x) for x in c["trace"])})
     results = [RunResult(**r) for r in doc["results"]]
     profile = Profile.from_dict(doc["profile"]) if doc.get("profile") else None
-    doc["verdict"] = verdict(results, cfg, profile)
-    doc["model_check"] = model_check(results, profile, cfg.min_steps) if profile is not None else []
+    doc["model_check"] = model_check(results, profile, cfg.min_steps)
+    doc["verdict"] = verdict(results, cfg, doc["model_check"]) if profile is not None else []
     _render(doc, results, cfg, out_dir)
     return doc
 
