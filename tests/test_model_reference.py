@@ -146,12 +146,12 @@ def test_embedded_matches_transformers(embedded: LoadedModel,
         assert (got - ref).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("rows", [1, 5, 128, 129])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 128, 129])
 @pytest.mark.parametrize("n_out", [64, 63, 400, 401])
 def test_split_linear_equals_f_linear(rows: int, n_out: int, two_threads: None) -> None:
-    """Row-blocked ``bmm`` (rows <= 128, out features divisible by the thread count), ``W @ x^T``
-    for a wide matrix (out >= 8 x in, 2..128 rows; odd widths too) and the fallback to
-    ``F.linear`` compute the same product; bias included."""
+    """Row-blocked ``bmm`` (1 or 17..128 rows, out features divisible by the thread count),
+    ``W @ x^T`` (2..16 rows, and 2..128 for a wide matrix: out >= 8 x in; odd widths too) and the
+    fallback to ``F.linear`` compute the same product; bias included."""
     gen = torch.Generator().manual_seed(rows + n_out)
     lin = Linear(48, n_out, bias=True).double()
     with torch.no_grad():

@@ -88,8 +88,8 @@ def time_forward(model: LlamaModel, kv: KVCache, batch: int, n: int, context: in
 
 
 # Bumped whenever the model's kernels change enough to invalidate measured costs (2: the
-# row-blocked CPU GEMM of models.llama.Linear), so an old cached profile is never reused.
-PROFILE_SCHEMA = "2"
+# row-blocked CPU GEMM of models.llama.Linear; 3: W @ x^T for 2..16 rows), so an old cached profile is never reused.
+PROFILE_SCHEMA = "3"
 
 
 def profile_cache_dir() -> Path:

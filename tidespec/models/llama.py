@@ -222,26 +222,34 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` that spreads small-row products over the intra-op threads on CPU.
+    """``nn.Linear`` that keeps small-row products on every intra-op thread on CPU.
 
     Why: on this project's reference CPU (AMD EPYC, MKL) ``F.linear`` with few rows — a decode
     step (1 row per sequence) or a verification (γ+1 rows) — runs MKL's GEMV/small-M SGEMM on
-    one core whatever ``torch.set_num_threads`` says, while ``torch.bmm`` parallelises over its
-    batch dimension. Splitting the weight's output rows into ``s = num_threads`` blocks and
-    multiplying them as a batch measured 1.6-2.4x faster for 1-16 rows (``docs/benchmarks.md``).
-    For a wide matrix (an LM head: 49152 x 576) with 2+ rows, ``W @ x^T`` measured 1.7-2.1x
-    faster than the split (MKL handles the tall-skinny orientation well; the row-major one is
-    compute-bound from 2 rows on). Every output element is still one dot product over the full
-    input dimension, so results are the same up to the kernel's summation order (as between
-    any two BLAS kernels). Module hooks are not supported on the hot path (the model calls
-    ``.forward`` directly).
+    one core whatever ``torch.set_num_threads`` says. Two ways around it, each where it measured
+    fastest with the weights streamed from memory (30 layers' worth, not one cache-resident
+    matrix; SmolLM2-135M's four projection shapes summed, 2 threads):
 
-    Example: weight [3072, 576], x [1, 576], 2 threads ->
-    bmm([2, 1, 576] x [2, 576, 1536]) -> [2, 1, 1536] -> [1, 3072].
+    - **1 row, 17..128 rows**: split the weight's output rows into ``s = num_threads`` blocks and
+      multiply them as one ``torch.bmm`` (parallel over its batch): 1.6-2.4x ``F.linear``.
+    - **2..16 rows, and 2..128 rows of a wide matrix** (out >= 8 x in, an LM head):
+      ``W @ x^T``, MKL's tall-skinny orientation, which it runs multi-threaded. Per 30 layers:
+      rows 2 / 4 / 5 / 8 took 32.6 / 32.1 / 39.7 / 54.7 ms against the split's 40.9 / 50.9 /
+      59.9 / 67.8 ms (1 row by the split: 28.5 ms; by ``W @ x^T``: 38.3 ms). At batch 1 this
+      cut a 5-token verification forward from 1.79x to 1.37x a decode step.
+
+    Every output element is still one dot product over the full input dimension, so results
+    are the same up to the kernel's summation order (as between any two BLAS kernels). Module
+    hooks are not supported on the hot path (the model calls ``.forward`` directly).
+
+    Example: weight [3072, 576], 2 threads. x [1, 576] ->
+    bmm([2, 1, 576] x [2, 576, 1536]) -> [2, 1, 1536] -> [1, 3072];
+    x [5, 576] -> mm([3072, 576] x [576, 5]) -> [3072, 5] -> [5, 3072].
     """
 
     max_split_rows = 128  # above this MKL's own multi-threaded SGEMM is used
     wide_ratio = 8  # out >= 8 x in (an LM head): 2..128 rows go as W @ x^T, 1.7-2x faster than the split
+    max_tall_rows = 16  # 2..16 rows (verification of a few tokens) go as W @ x^T for every shape
     _split_key: tuple[int, int] | None = None
     _split_w: torch.Tensor | None = None
 
@@ -252,7 +260,7 @@ class Linear(nn.Linear):
         if s < 2 or x.dim() != 2 or x.shape[0] > self.max_split_rows or x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         T, k = x.shape
-        if T > 1 and n_out >= self.wide_ratio * k:  # LM head at verification
+        if T > 1 and (T <= self.max_tall_rows or n_out >= self.wide_ratio * k):  # verification; LM head
             out = torch.mm(self.weight, x.t()).t().contiguous()  # [out, T] -> [T, out]
             return out if self.bias is None else out + self.bias
         if n_out % s:
