@@ -201,3 +201,17 @@ def test_one_writer_several_readers(tmp_path: Path) -> None:
     final = store.list_shards()
     assert len(final) == 2 and store.total_bytes() <= 2 * one + one // 2
     assert [float(store.read(s.shard_id).taps[0, 0]) for s in final] == [38.0, 39.0]
+
+
+def test_views_of_one_tensor_are_stored(tmp_path: Path) -> None:
+    """Per-row tensors that are views of one buffer (token ids and their successors sliced from
+    one sequence; taps sliced from a bigger capture buffer) are stored: safetensors refuses
+    tensors that share memory, so the store copies views into storage of their own."""
+    seq = torch.arange(20, 27)  # [7] one sequence's tokens
+    big = torch.randn(10, 12)  # [10, k*H] a capture buffer; rows 2..7 are this shard's
+    shard = SignalShard(taps=big[2:8], token_ids=seq[:-1], next_token_ids=seq[1:],
+                        seq_ids=torch.zeros(6, dtype=torch.long), positions=torch.arange(6))
+    store = SignalStore(tmp_path, byte_budget=1 << 20, taps_dtype="float32")
+    back = store.read(store.append(shard))
+    assert torch.equal(back.token_ids, seq[:-1]) and torch.equal(back.next_token_ids, seq[1:])
+    assert torch.equal(back.taps, big[2:8])

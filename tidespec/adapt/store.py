@@ -183,6 +183,22 @@ def shard_seq(shard_id: str) -> int:
     return int(head)
 
 
+def _owned(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t`` on the CPU in ``dtype``, contiguous, in storage of its own.
+
+    safetensors refuses two tensors that share memory (``token_ids`` and ``next_token_ids`` are
+    naturally two slices of one sequence), so a view into a bigger buffer is copied into storage
+    of its own. A conversion that already copied is not copied again.
+
+    Example: ``seq = torch.arange(5)``; ``_owned(seq[1:], torch.int64)`` is a fresh 4-element
+    tensor; ``_owned(seq, torch.int64)`` is ``seq`` itself.
+    """
+    out = t.detach().to("cpu", dtype).contiguous()
+    if out.untyped_storage().nbytes() != out.numel() * out.element_size():  # a view into a bigger buffer
+        out = out.clone()
+    return out
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -257,19 +273,19 @@ class SignalStore:
     def _encode(self, shard: SignalShard, wall_time: float) -> bytes:
         n = shard.num_signals
         tensors: dict[str, torch.Tensor] = {
-            "taps": shard.taps.detach().to("cpu", self.taps_dtype).contiguous(),
-            "token_ids": shard.token_ids.detach().to("cpu", torch.int64).contiguous(),
-            "next_token_ids": shard.next_token_ids.detach().to("cpu", torch.int64).contiguous(),
-            "seq_ids": shard.seq_ids.detach().to("cpu", torch.int64).contiguous(),
-            "positions": shard.positions.detach().to("cpu", torch.int64).contiguous(),
-            "domain_ids": (shard.domain_ids.detach().to("cpu", torch.int64).contiguous()
+            "taps": _owned(shard.taps, self.taps_dtype),
+            "token_ids": _owned(shard.token_ids, torch.int64),
+            "next_token_ids": _owned(shard.next_token_ids, torch.int64),
+            "seq_ids": _owned(shard.seq_ids, torch.int64),
+            "positions": _owned(shard.positions, torch.int64),
+            "domain_ids": (_owned(shard.domain_ids, torch.int64)
                            if shard.domain_ids is not None else torch.zeros(n, dtype=torch.int64)),
-            "alphas": (shard.alphas.detach().to("cpu", torch.float32).contiguous()
+            "alphas": (_owned(shard.alphas, torch.float32)
                        if shard.alphas is not None else torch.full((n,), float("nan"))),
         }
         if shard.topk_ids is not None and shard.topk_logits is not None:
-            tensors["topk_ids"] = shard.topk_ids.detach().to("cpu", torch.int64).contiguous()
-            tensors["topk_logits"] = shard.topk_logits.detach().to("cpu", torch.float32).contiguous()
+            tensors["topk_ids"] = _owned(shard.topk_ids, torch.int64)
+            tensors["topk_logits"] = _owned(shard.topk_logits, torch.float32)
         meta = {"domains": shard.domains, "wall_time": wall_time, "drafter_version": shard.drafter_version,
                 "acceptance": shard.acceptance}
         return st_save(tensors, metadata={"tidespec": json.dumps(meta)})
