@@ -191,7 +191,7 @@ def _owned(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     of its own. A conversion that already copied is not copied again.
 
     Example: ``seq = torch.arange(5)``; ``_owned(seq[1:], torch.int64)`` is a fresh 4-element
-    tensor; ``_owned(seq, torch.int64)`` is ``seq`` itself.
+    tensor; ``_owned(seq, torch.int64)`` shares ``seq``'s storage (nothing to copy).
     """
     out = t.detach().to("cpu", dtype).contiguous()
     if out.untyped_storage().nbytes() != out.numel() * out.element_size():  # a view into a bigger buffer
