@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from tests.conftest import tiny_hf_model, write_tiny_checkpoint
-from tidespec.bench.load import (LoadBenchConfig, RunResult, averaged, diff_steps, model_check, replot,
-                                 run_load_bench, server_args, verdict)
+from tidespec.bench.load import (LoadBenchConfig, RunResult, averaged, diff_steps, forward_vs_profile, model_check,
+                                 policy_state, replot, run_load_bench, server_args, verdict)
 from tidespec.config import ConfigError
 from tidespec.control.speedup import Profile
 
@@ -122,6 +122,21 @@ def test_diff_steps_isolates_one_run() -> None:
     assert diff_steps(after, before) == {"4": {"steps": 6.0, "total": 1.5}}
 
 
+def test_forward_vs_profile_and_policy_state_hand_traced() -> None:
+    """The docstring examples: a bucket of plain steps 1.33x slower than the profile; a bucket
+    that drafted one token per sequence-step is priced at T(b, 2); the policy's state line."""
+    prof = Profile(target_latency={1: 0.01}, draft_cost={"default": 0.0},
+                   verify_latency={(8, 1): 0.015, (16, 1): 0.015, (8, 2): 0.02, (16, 2): 0.02})
+    assert forward_vs_profile({"16": {"steps": 100.0, "seqs": 1000.0, "forward": 2.0}}, prof) == pytest.approx(4 / 3)
+    two = {"16": {"steps": 100.0, "seqs": 1000.0, "forward": 2.0},
+           "8": {"steps": 50.0, "seqs": 400.0, "forward": 1.0, "drafted": 400.0}}
+    assert forward_vs_profile(two, prof) == pytest.approx(3.0 / (1.5 + 50 * 0.02))
+    assert forward_vs_profile({}, prof) is None
+    assert policy_state({"gamma_b1": 4.0, "alpha_b1": 0.451, "rho_b1": 0.62, "alpha_b16": 0.4, "rho_b16": 0.55,
+                         "probe_steps": 3.0}) == "b1: 4 / 0.45 / 0.62, b16: - / 0.40 / 0.55"
+    assert policy_state({"explore_steps": 1.0}) == "-"
+
+
 def test_load_bench_end_to_end_through_real_servers(tmp_path: Path) -> None:
     hf, _ = tiny_hf_model("llama", torch.float32)
     ckpt = write_tiny_checkpoint(hf, tmp_path / "ckpt")
@@ -153,7 +168,11 @@ def test_load_bench_end_to_end_through_real_servers(tmp_path: Path) -> None:
     assert checks and all(x["config"] != "plain" and x["measured"] > 0 and x["predicted"] > 0 for x in checks)
     for name in ("bench_load.json", "README.md", "sweep.png", "trace.png", "speedup.png", "profile.json"):
         assert (out / name).stat().st_size > 0, name
-    assert "Verdict per rate" in (out / "README.md").read_text(encoding="utf-8")
+    readme = (out / "README.md").read_text(encoding="utf-8")
+    assert "Verdict per rate" in readme and "fwd/profile" in readme
+    hybrid = [r for r in results if r["config"] == "hybrid"]
+    assert all("alpha" in r["policy"] and "rho" in r["policy"] for r in hybrid)  # scraped from /metrics
+    assert "Policy state at the end of each run" in readme
     (out / "README.md").unlink()
     again = replot(out)  # re-rendered from bench_load.json alone
     assert again["verdict"] == doc["verdict"] and (out / "README.md").is_file()

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from tidespec.control.policy import (
+    AlphaTracker,
     AnalyticPolicy,
     BanditPolicy,
     GuardConfig,
@@ -22,7 +23,7 @@ from tidespec.control.policy import (
     bucket_of,
     make_policy,
 )
-from tidespec.control.speedup import Profile, expected_accept_length, practical_speedup
+from tidespec.control.speedup import Profile, best_gamma, expected_accept_length, practical_speedup
 
 D0 = 0.0005
 
@@ -41,10 +42,24 @@ def plan_input(batch: int, kv: float = 0.1, temperature: float = 0.0) -> PlanInp
     return PlanInput(batch, kv, [SeqState(i, temperature, 100, None) for i in range(batch)])
 
 
-def feedback(batch: int, gamma: int, alpha: float, slowdown: float = 1.0) -> StepFeedback:
-    """One step of a world that follows eq. 2 and the synthetic profile exactly."""
+def feedback(batch: int, gamma: int, alpha: float, slowdown: float = 1.0,
+             rng: random.Random | None = None) -> StepFeedback:
+    """One step of a world that follows eq. 2 and the synthetic profile: expected counts rounded,
+    or, with ``rng``, each sequence's acceptance drawn (token by token, stop at a rejection)."""
     p = synthetic_profile()
-    accepted = round(batch * (expected_accept_length(alpha, gamma) - 1.0)) if gamma else 0
+    if rng is not None:
+        runs = []
+        for _ in range(batch if gamma else 0):
+            a = 0
+            while a < gamma and rng.random() < alpha:
+                a += 1
+            runs.append(a)
+        accepted, rejected = sum(runs), sum(a < gamma for a in runs)
+        outcomes = [(gamma, gamma, a) for a in runs]
+    else:
+        accepted = round(batch * (expected_accept_length(alpha, gamma) - 1.0)) if gamma else 0
+        rejected = round(batch * (1.0 - alpha**gamma)) if gamma else 0
+        outcomes = []
     draft_time = gamma * D0
     verify_time = p.target(batch * (gamma + 1))
     return StepFeedback(
@@ -57,6 +72,8 @@ def feedback(batch: int, gamma: int, alpha: float, slowdown: float = 1.0) -> Ste
         step_time=(draft_time + verify_time) * slowdown,
         draft_time=draft_time * slowdown,
         verify_time=verify_time * slowdown,
+        num_rejected=rejected,
+        seq_outcomes=outcomes,
     )
 
 
@@ -73,6 +90,62 @@ def test_alpha_of_step_moment_estimate() -> None:
     assert expected_accept_length(alpha, 4) == pytest.approx(3.0, abs=1e-7)  # 1 + 8/4
     assert alpha == pytest.approx(0.74127, abs=1e-5)
     assert alpha_of_step(StepFeedback(4, 0, 0, 0, 0, 4, 0.01, 0.0, 0.01)) is None
+
+
+def test_tracker_worked_example_alpha_and_rho() -> None:
+    """The AlphaTracker docstring: gamma 4, drafts of 4, 2 and 0 tokens, accepting 4 and 1."""
+    tracker = AlphaTracker(prior_alpha=0.7, ema=1.0)
+    assert tracker.alpha(4) == pytest.approx(0.7) and tracker.rho(4) == 1.0  # the priors
+    fb = StepFeedback(3, 4, 2, 6, 5, 7, 0.02, 0.001, 0.019, num_rejected=1, num_draft_depth=6, num_short_drafts=2,
+                      seq_outcomes=[(4, 4, 4), (4, 2, 1), (4, 0, 0)])
+    tracker.update(4, fb)
+    assert tracker.alpha(4) == pytest.approx(5 / 6) and tracker.rho(4) == pytest.approx(6 / 8)
+    exact = AlphaTracker(prior_alpha=0.7, ema=1.0, pseudo=0.0)
+    exact.update(4, fb)
+    assert exact.lengths(4, 4) == pytest.approx((1 + 5 / 3, 2.0))
+    assert exact.lengths(4, 1) == pytest.approx((1 + 2 / 3, 2 / 3))
+    # position 5 was never asked for: the geometric model (alpha rho)**5, rho**5 extends the sums
+    assert exact.lengths(4, 5) == pytest.approx((1 + 5 / 3 + (5 / 6 * 0.75) ** 5, 2.0 + 0.75**5))
+    # pseudo = 1 shrinks position 1 towards the model: (2 + 0.625) / (3 + 1) accepted
+    assert tracker.lengths(4, 1) == pytest.approx((1 + (2 + 5 / 6 * 0.75) / 4, (2 + 0.75) / 4))
+    assert tracker.alpha(64) == pytest.approx(5 / 6)  # unseen bucket: all steps' estimate
+    tracker.update(4, StepFeedback(3, 0, 0, 0, 0, 3, 0.01, 0.0, 0.01))  # nothing asked: no change
+    assert tracker.alpha(4) == pytest.approx(5 / 6) and tracker.rho(4) == pytest.approx(0.75)
+
+
+def test_tracker_is_unbiased_at_batch_one_where_averaging_step_estimates_is_not() -> None:
+    """Batch 1, gamma 4, true alpha 0.45: averaging alpha_of_step lands near 0.30 (the mean of
+    per-step inversions, 0.2965 exactly), below the ~0.33 where eq. 5 turns speculation on at
+    batch 1 on the runs/load6 profile; the tracker's ratio of counts lands at 0.45."""
+    rng = random.Random(7)
+    tracker = AlphaTracker(prior_alpha=0.7, ema=0.01)
+    per_step: list[float] = []
+    for _ in range(4000):
+        fb = feedback(1, 4, 0.45, rng=rng)
+        tracker.update(1, fb)
+        estimate = alpha_of_step(fb)
+        assert estimate is not None
+        per_step.append(estimate)
+    assert sum(per_step) / len(per_step) == pytest.approx(0.2965, abs=0.02)
+    assert tracker.alpha(1) == pytest.approx(0.45, abs=0.04)
+
+
+def test_analytic_policy_prices_the_draft_a_stopping_drafter_really_proposes() -> None:
+    """Asked for gamma 4, the drafter proposes one token (accepted) and stops: rho falls to ~0.5
+    and the policy decides with eq. 5 at that rho (speedup.practical_speedup's rho), not at 1."""
+    p = synthetic_profile()
+    policy = AnalyticPolicy(p, gamma_max=4, ema=0.5, prior_alpha=0.9)
+    for _ in range(20):
+        policy.observe(StepFeedback(1, 4, 1, 1, 1, 2, 0.011, 0.0, 0.011, num_rejected=0, num_draft_depth=1,
+                                    num_short_drafts=1))
+    alpha, rho = policy.alphas.alpha(1), policy.alphas.rho(1)
+    assert rho == pytest.approx(0.5, abs=0.01) and alpha > 0.95
+    gamma, speedup = policy.decide(1)
+    assert (gamma, speedup) == best_gamma(alpha, 1, p, 4, None, rho)
+    assert speedup < best_gamma(alpha, 1, p, 4)[1] - 0.5  # rho = 1 would promise far more
+    policy.plan(plan_input(1))
+    s = policy.stats()
+    assert s["rho_b1"] == pytest.approx(rho) and s["alpha_b1"] == pytest.approx(alpha)
 
 
 # ---- guards ----
@@ -125,18 +198,21 @@ def test_static_policy() -> None:
 # ---- analytic ----
 def test_analytic_speculates_at_batch_one_high_alpha_and_stops_at_large_batch_low_alpha() -> None:
     p = synthetic_profile()
-    policy = AnalyticPolicy(p, gamma_max=4, ema=0.2, prior_alpha=0.7)
+    policy = AnalyticPolicy(p, gamma_max=4, ema=0.05, prior_alpha=0.7)
     # before any data: the prior alpha 0.7 at b = 1 (beta = 1, c = 0.05) favours the longest gamma
     assert policy.plan(plan_input(1)) == {0: 4}
-    for _ in range(60):
-        policy.observe(feedback(1, 4, 0.9))
+    rng = random.Random(3)
+    for _ in range(200):
+        policy.observe(feedback(1, 4, 0.9, rng=rng))
         policy.observe(feedback(64, 2, 0.3))
     assert policy.alphas.alpha(1) == pytest.approx(0.9, abs=0.05)
     assert policy.alphas.alpha(64) == pytest.approx(0.3, abs=0.03)
     assert policy.plan(plan_input(1)) == {0: 4}
     s = policy.stats()
-    # hand check: E[l](alpha, 4) / (4 * 0.05 + 1)
-    assert s["speedup_b1"] == pytest.approx(expected_accept_length(policy.alphas.alpha(1), 4) / 1.2, abs=1e-9)
+    # hand check: E[l] / (4 * 0.05 + 1), E[l] measured per position: near eq. 2's at the fitted alpha
+    accept_len, draft_len = policy.alphas.lengths(1, 4)
+    assert draft_len == 4.0 and s["speedup_b1"] == pytest.approx(accept_len / 1.2, abs=1e-9)
+    assert accept_len == pytest.approx(expected_accept_length(policy.alphas.alpha(1), 4), abs=0.1)
     # b = 64, alpha 0.3: gamma 1 verifies 128 tokens in 80 ms vs 40 ms: 1.3 / (2 + 0.0125) < 1
     assert set(policy.plan(plan_input(64)).values()) == {0}
     s = policy.stats()
@@ -160,11 +236,26 @@ def test_analytic_probes_a_bucket_stuck_off_and_recovers() -> None:
         AnalyticPolicy(synthetic_profile(), gamma_max=4, probe_every=-1)
 
 
+def test_analytic_probes_more_often_where_a_probe_is_cheap() -> None:
+    """The class docstring's rule with alpha 0 (the model says off everywhere): at b = 4 the
+    best probe (gamma 1) is predicted at 1 / 1.05 = 0.952, so it costs 0.048 of a step and comes
+    every 3rd step; at b = 64 gamma 1 verifies 128 tokens (T = 80 ms vs 40 ms): s = 1 / 2.0125,
+    cost 0.503 -> the 26th off step (26 x 0.02 = 0.52)."""
+    policy = AnalyticPolicy(synthetic_profile(), gamma_max=4, prior_alpha=0.0, probe_budget=0.02)
+    assert policy.predicted(4)[1] == pytest.approx(1 / 1.05)
+    assert [policy.plan(plan_input(4))[0] for _ in range(6)] == [0, 0, 1, 0, 0, 1]
+    assert policy.predicted(64)[1] == pytest.approx(1 / 2.0125)
+    assert [policy.plan(plan_input(64))[0] for _ in range(27)] == [0] * 25 + [1, 0]
+    with pytest.raises(ValueError, match="probe_budget"):
+        AnalyticPolicy(synthetic_profile(), gamma_max=4, probe_budget=1.5)
+
+
 def test_analytic_unseen_bucket_uses_global_alpha() -> None:
     policy = AnalyticPolicy(synthetic_profile(), gamma_max=4, ema=0.5, prior_alpha=0.7)
     policy.observe(feedback(1, 4, 0.0))
-    assert policy.alphas.alpha(1) == pytest.approx(0.35)
-    assert policy.alphas.alpha(32) == pytest.approx(0.35)  # no data at 32: global EMA
+    # forgotten counts: accepted 0.5 * 0.7 + 0, rejected 0.5 * 0.3 + 1 -> 0.35 / 1.5
+    assert policy.alphas.alpha(1) == pytest.approx(0.35 / 1.5)
+    assert policy.alphas.alpha(32) == pytest.approx(0.35 / 1.5)  # no data at 32: all steps' estimate
 
 
 # ---- bandit ----

@@ -109,6 +109,26 @@ def test_mixed_gammas_in_one_step_equal_alone(model, tok, plain):
     assert [done[i] for i in ids] == plain[:3]
 
 
+def test_step_stats_count_rejections_depth_and_short_drafts(model, tok, plain):
+    """What the acceptance estimators read, on a hand-built first decode step: seq 0 asks for
+    nothing; seq 1 asks for 3, proposes 2 right tokens (short, all accepted); seq 2 asks for 5,
+    proposes 3 right then 2 wrong (full depth, cut by a rejection)."""
+    spec = SpecConfig(drafter="ngram", num_speculative_tokens=5)
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=3), spec=spec)
+    wrong = next(t for t in range(V) if t != plain[2][4])
+    plan = {0: [], 1: plain[1][1:3], 2: plain[2][1:4] + [wrong, wrong]}
+    e = LLMEngine(model, tok, cfg, drafter=FixedDrafter(plan))
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for i, g in zip(range(3), (0, 3, 5)):
+        e.add_request(PROMPTS[i], params, spec_tokens=g)
+    while not e.last_stats.spec_lens:
+        e.step()
+    s = e.last_stats
+    assert sorted(s.spec_lens.values()) == [0, 3, 5]
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens) == (2, 7, 5)
+    assert (s.num_rejected, s.num_draft_depth, s.num_short_drafts) == (1, 7, 1)
+
+
 def synthetic_profile():
     """A memory-bound-looking profile: verifying a few tokens costs little more than one."""
     from tidespec.control.speedup import Profile

@@ -14,6 +14,7 @@ from tidespec.control.speedup import (
     beta,
     c,
     expected_accept_length,
+    expected_draft_length,
     min_accept_length_for_gain,
     min_alpha_for_gain,
     practical_speedup,
@@ -77,6 +78,21 @@ def test_practical_speedup_hand_computed_gpt_oss() -> None:
     # b = 128, gamma = 3: beta = T(512)/T(128) = 21.50/11.79
     assert practical_speedup(0.7, 3, 128, p) == pytest.approx(1.316815997, abs=1e-6)
     assert practical_speedup(0.7, 0, 128, p) == 1.0
+
+
+def test_practical_speedup_with_a_drafter_that_stops_early() -> None:
+    """The module docstring's example: alpha 0.5, rho 0.5, gamma 4, b = 1, gpt-oss profile."""
+    p = table5("gpt-oss-120b")
+    assert expected_draft_length(0.5, 4) == pytest.approx(0.9375) and expected_draft_length(1.0, 4) == 4.0
+    verify = p.target(1.9375) / p.target(1)
+    assert verify == pytest.approx(1.1175, abs=1e-3)
+    expected = expected_accept_length(0.25, 4) / (4 * 0.393 / 3.416 + verify)
+    assert practical_speedup(0.5, 4, 1, p, rho=0.5) == pytest.approx(expected, abs=1e-9)
+    assert practical_speedup(0.5, 4, 1, p, rho=0.5) == pytest.approx(0.8443, abs=1e-4)
+    assert practical_speedup(0.5, 4, 1, p, rho=1.0) == pytest.approx(1.0785, abs=1e-4)
+    assert practical_speedup(0.5, 4, 1, p, rho=1.0) == practical_speedup(0.5, 4, 1, p)  # eq. 5 as printed
+    with pytest.raises(ValueError, match="rho"):
+        practical_speedup(0.5, 4, 1, p, rho=1.5)
 
 
 def test_practical_speedup_interpolated_and_extrapolated_points() -> None:

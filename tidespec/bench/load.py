@@ -145,6 +145,7 @@ class RunResult:
     records: list[dict[str, Any]] = field(default_factory=list)
     steps: dict[str, dict[str, float]] = field(default_factory=dict)  # bucket -> decode-step counters of this run
     repeat: int = 0  # which round over the configurations (--repeats)
+    policy: dict[str, float] = field(default_factory=dict)  # the policy's stats() at the end of the run
 
 
 def _client_ns(cfg: LoadBenchConfig, offset: int = 0) -> argparse.Namespace:
@@ -202,13 +203,37 @@ def scrape_speedup(base_url: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def scrape_policy(base_url: str) -> dict[str, float]:
+    """The policy's own statistics (``spec_policy_stat{stat}``: per-bucket gamma, alpha, rho, ...)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    return {s.labels["stat"]: float(s.value) for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == "tidespec:spec_policy_stat" and "stat" in s.labels}
+
+
+def forward_vs_profile(steps: dict[str, dict[str, float]], profile: Profile) -> float | None:
+    """How much slower than the profile this run's target forwards were, over all its decode
+    steps: sum of measured forward seconds / sum of the profile's T(b, 1 + d) for each bucket's
+    mean batch b and drafted tokens per sequence-step d. 1.0 = the machine ran as fast as when it
+    was profiled; two runs doing the same work at 1.0 and 1.6 differ by machine drift, not by
+    configuration. Example: bucket 16 with 100 steps, 2 s of forward, 1000 seqs (b = 10), nothing
+    drafted, T(10, 1) = 0.015 s -> 2 / 1.5 = 1.33. None without decode steps."""
+    measured = predicted = 0.0
+    for st in steps.values():
+        if st.get("steps", 0.0) <= 0 or st.get("seqs", 0.0) <= 0:
+            continue
+        b = st["seqs"] / st["steps"]
+        measured += st.get("forward", 0.0)
+        predicted += st["steps"] * profile.verify(b, 1.0 + st.get("drafted", 0.0) / st["seqs"])
+    return measured / predicted if predicted > 0 else None
+
+
 def _run(base_url: str, items: list[Any], arrivals: list[float], cfg: LoadBenchConfig,
          name: str, kind: str, rate: float | None, offset: int, repeat: int) -> RunResult:
     before = scrape_steps(base_url)
     records, wall_s, _ = asyncio.run(run_load(_client_ns(cfg, offset), base_url, items, arrivals))
     summary = summarize(records, wall_s)
     return RunResult(name, kind, rate, summary, scrape_speedup(base_url), [asdict(r) for r in records],
-                     diff_steps(scrape_steps(base_url), before), repeat)
+                     diff_steps(scrape_steps(base_url), before), repeat, scrape_policy(base_url))
 
 
 def _line(r: RunResult) -> str:
@@ -419,14 +444,27 @@ def report(doc: dict[str, Any], command: str) -> str:
     def label(config: str, repeat: int) -> str:
         return f"{config} #{repeat + 1}" if rounds else config
 
+    profile = Profile.from_dict(doc["profile"]) if doc.get("profile") else None
     for r in results:
         s = r.summary
+        drift = forward_vs_profile(r.steps, profile) if profile is not None else None
         rows.append([label(r.config, r.repeat), "trace" if r.kind == "trace" else f"{r.rate:g}",
                      f"{s['completed']}/{s['num_requests']}",
                      s["output_tok_per_s"], _ms(s["e2e_s"]["mean"]), _ms(s["e2e_s"]["p99"]),
-                     _ms(s["ttft_s"]["mean"]), _ms(s["tpot_s"]["mean"]), f"{s['acceptance_rate']:.2f}"])
+                     _ms(s["ttft_s"]["mean"]), _ms(s["tpot_s"]["mean"]), f"{s['acceptance_rate']:.2f}",
+                     "-" if drift is None else f"{drift:.2f}"])
     lines.append(markdown_table(["config", "rate req/s", "ok", "tok/s", "e2e mean ms", "e2e p99 ms",
-                                 "TTFT mean ms", "TPOT mean ms", "acc. rate"], rows))
+                                 "TTFT mean ms", "TPOT mean ms", "acc. rate", "fwd/profile"], rows))
+    lines += ["", "fwd/profile: the run's target forwards against the profile's T(b, 1 + drafted) "
+              "(`forward_vs_profile`); runs doing the same work at different values saw the machine at different "
+              "speeds."]
+    states = [r for r in results if r.policy and r.config in ADAPTIVE]
+    if states:
+        lines += ["", "Policy state at the end of each run (per batch-size bucket: gamma chosen last, "
+                  "alpha and rho estimated; `spec_policy_stat`):", ""]
+        lines.append(markdown_table(["config", "rate", "buckets: gamma / alpha / rho"], [
+            [label(r.config, r.repeat), "trace" if r.kind == "trace" else f"{r.rate:g}", policy_state(r.policy)]
+            for r in states]))
     v = doc["verdict"]
     lines += ["", "Verdict per rate (best adaptive vs best static; at the top rate also vs plain):", ""]
     lines.append(markdown_table(["rate", "best static", "tok/s", "best adaptive", "tok/s", "ratio", "adaptive/plain"],
@@ -459,6 +497,19 @@ def report(doc: dict[str, Any], command: str) -> str:
               f"{x['plain_forward_vs_profile']:.2f}", f"{x['draft_ms']:.1f}", f"{x['d0_ms']:.2f}",
               f"{x['other_share']:.1%}"] for x in checks]))
     return "\n".join(lines) + "\n"
+
+
+def policy_state(stats: dict[str, float]) -> str:
+    """``b1: 4 / 0.45 / 0.62, b16: 0 / 0.40 / 0.55`` from a policy's stats (buckets it planned for).
+
+    Example: {"gamma_b1": 4, "alpha_b1": 0.451, "rho_b1": 0.62} -> ``b1: 4 / 0.45 / 0.62``."""
+    buckets = sorted({int(k[len(p):]) for k in stats for p in ("gamma_b", "alpha_b") if k.startswith(p)})
+    parts = []
+    for b in buckets:
+        vals = [stats.get(f"{name}_b{b}") for name in ("gamma", "alpha", "rho")]
+        parts.append(f"b{b}: " + " / ".join("-" if v is None else (f"{v:.0f}" if i == 0 else f"{v:.2f}")
+                                            for i, v in enumerate(vals)))
+    return ", ".join(parts) if parts else "-"
 
 
 def _runs(mean: float, runs: list[float] | None) -> str:

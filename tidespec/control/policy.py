@@ -35,8 +35,7 @@ from tidespec.control.bandit import NightjarBandit, SwitchingCost
 from tidespec.control.speedup import (
     Profile,
     alpha_from_accept_length,
-    best_gamma,
-    practical_speedup,
+    speedup_of_lengths,
 )
 
 
@@ -70,6 +69,19 @@ class StepFeedback:
     draft_time: float  # seconds spent drafting
     verify_time: float  # seconds spent in the target forward
     num_prefill_tokens: int = 0  # prompt tokens prefilled in the same step (chunked prefill)
+    # For the acceptance estimators (AlphaTracker); -1 = not reported (hand-built feedback), then
+    # approximated in __post_init__ from the totals above.
+    num_rejected: int = -1  # speculating sequences whose draft was cut by a rejected token
+    num_draft_depth: int = -1  # sum over speculating sequences of the draft's depth (= its length for chains)
+    num_short_drafts: int = 0  # sequences given gamma > 0 whose draft was shallower than gamma (incl. empty)
+    # (gamma asked, draft depth, accepted) of every sequence asked for gamma > 0; empty = not reported
+    seq_outcomes: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.num_draft_depth < 0:
+            self.num_draft_depth = self.num_draft_tokens
+        if self.num_rejected < 0:  # every speculating sequence that did not accept all its draft
+            self.num_rejected = 0 if self.num_accepted_tokens >= self.num_draft_depth else self.num_seqs_speculated
 
 
 @runtime_checkable
@@ -128,6 +140,8 @@ def alpha_of_step(fb: StepFeedback) -> float | None:
     E[l] = 1 + accepted / seqs; alpha solves E[l](alpha, gamma_eff) = that. Example: 4 seqs,
     16 drafted, 8 accepted -> gamma_eff 4, E[l] 3 -> alpha = 0.7245 (the ratio 8/16 = 0.5
     would undercount: drafts after a rejection can never be accepted).
+
+    Kept for reports; the policies do not average it step by step (``AlphaTracker`` says why).
     """
     if fb.num_seqs_speculated <= 0 or fb.num_draft_tokens <= 0:
         return None
@@ -137,29 +151,161 @@ def alpha_of_step(fb: StepFeedback) -> float | None:
 
 
 @dataclass
+class _Counts:
+    """Exponentially forgotten counts of one bucket (or of all steps): sums in which a step
+    ``n`` steps old weighs ``keep**n``."""
+
+    accepted: float  # accepted draft tokens
+    rejected: float  # drafts cut by a rejection
+    proposed: float  # draft depth proposed
+    stopped: float  # drafts shallower than the gamma asked for
+    # per draft position k = 1, 2, ... (index k - 1): [sequences asked for >= k tokens,
+    # of those whose draft reached depth k, of those that accepted >= k tokens]
+    positions: list[list[float]] = field(default_factory=list)
+
+    def alpha(self) -> float:
+        n = self.accepted + self.rejected
+        return self.accepted / n if n > 0 else 0.0
+
+    def rho(self) -> float:
+        n = self.proposed + self.stopped
+        return self.proposed / n if n > 0 else 1.0
+
+    def add(self, keep: float, accepted: float, rejected: float, proposed: float, stopped: float) -> None:
+        self.accepted = keep * self.accepted + accepted
+        self.rejected = keep * self.rejected + rejected
+        self.proposed = keep * self.proposed + proposed
+        self.stopped = keep * self.stopped + stopped
+
+    def add_positions(self, keep: float, outcomes: Sequence[tuple[int, int, int]]) -> None:
+        """Fold in (gamma asked, draft depth, accepted) of each sequence; positions nobody was
+        asked for this step keep their counts."""
+        deepest = max((g for g, _, _ in outcomes), default=0)
+        while len(self.positions) < deepest:
+            self.positions.append([0.0, 0.0, 0.0])
+        for k in range(1, deepest + 1):
+            row = self.positions[k - 1]
+            row[0] = keep * row[0] + sum(g >= k for g, _, _ in outcomes)
+            row[1] = keep * row[1] + sum(d >= k for g, d, _ in outcomes if g >= k)
+            row[2] = keep * row[2] + sum(a >= k for g, _, a in outcomes if g >= k)
+
+    def lengths(self, gamma: int, pseudo: float) -> tuple[float, float]:
+        """(E[l], mean draft length) when asking for ``gamma``: per position k, the measured
+        share of sequences whose draft reached k and that accepted >= k, each shrunk towards the
+        geometric model ((alpha rho)**k and rho**k) by ``pseudo`` sequences — the model alone
+        where position k was never asked for."""
+        alpha, rho = self.alpha(), self.rho()
+        accept_len, draft_len = 1.0, 0.0
+        acc_prev = draft_prev = 1.0
+        for k in range(1, gamma + 1):
+            geo_acc, geo_draft = (alpha * rho) ** k, rho ** k
+            if k <= len(self.positions) and self.positions[k - 1][0] + pseudo > 0:
+                asked, reached, acc = self.positions[k - 1]
+                geo_acc = (acc + pseudo * geo_acc) / (asked + pseudo)
+                geo_draft = (reached + pseudo * geo_draft) / (asked + pseudo)
+            draft_prev = min(draft_prev, geo_draft)  # reaching k implies reaching k - 1
+            acc_prev = min(acc_prev, geo_acc, draft_prev)  # accepting k implies accepting k - 1 and reaching k
+            accept_len += acc_prev
+            draft_len += draft_prev
+        return accept_len, draft_len
+
+    def copy(self) -> _Counts:
+        return _Counts(self.accepted, self.rejected, self.proposed, self.stopped, [list(r) for r in self.positions])
+
+
+@dataclass
 class AlphaTracker:
-    """Per-bucket EMAs of alpha, falling back to a global EMA, then to the prior."""
+    """Per-bucket estimates of what a drafter delivers — alpha (per-token acceptance), rho (draft
+    continuation) and per draft position the share of sequences that reach and accept it —
+    falling back to all steps' estimates for a bucket without data, then to the priors.
+
+    Estimator. Under eq. 2's model a sequence whose draft is ``d`` tokens deep accepts ``a`` of
+    them with likelihood alpha**a (1 - alpha)**[a < d], so the maximum-likelihood alpha over
+    many sequences is ``sum a / (sum a + number of rejections)``; likewise a drafter asked for
+    gamma that continues past each token with probability rho gives ``rho = sum d / (sum d +
+    number of drafts shallower than gamma)``. The tracker keeps exponentially forgotten *counts*
+    (a step's weight falls by ``1 - ema`` per later step that drafted) and divides them, which
+    stays unbiased however few sequences a step has. Averaging a per-step estimate instead
+    (``alpha_of_step``) is biased low at small batches: at batch 1, gamma 4 and true alpha 0.45,
+    a step that rejects the first token says alpha = 0 and one that accepts one token says 0.52
+    — their mean is 0.30, below the 0.33 that made eq. 5 speculate at batch 1 on this machine's
+    profile, so the analytic policy switched itself off at batch 1 (docs/benchmarks.md section
+    5a's open question).
+
+    Geometric alpha and rho assume every position alike. Suffix and n-gram drafters are not: once
+    a match holds it tends to hold, so later positions are accepted more often than alpha**k says,
+    and long gammas pay more than eq. 5 predicts. ``lengths`` therefore uses the per-position
+    counts where a position was asked for, shrunk towards the geometric model by ``pseudo``
+    sequences, and the model beyond.
+
+    Worked example (ema 1.0, i.e. the last step only): 3 sequences asked for gamma 4 drafted
+    4, 2 and 0 tokens; the first accepted all 4, the second 1 (then a rejection):
+    alpha = 5 / (5 + 1) = 0.833, rho = 6 / (6 + 2) = 0.75; per position k = 1..4 the shares
+    reaching k are 2/3, 2/3, 1/3, 1/3 and accepting k 2/3, 1/3, 1/3, 1/3, so with pseudo = 0
+    E[l] = 1 + 5/3 = 2.667 and the mean draft is 2.0 tokens.
+
+    The priors enter as one pseudo-observation (``prior_alpha`` accepted-vs-rejected, a drafter
+    that always fills gamma), so the first real steps replace them.
+    """
 
     prior_alpha: float = 0.7
-    ema: float = 0.1  # weight of the newest step
-    global_alpha: float = field(init=False)
-    per_bucket: dict[int, float] = field(default_factory=dict)
+    ema: float = 0.1  # 1 - the factor by which a step's weight falls per later step
+    pseudo: float = 1.0  # sequences' worth of the geometric model in each per-position estimate
+    overall: _Counts = field(init=False)
+    per_bucket: dict[int, _Counts] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.prior_alpha <= 1.0:
             raise ValueError(f"prior_alpha must be in [0, 1], got {self.prior_alpha}")
         if not 0.0 < self.ema <= 1.0:
             raise ValueError(f"ema must be in (0, 1], got {self.ema}")
-        self.global_alpha = self.prior_alpha
+        if self.pseudo < 0:
+            raise ValueError(f"pseudo must be >= 0, got {self.pseudo}")
+        self.overall = _Counts(self.prior_alpha, 1.0 - self.prior_alpha, 1.0, 0.0)
+
+    @property
+    def global_alpha(self) -> float:
+        return self.overall.alpha()
+
+    def _counts(self, bucket: int) -> _Counts:
+        return self.per_bucket.get(bucket, self.overall)
 
     def alpha(self, bucket: int) -> float:
-        return self.per_bucket.get(bucket, self.global_alpha)
+        return self._counts(bucket).alpha()
 
-    def update(self, bucket: int, alpha: float) -> None:
-        w = self.ema
-        old = self.per_bucket.get(bucket, self.global_alpha)  # a new bucket starts from the global EMA
-        self.per_bucket[bucket] = old + w * (alpha - old)
-        self.global_alpha += w * (alpha - self.global_alpha)
+    def rho(self, bucket: int) -> float:
+        return self._counts(bucket).rho()
+
+    def lengths(self, bucket: int, gamma: int) -> tuple[float, float]:
+        """(E[l], mean draft length) of asking for ``gamma`` in this bucket (``_Counts.lengths``)."""
+        return self._counts(bucket).lengths(gamma, self.pseudo)
+
+    def update(self, bucket: int, fb: StepFeedback) -> None:
+        """Fold in one step's counts; a step that asked for no drafts changes nothing."""
+        asked = fb.num_seqs_speculated + fb.num_short_drafts
+        if asked <= 0:
+            return
+        if bucket not in self.per_bucket:  # a new bucket starts from what all steps say
+            self.per_bucket[bucket] = self.overall.copy()
+        counts = (float(fb.num_accepted_tokens), float(fb.num_rejected), float(fb.num_draft_depth),
+                  float(fb.num_short_drafts))
+        keep = 1.0 - self.ema
+        for c in (self.per_bucket[bucket], self.overall):
+            c.add(keep, *counts)
+            if fb.seq_outcomes:
+                c.add_positions(keep, fb.seq_outcomes)
+
+
+def predicted_speedups(tracker: AlphaTracker, batch_size: int, profile: Profile, gamma_max: int,
+                       drafter: str | None = None) -> list[float]:
+    """Eq. 5 for every gamma 0..gamma_max at this batch size, with the acceptance and draft
+    lengths the tracker measured for the batch size's bucket (``AlphaTracker.lengths``)."""
+    key = bucket_of(batch_size)
+    out = [1.0]
+    for g in range(1, gamma_max + 1):
+        accept_len, draft_len = tracker.lengths(key, g)
+        out.append(speedup_of_lengths(accept_len, draft_len, g, batch_size, profile, drafter))
+    return out
 
 
 # ---- analytic (TIDE) ---------------------------------------------------------------------
@@ -167,13 +313,20 @@ class AnalyticPolicy:
     """TIDE's adaptive drafter: best eq.-5 gamma at this batch size and the bucket's alpha.
 
     It starts from ``prior_alpha`` (optimistic by default so it speculates and measures), then
-    follows the bucket's EMA. A bucket whose model says "off" would never measure alpha again
-    (the "decision deadlock" Nightjar points out; with every bucket off it stays off for good), so
-    after ``probe_every`` consecutive off steps in a bucket it speculates one step at gamma 1 — a
-    probe that refreshes the bucket's alpha (our addition to TIDE; 0 disables it). A probe costs
-    one gamma-1 verification per ``probe_every`` steps: at most ~1/probe_every of a step's time.
+    follows the bucket's estimates (``AlphaTracker``: alpha and the drafter's continuation rho).
+    A bucket whose model says "off" would never measure alpha again (the "decision deadlock"
+    Nightjar points out; with every bucket off it stays off for good), so while off it probes:
+    one step at the gamma the model rates best (its predicted speedup s < 1), which refreshes the
+    bucket's estimates (our addition to TIDE). A probe is predicted to cost 1 - s of a step, so
+    the policy saves ``probe_budget`` of a step per off step and probes once the savings cover
+    that cost — and at the latest after ``probe_every`` off steps (0 disables probing). Near
+    break-even (s = 0.95) it probes every 3rd step, so a noisy dip of the estimate below the
+    threshold is corrected within a few steps; where speculating is hopeless (s = 0.3) every 35th
+    step, spending about ``probe_budget`` of the time either way.
 
-    Worked example (probe_every 3, the model says 0 throughout): gammas 0, 0, 1, 0, 0, 1, ...
+    Worked example (probe_budget 0.02, probe_every 64; the model says off with the best gamma 1
+    predicted at s = 0.952, so a probe costs 0.048): gammas 0, 0, 1, 0, 0, 1, ... (savings 0.02,
+    0.04, 0.06 >= 0.048 -> probe, start over). At s = 0.2: 0 x 39, then 1 (cost 0.8 = 40 x 0.02).
     """
 
     def __init__(
@@ -184,14 +337,18 @@ class AnalyticPolicy:
         prior_alpha: float = 0.7,
         drafter: str | None = None,
         probe_every: int = 64,
+        probe_budget: float = 0.02,
     ) -> None:
         _check_gamma_max(gamma_max)
         if probe_every < 0:
             raise ValueError(f"probe_every must be >= 0, got {probe_every}")
+        if not 0.0 <= probe_budget <= 1.0:
+            raise ValueError(f"probe_budget must be in [0, 1], got {probe_budget}")
         self.name = "analytic"
         self.probe_every = probe_every
+        self.probe_budget = probe_budget
         self.num_probes = 0
-        self._off_steps: dict[int, int] = {}  # bucket -> consecutive steps the model said 0
+        self._off_steps: dict[int, int] = {}  # bucket -> consecutive off steps since the last probe
         self.profile = profile
         self.gamma_max = gamma_max
         self.drafter = drafter
@@ -200,10 +357,16 @@ class AnalyticPolicy:
         self._speedup: dict[int, float] = {}
         self._last_speedup = 1.0
 
+    def predicted(self, batch_size: int) -> list[float]:
+        """Eq.-5 speedup of every gamma 0..gamma_max at this batch size (``predicted_speedups``)."""
+        return predicted_speedups(self.alphas, batch_size, self.profile, self.gamma_max, self.drafter)
+
     def decide(self, batch_size: int) -> tuple[int, float]:
-        """(gamma, predicted speedup) for this batch size now."""
-        alpha = self.alphas.alpha(bucket_of(batch_size))
-        return best_gamma(alpha, batch_size, self.profile, self.gamma_max, self.drafter)
+        """(gamma, predicted speedup) for this batch size now: the best gamma, 0 if none beats 1.0
+        (ties to the shorter gamma, as ``speedup.best_gamma``)."""
+        s = self.predicted(batch_size)
+        gamma = max(range(len(s)), key=lambda g: (s[g], -g))
+        return gamma, s[gamma]
 
     def plan(self, inp: PlanInput) -> dict[int, int]:
         if not inp.seqs:
@@ -212,8 +375,10 @@ class AnalyticPolicy:
         key = bucket_of(inp.batch_size)
         if gamma == 0 and self.probe_every:
             off = self._off_steps.get(key, 0) + 1
-            if off >= self.probe_every:
-                gamma, off = 1, 0
+            s = self.predicted(inp.batch_size)
+            probe = max(range(1, len(s)), key=lambda g: (s[g], -g))
+            if off >= self.probe_every or off * self.probe_budget >= 1.0 - s[probe]:
+                gamma, off = probe, 0
                 self.num_probes += 1
             self._off_steps[key] = off
         else:
@@ -224,17 +389,17 @@ class AnalyticPolicy:
         return {s.seq_id: gamma for s in inp.seqs}
 
     def observe(self, fb: StepFeedback) -> None:
-        alpha = alpha_of_step(fb)
-        if alpha is not None and fb.batch_size >= 1:
-            self.alphas.update(bucket_of(fb.batch_size), alpha)
+        if fb.batch_size >= 1:
+            self.alphas.update(bucket_of(fb.batch_size), fb)
 
     def stats(self) -> dict[str, float]:
         out = {"predicted_speedup": self._last_speedup, "alpha": self.alphas.global_alpha,
-               "probe_steps": float(self.num_probes)}
+               "rho": self.alphas.overall.rho(), "probe_steps": float(self.num_probes)}
         for key in sorted(self._chosen):
             out[f"gamma_b{key}"] = float(self._chosen[key])
             out[f"speedup_b{key}"] = self._speedup[key]
             out[f"alpha_b{key}"] = self.alphas.alpha(key)
+            out[f"rho_b{key}"] = self.alphas.rho(key)
         return out
 
 
@@ -291,7 +456,10 @@ class HybridPolicy:
 
     Prior. Every arm gamma of bucket B carries the predicted goodput
 
-        g_pred(B, gamma) = kappa * practical_speedup(alpha_B, gamma, B) * B / T(B)
+        g_pred(B, gamma) = kappa * speedup(B, gamma) * B / T(B)
+
+    with speedup(B, gamma) eq. 5 at bucket B's measured acceptance (``predicted_speedups``;
+    with the geometric model alone it is ``practical_speedup(alpha_B, gamma, B)``)
 
     worth ``prior_count`` pseudo-observations: eq. 3 sees (n0 g_pred + n g_data) / (n0 + n),
     so data overrides the prior after a few steps. The prior is evaluated live, not frozen at
@@ -367,11 +535,8 @@ class HybridPolicy:
 
     def predicted_goodputs(self, key: int) -> list[float]:
         """g_pred for every arm of bucket ``key`` (tokens/s), calibrated by kappa."""
-        alpha = self.alphas.alpha(bucket_of(key))
         base = self.kappa * self.profile.baseline_tokens_per_s(key)
-        return [
-            base * practical_speedup(alpha, g, key, self.profile, self.drafter) for g in range(self.gamma_max + 1)
-        ]
+        return [base * s for s in predicted_speedups(self.alphas, key, self.profile, self.gamma_max, self.drafter)]
 
     def explore_scale(self, key: int, means: Sequence[float]) -> float:
         """The factor on 1/sqrt(b) described in the class docstring."""
@@ -389,8 +554,8 @@ class HybridPolicy:
             return {}
         key = self._bucket(inp.batch_size)
         gamma = self.bandit.select(inp.batch_size)
-        alpha = self.alphas.alpha(bucket_of(key))
-        self._last_predicted_speedup = practical_speedup(alpha, gamma, key, self.profile, self.drafter)
+        self._last_predicted_speedup = predicted_speedups(self.alphas, key, self.profile, self.gamma_max,
+                                                          self.drafter)[gamma]
         return {s.seq_id: gamma for s in inp.seqs}
 
     def observe(self, fb: StepFeedback) -> None:
@@ -404,15 +569,17 @@ class HybridPolicy:
         if credit and predicted > 0 and goodput > 0:
             self.kappa += self.ema * (goodput / predicted - self.kappa)
         self.bandit.update(fb.batch_size, gamma, goodput, fb.step_time, credit=credit)
-        alpha = alpha_of_step(fb)
-        if alpha is not None:
-            self.alphas.update(bucket_of(key), alpha)
+        self.alphas.update(bucket_of(key), fb)
 
     def stats(self) -> dict[str, float]:
         out = _bandit_stats(self.bandit)
         out["predicted_speedup"] = self._last_predicted_speedup
         out["calibration"] = self.kappa
         out["alpha"] = self.alphas.global_alpha
+        out["rho"] = self.alphas.overall.rho()
+        for key in sorted(self.alphas.per_bucket):
+            out[f"alpha_b{key}"] = self.alphas.alpha(key)
+            out[f"rho_b{key}"] = self.alphas.rho(key)
         out["explore_scale_mean"] = self._scale_sum / self._scale_n if self._scale_n else 1.0
         return out
 

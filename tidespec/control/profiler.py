@@ -5,7 +5,11 @@ costs of *this* model on *this* device and dtype. Measuring takes seconds, so th
 cached per (model, device, dtype, drafter) under the tidespec cache directory and reused until
 ``refresh`` is asked for.
 
-What is measured (all medians after a warm-up):
+What is measured (all medians after one warm-up forward; the T(b, q) grid is swept ``passes`` times and
+each shape's median taken over the samples of every pass, so a slow spell of the machine — a
+few seconds of a noisy neighbour or a frequency drop — lands in one pass's samples of a shape,
+not in all of them: one outlier, T(1, 2) at 1.56x T(1, 1) against 1.21x in a re-measurement,
+once decided a whole benchmark's batch-1 choice, docs/benchmarks.md section 5a):
 - ``verify_latency[(b, q)]``: one target forward with q new tokens for each of b sequences on a
   ``context``-token cache (q = gamma + 1 when verifying, 1 for plain decode);
 - ``target_latency[n]``: the same for one sequence and n tokens (TIDE's T(n));
@@ -49,12 +53,13 @@ class ProfilerConfig:
     catchup_tokens: tuple[int, ...] = (1, 8, 32, 128)
     catchup_batches: tuple[int, ...] = (1, 4, 16)
     context: int = 200
-    repeats: int = 3
-    target_s: float = 0.3  # time budget per shape (fewer repeats on slow shapes)
+    repeats: int = 1  # timed forwards per shape and pass (fewer on slow shapes, at least 1)
+    target_s: float = 0.3  # time budget per shape and pass
+    passes: int = 3  # sweeps over the T(b, q) grid, interleaved in time
 
     def __post_init__(self) -> None:
-        if self.context < 1 or self.repeats < 1:
-            raise ValueError("context and repeats must be >= 1")
+        if self.context < 1 or self.repeats < 1 or self.passes < 1:
+            raise ValueError("context, repeats and passes must be >= 1")
         if min(self.batch_sizes) < 1 or min(self.tokens_per_seq) < 1:
             raise ValueError("batch sizes and tokens per sequence must be >= 1")
 
@@ -65,31 +70,37 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_forward(model: LlamaModel, kv: KVCache, batch: int, n: int, context: int, repeats: int, target_s: float,
-                 gen: torch.Generator) -> tuple[float, int]:
-    """Median seconds of one forward of ``n`` new tokens for each of ``batch`` sequences on a
-    ``context``-token cache, and the number of timed repeats."""
+def forward_samples(model: LlamaModel, kv: KVCache, batch: int, n: int, context: int, repeats: int,
+                    target_s: float, gen: torch.Generator, warm_up: bool = True) -> list[float]:
+    """Seconds of each timed forward of ``n`` new tokens for each of ``batch`` sequences on a
+    ``context``-token cache: ``repeats`` of them, fewer when the first one shows that they would
+    overrun ``target_s`` (at least one). ``warm_up`` runs one untimed forward first."""
     ids = torch.randint(0, model.cfg.vocab_size, (batch * n,), generator=gen).to(model.device)  # [B*n]
     layout = BatchLayout.build(q_lens=[n] * batch, ctx_lens=[context] * batch, slots=list(range(batch)),
                                device=model.device)
-    sync_device(model.device)
-    t = time.perf_counter()
-    model(ids, layout, kv, logits_rows=None)  # warm-up; also sizes the repeat count
-    sync_device(model.device)
-    warm = time.perf_counter() - t
-    reps = max(1, min(repeats, int(target_s / max(warm, 1e-9))))
-    times = []
-    for _ in range(reps):
+    if warm_up:
+        model(ids, layout, kv, logits_rows=None)
+    times: list[float] = []
+    while len(times) < repeats and (not times or len(times) * times[0] < target_s):
+        sync_device(model.device)
         t = time.perf_counter()
         model(ids, layout, kv, logits_rows=None)
         sync_device(model.device)
         times.append(time.perf_counter() - t)
-    return statistics.median(times), reps
+    return times
 
 
-# Bumped whenever the model's kernels change enough to invalidate measured costs (2: the
-# row-blocked CPU GEMM of models.llama.Linear; 3: W @ x^T for 2..16 rows), so an old cached profile is never reused.
-PROFILE_SCHEMA = "3"
+def time_forward(model: LlamaModel, kv: KVCache, batch: int, n: int, context: int, repeats: int, target_s: float,
+                 gen: torch.Generator) -> tuple[float, int]:
+    """Median seconds of one forward (``forward_samples``), and the number of timed repeats."""
+    times = forward_samples(model, kv, batch, n, context, repeats, target_s, gen)
+    return statistics.median(times), len(times)
+
+
+# Bumped whenever the model's kernels or the way of measuring change enough to invalidate measured costs
+# (2: the row-blocked CPU GEMM of models.llama.Linear; 3: W @ x^T for 2..16 rows; 4: medians over interleaved
+# passes), so an old cached profile is never reused.
+PROFILE_SCHEMA = "4"
 
 
 def profile_cache_dir() -> Path:
@@ -119,13 +130,23 @@ def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerCon
     for k, v in zip(kv.k, kv.v):  # attention cost does not depend on the values; avoid garbage NaNs
         k.zero_()
         v.zero_()
-    verify: dict[tuple[int, int], float] = {}
-    for b in cfg.batch_sizes:
-        for q in cfg.tokens_per_seq:
-            verify[(b, q)], _ = time_forward(model, kv, b, q, context, cfg.repeats, cfg.target_s, gen)
-        say(f"T(b={b}, q) = " + ", ".join(f"{verify[(b, q)] * 1e3:.1f}" for q in cfg.tokens_per_seq) + " ms")
-    single = {n: time_forward(model, kv, 1, n, context, cfg.repeats, cfg.target_s, gen)[0]
-              for n in cfg.single_seq_tokens}
+    samples: dict[tuple[int, int], list[float]] = {(b, q): [] for b in cfg.batch_sizes for q in cfg.tokens_per_seq}
+    single_samples: dict[int, list[float]] = {n: [] for n in cfg.single_seq_tokens}
+    # one untimed forward of the largest shape warms up the kernels and the allocator for all shapes
+    forward_samples(model, kv, max(cfg.batch_sizes), max(cfg.tokens_per_seq), context, 1, 0.0, gen, warm_up=False)
+    for p in range(cfg.passes):
+        for b in cfg.batch_sizes:
+            for q in cfg.tokens_per_seq:
+                samples[(b, q)] += forward_samples(model, kv, b, q, context, cfg.repeats, cfg.target_s, gen,
+                                                   warm_up=False)
+            if p == cfg.passes - 1:
+                say(f"T(b={b}, q) = " + ", ".join(f"{statistics.median(samples[(b, q)]) * 1e3:.1f}"
+                                                  for q in cfg.tokens_per_seq) + f" ms ({cfg.passes} passes)")
+        for n in cfg.single_seq_tokens:
+            single_samples[n] += forward_samples(model, kv, 1, n, context, cfg.repeats, cfg.target_s, gen,
+                                                 warm_up=False)
+    verify = {shape: statistics.median(times) for shape, times in samples.items()}
+    single = {n: statistics.median(times) for n, times in single_samples.items()}
     draft_cost = {"default": 0.0}
     catchup: dict[tuple[int, int], float] = {}
     if drafter is not None:

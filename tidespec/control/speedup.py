@@ -26,6 +26,21 @@ alpha = 0.7::
 At b = 512 the same alpha would need T(2048), far outside the table; at b = 128,
 ``beta = T(512) / T(128) = 21.50 / 11.79 = 1.824`` and the speedup falls to 1.35.
 
+Drafters that stop early. A suffix or n-gram drafter proposes fewer than gamma tokens when its
+match runs out (or is not confident), so eq. 5's verification of ``gamma + 1`` tokens overstates
+its cost and eq. 2 its acceptance. We model the draft as continuing past each token with
+probability ``rho`` (geometric, like acceptance): it proposes ``sum_{k=1..gamma} rho**k`` tokens on
+average, token k is verified-and-accepted with probability ``(rho * alpha)**k``, so::
+
+    E[l]    = E[l](rho * alpha, gamma)
+    speedup = E[l] / (c(b) gamma + T(b, 1 + E[l](rho, gamma) - 1) / T(b))
+
+which is eq. 5 exactly at rho = 1 (a drafter that always fills gamma). Example: alpha 0.5,
+rho 0.5, gamma 4 at b = 1 on the gpt-oss profile below: E[l](0.25, 4) = 1.332, the draft averages
+0.9375 tokens, so T(1.94 tokens) / T(1) = 1.117 and the speedup is 1.332 / (4 * 0.115 + 1.117) =
+0.844 — where eq. 5 with rho = 1 credits E[l] = 1.9375 for 5 verified tokens (T(5) / T(1) = 1.336)
+and predicts 1.079: a drafter that stops early gains less than its per-token acceptance suggests.
+
 ``T(n)`` between measured points is interpolated linearly over the running maximum of the
 table (latency never decreases with more tokens, so measurement noise is flattened); beyond the
 last point it is extrapolated along the last segment (the compute-bound regime is linear in n).
@@ -248,18 +263,48 @@ def c(profile: Profile, b: int, drafter: str | None = None) -> float:
     return profile.d0(drafter) / profile.verify(b, 1)
 
 
-def practical_speedup(alpha: float, gamma: int, b: int, profile: Profile, drafter: str | None = None) -> float:
-    """Eq. 5: E[l] / (c(b) gamma + beta(b)); exactly 1.0 at gamma = 0 (plain decoding)."""
+def expected_draft_length(rho: float, gamma: float) -> float:
+    """Mean tokens a drafter proposes when asked for ``gamma`` and it continues past each token with
+    probability ``rho``: sum_{k=1..gamma} rho**k. ``expected_draft_length(0.5, 4) = 0.9375``;
+    ``expected_draft_length(1.0, 4) = 4``."""
+    return expected_accept_length(rho, gamma) - 1.0
+
+
+def practical_speedup(
+    alpha: float, gamma: int, b: int, profile: Profile, drafter: str | None = None, rho: float = 1.0
+) -> float:
+    """Eq. 5: E[l] / (c(b) gamma + beta(b)); exactly 1.0 at gamma = 0 (plain decoding).
+
+    ``rho`` < 1 is a drafter that stops early (module docstring): acceptance and verification
+    length both shrink; rho = 1 is TIDE's eq. 5 as printed.
+    """
     _check(alpha, gamma)
+    if not 0.0 <= rho <= 1.0:
+        raise ValueError(f"rho must be in [0, 1], got {rho}")
     if b < 1:
         raise ValueError(f"batch size must be >= 1, got {b}")
     if gamma == 0:
         return 1.0
-    return expected_accept_length(alpha, gamma) / (c(profile, b, drafter) * gamma + beta(profile, b, gamma))
+    return speedup_of_lengths(expected_accept_length(alpha * rho, gamma), expected_draft_length(rho, gamma), gamma, b,
+                              profile, drafter)
+
+
+def speedup_of_lengths(accept_length: float, draft_length: float, gamma: int, b: float, profile: Profile,
+                       drafter: str | None = None) -> float:
+    """Eq. 5 with the acceptance length and the mean draft length given directly (measured per
+    draft position, say, instead of from a geometric alpha): ``E[l] / (c(b) gamma + T(b, 1 + d) /
+    T(b, 1))``; 1.0 at gamma = 0. Example (gpt-oss profile, b = 1, gamma 3, E[l] 2.533, d = 3):
+    2.533 / (3 * 0.115 + 1.271) = 1.5675, eq. 5's value at alpha 0.7."""
+    if gamma == 0:
+        return 1.0
+    if b < 1 or accept_length < 1.0 or draft_length < 0:
+        raise ValueError(f"need b >= 1, accept_length >= 1, draft_length >= 0; got {b}, {accept_length}, {draft_length}")
+    t1 = profile.verify(b, 1)
+    return accept_length / (profile.d0(drafter) / t1 * gamma + profile.verify(b, 1.0 + draft_length) / t1)
 
 
 def best_gamma(
-    alpha: float, b: int, profile: Profile, gamma_max: int, drafter: str | None = None
+    alpha: float, b: int, profile: Profile, gamma_max: int, drafter: str | None = None, rho: float = 1.0
 ) -> tuple[int, float]:
     """The gamma in 1..gamma_max with the highest eq.-5 speedup, or (0, 1.0) if none beats 1.0.
 
@@ -269,7 +314,7 @@ def best_gamma(
         raise ValueError(f"gamma_max must be >= 0, got {gamma_max}")
     best, best_s = 0, 1.0
     for g in range(1, gamma_max + 1):
-        s = practical_speedup(alpha, g, b, profile, drafter)
+        s = practical_speedup(alpha, g, b, profile, drafter, rho)
         if s > best_s:
             best, best_s = g, s
     return best, best_s

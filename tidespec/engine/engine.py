@@ -175,16 +175,23 @@ class LLMEngine:
         argmax = logits.argmax(-1).tolist() if logits is not None else []
         outputs: list[RequestOutput] = []
         observations: list[Observation] = []
-        for seq in batch.decode:
+        outcomes: list[tuple[int, int, int]] = []  # (gamma asked, draft depth, accepted) for the policy
+        for seq, gamma in zip(batch.decode, gammas):
             row = rows[seq.seq_id]
             res = self._verify(seq, row, logits, argmax)
             start = seq.num_cached
             kept_rows = self._commit_kv(seq, row, res)
+            depth = row.draft.depth if row.draft is not None else 0
+            stats.num_short_drafts += int(0 < gamma and depth < gamma)
+            if gamma > 0:
+                outcomes.append((gamma, depth, res.num_accepted if depth else 0))
             if row.draft is not None and row.draft.num_tokens:
                 seq.stats.add_accepted(row.draft.num_tokens, res.num_accepted)
                 stats.num_drafts += 1
                 stats.num_draft_tokens += row.draft.num_tokens
                 stats.num_accepted_tokens += res.num_accepted
+                stats.num_draft_depth += depth
+                stats.num_rejected += int(res.num_accepted < depth)
                 add_per_position(stats.accepted_per_pos, res.num_accepted)
             o = self._emit(seq, res.token_ids, stats)
             outputs.append(o)
@@ -226,7 +233,9 @@ class LLMEngine:
                 num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens,
                 num_emitted_tokens=stats.num_emitted_tokens, step_time=stats.total_time,
                 draft_time=stats.draft_time, verify_time=stats.verify_time,
-                num_prefill_tokens=stats.num_prefill_tokens))
+                num_prefill_tokens=stats.num_prefill_tokens, num_rejected=stats.num_rejected,
+                num_draft_depth=stats.num_draft_depth, num_short_drafts=stats.num_short_drafts,
+                seq_outcomes=outcomes))
         self.last_stats = stats
         self.history.append(stats)
         for listener in self.step_listeners:

@@ -20,6 +20,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from tidespec.sampling import SamplingParams
+from tidespec.spec.tree import tree_depths
 
 
 @dataclass
@@ -55,6 +56,16 @@ class SeqDraft:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def depth(self) -> int:
+        """Longest root-to-leaf path: the most tokens verification can accept (= length for chains).
+
+        Example: parents [-1, 0, 0, 1] (a root with two children, one with a child) -> 3.
+        """
+        if self.parent_indices is None:
+            return len(self.token_ids)
+        return 1 + max(tree_depths(self.parent_indices), default=-1)
 
     @property
     def is_tree(self) -> bool:

@@ -1,0 +1,49 @@
+"""Start-up profiler: shapes swept in interleaved passes, medians that shrug off one slow pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny import tiny_llama
+from tidespec.control import profiler
+from tidespec.control.profiler import ProfilerConfig, measure_profile
+
+
+def test_profile_grid_is_swept_in_passes_and_a_slow_pass_does_not_move_the_median(monkeypatch) -> None:
+    """Three passes over a 2 x 2 grid (plus two single-sequence lengths); the second pass runs
+    'during a slow spell' (10x). Every shape's value is the median of its three samples — the
+    normal time — and the calls go warm-up, pass, pass, pass (interleaved), not shape by shape."""
+    cfg = ProfilerConfig(batch_sizes=(1, 2), tokens_per_seq=(1, 2), single_seq_tokens=(1, 4), passes=3)
+    grid = [(1, 1), (1, 2), (2, 1), (2, 2)]
+    per_pass = len(grid) + len(cfg.single_seq_tokens)
+    calls: list[tuple[int, int]] = []
+
+    def scripted(model, kv, batch, n, context, repeats, target_s, gen, warm_up=True):
+        timed = len(calls) - 1  # calls before this one, minus the warm-up
+        calls.append((batch, n))
+        slow = 10.0 if per_pass <= timed < 2 * per_pass else 1.0
+        return [0.001 * batch * n * slow]
+
+    monkeypatch.setattr(profiler, "forward_samples", scripted)
+    prof = measure_profile(tiny_llama(32, layers=1, seed=0), None, cfg)
+    assert calls[0] == (2, 2)  # the warm-up: the largest shape
+    assert calls[1:] == (grid + [(1, 1), (1, 4)]) * 3
+    for b, q in grid:
+        assert prof.verify_latency[(b, q)] == pytest.approx(0.001 * b * q)
+    assert prof.target_latency == pytest.approx({1: 0.001, 4: 0.004})
+    with pytest.raises(ValueError, match="passes"):
+        ProfilerConfig(passes=0)
+
+
+def test_forward_samples_times_a_real_forward_within_its_budget() -> None:
+    model = tiny_llama(32, layers=1, seed=0)
+    cfg = ProfilerConfig(batch_sizes=(1,), tokens_per_seq=(1, 3), single_seq_tokens=(1,), passes=2, repeats=2)
+    prof = measure_profile(model, None, cfg)
+    assert set(prof.verify_latency) == {(1, 1), (1, 3)}
+    assert all(t > 0 for t in prof.verify_latency.values())
+    kv = profiler.KVCache.for_model(model.cfg, 1, 40, model.dtype, model.device)
+    times = profiler.forward_samples(model, kv, 1, 2, 8, repeats=5, target_s=0.0, gen=torch.Generator())
+    assert len(times) == 1  # a zero budget still times one forward
+    times = profiler.forward_samples(model, kv, 1, 2, 8, repeats=3, target_s=100.0, gen=torch.Generator())
+    assert len(times) == 3 and all(t > 0 for t in times)
