@@ -16,7 +16,7 @@ import torch
 
 from tests.conftest import tiny_hf_model, write_tiny_checkpoint
 from tidespec.bench.load import (LoadBenchConfig, RunResult, averaged, diff_steps, forward_vs_profile, model_check,
-                                 policy_state, replot, run_load_bench, server_args, verdict)
+                                 policy_state, replot, run_load_bench, server_args, trace_headroom, verdict)
 from tidespec.config import ConfigError
 from tidespec.control.speedup import Profile
 
@@ -135,6 +135,22 @@ def test_forward_vs_profile_and_policy_state_hand_traced() -> None:
     assert policy_state({"gamma_b1": 4.0, "alpha_b1": 0.451, "rho_b1": 0.62, "alpha_b16": 0.4, "rho_b16": 0.55,
                          "probe_steps": 3.0}) == "b1: 4 / 0.45 / 0.62, b16: - / 0.40 / 0.55"
     assert policy_state({"explore_steps": 1.0}) == "-"
+
+
+def test_trace_headroom_hand_traced() -> None:
+    """The docstring example: oracle 1.043x plain, best single static static-1 at 1.023x."""
+    plain = RunResult("plain", "trace", None, _summary(1.0, 1.0),
+                      steps={"1": {"steps": 10.0, "total": 10.0}, "16": {"steps": 10.0, "total": 30.0}})
+    checks = [{"config": "static-4", "kind": "trace", "repeat": 0, "bucket": 1, "measured": 1.2},
+              {"config": "static-4", "kind": "trace", "repeat": 0, "bucket": 16, "measured": 0.9},
+              {"config": "static-1", "kind": "trace", "repeat": 0, "bucket": 1, "measured": 1.1},
+              {"config": "static-1", "kind": "trace", "repeat": 0, "bucket": 16, "measured": 1.0},
+              {"config": "analytic", "kind": "trace", "repeat": 0, "bucket": 16, "measured": 2.0},  # not a static
+              {"config": "static-1", "kind": "rate", "repeat": 0, "bucket": 16, "measured": 3.0}]  # not the trace
+    (h,) = trace_headroom([plain], checks)
+    assert h["oracle_over_plain"] == pytest.approx(40 / (10 / 1.2 + 30))
+    assert h["best_static"] == "static-1" and h["best_static_over_plain"] == pytest.approx(40 / (10 / 1.1 + 30))
+    assert trace_headroom([plain], []) == []
 
 
 def test_load_bench_end_to_end_through_real_servers(tmp_path: Path) -> None:

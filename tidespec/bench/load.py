@@ -353,6 +353,7 @@ def verdict(results: list[RunResult], cfg: LoadBenchConfig,
     ratio 23.5 / 24 = 0.979 -> ok. With repeats, each configuration counts with its mean.
     """
     out: dict[str, Any] = {"per_rate": []}
+    results_by_round = results
     results = averaged(results)
     for rate in cfg.rates:
         at = [r for r in results if r.kind == "rate" and r.rate == rate]
@@ -381,10 +382,48 @@ def verdict(results: list[RunResult], cfg: LoadBenchConfig,
                         "latency_margin": 1.0 - _mean_e2e(ba) / _mean_e2e(fastest)}
     if checks is None:
         return out
+    headroom = trace_headroom(results_by_round, checks)
+    if headroom and "trace" in out:
+        out["trace"]["headroom"] = headroom
     errors = [abs(x["predicted"] / x["measured"] - 1.0) for x in checks]
     out["model_abs_error"] = {"n": len(errors), "median": float(np.median(errors)) if errors else None,
                               "max": max(errors) if errors else None,
                               "within_15pct": sum(e <= 0.15 for e in errors)}
+    return out
+
+
+def trace_headroom(results: list[RunResult], checks: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """What an adaptive policy could win on the trace at best, per round: the plain server's
+    decode-only seconds per batch-size bucket, divided by the measured speedup (``model_check``)
+    of (a) the best static configuration *in each bucket* — an oracle that knows the answer per
+    batch size and can choose plain — and (b) the best single static configuration. Buckets
+    without a check row (too few steps) count as break-even (speedup 1.0).
+
+    Example: plain spends 10 s at bucket 1 and 30 s at bucket 16; static-4 measures 1.2x / 0.9x,
+    static-1 1.1x / 1.0x. Oracle: 10 / 1.2 + 30 / 1.0 = 38.33 s -> 40 / 38.33 = 1.043x plain;
+    static-4: 10 / 1.2 + 30 / 0.9 = 41.67 s -> 0.960x; static-1: 10 / 1.1 + 30 = 39.09 s -> 1.023x:
+    the best single static is static-1 at 1.023x, so an adaptive policy has ~2 % to win.
+    """
+    out = []
+    for rep in sorted({r.repeat for r in results if r.kind == "trace" and r.config == "plain"}):
+        plain = next(r for r in results if r.kind == "trace" and r.config == "plain" and r.repeat == rep)
+        seconds = {b: st["total"] for b, st in plain.steps.items() if st.get("total", 0.0) > 0}
+        measured: dict[str, dict[str, float]] = {}
+        for x in checks:
+            if x["kind"] == "trace" and x.get("repeat", 0) == rep and x["config"] not in ADAPTIVE:
+                measured.setdefault(x["config"], {})[str(x["bucket"])] = x["measured"]
+        if not seconds or not measured:
+            continue
+        total = sum(seconds.values())
+
+        def speedup(per_bucket: dict[str, float]) -> float:
+            return total / sum(t / per_bucket.get(b, 1.0) for b, t in seconds.items())
+
+        oracle = {b: max([1.0, *(m[b] for m in measured.values() if b in m)]) for b in seconds}
+        single = {name: speedup(m) for name, m in measured.items()}
+        best = max(single, key=single.__getitem__)
+        out.append({"repeat": rep, "oracle_over_plain": speedup(oracle), "best_static": best,
+                    "best_static_over_plain": single[best]})
     return out
 
 
@@ -479,6 +518,10 @@ def report(doc: dict[str, Any], command: str) -> str:
                   f"{t['best_static']} {t['best_static_tok_s']:.1f} tok/s (margin {t['throughput_margin']:+.1%}); "
                   f"mean e2e {t['adaptive_mean_e2e_s']:.2f} s vs lowest static {t['lowest_latency_static']} "
                   f"{t['static_mean_e2e_s']:.2f} s (margin {t['latency_margin']:+.1%})."]
+        for h in t.get("headroom", []):
+            lines.append(f"Headroom, round {h['repeat'] + 1} (`trace_headroom`, decode-only time): the best static "
+                         f"gamma per batch-size bucket would run {h['oracle_over_plain']:.3f}x plain, the best single "
+                         f"static ({h['best_static']}) {h['best_static_over_plain']:.3f}x.")
     checks = doc.get("model_check", [])
     if checks:
         e = v["model_abs_error"]

@@ -20,7 +20,7 @@ gamma of the step (0 when nothing was drafted); bandits credit the step's goodpu
 ``num_emitted_tokens / step_time`` to that arm — on decode-only steps. A step that also prefills
 a prompt chunk is not credited: its time is mostly the chunk's, which no arm controls, and under
 load such steps are frequent, so crediting them buries differences of a few per cent between arms
-in noise (measured in docs/benchmarks.md section 5a: the hybrid kept speculating at batch 16).
+in noise (measured in docs/benchmarks.md section 5c: the hybrid kept speculating at batch 16).
 Acceptance (alpha) is still learned from them.
 """
 
@@ -230,7 +230,7 @@ class AlphaTracker:
     a step that rejects the first token says alpha = 0 and one that accepts one token says 0.52
     — their mean is 0.30, below the 0.33 that made eq. 5 speculate at batch 1 on this machine's
     profile, so the analytic policy switched itself off at batch 1 (docs/benchmarks.md section
-    5a's open question).
+    5b's open question; section 5a re-measures with this estimator).
 
     Geometric alpha and rho assume every position alike. Suffix and n-gram drafters are not: once
     a match holds it tends to hold, so later positions are accepted more often than alpha**k says,

@@ -9,7 +9,7 @@ What is measured (all medians after one warm-up forward; the T(b, q) grid is swe
 each shape's median taken over the samples of every pass, so a slow spell of the machine — a
 few seconds of a noisy neighbour or a frequency drop — lands in one pass's samples of a shape,
 not in all of them: one outlier, T(1, 2) at 1.56x T(1, 1) against 1.21x in a re-measurement,
-once decided a whole benchmark's batch-1 choice, docs/benchmarks.md section 5a):
+once decided a whole benchmark's batch-1 choice, docs/benchmarks.md section 5b):
 - ``verify_latency[(b, q)]``: one target forward with q new tokens for each of b sequences on a
   ``context``-token cache (q = gamma + 1 when verifying, 1 for plain decode);
 - ``target_latency[n]``: the same for one sequence and n tokens (TIDE's T(n));
