@@ -34,7 +34,6 @@ from typing import Protocol, runtime_checkable
 from tidespec.control.bandit import NightjarBandit, SwitchingCost
 from tidespec.control.speedup import (
     Profile,
-    alpha_from_accept_length,
     speedup_of_lengths,
 )
 
@@ -133,23 +132,6 @@ class StaticPolicy:
 
 
 # ---- acceptance tracking -----------------------------------------------------------------
-def alpha_of_step(fb: StepFeedback) -> float | None:
-    """Moment estimate of eq. 2's alpha from one step, None if nothing was drafted.
-
-    Mean drafted per speculating sequence is gamma_eff = draft / seqs, mean emitted is
-    E[l] = 1 + accepted / seqs; alpha solves E[l](alpha, gamma_eff) = that. Example: 4 seqs,
-    16 drafted, 8 accepted -> gamma_eff 4, E[l] 3 -> alpha = 0.7245 (the ratio 8/16 = 0.5
-    would undercount: drafts after a rejection can never be accepted).
-
-    Kept for reports; the policies do not average it step by step (``AlphaTracker`` says why).
-    """
-    if fb.num_seqs_speculated <= 0 or fb.num_draft_tokens <= 0:
-        return None
-    gamma_eff = fb.num_draft_tokens / fb.num_seqs_speculated
-    accept_length = 1.0 + fb.num_accepted_tokens / fb.num_seqs_speculated
-    return alpha_from_accept_length(accept_length, gamma_eff)
-
-
 @dataclass
 class _Counts:
     """Exponentially forgotten counts of one bucket (or of all steps): sums in which a step
@@ -225,8 +207,9 @@ class AlphaTracker:
     gamma that continues past each token with probability rho gives ``rho = sum d / (sum d +
     number of drafts shallower than gamma)``. The tracker keeps exponentially forgotten *counts*
     (a step's weight falls by ``1 - ema`` per later step that drafted) and divides them, which
-    stays unbiased however few sequences a step has. Averaging a per-step estimate instead
-    (``alpha_of_step``) is biased low at small batches: at batch 1, gamma 4 and true alpha 0.45,
+    stays unbiased however few sequences a step has. Averaging a per-step estimate instead (eq. 2
+    inverted at each step's acceptance length, as this policy once did) is biased low at small
+    batches: at batch 1, gamma 4 and true alpha 0.45,
     a step that rejects the first token says alpha = 0 and one that accepts one token says 0.52
     — their mean is 0.30, below the 0.33 that made eq. 5 speculate at batch 1 on this machine's
     profile, so the analytic policy switched itself off at batch 1 (docs/benchmarks.md section
@@ -308,6 +291,11 @@ def predicted_speedups(tracker: AlphaTracker, batch_size: int, profile: Profile,
     return out
 
 
+def _argmax(speedups: list[float], start: int) -> int:
+    """Index >= ``start`` of the highest speedup, ties to the smaller index (shorter gamma)."""
+    return max(range(start, len(speedups)), key=lambda g: (speedups[g], -g))
+
+
 # ---- analytic (TIDE) ---------------------------------------------------------------------
 class AnalyticPolicy:
     """TIDE's adaptive drafter: best eq.-5 gamma at this batch size and the bucket's alpha.
@@ -365,18 +353,19 @@ class AnalyticPolicy:
         """(gamma, predicted speedup) for this batch size now: the best gamma, 0 if none beats 1.0
         (ties to the shorter gamma, as ``speedup.best_gamma``)."""
         s = self.predicted(batch_size)
-        gamma = max(range(len(s)), key=lambda g: (s[g], -g))
+        gamma = _argmax(s, 0)
         return gamma, s[gamma]
 
     def plan(self, inp: PlanInput) -> dict[int, int]:
         if not inp.seqs:
             return {}
-        gamma, speedup = self.decide(inp.batch_size)
+        s = self.predicted(inp.batch_size)
+        gamma = _argmax(s, 0)
+        speedup = s[gamma]
         key = bucket_of(inp.batch_size)
         if gamma == 0 and self.probe_every:
             off = self._off_steps.get(key, 0) + 1
-            s = self.predicted(inp.batch_size)
-            probe = max(range(1, len(s)), key=lambda g: (s[g], -g))
+            probe = _argmax(s, 1)
             if off >= self.probe_every or off * self.probe_budget >= 1.0 - s[probe]:
                 gamma, off = probe, 0
                 self.num_probes += 1
@@ -742,7 +731,6 @@ __all__ = [
     "SpeculationPolicy",
     "StaticPolicy",
     "StepFeedback",
-    "alpha_of_step",
     "bucket_of",
     "make_policy",
     "policy_profile",
