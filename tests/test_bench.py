@@ -75,7 +75,7 @@ def test_workload_missing_empty_and_bad_limit(tmp_path: Path) -> None:
 
 
 def test_builtin_workloads_ship_with_sources_and_licenses() -> None:
-    sizes = {"code": 16, "chat": 48, "code_unseen": 32, "drafter_boot": 150}
+    sizes = {"code": 16, "chat": 48, "code_unseen": 32, "drafter_boot": 150, "code_extra": 72}
     for name, size in sizes.items():
         path = resolve_workload_path(name)
         assert path.parent.name == "workloads" and path.name == f"{name}.jsonl"
@@ -86,7 +86,9 @@ def test_builtin_workloads_ship_with_sources_and_licenses() -> None:
     assert {r.kind for r in load_workload("code")} == {"completion", "chat"}
     # the shipped drafter's evaluation set holds no prompt it was trained on
     boot = {r.prompt for r in load_workload("drafter_boot")}
-    assert not boot & {r.prompt for r in load_workload("code_unseen")}
+    unseen = {r.prompt for r in load_workload("code_unseen")}
+    extra = {r.prompt for r in load_workload("code_extra")}
+    assert not boot & unseen and not extra & (boot | unseen)
 
 
 def test_prompt_tokenization_completion_and_chat(tmp_path: Path) -> None:

@@ -256,6 +256,17 @@ def segments_by_sequence(shards: Sequence[SignalShard], max_len: int) -> dict[in
     return out
 
 
+def heldout_keys(keys: Sequence[int], frac: float) -> set[int]:
+    """The held-out sequences of ``split_heldout``: every ``round(1/frac)``-th of the sorted keys
+    (at least the last one).
+
+    Example: keys [3, 8, 9, 12, 20], frac 0.34 -> {9} (every 3rd); frac 0.1 -> {20}.
+    """
+    keys = sorted(keys)
+    k = max(2, round(1 / frac))
+    return {keys[i] for i in range(len(keys)) if (i + 1) % k == 0} or ({keys[-1]} if keys else set())
+
+
 def split_heldout(by_seq: dict[int, list[SignalSegment]], frac: float
                   ) -> tuple[list[SignalSegment], list[SignalSegment]]:
     """(train, heldout): every ``round(1/frac)``-th sequence (at least one) is held out; with a
@@ -265,8 +276,7 @@ def split_heldout(by_seq: dict[int, list[SignalSegment]], frac: float
     """
     keys = sorted(by_seq)
     if len(keys) >= 2:
-        k = max(2, round(1 / frac))
-        held = {keys[i] for i in range(len(keys)) if (i + 1) % k == 0} or {keys[-1]}
+        held = heldout_keys(keys, frac)
         train = [s for key in keys if key not in held for s in by_seq[key]]
         heldout = [s for key in keys if key in held for s in by_seq[key]]
         return train, heldout
@@ -279,6 +289,22 @@ def split_heldout(by_seq: dict[int, list[SignalSegment]], frac: float
         train.append(SignalSegment(seg.taps[:cut], seg.token_ids[:cut + 1], None, seg.start_position))
         heldout.append(SignalSegment(seg.taps[cut:], seg.token_ids[cut:], None, seg.start_position + cut))
     return train, heldout
+
+
+def fresh_head_for(target_cfg: LlamaConfig, draft_vocab: int, train: Sequence[SignalSegment], dtype: torch.dtype,
+                   device: torch.device | str, seed: int) -> Eagle3Head:
+    """A fresh head whose draft vocabulary is the ``draft_vocab`` most frequent tokens of ``train``
+    (the whole target vocabulary when ``draft_vocab`` is 0 or not smaller)."""
+    vocab = target_cfg.vocab_size
+    if not draft_vocab or draft_vocab >= vocab:
+        return fresh_head(target_cfg, None, dtype, device, seed=seed)
+    counts = torch.zeros(vocab, dtype=torch.int64)
+    for seg in train:
+        counts += torch.bincount(seg.token_ids, minlength=vocab)
+    d2t, t2d = select_draft_vocab(counts, draft_vocab)
+    head = fresh_head(target_cfg, draft_vocab, dtype, device, seed=seed)
+    head.set_vocab_map(d2t.to(device), t2d.to(device))
+    return head
 
 
 def simulated_acceptance(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], gamma: int,
@@ -423,13 +449,7 @@ class DraftTrainer:
         cfg = self.current.cfg
         if self.current_version > 0 or self.cfg.init_from or cfg.draft_vocab_size == cfg.target_vocab_size:
             return copy.deepcopy(self.current)
-        counts = torch.zeros(cfg.target_vocab_size, dtype=torch.int64)
-        for seg in train:
-            counts += torch.bincount(seg.token_ids, minlength=cfg.target_vocab_size)
-        d2t, t2d = select_draft_vocab(counts, cfg.draft_vocab_size)
-        head = fresh_head(self.target_cfg, cfg.draft_vocab_size, self.dtype, self.device, seed=self.cfg.seed)
-        head.set_vocab_map(d2t.to(self.device), t2d.to(self.device))
-        return head
+        return fresh_head_for(self.target_cfg, cfg.draft_vocab_size, train, self.dtype, self.device, self.cfg.seed)
 
     # -- rounds ----------------------------------------------------------------------------------
 
@@ -526,10 +546,13 @@ class DraftTrainer:
         if self.ctx.is_main:
             self.state.save(self.root)
 
-    def train_head(self, head: Eagle3Head, train: list[SignalSegment], seed: int) -> float:
+    def train_head(self, head: Eagle3Head, train: list[SignalSegment], seed: int,
+                   on_step: Callable[[int, float], None] | None = None) -> float:
         """Train ``head`` in place: AdamW training-time-test steps (``max_steps``, else ``epochs``
         passes over ``train``); under DDP each rank takes its slice of every global batch. Returns
-        the mean loss of the last quarter of the steps."""
+        the mean loss of the last quarter of the steps. ``on_step(step, loss)`` (1-based) is called
+        after every optimizer step (``bench learn`` evaluates there; it must leave the head in
+        train mode)."""
         cfg, ctx = self.cfg, self.ctx
         objective = _TTTObjective(head, self.embed, cfg.ttt_steps)
         model: nn.Module = (DistributedDataParallel(objective, broadcast_buffers=False) if ctx.enabled
@@ -543,7 +566,7 @@ class DraftTrainer:
         losses: list[float] = []
         bar = tqdm(range(steps), desc="train-drafter", unit="step", disable=not (cfg.progress and ctx.is_main),
                    leave=False)
-        for _ in bar:
+        for step in bar:
             idx = next(batches)[ctx.rank * cfg.batch_segments:(ctx.rank + 1) * cfg.batch_segments]
             loss, acc = model([train[i] for i in idx])
             optimizer.zero_grad(set_to_none=True)
@@ -552,6 +575,8 @@ class DraftTrainer:
             optimizer.step()
             losses.append(float(loss.detach()))
             bar.set_postfix(loss=f"{losses[-1]:.3f}", acc1=f"{acc[0]:.2f}" if acc and math.isfinite(acc[0]) else "-")
+            if on_step is not None:
+                on_step(step + 1, losses[-1])
         head.eval()
         if ctx.enabled:
             _check_replicas_in_sync(head, ctx)

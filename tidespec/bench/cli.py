@@ -1,4 +1,4 @@
-"""``tidespec bench {decode,spec,profile,shift,serve,load}``: the benchmark sub-commands.
+"""``tidespec bench {decode,spec,profile,shift,learn,serve,load}``: the benchmark sub-commands.
 
 Why this exists: the benchmarks are part of the product (their numbers go into
 docs/benchmarks.md), so they are run from the same CLI with the same model flags as
@@ -12,17 +12,22 @@ Worked example::
     tidespec bench spec --workload code --drafters none,ngram,suffix,draft-model --gammas 1,3,5,8 --compare hf
     tidespec bench profile --threads 2
     tidespec bench shift --workloads code,chat,code --bootstrap runs/boot/drafter --threads 2
+    tidespec bench learn --signal-dirs runs/boot/signals --fractions 0.25,0.5,1 --threads 2
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from tidespec.bench.decode import DecodeBenchConfig, parse_int_list, resolve_target, run_decode_bench
+from tidespec.bench.learn import LearnBenchConfig, run_learn_bench
+from tidespec.bench.learn import replot as replot_learn
 from tidespec.bench.profile import ProfileConfig, run_profile
 from tidespec.bench.report import command_line
 from tidespec.bench.shift import ShiftBenchConfig, run_shift_bench
@@ -77,14 +82,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     add_dataclass_args(p, ModelConfig)
     p.set_defaults(func=cmd_profile)
 
-    sh = sub.add_parser("shift", help="EAGLE-3 under a domain shift: plain vs frozen vs online training",
-                        formatter_class=fmt)
-    add_dataclass_args(sh, ShiftBenchConfig)
-    add_dataclass_args(sh, ModelConfig)
-    sh.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-shift-<time>)")
-    sh.add_argument("--replot", type=Path, default=None, metavar="DIR",
-                    help="only re-render README.md and shift.png of an earlier run in DIR")
-    sh.set_defaults(func=cmd_shift)
+    for name, help_, config_cls, func in [
+            ("shift", "EAGLE-3 under a domain shift: plain vs frozen vs online training", ShiftBenchConfig, cmd_shift),
+            ("learn", "EAGLE-3 held-out acceptance against training signals (learning curve)", LearnBenchConfig,
+             cmd_learn)]:
+        b = sub.add_parser(name, help=help_, formatter_class=fmt)
+        add_dataclass_args(b, config_cls)
+        add_dataclass_args(b, ModelConfig)
+        b.add_argument("--out", type=Path, default=None, help=f"output directory (default: runs/bench-{name}-<time>)")
+        b.add_argument("--replot", type=Path, default=None, metavar="DIR",
+                       help=f"only re-render README.md and {name}.png of an earlier run in DIR")
+        b.set_defaults(func=func)
 
     _register_serve(sub)
 
@@ -169,14 +177,24 @@ def cmd_profile(ns: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_shift(ns: argparse.Namespace) -> int:
+def _replot_or_run(ns: argparse.Namespace, config_cls: type, run: Callable[..., Any],
+                   replot: Callable[[Path], Any], plot_name: str) -> int:
+    """``--replot DIR``: re-render an earlier run's report; else build the config and run on the target."""
     if ns.replot is not None:
-        replot_shift(ns.replot)
-        print(f"re-rendered {ns.replot}/README.md and shift.png")
+        replot(ns.replot)
+        print(f"re-rendered {ns.replot}/README.md and {plot_name}")
         return 0
     mc = dataclass_from_args(ModelConfig, ns)
-    cfg = dataclass_from_args(ShiftBenchConfig, ns)
+    cfg = dataclass_from_args(config_cls, ns)
     if mc.threads:
         torch.set_num_threads(mc.threads)
-    run_shift_bench(cfg, resolve_target(mc.model, mc.dtype, mc.device), ns.out, command=command_line())
+    run(cfg, resolve_target(mc.model, mc.dtype, mc.device), ns.out, command=command_line())
     return 0
+
+
+def cmd_shift(ns: argparse.Namespace) -> int:
+    return _replot_or_run(ns, ShiftBenchConfig, run_shift_bench, replot_shift, "shift.png")
+
+
+def cmd_learn(ns: argparse.Namespace) -> int:
+    return _replot_or_run(ns, LearnBenchConfig, run_learn_bench, replot_learn, "learn.png")

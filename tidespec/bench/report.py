@@ -25,13 +25,15 @@ import platform
 import shlex
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from matplotlib.figure import Figure
+
+from tidespec.config import ConfigError
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -150,6 +152,39 @@ def _jsonable(obj: Any) -> Any:
     if isinstance(obj, Path):
         return str(obj)
     return obj
+
+
+def read_run_json(out_dir: Path, name: str, kind: str) -> dict[str, Any]:
+    """The ``name`` JSON an earlier ``bench <kind>`` run wrote into ``out_dir`` (for ``--replot``);
+    ``ConfigError`` (a one-line CLI error) when it is not there."""
+    path = out_dir / name
+    if not path.is_file():
+        raise ConfigError(f"{path} not found (is {out_dir} a bench {kind} output directory?)")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def finish_run(out_dir: Path, kind: str, doc: dict[str, Any], command: str, dtype: str,
+               render: Callable[[dict[str, Any]], str], plot: Callable[[dict[str, Any], Path], Any],
+               log: Callable[[str], None]) -> dict[str, Any]:
+    """Write ``bench_<kind>.json`` (with command and machine), then ``README.md`` from ``render``
+    and the plot; log the report. Returns ``doc`` with ``command`` and ``machine`` added."""
+    info = machine_info(dtype)
+    write_json(out_dir, f"bench_{kind}.json", doc, command, info)
+    doc["command"], doc["machine"] = command, info
+    text = render(doc)
+    write_text(out_dir, "README.md", text)
+    plot(doc, out_dir)
+    log(text)
+    return doc
+
+
+def rerender_run(out_dir: Path, kind: str, render: Callable[[dict[str, Any]], str],
+                 plot: Callable[[dict[str, Any], Path], Any]) -> dict[str, Any]:
+    """``--replot``: README.md and the plot of an earlier run again, from its ``bench_<kind>.json``."""
+    doc = read_run_json(out_dir, f"bench_{kind}.json", kind)
+    write_text(out_dir, "README.md", render(doc))
+    plot(doc, out_dir)
+    return doc
 
 
 def write_json(out_dir: Path, name: str, payload: dict[str, Any], command: str,

@@ -43,7 +43,6 @@ Outputs in the output directory: ``bench_shift.json`` (every step and request), 
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 import shutil
@@ -63,8 +62,8 @@ from tidespec.adapt.collection import CollectionConfig
 from tidespec.adapt.online import (OnlineConfig, OnlineTraining, attach_online_training, build_eagle3_drafter,
                                    head_from_published, load_drafter_source, read_trainer_rounds)
 from tidespec.adapt.store import SignalShard, SignalStore
-from tidespec.bench.report import (default_out_dir, machine_info, machine_line, markdown_table, new_figure,
-                                   save_figure, write_json, write_text)
+from tidespec.bench.report import (default_out_dir, finish_run, machine_line, markdown_table, new_figure,
+                                   rerender_run, save_figure)
 from tidespec.bench.workload import Prompt, load_prompts
 from tidespec.config import CacheConfig, ConfigError, EngineConfig, SpecConfig, opt
 from tidespec.engine.engine import LLMEngine
@@ -518,25 +517,13 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
     if cfg.recompute_rows and signal_dir.is_dir():
         doc["training_sources"] = measure_training_sources(target, signal_dir, cfg, progress)
 
-    info = machine_info(str(target.model.dtype).removeprefix("torch."))
-    write_json(out_dir, "bench_shift.json", doc, command, info)
-    doc["command"], doc["machine"] = command, info
-    text = report(doc)
-    write_text(out_dir, "README.md", text)
-    plot_shift(doc, out_dir)
-    log(text)
-    return doc
+    return finish_run(out_dir, "shift", doc, command, str(target.model.dtype).removeprefix("torch."), report,
+                      plot_shift, log)
 
 
 def replot(out_dir: Path) -> dict[str, Any]:
     """Re-render README.md and shift.png of an earlier run from its ``bench_shift.json``."""
-    path = out_dir / "bench_shift.json"
-    if not path.is_file():
-        raise ConfigError(f"{path} not found (is {out_dir} a bench shift output directory?)")
-    doc = json.loads(path.read_text(encoding="utf-8"))
-    write_text(out_dir, "README.md", report(doc))
-    plot_shift(doc, out_dir)
-    return doc
+    return rerender_run(out_dir, "shift", report, plot_shift)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,0 +1,95 @@
+"""``tidespec bench learn`` on a tiny target: nested shares, one fixed held-out split, the fit."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.tiny import tiny_llama, tiny_tokenizer
+from tidespec.adapt.trainer import capture_from_workload, heldout_keys
+from tidespec.bench.learn import LearnBenchConfig, fit_log2, load_sequences, parse_fractions, run_learn_bench
+from tidespec.config import ConfigError
+from tidespec.models.loader import LoadedModel
+
+V = 48
+
+
+def test_heldout_keys_and_fit_hand_traced() -> None:
+    assert heldout_keys([12, 3, 9, 8, 20], 0.34) == {9}
+    assert heldout_keys([3, 8, 9, 12, 20], 0.1) == {20}
+    assert heldout_keys([3, 8, 9, 12], 0.5) == {8, 12}
+    fit = fit_log2([1000, 2000, 4000], [1.3, 1.4, 1.5], 2.5)
+    assert fit["per_doubling"] == pytest.approx(0.1)
+    assert fit["rows_for_target"] == pytest.approx(4000 * 2 ** 10)
+    flat = fit_log2([1000, 2000], [1.5, 1.4], 2.5)
+    assert flat["per_doubling"] < 0 and flat["rows_for_target"] is None
+    assert fit_log2([1000, 1000], [1.3, 1.4], 2.5)["per_doubling"] is None
+    assert parse_fractions("1,0.25,0.5,0.25") == (0.25, 0.5, 1.0)
+
+
+def test_config_rejects_bad_input(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not a directory"):
+        LearnBenchConfig(signal_dirs=str(tmp_path / "missing"))
+    for kw, msg in [({"fractions": "0,1"}, "in \\(0, 1\\]"), ({"fractions": "a"}, "comma-separated numbers"),
+                    ({"evals": 0}, "evals"), ({"heldout_frac": 1.0}, "heldout_frac"),
+                    ({"steps": 0, "epochs": 0.0}, "epochs"), ({"steps": 5, "per_share_epochs": True}, "not both")]:
+        with pytest.raises(ConfigError, match=msg):
+            LearnBenchConfig(signal_dirs=str(tmp_path), **kw)
+
+
+def _capture(model, tmp_path: Path, name: str, seed: int) -> Path:
+    gen = torch.Generator().manual_seed(seed)
+    tok = tiny_tokenizer(V)
+    words = [t for t in range(3, V) if tok.encode(f"t{t}") == [t]]
+    lines = []
+    for i in range(16):
+        n = int(torch.randint(3, 8, (1,), generator=gen))
+        p = [words[int(j)] for j in torch.randint(0, len(words), (n,), generator=gen)]
+        lines.append(json.dumps({"id": f"{name}{i}", "domain": "code", "kind": "completion",
+                                 "prompt": " ".join(f"t{t}" for t in p)}) + "\n")
+    workload = tmp_path / f"{name}.jsonl"
+    workload.write_text("".join(lines))
+    sig = tmp_path / f"{name}-signals"
+    capture_from_workload(model, tok, str(workload), sig, max_tokens=40, progress=False)
+    return sig
+
+
+def test_learning_curve_on_two_stores(tmp_path: Path) -> None:
+    model = tiny_llama(V, layers=8, seed=2, scale=1.0)
+    a, b = _capture(model, tmp_path, "a", 0), _capture(model, tmp_path, "b", 1)
+    by_key, store_rows = load_sequences([str(a), str(b)], 256)
+    # both stores' sequences (16 prompts each; a prompt may end at once on EOS), re-keyed 0, 1, ...
+    n = len(by_key)
+    assert sorted(by_key) == list(range(n)) and 30 <= n <= 32
+    assert sum(store_rows) == sum(s.num_positions for segs in by_key.values() for s in segs)
+
+    target = LoadedModel(model, tiny_tokenizer(V), model.cfg, "tiny")
+    # 20 passes over each share's own segments (one segment per sequence here: all are < 256 positions)
+    cfg = LearnBenchConfig(signal_dirs=f"{a},{b}", fractions="0.25,1", epochs=20, per_share_epochs=True, evals=2,
+                           heldout_frac=0.25, draft_vocab=0, lr=3e-3, batch_segments=8)
+    doc = run_learn_bench(cfg, target, tmp_path / "out", command="test", progress=False, log=lambda _: None)
+    held = n // 4  # every 4th sequence
+    assert doc["heldout_sequences"] == held
+    small, full = doc["curves"]
+    assert small["sequences"] == round(0.25 * (n - held)) and full["sequences"] == n - held
+    assert small["rows"] < full["rows"]
+    assert (small["steps"], full["steps"]) == (math.ceil(20 * small["sequences"] / 8), math.ceil(20 * (n - held) / 8))
+    half = round(full["steps"] / 2)
+    assert [p["step"] for p in full["points"]] == [0, half, full["steps"]]
+    assert full["points"][0]["train_loss"] is None and full["points"][-1]["train_loss"] > 0
+    # the fresh heads are the same model on the same held-out rows
+    assert small["points"][0]["heldout_accept_len"] == pytest.approx(full["points"][0]["heldout_accept_len"])
+    # training helps both shares; the fit is the line through their best held-out scores
+    for c in (small, full):
+        assert c["best_accept_len"] > c["points"][0]["heldout_accept_len"] + 0.3
+        assert c["best_accept_len"] == max(p["heldout_accept_len"] for p in c["points"])
+    slope = (full["best_accept_len"] - small["best_accept_len"]) / math.log2(full["rows"] / small["rows"])
+    assert doc["fit"]["per_doubling"] == pytest.approx(slope)
+    saved = json.loads((tmp_path / "out" / "bench_learn.json").read_text())
+    assert saved["command"] == "test" and len(saved["curves"]) == 2
+    assert (tmp_path / "out" / "learn.png").stat().st_size > 0
+    assert "per doubling" in (tmp_path / "out" / "README.md").read_text()

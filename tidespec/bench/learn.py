@@ -1,0 +1,303 @@
+"""``tidespec bench learn``: how an EAGLE-3 head's acceptance grows with its training signals.
+
+Why this exists: issue 5 asks for a mean acceptance length of 2.5 at gamma 4 from scratch on code,
+and our bootstrap ends near 1.6 on held-out code. Whether more steps or more data would close the
+gap is a measurement, not a guess: this benchmark trains fresh heads on nested shares of the same
+captured signals for the same number of optimizer steps (or the same number of passes), scores
+every one on one fixed held-out split with the trainer's own metric (simulated greedy
+gamma-chains against the target's tokens), and fits the best score against log2(training rows).
+Curves that flatten over steps at levels rising with the share mean data-limited; curves still
+rising at their last step mean step-limited. The fit's slope says what each doubling of signals
+buys, and how many rows the target length would take if the trend held (an extrapolation,
+labelled as one).
+
+Protocol::
+
+    signal stores (one or more; sequences re-keyed store by store, in store order)
+      -> held out: every round(1/heldout_frac)-th sequence (the trainer's rule), fixed for all shares
+      -> training sequences shuffled once (seed); share f = the first round(f * n) of them (nested)
+      -> per share: a fresh head (draft vocabulary = that share's most frequent tokens), the same
+         ``steps`` AdamW training-time-test steps as ``train-drafter`` (or, with ``per_share_epochs``,
+         ``epochs`` passes over the share's own segments), held-out acceptance at step 0 and at
+         ``evals`` evenly spaced steps
+      -> fit best held-out acceptance = a + b * log2(rows) over the shares (least squares)
+
+Worked example::
+
+    cfg = LearnBenchConfig(signal_dirs="runs/boot/signals", fractions="0.25,0.5,1", steps=60)
+    doc = run_learn_bench(cfg, resolve_target(None), Path("runs/learn"))
+    doc["fit"]["per_doubling"]   # e.g. 0.08: each doubling of rows adds 0.08 to the acceptance length
+
+Outputs: ``bench_learn.json`` (every evaluation), ``README.md`` (table, fit), ``learn.png``
+(held-out acceptance over steps per share; best acceptance against rows with the fit);
+``--replot DIR`` re-renders the last two from the first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from tidespec.adapt.eagle3_train import SignalSegment
+from tidespec.adapt.store import SignalStore
+from tidespec.adapt.trainer import (
+    DraftTrainer,
+    TrainerConfig,
+    fresh_head_for,
+    heldout_keys,
+    segments_by_sequence,
+    simulated_acceptance,
+)
+from tidespec.bench.report import (default_out_dir, finish_run, machine_line, markdown_table, new_figure,
+                                   rerender_run, save_figure)
+from tidespec.config import ConfigError, opt
+from tidespec.models.loader import LoadedModel
+
+
+def parse_fractions(text: str) -> tuple[float, ...]:
+    """"0.5,0.125,1" -> (0.125, 0.5, 1.0); each in (0, 1], no repeats."""
+    try:
+        values = sorted({float(x) for x in text.split(",") if x.strip()})
+    except ValueError as exc:
+        raise ConfigError(f"fractions must be comma-separated numbers, got {text!r}") from exc
+    if not values or values[0] <= 0.0 or values[-1] > 1.0:
+        raise ConfigError(f"fractions must be in (0, 1], got {text!r}")
+    return tuple(values)
+
+
+@dataclass
+class LearnBenchConfig:
+    signal_dirs: str = opt("runs/boot/signals", "comma-separated signal stores to learn from (train-drafter "
+                                                "--from-workload writes one; so does a serving engine)")
+    fractions: str = opt("0.125,0.25,0.5,1", "shares of the training sequences, each a prefix of one seeded "
+                                             "shuffle (nested)")
+    steps: int = opt(0, "optimizer steps for every share (0 = --epochs passes over the full training split)")
+    epochs: float = opt(2.0, "with --steps 0: passes over the full training split, which fixes the steps")
+    per_share_epochs: bool = opt(False, "train every share for --epochs passes over its own segments instead "
+                                        "(bigger shares get more steps)")
+    evals: int = opt(6, "held-out evaluations per share, evenly spaced (plus one of the fresh head)")
+    heldout_frac: float = opt(0.1, "fraction of sequences held out (the trainer's rule), the same for all shares")
+    gamma: int = opt(4, "draft length of the simulated-acceptance evaluation")
+    draft_vocab: int = opt(8192, "draft vocabulary of the fresh heads (0 = the target's)")
+    batch_segments: int = opt(8, "segments per optimizer step")
+    max_segment_len: int = opt(256, "positions per training segment")
+    lr: float = opt(1e-3, "AdamW learning rate")
+    ttt_steps: int = opt(3, "training-time-test unroll steps")
+    target_length: float = opt(2.5, "acceptance length whose row count the fit extrapolates to")
+    seed: int = opt(0, "seed of the shuffle, the heads and the batches")
+
+    def __post_init__(self) -> None:
+        if not self.dirs:
+            raise ConfigError("signal_dirs must name at least one directory")
+        for d in self.dirs:
+            if not Path(d).is_dir():
+                raise ConfigError(f"signal dir {d} is not a directory")
+        parse_fractions(self.fractions)
+        for name in ("evals", "gamma", "batch_segments", "max_segment_len", "ttt_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("steps", "draft_vocab"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if (self.steps == 0 or self.per_share_epochs) and self.epochs <= 0:
+            raise ConfigError("epochs must be > 0 when steps is 0 or per_share_epochs is set")
+        if self.steps and self.per_share_epochs:
+            raise ConfigError("give either steps or per_share_epochs, not both")
+        if not 0.0 < self.heldout_frac < 1.0:
+            raise ConfigError(f"heldout_frac must be in (0, 1), got {self.heldout_frac}")
+        if self.lr <= 0 or self.target_length <= 1.0:
+            raise ConfigError("lr must be > 0 and target_length > 1")
+
+    @property
+    def dirs(self) -> list[str]:
+        return [d.strip() for d in self.signal_dirs.split(",") if d.strip()]
+
+    @property
+    def shares(self) -> tuple[float, ...]:
+        return parse_fractions(self.fractions)
+
+
+def load_sequences(dirs: list[str], max_segment_len: int) -> tuple[dict[int, list[SignalSegment]], list[int]]:
+    """Every sequence of every store, re-keyed 0, 1, ... store by store (sequence ids of different
+    stores may collide). Returns (segments per key, rows per store)."""
+    by_key: dict[int, list[SignalSegment]] = {}
+    rows: list[int] = []
+    for d in dirs:
+        store = SignalStore(d, 1 << 40)
+        shards = [shard for _, shard in store.iter_shards()]
+        by_seq = segments_by_sequence(shards, max_segment_len)
+        for sid in sorted(by_seq):
+            by_key[len(by_key)] = by_seq[sid]
+        rows.append(sum(int(shard.positions.numel()) for shard in shards))
+    if not by_key:
+        raise ConfigError(f"no signals in {', '.join(dirs)}")
+    return by_key, rows
+
+
+def fit_log2(rows: list[int], lengths: list[float], target: float) -> dict[str, Any]:
+    """Least-squares ``length = a + b * log2(rows)``; ``rows_for_target`` = where the line reaches
+    ``target`` (None unless b > 0). Needs two distinct row counts.
+
+    Example: rows [1000, 2000, 4000], lengths [1.3, 1.4, 1.5] -> b = 0.1 per doubling,
+    rows_for_target(2.5) = 4000 * 2**10 = 4,096,000.
+    """
+    ok = [(r, v) for r, v in zip(rows, lengths) if r > 0 and math.isfinite(v)]
+    if len({r for r, _ in ok}) < 2:
+        return {"per_doubling": None, "intercept": None, "rows_for_target": None, "target": target}
+    x = np.log2([r for r, _ in ok])
+    b, a = np.polyfit(x, [v for _, v in ok], 1)
+    need = float(2.0 ** ((target - a) / b)) if b > 0 else None
+    return {"per_doubling": float(b), "intercept": float(a), "rows_for_target": need, "target": target}
+
+
+def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | None = None, command: str = "",
+                    progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Train one fresh head per share and evaluate it on the fixed held-out split (module docstring)."""
+    out_dir = out_dir or default_out_dir("learn")
+    by_key, store_rows = load_sequences(cfg.dirs, cfg.max_segment_len)
+    held = heldout_keys(list(by_key), cfg.heldout_frac)
+    heldout = [s for k in sorted(held) for s in by_key[k]]
+    train_keys = [k for k in sorted(by_key) if k not in held]
+    order = [train_keys[int(i)] for i in torch.randperm(len(train_keys),
+                                                        generator=torch.Generator().manual_seed(cfg.seed))]
+    full = [s for k in train_keys for s in by_key[k] if s.num_positions >= 2]
+
+    def steps_for(num_segments: int) -> int:
+        return cfg.steps or max(1, math.ceil(cfg.epochs * num_segments / cfg.batch_segments))
+
+    heldout_rows = sum(s.num_positions for s in heldout)
+    log(f"{sum(store_rows):,} rows in {len(by_key)} sequences from {len(cfg.dirs)} store(s); held out "
+        f"{len(held)} sequences ({heldout_rows:,} rows); "
+        + (f"{cfg.epochs:g} epochs per share" if cfg.per_share_epochs else f"{steps_for(len(full))} steps per share"))
+    curves: list[dict[str, Any]] = []
+    embed = target.model.embed_tokens
+    with tempfile.TemporaryDirectory(prefix="tidespec-learn-") as tmp:
+        base = TrainerConfig(signal_dir=str(Path(tmp) / "s"), publish_root=str(Path(tmp) / "p"),
+                             batch_segments=cfg.batch_segments, max_segment_len=cfg.max_segment_len, lr=cfg.lr,
+                             ttt_steps=cfg.ttt_steps, gamma=cfg.gamma, seed=cfg.seed, progress=progress)
+        trainer = DraftTrainer(base, target.config, embed)
+        for share in cfg.shares:
+            n = max(1, round(share * len(order)))
+            segs = [s for k in order[:n] for s in by_key[k] if s.num_positions >= 2]
+            rows = sum(s.num_positions for s in segs)
+            steps = steps_for(len(segs) if cfg.per_share_epochs else len(full))
+            marks = sorted({max(1, round(steps * j / cfg.evals)) for j in range(1, cfg.evals + 1)})
+            trainer.cfg = dataclasses.replace(base, max_steps=steps)
+            head = fresh_head_for(target.config, cfg.draft_vocab, segs, trainer.dtype, trainer.device, cfg.seed)
+            points = [{"step": 0, "heldout_accept_len": simulated_acceptance(head, embed, heldout, cfg.gamma),
+                       "train_loss": None}]
+            window: list[float] = []
+            t0 = time.perf_counter()
+            eval_s = 0.0
+
+            def on_step(step: int, loss: float) -> None:
+                nonlocal eval_s
+                window.append(loss)
+                if step not in marks:
+                    return
+                t = time.perf_counter()
+                head.eval()
+                acc = simulated_acceptance(head, embed, heldout, cfg.gamma)
+                head.train()
+                eval_s += time.perf_counter() - t
+                points.append({"step": step, "heldout_accept_len": acc, "train_loss": sum(window) / len(window)})
+                window.clear()
+                log(f"  share {share:g} ({rows:,} rows): step {step}/{steps}  train loss {points[-1]['train_loss']:.3f}"
+                    f"  held-out accept len {acc:.3f}")
+
+            trainer.train_head(head, segs, seed=cfg.seed, on_step=on_step)
+            best = max(points, key=lambda p: p["heldout_accept_len"])
+            curves.append({"fraction": share, "sequences": n, "rows": rows, "steps": steps, "points": points,
+                           "final_accept_len": points[-1]["heldout_accept_len"],
+                           "best_accept_len": best["heldout_accept_len"], "best_step": best["step"],
+                           "train_s": time.perf_counter() - t0 - eval_s})
+    fit = fit_log2([c["rows"] for c in curves], [c["best_accept_len"] for c in curves], cfg.target_length)
+    doc: dict[str, Any] = {"config": asdict(cfg), "store_rows": store_rows, "sequences": len(by_key),
+                           "heldout_sequences": len(held), "heldout_rows": heldout_rows, "curves": curves,
+                           "fit": fit}
+    return finish_run(out_dir, "learn", doc, command, str(target.model.dtype).removeprefix("torch."), report,
+                      plot_learn, log)
+
+
+def replot(out_dir: Path) -> dict[str, Any]:
+    """Re-render README.md and learn.png of an earlier run from its ``bench_learn.json``."""
+    return rerender_run(out_dir, "learn", report, plot_learn)
+
+
+def report(doc: dict[str, Any]) -> str:
+    """Markdown: the command, the machine, one row per share, the fit."""
+    cfg = doc["config"]
+    stores = ", ".join(cfg["signal_dirs"].split(","))
+    steps = (f"{cfg['epochs']:g} passes over each share's own segments" if cfg.get("per_share_epochs")
+             else "the same count for every share")
+    lines = ["# bench learn", "", "```", doc.get("command", ""), "```", "", machine_line(doc["machine"]), "",
+             f"{doc['sequences']} sequences ({sum(doc['store_rows']):,} rows) from {stores}; held out "
+             f"{doc['heldout_sequences']} sequences ({doc['heldout_rows']:,} rows), the same for every share; "
+             f"optimizer steps of {cfg['batch_segments']} segments ({steps}); simulated greedy gamma-{cfg['gamma']} "
+             "chains, mean acceptance length including the bonus token.", ""]
+    rows = []
+    for c in doc["curves"]:
+        p = c["points"]
+        last_gain = p[-1]["heldout_accept_len"] - p[-2]["heldout_accept_len"] if len(p) > 1 else float("nan")
+        rows.append([f"{c['fraction']:g}", c["sequences"], f"{c['rows']:,}", c["steps"],
+                     f"{p[0]['heldout_accept_len']:.3f}", f"{c['final_accept_len']:.3f}", f"{last_gain:+.3f}",
+                     f"{c['best_accept_len']:.3f} (step {c['best_step']})",
+                     f"{p[-1]['train_loss']:.3f}" if p[-1]["train_loss"] is not None else "-", f"{c['train_s']:.0f}"])
+    lines.append(markdown_table(["share", "sequences", "train rows", "steps", "fresh", "final",
+                                 "last gain", "best", "final train loss", "train s"], rows))
+    lines += ["", "(last gain: held-out change over the last evaluation interval; clearly positive means "
+              "that share was still learning when its steps ran out, i.e. step-limited there.)"]
+    fit = doc["fit"]
+    lines.append("")
+    if fit["per_doubling"] is None:
+        lines.append("Fit: needs at least two shares with different row counts.")
+    else:
+        need = fit["rows_for_target"]
+        reach = (f"it reaches {fit['target']:g} at about {need:.2g} rows if the trend held (an extrapolation "
+                 f"{need / max(c['rows'] for c in doc['curves']):.2g}x beyond the largest share)"
+                 if need is not None else f"it does not rise, so it never reaches {fit['target']:g}")
+        lines.append(f"Fit of the best held-out acceptance: {fit['intercept']:.3f} + {fit['per_doubling']:.3f} "
+                     f"x log2(rows), i.e. {fit['per_doubling']:+.3f} per doubling of the training rows; {reach}.")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def plot_learn(doc: dict[str, Any], out_dir: Path) -> Path:
+    """Left: held-out acceptance over optimizer steps, one line per share. Right: best held-out
+    acceptance against training rows (log2 axis) with the fit, extended to the target length."""
+    fig, (ax_s, ax_r) = new_figure(2)
+    for c in doc["curves"]:
+        ax_s.plot([p["step"] for p in c["points"]], [p["heldout_accept_len"] for p in c["points"]], marker="o",
+                  label=f"{c['fraction']:g} ({c['rows']:,} rows)")
+    ax_s.set_xlabel("optimizer step")
+    ax_s.set_ylabel(f"held-out mean acceptance length (gamma {doc['config']['gamma']})")
+    ax_s.set_title("fresh heads, nested shares" + (", same epochs" if doc["config"].get("per_share_epochs")
+                                                   else ", same steps"))
+    ax_s.legend(fontsize=8)
+    ax_s.grid(alpha=0.3)
+    rows = [c["rows"] for c in doc["curves"]]
+    ax_r.plot(rows, [c["best_accept_len"] for c in doc["curves"]], "o", label="best held-out")
+    fit = doc["fit"]
+    if fit["per_doubling"] is not None:
+        hi = max(rows) * 4.0
+        if fit["rows_for_target"] is not None:
+            hi = max(hi, min(fit["rows_for_target"], max(rows) * 2.0 ** 12))
+        xs = np.geomspace(min(rows), hi, 50)
+        ax_r.plot(xs, fit["intercept"] + fit["per_doubling"] * np.log2(xs), "--",
+                  label=f"fit: {fit['per_doubling']:+.3f} per doubling")
+    ax_r.axhline(fit["target"], color="grey", lw=0.8, ls=":", label=f"target {fit['target']:g}")
+    ax_r.set_xscale("log", base=2)
+    ax_r.set_xlabel("training rows (log2)")
+    ax_r.set_ylabel("best held-out mean acceptance length")
+    ax_r.set_title("acceptance against signals")
+    ax_r.legend(fontsize=8)
+    ax_r.grid(alpha=0.3)
+    return save_figure(fig, out_dir, "learn.png")
