@@ -11,7 +11,8 @@ import torch
 
 from tests.tiny import tiny_llama, tiny_tokenizer
 from tidespec.adapt.trainer import capture_from_workload, heldout_keys
-from tidespec.bench.learn import LearnBenchConfig, fit_log2, load_sequences, parse_fractions, run_learn_bench
+from tidespec.bench.learn import (LearnBenchConfig, fit_log2, load_sequences, parse_fractions, replot,
+                                  run_learn_bench)
 from tidespec.config import ConfigError
 from tidespec.models.loader import LoadedModel
 
@@ -92,4 +93,10 @@ def test_learning_curve_on_two_stores(tmp_path: Path) -> None:
     saved = json.loads((tmp_path / "out" / "bench_learn.json").read_text())
     assert saved["command"] == "test" and len(saved["curves"]) == 2
     assert (tmp_path / "out" / "learn.png").stat().st_size > 0
-    assert "per doubling" in (tmp_path / "out" / "README.md").read_text()
+    readme = tmp_path / "out" / "README.md"
+    assert "per doubling" in readme.read_text()
+    readme.unlink()
+    again = replot(tmp_path / "out")  # re-rendered from bench_learn.json alone
+    assert again["curves"][1]["rows"] == full["rows"] and "per doubling" in readme.read_text()
+    with pytest.raises(ConfigError, match="a bench learn output directory"):
+        replot(tmp_path)
