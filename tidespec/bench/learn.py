@@ -75,6 +75,9 @@ def parse_fractions(text: str) -> tuple[float, ...]:
 
 @dataclass
 class LearnBenchConfig:
+    """The training recipe's defaults are ``train-drafter``'s (``TrainerConfig``): by default
+    ``bench learn`` measures the recipe the online trainer runs."""
+
     signal_dirs: str = opt("runs/boot/signals", "comma-separated signal stores to learn from (train-drafter "
                                                 "--from-workload writes one; so does a serving engine)")
     fractions: str = opt("0.125,0.25,0.5,1", "shares of the training sequences, each a prefix of one seeded "
@@ -84,15 +87,16 @@ class LearnBenchConfig:
     per_share_epochs: bool = opt(False, "train every share for --epochs passes over its own segments instead "
                                         "(bigger shares get more steps)")
     evals: int = opt(6, "held-out evaluations per share, evenly spaced (plus one of the fresh head)")
-    heldout_frac: float = opt(0.1, "fraction of sequences held out (the trainer's rule), the same for all shares")
-    gamma: int = opt(4, "draft length of the simulated-acceptance evaluation")
+    heldout_frac: float = opt(TrainerConfig.heldout_frac, "fraction of sequences held out (the trainer's rule), "
+                                                          "the same for all shares")
+    gamma: int = opt(TrainerConfig.gamma, "draft length of the simulated-acceptance evaluation")
     draft_vocab: int = opt(8192, "draft vocabulary of the fresh heads (0 = the target's)")
-    batch_segments: int = opt(8, "segments per optimizer step")
-    max_segment_len: int = opt(256, "positions per training segment")
-    lr: float = opt(1e-3, "AdamW learning rate")
-    ttt_steps: int = opt(3, "training-time-test unroll steps")
+    batch_segments: int = opt(TrainerConfig.batch_segments, "segments per optimizer step")
+    max_segment_len: int = opt(TrainerConfig.max_segment_len, "positions per training segment")
+    lr: float = opt(TrainerConfig.lr, "AdamW learning rate")
+    ttt_steps: int = opt(TrainerConfig.ttt_steps, "training-time-test unroll steps")
     target_length: float = opt(2.5, "acceptance length whose row count the fit extrapolates to")
-    seed: int = opt(0, "seed of the shuffle, the heads and the batches")
+    seed: int = opt(TrainerConfig.seed, "seed of the shuffle, the heads and the batches")
 
     def __post_init__(self) -> None:
         if not self.dirs:

@@ -154,15 +154,6 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
-def read_run_json(out_dir: Path, name: str, kind: str) -> dict[str, Any]:
-    """The ``name`` JSON an earlier ``bench <kind>`` run wrote into ``out_dir`` (for ``--replot``);
-    ``ConfigError`` (a one-line CLI error) when it is not there."""
-    path = out_dir / name
-    if not path.is_file():
-        raise ConfigError(f"{path} not found (is {out_dir} a bench {kind} output directory?)")
-    return json.loads(path.read_text(encoding="utf-8"))
-
-
 def finish_run(out_dir: Path, kind: str, doc: dict[str, Any], command: str, dtype: str,
                render: Callable[[dict[str, Any]], str], plot: Callable[[dict[str, Any], Path], Any],
                log: Callable[[str], None]) -> dict[str, Any]:
@@ -180,8 +171,12 @@ def finish_run(out_dir: Path, kind: str, doc: dict[str, Any], command: str, dtyp
 
 def rerender_run(out_dir: Path, kind: str, render: Callable[[dict[str, Any]], str],
                  plot: Callable[[dict[str, Any], Path], Any]) -> dict[str, Any]:
-    """``--replot``: README.md and the plot of an earlier run again, from its ``bench_<kind>.json``."""
-    doc = read_run_json(out_dir, f"bench_{kind}.json", kind)
+    """``--replot``: README.md and the plot of an earlier run again, from its ``bench_<kind>.json``
+    (``ConfigError``, a one-line CLI error, when that file is not there)."""
+    path = out_dir / f"bench_{kind}.json"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found (is {out_dir} a bench {kind} output directory?)")
+    doc = json.loads(path.read_text(encoding="utf-8"))
     write_text(out_dir, "README.md", render(doc))
     plot(doc, out_dir)
     return doc
