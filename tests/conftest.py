@@ -24,7 +24,7 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
 
-from tidespec.engine.kv_cache import KVCache
+from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaConfig, LlamaModel
 from tidespec.models.loader import LoadedModel, load_model
 

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tidespec.control.bandit import NightjarBandit, Position
+from tidespec.speculative.policy.bandit import NightjarBandit, Position
 
 
 class ScriptedRandom(random.Random):

@@ -16,13 +16,23 @@ from tests.conftest import tiny_hf_model, write_tiny_checkpoint
 from tests.tiny import tiny_llama, tiny_tokenizer
 from tidespec.bench.cli import register
 from tidespec.bench.decode import DecodeBenchConfig, run_decode_bench, wave_indices
-from tidespec.bench.profile import ProfileConfig, kv_bytes_per_token, run_profile, weight_bytes_per_token
+from tidespec.bench.profile import (
+    ProfileConfig,
+    kv_bytes_per_token,
+    run_profile,
+    weight_bytes_per_token,
+)
 from tidespec.bench.report import command_line, markdown_table, percentile, summarize
 from tidespec.bench.spec import SpecBenchConfig, run_spec_bench
-from tidespec.bench.workload import (WorkloadError, load_prompts, load_workload, prompt_token_ids,
-                                     resolve_workload_path)
 from tidespec.config import ConfigError, ModelConfig
 from tidespec.models.loader import LoadedModel, load_model
+from tidespec.workloads.loader import (
+    WorkloadError,
+    load_prompts,
+    load_workload,
+    prompt_token_ids,
+    resolve_workload_path,
+)
 
 
 def _write(path: Path, lines: list[str]) -> Path:

@@ -10,11 +10,17 @@ import pytest
 import torch
 
 from tests.tiny import tiny_llama, tiny_tokenizer
-from tidespec.adapt.trainer import capture_from_workload, heldout_keys
-from tidespec.bench.learn import (LearnBenchConfig, fit_log2, load_sequences, parse_fractions, replot,
-                                  run_learn_bench)
+from tidespec.bench.learn import (
+    LearnBenchConfig,
+    fit_log2,
+    load_sequences,
+    parse_fractions,
+    replot,
+    run_learn_bench,
+)
 from tidespec.config import ConfigError
 from tidespec.models.loader import LoadedModel
+from tidespec.online.trainer import capture_from_workload, heldout_keys
 
 V = 48
 

@@ -15,10 +15,22 @@ import pytest
 import torch
 
 from tests.conftest import tiny_hf_model, write_tiny_checkpoint
-from tidespec.bench.load import (LoadBenchConfig, RunResult, averaged, diff_steps, forward_vs_profile, model_check,
-                                 policy_state, replot, run_load_bench, server_args, trace_headroom, verdict)
+from tidespec.bench.load import (
+    LoadBenchConfig,
+    RunResult,
+    averaged,
+    diff_steps,
+    forward_vs_profile,
+    model_check,
+    policy_state,
+    replot,
+    run_load_bench,
+    server_args,
+    trace_headroom,
+    verdict,
+)
 from tidespec.config import ConfigError
-from tidespec.control.speedup import Profile
+from tidespec.speculative.policy.speedup import Profile
 
 
 def _summary(tok_s: float, e2e: float) -> dict:

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidespec.adapt.capture import CaptureBuffer
-from tidespec.adapt.store import SignalShard, SignalStore
+from tidespec.online.capture import CaptureBuffer
+from tidespec.online.store import SignalShard, SignalStore
 
 WIDTH = 24  # k*H of the fake taps
 SLEEP_S = 0.5

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from tidespec.adapt.collection import CollectionConfig, CollectionConfigError, Decision, SelectiveCollector
+from tidespec.online.collection import (
+    CollectionConfig,
+    CollectionConfigError,
+    Decision,
+    SelectiveCollector,
+)
 
 
 def small() -> SelectiveCollector:

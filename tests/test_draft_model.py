@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidespec.engine.kv_cache import KVCache
+from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaConfig, LlamaModel
 from tidespec.sampling import SamplingParams, target_probs
-from tidespec.spec.drafters.draft_model import DraftModelDrafter, draft_seed
-from tidespec.spec.proposal import DraftInput, Drafter
+from tidespec.speculative.api import Drafter, DraftInput
+from tidespec.speculative.drafters.draft_model import DraftModelDrafter, draft_seed
 
 VOCAB = 48
 GREEDY = SamplingParams()

@@ -7,7 +7,15 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tidespec.adapt.eagle3_train import (
+from tidespec.models.eagle3_head import (
+    Eagle3Config,
+    Eagle3ConfigError,
+    Eagle3Head,
+    default_tap_layers,
+)
+from tidespec.models.kv_cache import KVCache
+from tidespec.models.llama import BatchLayout, LlamaConfig, LlamaModel
+from tidespec.online.eagle3_train import (
     Eagle3TrainConfig,
     Eagle3Trainer,
     SignalBatch,
@@ -18,19 +26,13 @@ from tidespec.adapt.eagle3_train import (
     ttt_loss,
     unroll,
 )
-from tidespec.engine.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaConfig, LlamaModel
 from tidespec.sampling import SamplingParams
-from tidespec.spec.drafters.eagle3 import (
-    Eagle3Config,
-    Eagle3ConfigError,
+from tidespec.speculative.api import Drafter, DraftInput, Observation
+from tidespec.speculative.drafters.eagle3 import (
     Eagle3Drafter,
     Eagle3DrafterConfig,
-    Eagle3Head,
-    default_tap_layers,
     rerank_tree,
 )
-from tidespec.spec.proposal import DraftInput, Drafter, Observation
 
 VOCAB = 48
 

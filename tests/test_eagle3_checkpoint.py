@@ -10,8 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from tidespec.adapt import checkpoint as ckpt
-from tidespec.adapt.checkpoint import (
+from tidespec.models import eagle3_checkpoint as ckpt
+from tidespec.models.eagle3_checkpoint import (
     DrafterCheckpointError,
     export_eagle3,
     import_eagle3,
@@ -22,9 +22,10 @@ from tidespec.adapt.checkpoint import (
     state_dict_equal,
     validate_eagle3_dir,
 )
-from tidespec.adapt.eagle3_train import select_draft_vocab
+from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head
 from tidespec.models.llama import LlamaConfig
-from tidespec.spec.drafters.eagle3 import Eagle3Config, Eagle3Drafter, Eagle3DrafterConfig, Eagle3Head
+from tidespec.online.eagle3_train import select_draft_vocab
+from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
 
 TARGET = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=8, num_heads=4,
                      num_kv_heads=2, head_dim=4)

@@ -9,13 +9,13 @@ import logging
 import pytest
 import torch
 
-from tidespec.bench.workload import load_prompts
 from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.engine.kv_cache import KVCache
+from tidespec.llm import build_drafter
+from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
-from tidespec.runtime import build_drafter
 from tidespec.sampling import SamplingParams
+from tidespec.workloads.loader import load_prompts
 
 pytestmark = pytest.mark.integration
 log = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ import torch
 from tests.tiny import tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from tidespec.engine.engine import LLMEngine, RequestError
-from tidespec.engine.kv_cache import KVCache
 from tidespec.engine.scheduler import QueueFullError
+from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
 from tidespec.sampling import SamplingParams, SamplingParamsError
 
@@ -91,7 +91,7 @@ def test_tree_compaction_matches_chain(model):
     kv = KVCache.for_model(model.cfg, 1, 64, torch.float64)
     model(ctx, BatchLayout.build([8], [0], [0]), kv)
     # tree over [root=ctx[-1] already cached? no: feed root + 3 nodes] root->a->b, root->c
-    from tidespec.spec.tree import tree_mask
+    from tidespec.speculative.tree import tree_mask
     parents = [-1, 0, -1]
     new = torch.tensor([5, 6, 7, 9])  # root, a, b, c
     lay = BatchLayout.build([4], [8], [0], depths=[[0, 1, 2, 1]], tree_masks=[tree_mask(parents)])

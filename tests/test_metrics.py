@@ -7,22 +7,19 @@ that the counters parsed from ``/metrics`` agree with the request's own ``usage`
 
 from __future__ import annotations
 
-
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.tiny import tiny_llama, tiny_tokenizer
-from tidespec.control.policy import PolicyOptions, StaticPolicy, make_policy
-from tidespec.control.speedup import Profile
 from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine, RequestOutput
 from tidespec.engine.stats import RequestStats, StepStats
-from tidespec.metrics import Metrics
 from tidespec.server.app import ServerConfig, create_app
-from tidespec.spec.drafters.ngram import NgramDrafter
-
-
+from tidespec.server.metrics import Metrics
+from tidespec.speculative.drafters.ngram import NgramDrafter
+from tidespec.speculative.policy.policy import PolicyOptions, StaticPolicy, make_policy
+from tidespec.speculative.policy.speedup import Profile
 
 
 def _value(m: Metrics, name: str, **labels: str) -> float:

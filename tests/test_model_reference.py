@@ -20,10 +20,9 @@ from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
 from tests.conftest import TINY_HF_ARCHS, full_logits, tiny_hf_model
-from tidespec.engine.kv_cache import KVCache
+from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, Linear, LlamaModel
 from tidespec.models.loader import LoadedModel
-
 
 ARCHS = sorted(TINY_HF_ARCHS)
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10}

@@ -1,4 +1,4 @@
-"""Hand-traced tests for the prompt-lookup drafter (tidespec/spec/drafters/ngram.py)."""
+"""Hand-traced tests for the prompt-lookup drafter (tidespec/speculative/drafters/ngram.py)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from tidespec.sampling import SamplingParams
-from tidespec.spec.drafters.ngram import NgramDrafter, find_ngram_match
-from tidespec.spec.proposal import DraftInput, Drafter, Observation
+from tidespec.speculative.api import Drafter, DraftInput, Observation
+from tidespec.speculative.drafters.ngram import NgramDrafter, find_ngram_match
 
 
 def draft(drafter: NgramDrafter, tokens: list[int], gamma: int) -> list[int]:

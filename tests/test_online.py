@@ -13,31 +13,32 @@ import pytest
 import torch
 
 from tests.tiny import tiny_llama, tiny_tokenizer
-from tidespec.adapt.capture import CaptureBuffer
-from tidespec.adapt.checkpoint import (
+from tidespec.config import CacheConfig, EngineConfig, SpecConfig
+from tidespec.engine.engine import LLMEngine
+from tidespec.llm import build_eagle3_drafter
+from tidespec.models.eagle3_checkpoint import (
     LATEST_NAME,
     WEIGHTS_NAME,
     DrafterCheckpointError,
     export_eagle3,
+    fresh_head,
     publish,
 )
-from tidespec.adapt.collection import CollectionConfig, SelectiveCollector
-from tidespec.adapt.online import (
+from tidespec.models.eagle3_head import Eagle3Head
+from tidespec.models.kv_cache import KVCache
+from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.online.capture import CaptureBuffer
+from tidespec.online.collection import CollectionConfig, SelectiveCollector
+from tidespec.online.online import (
     TRAINER_STATE_NAME,
     OnlineConfig,
     OnlineConfigError,
     SignalCollector,
     attach_online_training,
-    build_eagle3_drafter,
-    fresh_head,
 )
-from tidespec.adapt.store import SignalShard, SignalStore
-from tidespec.config import CacheConfig, EngineConfig, SpecConfig
-from tidespec.engine.engine import LLMEngine
-from tidespec.engine.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.online.store import SignalShard, SignalStore
 from tidespec.sampling import SamplingParams
-from tidespec.spec.drafters.eagle3 import Eagle3DrafterConfig, Eagle3Head
+from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig
 
 V = 48
 LAYERS = 8  # EAGLE-3 taps (2, 4, 5): distinct without the tiny-model fallback
@@ -293,7 +294,7 @@ def test_partial_and_invalid_versions_are_refused_and_serving_continues(
         bad.fc.weight[0, 0] = float("nan")
     export_eagle3(bad, root / "v4")
     (root / LATEST_NAME).write_text("4\n")
-    with caplog.at_level(logging.WARNING, logger="tidespec.adapt.online"):
+    with caplog.at_level(logging.WARNING, logger="tidespec.online.online"):
         for version in (2, 3, 4):
             (root / LATEST_NAME).write_text(f"{version}\n")
             assert up.poll_once() is None
@@ -313,7 +314,7 @@ def test_partial_and_invalid_versions_are_refused_and_serving_continues(
 
     # at start-up: a root whose only versions are invalid -> logged, fresh head; a bad plain dir -> error
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="tidespec.adapt.online"):
+    with caplog.at_level(logging.WARNING, logger="tidespec.online.online"):
         shutil.rmtree(root / "v1")
         shutil.rmtree(root / "v5")
         (root / LATEST_NAME).unlink()

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tidespec.control.policy import (
+from tidespec.speculative.policy.policy import (
     AlphaTracker,
     AnalyticPolicy,
     BanditPolicy,
@@ -22,7 +22,7 @@ from tidespec.control.policy import (
     bucket_of,
     make_policy,
 )
-from tidespec.control.speedup import (
+from tidespec.speculative.policy.speedup import (
     Profile,
     alpha_from_accept_length,
     best_gamma,

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from tests.tiny import tiny_llama
-from tidespec.control import profiler
-from tidespec.control.profiler import ProfilerConfig, measure_profile
+from tidespec.speculative.policy import profiler
+from tidespec.speculative.policy.profiler import ProfilerConfig, measure_profile
 
 
 def test_profile_grid_is_swept_in_passes_and_a_slow_pass_does_not_move_the_median(monkeypatch) -> None:

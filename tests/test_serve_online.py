@@ -16,9 +16,9 @@ import httpx
 import torch
 
 from tests.conftest import tiny_hf_model, write_tiny_checkpoint
-from tidespec.adapt.checkpoint import latest_version
-from tidespec.adapt.store import SignalStore
 from tidespec.bench.serve import _free_port, launch_server, stop_server
+from tidespec.models.eagle3_checkpoint import latest_version
+from tidespec.online.store import SignalStore
 
 
 def test_serve_online_training_swaps_in_a_trained_drafter(tmp_path: Path) -> None:

@@ -30,14 +30,20 @@ from fastapi.testclient import TestClient
 from tests.tiny import tiny_llama, tiny_tokenizer
 from tidespec.bench import serve as bench_serve
 from tidespec.bench.serve import arrival_times, check_loopback, load_rate_trace
-from tidespec.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, SpecConfig
+from tidespec.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 from tidespec.engine.engine import LLMEngine
+from tidespec.llm import build_engine
 from tidespec.models.loader import LoadedModel
-from tidespec.runtime import build_engine
 from tidespec.server.app import ServerConfig, create_app
 from tidespec.server.async_engine import AsyncEngine
-from tidespec.spec.drafters.ngram import NgramDrafter
-from tidespec.spec.proposal import DraftInput, DraftProposal, Observation
+from tidespec.speculative.api import DraftInput, DraftProposal, Observation
+from tidespec.speculative.drafters.ngram import NgramDrafter
 
 CHAT_TEMPLATE = ("{% for m in messages %}t3 {{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}t2{% endif %}")

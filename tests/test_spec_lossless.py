@@ -7,9 +7,9 @@ import pytest
 from tests.tiny import tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.runtime import build_drafter
+from tidespec.llm import build_drafter
 from tidespec.sampling import SamplingParams
-from tidespec.spec.proposal import DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
 
 V = 48
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14, 15, 16, 12], [3, 3, 3, 3]]
@@ -131,7 +131,7 @@ def test_step_stats_count_rejections_depth_and_short_drafts(model, tok, plain):
 
 def synthetic_profile():
     """A memory-bound-looking profile: verifying a few tokens costs little more than one."""
-    from tidespec.control.speedup import Profile
+    from tidespec.speculative.policy.speedup import Profile
     return Profile(target_latency={1: 0.010, 4: 0.011, 8: 0.012, 16: 0.016, 64: 0.05},
                    draft_cost={"default": 0.001})
 
@@ -139,7 +139,11 @@ def synthetic_profile():
 @pytest.mark.parametrize("policy", ["static", "analytic", "bandit", "hybrid"])
 def test_every_policy_keeps_greedy_outputs(model, tok, plain, policy):
     """Policies change only how far to speculate, never what is generated."""
-    from tidespec.control.policy import GuardConfig, PolicyOptions, make_policy
+    from tidespec.speculative.policy.policy import (
+        GuardConfig,
+        PolicyOptions,
+        make_policy,
+    )
 
     spec = SpecConfig(drafter="ngram", num_speculative_tokens=4)
     pol = make_policy(policy, PolicyOptions(gamma_max=4, profile=synthetic_profile(), seed=3,

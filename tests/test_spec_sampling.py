@@ -12,13 +12,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-import tidespec.spec.verify as verify_mod
+import tidespec.speculative.verify as verify_mod
 from tests.tiny import tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.engine.kv_cache import KVCache
+from tidespec.llm import build_drafter
+from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
-from tidespec.runtime import build_drafter
 from tidespec.sampling import SamplingParams, target_probs
 
 V = 6

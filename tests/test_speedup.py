@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tidespec.control.speedup import (
+from tidespec.speculative.policy.speedup import (
     Profile,
     alpha_from_accept_length,
     best_gamma,

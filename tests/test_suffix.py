@@ -1,4 +1,4 @@
-"""Hand-traced tests for suffix decoding (tidespec/spec/drafters/suffix.py)."""
+"""Hand-traced tests for suffix decoding (tidespec/speculative/drafters/suffix.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from tidespec.sampling import SamplingParams
-from tidespec.spec.drafters.suffix import SuffixDrafter, SuffixIndex
-from tidespec.spec.proposal import DraftInput, Drafter, Observation, SeqDraft
-from tidespec.spec.tree import children, path_to
+from tidespec.speculative.api import Drafter, DraftInput, Observation, SeqDraft
+from tidespec.speculative.drafters.suffix import SuffixDrafter, SuffixIndex
+from tidespec.speculative.tree import children, path_to
 
 
 def draft(d: SuffixDrafter, tokens: list[int], gamma: int, tree: bool = False, seq_id: int = 0) -> SeqDraft:

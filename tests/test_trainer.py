@@ -14,18 +14,22 @@ import torch
 
 from tests.conftest import tiny_hf_model, write_tiny_checkpoint
 from tests.tiny import tiny_llama, tiny_tokenizer
-from tidespec.adapt.capture import CaptureBuffer
-from tidespec.adapt.checkpoint import import_eagle3, latest_version, load_version
-from tidespec.adapt.collection import CollectionConfig, SelectiveCollector
-from tidespec.adapt.eagle3_train import SignalSegment
-from tidespec.adapt.online import (
-    TRAINER_STATE_NAME,
-    OnlineConfig,
-    SignalCollector,
-    build_eagle3_drafter,
+from tidespec.config import CacheConfig, EngineConfig, SpecConfig
+from tidespec.engine.engine import LLMEngine
+from tidespec.llm import build_eagle3_drafter
+from tidespec.models.eagle3_checkpoint import (
+    import_eagle3,
+    latest_version,
+    load_version,
 )
-from tidespec.adapt.store import SignalShard, SignalStore
-from tidespec.adapt.trainer import (
+from tidespec.models.llama import LlamaModel
+from tidespec.models.loader import load_model
+from tidespec.online.capture import CaptureBuffer
+from tidespec.online.collection import CollectionConfig, SelectiveCollector
+from tidespec.online.eagle3_train import SignalSegment
+from tidespec.online.online import TRAINER_STATE_NAME, OnlineConfig, SignalCollector
+from tidespec.online.store import SignalShard, SignalStore
+from tidespec.online.trainer import (
     DraftTrainer,
     TrainerConfig,
     TrainerConfigError,
@@ -36,12 +40,8 @@ from tidespec.adapt.trainer import (
     split_heldout,
     start_trainer_process,
 )
-from tidespec.config import CacheConfig, EngineConfig, SpecConfig
-from tidespec.engine.engine import LLMEngine
-from tidespec.models.llama import LlamaModel
-from tidespec.models.loader import load_model
 from tidespec.sampling import SamplingParams
-from tidespec.spec.drafters.eagle3 import Eagle3DrafterConfig
+from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig
 
 V = 48
 LAYERS = 8
@@ -211,7 +211,7 @@ def test_two_process_gloo_ddp_publishes_a_drafter_the_engine_loads(tmp_path: Pat
     assert buf.num_captured > 200
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "tidespec.adapt.cli", "train-drafter", "--model", str(ckpt), "--signal-dir", str(sig),
+           "-m", "tidespec.online.cli", "train-drafter", "--model", str(ckpt), "--signal-dir", str(sig),
            "--publish-root", str(root), "--once", "--max-steps", "100", "--batch-segments", "2", "--lr", "3e-3",
            "--gamma", "2", "--heldout-frac", "0.25", "--threads", "1", "--no-progress", "--backend", "gloo"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

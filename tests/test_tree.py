@@ -1,4 +1,4 @@
-"""Hand-traced tests for the draft-tree helpers (tidespec/spec/tree.py)."""
+"""Hand-traced tests for the draft-tree helpers (tidespec/speculative/tree.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,14 @@ import random
 import pytest
 import torch
 
-from tidespec.spec.proposal import SeqDraft
-from tidespec.spec.tree import build_tree_from_paths, children, path_to, tree_depths, tree_mask
+from tidespec.speculative.api import SeqDraft
+from tidespec.speculative.tree import (
+    build_tree_from_paths,
+    children,
+    path_to,
+    tree_depths,
+    tree_mask,
+)
 
 # root ─┬─ 0 ─┬─ 1 ── 3
 #       │     └─ 2

@@ -10,21 +10,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable
 
-from tidespec.config import ConfigError, add_engine_args, engine_config_from_args
-
-
-def _user_errors() -> tuple[type[BaseException], ...]:
-    """Exception types that mean "the user asked for something impossible"."""
-    from tidespec.engine.engine import RequestError
-    from tidespec.engine.scheduler import QueueFullError
-    from tidespec.models.llama import ModelConfigError
-    from tidespec.models.loader import ModelLoadError
-    from tidespec.sampling import SamplingParamsError
-    from tidespec.adapt.cli import user_errors as adapt_errors
-    return (ConfigError, ModelLoadError, ModelConfigError, SamplingParamsError, RequestError, QueueFullError,
-            FileNotFoundError, *adapt_errors())
+from tidespec.commands import Registrar, run_command
+from tidespec.config import add_engine_args, engine_config_from_args
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -45,7 +33,7 @@ def sampling_from_args(ns: argparse.Namespace):  # -> SamplingParams
 
 
 def cmd_generate(ns: argparse.Namespace) -> int:
-    from tidespec.engine.engine import LLM
+    from tidespec.llm import LLM
     params = sampling_from_args(ns)
     config = engine_config_from_args(ns)
     llm = LLM(config)
@@ -68,8 +56,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_profile(ns: argparse.Namespace) -> int:
-    from tidespec.control.profiler import load_or_measure
-    from tidespec.runtime import build_engine
+    from tidespec.llm import build_engine
+    from tidespec.speculative.policy.profiler import load_or_measure
     config = engine_config_from_args(ns)
     engine = build_engine(config)
     t0 = time.perf_counter()
@@ -108,42 +96,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _registrars() -> list[Callable[[argparse._SubParsersAction], None]]:
-    """Sub-command groups that live with the code they run."""
-    regs: list[Callable[[argparse._SubParsersAction], None]] = []
+def _registrars() -> list[Registrar]:
+    """Sub-command groups that live with the code they run (imported when the parser is built)."""
     from tidespec.bench.cli import register as bench
-    regs.append(bench)
+    from tidespec.online.cli import register as train_drafter
     from tidespec.server.cli import register as serve
-    regs.append(serve)
-    from tidespec.adapt.cli import register as train_drafter
-    regs.append(train_drafter)
-    return regs
+
+    return [bench, serve, train_drafter]
 
 
 def main(argv: list[str] | None = None) -> int:
     return run_command(build_parser(), argv)
-
-
-def standalone_main(register: Callable[[argparse._SubParsersAction], None], argv: list[str] | None = None) -> int:
-    """Entry of a sub-command module run on its own (``python -m tidespec.server.cli serve``),
-    as child processes and ``bench serve --launch`` do."""
-    parser = argparse.ArgumentParser(prog="tidespec")
-    register(parser.add_subparsers(dest="command", required=True))
-    return run_command(parser, argv)
-
-
-def run_command(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
-    """Parse and run; user errors become one line ``error: ...`` and exit code 2. Also the
-    entry of the standalone sub-command modules (``python -m tidespec.server.cli serve``)."""
-    ns = parser.parse_args(argv)
-    try:
-        return int(ns.func(ns) or 0)
-    except _user_errors() as exc:
-        msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"error: {msg}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
 
 
 if __name__ == "__main__":

@@ -22,9 +22,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message is a single line."""
+from tidespec.errors import ConfigError
 
 
 def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
@@ -90,7 +88,7 @@ class SpecConfig:
     profile: str | None = opt(None, "profile JSON for analytic/hybrid (default: measured at start-up, cached)")
     guard_kv_usage: float = opt(0.9, "no speculation while KV usage is above this fraction")
     guard_temperature: float = opt(2.0, "no speculation for requests sampled above this temperature")
-    # --- EAGLE-3 (tidespec.adapt.online) ---
+    # --- EAGLE-3 (tidespec.online.online) ---
     eagle3_dir: str | None = opt(None, "EAGLE-3: publish root (v1/, v2/, LATEST: the newest valid version is served) "
                                 "or one exported checkpoint dir; none = a fresh random head (still lossless)")
     eagle3_draft_vocab: int = opt(0, "EAGLE-3: draft vocabulary of a fresh head (0 = the target's vocabulary)")

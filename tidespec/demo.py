@@ -36,13 +36,13 @@ from rich.console import Console
 from rich.table import Table
 
 from tidespec.bench.shift import ShiftBenchConfig, run_shift_bench
-from tidespec.bench.workload import load_prompts
 from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.control.policy import SpeculationPolicy
+from tidespec.llm import build_drafter, build_policy
 from tidespec.models.loader import LoadedModel, load_model
-from tidespec.runtime import build_drafter, build_policy
 from tidespec.sampling import SamplingParams
+from tidespec.speculative.policy.policy import SpeculationPolicy
+from tidespec.workloads.loader import load_prompts
 
 BOOTSTRAP_DRAFTER = "eagle3-smollm2-135m-instruct"  # directory under tidespec/assets
 

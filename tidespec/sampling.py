@@ -18,11 +18,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tidespec.errors import UserError
 
 GREEDY_TEMPERATURE = 1e-5
 
 
-class SamplingParamsError(ValueError):
+class SamplingParamsError(UserError, ValueError):
     """A sampling parameter is out of range; the message is one line, fit for an HTTP 400."""
 
 

@@ -25,7 +25,12 @@ from typing import Any
 
 import torch
 
-from tidespec.bench.decode import DecodeBenchConfig, parse_int_list, resolve_target, run_decode_bench
+from tidespec.bench.decode import (
+    DecodeBenchConfig,
+    parse_int_list,
+    resolve_target,
+    run_decode_bench,
+)
 from tidespec.bench.learn import LearnBenchConfig, run_learn_bench
 from tidespec.bench.learn import replot as replot_learn
 from tidespec.bench.profile import ProfileConfig, run_profile
@@ -33,7 +38,14 @@ from tidespec.bench.report import command_line
 from tidespec.bench.shift import ShiftBenchConfig, run_shift_bench
 from tidespec.bench.shift import replot as replot_shift
 from tidespec.bench.spec import SpecBenchConfig, run_spec_bench
-from tidespec.config import ConfigError, ModelConfig, SchedulerConfig, SpecConfig, add_dataclass_args, dataclass_from_args
+from tidespec.config import (
+    ConfigError,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+    add_dataclass_args,
+    dataclass_from_args,
+)
 
 # SpecConfig fields the spec bench sweeps itself (so they are not flags there).
 _SWEPT_SPEC_FIELDS = ("drafter", "num_speculative_tokens")

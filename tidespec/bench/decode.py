@@ -39,15 +39,30 @@ from typing import Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from tidespec.bench.report import (default_out_dir, machine_info, machine_line, markdown_table, new_figure,
-                                   save_figure, summarize, write_json, write_text)
-from tidespec.bench.workload import Prompt, load_prompts
-from tidespec.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
+from tidespec.bench.report import (
+    default_out_dir,
+    machine_info,
+    machine_line,
+    markdown_table,
+    new_figure,
+    save_figure,
+    summarize,
+    write_json,
+    write_text,
+)
+from tidespec.config import (
+    CacheConfig,
+    ConfigError,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 from tidespec.engine.engine import LLMEngine
+from tidespec.llm import DTYPES, build_engine
 from tidespec.models.loader import LoadedModel, load_model
-from tidespec.runtime import DTYPES, build_engine
 from tidespec.sampling import SamplingParams
-
+from tidespec.workloads.loader import Prompt, load_prompts
 
 # --------------------------------------------------------------------------- shared plumbing
 

@@ -46,9 +46,20 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from tidespec.adapt.eagle3_train import SignalSegment
-from tidespec.adapt.store import SignalStore
-from tidespec.adapt.trainer import (
+from tidespec.bench.report import (
+    default_out_dir,
+    finish_run,
+    machine_line,
+    markdown_table,
+    new_figure,
+    rerender_run,
+    save_figure,
+)
+from tidespec.config import ConfigError, opt
+from tidespec.models.loader import LoadedModel
+from tidespec.online.eagle3_train import SignalSegment
+from tidespec.online.store import SignalStore
+from tidespec.online.trainer import (
     DraftTrainer,
     TrainerConfig,
     fresh_head_for,
@@ -56,10 +67,6 @@ from tidespec.adapt.trainer import (
     segments_by_sequence,
     simulated_acceptance,
 )
-from tidespec.bench.report import (default_out_dir, finish_run, machine_line, markdown_table, new_figure,
-                                   rerender_run, save_figure)
-from tidespec.config import ConfigError, opt
-from tidespec.models.loader import LoadedModel
 
 
 def parse_fractions(text: str) -> tuple[float, ...]:

@@ -11,7 +11,7 @@ with the open-loop client of ``tidespec bench serve`` and compares, per configur
 * a dynamic-rate trace (low -> high -> low with bursts, like Nightjar's Figure 9) on a fresh
   server: throughput and latency over time;
 * the analytic model against reality (TIDE Figure 8, ``model_check``): every server counts its
-  decode-only steps per batch-size bucket (time by part, tokens; ``tidespec.metrics``), scraped
+  decode-only steps per batch-size bucket (time by part, tokens; ``tidespec.server.metrics``), scraped
   before and after each run; a speculating run's seconds per token in a bucket over the plain
   run's at the same load is the measured speedup, set against eq. 5 from the profile (measured
   once at the start, ``--profile`` to reuse one), with where the step time went.
@@ -52,13 +52,29 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
-from tidespec.bench.report import (command_line, default_out_dir, machine_info, machine_line, markdown_table,
-                                   new_figure, save_figure, write_json, write_text)
-from tidespec.bench.serve import (RequestRecord, _free_port, arrival_times, launch_server, run_load, stop_server,
-                                  summarize)
-from tidespec.bench.workload import load_workload
+from tidespec.bench.report import (
+    command_line,
+    default_out_dir,
+    machine_info,
+    machine_line,
+    markdown_table,
+    new_figure,
+    save_figure,
+    write_json,
+    write_text,
+)
+from tidespec.bench.serve import (
+    RequestRecord,
+    _free_port,
+    arrival_times,
+    launch_server,
+    run_load,
+    stop_server,
+    summarize,
+)
 from tidespec.config import POLICIES, ConfigError
-from tidespec.control.speedup import Profile
+from tidespec.speculative.policy.speedup import Profile
+from tidespec.workloads.loader import load_workload
 
 ADAPTIVE = ("analytic", "bandit", "hybrid")
 # (start second, req/s): idle, a ramp to saturation, a burst, back to idle (Nightjar Fig. 9's shape)
@@ -155,7 +171,7 @@ def _client_ns(cfg: LoadBenchConfig, offset: int = 0) -> argparse.Namespace:
                               spec_tokens=None, route_header=True, offset=offset)
 
 
-# Prometheus series of the decode-step breakdown (tidespec.metrics) -> our short names
+# Prometheus series of the decode-step breakdown (tidespec.server.metrics) -> our short names
 STEP_SERIES = {"tidespec:decode_steps_total": None, "tidespec:decode_step_seqs_total": None,
                "tidespec:decode_step_seconds_total": "part", "tidespec:decode_step_tokens_total": "kind"}
 
@@ -249,10 +265,11 @@ def ensure_profile(cfg: LoadBenchConfig, out_dir: Path) -> str:
     """Path of the profile every server loads: ``cfg.profile`` or one measured now (cached)."""
     if cfg.profile:
         return cfg.profile
-    from tidespec.config import EngineConfig, ModelConfig, SpecConfig
-    from tidespec.control.profiler import load_or_measure
-    from tidespec.runtime import build_engine
     import torch
+
+    from tidespec.config import EngineConfig, ModelConfig, SpecConfig
+    from tidespec.llm import build_engine
+    from tidespec.speculative.policy.profiler import load_or_measure
 
     torch.set_num_threads(cfg.threads)
     engine = build_engine(EngineConfig(model=ModelConfig(model=cfg.model, threads=cfg.threads),

@@ -37,14 +37,22 @@ from typing import Any
 import torch
 
 from tidespec.bench.decode import resolve_target
-from tidespec.control.profiler import sync_device as _sync
-from tidespec.control.profiler import time_forward
-from tidespec.bench.report import (default_out_dir, machine_info, machine_line, markdown_table, new_figure,
-                                   save_figure, write_json, write_text)
+from tidespec.bench.report import (
+    default_out_dir,
+    machine_info,
+    machine_line,
+    markdown_table,
+    new_figure,
+    save_figure,
+    write_json,
+    write_text,
+)
 from tidespec.config import ConfigError, ModelConfig
-from tidespec.engine.kv_cache import KVCache
+from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import LoadedModel
+from tidespec.speculative.policy.profiler import sync_device as _sync
+from tidespec.speculative.policy.profiler import time_forward
 
 
 @dataclass

@@ -44,8 +44,8 @@ from urllib.parse import urlparse
 import httpx
 import numpy as np
 
-from tidespec.bench.workload import WorkloadRecord, load_workload
 from tidespec.config import ConfigError
+from tidespec.workloads.loader import WorkloadRecord, load_workload
 
 ROUTE_HEADER = "X-Tidespec-Route"
 
@@ -96,7 +96,7 @@ def load_rate_trace(path: str | Path) -> list[tuple[float, float]]:
     """
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"rate trace not found: {p}")
+        raise ConfigError(f"rate trace not found: {p}")
     text = p.read_text(encoding="utf-8")
     rows: list[tuple[float, float]] = []
     try:

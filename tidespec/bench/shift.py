@@ -57,22 +57,39 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from tidespec.adapt.checkpoint import publish
-from tidespec.adapt.collection import CollectionConfig
-from tidespec.adapt.online import (OnlineConfig, OnlineTraining, attach_online_training, build_eagle3_drafter,
-                                   head_from_published, load_drafter_source, read_trainer_rounds)
-from tidespec.adapt.store import SignalShard, SignalStore
-from tidespec.bench.report import (default_out_dir, finish_run, machine_line, markdown_table, new_figure,
-                                   rerender_run, save_figure)
-from tidespec.bench.workload import Prompt, load_prompts
+from tidespec.bench.report import (
+    default_out_dir,
+    finish_run,
+    machine_line,
+    markdown_table,
+    new_figure,
+    rerender_run,
+    save_figure,
+)
 from tidespec.config import CacheConfig, ConfigError, EngineConfig, SpecConfig, opt
 from tidespec.engine.engine import LLMEngine
-from tidespec.engine.kv_cache import KVCache
 from tidespec.engine.stats import StepStats
+from tidespec.llm import build_eagle3_drafter
+from tidespec.models.eagle3_checkpoint import (
+    head_from_published,
+    load_drafter_source,
+    publish,
+)
+from tidespec.models.eagle3_head import Eagle3Config
+from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.models.loader import LoadedModel
+from tidespec.online.collection import CollectionConfig
+from tidespec.online.online import (
+    OnlineConfig,
+    OnlineTraining,
+    attach_online_training,
+    read_trainer_rounds,
+)
+from tidespec.online.store import SignalShard, SignalStore
 from tidespec.sampling import SamplingParams
-from tidespec.spec.drafters.eagle3 import Eagle3Config, Eagle3DrafterConfig
+from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig
+from tidespec.workloads.loader import Prompt, load_prompts
 
 CONFIGS = ("plain", "frozen", "online")
 COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:orange"}  # same in both panels
@@ -304,7 +321,7 @@ def _eagle3_engine(model: LlamaModel, tokenizer: Any, ecfg: EngineConfig, root: 
 def run_online(target: LoadedModel, trace: list[TraceItem], cfg: ShiftBenchConfig, work: Path,
                progress: bool = True) -> TraceRun:
     """The ``online`` configuration: capture + selective collection + a trainer child process."""
-    from tidespec.adapt.trainer import start_trainer_process
+    from tidespec.online.trainer import start_trainer_process
 
     root, signals = work / "drafter", work / "signals"
     seeded = seed_publish_root(root, cfg.bootstrap, target.model)
@@ -395,9 +412,14 @@ def measure_training_sources(target: LoadedModel, signal_dir: Path, cfg: ShiftBe
     Both sides train a copy of the same fresh head with the same segments, batches and seed, so
     the difference is where the hidden states come from.
     """
-    from tidespec.adapt.eagle3_train import SignalSegment
-    from tidespec.adapt.online import fresh_head
-    from tidespec.adapt.trainer import DraftTrainer, TrainerConfig, cut_segment, segments_by_sequence
+    from tidespec.models.eagle3_checkpoint import fresh_head
+    from tidespec.online.eagle3_train import SignalSegment
+    from tidespec.online.trainer import (
+        DraftTrainer,
+        TrainerConfig,
+        cut_segment,
+        segments_by_sequence,
+    )
 
     store = SignalStore(signal_dir, 1 << 40)
     t0 = time.perf_counter()

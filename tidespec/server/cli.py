@@ -23,7 +23,13 @@ import shlex
 import sys
 from pathlib import Path
 
-from tidespec.config import ConfigError, EngineConfig, add_engine_args, engine_config_from_args
+from tidespec.commands import standalone_main
+from tidespec.config import (
+    ConfigError,
+    EngineConfig,
+    add_engine_args,
+    engine_config_from_args,
+)
 
 DEFAULT_MAX_WAITING = 256
 API_KEY_ENV = "TIDESPEC_API_KEY"
@@ -75,7 +81,7 @@ def _is_loopback(host: str) -> bool:
 def cmd_serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
-    from tidespec.runtime import build_engine
+    from tidespec.llm import build_engine
     from tidespec.server.app import ServerConfig, create_app
 
     if not 0 < ns.port < 65536:
@@ -90,8 +96,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     engine = build_engine(config)
     online = None
     if config.spec.online_training:
-        from tidespec.adapt.online import OnlineConfig, attach_online_training
-        from tidespec.adapt.trainer import start_trainer_process
+        from tidespec.online.online import OnlineConfig, attach_online_training
+        from tidespec.online.trainer import start_trainer_process
         online = attach_online_training(engine, OnlineConfig.from_spec(config.spec))
         online.trainer = start_trainer_process(
             online.config, config.model.model, dtype=config.model.dtype,
@@ -110,8 +116,6 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tidespec.cli import standalone_main
-
     return standalone_main(register, argv)
 
 

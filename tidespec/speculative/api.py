@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from tidespec.sampling import SamplingParams
-from tidespec.spec.tree import tree_depths
+from tidespec.speculative.tree import tree_depths
 
 
 @dataclass

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol, runtime_checkable
 
-from tidespec.control.bandit import NightjarBandit, SwitchingCost
-from tidespec.control.speedup import (
+from tidespec.speculative.policy.bandit import NightjarBandit, SwitchingCost
+from tidespec.speculative.policy.speedup import (
     Profile,
     speedup_of_lengths,
 )

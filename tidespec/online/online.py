@@ -42,31 +42,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-
-from tidespec.adapt.capture import CaptureBuffer
-from tidespec.adapt.checkpoint import (
-    CONFIG_NAME,
+from tidespec.engine.stats import StepStats
+from tidespec.errors import ConfigError
+from tidespec.models.eagle3_checkpoint import (
     DrafterCheckpointError,
     PublishedDrafter,
-    import_eagle3,
+    is_checkpoint_dir,
     latest_version,
-    list_versions,
     load_version,
-    validate_eagle3_dir,
 )
-from tidespec.adapt.collection import CollectionConfig, SelectiveCollector
-from tidespec.adapt.store import TAPS_DTYPES, SignalStore
-from tidespec.engine.stats import StepStats
-from tidespec.models.llama import LlamaConfig, LlamaModel
-from tidespec.spec.drafters.eagle3 import (
-    Eagle3Config,
-    Eagle3ConfigError,
-    Eagle3Drafter,
-    Eagle3DrafterConfig,
-    Eagle3Head,
-)
-from tidespec.spec.proposal import DraftInput, DraftProposal, Observation
+from tidespec.models.eagle3_head import Eagle3ConfigError
+from tidespec.models.llama import LlamaConfig
+from tidespec.online.capture import CaptureBuffer
+from tidespec.online.collection import CollectionConfig, SelectiveCollector
+from tidespec.online.store import TAPS_DTYPES, SignalStore
+from tidespec.speculative.api import DraftInput, DraftProposal, Observation
+from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
 
 if TYPE_CHECKING:
     from tidespec.engine.engine import LLMEngine
@@ -75,84 +66,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TRAINER_STATE_NAME = "trainer_state.json"  # written by the trainer into the publish root
-FRESH_HEAD_SEED = 0  # engine and trainer build the same random head when nothing was published
 SEQ_SALT_SHIFT = 40  # store seq id = salt << 40 | engine seq id (engine ids restart per process)
 
 
-class OnlineConfigError(ValueError):
+class OnlineConfigError(ConfigError):
     """An online-training setting is invalid; the message is one line."""
-
-
-# ----------------------------------------------------------------------------------------------
-# building the drafter
-# ----------------------------------------------------------------------------------------------
-
-
-def fresh_head(target_cfg: LlamaConfig, draft_vocab_size: int | None = None, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", seed: int = FRESH_HEAD_SEED) -> Eagle3Head:
-    """A randomly initialised head, identical for equal arguments (the global RNG is untouched).
-
-    The engine starts from it when nothing is published yet, and the trainer evaluates it as the
-    "current" drafter then, so both sides agree on what version 0 is.
-    """
-    vocab = draft_vocab_size if draft_vocab_size else None
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        head = Eagle3Head(Eagle3Config.for_target(target_cfg, vocab))
-    return head.to(dtype=dtype, device=device).eval()
-
-
-def head_from_published(pub: PublishedDrafter, dtype: torch.dtype, device: torch.device | str) -> Eagle3Head:
-    """An ``Eagle3Head`` holding a published (or imported) state dict."""
-    head = Eagle3Head(pub.config)
-    head.load_state_dict(pub.state_dict)
-    return head.to(dtype=dtype, device=device).eval()
-
-
-def is_checkpoint_dir(path: Path | str) -> bool:
-    """A single exported checkpoint (``config.json`` inside) rather than a publish root."""
-    return (Path(path) / CONFIG_NAME).is_file()
-
-
-def load_latest_valid(root: Path | str, target_cfg: LlamaConfig) -> PublishedDrafter | None:
-    """The newest version under ``root`` that validates against the target, newest first; each
-    refused version is logged. None when the root holds no valid version."""
-    newest = latest_version(root)
-    candidates = sorted({v for v in list_versions(root) if newest is None or v <= newest}, reverse=True)
-    for version in candidates:
-        try:
-            return load_version(root, version, target_cfg)
-        except DrafterCheckpointError as exc:
-            logger.warning("refusing EAGLE-3 drafter version %d under %s: %s", version, root, exc)
-    return None
-
-
-def load_drafter_source(source: str | Path, target_cfg: LlamaConfig) -> PublishedDrafter | None:
-    """What ``source`` holds: a directory with ``config.json`` -> that exported checkpoint
-    (validated; a bad one raises ``DrafterCheckpointError``) as version 0; otherwise a publish
-    root -> its newest valid version, or None when it has none."""
-    if is_checkpoint_dir(source):
-        validate_eagle3_dir(source, target_cfg)
-        config, state = import_eagle3(source, target_cfg)
-        return PublishedDrafter(0, config, state, {})
-    return load_latest_valid(source, target_cfg)
-
-
-def build_eagle3_drafter(target: LlamaModel, source: str | Path | None, draft_vocab_size: int = 0,
-                         cfg: Eagle3DrafterConfig | None = None) -> Eagle3Drafter:
-    """The EAGLE-3 drafter for ``target``.
-
-    ``source``: None -> a fresh random head (version 0; lossless anyway, it learns online);
-    otherwise what ``load_drafter_source`` finds there (an exported checkpoint as version 0, or a
-    publish root's newest valid version), or a fresh head when a publish root has none.
-    ``draft_vocab_size`` (0 = full vocabulary) only shapes a fresh head.
-    """
-    pub = load_drafter_source(source, target.cfg) if source is not None else None
-    if pub is None:
-        head, version = fresh_head(target.cfg, draft_vocab_size or None, target.dtype, target.device), 0
-    else:
-        head, version = head_from_published(pub, target.dtype, target.device), pub.version
-    return Eagle3Drafter(head, target.embed_tokens, cfg, version=version)
 
 
 class TapCaptureDrafter:

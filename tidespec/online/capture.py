@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from tidespec.adapt.store import ShardSink, SignalShard
+from tidespec.online.store import ShardSink, SignalShard
 
 logger = logging.getLogger(__name__)
 

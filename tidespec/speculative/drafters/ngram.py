@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tidespec.spec.proposal import DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
 
 
 def find_ngram_match(tokens: np.ndarray, min_n: int, max_n: int) -> tuple[int, int]:

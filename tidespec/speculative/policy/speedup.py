@@ -55,6 +55,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tidespec.errors import ConfigError
+
 DEFAULT_DRAFTER = "default"
 PROFILE_FORMAT_VERSION = 1
 
@@ -186,7 +188,11 @@ class Profile:
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
-        return cls.from_json(Path(path).read_text())
+        try:
+            text = Path(path).read_text()
+        except OSError as exc:
+            raise ConfigError(f"cannot read profile {path}: {exc.strerror or exc}") from None
+        return cls.from_json(text)
 
 
 # ---- the model ---------------------------------------------------------------------------

@@ -57,6 +57,8 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from tidespec.errors import UserError
+
 MANIFEST_NAME = "manifest.json"
 LOCK_NAME = ".lock"
 TMP_PREFIX = ".tmp-"
@@ -73,7 +75,7 @@ class ShardGone(LookupError):
     """The shard was evicted (or never existed) by the time it was read."""
 
 
-class StoreError(RuntimeError):
+class StoreError(UserError, RuntimeError):
     """The store directory or a shard file is malformed."""
 
 

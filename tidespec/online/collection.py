@@ -42,8 +42,10 @@ import math
 import threading
 from dataclasses import dataclass
 
+from tidespec.errors import ConfigError
 
-class CollectionConfigError(ValueError):
+
+class CollectionConfigError(ConfigError):
     """A collection setting is invalid; the message is a single line."""
 
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import re
 import shutil
@@ -49,8 +50,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from tidespec.errors import UserError
+from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head
 from tidespec.models.llama import LlamaConfig
-from tidespec.spec.drafters.eagle3 import Eagle3Config, Eagle3ConfigError, Eagle3Head
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_NAME = "config.json"
@@ -60,9 +62,12 @@ LATEST_NAME = "LATEST"
 LOCK_NAME = ".lock"
 TMP_PREFIX = ".tmp-"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
+FRESH_HEAD_SEED = 0  # engine and trainer build the same random head when nothing was published
+
+logger = logging.getLogger(__name__)
 
 
-class DrafterCheckpointError(ValueError):
+class DrafterCheckpointError(UserError, ValueError):
     """A drafter checkpoint directory is missing, malformed or does not fit the target (one line)."""
 
 
@@ -415,3 +420,58 @@ def state_dict_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
     if a.keys() != b.keys():
         return False
     return all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
+
+
+# ----------------------------------------------------------------------------------------------
+# heads for serving: fresh, published, exported
+# ----------------------------------------------------------------------------------------------
+
+
+def fresh_head(target_cfg: LlamaConfig, draft_vocab_size: int | None = None, dtype: torch.dtype = torch.float32,
+               device: torch.device | str = "cpu", seed: int = FRESH_HEAD_SEED) -> Eagle3Head:
+    """A randomly initialised head, identical for equal arguments (the global RNG is untouched).
+
+    The engine starts from it when nothing is published yet, and the trainer evaluates it as the
+    "current" drafter then, so both sides agree on what version 0 is.
+    """
+    vocab = draft_vocab_size if draft_vocab_size else None
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = Eagle3Head(Eagle3Config.for_target(target_cfg, vocab))
+    return head.to(dtype=dtype, device=device).eval()
+
+
+def head_from_published(pub: PublishedDrafter, dtype: torch.dtype, device: torch.device | str) -> Eagle3Head:
+    """An ``Eagle3Head`` holding a published (or imported) state dict."""
+    head = Eagle3Head(pub.config)
+    head.load_state_dict(pub.state_dict)
+    return head.to(dtype=dtype, device=device).eval()
+
+
+def is_checkpoint_dir(path: Path | str) -> bool:
+    """A single exported checkpoint (``config.json`` inside) rather than a publish root."""
+    return (Path(path) / CONFIG_NAME).is_file()
+
+
+def load_latest_valid(root: Path | str, target_cfg: LlamaConfig) -> PublishedDrafter | None:
+    """The newest version under ``root`` that validates against the target, newest first; each
+    refused version is logged. None when the root holds no valid version."""
+    newest = latest_version(root)
+    candidates = sorted({v for v in list_versions(root) if newest is None or v <= newest}, reverse=True)
+    for version in candidates:
+        try:
+            return load_version(root, version, target_cfg)
+        except DrafterCheckpointError as exc:
+            logger.warning("refusing EAGLE-3 drafter version %d under %s: %s", version, root, exc)
+    return None
+
+
+def load_drafter_source(source: str | Path, target_cfg: LlamaConfig) -> PublishedDrafter | None:
+    """What ``source`` holds: a directory with ``config.json`` -> that exported checkpoint
+    (validated; a bad one raises ``DrafterCheckpointError``) as version 0; otherwise a publish
+    root -> its newest valid version, or None when it has none."""
+    if is_checkpoint_dir(source):
+        validate_eagle3_dir(source, target_cfg)
+        config, state = import_eagle3(source, target_cfg)
+        return PublishedDrafter(0, config, state, {})
+    return load_latest_valid(source, target_cfg)

@@ -1,11 +1,11 @@
-"""EAGLE-3 draft head and the ``Drafter`` that proposes chains and EAGLE-2 dynamic trees with it.
+"""The EAGLE-3 ``Drafter``: chains and EAGLE-2 dynamic trees from the head in ``models.eagle3_head``.
 
 Why this exists: TIDE (Sec. 3.2) trains an EAGLE-3 head online from hidden states the target
 already computes while serving. The head is one decoder layer plus a draft-vocabulary LM head
 that reads the target's hidden states entering three tap layers (low, middle, high), so a new
 head trained by the trainer process can be swapped in between engine steps. The module layout
 follows vLLM's / SGLang's ``LlamaForCausalLMEagle3`` so exported checkpoints load there
-(see ``tidespec.adapt.checkpoint``).
+(see ``tidespec.models.eagle3_checkpoint``).
 
 One head step at rope position ``i`` (``fused`` is ``fc(taps_i)`` for a real position, or the
 head's own previous pre-norm output while drafting)::
@@ -31,262 +31,20 @@ Worked example (context ``t0..t4``, target KV holds t0..t3, taps h0..h3 observed
     chain gamma=3: d1 = argmax z3; (g3, d1) at pos 4 -> d2; (g4', d2) at pos 5 -> d3
     after propose the head KV length is 4 again
 """
-
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
 
-from tidespec.engine.kv_cache import KVCache
-from tidespec.models.llama import MLP, Attention, BatchLayout, LlamaConfig, RMSNorm, rope_inv_freq, rotate_half
+from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head
+from tidespec.models.kv_cache import KVCache
+from tidespec.models.llama import BatchLayout
 from tidespec.sampling import SamplingParams, make_generator, sample_from, target_probs
-from tidespec.spec.drafters.draft_model import draft_seed
-from tidespec.spec.proposal import DraftInput, DraftProposal, Observation, SeqDraft
-from tidespec.spec.tree import tree_depths, tree_mask
-
-
-class Eagle3ConfigError(ValueError):
-    """An EAGLE-3 head configuration is invalid; the message is one line."""
-
-
-def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
-    """EAGLE-3's tap layers ``(2, L//2, L-3)`` (inputs of those target layers, as vLLM taps them).
-
-    Tiny targets where those collide fall back to ``(0, L//2, L-1)``: the target model returns
-    taps deduplicated and in layer order, so the three layers must be distinct.
-    Examples: ``default_tap_layers(32) == (2, 16, 29)``; ``default_tap_layers(4) == (0, 2, 3)``.
-    """
-    if num_layers < 3:
-        raise Eagle3ConfigError(f"EAGLE-3 needs a target with >= 3 layers, got {num_layers}")
-    taps = (2, num_layers // 2, num_layers - 3)
-    if taps[0] < taps[1] < taps[2]:
-        return taps
-    return (0, num_layers // 2, num_layers - 1)
-
-
-@dataclass(frozen=True)
-class Eagle3Config:
-    """Shape of an EAGLE-3 head; ``for_target`` derives it from the target's config."""
-
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    target_vocab_size: int
-    draft_vocab_size: int
-    tap_layers: tuple[int, ...]
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 2048
-
-    def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-                     "target_vocab_size", "draft_vocab_size"):
-            if getattr(self, name) <= 0:
-                raise Eagle3ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise Eagle3ConfigError(f"num_heads ({self.num_heads}) not divisible by num_kv_heads ({self.num_kv_heads})")
-        if self.draft_vocab_size > self.target_vocab_size:
-            raise Eagle3ConfigError(
-                f"draft_vocab_size ({self.draft_vocab_size}) exceeds target_vocab_size ({self.target_vocab_size})")
-        taps = tuple(int(t) for t in self.tap_layers)
-        if len(taps) != 3 or taps[0] < 0 or not taps[0] < taps[1] < taps[2]:
-            raise Eagle3ConfigError(f"tap_layers must be 3 strictly increasing layer indices, got {self.tap_layers}")
-        object.__setattr__(self, "tap_layers", taps)
-        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
-            raise Eagle3ConfigError("rms_norm_eps and rope_theta must be positive")
-
-    @classmethod
-    def for_target(cls, target_cfg: LlamaConfig, draft_vocab_size: int | None = None) -> "Eagle3Config":
-        """Head matching the target's width, heads and rope; ``draft_vocab_size=None`` = full vocab."""
-        return cls(
-            hidden_size=target_cfg.hidden_size,
-            num_heads=target_cfg.num_heads,
-            num_kv_heads=target_cfg.num_kv_heads,
-            head_dim=target_cfg.head_dim,
-            intermediate_size=target_cfg.intermediate_size,
-            target_vocab_size=target_cfg.vocab_size,
-            draft_vocab_size=draft_vocab_size if draft_vocab_size is not None else target_cfg.vocab_size,
-            tap_layers=default_tap_layers(target_cfg.num_layers),
-            rms_norm_eps=target_cfg.rms_norm_eps,
-            rope_theta=target_cfg.rope_theta,
-            rope_scaling=target_cfg.rope_scaling,
-            max_position_embeddings=target_cfg.max_position_embeddings,
-        )
-
-    @property
-    def tap_size(self) -> int:
-        return len(self.tap_layers) * self.hidden_size
-
-    def layer_config(self) -> LlamaConfig:
-        """The one-layer Llama config the head's attention / MLP / rope are built from."""
-        return LlamaConfig(
-            vocab_size=self.draft_vocab_size, hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
-            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
-            max_position_embeddings=self.max_position_embeddings,
-        )
-
-
-class Eagle3Layer(nn.Module):
-    """The head's decoder layer; its q/k/v projection reads ``2H`` (embedding | fused hidden)."""
-
-    def __init__(self, cfg: Eagle3Config) -> None:
-        super().__init__()
-        lcfg = cfg.layer_config()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the token embedding
-        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the fused hidden
-        self.self_attn = Attention(lcfg)
-        attn = self.self_attn
-        attn.qkv_proj = nn.Linear(2 * cfg.hidden_size, attn.q_size + 2 * attn.kv_size, bias=False)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(lcfg)
-
-    def attn_input(self, fused: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        """[T, H], [T, H] -> [T, 2H]: normalized embedding first, then normalized hidden (vLLM order)."""
-        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(fused)], dim=-1)
-
-    def finish(self, fused: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Residual (the un-normed fused hidden) + attention, then the MLP block -> pre-norm [T, H]."""
-        h = fused + attn_out
-        return h + self.mlp(self.post_attention_layernorm(h))
-
-
-@dataclass
-class TTTCache:
-    """K/V of earlier training-time-test steps: step s holds ``[B, N, n_kv, hd]``."""
-
-    k: list[torch.Tensor] = field(default_factory=list)
-    v: list[torch.Tensor] = field(default_factory=list)
-
-
-class Eagle3Head(nn.Module):
-    """EAGLE-3 draft head: ``fc`` (3H -> H), one decoder layer, final norm, draft-vocab LM head.
-
-    The token embedding is the target's (frozen, not owned): callers pass embeddings in.
-    ``d2t`` [draft_vocab] int64 and ``t2d`` [target_vocab] bool are persistent buffers.
-    """
-
-    def __init__(self, cfg: Eagle3Config) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.fc = nn.Linear(cfg.tap_size, cfg.hidden_size, bias=False)
-        self.midlayer = Eagle3Layer(cfg)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)  # identity prefix map by default
-        t2d = torch.zeros(cfg.target_vocab_size, dtype=torch.bool)
-        t2d[: cfg.draft_vocab_size] = True
-        self.register_buffer("d2t", d2t)
-        self.register_buffer("t2d", t2d)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.layer_config()), persistent=False)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
-
-    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install a draft vocabulary (see ``tidespec.adapt.eagle3_train.select_draft_vocab``)."""
-        if tuple(d2t.shape) != tuple(self.d2t.shape) or tuple(t2d.shape) != tuple(self.t2d.shape):
-            raise Eagle3ConfigError(f"vocab map shapes {tuple(d2t.shape)}/{tuple(t2d.shape)} do not match the head")
-        self.d2t.copy_(d2t)
-        self.t2d.copy_(t2d)
-
-    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        """Draft-vocab ids -> target ids (same shape)."""
-        return draft_ids + self.d2t[draft_ids]
-
-    def target_to_draft(self) -> torch.Tensor:
-        """[target_vocab] int64: draft id of each target id, -1 where it is not in the draft vocab."""
-        inv = torch.full((self.cfg.target_vocab_size,), -1, dtype=torch.int64, device=self.d2t.device)
-        ids = torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device)
-        inv[self.draft_to_target(ids)] = ids
-        return inv
-
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [T, hd] like the target's (float32 angles, then cast)."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()  # [T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
-
-    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
-        """[T, 3H] target taps -> [T, H] fused hidden."""
-        return self.fc(taps)
-
-    def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
-        """[T, H] pre-norm output -> [T, draft_vocab] logits."""
-        return self.lm_head(self.norm(prenorm))
-
-    def forward(self, fused: torch.Tensor, embeds: torch.Tensor, layout: BatchLayout,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inference step over a ragged batch with the head's KV cache (``[S, n_kv, L, hd]``).
-
-        fused, embeds: [T, H] -> (pre-norm output [T, H], logits [T, draft_vocab]).
-        """
-        layer = self.midlayer
-        cos, sin = self.rope(layout.positions, fused.dtype)
-        attn = layer.self_attn(layer.attn_input(fused, embeds), cos, sin, layout, k_cache, v_cache)
-        out = layer.finish(fused, attn)
-        return out, self.logits(out)
-
-    def forward_ttt(self, fused: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
-                    cache: TTTCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """One training-time-test step over B padded segments of N rows, differentiable, no KV slots.
-
-        fused, embeds: [B, N, H]; positions: [B, N] rope positions of this step (row start + j + s).
-        Step s (0-based, ``len(cache.k)`` before the call) at row j stands for drafting step s+1
-        started after real position j: the query attends causally to step 0's keys at rows <= j
-        and to its own row's keys of steps 1..s (the speculative chain), exactly the keys the
-        inference path sees when drafting from position j. Padding rows must come last in each
-        segment (causality keeps real rows from seeing them). Returns (pre-norm [B, N, H],
-        logits [B, N, draft_vocab]).
-
-        Example mask for N=3, step s=2 (columns: step-0 rows 0..2, then steps 1, 2 diagonal)::
-
-            row 0: [1 0 0 | 1 | 1]
-            row 1: [1 1 0 | 1 | 1]
-            row 2: [1 1 1 | 1 | 1]
-        """
-        layer = self.midlayer
-        attn = layer.self_attn
-        b, n = fused.shape[0], fused.shape[1]
-        x = layer.attn_input(fused, embeds)  # [B, N, 2H]
-        q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
-        q = q.view(b, n, attn.n_h, attn.hd)
-        k = k.view(b, n, attn.n_kv, attn.hd)
-        v = v.view(b, n, attn.n_kv, attn.hd)
-        cos, sin = self.rope(positions, fused.dtype)  # [B, N, hd]
-        c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [B, N, 1, hd]
-        q = q * c + rotate_half(q) * s
-        k = k * c + rotate_half(k) * s
-        cache.k.append(k)
-        cache.v.append(v)
-        rep = attn.n_h // attn.n_kv
-        ks = [t.repeat_interleave(rep, dim=2) for t in cache.k]  # each [B, N, n_h, hd]
-        vs = [t.repeat_interleave(rep, dim=2) for t in cache.v]
-        scale = 1.0 / math.sqrt(attn.hd)
-        causal = torch.ones(n, n, dtype=torch.bool, device=fused.device).tril()  # [N, N]
-        first = torch.einsum("bihd,bjhd->bhij", q, ks[0]) * scale  # [B, n_h, N, N]
-        first = first.masked_fill(~causal, float("-inf"))
-        diag = [torch.einsum("bihd,bihd->bhi", q, kk).unsqueeze(-1) * scale for kk in ks[1:]]  # [B, n_h, N, 1] each
-        probs = torch.softmax(torch.cat([first, *diag], dim=-1), dim=-1)  # [B, n_h, N, N + s]
-        out = torch.einsum("bhij,bjhd->bihd", probs[..., :n], vs[0])  # [B, N, n_h, hd]
-        for m, vv in enumerate(vs[1:]):
-            out = out + probs[..., n + m].transpose(1, 2).unsqueeze(-1) * vv
-        h = layer.finish(fused, attn.o_proj(out.reshape(b, n, attn.q_size)))
-        return h, self.logits(h)
-
+from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.drafters.draft_model import draft_seed
+from tidespec.speculative.tree import tree_depths, tree_mask
 
 # ----------------------------------------------------------------------------------------------
 # EAGLE-2 dynamic tree
@@ -733,3 +491,4 @@ class Eagle3Drafter:
             ids = self.head.draft_to_target(torch.tensor([job.tokens[c] for c in kept], device=self.head.device))
             drafts.append(SeqDraft(ids.tolist(), parents, None))
         return drafts
+

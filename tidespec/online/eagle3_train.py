@@ -10,7 +10,7 @@ segment at once. Step 1 reads ``fc(taps)``; step s >= 2 reads the head's own pre
 step s-1 at the same row, with the token one further along, at rope position ``row + s - 1``.
 Attention of step s at row j: causal over step 1's keys (rows <= j, the real context) plus the
 row's own keys of steps 2..s (the speculative chain) — the keys the inference drafter sees when
-it drafts s tokens after position j (``Eagle3Head.forward_ttt``). Inputs are ground-truth tokens
+it drafts s tokens after position j (``ttt_step``). Inputs are ground-truth tokens
 (teacher forcing); gradients flow through the unroll. The loss of step s is cross-entropy over
 the draft vocabulary, weighted ``step_weight_decay ** (s - 1)``; labels outside the draft
 vocabulary are ignored.
@@ -27,16 +27,75 @@ acceptance length = accepted + 1 (the bonus token).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidespec.spec.drafters.eagle3 import Eagle3Head, TTTCache
+from tidespec.errors import UserError
+from tidespec.models.eagle3_head import Eagle3Head
+from tidespec.models.llama import rotate_half
 
 
-class Eagle3TrainError(ValueError):
+@dataclass
+class TTTCache:
+    """K/V of earlier training-time-test steps: step s holds ``[B, N, n_kv, hd]``."""
+
+    k: list[torch.Tensor] = field(default_factory=list)
+    v: list[torch.Tensor] = field(default_factory=list)
+
+
+def ttt_step(head: Eagle3Head, fused: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
+         cache: TTTCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """One training-time-test step over B padded segments of N rows, differentiable, no KV slots.
+
+    fused, embeds: [B, N, H]; positions: [B, N] rope positions of this step (row start + j + s).
+    Step s (0-based, ``len(cache.k)`` before the call) at row j stands for drafting step s+1
+    started after real position j: the query attends causally to step 0's keys at rows <= j
+    and to its own row's keys of steps 1..s (the speculative chain), exactly the keys the
+    inference path sees when drafting from position j. Padding rows must come last in each
+    segment (causality keeps real rows from seeing them). Returns (pre-norm [B, N, H],
+    logits [B, N, draft_vocab]).
+
+    Example mask for N=3, step s=2 (columns: step-0 rows 0..2, then steps 1, 2 diagonal)::
+
+        row 0: [1 0 0 | 1 | 1]
+        row 1: [1 1 0 | 1 | 1]
+        row 2: [1 1 1 | 1 | 1]
+    """
+    layer = head.midlayer
+    attn = layer.self_attn
+    b, n = fused.shape[0], fused.shape[1]
+    x = layer.attn_input(fused, embeds)  # [B, N, 2H]
+    q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = q.view(b, n, attn.n_h, attn.hd)
+    k = k.view(b, n, attn.n_kv, attn.hd)
+    v = v.view(b, n, attn.n_kv, attn.hd)
+    cos, sin = head.rope(positions, fused.dtype)  # [B, N, hd]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [B, N, 1, hd]
+    q = q * c + rotate_half(q) * s
+    k = k * c + rotate_half(k) * s
+    cache.k.append(k)
+    cache.v.append(v)
+    rep = attn.n_h // attn.n_kv
+    ks = [t.repeat_interleave(rep, dim=2) for t in cache.k]  # each [B, N, n_h, hd]
+    vs = [t.repeat_interleave(rep, dim=2) for t in cache.v]
+    scale = 1.0 / math.sqrt(attn.hd)
+    causal = torch.ones(n, n, dtype=torch.bool, device=fused.device).tril()  # [N, N]
+    first = torch.einsum("bihd,bjhd->bhij", q, ks[0]) * scale  # [B, n_h, N, N]
+    first = first.masked_fill(~causal, float("-inf"))
+    diag = [torch.einsum("bihd,bihd->bhi", q, kk).unsqueeze(-1) * scale for kk in ks[1:]]  # [B, n_h, N, 1] each
+    probs = torch.softmax(torch.cat([first, *diag], dim=-1), dim=-1)  # [B, n_h, N, N + s]
+    out = torch.einsum("bhij,bjhd->bihd", probs[..., :n], vs[0])  # [B, N, n_h, hd]
+    for m, vv in enumerate(vs[1:]):
+        out = out + probs[..., n + m].transpose(1, 2).unsqueeze(-1) * vv
+    h = layer.finish(fused, attn.o_proj(out.reshape(b, n, attn.q_size)))
+    return h, head.logits(h)
+
+
+class Eagle3TrainError(UserError, ValueError):
     """Bad training input or configuration (one line)."""
 
 
@@ -168,7 +227,7 @@ def unroll(head: Eagle3Head, embed: nn.Embedding, batch: SignalBatch, num_steps:
             tokens = batch.token_ids[:, (rows + step).clamp(max=n)]  # [B, N]
         with torch.no_grad():
             embeds = embed(tokens.to(embed.weight.device)).to(dtype=head.dtype, device=head.device)  # [B, N, H]
-        fused, logits = head.forward_ttt(fused, embeds, batch.positions + step - 1, cache)
+        fused, logits = ttt_step(head, fused, embeds, batch.positions + step - 1, cache)
         out.append(logits)
     return out
 

@@ -5,7 +5,7 @@ machine sharing the directories, or on another device, or on several ranks with 
 the signal store the engine writes, trains an EAGLE-3 head from the captured target hidden states
 when enough new signals arrived, and publishes the new head atomically only when it beats the
 current one on held-out signals. The serving engine polls the publish root and swaps it in
-(``tidespec.adapt.online.DrafterUpdater``).
+(``tidespec.online.online.DrafterUpdater``).
 
 One round::
 
@@ -54,36 +54,37 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from tidespec.adapt.capture import CaptureBuffer
-from tidespec.adapt.checkpoint import (
+from tidespec.config import opt
+from tidespec.errors import ConfigError
+from tidespec.models.eagle3_checkpoint import (
     PublishedDrafter,
     export_eagle3,
+    fresh_head,
+    head_from_published,
     import_eagle3,
+    load_latest_valid,
     load_version,
     publish,
     validate_eagle3_dir,
 )
-from tidespec.adapt.collection import CollectionConfig, SelectiveCollector
-from tidespec.adapt.eagle3_train import (
+from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head
+from tidespec.models.llama import LlamaConfig, LlamaModel
+from tidespec.online.capture import CaptureBuffer
+from tidespec.online.collection import CollectionConfig, SelectiveCollector
+from tidespec.online.eagle3_train import (
     SignalSegment,
     evaluate,
     segments_from_rows,
     select_draft_vocab,
     ttt_loss,
 )
-from tidespec.adapt.online import (
+from tidespec.online.online import (
     TRAINER_STATE_NAME,
     OnlineConfig,
     SignalCollector,
     TapCaptureDrafter,
-    fresh_head,
-    head_from_published,
-    load_latest_valid,
 )
-from tidespec.adapt.store import ShardGone, ShardInfo, SignalShard, SignalStore
-from tidespec.config import opt
-from tidespec.models.llama import LlamaConfig, LlamaModel
-from tidespec.spec.drafters.eagle3 import Eagle3Config, Eagle3Head
+from tidespec.online.store import ShardGone, ShardInfo, SignalShard, SignalStore
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ PR_SET_PDEATHSIG = 1  # linux/prctl.h
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
-class TrainerConfigError(ValueError):
+class TrainerConfigError(ConfigError):
     """A trainer setting is invalid; the message is one line."""
 
 
@@ -630,10 +631,10 @@ def capture_from_workload(model: LlamaModel, tokenizer: Any, workload: str, sign
                           max_num_seqs: int = 8, progress: bool = True) -> dict[str, int]:
     """Greedy-generate every workload prompt with the target, capturing the taps of every final
     position into the store at ``signal_dir``. Returns the capture counters."""
-    from tidespec.bench.workload import load_prompts
     from tidespec.config import CacheConfig, EngineConfig, SpecConfig
     from tidespec.engine.engine import LLMEngine, RequestError
     from tidespec.sampling import SamplingParams
+    from tidespec.workloads.loader import load_prompts
 
     prompts = load_prompts(workload, tokenizer, limit or None)
     taps = Eagle3Config.for_target(model.cfg).tap_layers
@@ -728,7 +729,7 @@ def start_trainer_process(online: OnlineConfig, model: str | None, dtype: str = 
     ``draft_vocab`` must equal the engine's fresh-head draft vocabulary. Output goes to
     ``log_path`` (default: ``<publish_root>/trainer.log``). Stop it with ``terminate()``.
     """
-    cmd = [sys.executable, "-m", "tidespec.adapt.cli", "train-drafter",
+    cmd = [sys.executable, "-m", "tidespec.online.cli", "train-drafter",
            "--signal-dir", online.signal_dir, "--publish-root", online.publish_root,
            "--min-signals", str(online.collection.n_threshold), "--dtype", dtype, "--device", device,
            "--draft-vocab", str(draft_vocab), "--budget-mb", str(max(1, online.signal_budget_bytes >> 20)),

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 import torch
 
 from tidespec.sampling import SamplingParams, sample_from, target_probs
-from tidespec.spec.proposal import SeqDraft
-from tidespec.spec.tree import children
+from tidespec.speculative.api import SeqDraft
+from tidespec.speculative.tree import children
 
 
 @dataclass

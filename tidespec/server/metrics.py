@@ -57,12 +57,18 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
-from tidespec.control.policy import SpeculationPolicy, bucket_of
-from tidespec.control.speedup import Profile
 from tidespec.engine.engine import RequestOutput
 from tidespec.engine.stats import StepStats
+from tidespec.speculative.policy.policy import SpeculationPolicy, bucket_of
+from tidespec.speculative.policy.speedup import Profile
 
 PREFIX = "tidespec:"
 DEFAULT_ROUTE = "default"

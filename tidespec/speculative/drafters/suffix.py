@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tidespec.spec.proposal import DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
 
 SEP = -1  # document separator in the token buffer; never a vocabulary id
 _SMALL = 256  # occurrence sets up to this size are counted with a dict instead of np.unique

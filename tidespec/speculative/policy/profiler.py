@@ -36,11 +36,11 @@ from pathlib import Path
 
 import torch
 
-from tidespec.control.speedup import Profile
-from tidespec.engine.kv_cache import KVCache
+from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.sampling import SamplingParams
-from tidespec.spec.proposal import DraftInput, Drafter
+from tidespec.speculative.api import Drafter, DraftInput
+from tidespec.speculative.policy.speedup import Profile
 
 STATEFUL_DRAFTERS = frozenset({"draft-model", "eagle3"})
 

@@ -40,11 +40,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tidespec.engine.kv_cache import KVCache
+from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.sampling import SamplingParams, make_generator, sample_from, target_probs
-from tidespec.spec.proposal import DraftInput, DraftProposal, Observation, SeqDraft
-from tidespec.spec.tree import tree_depths, tree_mask
+from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.tree import tree_depths, tree_mask
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: decorrelates the draft's stream from the target's
 

@@ -1,0 +1,161 @@
+"""The offline ``LLM`` facade and the one way to assemble an engine: model, tokenizer, drafter, policy.
+
+Why this exists: the CLI, the server, the benchmarks and the ``LLM`` facade all build the same
+engine the same way; this is that one way. It sits above ``engine`` and ``speculative`` and below
+``online``, ``server`` and ``bench`` (which call ``build_engine``): serving a frozen drafter never
+imports the online-training machinery.
+
+Worked example::
+
+    llm = LLM(EngineConfig(spec=SpecConfig(drafter="ngram")))
+    outs = llm.generate(["def fib(n):"], SamplingParams(max_tokens=32))
+    outs[0].text, outs[0].stats.mean_acceptance_length
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from tidespec.config import EngineConfig, SpecConfig
+from tidespec.engine.engine import LLMEngine, RequestOutput
+from tidespec.models.eagle3_checkpoint import (
+    fresh_head,
+    head_from_published,
+    load_drafter_source,
+)
+from tidespec.models.llama import LlamaModel
+from tidespec.models.loader import load_model
+from tidespec.sampling import SamplingParams
+from tidespec.speculative.api import Drafter
+from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
+from tidespec.speculative.policy.policy import (
+    GuardConfig,
+    PolicyOptions,
+    SpeculationPolicy,
+    make_policy,
+)
+from tidespec.speculative.policy.profiler import STATEFUL_DRAFTERS, load_or_measure
+from tidespec.speculative.policy.speedup import Profile
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def build_drafter(spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_model_len: int) -> Drafter | None:
+    """The drafter named by ``spec.drafter`` (None for "none")."""
+    if spec.drafter == "none":
+        return None
+    if spec.drafter == "ngram":
+        from tidespec.speculative.drafters.ngram import NgramDrafter
+        return NgramDrafter(min_n=spec.ngram_min, max_n=spec.ngram_max)
+    if spec.drafter == "suffix":
+        from tidespec.speculative.drafters.suffix import SuffixDrafter
+        return SuffixDrafter(max_tree_tokens=spec.suffix_max_tree_tokens, min_prob=spec.suffix_min_prob,
+                             factor=spec.suffix_factor)
+    if spec.drafter == "eagle3":
+        return build_eagle3_drafter(target, spec.eagle3_dir, spec.eagle3_draft_vocab, Eagle3DrafterConfig(
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, tree_depth=spec.eagle3_tree_depth,
+            tree_top_k=spec.eagle3_tree_top_k))
+    from tidespec.speculative.drafters.draft_model import DraftModelDrafter
+    if spec.draft_layers:
+        draft = target.truncated(spec.draft_layers)
+    elif spec.draft_model:
+        loaded = load_model(spec.draft_model, dtype=target.dtype, device=str(target.device))
+        if loaded.model.cfg.vocab_size != target.cfg.vocab_size:
+            raise ValueError(f"draft model vocab ({loaded.model.cfg.vocab_size}) differs from the target's "
+                             f"({target.cfg.vocab_size}): drafter and target must share a tokenizer")
+        draft = loaded.model
+    else:
+        draft = target.truncated(max(1, target.cfg.num_layers // 4))
+    return DraftModelDrafter(draft, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                             tree_top_k=spec.tree_top_k)
+
+
+def build_eagle3_drafter(target: LlamaModel, source: str | Path | None, draft_vocab_size: int = 0,
+                         cfg: Eagle3DrafterConfig | None = None) -> Eagle3Drafter:
+    """The EAGLE-3 drafter for ``target``.
+
+    ``source``: None -> a fresh random head (version 0; lossless anyway, it learns online);
+    otherwise what ``load_drafter_source`` finds there (an exported checkpoint as version 0, or a
+    publish root's newest valid version), or a fresh head when a publish root has none.
+    ``draft_vocab_size`` (0 = full vocabulary) only shapes a fresh head.
+    """
+    pub = load_drafter_source(source, target.cfg) if source is not None else None
+    if pub is None:
+        head, version = fresh_head(target.cfg, draft_vocab_size or None, target.dtype, target.device), 0
+    else:
+        head, version = head_from_published(pub, target.dtype, target.device), pub.version
+    return Eagle3Drafter(head, target.embed_tokens, cfg, version=version)
+
+
+def build_policy(spec: SpecConfig, model: LlamaModel, drafter: Drafter | None,
+                 progress: Callable[[str], None] | None = None) -> SpeculationPolicy | None:
+    """The speculation-length policy with guards; profiles the model first when the policy needs
+    costs (analytic, hybrid; bandit for the switching cost of a stateful drafter)."""
+    if drafter is None:
+        return None
+    profile: Profile | None = None
+    needs_profile = spec.policy in ("analytic", "hybrid") or (
+        spec.policy == "bandit" and drafter.name in STATEFUL_DRAFTERS)
+    if spec.profile:
+        profile = Profile.load(spec.profile)
+    elif needs_profile:
+        profile, _ = load_or_measure(model, drafter, progress=progress)
+    guards = GuardConfig(kv_threshold=spec.guard_kv_usage, temperature_threshold=spec.guard_temperature,
+                         gamma_max=spec.num_speculative_tokens)
+    return make_policy(spec.policy, PolicyOptions(gamma_max=spec.num_speculative_tokens, profile=profile,
+                                                  guards=guards))
+
+
+def build_engine(config: EngineConfig, model: LlamaModel | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None, drafter: Drafter | None = None) -> LLMEngine:
+    """Load (unless given) the model and tokenizer and wire the configured drafter and policy."""
+    mc = config.model
+    if mc.threads:
+        torch.set_num_threads(mc.threads)
+    if model is None or tokenizer is None:
+        loaded = load_model(mc.model, dtype=DTYPES[mc.dtype], device=mc.device)
+        model, tokenizer = loaded.model, loaded.tokenizer
+    max_len = min(config.cache.max_model_len, model.cfg.max_position_embeddings)
+    if drafter is None:
+        drafter = build_drafter(config.spec, model, config.cache.max_num_seqs, max_len)
+    policy = build_policy(config.spec, model, drafter) if config.spec.num_speculative_tokens else None
+    return LLMEngine(model, tokenizer, config, drafter=drafter, policy=policy)
+
+
+class LLM:
+    """Offline facade: ``LLM(config).generate(prompts, params)`` like vLLM's."""
+
+    def __init__(self, config: EngineConfig | None = None, *, model: LlamaModel | None = None,
+                 tokenizer: PreTrainedTokenizerBase | None = None, drafter: Drafter | None = None) -> None:
+        from tidespec.llm import (
+            build_engine,  # late import: runtime imports this module
+        )
+
+        self.config = config or EngineConfig()
+        self.engine = build_engine(self.config, model=model, tokenizer=tokenizer, drafter=drafter)
+        self.tokenizer = self.engine.tokenizer
+
+    def chat_prompt(self, message: str) -> list[int]:
+        """Token ids of one user message in the model's chat template."""
+        return list(self.tokenizer.apply_chat_template([{"role": "user", "content": message}],
+                                                       add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
+
+    def generate(self, prompts: Iterable[str | list[int]] | str,
+                 params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        plist = [prompts] if isinstance(prompts, str) else list(prompts)
+        ps = params if isinstance(params, list) else [params or SamplingParams()] * len(plist)
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(plist, ps)]
+        final: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished_requests():
+            for o in self.engine.step():
+                if o.finished:
+                    final[o.request_id] = o
+                    if progress is not None:
+                        progress(o)
+        return [final[i] for i in ids]

@@ -1,0 +1,225 @@
+"""The EAGLE-3 draft head: one decoder layer over the target's fused hidden states, a draft-vocabulary LM head.
+
+Why this exists: TIDE (Sec. 3.2) trains an EAGLE-3 head online from hidden states the target
+already computes while serving. The head is one decoder layer plus a draft-vocabulary LM head
+that reads the target's hidden states entering three tap layers (low, middle, high). It is a
+model like the target (``llama.py``), so it lives here; the drafter that proposes with it is
+``tidespec.speculative.drafters.eagle3``, its training-time-test forward is in
+``tidespec.online.eagle3_train``, and its checkpoint format in ``eagle3_checkpoint``. The module
+layout follows vLLM's / SGLang's ``LlamaForCausalLMEagle3`` so exported checkpoints load there.
+
+One head step at rope position ``i`` (``fused`` is ``fc(taps_i)`` for a real position, or the
+head's own previous pre-norm output while drafting)::
+
+    residual = fused                                              # [T, H]
+    x = cat(input_layernorm(embed(token_{i+1})), hidden_norm(fused))   # [T, 2H]
+    h = residual + o_proj(attn(q/k/v_proj(x)))                     # q/k/v take 2H inputs
+    h = h + mlp(post_attention_layernorm(h))                       # pre-norm output, fed back
+    logits = lm_head(norm(h))                                      # [T, draft_vocab]
+
+Pairing (as in EAGLE): the head at position i sees the target hidden of position i and the
+token at position i+1, and predicts the token at i+2. Target token ids are recovered from draft
+ids by ``target_id = draft_id + d2t[draft_id]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tidespec.errors import ConfigError
+from tidespec.models.llama import (
+    MLP,
+    Attention,
+    BatchLayout,
+    LlamaConfig,
+    RMSNorm,
+    rope_inv_freq,
+)
+
+
+class Eagle3ConfigError(ConfigError):
+    """An EAGLE-3 head configuration is invalid; the message is one line."""
+
+
+def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's tap layers ``(2, L//2, L-3)`` (inputs of those target layers, as vLLM taps them).
+
+    Tiny targets where those collide fall back to ``(0, L//2, L-1)``: the target model returns
+    taps deduplicated and in layer order, so the three layers must be distinct.
+    Examples: ``default_tap_layers(32) == (2, 16, 29)``; ``default_tap_layers(4) == (0, 2, 3)``.
+    """
+    if num_layers < 3:
+        raise Eagle3ConfigError(f"EAGLE-3 needs a target with >= 3 layers, got {num_layers}")
+    taps = (2, num_layers // 2, num_layers - 3)
+    if taps[0] < taps[1] < taps[2]:
+        return taps
+    return (0, num_layers // 2, num_layers - 1)
+
+
+@dataclass(frozen=True)
+class Eagle3Config:
+    """Shape of an EAGLE-3 head; ``for_target`` derives it from the target's config."""
+
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    target_vocab_size: int
+    draft_vocab_size: int
+    tap_layers: tuple[int, ...]
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    max_position_embeddings: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
+                     "target_vocab_size", "draft_vocab_size"):
+            if getattr(self, name) <= 0:
+                raise Eagle3ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise Eagle3ConfigError(f"num_heads ({self.num_heads}) not divisible by num_kv_heads ({self.num_kv_heads})")
+        if self.draft_vocab_size > self.target_vocab_size:
+            raise Eagle3ConfigError(
+                f"draft_vocab_size ({self.draft_vocab_size}) exceeds target_vocab_size ({self.target_vocab_size})")
+        taps = tuple(int(t) for t in self.tap_layers)
+        if len(taps) != 3 or taps[0] < 0 or not taps[0] < taps[1] < taps[2]:
+            raise Eagle3ConfigError(f"tap_layers must be 3 strictly increasing layer indices, got {self.tap_layers}")
+        object.__setattr__(self, "tap_layers", taps)
+        if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
+            raise Eagle3ConfigError("rms_norm_eps and rope_theta must be positive")
+
+    @classmethod
+    def for_target(cls, target_cfg: LlamaConfig, draft_vocab_size: int | None = None) -> "Eagle3Config":
+        """Head matching the target's width, heads and rope; ``draft_vocab_size=None`` = full vocab."""
+        return cls(
+            hidden_size=target_cfg.hidden_size,
+            num_heads=target_cfg.num_heads,
+            num_kv_heads=target_cfg.num_kv_heads,
+            head_dim=target_cfg.head_dim,
+            intermediate_size=target_cfg.intermediate_size,
+            target_vocab_size=target_cfg.vocab_size,
+            draft_vocab_size=draft_vocab_size if draft_vocab_size is not None else target_cfg.vocab_size,
+            tap_layers=default_tap_layers(target_cfg.num_layers),
+            rms_norm_eps=target_cfg.rms_norm_eps,
+            rope_theta=target_cfg.rope_theta,
+            rope_scaling=target_cfg.rope_scaling,
+            max_position_embeddings=target_cfg.max_position_embeddings,
+        )
+
+    @property
+    def tap_size(self) -> int:
+        return len(self.tap_layers) * self.hidden_size
+
+    def layer_config(self) -> LlamaConfig:
+        """The one-layer Llama config the head's attention / MLP / rope are built from."""
+        return LlamaConfig(
+            vocab_size=self.draft_vocab_size, hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, rope_scaling=self.rope_scaling,
+            max_position_embeddings=self.max_position_embeddings,
+        )
+
+
+class Eagle3Layer(nn.Module):
+    """The head's decoder layer; its q/k/v projection reads ``2H`` (embedding | fused hidden)."""
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        lcfg = cfg.layer_config()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the token embedding
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the fused hidden
+        self.self_attn = Attention(lcfg)
+        attn = self.self_attn
+        attn.qkv_proj = nn.Linear(2 * cfg.hidden_size, attn.q_size + 2 * attn.kv_size, bias=False)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(lcfg)
+
+    def attn_input(self, fused: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """[T, H], [T, H] -> [T, 2H]: normalized embedding first, then normalized hidden (vLLM order)."""
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(fused)], dim=-1)
+
+    def finish(self, fused: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual (the un-normed fused hidden) + attention, then the MLP block -> pre-norm [T, H]."""
+        h = fused + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    """EAGLE-3 draft head: ``fc`` (3H -> H), one decoder layer, final norm, draft-vocab LM head.
+
+    The token embedding is the target's (frozen, not owned): callers pass embeddings in.
+    ``d2t`` [draft_vocab] int64 and ``t2d`` [target_vocab] bool are persistent buffers.
+    """
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(cfg.tap_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)  # identity prefix map by default
+        t2d = torch.zeros(cfg.target_vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True
+        self.register_buffer("d2t", d2t)
+        self.register_buffer("t2d", t2d)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.layer_config()), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.fc.weight.device
+
+    def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        """Install a draft vocabulary (see ``tidespec.online.eagle3_train.select_draft_vocab``)."""
+        if tuple(d2t.shape) != tuple(self.d2t.shape) or tuple(t2d.shape) != tuple(self.t2d.shape):
+            raise Eagle3ConfigError(f"vocab map shapes {tuple(d2t.shape)}/{tuple(t2d.shape)} do not match the head")
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab ids -> target ids (same shape)."""
+        return draft_ids + self.d2t[draft_ids]
+
+    def target_to_draft(self) -> torch.Tensor:
+        """[target_vocab] int64: draft id of each target id, -1 where it is not in the draft vocab."""
+        inv = torch.full((self.cfg.target_vocab_size,), -1, dtype=torch.int64, device=self.d2t.device)
+        ids = torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device)
+        inv[self.draft_to_target(ids)] = ids
+        return inv
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [T, hd] like the target's (float32 angles, then cast)."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()  # [T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+    def fuse(self, taps: torch.Tensor) -> torch.Tensor:
+        """[T, 3H] target taps -> [T, H] fused hidden."""
+        return self.fc(taps)
+
+    def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
+        """[T, H] pre-norm output -> [T, draft_vocab] logits."""
+        return self.lm_head(self.norm(prenorm))
+
+    def forward(self, fused: torch.Tensor, embeds: torch.Tensor, layout: BatchLayout,
+                k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inference step over a ragged batch with the head's KV cache (``[S, n_kv, L, hd]``).
+
+        fused, embeds: [T, H] -> (pre-norm output [T, H], logits [T, draft_vocab]).
+        """
+        layer = self.midlayer
+        cos, sin = self.rope(layout.positions, fused.dtype)
+        attn = layer.self_attn(layer.attn_input(fused, embeds), cos, sin, layout, k_cache, v_cache)
+        out = layer.finish(fused, attn)
+        return out, self.logits(out)
