@@ -20,7 +20,8 @@ from tidespec.bench.learn import (
 )
 from tidespec.config import ConfigError
 from tidespec.models.loader import LoadedModel
-from tidespec.online.trainer import capture_from_workload, heldout_keys
+from tidespec.online.trainer.data import heldout_keys
+from tidespec.online.trainer.process import capture_from_workload
 
 V = 48
 

@@ -16,14 +16,10 @@ import torch
 
 from tests.conftest import tiny_hf_model, tiny_tokenizer, write_tiny_checkpoint
 from tidespec.bench.decode import resolve_target
-from tidespec.bench.shift import (
-    ShiftBenchConfig,
-    _curves,
-    build_trace,
-    recompute_taps,
-    replot,
-    run_shift_bench,
-)
+from tidespec.bench.shift import replot, run_shift_bench
+from tidespec.bench.shift_config import ShiftBenchConfig, build_trace
+from tidespec.bench.shift_measure import recompute_taps
+from tidespec.bench.shift_report import _curves
 from tidespec.config import ConfigError
 
 

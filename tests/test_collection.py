@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tidespec.online.collection import (
-    CollectionConfig,
-    CollectionConfigError,
-    Decision,
-    SelectiveCollector,
-)
+from tidespec.config import CollectionConfig
+from tidespec.errors import ConfigError
+from tidespec.online.collection import Decision, SelectiveCollector
 
 
 def small() -> SelectiveCollector:
@@ -126,7 +123,7 @@ def test_docstring_worked_example() -> None:
     {"epsilon": -0.01}, {"n_init": 0}, {"n_threshold": 0},
 ])
 def test_config_validation(kwargs: dict[str, float]) -> None:
-    with pytest.raises(CollectionConfigError):
+    with pytest.raises(ConfigError):
         CollectionConfig(**kwargs)  # type: ignore[arg-type]
 
 

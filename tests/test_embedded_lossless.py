@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
 from tidespec.models.kv_cache import KVCache
@@ -79,7 +79,7 @@ def test_batched_staggered_equals_alone(embedded, prompts, plain_alone):
 @pytest.mark.parametrize("drafter,tree", [("ngram", False), ("suffix", False), ("suffix", True),
                                           ("draft-model", False), ("draft-model", True)])
 def test_speculative_greedy_equals_plain(embedded, prompts, plain_alone, drafter, tree):
-    spec = SpecConfig(drafter=drafter, num_speculative_tokens=4, tree=tree, draft_layers=6, tree_top_k=2)
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=4, tree=tree, draft_model=DraftModelConfig(layers=6, tree_top_k=2))
     got = run(embedded, spec, prompts, slots=4)
     for p, ref, g in zip(prompts, plain_alone, got):
         assert_same_or_near_tie(embedded, p, ref, g)

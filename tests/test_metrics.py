@@ -13,13 +13,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.tiny import tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
-from tidespec.engine.engine import LLMEngine, RequestOutput
-from tidespec.engine.stats import RequestStats, StepStats
+from tidespec.engine.engine import LLMEngine
+from tidespec.engine.output import RequestOutput
+from tidespec.stats import RequestStats, StepStats
 from tidespec.server.app import ServerConfig, create_app
 from tidespec.server.metrics import Metrics
 from tidespec.speculative.drafters.ngram import NgramDrafter
-from tidespec.speculative.policy.policy import PolicyOptions, StaticPolicy, make_policy
+from tidespec.speculative.policy.factory import PolicyOptions, make_policy
 from tidespec.speculative.policy.speedup import Profile
+from tidespec.speculative.policy.static import StaticPolicy
 
 
 def _value(m: Metrics, name: str, **labels: str) -> float:

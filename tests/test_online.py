@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.tiny import tiny_llama, tiny_tokenizer
-from tidespec.config import CacheConfig, EngineConfig, SpecConfig
+from tidespec.config import CacheConfig, CollectionConfig, Eagle3Options, EngineConfig, OnlineTrainingConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_eagle3_drafter
 from tidespec.models.eagle3_checkpoint import (
@@ -28,7 +28,7 @@ from tidespec.models.eagle3_head import Eagle3Head
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.online.capture import CaptureBuffer
-from tidespec.online.collection import CollectionConfig, SelectiveCollector
+from tidespec.online.collection import SelectiveCollector
 from tidespec.online.online import (
     TRAINER_STATE_NAME,
     OnlineConfig,
@@ -168,7 +168,7 @@ def test_no_capture_while_collection_is_off(model: LlamaModel, tok) -> None:
     selective = SelectiveCollector(CollectionConfig(n_init=1))  # off until a shift is detected
     collector = SignalCollector(engine, buf, selective)
     engine.observation_consumers.append(collector)
-    engine.step_listeners.append(collector.on_step)
+    engine.finish_listeners.append(collector.on_finish)
     run(engine, PROMPTS[:2])
     assert buf.num_captured == 0 and collector.num_skipped_rows > 0
     assert selective.state()["num_requests"] == 2  # both requests drafted and fed their acceptance
@@ -345,28 +345,20 @@ def test_trainer_rounds_drive_selective_collection(model: LlamaModel, tok, tmp_p
     online.close()
 
 
-def test_online_config_from_spec_fields(tmp_path: Path) -> None:
-    class Spec:
-        eagle3_dir: str | None = str(tmp_path / "root")
-        signal_dir: str | None = None
-        signal_budget_mb = 64
-        online_poll_s = 1.5
-        collect_force = False
-        collect_bootstrap = False
-        collect_epsilon = 0.05
-        collect_n_init = 4
-        collect_n_threshold = 100
-        collect_lambda_short = 0.5
-        collect_lambda_long = 0.9
-        collect_prompt = True
+def test_online_config_from_engine_config(tmp_path: Path) -> None:
+    def engine_config(eagle3_dir: str | None) -> EngineConfig:
+        return EngineConfig(spec=SpecConfig(drafter="eagle3", eagle3=Eagle3Options(dir=eagle3_dir)),
+                            online=OnlineTrainingConfig(signal_budget_mb=64, poll_s=1.5, capture_prompt=True,
+                                                        collect=CollectionConfig(epsilon=0.05, n_init=4,
+                                                                                 n_threshold=100, lambda_short=0.5,
+                                                                                 lambda_long=0.9)))
 
-    cfg = OnlineConfig.from_spec(Spec())
+    cfg = OnlineConfig.from_engine_config(engine_config(str(tmp_path / "root")))
     assert cfg.signal_dir == str(tmp_path / "root" / "signals") and cfg.signal_budget_bytes == 64 << 20
     assert cfg.capture_prompt
     assert cfg.collection.bootstrap  # nothing published yet: collect from the start
     assert cfg.collection.n_threshold == 100 and cfg.poll_s == 1.5
-    Spec.eagle3_dir = None
     with pytest.raises(OnlineConfigError, match="eagle3-dir"):
-        OnlineConfig.from_spec(Spec())
+        OnlineConfig.from_engine_config(engine_config(None))
     with pytest.raises(OnlineConfigError, match="capture_flush_rows"):
         OnlineConfig(publish_root="a", signal_dir="b", capture_capacity_rows=4, capture_flush_rows=8)

@@ -6,22 +6,16 @@ import random
 
 import pytest
 
-from tidespec.speculative.policy.policy import (
-    AlphaTracker,
-    AnalyticPolicy,
-    BanditPolicy,
-    GuardConfig,
-    Guards,
-    HybridPolicy,
+from tidespec.speculative.policy.analytic import AnalyticPolicy
+from tidespec.speculative.policy.api import (
     PlanInput,
-    PolicyOptions,
     SeqState,
     SpeculationPolicy,
-    StaticPolicy,
-    StepFeedback,
     bucket_of,
-    make_policy,
 )
+from tidespec.speculative.policy.bandit_policies import BanditPolicy, HybridPolicy
+from tidespec.speculative.policy.factory import PolicyOptions, make_policy
+from tidespec.speculative.policy.guards import GuardConfig, Guards
 from tidespec.speculative.policy.speedup import (
     Profile,
     alpha_from_accept_length,
@@ -29,6 +23,9 @@ from tidespec.speculative.policy.speedup import (
     expected_accept_length,
     practical_speedup,
 )
+from tidespec.speculative.policy.static import StaticPolicy
+from tidespec.speculative.policy.tracking import AlphaTracker
+from tidespec.stats import StepStats
 
 D0 = 0.0005
 
@@ -47,8 +44,40 @@ def plan_input(batch: int, kv: float = 0.1, temperature: float = 0.0) -> PlanInp
     return PlanInput(batch, kv, [SeqState(i, temperature, 100, None) for i in range(batch)])
 
 
+def step_stats(batch_size: int, gamma: int, num_seqs_speculated: int, num_draft_tokens: int,
+               num_accepted_tokens: int, num_emitted_tokens: int, step_time: float, draft_time: float,
+               verify_time: float, *, num_prefill_tokens: int = 0, num_rejected: int | None = None,
+               num_draft_depth: int | None = None, num_short_drafts: int = 0,
+               seq_outcomes: list[tuple[int, int, int]] | None = None) -> StepStats:
+    """The engine's record of a decode step with ``batch_size`` decode sequences, each asked for
+    ``gamma`` (the arm that ran). Not given, the draft depth is the drafted tokens (chains) and
+    every speculating sequence counts as rejected unless all drafted tokens were accepted."""
+    if num_draft_depth is None:
+        num_draft_depth = num_draft_tokens
+    if num_rejected is None:
+        num_rejected = 0 if num_accepted_tokens >= num_draft_depth else num_seqs_speculated
+    return StepStats(
+        batch_size=batch_size + (1 if num_prefill_tokens else 0),  # a prefill chunk is one more sequence
+        num_decode_seqs=batch_size,
+        num_prefill_tokens=num_prefill_tokens,
+        num_drafts=num_seqs_speculated,
+        num_draft_tokens=num_draft_tokens,
+        num_accepted_tokens=num_accepted_tokens,
+        num_rejected=num_rejected,
+        num_draft_depth=num_draft_depth,
+        num_short_drafts=num_short_drafts,
+        num_emitted_tokens=num_emitted_tokens,
+        spec_lens={i: gamma for i in range(batch_size)},
+        seq_outcomes=list(seq_outcomes or []),
+        draft_time=draft_time,
+        verify_time=verify_time,
+        other_time=step_time - draft_time - verify_time,
+        total_time=step_time,
+    )
+
+
 def feedback(batch: int, gamma: int, alpha: float, slowdown: float = 1.0,
-             rng: random.Random | None = None) -> StepFeedback:
+             rng: random.Random | None = None) -> StepStats:
     """One step of a world that follows eq. 2 and the synthetic profile: expected counts rounded,
     or, with ``rng``, each sequence's acceptance drawn (token by token, stop at a rejection)."""
     p = synthetic_profile()
@@ -67,7 +96,7 @@ def feedback(batch: int, gamma: int, alpha: float, slowdown: float = 1.0,
         outcomes = []
     draft_time = gamma * D0
     verify_time = p.target(batch * (gamma + 1))
-    return StepFeedback(
+    return step_stats(
         batch_size=batch,
         gamma=gamma,
         num_seqs_speculated=batch if gamma else 0,
@@ -92,8 +121,8 @@ def test_tracker_worked_example_alpha_and_rho() -> None:
     """The AlphaTracker docstring: gamma 4, drafts of 4, 2 and 0 tokens, accepting 4 and 1."""
     tracker = AlphaTracker(prior_alpha=0.7, ema=1.0)
     assert tracker.alpha(4) == pytest.approx(0.7) and tracker.rho(4) == 1.0  # the priors
-    fb = StepFeedback(3, 4, 2, 6, 5, 7, 0.02, 0.001, 0.019, num_rejected=1, num_draft_depth=6, num_short_drafts=2,
-                      seq_outcomes=[(4, 4, 4), (4, 2, 1), (4, 0, 0)])
+    fb = step_stats(3, 4, 2, 6, 5, 7, 0.02, 0.001, 0.019, num_rejected=1, num_draft_depth=6, num_short_drafts=2,
+                    seq_outcomes=[(4, 4, 4), (4, 2, 1), (4, 0, 0)])
     tracker.update(4, fb)
     assert tracker.alpha(4) == pytest.approx(5 / 6) and tracker.rho(4) == pytest.approx(6 / 8)
     exact = AlphaTracker(prior_alpha=0.7, ema=1.0, pseudo=0.0)
@@ -105,7 +134,7 @@ def test_tracker_worked_example_alpha_and_rho() -> None:
     # pseudo = 1 shrinks position 1 towards the model: (2 + 0.625) / (3 + 1) accepted
     assert tracker.lengths(4, 1) == pytest.approx((1 + (2 + 5 / 6 * 0.75) / 4, (2 + 0.75) / 4))
     assert tracker.alpha(64) == pytest.approx(5 / 6)  # unseen bucket: all steps' estimate
-    tracker.update(4, StepFeedback(3, 0, 0, 0, 0, 3, 0.01, 0.0, 0.01))  # nothing asked: no change
+    tracker.update(4, step_stats(3, 0, 0, 0, 0, 3, 0.01, 0.0, 0.01))  # nothing asked: no change
     assert tracker.alpha(4) == pytest.approx(5 / 6) and tracker.rho(4) == pytest.approx(0.75)
 
 
@@ -130,8 +159,8 @@ def test_analytic_policy_prices_the_draft_a_stopping_drafter_really_proposes() -
     p = synthetic_profile()
     policy = AnalyticPolicy(p, gamma_max=4, ema=0.5, prior_alpha=0.9)
     for _ in range(20):
-        policy.observe(StepFeedback(1, 4, 1, 1, 1, 2, 0.011, 0.0, 0.011, num_rejected=0, num_draft_depth=1,
-                                    num_short_drafts=1))
+        policy.observe(step_stats(1, 4, 1, 1, 1, 2, 0.011, 0.0, 0.011, num_rejected=0, num_draft_depth=1,
+                                  num_short_drafts=1))
     alpha, rho = policy.alphas.alpha(1), policy.alphas.rho(1)
     assert rho == pytest.approx(0.5, abs=0.01) and alpha > 0.95
     gamma, speedup = policy.decide(1)
@@ -256,9 +285,9 @@ def test_analytic_unseen_bucket_uses_global_alpha() -> None:
 BEST_GOODPUT = [1000.0, 1300.0, 1500.0, 1400.0, 1200.0]  # tokens/s per arm at batch 8
 
 
-def noisy_feedback(rng: random.Random, gamma: int, batch: int = 8) -> StepFeedback:
+def noisy_feedback(rng: random.Random, gamma: int, batch: int = 8) -> StepStats:
     g = BEST_GOODPUT[gamma] * (1.0 + rng.uniform(-0.05, 0.05))
-    return StepFeedback(batch, gamma, batch if gamma else 0, batch * gamma, 0, 100, 100.0 / g, 0.0, 100.0 / g)
+    return step_stats(batch, gamma, batch if gamma else 0, batch * gamma, 0, 100, 100.0 / g, 0.0, 100.0 / g)
 
 
 def test_bandit_converges_to_best_arm() -> None:
@@ -285,7 +314,7 @@ def test_bandit_converges_to_best_arm() -> None:
 def test_bandit_policy_goodput_is_emitted_over_step_time() -> None:
     policy = BanditPolicy(gamma_max=2, seed=0)
     policy.plan(plan_input(2))
-    policy.observe(StepFeedback(2, 1, 2, 2, 1, 3, 0.01, 0.001, 0.009))
+    policy.observe(step_stats(2, 1, 2, 2, 1, 3, 0.01, 0.001, 0.009))
     assert policy.bandit.arm_means(2) == pytest.approx([0.0, 300.0, 0.0])
 
 
@@ -295,15 +324,15 @@ def test_steps_with_prefill_are_not_credited_to_an_arm() -> None:
     hybrid's calibration ignores it too, and still learns alpha from it."""
     policy = BanditPolicy(gamma_max=2, seed=0)
     policy.plan(plan_input(2))
-    policy.observe(StepFeedback(2, 1, 2, 2, 1, 3, 0.01, 0.001, 0.009))
+    policy.observe(step_stats(2, 1, 2, 2, 1, 3, 0.01, 0.001, 0.009))
     policy.plan(plan_input(2))
-    policy.observe(StepFeedback(2, 0, 0, 0, 0, 2, 0.2, 0.0, 0.19, num_prefill_tokens=64))
+    policy.observe(step_stats(2, 0, 0, 0, 0, 2, 0.2, 0.0, 0.19, num_prefill_tokens=64))
     assert policy.bandit.arm_means(2) == pytest.approx([0.0, 300.0, 0.0])
     assert policy.bandit.arm_counts(2) == [0, 1, 0]
     assert policy.bandit._last_gamma == 0 and policy.bandit._zero_run == 1
     hybrid = HybridPolicy(synthetic_profile(), gamma_max=2, prior_alpha=0.6)
     hybrid.plan(plan_input(1))
-    hybrid.observe(StepFeedback(1, 2, 1, 2, 0, 1, 0.5, 0.001, 0.4, num_prefill_tokens=64))
+    hybrid.observe(step_stats(1, 2, 1, 2, 0, 1, 0.5, 0.001, 0.4, num_prefill_tokens=64))
     assert hybrid.kappa == 1.0 and hybrid.bandit.arm_counts(1) == [0, 0, 0]
     assert hybrid.alphas.global_alpha < 0.6  # nothing of 2 drafts accepted: alpha went down
 

@@ -16,7 +16,7 @@ import httpx
 import torch
 
 from tests.conftest import tiny_hf_model, write_tiny_checkpoint
-from tidespec.bench.serve import _free_port, launch_server, stop_server
+from tidespec.bench.serve import free_port, launch_server, stop_server
 from tidespec.models.eagle3_checkpoint import latest_version
 from tidespec.online.store import SignalStore
 
@@ -25,7 +25,7 @@ def test_serve_online_training_swaps_in_a_trained_drafter(tmp_path: Path) -> Non
     hf, _ = tiny_hf_model("qwen2", torch.float32)
     ckpt = write_tiny_checkpoint(hf, tmp_path / "ckpt")
     root = tmp_path / "drafter"
-    port = _free_port()
+    port = free_port()
     args = (f"--model {ckpt} --drafter eagle3 --eagle3-dir {root} --online-training --num-speculative-tokens 3 "
             "--collect-n-threshold 300 --online-poll-s 0.5 --threads 1 --max-num-seqs 4 "
             "--trainer-args '--threads 1 --poll-s 0.5 --max-steps 80 --lr 3e-3 --heldout-frac 0.25'")

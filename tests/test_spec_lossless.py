@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.tiny import tiny_llama, tiny_tokenizer
-from tidespec.config import CacheConfig, EngineConfig, SpecConfig
+from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
 from tidespec.sampling import SamplingParams
@@ -57,7 +57,7 @@ CASES = [("ngram", False), ("suffix", False), ("suffix", True), ("draft-model", 
 @pytest.mark.parametrize("gamma", [1, 3, 5, 8])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_equals_plain(model, tok, plain, drafter, tree, gamma, batch):
-    spec = SpecConfig(drafter=drafter, num_speculative_tokens=gamma, tree=tree, draft_layers=1, tree_top_k=2)
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=gamma, tree=tree, draft_model=DraftModelConfig(layers=1, tree_top_k=2))
     got: list[list[int]] = []
     drafted = 0
     for start in range(0, len(PROMPTS), batch):
@@ -139,11 +139,8 @@ def synthetic_profile():
 @pytest.mark.parametrize("policy", ["static", "analytic", "bandit", "hybrid"])
 def test_every_policy_keeps_greedy_outputs(model, tok, plain, policy):
     """Policies change only how far to speculate, never what is generated."""
-    from tidespec.speculative.policy.policy import (
-        GuardConfig,
-        PolicyOptions,
-        make_policy,
-    )
+    from tidespec.speculative.policy.factory import PolicyOptions, make_policy
+    from tidespec.speculative.policy.guards import GuardConfig
 
     spec = SpecConfig(drafter="ngram", num_speculative_tokens=4)
     pol = make_policy(policy, PolicyOptions(gamma_max=4, profile=synthetic_profile(), seed=3,

@@ -14,7 +14,7 @@ from scipy.stats import chisquare
 
 import tidespec.speculative.verify as verify_mod
 from tests.tiny import tiny_llama, tiny_tokenizer
-from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
 from tidespec.models.kv_cache import KVCache
@@ -126,7 +126,7 @@ CASES = [("ngram", False), ("suffix", False), ("suffix", True), ("draft-model", 
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
 def test_speculative_sampling_matches_target(model, tok, prompt, drafter, tree, setting):
     params = SETTINGS[setting]
-    spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, tree=tree, draft_layers=1, tree_top_k=2)
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, tree=tree, draft_model=DraftModelConfig(layers=1, tree_top_k=2))
     samples, accepted, branching = sample_first3(model, tok, prompt, spec, params)
     assert accepted > 1000, "too few accepted drafts: the test would not exercise verification"
     if tree:

@@ -25,21 +25,15 @@ from tidespec.models.eagle3_checkpoint import (
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import load_model
 from tidespec.online.capture import CaptureBuffer
-from tidespec.online.collection import CollectionConfig, SelectiveCollector
+from tidespec.config import CollectionConfig
+from tidespec.online.collection import SelectiveCollector
 from tidespec.online.eagle3_train import SignalSegment
 from tidespec.online.online import TRAINER_STATE_NAME, OnlineConfig, SignalCollector
 from tidespec.online.store import SignalShard, SignalStore
-from tidespec.online.trainer import (
-    DraftTrainer,
-    TrainerConfig,
-    TrainerConfigError,
-    capture_from_workload,
-    cut_segment,
-    export_latest,
-    segments_by_sequence,
-    split_heldout,
-    start_trainer_process,
-)
+from tidespec.online.trainer.config import TrainerConfig, TrainerConfigError
+from tidespec.online.trainer.data import cut_segment, segments_by_sequence, split_heldout
+from tidespec.online.trainer.process import capture_from_workload, export_latest, start_trainer_process
+from tidespec.online.trainer.rounds import DraftTrainer
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig
 
@@ -211,7 +205,7 @@ def test_two_process_gloo_ddp_publishes_a_drafter_the_engine_loads(tmp_path: Pat
     assert buf.num_captured > 200
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "tidespec.online.cli", "train-drafter", "--model", str(ckpt), "--signal-dir", str(sig),
+           "-m", "tidespec.online.trainer.cli", "train-drafter", "--model", str(ckpt), "--signal-dir", str(sig),
            "--publish-root", str(root), "--once", "--max-steps", "100", "--batch-segments", "2", "--lr", "3e-3",
            "--gamma", "2", "--heldout-frac", "0.25", "--threads", "1", "--no-progress", "--backend", "gloo"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

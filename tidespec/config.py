@@ -1,15 +1,33 @@
 """The configuration tree: dataclasses validated on construction, and the CLI flags derived from them.
 
 Why this exists: flags, defaults and validation live in one place. Every field of a config
-dataclass becomes a ``--flag`` (underscores -> dashes) whose help text is the field's
-``metadata["help"]``; ``from_args`` builds the dataclass back and so re-runs validation.
+dataclass becomes a ``--flag`` whose help text is the field's ``metadata["help"]``; a field
+that holds another config dataclass (``section``) contributes that section's flags, prefixed by
+the section's ``prefix``; a field may name its flag outright (``opt(..., flag="--policy")``), so
+nesting the tree never renamed a flag. ``dataclass_from_args`` builds the tree back from parsed
+flags and so re-runs every section's validation.
+
+The tree::
+
+    EngineConfig
+      model      ModelConfig       --model --dtype --device --threads
+      cache      CacheConfig       --max-model-len --max-num-seqs
+      scheduler  SchedulerConfig   --max-num-batched-tokens --max-waiting
+      spec       SpecConfig        --drafter --num-speculative-tokens --tree
+        ngram        NgramConfig        --ngram-min --ngram-max
+        suffix       SuffixConfig       --suffix-max-tree-tokens --suffix-min-prob --suffix-factor
+        draft_model  DraftModelConfig   --draft-model --draft-layers --tree-top-k
+        eagle3       Eagle3Options      --eagle3-dir --eagle3-draft-vocab --eagle3-tree-depth ...
+      policy     PolicyConfig      --policy --profile --guard-kv-usage --guard-temperature
+      online     OnlineTrainingConfig  --online-training --signal-dir ... --trainer-* --collect-prompt
+        collect      CollectionConfig   --collect-force --collect-epsilon --collect-n-init ...
 
 Worked example::
 
     parser = argparse.ArgumentParser()
-    add_dataclass_args(parser, SpecConfig)      # adds --drafter, --num-speculative-tokens, ...
-    ns = parser.parse_args(["--drafter", "ngram"])
-    spec = dataclass_from_args(SpecConfig, ns)  # SpecConfig(drafter="ngram", ...)
+    add_engine_args(parser)                      # every flag above
+    ns = parser.parse_args(["--drafter", "ngram", "--ngram-min", "2", "--policy", "hybrid"])
+    cfg = engine_config_from_args(ns)            # cfg.spec.ngram.min == 2, cfg.policy.name == "hybrid"
 """
 
 from __future__ import annotations
@@ -26,9 +44,16 @@ from tidespec.errors import ConfigError
 
 
 def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
-    """A dataclass field that ``add_dataclass_args`` turns into ``--flag`` with this help (and
-    ``choices=`` when given): every config dataclass declares its CLI this way."""
+    """A dataclass field that ``add_dataclass_args`` turns into a ``--flag`` with this help.
+
+    ``choices=`` restricts the values; ``flag="--name"`` names the flag outright (otherwise it is
+    the section prefix plus the field name, underscores as dashes)."""
     return field(default=default, metadata={"help": help, **kw})
+
+
+def section(cls: type, prefix: str = "") -> Any:
+    """A dataclass field holding the config section ``cls``; its flags are ``--<prefix>-<field>``."""
+    return field(default_factory=cls, metadata={"section": True, "prefix": prefix})
 
 
 @dataclass
@@ -68,97 +93,81 @@ class SchedulerConfig:
 
 
 DRAFTERS = ("none", "ngram", "suffix", "draft-model", "eagle3")
+# guard defaults, shared with ``speculative.policy.guards.GuardConfig`` (defined once, here)
+GUARD_KV_USAGE = 0.9
+GUARD_TEMPERATURE = 2.0
 POLICIES = ("static", "analytic", "bandit", "hybrid")
 
 
 @dataclass
+class NgramConfig:
+    min: int = opt(1, "n-gram drafter: shortest suffix to match")
+    max: int = opt(4, "n-gram drafter: longest suffix to match")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min <= self.max:
+            raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.min}, {self.max}")
+
+
+@dataclass
+class SuffixConfig:
+    max_tree_tokens: int = opt(20000, "suffix drafter: global tree budget (tokens), oldest evicted first")
+    min_prob: float = opt(0.1, "suffix drafter: prune candidates below this empirical probability")
+    factor: float = opt(1.0, "suffix drafter: speculation length per matched token")
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.min_prob < 1.0:
+            raise ConfigError(f"suffix_min_prob must be in [0, 1), got {self.min_prob}")
+
+
+@dataclass
+class DraftModelConfig:
+    path: str | None = opt(None, "draft model path (same tokenizer); default: the target truncated",
+                           flag="--draft-model")
+    layers: int = opt(0, "draft model: use the target's first k layers (0 = use --draft-model)",
+                      flag="--draft-layers")
+    tree_top_k: int = opt(2, "draft model trees: children per node", flag="--tree-top-k")
+
+    def __post_init__(self) -> None:
+        if self.layers < 0:
+            raise ConfigError(f"draft_layers must be >= 0, got {self.layers}")
+        if self.tree_top_k < 1:
+            raise ConfigError(f"tree_top_k must be >= 1, got {self.tree_top_k}")
+
+
+@dataclass
+class Eagle3Options:
+    dir: str | None = opt(None, "EAGLE-3: publish root (v1/, v2/, LATEST: the newest valid version is served) "
+                                "or one exported checkpoint dir; none = a fresh random head (still lossless)")
+    draft_vocab: int = opt(0, "EAGLE-3: draft vocabulary of a fresh head (0 = the target's vocabulary)")
+    tree_depth: int = opt(5, "EAGLE-3 trees (--tree): expansion depth")
+    tree_top_k: int = opt(4, "EAGLE-3 trees (--tree): children per expanded node and frontier width")
+
+    def __post_init__(self) -> None:
+        if self.draft_vocab < 0:
+            raise ConfigError(f"eagle3_draft_vocab must be >= 0, got {self.draft_vocab}")
+        if self.tree_depth < 1 or self.tree_top_k < 1:
+            raise ConfigError(f"eagle3_tree_depth and eagle3_tree_top_k must be >= 1, got "
+                              f"{self.tree_depth}, {self.tree_top_k}")
+
+
+@dataclass
 class SpecConfig:
+    """What to speculate with: the drafter, how far (gamma), chain or tree, and each drafter's knobs."""
+
     drafter: str = opt("none", "speculative drafter", choices=DRAFTERS)
     num_speculative_tokens: int = opt(4, "draft tokens per step (gamma)")
     tree: bool = opt(False, "allow tree-shaped proposals (drafters that support them)")
-    ngram_min: int = opt(1, "n-gram drafter: shortest suffix to match")
-    ngram_max: int = opt(4, "n-gram drafter: longest suffix to match")
-    suffix_max_tree_tokens: int = opt(20000, "suffix drafter: global tree budget (tokens), oldest evicted first")
-    suffix_min_prob: float = opt(0.1, "suffix drafter: prune candidates below this empirical probability")
-    suffix_factor: float = opt(1.0, "suffix drafter: speculation length per matched token")
-    draft_model: str | None = opt(None, "draft model path (same tokenizer); default: the target truncated")
-    draft_layers: int = opt(0, "draft model: use the target's first k layers (0 = use --draft-model)")
-    tree_top_k: int = opt(2, "draft model trees: children per node")
-    policy: str = opt("static", "speculation-length policy", choices=POLICIES)
-    profile: str | None = opt(None, "profile JSON for analytic/hybrid (default: measured at start-up, cached)")
-    guard_kv_usage: float = opt(0.9, "no speculation while KV usage is above this fraction")
-    guard_temperature: float = opt(2.0, "no speculation for requests sampled above this temperature")
-    # --- EAGLE-3 (tidespec.online.online) ---
-    eagle3_dir: str | None = opt(None, "EAGLE-3: publish root (v1/, v2/, LATEST: the newest valid version is served) "
-                                "or one exported checkpoint dir; none = a fresh random head (still lossless)")
-    eagle3_draft_vocab: int = opt(0, "EAGLE-3: draft vocabulary of a fresh head (0 = the target's vocabulary)")
-    eagle3_tree_depth: int = opt(5, "EAGLE-3 trees (--tree): expansion depth")
-    eagle3_tree_top_k: int = opt(4, "EAGLE-3 trees (--tree): children per expanded node and frontier width")
-    online_training: bool = opt(False, "EAGLE-3: capture the target's hidden states while serving, train in a child "
-                               "process, swap better drafters in between steps (needs --eagle3-dir)")
-    signal_dir: str | None = opt(None, "training-signal store directory (default: <eagle3-dir>/signals)")
-    signal_budget_mb: int = opt(2048, "signal store byte budget in MiB (oldest shards evicted first)")
-    online_poll_s: float = opt(2.0, "seconds between checks for a newly published drafter")
-    trainer_device: str | None = opt(None, "device of the trainer child process (default: --device)")
-    trainer_args: str = opt("", "extra flags for the trainer child process, e.g. \"--threads 1 --epochs 3\"")
-    trainer_nice: int = opt(0, "niceness added to the trainer child (e.g. 10): on a CPU shared with serving, the "
-                               "engine then runs first and training takes what is left, so rounds take longer")
-    collect_force: bool = opt(False, "collect training signals all the time, not only after an acceptance drop")
-    collect_prompt: bool = opt(False, "also capture prompt positions (labels are the user's text, not the target's "
-                                     "outputs; repeated chat templates then dominate the trainer's held-out score)")
-    collect_bootstrap: bool = opt(False, "collect from the start (automatic while nothing is published)")
-    collect_epsilon: float = opt(0.02, "selective collection: short-vs-long EMA acceptance drop that means a shift")
-    collect_n_init: int = opt(20, "selective collection: requests averaged before shift detection starts")
-    collect_n_threshold: int = opt(16384, "selective collection: new signal rows that trigger a training round")
-    collect_lambda_short: float = opt(0.9, "selective collection: short EMA decay")
-    collect_lambda_long: float = opt(0.99, "selective collection: long EMA decay")
+    ngram: NgramConfig = section(NgramConfig, "ngram")
+    suffix: SuffixConfig = section(SuffixConfig, "suffix")
+    draft_model: DraftModelConfig = section(DraftModelConfig)
+    eagle3: Eagle3Options = section(Eagle3Options, "eagle3")
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
             raise ConfigError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
         if not 0 <= self.num_speculative_tokens <= 64:
             raise ConfigError(f"num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens}")
-        if not 1 <= self.ngram_min <= self.ngram_max:
-            raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}")
-        if not 0.0 <= self.suffix_min_prob < 1.0:
-            raise ConfigError(f"suffix_min_prob must be in [0, 1), got {self.suffix_min_prob}")
-        if self.draft_layers < 0:
-            raise ConfigError(f"draft_layers must be >= 0, got {self.draft_layers}")
-        if self.tree_top_k < 1:
-            raise ConfigError(f"tree_top_k must be >= 1, got {self.tree_top_k}")
-        if self.policy not in POLICIES:
-            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        if not 0.0 < self.guard_kv_usage <= 1.0:
-            raise ConfigError(f"guard_kv_usage must be in (0, 1], got {self.guard_kv_usage}")
-        if self.guard_temperature < 0:
-            raise ConfigError(f"guard_temperature must be >= 0, got {self.guard_temperature}")
-        if self.eagle3_draft_vocab < 0:
-            raise ConfigError(f"eagle3_draft_vocab must be >= 0, got {self.eagle3_draft_vocab}")
-        if self.eagle3_tree_depth < 1 or self.eagle3_tree_top_k < 1:
-            raise ConfigError(f"eagle3_tree_depth and eagle3_tree_top_k must be >= 1, got "
-                              f"{self.eagle3_tree_depth}, {self.eagle3_tree_top_k}")
-        if self.signal_budget_mb < 1:
-            raise ConfigError(f"signal_budget_mb must be >= 1, got {self.signal_budget_mb}")
-        if self.online_poll_s <= 0:
-            raise ConfigError(f"online_poll_s must be > 0, got {self.online_poll_s}")
-        if not 0.0 <= self.collect_lambda_short < self.collect_lambda_long < 1.0:
-            raise ConfigError(f"need 0 <= collect_lambda_short < collect_lambda_long < 1, got "
-                              f"{self.collect_lambda_short}, {self.collect_lambda_long}")
-        if not 0.0 <= self.collect_epsilon < 1.0:
-            raise ConfigError(f"collect_epsilon must be in [0, 1), got {self.collect_epsilon}")
-        if self.collect_n_init < 1 or self.collect_n_threshold < 1:
-            raise ConfigError(f"collect_n_init and collect_n_threshold must be >= 1, got "
-                              f"{self.collect_n_init}, {self.collect_n_threshold}")
-        if not 0 <= self.trainer_nice <= 19:
-            raise ConfigError(f"trainer_nice must be in [0, 19], got {self.trainer_nice}")
-        try:
-            shlex.split(self.trainer_args)
-        except ValueError as exc:
-            raise ConfigError(f"trainer_args is not a valid command-line fragment: {exc}") from None
-        if self.online_training and self.drafter != "eagle3":
-            raise ConfigError("--online-training needs --drafter eagle3")
-        if self.online_training and not self.eagle3_dir:
-            raise ConfigError("--online-training needs --eagle3-dir (the directory drafters are published to)")
 
     @property
     def enabled(self) -> bool:
@@ -166,21 +175,106 @@ class SpecConfig:
 
 
 @dataclass
-class EngineConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    spec: SpecConfig = field(default_factory=SpecConfig)
+class PolicyConfig:
+    """How the speculation length is chosen per step, and when speculation is switched off outright."""
+
+    name: str = opt("static", "speculation-length policy", choices=POLICIES, flag="--policy")
+    profile: str | None = opt(None, "profile JSON for analytic/hybrid (default: measured at start-up, cached)")
+    guard_kv_usage: float = opt(GUARD_KV_USAGE, "no speculation while KV usage is above this fraction")
+    guard_temperature: float = opt(GUARD_TEMPERATURE, "no speculation for requests sampled above this temperature")
 
     def __post_init__(self) -> None:
+        if self.name not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.name!r}")
+        if not 0.0 < self.guard_kv_usage <= 1.0:
+            raise ConfigError(f"guard_kv_usage must be in (0, 1], got {self.guard_kv_usage}")
+        if self.guard_temperature < 0:
+            raise ConfigError(f"guard_temperature must be >= 0, got {self.guard_temperature}")
+
+
+@dataclass
+class CollectionConfig:
+    """Inputs of TIDE's Algorithm 1 (selective signal collection) plus the two extensions.
+
+    TIDE does not publish its values; the defaults are ours. A 0.9 short EMA averages roughly the
+    last 10 requests and a 0.99 long EMA roughly the last 100, so a shift shows within ~10
+    requests while the long average still remembers the old regime. eps=0.02 sits above the
+    request-to-request noise of a 10-request mean of a per-request acceptance rate that already
+    averages many steps. N_init=20 requests gives a stable starting mean. N_threshold=16384
+    signals (~56 MB of bfloat16 taps for a 3x576-wide SmolLM2-135M tap) is a few minutes of
+    serving on one GPU and enough for an epoch of a one-layer drafter.
+    """
+
+    force: bool = opt(False, "collect training signals all the time, not only after an acceptance drop")
+    bootstrap: bool = opt(False, "collect from the start (automatic while nothing is published)")
+    epsilon: float = opt(0.02, "selective collection: short-vs-long EMA acceptance drop that means a shift")
+    n_init: int = opt(20, "selective collection: requests averaged before shift detection starts")
+    n_threshold: int = opt(16384, "selective collection: new signal rows that trigger a training round")
+    lambda_short: float = opt(0.9, "selective collection: short EMA decay")
+    lambda_long: float = opt(0.99, "selective collection: long EMA decay")
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.lambda_short < self.lambda_long < 1.0:
+            raise ConfigError(f"need 0 <= collect_lambda_short < collect_lambda_long < 1, got "
+                              f"{self.lambda_short}, {self.lambda_long}")
+        if not 0.0 <= self.epsilon < 1.0:
+            raise ConfigError(f"collect_epsilon must be in [0, 1), got {self.epsilon}")
+        if self.n_init < 1 or self.n_threshold < 1:
+            raise ConfigError(f"collect_n_init and collect_n_threshold must be >= 1, got "
+                              f"{self.n_init}, {self.n_threshold}")
+
+
+@dataclass
+class OnlineTrainingConfig:
+    """Online drafter training while serving: signal capture, the trainer child process, collection."""
+
+    enabled: bool = opt(False, "EAGLE-3: capture the target's hidden states while serving, train in a child "
+                               "process, swap better drafters in between steps (needs --eagle3-dir)",
+                        flag="--online-training")
+    signal_dir: str | None = opt(None, "training-signal store directory (default: <eagle3-dir>/signals)")
+    signal_budget_mb: int = opt(2048, "signal store byte budget in MiB (oldest shards evicted first)")
+    poll_s: float = opt(2.0, "seconds between checks for a newly published drafter", flag="--online-poll-s")
+    trainer_device: str | None = opt(None, "device of the trainer child process (default: --device)")
+    trainer_args: str = opt("", "extra flags for the trainer child process, e.g. \"--threads 1 --epochs 3\"")
+    trainer_nice: int = opt(0, "niceness added to the trainer child (e.g. 10): on a CPU shared with serving, the "
+                               "engine then runs first and training takes what is left, so rounds take longer")
+    capture_prompt: bool = opt(False, "also capture prompt positions (labels are the user's text, not the "
+                                      "target's outputs; repeated chat templates then dominate the trainer's "
+                                      "held-out score)", flag="--collect-prompt")
+    collect: CollectionConfig = section(CollectionConfig, "collect")
+
+    def __post_init__(self) -> None:
+        if self.signal_budget_mb < 1:
+            raise ConfigError(f"signal_budget_mb must be >= 1, got {self.signal_budget_mb}")
+        if self.poll_s <= 0:
+            raise ConfigError(f"online_poll_s must be > 0, got {self.poll_s}")
+        if not 0 <= self.trainer_nice <= 19:
+            raise ConfigError(f"trainer_nice must be in [0, 19], got {self.trainer_nice}")
+        try:
+            shlex.split(self.trainer_args)
+        except ValueError as exc:
+            raise ConfigError(f"trainer_args is not a valid command-line fragment: {exc}") from None
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = section(ModelConfig)
+    cache: CacheConfig = section(CacheConfig)
+    scheduler: SchedulerConfig = section(SchedulerConfig)
+    spec: SpecConfig = section(SpecConfig)
+    policy: PolicyConfig = section(PolicyConfig)
+    online: OnlineTrainingConfig = section(OnlineTrainingConfig)
+
+    def __post_init__(self) -> None:
+        if self.online.enabled and self.spec.drafter != "eagle3":
+            raise ConfigError("--online-training needs --drafter eagle3")
+        if self.online.enabled and not self.spec.eagle3.dir:
+            raise ConfigError("--online-training needs --eagle3-dir (the directory drafters are published to)")
         need = self.cache.max_num_seqs * (self.spec.num_speculative_tokens + 1) + 16
         if self.scheduler.max_num_batched_tokens < need:
             # every running sequence must fit its verification tokens in one step, with room left
             # for prefill chunks so a full batch of decoders cannot starve new requests
             self.scheduler.max_num_batched_tokens = need
-
-
-ENGINE_SECTIONS: tuple[type, ...] = (ModelConfig, CacheConfig, SchedulerConfig, SpecConfig)
 
 
 def _base_type(tp: Any) -> Any:
@@ -191,40 +285,76 @@ def _base_type(tp: Any) -> Any:
     return tp
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one ``--flag`` per field of dataclass ``cls``."""
+def _flag(f: dataclasses.Field, prefix: str) -> str:
+    """``--flag`` of a leaf field: its own ``flag=`` or the prefixed field name."""
+    if "flag" in f.metadata:
+        return str(f.metadata["flag"])
+    return "--" + "-".join(p for p in (prefix, f.name.replace("_", "-")) if p)
+
+
+def _sub_prefix(f: dataclasses.Field, prefix: str) -> str:
+    return "-".join(p for p in (prefix, f.metadata.get("prefix", "")) if p)
+
+
+def _is_section(f: dataclasses.Field) -> bool:
+    return bool(f.metadata.get("section"))
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
+                       skip: tuple[str, ...] = ()) -> None:
+    """Add one ``--flag`` per leaf field of dataclass ``cls`` (sections recursively, one help group
+    each), except the top-level fields named in ``skip``. A flag's ``dest`` is the flag name with
+    underscores, so ``ns.ngram_min`` is ``--ngram-min``."""
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        if _is_section(f):
+            add_dataclass_args(parser, _base_type(hints[f.name]), _sub_prefix(f, prefix))
+            continue
         tp = _base_type(hints[f.name])
-        flag = "--" + f.name.replace("_", "-")
+        flag = _flag(f, prefix)
+        dest = flag[2:].replace("-", "_")
         help_ = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else None
         if tp is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
-                               help=help_, dest=f.name)
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_, dest=dest)
         elif get_origin(tp) is Literal:
-            group.add_argument(flag, choices=list(get_args(tp)), default=default, help=help_, dest=f.name)
+            group.add_argument(flag, choices=list(get_args(tp)), default=default, help=help_, dest=dest)
         elif tp in (int, float, str):
             group.add_argument(flag, type=tp, default=default, help=help_, choices=f.metadata.get("choices"),
-                               dest=f.name)
+                               dest=dest)
         else:
             raise TypeError(f"unsupported config field type {tp!r} for {cls.__name__}.{f.name}")
 
 
-def dataclass_from_args(cls: type, ns: argparse.Namespace) -> Any:
-    return cls(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(cls) if hasattr(ns, f.name)})
+def dataclass_from_args(cls: type, ns: argparse.Namespace, prefix: str = "") -> Any:
+    """Build ``cls`` (sections recursively) from parsed flags; fields without a flag in ``ns`` keep
+    their defaults. Construction re-runs every ``__post_init__`` validation."""
+    hints = typing.get_type_hints(cls)
+    kw: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if _is_section(f):
+            kw[f.name] = dataclass_from_args(_base_type(hints[f.name]), ns, _sub_prefix(f, prefix))
+            continue
+        dest = _flag(f, prefix)[2:].replace("-", "_")
+        if hasattr(ns, dest):
+            kw[f.name] = getattr(ns, dest)
+    return cls(**kw)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    for cls in ENGINE_SECTIONS:
-        add_dataclass_args(parser, cls)
+    add_dataclass_args(parser, EngineConfig)
 
 
 def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=dataclass_from_args(ModelConfig, ns),
-        cache=dataclass_from_args(CacheConfig, ns),
-        scheduler=dataclass_from_args(SchedulerConfig, ns),
-        spec=dataclass_from_args(SpecConfig, ns),
-    )
+    return dataclass_from_args(EngineConfig, ns)
+
+
+def flag_defaults(cls: type, prefix: str = "") -> dict[str, Any]:
+    """``{--flag: default}`` of every leaf field of ``cls``; e.g. ``flag_defaults(EngineConfig)["--policy"]``
+    is ``"static"``. Benchmarks read defaults here instead of restating them."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_dataclass_args(parser, cls, prefix)
+    return {a.option_strings[0]: a.default for a in parser._actions if a.option_strings}

@@ -35,13 +35,14 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tidespec.bench.shift import ShiftBenchConfig, run_shift_bench
-from tidespec.config import CacheConfig, EngineConfig, SpecConfig
+from tidespec.bench.shift import run_shift_bench
+from tidespec.bench.shift_config import ShiftBenchConfig
+from tidespec.config import CacheConfig, EngineConfig, NgramConfig, PolicyConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter, build_policy
 from tidespec.models.loader import LoadedModel, load_model
 from tidespec.sampling import SamplingParams
-from tidespec.speculative.policy.policy import SpeculationPolicy
+from tidespec.speculative.policy.api import SpeculationPolicy
 from tidespec.workloads.loader import load_prompts
 
 BOOTSTRAP_DRAFTER = "eagle3-smollm2-135m-instruct"  # directory under tidespec/assets
@@ -73,11 +74,11 @@ def part_drafters(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> 
     for name in ("code", "chat"):
         prompts += [(name, p) for p in load_prompts(name, loaded.tokenizer, limit=ns.prompts_per_domain)]
     drafters = {
-        "ngram": SpecConfig(drafter="ngram", num_speculative_tokens=ns.gamma, ngram_min=2, ngram_max=4),
+        "ngram": SpecConfig(drafter="ngram", num_speculative_tokens=ns.gamma, ngram=NgramConfig(min=2, max=4)),
         "suffix": SpecConfig(drafter="suffix", num_speculative_tokens=ns.gamma),
     }
-    adaptive = SpecConfig(drafter="suffix", num_speculative_tokens=ns.gamma, policy="hybrid")
-    policy = build_policy(adaptive, loaded.model, build_drafter(adaptive, loaded.model, 1, 1024),
+    adaptive = SpecConfig(drafter="suffix", num_speculative_tokens=ns.gamma)
+    policy = build_policy(EngineConfig(spec=adaptive, policy=PolicyConfig(name="hybrid")), loaded.model, build_drafter(adaptive, loaded.model, 1, 1024),
                           progress=lambda m: con.print(f"  {m}"))
     assert policy is not None
     policies: dict[str, SpeculationPolicy | None] = {name: None for name in drafters}

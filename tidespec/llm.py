@@ -21,7 +21,9 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tidespec.config import EngineConfig, SpecConfig
-from tidespec.engine.engine import LLMEngine, RequestOutput
+from tidespec.errors import ConfigError
+from tidespec.engine.engine import LLMEngine
+from tidespec.engine.output import RequestOutput
 from tidespec.models.eagle3_checkpoint import (
     fresh_head,
     head_from_published,
@@ -32,12 +34,9 @@ from tidespec.models.loader import load_model
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
-from tidespec.speculative.policy.policy import (
-    GuardConfig,
-    PolicyOptions,
-    SpeculationPolicy,
-    make_policy,
-)
+from tidespec.speculative.policy.api import SpeculationPolicy
+from tidespec.speculative.policy.factory import PolicyOptions, make_policy
+from tidespec.speculative.policy.guards import GuardConfig
 from tidespec.speculative.policy.profiler import STATEFUL_DRAFTERS, load_or_measure
 from tidespec.speculative.policy.speedup import Profile
 
@@ -50,28 +49,29 @@ def build_drafter(spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_m
         return None
     if spec.drafter == "ngram":
         from tidespec.speculative.drafters.ngram import NgramDrafter
-        return NgramDrafter(min_n=spec.ngram_min, max_n=spec.ngram_max)
+        return NgramDrafter(min_n=spec.ngram.min, max_n=spec.ngram.max)
     if spec.drafter == "suffix":
         from tidespec.speculative.drafters.suffix import SuffixDrafter
-        return SuffixDrafter(max_tree_tokens=spec.suffix_max_tree_tokens, min_prob=spec.suffix_min_prob,
-                             factor=spec.suffix_factor)
+        return SuffixDrafter(max_tree_tokens=spec.suffix.max_tree_tokens, min_prob=spec.suffix.min_prob,
+                             factor=spec.suffix.factor)
     if spec.drafter == "eagle3":
-        return build_eagle3_drafter(target, spec.eagle3_dir, spec.eagle3_draft_vocab, Eagle3DrafterConfig(
-            max_num_seqs=max_num_seqs, max_model_len=max_model_len, tree_depth=spec.eagle3_tree_depth,
-            tree_top_k=spec.eagle3_tree_top_k))
+        return build_eagle3_drafter(target, spec.eagle3.dir, spec.eagle3.draft_vocab, Eagle3DrafterConfig(
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, tree_depth=spec.eagle3.tree_depth,
+            tree_top_k=spec.eagle3.tree_top_k))
     from tidespec.speculative.drafters.draft_model import DraftModelDrafter
-    if spec.draft_layers:
-        draft = target.truncated(spec.draft_layers)
-    elif spec.draft_model:
-        loaded = load_model(spec.draft_model, dtype=target.dtype, device=str(target.device))
+    dm = spec.draft_model
+    if dm.layers:
+        draft = target.truncated(dm.layers)
+    elif dm.path:
+        loaded = load_model(dm.path, dtype=target.dtype, device=str(target.device))
         if loaded.model.cfg.vocab_size != target.cfg.vocab_size:
-            raise ValueError(f"draft model vocab ({loaded.model.cfg.vocab_size}) differs from the target's "
+            raise ConfigError(f"draft model vocab ({loaded.model.cfg.vocab_size}) differs from the target's "
                              f"({target.cfg.vocab_size}): drafter and target must share a tokenizer")
         draft = loaded.model
     else:
         draft = target.truncated(max(1, target.cfg.num_layers // 4))
     return DraftModelDrafter(draft, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                             tree_top_k=spec.tree_top_k)
+                             tree_top_k=dm.tree_top_k)
 
 
 def build_eagle3_drafter(target: LlamaModel, source: str | Path | None, draft_vocab_size: int = 0,
@@ -91,23 +91,23 @@ def build_eagle3_drafter(target: LlamaModel, source: str | Path | None, draft_vo
     return Eagle3Drafter(head, target.embed_tokens, cfg, version=version)
 
 
-def build_policy(spec: SpecConfig, model: LlamaModel, drafter: Drafter | None,
+def build_policy(config: EngineConfig, model: LlamaModel, drafter: Drafter | None,
                  progress: Callable[[str], None] | None = None) -> SpeculationPolicy | None:
-    """The speculation-length policy with guards; profiles the model first when the policy needs
-    costs (analytic, hybrid; bandit for the switching cost of a stateful drafter)."""
+    """The speculation-length policy with guards (``config.policy``, gamma_max from ``config.spec``);
+    profiles the model first when the policy needs costs (analytic, hybrid; bandit for the
+    switching cost of a stateful drafter)."""
     if drafter is None:
         return None
+    pc, gamma_max = config.policy, config.spec.num_speculative_tokens
     profile: Profile | None = None
-    needs_profile = spec.policy in ("analytic", "hybrid") or (
-        spec.policy == "bandit" and drafter.name in STATEFUL_DRAFTERS)
-    if spec.profile:
-        profile = Profile.load(spec.profile)
+    needs_profile = pc.name in ("analytic", "hybrid") or (pc.name == "bandit" and drafter.name in STATEFUL_DRAFTERS)
+    if pc.profile:
+        profile = Profile.load(pc.profile)
     elif needs_profile:
         profile, _ = load_or_measure(model, drafter, progress=progress)
-    guards = GuardConfig(kv_threshold=spec.guard_kv_usage, temperature_threshold=spec.guard_temperature,
-                         gamma_max=spec.num_speculative_tokens)
-    return make_policy(spec.policy, PolicyOptions(gamma_max=spec.num_speculative_tokens, profile=profile,
-                                                  guards=guards))
+    guards = GuardConfig(kv_threshold=pc.guard_kv_usage, temperature_threshold=pc.guard_temperature,
+                         gamma_max=gamma_max)
+    return make_policy(pc.name, PolicyOptions(gamma_max=gamma_max, profile=profile, guards=guards))
 
 
 def build_engine(config: EngineConfig, model: LlamaModel | None = None,
@@ -122,7 +122,7 @@ def build_engine(config: EngineConfig, model: LlamaModel | None = None,
     max_len = min(config.cache.max_model_len, model.cfg.max_position_embeddings)
     if drafter is None:
         drafter = build_drafter(config.spec, model, config.cache.max_num_seqs, max_len)
-    policy = build_policy(config.spec, model, drafter) if config.spec.num_speculative_tokens else None
+    policy = build_policy(config, model, drafter) if config.spec.num_speculative_tokens else None
     return LLMEngine(model, tokenizer, config, drafter=drafter, policy=policy)
 
 

@@ -18,7 +18,6 @@ Worked example::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -35,12 +34,14 @@ from tidespec.bench.learn import LearnBenchConfig, run_learn_bench
 from tidespec.bench.learn import replot as replot_learn
 from tidespec.bench.profile import ProfileConfig, run_profile
 from tidespec.bench.report import command_line
-from tidespec.bench.shift import ShiftBenchConfig, run_shift_bench
 from tidespec.bench.shift import replot as replot_shift
+from tidespec.bench.shift import run_shift_bench
+from tidespec.bench.shift_config import ShiftBenchConfig
 from tidespec.bench.spec import SpecBenchConfig, run_spec_bench
 from tidespec.config import (
     ConfigError,
     ModelConfig,
+    PolicyConfig,
     SchedulerConfig,
     SpecConfig,
     add_dataclass_args,
@@ -78,7 +79,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--hf-pld-tokens", default="10", help="HF prompt_lookup_num_tokens value(s), comma-separated")
     add_dataclass_args(s, ModelConfig)
     add_dataclass_args(s, SchedulerConfig)
-    _add_spec_options(s)
+    add_dataclass_args(s, SpecConfig, skip=_SWEPT_SPEC_FIELDS)
+    add_dataclass_args(s, PolicyConfig)
     s.set_defaults(func=cmd_spec)
 
     p = sub.add_parser("profile", help="T(n) per batch size, memory bandwidth, batch-1 ceiling",
@@ -137,21 +139,6 @@ def _add_workload_args(p: argparse.ArgumentParser, limit: int) -> None:
     g.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-<kind>-<time>)")
 
 
-def _add_spec_options(p: argparse.ArgumentParser) -> None:
-    """Drafter options from ``SpecConfig`` (all fields but the swept drafter and gamma)."""
-    g = p.add_argument_group("drafter options")
-    for f in dataclasses.fields(SpecConfig):
-        if f.name in _SWEPT_SPEC_FIELDS:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        help_ = f.metadata.get("help", "")
-        if isinstance(f.default, bool):
-            g.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=help_, dest=f.name)
-        else:
-            tp = type(f.default) if f.default is not None else str
-            g.add_argument(flag, type=tp, default=f.default, help=help_, dest=f.name)
-
-
 def _str_list(text: str, name: str) -> tuple[str, ...]:
     values = tuple(x.strip() for x in text.split(",") if x.strip())
     if not values:
@@ -173,11 +160,9 @@ def cmd_spec(ns: argparse.Namespace) -> int:
                           max_tokens=ns.max_tokens, compare_hf=ns.compare == "hf",
                           hf_pld_tokens=parse_int_list(ns.hf_pld_tokens, "--hf-pld-tokens"),
                           warmup=not ns.no_warmup)
-    base = SpecConfig(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(SpecConfig)
-                         if f.name not in _SWEPT_SPEC_FIELDS})
     run_spec_bench(cfg, model_config=dataclass_from_args(ModelConfig, ns),
-                   scheduler=dataclass_from_args(SchedulerConfig, ns), spec_base=base, out_dir=ns.out,
-                   command=command_line())
+                   scheduler=dataclass_from_args(SchedulerConfig, ns), spec_base=dataclass_from_args(SpecConfig, ns),
+                   policy=dataclass_from_args(PolicyConfig, ns), out_dir=ns.out, command=command_line())
     return 0
 
 

@@ -40,21 +40,20 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from tidespec.bench.report import (
-    default_out_dir,
-    machine_info,
+    log2_panel,
     machine_line,
     markdown_table,
     new_figure,
     save_figure,
     summarize,
-    write_json,
-    write_text,
+    write_results,
 )
 from tidespec.config import (
     CacheConfig,
     ConfigError,
     EngineConfig,
     ModelConfig,
+    PolicyConfig,
     SchedulerConfig,
     SpecConfig,
 )
@@ -76,6 +75,13 @@ def resolve_target(model: LoadedModel | str | None, dtype: str = "float32", devi
     return load_model(model, dtype=DTYPES[dtype], device=device)
 
 
+def workload_doc(target: LoadedModel, workload: str, prompts: list[Prompt], cfg: Any) -> dict[str, Any]:
+    """The head of a workload benchmark's ``results.json``: the model, the workload, the prompts it
+    ran (by record id) and the benchmark's settings (dataclass ``cfg``)."""
+    return {"model": target.path or type(target.model).__name__, "workload": workload,
+            "prompt_ids": [p.record.id for p in prompts], "config": dataclasses.asdict(cfg)}
+
+
 def parse_int_list(text: str, name: str, minimum: int = 1) -> tuple[int, ...]:
     """``"1,4,16"`` -> ``(1, 4, 16)``; one-line ``ConfigError`` on anything else."""
     try:
@@ -89,7 +95,7 @@ def parse_int_list(text: str, name: str, minimum: int = 1) -> tuple[int, ...]:
 
 def bench_engine_config(prompts: list[Prompt], max_tokens: int, max_batch: int, max_position: int,
                         model: ModelConfig | None = None, scheduler: SchedulerConfig | None = None,
-                        spec: SpecConfig | None = None) -> EngineConfig:
+                        spec: SpecConfig | None = None, policy: PolicyConfig | None = None) -> EngineConfig:
     """An engine config sized for the workload: ``max_batch`` KV slots just long enough for the
     longest prompt plus ``max_tokens`` (plus speculation slack), capped by the model's context."""
     spec = spec or SpecConfig()
@@ -99,7 +105,7 @@ def bench_engine_config(prompts: list[Prompt], max_tokens: int, max_batch: int, 
         raise ConfigError(f"longest prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                           f"context ({max_position}); lower --max-tokens or --limit the workload")
     return EngineConfig(model=model or ModelConfig(), cache=CacheConfig(max_model_len=max(need, 8), max_num_seqs=max_batch),
-                        scheduler=scheduler or SchedulerConfig(), spec=spec)
+                        scheduler=scheduler or SchedulerConfig(), spec=spec, policy=policy or PolicyConfig())
 
 
 @dataclass
@@ -314,28 +320,15 @@ def run_decode_bench(cfg: DecodeBenchConfig, target: LoadedModel | str | None = 
                   **records_summary(hf_records, sum(r.latency for r in hf_records), dtok, dtime)}
         per_batch_requests["hf"] = [r.to_json() for r in hf_records]
 
-    headline = _decode_headline(rows, hf_row)
-    info = machine_info(mc.dtype)
     doc = {
-        "bench": "decode",
-        "model": target.path or type(target.model).__name__,
-        "workload": cfg.workload,
-        "prompt_ids": [p.record.id for p in prompts],
-        "config": dataclasses.asdict(cfg),
+        **workload_doc(target, cfg.workload, prompts, cfg),
         "engine_config": dataclasses.asdict(econf),
         "rows": rows + ([hf_row] if hf_row else []),
-        "headline": headline,
+        "headline": _decode_headline(rows, hf_row),
         "requests": per_batch_requests,
     }
-    out_dir = out_dir or default_out_dir("decode")
-    write_json(out_dir, "results.json", doc, command, info)
-    _plot_decode(rows, hf_row, out_dir)
-    text = format_decode_report(doc, command, info)
-    write_text(out_dir, "table.md", text)
-    if echo:
-        print(text)
-        print(f"\nwrote {out_dir / 'results.json'}, {out_dir / 'plot.png'}")
-    return doc
+    return write_results("decode", doc, out_dir, command, mc.dtype, format_decode_report,
+                         lambda out: _plot_decode(rows, hf_row, out), echo)
 
 
 def _decode_headline(rows: list[dict[str, Any]], hf_row: dict[str, Any] | None) -> dict[str, Any]:
@@ -382,21 +375,8 @@ def _plot_decode(rows: list[dict[str, Any]], hf_row: dict[str, Any] | None, out_
     if hf_row is not None:
         ax.plot([1], [hf_row["tokens_per_s"]], "r*", markersize=12, label="HF generate (with prefill)")
         ax.plot([1], [hf_row["decode_tokens_per_s"]], "rx", markersize=10, label="HF generate (decode only)")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(bs, [str(b) for b in bs])
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("output tokens / s")
-    ax.set_title("Decode throughput")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+    log2_panel(ax, bs, "batch size", "output tokens / s", "Decode throughput")
     ax2.plot(bs, [r["tpot_ms"]["p50"] for r in rows], "o-", label="TPOT p50")
     ax2.plot(bs, [r["ttft_ms"]["p50"] for r in rows], "s--", label="TTFT p50")
-    ax2.set_xscale("log", base=2)
-    ax2.set_xticks(bs, [str(b) for b in bs])
-    ax2.set_yscale("log")
-    ax2.set_xlabel("batch size")
-    ax2.set_ylabel("ms")
-    ax2.set_title("Latency per batch size")
-    ax2.grid(True, alpha=0.3)
-    ax2.legend(fontsize=8)
+    log2_panel(ax2, bs, "batch size", "ms", "Latency per batch size", log_y=True)
     return save_figure(fig, out_dir, "plot.png")

@@ -59,14 +59,9 @@ from tidespec.config import ConfigError, opt
 from tidespec.models.loader import LoadedModel
 from tidespec.online.eagle3_train import SignalSegment
 from tidespec.online.store import SignalStore
-from tidespec.online.trainer import (
-    DraftTrainer,
-    TrainerConfig,
-    fresh_head_for,
-    heldout_keys,
-    segments_by_sequence,
-    simulated_acceptance,
-)
+from tidespec.online.trainer.config import TrainerConfig
+from tidespec.online.trainer.data import fresh_head_for, heldout_keys, segments_by_sequence, simulated_acceptance
+from tidespec.online.trainer.rounds import DraftTrainer
 
 
 def parse_fractions(text: str) -> tuple[float, ...]:

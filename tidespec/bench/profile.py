@@ -38,14 +38,12 @@ import torch
 
 from tidespec.bench.decode import resolve_target
 from tidespec.bench.report import (
-    default_out_dir,
-    machine_info,
+    log2_panel,
     machine_line,
     markdown_table,
     new_figure,
     save_figure,
-    write_json,
-    write_text,
+    write_results,
 )
 from tidespec.config import ConfigError, ModelConfig
 from tidespec.models.kv_cache import KVCache
@@ -159,9 +157,7 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | LlamaModel | str | Non
     ceiling = bw * 1e9 / (wbytes + kvbytes)
     b1 = [r for r in rows if r["batch_size"] == 1 and r["n"] == 1]
     measured = 1e3 / b1[0]["t_ms"] if b1 else float("nan")
-    info = machine_info(str(model.dtype).replace("torch.", ""))
     doc = {
-        "bench": "profile",
         "model": name,
         "config": dataclasses.asdict(cfg),
         "rows": rows,
@@ -174,15 +170,8 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | LlamaModel | str | Non
         "batch1_forward_tokens_per_s": measured,
         "batch1_fraction_of_ceiling": measured / ceiling,
     }
-    out_dir = out_dir or default_out_dir("profile")
-    write_json(out_dir, "results.json", doc, command, info)
-    _plot_profile(rows, cfg, out_dir)
-    text = format_profile_report(doc, command, info)
-    write_text(out_dir, "table.md", text)
-    if echo:
-        print(text)
-        print(f"\nwrote {out_dir / 'results.json'}, {out_dir / 'plot.png'}")
-    return doc
+    return write_results("profile", doc, out_dir, command, str(model.dtype).replace("torch.", ""),
+                         format_profile_report, lambda out: _plot_profile(rows, cfg, out), echo)
 
 
 def format_profile_report(doc: dict[str, Any], command: str, info: dict[str, Any]) -> str:
@@ -214,18 +203,6 @@ def _plot_profile(rows: list[dict[str, Any]], cfg: ProfileConfig, out_dir: Path)
         ax.plot([r["n"] for r in rs], [r["ratio_to_n1"] for r in rs], "o-", label=f"B={b}")
         ax2.plot([r["n"] for r in rs], [r["tokens_per_s"] for r in rs], "o-", label=f"B={b}")
     ns = sorted(cfg.ns)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(ns, [str(n) for n in ns])
-    ax.set_xlabel("new tokens per sequence n")
-    ax.set_ylabel("T(n) / T(1)")
-    ax.set_title(f"Forward cost vs n ({cfg.context}-token cache)")
-    ax2.set_xscale("log", base=2)
-    ax2.set_xticks(ns, [str(n) for n in ns])
-    ax2.set_yscale("log")
-    ax2.set_xlabel("new tokens per sequence n")
-    ax2.set_ylabel("tokens processed / s")
-    ax2.set_title("Forward throughput")
-    for a in (ax, ax2):
-        a.grid(True, alpha=0.3)
-        a.legend(fontsize=8)
+    log2_panel(ax, ns, "new tokens per sequence n", "T(n) / T(1)", f"Forward cost vs n ({cfg.context}-token cache)")
+    log2_panel(ax2, ns, "new tokens per sequence n", "tokens processed / s", "Forward throughput", log_y=True)
     return save_figure(fig, out_dir, "plot.png")

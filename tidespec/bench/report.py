@@ -169,6 +169,26 @@ def finish_run(out_dir: Path, kind: str, doc: dict[str, Any], command: str, dtyp
     return doc
 
 
+def write_results(kind: str, doc: dict[str, Any], out_dir: Path | None, command: str, dtype: str,
+                  render: Callable[[dict[str, Any], str, dict[str, Any]], str], plot: Callable[[Path], Any],
+                  echo: bool) -> dict[str, Any]:
+    """The output tail of ``bench decode`` / ``spec`` / ``profile``: ``results.json`` holding
+    ``{"bench": kind, **doc}`` (with command and machine), the plot (``plot(out_dir)``) and
+    ``table.md`` from ``render(doc, command, machine)``, all in ``out_dir`` (default
+    ``runs/bench-<kind>-<time>``); the table printed when ``echo``. Returns the document."""
+    info = machine_info(dtype)
+    doc = {"bench": kind, **doc}
+    out_dir = out_dir or default_out_dir(kind)
+    write_json(out_dir, "results.json", doc, command, info)
+    plot(out_dir)
+    text = render(doc, command, info)
+    write_text(out_dir, "table.md", text)
+    if echo:
+        print(text)
+        print(f"\nwrote {out_dir / 'results.json'}, {out_dir / 'plot.png'}")
+    return doc
+
+
 def rerender_run(out_dir: Path, kind: str, render: Callable[[dict[str, Any]], str],
                  plot: Callable[[dict[str, Any], Path], Any]) -> dict[str, Any]:
     """``--replot``: README.md and the plot of an earlier run again, from its ``bench_<kind>.json``
@@ -197,6 +217,20 @@ def new_figure(ncols: int, width_per_col: float = 5.5, height: float = 4.0) -> t
     fig = Figure(figsize=(width_per_col * ncols, height), layout="constrained")
     axes = [fig.add_subplot(1, ncols, i + 1) for i in range(ncols)]
     return fig, axes
+
+
+def log2_panel(ax: Any, ticks: Sequence[int], xlabel: str, ylabel: str, title: str, log_y: bool = False) -> None:
+    """Finish one panel plotted over powers of two (batch sizes, tokens per sequence): a log2 x
+    axis ticked at ``ticks``, a log y axis when ``log_y``, labels, title, light grid, legend."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(ticks, [str(t) for t in ticks])
+    if log_y:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
 
 
 def save_figure(fig: Figure, out_dir: Path, name: str) -> Path:

@@ -392,7 +392,8 @@ def plot(records: list[RequestRecord], wall_s: float, path: Path) -> None:
 
 
 # ----------------------------------------------------------------------------- launch
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -497,7 +498,7 @@ def run(ns: argparse.Namespace) -> int:
         out_dir.mkdir(parents=True, exist_ok=True)
     proc: subprocess.Popen[bytes] | None = None
     if ns.launch:
-        port = _free_port()
+        port = free_port()
         base_url = f"http://127.0.0.1:{port}"
         print(f"launching server on {base_url} ({ns.launch_args or 'default engine flags'})", file=sys.stderr)
         proc = launch_server(ns.launch_args, port, ns.api_key, ns.launch_timeout,

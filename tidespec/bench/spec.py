@@ -46,22 +46,14 @@ from tidespec.bench.decode import (
     resolve_target,
     run_wave,
     wave_indices,
+    workload_doc,
 )
-from tidespec.bench.report import (
-    default_out_dir,
-    machine_info,
-    machine_line,
-    markdown_table,
-    new_figure,
-    save_figure,
-    summarize,
-    write_json,
-    write_text,
-)
+from tidespec.bench.report import machine_line, markdown_table, new_figure, save_figure, summarize, write_results
 from tidespec.config import (
     DRAFTERS,
     ConfigError,
     ModelConfig,
+    PolicyConfig,
     SchedulerConfig,
     SpecConfig,
 )
@@ -127,11 +119,13 @@ class _Run:
 
 def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None, *,
                    model_config: ModelConfig | None = None, scheduler: SchedulerConfig | None = None,
-                   spec_base: SpecConfig | None = None, out_dir: Path | None = None, command: str = "",
+                   spec_base: SpecConfig | None = None, policy: PolicyConfig | None = None,
+                   out_dir: Path | None = None, command: str = "",
                    echo: bool = True) -> dict[str, Any]:
     """Run the grid, write ``results.json``, ``plot.png``, ``table.md`` into ``out_dir`` (default
     ``runs/bench-spec-<timestamp>``), print the report when ``echo``, return the JSON document.
-    ``spec_base`` carries drafter options (n-gram sizes, suffix budget, draft model, tree)."""
+    ``spec_base`` carries drafter options (n-gram sizes, suffix budget, draft model, tree), ``policy``
+    the speculation-length policy every speculating configuration runs (default: static)."""
     mc = model_config or ModelConfig()
     if mc.threads:
         torch.set_num_threads(mc.threads)
@@ -143,7 +137,7 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
         spec = dataclasses.replace(base, drafter="none" if drafter == PLAIN else drafter,
                                    num_speculative_tokens=gamma)
         econf = bench_engine_config(prompts, cfg.max_tokens, cfg.batch_size,
-                                    target.model.cfg.max_position_embeddings, mc, scheduler, spec)
+                                    target.model.cfg.max_position_embeddings, mc, scheduler, spec, policy)
         engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
         runs.append(_Run(config_label(drafter, gamma), drafter, gamma, engine=engine))
     hf_runs: list[_Run] = []
@@ -186,28 +180,15 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
     hf_summary = [_summarize_run(h, hf_runs[0]) for h in hf_runs]
     for h in hf_summary:  # HF figures relative to our plain decoding too
         h["tokens_per_s_vs_tidespec_plain"] = h["tokens_per_s"] / configs[0]["tokens_per_s"]
-    headline = _spec_headline(configs, hf_summary)
-    info = machine_info(mc.dtype)
     doc = {
-        "bench": "spec",
-        "model": target.path or type(target.model).__name__,
-        "workload": cfg.workload,
-        "prompt_ids": [p.record.id for p in prompts],
-        "config": dataclasses.asdict(cfg),
+        **workload_doc(target, cfg.workload, prompts, cfg),
         "spec_options": dataclasses.asdict(base),
         "configs": configs,
         "hf": hf_summary,
-        "headline": headline,
+        "headline": _spec_headline(configs, hf_summary),
     }
-    out_dir = out_dir or default_out_dir("spec")
-    write_json(out_dir, "results.json", doc, command, info)
-    _plot_spec(configs, hf_summary, out_dir)
-    text = format_spec_report(doc, command, info)
-    write_text(out_dir, "table.md", text)
-    if echo:
-        print(text)
-        print(f"\nwrote {out_dir / 'results.json'}, {out_dir / 'plot.png'}")
-    return doc
+    return write_results("spec", doc, out_dir, command, mc.dtype, format_spec_report,
+                         lambda out: _plot_spec(configs, hf_summary, out), echo)
 
 
 def _summarize_run(run: _Run, plain: _Run) -> dict[str, Any]:

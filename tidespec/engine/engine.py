@@ -1,16 +1,19 @@
-"""The engine step loop: continuous batching over one target, an optional drafter and policy.
+"""The engine step: continuous batching over one target, an optional drafter and a policy.
 
 Why this exists: this is where scheduling, drafting, one batched target forward, lossless
 verification, KV rollback, streaming and statistics meet — one step at a time, nothing else.
+The step reads top to bottom (docs/architecture.md)::
 
-One step (see docs/architecture.md)::
-
-    batch    = scheduler.schedule()            # decode seqs + prefill chunks
-    gammas   = plan(batch)                      # speculation length per decode seq (0 = plain)
-    proposal = drafter.propose(...)             # chain or tree per speculating seq
-    out      = model(tokens, layout, kv)        # ONE forward: prefill chunks + [last]+drafts
-    verify   -> accepted drafts + recovered/bonus token per seq; KV rolled back / compacted
-    drafter.observe(...), stop checks, detokenize, StepStats
+    scheduler.admit()                          # waiting requests into free KV slots
+    gammas   = plan(decoding seqs)             # policy + guards: each seq's gamma, decided once
+    batch    = scheduler.schedule(gammas)      # decode seqs (1 + gamma tokens) + prefill chunks
+    proposal = drafter.propose(...)            # chain or tree per speculating seq
+    fwd      = runner.forward(batch, proposal) # ONE target forward: [last]+drafts, prefill chunks
+    verify + commit the whole batch            # accepted path + bonus/recovered; KV kept or rolled back
+    emit                                       # stop checks, detokenization, RequestOutput
+    drafter.observe(...), observation consumers
+    finish                                     # free slots, drafter.release, finish listeners
+    StepStats -> policy.observe, history, step listeners
 
 Worked example (``tidespec.llm.build_engine`` wires model, drafter and policy from a config)::
 
@@ -33,28 +36,18 @@ from transformers import PreTrainedTokenizerBase
 
 from tidespec.config import EngineConfig
 from tidespec.engine.detok import IncrementalDetokenizer
-from tidespec.engine.scheduler import ScheduledBatch, Scheduler
+from tidespec.engine.output import RequestOutput, emit
+from tidespec.engine.runner import ForwardOutput, ModelRunner
+from tidespec.engine.scheduler import PrefillChunk, Scheduler
 from tidespec.engine.sequence import Sequence
-from tidespec.engine.stats import RequestStats, StepStats, add_per_position
 from tidespec.errors import UserError
 from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.models.llama import LlamaModel
 from tidespec.sampling import SamplingParams, make_generator, sample_from, target_probs
-from tidespec.speculative.api import (
-    Drafter,
-    DraftInput,
-    DraftProposal,
-    Observation,
-    SeqDraft,
-)
-from tidespec.speculative.policy.policy import (
-    PlanInput,
-    SeqState,
-    SpeculationPolicy,
-    StepFeedback,
-)
-from tidespec.speculative.tree import tree_depths, tree_mask
+from tidespec.speculative.api import DraftInput, DraftProposal, Drafter, Observation, SeqDraft
+from tidespec.speculative.policy.api import PlanInput, SeqState, SpeculationPolicy
 from tidespec.speculative.verify import VerifyResult, verify_greedy, verify_sampled
+from tidespec.stats import StepStats, add_per_position
 
 
 class RequestError(UserError, ValueError):
@@ -62,30 +55,13 @@ class RequestError(UserError, ValueError):
 
 
 @dataclass
-class RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]  # all output tokens so far
-    text: str  # all output text emitted so far (stop strings excluded)
-    delta_text: str  # text new in this step
-    delta_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None  # "stop", "length", "abort"
-    stats: RequestStats
+class _Advance:
+    """What one scheduled sequence gained this step, after verification and KV commit."""
 
-    @property
-    def num_prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
-
-
-@dataclass
-class _Row:
-    """Where one scheduled item's tokens sit in the flattened forward."""
-
-    start: int
-    num: int
-    logits_start: int  # first row in the logits tensor (-1 if none)
-    draft: SeqDraft | None = None
+    seq: Sequence
+    tokens: list[int]  # tokens to emit: accepted drafts + bonus/recovered, or a prompt's first token
+    kept_rows: list[int]  # forward rows whose K/V is now final, in cache order
+    start: int  # cache position of the first of them
 
 
 class LLMEngine:
@@ -102,6 +78,7 @@ class LLMEngine:
         cc = config.cache
         self.max_model_len = min(cc.max_model_len, model.cfg.max_position_embeddings)
         self.kv = KVCache.for_model(model.cfg, cc.max_num_seqs, self.max_model_len, model.dtype, self.device)
+        self.runner = ModelRunner(model, self.kv)
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_batched_tokens, config.scheduler.max_waiting)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -116,6 +93,9 @@ class LLMEngine:
         # called at the start of every step, between steps: the place to swap in a new drafter
         # version that a background thread already loaded. Must return quickly.
         self.between_steps: list[Callable[["LLMEngine"], None]] = []
+        # called with each sequence that finished (stopped, hit a limit, or was aborted), after its
+        # slot was freed; e.g. selective collection reads the request's acceptance here.
+        self.finish_listeners: list[Callable[[Sequence], None]] = []
         eos = list(model.cfg.eos_token_ids)
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
             eos.append(tokenizer.eos_token_id)
@@ -175,103 +155,47 @@ class LLMEngine:
         t0 = time.perf_counter()
         stats = StepStats(step=self.step_count)
         self.step_count += 1
-        batch = self.scheduler.schedule(self.gamma_max)
+        self.scheduler.admit()
+        gammas = self._plan(self.scheduler.decoding())
+        batch = self.scheduler.schedule(gammas)
         if batch.empty:
             return []
-        gammas = self._plan(batch.decode)
         proposal = self._propose(batch.decode, gammas, stats)
         t_verify = time.perf_counter()
-        ids, rows, layout, logits_rows = self._build_inputs(batch, proposal)
-        taps_wanted = self.drafter.tap_layers if self.drafter is not None else ()
-        out = self.model(ids, layout, self.kv, logits_rows=logits_rows, tap_layers=taps_wanted)
-        logits = out.logits
-        argmax = logits.argmax(-1).tolist() if logits is not None else []
-        outputs: list[RequestOutput] = []
-        observations: list[Observation] = []
-        outcomes: list[tuple[int, int, int]] = []  # (gamma asked, draft depth, accepted) for the policy
-        for seq, gamma in zip(batch.decode, gammas):
-            row = rows[seq.seq_id]
-            res = self._verify(seq, row, logits, argmax)
-            start = seq.num_cached
-            kept_rows = self._commit_kv(seq, row, res)
-            depth = row.draft.depth if row.draft is not None else 0
-            stats.num_short_drafts += int(0 < gamma and depth < gamma)
-            if gamma > 0:
-                outcomes.append((gamma, depth, res.num_accepted if depth else 0))
-            if row.draft is not None and row.draft.num_tokens:
-                seq.stats.add_accepted(row.draft.num_tokens, res.num_accepted)
-                stats.num_drafts += 1
-                stats.num_draft_tokens += row.draft.num_tokens
-                stats.num_accepted_tokens += res.num_accepted
-                stats.num_draft_depth += depth
-                stats.num_rejected += int(res.num_accepted < depth)
-                add_per_position(stats.accepted_per_pos, res.num_accepted)
-            o = self._emit(seq, res.token_ids, stats)
-            outputs.append(o)
-            if taps_wanted and not o.finished:
-                observations.append(Observation(
-                    seq.seq_id, list(seq.token_ids), len(kept_rows),
-                    out.taps.index_select(0, torch.tensor(kept_rows, device=self.device)), start))
-        for chunk in batch.prefill:
-            seq = chunk.seq
-            row = rows[seq.seq_id]
-            seq.num_cached += chunk.num_tokens
-            self.kv.set_length(seq.slot, seq.num_cached)
-            stats.num_prefill_tokens += chunk.num_tokens
-            finished = False
-            if chunk.is_last:
-                o = self._emit(seq, [self._sample(seq, logits[row.logits_start], argmax[row.logits_start])], stats)
-                outputs.append(o)
-                finished = o.finished
-            if taps_wanted and not finished:
-                observations.append(Observation(seq.seq_id, list(seq.token_ids), chunk.num_tokens,
-                                                out.taps[row.start:row.start + row.num], chunk.start))
-        # verify = target forward + verification + KV commit; output processing counts as other
-        stats.verify_time = time.perf_counter() - t_verify - stats.other_time
-        if observations and self.drafter is not None:
-            self.drafter.observe(observations)
-            for consume in self.observation_consumers:
-                consume(observations)
-        stats.batch_size = len(batch.decode) + len(batch.prefill)
-        stats.num_decode_seqs = len(batch.decode)
-        stats.spec_lens = {s.seq_id: g for s, g in zip(batch.decode, gammas)}
-        stats.total_time = time.perf_counter() - t0
-        stats.other_time = stats.total_time - stats.draft_time - stats.verify_time  # incl. output processing
-        stats.kv_usage = self.kv.usage()
-        stats.num_running = self.num_running
-        stats.num_waiting = self.num_waiting
-        if self.policy is not None and batch.decode:
-            self.policy.observe(StepFeedback(
-                batch_size=len(batch.decode), gamma=max(gammas), num_seqs_speculated=stats.num_drafts,
-                num_draft_tokens=stats.num_draft_tokens, num_accepted_tokens=stats.num_accepted_tokens,
-                num_emitted_tokens=stats.num_emitted_tokens, step_time=stats.total_time,
-                draft_time=stats.draft_time, verify_time=stats.verify_time,
-                num_prefill_tokens=stats.num_prefill_tokens, num_rejected=stats.num_rejected,
-                num_draft_depth=stats.num_draft_depth, num_short_drafts=stats.num_short_drafts,
-                seq_outcomes=outcomes))
-        self.last_stats = stats
-        self.history.append(stats)
-        for listener in self.step_listeners:
-            listener(stats)
+        fwd = self.runner.forward(batch, proposal, self._tap_layers())
+        advances = [self._verify_and_commit(seq, gammas[seq.seq_id], fwd, stats) for seq in batch.decode]
+        advances += [self._commit_prefill(chunk, fwd, stats) for chunk in batch.prefill]
+        stats.verify_time = time.perf_counter() - t_verify  # target forward + verification + KV commit
+        outputs = [emit(a.seq, a.tokens, self.eos_ids, self.max_model_len) for a in advances if a.tokens]
+        stats.num_emitted_tokens = sum(len(o.delta_token_ids) for o in outputs)
+        self._observe(advances, fwd)
+        for o in outputs:
+            if o.finished:
+                self._finish(self.seqs.pop(o.request_id), o.finish_reason)  # type: ignore[arg-type]
+        self._record(stats, batch.decode, len(batch.prefill), gammas, t0)
         return outputs
 
     # ----------------------------------------------------------------- step parts
-    def _plan(self, decode: list[Sequence]) -> list[int]:
+    def _plan(self, decode: list[Sequence]) -> dict[int, int]:
+        """Each decoding sequence's gamma for this step, decided once: the policy (with its guards)
+        or, without one, the configured gamma / per-request override; never past max_tokens or the
+        context, never above gamma_max (what the drafter was configured for)."""
         if self.drafter is None or not decode:
-            return [0] * len(decode)
+            return {s.seq_id: 0 for s in decode}
+        room = {s.seq_id: min(s.remaining_tokens, self.max_model_len - len(s.token_ids)) for s in decode}
         if self.policy is not None:
             chosen = self.policy.plan(PlanInput(len(decode), self.kv.usage(), [
-                SeqState(s.seq_id, s.params.temperature, s.remaining_tokens, s.spec_override) for s in decode]))
-            gam = [chosen.get(s.seq_id, 0) for s in decode]
+                SeqState(s.seq_id, s.params.temperature, room[s.seq_id], s.spec_override) for s in decode]))
         else:
-            gam = [self.gamma_max if s.spec_override is None else s.spec_override for s in decode]
-        # never draft past max_tokens or the slot; clamp to the reserved budget
-        return [max(0, min(g, self.gamma_max, s.remaining_tokens - 1, self.max_model_len - len(s.token_ids) - 1))
-                for g, s in zip(gam, decode)]
+            chosen = {s.seq_id: self.gamma_max if s.spec_override is None else s.spec_override for s in decode}
+        return {s.seq_id: max(0, min(chosen.get(s.seq_id, 0), self.gamma_max, room[s.seq_id] - 1)) for s in decode}
 
-    def _propose(self, decode: list[Sequence], gammas: list[int], stats: StepStats) -> DraftProposal:
-        inputs = [DraftInput(s.seq_id, s.token_ids, g, s.params, self.use_tree, len(s.prompt_ids))
-                  for s, g in zip(decode, gammas) if g > 0]
+    def _tap_layers(self) -> tuple[int, ...]:
+        return self.drafter.tap_layers if self.drafter is not None else ()
+
+    def _propose(self, decode: list[Sequence], gammas: dict[int, int], stats: StepStats) -> DraftProposal:
+        inputs = [DraftInput(s.seq_id, s.token_ids, gammas[s.seq_id], s.params, self.use_tree, len(s.prompt_ids))
+                  for s in decode if gammas[s.seq_id] > 0]
         if not inputs or self.drafter is None:
             return DraftProposal()
         t = time.perf_counter()
@@ -283,122 +207,83 @@ class LLMEngine:
                 raise RuntimeError(f"drafter {self.drafter.name} proposed {d.num_tokens} > {inp.num_speculative_tokens} tokens")
         return proposal
 
-    def _build_inputs(self, batch: ScheduledBatch, proposal: DraftProposal
-                      ) -> tuple[torch.Tensor, dict[int, _Row], BatchLayout, torch.Tensor]:
-        tokens: list[int] = []
-        q_lens: list[int] = []
-        ctx_lens: list[int] = []
-        slots: list[int] = []
-        depths: list[list[int] | None] = []
-        masks: list[torch.Tensor | None] = []
-        logit_rows: list[int] = []
-        rows: dict[int, _Row] = {}
-        for seq in batch.decode:
-            draft = proposal.drafts.get(seq.seq_id)
-            draft = draft if draft is not None and draft.num_tokens else None
-            new = [seq.token_ids[-1]] + (draft.token_ids if draft is not None else [])
-            rows[seq.seq_id] = _Row(len(tokens), len(new), len(logit_rows), draft)
-            logit_rows.extend(range(len(tokens), len(tokens) + len(new)))
-            if draft is not None and draft.is_tree:
-                assert draft.parent_indices is not None
-                depths.append([0] + [d + 1 for d in tree_depths(draft.parent_indices)])
-                masks.append(tree_mask(draft.parent_indices))
-            else:
-                depths.append(None)
-                masks.append(None)
-            tokens.extend(new)
-            q_lens.append(len(new))
-            ctx_lens.append(seq.num_cached)
-            slots.append(seq.slot)  # type: ignore[arg-type]
-        for chunk in batch.prefill:
-            seq = chunk.seq
-            new = seq.prompt_ids[chunk.start:chunk.start + chunk.num_tokens]
-            lstart = -1
-            if chunk.is_last:
-                lstart = len(logit_rows)
-                logit_rows.append(len(tokens) + len(new) - 1)
-            rows[seq.seq_id] = _Row(len(tokens), len(new), lstart)
-            tokens.extend(new)
-            q_lens.append(len(new))
-            ctx_lens.append(chunk.start)
-            slots.append(seq.slot)  # type: ignore[arg-type]
-            depths.append(None)
-            masks.append(None)
-        layout = BatchLayout.build(q_lens, ctx_lens, slots, depths, masks, device=self.device)
-        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        return ids, rows, layout, torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
-
-    def _verify(self, seq: Sequence, row: _Row, logits: torch.Tensor, argmax: list[int]) -> VerifyResult:
+    def _verify_and_commit(self, seq: Sequence, gamma: int, fwd: ForwardOutput, stats: StepStats) -> _Advance:
+        """Verify a decode sequence's draft against the target, keep the K/V of the accepted path."""
+        row = fwd.rows[seq.seq_id]
         lo, n = row.logits_start, row.num
         if row.draft is None:
-            return VerifyResult([], [self._sample(seq, logits[lo], argmax[lo])], True)
-        if seq.params.greedy:
-            return verify_greedy(row.draft, argmax[lo:lo + n])
-        return verify_sampled(row.draft, logits[lo:lo + n], seq.params, seq.generator)
+            res = VerifyResult([], [self._sample(seq, fwd, lo)], True)
+        elif seq.params.greedy:
+            res = verify_greedy(row.draft, fwd.argmax[lo:lo + n])
+        else:
+            assert fwd.logits is not None
+            res = verify_sampled(row.draft, fwd.logits[lo:lo + n], seq.params, seq.generator)
+        self._count_draft(stats, seq, gamma, row.draft, res)
+        start = seq.num_cached
+        kept = [0] + [j + 1 for j in res.accepted]  # offsets within this seq's rows: root + accepted path
+        self._commit_kv(seq, kept, tree=row.draft is not None and row.draft.is_tree)
+        return _Advance(seq, res.token_ids, [row.start + k for k in kept], start)
 
-    def _commit_kv(self, seq: Sequence, row: _Row, res: VerifyResult) -> list[int]:
-        """Keep K/V of the root and the accepted path; roll back the rest. Returns the forward
-        rows (into the flattened batch) whose K/V is now final, in cache order."""
+    def _commit_prefill(self, chunk: PrefillChunk, fwd: ForwardOutput, stats: StepStats) -> _Advance:
+        """A prompt chunk's K/V is final as computed; its last chunk samples the first output token."""
+        seq, row = chunk.seq, fwd.rows[chunk.seq.seq_id]
+        self._commit_kv(seq, list(range(chunk.num_tokens)), tree=False)
+        stats.num_prefill_tokens += chunk.num_tokens
+        tokens = [self._sample(seq, fwd, row.logits_start)] if chunk.is_last else []
+        return _Advance(seq, tokens, list(range(row.start, row.start + row.num)), chunk.start)
+
+    def _commit_kv(self, seq: Sequence, kept: list[int], tree: bool) -> None:
+        """Keep the K/V at offsets ``kept`` of this step's new positions, in order; drop the rest.
+
+        A chain's accepted path is a prefix (the cache length alone rolls the rest back); a tree's
+        accepted path is compacted into place first. Example: ctx 10, tree rows [root, a, b, c],
+        path root -> b -> c: kept [0, 2, 3] -> positions 12, 13 move to 11, 12; length 13."""
         ctx = seq.num_cached
-        kept = [0] + [j + 1 for j in res.accepted]  # offsets within this seq's new tokens
-        if row.draft is not None and row.draft.is_tree:
+        if tree:
             self.kv.compact(seq.slot, [ctx + k for k in kept], ctx)  # type: ignore[arg-type]
         seq.num_cached = ctx + len(kept)
         self.kv.set_length(seq.slot, seq.num_cached)  # type: ignore[arg-type]
-        return [row.start + k for k in kept]
 
-    def _sample(self, seq: Sequence, logits_row: torch.Tensor, argmax: int) -> int:
+    def _sample(self, seq: Sequence, fwd: ForwardOutput, row: int) -> int:
         if seq.params.greedy:
-            return argmax
-        return sample_from(target_probs(logits_row.unsqueeze(0), seq.params)[0], seq.generator)
+            return fwd.argmax[row]
+        assert fwd.logits is not None
+        return sample_from(target_probs(fwd.logits[row].unsqueeze(0), seq.params)[0], seq.generator)
 
-    # ----------------------------------------------------------------- output side
-    def _emit(self, seq: Sequence, new_tokens: list[int], stats: StepStats) -> RequestOutput:
-        """Append tokens with stop checks, detokenize, build the output (timed into other_time)."""
-        now = time.perf_counter()
-        try:
-            return self._emit_tokens(seq, new_tokens, stats, now)
-        finally:
-            stats.other_time += time.perf_counter() - now
+    @staticmethod
+    def _count_draft(stats: StepStats, seq: Sequence, gamma: int, draft: SeqDraft | None, res: VerifyResult) -> None:
+        depth = draft.depth if draft is not None else 0
+        stats.num_short_drafts += int(0 < gamma and depth < gamma)
+        if gamma > 0:
+            stats.seq_outcomes.append((gamma, depth, res.num_accepted if depth else 0))
+        if draft is None or not draft.num_tokens:
+            return
+        seq.stats.add_accepted(draft.num_tokens, res.num_accepted)
+        stats.num_drafts += 1
+        stats.num_draft_tokens += draft.num_tokens
+        stats.num_accepted_tokens += res.num_accepted
+        stats.num_draft_depth += depth
+        stats.num_rejected += int(res.num_accepted < depth)
+        add_per_position(stats.accepted_per_pos, res.num_accepted)
 
-    def _emit_tokens(self, seq: Sequence, new_tokens: list[int], stats: StepStats, now: float) -> RequestOutput:
-        if seq.stats.first_token_time is None:
-            seq.stats.first_token_time = now
-        seq.stats.num_steps += 1
-        appended: list[int] = []
-        reason: str | None = None
-        p = seq.params
-        for tok in new_tokens:
-            seq.append(tok)
-            appended.append(tok)
-            if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-                reason = "stop"
-                break
-            if len(seq.output_ids) >= p.max_tokens or len(seq.token_ids) >= self.max_model_len:
-                reason = "length"
-                break
-        stats.num_emitted_tokens += len(appended)
-        seq.pending_text += seq.detok.add(appended)
-        if reason is not None:
-            seq.pending_text += seq.detok.flush()
-        stop_hit = _find_stop(seq.pending_text, p.stop)
-        if stop_hit is not None:
-            seq.pending_text = seq.pending_text[:stop_hit]
-            reason = "stop"
-            delta = seq.pending_text
-            seq.pending_text = ""
-        elif reason is not None:
-            delta, seq.pending_text = seq.pending_text, ""
-        else:
-            hold = _stop_prefix_len(seq.pending_text, p.stop)  # could still become a stop string
-            cut = len(seq.pending_text) - hold
-            delta, seq.pending_text = seq.pending_text[:cut], seq.pending_text[cut:]
-        seq.emitted_text += delta
-        if reason is not None:
-            self.seqs.pop(seq.request_id, None)
-            self._finish(seq, reason)
-        return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.output_ids), seq.emitted_text, delta,
-                             appended, reason is not None, reason, seq.stats)
+    def _observe(self, advances: list[_Advance], fwd: ForwardOutput) -> None:
+        """Tell the drafter (and the observation consumers) which tokens became final, with the
+        target's taps at those positions when it asked for them. A sequence that finished this step
+        is released instead of observed."""
+        if self.drafter is None:
+            return
+        observations = []
+        for a in advances:
+            if a.seq.finish_reason is not None:
+                continue
+            taps = None
+            if fwd.taps is not None:
+                taps = fwd.taps.index_select(0, torch.tensor(a.kept_rows, device=self.device))
+            observations.append(Observation(a.seq.seq_id, list(a.seq.token_ids), len(a.kept_rows), taps, a.start))
+        if observations:
+            self.drafter.observe(observations)
+            for consume in self.observation_consumers:
+                consume(observations)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
@@ -406,20 +291,23 @@ class LLMEngine:
         self.scheduler.remove(seq)
         if self.drafter is not None:
             self.drafter.release(seq.seq_id)
+        for listener in self.finish_listeners:
+            listener(seq)
 
-
-def _find_stop(text: str, stops: list[str]) -> int | None:
-    """Index where the earliest stop string starts, or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def _stop_prefix_len(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of ``text`` that is a proper prefix of some stop string."""
-    best = 0
-    for s in stops:
-        for k in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:k]):
-                best = max(best, k)
-                break
-    return best
+    def _record(self, stats: StepStats, decode: list[Sequence], num_prefill: int, gammas: dict[int, int],
+                t0: float) -> None:
+        """Close the step's record and hand it to the policy, the history and the step listeners."""
+        stats.batch_size = len(decode) + num_prefill
+        stats.num_decode_seqs = len(decode)
+        stats.spec_lens = {s.seq_id: gammas[s.seq_id] for s in decode}
+        stats.total_time = time.perf_counter() - t0
+        stats.other_time = stats.total_time - stats.draft_time - stats.verify_time  # incl. output processing
+        stats.kv_usage = self.kv.usage()
+        stats.num_running = self.num_running
+        stats.num_waiting = self.num_waiting
+        if self.policy is not None and decode:
+            self.policy.observe(stats)
+        self.last_stats = stats
+        self.history.append(stats)
+        for listener in self.step_listeners:
+            listener(stats)

@@ -2,14 +2,15 @@
 
 Why this exists: requests join and leave between steps; a long prompt must not stall the
 sequences that are decoding. Each step the scheduler (1) admits waiting requests FIFO while a
-KV slot is free (a slot holds ``max_model_len`` tokens and a request is only accepted if its
-prompt + max_tokens fits, so an admitted request's worst case always fits), (2) reserves
-``1 + gamma_max`` tokens for every decoding sequence, and (3) hands the rest of the token budget
-to prefill chunks, oldest first.
+KV slot is free (``admit``; a slot holds ``max_model_len`` tokens and a request is only accepted
+if its prompt + max_tokens fits, so an admitted request's worst case always fits), then — once
+the policy has chosen each decoding sequence's gamma — (2) reserves ``1 + gamma`` tokens for
+every decoding sequence and (3) hands the rest of the token budget to prefill chunks, oldest
+first (``schedule``).
 
-Worked example: budget 64, gamma_max 4, three decoding sequences (3 x 5 = 15 reserved) and a
-100-token prompt waiting -> this step prefills prompt tokens 0..48, the next step 49..97, and
-so on, while the three keep decoding.
+Worked example: budget 64, three decoding sequences with gammas 4, 4, 0 (5 + 5 + 1 = 11
+reserved) and a 100-token prompt waiting -> this step prefills prompt tokens 0..52, the next
+step the rest, while the three keep decoding.
 """
 
 from __future__ import annotations
@@ -74,18 +75,27 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, gamma_max: int) -> ScheduledBatch:
+    def admit(self) -> None:
+        """Move waiting requests into free KV slots, FIFO."""
         while self.waiting and self.kv.num_free_slots:
             seq = self.waiting.popleft()
             seq.slot = self.kv.allocate()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+
+    def decoding(self) -> list[Sequence]:
+        """Running sequences past their prompt: each decodes (and maybe speculates) this step."""
+        return [seq for seq in self.running if not seq.in_prefill]
+
+    def schedule(self, gammas: dict[int, int]) -> ScheduledBatch:
+        """The step's batch: every decoding sequence with ``1 + gammas[seq_id]`` tokens reserved
+        (a sequence missing from ``gammas`` decodes plainly), prefill chunks in what is left."""
         batch = ScheduledBatch()
         left = self.budget
         for seq in self.running:
             if not seq.in_prefill:
                 batch.decode.append(seq)
-                left -= 1 + gamma_max
+                left -= 1 + gammas.get(seq.seq_id, 0)
         for seq in self.running:
             if seq.in_prefill and left > 0:
                 n = min(len(seq.prompt_ids) - seq.num_cached, left)

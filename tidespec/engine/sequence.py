@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tidespec.engine.detok import IncrementalDetokenizer
-from tidespec.engine.stats import RequestStats
+from tidespec.stats import RequestStats
 from tidespec.sampling import SamplingParams
 
 

@@ -51,6 +51,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from tidespec.errors import UserError
+from tidespec.files import TMP_PREFIX, fsync_path, write_synced
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head
 from tidespec.models.llama import LlamaConfig
 
@@ -60,7 +61,6 @@ WEIGHTS_NAME = "model.safetensors"
 METRICS_NAME = "metrics.json"
 LATEST_NAME = "LATEST"
 LOCK_NAME = ".lock"
-TMP_PREFIX = ".tmp-"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 FRESH_HEAD_SEED = 0  # engine and trainer build the same random head when nothing was published
 
@@ -211,20 +211,8 @@ def checkpoint_to_head(ckpt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 # ----------------------------------------------------------------------------------------------
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2, sort_keys=True)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    write_synced(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
 def export_eagle3(head: Eagle3Head, directory: Path | str, embed: torch.nn.Embedding | None = None) -> None:
@@ -238,9 +226,9 @@ def export_eagle3(head: Eagle3Head, directory: Path | str, embed: torch.nn.Embed
     if embed is not None:
         tensors["embed_tokens.weight"] = embed.weight.detach().to(head.dtype).contiguous().clone()
     save_file(tensors, str(d / WEIGHTS_NAME), metadata={"format": "pt"})
-    _fsync_path(d / WEIGHTS_NAME)
+    fsync_path(d / WEIGHTS_NAME)
     _write_json(d / CONFIG_NAME, config_to_hf(head.cfg, head.dtype))
-    _fsync_path(d)
+    fsync_path(d)
 
 
 def _read_config(d: Path) -> dict[str, Any]:
@@ -372,7 +360,7 @@ def publish(root: Path | str, head: Eagle3Head, metrics: dict[str, Any],
         try:
             export_eagle3(head, tmp, embed)
             _write_json(tmp / METRICS_NAME, {"version": n, **metrics_json})
-            _fsync_path(tmp)
+            fsync_path(tmp)
             try:
                 os.rename(tmp, r / f"v{n}")
             except OSError:
@@ -383,18 +371,15 @@ def publish(root: Path | str, head: Eagle3Head, metrics: dict[str, Any],
             if tmp.exists():
                 shutil.rmtree(tmp, ignore_errors=True)
         break
-    _fsync_path(r)
+    fsync_path(r)
     with open(r / LOCK_NAME, "a+", encoding="utf-8") as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
         current = latest_version(r) if (r / LATEST_NAME).exists() else None
         if current is None or n > current:
             tmp_latest = r / f"{TMP_PREFIX}{LATEST_NAME}-{uuid.uuid4().hex[:8]}"
-            with open(tmp_latest, "w", encoding="utf-8") as f:
-                f.write(f"{n}\n")
-                f.flush()
-                os.fsync(f.fileno())
+            write_synced(tmp_latest, f"{n}\n".encode())
             os.replace(tmp_latest, r / LATEST_NAME)
-            _fsync_path(r)
+            fsync_path(r)
     return n
 
 

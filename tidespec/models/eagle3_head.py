@@ -37,6 +37,7 @@ from tidespec.models.llama import (
     BatchLayout,
     LlamaConfig,
     RMSNorm,
+    rope_cos_sin,
     rope_inv_freq,
 )
 
@@ -200,9 +201,7 @@ class Eagle3Head(nn.Module):
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, hd] like the target's (float32 angles, then cast)."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.float()  # [T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return rope_cos_sin(positions, self.inv_freq, dtype)
 
     def fuse(self, taps: torch.Tensor) -> torch.Tensor:
         """[T, 3H] target taps -> [T, H] fused hidden."""

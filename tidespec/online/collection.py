@@ -40,50 +40,8 @@ from __future__ import annotations
 import enum
 import math
 import threading
-from dataclasses import dataclass
 
-from tidespec.errors import ConfigError
-
-
-class CollectionConfigError(ConfigError):
-    """A collection setting is invalid; the message is a single line."""
-
-
-@dataclass
-class CollectionConfig:
-    """Inputs of Algorithm 1 plus the two extensions.
-
-    TIDE does not publish its values; the defaults are ours. A 0.9 short EMA averages roughly the
-    last 10 requests and a 0.99 long EMA roughly the last 100, so a shift shows within ~10
-    requests while the long average still remembers the old regime. eps=0.02 sits above the
-    request-to-request noise of a 10-request mean of a per-request acceptance rate that already
-    averages many steps. N_init=20 requests gives a stable starting mean. N_threshold=16384
-    signals (~56 MB of bfloat16 taps for a 3x576-wide SmolLM2-135M tap) is a few minutes of
-    serving on one GPU and enough for an epoch of a one-layer drafter.
-    """
-
-    lambda_short: float = 0.9
-    lambda_long: float = 0.99
-    epsilon: float = 0.02
-    n_init: int = 20  # requests
-    n_threshold: int = 16384  # stored signals (token rows) that trigger a training round
-    force: bool = False
-    bootstrap: bool = False
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.lambda_short < 1.0:
-            raise CollectionConfigError(f"lambda_short must be in [0, 1), got {self.lambda_short}")
-        if not 0.0 <= self.lambda_long < 1.0:
-            raise CollectionConfigError(f"lambda_long must be in [0, 1), got {self.lambda_long}")
-        if self.lambda_short >= self.lambda_long:
-            raise CollectionConfigError(
-                f"lambda_short must be < lambda_long (short reacts faster), got {self.lambda_short} >= {self.lambda_long}")
-        if not 0.0 <= self.epsilon < 1.0:
-            raise CollectionConfigError(f"epsilon must be in [0, 1), got {self.epsilon}")
-        if self.n_init < 1:
-            raise CollectionConfigError(f"n_init must be >= 1, got {self.n_init}")
-        if self.n_threshold < 1:
-            raise CollectionConfigError(f"n_threshold must be >= 1, got {self.n_threshold}")
+from tidespec.config import CollectionConfig
 
 
 class Decision(str, enum.Enum):

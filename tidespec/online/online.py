@@ -9,7 +9,7 @@ into a running ``LLMEngine`` through its two hooks, without touching the engine 
 * ``SignalCollector`` — an ``engine.observation_consumers`` entry. For every observation (the
   positions whose target KV became final this step, with their taps) it pushes rows
   ``(position i, token_i, label = token_{i+1}, taps_i)`` into a non-blocking ``CaptureBuffer``,
-  but only while TIDE's ``SelectiveCollector`` says collection is on. Its ``engine.step_listeners``
+  but only while TIDE's ``SelectiveCollector`` says collection is on. Its ``engine.finish_listeners``
   entry feeds the collector the acceptance rate of every finished request.
 * ``DrafterUpdater`` — a background thread polls the publish root (``checkpoint.publish``) for a
   newer version, loads and validates it off the hot path and parks it in memory; its
@@ -33,6 +33,7 @@ Worked example (rows of one decode step)::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import random
@@ -40,9 +41,9 @@ import subprocess
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from tidespec.engine.stats import StepStats
+from tidespec.config import CollectionConfig, EngineConfig
 from tidespec.errors import ConfigError
 from tidespec.models.eagle3_checkpoint import (
     DrafterCheckpointError,
@@ -54,7 +55,7 @@ from tidespec.models.eagle3_checkpoint import (
 from tidespec.models.eagle3_head import Eagle3ConfigError
 from tidespec.models.llama import LlamaConfig
 from tidespec.online.capture import CaptureBuffer
-from tidespec.online.collection import CollectionConfig, SelectiveCollector
+from tidespec.online.collection import SelectiveCollector
 from tidespec.online.store import TAPS_DTYPES, SignalStore
 from tidespec.speculative.api import DraftInput, DraftProposal, Observation
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
@@ -100,23 +101,6 @@ class TapCaptureDrafter:
 # ----------------------------------------------------------------------------------------------
 
 
-class Eagle3SpecFields(Protocol):
-    """The ``SpecConfig`` fields online training reads (see ``OnlineConfig.from_spec``)."""
-
-    eagle3_dir: str | None
-    signal_dir: str | None
-    signal_budget_mb: int
-    online_poll_s: float
-    collect_force: bool
-    collect_prompt: bool
-    collect_bootstrap: bool
-    collect_epsilon: float
-    collect_n_init: int
-    collect_n_threshold: int
-    collect_lambda_short: float
-    collect_lambda_long: float
-
-
 @dataclass
 class OnlineConfig:
     """Where drafters are published and signals stored, and how capture behaves."""
@@ -146,29 +130,26 @@ class OnlineConfig:
             raise OnlineConfigError("max_shard_age_s and poll_s must be > 0")
 
     @classmethod
-    def from_spec(cls, spec: Eagle3SpecFields) -> OnlineConfig:
-        """From the ``--eagle3-dir`` / ``--signal-dir`` / ``--collect-*`` flags.
+    def from_engine_config(cls, config: EngineConfig) -> OnlineConfig:
+        """From the ``--eagle3-dir`` / ``--signal-dir`` / ``--collect-*`` flags (``config.online``).
 
         Collection starts on (``bootstrap``) when nothing is published yet: with no trained
         drafter there is no acceptance level to detect a shift against.
         """
-        if not spec.eagle3_dir:
+        root, oc = config.spec.eagle3.dir, config.online
+        if not root:
             raise OnlineConfigError("online training needs --eagle3-dir (the drafter publish root)")
-        if is_checkpoint_dir(spec.eagle3_dir):
-            raise OnlineConfigError(f"--eagle3-dir {spec.eagle3_dir} is one exported checkpoint; online training "
+        if is_checkpoint_dir(root):
+            raise OnlineConfigError(f"--eagle3-dir {root} is one exported checkpoint; online training "
                                     "needs a publish root (a directory of v1/, v2/, ...)")
-        root = str(spec.eagle3_dir)
-        bootstrap = spec.collect_bootstrap or latest_version(root) is None
+        bootstrap = oc.collect.bootstrap or latest_version(root) is None
         return cls(
-            publish_root=root,
-            signal_dir=spec.signal_dir or str(Path(root) / "signals"),
-            signal_budget_bytes=spec.signal_budget_mb << 20,
-            capture_prompt=spec.collect_prompt,
-            poll_s=spec.online_poll_s,
-            collection=CollectionConfig(lambda_short=spec.collect_lambda_short, lambda_long=spec.collect_lambda_long,
-                                        epsilon=spec.collect_epsilon, n_init=spec.collect_n_init,
-                                        n_threshold=spec.collect_n_threshold, force=spec.collect_force,
-                                        bootstrap=bootstrap),
+            publish_root=str(root),
+            signal_dir=oc.signal_dir or str(Path(root) / "signals"),
+            signal_budget_bytes=oc.signal_budget_mb << 20,
+            capture_prompt=oc.capture_prompt,
+            poll_s=oc.poll_s,
+            collection=dataclasses.replace(oc.collect, bootstrap=bootstrap),
         )
 
 
@@ -193,7 +174,6 @@ class SignalCollector:
         self.capture_prompt = capture_prompt
         self.salt = (random.getrandbits(22) if salt is None else salt) << SEQ_SALT_SHIFT
         self.num_skipped_rows = 0  # rows seen while collection was off
-        self._live: dict[int, Sequence] = {}  # seq id -> running sequence, for acceptance on finish
 
     def store_seq_id(self, engine_seq_id: int) -> int:
         return self.salt | engine_seq_id
@@ -226,22 +206,11 @@ class SignalCollector:
                              ids[start + lo:start + n], ids[start + lo + 1:start + n + 1],
                              obs.taps[lo:n], domain=domain, alpha=alpha)
 
-    def on_step(self, stats: StepStats) -> None:
-        """``engine.step_listeners`` entry: feed Algorithm 1 the acceptance rate of finished requests.
-
-        A request that drafted is running during at least one earlier step, so tracking the
-        engine's live sequences after every step sees every request that has an acceptance rate.
-        """
-        for seq_id, seq in list(self._live.items()):
-            if seq.finish_reason is None:
-                continue
-            del self._live[seq_id]
-            st = seq.stats
-            if st.num_draft_tokens:
-                self.selective.observe_request(min(1.0, st.num_accepted_tokens / st.num_draft_tokens))
-        for seq in self.engine.seqs.values():
-            if seq.finish_reason is None:
-                self._live[seq.seq_id] = seq
+    def on_finish(self, seq: Sequence) -> None:
+        """``engine.finish_listeners`` entry: feed Algorithm 1 the acceptance rate of a finished request."""
+        st = seq.stats
+        if st.num_draft_tokens:
+            self.selective.observe_request(min(1.0, st.num_accepted_tokens / st.num_draft_tokens))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -425,7 +394,7 @@ def attach_online_training(engine: LLMEngine, config: OnlineConfig, *, start: bo
     collector = SignalCollector(engine, capture, selective, capture_prompt=config.capture_prompt)
     updater = DrafterUpdater(drafter, config.publish_root, engine.model.cfg, config.poll_s, selective, capture)
     engine.observation_consumers.append(collector)
-    engine.step_listeners.append(collector.on_step)
+    engine.finish_listeners.append(collector.on_finish)
     engine.between_steps.append(updater.between_steps)
     if start:
         updater.start()

@@ -58,10 +58,10 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from tidespec.errors import UserError
+from tidespec.files import TMP_PREFIX, atomic_write, fsync_path, write_synced
 
 MANIFEST_NAME = "manifest.json"
 LOCK_NAME = ".lock"
-TMP_PREFIX = ".tmp-"
 SHARD_SUFFIX = ".safetensors"
 MANIFEST_VERSION = 1
 TAPS_DTYPES: dict[str, torch.dtype] = {
@@ -201,28 +201,6 @@ def _owned(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that readers see either the old or the complete new file."""
-    tmp = path.parent / f"{TMP_PREFIX}{uuid.uuid4().hex}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
-
-
 class SignalStore:
     """A byte-budgeted directory of signal shards; one writer and several readers may share it.
 
@@ -269,7 +247,7 @@ class SignalStore:
 
     def _write_manifest(self, next_seq: int, shards: list[ShardInfo]) -> None:
         doc = {"version": MANIFEST_VERSION, "next_seq": next_seq, "shards": [s.to_json() for s in shards]}
-        _atomic_write(self._manifest_path, json.dumps(doc, indent=1).encode())
+        atomic_write(self._manifest_path, json.dumps(doc, indent=1).encode())
 
     # ----------------------------------------------------------------------------- writer
     def _encode(self, shard: SignalShard, wall_time: float) -> bytes:
@@ -300,16 +278,13 @@ class SignalStore:
             raise ValueError(f"shard of {len(data)} bytes exceeds the store's byte_budget {self.byte_budget}")
         tmp = self.root / f"{TMP_PREFIX}{uuid.uuid4().hex}{SHARD_SUFFIX}"
         try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
+            write_synced(tmp, data)
             with self._locked():
                 next_seq, shards = self._read_manifest()
                 shard_id = f"{next_seq:012d}-{uuid.uuid4().hex[:8]}"
                 file = f"{shard_id}{SHARD_SUFFIX}"
                 os.replace(tmp, self.root / file)
-                _fsync_dir(self.root)
+                fsync_path(self.root)
                 shards.append(ShardInfo(shard_id=shard_id, seq=next_seq, file=file, num_signals=shard.num_signals,
                                         num_bytes=len(data), wall_time=wall_time, domain=shard.domain,
                                         domains=tuple(shard.domains), drafter_version=shard.drafter_version,

@@ -48,7 +48,8 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tidespec.config import ConfigError
-from tidespec.engine.engine import LLMEngine, RequestError, RequestOutput
+from tidespec.engine.engine import LLMEngine, RequestError
+from tidespec.engine.output import RequestOutput
 from tidespec.engine.scheduler import QueueFullError
 from tidespec.sampling import SamplingParams, SamplingParamsError
 from tidespec.server.async_engine import (
@@ -75,7 +76,7 @@ from tidespec.server.protocol import (
     ModelList,
     Usage,
 )
-from tidespec.speculative.policy.policy import policy_profile
+from tidespec.speculative.policy.factory import policy_profile
 
 ROUTE_HEADER = "x-tidespec-route"
 _ROUTE_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
@@ -343,7 +344,7 @@ class _Server:
                                   usage=_usage(out), drafter_version=self.drafter_version)
         return JSONResponse(resp.model_dump())
 
-    async def _stream_completion(self, stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:
+    def _stream_completion(self, stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(text: str, finish: str | None, usage: Usage | None = None,
@@ -353,12 +354,27 @@ class _Server:
                 choices=[CompletionChoice(text=text, finish_reason=finish)] if choices else [], usage=usage,
                 drafter_version=self.drafter_version))
 
+        def render(out: RequestOutput) -> list[str]:
+            chunks = []
+            if out.delta_text or out.finished:
+                chunks.append(chunk(out.delta_text, out.finish_reason if out.finished else None))
+            if out.finished and include_usage:
+                chunks.append(chunk("", None, _usage(out), choices=False))
+            return chunks
+
+        return self._sse_events(stream, [], render)
+
+    async def _sse_events(self, stream: RequestStream, first: list[str],
+                          render: Callable[[RequestOutput], list[str]]) -> AsyncIterator[str]:
+        """The event stream of one request: ``first``, each engine output rendered into chunks, then
+        ``[DONE]``; an engine failure becomes an error event before ``[DONE]``; a request the client
+        left unfinished is aborted."""
         try:
+            for event in first:
+                yield event
             async for out in stream:
-                if out.delta_text or out.finished:
-                    yield chunk(out.delta_text, out.finish_reason if out.finished else None)
-                if out.finished and include_usage:
-                    yield chunk("", None, _usage(out), choices=False)
+                for event in render(out):
+                    yield event
             yield "data: [DONE]\n\n"
         except (EngineRequestError, EngineStoppedError) as exc:
             yield _sse(error_body(500, str(exc), code="engine_error"))
@@ -396,7 +412,7 @@ class _Server:
             usage=_usage(out), drafter_version=self.drafter_version)
         return JSONResponse(resp.model_dump())
 
-    async def _stream_chat(self, stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:
+    def _stream_chat(self, stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:
         created = int(time.time())
 
         def chunk(delta: DeltaMessage | None, finish: str | None, usage: Usage | None = None) -> str:
@@ -404,21 +420,16 @@ class _Server:
             return _sse(ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=choices,
                                             usage=usage, drafter_version=self.drafter_version))
 
-        try:
-            yield chunk(DeltaMessage(role="assistant", content=""), None)
-            async for out in stream:
-                if out.delta_text or out.finished:
-                    delta = DeltaMessage(content=out.delta_text) if out.delta_text else DeltaMessage()
-                    yield chunk(delta, out.finish_reason if out.finished else None)
-                if out.finished and include_usage:
-                    yield chunk(None, None, _usage(out))
-            yield "data: [DONE]\n\n"
-        except (EngineRequestError, EngineStoppedError) as exc:
-            yield _sse(error_body(500, str(exc), code="engine_error"))
-            yield "data: [DONE]\n\n"
-        finally:
-            if not stream.finished:
-                self.aengine.abort(stream.request_id)
+        def render(out: RequestOutput) -> list[str]:
+            chunks = []
+            if out.delta_text or out.finished:
+                delta = DeltaMessage(content=out.delta_text) if out.delta_text else DeltaMessage()
+                chunks.append(chunk(delta, out.finish_reason if out.finished else None))
+            if out.finished and include_usage:
+                chunks.append(chunk(None, None, _usage(out)))
+            return chunks
+
+        return self._sse_events(stream, [chunk(DeltaMessage(role="assistant", content=""), None)], render)
 
 
 def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: Metrics | None = None,

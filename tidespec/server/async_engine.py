@@ -41,7 +41,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-from tidespec.engine.engine import LLMEngine, RequestError, RequestOutput
+from tidespec.engine.engine import LLMEngine, RequestError
+from tidespec.engine.output import RequestOutput
 from tidespec.engine.scheduler import QueueFullError
 from tidespec.sampling import SamplingParams
 
@@ -355,22 +356,22 @@ class AsyncEngine:
             log.exception("engine hook %r failed", fn)
 
 
+def _attr_values(exc: BaseException, attrs: tuple[str, str], kind: type) -> set[Any]:
+    """Values of type ``kind`` an exception carries in either attribute (a single value or a collection)."""
+    found: set[Any] = set()
+    for attr in attrs:
+        v = getattr(exc, attr, None)
+        if isinstance(v, kind):
+            found.add(v)
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            found.update(x for x in v if isinstance(x, kind))
+    return found
+
+
 def _attributed(exc: BaseException, eng: LLMEngine) -> set[str]:
     """Request ids an exception names via ``request_id(s)`` or ``seq_id(s)`` attributes."""
-    rids: set[str] = set()
-    for attr in ("request_ids", "request_id"):
-        v = getattr(exc, attr, None)
-        if isinstance(v, str):
-            rids.add(v)
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            rids.update(x for x in v if isinstance(x, str))
-    seq_ids: set[int] = set()
-    for attr in ("seq_ids", "seq_id"):
-        v = getattr(exc, attr, None)
-        if isinstance(v, int):
-            seq_ids.add(v)
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            seq_ids.update(x for x in v if isinstance(x, int))
+    rids: set[str] = _attr_values(exc, ("request_ids", "request_id"), str)
+    seq_ids: set[int] = _attr_values(exc, ("seq_ids", "seq_id"), int)
     if seq_ids:
         rids.update(rid for rid, seq in eng.seqs.items() if seq.seq_id in seq_ids)
     return {r for r in rids if r in eng.seqs}

@@ -95,17 +95,17 @@ def cmd_serve(ns: argparse.Namespace) -> int:
                     "" if api_key else " and has no API key")
     engine = build_engine(config)
     online = None
-    if config.spec.online_training:
+    if config.online.enabled:
         from tidespec.online.online import OnlineConfig, attach_online_training
-        from tidespec.online.trainer import start_trainer_process
-        online = attach_online_training(engine, OnlineConfig.from_spec(config.spec))
+        from tidespec.online.trainer.process import start_trainer_process
+        online = attach_online_training(engine, OnlineConfig.from_engine_config(config))
         online.trainer = start_trainer_process(
             online.config, config.model.model, dtype=config.model.dtype,
-            device=config.spec.trainer_device or config.model.device, draft_vocab=config.spec.eagle3_draft_vocab,
-            extra_args=shlex.split(config.spec.trainer_args), nice=config.spec.trainer_nice)
+            device=config.online.trainer_device or config.model.device, draft_vocab=config.spec.eagle3.draft_vocab,
+            extra_args=shlex.split(config.online.trainer_args), nice=config.online.trainer_nice)
     app = create_app(engine, server_config, on_shutdown=online.close if online is not None else None)
     log.info("serving %r on http://%s:%d (drafter %s, policy %s, max_waiting %d%s)", server_config.served_model_name,
-             ns.host, ns.port, config.spec.drafter, config.spec.policy, config.scheduler.max_waiting,
+             ns.host, ns.port, config.spec.drafter, config.policy.name, config.scheduler.max_waiting,
              ", online training" if online is not None else "")
     try:
         uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, timeout_graceful_shutdown=10)

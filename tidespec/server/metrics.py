@@ -65,9 +65,9 @@ from prometheus_client import (
     generate_latest,
 )
 
-from tidespec.engine.engine import RequestOutput
-from tidespec.engine.stats import StepStats
-from tidespec.speculative.policy.policy import SpeculationPolicy, bucket_of
+from tidespec.engine.output import RequestOutput
+from tidespec.stats import StepStats
+from tidespec.speculative.policy.api import SpeculationPolicy, bucket_of
 from tidespec.speculative.policy.speedup import Profile
 
 PREFIX = "tidespec:"

@@ -182,22 +182,31 @@ class Usage(BaseModel):
     accepted_tokens: int = 0  # tidespec: of those, accepted by the target
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
     index: int = 0
-    text: str
     finish_reason: str | None = None
     logprobs: None = None
 
 
-class CompletionResponse(BaseModel):
+class _Response(BaseModel):
+    """Fields every completion, chat completion and chat chunk response carries (after ``object``
+    and ``choices``, which each subclass declares)."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
     usage: Usage | None = None
     system_fingerprint: str | None = None
-    drafter_version: str | None = None
+    drafter_version: str | None = None  # tidespec: the drafter version that served the request
+
+
+class CompletionChoice(_Choice):
+    text: str
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class AssistantMessage(BaseModel):
@@ -205,22 +214,13 @@ class AssistantMessage(BaseModel):
     content: str
 
 
-class ChatChoice(BaseModel):
-    index: int = 0
+class ChatChoice(_Choice):
     message: AssistantMessage
-    finish_reason: str | None = None
-    logprobs: None = None
 
 
-class ChatCompletionResponse(BaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-    drafter_version: str | None = None
 
 
 class DeltaMessage(BaseModel):
@@ -228,22 +228,13 @@ class DeltaMessage(BaseModel):
     content: str | None = None
 
 
-class ChatChunkChoice(BaseModel):
-    index: int = 0
+class ChatChunkChoice(_Choice):
     delta: DeltaMessage
-    finish_reason: str | None = None
-    logprobs: None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
-    drafter_version: str | None = None
 
 
 class ModelCard(BaseModel):

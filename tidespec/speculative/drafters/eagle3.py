@@ -1,24 +1,9 @@
 """The EAGLE-3 ``Drafter``: chains and EAGLE-2 dynamic trees from the head in ``models.eagle3_head``.
 
-Why this exists: TIDE (Sec. 3.2) trains an EAGLE-3 head online from hidden states the target
-already computes while serving. The head is one decoder layer plus a draft-vocabulary LM head
-that reads the target's hidden states entering three tap layers (low, middle, high), so a new
-head trained by the trainer process can be swapped in between engine steps. The module layout
-follows vLLM's / SGLang's ``LlamaForCausalLMEagle3`` so exported checkpoints load there
-(see ``tidespec.models.eagle3_checkpoint``).
-
-One head step at rope position ``i`` (``fused`` is ``fc(taps_i)`` for a real position, or the
-head's own previous pre-norm output while drafting)::
-
-    residual = fused                                              # [T, H]
-    x = cat(input_layernorm(embed(token_{i+1})), hidden_norm(fused))   # [T, 2H]
-    h = residual + o_proj(attn(q/k/v_proj(x)))                     # q/k/v take 2H inputs
-    h = h + mlp(post_attention_layernorm(h))                       # pre-norm output, fed back
-    logits = lm_head(norm(h))                                      # [T, draft_vocab]
-
-Pairing (as in EAGLE): the head at position i sees the target hidden of position i and the
-token at position i+1, and predicts the token at i+2. Target token ids are recovered from draft
-ids by ``target_id = draft_id + d2t[draft_id]``.
+Why this exists: TIDE (Sec. 3.2) drafts with an EAGLE-3 head that reads the target's own hidden
+states (taps), and a head the trainer process publishes can be swapped in between engine steps
+(``load_state``). The head's computation (one step, the token/tap pairing, the d2t map) is
+described in ``tidespec.models.eagle3_head``; this module owns the per-sequence drafting state.
 
 Drafter state per sequence: the head's own K/V for every position whose tap row and next token
 are final (one slot of a 1-layer ``KVCache``), plus the last position's output (pre-norm hidden
@@ -31,6 +16,7 @@ Worked example (context ``t0..t4``, target KV holds t0..t3, taps h0..h3 observed
     chain gamma=3: d1 = argmax z3; (g3, d1) at pos 4 -> d2; (g4', d2) at pos 5 -> d3
     after propose the head KV length is 4 again
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

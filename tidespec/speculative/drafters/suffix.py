@@ -391,7 +391,13 @@ class SuffixDrafter:
         return DraftProposal(drafts={inp.seq_id: self._draft_one(inp) for inp in inputs})
 
     def observe(self, observations: list[Observation]) -> None:
+        """Keep each request's index current, also through steps it did not speculate in, so a
+        finished request's whole output reaches the global index. A request is first indexed with
+        its first output token (all but the last token are then its prompt); a prompt chunk before
+        the prompt's end (every observed token cached, none generated) is skipped."""
         for obs in observations:
+            if obs.start >= 0 and obs.start + obs.num_new_cached >= len(obs.token_ids):
+                continue
             self._sync(obs.seq_id, obs.token_ids)
 
     def release(self, seq_id: int) -> None:

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from tidespec.files import cache_root
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.sampling import SamplingParams
@@ -104,8 +105,8 @@ PROFILE_SCHEMA = "4"
 
 
 def profile_cache_dir() -> Path:
-    root = os.environ.get("TIDESPEC_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "tidespec") / "profiles"
+    """Directory holding measured profiles: ``<cache_root()>/profiles``."""
+    return cache_root() / "profiles"
 
 
 def profile_key(model: LlamaModel, drafter_name: str, extra: dict[str, str] | None = None) -> str:

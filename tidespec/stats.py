@@ -2,7 +2,9 @@
 
 Why this exists: dashboards and the adaptive controllers must read the same numbers, or a
 controller can be tuned against figures nobody sees. The engine fills one ``StepStats`` per
-step; ``RequestStats`` accumulate per request and travel with its outputs.
+step; the speculation policies (``speculative.policy``) and the metrics (``server.metrics``)
+read that same record, which is why it sits below both. ``RequestStats`` accumulate per request
+and travel with its outputs.
 """
 
 from __future__ import annotations
@@ -36,6 +38,8 @@ class StepStats:
     num_emitted_tokens: int = 0  # tokens appended to outputs this step
     accepted_per_pos: list[int] = field(default_factory=list)  # [max depth] accepted count per draft position
     spec_lens: dict[int, int] = field(default_factory=dict)  # seq_id -> gamma chosen this step
+    # (gamma asked, draft depth, accepted) of every decode sequence asked for gamma > 0
+    seq_outcomes: list[tuple[int, int, int]] = field(default_factory=list)
     draft_time: float = 0.0  # seconds in drafter.propose
     verify_time: float = 0.0  # seconds in the target forward (+ verification)
     other_time: float = 0.0  # scheduling, bookkeeping, detokenization
@@ -43,6 +47,11 @@ class StepStats:
     kv_usage: float = 0.0
     num_running: int = 0
     num_waiting: int = 0
+
+    @property
+    def gamma(self) -> int:
+        """The arm that ran: the largest per-sequence gamma this step (0 = nobody drafted)."""
+        return max(self.spec_lens.values(), default=0)
 
     @property
     def mean_acceptance_length(self) -> float:

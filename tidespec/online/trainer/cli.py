@@ -3,14 +3,14 @@
 Why this exists: the trainer runs as its own process — a child of ``tidespec serve
 --online-training``, a standalone job on another machine sharing the directories, or several
 ranks under ``torchrun`` — so it needs an entry point that works both as a ``tidespec``
-sub-command (``register``) and as ``python -m tidespec.online.cli train-drafter`` (``main``,
+sub-command (``register``) and as ``python -m tidespec.online.trainer.cli train-drafter`` (``main``,
 which is what ``torchrun -m`` and ``start_trainer_process`` launch).
 
 Worked examples::
 
     tidespec train-drafter --signal-dir runs/signals --publish-root runs/drafter --min-signals 8192
     tidespec train-drafter --from-workload code.jsonl --signal-dir runs/sig --publish-root runs/drafter --once
-    torchrun --nproc_per_node 2 -m tidespec.online.cli train-drafter --signal-dir ... --publish-root ... --once
+    torchrun --nproc_per_node 2 -m tidespec.online.trainer.cli train-drafter --signal-dir ... --publish-root ... --once
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from tidespec.config import add_dataclass_args, dataclass_from_args
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``train-drafter`` to the top-level parser's sub-parsers."""
-    from tidespec.online.trainer import TrainerConfig
+    from tidespec.online.trainer.config import TrainerConfig
 
     p = subparsers.add_parser("train-drafter", help="train and publish EAGLE-3 drafters from captured signals",
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -37,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def cmd_train_drafter(ns: argparse.Namespace) -> int:
-    from tidespec.online.trainer import TrainerConfig, train_drafter
+    from tidespec.online.trainer.config import TrainerConfig
+    from tidespec.online.trainer.process import train_drafter
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = dataclass_from_args(TrainerConfig, ns)

@@ -1,0 +1,74 @@
+"""The configuration tree: nested sections, the same CLI flags and defaults as before the nesting."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from tidespec.cli import build_parser
+from tidespec.config import (
+    EngineConfig,
+    NgramConfig,
+    OnlineTrainingConfig,
+    SpecConfig,
+    add_engine_args,
+    engine_config_from_args,
+    flag_defaults,
+)
+from tidespec.errors import ConfigError
+from tidespec.server.cli import register as register_serve
+
+# Every engine flag and its default as the flat SpecConfig (34 fields) had them; nesting the config
+# must not rename a flag or move a default.
+FLAGS = {
+    '--model': None, '--dtype': 'float32', '--device': 'cpu', '--threads': 0, '--max-model-len': 2048,
+    '--max-num-seqs': 32, '--max-num-batched-tokens': 512, '--max-waiting': 0, '--drafter': 'none',
+    '--num-speculative-tokens': 4, '--tree': False, '--ngram-min': 1, '--ngram-max': 4,
+    '--suffix-max-tree-tokens': 20000, '--suffix-min-prob': 0.1, '--suffix-factor': 1.0, '--draft-model': None,
+    '--draft-layers': 0, '--tree-top-k': 2, '--policy': 'static', '--profile': None, '--guard-kv-usage': 0.9,
+    '--guard-temperature': 2.0, '--eagle3-dir': None, '--eagle3-draft-vocab': 0, '--eagle3-tree-depth': 5,
+    '--eagle3-tree-top-k': 4, '--online-training': False, '--signal-dir': None, '--signal-budget-mb': 2048,
+    '--online-poll-s': 2.0, '--trainer-device': None, '--trainer-args': '', '--trainer-nice': 0,
+    '--collect-force': False, '--collect-prompt': False, '--collect-bootstrap': False, '--collect-epsilon': 0.02,
+    '--collect-n-init': 20, '--collect-n-threshold': 16384, '--collect-lambda-short': 0.9,
+    '--collect-lambda-long': 0.99,
+}
+
+
+def _flags(parser: argparse.ArgumentParser) -> dict[str, object]:
+    return {a.option_strings[0]: a.default for a in parser._actions
+            if a.option_strings and a.option_strings[0] in FLAGS}
+
+
+def test_engine_flags_and_defaults_unchanged() -> None:
+    assert flag_defaults(EngineConfig) == FLAGS
+    sub = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
+    assert _flags(sub["generate"]) == FLAGS and _flags(sub["profile"]) == FLAGS
+    serve = argparse.ArgumentParser()
+    register_serve(serve.add_subparsers())
+    serve_flags = _flags(serve._subparsers._group_actions[0].choices["serve"])  # type: ignore[union-attr]
+    assert serve_flags == {**FLAGS, "--max-waiting": 256}  # the server bounds its queue (HTTP 429 past it)
+
+
+def test_flags_land_in_their_sections() -> None:
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    cfg = engine_config_from_args(p.parse_args([
+        "--drafter", "eagle3", "--ngram-min", "2", "--draft-layers", "3", "--tree-top-k", "5", "--policy", "hybrid",
+        "--guard-kv-usage", "0.5", "--eagle3-dir", "runs/d", "--online-training", "--collect-prompt",
+        "--collect-n-init", "7", "--online-poll-s", "0.5"]))
+    assert cfg.spec.drafter == "eagle3" and cfg.spec.ngram.min == 2 and cfg.spec.ngram.max == 4
+    assert cfg.spec.draft_model.layers == 3 and cfg.spec.draft_model.tree_top_k == 5
+    assert cfg.policy.name == "hybrid" and cfg.policy.guard_kv_usage == 0.5
+    assert cfg.spec.eagle3.dir == "runs/d" and cfg.online.enabled and cfg.online.capture_prompt
+    assert cfg.online.collect.n_init == 7 and cfg.online.poll_s == 0.5
+
+
+@pytest.mark.parametrize("build", [
+    lambda: SpecConfig(ngram=NgramConfig(min=3, max=2)),
+    lambda: EngineConfig(spec=SpecConfig(drafter="ngram"), online=OnlineTrainingConfig(enabled=True)),
+])
+def test_sections_validate_on_construction(build) -> None:
+    with pytest.raises(ConfigError):
+        build()

@@ -1,0 +1,151 @@
+"""The settings of ``tidespec bench shift`` and the request trace they describe.
+
+Why this exists: the flags (one ``ShiftBenchConfig`` field = one ``--flag``), their validation
+and which prompts each phase of the trace takes are read by every other part of the benchmark —
+the runs (``bench.shift_runs``), the side measurements (``bench.shift_measure``), the report
+(``bench.shift_report``) and the command (``bench.shift``) — so they sit below all of them. The
+online configuration's collection settings take their defaults from serving's
+(``CollectionConfig`` and ``OnlineTrainingConfig`` in ``tidespec.config``), so the two cannot
+drift apart; where the benchmark wants another value for its short trace, the flag's help says why.
+
+Worked example::
+
+    cfg = ShiftBenchConfig(workloads="code,chat:4,code", requests_per_phase=8)
+    cfg.phase_specs    # [("code", 8), ("chat", 4), ("code", 8)]
+    trace = build_trace(cfg, tokenizer)   # 20 items; the second code phase takes records 8..15
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tidespec.config import CollectionConfig, ConfigError, OnlineTrainingConfig, opt
+from tidespec.workloads.loader import Prompt, load_prompts
+
+CONFIGS = ("plain", "frozen", "online")
+
+
+@dataclass
+class ShiftBenchConfig:
+    """Flags of ``tidespec bench shift`` (one field = one ``--flag``)."""
+
+    workloads: str = opt("code_unseen,chat,code_unseen", "phases of the trace: comma-separated workload JSONLs or "
+                                                       "built-in names, each optionally NAME:N for N requests")
+    requests_per_phase: int = opt(16, "requests of a phase that gives no :N")
+    offset: int = opt(0, "skip the first N records of every workload (e.g. the ones a bootstrap drafter saw)")
+    max_tokens: int = opt(128, "tokens generated per request (EOS ignored)")
+    gamma: int = opt(4, "speculation length of the EAGLE-3 configurations (chains)")
+    concurrency: int = opt(4, "requests in flight (closed loop)")
+    configs: str = opt("plain,frozen,online", "comma-separated subset of plain, frozen, online; 'none' runs only "
+                                             "the capture-overhead and signals-vs-recompute measurements")
+    bootstrap: str | None = opt(None, "starting drafter: a publish root or an exported EAGLE-3 checkpoint "
+                                     "(default: a fresh random head)")
+    draft_vocab: int = opt(8192, "draft vocabulary of a fresh head (0 = the target's)")
+    min_signals: int = opt(4096, "online: new signal rows that trigger a training round (serving's default, "
+                                 f"{CollectionConfig.n_threshold}, is more than the default trace captures)")
+    collect_n_init: int = opt(8, "online: requests averaged before shift detection starts (serving's default, "
+                                 f"{CollectionConfig.n_init}, would start it after the first shift of the default "
+                                 "trace, whose phases are 16 requests)")
+    collect_epsilon: float = opt(CollectionConfig.epsilon,
+                                 "online: short-vs-long EMA acceptance drop that means a shift")
+    collect_force: bool = opt(CollectionConfig.force,
+                              "online: collect all the time, not only after a detected shift")
+    capture_prompt: bool = opt(OnlineTrainingConfig.capture_prompt,
+                               "online: also capture prompt positions (default: the target's outputs only)")
+    trainer_threads: int = opt(1, "online: torch threads of the trainer child process")
+    trainer_epochs: float = opt(4.0, "online: passes over each round's signals")
+    trainer_args: str = opt("", "online: extra train-drafter flags")
+    window: int = opt(8, "requests per point of the acceptance curve")
+    bin_s: float = opt(15.0, "seconds per point of the tokens/s curve")
+    overhead_repeats: int = opt(2, "capture overhead: off/on pairs (0 = skip)")
+    overhead_requests: int = opt(8, "capture overhead: requests per run")
+    recompute_rows: int = opt(4096, "signals vs recompute: rows timed (0 = skip)")
+    signal_dir: str | None = opt(None, "signals vs recompute: store to read (default: the online run's)")
+    seed: int = opt(0, "seed of the trainer")
+
+    def __post_init__(self) -> None:
+        if not self.phases:
+            raise ConfigError("workloads must name at least one workload")
+        unknown = [c for c in self.config_names if c not in CONFIGS]
+        if unknown or not (self.config_names or self.configs.strip() == "none"):
+            raise ConfigError(f"configs must be a subset of {', '.join(CONFIGS)} (or 'none': only the side "
+                              f"measurements), got {self.configs!r}")
+        for name in ("requests_per_phase", "max_tokens", "gamma", "concurrency", "min_signals", "collect_n_init",
+                     "trainer_threads", "window"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("offset", "draft_vocab", "overhead_repeats", "overhead_requests", "recompute_rows"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.gamma > 16:
+            raise ConfigError(f"gamma must be <= 16, got {self.gamma}")
+        if not 0.0 <= self.collect_epsilon < 1.0:
+            raise ConfigError(f"collect_epsilon must be in [0, 1), got {self.collect_epsilon}")
+        if self.trainer_epochs <= 0 or self.bin_s <= 0:
+            raise ConfigError("trainer_epochs and bin_s must be > 0")
+        for name in ("bootstrap", "signal_dir"):
+            value = getattr(self, name)
+            if value is not None and not Path(value).is_dir():
+                raise ConfigError(f"{name} {value} is not a directory")
+
+    @property
+    def phase_specs(self) -> list[tuple[str, int]]:
+        """``[(workload, requests)]``; ``"chat:32"`` -> ``("chat", 32)``, ``"chat"`` -> ``("chat", requests_per_phase)``."""
+        out = []
+        for w in (w.strip() for w in self.workloads.split(",")):
+            if not w:
+                continue
+            name, sep, count = w.rpartition(":")
+            if sep and count.isdigit() and name:
+                if int(count) < 1:
+                    raise ConfigError(f"phase {w!r}: the request count must be >= 1")
+                out.append((name, int(count)))
+            else:
+                out.append((w, self.requests_per_phase))
+        return out
+
+    @property
+    def phases(self) -> list[str]:
+        return [name for name, _ in self.phase_specs]
+
+    @property
+    def config_names(self) -> list[str]:
+        return [c.strip() for c in self.configs.split(",") if c.strip() and c.strip() != "none"]
+
+
+# ----------------------------------------------------------------------------------------------
+# the trace
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TraceItem:
+    phase: int
+    workload: str
+    prompt: Prompt
+
+
+def build_trace(cfg: ShiftBenchConfig, tokenizer: Any) -> list[TraceItem]:
+    """Phase i takes the next N (its ``:N``, else ``requests_per_phase``) unused records of its workload (after
+    ``offset``), so a workload that comes back (code -> chat -> code) brings new prompts.
+
+    Example: workloads "code,chat:2,code", 4 per phase, offset 10 -> code 10..13, chat 10..11, code 14..17.
+    """
+    cursor: dict[str, int] = {}
+    cache: dict[str, list[Prompt]] = {}
+    items: list[TraceItem] = []
+    specs = cfg.phase_specs
+    for i, (name, n) in enumerate(specs):
+        if name not in cache:
+            need = cfg.offset + sum(k for w, k in specs if w == name)
+            cache[name] = load_prompts(name, tokenizer, need)
+        start = cfg.offset + cursor.get(name, 0)
+        chunk = cache[name][start:start + n]
+        if len(chunk) < n:
+            raise ConfigError(f"workload {name} has {len(cache[name])} records; phase {i + 1} needs records "
+                              f"{start}..{start + n - 1} (ask fewer requests of that phase, or a lower --offset)")
+        cursor[name] = cursor.get(name, 0) + n
+        items += [TraceItem(i, Path(name).stem, p) for p in chunk]
+    return items

@@ -1,0 +1,126 @@
+"""``tidespec bench shift``'s report: README.md tables and ``shift.png`` (acceptance and tokens/s over the trace).
+
+Why this exists: a run's ``bench_shift.json`` holds every step and request, so the rendering
+reads that document alone: ``bench.shift`` renders right after a run, ``--replot`` again from
+an earlier run's JSON, and a change to a table or curve needs no new run.
+
+Worked example: ``_curves`` with window 2 over requests accepting (drafts, accepted) (2, 2),
+(2, 4), (1, 0) -> acceptance points at 2 requests: (6 + 4) / 4 = 2.5, at 3: (0 + 1) / 1 = 1.0.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+from tidespec.bench.report import machine_line, markdown_table, new_figure, save_figure
+
+COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:orange"}  # same in both panels
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.{digits}f}"
+
+
+def report(doc: dict[str, Any]) -> str:
+    cfg = doc["config"]
+    lines = ["# bench shift", "", f"Command: `{doc.get('command', '')}`", "",
+             f"Machine: {machine_line(doc['machine'])}", "",
+             f"Trace: {' -> '.join(f'{w} x{n}' for w, n in doc['phase_sizes'])}, "
+             f"{cfg['max_tokens']} tokens each, {cfg['concurrency']} in flight, gamma {cfg['gamma']} (chains); "
+             f"starting drafter: {cfg['bootstrap'] or 'fresh random head'}.", ""]
+    rows = []
+    for name, s in doc["configs"].items():
+        rows.append([name, _fmt(s["tok_s"], 1), _fmt(s.get("speedup")), _fmt(s["mean_acceptance_length"]),
+                     str(s.get("mismatches", "-"))]
+                    + [f"{_fmt(p['mean_acceptance_length'])} / {_fmt(p['second_half_acceptance_length'])}"
+                       for p in s["phases"]])
+    heads = ["config", "tok/s", "speedup", "accept len"] + ["mismatches"] + [
+        f"phase {i + 1} {w}: accept len (all / 2nd half)" for i, w in enumerate(doc["phases"])]
+    lines += [markdown_table(heads, rows), ""]
+    if "online" in doc["configs"]:
+        on = doc["configs"]["online"]["online"]
+        lines += [f"Online: drafter v{on.get('drafter_version')} at the end, {on.get('swaps')} swaps, "
+                  f"{on.get('captured')} signals captured ({on.get('dropped')} dropped), collector "
+                  f"{on.get('collector', {})}.", ""]
+        rounds = on.get("rounds", [])
+        if rounds:
+            lines += [markdown_table(["round", "train rows", "held-out rows", "accept len before", "after", "published"],
+                                     [[r.get("round"), r.get("num_train_rows"), r.get("num_heldout_rows"),
+                                       _fmt(r.get("baseline_accept_len")), _fmt(r.get("candidate_accept_len")),
+                                       r.get("published_version") or "-"] for r in rounds]), ""]
+    ov = doc.get("capture_overhead")
+    if ov:
+        lines += [f"Capture overhead (frozen drafter, {ov['requests']} requests, capture forced on vs off, "
+                  f"{len(ov['pairs'])} pairs): throughput ratio {_fmt(ov['ratio_on_off'], 3)} -> overhead "
+                  f"{100 * ov['overhead']:.1f} %; pairs (tok/s off/on): "
+                  + ", ".join(f"{p['off']:.1f}/{p['on']:.1f}" for p in ov["pairs"])
+                  + f"; rows dropped {ov['dropped_rows']}.", ""]
+    ts = doc.get("training_sources")
+    if ts and "error" not in ts:
+        lines += [f"Training from signals vs recomputing (one epoch, {ts['rows']} rows of {ts['sequences']} "
+                  f"sequences): from the store {ts['epoch_from_signals_s']:.1f} s (read {ts['load_s']:.1f} + train "
+                  f"{ts['train_stored_s']:.1f}); recomputing {ts['epoch_recomputing_s']:.1f} s (target prefill "
+                  f"{ts['recompute_s']:.1f} + train {ts['train_recomputed_s']:.1f}) -> {ts['speedup']:.2f}x.", ""]
+    elif ts:
+        lines += [f"Training from signals vs recomputing: {ts['error']}", ""]
+    return "\n".join(lines)
+
+
+def _curves(run: dict[str, Any], window: int, bin_s: float) -> tuple[list[float], list[float], list[float], list[float]]:
+    reqs = sorted(run["requests"], key=lambda r: r["t_end"])
+    xs, ys = [], []
+    for i in range(0, len(reqs), window):
+        chunk = reqs[i:i + window]
+        d = sum(r["drafts"] for r in chunk)
+        if d:
+            xs.append(i + len(chunk))
+            ys.append((sum(r["accepted"] for r in chunk) + d) / d)
+    steps = run["steps"]
+    ts, rates = [], []
+    if steps:
+        end = steps[-1]["t"]
+        k = 0
+        t = 0.0
+        while t < end:
+            tok = 0
+            while k < len(steps) and steps[k]["t"] < t + bin_s:
+                tok += steps[k]["emitted"]
+                k += 1
+            width = min(bin_s, end - t)
+            if width > 0:
+                ts.append(t + width / 2)
+                rates.append(tok / width)
+            t += bin_s
+    return xs, ys, ts, rates
+
+
+def plot_shift(doc: dict[str, Any], out_dir: Path) -> Path:
+    """Acceptance length per window of finished requests, and tokens/s over time."""
+    cfg = doc["config"]
+    fig, (ax_a, ax_t) = new_figure(2, width_per_col=6.5)
+    edge = 0
+    for _, n in doc["phase_sizes"][:-1]:
+        edge += n
+        ax_a.axvline(edge, color="grey", linestyle=":", linewidth=1)
+    for name, run in doc["runs"].items():
+        xs, ys, ts, rates = _curves(run, cfg["window"], cfg["bin_s"])
+        color = COLORS.get(name)
+        if xs:
+            ax_a.plot(xs, ys, marker="o", markersize=3, label=name, color=color)
+        ax_t.plot(ts, rates, label=name, color=color)
+        if name == "online":
+            swaps = [s["t"] for a, s in zip(run["steps"], run["steps"][1:]) if s["version"] != a["version"]]
+            for j, t in enumerate(swaps):
+                ax_t.axvline(t, color=color, linestyle="--", linewidth=0.8,
+                             label="online: new drafter" if j == 0 else None)
+    ax_a.set_xlabel(f"requests finished (phases: {' -> '.join(doc['phases'])})")
+    ax_a.set_ylabel(f"mean acceptance length (window {cfg['window']})")
+    ax_a.set_title("acceptance over the trace")
+    ax_a.legend()
+    ax_t.set_xlabel("seconds")
+    ax_t.set_ylabel(f"output tokens/s ({cfg['bin_s']:g} s bins)")
+    ax_t.set_title("throughput over time")
+    ax_t.legend()
+    return save_figure(fig, out_dir, "shift.png")

@@ -1,0 +1,107 @@
+"""One target forward for a scheduled batch: flattened token ids, ``BatchLayout``, logits rows, taps.
+
+Why this exists: the step decides *what* runs (which sequences, how many draft tokens); this
+module decides *how* it is laid out for the model — every decode sequence contributes its last
+token plus its draft (a chain or a tree with its mask), every prefill chunk its prompt slice — and
+runs the model once over all of it. It is the seam a compiled or graph-captured forward will
+replace (padded shape buckets), so it knows nothing of requests, sampling or verification.
+
+Worked example (two decode sequences, one drafting a 2-token chain, and a 3-token prefill chunk)::
+
+    decode A: last token a5, draft [d1, d2]  -> rows 0..2, logits rows 0..2, ctx = A.num_cached
+    decode B: last token b9, no draft        -> row 3,     logits row 3
+    prefill C: prompt[4:7], last chunk       -> rows 4..6, logits row 6 (its first output token)
+    ids = [a5, d1, d2, b9, c4, c5, c6]; q_lens = [3, 1, 3]; logits_rows = [0, 1, 2, 3, 6]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tidespec.engine.scheduler import ScheduledBatch
+from tidespec.models.kv_cache import KVCache
+from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.speculative.api import DraftProposal, SeqDraft
+from tidespec.speculative.tree import tree_depths, tree_mask
+
+
+@dataclass
+class Row:
+    """Where one scheduled sequence's tokens sit in the flattened forward."""
+
+    start: int  # first row of this sequence in the flattened batch
+    num: int  # rows it contributes
+    logits_start: int  # its first row in the logits tensor (-1 if it needs none)
+    draft: SeqDraft | None = None  # the draft verified in these rows (decode sequences only)
+
+
+@dataclass
+class ForwardOutput:
+    rows: dict[int, Row]  # seq_id -> its rows
+    logits: torch.Tensor | None  # [R, V] at the rows that need them (decode rows, last prefill rows)
+    argmax: list[int]  # [R] greedy token per logits row (one host transfer for the whole batch)
+    taps: torch.Tensor | None  # [T, num_taps * H] target hidden taps when asked, else None
+
+
+class ModelRunner:
+    """Lays out and runs the target forward over the engine's KV slots."""
+
+    def __init__(self, model: LlamaModel, kv: KVCache) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = model.device
+
+    def forward(self, batch: ScheduledBatch, proposal: DraftProposal, tap_layers: tuple[int, ...]) -> ForwardOutput:
+        """ONE target forward for the whole batch; K/V of every row is written into its slot."""
+        ids, rows, layout, logits_rows = self.build_inputs(batch, proposal)
+        out = self.model(ids, layout, self.kv, logits_rows=logits_rows, tap_layers=tap_layers)
+        argmax = out.logits.argmax(-1).tolist() if out.logits is not None else []
+        return ForwardOutput(rows, out.logits, argmax, out.taps if tap_layers else None)
+
+    def build_inputs(self, batch: ScheduledBatch, proposal: DraftProposal
+                     ) -> tuple[torch.Tensor, dict[int, Row], BatchLayout, torch.Tensor]:
+        """-> (ids [T], rows per seq_id, layout, logits_rows [R])."""
+        tokens: list[int] = []
+        q_lens: list[int] = []
+        ctx_lens: list[int] = []
+        slots: list[int] = []
+        depths: list[list[int] | None] = []
+        masks: list[torch.Tensor | None] = []
+        logit_rows: list[int] = []
+        rows: dict[int, Row] = {}
+        for seq in batch.decode:
+            draft = proposal.drafts.get(seq.seq_id)
+            draft = draft if draft is not None and draft.num_tokens else None
+            new = [seq.token_ids[-1]] + (draft.token_ids if draft is not None else [])
+            rows[seq.seq_id] = Row(len(tokens), len(new), len(logit_rows), draft)
+            logit_rows.extend(range(len(tokens), len(tokens) + len(new)))
+            if draft is not None and draft.is_tree:
+                assert draft.parent_indices is not None
+                depths.append([0] + [d + 1 for d in tree_depths(draft.parent_indices)])
+                masks.append(tree_mask(draft.parent_indices))
+            else:
+                depths.append(None)
+                masks.append(None)
+            tokens.extend(new)
+            q_lens.append(len(new))
+            ctx_lens.append(seq.num_cached)
+            slots.append(seq.slot)  # type: ignore[arg-type]
+        for chunk in batch.prefill:
+            seq = chunk.seq
+            new = seq.prompt_ids[chunk.start:chunk.start + chunk.num_tokens]
+            lstart = -1
+            if chunk.is_last:
+                lstart = len(logit_rows)
+                logit_rows.append(len(tokens) + len(new) - 1)
+            rows[seq.seq_id] = Row(len(tokens), len(new), lstart)
+            tokens.extend(new)
+            q_lens.append(len(new))
+            ctx_lens.append(chunk.start)
+            slots.append(seq.slot)  # type: ignore[arg-type]
+            depths.append(None)
+            masks.append(None)
+        layout = BatchLayout.build(q_lens, ctx_lens, slots, depths, masks, device=self.device)
+        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        return ids, rows, layout, torch.tensor(logit_rows, dtype=torch.int64, device=self.device)

@@ -1,0 +1,59 @@
+"""Durable file writes and the one cache directory: what the model loader, the profiler, the
+EAGLE-3 checkpoint publisher and the signal store share.
+
+Why this exists: a crash must never leave a half-written cache entry, checkpoint or manifest
+that a later reader trusts, and every cached artefact (converted GGUF checkpoints, measured
+profiles) must land under one root that honours the same environment variables. Each writer
+used to carry its own fsync helper and its own idea of the cache root.
+
+Worked example::
+
+    atomic_write(root / "manifest.json", b"{...}")   # readers see the old or the whole new file
+    cache_root()                                      # $TIDESPEC_CACHE, else $XDG_CACHE_HOME/tidespec,
+                                                      # else ~/.cache/tidespec
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+TMP_PREFIX = ".tmp-"  # temporary names start with this; readers skip them, cleaners may delete them
+
+
+def cache_root() -> Path:
+    """``$TIDESPEC_CACHE`` if set, else ``$XDG_CACHE_HOME/tidespec`` (``XDG_CACHE_HOME`` defaults to ``~/.cache``)."""
+    env = os.environ.get("TIDESPEC_CACHE")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tidespec"
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory after a rename inside it makes the rename durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and fsync it before returning."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that readers see either the old or the complete new file."""
+    tmp = path.parent / f"{TMP_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
+    try:
+        write_synced(tmp, data)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_path(path.parent)

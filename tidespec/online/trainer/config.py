@@ -1,0 +1,78 @@
+"""``TrainerConfig``, the flags of ``tidespec train-drafter``, and ``TrainerConfigError``.
+
+Why this exists: the trainer's settings are read by the command line (``trainer.cli``), the process
+entry point (``trainer.process.train_drafter``), the rounds (``trainer.rounds.DraftTrainer``) and
+the benchmarks that drive a trainer in-process (``tidespec bench learn`` / ``bench shift``); one
+validated dataclass, apart from the code that runs it, gives each the settings and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from tidespec.config import opt
+from tidespec.errors import ConfigError
+
+
+class TrainerConfigError(ConfigError):
+    """A trainer setting is invalid; the message is one line."""
+
+
+@dataclass
+class TrainerConfig:
+    """Flags of ``tidespec train-drafter`` (one field = one ``--flag``)."""
+
+    signal_dir: str = opt("", "signal store directory to watch (written by the engine or --from-workload)")
+    publish_root: str = opt("", "drafter publish root (v1/, v2/, LATEST); the engine's --eagle3-dir")
+    model: str | None = opt(None, "target checkpoint (HF dir or GGUF); default: embedded SmolLM2-135M-Instruct")
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = opt("float32", "target weights dtype")
+    device: str = opt("cpu", "torch device for the target embedding and training (cpu, cuda, cuda:1)")
+    threads: int = opt(0, "torch intra-op threads (0 = torch default)")
+    draft_vocab: int = opt(0, "draft vocabulary of a fresh head, most frequent captured tokens (0 = full vocab)")
+    init_from: str | None = opt(None, "exported EAGLE-3 checkpoint to start from when nothing is published")
+    min_signals: int = opt(16384, "new signal rows (positions) that trigger a training round")
+    heldout_frac: float = opt(0.1, "fraction of sequences held out to compare candidate and current drafter")
+    epochs: float = opt(2.0, "passes over the round's training segments")
+    max_steps: int = opt(0, "optimizer steps per round (0 = from --epochs)")
+    batch_segments: int = opt(8, "segments per optimizer step (per rank)")
+    max_segment_len: int = opt(256, "positions per training segment (longer runs are cut)")
+    replay_rows: int = opt(4096, "also train on up to this many rows of earlier rounds (newest first), so a round "
+                                "on a new domain does not erase the old one; 0 = new rows only")
+    lr: float = opt(1e-3, "AdamW learning rate")
+    ttt_steps: int = opt(3, "training-time-test unroll steps")
+    gamma: int = opt(4, "draft length of the simulated-acceptance evaluation")
+    min_gain: float = opt(0.0, "publish only if the mean acceptance length improves by more than this")
+    poll_s: float = opt(10.0, "seconds between checks of the signal store")
+    max_rounds: int = opt(0, "stop after this many training rounds (0 = run until interrupted)")
+    once: bool = opt(False, "run one round on the signals available now (at least one row) and exit")
+    from_workload: str | None = opt(None, "bootstrap: generate greedily from this JSONL workload, capture, train")
+    workload_limit: int = opt(0, "bootstrap: first N workload records (0 = all)")
+    max_tokens: int = opt(128, "bootstrap: tokens generated per prompt")
+    budget_mb: int = opt(2048, "signal store byte budget in MiB (bootstrap writes; readers ignore it)")
+    seed: int = opt(0, "seed of shuffling and of a fresh head's draft-vocabulary head")
+    export_dir: str | None = opt(None, "at the end, write the newest published drafter to this directory as one "
+                                      "EAGLE-3 checkpoint (the vLLM/SGLang layout; --bootstrap/--eagle3-dir take it)")
+    export_dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "dtype of the --export-dir weights")
+    backend: Literal["auto", "gloo", "nccl"] = opt("auto", "torch.distributed backend under torchrun")
+    progress: bool = opt(True, "show progress bars (rank 0)")
+
+    def __post_init__(self) -> None:
+        if not self.signal_dir:
+            raise TrainerConfigError("--signal-dir is required")
+        if not self.publish_root:
+            raise TrainerConfigError("--publish-root is required")
+        for name in ("threads", "draft_vocab", "max_steps", "max_rounds", "workload_limit", "replay_rows"):
+            if getattr(self, name) < 0:
+                raise TrainerConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("min_signals", "batch_segments", "ttt_steps", "gamma", "max_tokens", "budget_mb"):
+            if getattr(self, name) < 1:
+                raise TrainerConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_segment_len < 2:
+            raise TrainerConfigError(f"max_segment_len must be >= 2, got {self.max_segment_len}")
+        if not 0.0 < self.heldout_frac < 1.0:
+            raise TrainerConfigError(f"heldout_frac must be in (0, 1), got {self.heldout_frac}")
+        if self.epochs <= 0 or self.lr <= 0 or self.poll_s <= 0:
+            raise TrainerConfigError("epochs, lr and poll_s must be > 0")
+        if self.min_gain < 0:
+            raise TrainerConfigError(f"min_gain must be >= 0, got {self.min_gain}")

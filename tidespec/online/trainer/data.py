@@ -1,0 +1,127 @@
+"""A round's data: per-sequence segments, the held-out split, fresh heads, simulated acceptance.
+
+Why this exists: these steps are pure functions of signal shards and heads (no store, process or
+group), shared by ``trainer.rounds.DraftTrainer`` and by the benchmarks that replay a round offline
+(``tidespec bench learn`` / ``bench shift``), so both cut, split and score signals the same way.
+
+Signal rows are cut into runs of consecutive positions per sequence, split by sequence into
+training and held-out segments; a fresh head takes its draft vocabulary from the training rows,
+and the simulated acceptance on the held-out split decides whether a candidate is published.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from tidespec.models.eagle3_checkpoint import fresh_head
+from tidespec.models.eagle3_head import Eagle3Head
+from tidespec.models.llama import LlamaConfig
+from tidespec.online.eagle3_train import SignalSegment, evaluate, segments_from_rows, select_draft_vocab
+from tidespec.online.store import SignalShard
+
+
+def cut_segment(seg: SignalSegment, max_len: int) -> list[SignalSegment]:
+    """Split a run into pieces of at most ``max_len`` positions (rope positions kept).
+
+    Example: 5 positions from 10, max_len 2 -> (10, 11), (12, 13), (14).
+    """
+    out: list[SignalSegment] = []
+    for a in range(0, seg.num_positions, max_len):
+        b = min(a + max_len, seg.num_positions)
+        out.append(SignalSegment(seg.taps[a:b], seg.token_ids[a:b + 1], None, seg.start_position + a))
+    return out
+
+
+def segments_by_sequence(shards: Sequence[SignalShard], max_len: int) -> dict[int, list[SignalSegment]]:
+    """Rows of all shards -> per store seq id, runs of consecutive positions cut to ``max_len``.
+
+    Duplicate (seq, position) rows keep the first one.
+    """
+    if not shards:
+        return {}
+    taps = torch.cat([s.taps for s in shards])  # [R, 3H]
+    tokens = torch.cat([s.token_ids for s in shards])  # [R]
+    nexts = torch.cat([s.next_token_ids for s in shards])  # [R]
+    seqs = torch.cat([s.seq_ids for s in shards])  # [R]
+    pos = torch.cat([s.positions for s in shards])  # [R]
+    out: dict[int, list[SignalSegment]] = {}
+    for sid in torch.unique(seqs).tolist():
+        idx = (seqs == sid).nonzero().squeeze(1)  # [r]
+        seen: set[int] = set()
+        keep: list[int] = []
+        for i, p in zip(idx.tolist(), pos[idx].tolist()):
+            if p not in seen:
+                seen.add(p)
+                keep.append(i)
+        k = torch.tensor(keep)
+        segs = segments_from_rows(taps[k], tokens[k], nexts[k], seqs[k], pos[k])
+        out[int(sid)] = [piece for seg in segs for piece in cut_segment(seg, max_len)]
+    return out
+
+
+def heldout_keys(keys: Sequence[int], frac: float) -> set[int]:
+    """The held-out sequences of ``split_heldout``: every ``round(1/frac)``-th of the sorted keys
+    (at least the last one).
+
+    Example: keys [3, 8, 9, 12, 20], frac 0.34 -> {9} (every 3rd); frac 0.1 -> {20}.
+    """
+    keys = sorted(keys)
+    k = max(2, round(1 / frac))
+    return {keys[i] for i in range(len(keys)) if (i + 1) % k == 0} or ({keys[-1]} if keys else set())
+
+
+def split_heldout(by_seq: dict[int, list[SignalSegment]], frac: float
+                  ) -> tuple[list[SignalSegment], list[SignalSegment]]:
+    """(train, heldout): every ``round(1/frac)``-th sequence (at least one) is held out; with a
+    single sequence, the last ``frac`` of each of its runs is.
+
+    Example: sequences [3, 8, 9, 12], frac 0.5 -> held out 8, 12.
+    """
+    keys = sorted(by_seq)
+    if len(keys) >= 2:
+        held = heldout_keys(keys, frac)
+        train = [s for key in keys if key not in held for s in by_seq[key]]
+        heldout = [s for key in keys if key in held for s in by_seq[key]]
+        return train, heldout
+    train, heldout = [], []
+    for seg in (by_seq[keys[0]] if keys else []):
+        cut = round(seg.num_positions * (1 - frac))
+        if cut < 2 or seg.num_positions - cut < 2:
+            train.append(seg)
+            continue
+        train.append(SignalSegment(seg.taps[:cut], seg.token_ids[:cut + 1], None, seg.start_position))
+        heldout.append(SignalSegment(seg.taps[cut:], seg.token_ids[cut:], None, seg.start_position + cut))
+    return train, heldout
+
+
+def fresh_head_for(target_cfg: LlamaConfig, draft_vocab: int, train: Sequence[SignalSegment], dtype: torch.dtype,
+                   device: torch.device | str, seed: int) -> Eagle3Head:
+    """A fresh head whose draft vocabulary is the ``draft_vocab`` most frequent tokens of ``train``
+    (the whole target vocabulary when ``draft_vocab`` is 0 or not smaller)."""
+    vocab = target_cfg.vocab_size
+    if not draft_vocab or draft_vocab >= vocab:
+        return fresh_head(target_cfg, None, dtype, device, seed=seed)
+    counts = torch.zeros(vocab, dtype=torch.int64)
+    for seg in train:
+        counts += torch.bincount(seg.token_ids, minlength=vocab)
+    d2t, t2d = select_draft_vocab(counts, draft_vocab)
+    head = fresh_head(target_cfg, draft_vocab, dtype, device, seed=seed)
+    head.set_vocab_map(d2t.to(device), t2d.to(device))
+    return head
+
+
+def simulated_acceptance(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], gamma: int,
+                         batch: int = 32) -> float:
+    """``evaluate`` over all segments in batches, weighted by each batch's qualifying rows
+    (a segment of n positions has ``max(0, n - gamma)`` rows with all gamma labels). NaN if none."""
+    total, weight = 0.0, 0
+    usable = [s for s in segments if s.num_positions > gamma]
+    for i in range(0, len(usable), batch):
+        chunk = usable[i:i + batch]
+        w = sum(s.num_positions - gamma for s in chunk)
+        total += evaluate(head, embed, chunk, gamma) * w
+        weight += w
+    return total / weight if weight else float("nan")

@@ -1,0 +1,189 @@
+"""The ``tidespec train-drafter`` process: workload bootstrap, entry point, export, child start.
+
+Why this exists: training must never stall serving, so it runs in its own process (or on another
+machine sharing the directories, or on another device, or on several ranks with DDP). It watches
+the signal store the engine writes and publishes better heads (``trainer.rounds.DraftTrainer``);
+the serving engine polls the publish root and swaps them in
+(``tidespec.online.online.DrafterUpdater``). Engine and trainer share only those two directories.
+
+``capture_from_workload`` fills a signal store by generating a workload with the target (the
+offline bootstrap), ``train_drafter`` is the command's entry point, ``export_latest`` writes the
+newest published drafter as one checkpoint, and ``start_trainer_process`` starts the trainer as a
+child of a serving process.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from tidespec.models.eagle3_checkpoint import export_eagle3, head_from_published, load_latest_valid
+from tidespec.models.eagle3_head import Eagle3Config
+from tidespec.models.llama import LlamaConfig, LlamaModel
+from tidespec.online.capture import CaptureBuffer
+from tidespec.config import CollectionConfig
+from tidespec.online.collection import SelectiveCollector
+from tidespec.online.online import OnlineConfig, SignalCollector, TapCaptureDrafter
+from tidespec.online.store import SignalStore
+from tidespec.online.trainer.config import TrainerConfig, TrainerConfigError
+from tidespec.online.trainer.dist import DistContext
+from tidespec.online.trainer.rounds import DraftTrainer, RoundResult
+
+logger = logging.getLogger(__name__)
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+# ----------------------------------------------------------------------------------------------
+# offline bootstrap
+# ----------------------------------------------------------------------------------------------
+
+
+def capture_from_workload(model: LlamaModel, tokenizer: Any, workload: str, signal_dir: str | Path, *,
+                          max_tokens: int = 128, limit: int = 0, budget_bytes: int = 2 << 30,
+                          max_num_seqs: int = 8, progress: bool = True) -> dict[str, int]:
+    """Greedy-generate every workload prompt with the target, capturing the taps of every final
+    position into the store at ``signal_dir``. Returns the capture counters."""
+    from tidespec.config import CacheConfig, EngineConfig, SpecConfig
+    from tidespec.engine.engine import LLMEngine, RequestError
+    from tidespec.sampling import SamplingParams
+    from tidespec.workloads.loader import load_prompts
+
+    prompts = load_prompts(workload, tokenizer, limit or None)
+    taps = Eagle3Config.for_target(model.cfg).tap_layers
+    longest = max(len(p.token_ids) for p in prompts) + max_tokens + 1
+    max_len = max(8, min(model.cfg.max_position_embeddings, longest))
+    config = EngineConfig(cache=CacheConfig(max_model_len=max_len, max_num_seqs=max_num_seqs),
+                          spec=SpecConfig(num_speculative_tokens=0))
+    engine = LLMEngine(model, tokenizer, config, drafter=TapCaptureDrafter(taps))
+    store = SignalStore(signal_dir, budget_bytes)
+    capacity = max(4096, 4 * max_num_seqs * max_len)
+    capture = CaptureBuffer(store, capacity, min(2048, capacity), taps_dim=len(taps) * model.cfg.hidden_size)
+    collector = SignalCollector(engine, capture, SelectiveCollector(CollectionConfig(force=True)))
+    engine.observation_consumers.append(collector)
+    params = SamplingParams(max_tokens=max_tokens)
+    added = 0
+    for p in prompts:
+        try:
+            engine.add_request(p.token_ids, params, label=p.record.domain)
+            added += 1
+        except RequestError as exc:
+            logger.warning("skipping workload record %s: %s", p.record.id, exc)
+    with tqdm(total=added, desc="bootstrap generate", unit="req", disable=not progress, leave=False) as bar:
+        while engine.has_unfinished_requests():
+            bar.update(sum(1 for o in engine.step() if o.finished))
+    capture.close()
+    stats = capture.stats()
+    logger.info("bootstrap: %d prompts, %d rows captured, %d dropped", added, stats["num_captured"],
+                stats["num_dropped"])
+    return stats
+
+
+# ----------------------------------------------------------------------------------------------
+# entry points
+# ----------------------------------------------------------------------------------------------
+
+
+def train_drafter(cfg: TrainerConfig) -> list[RoundResult]:
+    """``tidespec train-drafter``: join torchrun's group if any, load the target, (bootstrap,) train."""
+    from tidespec.models.loader import load_model
+
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    ctx = DistContext.from_env(cfg.backend, cfg.device)
+    try:
+        device = cfg.device
+        if ctx.enabled and device == "cuda":
+            device = f"cuda:{ctx.local_rank}"
+        loaded = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
+        if cfg.from_workload:
+            if ctx.is_main:
+                capture_from_workload(loaded.model, loaded.tokenizer, cfg.from_workload, cfg.signal_dir,
+                                      max_tokens=cfg.max_tokens, limit=cfg.workload_limit,
+                                      budget_bytes=cfg.budget_mb << 20, progress=cfg.progress)
+            ctx.barrier()
+        run_cfg = TrainerConfig(**{**asdict(cfg), "device": device})
+        trainer = DraftTrainer(run_cfg, loaded.config, loaded.model.embed_tokens, ctx)
+        if cfg.from_workload:  # the bootstrap signals form one round now, whatever their count
+            first = trainer.run_round(min_signals=1)
+            results = [first] if first is not None else []
+            if not (cfg.once or (cfg.max_rounds and len(results) >= cfg.max_rounds)):
+                results += trainer.run(max_rounds=cfg.max_rounds - len(results) if cfg.max_rounds else 0)
+        else:
+            results = trainer.run()
+        if cfg.export_dir and ctx.is_main:
+            export_latest(cfg.publish_root, cfg.export_dir, loaded.config, DTYPES[cfg.export_dtype])
+        return results
+    finally:
+        ctx.close()
+
+
+def export_latest(root: str | Path, directory: str | Path, target_cfg: LlamaConfig, dtype: torch.dtype) -> int:
+    """Write the newest valid published version under ``root`` as one exported checkpoint in
+    ``dtype`` (a bfloat16 copy halves the size; the engine casts to the target's dtype on load).
+    Returns the version exported; ``TrainerConfigError`` when nothing valid is published."""
+    pub = load_latest_valid(root, target_cfg)
+    if pub is None:
+        raise TrainerConfigError(f"nothing valid is published under {root}; nothing to export")
+    export_eagle3(head_from_published(pub, dtype, "cpu"), directory)
+    logger.info("exported drafter version %d from %s to %s (%s)", pub.version, root, directory, dtype)
+    return pub.version
+
+
+def start_trainer_process(online: OnlineConfig, model: str | None, dtype: str = "float32", device: str = "cpu",
+                          draft_vocab: int = 0, extra_args: Sequence[str] = (),
+                          log_path: Path | str | None = None, nice: int = 0) -> subprocess.Popen[bytes]:
+    """Start ``train-drafter`` as a child process watching ``online``'s store and publish root.
+
+    ``device``: where it trains (another GPU keeps training off the serving device). ``nice``:
+    added to the child's niceness, so on a CPU shared with serving the scheduler runs the
+    engine's threads first and training takes what serving leaves (0 keeps the parent's; Linux's
+    scheduler weighs a nice-10 thread at about a tenth of a nice-0 one).
+    ``draft_vocab`` must equal the engine's fresh-head draft vocabulary. Output goes to
+    ``log_path`` (default: ``<publish_root>/trainer.log``). Stop it with ``terminate()``.
+    """
+    cmd = [sys.executable, "-m", "tidespec.online.trainer.cli", "train-drafter",
+           "--signal-dir", online.signal_dir, "--publish-root", online.publish_root,
+           "--min-signals", str(online.collection.n_threshold), "--dtype", dtype, "--device", device,
+           "--draft-vocab", str(draft_vocab), "--budget-mb", str(max(1, online.signal_budget_bytes >> 20)),
+           "--no-progress"]
+    if model:
+        cmd += ["--model", model]
+    cmd += list(extra_args)
+    log = Path(log_path) if log_path is not None else Path(online.publish_root) / "trainer.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "ab") as out:  # the child keeps its own descriptor
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                preexec_fn=_child_setup(nice))
+
+
+def _child_setup(nice: int) -> Callable[[], None] | None:
+    """A ``preexec_fn`` for the trainer child: raise its niceness by ``nice`` and, on Linux, ask
+    the kernel to SIGTERM it when its parent dies, so a serving process that is killed (SIGKILL,
+    a crash) never leaves its trainer running. ``prctl`` has no wrapper in the standard library;
+    libc's is looked up here, before the fork, so the child only makes the one foreign call."""
+    if nice < 0:
+        raise TrainerConfigError(f"nice must be >= 0 (an unprivileged process cannot lower it), got {nice}")
+    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
+    if prctl is None and nice == 0:
+        return None
+
+    def setup() -> None:
+        if nice:
+            os.nice(nice)
+        if prctl is not None:
+            prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+    return setup

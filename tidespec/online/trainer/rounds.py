@@ -1,0 +1,352 @@
+"""``DraftTrainer``, the rounds of TIDE's decoupled draft trainer, with ``TrainerState`` and ``RoundResult``.
+
+Why this exists: the serving engine swaps in only a head that beat the current one on held-out
+signals, and relays each round's acceptance rates to its selective collector; a round (TIDE Sec.
+3.3, Algorithm 1) is where an EAGLE-3 head is trained from the captured target hidden states once
+enough new signals arrived, compared with the current one, published atomically or not, and
+recorded in ``trainer_state.json``. The process around it is ``trainer.process``.
+
+One round::
+
+    new shards since the last consumed shard id  (>= min_signals rows, else wait poll_s)
+      -> rows grouped per sequence into runs of consecutive positions, cut to max_segment_len
+      -> split by sequence: ~heldout_frac of the sequences held out (positions split if only one)
+      -> plus up to replay_rows rows of earlier rounds' shards (newest first), training only, so a
+         round on a new domain does not erase the old one
+      -> candidate = current head (or, from a fresh head with a smaller draft vocab, a fresh head
+         whose draft vocabulary is the most frequent tokens of the training rows)
+      -> training-time-test AdamW steps (DDP over ranks: each rank takes its slice of every batch)
+      -> simulated mean acceptance length of greedy gamma-chains on the held-out split, candidate
+         vs current; publish(root, candidate) iff candidate > current + min_gain (rank 0 only)
+      -> trainer_state.json: consumed shard id, and the round (alpha_train = current's acceptance
+         rate, alpha_eval = candidate's) which the engine relays to its selective collector
+
+Worked example: 3 sequences of 40 captured positions, heldout_frac 0.34 -> 1 sequence held out;
+current (fresh) head scores 1.02, candidate 1.61 at gamma 4 -> published as v1, round
+{"alpha_train": 0.005, "alpha_eval": 0.15, "published_version": 1}.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
+
+from tidespec.models.eagle3_checkpoint import (
+    PublishedDrafter,
+    fresh_head,
+    head_from_published,
+    import_eagle3,
+    load_latest_valid,
+    load_version,
+    publish,
+    validate_eagle3_dir,
+)
+from tidespec.models.eagle3_head import Eagle3Head
+from tidespec.models.llama import LlamaConfig
+from tidespec.online.eagle3_train import SignalSegment, ttt_loss
+from tidespec.online.online import TRAINER_STATE_NAME
+from tidespec.online.store import ShardGone, ShardInfo, SignalShard, SignalStore
+from tidespec.online.trainer.config import TrainerConfig
+from tidespec.online.trainer.data import fresh_head_for, segments_by_sequence, simulated_acceptance, split_heldout
+from tidespec.online.trainer.dist import DistContext, check_replicas_in_sync
+
+logger = logging.getLogger(__name__)
+
+
+class _TTTObjective(nn.Module):
+    """The head plus its training-time-test loss as one module, so DDP can wrap it. The target's
+    embedding is held outside the module tree (frozen, not broadcast, not synchronized)."""
+
+    def __init__(self, head: Eagle3Head, embed: nn.Embedding, ttt_steps: int, step_weight_decay: float = 0.8) -> None:
+        super().__init__()
+        self.head = head
+        self._embed = (embed,)
+        self.ttt_steps = ttt_steps
+        self.step_weight_decay = step_weight_decay
+
+    def forward(self, segments: list[SignalSegment]) -> tuple[torch.Tensor, list[float]]:
+        loss, acc = ttt_loss(self.head, self._embed[0], segments, self.ttt_steps, self.step_weight_decay)
+        # every parameter in the graph (zero-weighted) so each rank's backward reaches every DDP hook
+        anchor = sum(p.sum() for p in self.head.parameters()) * 0.0
+        return loss + anchor, acc
+
+
+def _batches(n: int, per_step: int, seed: int) -> Iterator[list[int]]:
+    """Endless ``per_step``-sized index batches over successive seeded permutations of range(n)."""
+    gen = torch.Generator().manual_seed(seed)
+    buf: list[int] = []
+    while True:
+        while len(buf) < per_step:
+            buf.extend(torch.randperm(n, generator=gen).tolist())
+        yield buf[:per_step]
+        buf = buf[per_step:]
+
+
+@dataclass
+class TrainerState:
+    """What the trainer persists in ``publish_root/trainer_state.json``."""
+
+    last_shard_id: str | None = None
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+
+    @staticmethod
+    def load(root: Path) -> TrainerState:
+        try:
+            doc = json.loads((root / TRAINER_STATE_NAME).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return TrainerState()
+        except (OSError, json.JSONDecodeError) as exc:
+            logger.warning("ignoring unreadable %s: %s", root / TRAINER_STATE_NAME, exc)
+            return TrainerState()
+        return TrainerState(doc.get("last_shard_id"), list(doc.get("rounds") or []))
+
+    def save(self, root: Path) -> None:
+        """Atomic replace (temp file, fsync, rename): the engine may read it at any time."""
+        tmp = root / f".tmp-{TRAINER_STATE_NAME}-{uuid.uuid4().hex[:8]}"
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(asdict(self), f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, root / TRAINER_STATE_NAME)
+        finally:
+            tmp.unlink(missing_ok=True)
+
+
+@dataclass
+class RoundResult:
+    round: int
+    num_train_rows: int
+    num_heldout_rows: int
+    baseline_accept_len: float
+    candidate_accept_len: float
+    train_loss: float
+    train_time_s: float
+    published_version: int | None
+    parent_version: int
+
+
+class DraftTrainer:
+    """Watches a signal store and publishes better EAGLE-3 heads (see the module docstring).
+
+    ``embed`` is the target's token embedding (read-only). The head trains in float32 (float64
+    for a float64 target, as in the tests) on ``cfg.device``.
+    """
+
+    def __init__(self, cfg: TrainerConfig, target_cfg: LlamaConfig, embed: nn.Embedding,
+                 ctx: DistContext | None = None) -> None:
+        self.cfg = cfg
+        self.target_cfg = target_cfg
+        self.embed = embed
+        self.ctx = ctx or DistContext()
+        self.device = torch.device(cfg.device)
+        self.dtype = torch.float64 if embed.weight.dtype == torch.float64 else torch.float32
+        self.root = Path(cfg.publish_root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.store = SignalStore(cfg.signal_dir, cfg.budget_mb << 20)
+        self.state = self.ctx.broadcast(TrainerState.load(self.root) if self.ctx.is_main else None)
+        self.current_version = -1
+        self.current = self._refresh_current()
+
+    # -- the current drafter ---------------------------------------------------------------------
+
+    def _refresh_current(self) -> Eagle3Head:
+        """Load the newest valid published version if it changed (rank 0 decides which)."""
+        version = self.ctx.broadcast(self._newest_valid() if self.ctx.is_main else None)
+        if version == self.current_version:
+            return self.current
+        if version > 0:
+            head = head_from_published(load_version(self.root, version, self.target_cfg), self.dtype, self.device)
+        elif self.cfg.init_from:
+            validate_eagle3_dir(self.cfg.init_from, self.target_cfg)
+            config, sd = import_eagle3(self.cfg.init_from, self.target_cfg)
+            head = head_from_published(PublishedDrafter(0, config, sd, {}), self.dtype, self.device)
+        else:
+            head = fresh_head(self.target_cfg, self.cfg.draft_vocab or None, self.dtype, self.device)
+        self.current_version, self.current = version, head
+        return head
+
+    def _newest_valid(self) -> int:
+        pub = load_latest_valid(self.root, self.target_cfg)
+        return pub.version if pub is not None else 0
+
+    def _candidate(self, train: list[SignalSegment]) -> Eagle3Head:
+        """A copy of the current head; from a fresh head with a reduced draft vocabulary, a fresh
+        head whose vocabulary is the most frequent tokens of the training rows."""
+        cfg = self.current.cfg
+        if self.current_version > 0 or self.cfg.init_from or cfg.draft_vocab_size == cfg.target_vocab_size:
+            return copy.deepcopy(self.current)
+        return fresh_head_for(self.target_cfg, cfg.draft_vocab_size, train, self.dtype, self.device, self.cfg.seed)
+
+    # -- rounds ----------------------------------------------------------------------------------
+
+    def pending_signals(self) -> list[ShardInfo]:
+        """Shards appended since the last consumed one (rank 0's listing on every rank)."""
+        infos = self.store.list_shards(since=self.state.last_shard_id) if self.ctx.is_main else None
+        return self.ctx.broadcast(infos)
+
+    def replay_signals(self, pending: list[ShardInfo]) -> list[ShardInfo]:
+        """Already-consumed shards still in the store, newest first, up to ``replay_rows`` rows
+        (rank 0's choice on every rank).
+
+        Example: consumed shards of 300, 500 and 400 rows (oldest first), replay_rows 800 ->
+        the 400- and 500-row shards (the 300-row one would exceed the budget)."""
+        chosen: list[ShardInfo] | None = None
+        if self.ctx.is_main:
+            new = {i.shard_id for i in pending}
+            chosen, rows = [], 0
+            for info in reversed(self.store.list_shards()):
+                if info.shard_id in new:
+                    continue
+                if rows + info.num_signals > self.cfg.replay_rows:
+                    break
+                chosen.append(info)
+                rows += info.num_signals
+        return self.ctx.broadcast(chosen)
+
+    def run_round(self, min_signals: int | None = None) -> RoundResult | None:
+        """Train and maybe publish once, if at least ``min_signals`` (default ``cfg.min_signals``)
+        new rows arrived; None otherwise (nothing consumed)."""
+        need = self.cfg.min_signals if min_signals is None else min_signals
+        infos = self.pending_signals()
+        if not infos or sum(i.num_signals for i in infos) < max(1, need):
+            return None
+        replay = self.replay_signals(infos) if self.cfg.replay_rows else []
+        read: dict[str, SignalShard] = {}
+        for info in infos + replay:
+            try:
+                read[info.shard_id] = self.store.read(info.shard_id)
+            except ShardGone:
+                logger.info("shard %s was evicted before it was read", info.shard_id)
+        common = set(read).intersection(*self.ctx.all_gather(set(read)))  # every rank trains on the same rows
+        shards = [read[i.shard_id] for i in infos if i.shard_id in common]
+        old = [read[i.shard_id] for i in replay if i.shard_id in common]
+        self.state.last_shard_id = infos[-1].shard_id
+        train, heldout = split_heldout(segments_by_sequence(shards, self.cfg.max_segment_len), self.cfg.heldout_frac)
+        # replayed rows only train (the held-out split measures the traffic of now)
+        train += [seg for segs in segments_by_sequence(old, self.cfg.max_segment_len).values() for seg in segs]
+        train = [s for s in train if s.num_positions >= 2]  # one position has no label at step 1
+        parent = self._refresh_current()
+        parent_version = self.current_version
+        round_no = len(self.state.rounds) + 1
+        if not train:
+            logger.warning("round %d: no trainable segments in %d shards", round_no, len(infos))
+            self._save_state()
+            return None
+        candidate = self._candidate(train)
+        t0 = time.perf_counter()
+        loss = self.train_head(candidate, train, seed=self.cfg.seed + round_no)
+        train_time = time.perf_counter() - t0
+        version: int | None = None
+        base = cand = float("nan")
+        if self.ctx.is_main:
+            g = self.cfg.gamma
+            base = simulated_acceptance(parent, self.embed, heldout, g)
+            cand = simulated_acceptance(candidate, self.embed, heldout, g)
+            better = math.isfinite(cand) and (not math.isfinite(base) or cand > base + self.cfg.min_gain)
+            metrics = {"heldout_accept_len": cand, "baseline_accept_len": base, "gamma": g, "train_loss": loss,
+                       "round": round_no, "parent_version": parent_version,
+                       "num_train_rows": sum(s.num_positions for s in train),
+                       "num_heldout_rows": sum(s.num_positions for s in heldout),
+                       "world_size": self.ctx.world_size, "train_time_s": train_time}
+            if better:
+                version = publish(self.root, candidate, {k: v for k, v in metrics.items() if _json_number(v)})
+            logger.info("round %d: %d train / %d held-out rows, loss %.3f, accept len %.3f -> %.3f at gamma %d, %s",
+                        round_no, metrics["num_train_rows"], metrics["num_heldout_rows"], loss, base, cand, g,
+                        f"published v{version}" if version else "not published")
+        version, base, cand = self.ctx.broadcast((version, base, cand))
+        if version is not None:
+            self.current, self.current_version = candidate.eval(), version
+        result = RoundResult(round_no, sum(s.num_positions for s in train), sum(s.num_positions for s in heldout),
+                             base, cand, loss, train_time, version, parent_version)
+        g = self.cfg.gamma
+        self.state.rounds.append({
+            "round": round_no, "time": time.time(), "published_version": version,
+            "baseline_accept_len": _finite_or_none(base), "candidate_accept_len": _finite_or_none(cand),
+            "alpha_train": _alpha(base, g), "alpha_eval": _alpha(cand, g), "train_loss": loss,
+            "num_train_rows": result.num_train_rows, "num_heldout_rows": result.num_heldout_rows,
+        })
+        self._save_state()
+        return result
+
+    def _save_state(self) -> None:
+        if self.ctx.is_main:
+            self.state.save(self.root)
+
+    def train_head(self, head: Eagle3Head, train: list[SignalSegment], seed: int,
+                   on_step: Callable[[int, float], None] | None = None) -> float:
+        """Train ``head`` in place: AdamW training-time-test steps (``max_steps``, else ``epochs``
+        passes over ``train``); under DDP each rank takes its slice of every global batch. Returns
+        the mean loss of the last quarter of the steps. ``on_step(step, loss)`` (1-based) is called
+        after every optimizer step (``bench learn`` evaluates there; it must leave the head in
+        train mode)."""
+        cfg, ctx = self.cfg, self.ctx
+        objective = _TTTObjective(head, self.embed, cfg.ttt_steps)
+        model: nn.Module = (DistributedDataParallel(objective, broadcast_buffers=False) if ctx.enabled
+                            else objective)
+        optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        per_step = cfg.batch_segments * ctx.world_size
+        # rank 0's count on every rank: a shard evicted between two ranks' reads must not desync DDP
+        steps = ctx.broadcast(cfg.max_steps or max(1, math.ceil(cfg.epochs * len(train) / per_step)))
+        batches = _batches(len(train), per_step, seed)
+        head.train()
+        losses: list[float] = []
+        bar = tqdm(range(steps), desc="train-drafter", unit="step", disable=not (cfg.progress and ctx.is_main),
+                   leave=False)
+        for step in bar:
+            idx = next(batches)[ctx.rank * cfg.batch_segments:(ctx.rank + 1) * cfg.batch_segments]
+            loss, acc = model([train[i] for i in idx])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+            optimizer.step()
+            losses.append(float(loss.detach()))
+            bar.set_postfix(loss=f"{losses[-1]:.3f}", acc1=f"{acc[0]:.2f}" if acc and math.isfinite(acc[0]) else "-")
+            if on_step is not None:
+                on_step(step + 1, losses[-1])
+        head.eval()
+        if ctx.enabled:
+            check_replicas_in_sync(head, ctx)
+        tail = losses[-max(1, len(losses) // 4):]
+        return sum(tail) / len(tail)
+
+    def run(self, max_rounds: int | None = None, once: bool | None = None) -> list[RoundResult]:
+        """Rounds until ``max_rounds`` trained rounds (0 = forever) or, with ``once``, one attempt."""
+        max_rounds = self.cfg.max_rounds if max_rounds is None else max_rounds
+        once = self.cfg.once if once is None else once
+        results: list[RoundResult] = []
+        while True:
+            result = self.run_round(min_signals=1 if once else None)
+            if result is not None:
+                results.append(result)
+            if once or (max_rounds and len(results) >= max_rounds):
+                return results
+            if result is None:
+                time.sleep(self.cfg.poll_s)
+
+
+def _json_number(v: Any) -> bool:
+    return not isinstance(v, float) or math.isfinite(v)
+
+
+def _finite_or_none(v: float) -> float | None:
+    return v if math.isfinite(v) else None
+
+
+def _alpha(accept_len: float, gamma: int) -> float | None:
+    """Acceptance rate of a gamma-chain with mean acceptance length L: (L - 1) / gamma."""
+    return min(1.0, max(0.0, (accept_len - 1.0) / gamma)) if math.isfinite(accept_len) else None

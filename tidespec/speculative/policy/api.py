@@ -1,0 +1,78 @@
+"""Contracts of the speculation policies: ``SeqState``, ``PlanInput``, the ``SpeculationPolicy``
+protocol and the batch-size buckets (``bucket_of``).
+
+Why this exists: the engine asks one question per step (``plan``) and reports what happened
+(``observe``, with the step's ``tidespec.stats.StepStats``, the record the metrics read too);
+which controller answers is a configuration choice, so the engine, the server metrics and every
+controller share these types and nothing else. Four controllers implement
+``SpeculationPolicy``:
+
+- ``StaticPolicy`` (``static``): a fixed gamma (the classic engine).
+- ``AnalyticPolicy`` (``analytic``): TIDE eq. 5 on a profiled T(n)/D0 with alpha estimated
+  online per batch-size bucket; picks the gamma with the best predicted speedup, 0 if none
+  beats 1.0.
+- ``BanditPolicy`` (``bandit_policies``): Nightjar's per-batch-size bandit rewarded by goodput
+  (tokens/s).
+- ``HybridPolicy`` (``bandit_policies``, ours): the bandit with the analytic model as its prior
+  (see its docstring).
+
+``Guards`` (``guards``) wraps any of them with the operational rules of the field guide (paper
+004); ``make_policy`` (``factory``) builds one by name.
+
+Feedback convention: ``StepStats.gamma`` is the arm that ran, i.e. the largest per-sequence
+gamma of the step (0 when nothing was drafted); the batch size a policy files the step under is
+``StepStats.num_decode_seqs`` (the decode sequences it planned for, as ``PlanInput.batch_size``;
+``StepStats.batch_size`` counts prefilling sequences too); which steps the bandits credit to the
+arm is told in ``bandit_policies``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from tidespec.stats import StepStats
+
+
+@dataclass
+class SeqState:
+    """What a policy may know about one running sequence."""
+
+    seq_id: int
+    temperature: float
+    remaining_tokens: int  # output tokens this sequence may still emit (max_tokens - emitted)
+    override: int | None = None  # per-request gamma from the API: 0 = opt out, None = policy decides
+
+
+@dataclass
+class PlanInput:
+    batch_size: int  # running decode sequences this step
+    kv_usage: float  # fraction of KV slots/blocks in use, [0, 1]
+    seqs: list[SeqState]
+
+
+@runtime_checkable
+class SpeculationPolicy(Protocol):
+    name: str
+
+    def plan(self, inp: PlanInput) -> dict[int, int]:
+        """seq_id -> gamma (0 = plain decode) for every sequence in ``inp.seqs``."""
+        ...
+
+    def observe(self, step: StepStats) -> None:
+        """Learn from the step that ran (the engine's record of it)."""
+        ...
+
+    def stats(self) -> dict[str, float]: ...
+
+
+def bucket_of(batch_size: int) -> int:
+    """Power-of-two bucket (rounding up): 1 -> 1, 2 -> 2, 3 -> 4, 5 -> 8, 33 -> 64."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return 1 << (batch_size - 1).bit_length()
+
+
+def check_gamma_max(gamma_max: int) -> None:
+    if not 1 <= gamma_max <= 64:
+        raise ValueError(f"gamma_max must be in [1, 64], got {gamma_max}")

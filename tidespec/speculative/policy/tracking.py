@@ -1,0 +1,178 @@
+"""Acceptance tracking: per-bucket estimates of what a drafter delivers (``AlphaTracker``) and the
+eq.-5 speedups they predict for every gamma (``predicted_speedups``).
+
+Why this exists: the analytic and the hybrid policy both plan from the acceptance (alpha), the
+draft continuation (rho) and the per-position outcomes measured at the batch size's bucket; one
+tracker and one prediction serve both, so they read the same estimates. The estimator, why it
+counts instead of averaging per-step estimates, and a worked example are in ``AlphaTracker``'s
+docstring.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tidespec.speculative.policy.api import bucket_of
+from tidespec.speculative.policy.speedup import Profile, speedup_of_lengths
+from tidespec.stats import StepStats
+
+
+@dataclass
+class _Counts:
+    """Exponentially forgotten counts of one bucket (or of all steps): sums in which a step
+    ``n`` steps old weighs ``keep**n``."""
+
+    accepted: float  # accepted draft tokens
+    rejected: float  # drafts cut by a rejection
+    proposed: float  # draft depth proposed
+    stopped: float  # drafts shallower than the gamma asked for
+    # per draft position k = 1, 2, ... (index k - 1): [sequences asked for >= k tokens,
+    # of those whose draft reached depth k, of those that accepted >= k tokens]
+    positions: list[list[float]] = field(default_factory=list)
+
+    def alpha(self) -> float:
+        n = self.accepted + self.rejected
+        return self.accepted / n if n > 0 else 0.0
+
+    def rho(self) -> float:
+        n = self.proposed + self.stopped
+        return self.proposed / n if n > 0 else 1.0
+
+    def add(self, keep: float, accepted: float, rejected: float, proposed: float, stopped: float) -> None:
+        self.accepted = keep * self.accepted + accepted
+        self.rejected = keep * self.rejected + rejected
+        self.proposed = keep * self.proposed + proposed
+        self.stopped = keep * self.stopped + stopped
+
+    def add_positions(self, keep: float, outcomes: Sequence[tuple[int, int, int]]) -> None:
+        """Fold in (gamma asked, draft depth, accepted) of each sequence; positions nobody was
+        asked for this step keep their counts."""
+        deepest = max((g for g, _, _ in outcomes), default=0)
+        while len(self.positions) < deepest:
+            self.positions.append([0.0, 0.0, 0.0])
+        for k in range(1, deepest + 1):
+            row = self.positions[k - 1]
+            row[0] = keep * row[0] + sum(g >= k for g, _, _ in outcomes)
+            row[1] = keep * row[1] + sum(d >= k for g, d, _ in outcomes if g >= k)
+            row[2] = keep * row[2] + sum(a >= k for g, _, a in outcomes if g >= k)
+
+    def lengths(self, gamma: int, pseudo: float) -> tuple[float, float]:
+        """(E[l], mean draft length) when asking for ``gamma``: per position k, the measured
+        share of sequences whose draft reached k and that accepted >= k, each shrunk towards the
+        geometric model ((alpha rho)**k and rho**k) by ``pseudo`` sequences — the model alone
+        where position k was never asked for."""
+        alpha, rho = self.alpha(), self.rho()
+        accept_len, draft_len = 1.0, 0.0
+        acc_prev = draft_prev = 1.0
+        for k in range(1, gamma + 1):
+            geo_acc, geo_draft = (alpha * rho) ** k, rho ** k
+            if k <= len(self.positions) and self.positions[k - 1][0] + pseudo > 0:
+                asked, reached, acc = self.positions[k - 1]
+                geo_acc = (acc + pseudo * geo_acc) / (asked + pseudo)
+                geo_draft = (reached + pseudo * geo_draft) / (asked + pseudo)
+            draft_prev = min(draft_prev, geo_draft)  # reaching k implies reaching k - 1
+            acc_prev = min(acc_prev, geo_acc, draft_prev)  # accepting k implies accepting k - 1 and reaching k
+            accept_len += acc_prev
+            draft_len += draft_prev
+        return accept_len, draft_len
+
+    def copy(self) -> _Counts:
+        return _Counts(self.accepted, self.rejected, self.proposed, self.stopped, [list(r) for r in self.positions])
+
+
+@dataclass
+class AlphaTracker:
+    """Per-bucket estimates of what a drafter delivers — alpha (per-token acceptance), rho (draft
+    continuation) and per draft position the share of sequences that reach and accept it —
+    falling back to all steps' estimates for a bucket without data, then to the priors.
+
+    Estimator. Under eq. 2's model a sequence whose draft is ``d`` tokens deep accepts ``a`` of
+    them with likelihood alpha**a (1 - alpha)**[a < d], so the maximum-likelihood alpha over
+    many sequences is ``sum a / (sum a + number of rejections)``; likewise a drafter asked for
+    gamma that continues past each token with probability rho gives ``rho = sum d / (sum d +
+    number of drafts shallower than gamma)``. The tracker keeps exponentially forgotten *counts*
+    (a step's weight falls by ``1 - ema`` per later step that drafted) and divides them, which
+    stays unbiased however few sequences a step has. Averaging a per-step estimate instead (eq. 2
+    inverted at each step's acceptance length, as this policy once did) is biased low at small
+    batches: at batch 1, gamma 4 and true alpha 0.45,
+    a step that rejects the first token says alpha = 0 and one that accepts one token says 0.52
+    — their mean is 0.30, below the 0.33 that made eq. 5 speculate at batch 1 on this machine's
+    profile, so the analytic policy switched itself off at batch 1 (docs/benchmarks.md section
+    5b's open question; section 5a re-measures with this estimator).
+
+    Geometric alpha and rho assume every position alike. Suffix and n-gram drafters are not: once
+    a match holds it tends to hold, so later positions are accepted more often than alpha**k says,
+    and long gammas pay more than eq. 5 predicts. ``lengths`` therefore uses the per-position
+    counts where a position was asked for, shrunk towards the geometric model by ``pseudo``
+    sequences, and the model beyond.
+
+    Worked example (ema 1.0, i.e. the last step only): 3 sequences asked for gamma 4 drafted
+    4, 2 and 0 tokens; the first accepted all 4, the second 1 (then a rejection):
+    alpha = 5 / (5 + 1) = 0.833, rho = 6 / (6 + 2) = 0.75; per position k = 1..4 the shares
+    reaching k are 2/3, 2/3, 1/3, 1/3 and accepting k 2/3, 1/3, 1/3, 1/3, so with pseudo = 0
+    E[l] = 1 + 5/3 = 2.667 and the mean draft is 2.0 tokens.
+
+    The priors enter as one pseudo-observation (``prior_alpha`` accepted-vs-rejected, a drafter
+    that always fills gamma), so the first real steps replace them.
+    """
+
+    prior_alpha: float = 0.7
+    ema: float = 0.1  # 1 - the factor by which a step's weight falls per later step
+    pseudo: float = 1.0  # sequences' worth of the geometric model in each per-position estimate
+    overall: _Counts = field(init=False)
+    per_bucket: dict[int, _Counts] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.prior_alpha <= 1.0:
+            raise ValueError(f"prior_alpha must be in [0, 1], got {self.prior_alpha}")
+        if not 0.0 < self.ema <= 1.0:
+            raise ValueError(f"ema must be in (0, 1], got {self.ema}")
+        if self.pseudo < 0:
+            raise ValueError(f"pseudo must be >= 0, got {self.pseudo}")
+        self.overall = _Counts(self.prior_alpha, 1.0 - self.prior_alpha, 1.0, 0.0)
+
+    @property
+    def global_alpha(self) -> float:
+        return self.overall.alpha()
+
+    def _counts(self, bucket: int) -> _Counts:
+        return self.per_bucket.get(bucket, self.overall)
+
+    def alpha(self, bucket: int) -> float:
+        return self._counts(bucket).alpha()
+
+    def rho(self, bucket: int) -> float:
+        return self._counts(bucket).rho()
+
+    def lengths(self, bucket: int, gamma: int) -> tuple[float, float]:
+        """(E[l], mean draft length) of asking for ``gamma`` in this bucket (``_Counts.lengths``)."""
+        return self._counts(bucket).lengths(gamma, self.pseudo)
+
+    def update(self, bucket: int, step: StepStats) -> None:
+        """Fold in one step's counts (accepted, rejected, draft depth, short drafts and the
+        per-sequence outcomes); a step that asked for no drafts changes nothing."""
+        asked = step.num_drafts + step.num_short_drafts
+        if asked <= 0:
+            return
+        if bucket not in self.per_bucket:  # a new bucket starts from what all steps say
+            self.per_bucket[bucket] = self.overall.copy()
+        counts = (float(step.num_accepted_tokens), float(step.num_rejected), float(step.num_draft_depth),
+                  float(step.num_short_drafts))
+        keep = 1.0 - self.ema
+        for c in (self.per_bucket[bucket], self.overall):
+            c.add(keep, *counts)
+            if step.seq_outcomes:
+                c.add_positions(keep, step.seq_outcomes)
+
+
+def predicted_speedups(tracker: AlphaTracker, batch_size: int, profile: Profile, gamma_max: int,
+                       drafter: str | None = None) -> list[float]:
+    """Eq. 5 for every gamma 0..gamma_max at this batch size, with the acceptance and draft
+    lengths the tracker measured for the batch size's bucket (``AlphaTracker.lengths``)."""
+    key = bucket_of(batch_size)
+    out = [1.0]
+    for g in range(1, gamma_max + 1):
+        accept_len, draft_len = tracker.lengths(key, g)
+        out.append(speedup_of_lengths(accept_len, draft_len, g, batch_size, profile, drafter))
+    return out
