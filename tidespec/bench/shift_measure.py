@@ -33,7 +33,7 @@ from tidespec.models.eagle3_head import Eagle3Config
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.models.loader import LoadedModel
-from tidespec.online.online import OnlineConfig, OnlineTraining, attach_online_training
+from tidespec.online.attach import OnlineConfig, OnlineTraining, attach_online_training
 from tidespec.online.store import SignalShard, SignalStore
 
 

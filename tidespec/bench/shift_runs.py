@@ -32,7 +32,7 @@ from tidespec.llm import build_eagle3_drafter
 from tidespec.models.eagle3_checkpoint import head_from_published, load_drafter_source, publish
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import LoadedModel
-from tidespec.online.online import OnlineConfig, OnlineTraining, attach_online_training, read_trainer_rounds
+from tidespec.online.attach import OnlineConfig, OnlineTraining, attach_online_training, read_trainer_rounds
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig
 

@@ -96,7 +96,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     engine = build_engine(config)
     online = None
     if config.online.enabled:
-        from tidespec.online.online import OnlineConfig, attach_online_training
+        from tidespec.online.attach import OnlineConfig, attach_online_training
         from tidespec.online.trainer.process import start_trainer_process
         online = attach_online_training(engine, OnlineConfig.from_engine_config(config))
         online.trainer = start_trainer_process(

@@ -4,7 +4,7 @@ Why this exists: training must never stall serving, so it runs in its own proces
 machine sharing the directories, or on another device, or on several ranks with DDP). It watches
 the signal store the engine writes and publishes better heads (``trainer.rounds.DraftTrainer``);
 the serving engine polls the publish root and swaps them in
-(``tidespec.online.online.DrafterUpdater``). Engine and trainer share only those two directories.
+(``tidespec.online.attach.DrafterUpdater``). Engine and trainer share only those two directories.
 
 ``capture_from_workload`` fills a signal store by generating a workload with the target (the
 offline bootstrap), ``train_drafter`` is the command's entry point, ``export_latest`` writes the
@@ -34,7 +34,7 @@ from tidespec.models.llama import LlamaConfig, LlamaModel
 from tidespec.online.capture import CaptureBuffer
 from tidespec.config import CollectionConfig
 from tidespec.online.collection import SelectiveCollector
-from tidespec.online.online import OnlineConfig, SignalCollector, TapCaptureDrafter
+from tidespec.online.attach import OnlineConfig, SignalCollector, TapCaptureDrafter
 from tidespec.online.store import SignalStore
 from tidespec.online.trainer.config import TrainerConfig, TrainerConfigError
 from tidespec.online.trainer.dist import DistContext

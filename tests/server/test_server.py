@@ -27,7 +27,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from tests.tiny import tiny_llama, tiny_tokenizer
+from tests.helpers import tiny_llama, tiny_tokenizer
 from tidespec.bench import serve as bench_serve
 from tidespec.bench.serve import arrival_times, check_loopback, load_rate_trace
 from tidespec.config import (

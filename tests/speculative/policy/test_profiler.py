@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny import tiny_llama
+from tests.helpers import tiny_llama
 from tidespec.speculative.policy import profiler
 from tidespec.speculative.policy.profiler import ProfilerConfig, measure_profile
 

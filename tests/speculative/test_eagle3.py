@@ -7,6 +7,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.helpers import capture
 from tidespec.models.eagle3_head import (
     Eagle3Config,
     Eagle3ConfigError,
@@ -52,14 +53,6 @@ def tiny_head(target: LlamaModel, seed: int = 1, draft_vocab: int | None = None)
             if p.dim() == 2:
                 p.normal_(0.0, 0.3)
     return head
-
-
-def capture(target: LlamaModel, token_ids: list[int], taps: tuple[int, ...]) -> torch.Tensor:
-    """[len, 3H] target taps over a whole sequence (one prefill)."""
-    kv = KVCache.for_model(target.cfg, 1, 256, target.dtype)
-    out = target(torch.tensor(token_ids), BatchLayout.build([len(token_ids)], [0], [0]), kv, tap_layers=taps)
-    assert out.taps is not None
-    return out.taps
 
 
 def drafter_for(head: Eagle3Head, target: LlamaModel, **kw: int | bool) -> Eagle3Drafter:

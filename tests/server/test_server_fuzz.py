@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.tiny import tiny_llama, tiny_tokenizer
+from tests.helpers import tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.server.app import ServerConfig, create_app

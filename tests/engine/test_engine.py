@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.tiny import tiny_llama, tiny_tokenizer
+from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
 from tidespec.engine.engine import LLMEngine, RequestError
 from tidespec.engine.scheduler import QueueFullError
@@ -32,15 +32,6 @@ def make_engine(model, tok, slots=8, max_len=128, budget=512, max_waiting=0) -> 
     return LLMEngine(model, tok, cfg)
 
 
-def run_all(engine: LLMEngine) -> dict[str, list[int]]:
-    done: dict[str, list[int]] = {}
-    while engine.has_unfinished_requests():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o.token_ids
-    return done
-
-
 def prompts8() -> list[list[int]]:
     g = torch.Generator().manual_seed(7)
     return [torch.randint(1, V, (n,), generator=g).tolist() for n in (3, 17, 5, 40, 1, 9, 26, 12)]
@@ -52,7 +43,7 @@ def test_batch_with_staggered_arrivals_equals_alone(model, tok):
     for i, p in enumerate(prompts8()):
         e = make_engine(model, tok, slots=1)
         e.add_request(p, params, request_id=f"r{i}")
-        alone.update(run_all(e))
+        alone.update({rid: o.token_ids for rid, o in run_to_completion(e).items()})
     # small budget forces chunked prefill; requests arrive at different steps
     e = make_engine(model, tok, slots=8, budget=24)
     got: dict[str, list[int]] = {}
@@ -117,7 +108,7 @@ def test_abort_frees_kv_and_200_requests_finish(model, tok):
     assert e.kv.num_free_slots == 0 and e.num_waiting == 192
     assert e.abort_request(ids[0]) and e.abort_request(ids[150])
     assert not e.abort_request(ids[0])
-    done = run_all(e)
+    done = {rid: o.token_ids for rid, o in run_to_completion(e).items()}
     assert len(done) == 198 and all(len(v) == 4 for v in done.values())
     assert e.kv.num_free_slots == 8 and e.kv.usage() == 0.0
 
@@ -152,11 +143,11 @@ def test_stop_tokens_strings_and_streaming(model, tok):
     e = make_engine(model, tok)
     p = [3, 4, 5]
     e.add_request(p, SamplingParams(max_tokens=10, ignore_eos=True), request_id="a")
-    full = run_all(e)["a"]
+    full = run_to_completion(e)["a"].token_ids
     # stop token id: generation ends at its first occurrence, inclusive
     stop_tok = full[4]
     e.add_request(p, SamplingParams(max_tokens=10, ignore_eos=True, stop_token_ids=[stop_tok]), request_id="b")
-    got = run_all(e)["b"]
+    got = run_to_completion(e)["b"].token_ids
     assert got == full[:full.index(stop_tok) + 1]
     # stop string: text ends right before it, streaming deltas concatenate to the final text
     text = tok.decode(full)
@@ -175,13 +166,13 @@ def test_stop_tokens_strings_and_streaming(model, tok):
 def test_eos_stops_unless_ignored(model, tok):
     e = make_engine(model, tok)
     e.add_request([3, 4, 5], SamplingParams(max_tokens=40, ignore_eos=True), request_id="a")
-    full = run_all(e)["a"]
+    full = run_to_completion(e)["a"].token_ids
     if 0 in full:
         e.add_request([3, 4, 5], SamplingParams(max_tokens=40), request_id="b")
-        assert run_all(e)["b"] == full[:full.index(0) + 1]
+        assert run_to_completion(e)["b"].token_ids == full[:full.index(0) + 1]
     else:
         e.add_request([3, 4, 5], SamplingParams(max_tokens=40, stop_token_ids=[full[2]]), request_id="b")
-        assert run_all(e)["b"] == full[:full.index(full[2]) + 1]
+        assert run_to_completion(e)["b"].token_ids == full[:full.index(full[2]) + 1]
 
 
 def test_seeded_sampling_is_reproducible(model, tok):
@@ -190,5 +181,5 @@ def test_seeded_sampling_is_reproducible(model, tok):
         e = make_engine(model, tok)
         e.add_request([3, 4], SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=16, ignore_eos=True),
                       request_id="s")
-        outs.append(run_all(e)["s"])
+        outs.append(run_to_completion(e)["s"].token_ids)
     assert outs[0] == outs[1]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_hf_model, write_tiny_checkpoint
-from tests.tiny import tiny_llama, tiny_tokenizer
+from tests.helpers import tiny_llama, tiny_tokenizer
 from tidespec.bench.cli import register
 from tidespec.bench.decode import DecodeBenchConfig, run_decode_bench, wave_indices
 from tidespec.bench.profile import (

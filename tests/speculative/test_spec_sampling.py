@@ -13,7 +13,7 @@ import torch
 from scipy.stats import chisquare
 
 import tidespec.speculative.verify as verify_mod
-from tests.tiny import tiny_llama, tiny_tokenizer
+from tests.helpers import tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter

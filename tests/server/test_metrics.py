@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.tiny import tiny_llama, tiny_tokenizer
+from tests.helpers import tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput

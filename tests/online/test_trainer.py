@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_hf_model, write_tiny_checkpoint
-from tests.tiny import tiny_llama, tiny_tokenizer
+from tests.helpers import tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_eagle3_drafter
@@ -28,7 +28,7 @@ from tidespec.online.capture import CaptureBuffer
 from tidespec.config import CollectionConfig
 from tidespec.online.collection import SelectiveCollector
 from tidespec.online.eagle3_train import SignalSegment
-from tidespec.online.online import TRAINER_STATE_NAME, OnlineConfig, SignalCollector
+from tidespec.online.attach import TRAINER_STATE_NAME, OnlineConfig, SignalCollector
 from tidespec.online.store import SignalShard, SignalStore
 from tidespec.online.trainer.config import TrainerConfig, TrainerConfigError
 from tidespec.online.trainer.data import cut_segment, segments_by_sequence, split_heldout
@@ -39,7 +39,7 @@ from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig
 
 V = 48
 LAYERS = 8
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def seg(start: int, n: int, width: int = 2) -> SignalSegment:

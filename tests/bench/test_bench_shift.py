@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_hf_model, tiny_tokenizer, write_tiny_checkpoint
+from tests.helpers import capture
 from tidespec.bench.decode import resolve_target
 from tidespec.bench.shift import replot, run_shift_bench
 from tidespec.bench.shift_config import ShiftBenchConfig, build_trace
@@ -70,7 +71,6 @@ def test_curves_window_acceptance_and_bin_rates() -> None:
 
 
 def test_recompute_taps_match_the_engine_forward() -> None:
-    from tests.test_eagle3 import capture  # the reference one-prefill capture
 
     _, target = tiny_hf_model("qwen2", torch.float64)
     ids = [5, 9, 11, 3, 7, 20]

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny import tiny_llama, tiny_tokenizer
+from tests.helpers import SlowStore, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, CollectionConfig, Eagle3Options, EngineConfig, OnlineTrainingConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_eagle3_drafter
@@ -29,7 +29,7 @@ from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
-from tidespec.online.online import (
+from tidespec.online.attach import (
     TRAINER_STATE_NAME,
     OnlineConfig,
     OnlineConfigError,
@@ -44,7 +44,7 @@ V = 48
 LAYERS = 8  # EAGLE-3 taps (2, 4, 5): distinct without the tiny-model fallback
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14], [3, 3, 3, 3]]
 MAX_TOKENS = 20
-SLEEP_S = 0.5
+SLEEP_S = SlowStore.sleep_s
 
 
 @pytest.fixture(scope="module")
@@ -174,14 +174,6 @@ def test_no_capture_while_collection_is_off(model: LlamaModel, tok) -> None:
     assert selective.state()["num_requests"] == 2  # both requests drafted and fed their acceptance
 
 
-class SlowStore(SignalStore):
-    """Every append takes SLEEP_S longer (a congested shared filesystem)."""
-
-    def append(self, shard: SignalShard) -> str:
-        time.sleep(SLEEP_S)
-        return super().append(shard)
-
-
 def test_capture_never_blocks_the_engine_with_a_slow_store(model: LlamaModel, tok, tmp_path: Path) -> None:
     def step_times(with_capture: bool) -> tuple[list[float], CaptureBuffer | None]:
         engine = make_engine(model, tok, build_eagle3_drafter(model, None, cfg=drafter_cfg()))
@@ -294,7 +286,7 @@ def test_partial_and_invalid_versions_are_refused_and_serving_continues(
         bad.fc.weight[0, 0] = float("nan")
     export_eagle3(bad, root / "v4")
     (root / LATEST_NAME).write_text("4\n")
-    with caplog.at_level(logging.WARNING, logger="tidespec.online.online"):
+    with caplog.at_level(logging.WARNING, logger="tidespec.online.attach"):
         for version in (2, 3, 4):
             (root / LATEST_NAME).write_text(f"{version}\n")
             assert up.poll_once() is None
@@ -314,7 +306,7 @@ def test_partial_and_invalid_versions_are_refused_and_serving_continues(
 
     # at start-up: a root whose only versions are invalid -> logged, fresh head; a bad plain dir -> error
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="tidespec.online.online"):
+    with caplog.at_level(logging.WARNING, logger="tidespec.online.attach"):
         shutil.rmtree(root / "v1")
         shutil.rmtree(root / "v5")
         (root / LATEST_NAME).unlink()

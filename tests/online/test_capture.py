@@ -12,16 +12,10 @@ import torch
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.store import SignalShard, SignalStore
 
+
+from tests.helpers import SlowStore
 WIDTH = 24  # k*H of the fake taps
-SLEEP_S = 0.5
-
-
-class SlowStore(SignalStore):
-    """A store whose every append takes SLEEP_S longer (a congested shared filesystem)."""
-
-    def append(self, shard: SignalShard) -> str:
-        time.sleep(SLEEP_S)
-        return super().append(shard)
+SLEEP_S = SlowStore.sleep_s
 
 
 class FlakyStore:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.tiny import tiny_llama, tiny_tokenizer
+from tests.helpers import tiny_llama, tiny_tokenizer
 from tidespec.bench.learn import (
     LearnBenchConfig,
     fit_log2,

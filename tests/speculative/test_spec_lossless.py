@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.tiny import tiny_llama, tiny_tokenizer
+from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
@@ -34,15 +34,10 @@ def generate(model, tok, spec: SpecConfig, prompts: list[list[int]], slots: int,
     e = LLMEngine(model, tok, cfg, drafter=drafter)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     ids = [e.add_request(p, params) for p in prompts]
-    done = {}
-    drafted = accepted = 0
-    while e.has_unfinished_requests():
-        for o in e.step():
-            if o.finished:
-                done[o.request_id] = o.token_ids
-                drafted += o.stats.num_draft_tokens
-                accepted += o.stats.num_accepted_tokens
-    return [done[i] for i in ids], drafted, accepted
+    done = run_to_completion(e)
+    drafted = sum(o.stats.num_draft_tokens for o in done.values())
+    accepted = sum(o.stats.num_accepted_tokens for o in done.values())
+    return [done[i].token_ids for i in ids], drafted, accepted
 
 
 @pytest.fixture(scope="module")
