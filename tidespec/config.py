@@ -40,7 +40,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args, get_origin
 
-from tidespec.errors import ConfigError
+from tidespec.errors import ConfigError, check_at_least
 
 
 def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
@@ -64,8 +64,7 @@ class ModelConfig:
     threads: int = opt(0, "torch intra-op threads (0 = torch default)")
 
     def __post_init__(self) -> None:
-        if self.threads < 0:
-            raise ConfigError(f"threads must be >= 0, got {self.threads}")
+        check_at_least(0, threads=self.threads)
 
 
 @dataclass
@@ -74,10 +73,8 @@ class CacheConfig:
     max_num_seqs: int = opt(32, "KV slots = most sequences running at once")
 
     def __post_init__(self) -> None:
-        if self.max_model_len < 8:
-            raise ConfigError(f"max_model_len must be >= 8, got {self.max_model_len}")
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        check_at_least(8, max_model_len=self.max_model_len)
+        check_at_least(1, max_num_seqs=self.max_num_seqs)
 
 
 @dataclass
@@ -86,10 +83,8 @@ class SchedulerConfig:
     max_waiting: int = opt(0, "bounded waiting queue; 0 = unbounded (the server sets a bound)")
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 16:
-            raise ConfigError(f"max_num_batched_tokens must be >= 16, got {self.max_num_batched_tokens}")
-        if self.max_waiting < 0:
-            raise ConfigError(f"max_waiting must be >= 0, got {self.max_waiting}")
+        check_at_least(16, max_num_batched_tokens=self.max_num_batched_tokens)
+        check_at_least(0, max_waiting=self.max_waiting)
 
 
 DRAFTERS = ("none", "ngram", "suffix", "draft-model", "eagle3")
@@ -129,10 +124,8 @@ class DraftModelConfig:
     tree_top_k: int = opt(2, "draft model trees: children per node", flag="--tree-top-k")
 
     def __post_init__(self) -> None:
-        if self.layers < 0:
-            raise ConfigError(f"draft_layers must be >= 0, got {self.layers}")
-        if self.tree_top_k < 1:
-            raise ConfigError(f"tree_top_k must be >= 1, got {self.tree_top_k}")
+        check_at_least(0, draft_layers=self.layers)
+        check_at_least(1, tree_top_k=self.tree_top_k)
 
 
 @dataclass

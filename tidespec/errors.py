@@ -23,3 +23,14 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A configuration value is invalid; the message is a single line."""
+
+
+def check_at_least(minimum: float, **values: float) -> None:
+    """Raise ``ConfigError("<name> must be >= <minimum>, got <value>")`` for the first value below ``minimum``.
+
+    Example: ``check_at_least(1, max_num_seqs=4, max_model_len=0)`` raises
+    ``ConfigError("max_model_len must be >= 1, got 0")``.
+    """
+    for name, value in values.items():
+        if value < minimum:
+            raise ConfigError(f"{name} must be >= {minimum}, got {value}")

@@ -21,14 +21,10 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tidespec.config import EngineConfig, SpecConfig
-from tidespec.errors import ConfigError
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
-from tidespec.models.eagle3_checkpoint import (
-    fresh_head,
-    head_from_published,
-    load_drafter_source,
-)
+from tidespec.errors import ConfigError
+from tidespec.models.eagle3_checkpoint import fresh_head, head_from_published, load_drafter_source
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import load_model
 from tidespec.sampling import SamplingParams
@@ -131,9 +127,7 @@ class LLM:
 
     def __init__(self, config: EngineConfig | None = None, *, model: LlamaModel | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None, drafter: Drafter | None = None) -> None:
-        from tidespec.llm import (
-            build_engine,  # late import: runtime imports this module
-        )
+        from tidespec.llm import build_engine  # late import: runtime imports this module
 
         self.config = config or EngineConfig()
         self.engine = build_engine(self.config, model=model, tokenizer=tokenizer, drafter=drafter)

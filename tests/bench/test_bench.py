@@ -16,12 +16,7 @@ from tests.conftest import tiny_hf_model, write_tiny_checkpoint
 from tests.helpers import tiny_llama, tiny_tokenizer
 from tidespec.bench.cli import register
 from tidespec.bench.decode import DecodeBenchConfig, run_decode_bench, wave_indices
-from tidespec.bench.profile import (
-    ProfileConfig,
-    kv_bytes_per_token,
-    run_profile,
-    weight_bytes_per_token,
-)
+from tidespec.bench.profile import ProfileConfig, kv_bytes_per_token, run_profile, weight_bytes_per_token
 from tidespec.bench.report import command_line, markdown_table, percentile, summarize
 from tidespec.bench.spec import SpecBenchConfig, run_spec_bench
 from tidespec.config import ConfigError, ModelConfig

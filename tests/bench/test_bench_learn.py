@@ -10,14 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import tiny_llama, tiny_tokenizer
-from tidespec.bench.learn import (
-    LearnBenchConfig,
-    fit_log2,
-    load_sequences,
-    parse_fractions,
-    replot,
-    run_learn_bench,
-)
+from tidespec.bench.learn import LearnBenchConfig, fit_log2, load_sequences, parse_fractions, replot, run_learn_bench
 from tidespec.config import ConfigError
 from tidespec.models.loader import LoadedModel
 from tidespec.online.trainer.data import heldout_keys

@@ -21,13 +21,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tests.conftest import full_logits, tiny_hf_model, write_tiny_checkpoint
 from tidespec.models import loader
-from tidespec.models.loader import (
-    LoadedModel,
-    ModelLoadError,
-    cache_dir,
-    hf_checkpoint_dir,
-    load_model,
-)
+from tidespec.models.loader import LoadedModel, ModelLoadError, cache_dir, hf_checkpoint_dir, load_model
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

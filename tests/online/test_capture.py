@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import SlowStore
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.store import SignalShard, SignalStore
 
-
-from tests.helpers import SlowStore
 WIDTH = 24  # k*H of the fake taps
 SLEEP_S = SlowStore.sleep_s
 

@@ -27,8 +27,6 @@ from tidespec.models.eagle3_checkpoint import (
 from tidespec.models.eagle3_head import Eagle3Head
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
-from tidespec.online.capture import CaptureBuffer
-from tidespec.online.collection import SelectiveCollector
 from tidespec.online.attach import (
     TRAINER_STATE_NAME,
     OnlineConfig,
@@ -36,6 +34,8 @@ from tidespec.online.attach import (
     SignalCollector,
     attach_online_training,
 )
+from tidespec.online.capture import CaptureBuffer
+from tidespec.online.collection import SelectiveCollector
 from tidespec.online.store import SignalShard, SignalStore
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig

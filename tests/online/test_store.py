@@ -11,13 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tidespec.online.store import (
-    ShardGone,
-    SignalShard,
-    SignalStore,
-    StoreError,
-    shard_seq,
-)
+from tidespec.online.store import ShardGone, SignalShard, SignalStore, StoreError, shard_seq
 
 
 def make_shard(n: int = 6, width: int = 12, fill: float | None = None, topk: int = 0,

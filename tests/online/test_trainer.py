@@ -14,21 +14,16 @@ import torch
 
 from tests.conftest import tiny_hf_model, write_tiny_checkpoint
 from tests.helpers import tiny_llama, tiny_tokenizer
-from tidespec.config import CacheConfig, EngineConfig, SpecConfig
+from tidespec.config import CacheConfig, CollectionConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_eagle3_drafter
-from tidespec.models.eagle3_checkpoint import (
-    import_eagle3,
-    latest_version,
-    load_version,
-)
+from tidespec.models.eagle3_checkpoint import import_eagle3, latest_version, load_version
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import load_model
+from tidespec.online.attach import TRAINER_STATE_NAME, OnlineConfig, SignalCollector
 from tidespec.online.capture import CaptureBuffer
-from tidespec.config import CollectionConfig
 from tidespec.online.collection import SelectiveCollector
 from tidespec.online.eagle3_train import SignalSegment
-from tidespec.online.attach import TRAINER_STATE_NAME, OnlineConfig, SignalCollector
 from tidespec.online.store import SignalShard, SignalStore
 from tidespec.online.trainer.config import TrainerConfig, TrainerConfigError
 from tidespec.online.trainer.data import cut_segment, segments_by_sequence, split_heldout

@@ -15,13 +15,13 @@ from tests.helpers import tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
-from tidespec.stats import RequestStats, StepStats
 from tidespec.server.app import ServerConfig, create_app
 from tidespec.server.metrics import Metrics
 from tidespec.speculative.drafters.ngram import NgramDrafter
 from tidespec.speculative.policy.factory import PolicyOptions, make_policy
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.speculative.policy.static import StaticPolicy
+from tidespec.stats import RequestStats, StepStats
 
 
 def _value(m: Metrics, name: str, **labels: str) -> float:

@@ -30,13 +30,7 @@ from fastapi.testclient import TestClient
 from tests.helpers import tiny_llama, tiny_tokenizer
 from tidespec.bench import serve as bench_serve
 from tidespec.bench.serve import arrival_times, check_loopback, load_rate_trace
-from tidespec.config import (
-    CacheConfig,
-    ConfigError,
-    EngineConfig,
-    SchedulerConfig,
-    SpecConfig,
-)
+from tidespec.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine
 from tidespec.models.loader import LoadedModel

@@ -8,12 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import capture
-from tidespec.models.eagle3_head import (
-    Eagle3Config,
-    Eagle3ConfigError,
-    Eagle3Head,
-    default_tap_layers,
-)
+from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head, default_tap_layers
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaConfig, LlamaModel
 from tidespec.online.eagle3_train import (
@@ -29,11 +24,7 @@ from tidespec.online.eagle3_train import (
 )
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter, DraftInput, Observation
-from tidespec.speculative.drafters.eagle3 import (
-    Eagle3Drafter,
-    Eagle3DrafterConfig,
-    rerank_tree,
-)
+from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig, rerank_tree
 
 VOCAB = 48
 

@@ -8,13 +8,7 @@ import pytest
 import torch
 
 from tidespec.speculative.api import SeqDraft
-from tidespec.speculative.tree import (
-    build_tree_from_paths,
-    children,
-    path_to,
-    tree_depths,
-    tree_mask,
-)
+from tidespec.speculative.tree import build_tree_from_paths, children, path_to, tree_depths, tree_mask
 
 # root ─┬─ 0 ─┬─ 1 ── 3
 #       │     └─ 2

@@ -24,12 +24,7 @@ from typing import Any
 
 import torch
 
-from tidespec.bench.decode import (
-    DecodeBenchConfig,
-    parse_int_list,
-    resolve_target,
-    run_decode_bench,
-)
+from tidespec.bench.decode import DecodeBenchConfig, parse_int_list, resolve_target, run_decode_bench
 from tidespec.bench.learn import LearnBenchConfig, run_learn_bench
 from tidespec.bench.learn import replot as replot_learn
 from tidespec.bench.profile import ProfileConfig, run_profile

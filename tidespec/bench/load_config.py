@@ -20,7 +20,6 @@ from typing import Any
 
 from tidespec.config import POLICIES, ConfigError
 
-
 ADAPTIVE = ("analytic", "bandit", "hybrid")
 # (start second, req/s): idle, a ramp to saturation, a burst, back to idle (Nightjar Fig. 9's shape)
 DYNAMIC_TRACE: tuple[tuple[float, float], ...] = (

@@ -37,15 +37,9 @@ from typing import Any
 import torch
 
 from tidespec.bench.decode import resolve_target
-from tidespec.bench.report import (
-    log2_panel,
-    machine_line,
-    markdown_table,
-    new_figure,
-    save_figure,
-    write_results,
-)
+from tidespec.bench.report import log2_panel, machine_line, markdown_table, new_figure, save_figure, write_results
 from tidespec.config import ConfigError, ModelConfig
+from tidespec.errors import check_at_least
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import LoadedModel
@@ -68,14 +62,10 @@ class ProfileConfig:
             raise ConfigError(f"ns must be >= 1, got {self.ns}")
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise ConfigError(f"batch sizes must be >= 1, got {self.batch_sizes}")
-        if self.context < 1:
-            raise ConfigError(f"context must be >= 1, got {self.context}")
-        if self.repeats < 1:
-            raise ConfigError(f"repeats must be >= 1, got {self.repeats}")
+        check_at_least(1, context=self.context, repeats=self.repeats)
         if self.target_s <= 0:
             raise ConfigError(f"target_s must be > 0, got {self.target_s}")
-        if self.bandwidth_mib < 1:
-            raise ConfigError(f"bandwidth_mib must be >= 1, got {self.bandwidth_mib}")
+        check_at_least(1, bandwidth_mib=self.bandwidth_mib)
 
 
 def weight_bytes_per_token(model: LlamaModel) -> int:

@@ -27,7 +27,6 @@ from tqdm import tqdm
 from tidespec.bench.shift_config import ShiftBenchConfig, TraceItem
 from tidespec.config import CacheConfig, CollectionConfig, ConfigError, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.stats import StepStats
 from tidespec.llm import build_eagle3_drafter
 from tidespec.models.eagle3_checkpoint import head_from_published, load_drafter_source, publish
 from tidespec.models.llama import LlamaModel
@@ -35,6 +34,7 @@ from tidespec.models.loader import LoadedModel
 from tidespec.online.attach import OnlineConfig, OnlineTraining, attach_online_training, read_trainer_rounds
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig
+from tidespec.stats import StepStats
 
 
 @dataclass

@@ -49,14 +49,7 @@ from tidespec.bench.decode import (
     workload_doc,
 )
 from tidespec.bench.report import machine_line, markdown_table, new_figure, save_figure, summarize, write_results
-from tidespec.config import (
-    DRAFTERS,
-    ConfigError,
-    ModelConfig,
-    PolicyConfig,
-    SchedulerConfig,
-    SpecConfig,
-)
+from tidespec.config import DRAFTERS, ConfigError, ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine
 from tidespec.models.loader import LoadedModel

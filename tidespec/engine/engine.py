@@ -44,7 +44,7 @@ from tidespec.errors import UserError
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import LlamaModel
 from tidespec.sampling import SamplingParams, make_generator, sample_from, target_probs
-from tidespec.speculative.api import DraftInput, DraftProposal, Drafter, Observation, SeqDraft
+from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.policy.api import PlanInput, SeqState, SpeculationPolicy
 from tidespec.speculative.verify import VerifyResult, verify_greedy, verify_sampled
 from tidespec.stats import StepStats, add_per_position

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from tidespec.engine.detok import IncrementalDetokenizer
-from tidespec.stats import RequestStats
 from tidespec.sampling import SamplingParams
+from tidespec.stats import RequestStats
 
 
 class SeqStatus(enum.Enum):

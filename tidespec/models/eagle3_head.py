@@ -31,15 +31,7 @@ import torch
 from torch import nn
 
 from tidespec.errors import ConfigError
-from tidespec.models.llama import (
-    MLP,
-    Attention,
-    BatchLayout,
-    LlamaConfig,
-    RMSNorm,
-    rope_cos_sin,
-    rope_inv_freq,
-)
+from tidespec.models.llama import MLP, Attention, BatchLayout, LlamaConfig, RMSNorm, rope_cos_sin, rope_inv_freq
 
 
 class Eagle3ConfigError(ConfigError):

@@ -51,13 +51,9 @@ from tidespec.config import ConfigError
 from tidespec.engine.engine import LLMEngine, RequestError
 from tidespec.engine.output import RequestOutput
 from tidespec.engine.scheduler import QueueFullError
+from tidespec.errors import check_at_least
 from tidespec.sampling import SamplingParams, SamplingParamsError
-from tidespec.server.async_engine import (
-    AsyncEngine,
-    EngineRequestError,
-    EngineStoppedError,
-    RequestStream,
-)
+from tidespec.server.async_engine import AsyncEngine, EngineRequestError, EngineStoppedError, RequestStream
 from tidespec.server.metrics import Metrics
 from tidespec.server.protocol import (
     AssistantMessage,
@@ -108,10 +104,8 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not self.served_model_name:
             raise ConfigError("served_model_name must be non-empty")
-        if self.max_body_bytes < 1024:
-            raise ConfigError(f"max_body_bytes must be >= 1024, got {self.max_body_bytes}")
-        if self.default_completion_max_tokens < 1:
-            raise ConfigError(f"default_completion_max_tokens must be >= 1, got {self.default_completion_max_tokens}")
+        check_at_least(1024, max_body_bytes=self.max_body_bytes)
+        check_at_least(1, default_completion_max_tokens=self.default_completion_max_tokens)
         if self.disconnect_poll_s <= 0:
             raise ConfigError(f"disconnect_poll_s must be > 0, got {self.disconnect_poll_s}")
 

@@ -24,12 +24,7 @@ import sys
 from pathlib import Path
 
 from tidespec.commands import standalone_main
-from tidespec.config import (
-    ConfigError,
-    EngineConfig,
-    add_engine_args,
-    engine_config_from_args,
-)
+from tidespec.config import ConfigError, EngineConfig, add_engine_args, engine_config_from_args
 
 DEFAULT_MAX_WAITING = 256
 API_KEY_ENV = "TIDESPEC_API_KEY"

@@ -57,18 +57,12 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tidespec.engine.output import RequestOutput
-from tidespec.stats import StepStats
 from tidespec.speculative.policy.api import SpeculationPolicy, bucket_of
 from tidespec.speculative.policy.speedup import Profile
+from tidespec.stats import StepStats
 
 PREFIX = "tidespec:"
 DEFAULT_ROUTE = "default"

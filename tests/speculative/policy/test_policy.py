@@ -7,12 +7,7 @@ import random
 import pytest
 
 from tidespec.speculative.policy.analytic import AnalyticPolicy
-from tidespec.speculative.policy.api import (
-    PlanInput,
-    SeqState,
-    SpeculationPolicy,
-    bucket_of,
-)
+from tidespec.speculative.policy.api import PlanInput, SeqState, SpeculationPolicy, bucket_of
 from tidespec.speculative.policy.bandit_policies import BanditPolicy, HybridPolicy
 from tidespec.speculative.policy.factory import PolicyOptions, make_policy
 from tidespec.speculative.policy.guards import GuardConfig, Guards

@@ -28,13 +28,13 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from tidespec.config import CollectionConfig
 from tidespec.models.eagle3_checkpoint import export_eagle3, head_from_published, load_latest_valid
 from tidespec.models.eagle3_head import Eagle3Config
 from tidespec.models.llama import LlamaConfig, LlamaModel
-from tidespec.online.capture import CaptureBuffer
-from tidespec.config import CollectionConfig
-from tidespec.online.collection import SelectiveCollector
 from tidespec.online.attach import OnlineConfig, SignalCollector, TapCaptureDrafter
+from tidespec.online.capture import CaptureBuffer
+from tidespec.online.collection import SelectiveCollector
 from tidespec.online.store import SignalStore
 from tidespec.online.trainer.config import TrainerConfig, TrainerConfigError
 from tidespec.online.trainer.dist import DistContext

@@ -57,8 +57,8 @@ from tidespec.models.eagle3_checkpoint import (
 )
 from tidespec.models.eagle3_head import Eagle3Head
 from tidespec.models.llama import LlamaConfig
-from tidespec.online.eagle3_train import SignalSegment, ttt_loss
 from tidespec.online.attach import TRAINER_STATE_NAME
+from tidespec.online.eagle3_train import SignalSegment, ttt_loss
 from tidespec.online.store import ShardGone, ShardInfo, SignalShard, SignalStore
 from tidespec.online.trainer.config import TrainerConfig
 from tidespec.online.trainer.data import fresh_head_for, segments_by_sequence, simulated_acceptance, split_heldout

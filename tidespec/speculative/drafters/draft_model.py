@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tidespec.errors import check_at_least
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.sampling import SamplingParams, make_generator, sample_from, target_probs
@@ -169,12 +170,7 @@ class DraftModelDrafter:
 
     def __init__(self, model: LlamaModel, max_num_seqs: int, max_model_len: int, tree_top_k: int = 2,
                  name: str = "draft-model") -> None:
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
-        if max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
-        if tree_top_k < 1:
-            raise ValueError(f"tree_top_k must be >= 1, got {tree_top_k}")
+        check_at_least(1, max_num_seqs=max_num_seqs, max_model_len=max_model_len, tree_top_k=tree_top_k)
         self.model = model
         self.name = name
         self.tree_top_k = tree_top_k

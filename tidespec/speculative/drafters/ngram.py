@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tidespec.errors import check_at_least
 from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
 
 
@@ -74,8 +75,7 @@ class NgramDrafter:
     def __init__(self, min_n: int = 1, max_n: int = 4, max_proposal: int = 64) -> None:
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
-        if max_proposal < 1:
-            raise ValueError(f"max_proposal must be >= 1, got {max_proposal}")
+        check_at_least(1, max_proposal=max_proposal)
         self.min_n = min_n
         self.max_n = max_n
         self.max_proposal = max_proposal

@@ -8,11 +8,7 @@ cost so it never deadlocks (worked example in the class docstring).
 
 from __future__ import annotations
 
-from tidespec.speculative.policy.api import (
-    PlanInput,
-    bucket_of,
-    check_gamma_max,
-)
+from tidespec.speculative.policy.api import PlanInput, bucket_of, check_gamma_max
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.speculative.policy.tracking import AlphaTracker, predicted_speedups
 from tidespec.stats import StepStats
@@ -43,16 +39,8 @@ class AnalyticPolicy:
     0.04, 0.06 >= 0.048 -> probe, start over). At s = 0.2: 0 x 39, then 1 (cost 0.8 = 40 x 0.02).
     """
 
-    def __init__(
-        self,
-        profile: Profile,
-        gamma_max: int,
-        ema: float = 0.1,
-        prior_alpha: float = 0.7,
-        drafter: str | None = None,
-        probe_every: int = 64,
-        probe_budget: float = 0.02,
-    ) -> None:
+    def __init__(self, profile: Profile, gamma_max: int, ema: float = 0.1, prior_alpha: float = 0.7,
+                 drafter: str | None = None, probe_every: int = 64, probe_budget: float = 0.02) -> None:
         check_gamma_max(gamma_max)
         if probe_every < 0:
             raise ValueError(f"probe_every must be >= 0, got {probe_every}")

@@ -18,11 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from tidespec.speculative.policy.api import (
-    PlanInput,
-    bucket_of,
-    check_gamma_max,
-)
+from tidespec.speculative.policy.api import PlanInput, bucket_of, check_gamma_max
 from tidespec.speculative.policy.bandit import NightjarBandit, SwitchingCost
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.speculative.policy.tracking import AlphaTracker, predicted_speedups
@@ -114,20 +110,9 @@ class HybridPolicy:
     B = 32, alpha = 0.5: m = [4190, 4929, 4932, 4626, 4339], regret 0.067, scale = 0.67.
     """
 
-    def __init__(
-        self,
-        profile: Profile,
-        gamma_max: int,
-        seed: int = 0,
-        prior_count: float = 4.0,
-        prior_alpha: float = 0.7,
-        ema: float = 0.1,
-        regret_wide: float = 0.15,
-        explore_floor: float = 0.25,
-        use_switching_cost: bool = True,
-        bucketed: bool = False,
-        drafter: str | None = None,
-    ) -> None:
+    def __init__(self, profile: Profile, gamma_max: int, seed: int = 0, prior_count: float = 4.0,
+                 prior_alpha: float = 0.7, ema: float = 0.1, regret_wide: float = 0.15, explore_floor: float = 0.25,
+                 use_switching_cost: bool = True, bucketed: bool = False, drafter: str | None = None) -> None:
         check_gamma_max(gamma_max)
         if prior_count <= 0:
             raise ValueError(f"prior_count must be > 0, got {prior_count}")

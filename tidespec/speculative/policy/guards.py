@@ -12,11 +12,7 @@ from dataclasses import dataclass
 
 from tidespec.config import GUARD_KV_USAGE, GUARD_TEMPERATURE
 from tidespec.errors import ConfigError
-from tidespec.speculative.policy.api import (
-    PlanInput,
-    SpeculationPolicy,
-    check_gamma_max,
-)
+from tidespec.speculative.policy.api import PlanInput, SpeculationPolicy, check_gamma_max
 from tidespec.stats import StepStats
 
 
