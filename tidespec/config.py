@@ -47,8 +47,20 @@ def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argp
     """A dataclass field that ``add_dataclass_args`` turns into a ``--flag`` with this help.
 
     ``choices=`` restricts the values; ``flag="--name"`` names the flag outright (otherwise it is
-    the section prefix plus the field name, underscores as dashes)."""
+    the section prefix plus the field name, underscores as dashes); ``min=`` is a lower bound that
+    a ``Section`` checks on construction."""
     return field(default=default, metadata={"help": help, **kw})
+
+
+class Section:
+    """Base of config sections whose fields declare a lower bound (``opt(..., min=8)``): every such
+    field is checked on construction, so a section with no other rule needs no ``__post_init__``;
+    one that has more rules calls ``super().__post_init__()`` first."""
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            if "min" in f.metadata:
+                check_at_least(f.metadata["min"], **{f.name: getattr(self, f.name)})
 
 
 def section(cls: type, prefix: str = "") -> Any:
@@ -57,34 +69,23 @@ def section(cls: type, prefix: str = "") -> Any:
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     model: str | None = opt(None, "HF checkpoint dir or GGUF file; default: embedded SmolLM2-135M-Instruct")
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = opt("float32", "weights and activations dtype")
     device: str = opt("cpu", "torch device (cpu, cuda, cuda:1)")
-    threads: int = opt(0, "torch intra-op threads (0 = torch default)")
-
-    def __post_init__(self) -> None:
-        check_at_least(0, threads=self.threads)
+    threads: int = opt(0, "torch intra-op threads (0 = torch default)", min=0)
 
 
 @dataclass
-class CacheConfig:
-    max_model_len: int = opt(2048, "longest sequence (prompt + output) a request may reach, tokens")
-    max_num_seqs: int = opt(32, "KV slots = most sequences running at once")
-
-    def __post_init__(self) -> None:
-        check_at_least(8, max_model_len=self.max_model_len)
-        check_at_least(1, max_num_seqs=self.max_num_seqs)
+class CacheConfig(Section):
+    max_model_len: int = opt(2048, "longest sequence (prompt + output) a request may reach, tokens", min=8)
+    max_num_seqs: int = opt(32, "KV slots = most sequences running at once", min=1)
 
 
 @dataclass
-class SchedulerConfig:
-    max_num_batched_tokens: int = opt(512, "token budget of one engine step (decode + prefill chunks)")
-    max_waiting: int = opt(0, "bounded waiting queue; 0 = unbounded (the server sets a bound)")
-
-    def __post_init__(self) -> None:
-        check_at_least(16, max_num_batched_tokens=self.max_num_batched_tokens)
-        check_at_least(0, max_waiting=self.max_waiting)
+class SchedulerConfig(Section):
+    max_num_batched_tokens: int = opt(512, "token budget of one engine step (decode + prefill chunks)", min=16)
+    max_waiting: int = opt(0, "bounded waiting queue; 0 = unbounded (the server sets a bound)", min=0)
 
 
 DRAFTERS = ("none", "ngram", "suffix", "draft-model", "eagle3")
@@ -137,11 +138,8 @@ class Eagle3Options:
     tree_top_k: int = opt(4, "EAGLE-3 trees (--tree): children per expanded node and frontier width")
 
     def __post_init__(self) -> None:
-        if self.draft_vocab < 0:
-            raise ConfigError(f"eagle3_draft_vocab must be >= 0, got {self.draft_vocab}")
-        if self.tree_depth < 1 or self.tree_top_k < 1:
-            raise ConfigError(f"eagle3_tree_depth and eagle3_tree_top_k must be >= 1, got "
-                              f"{self.tree_depth}, {self.tree_top_k}")
+        check_at_least(0, eagle3_draft_vocab=self.draft_vocab)
+        check_at_least(1, eagle3_tree_depth=self.tree_depth, eagle3_tree_top_k=self.tree_top_k)
 
 
 @dataclass
@@ -212,9 +210,7 @@ class CollectionConfig:
                               f"{self.lambda_short}, {self.lambda_long}")
         if not 0.0 <= self.epsilon < 1.0:
             raise ConfigError(f"collect_epsilon must be in [0, 1), got {self.epsilon}")
-        if self.n_init < 1 or self.n_threshold < 1:
-            raise ConfigError(f"collect_n_init and collect_n_threshold must be >= 1, got "
-                              f"{self.n_init}, {self.n_threshold}")
+        check_at_least(1, collect_n_init=self.n_init, collect_n_threshold=self.n_threshold)
 
 
 @dataclass

@@ -31,7 +31,17 @@ import torch
 from torch import nn
 
 from tidespec.errors import ConfigError
-from tidespec.models.llama import MLP, Attention, BatchLayout, LlamaConfig, RMSNorm, rope_cos_sin, rope_inv_freq
+from tidespec.models.llama import (
+    MLP,
+    Attention,
+    BatchLayout,
+    LlamaConfig,
+    ModelConfigError,
+    PlacedModule,
+    RMSNorm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 
 
 class Eagle3ConfigError(ConfigError):
@@ -71,12 +81,10 @@ class Eagle3Config:
     max_position_embeddings: int = 2048
 
     def __post_init__(self) -> None:
-        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size",
-                     "target_vocab_size", "draft_vocab_size"):
-            if getattr(self, name) <= 0:
-                raise Eagle3ConfigError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise Eagle3ConfigError(f"num_heads ({self.num_heads}) not divisible by num_kv_heads ({self.num_kv_heads})")
+        try:  # the layer's config checks width, heads, head_dim, MLP size, draft vocab and divisibility
+            self.layer_config()
+        except ModelConfigError as exc:
+            raise Eagle3ConfigError(str(exc)) from None
         if self.draft_vocab_size > self.target_vocab_size:
             raise Eagle3ConfigError(
                 f"draft_vocab_size ({self.draft_vocab_size}) exceeds target_vocab_size ({self.target_vocab_size})")
@@ -144,7 +152,7 @@ class Eagle3Layer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class Eagle3Head(nn.Module):
+class Eagle3Head(PlacedModule):
     """EAGLE-3 draft head: ``fc`` (3H -> H), one decoder layer, final norm, draft-vocab LM head.
 
     The token embedding is the target's (frozen, not owned): callers pass embeddings in.
@@ -164,14 +172,6 @@ class Eagle3Head(nn.Module):
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.layer_config()), persistent=False)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.fc.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.fc.weight.device
 
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install a draft vocabulary (see ``tidespec.online.eagle3_train.select_draft_vocab``)."""

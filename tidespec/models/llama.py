@@ -381,7 +381,20 @@ class DecoderLayer(nn.Module):
         return h + self.mlp.forward(self.post_attention_layernorm.forward(h))
 
 
-class LlamaModel(nn.Module):
+class PlacedModule(nn.Module):
+    """A module whose weights share one dtype and device: ``dtype`` and ``device`` are those of its
+    first parameter (the target's token embedding, the EAGLE-3 head's ``fc``)."""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+
+class LlamaModel(PlacedModule):
     """Token ids + layout + KV storage -> logits at chosen rows, hidden taps, final hidden."""
 
     def __init__(self, cfg: LlamaConfig) -> None:
@@ -399,14 +412,6 @@ class LlamaModel(nn.Module):
     def tie_weights(self) -> None:
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.embed_tokens.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.embed_tokens.weight.device
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [T, hd] looked up in a table computed in float32 exactly as HF's reference

@@ -20,7 +20,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from tidespec.sampling import SamplingParams
-from tidespec.speculative.tree import tree_depths
+from tidespec.speculative.tree import check_parents, tree_depths
 
 
 @dataclass
@@ -47,9 +47,7 @@ class SeqDraft:
         if self.parent_indices is not None:
             if len(self.parent_indices) != len(self.token_ids):
                 raise ValueError("parent_indices must have one entry per draft token")
-            for j, p in enumerate(self.parent_indices):
-                if not -1 <= p < j:
-                    raise ValueError(f"parent of draft token {j} is {p}: must be -1 or an earlier index")
+            check_parents(self.parent_indices)
         if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.token_ids):
             raise ValueError("draft_probs must have one row per draft token")
 

@@ -24,7 +24,8 @@ import numpy as np
 import torch
 
 
-def _check_parents(parents: list[int]) -> None:
+def check_parents(parents: list[int]) -> None:
+    """Raise ``ValueError`` unless every parent is -1 or an earlier index (a topological tree)."""
     for j, p in enumerate(parents):
         if not -1 <= p < j:
             raise ValueError(f"parent of draft {j} is {p}: must be -1 or an earlier index")
@@ -35,7 +36,7 @@ def tree_depths(parents: list[int]) -> list[int]:
 
     Example: ``tree_depths([-1, 0, 0, 1, -1]) == [0, 1, 1, 2, 0]``.
     """
-    _check_parents(parents)
+    check_parents(parents)
     depths: list[int] = []
     for p in parents:
         depths.append(0 if p < 0 else depths[p] + 1)
@@ -55,7 +56,7 @@ def tree_mask(parents: list[int]) -> torch.Tensor:
          [1, 1, 1, 0],    # b sees root, a, itself
          [1, 0, 0, 1]]    # c sees root, itself
     """
-    _check_parents(parents)
+    check_parents(parents)
     n = len(parents)
     mask = np.zeros((n + 1, n + 1), dtype=np.bool_)  # [n + 1, n + 1]
     mask[0, 0] = True
@@ -71,7 +72,7 @@ def children(parents: list[int]) -> list[list[int]]:
 
     Example: ``children([-1, 0, -1]) == [[0, 2], [1], [], []]``.
     """
-    _check_parents(parents)
+    check_parents(parents)
     out: list[list[int]] = [[] for _ in range(len(parents) + 1)]
     for j, p in enumerate(parents):
         out[p + 1].append(j)
@@ -83,7 +84,7 @@ def path_to(parents: list[int], node: int) -> list[int]:
 
     Example: ``path_to([-1, 0, 0, 1, -1], 3) == [0, 1, 3]``.
     """
-    _check_parents(parents)
+    check_parents(parents)
     if not 0 <= node < len(parents):
         raise ValueError(f"node {node} out of range for a tree of {len(parents)} drafts")
     path: list[int] = []
