@@ -2,8 +2,9 @@
 completion, a slow signal store, and the reference tap capture.
 
 Why this exists: one copy of each, so two tests never drift apart on what "run the engine until
-it is done" or "the target's taps over a sequence" mean. HF-side builders (tiny transformers
-models of each architecture, checkpoint directories) and the fixtures stay in ``conftest.py``.
+it is done" or "the target's taps over a sequence" mean; also the HF side: a tiny transformers
+model of each architecture with our model holding the same weights, and checkpoint directories.
+The fixtures are in ``conftest.py``.
 
 Worked example::
 
@@ -11,14 +12,21 @@ Worked example::
     engine = LLMEngine(model, tok, EngineConfig(cache=CacheConfig(max_model_len=128, max_num_seqs=4)))
     engine.add_request([3, 4, 5], SamplingParams(max_tokens=8), request_id="a")
     run_to_completion(engine)["a"].token_ids          # the 8 generated ids
+
+    hf, ours = tiny_hf_model("qwen3", torch.float32)  # same random weights in both
+    logits = full_logits(ours, [1, 2, 3])             # [3, vocab], one prefill
 """
 
 from __future__ import annotations
 
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
+import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
+from torch import nn
 from transformers import PreTrainedTokenizerFast
 
 from tidespec.engine.engine import LLMEngine
@@ -34,6 +42,15 @@ def tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t0", unk_token="t1")
+
+
+def checkpoint_tokenizer(vocab: int = 96) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``<s>``, ``</s>``, ``<unk>``, ``w3`` ... ``w{vocab-1}`` (split
+    on whitespace), saved into tiny HF checkpoint directories (``write_tiny_checkpoint``)."""
+    words = ["<s>", "</s>", "<unk>"] + [f"w{i}" for i in range(3, vocab)]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
 def tiny_config(vocab_size: int = 64, layers: int = 2, eos: int = 0, **kw: object) -> LlamaConfig:
@@ -83,3 +100,74 @@ class SlowStore(SignalStore):
     def append(self, shard: SignalShard) -> str:
         time.sleep(self.sleep_s)
         return super().append(shard)
+
+
+# Tiny HF configs per architecture key: (config class, model class, config kwargs).
+# Each exercises what distinguishes its family: llama3 rope scaling (with a short original
+# context so scaled/smoothed/unscaled frequency bands all occur), Mistral's sliding window,
+# Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm with an explicit head_dim.
+_COMMON: dict[str, Any] = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                               rms_norm_eps=1e-6, tie_word_embeddings=False)
+TINY_HF_ARCHS: dict[str, tuple[type, type, dict[str, Any]]] = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=10000.0)),
+    "llama3": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(
+        num_hidden_layers=3, tie_word_embeddings=True,
+        rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                             high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=6)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(num_hidden_layers=3)),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=24)),
+}
+
+
+def randomize_(module: nn.Module, seed: int) -> None:
+    """Overwrite every parameter with seeded O(1)-scale values (HF's 0.02-std init gives logits so
+    small that a wrong model would still pass a 1e-4 test). Matrices ~ N(0, 1/fan_in), norm
+    weights ~ 1 + N(0, 0.1^2), biases ~ N(0, 0.5^2). Parameters are visited in sorted-name order."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters(), key=lambda kv: kv[0]):
+            if p.dim() >= 2:
+                vals = torch.randn(p.shape, generator=gen, dtype=torch.float64) * p.shape[-1] ** -0.5
+            elif name.endswith("bias"):
+                vals = torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.5
+            else:
+                vals = 1.0 + 0.1 * torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            p.copy_(vals)
+
+
+def tiny_hf_model(arch: str, dtype: torch.dtype, seed: int = 0,
+                  **overrides: Any) -> tuple[transformers.PreTrainedModel, LlamaModel]:
+    """A random tiny HF model (key of ``TINY_HF_ARCHS``; sdpa attention, eval mode) and our
+    ``LlamaModel`` holding the same weights, both in ``dtype``. ``overrides`` patch the HF config."""
+    if arch not in TINY_HF_ARCHS:
+        raise KeyError(f"unknown tiny arch {arch!r}; choose from {sorted(TINY_HF_ARCHS)}")
+    cfg_cls, model_cls, extra = TINY_HF_ARCHS[arch]
+    hf_cfg = cfg_cls(**{**_COMMON, **extra, **overrides})
+    hf_cfg.architectures = [model_cls.__name__]
+    hf = model_cls._from_config(hf_cfg, attn_implementation="sdpa", dtype=torch.float32)
+    randomize_(hf, seed)
+    hf = hf.to(dtype).eval()
+    ours = LlamaModel(LlamaConfig.from_hf(hf_cfg.to_dict()))
+    ours.load_hf_state_dict(hf.state_dict())
+    return hf, ours.to(dtype).eval()
+
+
+def full_logits(model: LlamaModel, ids: list[int] | torch.Tensor) -> torch.Tensor:
+    """Logits [T, V] (float32 as ``ModelOutput`` gives them) of one sequence prefilled in one
+    forward into a fresh single-slot KV cache."""
+    ids_t = torch.as_tensor(ids, dtype=torch.int64)
+    kv = KVCache.for_model(model.cfg, num_slots=1, max_len=len(ids_t), dtype=model.dtype)
+    layout = BatchLayout.build(q_lens=[len(ids_t)], ctx_lens=[0], slots=[0])
+    out = model(ids_t, layout, kv)
+    assert out.logits is not None
+    return out.logits
+
+
+def write_tiny_checkpoint(hf: transformers.PreTrainedModel, directory: Path, **save_kwargs: Any) -> Path:
+    """Save ``hf`` as an HF safetensors directory with a ``checkpoint_tokenizer`` of its vocabulary;
+    returns ``directory``."""
+    hf.save_pretrained(str(directory), **save_kwargs)
+    checkpoint_tokenizer(hf.config.vocab_size).save_pretrained(str(directory))
+    return directory

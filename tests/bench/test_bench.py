@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import tiny_hf_model, write_tiny_checkpoint
-from tests.helpers import tiny_llama, tiny_tokenizer
+from tests.helpers import tiny_hf_model, tiny_llama, tiny_tokenizer, write_tiny_checkpoint
 from tidespec.bench.cli import register
 from tidespec.bench.decode import DecodeBenchConfig, run_decode_bench, wave_indices
 from tidespec.bench.profile import ProfileConfig, kv_bytes_per_token, run_profile, weight_bytes_per_token

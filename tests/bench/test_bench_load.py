@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import tiny_hf_model, write_tiny_checkpoint
+from tests.helpers import tiny_hf_model, write_tiny_checkpoint
 from tidespec.bench.load import diff_steps, replot, run_load_bench
 from tidespec.bench.load_analysis import averaged, forward_vs_profile, model_check, trace_headroom, verdict
 from tidespec.bench.load_config import LoadBenchConfig, RunResult, server_args

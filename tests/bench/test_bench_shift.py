@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import tiny_hf_model, tiny_tokenizer, write_tiny_checkpoint
-from tests.helpers import capture
+from tests.helpers import capture, checkpoint_tokenizer, tiny_hf_model, write_tiny_checkpoint
 from tidespec.bench.decode import resolve_target
 from tidespec.bench.shift import replot, run_shift_bench
 from tidespec.bench.shift_config import ShiftBenchConfig, build_trace
@@ -36,12 +35,12 @@ def test_trace_phases_take_fresh_records(tmp_path: Path) -> None:
     b = _workload(tmp_path / "b.jsonl", "b", 6, 40)
     cfg = ShiftBenchConfig(workloads=f"{a},{b}:3,{a}", requests_per_phase=4, offset=2)
     assert cfg.phase_specs == [(str(a), 4), (str(b), 3), (str(a), 4)]
-    trace = build_trace(cfg, tiny_tokenizer())
+    trace = build_trace(cfg, checkpoint_tokenizer())
     assert [(t.phase, t.workload, t.prompt.record.id) for t in trace] == [
         (0, "a", "a-2"), (0, "a", "a-3"), (0, "a", "a-4"), (0, "a", "a-5"), (1, "b", "b-2"), (1, "b", "b-3"),
         (1, "b", "b-4"), (2, "a", "a-6"), (2, "a", "a-7"), (2, "a", "a-8"), (2, "a", "a-9")]
     with pytest.raises(ConfigError, match="records 2..6"):
-        build_trace(ShiftBenchConfig(workloads=str(b), requests_per_phase=5, offset=2), tiny_tokenizer())
+        build_trace(ShiftBenchConfig(workloads=str(b), requests_per_phase=5, offset=2), checkpoint_tokenizer())
 
 
 @pytest.mark.parametrize("kwargs, message", [

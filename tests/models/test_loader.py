@@ -19,7 +19,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from tests.conftest import full_logits, tiny_hf_model, write_tiny_checkpoint
+from tests.helpers import full_logits, tiny_hf_model, write_tiny_checkpoint
 from tidespec.models import loader
 from tidespec.models.loader import LoadedModel, ModelLoadError, cache_dir, hf_checkpoint_dir, load_model
 

@@ -19,7 +19,7 @@ from transformers.models.mistral import modeling_mistral
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
-from tests.conftest import TINY_HF_ARCHS, full_logits, tiny_hf_model
+from tests.helpers import TINY_HF_ARCHS, full_logits, tiny_hf_model
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, Linear, LlamaModel
 from tidespec.models.loader import LoadedModel

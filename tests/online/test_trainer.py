@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import tiny_hf_model, write_tiny_checkpoint
-from tests.helpers import tiny_llama, tiny_tokenizer
+from tests.helpers import tiny_hf_model, tiny_llama, tiny_tokenizer, write_tiny_checkpoint
 from tidespec.config import CacheConfig, CollectionConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_eagle3_drafter
