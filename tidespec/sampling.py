@@ -9,7 +9,7 @@ Worked example (top-p)::
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
     p = target_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))
     # softmax = [.644, .237, .087, .032]; the smallest prefix reaching 0.8 is the first two
-    # tokens -> p == [[.731, .269, 0, 0]]
+    # tokens -> p == [[.731, .269, 0, 0]]; top_p=1e-300 keeps the first token alone -> [[1, 0, 0, 0]]
 """
 
 from __future__ import annotations
@@ -81,6 +81,9 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         cum = sorted_p.cumsum(-1)
         drop = (cum - sorted_p) >= params.top_p  # keep the smallest prefix whose mass reaches top_p
+        # ... and always the most likely token: a top_p that underflows in float32 (1e-300 -> 0)
+        # would otherwise drop every token and leave no distribution to sample from
+        drop[..., 0] = False
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, idx, sorted_p)
         probs = probs / probs.sum(-1, keepdim=True)

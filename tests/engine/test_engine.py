@@ -183,3 +183,20 @@ def test_seeded_sampling_is_reproducible(model, tok):
                       request_id="s")
         outs.append(run_to_completion(e)["s"].token_ids)
     assert outs[0] == outs[1]
+
+
+def test_top_p_that_underflows_fails_no_request() -> None:
+    """Issue 20 item 1: top_p=1e-300 passes validation but is 0 in float32; it used to mask every
+    token and make the whole step raise. It now keeps the most likely token, and the other request
+    of the same step completes exactly as it does alone."""
+    model, tok = tiny_llama(dtype=torch.float32), tiny_tokenizer(64)  # float32 logits: 1e-300 rounds to 0
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=2))
+    alone = LLMEngine(model, tok, cfg)
+    alone.add_request([3, 4, 5], SamplingParams(max_tokens=8, ignore_eos=True), request_id="g")
+    expected = run_to_completion(alone)["g"].token_ids
+    e = LLMEngine(model, tok, cfg)
+    e.add_request([3, 4, 5], SamplingParams(max_tokens=8, ignore_eos=True), request_id="g")
+    e.add_request([6, 7], SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, top_p=1e-300, seed=1),
+                  request_id="p")
+    done = run_to_completion(e)
+    assert done["g"].token_ids == expected and len(done["p"].token_ids) == 8

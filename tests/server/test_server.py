@@ -242,6 +242,39 @@ def test_errors_are_openai_style(srv: LiveServer) -> None:
     assert srv.wait_idle() == (0.0, 0, 0, 0)
 
 
+def test_unsupported_fields_are_refused_and_neutral_values_accepted(srv: LiveServer) -> None:
+    """Issue 20 item 3: an OpenAI feature tidespec does not implement is a 400 naming the field, never
+    a 200 that silently ignores it; the values clients send by default still work."""
+    url = f"{srv.url}/v1/chat/completions"
+    base = {"model": MODEL, "messages": [{"role": "user", "content": "t5 t6"}], "max_tokens": 2}
+    refused = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+               "tool_choice": "required", "functions": [{"name": "f"}], "function_call": {"name": "f"},
+               "response_format": {"type": "json_object"}, "logit_bias": {"5": 10}, "modalities": ["audio"],
+               "audio": {"voice": "x"}, "top_logprobs": 2, "prediction": {"type": "content", "content": "x"},
+               "parallel_tool_calls": True, "service_tier": "flex"}
+    for field, value in refused.items():
+        err = _error(httpx.post(url, json={**base, field: value}), 400)
+        assert err["param"] == field and "not supported" in err["message"], (field, err)
+    neutral = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": {},
+               "modalities": ["text"], "top_logprobs": 0, "service_tier": "auto"}
+    assert httpx.post(url, json={**base, **neutral}).status_code == 200
+    assert srv.wait_idle() == (0.0, 0, 0, 0)
+
+
+def test_lone_surrogate_is_a_400_error_object(srv: LiveServer) -> None:
+    """Issue 20 item 4: JSON may carry a lone UTF-16 surrogate ("\\ud800") that no tokenizer can
+    encode; it is an OpenAI error object naming where it is, not a plain-text 500."""
+    for path, body in (("completions", b'{"model": "%s", "prompt": "t5 \\ud800", "max_tokens": 2}'),
+                       ("chat/completions", b'{"model": "%s", "max_tokens": 2, "messages": '
+                                            b'[{"role": "user", "content": "\\ud800"}]}')):
+        resp = httpx.post(f"{srv.url}/v1/{path}", content=body % MODEL.encode(),
+                          headers={"content-type": "application/json"})
+        err = _error(resp, 400)
+        assert "not valid Unicode" in err["message"] and ("prompt" in err["message"] or "messages[0]" in
+                                                          err["message"])
+    assert srv.wait_idle() == (0.0, 0, 0, 0)
+
+
 def test_api_key() -> None:
     engine = tiny_engine(max_num_seqs=2, max_waiting=2)
     with TestClient(create_app(engine, ServerConfig(served_model_name=MODEL, api_key="s3cret"))) as client:

@@ -24,9 +24,10 @@ Worked example::
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from tidespec.sampling import GREEDY_TEMPERATURE, SamplingParams
 
@@ -34,6 +35,41 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 # temperatures below this are greedy (as vLLM's _SAMPLING_EPS): logits / 1e-163 overflow to inf
+
+
+# OpenAI request fields tidespec does not implement, with the values that mean "not used" (accepted,
+# since clients send them by default); any other value is refused with a 400 naming the field.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
+    "parallel_tool_calls": (), "response_format": ({"type": "text"},), "logit_bias": ({},),
+    "modalities": (["text"],), "audio": (), "top_logprobs": (0,), "prediction": (),
+    "service_tier": ("auto", "default"),
+}
+
+
+def first_invalid_text(value: Any, where: str = "") -> str | None:
+    """Where in a parsed JSON body the first string is not valid Unicode text (a lone UTF-16
+    surrogate such as ``"\\ud800"``, which JSON allows and no tokenizer can encode), else None.
+
+    Example: ``first_invalid_text({"messages": [{"content": "\\ud800"}]})`` -> ``"messages[0].content"``.
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return where or "body"
+        return None
+    items: list[tuple[str, Any]] = []
+    if isinstance(value, dict):
+        items = [(f"{where}.{k}" if where else str(k), v) for k, v in value.items()]
+        items = [(where or "body", k) for k in value] + items
+    elif isinstance(value, list):
+        items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+    for at, v in items:
+        hit = first_invalid_text(v, at)
+        if hit is not None:
+            return hit
+    return None
 
 
 class _Strict(BaseModel):
@@ -77,6 +113,38 @@ class _SamplingRequest(_Strict):
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
     presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
+    # UNSUPPORTED_FIELDS: declared so that a value other than "not used" is refused, never ignored
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    logit_bias: Any = None
+    modalities: Any = None
+    audio: Any = None
+    top_logprobs: Any = None
+    prediction: Any = None
+    service_tier: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        where = first_invalid_text(data)
+        if where is not None:
+            raise PydanticCustomError("invalid_text", "{where} is not valid Unicode text (a lone surrogate)",
+                                      {"where": where})
+        return data
+
+    @field_validator(*UNSUPPORTED_FIELDS)
+    @classmethod
+    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
+        name = info.field_name
+        assert name is not None
+        if v is not None and v not in UNSUPPORTED_FIELDS[name]:
+            raise PydanticCustomError("unsupported", "{name} is not supported by this server",
+                                      {"name": name})
+        return v
 
     @field_validator("stop")
     @classmethod

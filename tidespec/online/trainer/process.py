@@ -125,6 +125,9 @@ def train_drafter(cfg: TrainerConfig) -> list[RoundResult]:
             results = trainer.run()
         if cfg.export_dir and ctx.is_main:
             export_latest(cfg.publish_root, cfg.export_dir, loaded.config, DTYPES[cfg.export_dtype])
+        # leave together: a rank tearing its process group down while another is still publishing
+        # aborted at exit under CPU contention ("terminate called without an active exception")
+        ctx.barrier()
         return results
     finally:
         ctx.close()
