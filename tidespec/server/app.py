@@ -146,7 +146,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"invalid JSON body: {e.get('ctx', {}).get('error', e.get('msg', ''))}", None
     # drop pydantic's union-branch tags ("str", "list[str]", "function-after[...]") from the path
     param_parts = [x for x in loc if not re.fullmatch(r"[a-z_-]+\[.*\]|str|int|float|bool|list|dict|none", x)]
-    param = ".".join(param_parts) or None
+    param = ".".join(param_parts) or e.get("ctx", {}).get("param")  # a model-level check names its field
     msg = e.get("msg", "invalid value")
     top = param_parts[0] if param_parts else None
     same_field = [x for x in errors if [str(y) for y in x.get("loc", ())][1:2] == [top]]

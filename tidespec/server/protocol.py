@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from tidespec.sampling import GREEDY_TEMPERATURE, SamplingParams
@@ -113,38 +113,22 @@ class _SamplingRequest(_Strict):
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
     presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
-    # UNSUPPORTED_FIELDS: declared so that a value other than "not used" is refused, never ignored
-    tools: Any = None
-    functions: Any = None
-    tool_choice: Any = None
-    function_call: Any = None
-    parallel_tool_calls: Any = None
-    response_format: Any = None
-    logit_bias: Any = None
-    modalities: Any = None
-    audio: Any = None
-    top_logprobs: Any = None
-    prediction: Any = None
-    service_tier: Any = None
-
     @model_validator(mode="before")
     @classmethod
-    def _valid_text(cls, data: Any) -> Any:
+    def _screen(cls, data: Any) -> Any:
+        """Before any field: text that is not valid Unicode, and OpenAI features tidespec does not
+        implement (``UNSUPPORTED_FIELDS``) set to anything but "not used" (the error's ``param``
+        names the field)."""
         where = first_invalid_text(data)
         if where is not None:
             raise PydanticCustomError("invalid_text", "{where} is not valid Unicode text (a lone surrogate)",
                                       {"where": where})
+        if isinstance(data, dict):
+            for name, neutral in UNSUPPORTED_FIELDS.items():
+                if data.get(name) is not None and data[name] not in neutral:
+                    raise PydanticCustomError("unsupported", "not supported by this server",
+                                              {"param": name})
         return data
-
-    @field_validator(*UNSUPPORTED_FIELDS)
-    @classmethod
-    def _unsupported(cls, v: Any, info: ValidationInfo) -> Any:
-        name = info.field_name
-        assert name is not None
-        if v is not None and v not in UNSUPPORTED_FIELDS[name]:
-            raise PydanticCustomError("unsupported", "{name} is not supported by this server",
-                                      {"name": name})
-        return v
 
     @field_validator("stop")
     @classmethod
