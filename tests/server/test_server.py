@@ -1,6 +1,6 @@
 """The OpenAI-compatible server against a real uvicorn on a loopback port, driven by the official client.
 
-Most tests use the tiny random model from ``tests/tiny.py`` (word-level tokens ``t0 .. t63``,
+Most tests use the tiny random model from ``tests/helpers.py`` (word-level tokens ``t0 .. t63``,
 ``t0`` = EOS) behind a minimal chat template; one integration test repeats the core checks on the
 embedded SmolLM2-135M. Concurrency tests use httpx's async client; errors must be OpenAI error
 objects; a disconnecting client must leave no KV behind.

@@ -96,7 +96,12 @@ class Observation:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """A speculative drafter. Stateless drafters may ignore ``observe`` and ``release``."""
+    """A speculative drafter.
+
+    The engine calls ``propose`` for the sequences that speculate this step, ``observe`` after every
+    step with every sequence that advanced and did not finish (whether it speculated or not; taps
+    only when ``tap_layers`` is non-empty), and ``release`` once a sequence finished. Stateless
+    drafters may ignore ``observe`` and ``release``."""
 
     name: str
     tap_layers: tuple[int, ...]  # target layers whose input hidden states this drafter needs; () = none
