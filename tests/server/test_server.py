@@ -131,6 +131,14 @@ def test_models_and_health(srv: LiveServer) -> None:
     assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
 
 
+def test_models_retrieve(srv: LiveServer) -> None:
+    """Issue 20 item 8: the official client's ``models.retrieve`` (``GET /v1/models/{id}``) was a 404."""
+    assert srv.client().models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError) as nf:
+        srv.client().models.retrieve("gpt-17")
+    assert nf.value.body["code"] == "model_not_found"  # type: ignore[index]
+
+
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.9, "top_p": 0.9, "seed": 1234}])
 def test_completion_stream_equals_nonstream(srv: LiveServer, sampling: dict[str, Any]) -> None:
     c = srv.client()
@@ -239,6 +247,11 @@ def test_errors_are_openai_style(srv: LiveServer) -> None:
     _error(httpx.post(url, json={"prompt": "t5"}, headers={"X-Tidespec-Route": "bad label!"}), 400)
     assert _error(httpx.post(url, content=b"x" * (5 * 2**20), headers={"content-type": "application/json"}),
                   413)["code"] == "body_too_large"
+    chunked = (b"x" * 2**20 for _ in range(5))  # no Content-Length: sent with chunked transfer encoding
+    assert _error(httpx.post(url, content=chunked, headers={"content-type": "application/json"}),
+                  413)["code"] == "body_too_large"  # issue 20 item 8: was a 400
+    small = (part for part in (b'{"model": "tiny", "prompt": "t5", ', b'"max_tokens": 2}'))
+    assert httpx.post(url, content=small, headers={"content-type": "application/json"}).status_code == 200
     assert srv.wait_idle() == (0.0, 0, 0, 0)
 
 

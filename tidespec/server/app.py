@@ -195,19 +195,46 @@ class _Guard:
             resp = error_response(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
             await resp(scope, receive, send)
             return
+        if length is None:  # a chunked body: read it here, bounded, so an oversized one is a 413 too
+            body = await self._read_bounded(receive)
+            if body is None:
+                resp = error_response(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
+                await resp(scope, receive, send)
+                return
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
+
+    async def _read_bounded(self, receive: Callable[[], Awaitable[Any]]) -> bytes | None:
+        """The whole request body, or None as soon as it exceeds ``max_body_bytes``."""
+        chunks: list[bytes] = []
         seen = 0
-        limit = self.max_body_bytes
-
-        async def bounded_receive() -> Any:
-            nonlocal seen
+        while True:
             message = await receive()
-            if message.get("type") == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise ApiError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-            return message
+            if message.get("type") != "http.request":  # the client went away: nothing more will come
+                break
+            chunk = message.get("body", b"")
+            seen += len(chunk)
+            if seen > self.max_body_bytes:
+                return None
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        return b"".join(chunks)
 
-        await self.app(scope, bounded_receive, send)
+
+def _replay(body: bytes, receive: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
+    """An ASGI ``receive`` that hands over ``body`` as one message, then defers to ``receive``
+    (which reports the client's disconnect)."""
+    sent = False
+
+    async def replayed() -> Any:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
 
 
 class _EventStream(StreamingResponse):
@@ -491,10 +518,18 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: M
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def card() -> ModelCard:
+        return ModelCard(id=config.served_model_name, created=server.created, max_model_len=engine.max_model_len)
+
     @app.get("/v1/models", response_model=ModelList)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=config.served_model_name, created=server.created,
-                                         max_model_len=engine.max_model_len)])
+        return ModelList(data=[card()])
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
+    async def model(model_id: str) -> ModelCard:
+        """The OpenAI client's ``models.retrieve``; model ids may contain ``/`` (HF names)."""
+        server.check_model(model_id)
+        return card()
 
     @app.post("/v1/completions", response_model=CompletionResponse,
               responses={400: {"model": ErrorResponse}, 429: {"model": ErrorResponse}})
