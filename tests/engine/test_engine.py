@@ -6,12 +6,13 @@ import pytest
 import torch
 
 from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
-from tidespec.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig
+from tidespec.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine, RequestError
 from tidespec.engine.scheduler import QueueFullError
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
 from tidespec.sampling import SamplingParams, SamplingParamsError
+from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
 
 V = 64
 
@@ -200,3 +201,54 @@ def test_top_p_that_underflows_fails_no_request() -> None:
                   request_id="p")
     done = run_to_completion(e)
     assert done["g"].token_ids == expected and len(done["p"].token_ids) == 8
+
+
+def test_a_row_that_fails_verification_leaves_every_sequence_as_it_was(monkeypatch) -> None:
+    """The whole batch is verified before any sequence is committed: when one row raises, no other
+    sequence has advanced its KV without its tokens, so stepping again gives exactly the outputs of
+    an undisturbed run."""
+    import tidespec.engine.engine as engine_mod
+
+    class RepeatDrafter:
+        """Drafts the last token repeated for every sequence (lossless: verification decides)."""
+
+        name = "repeat"
+        tap_layers: tuple[int, ...] = ()
+
+        def propose(self, inputs: list[DraftInput]) -> DraftProposal:
+            return DraftProposal({i.seq_id: SeqDraft([i.token_ids[-1]] * i.num_speculative_tokens) for i in inputs})
+
+        def observe(self, observations: list[Observation]) -> None:
+            return None
+
+        def release(self, seq_id: int) -> None:
+            return None
+
+    model, tok = tiny_llama(), tiny_tokenizer(64)
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=2), spec=SpecConfig(
+        drafter="ngram", num_speculative_tokens=3))
+    prompts = {"a": [3, 4, 5, 3, 4, 5, 3, 4], "b": [7, 8, 7, 8, 7, 8]}
+
+    def run(fail_once: bool) -> dict[str, list[int]]:
+        e = LLMEngine(model, tok, cfg, drafter=RepeatDrafter())
+        for rid, p in prompts.items():
+            e.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True), request_id=rid)
+        e.step()  # prefill both
+        if fail_once:
+            calls = []
+            real = engine_mod.verify_greedy
+
+            def flaky(draft, argmax):  # the second row of the next step raises (both rows draft)
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError("row failed")
+                return real(draft, argmax)
+
+            monkeypatch.setattr(engine_mod, "verify_greedy", flaky)
+            with pytest.raises(RuntimeError, match="row failed"):
+                while True:
+                    e.step()
+            monkeypatch.setattr(engine_mod, "verify_greedy", real)
+        return {rid: o.token_ids for rid, o in run_to_completion(e).items()}
+
+    assert run(fail_once=True) == run(fail_once=False)

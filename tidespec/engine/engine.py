@@ -163,7 +163,10 @@ class LLMEngine:
         proposal = self._propose(batch.decode, gammas, stats)
         t_verify = time.perf_counter()
         fwd = self.runner.forward(batch, proposal, self._tap_layers())
-        advances = [self._verify_and_commit(seq, gammas[seq.seq_id], fwd, stats) for seq in batch.decode]
+        verified = [self._verify(seq, fwd) for seq in batch.decode]  # all before any commit: a row that
+        # raises leaves every sequence as it was before the step, so the step can be retried
+        advances = [self._commit_decode(seq, gammas[seq.seq_id], fwd, res, stats)
+                    for seq, res in zip(batch.decode, verified)]
         advances += [self._commit_prefill(chunk, fwd, stats) for chunk in batch.prefill]
         stats.verify_time = time.perf_counter() - t_verify  # target forward + verification + KV commit
         outputs = [emit(a.seq, a.tokens, self.eos_ids, self.max_model_len) for a in advances if a.tokens]
@@ -207,17 +210,22 @@ class LLMEngine:
                 raise RuntimeError(f"drafter {self.drafter.name} proposed {d.num_tokens} > {inp.num_speculative_tokens} tokens")
         return proposal
 
-    def _verify_and_commit(self, seq: Sequence, gamma: int, fwd: ForwardOutput, stats: StepStats) -> _Advance:
-        """Verify a decode sequence's draft against the target, keep the K/V of the accepted path."""
+    def _verify(self, seq: Sequence, fwd: ForwardOutput) -> VerifyResult:
+        """A decode sequence's draft checked against the target (or its next token sampled when it
+        did not draft); changes nothing but the request's random stream."""
         row = fwd.rows[seq.seq_id]
         lo, n = row.logits_start, row.num
         if row.draft is None:
-            res = VerifyResult([], [self._sample(seq, fwd, lo)], True)
-        elif seq.params.greedy:
-            res = verify_greedy(row.draft, fwd.argmax[lo:lo + n])
-        else:
-            assert fwd.logits is not None
-            res = verify_sampled(row.draft, fwd.logits[lo:lo + n], seq.params, seq.generator)
+            return VerifyResult([], [self._sample(seq, fwd, lo)], True)
+        if seq.params.greedy:
+            return verify_greedy(row.draft, fwd.argmax[lo:lo + n])
+        assert fwd.logits is not None
+        return verify_sampled(row.draft, fwd.logits[lo:lo + n], seq.params, seq.generator)
+
+    def _commit_decode(self, seq: Sequence, gamma: int, fwd: ForwardOutput, res: VerifyResult,
+                       stats: StepStats) -> _Advance:
+        """Keep the K/V of a decode sequence's root and accepted path; count its draft."""
+        row = fwd.rows[seq.seq_id]
         self._count_draft(stats, seq, gamma, row.draft, res)
         start = seq.num_cached
         kept = [0] + [j + 1 for j in res.accepted]  # offsets within this seq's rows: root + accepted path
