@@ -342,8 +342,8 @@ def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
 
 
 def flag_defaults(cls: type, prefix: str = "") -> dict[str, Any]:
-    """``{--flag: default}`` of every leaf field of ``cls``; e.g. ``flag_defaults(EngineConfig)["--policy"]``
-    is ``"static"``. Benchmarks read defaults here instead of restating them."""
+    """``{--flag: default}`` of every leaf field of ``cls``, as the generated CLI has them; e.g.
+    ``flag_defaults(EngineConfig)["--policy"]`` is ``"static"`` (``tests/test_config.py`` pins them)."""
     parser = argparse.ArgumentParser(add_help=False)
     add_dataclass_args(parser, cls, prefix)
     return {a.option_strings[0]: a.default for a in parser._actions if a.option_strings}
