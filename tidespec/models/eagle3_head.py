@@ -35,6 +35,7 @@ from tidespec.models.llama import (
     MLP,
     Attention,
     BatchLayout,
+    KVStorage,
     LlamaConfig,
     ModelConfigError,
     PlacedModule,
@@ -204,13 +205,14 @@ class Eagle3Head(PlacedModule):
         return self.lm_head(self.norm(prenorm))
 
     def forward(self, fused: torch.Tensor, embeds: torch.Tensor, layout: BatchLayout,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inference step over a ragged batch with the head's KV cache (``[S, n_kv, L, hd]``).
+                kv: KVStorage) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inference step over a ragged batch with the head's one-layer KV cache (``[S, n_kv, L, hd]``).
 
         fused, embeds: [T, H] -> (pre-norm output [T, H], logits [T, draft_vocab]).
         """
         layer = self.midlayer
         cos, sin = self.rope(layout.positions, fused.dtype)
-        attn = layer.self_attn(layer.attn_input(fused, embeds), cos, sin, layout, k_cache, v_cache)
+        layout.attention_plan(layer.self_attn.cfg.sliding_window, kv)
+        attn = layer.self_attn(layer.attn_input(fused, embeds), cos, sin, layout, kv.k[0], kv.v[0])
         out = layer.finish(fused, attn)
         return out, self.logits(out)

@@ -6,7 +6,9 @@ and must keep only the accepted path. Each sequence owns one contiguous slot of
 ``max_model_len`` positions: rollback is setting a length, compaction is a copy of a few
 positions, and attention reads a contiguous view (no gather) — the right trade on CPU, where
 a paged gather per step would cost more than it saves. Memory is reserved with ``torch.empty``
-so untouched pages are never committed by the OS.
+so untouched pages are never committed by the OS; positions are zero-filled only when a batched
+attention call is about to read them unwritten (``make_readable``): a masked key's weight is 0,
+but 0 x NaN from uninitialised memory would still be NaN.
 
 Worked example::
 
@@ -28,6 +30,8 @@ from tidespec.models.llama import LlamaConfig
 class KVCache:
     """Per-layer K/V tensors ``[num_slots, n_kv, max_len, hd]`` plus slot bookkeeping."""
 
+    zero_chunk = 64  # positions zero-filled at a time ahead of the reads (amortises the fill calls)
+
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         shape = (num_slots, num_kv_heads, max_len, head_dim)
@@ -36,6 +40,7 @@ class KVCache:
         self.num_slots = num_slots
         self.max_len = max_len
         self.lengths: list[int] = [0] * num_slots
+        self.finite: list[int] = [0] * num_slots  # positions [0, finite) hold written or zeroed values
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
 
     @classmethod
@@ -54,6 +59,24 @@ class KVCache:
         slot = self._free.pop()
         self.lengths[slot] = 0
         return slot
+
+    def make_readable(self, slots: list[int], upto: int) -> None:
+        """Make positions ``[0, upto)`` of ``slots`` safe to read: zero what was never written.
+
+        Attention over a padded batch reads up to the longest sequence's length in every slot it
+        covers; what it reads past a slot's own length is masked out but must be finite. Positions
+        once written (by a forward, or zeroed here) stay finite across rollback and reuse.
+        Example: finite = [0, 70], make_readable([0, 1], 5) zeroes slot 0 at 0..63 and leaves slot 1.
+        """
+        for slot in slots:
+            start = self.finite[slot]
+            if start >= upto:
+                continue
+            end = min(self.max_len, max(upto, start + self.zero_chunk))
+            for k, v in zip(self.k, self.v):
+                k[slot, :, start:end].zero_()
+                v[slot, :, start:end].zero_()
+            self.finite[slot] = end
 
     def free(self, slot: int) -> None:
         if slot in self._free:

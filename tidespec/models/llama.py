@@ -7,7 +7,8 @@ the only model code in tidespec; it knows nothing of requests, only of a ``Batch
 
 Layout of a forward: the new tokens of all sequences are flattened into one row dimension ``T``
 (sequence 0's tokens, then sequence 1's, ...). Projections and MLPs run once over ``[T, H]``;
-attention runs per sequence against that sequence's KV slot (like varlen flash-attention).
+attention runs once for the whole ragged batch over the sequences' KV slots, padded and masked
+(``models/attention.py``; like varlen flash-attention).
 
 Worked example: two sequences, one decoding a verified token plus 2 draft tokens on a 10-token
 cache, one prefilling a 4-token chunk from scratch::
@@ -30,6 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidespec.errors import UserError
+from tidespec.models.attention import ROW_INVARIANT_Q, AttentionPlan
+from tidespec.models.linear import Linear
 
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
@@ -139,6 +142,20 @@ class BatchLayout:
     write_slots: torch.Tensor  # [T] int64 slot index of each new token
     write_offsets: torch.Tensor  # [T] int64 cache offset of each new token (ctx + index)
     tree_masks: list[torch.Tensor | None] = field(default_factory=list)  # per seq [q, q] bool or None (causal)
+    _plans: dict[int | None, AttentionPlan] = field(default_factory=dict, repr=False)  # per sliding window
+
+    def attention_plan(self, window: int | None, kv: "KVStorage | None" = None, min_q: int = 1) -> AttentionPlan:
+        """The padded-batch attention plan of this layout, built on first use (with ``min_q``, see
+        ``AttentionPlan.build``) and shared by all layers. With ``kv``, the key range the plan
+        reads is made safe to read first."""
+        plan = self._plans.get(window)
+        if plan is None:
+            plan = AttentionPlan.build(self.q_lens, self.ctx_lens, self.slots, self.tree_masks, window,
+                                       self.positions.device, min_q, kv.k[0].shape[2] if kv is not None else None)
+            self._plans[window] = plan
+        if kv is not None:
+            kv.make_readable(plan.read_slots(self.slots), plan.kv_len)
+        return plan
 
     @property
     def num_tokens(self) -> int:
@@ -165,10 +182,13 @@ class BatchLayout:
 
 
 class KVStorage(Protocol):
-    """What the model needs from a KV cache: per-layer tensors ``[num_slots, n_kv, max_len, hd]``."""
+    """What the model needs from a KV cache: per-layer tensors ``[num_slots, n_kv, max_len, hd]``
+    and a way to make unwritten positions safe to read (``KVCache.make_readable``)."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+
+    def make_readable(self, slots: list[int], upto: int) -> None: ...
 
 
 @dataclass
@@ -234,59 +254,6 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class Linear(nn.Linear):
-    """``nn.Linear`` that keeps small-row products on every intra-op thread on CPU.
-
-    Why: on this project's reference CPU (AMD EPYC, MKL) ``F.linear`` with few rows — a decode
-    step (1 row per sequence) or a verification (γ+1 rows) — runs MKL's GEMV/small-M SGEMM on
-    one core whatever ``torch.set_num_threads`` says. Two ways around it, each where it measured
-    fastest with the weights streamed from memory (30 layers' worth, not one cache-resident
-    matrix; SmolLM2-135M's four projection shapes summed, 2 threads):
-
-    - **1 row, 17..128 rows**: split the weight's output rows into ``s = num_threads`` blocks and
-      multiply them as one ``torch.bmm`` (parallel over its batch): 1.6-2.4x ``F.linear``.
-    - **2..16 rows, and 2..128 rows of a wide matrix** (out >= 8 x in, an LM head):
-      ``W @ x^T``, MKL's tall-skinny orientation, which it runs multi-threaded. Per 30 layers:
-      rows 2 / 4 / 5 / 8 took 32.6 / 32.1 / 39.7 / 54.7 ms against the split's 40.9 / 50.9 /
-      59.9 / 67.8 ms (1 row by the split: 28.5 ms; by ``W @ x^T``: 38.3 ms). At batch 1 this
-      cut a 5-token verification forward from 1.79x to 1.37x a decode step.
-
-    Every output element is still one dot product over the full input dimension, so results
-    are the same up to the kernel's summation order (as between any two BLAS kernels). Module
-    hooks are not supported on the hot path (the model calls ``.forward`` directly).
-
-    Example: weight [3072, 576], 2 threads. x [1, 576] ->
-    bmm([2, 1, 576] x [2, 576, 1536]) -> [2, 1, 1536] -> [1, 3072];
-    x [5, 576] -> mm([3072, 576] x [576, 5]) -> [3072, 5] -> [5, 3072].
-    """
-
-    max_split_rows = 128  # above this MKL's own multi-threaded SGEMM is used
-    wide_ratio = 8  # out >= 8 x in (an LM head): 2..128 rows go as W @ x^T, 1.7-2x faster than the split
-    max_tall_rows = 16  # 2..16 rows (verification of a few tokens) go as W @ x^T for every shape
-    _split_key: tuple[int, int] | None = None
-    _split_w: torch.Tensor | None = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in] -> [T, out]
-        s = torch.get_num_threads()
-        n_out = self.weight.shape[0]
-        if s < 2 or x.dim() != 2 or x.shape[0] > self.max_split_rows or x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
-        T, k = x.shape
-        if T > 1 and (T <= self.max_tall_rows or n_out >= self.wide_ratio * k):  # verification; LM head
-            out = torch.mm(self.weight, x.t()).t().contiguous()  # [out, T] -> [T, out]
-            return out if self.bias is None else out + self.bias
-        if n_out % s:
-            return F.linear(x, self.weight, self.bias)
-        key = (s, self.weight.data_ptr())
-        if self._split_key != key:  # the blocked view of the weight, rebuilt only if it moved
-            self._split_w = self.weight.view(s, n_out // s, k).transpose(1, 2)  # [s, in, out/s]
-            self._split_key = key
-        w = self._split_w
-        out = torch.bmm(x.expand(s, T, k), w).transpose(0, 1).reshape(T, n_out)  # [T, out]
-        return out if self.bias is None else out + self.bias
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -312,46 +279,17 @@ class Attention(nn.Module):
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, hd]
         qk = qk * c + rotate_half(qk) * s  # rope on q and k heads together: half the small ops
         q, k = qk[:, :self.n_h], qk[:, self.n_h:]  # [T, n_h, hd], [T, n_kv, hd]
-        few = len(layout.q_lens) <= self.slice_write_max_seqs
-        if not few:  # scatter the new K/V into each sequence's slot: cache[slot_t, :, off_t] = k[t]
+        if len(layout.q_lens) <= self.slice_write_max_seqs:  # two slice copies beat two index_put calls
+            start = 0
+            for q_len, ctx, slot in zip(layout.q_lens, layout.ctx_lens, layout.slots):
+                k_cache[slot, :, ctx:ctx + q_len] = k[start:start + q_len].transpose(0, 1)
+                v_cache[slot, :, ctx:ctx + q_len] = v[start:start + q_len].transpose(0, 1)
+                start += q_len
+        else:  # scatter the new K/V into each sequence's slot: cache[slot_t, :, off_t] = k[t]
             k_cache[layout.write_slots, :, layout.write_offsets] = k
             v_cache[layout.write_slots, :, layout.write_offsets] = v
-        out = torch.empty(T, self.n_h, self.hd, dtype=x.dtype, device=x.device)  # [T, n_h, hd]
-        start = 0
-        for q_len, ctx, slot, tmask in zip(layout.q_lens, layout.ctx_lens, layout.slots, layout.tree_masks):
-            end = start + q_len
-            if few:  # two slice copies are cheaper than two index_put calls for one or two sequences
-                k_cache[slot, :, ctx:ctx + q_len] = k[start:end].transpose(0, 1)
-                v_cache[slot, :, ctx:ctx + q_len] = v[start:end].transpose(0, 1)
-            kv_len = ctx + q_len
-            qi = q[start:end].transpose(0, 1).unsqueeze(0)  # [1, n_h, q, hd]
-            ki = k_cache[slot, :, :kv_len].unsqueeze(0)  # [1, n_kv, kv_len, hd]
-            vi = v_cache[slot, :, :kv_len].unsqueeze(0)
-            mask = _attention_mask(q_len, ctx, tmask, self.cfg.sliding_window, x.device)
-            if mask is None and q_len > 1:  # pure causal prefill from an empty cache
-                oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
-            else:
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
-            out[start:end] = oi[0].transpose(0, 1)
-            start = end
+        out = layout.attention_plan(self.cfg.sliding_window).attend(q, k_cache, v_cache)  # [T, n_h, hd]
         return self.o_proj.forward(out.view(T, self.q_size))
-
-
-def _attention_mask(q_len: int, ctx: int, tree_mask: torch.Tensor | None, window: int | None,
-                    device: torch.device) -> torch.Tensor | None:
-    """Boolean mask [q, ctx+q] (True = attend) or None when plain causal suffices.
-
-    Example: q_len=2, ctx=3, chain -> [[1,1,1,1,0],[1,1,1,1,1]].
-    """
-    if tree_mask is None and window is None and (q_len == 1 or ctx == 0):
-        return None
-    new = tree_mask if tree_mask is not None else torch.ones(q_len, q_len, dtype=torch.bool, device=device).tril()
-    mask = torch.cat([torch.ones(q_len, ctx, dtype=torch.bool, device=device), new.to(device)], dim=1)
-    if window is not None:
-        qpos = torch.arange(ctx, ctx + q_len, device=device).unsqueeze(1)
-        kpos = torch.arange(ctx + q_len, device=device).unsqueeze(0)
-        mask = mask & (qpos - kpos < window)
-    return mask
 
 
 class MLP(nn.Module):
@@ -405,6 +343,9 @@ class LlamaModel(PlacedModule):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
+        # True when every matmul gives a row the same bits whatever the row count (the quantized
+        # kernels): attention then pads its queries to match, so a verification row equals a decode row
+        self.row_invariant = False
         # cos/sin tables per (device, dtype), built lazily; kept out of the module's buffers so
         # .to(bfloat16) never degrades the float32 rope computation
         self._rope_tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -433,6 +374,7 @@ class LlamaModel(PlacedModule):
         (2, L//2, L-3))."""
         h = self.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rope(layout.positions, h.dtype)
+        layout.attention_plan(self.cfg.sliding_window, kv, ROW_INVARIANT_Q if self.row_invariant else 1)
         taps: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             if i in tap_layers:
@@ -492,6 +434,7 @@ class LlamaModel(PlacedModule):
         small.norm = self.norm
         small.lm_head = self.lm_head
         small._rope_tables = self._rope_tables
+        small.row_invariant = self.row_invariant
         return small
 
 

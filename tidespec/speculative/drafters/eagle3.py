@@ -361,7 +361,7 @@ class Eagle3Drafter:
         tokens = [t for j in jobs for t in j.state.tokens[j.start + 1:j.end + 1]]  # token i+1 pairs with tap i
         layout = BatchLayout.build([j.end - j.start for j in jobs], [j.start for j in jobs],
                                    [j.state.slot for j in jobs], device=self.head.device)
-        out, logits = self.head(self.head.fuse(taps), self._embed(tokens), layout, self.kv.k[0], self.kv.v[0])
+        out, logits = self.head(self.head.fuse(taps), self._embed(tokens), layout, self.kv)
         row = 0
         for j in jobs:
             row += j.end - j.start
@@ -404,7 +404,7 @@ class Eagle3Drafter:
             embeds = self._embed([toks[inp.seq_id][-1] for inp, _ in live])  # [B, H]
             layout = BatchLayout.build([1] * len(live), [st.kv_len + step - 1 for _, st in live],
                                        [st.slot for _, st in live], device=self.head.device)
-            out, logits = self.head(fused, embeds, layout, self.kv.k[0], self.kv.v[0])
+            out, logits = self.head(fused, embeds, layout, self.kv)
             for b, (inp, st) in enumerate(live):
                 tok, p = self._draw(logits[b], inp.params, st.generator)
                 toks[inp.seq_id].append(tok)
@@ -459,8 +459,7 @@ class Eagle3Drafter:
             layout = BatchLayout.build(q_lens, [j.state.kv_len for j in live], [j.state.slot for j in live],
                                        depths=depths, tree_masks=masks, device=self.head.device)
             target_ids = self.head.draft_to_target(torch.tensor(tokens, device=self.head.device)).tolist()
-            out, logits = self.head(torch.stack(fused_rows), self._embed(target_ids), layout,
-                                    self.kv.k[0], self.kv.v[0])
+            out, logits = self.head(torch.stack(fused_rows), self._embed(target_ids), layout, self.kv)
             row = 0
             for job in live:
                 level_rows = {c: row + i for i, c in enumerate(job.expanded)}

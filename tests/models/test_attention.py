@@ -1,0 +1,140 @@
+"""Batched attention over the KV slots equals attention of each sequence on its own.
+
+The reference is the same model run once per sequence (a one-sequence layout pads nothing and
+masks only its own causal/tree/window structure); the batch under test mixes decode chains,
+trees, a chunked-prefill chunk and a plain decode row, on close (viewed) and scattered
+(gathered) slots, with and without a sliding window. float64: equal to rounding (SDPA sums in a
+different order when a sequence's keys and queries are padded, and the projections run over a
+different number of rows; the differences are ~1e-16, against ~1e-2 for any masking error).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tests.helpers import tiny_llama
+from tidespec.models.attention import ROW_INVARIANT_Q, AttentionPlan
+from tidespec.models.kv_cache import KVCache
+from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.speculative.tree import tree_depths, tree_mask
+
+PARENTS = [-1, 0, 0, 1]  # a 4-token draft tree below the verified token (index 0 = root)
+
+
+def _fill_contexts(model: LlamaModel, kv: KVCache, contexts: dict[int, list[int]]) -> None:
+    for slot, ids in contexts.items():  # each context prefilled alone
+        model(torch.tensor(ids), BatchLayout.build([len(ids)], [0], [slot]), kv)
+
+
+def _batch(slots: list[int]) -> tuple[list[list[int]], list[int], list[list[int] | None], list[torch.Tensor | None]]:
+    """(new tokens, ctx lens, depths, masks) of 4 sequences: a 3-token chain on 7 cached tokens, a
+    tree of 1 + 4 tokens on 5, a 6-token prefill chunk on 4, one decode token on 9."""
+    tree = [[0] + [d + 1 for d in tree_depths(PARENTS)], tree_mask(PARENTS)]
+    new = [[5, 6, 7], [8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18], [19]]
+    ctx = [7, 5, 4, 9]
+    depths: list[list[int] | None] = [None, tree[0], None, None]
+    masks: list[torch.Tensor | None] = [None, tree[1], None, None]
+    return new, ctx, depths, masks
+
+
+@pytest.mark.parametrize("slots", [[2, 0, 3, 1], [0, 9, 4, 15]], ids=["view", "gather"])
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "window6"])
+def test_ragged_batch_equals_each_sequence_alone(slots: list[int], window: int | None) -> None:
+    model = tiny_llama(vocab_size=32, layers=2, sliding_window=window)
+    new, ctx, depths, masks = _batch(slots)
+    kv = KVCache.for_model(model.cfg, num_slots=16, max_len=32, dtype=torch.float64)
+    _fill_contexts(model, kv, {s: [(3 * s + i) % 32 for i in range(c)] for s, c in zip(slots, ctx)})
+    ref_kv = copy.deepcopy(kv)
+
+    layout = BatchLayout.build([len(n) for n in new], ctx, slots, depths, masks)
+    plan = layout.attention_plan(window)
+    assert (plan.gather is not None) == (slots[1] == 9)
+    got = model(torch.tensor([t for n in new for t in n]), layout, kv).logits  # [T, V]
+
+    start = 0
+    for n, c, s, d, m in zip(new, ctx, slots, depths, masks):
+        alone = model(torch.tensor(n), BatchLayout.build([len(n)], [c], [s], [d], [m]), ref_kv).logits
+        torch.testing.assert_close(got[start:start + len(n)], alone, rtol=0, atol=1e-12, msg=f"slot {s}")
+        start += len(n)
+    for layer in range(model.cfg.num_layers):  # the same K/V written for every sequence
+        for s, c, n in zip(slots, ctx, new):
+            torch.testing.assert_close(kv.k[layer][s, :, :c + len(n)], ref_kv.k[layer][s, :, :c + len(n)],
+                                       rtol=0, atol=1e-12)
+
+
+def _reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: int, tmask: torch.Tensor | None,
+                         window: int | None) -> torch.Tensor:
+    """Textbook attention of one sequence: q [q, n_h, hd]; k, v [n_kv, ctx + q, hd] -> [q, n_h, hd]."""
+    n, n_h, hd = q.shape
+    rep = n_h // k.shape[0]
+    k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)  # [n_h, ctx + q, hd]
+    allowed = torch.zeros(n, ctx + n, dtype=torch.bool)
+    for i in range(n):
+        for j in range(ctx + n):
+            new_ok = j >= ctx and (bool(tmask[i, j - ctx]) if tmask is not None else j - ctx <= i)
+            allowed[i, j] = (j < ctx or new_ok) and (window is None or ctx + i - j < window)
+    scores = torch.einsum("qhd,hkd->hqk", q, k) / hd ** 0.5
+    probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)  # [n_h, q, ctx + q]
+    return torch.einsum("hqk,hkd->qhd", probs, v)
+
+
+@pytest.mark.parametrize("slots", [[2, 0, 3, 1], [0, 9, 4, 15]], ids=["view", "gather"])
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "window6"])
+def test_plan_attend_matches_textbook_attention(slots: list[int], window: int | None) -> None:
+    torch.manual_seed(0)
+    new, ctx, _, masks = _batch(slots)
+    q_lens = [len(n) for n in new]
+    k = torch.randn(16, 2, 32, 8, dtype=torch.float64)  # [S, n_kv, L, hd]
+    v = torch.randn_like(k)
+    q = torch.randn(sum(q_lens), 4, 8, dtype=torch.float64)  # [T, n_h, hd]
+    got = AttentionPlan.build(q_lens, ctx, slots, masks, window, "cpu").attend(q, k, v)
+    start = 0
+    for n, c, s, m in zip(q_lens, ctx, slots, masks):
+        ref = _reference_attention(q[start:start + n], k[s, :, :c + n], v[s, :, :c + n], c, m, window)
+        torch.testing.assert_close(got[start:start + n], ref, rtol=0, atol=1e-12, msg=f"slot {s}")
+        start += n
+
+
+def test_unwritten_cache_positions_never_reach_an_output() -> None:
+    """Slot 1 is read up to the longest sequence's length but holds only 2 tokens: the NaN left in
+    its unwritten positions must not leak (they are zero-filled before being read)."""
+    model = tiny_llama(vocab_size=32, layers=1)
+    kv = KVCache.for_model(model.cfg, num_slots=2, max_len=16, dtype=torch.float64)
+    for k, v in zip(kv.k, kv.v):
+        k.fill_(float("nan"))
+        v.fill_(float("nan"))
+    kv.zero_chunk = 1  # zero exactly what is read
+    layout = BatchLayout.build([10, 2], [0, 0], [0, 1])
+    out = model(torch.arange(12), layout, kv).logits
+    assert torch.isfinite(out).all()
+    assert kv.finite == [10, 10]
+
+
+def test_plan_worked_example() -> None:
+    plan = AttentionPlan.build([2, 1], [3, 1], [0, 1], [None, None], None, "cpu")
+    assert (plan.lo, plan.hi, plan.q_max, plan.kv_len) == (0, 2, 2, 5)
+    assert plan.q_index.tolist() == [0, 1, 2]  # A's rows at 0, 1; B's one row at 1 * q_max + 0
+    assert plan.mask[0, 0].int().tolist() == [[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
+    assert plan.mask[1, 0].int().tolist() == [[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_queries_make_a_verification_row_equal_its_decode_row(dtype: torch.dtype) -> None:
+    """With queries padded to ROW_INVARIANT_Q rows and keys to a multiple of ROW_INVARIANT_KV, row r
+    of a 5-token verification (batched with two other sequences) has exactly the bits of that token
+    decoded alone on ctx + r cached tokens: what makes speculation on a row-invariant (quantized)
+    target exactly lossless. (Not guaranteed when another sequence of the batch is far longer.)"""
+    torch.manual_seed(1)
+    k = torch.randn(4, 3, 700, 64, dtype=dtype)  # [S, n_kv, L, hd], SmolLM2's head layout
+    v = torch.randn_like(k)
+    for ctx in (37, 600):
+        q_lens, ctxs, slots = [3, 5, 1], [ctx - 20, ctx, 20], [0, 1, 3]  # the longest within 16 keys
+        q = torch.randn(sum(q_lens), 9, 64, dtype=dtype)  # [T, n_h, hd]
+        verify = AttentionPlan.build(q_lens, ctxs, slots, [None] * 3, None, "cpu", min_q=ROW_INVARIANT_Q, max_kv=700)
+        got = verify.attend(q, k, v)[3:8]  # the 5-token sequence's rows
+        for r in range(5):
+            decode = AttentionPlan.build([1], [ctx + r], [1], [None], None, "cpu", min_q=ROW_INVARIANT_Q, max_kv=700)
+            assert torch.equal(got[r], decode.attend(q[3 + r:4 + r], k, v)[0]), (ctx, r)

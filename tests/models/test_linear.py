@@ -1,0 +1,68 @@
+"""The measured matmul kernels of ``Linear``: each computes F.linear's product, and tuning picks,
+caches and reuses a kernel per row count."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import tiny_llama
+from tidespec.models import linear
+from tidespec.models.linear import STRATEGIES, TUNED_ROWS, Linear, tune_linears
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("rows", [1, 2, 5, 17, 64, 65])
+@pytest.mark.parametrize("n_out", [64, 63, 400])
+def test_every_kernel_computes_the_same_product(name: str, rows: int, n_out: int, two_threads: None) -> None:
+    """Forced to one kernel for every row count (pad2 and split fall back where they cannot run:
+    more than one row, widths not divisible by the thread count; beyond 64 rows F.linear), the
+    layer equals F.linear with bias; an in-place weight update is seen by the cached blocks."""
+    gen = torch.Generator().manual_seed(rows + n_out)
+    lin = Linear(48, n_out, bias=True).double()
+    lin.choice = tuple(name if (name != "pad2" or r == 1) and (name != "split" or n_out % 2 == 0) else "linear"
+                       for r in range(1, TUNED_ROWS[-1] + 1))
+    lin.tuned_threads = 2
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n_out, 48, generator=gen, dtype=torch.float64))
+        lin.bias.copy_(torch.randn(n_out, generator=gen, dtype=torch.float64))
+    x = torch.randn(rows, 48, generator=gen, dtype=torch.float64)
+    with torch.inference_mode():
+        got = lin.forward(x)
+        assert got.shape == (rows, n_out)
+        torch.testing.assert_close(got, F.linear(x, lin.weight, lin.bias), rtol=0, atol=1e-12)
+        with torch.no_grad():
+            lin.weight.mul_(2.0)
+        torch.testing.assert_close(lin.forward(x), F.linear(x, lin.weight, lin.bias), rtol=0, atol=1e-12)
+
+
+def test_tuning_measures_once_then_reads_the_cached_plan(tmp_path: Path, two_threads: None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    model = tiny_llama(vocab_size=64, layers=2, dtype=torch.float32)
+    plan = tune_linears(model, repeats=1, cache_dir=tmp_path)
+    # qkv and the LM head are both 64 x 32 here: one group, timed over the 3 matrices in turn
+    assert set(plan) == {"64x32:float32", "32x32:float32", "128x32:float32", "32x64:float32"}
+    for kernels in plan.values():
+        assert len(kernels) == TUNED_ROWS[-1] and set(kernels) <= set(STRATEGIES)
+        assert "pad2" not in kernels[1:]  # padding only ever serves a single row
+    qkv = model.layers[0].self_attn.qkv_proj
+    assert qkv.choice == tuple(plan["64x32:float32"]) and qkv.tuned_threads == 2
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+    def fail(*args: object) -> list[str]:
+        raise AssertionError("measured again although the plan is cached")
+
+    monkeypatch.setattr(linear, "_measure", fail)
+    again = tiny_llama(vocab_size=64, layers=2, dtype=torch.float32)
+    assert tune_linears(again, repeats=1, cache_dir=tmp_path) == plan
+
+
+def test_a_layer_tuned_for_other_thread_counts_uses_f_linear(two_threads: None) -> None:
+    lin = Linear(8, 6, bias=False).double()
+    lin.choice = ("split",) * 4
+    lin.tuned_threads = 3  # 6 % 2 == 0 would allow a split on 2 threads; the 3-block plan must not be used
+    x = torch.randn(2, 8, dtype=torch.float64)
+    assert torch.equal(lin.forward(x), F.linear(x, lin.weight))

@@ -1,0 +1,136 @@
+"""Attention of a ragged batch over the KV slots in one call: no Python loop per sequence.
+
+Why this exists: a decode step of B sequences, each verifying its own chain or tree of draft
+tokens against its own context length, used to run one ``scaled_dot_product_attention`` per
+sequence per layer — B x 30 small kernel calls plus their masks, rebuilt every layer. Here the
+ragged batch is laid out once per forward as a padded ``[Sb, n_h, q_max, hd]`` query block over
+the cache's own ``[Sb, n_kv, L, hd]`` slots, with one boolean mask ``[Sb, 1, q_max, L]`` that
+encodes everything the per-sequence path encoded: each sequence's context length, causal or
+tree order among its new tokens, the sliding window, and the padding. Every layer then runs one
+SDPA call. The mask and the index maps are built once per forward (``AttentionPlan``) and
+shared by all layers.
+
+Which slots: when the batch's slots are packed closely (``hi - lo <= 2 B``; slots are handed
+out lowest first, so this is the common case) the keys are a *view* of the cache
+``k_cache[lo:hi, :, :L]`` — no copy — and slots in that range that are not in the batch get
+fully padded query rows. Otherwise the batch's slots are gathered (``index_select``), which
+copies ``B x L`` positions per layer.
+
+Padded query rows attend to key 0 only (a fully masked row would give NaN in some kernels);
+their outputs are never read. Keys past a sequence's length are masked, so what is in the
+cache there (another request's old K/V) never reaches an output: a masked score's weight is
+exactly 0. That needs the values there to be finite (0 x NaN is NaN), which is why the caller
+makes the range readable first (``KVCache.make_readable``: zero-fill of never-written positions).
+
+Worked example: sequences A (slot 0, ctx 3, a 2-token chain) and B (slot 1, ctx 1, 1 token)::
+
+    plan = AttentionPlan.build(q_lens=[2, 1], ctx_lens=[3, 1], slots=[0, 1], tree_masks=[None, None],
+                               window=None, device="cpu")
+    plan.lo, plan.hi, plan.q_max, plan.kv_len   # 0, 2, 2, 5
+    plan.q_index                                # tensor([0, 1, 2]): A's rows 0, 1; B's row 0 at 1*2+0
+    plan.mask[0, 0]  # A: [[1,1,1,1,0], [1,1,1,1,1]]
+    plan.mask[1, 0]  # B: [[1,1,0,0,0], [1,0,0,0,0]]   (row 1 is padding: key 0 only)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+# SDPA's CPU kernel multiplies a block of query rows at once, and its float32 matmul for 1 or 2
+# rows sums in another order than for 3 or more: a verification row (1 + gamma rows) then differs
+# from the same row decoded alone by ~5e-7. It also sums a row's keys in an order that depends on
+# how many keys there are (a tail of 8..15 is handled apart), masked or not. With the queries
+# padded to >= 4 rows and the keys to a multiple of 16, a row's output had the same bits whatever
+# the number of rows (3..512) and of keys up to 48 more (measured on torch 2.13 CPU, float32 and
+# bfloat16; tests/models/test_attention.py asserts it for a verification against its decode rows).
+# The padding costs ~5 us (float32) / ~28 us (bfloat16) per layer at one row and 320 keys.
+ROW_INVARIANT_Q = 4
+ROW_INVARIANT_KV = 16
+
+
+@dataclass
+class AttentionPlan:
+    """Where each new token's query sits in the padded block and what it may attend to."""
+
+    lo: int  # first slot of the key range (range mode) — unused when ``gather`` is set
+    hi: int  # one past the last slot of the key range
+    q_max: int  # longest new-token run of any sequence
+    kv_len: int  # keys read per slot: the longest ctx + q_len
+    q_index: torch.Tensor  # [T] int64 row of each new token in the flattened [Sb * q_max] block
+    mask: torch.Tensor  # [Sb, 1, q_max, kv_len] bool, True = attend
+    gather: torch.Tensor | None  # [B] int64 slots to gather, or None to read the view [lo:hi]
+    identity: bool  # q_index is 0..T-1 and T == Sb * q_max: no scatter/gather of queries needed
+    causal: bool  # one sequence, empty cache, causal order, no window: SDPA's own causal mask suffices
+
+    @staticmethod
+    def build(q_lens: list[int], ctx_lens: list[int], slots: list[int], tree_masks: list[torch.Tensor | None],
+              window: int | None, device: torch.device | str, min_q: int = 1,
+              max_kv: int | None = None) -> "AttentionPlan":
+        """One plan per forward. ``tree_masks[i]``: [q, q] bool among sequence i's new tokens, or
+        None for causal order. ``window``: sliding window over cache offsets, or None.
+        ``min_q``: pad every sequence's queries to at least this many rows (``ROW_INVARIANT_Q``
+        makes a row's output bits independent of how many rows its sequence has; keys are then
+        padded to a multiple of ``ROW_INVARIANT_KV``, at most ``max_kv``, the cache's length)."""
+        B = len(q_lens)
+        lo, hi = min(slots), max(slots) + 1
+        gather = None
+        if hi - lo > 2 * B:  # scattered slots: copy just the batch's keys rather than read a wide range
+            base = list(range(B))
+            gather = torch.tensor(slots, dtype=torch.int64, device=device)
+        else:
+            base = [s - lo for s in slots]
+        num_rows = B if gather is not None else hi - lo
+        q_max = max(max(q_lens), min_q)
+        kv_len = max(c + q for c, q in zip(ctx_lens, q_lens))
+        if min_q >= ROW_INVARIANT_Q:  # the row-invariant layout: keys to a multiple of 16 as well
+            kv_len = -(-kv_len // ROW_INVARIANT_KV) * ROW_INVARIANT_KV
+            kv_len = kv_len if max_kv is None else min(kv_len, max_kv)
+        mask = torch.zeros(num_rows, 1, q_max, kv_len, dtype=torch.bool)
+        mask[:, :, :, 0] = True  # padding rows (and unused slots) look at key 0 only
+        index: list[int] = []
+        for b, q, c, tmask in zip(base, q_lens, ctx_lens, tree_masks):
+            rows = mask[b, 0]  # [q_max, kv_len]
+            rows[:q, :c] = True
+            new = torch.ones(q, q, dtype=torch.bool).tril() if tmask is None else tmask.to("cpu", torch.bool)
+            rows[:q, c:c + q] = new
+            if window is not None:  # a query at offset c + i sees keys at offsets > c + i - window
+                qpos = torch.arange(c, c + q).unsqueeze(1)  # [q, 1]
+                kpos = torch.arange(kv_len).unsqueeze(0)  # [1, kv_len]
+                rows[:q] &= qpos - kpos < window
+            index.extend(range(b * q_max, b * q_max + q))
+        identity = index == list(range(num_rows * q_max))
+        causal = B == 1 and ctx_lens[0] == 0 and tree_masks[0] is None and window is None and q_max == q_lens[0]
+        return AttentionPlan(lo, hi, q_max, kv_len, torch.tensor(index, dtype=torch.int64, device=device),
+                             mask.to(device), gather, identity, causal)
+
+    def read_slots(self, slots: list[int]) -> list[int]:
+        """The slots whose first ``kv_len`` positions this plan reads (``slots``: the batch's)."""
+        return list(slots) if self.gather is not None else list(range(self.lo, self.hi))
+
+    def keys(self, cache: torch.Tensor) -> torch.Tensor:
+        """[S, n_kv, L, hd] cache -> [Sb, n_kv, kv_len, hd] keys (or values) of the batch's slots."""
+        if self.gather is not None:
+            return cache[:, :, :self.kv_len].index_select(0, self.gather)
+        return cache[self.lo:self.hi, :, :self.kv_len]
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q: [T, n_h, hd] (rope applied, K/V of these tokens already in the cache) -> [T, n_h, hd]."""
+        T, n_h, hd = q.shape
+        rows = self.mask.shape[0]
+        if self.identity:
+            qp = q
+        else:
+            qp = q.new_zeros(rows * self.q_max, n_h, hd)  # [Sb * q_max, n_h, hd]
+            qp.index_copy_(0, self.q_index, q)
+        qb = qp.view(rows, self.q_max, n_h, hd).transpose(1, 2)  # [Sb, n_h, q_max, hd]
+        if self.causal:  # a prefill from an empty cache: the kernel skips the masked blocks itself
+            out = F.scaled_dot_product_attention(qb, self.keys(k_cache), self.keys(v_cache), is_causal=True,
+                                                 enable_gqa=True)  # [1, n_h, q, hd]
+        else:
+            out = F.scaled_dot_product_attention(qb, self.keys(k_cache), self.keys(v_cache), attn_mask=self.mask,
+                                                 enable_gqa=True)  # [Sb, n_h, q_max, hd]
+        out = out.transpose(1, 2).reshape(rows * self.q_max, n_h, hd)
+        return out if self.identity else out.index_select(0, self.q_index)

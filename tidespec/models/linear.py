@@ -1,0 +1,192 @@
+"""The projection layer of the model, with a matmul kernel measured per row count on this machine.
+
+Why this exists: a decode step multiplies every weight by 1 row per sequence, a verification by
+gamma + 1 rows, and which BLAS call is fastest for those skinny products depends on the CPU, the
+BLAS library, the dtype and the thread count — not on anything we can know in advance:
+
+- on an AMD EPYC (MKL, fp32, 2 threads) ``F.linear`` ran 1 row on one core; splitting the
+  weight's output rows into one block per thread (``torch.bmm``) was 1.6-2.4x faster, and
+  ``W @ x^T`` (MKL's tall-skinny orientation) was fastest for 2..16 rows;
+- on an Intel Xeon with AMX (oneDNN, same torch build), ``F.linear`` is the fastest fp32 kernel
+  at every row count and ``W @ x^T`` is 2.4x *slower* at 2..16 rows, while in bfloat16 ``W @ x^T``
+  is fastest from 2 rows and 1 row is faster padded to 2 (13.9 vs 18.4 ms per 30 layers).
+
+So the choice is measured, not guessed: ``tune_linears`` times each candidate on the real weights
+(all layers' matrices of one shape in turn, so the weights stream from memory as in a forward)
+for row counts 1..``max_rows`` and stores the fastest per row count in each ``Linear``. The
+result is cached on disk per (CPU, torch version, threads, dtype, shapes), so a process pays the
+few seconds of measuring once per machine. Untuned layers (tiny test models, CUDA, another
+thread count than the one tuned for) use ``F.linear``.
+
+Every candidate computes each output element as one dot product over the full input dimension,
+so results agree up to the kernel's summation order, as between any two BLAS kernels.
+
+Worked example (weight [3072, 576], 2 threads)::
+
+    "linear": F.linear(x [T, 576], W)                         -> [T, 3072]
+    "tall":   mm(W [3072, 576], x^T [576, T])^T               -> [T, 3072]
+    "split":  bmm(x [2, T, 576], W blocks [2, 576, 1536])     -> [2, T, 1536] -> [T, 3072]
+    "pad2":   (1 row only) tall on [x; x] [2, 576], keep row 0 -> [1, 3072]
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidespec.files import atomic_write, cache_root
+
+log = logging.getLogger(__name__)
+
+STRATEGIES = ("linear", "tall", "split", "pad2")
+TUNED_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # measured; other counts use the next one up
+PREFER_MARGIN = 1.1  # another kernel replaces F.linear only when >= 10 % faster (noise must not flip it)
+
+
+def _split_weight(w: torch.Tensor, s: int) -> torch.Tensor:
+    """[out, in] -> [s, in, out/s]: the output rows in one block per thread (a view)."""
+    return w.view(s, w.shape[0] // s, w.shape[1]).transpose(1, 2)
+
+
+def run_strategy(name: str, x: torch.Tensor, w: torch.Tensor, blocks: torch.Tensor | None) -> torch.Tensor:
+    """x [T, in] @ w [out, in]^T -> [T, out] by the named kernel (no bias)."""
+    if name == "tall":
+        return torch.mm(w, x.t()).t().contiguous()  # [out, T] -> [T, out]
+    if name == "pad2":
+        return torch.mm(w, x.expand(2, -1).t())[:, :1].t().contiguous()  # [out, 2] -> [1, out]
+    if name == "split":
+        assert blocks is not None
+        s, T = blocks.shape[0], x.shape[0]
+        return torch.bmm(x.expand(s, T, -1), blocks).transpose(0, 1).reshape(T, w.shape[0])
+    return F.linear(x, w)
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose kernel per row count was measured by ``tune_linears`` (else F.linear).
+
+    Module hooks are not supported on the hot path (the model calls ``.forward`` directly).
+    """
+
+    choice: tuple[str, ...] = ()  # kernel for 1, 2, ... rows; beyond its length: F.linear
+    tuned_threads = 0  # the intra-op thread count the choice was measured with
+    _blocks_key: tuple[int, int] | None = None
+    _blocks: torch.Tensor | None = None
+
+    def blocks(self, s: int) -> torch.Tensor | None:
+        """The weight split in ``s`` output blocks (rebuilt only if the weight moved), or None."""
+        if self.weight.shape[0] % s:
+            return None
+        key = (s, self.weight.data_ptr())
+        if self._blocks_key != key:
+            self._blocks = _split_weight(self.weight, s)
+            self._blocks_key = key
+        return self._blocks
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> [T, out]
+        T = x.shape[0]
+        if T > len(self.choice) or x.dim() != 2 or torch.get_num_threads() != self.tuned_threads:
+            return F.linear(x, self.weight, self.bias)
+        name = self.choice[T - 1]
+        if name == "linear":
+            return F.linear(x, self.weight, self.bias)
+        out = run_strategy(name, x, self.weight, self.blocks(self.tuned_threads))
+        return out if self.bias is None else out + self.bias
+
+
+def _candidates(rows: int, out_features: int, threads: int) -> list[str]:
+    names = ["linear", "tall"]
+    if threads > 1 and out_features % threads == 0:
+        names.append("split")
+    if rows == 1:
+        names.append("pad2")
+    return names
+
+
+def _plan_key(groups: dict[tuple[int, int, str], list[Linear]], max_rows: int, threads: int) -> str:
+    ident = {"method": 2, "cpu": _cpu_name(), "torch": torch.__version__, "threads": threads, "max_rows": max_rows,
+             "shapes": sorted(f"{o}x{i}:{d}:{len(m)}" for (o, i, d), m in groups.items())}
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def tune_linears(root: nn.Module, repeats: int = 5, cache_dir: Path | None = None) -> dict[str, list[str]]:
+    """Measure the fastest kernel for the row counts ``TUNED_ROWS`` for every CPU ``Linear`` under
+    ``root`` and store it in the layers; returns {"out x in:dtype": [kernel for 1, 2, ... rows]}
+    (a count between two measured ones takes the larger one's kernel).
+
+    Layers of one shape share one choice, timed over all of them in turn; each kernel keeps its
+    best of ``repeats`` interleaved rounds, and replaces ``F.linear`` only when ``PREFER_MARGIN``
+    faster. The plan is read from and written to ``cache_dir`` (default: ``cache_root() /
+    "matmul-plans"``); delete it to measure again (e.g. after it was measured on a busy machine).
+    Example: SmolLM2-135M's four projection shapes and its LM head, 13 row counts, 3-4 kernels
+    each: a few seconds the first time on 2 cores, then a file read.
+    """
+    max_rows = TUNED_ROWS[-1]
+    groups: dict[tuple[int, int, str], list[Linear]] = {}
+    for module in root.modules():
+        if isinstance(module, Linear) and module.weight.device.type == "cpu":
+            key = (module.out_features, module.in_features, str(module.weight.dtype).removeprefix("torch."))
+            groups.setdefault(key, []).append(module)
+    if not groups:
+        return {}
+    threads = torch.get_num_threads()
+    path = (cache_dir or cache_root() / "matmul-plans") / f"{_plan_key(groups, max_rows, threads)}.json"
+    plan: dict[str, list[str]] = {}
+    if path.exists():
+        try:
+            plan = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            plan = {}
+    names = {key: f"{key[0]}x{key[1]}:{key[2]}" for key in groups}
+    if not all(isinstance(plan.get(n), list) and len(plan[n]) == max_rows and set(plan[n]) <= set(STRATEGIES)
+               for n in names.values()):
+        log.info("measuring matmul kernels for this CPU (once; cached in %s)", path.parent)
+        plan = {names[key]: _measure(mods, repeats, threads) for key, mods in groups.items()}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, json.dumps(plan, indent=1).encode())
+    for key, mods in groups.items():
+        for m in mods:
+            m.choice = tuple(plan[names[key]])
+            m.tuned_threads = threads
+    return plan
+
+
+@torch.inference_mode()
+def _measure(mods: list[Linear], repeats: int, threads: int) -> list[str]:
+    """The fastest kernel for 1..max(TUNED_ROWS) rows over all ``mods`` (one weight shape) in turn."""
+    w0 = mods[0].weight
+    weights = [(m.weight, _split_weight(m.weight, threads) if m.out_features % threads == 0 else None)
+               for m in mods]
+    best: dict[int, str] = {}
+    for rows in TUNED_ROWS:
+        x = torch.randn(rows, w0.shape[1], dtype=w0.dtype)
+        names = _candidates(rows, w0.shape[0], threads)
+        timings = dict.fromkeys(names, float("inf"))
+        for round_ in range(repeats + 1):  # rounds interleave the kernels, so a burst of load hits all
+            for name in names:
+                t0 = time.perf_counter()
+                for w, blocks in weights:
+                    run_strategy(name, x, w, blocks)
+                if round_:  # round 0 warms up (first-call allocations, kernel selection)
+                    timings[name] = min(timings[name], time.perf_counter() - t0)
+        fastest = min(timings, key=timings.__getitem__)
+        best[rows] = fastest if timings[fastest] < timings["linear"] / PREFER_MARGIN else "linear"
+    return [best[min(r for r in TUNED_ROWS if r >= rows)] for rows in range(1, TUNED_ROWS[-1] + 1)]
