@@ -10,7 +10,7 @@ flags and so re-runs every section's validation.
 The tree::
 
     EngineConfig
-      model      ModelConfig       --model --dtype --device --threads
+      model      ModelConfig       --model --dtype --device --threads --quantization --quant-group-size
       cache      CacheConfig       --max-model-len --max-num-seqs
       scheduler  SchedulerConfig   --max-num-batched-tokens --max-waiting
       spec       SpecConfig        --drafter --num-speculative-tokens --tree
@@ -68,12 +68,41 @@ def section(cls: type, prefix: str = "") -> Any:
     return field(default_factory=cls, metadata={"section": True, "prefix": prefix})
 
 
+QUANTIZATIONS = ("none", "int8", "int4")
+INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU int4 kernel accepts
+
+
 @dataclass
 class ModelConfig(Section):
     model: str | None = opt(None, "HF checkpoint dir or GGUF file; default: embedded SmolLM2-135M-Instruct")
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = opt("float32", "weights and activations dtype")
     device: str = opt("cpu", "torch device (cpu, cuda, cuda:1)")
     threads: int = opt(0, "torch intra-op threads (0 = torch default)", min=0)
+    quantization: Literal["none", "int8", "int4"] = opt(
+        "none", "weight-only quantization of the layers' projections (int8 per output channel or int4 per group) "
+                "and the LM head (int8), CPU only; the matmuls run PyTorch's kernels on bfloat16 activations, the "
+                "rest of the model keeps --dtype. Speculation is lossless w.r.t. the quantized model exactly with "
+                "--dtype float64, up to near-ties with float32 (README)")
+    quant_group_size: int = opt(32, "int4: input weights per scale/zero group (32, 64, 128 or 256; 32 = GGUF Q4_1)")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
+        if self.quant_group_size not in INT4_GROUP_SIZES:
+            raise ConfigError(f"quant_group_size must be a power of two in [32, 256] (the int4 kernel's group "
+                              f"sizes), got {self.quant_group_size}")
+        if self.quantization != "none" and not self.device.startswith("cpu"):
+            raise ConfigError(f"--quantization {self.quantization} needs --device cpu (PyTorch's CPU kernels), "
+                              f"got {self.device!r}")
+
+    @property
+    def precision(self) -> str:
+        """The dtype, plus the weight quantization if any: "float32", "float32 + int4-g32 weights"."""
+        if self.quantization == "none":
+            return self.dtype
+        q = self.quantization + (f"-g{self.quant_group_size}" if self.quantization == "int4" else "")
+        return f"{self.dtype} + {q} weights"
 
 
 @dataclass

@@ -20,13 +20,13 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from tidespec.config import EngineConfig, SpecConfig
+from tidespec.config import EngineConfig, ModelConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
 from tidespec.errors import ConfigError
 from tidespec.models.eagle3_checkpoint import fresh_head, head_from_published, load_drafter_source
 from tidespec.models.llama import LlamaModel
-from tidespec.models.loader import load_model
+from tidespec.models.loader import LoadedModel, load_model
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
@@ -37,6 +37,13 @@ from tidespec.speculative.policy.profiler import STATEFUL_DRAFTERS, load_or_meas
 from tidespec.speculative.policy.speedup import Profile
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def load_target(mc: ModelConfig) -> LoadedModel:
+    """The target model ``mc`` names: loaded in ``mc.dtype`` on ``mc.device``, its linear layers
+    quantized as ``mc.quantization`` says (what every engine, server and benchmark serves)."""
+    return load_model(mc.model, dtype=DTYPES[mc.dtype], device=mc.device, quantization=mc.quantization,
+                      quant_group_size=mc.quant_group_size)
 
 
 def build_drafter(spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_model_len: int) -> Drafter | None:
@@ -113,7 +120,7 @@ def build_engine(config: EngineConfig, model: LlamaModel | None = None,
     if mc.threads:
         torch.set_num_threads(mc.threads)
     if model is None or tokenizer is None:
-        loaded = load_model(mc.model, dtype=DTYPES[mc.dtype], device=mc.device)
+        loaded = load_target(mc)
         model, tokenizer = loaded.model, loaded.tokenizer
     max_len = min(config.cache.max_model_len, model.cfg.max_position_embeddings)
     if drafter is None:

@@ -187,16 +187,18 @@ def test_decode_bench_smoke_writes_json_and_plot(tmp_path: Path, capsys: pytest.
 def test_decode_bench_compare_hf(tmp_path: Path) -> None:
     target = _hf_target(tmp_path, torch.float32)
     cfg = DecodeBenchConfig(workload=str(_workload(tmp_path, "w", 2)), batch_sizes=(1,), max_tokens=5,
-                            compare_hf=True)
+                            compare=("hf",))
     doc = run_decode_bench(cfg, target, out_dir=tmp_path / "out", echo=False)
     hf = [r for r in doc["rows"] if r["engine"] == "hf-transformers"]
     assert len(hf) == 1 and hf[0]["output_tokens"] == 2 * 5
     assert doc["headline"]["vs_hf_with_prefill"] > 0 and doc["headline"]["vs_hf_decode_only"] > 0
     assert len(doc["requests"]["hf"]) == 2
+    assert len(hf[0]["identical_prefix_vs_tidespec"]["per_prompt"]) == 2
+    assert hf[0]["decode_tokens_per_s_vs_tidespec_b1"] > 0 and doc["skipped"] == {}
 
 
 def test_decode_bench_compare_hf_needs_a_checkpoint(tmp_path: Path) -> None:
-    cfg = DecodeBenchConfig(workload=str(_workload(tmp_path)), batch_sizes=(1,), max_tokens=4, compare_hf=True)
+    cfg = DecodeBenchConfig(workload=str(_workload(tmp_path)), batch_sizes=(1,), max_tokens=4, compare=("hf",))
     with pytest.raises(ConfigError, match="HF checkpoint"):
         run_decode_bench(cfg, _tiny_target(), out_dir=tmp_path / "out", echo=False)
 

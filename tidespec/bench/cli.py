@@ -1,4 +1,4 @@
-"""``tidespec bench {decode,spec,profile,shift,learn,serve,load}``: the benchmark sub-commands.
+"""``tidespec bench {decode,spec,profile,shift,learn,serve,load,quality}``: the benchmark sub-commands.
 
 Why this exists: the benchmarks are part of the product (their numbers go into
 docs/benchmarks.md), so they are run from the same CLI with the same model flags as
@@ -8,11 +8,12 @@ docs/benchmarks.md), so they are run from the same CLI with the same model flags
 
 Worked example::
 
-    tidespec bench decode --workload code --batch-sizes 1,4,16 --max-tokens 128 --threads 2 --compare hf
+    tidespec bench decode --workload code --batch-sizes 1,4,16 --max-tokens 128 --threads 2 --compare hf,llamacpp
     tidespec bench spec --workload code --drafters none,ngram,suffix,draft-model --gammas 1,3,5,8 --compare hf
     tidespec bench profile --threads 2
     tidespec bench shift --workloads code,chat,code --bootstrap runs/boot/drafter --threads 2
     tidespec bench learn --signal-dirs runs/boot/signals --fractions 0.25,0.5,1 --threads 2
+    tidespec bench quality --workload code,chat --quantizations int8,int4 --threads 2
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from typing import Any
 
 import torch
 
-from tidespec.bench.decode import DecodeBenchConfig, parse_int_list, resolve_target, run_decode_bench
+from tidespec.bench import quality
+from tidespec.bench.decode import DecodeBenchConfig, parse_compare, parse_int_list, resolve_target, run_decode_bench
 from tidespec.bench.learn import LearnBenchConfig, run_learn_bench
 from tidespec.bench.learn import replot as replot_learn
 from tidespec.bench.profile import ProfileConfig, run_profile
@@ -57,7 +59,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        formatter_class=fmt)
     _add_workload_args(d, limit=16)
     d.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes")
-    d.add_argument("--compare", choices=["hf"], default=None, help="also run HF transformers generate() at batch 1")
+    d.add_argument("--compare", default=None, metavar="ENGINES",
+                   help="comma-separated reference engines run at batch 1, interleaved with ours: hf (transformers "
+                        "generate()), llamacpp (llama-cpp-python on the same GGUF; optional, see README)")
     add_dataclass_args(d, ModelConfig)
     add_dataclass_args(d, SchedulerConfig)
     d.set_defaults(func=cmd_decode)
@@ -104,6 +108,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         b.set_defaults(func=func)
 
     _register_serve(sub)
+    q = sub.add_parser("quality", help="quantized / bfloat16 target against float32: greedy agreement, perplexity",
+                       formatter_class=fmt)
+    quality.add_args(q)
+    q.set_defaults(func=quality.run)
 
 
 def _register_serve(sub: argparse._SubParsersAction) -> None:
@@ -143,7 +151,7 @@ def _str_list(text: str, name: str) -> tuple[str, ...]:
 
 def cmd_decode(ns: argparse.Namespace) -> int:
     cfg = DecodeBenchConfig(workload=ns.workload, limit=ns.limit, batch_sizes=parse_int_list(ns.batch_sizes, "--batch-sizes"),
-                            max_tokens=ns.max_tokens, compare_hf=ns.compare == "hf", warmup=not ns.no_warmup)
+                            max_tokens=ns.max_tokens, compare=parse_compare(ns.compare), warmup=not ns.no_warmup)
     run_decode_bench(cfg, model_config=dataclass_from_args(ModelConfig, ns),
                      scheduler=dataclass_from_args(SchedulerConfig, ns), out_dir=ns.out, command=command_line())
     return 0
@@ -180,7 +188,8 @@ def _replot_or_run(ns: argparse.Namespace, config_cls: type, run: Callable[..., 
     cfg = dataclass_from_args(config_cls, ns)
     if mc.threads:
         torch.set_num_threads(mc.threads)
-    run(cfg, resolve_target(mc.model, mc.dtype, mc.device), ns.out, command=command_line())
+    run(cfg, resolve_target(mc.model, mc.dtype, mc.device, mc.quantization, mc.quant_group_size), ns.out,
+        command=command_line())
     return 0
 
 

@@ -15,9 +15,19 @@ until the wave finishes. Per batch size it reports:
   time (at batch 1 this is (n - 1) / (time after the first token));
 * TTFT (arrival -> first token) and TPOT ((finish - first token) / (n - 1)) mean, p50, p90.
 
-``--compare hf`` runs ``AutoModelForCausalLM.from_pretrained(<model dir>).generate()`` on each
-batch-1 prompt right after ours (interleaved, so drift of a shared machine hits both alike);
-its TTFT comes from a streamer timestamp.
+``--compare hf,llamacpp`` (either or both) runs reference engines on each batch-1 prompt right
+after ours (interleaved, so drift of a shared machine hits all alike), same prompt token ids,
+same token count, greedy, and reports each as a row (tok/s with prefill and decode-only, as ours
+at batch 1: decode-only = (n - 1) / (time after the first token)) with its ratio to tidespec at
+batch 1, and how many leading greedy tokens it shares with ours per prompt (information only: a
+different numeric path may diverge):
+
+* ``hf``: ``AutoModelForCausalLM.from_pretrained(<model dir>).generate()``; TTFT from a streamer
+  timestamp.
+* ``llamacpp``: llama.cpp through llama-cpp-python on the same GGUF file tidespec loaded (quantized
+  as shipped), same thread count (``tidespec.bench.llamacpp``). When llama-cpp-python is not
+  installed or the target is not a GGUF file, a one-line notice says so (stderr, the report and
+  ``results.json["skipped"]``) and the rest of the benchmark runs.
 
 Worked example::
 
@@ -31,7 +41,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +51,9 @@ from typing import Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
+from tidespec.bench.llamacpp import LlamaCppRunner, open_llamacpp, target_gguf
 from tidespec.bench.report import (
+    identical_prefix,
     log2_panel,
     machine_line,
     markdown_table,
@@ -66,13 +80,16 @@ from tidespec.workloads.loader import Prompt, load_prompts
 # --------------------------------------------------------------------------- shared plumbing
 
 
-def resolve_target(model: LoadedModel | str | None, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """An already-built ``LoadedModel`` as is; else load a path (None = the embedded model)."""
+def resolve_target(model: LoadedModel | str | None, dtype: str = "float32", device: str = "cpu",
+                   quantization: str = "none", quant_group_size: int = 32) -> LoadedModel:
+    """An already-built ``LoadedModel`` as is; else load a path (None = the embedded model) with
+    its linear layers quantized as asked (``--quantization``, ``--quant-group-size``)."""
     if isinstance(model, LoadedModel):
         return model
     if dtype not in DTYPES:
         raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    return load_model(model, dtype=DTYPES[dtype], device=device)
+    return load_model(model, dtype=DTYPES[dtype], device=device, quantization=quantization,
+                      quant_group_size=quant_group_size)
 
 
 def workload_doc(target: LoadedModel, workload: str, prompts: list[Prompt], cfg: Any) -> dict[str, Any]:
@@ -250,11 +267,25 @@ def records_summary(records: list[RequestRecord], wall_time: float, decode_token
 
 
 def hf_decode_split(records: list[RequestRecord]) -> tuple[int, float]:
-    """(tokens after the first, time after the first token) summed over HF requests."""
+    """(tokens after the first, time after the first token) summed over a reference engine's requests."""
     return (sum(r.output_tokens - 1 for r in records), sum(r.latency - r.ttft for r in records))
 
 
 # --------------------------------------------------------------------------- the decode bench
+
+
+# --compare names -> the engine label of their row
+COMPARE_ENGINES = {"hf": "hf-transformers", "llamacpp": "llama.cpp"}
+
+
+def parse_compare(text: str | None) -> tuple[str, ...]:
+    """``--compare`` value -> engine names: ``"hf,llamacpp"`` -> ``("hf", "llamacpp")``; None -> ()."""
+    if text is None:
+        return ()
+    values = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not values:
+        raise ConfigError(f"--compare must be a comma-separated list of {', '.join(COMPARE_ENGINES)}, got {text!r}")
+    return values
 
 
 @dataclass
@@ -263,10 +294,14 @@ class DecodeBenchConfig:
     limit: int = 16
     batch_sizes: tuple[int, ...] = (1, 4, 16)
     max_tokens: int = 128
-    compare_hf: bool = False
+    compare: tuple[str, ...] = ()  # reference engines at batch 1, in run order: "hf", "llamacpp"
     warmup: bool = True
 
     def __post_init__(self) -> None:
+        unknown = [c for c in self.compare if c not in COMPARE_ENGINES]
+        if unknown:
+            raise ConfigError(f"unknown --compare engine {unknown[0]!r}; choose from {', '.join(COMPARE_ENGINES)}")
+        self.compare = tuple(dict.fromkeys(self.compare))  # duplicates run once
         if self.limit < 1:
             raise ConfigError(f"limit must be >= 1, got {self.limit}")
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
@@ -284,54 +319,113 @@ def run_decode_bench(cfg: DecodeBenchConfig, target: LoadedModel | str | None = 
     mc = model_config or ModelConfig()
     if mc.threads:
         torch.set_num_threads(mc.threads)
-    target = resolve_target(target if target is not None else mc.model, mc.dtype, mc.device)
+    source = target if target is not None else mc.model
+    target = resolve_target(source, mc.dtype, mc.device, mc.quantization, mc.quant_group_size)
     prompts = load_prompts(cfg.workload, target.tokenizer, cfg.limit)
     econf = bench_engine_config(prompts, cfg.max_tokens, max(cfg.batch_sizes), target.model.cfg.max_position_embeddings,
                                 mc, scheduler)
     engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
-    hf = HFRunner(target.path, mc.dtype, mc.device) if cfg.compare_hf else None
+    refs, skipped, ref_settings = _reference_engines(cfg, target, source, mc, econf, prompts[0].token_ids)
     params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=True)
     if cfg.warmup:
         run_wave(engine, prompts, [0], SamplingParams(max_tokens=min(8, cfg.max_tokens), ignore_eos=True))
-        if hf is not None:
-            hf.generate(prompts[0], 0, min(8, cfg.max_tokens))
+        for ref in refs.values():
+            ref(prompts[0], 0, min(8, cfg.max_tokens))
 
     rows: list[dict[str, Any]] = []
     per_batch_requests: dict[str, list[dict[str, Any]]] = {}
-    hf_records: list[RequestRecord] = []
+    ours_by_prompt: dict[int, list[int]] = {}  # greedy tokens of our smallest batch size, per prompt
+    ref_records: dict[str, list[RequestRecord]] = {name: [] for name in refs}
     for b in cfg.batch_sizes:
         waves: list[WaveResult] = []
         records: list[RequestRecord] = []
         for idx in wave_indices(len(prompts), b):
             waves.append(run_wave(engine, prompts, idx, params))
             records.extend(waves[-1].requests)
-            if hf is not None and b == 1:  # interleaved with ours, prompt by prompt
-                hf_records.append(hf.generate(prompts[idx[0]], idx[0], cfg.max_tokens))
+            if b == 1:  # reference engines interleaved with ours, prompt by prompt
+                for name, ref in refs.items():
+                    ref_records[name].append(ref(prompts[idx[0]], idx[0], cfg.max_tokens))
         summary = records_summary(records, sum(w.wall_time for w in waves), sum(w.decode_tokens for w in waves),
                                   sum(w.decode_time for w in waves))
         rows.append({"engine": "tidespec", "batch_size": b, "waves": len(waves), **summary})
         per_batch_requests[str(b)] = [r.to_json() for r in records]
-    if hf is not None and not hf_records:  # batch 1 not in the list: still measure HF at batch 1
-        hf_records = [hf.generate(p, i, cfg.max_tokens) for i, p in enumerate(prompts)]
-    hf_row = None
-    if hf_records:
-        dtok, dtime = hf_decode_split(hf_records)
-        hf_row = {"engine": "hf-transformers", "batch_size": 1, "waves": len(hf_records),
-                  **records_summary(hf_records, sum(r.latency for r in hf_records), dtok, dtime)}
-        per_batch_requests["hf"] = [r.to_json() for r in hf_records]
+        if b == min(cfg.batch_sizes):
+            ours_by_prompt = {r.prompt_index: r.token_ids for r in reversed(records)}
+    ref_rows: list[dict[str, Any]] = []
+    for name, ref in refs.items():
+        recs = ref_records[name] or [ref(p, i, cfg.max_tokens) for i, p in enumerate(prompts)]  # batch 1 not run
+        dtok, dtime = hf_decode_split(recs)
+        prefix = [identical_prefix(r.token_ids, ours_by_prompt[r.prompt_index]) for r in recs]
+        ref_rows.append({"engine": COMPARE_ENGINES[name], "batch_size": 1, "waves": len(recs),
+                         **records_summary(recs, sum(r.latency for r in recs), dtok, dtime),
+                         "identical_prefix_vs_tidespec": {"per_prompt": prefix, "mean": sum(prefix) / len(prefix),
+                                                          "identical_prompts": sum(n == cfg.max_tokens for n in prefix)},
+                         "settings": ref_settings.get(name, {})})
+        per_batch_requests[name] = [{**r.to_json(), "identical_prefix_vs_tidespec": n} for r, n in zip(recs, prefix)]
+    _add_ratios(rows, ref_rows)
 
     doc = {
         **workload_doc(target, cfg.workload, prompts, cfg),
         "engine_config": dataclasses.asdict(econf),
-        "rows": rows + ([hf_row] if hf_row else []),
-        "headline": _decode_headline(rows, hf_row),
+        "rows": rows + ref_rows,
+        "headline": _decode_headline(rows, ref_rows),
+        "skipped": skipped,
         "requests": per_batch_requests,
     }
-    return write_results("decode", doc, out_dir, command, mc.dtype, format_decode_report,
-                         lambda out: _plot_decode(rows, hf_row, out), echo)
+    return write_results("decode", doc, out_dir, command, mc.precision, format_decode_report,
+                         lambda out: _plot_decode(rows, ref_rows, out), echo)
 
 
-def _decode_headline(rows: list[dict[str, Any]], hf_row: dict[str, Any] | None) -> dict[str, Any]:
+ReferenceEngine = Callable[[Prompt, int, int], RequestRecord]  # (prompt, prompt index, max_tokens) -> record
+
+
+def _reference_engines(cfg: DecodeBenchConfig, target: LoadedModel, source: LoadedModel | str | None,
+                       mc: ModelConfig, econf: EngineConfig, probe_ids: list[int],
+                       ) -> tuple[dict[str, ReferenceEngine], dict[str, str], dict[str, dict[str, Any]]]:
+    """The ``--compare`` engines that can run (in ``cfg.compare`` order), a one-line notice per
+    engine that cannot (printed to stderr now), and settings worth recording per engine. An
+    unusable HF checkpoint stays an error."""
+    refs: dict[str, ReferenceEngine] = {}
+    skipped: dict[str, str] = {}
+    settings: dict[str, dict[str, Any]] = {}
+    for name in cfg.compare:
+        if name == "hf":
+            hf = HFRunner(target.path, mc.dtype, mc.device)
+            refs[name] = lambda p, i, n, hf=hf: hf.generate(p, i, n)
+        elif name == "llamacpp":
+            if isinstance(source, LoadedModel):  # built by the caller: use it only if it is --model's conversion
+                gguf, reason = target_gguf(mc.model, target.path)
+            else:
+                gguf, reason = target_gguf(source, None)
+            runner, notice = open_llamacpp(gguf, reason, n_ctx=econf.cache.max_model_len,
+                                           n_threads=torch.get_num_threads(),
+                                           n_batch=econf.scheduler.max_num_batched_tokens, probe_ids=probe_ids)
+            if runner is None:
+                skipped[name] = notice
+                print(notice, file=sys.stderr)
+            else:
+                refs[name] = lambda p, i, n, runner=runner: _llamacpp_record(runner, p, i, n)
+                settings[name] = runner.settings()
+                if runner.note:
+                    print(f"llama.cpp: {runner.note}", file=sys.stderr)
+    return refs, skipped, settings
+
+
+def _llamacpp_record(runner: LlamaCppRunner, prompt: Prompt, index: int, max_tokens: int) -> RequestRecord:
+    run = runner.generate(prompt.token_ids, max_tokens)
+    return RequestRecord(index, prompt.record.id, len(prompt.token_ids), len(run.token_ids), run.ttft, run.latency,
+                         run.token_ids)
+
+
+def _add_ratios(rows: list[dict[str, Any]], ref_rows: list[dict[str, Any]]) -> None:
+    """Each row's tok/s (with prefill, decode-only) over tidespec's batch-1 row, when there is one."""
+    base = next((r for r in rows if r["batch_size"] == 1), None)
+    for r in rows + ref_rows:
+        for key in ("tokens_per_s", "decode_tokens_per_s"):
+            r[f"{key}_vs_tidespec_b1"] = r[key] / base[key] if base is not None and base[key] > 0 else float("nan")
+
+
+def _decode_headline(rows: list[dict[str, Any]], ref_rows: list[dict[str, Any]]) -> dict[str, Any]:
     by_b = {r["batch_size"]: r for r in rows}
     head: dict[str, Any] = {}
     if 1 in by_b and len(by_b) > 1:
@@ -339,20 +433,26 @@ def _decode_headline(rows: list[dict[str, Any]], hf_row: dict[str, Any] | None) 
         head["largest_batch"] = bmax
         head["throughput_ratio_largest_vs_batch1"] = by_b[bmax]["tokens_per_s"] / by_b[1]["tokens_per_s"]
         head["decode_ratio_largest_vs_batch1"] = by_b[bmax]["decode_tokens_per_s"] / by_b[1]["decode_tokens_per_s"]
-    if hf_row is not None and 1 in by_b:
-        head["vs_hf_with_prefill"] = by_b[1]["tokens_per_s"] / hf_row["tokens_per_s"]
-        head["vs_hf_decode_only"] = by_b[1]["decode_tokens_per_s"] / hf_row["decode_tokens_per_s"]
+    for ref in ref_rows:  # tidespec batch 1 / reference: vs_hf_*, vs_llamacpp_*
+        key = next(k for k, v in COMPARE_ENGINES.items() if v == ref["engine"])
+        if 1 in by_b:
+            head[f"vs_{key}_with_prefill"] = by_b[1]["tokens_per_s"] / ref["tokens_per_s"]
+            head[f"vs_{key}_decode_only"] = by_b[1]["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
     return head
 
 
 def format_decode_report(doc: dict[str, Any], command: str, info: dict[str, Any]) -> str:
-    """Markdown: command, machine, the table, the headline ratios."""
+    """Markdown: command, machine, the table, the headline ratios, skipped comparisons."""
+    def ratio(r: dict[str, Any]) -> str:
+        x = r.get("decode_tokens_per_s_vs_tidespec_b1")
+        return "-" if x is None or math.isnan(x) else f"{x:.2f}x"
+
     table = markdown_table(
         ["engine", "batch", "requests", "tok/s (with prefill)", "tok/s (decode only)", "TTFT mean ms",
-         "TTFT p50", "TTFT p90", "TPOT mean ms", "TPOT p50", "TPOT p90"],
+         "TTFT p50", "TTFT p90", "TPOT mean ms", "TPOT p50", "TPOT p90", "decode vs tidespec b1"],
         [[r["engine"], r["batch_size"], r["requests"], r["tokens_per_s"], r["decode_tokens_per_s"],
           r["ttft_ms"]["mean"], r["ttft_ms"]["p50"], r["ttft_ms"]["p90"], r["tpot_ms"]["mean"],
-          r["tpot_ms"]["p50"], r["tpot_ms"]["p90"]] for r in doc["rows"]])
+          r["tpot_ms"]["p50"], r["tpot_ms"]["p90"], ratio(r)] for r in doc["rows"]])
     cfg = doc["config"]
     lines = [f"### Decode throughput ({doc['workload']}, {len(doc['prompt_ids'])} prompts, "
              f"{cfg['max_tokens']} tokens each, greedy, EOS ignored)", "",
@@ -361,20 +461,32 @@ def format_decode_report(doc: dict[str, Any], command: str, info: dict[str, Any]
     if "throughput_ratio_largest_vs_batch1" in h:
         lines.append(f"- batch {h['largest_batch']} / batch 1 throughput: {h['throughput_ratio_largest_vs_batch1']:.2f}x "
                      f"with prefill, {h['decode_ratio_largest_vs_batch1']:.2f}x decode-only")
-    if "vs_hf_with_prefill" in h:
-        lines.append(f"- tidespec / HF transformers generate() at batch 1: {h['vs_hf_with_prefill']:.2f}x with prefill, "
-                     f"{h['vs_hf_decode_only']:.2f}x decode-only")
+    for key, label in (("hf", "HF transformers generate()"), ("llamacpp", "llama.cpp (llama-cpp-python, same GGUF)")):
+        if f"vs_{key}_with_prefill" in h:
+            lines.append(f"- tidespec / {label} at batch 1: {h[f'vs_{key}_with_prefill']:.2f}x with prefill, "
+                         f"{h[f'vs_{key}_decode_only']:.2f}x decode-only")
+    for r in doc["rows"]:
+        agree = r.get("identical_prefix_vs_tidespec")
+        if agree:
+            lines.append(f"- {r['engine']} greedy tokens identical to tidespec's for the first "
+                         f"{agree['mean']:.1f} of {cfg['max_tokens']} on average (per prompt: "
+                         f"{', '.join(str(n) for n in agree['per_prompt'])}; information only)")
+    for r in doc["rows"]:
+        if r.get("settings", {}).get("note"):
+            lines.append(f"- {r['engine']}: {r['settings']['note']}")
+    for notice in doc.get("skipped", {}).values():
+        lines.append(f"- {notice}")
     return "\n".join(lines)
 
 
-def _plot_decode(rows: list[dict[str, Any]], hf_row: dict[str, Any] | None, out_dir: Path) -> Path:
+def _plot_decode(rows: list[dict[str, Any]], ref_rows: list[dict[str, Any]], out_dir: Path) -> Path:
     fig, (ax, ax2) = new_figure(2)
     bs = [r["batch_size"] for r in rows]
     ax.plot(bs, [r["tokens_per_s"] for r in rows], "o-", label="tidespec (with prefill)")
     ax.plot(bs, [r["decode_tokens_per_s"] for r in rows], "s--", label="tidespec (decode only)")
-    if hf_row is not None:
-        ax.plot([1], [hf_row["tokens_per_s"]], "r*", markersize=12, label="HF generate (with prefill)")
-        ax.plot([1], [hf_row["decode_tokens_per_s"]], "rx", markersize=10, label="HF generate (decode only)")
+    for ref, color in zip(ref_rows, ("r", "g", "m")):
+        ax.plot([1], [ref["tokens_per_s"]], f"{color}*", markersize=12, label=f"{ref['engine']} (with prefill)")
+        ax.plot([1], [ref["decode_tokens_per_s"]], f"{color}x", markersize=10, label=f"{ref['engine']} (decode only)")
     log2_panel(ax, bs, "batch size", "output tokens / s", "Decode throughput")
     ax2.plot(bs, [r["tpot_ms"]["p50"] for r in rows], "o-", label="TPOT p50")
     ax2.plot(bs, [r["ttft_ms"]["p50"] for r in rows], "s--", label="TTFT p50")

@@ -43,6 +43,7 @@ from tidespec.errors import check_at_least
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import LoadedModel
+from tidespec.models.quant import quantization_of
 from tidespec.speculative.policy.profiler import sync_device as _sync
 from tidespec.speculative.policy.profiler import time_forward
 
@@ -74,10 +75,10 @@ def weight_bytes_per_token(model: LlamaModel) -> int:
 
     Example: tied SmolLM2-135M in float32: all ~134.5M parameters x 4 B ~ 538 MB.
     """
-    unique = {id(p): p for p in model.parameters()}
+    unique = {id(p): p for p in [*model.parameters(), *model.buffers()]}  # buffers: quantized weights, scales
     total = sum(p.numel() * p.element_size() for p in unique.values())
     emb = model.embed_tokens.weight
-    if model.lm_head.weight is not emb:
+    if getattr(model.lm_head, "weight", None) is not emb:  # untied, or a quantized head (its own copy)
         total -= emb.numel() * emb.element_size() - emb.shape[1] * emb.element_size()
     return total
 
@@ -117,7 +118,8 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | LlamaModel | str | Non
     if isinstance(target, LlamaModel):
         model, name = target, type(target).__name__
     else:
-        loaded = resolve_target(target if target is not None else mc.model, mc.dtype, mc.device)
+        loaded = resolve_target(target if target is not None else mc.model, mc.dtype, mc.device, mc.quantization,
+                                mc.quant_group_size)
         model, name = loaded.model, loaded.path or type(loaded.model).__name__
     if cfg.context + max(cfg.ns) > model.cfg.max_position_embeddings:
         raise ConfigError(f"context + largest n ({cfg.context + max(cfg.ns)}) exceeds the model's context "
@@ -160,7 +162,10 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | LlamaModel | str | Non
         "batch1_forward_tokens_per_s": measured,
         "batch1_fraction_of_ceiling": measured / ceiling,
     }
-    return write_results("profile", doc, out_dir, command, str(model.dtype).replace("torch.", ""),
+    precision, quant = str(model.dtype).replace("torch.", ""), quantization_of(model)
+    if quant != "none":
+        precision += f" + {quant} weights"
+    return write_results("profile", doc, out_dir, command, precision,
                          format_profile_report, lambda out: _plot_profile(rows, cfg, out), echo)
 
 

@@ -245,3 +245,13 @@ def write_text(out_dir: Path, name: str, text: str) -> Path:
     path = out_dir / name
     path.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
     return path
+
+
+def identical_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists. Example: ``identical_prefix([1, 2, 3], [1, 2, 4]) == 2``."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

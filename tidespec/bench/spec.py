@@ -123,7 +123,8 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
     if mc.threads:
         torch.set_num_threads(mc.threads)
     base = spec_base or SpecConfig()
-    target = resolve_target(target if target is not None else mc.model, mc.dtype, mc.device)
+    target = resolve_target(target if target is not None else mc.model, mc.dtype, mc.device, mc.quantization,
+                            mc.quant_group_size)
     prompts = load_prompts(cfg.workload, target.tokenizer, cfg.limit)
     runs: list[_Run] = []
     for drafter, gamma in cfg.grid():
@@ -180,7 +181,7 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
         "hf": hf_summary,
         "headline": _spec_headline(configs, hf_summary),
     }
-    return write_results("spec", doc, out_dir, command, mc.dtype, format_spec_report,
+    return write_results("spec", doc, out_dir, command, mc.precision, format_spec_report,
                          lambda out: _plot_spec(configs, hf_summary, out), echo)
 
 

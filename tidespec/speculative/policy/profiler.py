@@ -39,6 +39,7 @@ import torch
 from tidespec.files import cache_root
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.models.quant import quantization_of
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter, DraftInput
 from tidespec.speculative.policy.speedup import Profile
@@ -100,8 +101,8 @@ def time_forward(model: LlamaModel, kv: KVCache, batch: int, n: int, context: in
 
 # Bumped whenever the model's kernels or the way of measuring change enough to invalidate measured costs
 # (2: the row-blocked CPU GEMM of models.llama.Linear; 3: W @ x^T for 2..16 rows; 4: medians over interleaved
-# passes), so an old cached profile is never reused.
-PROFILE_SCHEMA = "4"
+# passes; 5: batched attention and matmul kernels measured per machine), so an old cached profile is never reused.
+PROFILE_SCHEMA = "5"
 
 
 def profile_cache_dir() -> Path:
@@ -110,9 +111,13 @@ def profile_cache_dir() -> Path:
 
 
 def profile_key(model: LlamaModel, drafter_name: str, extra: dict[str, str] | None = None) -> str:
-    """Stable key of what the costs depend on: architecture, dtype, device, drafter, threads."""
+    """Stable key of what the costs depend on: architecture, dtype, weight quantization, device,
+    drafter, threads."""
     parts = {"schema": PROFILE_SCHEMA, "cfg": repr(model.cfg), "dtype": str(model.dtype), "device": str(model.device),
              "drafter": drafter_name, "threads": str(torch.get_num_threads()), **(extra or {})}
+    quant = quantization_of(model)
+    if quant != "none":  # only then, so the keys of unquantized models (and their cached profiles) stay
+        parts["quantization"] = quant
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
     return f"{model.cfg.architecture}-L{model.cfg.num_layers}-H{model.cfg.hidden_size}-{drafter_name}-{digest}"
 

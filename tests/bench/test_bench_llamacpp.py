@@ -1,0 +1,178 @@
+"""``tidespec bench decode --compare``: parsing and validation of the engine list, finding the GGUF
+behind the target, the one-line notices when llama.cpp cannot run (llama-cpp-python missing,
+target not a GGUF) with tidespec's own results still produced, and — only where llama-cpp-python is
+installed — one small llama.cpp run on the embedded GGUF. No test asserts a speed."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import tiny_llama, tiny_tokenizer
+from tidespec.bench import decode as decode_mod
+from tidespec.bench.cli import register
+from tidespec.bench.decode import DecodeBenchConfig, parse_compare, run_decode_bench
+from tidespec.bench.llamacpp import open_llamacpp, target_gguf
+from tidespec.bench.report import identical_prefix
+from tidespec.config import ConfigError, ModelConfig
+from tidespec.models.loader import LoadedModel, converted_dir_for, resolve_embedded_gguf
+
+HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
+
+
+def _tiny_target() -> LoadedModel:
+    model = tiny_llama(dtype=torch.float32)
+    return LoadedModel(model=model, tokenizer=tiny_tokenizer(64), config=model.cfg, path="")
+
+
+def _workload(tmp_path: Path, n: int = 2) -> Path:
+    lines = [json.dumps({"id": f"r{i}", "domain": "test", "kind": "completion",
+                         "prompt": " ".join(f"t{20 + i + j}" for j in range(5))}) for i in range(n)]
+    path = tmp_path / "wl.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def _fake_gguf(tmp_path: Path) -> Path:
+    path = tmp_path / "m.gguf"
+    path.write_bytes(b"GGUF" + bytes(28))
+    return path
+
+
+# ----------------------------------------------------------------------------- --compare parsing
+
+
+def test_parse_compare_and_config_validation() -> None:
+    assert parse_compare(None) == ()
+    assert parse_compare("hf,llamacpp") == ("hf", "llamacpp")
+    assert parse_compare(" llamacpp , hf ") == ("llamacpp", "hf")
+    with pytest.raises(ConfigError, match="comma-separated"):
+        parse_compare(" , ")
+    assert DecodeBenchConfig(compare=("llamacpp", "hf", "llamacpp")).compare == ("llamacpp", "hf")
+    assert DecodeBenchConfig().compare == ()
+    with pytest.raises(ConfigError, match="unknown --compare engine 'vllm'; choose from hf, llamacpp"):
+        DecodeBenchConfig(compare=("hf", "vllm"))
+
+
+def test_cli_compare_flag_is_validated_before_any_model_loads(tmp_path: Path) -> None:
+    parser = argparse.ArgumentParser(prog="tidespec")
+    register(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args(["bench", "decode", "--model", str(tmp_path / "missing"), "--compare", "hf,llama"])
+    with pytest.raises(ConfigError, match="unknown --compare engine 'llama'"):
+        ns.func(ns)
+    ok = parser.parse_args(["bench", "decode", "--compare", "hf,llamacpp"])
+    assert parse_compare(ok.compare) == ("hf", "llamacpp")
+
+
+# ----------------------------------------------------------------------------- finding the GGUF
+
+
+def test_target_gguf_resolution(tmp_path: Path) -> None:
+    embedded = resolve_embedded_gguf()
+    assert target_gguf(None, None) == (embedded, "")
+    assert target_gguf(None, str(converted_dir_for(embedded))) == (embedded, "")  # the loaded conversion
+    gguf, reason = target_gguf(None, str(tmp_path))  # a target loaded from somewhere else
+    assert gguf is None and "not loaded from a GGUF file" in reason
+    fake = _fake_gguf(tmp_path)
+    assert target_gguf(str(fake), None) == (fake, "")
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "config.json").write_text("{}", encoding="utf-8")
+    gguf, reason = target_gguf(str(ckpt), None)
+    assert gguf is None and reason == f"the target {ckpt} is not a GGUF file (llama.cpp runs GGUF files only)"
+
+
+def test_identical_prefix() -> None:
+    assert identical_prefix([1, 2, 3], [1, 2, 4]) == 2
+    assert identical_prefix([5], [6]) == 0
+    assert identical_prefix([1, 2], [1, 2]) == 2
+
+
+# ----------------------------------------------------------------------------- the notices
+
+
+def test_open_llamacpp_not_installed_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # ``import llama_cpp`` raises ImportError
+    runner, notice = open_llamacpp(_fake_gguf(tmp_path), "", n_ctx=64, n_threads=1, n_batch=64)
+    assert runner is None and "\n" not in notice
+    assert notice.startswith("llama.cpp comparison skipped: llama-cpp-python is not installed")
+    assert "pip install llama-cpp-python==0.3.36" in notice
+    runner, notice = open_llamacpp(None, "the target x is not a GGUF file", n_ctx=64, n_threads=1, n_batch=64)
+    assert runner is None and notice == "llama.cpp comparison skipped: the target x is not a GGUF file"
+
+
+def test_decode_bench_without_llamacpp_still_reports_tidespec(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    fake = _fake_gguf(tmp_path)
+    monkeypatch.setattr(decode_mod, "target_gguf", lambda model, loaded: (fake, ""))
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    cfg = DecodeBenchConfig(workload=str(_workload(tmp_path)), batch_sizes=(1, 2), max_tokens=4,
+                            compare=("llamacpp",))
+    out = tmp_path / "out"
+    doc = run_decode_bench(cfg, _tiny_target(), out_dir=out, command="x")
+    assert [(r["engine"], r["batch_size"]) for r in doc["rows"]] == [("tidespec", 1), ("tidespec", 2)]
+    assert doc["rows"][0]["output_tokens"] == 2 * 4 and "llamacpp" not in doc["requests"]
+    notice = doc["skipped"]["llamacpp"]
+    assert notice.startswith("llama.cpp comparison skipped: llama-cpp-python is not installed")
+    captured = capsys.readouterr()
+    assert [line for line in captured.err.splitlines() if "llama" in line] == [notice]  # one line, no traceback
+    assert f"- {notice}" in captured.out and "| tidespec | 1 | 2 |" in captured.out
+    assert json.loads((out / "results.json").read_text())["skipped"] == {"llamacpp": notice}
+
+
+def test_decode_bench_llamacpp_on_a_non_gguf_target(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = DecodeBenchConfig(workload=str(_workload(tmp_path)), batch_sizes=(1,), max_tokens=3, compare=("llamacpp",))
+    doc = run_decode_bench(cfg, _tiny_target(), out_dir=tmp_path / "out", echo=False)
+    assert [r["engine"] for r in doc["rows"]] == ["tidespec"]
+    assert "not loaded from a GGUF file" in doc["skipped"]["llamacpp"]
+    assert doc["skipped"]["llamacpp"] in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- a real llama.cpp run
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (optional; see README)")
+def test_decode_bench_llamacpp_on_the_embedded_gguf(embedded: LoadedModel, tmp_path: Path) -> None:
+    cfg = DecodeBenchConfig(workload="code", limit=1, batch_sizes=(1,), max_tokens=4, compare=("llamacpp",),
+                            warmup=False)
+    doc = run_decode_bench(cfg, embedded, model_config=ModelConfig(), out_dir=tmp_path / "out", echo=False)
+    assert doc["skipped"] == {}
+    row = next(r for r in doc["rows"] if r["engine"] == "llama.cpp")
+    assert row["batch_size"] == 1 and row["requests"] == 1 and row["output_tokens"] == 4
+    assert row["tokens_per_s_vs_tidespec_b1"] > 0 and doc["headline"]["vs_llamacpp_decode_only"] > 0
+    (req,) = doc["requests"]["llamacpp"]
+    assert req["output_tokens"] == 4 and 0 <= req["identical_prefix_vs_tidespec"] <= 4
+    assert row["identical_prefix_vs_tidespec"]["per_prompt"] == [req["identical_prefix_vs_tidespec"]]
+
+
+def test_extra_buffer_types_are_off_only_while_constructing() -> None:
+    from types import SimpleNamespace
+
+    from tidespec.bench.llamacpp import _without_extra_buffer_types
+
+    def defaults() -> SimpleNamespace:
+        return SimpleNamespace(use_extra_bufts=True, n_gpu_layers=0)
+
+    module = SimpleNamespace(llama_cpp=SimpleNamespace(llama_model_default_params=defaults))
+    with _without_extra_buffer_types(module):
+        params = module.llama_cpp.llama_model_default_params()
+        assert params.use_extra_bufts is False and params.n_gpu_layers == 0
+    assert module.llama_cpp.llama_model_default_params is defaults
+    with pytest.raises(RuntimeError), _without_extra_buffer_types(module):
+        raise RuntimeError("load failed")
+    assert module.llama_cpp.llama_model_default_params is defaults
+
+
+@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (optional; see README)")
+def test_probe_reports_a_failing_load_in_one_line(tmp_path: Path) -> None:
+    from tidespec.bench.llamacpp import probe_default_kernels
+
+    note = probe_default_kernels(_fake_gguf(tmp_path), [1, 2])
+    assert note.startswith("a probe with llama.cpp's default kernels failed: ") and "\n" not in note

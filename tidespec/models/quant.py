@@ -1,0 +1,317 @@
+"""Weight-only quantization of a ``LlamaModel``: int8 per output channel, int4 per group of inputs.
+
+Why this exists: on a CPU, a decode step is bound by reading the weights (SmolLM2-135M in float32
+is ~0.5 GB per token), and the embedded model even ships 4-bit — dequantized to float32 on load.
+Storing the linear layers' weights as int8 (a quarter of float32) or int4 (an eighth) and
+multiplying them with PyTorch's own CPU kernels cuts that traffic. Only the weights are
+quantized; activations stay in floating point and everything else in the model (norms, rope,
+attention, the KV cache, the token embedding) keeps the model's dtype.
+
+The quantized model *is* the target: speculative decoding verifies drafts against it, so greedy
+output with any drafter equals the quantized model's own plain decoding. That rests on one
+property, checked in ``tests/models/test_quant.py``: both kernels compute each output row from its
+input row alone, bit for bit whatever the number of rows in the call (a decode step has one row per
+sequence, a verification 1 + gamma). For the same reason there is no bfloat16-GEMM path for many
+rows, although it would prefill 3x faster (256 rows, 30 layers: 96 ms against the int8 kernel's
+360 ms): oneDNN's bfloat16 GEMM gives a row different bits depending on how many rows share the
+call, and the bfloat16 rounding of the next layer's input turns such last-bit differences into
+logit differences of up to ~0.5 — the target would depend on the batch. The rest of the model must
+be row-invariant too: in float64 it is (exact on the embedded model); in float32, SDPA over 1 +
+gamma query rows differs from 1 row by ~5e-7, amplified the same way, so greedy output can leave
+plain decoding's at a near-tie. Quality against float32 is measured by ``tidespec bench quality``.
+
+Schemes and kernels (``torch.ops.aten``; the activations are cast to bfloat16 for the call and the
+result back to the input's dtype, because both kernels are vectorised on x86 only for bfloat16 —
+with float32 activations ``_weight_int8pack_mm`` is a scalar loop, 10x slower for one row, 22x
+for 16; the two casts cost nothing measurable):
+
+* **int8**: symmetric, one scale per output channel (row): ``w[n, k] ~ q[n, k] * s[n]`` with
+  ``q`` in [-128, 127] and ``s = max_k |w[n, k]| / 127`` rounded to bfloat16;
+  ``_weight_int8pack_mm(x_bf16 [T, K], q [N, K] int8, s [N] bf16) -> [T, N]``.
+* **int4**: asymmetric, one scale and one zero per group of ``group_size`` consecutive inputs of a
+  row (tinygemm's convention, the same as GGUF's Q4_1 blocks of 32, so the embedded Q4_1 model's
+  layers are re-quantized to within 1 % of a step on average):
+  ``w ~ (q - 8) * scale + zero`` with ``q`` in [0, 15], ``scale = (max - min) / 15`` and
+  ``zero = min + 8 * scale`` (bfloat16). ``_convert_weight_to_int4pack_for_cpu(q [N, K] int32, 1)
+  -> [N, K/2] uint8`` once, then ``_weight_int4pack_mm_for_cpu(x_bf16 [T, K], packed, group_size,
+  scale_zero [K/G, N, 2] bf16) -> [T, N]``. The kernel takes group sizes 32/64/128/256 and N a
+  multiple of 16 (rows are zero-padded up to one and the padding sliced off).
+* The LM head is int8 in both modes (``quantize_model``).
+
+Both kernels are GEMVs: their time grows with the rows (30 layers' projections, 2 threads, ms for
+1 / 5 / 16 / 64 / 256 rows: int8 9 / 17 / 33 / 100 / 360, int4-g32 5 / 13 / 25 / 85 / 340,
+float32 ``F.linear`` 17 / 31 / 43 / 77 / 192, bfloat16 ``F.linear`` 18 / 19 / 19 / 26 / 58), so
+they win at decode and small verifications and lose on prefill chunks and large batches.
+
+Why these kernels and not torchao (0.18, same stack, 2-core Sapphire Rapids VM, docs/benchmarks.md
+section 8): torchao's int8 weight-only tensor dequantizes the whole int8 matrix to bfloat16 on
+every eager call (``mm(x, q.to(bf16)) * s``): 31-33 ms at any row count, 3x the aten kernel at one
+row. ``torch.compile`` fuses that into a loop that comes close to the kernel but never beats it
+(1 / 2 / 5 / 16 rows: 10.0-10.6 / 11.2-11.6 / 18.6-19.3 / 33.9-35.1 ms against 9.1-10.0 /
+10.3-10.9 / 17.3-17.9 / 33.1-33.8 over three runs), and compiles per row count (19 s cold, 3-4 s
+with inductor's cache warm) — which the engine's ragged row counts would keep triggering. torchao's
+CPU int4 layout calls the same ``_weight_int4pack_mm_for_cpu`` as this module. So torchao would add
+a dependency and buy nothing here.
+
+Worked example::
+
+    model = load_model(None).model                 # float32 SmolLM2-135M
+    quantize_model(model, "int8", group_size=32)    # in place; group_size is used by int4 only
+    type(model.layers[0].mlp.down_proj).__name__    # 'Int8Linear'
+    model.layers[0].mlp.down_proj.forward(torch.randn(5, 1536)).dtype   # torch.float32 (x's dtype)
+    quantization_of(model)                          # 'int8'
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tidespec.config import INT4_GROUP_SIZES, QUANTIZATIONS
+from tidespec.models.llama import LlamaModel, ModelConfigError
+
+KERNEL_DTYPE = torch.bfloat16  # the activation dtype both kernels are vectorised for
+INT4_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
+# The projections of a decoder layer that ``quantize_model`` replaces (attribute paths).
+LAYER_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+class QuantizationError(ModelConfigError):
+    """This model cannot be quantized as asked (group size, device); the message is one line."""
+
+
+# --------------------------------------------------------------------------- the schemes (pure functions)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: ``w [N, K]`` -> ``(q [N, K] int8, scales [N] bfloat16)``.
+
+    The scale is rounded to bfloat16 *before* ``q`` is computed, so ``q * scales`` is the nearest
+    grid point to ``w`` under the scale the kernel will use (error <= scale / 2 per element).
+
+    Example: ``w = [[0.5, -1.27]]`` -> scale 0.01 (bf16 0.010009765625), ``q = [[50, -127]]``.
+    """
+    wf = w.detach().to(torch.float32)
+    scales = (wf.abs().amax(dim=1) / 127.0).clamp(min=1e-12).to(KERNEL_DTYPE)  # [N]
+    q = torch.round(wf / scales.float().unsqueeze(1)).clamp(-128, 127).to(torch.int8)  # [N, K]
+    return q, scales
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``q [N, K] int8``, ``scales [N]`` -> float32 ``[N, K]`` (what the kernel multiplies by)."""
+    return q.to(torch.float32) * scales.to(torch.float32).unsqueeze(1)
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4: ``w [N, K]`` -> ``(q [N, K] int32 in 0..15, scales [N, K/G],
+    zeros [N, K/G])`` (bfloat16), with ``w ~ (q - 8) * scale + zero`` per group of ``G`` inputs.
+
+    Scale and zero are rounded to bfloat16 before ``q`` is computed (as for int8).
+
+    Example (G = 2): ``w = [[0.0, 1.5]]`` -> scale 0.1, zero 0.8, ``q = [[0, 15]]``.
+    """
+    n, k = w.shape
+    if k % group_size:
+        raise QuantizationError(f"int4 group size {group_size} does not divide the input size {k}")
+    g = w.detach().to(torch.float32).reshape(n, k // group_size, group_size)  # [N, K/G, G]
+    lo, hi = g.amin(dim=2), g.amax(dim=2)  # [N, K/G]
+    scales = ((hi - lo) / 15.0).clamp(min=1e-6).to(KERNEL_DTYPE)
+    zeros = (lo + 8.0 * scales.float()).to(KERNEL_DTYPE)
+    q = torch.round((g - zeros.float().unsqueeze(2)) / scales.float().unsqueeze(2) + 8.0).clamp(0, 15)
+    return q.to(torch.int32).reshape(n, k), scales, zeros
+
+
+def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """``q [N, K]``, ``scales``/``zeros [N, K/G]`` -> float32 ``[N, K]``: ``(q - 8) * scale + zero``."""
+    n, k = q.shape
+    g = q.to(torch.float32).reshape(n, k // group_size, group_size) - 8.0  # [N, K/G, G]
+    return (g * scales.float().unsqueeze(2) + zeros.float().unsqueeze(2)).reshape(n, k)
+
+
+# --------------------------------------------------------------------------- the modules
+
+
+class QuantizedLinear(nn.Module):
+    """Base of the quantized replacements of ``llama.Linear``: ``forward(x [T, in]) -> [T, out]`` in
+    ``x``'s dtype. The kernel's tensors are buffers (int8/uint8 weights, bfloat16 scales): they move
+    with ``.to(device)``, and ``.to(dtype)`` leaves the scales in bfloat16 (the kernels need it).
+    An optional ``bias [out]`` is kept in the dtype it came in and added after the cast back."""
+
+    bias: torch.Tensor | None
+    _kernel_buffers: tuple[str, ...] = ()
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's signature
+        super()._apply(fn, recurse)
+        for name in self._kernel_buffers:  # a model-wide .to(float64) must not touch the kernel's scales
+            buf = getattr(self, name)
+            if buf.is_floating_point() and buf.dtype != KERNEL_DTYPE:
+                setattr(self, name, buf.to(KERNEL_DTYPE))
+        return self
+
+    def _finish(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Kernel output ``[T, out]`` bfloat16 -> ``dtype``, plus the bias."""
+        y = y.to(dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
+class Int8Linear(QuantizedLinear):
+    """int8 weights, one bfloat16 scale per output channel; ``_weight_int8pack_mm``.
+
+    Example: ``Int8Linear.from_weight(torch.randn(960, 576))``; ``.forward(x [5, 576]) -> [5, 960]``.
+    """
+
+    _kernel_buffers = ("scales",)
+    qweight: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N] bfloat16
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(qweight.shape[1], qweight.shape[0], bias)
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.to(KERNEL_DTYPE).contiguous())
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+        q, s = quantize_int8(weight)
+        return cls(q.to(weight.device), s.to(weight.device), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, K] -> [T, N]
+        xb = x.to(KERNEL_DTYPE).contiguous()
+        return self._finish(torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scales), x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight the kernel multiplies by, float32 ``[N, K]``."""
+        return dequantize_int8(self.qweight, self.scales)
+
+
+class Int4Linear(QuantizedLinear):
+    """int4 weights packed by ``_convert_weight_to_int4pack_for_cpu``, a bfloat16 scale and zero per
+    group of ``group_size`` inputs; ``_weight_int4pack_mm_for_cpu``.
+
+    Example: ``Int4Linear.from_weight(torch.randn(960, 576), group_size=32)``: packed ``[960, 288]``
+    uint8, scale_zero ``[18, 960, 2]``; ``.forward(x [5, 576]) -> [5, 960]``.
+    """
+
+    _kernel_buffers = ("scale_zero",)
+    packed: torch.Tensor  # [N_pad, K/2] uint8
+    scale_zero: torch.Tensor  # [K/G, N_pad, 2] bfloat16
+
+    def __init__(self, packed: torch.Tensor, scale_zero: torch.Tensor, in_features: int, out_features: int,
+                 group_size: int, bias: torch.Tensor | None = None) -> None:
+        super().__init__(in_features, out_features, bias)
+        self.group_size = group_size
+        self.register_buffer("packed", packed)
+        self.register_buffer("scale_zero", scale_zero.to(KERNEL_DTYPE).contiguous())
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> "Int4Linear":
+        n, k = weight.shape
+        q, scales, zeros = quantize_int4(weight.cpu(), group_size)  # [N, K], [N, K/G], [N, K/G]
+        pad = -n % INT4_ROW_MULTIPLE
+        if pad:  # zero rows (q = 8, scale = zero = 0 dequantize to 0), sliced off after the kernel
+            q = torch.cat([q, torch.full((pad, k), 8, dtype=q.dtype)])
+            scales = torch.cat([scales, scales.new_zeros(pad, k // group_size)])
+            zeros = torch.cat([zeros, zeros.new_zeros(pad, k // group_size)])
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)  # [N_pad, K/2] uint8
+        scale_zero = torch.stack([scales, zeros], dim=2).transpose(0, 1).contiguous()  # [K/G, N_pad, 2]
+        return cls(packed, scale_zero, k, n, group_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, K] -> [T, N]
+        xb = x.to(KERNEL_DTYPE).contiguous()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scale_zero)
+        if y.shape[1] != self.out_features:
+            y = y[:, :self.out_features].contiguous()
+        return self._finish(y, x.dtype)
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", group_size={self.group_size}"
+
+
+# --------------------------------------------------------------------------- the model
+
+
+def quantized_linear(linear: nn.Module, mode: str, group_size: int) -> QuantizedLinear:
+    """The quantized replacement of one ``nn.Linear``-like module (``weight [out, in]``, ``bias``)."""
+    weight: torch.Tensor = linear.weight  # type: ignore[assignment]
+    bias: torch.Tensor | None = linear.bias  # type: ignore[assignment]
+    if mode == "int8":
+        return Int8Linear.from_weight(weight, bias)
+    return Int4Linear.from_weight(weight, group_size, bias)
+
+
+def check_quantizable(model: LlamaModel, mode: str, group_size: int) -> None:
+    """Raise ``QuantizationError`` (one line) if ``model`` cannot be quantized as asked: an unknown
+    mode, a model quantized already, a device without the CPU kernels, an int4 group size that does
+    not divide some layer's input size (the message lists the sizes that would)."""
+    if mode not in QUANTIZATIONS:
+        raise QuantizationError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {mode!r}")
+    if mode == "none":
+        return
+    if quantization_of(model) != "none":
+        raise QuantizationError(f"the model is already quantized ({quantization_of(model)})")
+    if model.device.type != "cpu":
+        raise QuantizationError(f"--quantization {mode} needs --device cpu (PyTorch's CPU kernels), "
+                                f"the model is on {model.device}")
+    if mode == "int4":
+        if group_size not in INT4_GROUP_SIZES:
+            raise QuantizationError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
+                                    f"got {group_size}")
+        sizes = {model.cfg.hidden_size, model.cfg.num_heads * model.cfg.head_dim, model.cfg.intermediate_size}
+        if any(s % group_size for s in sizes):
+            fits = [g for g in INT4_GROUP_SIZES if all(s % g == 0 for s in sizes)]
+            raise QuantizationError(
+                f"int4 group size {group_size} does not divide this model's input sizes {sorted(sizes)}; "
+                + (f"use --quant-group-size {' or '.join(map(str, fits))}" if fits else "use --quantization int8"))
+
+
+def quantize_model(model: LlamaModel, mode: str, group_size: int = 32, lm_head: bool = True) -> None:
+    """Replace, in place, the four projections of every decoder layer (``LAYER_PROJECTIONS``) with
+    ``Int8Linear`` / ``Int4Linear`` (``mode`` "int8" / "int4"; "none" does nothing) and, when
+    ``lm_head``, the LM head with an ``Int8Linear`` in both modes. ``group_size`` is int4's group
+    of inputs per scale.
+
+    Why the head is int8 under int4 too: it writes the logits directly. On the embedded model an
+    int4 head drops teacher-forced top-1 agreement with float32 from 97.0 % to 89.2 % (code + chat,
+    16 prompts) for 0.1-0.3 ms per token (one row: int4 0.7-0.8 ms, int8 0.9-1.0, float32 2.4-2.8).
+
+    The token embedding stays a real floating-point tensor even when the LM head is tied to it
+    (the head gets its own quantized copy), so everything that reads ``embed_tokens.weight`` — the
+    EAGLE-3 drafter, the online trainer, ``truncated`` draft models — works unchanged; a draft
+    model from ``model.truncated(k)`` shares the quantized layers. Raises ``QuantizationError``
+    (see ``check_quantizable``) before touching anything.
+    """
+    check_quantizable(model, mode, group_size)
+    if mode == "none":
+        return
+    with torch.no_grad():
+        for layer in model.layers:
+            for path in LAYER_PROJECTIONS:
+                parent_name, name = path.split(".")
+                parent = getattr(layer, parent_name)
+                setattr(parent, name, quantized_linear(getattr(parent, name), mode, group_size))
+        if lm_head and not isinstance(model.lm_head, QuantizedLinear):
+            model.lm_head = quantized_linear(model.lm_head, "int8", group_size)
+    # every matmul now gives a row the same bits whatever the row count: pad attention's queries so
+    # it does too, and verification computes exactly what decoding would (models/attention.py)
+    model.row_invariant = lm_head
+
+
+def quantization_of(model: nn.Module) -> str:
+    """What ``quantize_model`` did to ``model``: "none", "int8", or "int4-g<group size>" (read from
+    its first decoder layer's down projection; used to key cached cost profiles)."""
+    layers = getattr(model, "layers", None)
+    proj = getattr(getattr(layers[0], "mlp", None), "down_proj", None) if layers else None
+    if isinstance(proj, Int8Linear):
+        return "int8"
+    if isinstance(proj, Int4Linear):
+        return f"int4-g{proj.group_size}"
+    return "none"
