@@ -9,6 +9,7 @@ from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine, RequestError
 from tidespec.engine.scheduler import QueueFullError
+from tidespec.engine.sequence import Sequence
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
 from tidespec.sampling import SamplingParams, SamplingParamsError
@@ -252,3 +253,60 @@ def test_a_row_that_fails_verification_leaves_every_sequence_as_it_was(monkeypat
         return {rid: o.token_ids for rid, o in run_to_completion(e).items()}
 
     assert run(fail_once=True) == run(fail_once=False)
+
+
+def test_a_component_failing_after_commit_does_not_lose_a_finished_request(caplog) -> None:
+    """Request "a" finishes in the step in which the drafter's observe and a finish listener raise:
+    its final output is still returned, the engine keeps serving "b", and both outputs equal an
+    undisturbed run (the failures are logged and counted). On the old engine the step raised after
+    "a" had been removed, so "a" was neither delivered nor failed."""
+
+    class FlakyObserver:
+        """Proposes nothing; its observe raises once, on the step that finishes "a"."""
+
+        name = "flaky"
+        tap_layers: tuple[int, ...] = ()
+
+        def __init__(self) -> None:
+            self.armed = False
+
+        def propose(self, inputs: list[DraftInput]) -> DraftProposal:
+            return DraftProposal()
+
+        def observe(self, observations: list[Observation]) -> None:
+            if self.armed:
+                self.armed = False
+                raise RuntimeError("observe broke")
+
+        def release(self, seq_id: int) -> None:
+            return None
+
+    model, tok = tiny_llama(), tiny_tokenizer(64)
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=2))
+
+    def run(flaky: bool) -> dict[str, list[int]]:
+        drafter = FlakyObserver()
+        e = LLMEngine(model, tok, cfg, drafter=drafter)
+        if flaky:
+            def listener(seq: Sequence) -> None:
+                if seq.request_id == "a":
+                    raise RuntimeError("listener broke")
+            e.finish_listeners.append(listener)
+        e.add_request([3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True), request_id="a")
+        e.add_request([7, 8], SamplingParams(max_tokens=6, ignore_eos=True), request_id="b")
+        tokens: dict[str, list[int]] = {"a": [], "b": []}
+        finished = set()
+        while e.has_unfinished_requests():
+            seq_a = e.seqs.get("a")
+            drafter.armed = flaky and seq_a is not None and seq_a.remaining_tokens == 1
+            for o in e.step():
+                tokens[o.request_id] += o.delta_token_ids
+                if o.finished:
+                    finished.add(o.request_id)
+        assert finished == {"a", "b"}
+        assert e.component_errors == (2 if flaky else 0)
+        return tokens
+
+    with caplog.at_level("ERROR", logger="tidespec.engine.engine"):
+        assert run(flaky=True) == run(flaky=False)
+    assert "drafter observe failed" in caplog.text and "finish listener failed" in caplog.text

@@ -494,6 +494,47 @@ def test_unattributable_engine_error_fails_in_flight_and_recovers() -> None:
         assert s.aengine.num_step_errors >= 1
 
 
+def test_load_gauges_are_current_after_a_failed_step() -> None:
+    """The only request fails in its first decode step (after its prefill step had set the gauges
+    to one running request): the gauges return to idle without waiting for another request."""
+    engine = tiny_engine(max_num_seqs=8, drafter=PoisonDrafter(63, attributable=False))
+    with LiveServer(create_app(engine, ServerConfig(served_model_name=MODEL))) as s:
+        r = httpx.post(f"{s.url}/v1/completions", json={"model": MODEL, "prompt": "t63 t5", "max_tokens": 8})
+        assert r.status_code == 500
+        assert s.wait_idle() == (0.0, 0, 0, 0)
+        gauges = {}
+        for line in httpx.get(f"{s.url}/metrics").text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("tidespec:num_requests_running", "tidespec:kv_cache_usage_perc"):
+                gauges[name] = float(value)
+        assert gauges == {"tidespec:num_requests_running": 0.0, "tidespec:kv_cache_usage_perc": 0.0}
+
+
+def test_prompts_are_templated_and_tokenized_off_the_engine_thread_and_the_event_loop() -> None:
+    """Tokenizing a 4 MiB prompt on the engine thread froze every stream; rendering a huge chat on
+    the event loop froze /health. Both now run on the preparation worker."""
+    engine = tiny_engine()
+    threads: dict[str, set[str]] = {"encode": set(), "template": set()}
+    encode, template = engine.tokenizer.encode, engine.tokenizer.apply_chat_template
+
+    def spy_encode(*args: Any, **kwargs: Any) -> Any:
+        threads["encode"].add(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    def spy_template(*args: Any, **kwargs: Any) -> Any:
+        threads["template"].add(threading.current_thread().name)
+        return template(*args, **kwargs)
+
+    engine.tokenizer.encode = spy_encode  # type: ignore[method-assign]
+    engine.tokenizer.apply_chat_template = spy_template  # type: ignore[method-assign]
+    with LiveServer(create_app(engine, ServerConfig(served_model_name=MODEL))) as s:
+        c = s.client()
+        assert c.completions.create(model=MODEL, prompt="t5 t6", max_tokens=3).choices[0].text is not None
+        assert c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t4"}], max_tokens=3)
+    assert threads["template"] and all(n.startswith("tidespec-prep") for n in threads["template"]), threads
+    assert threads["encode"] and all(n.startswith("tidespec-prep") for n in threads["encode"]), threads
+
+
 # ----------------------------------------------------------------------------- embedded model
 @pytest.mark.integration
 def test_embedded_model_end_to_end(embedded: LoadedModel) -> None:

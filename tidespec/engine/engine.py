@@ -26,6 +26,7 @@ Worked example (``tidespec.llm.build_engine`` wires model, drafter and policy fr
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -37,7 +38,7 @@ from transformers import PreTrainedTokenizerBase
 from tidespec.config import EngineConfig
 from tidespec.engine.detok import IncrementalDetokenizer
 from tidespec.engine.output import RequestOutput, emit
-from tidespec.engine.runner import ForwardOutput, ModelRunner
+from tidespec.engine.runner import ForwardOutput, ModelRunner, Row
 from tidespec.engine.scheduler import PrefillChunk, Scheduler
 from tidespec.engine.sequence import Sequence
 from tidespec.errors import UserError
@@ -48,6 +49,8 @@ from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observa
 from tidespec.speculative.policy.api import PlanInput, SeqState, SpeculationPolicy
 from tidespec.speculative.verify import VerifyResult, verify_greedy, verify_sampled
 from tidespec.stats import StepStats, add_per_position
+
+log = logging.getLogger(__name__)
 
 
 class RequestError(UserError, ValueError):
@@ -84,6 +87,7 @@ class LLMEngine:
         self._ids = itertools.count()
         self._req_ids = itertools.count()
         self.step_count = 0
+        self.component_errors = 0  # post-commit component failures (logged; the outputs were delivered)
         self.last_stats = StepStats()
         self.history: deque[StepStats] = deque(maxlen=4096)
         self.step_listeners: list[Callable[[StepStats], None]] = []
@@ -163,20 +167,35 @@ class LLMEngine:
         proposal = self._propose(batch.decode, gammas, stats)
         t_verify = time.perf_counter()
         fwd = self.runner.forward(batch, proposal, self._tap_layers())
-        verified = [self._verify(seq, fwd) for seq in batch.decode]  # all before any commit: a row that
-        # raises leaves every sequence as it was before the step, so the step can be retried
+        # every row verified and every first token sampled before any commit: a row that raises
+        # leaves every sequence as it was before the step, so the step can be retried
+        verified = [self._verify(seq, fwd) for seq in batch.decode]
+        firsts = [self._sample(c.seq, fwd, fwd.rows[c.seq.seq_id].logits_start) if c.is_last else None
+                  for c in batch.prefill]
         advances = [self._commit_decode(seq, gammas[seq.seq_id], fwd, res, stats)
                     for seq, res in zip(batch.decode, verified)]
-        advances += [self._commit_prefill(chunk, fwd, stats) for chunk in batch.prefill]
+        advances += [self._commit_prefill(chunk, first, fwd.rows[chunk.seq.seq_id], stats)
+                     for chunk, first in zip(batch.prefill, firsts)]
         stats.verify_time = time.perf_counter() - t_verify  # target forward + verification + KV commit
         outputs = [emit(a.seq, a.tokens, self.eos_ids, self.max_model_len) for a in advances if a.tokens]
         stats.num_emitted_tokens = sum(len(o.delta_token_ids) for o in outputs)
-        self._observe(advances, fwd)
+        # The tokens are committed: from here on the outputs are delivered whatever a component
+        # (drafter, finish listener, policy) does; its failure is logged and counted, never raised
+        # (losslessness does not depend on them: verification checks every draft).
+        self._guarded("drafter observe", self._observe, advances, fwd)
         for o in outputs:
             if o.finished:
                 self._finish(self.seqs.pop(o.request_id), o.finish_reason)  # type: ignore[arg-type]
-        self._record(stats, batch.decode, len(batch.prefill), gammas, t0)
+        self._guarded("step record", self._record, stats, batch.decode, len(batch.prefill), gammas, t0)
         return outputs
+
+    def _guarded(self, what: str, fn: Callable[..., object], *args: object) -> None:
+        """Run a post-commit component call; an exception is logged and counted, not raised."""
+        try:
+            fn(*args)
+        except Exception:  # noqa: BLE001 - the step's tokens are committed; its outputs must still be delivered
+            self.component_errors += 1
+            log.exception("%s failed in step %d; the step's outputs are delivered", what, self.step_count - 1)
 
     # ----------------------------------------------------------------- step parts
     def _plan(self, decode: list[Sequence]) -> dict[int, int]:
@@ -232,13 +251,14 @@ class LLMEngine:
         self._commit_kv(seq, kept, tree=row.draft is not None and row.draft.is_tree)
         return _Advance(seq, res.token_ids, [row.start + k for k in kept], start)
 
-    def _commit_prefill(self, chunk: PrefillChunk, fwd: ForwardOutput, stats: StepStats) -> _Advance:
-        """A prompt chunk's K/V is final as computed; its last chunk samples the first output token."""
-        seq, row = chunk.seq, fwd.rows[chunk.seq.seq_id]
+    def _commit_prefill(self, chunk: PrefillChunk, first: int | None, row: Row, stats: StepStats) -> _Advance:
+        """A prompt chunk's K/V is final as computed; its last chunk brings the first output token
+        (``first``, sampled before any commit)."""
+        seq = chunk.seq
         self._commit_kv(seq, list(range(chunk.num_tokens)), tree=False)
         stats.num_prefill_tokens += chunk.num_tokens
-        tokens = [self._sample(seq, fwd, row.logits_start)] if chunk.is_last else []
-        return _Advance(seq, tokens, list(range(row.start, row.start + row.num)), chunk.start)
+        return _Advance(seq, [first] if first is not None else [], list(range(row.start, row.start + row.num)),
+                        chunk.start)
 
     def _commit_kv(self, seq: Sequence, kept: list[int], tree: bool) -> None:
         """Keep the K/V at offsets ``kept`` of this step's new positions, in order; drop the rest.
@@ -298,9 +318,9 @@ class LLMEngine:
         seq.stats.finish_time = time.perf_counter()
         self.scheduler.remove(seq)
         if self.drafter is not None:
-            self.drafter.release(seq.seq_id)
+            self._guarded("drafter release", self.drafter.release, seq.seq_id)
         for listener in self.finish_listeners:
-            listener(seq)
+            self._guarded("finish listener", listener, seq)
 
     def _record(self, stats: StepStats, decode: list[Sequence], num_prefill: int, gammas: dict[int, int],
                 t0: float) -> None:

@@ -420,7 +420,7 @@ class _Server:
         self.check_model(body.model)
         label = self.route_label(request)
         params = self.params(lambda: body.sampling_params(1))
-        prompt = self.chat_prompt(body)
+        prompt = await self.aengine.prepare(self.chat_prompt, body)  # a template can be slow: off the event loop
         stream = await self.submit(prompt, params, body.spec_tokens(), label, not body.max_tokens_given, "chatcmpl")
         model = self.config.served_model_name
         if body.stream:

@@ -10,6 +10,9 @@ thread that owns it. ``AsyncEngine`` is the only bridge between the two:
   ``SamplingParamsError`` and ``QueueFullError`` surface synchronously to the HTTP handler, before
   any byte of the response); outputs arrive in the request's ``asyncio.Queue`` and are read
   through ``RequestStream``.
+* **preparation worker** (``prep``, one thread): chat templates and tokenization of text prompts
+  (``prepare``), so a huge prompt delays only its own request: not the engine's steps, not the
+  event loop (``/health``, other streams).
 
 Bounded memory: at most ``max_in_flight`` requests (running + waiting + being added) exist; one
 more raises ``QueueFullError`` at once, without touching the engine (the server answers 429).
@@ -34,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import queue
 import threading
@@ -148,6 +152,10 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.peak_in_flight = 0
         self.num_step_errors = 0
+        # prompt preparation (chat templates, tokenization) runs here: never on the engine thread,
+        # where it would stall every stream, nor on the event loop; one worker bounds it
+        self.prep: concurrent.futures.ThreadPoolExecutor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="tidespec-prep")
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -168,6 +176,7 @@ class AsyncEngine:
         self._commands.put(_Stop())
         thread, self._thread = self._thread, None
         await asyncio.get_running_loop().run_in_executor(None, thread.join, timeout)
+        self.prep.shutdown(wait=False, cancel_futures=True)
         for stream in list(self._streams.values()):
             stream.queue.put_nowait(EngineStoppedError("the server is shutting down"))
         self._streams.clear()
@@ -192,8 +201,14 @@ class AsyncEngine:
             raise QueueFullError(f"server is at capacity ({self.max_in_flight} requests in flight); retry later")
         rid = f"{prefix}-{uuid.uuid4().hex}"
         stream = RequestStream(rid, label)
-        self._streams[rid] = stream
+        self._streams[rid] = stream  # counts against max_in_flight while its prompt is prepared
         self.peak_in_flight = max(self.peak_in_flight, len(self._streams))
+        try:
+            if isinstance(prompt, str):
+                prompt = await self.prepare(self.engine.tokenizer.encode, prompt, add_special_tokens=False)
+        except BaseException:
+            self._streams.pop(rid, None)
+            raise
         fut: concurrent.futures.Future[str] = concurrent.futures.Future()
         self._commands.put(_Add(rid, prompt, params, spec_tokens, label, fit_max_tokens, fut))
         try:
@@ -204,6 +219,11 @@ class AsyncEngine:
                 self._commands.put(_Abort(rid))  # we were cancelled while the add was pending: undo it
             raise
         return stream
+
+    async def prepare(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Run prompt preparation ``fn(*args, **kwargs)`` (a chat template, tokenization) on the
+        preparation worker, off the event loop and off the engine thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.prep, functools.partial(fn, *args, **kwargs))
 
     def abort(self, request_id: str) -> None:
         """Abort a request (idempotent; a no-op once it finished). Frees its KV in the engine thread."""
@@ -332,6 +352,8 @@ class AsyncEngine:
         for rid in targets:
             self._abort_one(rid)
         self._post([], {rid: err for rid in targets})
+        if self.on_idle is not None and not eng.has_unfinished_requests():  # no step will refresh the load gauges
+            self._safe(self.on_idle, eng)
 
     def _abort_all(self, exc: BaseException) -> None:
         targets = list(self.engine.seqs)
