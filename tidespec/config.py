@@ -114,7 +114,8 @@ class CacheConfig(Section):
 @dataclass
 class SchedulerConfig(Section):
     max_num_batched_tokens: int = opt(512, "token budget of one engine step (decode + prefill chunks)", min=16)
-    max_waiting: int = opt(0, "bounded waiting queue; 0 = unbounded (the server sets a bound)", min=0)
+    max_waiting: int = opt(0, "most requests waiting for a KV slot (free slots not counted); "
+                              "0 = unbounded (the server sets a bound)", min=0)
 
 
 DRAFTERS = ("none", "ngram", "suffix", "draft-model", "eagle3")

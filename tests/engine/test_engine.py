@@ -116,12 +116,28 @@ def test_abort_frees_kv_and_200_requests_finish(model, tok):
 
 
 def test_bounded_queue_raises(model, tok):
+    """1 slot + 2 waiting: a third request is accepted (the free slot takes it at the next step),
+    a fourth is refused; once the slot is taken, 2 wait."""
     e = make_engine(model, tok, slots=1, max_waiting=2)
-    e.add_request([1, 2], SamplingParams(max_tokens=2))
-    e.add_request([1, 2], SamplingParams(max_tokens=2))
+    for _ in range(3):
+        e.add_request([1, 2], SamplingParams(max_tokens=2))
     with pytest.raises(QueueFullError):
         e.add_request([1, 2], SamplingParams(max_tokens=2))
-    assert e.num_waiting == 2
+    e.step()
+    assert (e.num_running, e.num_waiting) == (1, 2)
+    with pytest.raises(QueueFullError):
+        e.add_request([1, 2], SamplingParams(max_tokens=2))
+
+
+def test_a_burst_is_not_refused_while_slots_are_free(model, tok):
+    """8 requests arrive between two steps with 8 free slots and max_waiting 1: all are accepted
+    (only the waiting queue used to be counted: the second one got QueueFullError)."""
+    e = make_engine(model, tok, slots=8, max_waiting=1)
+    for _ in range(9):
+        e.add_request([1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(QueueFullError):
+        e.add_request([1, 2], SamplingParams(max_tokens=2))
+    assert len(run_to_completion(e)) == 9
 
 
 def test_bad_inputs(model, tok):

@@ -57,7 +57,10 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        if self.max_waiting and len(self.waiting) >= self.max_waiting:
+        """Queue a new sequence. ``max_waiting`` bounds the sequences that must wait for a KV slot:
+        those that a free slot will take at the next admission do not count (a burst arriving
+        between two steps is not refused while slots are free)."""
+        if self.max_waiting and len(self.waiting) >= self.max_waiting + self.kv.num_free_slots:
             raise QueueFullError(f"waiting queue is full ({self.max_waiting} requests)")
         self.waiting.append(seq)
 
