@@ -36,6 +36,7 @@ from tidespec.llm import build_engine
 from tidespec.models.loader import LoadedModel
 from tidespec.server.app import ServerConfig, create_app
 from tidespec.server.async_engine import AsyncEngine
+from tidespec.server.graceful import GracefulServer
 from tidespec.speculative.api import DraftInput, DraftProposal, Observation
 from tidespec.speculative.drafters.ngram import NgramDrafter
 
@@ -59,11 +60,11 @@ def tiny_engine(max_num_seqs: int = 16, max_waiting: int = 64, max_model_len: in
 class LiveServer:
     """uvicorn serving ``app`` on 127.0.0.1:<free port> in a background thread."""
 
-    def __init__(self, app: FastAPI) -> None:
+    def __init__(self, app: FastAPI, grace_s: float | None = None) -> None:
         self.app = app
         # log_config=None: uvicorn's loggers propagate to the root logger, so caplog sees them
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None,
-                                                    log_level="warning", lifespan="on"))
+        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config) if grace_s is None else GracefulServer(config, grace_s=grace_s)
         self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
         self.port = 0
 
@@ -533,6 +534,30 @@ def test_prompts_are_templated_and_tokenized_off_the_engine_thread_and_the_event
         assert c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "t4"}], max_tokens=3)
     assert threads["template"] and all(n.startswith("tidespec-prep") for n in threads["template"]), threads
     assert threads["encode"] and all(n.startswith("tidespec-prep") for n in threads["encode"]), threads
+
+
+def test_shutdown_ends_a_stream_still_running_with_an_error_event() -> None:
+    """SIGTERM with a stream longer than the grace period: the stream gets an OpenAI error event and
+    [DONE] (it used to be cut mid-body, no error, a traceback in the log); a request that finishes
+    within the grace period completes normally."""
+    engine = tiny_engine()
+    engine.between_steps.append(lambda _e: time.sleep(0.03))  # ~30 tokens/s: 150 tokens outlast the grace
+    server = LiveServer(create_app(engine, ServerConfig(served_model_name=MODEL)), grace_s=0.5)
+    with server as s:
+        lines: list[str] = []
+        with httpx.stream("POST", f"{s.url}/v1/completions", timeout=30,
+                          json={"model": MODEL, "prompt": "t5 t6", "max_tokens": 150, "stream": True,
+                                "ignore_eos": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and not lines:
+                    s.server.should_exit = True  # what SIGTERM does, once the stream has started
+                lines.append(line)
+    data = [ln[6:] for ln in lines if ln.startswith("data: ")]
+    assert data[-1] == "[DONE]"
+    last = json.loads(data[-2])
+    assert "error" in last and "shutting down" in last["error"]["message"], last
+    assert 1 < len(data) - 2 < 150  # some tokens arrived, not all
 
 
 # ----------------------------------------------------------------------------- embedded model

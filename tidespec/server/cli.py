@@ -27,6 +27,7 @@ from tidespec.commands import standalone_main
 from tidespec.config import ConfigError, EngineConfig, add_engine_args, engine_config_from_args
 
 DEFAULT_MAX_WAITING = 256
+GRACE_S = 10.0  # seconds in-flight requests get to finish on SIGTERM before their streams are ended
 API_KEY_ENV = "TIDESPEC_API_KEY"
 
 log = logging.getLogger("tidespec.server")
@@ -78,6 +79,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     from tidespec.llm import build_engine
     from tidespec.server.app import ServerConfig, create_app
+    from tidespec.server.graceful import GracefulServer
 
     if not 0 < ns.port < 65536:
         raise ConfigError(f"port must be in [1, 65535], got {ns.port}")
@@ -103,7 +105,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
              ns.host, ns.port, config.spec.drafter, config.policy.name, config.scheduler.max_waiting,
              ", online training" if online is not None else "")
     try:
-        uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.log_level, timeout_graceful_shutdown=10)
+        # SIGTERM: requests in flight get GRACE_S to finish, the rest end with an error event
+        GracefulServer(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
+                                      timeout_graceful_shutdown=5), grace_s=GRACE_S).run()
     finally:
         if online is not None:
             online.close()
