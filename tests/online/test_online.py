@@ -33,6 +33,7 @@ from tidespec.online.attach import (
     OnlineConfigError,
     SignalCollector,
     attach_online_training,
+    budget_shortfall,
 )
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
@@ -354,3 +355,23 @@ def test_online_config_from_engine_config(tmp_path: Path) -> None:
         OnlineConfig.from_engine_config(engine_config(None))
     with pytest.raises(OnlineConfigError, match="capture_flush_rows"):
         OnlineConfig(publish_root="a", signal_dir="b", capture_capacity_rows=4, capture_flush_rows=8)
+
+
+def test_a_signal_budget_smaller_than_one_round_is_warned_at_start(model: LlamaModel, tok, tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """SmolLM2-135M's 3 x 576 bfloat16 taps need ~54 MiB for a 16,384-row round: 32 MiB cannot hold
+    it (training would silently never run), 64 MiB can. Attaching with too small a budget logs it."""
+    small = OnlineConfig(publish_root="p", signal_dir="s", signal_budget_bytes=32 << 20)
+    msg = budget_shortfall(small, taps_dim=3 * 576)
+    assert msg is not None and "32 MiB" in msg and "16384 rows" in msg and "--signal-budget-mb" in msg
+    assert budget_shortfall(OnlineConfig(publish_root="p", signal_dir="s", signal_budget_bytes=64 << 20), 3 * 576) is None
+
+    cfg = online_cfg(tmp_path)
+    assert publish(cfg.publish_root, random_head(model, 1), {"note": "v1"}) == 1
+    tiny_budget = OnlineConfig(publish_root=cfg.publish_root, signal_dir=cfg.signal_dir, signal_budget_bytes=1024,
+                               collection=CollectionConfig(n_threshold=64))
+    engine = make_engine(model, tok, build_eagle3_drafter(model, cfg.publish_root, cfg=drafter_cfg()), gamma=2,
+                         tree=False)
+    with caplog.at_level(logging.WARNING, logger="tidespec.online.attach"):
+        attach_online_training(engine, tiny_budget, start=False)
+    assert any("training will never run" in r.getMessage() for r in caplog.records)

@@ -380,12 +380,33 @@ class OnlineTraining:
                 self.trainer.wait()
 
 
+def budget_shortfall(config: OnlineConfig, taps_dim: int) -> str | None:
+    """A one-line warning when the signal store's byte budget cannot hold the rows one training
+    round needs (the oldest shards would be evicted before a round could start: training would
+    silently never happen), else None.
+
+    Example: SmolLM2-135M taps are 3 x 576 bfloat16 = 3,456 bytes (+ ~44 of ids, positions, alpha)
+    per row; 16,384 rows need ~54 MiB, so a 32 MiB budget gets a warning.
+    """
+    row_bytes = taps_dim * TAPS_DTYPES[config.taps_dtype].itemsize + 5 * 8 + 4  # taps, 5 int64 ids, alpha
+    need = config.collection.n_threshold * row_bytes
+    if need <= config.signal_budget_bytes:
+        return None
+    return (f"the signal budget ({config.signal_budget_bytes >> 20} MiB) holds about "
+            f"{config.signal_budget_bytes // row_bytes} rows, fewer than one training round needs "
+            f"({config.collection.n_threshold} rows, ~{need / 2**20:.0f} MiB): training will never run; "
+            f"raise --signal-budget-mb or lower --collect-n-threshold")
+
+
 def attach_online_training(engine: LLMEngine, config: OnlineConfig, *, start: bool = True) -> OnlineTraining:
     """Wire capture, selective collection and drafter updates into ``engine`` (whose drafter
     must be an ``Eagle3Drafter``). ``start=False`` leaves the poller thread off (tests poll by hand)."""
     drafter = engine.drafter
     if not isinstance(drafter, Eagle3Drafter):
         raise OnlineConfigError("online training needs the eagle3 drafter (--drafter eagle3)")
+    shortfall = budget_shortfall(config, drafter.head.cfg.tap_size)
+    if shortfall is not None:
+        logger.warning(shortfall)
     store = SignalStore(config.signal_dir, config.signal_budget_bytes, config.taps_dtype)
     capture = CaptureBuffer(store, config.capture_capacity_rows, config.capture_flush_rows,
                             taps_dim=drafter.head.cfg.tap_size, max_shard_age_s=config.max_shard_age_s,
