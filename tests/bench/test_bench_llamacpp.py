@@ -1,14 +1,15 @@
 """``tidespec bench decode --compare``: parsing and validation of the engine list, finding the GGUF
 behind the target, the one-line notices when llama.cpp cannot run (llama-cpp-python missing,
-target not a GGUF) with tidespec's own results still produced, and — only where llama-cpp-python is
-installed — one small llama.cpp run on the embedded GGUF. No test asserts a speed."""
+target not a GGUF) with tidespec's own results still produced, and a run through llama.cpp's API
+(a stand-in ``llama_cpp`` module: the library is optional). No test asserts a speed."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
+import types
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,14 +17,13 @@ import torch
 
 from tests.helpers import tiny_llama, tiny_tokenizer
 from tidespec.bench import decode as decode_mod
+from tidespec.bench import llamacpp as llamacpp_mod
 from tidespec.bench.cli import register
 from tidespec.bench.decode import DecodeBenchConfig, parse_compare, run_decode_bench
 from tidespec.bench.llamacpp import open_llamacpp, target_gguf
 from tidespec.bench.report import identical_prefix
 from tidespec.config import ConfigError, ModelConfig
 from tidespec.models.loader import LoadedModel, converted_dir_for, resolve_embedded_gguf
-
-HAS_LLAMA_CPP = importlib.util.find_spec("llama_cpp") is not None
 
 
 def _tiny_target() -> LoadedModel:
@@ -134,22 +134,60 @@ def test_decode_bench_llamacpp_on_a_non_gguf_target(tmp_path: Path, capsys: pyte
     assert doc["skipped"]["llamacpp"] in capsys.readouterr().err
 
 
-# ----------------------------------------------------------------------------- a real llama.cpp run
+# ----------------------------------------------------------------------------- a llama.cpp run
 
 
-@pytest.mark.integration
-@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (optional; see README)")
-def test_decode_bench_llamacpp_on_the_embedded_gguf(embedded: LoadedModel, tmp_path: Path) -> None:
-    cfg = DecodeBenchConfig(workload="code", limit=1, batch_sizes=(1,), max_tokens=4, compare=("llamacpp",),
+class _FakeLlama:
+    """Stands in for ``llama_cpp.Llama`` (the library is optional and absent in CI): records how it
+    was built and driven; greedy generation = the prompt's last token plus 1, 2, 3, ..."""
+
+    built: list["_FakeLlama"] = []
+
+    def __init__(self, **kwargs: object) -> None:
+        self.kwargs = kwargs
+        self.resets = 0
+        self.n_batch = kwargs["n_batch"]
+        _FakeLlama.built.append(self)
+
+    def n_ctx(self) -> object:
+        return self.kwargs["n_ctx"]
+
+    def reset(self) -> None:
+        self.resets += 1
+
+    def generate(self, tokens: list[int], **sampling: object) -> Iterator[int]:
+        assert sampling["temp"] == 0.0 and sampling["top_k"] == 1 and sampling["repeat_penalty"] == 1.0
+        step = 0
+        while True:  # never stops by itself, like llama.cpp's generator
+            step += 1
+            yield tokens[-1] + step
+
+
+def test_decode_bench_runs_llamacpp_through_its_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison drives ``Llama`` with tidespec's threads, resets it per prompt, takes exactly
+    ``max_tokens`` greedy tokens and reports them next to tidespec's rows."""
+    fake_module = types.ModuleType("llama_cpp")
+    fake_module.Llama = _FakeLlama  # type: ignore[attr-defined]
+    fake_module.__version__ = "fake"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake_module)
+    monkeypatch.setattr(llamacpp_mod, "probe_default_kernels", lambda gguf, ids, timeout_s=0.0: "")
+    gguf = _fake_gguf(tmp_path)
+    monkeypatch.setattr(decode_mod, "target_gguf", lambda model, loaded: (gguf, ""))
+    _FakeLlama.built.clear()
+    cfg = DecodeBenchConfig(workload=str(_workload(tmp_path)), batch_sizes=(1,), max_tokens=4, compare=("llamacpp",),
                             warmup=False)
-    doc = run_decode_bench(cfg, embedded, model_config=ModelConfig(), out_dir=tmp_path / "out", echo=False)
+    doc = run_decode_bench(cfg, _tiny_target(), model_config=ModelConfig(), out_dir=tmp_path / "out", echo=False)
     assert doc["skipped"] == {}
+    (llm,) = _FakeLlama.built
+    assert llm.kwargs["model_path"] == str(gguf) and llm.kwargs["n_threads"] == torch.get_num_threads()
+    assert llm.resets == 2  # one per prompt: no prefix reuse
     row = next(r for r in doc["rows"] if r["engine"] == "llama.cpp")
-    assert row["batch_size"] == 1 and row["requests"] == 1 and row["output_tokens"] == 4
+    assert row["batch_size"] == 1 and row["requests"] == 2 and row["output_tokens"] == 2 * 4
     assert row["tokens_per_s_vs_tidespec_b1"] > 0 and doc["headline"]["vs_llamacpp_decode_only"] > 0
-    (req,) = doc["requests"]["llamacpp"]
-    assert req["output_tokens"] == 4 and 0 <= req["identical_prefix_vs_tidespec"] <= 4
-    assert row["identical_prefix_vs_tidespec"]["per_prompt"] == [req["identical_prefix_vs_tidespec"]]
+    reqs = doc["requests"]["llamacpp"]
+    assert [r["output_tokens"] for r in reqs] == [4, 4]
+    assert all(0 <= r["identical_prefix_vs_tidespec"] <= 4 for r in reqs)
+    assert row["identical_prefix_vs_tidespec"]["per_prompt"] == [r["identical_prefix_vs_tidespec"] for r in reqs]
 
 
 def test_extra_buffer_types_are_off_only_while_constructing() -> None:
@@ -170,8 +208,8 @@ def test_extra_buffer_types_are_off_only_while_constructing() -> None:
     assert module.llama_cpp.llama_model_default_params is defaults
 
 
-@pytest.mark.skipif(not HAS_LLAMA_CPP, reason="llama-cpp-python is not installed (optional; see README)")
 def test_probe_reports_a_failing_load_in_one_line(tmp_path: Path) -> None:
+    """The child fails on the fake file (or, without llama-cpp-python, on the import): one line."""
     from tidespec.bench.llamacpp import probe_default_kernels
 
     note = probe_default_kernels(_fake_gguf(tmp_path), [1, 2])

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import full_logits, tiny_llama, tiny_tokenizer
-from tests.speculative.test_spec_lossless import PROMPTS, V, generate
+from tests.speculative.test_spec_lossless import PROMPTS, V, generate, generate_in_batches
 from tidespec.config import ConfigError, DraftModelConfig, EngineConfig, ModelConfig, SpecConfig
 from tidespec.models.llama import ModelConfigError
 from tidespec.models.quant import (
@@ -225,11 +225,6 @@ def test_quantization_changes_the_greedy_output(qplain, tok):
 def test_speculation_is_lossless_wrt_the_quantized_target(qmodel, tok, qplain, drafter, tree, gamma, batch):
     spec = SpecConfig(drafter=drafter, num_speculative_tokens=gamma, tree=tree,
                       draft_model=DraftModelConfig(layers=1, tree_top_k=2))
-    got: list[list[int]] = []
-    drafted = 0
-    for start in range(0, len(PROMPTS), batch):
-        outs, d, _ = generate(qmodel, tok, spec, PROMPTS[start:start + batch], slots=batch)
-        got.extend(outs)
-        drafted += d
+    got, drafted = generate_in_batches(qmodel, tok, spec, batch)
     assert got == qplain
     assert drafted > 0, "the drafter never proposed: the test would not exercise verification"

@@ -40,6 +40,17 @@ def generate(model, tok, spec: SpecConfig, prompts: list[list[int]], slots: int,
     return [done[i].token_ids for i in ids], drafted, accepted
 
 
+def generate_in_batches(model, tok, spec: SpecConfig, batch: int) -> tuple[list[list[int]], int]:
+    """PROMPTS run ``batch`` at a time (engines of ``batch`` slots) -> (outputs in order, draft tokens)."""
+    got: list[list[int]] = []
+    drafted = 0
+    for start in range(0, len(PROMPTS), batch):
+        outs, d, _ = generate(model, tok, spec, PROMPTS[start:start + batch], slots=batch)
+        got.extend(outs)
+        drafted += d
+    return got, drafted
+
+
 @pytest.fixture(scope="module")
 def plain(model, tok):
     return generate(model, tok, SpecConfig(), PROMPTS, slots=4)[0]
@@ -53,12 +64,7 @@ CASES = [("ngram", False), ("suffix", False), ("suffix", True), ("draft-model", 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_equals_plain(model, tok, plain, drafter, tree, gamma, batch):
     spec = SpecConfig(drafter=drafter, num_speculative_tokens=gamma, tree=tree, draft_model=DraftModelConfig(layers=1, tree_top_k=2))
-    got: list[list[int]] = []
-    drafted = 0
-    for start in range(0, len(PROMPTS), batch):
-        outs, d, _ = generate(model, tok, spec, PROMPTS[start:start + batch], slots=batch)
-        got.extend(outs)
-        drafted += d
+    got, drafted = generate_in_batches(model, tok, spec, batch)
     assert got == plain
     assert drafted > 0, "the drafter never proposed: the test would not exercise verification"
 

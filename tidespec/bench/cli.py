@@ -26,7 +26,14 @@ from typing import Any
 import torch
 
 from tidespec.bench import quality
-from tidespec.bench.decode import DecodeBenchConfig, parse_compare, parse_int_list, resolve_target, run_decode_bench
+from tidespec.bench.decode import (
+    DecodeBenchConfig,
+    parse_compare,
+    parse_int_list,
+    parse_str_list,
+    resolve_target,
+    run_decode_bench,
+)
 from tidespec.bench.learn import LearnBenchConfig, run_learn_bench
 from tidespec.bench.learn import replot as replot_learn
 from tidespec.bench.profile import ProfileConfig, run_profile
@@ -36,7 +43,6 @@ from tidespec.bench.shift import run_shift_bench
 from tidespec.bench.shift_config import ShiftBenchConfig
 from tidespec.bench.spec import SpecBenchConfig, run_spec_bench
 from tidespec.config import (
-    ConfigError,
     ModelConfig,
     PolicyConfig,
     SchedulerConfig,
@@ -142,13 +148,6 @@ def _add_workload_args(p: argparse.ArgumentParser, limit: int) -> None:
     g.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-<kind>-<time>)")
 
 
-def _str_list(text: str, name: str) -> tuple[str, ...]:
-    values = tuple(x.strip() for x in text.split(",") if x.strip())
-    if not values:
-        raise ConfigError(f"{name} must be a non-empty comma-separated list, got {text!r}")
-    return values
-
-
 def cmd_decode(ns: argparse.Namespace) -> int:
     cfg = DecodeBenchConfig(workload=ns.workload, limit=ns.limit, batch_sizes=parse_int_list(ns.batch_sizes, "--batch-sizes"),
                             max_tokens=ns.max_tokens, compare=parse_compare(ns.compare), warmup=not ns.no_warmup)
@@ -158,7 +157,7 @@ def cmd_decode(ns: argparse.Namespace) -> int:
 
 
 def cmd_spec(ns: argparse.Namespace) -> int:
-    cfg = SpecBenchConfig(workload=ns.workload, limit=ns.limit, drafters=_str_list(ns.drafters, "--drafters"),
+    cfg = SpecBenchConfig(workload=ns.workload, limit=ns.limit, drafters=parse_str_list(ns.drafters, "--drafters"),
                           gammas=parse_int_list(ns.gammas, "--gammas"), batch_size=ns.batch_size,
                           max_tokens=ns.max_tokens, compare_hf=ns.compare == "hf",
                           hf_pld_tokens=parse_int_list(ns.hf_pld_tokens, "--hf-pld-tokens"),

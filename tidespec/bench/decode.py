@@ -99,6 +99,14 @@ def workload_doc(target: LoadedModel, workload: str, prompts: list[Prompt], cfg:
             "prompt_ids": [p.record.id for p in prompts], "config": dataclasses.asdict(cfg)}
 
 
+def parse_str_list(text: str, name: str) -> tuple[str, ...]:
+    """``"a, b"`` -> ``("a", "b")``; one-line ``ConfigError`` when it lists nothing."""
+    values = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not values:
+        raise ConfigError(f"{name} must be a non-empty comma-separated list, got {text!r}")
+    return values
+
+
 def parse_int_list(text: str, name: str, minimum: int = 1) -> tuple[int, ...]:
     """``"1,4,16"`` -> ``(1, 4, 16)``; one-line ``ConfigError`` on anything else."""
     try:
@@ -266,7 +274,7 @@ def records_summary(records: list[RequestRecord], wall_time: float, decode_token
     }
 
 
-def hf_decode_split(records: list[RequestRecord]) -> tuple[int, float]:
+def reference_decode_split(records: list[RequestRecord]) -> tuple[int, float]:
     """(tokens after the first, time after the first token) summed over a reference engine's requests."""
     return (sum(r.output_tokens - 1 for r in records), sum(r.latency - r.ttft for r in records))
 
@@ -280,12 +288,7 @@ COMPARE_ENGINES = {"hf": "hf-transformers", "llamacpp": "llama.cpp"}
 
 def parse_compare(text: str | None) -> tuple[str, ...]:
     """``--compare`` value -> engine names: ``"hf,llamacpp"`` -> ``("hf", "llamacpp")``; None -> ()."""
-    if text is None:
-        return ()
-    values = tuple(x.strip() for x in text.split(",") if x.strip())
-    if not values:
-        raise ConfigError(f"--compare must be a comma-separated list of {', '.join(COMPARE_ENGINES)}, got {text!r}")
-    return values
+    return () if text is None else parse_str_list(text, "--compare")
 
 
 @dataclass
@@ -354,7 +357,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, target: LoadedModel | str | None = 
     ref_rows: list[dict[str, Any]] = []
     for name, ref in refs.items():
         recs = ref_records[name] or [ref(p, i, cfg.max_tokens) for i, p in enumerate(prompts)]  # batch 1 not run
-        dtok, dtime = hf_decode_split(recs)
+        dtok, dtime = reference_decode_split(recs)
         prefix = [identical_prefix(r.token_ids, ours_by_prompt[r.prompt_index]) for r in recs]
         ref_rows.append({"engine": COMPARE_ENGINES[name], "batch_size": 1, "waves": len(recs),
                          **records_summary(recs, sum(r.latency for r in recs), dtok, dtime),

@@ -102,7 +102,7 @@ class RequestStream:
 @dataclasses.dataclass
 class _Add:
     request_id: str
-    prompt: str | list[int]
+    prompt: list[int]  # tokenized by the preparation worker
     params: SamplingParams
     spec_tokens: int | None
     label: str | None
@@ -204,13 +204,13 @@ class AsyncEngine:
         self._streams[rid] = stream  # counts against max_in_flight while its prompt is prepared
         self.peak_in_flight = max(self.peak_in_flight, len(self._streams))
         try:
-            if isinstance(prompt, str):
-                prompt = await self.prepare(self.engine.tokenizer.encode, prompt, add_special_tokens=False)
+            ids = (await self.prepare(self.engine.tokenizer.encode, prompt, add_special_tokens=False)
+                   if isinstance(prompt, str) else list(prompt))
         except BaseException:
             self._streams.pop(rid, None)
             raise
         fut: concurrent.futures.Future[str] = concurrent.futures.Future()
-        self._commands.put(_Add(rid, prompt, params, spec_tokens, label, fit_max_tokens, fut))
+        self._commands.put(_Add(rid, ids, params, spec_tokens, label, fit_max_tokens, fut))
         try:
             await asyncio.wrap_future(fut)
         except BaseException:
@@ -299,11 +299,9 @@ class AsyncEngine:
                 return
             try:
                 params = cmd.params
-                prompt = cmd.prompt
                 if cmd.fit_max_tokens:
-                    prompt = eng.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
-                    params = dataclasses.replace(params, max_tokens=max(1, eng.max_model_len - len(prompt)))
-                rid = eng.add_request(prompt, params, request_id=cmd.request_id, spec_tokens=cmd.spec_tokens,
+                    params = dataclasses.replace(params, max_tokens=max(1, eng.max_model_len - len(cmd.prompt)))
+                rid = eng.add_request(cmd.prompt, params, request_id=cmd.request_id, spec_tokens=cmd.spec_tokens,
                                       label=cmd.label)
             except Exception as exc:  # noqa: BLE001 - handed to the caller, who maps it to 4xx/5xx
                 cmd.future.set_exception(exc)
