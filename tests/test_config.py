@@ -20,7 +20,8 @@ from tidespec.errors import ConfigError
 from tidespec.server.cli import register as register_serve
 
 # Every engine flag and its default as the flat SpecConfig (34 fields) had them, plus those added since
-# (--quantization, --quant-group-size); nesting the config must not rename a flag or move a default.
+# (--quantization, --quant-group-size, --trainer-max-restarts, --trainer-backoff-max-s); nesting the config
+# must not rename a flag or move a default.
 FLAGS = {
     '--model': None, '--dtype': 'float32', '--device': 'cpu', '--threads': 0, '--quantization': 'none',
     '--quant-group-size': 32, '--max-model-len': 2048,
@@ -31,6 +32,7 @@ FLAGS = {
     '--guard-temperature': 2.0, '--eagle3-dir': None, '--eagle3-draft-vocab': 0, '--eagle3-tree-depth': 5,
     '--eagle3-tree-top-k': 4, '--online-training': False, '--signal-dir': None, '--signal-budget-mb': 2048,
     '--online-poll-s': 2.0, '--trainer-device': None, '--trainer-args': '', '--trainer-nice': 0,
+    '--trainer-max-restarts': 5, '--trainer-backoff-max-s': 60.0,
     '--collect-force': False, '--collect-prompt': False, '--collect-bootstrap': False, '--collect-epsilon': 0.02,
     '--collect-n-init': 20, '--collect-n-threshold': 16384, '--collect-lambda-short': 0.9,
     '--collect-lambda-long': 0.99,

@@ -257,6 +257,10 @@ class OnlineTrainingConfig:
     trainer_args: str = opt("", "extra flags for the trainer child process, e.g. \"--threads 1 --epochs 3\"")
     trainer_nice: int = opt(0, "niceness added to the trainer child (e.g. 10): on a CPU shared with serving, the "
                                "engine then runs first and training takes what is left, so rounds take longer")
+    trainer_max_restarts: int = opt(5, "restarts in a row of a trainer child that dies within 5 minutes of its start "
+                                       "before the server gives up on training (serving goes on)")
+    trainer_backoff_max_s: float = opt(60.0, "longest wait before a dead trainer child is restarted (the waits "
+                                             "double from 1 s)")
     capture_prompt: bool = opt(False, "also capture prompt positions (labels are the user's text, not the "
                                       "target's outputs; repeated chat templates then dominate the trainer's "
                                       "held-out score)", flag="--collect-prompt")
@@ -269,6 +273,9 @@ class OnlineTrainingConfig:
             raise ConfigError(f"online_poll_s must be > 0, got {self.poll_s}")
         if not 0 <= self.trainer_nice <= 19:
             raise ConfigError(f"trainer_nice must be in [0, 19], got {self.trainer_nice}")
+        check_at_least(0, trainer_max_restarts=self.trainer_max_restarts)
+        if self.trainer_backoff_max_s <= 0:
+            raise ConfigError(f"trainer_backoff_max_s must be > 0, got {self.trainer_backoff_max_s}")
         try:
             shlex.split(self.trainer_args)
         except ValueError as exc:

@@ -17,6 +17,7 @@ from tidespec.config import CacheConfig, CollectionConfig, Eagle3Options, Engine
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_eagle3_drafter
 from tidespec.models.eagle3_checkpoint import (
+    CONFIG_NAME,
     LATEST_NAME,
     WEIGHTS_NAME,
     DrafterCheckpointError,
@@ -316,6 +317,52 @@ def test_partial_and_invalid_versions_are_refused_and_serving_continues(
     assert sum("refusing EAGLE-3 drafter version" in r.getMessage() for r in caplog.records) == 3
     with pytest.raises(DrafterCheckpointError, match="non-finite"):
         build_eagle3_drafter(model, root / "v4", cfg=drafter_cfg())
+
+
+def test_a_version_refused_while_half_copied_is_taken_once_its_files_arrive(
+        model: LlamaModel, tok, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A v2 copied by hand (or over a slow network) is polled before its weights are complete: it is
+    refused once, not re-logged while nothing changes, and loaded once the rest of the weights lands.
+    A newer valid version supersedes a refused one for good."""
+    cfg = online_cfg(tmp_path)
+    root = Path(cfg.publish_root)
+    publish(root, random_head(model, 1), {})
+    drafter = build_eagle3_drafter(model, root, cfg=drafter_cfg())
+    engine = make_engine(model, tok, drafter, gamma=4)
+    online = attach_online_training(engine, cfg, start=False)
+    up = online.updater
+    full = tmp_path / "full-v2"
+    export_eagle3(random_head(model, 2), full)
+    weights = (full / WEIGHTS_NAME).read_bytes()
+
+    (root / "v2").mkdir()
+    shutil.copy(full / CONFIG_NAME, root / "v2" / CONFIG_NAME)
+    (root / "v2" / WEIGHTS_NAME).write_bytes(weights[:len(weights) // 2])  # the copy is half way
+    (root / LATEST_NAME).write_text("2\n")
+    with caplog.at_level(logging.WARNING, logger="tidespec.online.attach"):
+        assert up.poll_once() is None and up.poll_once() is None
+    assert sorted(up.refused) == [2] and online.state()["refused_versions"] == [2]
+    assert sum("refusing EAGLE-3 drafter version 2" in r.getMessage() for r in caplog.records) == 1
+
+    (root / "v2" / WEIGHTS_NAME).write_bytes(weights)  # the copy completes
+    assert up.poll_once() == 2
+    engine.step()
+    assert drafter.version == 2 and up.refused == {}
+
+    # a refused v3 superseded by a valid v4 is not taken when its files arrive later
+    (root / "v3").mkdir()
+    shutil.copy(full / CONFIG_NAME, root / "v3" / CONFIG_NAME)
+    (root / LATEST_NAME).write_text("3\n")
+    assert up.poll_once() is None and sorted(up.refused) == [3]
+    assert publish(root, random_head(model, 4), {}) == 4
+    assert up.poll_once() == 4
+    engine.step()
+    shutil.copy(full / WEIGHTS_NAME, root / "v3" / WEIGHTS_NAME)
+    (root / LATEST_NAME).write_text("3\n")  # even pointed at again
+    assert up.poll_once() is None
+    engine.step()
+    assert drafter.version == 4
+    online.close()
 
 
 def test_trainer_rounds_drive_selective_collection(model: LlamaModel, tok, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ Worked example::
 
 from __future__ import annotations
 
+import functools
 import shlex
 import time
 from collections import deque
@@ -160,9 +161,10 @@ def run_online(target: LoadedModel, trace: list[TraceItem], cfg: ShiftBenchConfi
     extra = ["--threads", str(cfg.trainer_threads), "--epochs", str(cfg.trainer_epochs), "--poll-s", "2",
              "--seed", str(cfg.seed), "--heldout-frac", "0.2", "--batch-segments", "4"] + shlex.split(cfg.trainer_args)
     dtype = str(target.model.dtype).removeprefix("torch.")
-    online.trainer = start_trainer_process(online.config, target.path, dtype=dtype, draft_vocab=cfg.draft_vocab,
-                                           extra_args=extra,
-                                           log_path=work / "trainer.log")
+    log = work / "trainer.log"
+    online.supervise_trainer(functools.partial(start_trainer_process, online.config, target.path, dtype=dtype,
+                                               draft_vocab=cfg.draft_vocab, extra_args=extra, log_path=log),
+                             log_path=log)
     try:
         run = run_trace(engine, trace, cfg.concurrency, cfg.max_tokens, "online", progress,
                         status=lambda: _online_status(online))

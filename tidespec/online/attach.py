@@ -15,9 +15,14 @@ into a running ``LLMEngine`` through its two hooks, without touching the engine 
   newer version, loads and validates it off the hot path and parks it in memory; its
   ``engine.between_steps`` entry swaps the parked weights in with ``Eagle3Drafter.load_state``.
   A version that fails validation (a half-copied or corrupt directory, the wrong target) is
-  refused with one log line and serving continues on the current drafter. It also relays the
-  trainer's round outcomes (``trainer_state.json``) to the collector (Algorithm 1: a round that
-  does not improve switches collection off).
+  refused with one log line and serving continues on the current drafter; a refused version is
+  tried again when its files change (names, sizes, modification times), so a directory refused
+  while half-copied is taken once its weights arrive (a newer version supersedes it). It also
+  relays the trainer's round outcomes (``trainer_state.json``) to the collector (Algorithm 1: a
+  round that does not improve switches collection off).
+* ``OnlineTraining.supervise_trainer`` — starts the trainer child under a ``TrainerSupervisor``
+  (restarts with backoff; its state is in ``state()``, hence ``/health`` and the metrics). When the
+  supervisor gives up for good, capture stops: nobody would train on the signals.
 
 Worked example (rows of one decode step)::
 
@@ -39,6 +44,7 @@ import logging
 import random
 import subprocess
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -57,6 +63,7 @@ from tidespec.models.llama import LlamaConfig
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
 from tidespec.online.store import TAPS_DTYPES, SignalStore
+from tidespec.online.trainer.supervisor import RestartPolicy, TrainerSupervisor
 from tidespec.speculative.api import DraftInput, DraftProposal, Observation
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
 
@@ -173,6 +180,7 @@ class SignalCollector:
         self.selective = selective
         self.capture_prompt = capture_prompt
         self.salt = (random.getrandbits(22) if salt is None else salt) << SEQ_SALT_SHIFT
+        self.enabled = True  # off for good when no trainer will ever read the signals
         self.num_skipped_rows = 0  # rows seen while collection was off
 
     def store_seq_id(self, engine_seq_id: int) -> int:
@@ -180,7 +188,7 @@ class SignalCollector:
 
     def __call__(self, observations: list[Observation]) -> None:
         """``engine.observation_consumers`` entry."""
-        if not self.selective.collection_enabled:
+        if not (self.enabled and self.selective.collection_enabled):
             self.num_skipped_rows += sum(max(0, o.num_new_cached) for o in observations)
             return
         seqs = {s.seq_id: s for s in self.engine.seqs.values()}
@@ -218,6 +226,16 @@ class SignalCollector:
 # ----------------------------------------------------------------------------------------------
 
 
+def version_files(directory: Path) -> tuple[tuple[str, int, int], ...]:
+    """The fingerprint of a version directory: (name, size, mtime in ns) of every file in it,
+    sorted; () when it is gone. A copy still in progress changes it; an untouched directory does not."""
+    try:
+        stats = [(p.relative_to(directory).as_posix(), p.stat()) for p in directory.rglob("*") if p.is_file()]
+    except OSError:  # a file vanished while we looked: different from anything seen, so tried again
+        return (("", -1, -1),)
+    return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))
+
+
 def read_trainer_rounds(root: Path | str) -> list[dict[str, Any]]:
     """The trainer's round log (``trainer_state.json`` ``rounds``); [] when absent or unreadable."""
     try:
@@ -247,7 +265,8 @@ class DrafterUpdater:
         self.capture = capture
         self.refused: dict[int, str] = {}  # version -> reason
         self.num_swaps = 0
-        self._seen = drafter.version  # newest version loaded or refused
+        self._loaded = drafter.version  # newest version loaded (served or parked)
+        self._refused_files: dict[int, tuple[tuple[str, int, int], ...]] = {}  # version -> files when refused
         self._rounds_seen = len(read_trainer_rounds(self.root))  # rounds before we started are history
         self._lock = threading.Lock()
         self._pending: PublishedDrafter | None = None
@@ -275,22 +294,31 @@ class DrafterUpdater:
 
     def poll_once(self) -> int | None:
         """Check the root once; park a newer valid version for the next step. Returns the parked
-        version, or None. Also relays new trainer rounds to the selective collector."""
+        version, or None. A refused version is tried again only once its files changed, so an
+        unchanged bad directory costs one stat per poll and one log line in all. Also relays new
+        trainer rounds to the selective collector."""
         self._relay_rounds()
         newest = latest_version(self.root)
-        if newest is None or newest <= self._seen:
+        if newest is None or newest <= self._loaded:
             return None
-        self._seen = newest
+        files = version_files(self.root / f"v{newest}")  # before reading: a later change is seen next poll
+        if self._refused_files.get(newest) == files:
+            return None
         try:
             pub = load_version(self.root, newest, self.target_cfg)  # validates names, shapes, finiteness
             if pub.config.tap_layers != self.drafter.tap_layers:
                 raise DrafterCheckpointError(
                     f"tap layers {pub.config.tap_layers} differ from the serving drafter's {self.drafter.tap_layers}")
         except (DrafterCheckpointError, Eagle3ConfigError) as exc:
+            again = " again" if newest in self.refused else ""
             self.refused[newest] = str(exc)
-            logger.warning("refusing EAGLE-3 drafter version %d under %s: %s; keeping version %d",
-                           newest, self.root, exc, self.drafter.version)
+            self._refused_files[newest] = files
+            logger.warning("refusing EAGLE-3 drafter version %d under %s%s: %s; keeping version %d (tried again "
+                           "when its files change)", newest, self.root, again, exc, self.drafter.version)
             return None
+        self._loaded = newest
+        self.refused.pop(newest, None)
+        self._refused_files.pop(newest, None)
         head = self.drafter.head
         pub.state_dict = {k: (v.to(device=head.device, dtype=head.dtype) if v.is_floating_point()
                               else v.to(device=head.device)) for k, v in pub.state_dict.items()}
@@ -345,39 +373,61 @@ class OnlineTraining:
     selective: SelectiveCollector
     collector: SignalCollector
     updater: DrafterUpdater
-    trainer: subprocess.Popen[bytes] | None = None  # set by the caller when it starts one
+    trainer: TrainerSupervisor | None = None  # set by ``supervise_trainer``
     _closed: bool = field(default=False, init=False, repr=False)
+
+    def supervise_trainer(self, start: Callable[[], subprocess.Popen[bytes]], policy: RestartPolicy | None = None,
+                          log_path: Path | str | None = None) -> TrainerSupervisor:
+        """Start the trainer child (``start()``, e.g. ``start_trainer_process`` with its arguments
+        bound) under a ``TrainerSupervisor``: restarted with backoff when it dies; when the
+        supervisor gives up for good, capture stops. Raises what the first start raises."""
+        if self.trainer is not None:
+            raise RuntimeError("a trainer child is already supervised")
+        self.trainer = TrainerSupervisor(start, policy, log_path=log_path, on_give_up=self._trainer_gone)
+        return self.trainer.start()
+
+    def _trainer_gone(self, state: str) -> None:
+        """The supervisor's ``on_give_up``: no trainer will read signals any more, so none are captured."""
+        self.collector.enabled = False
+        logger.warning("no trainer child any more (%s): signal capture stops; serving goes on with drafter "
+                       "version %d", state, self.drafter.version)
 
     def state(self) -> dict[str, Any]:
         cap = self.capture.stats()
         sel = self.selective.state()
         return {
             "drafter_version": self.drafter.version,
-            "collection_enabled": bool(sel["collection_enabled"]),
+            "collection_enabled": bool(sel["collection_enabled"]) and self.collector.enabled,
             "captured": cap["num_captured"],
             "dropped": cap["num_dropped"],
             "flushed": cap["num_flushed"],
             "flush_errors": cap["num_flush_errors"],
             "swaps": self.updater.num_swaps,
             "refused_versions": sorted(self.updater.refused),
-            "trainer_running": self.trainer is not None and self.trainer.poll() is None,
+            "trainer_running": self.trainer is not None and self.trainer.running,
+            "trainer": self.trainer.state() if self.trainer is not None else None,
             "collector": sel,
         }
 
+    def health(self) -> dict[str, Any]:
+        """What ``/health`` shows (it answers without an API key): whether training goes on, not
+        its data. Serving is healthy whatever this says."""
+        return {
+            "drafter_version": self.drafter.version,
+            "collection_enabled": bool(self.selective.collection_enabled) and self.collector.enabled,
+            "trainer": self.trainer.state() if self.trainer is not None else None,
+        }
+
     def close(self, timeout: float = 10.0) -> None:
-        """Stop polling, flush captured rows to the store, stop the trainer child if any (idempotent)."""
+        """Stop polling, flush captured rows to the store, stop the trainer child and its
+        supervisor if any (idempotent)."""
         if self._closed:
             return
         self._closed = True
         self.updater.close()
         self.capture.close(timeout)
-        if self.trainer is not None and self.trainer.poll() is None:
-            self.trainer.terminate()
-            try:
-                self.trainer.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.trainer.kill()
-                self.trainer.wait()
+        if self.trainer is not None:
+            self.trainer.close(timeout)
 
 
 def budget_shortfall(config: OnlineConfig, taps_dim: int) -> str | None:

@@ -17,6 +17,9 @@ engine, numbers in ``tidespec.server.metrics`` — and guarantees the contract a
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health``,
 ``GET /metrics``. Header ``X-Tidespec-Route: <label>`` buckets a request in the per-route metrics.
+``/health`` is 200 while the engine loop runs; with online training its body also says whether the
+trainer child runs (``{"status": "ok", "online": {"trainer": {"state": "restarting", ...}, ...}}``):
+serving goes on without training, so a dead trainer is shown, not failed.
 
 Worked example::
 
@@ -37,7 +40,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -73,6 +76,9 @@ from tidespec.server.protocol import (
     Usage,
 )
 from tidespec.speculative.policy.factory import policy_profile
+
+if TYPE_CHECKING:
+    from tidespec.online.attach import OnlineTraining
 
 ROUTE_HEADER = "x-tidespec-route"
 _ROUTE_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
@@ -454,14 +460,17 @@ class _Server:
 
 
 def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: Metrics | None = None,
-               on_shutdown: Callable[[], None] | None = None) -> FastAPI:
+               on_shutdown: Callable[[], None] | None = None, online: OnlineTraining | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``; the engine loop starts and stops with the app's lifespan.
 
     ``on_shutdown`` runs after the engine loop stopped (e.g. stopping online training's trainer
     child): uvicorn re-raises SIGTERM once the app has shut down, so code after ``uvicorn.run``
-    never runs on a SIGTERM."""
+    never runs on a SIGTERM. ``online``: the online training attached to ``engine``, whose state
+    ``/health`` and ``/metrics`` show."""
     config = config or ServerConfig()
     metrics = metrics or Metrics()
+    if online is not None:
+        metrics.attach_online(online)
     if engine.policy is not None and metrics.policy is None:
         metrics.attach_policy(engine.policy, policy_profile(engine.policy))
     if engine.drafter is not None and hasattr(engine.drafter, "version"):
@@ -512,7 +521,9 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: M
     async def health() -> Response:
         if not server.aengine.running:
             return error_response(503, "engine loop is not running")
-        return JSONResponse({"status": "ok"})
+        if online is None:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "online": online.health()})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import ipaddress
 import logging
 import os
@@ -94,13 +95,20 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     online = None
     if config.online.enabled:
         from tidespec.online.attach import OnlineConfig, attach_online_training
-        from tidespec.online.trainer.process import start_trainer_process
+        from tidespec.online.trainer.process import start_trainer_process, trainer_log_path
+        from tidespec.online.trainer.supervisor import RestartPolicy
+
+        oc = config.online
         online = attach_online_training(engine, OnlineConfig.from_engine_config(config))
-        online.trainer = start_trainer_process(
-            online.config, config.model.model, dtype=config.model.dtype,
-            device=config.online.trainer_device or config.model.device, draft_vocab=config.spec.eagle3.draft_vocab,
-            extra_args=shlex.split(config.online.trainer_args), nice=config.online.trainer_nice)
-    app = create_app(engine, server_config, on_shutdown=online.close if online is not None else None)
+        log_path = trainer_log_path(online.config)
+        start = functools.partial(
+            start_trainer_process, online.config, config.model.model, dtype=config.model.dtype,
+            device=oc.trainer_device or config.model.device, draft_vocab=config.spec.eagle3.draft_vocab,
+            extra_args=shlex.split(oc.trainer_args), log_path=log_path, nice=oc.trainer_nice)
+        # a trainer that dies is restarted with backoff; its state is in /health and /metrics
+        online.supervise_trainer(start, RestartPolicy(max_restarts=oc.trainer_max_restarts,
+                                                      backoff_max_s=oc.trainer_backoff_max_s), log_path)
+    app = create_app(engine, server_config, on_shutdown=online.close if online is not None else None, online=online)
     log.info("serving %r on http://%s:%d (drafter %s, policy %s, max_waiting %d%s)", server_config.served_model_name,
              ns.host, ns.port, config.spec.drafter, config.policy.name, config.scheduler.max_waiting,
              ", online training" if online is not None else "")

@@ -50,12 +50,18 @@ sizes), ``decode_step_seconds_total{bucket, part}`` with part ``total`` / ``forw
 forward + verification) / ``draft`` / ``other`` (scheduling, bookkeeping, detokenization), and
 ``decode_step_tokens_total{bucket, kind}`` with kind ``emitted`` / ``drafted``. Counters, so a
 client takes differences between two scrapes to isolate one run.
+
+Online training (``attach_online``, servers with ``--online-training`` only), read from
+``OnlineTraining.state()`` at scrape time: ``trainer_up`` (1 while the trainer child runs, 0 while
+it waits for a restart, after the supervisor gave up, or after it exited), and the counters
+``trainer_deaths_total`` (exits nobody asked for) and ``trainer_restarts_total``.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -63,6 +69,9 @@ from tidespec.engine.output import RequestOutput
 from tidespec.speculative.policy.api import SpeculationPolicy, bucket_of
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.stats import StepStats
+
+if TYPE_CHECKING:
+    from tidespec.online.attach import OnlineTraining
 
 PREFIX = "tidespec:"
 DEFAULT_ROUTE = "default"
@@ -83,6 +92,28 @@ class _BucketTally:
     time: float = 0.0  # measured step wall time
     plain_time: float = 0.0  # sum(emitted * T(b, 1) / b): what plain decoding would have taken
     model_time: float = 0.0  # sum(T(b, 1 + drafted / b) + D0 if drafted): eq. 5's cost of these steps
+
+
+@dataclass
+class _TrainerMetrics:
+    """The online-training child's metrics; the supervisor's counts become counter increments."""
+
+    online: OnlineTraining
+    up: Gauge
+    deaths: Counter
+    restarts: Counter
+    exported: dict[str, int] = field(default_factory=lambda: {"deaths": 0, "restarts": 0})
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def refresh(self) -> None:
+        trainer = self.online.state()["trainer"] or {}
+        self.up.set(1 if trainer.get("state") == "running" else 0)
+        with self.lock:  # two concurrent scrapes must not both add the same deaths
+            for key, counter in (("deaths", self.deaths), ("restarts", self.restarts)):
+                now = int(trainer.get(key, 0))
+                if now > self.exported[key]:
+                    counter.inc(now - self.exported[key])
+                    self.exported[key] = now
 
 
 class Metrics:
@@ -163,6 +194,8 @@ class Metrics:
         # server-level
         self.rejected = Counter(f"{p}request_rejected", "Requests refused before reaching the engine.",
                                 ["reason"], registry=r)
+        # online training (attach_online): created only for servers that train
+        self.trainer: _TrainerMetrics | None = None
 
     # ------------------------------------------------------------------ feeds
     def on_step(self, stats: StepStats) -> None:
@@ -219,6 +252,18 @@ class Metrics:
     def attach_drafter(self, drafter: object) -> None:
         """Export ``drafter.version`` (an online-trained drafter's current version)."""
         self.drafter = drafter
+
+    def attach_online(self, online: OnlineTraining) -> None:
+        """Export the state of ``online``'s trainer child (read at scrape time)."""
+        if self.trainer is not None:
+            raise ValueError("online training is already attached to these metrics")
+        r, p = self.registry, PREFIX
+        self.trainer = _TrainerMetrics(
+            online,
+            Gauge(f"{p}trainer_up", "1 while the online-training child process runs, else 0 (dead and waiting "
+                  "for its restart, given up on, or exited).", registry=r),
+            Counter(f"{p}trainer_deaths", "Exits of the online-training child nobody asked for.", registry=r),
+            Counter(f"{p}trainer_restarts", "Restarts of the online-training child after it died.", registry=r))
 
     def _refresh_policy(self) -> None:
         """Scrape-time gauges: the policy's stats and the per-bucket speedup check."""
@@ -281,6 +326,8 @@ class Metrics:
     def render(self) -> bytes:
         """The text exposition format of this registry."""
         self._refresh_policy()
+        if self.trainer is not None:
+            self.trainer.refresh()
         version = getattr(self.drafter, "version", None)
         if isinstance(version, (int, float)):
             self.drafter_version.set(version)

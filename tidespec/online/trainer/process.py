@@ -9,7 +9,7 @@ the serving engine polls the publish root and swaps them in
 ``capture_from_workload`` fills a signal store by generating a workload with the target (the
 offline bootstrap), ``train_drafter`` is the command's entry point, ``export_latest`` writes the
 newest published drafter as one checkpoint, and ``start_trainer_process`` starts the trainer as a
-child of a serving process.
+child of a serving process (which runs it under ``trainer.supervisor.TrainerSupervisor``).
 """
 
 from __future__ import annotations
@@ -155,7 +155,7 @@ def start_trainer_process(online: OnlineConfig, model: str | None, dtype: str = 
     engine's threads first and training takes what serving leaves (0 keeps the parent's; Linux's
     scheduler weighs a nice-10 thread at about a tenth of a nice-0 one).
     ``draft_vocab`` must equal the engine's fresh-head draft vocabulary. Output goes to
-    ``log_path`` (default: ``<publish_root>/trainer.log``). Stop it with ``terminate()``.
+    ``log_path`` (default: ``trainer_log_path(online)``). Stop it with ``terminate()``.
     """
     cmd = [sys.executable, "-m", "tidespec.online.trainer.cli", "train-drafter",
            "--signal-dir", online.signal_dir, "--publish-root", online.publish_root,
@@ -165,11 +165,16 @@ def start_trainer_process(online: OnlineConfig, model: str | None, dtype: str = 
     if model:
         cmd += ["--model", model]
     cmd += list(extra_args)
-    log = Path(log_path) if log_path is not None else Path(online.publish_root) / "trainer.log"
+    log = Path(log_path) if log_path is not None else trainer_log_path(online)
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "ab") as out:  # the child keeps its own descriptor
         return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 preexec_fn=_child_setup(nice))
+
+
+def trainer_log_path(online: OnlineConfig) -> Path:
+    """Where the trainer child's output goes by default: ``<publish_root>/trainer.log``."""
+    return Path(online.publish_root) / "trainer.log"
 
 
 def _child_setup(nice: int) -> Callable[[], None] | None:
