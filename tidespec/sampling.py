@@ -4,6 +4,12 @@ Why this exists: speculative sampling is lossless only if the verifier compares 
 against *exactly* the distribution plain sampling would draw from. Both call
 ``target_probs`` below, so temperature / top-k / top-p can never drift apart.
 
+Seeded requests draw every token by an *exponential race* keyed by (seed, output position)
+(``seeded_draw``): the token at position t is ``argmax_i p_i / E_i`` with ``E ~ Exp(1)`` from a
+generator seeded by the pair. The draw depends on nothing but the seed, the position and the
+target's distribution there: not on how many random numbers drafts or verification consumed before,
+which is what makes seeded sampling reproducible with any drafter (``verify_seeded``).
+
 Worked example (top-p)::
 
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
@@ -93,6 +99,75 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 def sample_from(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """Draw one token id from a [V] probability vector."""
     return int(torch.multinomial(probs, 1, generator=generator).item())
+
+
+_MASK64 = (1 << 64) - 1
+_MASK32 = (1 << 32) - 1
+
+
+def _fmix64(x: int) -> int:
+    """MurmurHash3's 64-bit finalizer: a bijection on 64-bit integers that spreads every input bit."""
+    x ^= x >> 33
+    x = (x * 0xFF51AFD7ED558CCD) & _MASK64
+    x ^= x >> 33
+    x = (x * 0xC4CEB9FE1A85EC53) & _MASK64
+    return x ^ (x >> 33)
+
+
+def _fmix32(x: int) -> int:
+    """MurmurHash3's 32-bit finalizer, a bijection on 32-bit integers."""
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & _MASK32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def position_seed(seed: int, position: int) -> int:
+    """The generator seed of output position ``position`` of a request seeded ``seed``.
+
+    PyTorch's CPU generator (mt19937) keeps only the low 32 bits of a seed, so the key is built
+    in 32 bits and is injective in the position: two positions of one request never share noise.
+    Example: ``position_seed(7, 0) != position_seed(7, 1)``; the same pair always gives the same seed.
+    """
+    base = _fmix64(seed & _MASK64) & _MASK32
+    return _fmix32((base + position) & _MASK32)
+
+
+def race_noise(seed: int, position: int, vocab: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[vocab] float64 Exp(1) variates of one (seed, output position): ``E_i = -log(U_i)``.
+
+    Always drawn by the CPU generator (then moved to ``device``): a CUDA generator gives other
+    numbers for the same seed, and a drafter on one device must see the noise the target sees on
+    another. ``U_i = 0`` (probability 2**-53) gives ``E_i = inf``: that token cannot win the race.
+    """
+    g = torch.Generator()
+    g.manual_seed(position_seed(seed, position))
+    u = torch.rand(vocab, dtype=torch.float64, generator=g)  # [V] in [0, 1)
+    return (-torch.log(u)).to(device)
+
+
+def seeded_draw(probs: torch.Tensor, seed: int, position: int, ids: torch.Tensor | None = None,
+                vocab: int = 0) -> int:
+    """Draw from ``probs`` [n] by the exponential race of (seed, position); returns an index into ``probs``.
+
+    ``argmax_i p_i / E_i`` with independent ``E_i ~ Exp(1)`` is token i with probability ``p_i``
+    (``E_i / p_i`` is exponential with rate ``p_i``; the smallest of independent exponentials is
+    the one of rate ``p_i`` with probability ``p_i / sum(p)``), so the draw is exact. ``ids`` [n]:
+    the token id of each entry when ``probs`` covers a subset of the ``vocab`` tokens (a drafter's
+    small vocabulary): the noise of the whole vocabulary is drawn and read at those ids, so a
+    draft drawn with the target's noise agrees with the target's own draw whenever both
+    distributions favour the same token.
+
+    Worked example: p = [.5, .3, .2], E = [1.2, .2, .9] -> p / E = [.42, 1.5, .22] -> index 1.
+    """
+    if ids is None:
+        noise = race_noise(seed, position, probs.shape[-1], probs.device)  # [n]
+    else:
+        if vocab <= 0:
+            raise ValueError("seeded_draw over a subset needs the full vocabulary size")
+        noise = race_noise(seed, position, vocab, probs.device)[ids]  # [vocab] -> [n]
+    return int((probs.to(torch.float64) / noise).argmax().item())
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

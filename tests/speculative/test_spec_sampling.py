@@ -1,12 +1,17 @@
 """Sampled speculative decoding has exactly the target's distribution (chi-squared tests).
 
 The exact distribution of the first 3 generated tokens is computed from the tiny target itself
-(V^3 cells); 20,000 speculative samples per configuration are tested against it. The same test
-must fail when the verifier is broken on purpose (recovered token drawn from p instead of the
-residual), which shows it has the power to catch the bug it guards against.
+(V^3 cells); 20,000 speculative samples per configuration are tested against it. Both sampled
+verifiers are covered: rejection sampling (requests without a seed; their generators are seeded
+from a counter here so the test is deterministic) and the seeded race (``verify_seeded``). The same
+test must fail when a verifier is broken on purpose (recovered token drawn from p instead of the
+residual; every draft accepted; one race noise reused for every position), which shows it has the
+power to catch the bugs it guards against.
 """
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
@@ -71,9 +76,24 @@ def exact_distribution(model, prompt: list[int], params: SamplingParams) -> dict
     return dist
 
 
-def sample_first3(model, tok, prompt: list[int], spec: SpecConfig,
-                  params: SamplingParams) -> tuple[list[tuple[int, ...]], int, int]:
-    """Samples of the first 3 tokens, accepted draft tokens, and how many proposals branched."""
+def sample_first3(model, tok, prompt: list[int], spec: SpecConfig, params: SamplingParams,
+                  monkeypatch: pytest.MonkeyPatch, seeded: bool = True) -> tuple[list[tuple[int, ...]], int, int]:
+    """Samples of the first 3 tokens, accepted draft tokens, and how many proposals branched.
+
+    ``seeded``: request i has seed i (the race path); else no seed (rejection sampling), with the
+    request and draft generators seeded from a counter so the test is deterministic."""
+    import tidespec.engine.engine as engine_mod
+    import tidespec.speculative.drafters.draft_model as draft_model_mod
+
+    counter = itertools.count(1_000_003)
+
+    def counted_generator(seed, device="cpu"):
+        g = torch.Generator(device=device)
+        g.manual_seed(next(counter) if seed is None else seed)
+        return g
+
+    monkeypatch.setattr(engine_mod, "make_generator", counted_generator)
+    monkeypatch.setattr(draft_model_mod, "make_generator", counted_generator)
     cfg = EngineConfig(cache=CacheConfig(max_model_len=32, max_num_seqs=SLOTS), spec=spec,
                        scheduler=SchedulerConfig(max_num_batched_tokens=SLOTS * 12))
     drafter = build_drafter(spec, model, SLOTS, 32)
@@ -92,7 +112,8 @@ def sample_first3(model, tok, prompt: list[int], spec: SpecConfig,
     samples: list[tuple[int, ...]] = []
     accepted = 0
     for i in range(N_SAMPLES):
-        e.add_request(prompt, SamplingParams(temperature=params.temperature, top_p=params.top_p, seed=i,
+        e.add_request(prompt, SamplingParams(temperature=params.temperature, top_p=params.top_p,
+                                             seed=i if seeded else None,
                                              max_tokens=MAX_TOKENS, ignore_eos=True))
     while e.has_unfinished_requests():
         for o in e.step():
@@ -118,16 +139,17 @@ def chi2_pvalue(samples: list[tuple[int, ...]], dist: dict[tuple[int, int, int],
     return float(chisquare(obs, [x * scale for x in exp]).pvalue)
 
 
-SETTINGS = [SamplingParams(temperature=0.7, top_p=0.9), SamplingParams(temperature=1.0, top_p=0.9)]
+# setting 0 runs seeded requests (race verification), setting 1 unseeded ones (rejection sampling)
+SETTINGS = [SamplingParams(temperature=0.7, top_p=0.9, seed=0), SamplingParams(temperature=1.0, top_p=0.9)]
 CASES = [("ngram", False), ("suffix", False), ("suffix", True), ("draft-model", False), ("draft-model", True)]
 
 
 @pytest.mark.parametrize("drafter,tree", CASES)
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
-def test_speculative_sampling_matches_target(model, tok, prompt, drafter, tree, setting):
+def test_speculative_sampling_matches_target(model, tok, prompt, drafter, tree, setting, monkeypatch):
     params = SETTINGS[setting]
     spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, tree=tree, draft_model=DraftModelConfig(layers=1, tree_top_k=2))
-    samples, accepted, branching = sample_first3(model, tok, prompt, spec, params)
+    samples, accepted, branching = sample_first3(model, tok, prompt, spec, params, monkeypatch, params.seed is not None)
     assert accepted > 1000, "too few accepted drafts: the test would not exercise verification"
     if tree:
         assert branching > 500, "too few branching trees: the test would not exercise sibling rejection"
@@ -135,10 +157,11 @@ def test_speculative_sampling_matches_target(model, tok, prompt, drafter, tree, 
     assert p > 0.01, f"speculative samples deviate from the target distribution (chi2 p={p:.2e})"
 
 
-def test_plain_sampling_matches_exact(model, tok, prompt):
-    """The harness itself: plain sampling passes the same test."""
+@pytest.mark.parametrize("seeded", [True, False])
+def test_plain_sampling_matches_exact(model, tok, prompt, seeded, monkeypatch):
+    """The harness itself: plain sampling (race draws or the generator) passes the same test."""
     params = SETTINGS[1]
-    samples, _, _ = sample_first3(model, tok, prompt, SpecConfig(), params)
+    samples, _, _ = sample_first3(model, tok, prompt, SpecConfig(), params, monkeypatch, seeded)
     assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) > 0.01
 
 
@@ -148,7 +171,24 @@ def test_broken_verifier_is_caught(model, tok, prompt, monkeypatch):
     monkeypatch.setattr(verify_mod, "residual_probs", lambda p, q, token: p)
     params = SETTINGS[1]
     spec = SpecConfig(drafter="ngram", num_speculative_tokens=3)
-    samples, _, _ = sample_first3(model, tok, prompt, spec, params)
+    samples, _, _ = sample_first3(model, tok, prompt, spec, params, monkeypatch, seeded=False)
+    assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) < 0.01
+
+
+def test_reused_race_noise_is_caught(model, tok, prompt, monkeypatch):
+    """Seeded draws that reuse the first position's noise at every position (a counter that does
+    not advance) keep each marginal exact but couple the tokens; the test must see it."""
+    import tidespec.engine.engine as engine_mod
+    real = verify_mod.seeded_draw
+
+    def first_position_noise(probs, seed, position, *args):
+        return real(probs, seed, 0, *args)
+
+    monkeypatch.setattr(verify_mod, "seeded_draw", first_position_noise)
+    monkeypatch.setattr(engine_mod, "seeded_draw", first_position_noise)
+    params = SETTINGS[1]
+    spec = SpecConfig(drafter="ngram", num_speculative_tokens=3)
+    samples, _, _ = sample_first3(model, tok, prompt, spec, params, monkeypatch, seeded=True)
     assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) < 0.01
 
 
@@ -162,7 +202,8 @@ def test_always_accept_is_caught(model, tok, prompt, monkeypatch):
     import tidespec.engine.engine as engine_mod
     monkeypatch.setattr(engine_mod, "verify_sampled", accept_all)
     params = SETTINGS[1]
-    samples, _, _ = sample_first3(model, tok, prompt, SpecConfig(drafter="ngram", num_speculative_tokens=3), params)
+    samples, _, _ = sample_first3(model, tok, prompt, SpecConfig(drafter="ngram", num_speculative_tokens=3), params,
+                                  monkeypatch, seeded=False)
     assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) < 0.01
 
 

@@ -44,10 +44,10 @@ from tidespec.engine.sequence import Sequence
 from tidespec.errors import UserError
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import LlamaModel
-from tidespec.sampling import SamplingParams, make_generator, sample_from, target_probs
+from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
 from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.policy.api import PlanInput, SeqState, SpeculationPolicy
-from tidespec.speculative.verify import VerifyResult, verify_greedy, verify_sampled
+from tidespec.speculative.verify import VerifyResult, verify_greedy, verify_sampled, verify_seeded
 from tidespec.stats import StepStats, add_per_position
 
 log = logging.getLogger(__name__)
@@ -239,6 +239,8 @@ class LLMEngine:
         if seq.params.greedy:
             return verify_greedy(row.draft, fwd.argmax[lo:lo + n])
         assert fwd.logits is not None
+        if seq.params.seed is not None:
+            return verify_seeded(row.draft, fwd.logits[lo:lo + n], seq.params, seq.params.seed, len(seq.output_ids))
         return verify_sampled(row.draft, fwd.logits[lo:lo + n], seq.params, seq.generator)
 
     def _commit_decode(self, seq: Sequence, gamma: int, fwd: ForwardOutput, res: VerifyResult,
@@ -273,10 +275,15 @@ class LLMEngine:
         self.kv.set_length(seq.slot, seq.num_cached)  # type: ignore[arg-type]
 
     def _sample(self, seq: Sequence, fwd: ForwardOutput, row: int) -> int:
+        """The next token at logits row ``row``: argmax, the seeded race draw of the sequence's next
+        output position (reproducible per seed), or a draw from the request's generator."""
         if seq.params.greedy:
             return fwd.argmax[row]
         assert fwd.logits is not None
-        return sample_from(target_probs(fwd.logits[row].unsqueeze(0), seq.params)[0], seq.generator)
+        probs = target_probs(fwd.logits[row].unsqueeze(0), seq.params)[0]  # [V]
+        if seq.params.seed is not None:
+            return seeded_draw(probs, seq.params.seed, len(seq.output_ids))
+        return sample_from(probs, seq.generator)
 
     @staticmethod
     def _count_draft(stats: StepStats, seq: Sequence, gamma: int, draft: SeqDraft | None, res: VerifyResult) -> None:

@@ -15,6 +15,9 @@ Worked example (greedy chain): drafts ``[5, 7, 9]``, target argmax per row ``[5,
 *recovered* token: emitted ``[5, 7, 2]``. Had the argmax been ``[5, 7, 9, 4]`` all three would be
 accepted and 4 is the *bonus* token: emitted ``[5, 7, 9, 4]``.
 
+Seeded requests use ``verify_seeded``: the target's token at each position is the exponential
+race draw of (seed, position), so the text does not depend on the drafts (reproducible per seed).
+
 Worked example (sampled, point mass): p = [.5, .3, .2], draft token 1. Accept with prob p[1]=.3;
 on rejection sample from the residual (p with token 1 zeroed) = [.714, 0, .286]. Overall
 P(1) = .3, P(0) = .7 * .714 = .5, P(2) = .7 * .286 = .2 = p. Exact.
@@ -22,11 +25,12 @@ P(1) = .3, P(0) = .7 * .714 = .5, P(2) = .7 * .286 = .2 = p. Exact.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from tidespec.sampling import SamplingParams, sample_from, target_probs
+from tidespec.sampling import SamplingParams, sample_from, seeded_draw, target_probs
 from tidespec.speculative.api import SeqDraft
 from tidespec.speculative.tree import children
 
@@ -48,19 +52,47 @@ def children_of(draft: SeqDraft) -> list[list[int]]:
     return children(parents)
 
 
-def verify_greedy(draft: SeqDraft, target_argmax: list[int]) -> VerifyResult:
-    """Walk the tree following the target's argmax; ``target_argmax`` has ``n + 1`` entries."""
+def _walk(draft: SeqDraft, choose: Callable[[int, int], int]) -> VerifyResult:
+    """Walk the tree from the root, at each row following the child whose token is
+    ``choose(row, depth)``, the target's own token there; it ends at the first row where no child
+    has it, emitting that token (recovered, or bonus at a leaf)."""
     kids = children_of(draft)
     accepted: list[int] = []
     row = 0
     while True:
-        want = target_argmax[row]
+        want = choose(row, len(accepted))
         nxt = next((j for j in kids[row] if draft.token_ids[j] == want), None)
         if nxt is None:
             bonus = not kids[row]
             return VerifyResult(accepted, [draft.token_ids[j] for j in accepted] + [want], bonus)
         accepted.append(nxt)
         row = nxt + 1
+
+
+def verify_greedy(draft: SeqDraft, target_argmax: list[int]) -> VerifyResult:
+    """Walk the tree following the target's argmax; ``target_argmax`` has ``n + 1`` entries."""
+    return _walk(draft, lambda row, _depth: target_argmax[row])
+
+
+def verify_seeded(draft: SeqDraft, logits: torch.Tensor, params: SamplingParams, seed: int,
+                  position: int) -> VerifyResult:
+    """Sampled verification for a seeded request: the target's token at each row is its exponential
+    race draw for that output position (``sampling.seeded_draw``); a draft token is kept when it
+    equals that draw. ``position``: the output position row 0 predicts (tokens generated so far).
+
+    Lossless because every emitted token is exactly the draw plain decoding makes at that position
+    from the same distribution, whatever the draft (the draft decides only how many are checked at
+    once), so the text is a function of the seed alone. For point-mass drafts (n-gram, suffix,
+    trees) a candidate is kept with probability p(x), as in rejection sampling; a drafter that
+    draws with the same noise (draft_model, eagle3) is kept whenever both races pick the same token.
+
+    Worked example: drafts [5, 7], race draws per row [5, 3, ...] -> 5 kept, 7 rejected, 3 emitted.
+    """
+    def choose(row: int, depth: int) -> int:
+        probs = target_probs(logits[row:row + 1], params)[0]  # [V]
+        return seeded_draw(probs, seed, position + depth)
+
+    return _walk(draft, choose)
 
 
 def residual_probs(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch.Tensor:

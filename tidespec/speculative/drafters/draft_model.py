@@ -43,7 +43,7 @@ import torch
 from tidespec.errors import check_at_least
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
-from tidespec.sampling import SamplingParams, make_generator, sample_from, target_probs
+from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
 from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.tree import tree_depths, tree_mask
 
@@ -83,6 +83,7 @@ class _ChainJob:
     gamma: int
     params: SamplingParams
     generator: torch.Generator
+    position: int = 0  # output position of the first draft token (seeded race draws)
     tokens: list[int] = field(default_factory=list)  # drafted ids so far
     probs: list[torch.Tensor] = field(default_factory=list)  # [V] each, when sampling
 
@@ -96,7 +97,10 @@ class _ChainJob:
             self.tokens.append(int(logits[0].argmax().item()))
             return
         probs = target_probs(logits, self.params)[0]  # [V]
-        self.tokens.append(sample_from(probs, self.generator))
+        if self.params.seed is not None:  # the target's race noise at this position: drafts agree with its draws
+            self.tokens.append(seeded_draw(probs, self.params.seed, self.position + len(self.tokens)))
+        else:
+            self.tokens.append(sample_from(probs, self.generator))
         self.probs.append(probs)
 
     def next_feed(self) -> _Feed:
@@ -208,7 +212,8 @@ class DraftModelDrafter:
             if inp.tree and self.tree_top_k > 1:
                 job = _TreeJob(slot, len(ctx), gamma, self.tree_top_k)
             else:
-                job = _ChainJob(slot, len(ctx), gamma, inp.params, self._generators[inp.seq_id])
+                job = _ChainJob(slot, len(ctx), gamma, inp.params, self._generators[inp.seq_id],
+                                len(ctx) - inp.num_prompt_tokens)
             jobs.append((inp.seq_id, job))
         if not jobs:
             return DraftProposal()

@@ -27,7 +27,7 @@ from torch import nn
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
-from tidespec.sampling import SamplingParams, make_generator, sample_from, target_probs
+from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
 from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.drafters.draft_model import draft_seed
 from tidespec.speculative.tree import tree_depths, tree_mask
@@ -372,16 +372,24 @@ class Eagle3Drafter:
             if not self.cfg.retain_taps:
                 st.taps.drop_before(st.kv_len)
 
-    def _draw(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator
+    def _draw(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, position: int
               ) -> tuple[int, torch.Tensor | None]:
-        """logits [Vd] -> (target token id, [V] draft probs over the target vocab or None if greedy)."""
+        """logits [Vd] -> (target token id, [V] draft probs over the target vocab or None if greedy).
+
+        ``position``: the output position the token is drafted for; a seeded request draws with the
+        target's race noise there (``sampling.seeded_draw``), so draft and target agree more often."""
         if params.greedy:
             return int(self.head.draft_to_target(logits.argmax()).item()), None
         q = target_probs(logits.unsqueeze(0), params)[0]  # [Vd]
-        draft_id = sample_from(q, gen)
-        full = torch.zeros(self.head.cfg.target_vocab_size, dtype=q.dtype, device=q.device)  # [V]
-        full[self.head.draft_to_target(torch.arange(q.shape[0], device=q.device))] = q
-        return int(self.head.draft_to_target(torch.tensor(draft_id, device=q.device)).item()), full
+        ids = self.head.draft_to_target(torch.arange(q.shape[0], device=q.device))  # [Vd] target ids
+        vocab = self.head.cfg.target_vocab_size
+        if params.seed is not None:
+            draft_id = seeded_draw(q, params.seed, position, ids, vocab)
+        else:
+            draft_id = sample_from(q, gen)
+        full = torch.zeros(vocab, dtype=q.dtype, device=q.device)  # [V]
+        full[ids] = q
+        return int(ids[draft_id].item()), full
 
     def _propose_chains(self, chains: list[tuple[DraftInput, _SeqState, int]]) -> dict[int, SeqDraft]:
         """Greedy / sampled chains, all sequences batched one token per forward."""
@@ -391,7 +399,7 @@ class Eagle3Drafter:
         for inp, st, _ in chains:
             gen = self._generator(inp, st)
             root_hidden, root_logits = st.root_output()
-            tok, p = self._draw(root_logits, inp.params, gen)
+            tok, p = self._draw(root_logits, inp.params, gen, len(inp.token_ids) - inp.num_prompt_tokens)
             toks[inp.seq_id] = [tok]
             probs[inp.seq_id] = [p] if p is not None else []
             hidden[inp.seq_id] = root_hidden
@@ -406,7 +414,8 @@ class Eagle3Drafter:
                                        [st.slot for _, st in live], device=self.head.device)
             out, logits = self.head(fused, embeds, layout, self.kv)
             for b, (inp, st) in enumerate(live):
-                tok, p = self._draw(logits[b], inp.params, st.generator)
+                tok, p = self._draw(logits[b], inp.params, st.generator,
+                                    len(inp.token_ids) - inp.num_prompt_tokens + step)
                 toks[inp.seq_id].append(tok)
                 if p is not None:
                     probs[inp.seq_id].append(p)
