@@ -23,87 +23,17 @@ import httpx
 import numpy as np
 import openai
 import pytest
-import uvicorn
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from tests.helpers import tiny_llama, tiny_tokenizer
+from tests.server.live import MODEL, LiveServer, stream_text, tiny_engine
 from tidespec.bench import serve as bench_serve
 from tidespec.bench.serve import arrival_times, check_loopback, load_rate_trace
-from tidespec.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, SpecConfig
-from tidespec.engine.engine import LLMEngine
+from tidespec.config import CacheConfig, ConfigError, EngineConfig
 from tidespec.llm import build_engine
 from tidespec.models.loader import LoadedModel
 from tidespec.server.app import ServerConfig, create_app
-from tidespec.server.async_engine import AsyncEngine
-from tidespec.server.graceful import GracefulServer
 from tidespec.speculative.api import DraftInput, DraftProposal, Observation
 from tidespec.speculative.drafters.ngram import NgramDrafter
-
-CHAT_TEMPLATE = ("{% for m in messages %}t3 {{ m['content'] }} {% endfor %}"
-                 "{% if add_generation_prompt %}t2{% endif %}")
-MODEL = "tiny"
-
-
-def tiny_engine(max_num_seqs: int = 16, max_waiting: int = 64, max_model_len: int = 160,
-                drafter: Any = None) -> LLMEngine:
-    tok = tiny_tokenizer(64)
-    tok.chat_template = CHAT_TEMPLATE
-    spec = SpecConfig(drafter="ngram" if drafter is not None else "none", num_speculative_tokens=3)
-    cfg = EngineConfig(cache=CacheConfig(max_model_len=max_model_len, max_num_seqs=max_num_seqs),
-                       scheduler=SchedulerConfig(max_waiting=max_waiting), spec=spec)
-    return LLMEngine(tiny_llama(64), tok, cfg, drafter=drafter)
-
-
-
-
-class LiveServer:
-    """uvicorn serving ``app`` on 127.0.0.1:<free port> in a background thread."""
-
-    def __init__(self, app: FastAPI, grace_s: float | None = None) -> None:
-        self.app = app
-        # log_config=None: uvicorn's loggers propagate to the root logger, so caplog sees them
-        config = uvicorn.Config(app, host="127.0.0.1", port=0, log_config=None, log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config) if grace_s is None else GracefulServer(config, grace_s=grace_s)
-        self.thread = threading.Thread(target=self.server.run, name="uvicorn-test", daemon=True)
-        self.port = 0
-
-    def __enter__(self) -> LiveServer:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def aengine(self) -> AsyncEngine:
-        return self.app.state.async_engine
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-    def engine_state(self) -> tuple[float, int, int, int]:
-        """(kv usage, running, waiting, known seqs), read in the engine thread."""
-        return self.aengine.call(lambda e: (e.kv.usage(), e.num_running, e.num_waiting, len(e.seqs))).result(10)
-
-    def wait_idle(self, timeout: float = 10.0) -> tuple[float, int, int, int]:
-        deadline = time.monotonic() + timeout
-        state = self.engine_state()
-        while state != (0.0, 0, 0, 0) and time.monotonic() < deadline:
-            time.sleep(0.05)
-            state = self.engine_state()
-        return state
 
 
 @pytest.fixture(scope="module")
@@ -111,18 +41,6 @@ def srv() -> Iterator[LiveServer]:
     engine = tiny_engine()
     with LiveServer(create_app(engine, ServerConfig(served_model_name=MODEL))) as s:
         yield s
-
-
-def _stream_text(chunks: Any, chat: bool) -> tuple[str, str | None, Any]:
-    text, finish, usage = "", None, None
-    for ch in chunks:
-        if ch.usage is not None:
-            usage = ch.usage
-        for c in ch.choices:
-            piece = c.delta.content if chat else c.text
-            text += piece or ""
-            finish = c.finish_reason or finish
-    return text, finish, usage
 
 
 # ----------------------------------------------------------------------------- basic API
@@ -146,7 +64,7 @@ def test_completion_stream_equals_nonstream(srv: LiveServer, sampling: dict[str,
     full = c.completions.create(model=MODEL, prompt="t5 t6 t7", max_tokens=20, **sampling)
     stream = c.completions.create(model=MODEL, prompt="t5 t6 t7", max_tokens=20, stream=True,
                                   stream_options={"include_usage": True}, **sampling)
-    text, finish, usage = _stream_text(stream, chat=False)
+    text, finish, usage = stream_text(stream, chat=False)
     assert full.object == "text_completion" and full.id.startswith("cmpl-")
     assert text == full.choices[0].text and text
     assert finish == full.choices[0].finish_reason
@@ -161,7 +79,7 @@ def test_chat_stream_equals_nonstream(srv: LiveServer, sampling: dict[str, Any])
     full = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, **sampling)
     stream = c.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, stream=True,
                                        stream_options={"include_usage": True}, **sampling)
-    text, finish, usage = _stream_text(stream, chat=True)
+    text, finish, usage = stream_text(stream, chat=True)
     assert full.object == "chat.completion" and full.choices[0].message.role == "assistant"
     assert text == full.choices[0].message.content and text
     assert finish == full.choices[0].finish_reason
@@ -179,7 +97,7 @@ def test_stop_strings(srv: LiveServer) -> None:
     expected = full[:full.find(stop)]
     got = c.completions.create(model=MODEL, prompt="t8 t9", max_tokens=24, temperature=0, stop=[stop, "zzz"])
     assert got.choices[0].text == expected and got.choices[0].finish_reason == "stop"
-    streamed, finish, _ = _stream_text(c.completions.create(model=MODEL, prompt="t8 t9", max_tokens=24,
+    streamed, finish, _ = stream_text(c.completions.create(model=MODEL, prompt="t8 t9", max_tokens=24,
                                                             temperature=0, stop=stop, stream=True), chat=False)
     assert streamed == expected and finish == "stop"
 
@@ -570,7 +488,7 @@ def test_embedded_model_end_to_end(embedded: LoadedModel) -> None:
         msgs = [{"role": "user", "content": "Name three colors."}]
         for sampling in ({"temperature": 0.0}, {"temperature": 0.8, "seed": 11}):
             full = c.chat.completions.create(model="smollm2", messages=msgs, max_tokens=12, **sampling)
-            text, finish, usage = _stream_text(c.chat.completions.create(
+            text, finish, usage = stream_text(c.chat.completions.create(
                 model="smollm2", messages=msgs, max_tokens=12, stream=True, stream_options={"include_usage": True},
                 **sampling), chat=True)
             assert text == full.choices[0].message.content and text.strip()
@@ -581,7 +499,7 @@ def test_embedded_model_end_to_end(embedded: LoadedModel) -> None:
             assert usage.prompt_tokens == full.usage.prompt_tokens == expect_prompt
         prompt = "def fibonacci(n):\n"
         comp = c.completions.create(model="smollm2", prompt=prompt, max_tokens=16, temperature=0)
-        streamed, _, _ = _stream_text(c.completions.create(model="smollm2", prompt=prompt, max_tokens=16,
+        streamed, _, _ = stream_text(c.completions.create(model="smollm2", prompt=prompt, max_tokens=16,
                                                            temperature=0, stream=True), chat=False)
         assert streamed == comp.choices[0].text
         assert comp.usage.prompt_tokens == len(embedded.tokenizer.encode(prompt, add_special_tokens=False))

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from tidespec.commands import standalone_main
 from tidespec.config import ConfigError, EngineConfig, add_engine_args, engine_config_from_args
+from tidespec.server.graceful import HEADER_TIMEOUT_S
 
 DEFAULT_MAX_WAITING = 256
 GRACE_S = 10.0  # seconds in-flight requests get to finish on SIGTERM before their streams are ended
@@ -45,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"require 'Authorization: Bearer KEY' on every route but /health (default: env {API_KEY_ENV})")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients must send (default: the checkpoint's name)")
+    g.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="S",
+                   help="close a connection whose request headers are not complete S seconds after its "
+                        f"first byte (408; default: {HEADER_TIMEOUT_S:g})")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn and tidespec log level (default: info)")
     p.set_defaults(func=cmd_serve, max_waiting=DEFAULT_MAX_WAITING)
@@ -84,6 +88,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
     if not 0 < ns.port < 65536:
         raise ConfigError(f"port must be in [1, 65535], got {ns.port}")
+    if not ns.header_timeout > 0:
+        raise ConfigError(f"--header-timeout must be > 0, got {ns.header_timeout}")
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV) or None
     config = server_engine_config(ns)
@@ -115,7 +121,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     try:
         # SIGTERM: requests in flight get GRACE_S to finish, the rest end with an error event
         GracefulServer(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
-                                      timeout_graceful_shutdown=5), grace_s=GRACE_S).run()
+                                      timeout_graceful_shutdown=5), grace_s=GRACE_S,
+                       header_timeout_s=ns.header_timeout).run()
     finally:
         if online is not None:
             online.close()

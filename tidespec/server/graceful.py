@@ -1,4 +1,5 @@
-"""A uvicorn server whose shutdown ends every open stream with an error event, never a cut.
+"""A uvicorn server whose shutdown ends every open stream with an error event, never a cut, and
+that closes connections whose request headers do not arrive in time.
 
 Why this exists: on SIGTERM uvicorn stops accepting connections, waits up to its graceful-shutdown
 timeout for open ones, then cancels their tasks, and only after that runs the app's lifespan
@@ -9,6 +10,12 @@ engine loop, which fails the rest with ``EngineStoppedError``: each open stream 
 error event and ``[DONE]`` and ends normally (a non-streaming request gets a 500 error body), and
 only then does uvicorn close the connections.
 
+uvicorn has no timeout for reading a request's headers: a client that opens connections and sends
+a header byte now and then (slowloris) holds each one forever. ``HeaderTimeoutH11Protocol`` (the
+h11 protocol with one timer, as nginx's ``client_header_timeout``) closes the connection, with a
+408 and an OpenAI error body when a request was begun, when a request's line and headers are not
+complete ``header_timeout_s`` after the connection opened or after its first byte arrived.
+
 Worked example::
 
     server = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=8000), grace_s=10.0)
@@ -18,21 +25,90 @@ Worked example::
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from typing import Any
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from tidespec.config import ConfigError
 from tidespec.server.async_engine import AsyncEngine
 
 log = logging.getLogger("tidespec.server")
+
+HEADER_TIMEOUT_S = 15.0
+
+
+class HeaderTimeoutH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline for each request's line and headers.
+
+    The timer starts when the connection opens, and on a kept-alive connection when the first byte
+    of the next request arrives (until then uvicorn's keep-alive timeout governs the idle
+    connection); it is cancelled as soon as h11 has parsed a request's headers (uvicorn then starts
+    a new request cycle). When it fires, a partly sent request gets a 408 with an OpenAI error body,
+    a connection that sent nothing is closed silently. The body is not under this timer (the app
+    reads it with its own size limit).
+    """
+
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    _header_timer: asyncio.TimerHandle | None = None
+    _partial_request: bool = False  # bytes of a request whose headers are not complete yet
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        cycle = self.cycle
+        between_requests = cycle is None or cycle.response_complete
+        super().data_received(data)
+        if self.cycle is not cycle:  # a request's headers were parsed: its cycle runs
+            self._cancel_header_timer()
+            self._partial_request = False
+        elif between_requests and data:  # part of the next request line or headers
+            self._partial_request = True
+            if self._header_timer is None:
+                self._arm_header_timer()
+
+    def _arm_header_timer(self) -> None:
+        self._cancel_header_timer()
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_timed_out)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_timed_out(self) -> None:
+        """408 written directly on the transport: h11 cannot answer a request it has not parsed."""
+        self._header_timer = None
+        if self.transport.is_closing():
+            return
+        if self._partial_request:
+            body = json.dumps({"error": {
+                "message": f"the request headers did not arrive within {self.header_timeout_s:g} s",
+                "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
+            head = (f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                    f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
+            self.transport.write(head + body)
+        self.transport.close()
 
 
 class GracefulServer(uvicorn.Server):
     """``uvicorn.Server`` that drains, then ends, the app's in-flight requests before closing."""
 
-    def __init__(self, config: uvicorn.Config, grace_s: float = 10.0, poll_s: float = 0.05) -> None:
+    def __init__(self, config: uvicorn.Config, grace_s: float = 10.0, poll_s: float = 0.05,
+                 header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
+        if not header_timeout_s > 0:
+            raise ConfigError(f"header_timeout_s must be > 0, got {header_timeout_s}")
+        # the protocol class is built per server so two servers in one process keep their timeouts
+        config.http = type("HeaderTimeoutH11", (HeaderTimeoutH11Protocol,), {"header_timeout_s": header_timeout_s})
         super().__init__(config)
         self.grace_s = grace_s
         self.poll_s = poll_s
