@@ -20,11 +20,11 @@ from tidespec.errors import ConfigError
 from tidespec.server.cli import register as register_serve
 
 # Every engine flag and its default as the flat SpecConfig (34 fields) had them, plus those added since
-# (--quantization, --quant-group-size, --trainer-max-restarts, --trainer-backoff-max-s); nesting the config
+# (--quantization, --quant-group-size, --compile, --trainer-max-restarts, --trainer-backoff-max-s); nesting the config
 # must not rename a flag or move a default.
 FLAGS = {
     '--model': None, '--dtype': 'float32', '--device': 'cpu', '--threads': 0, '--quantization': 'none',
-    '--quant-group-size': 32, '--max-model-len': 2048,
+    '--quant-group-size': 32, '--compile': False, '--max-model-len': 2048,
     '--max-num-seqs': 32, '--max-num-batched-tokens': 512, '--max-waiting': 0, '--drafter': 'none',
     '--num-speculative-tokens': 4, '--tree': False, '--ngram-min': 1, '--ngram-max': 4,
     '--suffix-max-tree-tokens': 20000, '--suffix-min-prob': 0.1, '--suffix-factor': 1.0, '--draft-model': None,

@@ -61,7 +61,7 @@ def cmd_profile(ns: argparse.Namespace) -> int:
     config = engine_config_from_args(ns)
     engine = build_engine(config)
     t0 = time.perf_counter()
-    prof, path = load_or_measure(engine.model, engine.drafter, refresh=ns.refresh,
+    prof, path = load_or_measure(engine.model, engine.drafter, refresh=ns.refresh, compiled=config.model.compile,
                                  progress=lambda m: print(m, file=sys.stderr))
     print(f"profile {prof.key} ({time.perf_counter() - t0:.1f} s; cached at {path})")
     qs = sorted({q for _, q in prof.verify_latency})

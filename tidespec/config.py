@@ -84,6 +84,9 @@ class ModelConfig(Section):
                 "rest of the model keeps --dtype. Speculation is lossless w.r.t. the quantized model exactly with "
                 "--dtype float64, up to near-ties with float32 (README)")
     quant_group_size: int = opt(32, "int4: input weights per scale/zero group (32, 64, 128 or 256; 32 = GGUF Q4_1)")
+    compile: bool = opt(False, "torch.compile (inductor) the decode step: plain and verification forwards of "
+                               "decode batches run one compiled graph (at most four, compiled at start-up, cached "
+                               "on disk); prefill chunks and trees run eager")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -107,7 +107,7 @@ def build_policy(config: EngineConfig, model: LlamaModel, drafter: Drafter | Non
     if pc.profile:
         profile = Profile.load(pc.profile)
     elif needs_profile:
-        profile, _ = load_or_measure(model, drafter, progress=progress)
+        profile, _ = load_or_measure(model, drafter, progress=progress, compiled=config.model.compile)
     guards = GuardConfig(kv_threshold=pc.guard_kv_usage, temperature_threshold=pc.guard_temperature,
                          gamma_max=gamma_max)
     return make_policy(pc.name, PolicyOptions(gamma_max=gamma_max, profile=profile, guards=guards))

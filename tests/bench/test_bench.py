@@ -238,6 +238,15 @@ def test_profile_smoke(tmp_path: Path) -> None:
     assert doc["weight_bytes_per_token"] == 82688
 
 
+def test_profile_times_the_compiled_step_next_to_eager(tmp_path: Path) -> None:
+    cfg = ProfileConfig(ns=(1, 3), batch_sizes=(1, 2), context=16, repeats=2, target_s=0.01, bandwidth_mib=8)
+    doc = run_profile(cfg, _tiny_target(), model_config=ModelConfig(compile=True), out_dir=tmp_path, command="x",
+                      echo=False)
+    assert all(r["t_compiled_ms"] > 0 and r["compiled_speedup"] > 0 for r in doc["rows"])
+    assert doc["compile_seconds"] > 0 and doc["batch1_compiled_fraction_of_ceiling"] > 0
+    assert "Compiled decode step" in (tmp_path / "table.md").read_text()
+
+
 def test_cli_runs_bench_decode_on_a_checkpoint(tmp_path: Path) -> None:
     hf, _ = tiny_hf_model("llama", torch.float32)
     ckpt = write_tiny_checkpoint(hf, tmp_path / "ckpt")

@@ -157,7 +157,8 @@ def ensure_profile(cfg: LoadBenchConfig, out_dir: Path) -> str:
     torch.set_num_threads(cfg.threads)
     engine = build_engine(EngineConfig(model=ModelConfig(model=cfg.model, threads=cfg.threads),
                                        spec=SpecConfig(drafter=cfg.drafter, num_speculative_tokens=cfg.gamma_max)))
-    prof, _ = load_or_measure(engine.model, engine.drafter, progress=lambda m: print(m, file=sys.stderr))
+    prof, _ = load_or_measure(engine.model, engine.drafter, progress=lambda m: print(m, file=sys.stderr),
+                              compiled=engine.config.model.compile)
     path = out_dir / "profile.json"
     prof.save(path)
     return str(path)

@@ -40,6 +40,7 @@ from tidespec.bench.decode import resolve_target
 from tidespec.bench.report import log2_panel, machine_line, markdown_table, new_figure, save_figure, write_results
 from tidespec.config import ConfigError, ModelConfig
 from tidespec.errors import check_at_least
+from tidespec.models.compiled import CompiledStep
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import LoadedModel
@@ -132,16 +133,28 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | LlamaModel | str | Non
         k.normal_(generator=fill_gen)
         v.normal_(generator=fill_gen)
 
+    step = None
+    compile_s = 0.0
+    if mc.compile:  # the compiled decode step, timed right after the eager forward of each shape
+        t0 = time.perf_counter()
+        step = CompiledStep(model, kv)
+        step.warm_up(max(cfg.ns))
+        compile_s = time.perf_counter() - t0
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     for b in cfg.batch_sizes:
-        t1 = None
+        t1 = c1 = None
         for n in sorted(cfg.ns):
             t, reps = time_forward(model, kv, b, n, cfg.context, cfg.repeats, cfg.target_s, gen)
             t1 = t if n == min(cfg.ns) else t1
-            rows.append({"batch_size": b, "n": n, "t_ms": t * 1e3, "repeats": reps,
-                         "ratio_to_n1": t / t1 if t1 else float("nan"),
-                         "tokens_per_s": b * n / t})
+            row = {"batch_size": b, "n": n, "t_ms": t * 1e3, "repeats": reps,
+                   "ratio_to_n1": t / t1 if t1 else float("nan"), "tokens_per_s": b * n / t}
+            if step is not None:
+                c, _ = time_forward(model, kv, b, n, cfg.context, cfg.repeats, cfg.target_s, gen, step=step)
+                c1 = c if n == min(cfg.ns) else c1
+                row.update(t_compiled_ms=c * 1e3, compiled_ratio_to_n1=c / c1 if c1 else float("nan"),
+                           compiled_speedup=t / c)
+            rows.append(row)
     grid_s = time.perf_counter() - t_start
     bw = memory_bandwidth(cfg.bandwidth_mib, device=model.device)
     wbytes = weight_bytes_per_token(model)
@@ -162,6 +175,9 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | LlamaModel | str | Non
         "batch1_forward_tokens_per_s": measured,
         "batch1_fraction_of_ceiling": measured / ceiling,
     }
+    if step is not None and b1:
+        doc.update(compile_seconds=compile_s, batch1_compiled_tokens_per_s=1e3 / b1[0]["t_compiled_ms"],
+                   batch1_compiled_fraction_of_ceiling=1e3 / b1[0]["t_compiled_ms"] / ceiling)
     precision, quant = str(model.dtype).replace("torch.", ""), quantization_of(model)
     if quant != "none":
         precision += f" + {quant} weights"
@@ -188,6 +204,14 @@ def format_profile_report(doc: dict[str, Any], command: str, info: dict[str, Any
              f"(weights only: {doc['ceiling_weights_only_tokens_per_s']:.1f})",
              f"- measured batch-1 forward 1/T(1): {doc['batch1_forward_tokens_per_s']:.1f} tokens/s = "
              f"{doc['batch1_fraction_of_ceiling']:.0%} of the ceiling (engine overhead not included)"]
+    if "t_compiled_ms" in doc["rows"][0]:
+        c_table = markdown_table(["n"] + [f"B={b} ms" for b in bs] + [f"B={b} eager/compiled" for b in bs],
+                                 [[n] + [cell[(b, n)]["t_compiled_ms"] for b in bs]
+                                  + [cell[(b, n)]["compiled_speedup"] for b in bs] for n in ns], digits=2)
+        lines += ["", f"Compiled decode step (`--compile`; each shape timed right after its eager forward; "
+                      f"warm-up {doc['compile_seconds']:.1f} s):", "", c_table, "",
+                  f"- compiled batch-1 forward: {doc['batch1_compiled_tokens_per_s']:.1f} tokens/s = "
+                  f"{doc['batch1_compiled_fraction_of_ceiling']:.0%} of the ceiling"]
     return "\n".join(lines)
 
 

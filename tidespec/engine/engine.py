@@ -42,6 +42,7 @@ from tidespec.engine.runner import ForwardOutput, ModelRunner, Row
 from tidespec.engine.scheduler import PrefillChunk, Scheduler
 from tidespec.engine.sequence import Sequence
 from tidespec.errors import UserError
+from tidespec.models.compiled import CompiledStep, inductor_cache_dir
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import LlamaModel
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
@@ -81,7 +82,8 @@ class LLMEngine:
         cc = config.cache
         self.max_model_len = min(cc.max_model_len, model.cfg.max_position_embeddings)
         self.kv = KVCache.for_model(model.cfg, cc.max_num_seqs, self.max_model_len, model.dtype, self.device)
-        self.runner = ModelRunner(model, self.kv)
+        self.compile_seconds = 0.0  # warm-up of the compiled decode step (--compile)
+        self.runner = ModelRunner(model, self.kv, self._compiled_step() if config.model.compile else None)
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_batched_tokens, config.scheduler.max_waiting)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -106,6 +108,16 @@ class LLMEngine:
         self.eos_ids = frozenset(eos)
         self.gamma_max = config.spec.num_speculative_tokens if drafter is not None else 0
         self.use_tree = config.spec.tree
+
+    def _compiled_step(self) -> CompiledStep:
+        """The compiled decode step, its graphs compiled now (or loaded from the disk cache): the
+        first requests never wait on a compile. The time it took is logged."""
+        step = CompiledStep(self.model, self.kv, self._tap_layers())
+        gamma = self.config.spec.num_speculative_tokens if self.drafter is not None else 0
+        seconds = step.warm_up(1 + gamma)
+        log.info("compiled the decode step in %.1f s (cached in %s)", seconds, inductor_cache_dir())
+        self.compile_seconds = seconds
+        return step
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tidespec.engine.scheduler import ScheduledBatch
+from tidespec.models.compiled import CompiledStep
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.speculative.api import DraftProposal, SeqDraft
@@ -48,15 +49,21 @@ class ForwardOutput:
 class ModelRunner:
     """Lays out and runs the target forward over the engine's KV slots."""
 
-    def __init__(self, model: LlamaModel, kv: KVCache) -> None:
+    def __init__(self, model: LlamaModel, kv: KVCache, compiled: CompiledStep | None = None) -> None:
         self.model = model
         self.kv = kv
         self.device = model.device
+        self.compiled = compiled  # the compiled decode step, when --compile
 
     def forward(self, batch: ScheduledBatch, proposal: DraftProposal, tap_layers: tuple[int, ...]) -> ForwardOutput:
-        """ONE target forward for the whole batch; K/V of every row is written into its slot."""
+        """ONE target forward for the whole batch; K/V of every row is written into its slot. A
+        decode batch of chains runs the compiled step when there is one (every row needs logits)."""
         ids, rows, layout, logits_rows = self.build_inputs(batch, proposal)
-        out = self.model(ids, layout, self.kv, logits_rows=logits_rows, tap_layers=tap_layers)
+        out = None
+        if self.compiled is not None and not batch.prefill and all(m is None for m in layout.tree_masks):
+            out = self.compiled(ids, layout, tap_layers)
+        if out is None:
+            out = self.model(ids, layout, self.kv, logits_rows=logits_rows, tap_layers=tap_layers)
         argmax = out.logits.argmax(-1).tolist() if out.logits is not None else []
         return ForwardOutput(rows, out.logits, argmax, out.taps if tap_layers else None)
 

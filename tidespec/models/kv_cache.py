@@ -52,6 +52,10 @@ class KVCache:
     def num_free_slots(self) -> int:
         return len(self._free)
 
+    def free_slots(self) -> list[int]:
+        """The slots no sequence owns, ascending."""
+        return sorted(self._free)
+
     def allocate(self) -> int | None:
         """Take a free slot, or None when all are owned."""
         if not self._free:

@@ -34,6 +34,8 @@ from tidespec.errors import UserError
 from tidespec.models.attention import ROW_INVARIANT_Q, AttentionPlan
 from tidespec.models.linear import Linear
 
+SLICE_WRITE_MAX_SEQS = 2  # K/V writes of up to this many sequences use slice copies, else one index_put
+
 SUPPORTED_ARCHITECTURES = (
     "LlamaForCausalLM",
     "MistralForCausalLM",
@@ -157,6 +159,22 @@ class BatchLayout:
             kv.make_readable(plan.read_slots(self.slots), plan.kv_len)
         return plan
 
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write the new tokens' K/V ([T, n_kv, hd]) into their slots ([S, n_kv, L, hd])."""
+        if len(self.q_lens) <= SLICE_WRITE_MAX_SEQS:  # two slice copies beat two index_put calls
+            start = 0
+            for q_len, ctx, slot in zip(self.q_lens, self.ctx_lens, self.slots):
+                k_cache[slot, :, ctx:ctx + q_len] = k[start:start + q_len].transpose(0, 1)
+                v_cache[slot, :, ctx:ctx + q_len] = v[start:start + q_len].transpose(0, 1)
+                start += q_len
+        else:  # scatter the new K/V into each sequence's slot: cache[slot_t, :, off_t] = k[t]
+            k_cache[self.write_slots, :, self.write_offsets] = k
+            v_cache[self.write_slots, :, self.write_offsets] = v
+
+    def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q [T, n_h, hd] (its K/V already written) -> attention output [T, n_h, hd]."""
+        return self.attention_plan(window).attend(q, k_cache, v_cache)
+
     @property
     def num_tokens(self) -> int:
         return int(sum(self.q_lens))
@@ -179,6 +197,19 @@ class BatchLayout:
         as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
         return BatchLayout(list(q_lens), list(ctx_lens), list(slots), as_t(pos), as_t(wslots), as_t(woffs),
                            list(tree_masks) if tree_masks is not None else [None] * len(q_lens))
+
+
+class ForwardLayout(Protocol):
+    """What the layers need from a forward's layout: rope positions, where the new tokens' K/V go,
+    and attention over the slots. ``BatchLayout`` is the eager one; ``models/compiled.py`` has a
+    tensor-only one for the compiled step."""
+
+    positions: torch.Tensor  # [T] int64
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+
+    def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor) -> torch.Tensor: ...
 
 
 class KVStorage(Protocol):
@@ -265,9 +296,8 @@ class Attention(nn.Module):
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.slice_write_max_seqs = 2
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: ForwardLayout,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         # x: [T, H]; cos/sin: [T, hd]; k_cache/v_cache: [S, n_kv, L, hd]
         T = x.shape[0]
@@ -279,16 +309,8 @@ class Attention(nn.Module):
         c, s = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, hd]
         qk = qk * c + rotate_half(qk) * s  # rope on q and k heads together: half the small ops
         q, k = qk[:, :self.n_h], qk[:, self.n_h:]  # [T, n_h, hd], [T, n_kv, hd]
-        if len(layout.q_lens) <= self.slice_write_max_seqs:  # two slice copies beat two index_put calls
-            start = 0
-            for q_len, ctx, slot in zip(layout.q_lens, layout.ctx_lens, layout.slots):
-                k_cache[slot, :, ctx:ctx + q_len] = k[start:start + q_len].transpose(0, 1)
-                v_cache[slot, :, ctx:ctx + q_len] = v[start:start + q_len].transpose(0, 1)
-                start += q_len
-        else:  # scatter the new K/V into each sequence's slot: cache[slot_t, :, off_t] = k[t]
-            k_cache[layout.write_slots, :, layout.write_offsets] = k
-            v_cache[layout.write_slots, :, layout.write_offsets] = v
-        out = layout.attention_plan(self.cfg.sliding_window).attend(q, k_cache, v_cache)  # [T, n_h, hd]
+        layout.write_kv(k_cache, v_cache, k, v)
+        out = layout.attend(self.cfg.sliding_window, q, k_cache, v_cache)  # [T, n_h, hd]
         return self.o_proj.forward(out.view(T, self.q_size))
 
 
@@ -312,7 +334,7 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: BatchLayout,
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: ForwardLayout,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         # direct .forward calls: nn.Module.__call__ costs ~2 us each, ~300 times per decode step
         h = h + self.self_attn.forward(self.input_layernorm.forward(h), cos, sin, layout, k_cache, v_cache)
@@ -372,14 +394,20 @@ class LlamaModel(PlacedModule):
         """input_ids: [T] int64. ``logits_rows``: [R] rows needing logits (None = all, empty = none).
         ``tap_layers``: layer indices whose *input* hidden state is returned (EAGLE-3 uses
         (2, L//2, L-3))."""
+        layout.attention_plan(self.cfg.sliding_window, kv, ROW_INVARIANT_Q if self.row_invariant else 1)
+        return self.run(input_ids, layout, kv.k, kv.v, logits_rows, tap_layers)
+
+    def run(self, input_ids: torch.Tensor, layout: ForwardLayout, k: list[torch.Tensor], v: list[torch.Tensor],
+            logits_rows: torch.Tensor | None = None, tap_layers: tuple[int, ...] = ()) -> ModelOutput:
+        """The forward's body over any ``ForwardLayout`` (eager or the compiled step's) and the
+        per-layer K/V tensors ``k[i]``, ``v[i]`` [S, n_kv, L, hd]."""
         h = self.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rope(layout.positions, h.dtype)
-        layout.attention_plan(self.cfg.sliding_window, kv, ROW_INVARIANT_Q if self.row_invariant else 1)
         taps: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             if i in tap_layers:
                 taps.append(h)
-            h = layer.forward(h, cos, sin, layout, kv.k[i], kv.v[i])
+            h = layer.forward(h, cos, sin, layout, k[i], v[i])
         h = self.norm(h)
         rows = h if logits_rows is None else h.index_select(0, logits_rows)
         logits = self.lm_head(rows).to(torch.promote_types(h.dtype, torch.float32)) if rows.shape[0] else None

@@ -19,7 +19,7 @@ def test_profile_grid_is_swept_in_passes_and_a_slow_pass_does_not_move_the_media
     per_pass = len(grid) + len(cfg.single_seq_tokens)
     calls: list[tuple[int, int]] = []
 
-    def scripted(model, kv, batch, n, context, repeats, target_s, gen, warm_up=True):
+    def scripted(model, kv, batch, n, context, repeats, target_s, gen, warm_up=True, step=None):
         timed = len(calls) - 1  # calls before this one, minus the warm-up
         calls.append((batch, n))
         slow = 10.0 if per_pass <= timed < 2 * per_pass else 1.0

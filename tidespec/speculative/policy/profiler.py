@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 
 from tidespec.files import cache_root
+from tidespec.models.compiled import CompiledStep
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.models.quant import quantization_of
@@ -73,29 +74,37 @@ def sync_device(device: torch.device) -> None:
 
 
 def forward_samples(model: LlamaModel, kv: KVCache, batch: int, n: int, context: int, repeats: int,
-                    target_s: float, gen: torch.Generator, warm_up: bool = True) -> list[float]:
+                    target_s: float, gen: torch.Generator, warm_up: bool = True,
+                    step: CompiledStep | None = None) -> list[float]:
     """Seconds of each timed forward of ``n`` new tokens for each of ``batch`` sequences on a
     ``context``-token cache: ``repeats`` of them, fewer when the first one shows that they would
-    overrun ``target_s`` (at least one). ``warm_up`` runs one untimed forward first."""
+    overrun ``target_s`` (at least one). ``warm_up`` runs one untimed forward first. ``step``: time
+    the compiled decode step instead of the eager forward. Each forward builds its layout, as an
+    engine step does."""
     ids = torch.randint(0, model.cfg.vocab_size, (batch * n,), generator=gen).to(model.device)  # [B*n]
-    layout = BatchLayout.build(q_lens=[n] * batch, ctx_lens=[context] * batch, slots=list(range(batch)),
-                               device=model.device)
+
+    def forward() -> None:
+        layout = BatchLayout.build(q_lens=[n] * batch, ctx_lens=[context] * batch, slots=list(range(batch)),
+                                   device=model.device)
+        if step is None or step(ids, layout) is None:
+            model(ids, layout, kv, logits_rows=None)
+
     if warm_up:
-        model(ids, layout, kv, logits_rows=None)
+        forward()
     times: list[float] = []
     while len(times) < repeats and (not times or len(times) * times[0] < target_s):
         sync_device(model.device)
         t = time.perf_counter()
-        model(ids, layout, kv, logits_rows=None)
+        forward()
         sync_device(model.device)
         times.append(time.perf_counter() - t)
     return times
 
 
 def time_forward(model: LlamaModel, kv: KVCache, batch: int, n: int, context: int, repeats: int, target_s: float,
-                 gen: torch.Generator) -> tuple[float, int]:
+                 gen: torch.Generator, step: CompiledStep | None = None) -> tuple[float, int]:
     """Median seconds of one forward (``forward_samples``), and the number of timed repeats."""
-    times = forward_samples(model, kv, batch, n, context, repeats, target_s, gen)
+    times = forward_samples(model, kv, batch, n, context, repeats, target_s, gen, step=step)
     return statistics.median(times), len(times)
 
 
@@ -123,8 +132,9 @@ def profile_key(model: LlamaModel, drafter_name: str, extra: dict[str, str] | No
 
 
 def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerConfig | None = None,
-                    progress: Callable[[str], None] | None = None) -> Profile:
-    """Measure a ``Profile`` (see the module docstring)."""
+                    progress: Callable[[str], None] | None = None, compiled: bool = False) -> Profile:
+    """Measure a ``Profile`` (see the module docstring); ``compiled``: T(b, q) of the compiled
+    decode step (``--compile``), which is what decode steps then run."""
     cfg = cfg or ProfilerConfig()
     say = progress or (lambda _msg: None)
     gen = torch.Generator().manual_seed(0)
@@ -136,21 +146,25 @@ def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerCon
     for k, v in zip(kv.k, kv.v):  # attention cost does not depend on the values; avoid garbage NaNs
         k.zero_()
         v.zero_()
+    step = CompiledStep(model, kv) if compiled else None
     samples: dict[tuple[int, int], list[float]] = {(b, q): [] for b in cfg.batch_sizes for q in cfg.tokens_per_seq}
     single_samples: dict[int, list[float]] = {n: [] for n in cfg.single_seq_tokens}
     # one untimed forward of the largest shape warms up the kernels and the allocator for all shapes
-    forward_samples(model, kv, max(cfg.batch_sizes), max(cfg.tokens_per_seq), context, 1, 0.0, gen, warm_up=False)
+    forward_samples(model, kv, max(cfg.batch_sizes), max(cfg.tokens_per_seq), context, 1, 0.0, gen, warm_up=False,
+                    step=step)
+    if step is not None:
+        step.warm_up(max(cfg.tokens_per_seq))
     for p in range(cfg.passes):
         for b in cfg.batch_sizes:
             for q in cfg.tokens_per_seq:
                 samples[(b, q)] += forward_samples(model, kv, b, q, context, cfg.repeats, cfg.target_s, gen,
-                                                   warm_up=False)
+                                                   warm_up=False, step=step)
             if p == cfg.passes - 1:
                 say(f"T(b={b}, q) = " + ", ".join(f"{statistics.median(samples[(b, q)]) * 1e3:.1f}"
                                                   for q in cfg.tokens_per_seq) + f" ms ({cfg.passes} passes)")
         for n in cfg.single_seq_tokens:
             single_samples[n] += forward_samples(model, kv, 1, n, context, cfg.repeats, cfg.target_s, gen,
-                                                 warm_up=False)
+                                                 warm_up=False, step=step)
     verify = {shape: statistics.median(times) for shape, times in samples.items()}
     single = {n: statistics.median(times) for n, times in single_samples.items()}
     draft_cost = {"default": 0.0}
@@ -162,7 +176,7 @@ def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerCon
         if drafter.name in STATEFUL_DRAFTERS:
             catchup = _catchup(drafter, model.cfg.vocab_size, cfg, gen)
             say("catch-up table measured")
-    key = profile_key(model, drafter.name if drafter is not None else "none")
+    key = profile_key(model, drafter.name if drafter is not None else "none", {"compiled": "1"} if compiled else None)
     return Profile(target_latency=single, draft_cost=draft_cost, catchup=catchup, key=key, verify_latency=verify)
 
 
@@ -204,16 +218,18 @@ def _catchup(drafter: Drafter, vocab: int, cfg: ProfilerConfig, gen: torch.Gener
 
 
 def load_or_measure(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerConfig | None = None,
-                    refresh: bool = False, progress: Callable[[str], None] | None = None) -> tuple[Profile, Path]:
-    """The cached profile for this model/device/dtype/drafter, measured (and cached) when missing."""
-    key = profile_key(model, drafter.name if drafter is not None else "none")
+                    refresh: bool = False, progress: Callable[[str], None] | None = None,
+                    compiled: bool = False) -> tuple[Profile, Path]:
+    """The cached profile for this model/device/dtype/drafter (and compiled step), measured (and
+    cached) when missing."""
+    key = profile_key(model, drafter.name if drafter is not None else "none", {"compiled": "1"} if compiled else None)
     path = profile_cache_dir() / f"{key}.json"
     if path.exists() and not refresh:
         try:
             return Profile.load(path), path
         except (ValueError, KeyError, json.JSONDecodeError):
             pass  # stale format or a torn write: measure again below
-    prof = measure_profile(model, drafter, cfg, progress)
+    prof = measure_profile(model, drafter, cfg, progress, compiled)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(prof.to_json())

@@ -1,0 +1,153 @@
+"""The compiled decode step: ``torch.compile`` (inductor) of the target forward for decode batches.
+
+Why this exists: an eager decode step of SmolLM2-135M is ~6,000 small ATen calls (norms, rope,
+SiLU x up, residual adds, casts, views), each paying dispatch overhead that on a 2-core CPU is a
+large share of the step. Inductor fuses them into a few generated C++ loops around the matmul and
+attention kernels. Only decode batches are compiled (every sequence feeds its last token, plus a
+chain of drafts when it speculates): prefill chunks, trees and batches whose KV slots lie far apart
+run the eager forward, which shares every line of model code with this one (``LlamaModel.run``
+over a ``ForwardLayout``).
+
+Shapes: the graph is compiled with ``dynamic=True``, so one graph serves every batch size, draft
+length and context length: PyTorch specializes sizes 0 and 1 only, which makes four graphs at most
+(one or several sequences x one or several rows per sequence). ``warm_up`` compiles them before
+the first request; inductor's cache (``TORCHINDUCTOR_CACHE_DIR`` under tidespec's cache root)
+keeps the generated code across processes, so a later start only loads it. The slot range start
+is passed as ``lo + LO_BIAS`` so that it is never 0 or 1 and never specialized (a slot 0 / slot 3
+batch would otherwise compile twice).
+
+Inside the graph the layout is tensors only (``StepLayout``): rope positions, the K/V write
+slots and offsets, each token's row in the padded attention block, and the block's mask, built by
+the same ``AttentionPlan`` the eager forward uses (with the same row-invariant padding for
+quantized targets). No host sync and no data-dependent shape in the compiled region: the same
+step is what a CUDA run can capture as a graph (``mode="reduce-overhead"``).
+
+Worked example::
+
+    step = CompiledStep(model, kv, tap_layers=())
+    step.warm_up(max_q=5)           # compiles the four graphs (printed by the caller)
+    layout = BatchLayout.build([1, 5], [40, 61], [0, 1])
+    out = step(ids, layout, tap_layers=())   # ModelOutput, logits at all 6 rows; None -> run eager
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tidespec.files import cache_root
+from tidespec.models.attention import ROW_INVARIANT_Q, AttentionPlan
+from tidespec.models.kv_cache import KVCache
+from tidespec.models.llama import BatchLayout, LlamaModel, ModelOutput
+
+RECOMPILE_LIMIT = 64
+LO_BIAS = 2  # the slot range start enters the graph as lo + 2: never 0 or 1, so never specialized
+
+
+@dataclass
+class StepLayout:
+    """The compiled step's ``ForwardLayout``: tensors and one symbolic int, nothing per sequence."""
+
+    positions: torch.Tensor  # [T] int64 rope positions
+    write_slots: torch.Tensor  # [T] int64 slot of each new token
+    write_offsets: torch.Tensor  # [T] int64 cache offset of each new token
+    q_index: torch.Tensor  # [T] int64 row of each new token in the padded [Sb * q, ...] block
+    mask: torch.Tensor  # [Sb, 1, q, Lk] bool, True = attend (slots lo .. lo + Sb - 1)
+    lo_biased: int  # first slot of the key range + LO_BIAS
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k_cache/v_cache: [S, n_kv, L, hd]; k/v: [T, n_kv, hd]
+        k_cache[self.write_slots, :, self.write_offsets] = k
+        v_cache[self.write_slots, :, self.write_offsets] = v
+
+    def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q [T, n_h, hd] -> [T, n_h, hd]; ``window`` is already in the mask."""
+        rows, _, q_max, kv_len = self.mask.shape
+        T, n_h, hd = q.shape
+        qp = q.new_zeros(rows * q_max, n_h, hd).index_copy(0, self.q_index, q)  # [Sb * q, n_h, hd]
+        qb = qp.view(rows, q_max, n_h, hd).transpose(1, 2)  # [Sb, n_h, q, hd]
+        lo = self.lo_biased - LO_BIAS
+        keys = k_cache.narrow(0, lo, rows)[:, :, :kv_len]  # [Sb, n_kv, Lk, hd], a view
+        values = v_cache.narrow(0, lo, rows)[:, :, :kv_len]
+        out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=self.mask, enable_gqa=True)
+        return out.transpose(1, 2).reshape(rows * q_max, n_h, hd).index_select(0, self.q_index)
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's on-disk cache: ``$TORCHINDUCTOR_CACHE_DIR``, set to tidespec's cache root unless
+    the user chose a place."""
+    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+
+
+class CompiledStep:
+    """The target's decode forward compiled once per process; ``__call__`` returns None for a
+    batch it does not take (then the caller runs the eager forward)."""
+
+    def __init__(self, model: LlamaModel, kv: KVCache, tap_layers: tuple[int, ...] = ()) -> None:
+        inductor_cache_dir()
+        self.model = model
+        self.kv = kv
+        # the layers whose input hidden states every compiled forward returns (the drafter's), kept
+        # as one flag per layer: under ``dynamic=True`` dynamo makes ints symbolic (attributes too)
+        # and ``i in (s0, s1)`` was then False for every layer; bools and ``range`` stay constants
+        self.tap_layers = tuple(tap_layers)
+        self._tap_flags = tuple(i in self.tap_layers for i in range(model.cfg.num_layers))
+        self.min_q = ROW_INVARIANT_Q if model.row_invariant else 1
+        # the rope table is built on first use; built here, the graph only reads it (no guard on
+        # its absence, no recompile once it exists)
+        model.rope(torch.zeros(1, dtype=torch.int64, device=model.device), model.embed_tokens.weight.dtype)
+        self.num_compiled = 0  # forwards run compiled
+        self.num_declined = 0  # decode forwards handed back to eager (slots far apart, other taps)
+        # dynamo keeps every graph of this code object in one cache whose default limit (8) a
+        # process with several engines (a benchmark, the tests) would exceed; 4 graphs per engine
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
+        self._fn = torch.compile(self._body, dynamic=True, fullgraph=True)
+
+    def _body(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
+              write_offsets: torch.Tensor, q_index: torch.Tensor, mask: torch.Tensor,
+              lo_biased: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        layout = StepLayout(positions, write_slots, write_offsets, q_index, mask, lo_biased)
+        taps = tuple(i for i, flag in enumerate(self._tap_flags) if flag)
+        out = self.model.run(ids, layout, self.kv.k, self.kv.v, None, taps)
+        return out.logits, out.taps, out.last_hidden
+
+    def __call__(self, ids: torch.Tensor, layout: BatchLayout, tap_layers: tuple[int, ...] = ()) -> ModelOutput | None:
+        """Logits at every row of a decode batch (chains only), or None when the slots are far apart
+        or other taps than ``self.tap_layers`` are asked for."""
+        if tuple(tap_layers) != self.tap_layers:
+            self.num_declined += 1
+            return None
+        plan = AttentionPlan.build(layout.q_lens, layout.ctx_lens, layout.slots, layout.tree_masks,
+                                   self.model.cfg.sliding_window, ids.device, self.min_q, self.kv.max_len)
+        if plan.gather is not None:  # reading the whole slot range would waste more than eager's gather
+            self.num_declined += 1
+            return None
+        self.kv.make_readable(plan.read_slots(layout.slots), plan.kv_len)
+        with torch.inference_mode():
+            logits, taps, last = self._fn(ids, layout.positions, layout.write_slots, layout.write_offsets, plan.q_index,
+                                    plan.mask, plan.lo + LO_BIAS)
+        self.num_compiled += 1
+        return ModelOutput(logits=logits, taps=taps, last_hidden=last)
+
+    def warm_up(self, max_q: int) -> float:
+        """Compile (or load from the disk cache) the graphs decode batches will use: one and two
+        sequences, one row and ``max_q`` rows each (``max_q`` = 1 + the largest draft). Writes only
+        into free slots, which hold nothing. Returns the seconds it took."""
+        free = self.kv.free_slots()
+        t0 = time.perf_counter()
+        for batch in (1, 2):
+            if len(free) < batch:
+                continue
+            slots = free[:batch]
+            for q in sorted({1, max_q}):
+                ctx = 8
+                if ctx + q > self.kv.max_len:
+                    continue
+                layout = BatchLayout.build([q] * batch, [ctx] * batch, slots, device=self.model.device)
+                ids = torch.zeros(q * batch, dtype=torch.int64, device=self.model.device)
+                self(ids, layout, self.tap_layers)
+        return time.perf_counter() - t0
