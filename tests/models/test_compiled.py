@@ -111,7 +111,7 @@ def _greedy(engine: LLMEngine) -> list[list[int]]:
     return [done[f"r{i}"].token_ids for i in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize("drafter", ["none", "suffix"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "suffix", "draft-model", "eagle3"])
 def test_engine_with_compile_gives_the_eager_text_and_compiles_nothing_after_warm_up(drafter: str) -> None:
     plain = _greedy(_engine(False, "none"))
     engine = _engine(True, drafter)
@@ -120,3 +120,36 @@ def test_engine_with_compile_gives_the_eager_text_and_compiles_nothing_after_war
     assert counters["stats"]["unique_graphs"] == graphs  # the warm-up compiled every shape class
     step = engine.runner.compiled
     assert step is not None and step.num_compiled > 0 and engine.compile_seconds > 0
+
+
+def test_a_sequence_that_fills_its_context_compiles_nothing_new() -> None:
+    """A key length equal to the cache's full length would need a graph of its own (a guard of the
+    traced ones); the engine's cache has KV_MARGIN spare positions, so a sequence that runs to
+    max_model_len stays on the warmed-up graphs and is not handed back to eager."""
+    engine = _engine(True, "suffix")
+    graphs = counters["stats"]["unique_graphs"]
+    prompt = PROMPTS[0]
+    engine.add_request(prompt, SamplingParams(max_tokens=128 - len(prompt), ignore_eos=True), request_id="full")
+    out = run_to_completion(engine)["full"]
+    assert len(prompt) + len(out.token_ids) == 128
+    step = engine.runner.compiled
+    assert step is not None and step.num_declined == 0
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.integration
+def test_embedded_float32_compiled_greedy_equals_eager(embedded) -> None:
+    """The embedded SmolLM2-135M in float32: the compiled decode step gives the eager greedy text
+    (one sequence at a time, so one graph to compile)."""
+    prompts = ["def fibonacci(n):\n", "The capital of France is", "import numpy as np\n\ndef softmax(x):"]
+    texts = []
+    for compile_ in (False, True):
+        cfg = EngineConfig(model=ModelConfig(compile=compile_), cache=CacheConfig(max_model_len=256, max_num_seqs=1))
+        engine = LLMEngine(embedded.model, embedded.tokenizer, cfg)
+        for i, p in enumerate(prompts):
+            engine.add_request(p, SamplingParams(max_tokens=48, ignore_eos=True), request_id=f"p{i}")
+        done = run_to_completion(engine)
+        texts.append([done[f"p{i}"].token_ids for i in range(len(prompts))])
+        if compile_:
+            assert engine.runner.compiled is not None and engine.runner.compiled.num_compiled >= 47 * len(prompts)
+    assert texts[0] == texts[1]

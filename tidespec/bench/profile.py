@@ -40,7 +40,7 @@ from tidespec.bench.decode import resolve_target
 from tidespec.bench.report import log2_panel, machine_line, markdown_table, new_figure, save_figure, write_results
 from tidespec.config import ConfigError, ModelConfig
 from tidespec.errors import check_at_least
-from tidespec.models.compiled import CompiledStep
+from tidespec.models.compiled import KV_MARGIN, CompiledStep
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import LoadedModel
@@ -126,7 +126,7 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | LlamaModel | str | Non
         raise ConfigError(f"context + largest n ({cfg.context + max(cfg.ns)}) exceeds the model's context "
                           f"({model.cfg.max_position_embeddings})")
     gen = torch.Generator().manual_seed(cfg.seed)
-    kv = KVCache.for_model(model.cfg, num_slots=max(cfg.batch_sizes), max_len=cfg.context + max(cfg.ns),
+    kv = KVCache.for_model(model.cfg, num_slots=max(cfg.batch_sizes), max_len=cfg.context + max(cfg.ns) + KV_MARGIN,
                            dtype=model.dtype, device=model.device)
     fill_gen = gen if model.device.type == "cpu" else None  # a CPU generator cannot fill device tensors
     for k, v in zip(kv.k, kv.v):  # plausible K/V values in the context region

@@ -42,7 +42,7 @@ from tidespec.engine.runner import ForwardOutput, ModelRunner, Row
 from tidespec.engine.scheduler import PrefillChunk, Scheduler
 from tidespec.engine.sequence import Sequence
 from tidespec.errors import UserError
-from tidespec.models.compiled import CompiledStep, inductor_cache_dir
+from tidespec.models.compiled import KV_MARGIN, CompiledStep, inductor_cache_dir
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import LlamaModel
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
@@ -81,7 +81,8 @@ class LLMEngine:
         self.device = model.device
         cc = config.cache
         self.max_model_len = min(cc.max_model_len, model.cfg.max_position_embeddings)
-        self.kv = KVCache.for_model(model.cfg, cc.max_num_seqs, self.max_model_len, model.dtype, self.device)
+        margin = KV_MARGIN if config.model.compile else 0  # the compiled step never reads a slot's full length
+        self.kv = KVCache.for_model(model.cfg, cc.max_num_seqs, self.max_model_len + margin, model.dtype, self.device)
         self.compile_seconds = 0.0  # warm-up of the compiled decode step (--compile)
         self.runner = ModelRunner(model, self.kv, self._compiled_step() if config.model.compile else None)
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_batched_tokens, config.scheduler.max_waiting)

@@ -45,6 +45,10 @@ from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel, ModelOutput
 
 RECOMPILE_LIMIT = 64
+# positions a cache needs beyond the longest sequence: a graph traced on a key length below the
+# cache's full length is guarded on it, and reading the whole length would compile it again (the
+# row-invariant padding rounds the key length up by at most 15)
+KV_MARGIN = 16
 LO_BIAS = 2  # the slot range start enters the graph as lo + 2: never 0 or 1, so never specialized
 
 
@@ -123,7 +127,9 @@ class CompiledStep:
             return None
         plan = AttentionPlan.build(layout.q_lens, layout.ctx_lens, layout.slots, layout.tree_masks,
                                    self.model.cfg.sliding_window, ids.device, self.min_q, self.kv.max_len)
-        if plan.gather is not None:  # reading the whole slot range would waste more than eager's gather
+        if plan.gather is not None or plan.kv_len >= self.kv.max_len:
+            # far-apart slots: reading the whole range would waste more than eager's gather; the
+            # cache's full length: a graph of its own (caches get KV_MARGIN so this never happens)
             self.num_declined += 1
             return None
         self.kv.make_readable(plan.read_slots(layout.slots), plan.kv_len)

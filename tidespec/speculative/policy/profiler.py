@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from tidespec.files import cache_root
-from tidespec.models.compiled import CompiledStep
+from tidespec.models.compiled import KV_MARGIN, CompiledStep
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.models.quant import quantization_of
@@ -142,7 +142,7 @@ def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerCon
     max_q = max(cfg.tokens_per_seq + cfg.single_seq_tokens)
     # a model with a short context window (tiny test models) gets a shorter cache, not an error
     context = max(0, min(cfg.context, model.cfg.max_position_embeddings - max_q - 1))
-    kv = KVCache.for_model(model.cfg, max_b, context + max_q + 1, model.dtype, model.device)
+    kv = KVCache.for_model(model.cfg, max_b, context + max_q + 1 + KV_MARGIN, model.dtype, model.device)
     for k, v in zip(kv.k, kv.v):  # attention cost does not depend on the values; avoid garbage NaNs
         k.zero_()
         v.zero_()
