@@ -37,6 +37,8 @@ def cmd_generate(ns: argparse.Namespace) -> int:
     params = sampling_from_args(ns)
     config = engine_config_from_args(ns)
     llm = LLM(config)
+    if config.model.compile:
+        print(f"[compiled the decode step in {llm.engine.compile_seconds:.1f} s]", file=sys.stderr)
     prompts = ns.prompt or [sys.stdin.read()]
     inputs = [llm.chat_prompt(p) if ns.chat else p for p in prompts]
     t0 = time.perf_counter()
