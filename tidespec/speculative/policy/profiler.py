@@ -110,8 +110,9 @@ def time_forward(model: LlamaModel, kv: KVCache, batch: int, n: int, context: in
 
 # Bumped whenever the model's kernels or the way of measuring change enough to invalidate measured costs
 # (2: the row-blocked CPU GEMM of models.llama.Linear; 3: W @ x^T for 2..16 rows; 4: medians over interleaved
-# passes; 5: batched attention and matmul kernels measured per machine), so an old cached profile is never reused.
-PROFILE_SCHEMA = "5"
+# passes; 5: batched attention and matmul kernels measured per machine; 6: each timed forward builds its layout,
+# as an engine step does, and --compile profiles the compiled step), so an old cached profile is never reused.
+PROFILE_SCHEMA = "6"
 
 
 def profile_cache_dir() -> Path:
