@@ -47,3 +47,28 @@ def test_forward_samples_times_a_real_forward_within_its_budget() -> None:
     assert len(times) == 1  # a zero budget still times one forward
     times = profiler.forward_samples(model, kv, 1, 2, 8, repeats=3, target_s=100.0, gen=torch.Generator())
     assert len(times) == 3 and all(t > 0 for t in times)
+
+
+def test_a_drafter_that_reads_taps_is_fed_them_while_timed() -> None:
+    """EAGLE-3 drafts from the target's hidden states: timed without them it proposed nothing and
+    its drafting cost came out as ~0.01 ms. The profiler now observes random taps first, so every
+    timed step drafts and the catch-up table covers re-ingesting lagging positions."""
+    from tidespec.llm import build_eagle3_drafter
+    from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig
+
+    model = tiny_llama(64, layers=4, seed=2)
+    drafter = build_eagle3_drafter(model, None, cfg=Eagle3DrafterConfig(max_num_seqs=8, max_model_len=512))
+    drafted: list[int] = []
+    real_propose = drafter.propose
+
+    def counting(inputs):
+        proposal = real_propose(inputs)
+        drafted.append(proposal.num_draft_tokens)
+        return proposal
+
+    drafter.propose = counting  # type: ignore[method-assign]
+    cfg = ProfilerConfig(batch_sizes=(1,), tokens_per_seq=(1, 2), single_seq_tokens=(1,), context=32, passes=1,
+                         catchup_tokens=(1, 8), catchup_batches=(1, 2))
+    prof = measure_profile(model, drafter, cfg)
+    assert drafted and all(n > 0 for n in drafted)  # every timed step drafted a token
+    assert prof.draft_cost["eagle3"] > 0 and set(prof.catchup) == {(1, 1), (8, 1), (1, 2), (8, 2)}
