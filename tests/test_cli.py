@@ -51,7 +51,7 @@ def test_generate_prints_text_and_acceptance(capsys):
 
 @pytest.mark.integration
 def test_generate_with_compile_prints_the_warm_up_time(capsys):
-    assert main(["generate", "def add(a, b):", "--max-tokens", "8", "--compile", "--max-model-len", "128",
+    assert main(["generate", "def add(a, b):", "--max-tokens", "8", "--compile", "--max-model-len", "256",
                  "--max-num-seqs", "1"]) == 0
     cap = capsys.readouterr()
     assert cap.out.strip() and "[compiled the decode step in " in cap.err

@@ -82,9 +82,16 @@ class StepLayout:
 
 
 def inductor_cache_dir() -> str:
-    """Inductor's on-disk cache: ``$TORCHINDUCTOR_CACHE_DIR``, set to tidespec's cache root unless
-    the user chose a place."""
-    return os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
+    """Inductor's on-disk cache: ``$TORCHINDUCTOR_CACHE_DIR``, pointed into tidespec's cache root
+    unless the user chose a place. Inductor writes its own default (``/tmp/torchinductor_<user>``)
+    into the variable the first time anything asks for the directory (loading a model does), so
+    that default counts as not chosen; inductor reads the variable again at every cache access."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # private, but the one source
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or current == default_cache_dir():
+        current = os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
+    return current
 
 
 class CompiledStep:
