@@ -50,6 +50,12 @@ def drafter_for(head: Eagle3Head, target: LlamaModel, **kw: int | bool) -> Eagle
     return Eagle3Drafter(head, target.embed_tokens, Eagle3DrafterConfig(max_num_seqs=4, max_model_len=128, **kw))
 
 
+def caught_up(drafter: Eagle3Drafter) -> Eagle3Drafter:
+    """Run the head's deferred catch-up now (``observe`` only keeps taps; ``propose`` catches up)."""
+    drafter._sync(list(drafter._states.values()))
+    return drafter
+
+
 def test_default_tap_layers_and_config_validation() -> None:
     assert default_tap_layers(32) == (2, 16, 29)
     assert default_tap_layers(8) == (2, 4, 5)
@@ -114,6 +120,8 @@ def test_drafter_protocol_and_first_draft_matches_training_forward() -> None:
     seg = SignalSegment(taps[:11], torch.tensor(ids))
     step1 = unroll(head, target.embed_tokens, SignalBatch.collate([seg], head), 1)[0][0]  # [11, Vd]
     state = drafter._states[0]
+    assert state.kv_len == 0  # observe keeps the taps; the head's catch-up waits for a propose
+    drafter.propose([DraftInput(0, ids, 1, SamplingParams())])
     assert state.kv_len == 11 and state.last_logits is not None
     torch.testing.assert_close(state.last_logits, step1[-1], rtol=1e-9, atol=1e-9)
 
@@ -145,11 +153,12 @@ def test_catch_up_equals_step_by_step_observation() -> None:
     stepwise, bulk = drafter_for(head, target), drafter_for(head, target)
     cached = 0
     for new in (6, 1, 3, 1, 2, 4, 2):  # prefill chunk, then accepted runs of various lengths
-        stepwise.observe([Observation(0, ids[:cached + new + 1], new, taps[cached:cached + new])])
+        caught_up(stepwise).observe([Observation(0, ids[:cached + new + 1], new, taps[cached:cached + new])])
         cached += new
     # speculation was off: a single observation covering everything, then one with no new tokens
     bulk.observe([Observation(0, ids[:cached + 1], cached, taps[:cached])])
     bulk.observe([Observation(0, ids[:cached + 1], 0, taps[:0])])
+    caught_up(stepwise), caught_up(bulk)
     a, b = stepwise._states[0], bulk._states[0]
     assert a.kv_len == b.kv_len == cached
     for kv_a, kv_b in ((stepwise.kv.k[0], bulk.kv.k[0]), (stepwise.kv.v[0], bulk.kv.v[0])):
@@ -166,7 +175,7 @@ def test_pending_tap_row_waits_for_its_next_token() -> None:
     taps = capture(target, ids, head.cfg.tap_layers)
     drafter = drafter_for(head, target)
     drafter.observe([Observation(0, ids[:5], 5, taps[:5])])  # tap row 4 has no next token yet
-    assert drafter._states[0].kv_len == 4
+    assert caught_up(drafter)._states[0].kv_len == 4
     assert drafter.propose([DraftInput(0, ids[:3], 2, SamplingParams())]).drafts == {}  # context mismatch
     # the next token arrives with the proposal: row 4 is paired with it before drafting
     late = drafter.propose([DraftInput(0, ids[:6], 3, SamplingParams())]).drafts[0]
@@ -229,21 +238,22 @@ def test_weight_swap_rebuilds_head_kv_from_retained_taps() -> None:
     ids = torch.randint(0, VOCAB, (14,), generator=torch.Generator().manual_seed(17)).tolist()
     taps = capture(target, ids, head.cfg.tap_layers)
     drafter = drafter_for(head, target)
-    drafter.observe([Observation(0, ids[:9], 8, taps[:8])])
-    drafter.load_state(5, new_weights)
-    drafter.observe([Observation(0, ids, 5, taps[8:13])])
+    caught_up(drafter).observe([Observation(0, ids[:9], 8, taps[:8])])
+    caught_up(drafter).load_state(5, new_weights)
+    caught_up(drafter).observe([Observation(0, ids, 5, taps[8:13])])
     reference = drafter_for(tiny_head(target, seed=2), target)
     reference.observe([Observation(0, ids, 13, taps[:13])])
+    caught_up(drafter), caught_up(reference)
     a, b = drafter._states[0], reference._states[0]
     assert drafter.version == 5 and a.kv_len == b.kv_len == 13
     torch.testing.assert_close(drafter.kv.k[0][a.slot, :, :13], reference.kv.k[0][b.slot, :, :13])
     torch.testing.assert_close(a.last_logits, b.last_logits)
     # without retained taps the old K/V is kept and drafting continues
     lean = drafter_for(tiny_head(target), target, retain_taps=False)
-    lean.observe([Observation(0, ids[:9], 8, taps[:8])])
-    lean.load_state(1, new_weights)
-    lean.observe([Observation(0, ids, 5, taps[8:13])])
-    assert lean._states[0].kv_len == 13 and lean._states[0].taps.start == 13
+    caught_up(lean).observe([Observation(0, ids[:9], 8, taps[:8])])
+    caught_up(lean).load_state(1, new_weights)
+    caught_up(lean).observe([Observation(0, ids, 5, taps[8:13])])
+    assert caught_up(lean)._states[0].kv_len == 13 and lean._states[0].taps.start == 13
     assert len(lean.propose([DraftInput(0, ids, 2, SamplingParams())]).drafts[0].token_ids) == 2
 
 

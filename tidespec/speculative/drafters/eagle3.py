@@ -258,8 +258,11 @@ class Eagle3Drafter:
 
     @torch.inference_mode()
     def observe(self, observations: list[Observation]) -> None:
-        """Extend each sequence's head KV over its newly final positions (batched forward)."""
-        touched: list[_SeqState] = []
+        """Keep each sequence's taps for its newly final positions. The head's forward over them
+        is deferred to the sequence's next ``propose`` (``_sync``, one batched catch-up over
+        everything pending): a step whose sequences do not speculate (the policy chose gamma 0)
+        then costs a tap copy, not a head forward, and a sequence that never speculates again
+        never pays for one."""
         for obs in observations:
             st = self._state(obs.seq_id)
             if st is None:
@@ -267,7 +270,6 @@ class Eagle3Drafter:
             if len(obs.token_ids) > len(st.tokens):
                 st.tokens = list(obs.token_ids)
             if obs.num_new_cached <= 0:
-                touched.append(st)
                 continue
             if obs.taps is None:
                 st.broken = True  # a hole in the taps: the head KV can no longer be aligned
@@ -277,8 +279,6 @@ class Eagle3Drafter:
                                  f"expected ({obs.num_new_cached}, {self.head.cfg.tap_size})")
             # copy: the engine may reuse its tap buffer, and a view would pin the whole batch's taps
             st.taps.append(obs.taps.to(dtype=self.head.dtype, device=self.head.device, copy=True))
-            touched.append(st)
-        self._sync(touched)
 
     @torch.inference_mode()
     def propose(self, inputs: list[DraftInput]) -> DraftProposal:
