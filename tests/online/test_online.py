@@ -260,14 +260,19 @@ def test_background_poller_swaps_without_help(model: LlamaModel, tok, tmp_path: 
     online.close()
 
 
-def test_partial_and_invalid_versions_are_refused_and_serving_continues(
-        model: LlamaModel, tok, plain: list[list[int]], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def serving_version_1(model: LlamaModel, tok, tmp_path: Path):  # -> (root, drafter, engine, OnlineTraining)
+    """An engine serving drafter version 1 from a fresh publish root, its updater not polling by itself."""
     cfg = online_cfg(tmp_path)
     root = Path(cfg.publish_root)
     publish(root, random_head(model, 1), {})
     drafter = build_eagle3_drafter(model, root, cfg=drafter_cfg())
     engine = make_engine(model, tok, drafter, gamma=4)
-    online = attach_online_training(engine, cfg, start=False)
+    return root, drafter, engine, attach_online_training(engine, cfg, start=False)
+
+
+def test_partial_and_invalid_versions_are_refused_and_serving_continues(
+        model: LlamaModel, tok, plain: list[list[int]], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    root, drafter, engine, online = serving_version_1(model, tok, tmp_path)
     up = online.updater
 
     # a trainer killed mid-write leaves a temp dir: never considered
@@ -324,12 +329,7 @@ def test_a_version_refused_while_half_copied_is_taken_once_its_files_arrive(
     """A v2 copied by hand (or over a slow network) is polled before its weights are complete: it is
     refused once, not re-logged while nothing changes, and loaded once the rest of the weights lands.
     A newer valid version supersedes a refused one for good."""
-    cfg = online_cfg(tmp_path)
-    root = Path(cfg.publish_root)
-    publish(root, random_head(model, 1), {})
-    drafter = build_eagle3_drafter(model, root, cfg=drafter_cfg())
-    engine = make_engine(model, tok, drafter, gamma=4)
-    online = attach_online_training(engine, cfg, start=False)
+    root, drafter, engine, online = serving_version_1(model, tok, tmp_path)
     up = online.updater
     full = tmp_path / "full-v2"
     export_eagle3(random_head(model, 2), full)

@@ -24,8 +24,6 @@ import json
 import re
 import shlex
 import shutil
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,27 +32,9 @@ from typing import Any
 
 import httpx
 
+from tidespec.bench.serve import free_port, launch_server, stop_server
+
 DEFAULT_SERVE_ARGS = "--max-model-len 128 --drafter suffix --num-speculative-tokens 4 --max-num-seqs 8"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"tidespec serve exited with {proc.returncode} before it was healthy")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"tidespec serve was not healthy within {timeout:.0f} s")
 
 
 def read_report(path: Path) -> dict[str, Any]:
@@ -126,13 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     serve_log = out / "serve.log"
-    cmd = [sys.executable, "-m", "tidespec.cli", "serve", "--port", str(port), "--log-level", "warning",
-           *shlex.split(ns.serve_args)]
-    print("starting:", shlex.join(cmd), flush=True)
-    with open(serve_log, "wb") as log:
-        server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    serve_args = f"--log-level warning {ns.serve_args}"
+    print(f"starting: tidespec serve --port {port} {serve_args}", flush=True)
+    server = launch_server(serve_args, port, None, 600, serve_log)
     try:
-        wait_healthy(url, server, 600)
         report = out / "schemathesis.ndjson"
         st_cmd = [st, "run", f"{url}/openapi.json", "--checks", "not_a_server_error",
                   "--max-examples", str(ns.max_examples), "--workers", str(ns.workers), "--seed", str(ns.seed),
@@ -143,13 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         st_rc = subprocess.run(st_cmd, check=False).returncode
         summary = read_report(report)
         summary.update(schemathesis_exit=st_rc, seconds=round(time.monotonic() - t0, 1),
-                       idle=idle_state(url), command=shlex.join(st_cmd), serve=shlex.join(cmd))
+                       idle=idle_state(url), command=shlex.join(st_cmd), serve=serve_args)
     finally:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(60)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        stop_server(server)  # SIGTERM: the graceful shutdown, then SIGKILL after 30 s
     log_text = serve_log.read_text(errors="replace")
     summary["log_tracebacks"] = log_text.count("Traceback")
     summary["log_errors"] = len(re.findall(r"\bERROR\b", log_text))

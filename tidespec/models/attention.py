@@ -118,19 +118,30 @@ class AttentionPlan:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q: [T, n_h, hd] (rope applied, K/V of these tokens already in the cache) -> [T, n_h, hd]."""
-        T, n_h, hd = q.shape
-        rows = self.mask.shape[0]
-        if self.identity:
-            qp = q
-        else:
-            qp = q.new_zeros(rows * self.q_max, n_h, hd)  # [Sb * q_max, n_h, hd]
-            qp.index_copy_(0, self.q_index, q)
-        qb = qp.view(rows, self.q_max, n_h, hd).transpose(1, 2)  # [Sb, n_h, q_max, hd]
-        if self.causal:  # a prefill from an empty cache: the kernel skips the masked blocks itself
-            out = F.scaled_dot_product_attention(qb, self.keys(k_cache), self.keys(v_cache), is_causal=True,
-                                                 enable_gqa=True)  # [1, n_h, q, hd]
-        else:
-            out = F.scaled_dot_product_attention(qb, self.keys(k_cache), self.keys(v_cache), attn_mask=self.mask,
-                                                 enable_gqa=True)  # [Sb, n_h, q_max, hd]
-        out = out.transpose(1, 2).reshape(rows * self.q_max, n_h, hd)
-        return out if self.identity else out.index_select(0, self.q_index)
+        return attend_padded(q, None if self.identity else self.q_index, self.mask, self.keys(k_cache),
+                             self.keys(v_cache), self.causal)
+
+
+def attend_padded(q: torch.Tensor, q_index: torch.Tensor | None, mask: torch.Tensor, keys: torch.Tensor,
+                  values: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    """One SDPA call for a ragged batch laid out as a padded block (the eager plan and the compiled
+    step both run it).
+
+    q: [T, n_h, hd]; q_index: [T] row of each token in the ``[Sb * q_max]`` block, or None when the
+    tokens already fill it in order; mask: [Sb, 1, q_max, Lk] bool; keys/values: [Sb, n_kv, Lk, hd].
+    ``causal``: one sequence from an empty cache, where SDPA's own causal mask replaces ``mask``
+    (the kernel then skips the masked blocks). Returns [T, n_h, hd].
+    """
+    T, n_h, hd = q.shape
+    rows, _, q_max, _ = mask.shape
+    qp = q
+    if q_index is not None:
+        qp = q.new_zeros(rows * q_max, n_h, hd)  # [Sb * q_max, n_h, hd]
+        qp.index_copy_(0, q_index, q)
+    qb = qp.view(rows, q_max, n_h, hd).transpose(1, 2)  # [Sb, n_h, q_max, hd]
+    if causal:
+        out = F.scaled_dot_product_attention(qb, keys, values, is_causal=True, enable_gqa=True)  # [1, n_h, q, hd]
+    else:
+        out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, enable_gqa=True)  # [Sb, n_h, q_max, hd]
+    out = out.transpose(1, 2).reshape(rows * q_max, n_h, hd)
+    return out if q_index is None else out.index_select(0, q_index)

@@ -37,10 +37,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from tidespec.files import cache_root
-from tidespec.models.attention import ROW_INVARIANT_Q, AttentionPlan
+from tidespec.models.attention import ROW_INVARIANT_Q, AttentionPlan, attend_padded
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel, ModelOutput
 
@@ -70,15 +69,11 @@ class StepLayout:
 
     def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q [T, n_h, hd] -> [T, n_h, hd]; ``window`` is already in the mask."""
-        rows, _, q_max, kv_len = self.mask.shape
-        T, n_h, hd = q.shape
-        qp = q.new_zeros(rows * q_max, n_h, hd).index_copy(0, self.q_index, q)  # [Sb * q, n_h, hd]
-        qb = qp.view(rows, q_max, n_h, hd).transpose(1, 2)  # [Sb, n_h, q, hd]
+        rows, kv_len = self.mask.shape[0], self.mask.shape[3]
         lo = self.lo_biased - LO_BIAS
         keys = k_cache.narrow(0, lo, rows)[:, :, :kv_len]  # [Sb, n_kv, Lk, hd], a view
         values = v_cache.narrow(0, lo, rows)[:, :, :kv_len]
-        out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=self.mask, enable_gqa=True)
-        return out.transpose(1, 2).reshape(rows * q_max, n_h, hd).index_select(0, self.q_index)
+        return attend_padded(q, self.q_index, self.mask, keys, values)
 
 
 def inductor_cache_dir() -> str:
