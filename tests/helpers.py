@@ -34,6 +34,8 @@ from tidespec.engine.output import RequestOutput
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaConfig, LlamaModel
 from tidespec.online.store import SignalShard, SignalStore
+from tidespec.speculative.policy.api import PlanInput
+from tidespec.stats import StepStats
 
 
 def tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -171,3 +173,36 @@ def write_tiny_checkpoint(hf: transformers.PreTrainedModel, directory: Path, **s
     hf.save_pretrained(str(directory), **save_kwargs)
     checkpoint_tokenizer(hf.config.vocab_size).save_pretrained(str(directory))
     return directory
+
+
+class ScriptedPolicy:
+    """A ``DrafterPolicy`` that plays a fixed schedule: ``choose(step, index in batch)`` -> (drafter, gamma)."""
+
+    name = "script"
+
+    def __init__(self, choose) -> None:
+        self.choose = choose
+        self.num_steps = 0
+        self.seen: list[StepStats] = []
+
+    def plan(self, inp: PlanInput) -> dict[int, int]:
+        return {sid: g for sid, (_, g) in self.plan_drafters(inp).items()}
+
+    def plan_drafters(self, inp: PlanInput) -> dict[int, tuple[str, int]]:
+        self.num_steps += 1
+        return {s.seq_id: self.choose(self.num_steps, i) for i, s in enumerate(inp.seqs)}
+
+    def observe(self, step: StepStats) -> None:
+        self.seen.append(step)
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+
+def switching_drafters(step: int, i: int) -> tuple[str, int]:
+    """Per step and sequence: the drafter rotates, gammas vary, and every 25 steps a stretch of 12
+    off steps (longer than TAP_LINGER_STEPS) makes the engine stop computing taps."""
+    if step % 25 >= 13:
+        return "suffix", 0
+    names = ["suffix", "eagle3", "draft-model", "ngram"]
+    return names[(step + i) % 4], 1 + (step + 2 * i) % 4

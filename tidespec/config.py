@@ -179,7 +179,8 @@ class Eagle3Options:
 class SpecConfig:
     """What to speculate with: the drafter, how far (gamma), chain or tree, and each drafter's knobs."""
 
-    drafter: str = opt("none", "speculative drafter", choices=DRAFTERS)
+    drafter: str = opt("none", f"speculative drafter: {', '.join(DRAFTERS)}; several joined by commas "
+                               "(e.g. suffix,eagle3) for --policy analytic to choose from per step")
     num_speculative_tokens: int = opt(4, "draft tokens per step (gamma)")
     tree: bool = opt(False, "allow tree-shaped proposals (drafters that support them)")
     ngram: NgramConfig = section(NgramConfig, "ngram")
@@ -188,10 +189,20 @@ class SpecConfig:
     eagle3: Eagle3Options = section(Eagle3Options, "eagle3")
 
     def __post_init__(self) -> None:
-        if self.drafter not in DRAFTERS:
-            raise ConfigError(f"drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}")
+        names = self.drafter_names
+        bad = [n for n in names if n not in DRAFTERS]
+        if bad or not names or (len(names) > 1 and "none" in names):
+            raise ConfigError(f"drafter must be one of {', '.join(DRAFTERS)} or several of them joined by "
+                              f"commas (not none), got {self.drafter!r}")
+        if len(set(names)) != len(names):
+            raise ConfigError(f"drafter names a drafter twice: {self.drafter!r}")
         if not 0 <= self.num_speculative_tokens <= 64:
             raise ConfigError(f"num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens}")
+
+    @property
+    def drafter_names(self) -> tuple[str, ...]:
+        """The drafters ``drafter`` names, in order: "suffix,eagle3" -> ("suffix", "eagle3")."""
+        return tuple(n.strip() for n in self.drafter.split(",") if n.strip())
 
     @property
     def enabled(self) -> bool:
@@ -295,8 +306,8 @@ class EngineConfig:
     online: OnlineTrainingConfig = section(OnlineTrainingConfig)
 
     def __post_init__(self) -> None:
-        if self.online.enabled and self.spec.drafter != "eagle3":
-            raise ConfigError("--online-training needs --drafter eagle3")
+        if self.online.enabled and "eagle3" not in self.spec.drafter_names:
+            raise ConfigError("--online-training needs the eagle3 drafter (--drafter eagle3, or e.g. suffix,eagle3)")
         if self.online.enabled and not self.spec.eagle3.dir:
             raise ConfigError("--online-training needs --eagle3-dir (the directory drafters are published to)")
         need = self.cache.max_num_seqs * (self.spec.num_speculative_tokens + 1) + 16

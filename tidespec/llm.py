@@ -30,6 +30,7 @@ from tidespec.models.loader import LoadedModel, load_model
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
+from tidespec.speculative.drafters.multi import MultiDrafter, stateful_member
 from tidespec.speculative.policy.api import SpeculationPolicy
 from tidespec.speculative.policy.factory import PolicyOptions, make_policy
 from tidespec.speculative.policy.guards import GuardConfig
@@ -47,17 +48,24 @@ def load_target(mc: ModelConfig) -> LoadedModel:
 
 
 def build_drafter(spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_model_len: int) -> Drafter | None:
-    """The drafter named by ``spec.drafter`` (None for "none")."""
-    if spec.drafter == "none":
-        return None
-    if spec.drafter == "ngram":
+    """The drafter named by ``spec.drafter`` (None for "none"); several names give a ``MultiDrafter``
+    whose model-free members are scored on the side at gamma = ``num_speculative_tokens``."""
+    names = spec.drafter_names
+    if len(names) > 1:
+        return MultiDrafter([_one_drafter(name, spec, target, max_num_seqs, max_model_len) for name in names],
+                            shadow_gamma=spec.num_speculative_tokens)
+    return None if names[0] == "none" else _one_drafter(names[0], spec, target, max_num_seqs, max_model_len)
+
+
+def _one_drafter(name: str, spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_model_len: int) -> Drafter:
+    if name == "ngram":
         from tidespec.speculative.drafters.ngram import NgramDrafter
         return NgramDrafter(min_n=spec.ngram.min, max_n=spec.ngram.max)
-    if spec.drafter == "suffix":
+    if name == "suffix":
         from tidespec.speculative.drafters.suffix import SuffixDrafter
         return SuffixDrafter(max_tree_tokens=spec.suffix.max_tree_tokens, min_prob=spec.suffix.min_prob,
                              factor=spec.suffix.factor)
-    if spec.drafter == "eagle3":
+    if name == "eagle3":
         return build_eagle3_drafter(target, spec.eagle3.dir, spec.eagle3.draft_vocab, Eagle3DrafterConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, tree_depth=spec.eagle3.tree_depth,
             tree_top_k=spec.eagle3.tree_top_k))
@@ -103,14 +111,18 @@ def build_policy(config: EngineConfig, model: LlamaModel, drafter: Drafter | Non
         return None
     pc, gamma_max = config.policy, config.spec.num_speculative_tokens
     profile: Profile | None = None
-    needs_profile = pc.name in ("analytic", "hybrid") or (pc.name == "bandit" and drafter.name in STATEFUL_DRAFTERS)
+    stateful = stateful_member(drafter, STATEFUL_DRAFTERS) is not None
+    needs_profile = pc.name in ("analytic", "hybrid") or (pc.name == "bandit" and stateful)
     if pc.profile:
         profile = Profile.load(pc.profile)
     elif needs_profile:
         profile, _ = load_or_measure(model, drafter, progress=progress, compiled=config.model.compile)
     guards = GuardConfig(kv_threshold=pc.guard_kv_usage, temperature_threshold=pc.guard_temperature,
                          gamma_max=gamma_max)
-    return make_policy(pc.name, PolicyOptions(gamma_max=gamma_max, profile=profile, guards=guards))
+    multi = drafter if isinstance(drafter, MultiDrafter) else None
+    return make_policy(pc.name, PolicyOptions(
+        gamma_max=gamma_max, profile=profile, guards=guards, drafters=tuple(multi.members) if multi else (),
+        shadowed=multi.shadowed if multi else frozenset()))
 
 
 def build_engine(config: EngineConfig, model: LlamaModel | None = None,

@@ -38,8 +38,17 @@ class StepStats:
     num_emitted_tokens: int = 0  # tokens appended to outputs this step
     accepted_per_pos: list[int] = field(default_factory=list)  # [max depth] accepted count per draft position
     spec_lens: dict[int, int] = field(default_factory=dict)  # seq_id -> gamma chosen this step
+    seq_drafters: dict[int, str] = field(default_factory=dict)  # seq_id -> drafter asked to draft (gamma > 0)
     # (gamma asked, draft depth, accepted) of every decode sequence asked for gamma > 0
     seq_outcomes: list[tuple[int, int, int]] = field(default_factory=list)
+    # the same outcomes per drafter name (a drafter that could not draft yet for lack of context,
+    # e.g. EAGLE-3 right after a step without taps, is left out: ``num_cold_drafts``)
+    drafter_outcomes: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    # outcomes of drafts a model-free drafter proposed on the side and that were scored against the
+    # tokens the target then produced (``speculative.drafters.multi``), per drafter name
+    shadow_outcomes: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    num_cold_drafts: int = 0  # sequences asked to draft whose drafter had no context to draft from yet
+    taps: bool = False  # whether the target's hidden-state taps were computed and handed out this step
     draft_time: float = 0.0  # seconds in drafter.propose
     verify_time: float = 0.0  # seconds in the target forward (+ verification)
     other_time: float = 0.0  # scheduling, bookkeeping, detokenization

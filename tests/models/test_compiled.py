@@ -69,7 +69,9 @@ def test_compiled_step_equals_eager(window: int | None) -> None:
                 for a, b in ((eager_kv.k, comp_kv.k), (eager_kv.v, comp_kv.v)):
                     assert (a[layer][s, :, :c + q] - b[layer][s, :, :c + q]).abs().max() < TOL
     assert step.num_compiled == len(CASES)
-    assert step(ids, BatchLayout.build(q_lens, ctx, slots)) is None  # other taps: eager
+    assert step(ids, BatchLayout.build(q_lens, ctx, slots), tap_layers=(1,)) is None  # other taps: eager
+    plain = step(ids, BatchLayout.build(q_lens, ctx, slots))  # no taps asked: the same graph, taps dropped
+    assert plain is not None and plain.taps is None and torch.equal(plain.logits, comp.logits)
 
 
 def test_another_model_reuses_the_graphs_with_its_own_weights() -> None:

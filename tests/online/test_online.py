@@ -130,7 +130,7 @@ def test_capture_pushes_position_token_label_and_taps(model: LlamaModel, tok, ca
     buf = CaptureBuffer(None, 4096, 64, taps_dtype=torch.float64)
     collector = SignalCollector(engine, buf, SelectiveCollector(CollectionConfig(force=True)),
                                 capture_prompt=capture_prompt, salt=3)
-    engine.observation_consumers.append(collector)
+    collector.hook_into(engine)
     prompts = [[5, 6, 7, 8], [9, 10, 11]]
     outs, drafted = run(engine, prompts, labels=["code", "chat"])
     assert drafted > 0
@@ -169,7 +169,7 @@ def test_no_capture_while_collection_is_off(model: LlamaModel, tok) -> None:
     buf = CaptureBuffer(None, 1024, 64)
     selective = SelectiveCollector(CollectionConfig(n_init=1))  # off until a shift is detected
     collector = SignalCollector(engine, buf, selective)
-    engine.observation_consumers.append(collector)
+    collector.hook_into(engine)
     engine.finish_listeners.append(collector.on_finish)
     run(engine, PROMPTS[:2])
     assert buf.num_captured == 0 and collector.num_skipped_rows > 0
@@ -182,8 +182,7 @@ def test_capture_never_blocks_the_engine_with_a_slow_store(model: LlamaModel, to
         buf = None
         if with_capture:
             buf = CaptureBuffer(SlowStore(tmp_path / "sig", 1 << 30), 48, 16, taps_dim=3 * model.cfg.hidden_size)
-            engine.observation_consumers.append(
-                SignalCollector(engine, buf, SelectiveCollector(CollectionConfig(force=True))))
+            SignalCollector(engine, buf, SelectiveCollector(CollectionConfig(force=True))).hook_into(engine)
         times: list[float] = []
         engine.step_listeners.append(lambda s: times.append(s.total_time))
         run(engine, PROMPTS * 2)

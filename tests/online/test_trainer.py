@@ -186,7 +186,7 @@ def test_two_process_gloo_ddp_publishes_a_drafter_the_engine_loads(tmp_path: Pat
     engine = LLMEngine(ours, tok, EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=4),
                                                 spec=SpecConfig(num_speculative_tokens=2)), drafter=drafter)
     buf = CaptureBuffer(SignalStore(sig, 1 << 30), 4096, 256, taps_dim=drafter.head.cfg.tap_size)
-    engine.observation_consumers.append(SignalCollector(engine, buf, SelectiveCollector(CollectionConfig(force=True))))
+    SignalCollector(engine, buf, SelectiveCollector(CollectionConfig(force=True))).hook_into(engine)
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 96, (5,), generator=gen).tolist() for _ in range(16)]
     params = SamplingParams(max_tokens=30, ignore_eos=True)

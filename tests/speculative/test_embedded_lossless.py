@@ -9,12 +9,14 @@ import logging
 import pytest
 import torch
 
+from tests.helpers import ScriptedPolicy, switching_drafters
 from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
 from tidespec.sampling import SamplingParams
+from tidespec.speculative.policy.api import SpeculationPolicy
 from tidespec.workloads.loader import load_prompts
 
 pytestmark = pytest.mark.integration
@@ -31,11 +33,11 @@ def prompts(embedded) -> list[list[int]]:
 
 
 def run(embedded, spec: SpecConfig, prompts: list[list[int]], slots: int, budget: int = 512,
-        stagger: bool = False) -> list[list[int]]:
+        stagger: bool = False, policy: SpeculationPolicy | None = None) -> list[list[int]]:
     cfg = EngineConfig(cache=CacheConfig(max_model_len=1024, max_num_seqs=slots), spec=spec,
                        scheduler=SchedulerConfig(max_num_batched_tokens=budget))
     e = LLMEngine(embedded.model, embedded.tokenizer, cfg,
-                  drafter=build_drafter(spec, embedded.model, slots, 1024))
+                  drafter=build_drafter(spec, embedded.model, slots, 1024), policy=policy)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     pending = list(enumerate(prompts))
     done: dict[str, list[int]] = {}
@@ -83,6 +85,19 @@ def test_speculative_greedy_equals_plain(embedded, prompts, plain_alone, drafter
     got = run(embedded, spec, prompts, slots=4)
     for p, ref, g in zip(prompts, plain_alone, got):
         assert_same_or_near_tie(embedded, p, ref, g)
+
+
+def test_controller_switching_drafters_mid_request_equals_plain(embedded, prompts, plain_alone):
+    """Four drafters loaded at once; per step and sequence the drafter and gamma change, and
+    stretches without speculation turn the taps off (EAGLE-3 restarts after each hole)."""
+    spec = SpecConfig(drafter="suffix,eagle3,draft-model,ngram", num_speculative_tokens=4,
+                      draft_model=DraftModelConfig(layers=6))
+    policy = ScriptedPolicy(switching_drafters)
+    got = run(embedded, spec, prompts, slots=4, policy=policy)
+    for p, ref, g in zip(prompts, plain_alone, got):
+        assert_same_or_near_tie(embedded, p, ref, g)
+    assert {n for s in policy.seen for n, outs in s.drafter_outcomes.items() if outs} >= {"suffix", "eagle3"}
+    assert any(not s.taps for s in policy.seen)
 
 
 def test_two_threads_batched_and_speculative_equal_plain_alone(embedded, prompts, plain_alone, two_threads):

@@ -47,11 +47,17 @@ from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import LlamaModel
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
 from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observation, SeqDraft
-from tidespec.speculative.policy.api import PlanInput, SeqState, SpeculationPolicy
+from tidespec.speculative.drafters.multi import MultiDrafter
+from tidespec.speculative.policy.api import DrafterPolicy, PlanInput, SeqState, SpeculationPolicy
 from tidespec.speculative.verify import VerifyResult, verify_greedy, verify_sampled, verify_seeded
 from tidespec.stats import StepStats, add_per_position
 
 log = logging.getLogger(__name__)
+
+# Steps a drafter that reads the target's taps keeps getting them after it last drafted: a policy
+# probing every few steps keeps it warm, one that parked it for longer gets plain decoding's work
+# (no taps) and pays one cold step when it drafts again (``_want_taps``).
+TAP_LINGER_STEPS = 8
 
 
 class RequestError(UserError, ValueError):
@@ -109,6 +115,10 @@ class LLMEngine:
         self.eos_ids = frozenset(eos)
         self.gamma_max = config.spec.num_speculative_tokens if drafter is not None else 0
         self.use_tree = config.spec.tree
+        # asked each step whether something other than drafting needs the taps (online training's
+        # signal capture while it collects); must return quickly
+        self.tap_demand: list[Callable[[], bool]] = []
+        self._last_tapped_draft = -(1 << 30)  # step in which a tap-reading drafter last drafted
 
     def _compiled_step(self) -> CompiledStep:
         """The compiled decode step, its graphs compiled now (or loaded from the disk cache): the
@@ -173,19 +183,20 @@ class LLMEngine:
         stats = StepStats(step=self.step_count)
         self.step_count += 1
         self.scheduler.admit()
-        gammas = self._plan(self.scheduler.decoding())
+        gammas, chosen = self._plan(self.scheduler.decoding())
         batch = self.scheduler.schedule(gammas)
         if batch.empty:
             return []
-        proposal = self._propose(batch.decode, gammas, stats)
+        stats.taps = self._want_taps(chosen, bool(batch.prefill))  # before propose: a cold sequence needs them
+        proposal = self._propose(batch.decode, gammas, chosen, stats)
         t_verify = time.perf_counter()
-        fwd = self.runner.forward(batch, proposal, self._tap_layers())
+        fwd = self.runner.forward(batch, proposal, self._tap_layers() if stats.taps else ())
         # every row verified and every first token sampled before any commit: a row that raises
         # leaves every sequence as it was before the step, so the step can be retried
         verified = [self._verify(seq, fwd) for seq in batch.decode]
         firsts = [self._sample(c.seq, fwd, fwd.rows[c.seq.seq_id].logits_start) if c.is_last else None
                   for c in batch.prefill]
-        advances = [self._commit_decode(seq, gammas[seq.seq_id], fwd, res, stats)
+        advances = [self._commit_decode(seq, gammas[seq.seq_id], chosen.get(seq.seq_id), fwd, res, stats)
                     for seq, res in zip(batch.decode, verified)]
         advances += [self._commit_prefill(chunk, first, fwd.rows[chunk.seq.seq_id], stats)
                      for chunk, first in zip(batch.prefill, firsts)]
@@ -211,26 +222,65 @@ class LLMEngine:
             log.exception("%s failed in step %d; the step's outputs are delivered", what, self.step_count - 1)
 
     # ----------------------------------------------------------------- step parts
-    def _plan(self, decode: list[Sequence]) -> dict[int, int]:
-        """Each decoding sequence's gamma for this step, decided once: the policy (with its guards)
-        or, without one, the configured gamma / per-request override; never past max_tokens or the
-        context, never above gamma_max (what the drafter was configured for)."""
+    @property
+    def drafter_names(self) -> tuple[str, ...]:
+        """The drafters a policy may choose from: a ``MultiDrafter``'s members, else the one drafter."""
+        if isinstance(self.drafter, MultiDrafter):
+            return tuple(self.drafter.members)
+        return (self.drafter.name,) if self.drafter is not None else ()
+
+    def _plan(self, decode: list[Sequence]) -> tuple[dict[int, int], dict[int, str]]:
+        """Each decoding sequence's gamma and drafter for this step, decided once: the policy (with
+        its guards) or, without one, the configured gamma / per-request override with the first
+        drafter; never past max_tokens or the context, never above gamma_max (what the drafter was
+        configured for). Returns (gammas, drafter name of every sequence with gamma > 0)."""
         if self.drafter is None or not decode:
-            return {s.seq_id: 0 for s in decode}
+            return {s.seq_id: 0 for s in decode}, {}
         room = {s.seq_id: min(s.remaining_tokens, self.max_model_len - len(s.token_ids)) for s in decode}
+        names = self.drafter_names
         if self.policy is not None:
-            chosen = self.policy.plan(PlanInput(len(decode), self.kv.usage(), [
-                SeqState(s.seq_id, s.params.temperature, room[s.seq_id], s.spec_override) for s in decode]))
+            inp = PlanInput(len(decode), self.kv.usage(), [
+                SeqState(s.seq_id, s.params.temperature, room[s.seq_id], s.spec_override) for s in decode], names)
+            if isinstance(self.policy, DrafterPolicy):
+                choices = self.policy.plan_drafters(inp)
+            else:
+                choices = {sid: (names[0], g) for sid, g in self.policy.plan(inp).items()}
         else:
-            chosen = {s.seq_id: self.gamma_max if s.spec_override is None else s.spec_override for s in decode}
-        return {s.seq_id: max(0, min(chosen.get(s.seq_id, 0), self.gamma_max, room[s.seq_id] - 1)) for s in decode}
+            choices = {s.seq_id: (names[0], self.gamma_max if s.spec_override is None else s.spec_override)
+                       for s in decode}
+        gammas: dict[int, int] = {}
+        chosen: dict[int, str] = {}
+        for s in decode:
+            name, gamma = choices.get(s.seq_id, (names[0], 0))
+            gammas[s.seq_id] = max(0, min(gamma, self.gamma_max, room[s.seq_id] - 1))
+            if gammas[s.seq_id] > 0:
+                chosen[s.seq_id] = name
+        return gammas, chosen
 
     def _tap_layers(self) -> tuple[int, ...]:
         return self.drafter.tap_layers if self.drafter is not None else ()
 
-    def _propose(self, decode: list[Sequence], gammas: dict[int, int], stats: StepStats) -> DraftProposal:
-        inputs = [DraftInput(s.seq_id, s.token_ids, gammas[s.seq_id], s.params, self.use_tree, len(s.prompt_ids))
-                  for s in decode if gammas[s.seq_id] > 0]
+    def _want_taps(self, chosen: dict[int, str], prefill: bool) -> bool:
+        """Whether this step computes and hands out the target's taps: in a step with prompt chunks
+        (so a feature drafter always knows the prompt; next to a prefill's compute the copy is
+        small), while a tap-reading drafter drafts (and ``TAP_LINGER_STEPS`` after), or while a
+        ``tap_demand`` hook asks. Otherwise a decode step does exactly plain decoding's work; the
+        drafter then restarts its context after the hole (``Drafter`` contract)."""
+        if self.drafter is None or not self.drafter.tap_layers:
+            return False
+        tapped = self.drafter.tapped if isinstance(self.drafter, MultiDrafter) else self.drafter.name
+        if any(name == tapped for name in chosen.values()):
+            self._last_tapped_draft = self.step_count
+        if prefill or self.step_count - self._last_tapped_draft <= TAP_LINGER_STEPS:
+            return True
+        return any(demand() for demand in self.tap_demand)
+
+    def _propose(self, decode: list[Sequence], gammas: dict[int, int], chosen: dict[int, str],
+                 stats: StepStats) -> DraftProposal:
+        """Drafts of the sequences with gamma > 0 from their chosen drafters. A sequence its drafter
+        could not draft for yet (cold: no context after a step without taps) runs as gamma 0."""
+        inputs = [DraftInput(s.seq_id, s.token_ids, gammas[s.seq_id], s.params, self.use_tree, len(s.prompt_ids),
+                             chosen.get(s.seq_id)) for s in decode if gammas[s.seq_id] > 0]
         if not inputs or self.drafter is None:
             return DraftProposal()
         t = time.perf_counter()
@@ -240,6 +290,12 @@ class LLMEngine:
             d = proposal.drafts.get(inp.seq_id)
             if d is not None and d.num_tokens > inp.num_speculative_tokens:
                 raise RuntimeError(f"drafter {self.drafter.name} proposed {d.num_tokens} > {inp.num_speculative_tokens} tokens")
+        for sid in proposal.cold & gammas.keys():
+            if sid not in proposal.drafts:
+                gammas[sid] = 0
+                chosen.pop(sid, None)
+                stats.num_cold_drafts += 1
+        stats.seq_drafters = dict(chosen)
         return proposal
 
     def _verify(self, seq: Sequence, fwd: ForwardOutput) -> VerifyResult:
@@ -256,11 +312,11 @@ class LLMEngine:
             return verify_seeded(row.draft, fwd.logits[lo:lo + n], seq.params, seq.params.seed, len(seq.output_ids))
         return verify_sampled(row.draft, fwd.logits[lo:lo + n], seq.params, seq.generator)
 
-    def _commit_decode(self, seq: Sequence, gamma: int, fwd: ForwardOutput, res: VerifyResult,
+    def _commit_decode(self, seq: Sequence, gamma: int, drafter: str | None, fwd: ForwardOutput, res: VerifyResult,
                        stats: StepStats) -> _Advance:
         """Keep the K/V of a decode sequence's root and accepted path; count its draft."""
         row = fwd.rows[seq.seq_id]
-        self._count_draft(stats, seq, gamma, row.draft, res)
+        self._count_draft(stats, seq, gamma, drafter, row.draft, res)
         start = seq.num_cached
         kept = [0] + [j + 1 for j in res.accepted]  # offsets within this seq's rows: root + accepted path
         self._commit_kv(seq, kept, tree=row.draft is not None and row.draft.is_tree)
@@ -299,11 +355,14 @@ class LLMEngine:
         return sample_from(probs, seq.generator)
 
     @staticmethod
-    def _count_draft(stats: StepStats, seq: Sequence, gamma: int, draft: SeqDraft | None, res: VerifyResult) -> None:
+    def _count_draft(stats: StepStats, seq: Sequence, gamma: int, drafter: str | None, draft: SeqDraft | None,
+                     res: VerifyResult) -> None:
         depth = draft.depth if draft is not None else 0
         stats.num_short_drafts += int(0 < gamma and depth < gamma)
         if gamma > 0:
-            stats.seq_outcomes.append((gamma, depth, res.num_accepted if depth else 0))
+            outcome = (gamma, depth, res.num_accepted if depth else 0)
+            stats.seq_outcomes.append(outcome)
+            stats.drafter_outcomes.setdefault(drafter or "", []).append(outcome)
         if draft is None or not draft.num_tokens:
             return
         seq.stats.add_accepted(draft.num_tokens, res.num_accepted)
@@ -348,6 +407,8 @@ class LLMEngine:
         stats.batch_size = len(decode) + num_prefill
         stats.num_decode_seqs = len(decode)
         stats.spec_lens = {s.seq_id: gammas[s.seq_id] for s in decode}
+        if isinstance(self.drafter, MultiDrafter):
+            stats.shadow_outcomes = self.drafter.drain_shadow()
         stats.total_time = time.perf_counter() - t0
         stats.other_time = stats.total_time - stats.draft_time - stats.verify_time  # incl. output processing
         stats.kv_usage = self.kv.usage()

@@ -123,8 +123,10 @@ class CompiledStep:
 
     def __call__(self, ids: torch.Tensor, layout: BatchLayout, tap_layers: tuple[int, ...] = ()) -> ModelOutput | None:
         """Logits at every row of a decode batch (chains only), or None when the slots are far apart
-        or other taps than ``self.tap_layers`` are asked for."""
-        if tuple(tap_layers) != self.tap_layers:
+        or other taps than ``self.tap_layers`` are asked for. Asked for no taps, it runs the same
+        graph and drops them (the in-graph taps cost next to nothing; a second set of graphs
+        without them would double the compile time)."""
+        if tap_layers and tuple(tap_layers) != self.tap_layers:
             self.num_declined += 1
             return None
         plan = AttentionPlan.build(layout.q_lens, layout.ctx_lens, layout.slots, layout.tree_masks,
@@ -139,7 +141,7 @@ class CompiledStep:
             logits, taps, last = self._fn(ids, layout.positions, layout.write_slots, layout.write_offsets, plan.q_index,
                                     plan.mask, plan.lo + LO_BIAS)
         self.num_compiled += 1
-        return ModelOutput(logits=logits, taps=taps, last_hidden=last)
+        return ModelOutput(logits=logits, taps=taps if tap_layers else None, last_hidden=last)
 
     def warm_up(self, max_q: int) -> float:
         """Compile (or load from the disk cache) the graphs decode batches will use: one and two

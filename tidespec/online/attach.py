@@ -66,6 +66,7 @@ from tidespec.online.store import TAPS_DTYPES, SignalStore
 from tidespec.online.trainer.supervisor import RestartPolicy, TrainerSupervisor
 from tidespec.speculative.api import DraftInput, DraftProposal, Observation
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
+from tidespec.speculative.drafters.multi import find_member
 
 if TYPE_CHECKING:
     from tidespec.engine.engine import LLMEngine
@@ -185,6 +186,17 @@ class SignalCollector:
 
     def store_seq_id(self, engine_seq_id: int) -> int:
         return self.salt | engine_seq_id
+
+    def hook_into(self, engine: LLMEngine) -> SignalCollector:
+        """Register as the engine's observation consumer and tap demand (returns self)."""
+        engine.observation_consumers.append(self)
+        engine.tap_demand.append(self.wants_taps)
+        return self
+
+    def wants_taps(self) -> bool:
+        """``engine.tap_demand`` entry: the target's taps are wanted while collection is on, also in
+        steps where no drafter reads them (the drafter being trained may be parked by the policy)."""
+        return self.enabled and self.selective.collection_enabled
 
     def __call__(self, observations: list[Observation]) -> None:
         """``engine.observation_consumers`` entry."""
@@ -451,9 +463,9 @@ def budget_shortfall(config: OnlineConfig, taps_dim: int) -> str | None:
 def attach_online_training(engine: LLMEngine, config: OnlineConfig, *, start: bool = True) -> OnlineTraining:
     """Wire capture, selective collection and drafter updates into ``engine`` (whose drafter
     must be an ``Eagle3Drafter``). ``start=False`` leaves the poller thread off (tests poll by hand)."""
-    drafter = engine.drafter
+    drafter = find_member(engine.drafter, "eagle3")
     if not isinstance(drafter, Eagle3Drafter):
-        raise OnlineConfigError("online training needs the eagle3 drafter (--drafter eagle3)")
+        raise OnlineConfigError("online training needs the eagle3 drafter (--drafter eagle3, or e.g. suffix,eagle3)")
     shortfall = budget_shortfall(config, drafter.head.cfg.tap_size)
     if shortfall is not None:
         logger.warning(shortfall)
@@ -464,7 +476,7 @@ def attach_online_training(engine: LLMEngine, config: OnlineConfig, *, start: bo
     selective = SelectiveCollector(config.collection)
     collector = SignalCollector(engine, capture, selective, capture_prompt=config.capture_prompt)
     updater = DrafterUpdater(drafter, config.publish_root, engine.model.cfg, config.poll_s, selective, capture)
-    engine.observation_consumers.append(collector)
+    collector.hook_into(engine)
     engine.finish_listeners.append(collector.on_finish)
     engine.between_steps.append(updater.between_steps)
     if start:

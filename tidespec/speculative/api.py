@@ -33,6 +33,7 @@ class DraftInput:
     params: SamplingParams
     tree: bool = False  # whether a tree-shaped proposal is allowed
     num_prompt_tokens: int = 0  # where the prompt ends in token_ids (0 = unknown)
+    drafter: str | None = None  # which drafter of a ``MultiDrafter`` drafts it (None = its first)
 
 
 @dataclass
@@ -75,6 +76,9 @@ class DraftProposal:
     """Drafts for a batch, keyed by sequence id. A missing or empty entry means no speculation."""
 
     drafts: dict[int, SeqDraft] = field(default_factory=dict)
+    # sequences the drafter could not draft for yet because it lacks their context (a feature
+    # drafter after a step without taps): not a short draft, the policy should not learn from it
+    cold: set[int] = field(default_factory=set)
 
     @property
     def num_draft_tokens(self) -> int:
@@ -99,9 +103,12 @@ class Drafter(Protocol):
     """A speculative drafter.
 
     The engine calls ``propose`` for the sequences that speculate this step, ``observe`` after every
-    step with every sequence that advanced and did not finish (whether it speculated or not; taps
-    only when ``tap_layers`` is non-empty), and ``release`` once a sequence finished. Stateless
-    drafters may ignore ``observe`` and ``release``."""
+    step with every sequence that advanced and did not finish (whether it speculated or not), and
+    ``release`` once a sequence finished. Stateless drafters may ignore ``observe`` and ``release``.
+    Taps: a drafter with ``tap_layers`` gets the target's taps in ``observe`` for the steps the
+    engine computed them; after a step without taps (speculation was off for a while, so the
+    engine ran exactly plain decoding) its observations carry ``taps=None`` and the drafter must
+    cope (EAGLE-3 restarts its context at the next position that has taps)."""
 
     name: str
     tap_layers: tuple[int, ...]  # target layers whose input hidden states this drafter needs; () = none

@@ -72,7 +72,7 @@ def capture_from_workload(model: LlamaModel, tokenizer: Any, workload: str, sign
     capacity = max(4096, 4 * max_num_seqs * max_len)
     capture = CaptureBuffer(store, capacity, min(2048, capacity), taps_dim=len(taps) * model.cfg.hidden_size)
     collector = SignalCollector(engine, capture, SelectiveCollector(CollectionConfig(force=True)))
-    engine.observation_consumers.append(collector)
+    collector.hook_into(engine)
     params = SamplingParams(max_tokens=max_tokens)
     added = 0
     for p in prompts:

@@ -16,6 +16,14 @@ Worked example (context ``t0..t4``, target KV holds t0..t3, taps h0..h3 observed
     head KV: positions 0..3 from (h0,t1) (h1,t2) (h2,t3) (h3,t4); last output g3, logits z3
     chain gamma=3: d1 = argmax z3; (g3, d1) at pos 4 -> d2; (g4', d2) at pos 5 -> d3
     after propose the head KV length is 4 again
+
+Steps without taps. While speculation is off the engine runs exactly plain decoding: no taps, so
+the sequence's taps get a hole. The head then restarts its context at the first position that has
+taps again (``_SeqState.base``): head position j holds the pair (h_{base+j}, t_{base+j+1}), and
+since rotary attention depends only on position differences this is exactly the head attending
+over the window after the hole. The first step with taps again drafts nothing for the sequence
+(it is *cold*, reported in ``DraftProposal.cold``); the next one drafts. Example: taps h0..h9,
+then 5 steps without, then taps from position 15 on -> base 15, head position 0 = (h15, t16).
 """
 
 from __future__ import annotations
@@ -130,11 +138,13 @@ class _SeqState:
     taps: _TapStore
     generator: torch.Generator
     tokens: list[int] = field(default_factory=list)  # context token ids known to the drafter
-    kv_len: int = 0  # head positions with final K/V: pairs (tap_i, token_{i+1}) for i < kv_len
+    base: int = 0  # context position of head position 0 (> 0 after a hole in the taps)
+    kv_len: int = 0  # head positions with final K/V: pairs (tap_{base+j}, token_{base+j+1}) for j < kv_len
     last_hidden: torch.Tensor | None = None  # [H] pre-norm output at position kv_len - 1
     last_logits: torch.Tensor | None = None  # [draft_vocab] logits at position kv_len - 1
     stale: bool = False  # head weights changed since kv was computed: rebuild from taps
-    broken: bool = False  # taps missing for some position: cannot draft for this sequence
+    hole: bool = False  # a step without taps since the last taps
+    lost: bool = False  # taps resumed at an unknown position (``Observation.start`` -1): never drafted again
     seeded: bool = False  # generator seeded from the request seed already
 
     def root_output(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -270,14 +280,20 @@ class Eagle3Drafter:
                 continue
             if len(obs.token_ids) > len(st.tokens):
                 st.tokens = list(obs.token_ids)
-            if obs.num_new_cached <= 0:
+            if obs.num_new_cached <= 0 or st.lost:
                 continue
             if obs.taps is None:
-                st.broken = True  # a hole in the taps: the head KV can no longer be aligned
+                st.hole = True  # a step without taps: the next taps restart the head's context
+                continue
+            if obs.start < 0 and st.hole:
+                st.lost = True  # cannot tell where the taps resume
                 continue
             if tuple(obs.taps.shape) != (obs.num_new_cached, self.head.cfg.tap_size):
                 raise ValueError(f"taps for sequence {obs.seq_id} have shape {tuple(obs.taps.shape)}, "
                                  f"expected ({obs.num_new_cached}, {self.head.cfg.tap_size})")
+            if obs.start >= 0 and obs.start != st.base + st.taps.end:
+                self._restart(st, obs.start)
+            st.hole = False
             # copy: the engine may reuse its tap buffer, and a view would pin the whole batch's taps
             st.taps.append(obs.taps.to(dtype=self.head.dtype, device=self.head.device, copy=True))
 
@@ -301,7 +317,12 @@ class Eagle3Drafter:
         trees: list[_TreeJob] = []
         for inp, st in ready:
             n = len(inp.token_ids)
-            if st.broken or st.kv_len != n - 1 or st.last_logits is None or st.tokens[:n] != list(inp.token_ids):
+            if st.lost:
+                continue
+            if st.base + st.taps.end < n - 1:
+                proposal.cold.add(inp.seq_id)  # no taps up to the last position yet (after a hole)
+                continue
+            if st.base + st.kv_len != n - 1 or st.last_logits is None or st.tokens[:n] != list(inp.token_ids):
                 continue  # head KV does not cover the context up to the last token
             room = self.cfg.max_model_len - st.kv_len
             if inp.tree:
@@ -339,6 +360,12 @@ class Eagle3Drafter:
             self._states[seq_id] = st
         return st
 
+    def _restart(self, st: _SeqState, position: int) -> None:
+        """Start the sequence's head context afresh at context ``position`` (after a hole)."""
+        st.base, st.taps = position, _TapStore()
+        st.kv_len, st.last_hidden, st.last_logits, st.stale = 0, None, None, False
+        self.kv.set_length(st.slot, 0)
+
     def _embed(self, token_ids: list[int]) -> torch.Tensor:
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.embed.weight.device)
         return self.embed(ids).to(dtype=self.head.dtype, device=self.head.device)  # [T, H]
@@ -348,18 +375,19 @@ class Eagle3Drafter:
         ``min(taps held, tokens - 1)`` positions, in one ragged forward."""
         jobs: list[_CatchUp] = []
         for st in states:
-            if st.broken:
+            if st.lost:
                 continue
             if st.stale and self.cfg.retain_taps:
                 st.kv_len, st.last_hidden, st.last_logits = 0, None, None
             st.stale = False
-            end = min(st.taps.end, len(st.tokens) - 1, self.cfg.max_model_len)
+            end = min(st.taps.end, len(st.tokens) - 1 - st.base, self.cfg.max_model_len)
             if end > st.kv_len:
                 jobs.append(_CatchUp(st, st.kv_len, end))
         if not jobs:
             return
         taps = torch.cat([j.state.taps.rows(j.start, j.end) for j in jobs])  # [T, 3H]
-        tokens = [t for j in jobs for t in j.state.tokens[j.start + 1:j.end + 1]]  # token i+1 pairs with tap i
+        # head position i pairs tap i with the token after it
+        tokens = [t for j in jobs for t in j.state.tokens[j.state.base + j.start + 1:j.state.base + j.end + 1]]
         layout = BatchLayout.build([j.end - j.start for j in jobs], [j.start for j in jobs],
                                    [j.state.slot for j in jobs], device=self.head.device)
         out, logits = self.head(self.head.fuse(taps), self._embed(tokens), layout, self.kv)

@@ -1,9 +1,11 @@
-"""TIDE's analytic speculation policy (``AnalyticPolicy``): the best eq.-5 gamma at this batch size.
+"""TIDE's analytic speculation policy (``AnalyticPolicy``): the best eq.-5 (drafter, gamma) at this batch size.
 
-Why this exists: TIDE eq. 5 on a profiled T(n)/D0, with alpha estimated online per batch-size
-bucket (``tracking.AlphaTracker``), predicts the speedup of every gamma; this policy picks the
-gamma with the best predicted speedup, 0 if none beats 1.0, and while off probes at a bounded
-cost so it never deadlocks (worked example in the class docstring).
+Why this exists: TIDE eq. 5 on a profiled T(b, q) and each drafter's D0, with alpha estimated
+online per drafter and batch-size bucket (``tracking.AlphaTracker``), predicts the speedup of every
+(drafter, gamma); this policy picks the best, plain decoding if none beats 1.0, and probes the
+choices it does not run at a bounded cost so it never deadlocks (worked examples in the class
+docstring). With one drafter it is TIDE's adaptive gamma; with several (``MultiDrafter``) it is
+the one controller that chooses drafter and gamma from one statistics source.
 """
 
 from __future__ import annotations
@@ -20,87 +22,144 @@ def _argmax(speedups: list[float], start: int) -> int:
 
 
 class AnalyticPolicy:
-    """TIDE's adaptive drafter: best eq.-5 gamma at this batch size and the bucket's alpha.
+    """TIDE's adaptive drafter: the best eq.-5 (drafter, gamma) at this batch size and the bucket's
+    estimates of each drafter.
 
     It starts from ``prior_alpha`` (optimistic by default so it speculates and measures), then
-    follows the bucket's estimates (``AlphaTracker``: alpha and the drafter's continuation rho).
-    A bucket whose model says "off" would never measure alpha again (the "decision deadlock"
-    Nightjar points out; with every bucket off it stays off for good), so while off it probes:
-    one step at the gamma the model rates best (its predicted speedup s < 1), which refreshes the
-    bucket's estimates (our addition to TIDE). A probe is predicted to cost 1 - s of a step, so
-    the policy saves ``probe_budget`` of a step per off step and probes once the savings cover
-    that cost — and at the latest after ``probe_every`` off steps (0 disables probing). Near
-    break-even (s = 0.95) it probes every 3rd step, so a noisy dip of the estimate below the
-    threshold is corrected within a few steps; where speculating is hopeless (s = 0.3) every 35th
-    step, spending about ``probe_budget`` of the time either way.
+    follows each drafter's bucket estimates (``AlphaTracker``: alpha and the drafter's
+    continuation rho), learnt from the steps it drafted in (``StepStats.drafter_outcomes``) and,
+    for model-free drafters that a ``MultiDrafter`` scores on the side, from those shadow drafts
+    (``StepStats.shadow_outcomes``, every step, whoever drafts).
 
-    Worked example (probe_budget 0.02, probe_every 64; the model says off with the best gamma 1
-    predicted at s = 0.952, so a probe costs 0.048): gammas 0, 0, 1, 0, 0, 1, ... (savings 0.02,
-    0.04, 0.06 >= 0.048 -> probe, start over). At s = 0.2: 0 x 39, then 1 (cost 0.8 = 40 x 0.02).
+    Probing. A choice the policy does not run is never measured again (the "decision deadlock"
+    Nightjar points out; with every bucket off it stays off for good), so it probes: one step of
+    the best (drafter, gamma >= 1) among the drafters that are neither running nor shadow-scored,
+    which refreshes that drafter's estimates (our addition to TIDE). A probe is predicted to cost
+    ``s_run - s_probe`` of a step (s_run = 1 when off), so the policy saves ``probe_budget`` of a
+    step per step without a probe and probes once the savings cover that cost — and at the latest
+    after ``probe_every`` steps (0 disables probing). Near break-even (s = 0.95 while off) it
+    probes every 3rd step, so a noisy dip of the estimate below the threshold is corrected within a
+    few steps; where a probe is hopeless (s = 0.3) every 35th step, spending about
+    ``probe_budget`` of the time either way. A probe whose drafter could not draft (a cold
+    feature drafter after steps without taps, ``StepStats.num_cold_drafts``) is repeated on the
+    next step.
+
+    Worked example, one drafter (probe_budget 0.02, probe_every 64; the model says off with the best
+    gamma 1 predicted at s = 0.952, so a probe costs 0.048): gammas 0, 0, 1, 0, 0, 1, ... (savings
+    0.02, 0.04, 0.06 >= 0.048 -> probe, start over). At s = 0.2: 0 x 39, then 1 (cost 0.8 = 40 x 0.02).
+
+    Worked example, two drafters (suffix shadow-scored, eagle3 not): suffix at gamma 3 predicts
+    1.30, eagle3 at gamma 2 1.10 -> ("suffix", 3), and every 10th step ("eagle3", 2) (cost 0.20 =
+    10 x 0.02) until eagle3's estimates say it beats the suffix drafter.
     """
 
     def __init__(self, profile: Profile, gamma_max: int, ema: float = 0.1, prior_alpha: float = 0.7,
-                 drafter: str | None = None, probe_every: int = 64, probe_budget: float = 0.02) -> None:
+                 drafter: str | None = None, probe_every: int = 64, probe_budget: float = 0.02,
+                 drafters: tuple[str, ...] = (), shadowed: frozenset[str] = frozenset()) -> None:
         check_gamma_max(gamma_max)
         if probe_every < 0:
             raise ValueError(f"probe_every must be >= 0, got {probe_every}")
         if not 0.0 <= probe_budget <= 1.0:
             raise ValueError(f"probe_budget must be in [0, 1], got {probe_budget}")
+        if drafter is not None and drafters:
+            raise ValueError("give either drafter (one) or drafters (several), not both")
+        if len(set(drafters)) != len(drafters):
+            raise ValueError(f"drafter names must differ, got {drafters}")
         self.name = "analytic"
         self.probe_every = probe_every
         self.probe_budget = probe_budget
         self.num_probes = 0
-        self._off_steps: dict[int, int] = {}  # bucket -> consecutive off steps since the last probe
+        self._off_steps: dict[int, int] = {}  # bucket -> steps since its last probe
+        self._reprobe: dict[int, bool] = {}  # bucket -> its last probe came back cold: probe again
         self.profile = profile
         self.gamma_max = gamma_max
         self.drafter = drafter
-        self.alphas = AlphaTracker(prior_alpha=prior_alpha, ema=ema)
-        self._chosen: dict[int, int] = {}
+        self.drafters: tuple[str | None, ...] = drafters or (drafter,)
+        self.shadowed = frozenset(shadowed)
+        self.trackers = {d: AlphaTracker(prior_alpha=prior_alpha, ema=ema) for d in self.drafters}
+        self.alphas = self.trackers[self.drafters[0]]  # the (first) drafter's estimates
+        self._chosen: dict[int, tuple[str | None, int]] = {}
         self._speedup: dict[int, float] = {}
         self._last_speedup = 1.0
 
-    def predicted(self, batch_size: int) -> list[float]:
-        """Eq.-5 speedup of every gamma 0..gamma_max at this batch size (``predicted_speedups``)."""
-        return predicted_speedups(self.alphas, batch_size, self.profile, self.gamma_max, self.drafter)
+    @property
+    def multi(self) -> bool:
+        return len(self.drafters) > 1
+
+    def predicted(self, batch_size: int, drafter: str | None = None) -> list[float]:
+        """Eq.-5 speedup of every gamma 0..gamma_max at this batch size for ``drafter`` (the first
+        when None), from its own estimates (``predicted_speedups``)."""
+        name = drafter if drafter is not None else self.drafters[0]
+        return predicted_speedups(self.trackers[name], batch_size, self.profile, self.gamma_max, name)
 
     def decide(self, batch_size: int) -> tuple[int, float]:
-        """(gamma, predicted speedup) for this batch size now: the best gamma, 0 if none beats 1.0
-        (ties to the shorter gamma, as ``speedup.best_gamma``)."""
+        """(gamma, predicted speedup) of the first drafter at this batch size now: the best gamma, 0
+        if none beats 1.0 (ties to the shorter gamma, as ``speedup.best_gamma``)."""
         s = self.predicted(batch_size)
         gamma = _argmax(s, 0)
         return gamma, s[gamma]
 
     def plan(self, inp: PlanInput) -> dict[int, int]:
+        return {sid: gamma for sid, (_, gamma) in self.plan_drafters(inp).items()}
+
+    def plan_drafters(self, inp: PlanInput) -> dict[int, tuple[str, int]]:
         if not inp.seqs:
             return {}
-        s = self.predicted(inp.batch_size)
-        gamma = _argmax(s, 0)
-        speedup = s[gamma]
+        table = {d: self.predicted(inp.batch_size, d) for d in self.drafters}
+        best = {d: _argmax(s, 1) for d, s in table.items()}  # each drafter's best gamma >= 1
+        drafter = max(self.drafters, key=lambda d: (table[d][best[d]], -best[d], -self.drafters.index(d)))
+        gamma = best[drafter] if table[drafter][best[drafter]] > 1.0 else 0
+        speedup = table[drafter][gamma]
         key = bucket_of(inp.batch_size)
-        if gamma == 0 and self.probe_every:
+        unseen = [d for d in self.drafters if d not in self.shadowed and (gamma == 0 or d != drafter)]
+        if self.probe_every and unseen:
             off = self._off_steps.get(key, 0) + 1
-            probe = _argmax(s, 1)
-            if off >= self.probe_every or off * self.probe_budget >= 1.0 - s[probe]:
-                gamma, off = probe, 0
+            probe = max(unseen, key=lambda d: (table[d][best[d]], -self.drafters.index(d)))
+            if (self._reprobe.pop(key, False) or off >= self.probe_every
+                    or off * self.probe_budget >= speedup - table[probe][best[probe]]):
+                drafter, gamma, off = probe, best[probe], 0
                 self.num_probes += 1
             self._off_steps[key] = off
         else:
             self._off_steps[key] = 0
-        self._chosen[key] = gamma
+        self._chosen[key] = (drafter, gamma)
         self._speedup[key] = speedup
         self._last_speedup = speedup
-        return {s.seq_id: gamma for s in inp.seqs}
+        name = drafter if drafter is not None and gamma > 0 else (inp.drafters[0] if inp.drafters else "")
+        return {s.seq_id: (name or "", gamma) for s in inp.seqs}
 
     def observe(self, step: StepStats) -> None:
-        if step.num_decode_seqs >= 1:
-            self.alphas.update(bucket_of(step.num_decode_seqs), step)
+        if step.num_decode_seqs < 1:
+            return
+        key = bucket_of(step.num_decode_seqs)
+        if step.num_cold_drafts:
+            self._reprobe[key] = True
+        if not self.multi:
+            self.alphas.update(key, step)
+            return
+        for outcomes in (step.drafter_outcomes, step.shadow_outcomes):
+            for name, outs in outcomes.items():
+                tracker = self.trackers.get(name)
+                if tracker is not None:
+                    tracker.update_outcomes(key, outs)
+
+    def choices(self) -> dict[int, tuple[str, int]]:
+        """Bucket -> the (drafter, gamma) last chosen there (drafter "" = the engine's only one)."""
+        return {key: (d or "", g) for key, (d, g) in sorted(self._chosen.items())}
 
     def stats(self) -> dict[str, float]:
         out = {"predicted_speedup": self._last_speedup, "alpha": self.alphas.global_alpha,
                "rho": self.alphas.overall.rho(), "probe_steps": float(self.num_probes)}
         for key in sorted(self._chosen):
-            out[f"gamma_b{key}"] = float(self._chosen[key])
+            drafter, gamma = self._chosen[key]
+            out[f"gamma_b{key}"] = float(gamma)
             out[f"speedup_b{key}"] = self._speedup[key]
             out[f"alpha_b{key}"] = self.alphas.alpha(key)
             out[f"rho_b{key}"] = self.alphas.rho(key)
+            if self.multi:
+                out[f"drafter_b{key}"] = float(self.drafters.index(drafter))
+        if self.multi:
+            for d, tracker in self.trackers.items():
+                out[f"alpha_{d}"] = tracker.global_alpha
+                out[f"rho_{d}"] = tracker.overall.rho()
         return out

@@ -19,6 +19,10 @@ controller share these types and nothing else. Four controllers implement
 ``Guards`` (``guards``) wraps any of them with the operational rules of the field guide (paper
 004); ``make_policy`` (``factory``) builds one by name.
 
+With several drafters loaded (``speculative.drafters.multi``) a ``DrafterPolicy`` (the analytic
+policy) answers ``plan_drafters`` instead: a (drafter, gamma) per sequence; the outcomes per drafter
+arrive in ``StepStats.drafter_outcomes`` (and, scored on the side, ``shadow_outcomes``).
+
 Feedback convention: ``StepStats.gamma`` is the arm that ran, i.e. the largest per-sequence
 gamma of the step (0 when nothing was drafted); the batch size a policy files the step under is
 ``StepStats.num_decode_seqs`` (the decode sequences it planned for, as ``PlanInput.batch_size``;
@@ -49,6 +53,7 @@ class PlanInput:
     batch_size: int  # running decode sequences this step
     kv_usage: float  # fraction of KV slots/blocks in use, [0, 1]
     seqs: list[SeqState]
+    drafters: tuple[str, ...] = ()  # the drafters loaded, the engine's default first (() = unknown)
 
 
 @runtime_checkable
@@ -64,6 +69,15 @@ class SpeculationPolicy(Protocol):
         ...
 
     def stats(self) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class DrafterPolicy(SpeculationPolicy, Protocol):
+    """A policy that also chooses *which* drafter drafts (several loaded: ``PlanInput.drafters``)."""
+
+    def plan_drafters(self, inp: PlanInput) -> dict[int, tuple[str, int]]:
+        """seq_id -> (drafter name, gamma) for every sequence in ``inp.seqs`` (gamma 0 = plain decode)."""
+        ...
 
 
 def bucket_of(batch_size: int) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from tidespec.errors import ConfigError
 from tidespec.speculative.policy.analytic import AnalyticPolicy
 from tidespec.speculative.policy.api import SpeculationPolicy, check_gamma_max
 from tidespec.speculative.policy.bandit_policies import BanditPolicy, HybridPolicy
@@ -32,6 +33,8 @@ class PolicyOptions:
     prior_alpha: float = 0.7
     bucketed: bool = False  # bandit / hybrid: power-of-two buckets instead of exact batch sizes
     guards: GuardConfig | None = None  # None: no guards
+    drafters: tuple[str, ...] = ()  # several drafters loaded (a MultiDrafter's members); () = one
+    shadowed: frozenset[str] = frozenset()  # of those, the ones scored on the side (model-free)
 
     def __post_init__(self) -> None:
         check_gamma_max(self.gamma_max)
@@ -50,7 +53,8 @@ def _static(o: PolicyOptions) -> SpeculationPolicy:
 
 
 def _analytic(o: PolicyOptions) -> SpeculationPolicy:
-    return AnalyticPolicy(_need_profile(o, "analytic"), o.gamma_max, ema=o.ema, prior_alpha=o.prior_alpha)
+    return AnalyticPolicy(_need_profile(o, "analytic"), o.gamma_max, ema=o.ema, prior_alpha=o.prior_alpha,
+                          drafters=o.drafters if len(o.drafters) > 1 else (), shadowed=o.shadowed)
 
 
 def _bandit(o: PolicyOptions) -> SpeculationPolicy:
@@ -64,6 +68,8 @@ def _hybrid(o: PolicyOptions) -> SpeculationPolicy:
     )
 
 
+MULTI_DRAFTER_POLICIES = ("analytic",)  # the policies that also choose the drafter
+
 POLICIES: Mapping[str, Callable[[PolicyOptions], SpeculationPolicy]] = MappingProxyType(
     {"static": _static, "analytic": _analytic, "bandit": _bandit, "hybrid": _hybrid}
 )
@@ -74,6 +80,9 @@ def make_policy(name: str, options: PolicyOptions | None = None) -> SpeculationP
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     opts = options or PolicyOptions()
+    if len(opts.drafters) > 1 and name not in MULTI_DRAFTER_POLICIES:
+        raise ConfigError(f"policy {name!r} chooses gamma for one drafter; with several drafters "
+                          f"({', '.join(opts.drafters)}) use --policy {' or '.join(MULTI_DRAFTER_POLICIES)}")
     policy = POLICIES[name](opts)
     return Guards(policy, opts.guards) if opts.guards is not None else policy
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tidespec.config import GUARD_KV_USAGE, GUARD_TEMPERATURE
 from tidespec.errors import ConfigError
-from tidespec.speculative.policy.api import PlanInput, SpeculationPolicy, check_gamma_max
+from tidespec.speculative.policy.api import DrafterPolicy, PlanInput, SpeculationPolicy, check_gamma_max
 from tidespec.stats import StepStats
 
 
@@ -55,13 +55,23 @@ class Guards:
         self._counts = {"kv": 0, "temperature": 0, "override": 0, "opt_out": 0, "remaining": 0}
 
     def plan(self, inp: PlanInput) -> dict[int, int]:
+        return {sid: gamma for sid, (_, gamma) in self.plan_drafters(inp).items()}
+
+    def plan_drafters(self, inp: PlanInput) -> dict[int, tuple[str, int]]:
+        """The inner policy's (drafter, gamma) per sequence with the rules applied to gamma; an
+        inner policy that only picks gamma drafts with the first drafter (an override too)."""
         cfg = self.config
-        raw = self.inner.plan(inp)
+        default = inp.drafters[0] if inp.drafters else ""
+        if isinstance(self.inner, DrafterPolicy):
+            raw = self.inner.plan_drafters(inp)
+        else:
+            raw = {sid: (default, g) for sid, g in self.inner.plan(inp).items()}
         kv_pressure = inp.kv_usage > cfg.kv_threshold
         if kv_pressure:
             self._counts["kv"] += 1
-        out: dict[int, int] = {}
+        out: dict[int, tuple[str, int]] = {}
         for s in inp.seqs:
+            name, planned = raw.get(s.seq_id, (default, 0))
             if s.override == 0:
                 gamma = 0
                 self._counts["opt_out"] += 1
@@ -72,14 +82,14 @@ class Guards:
                 gamma = 0
                 self._counts["temperature"] += 1
             else:
-                gamma = raw.get(s.seq_id, 0)
+                gamma = planned
             if kv_pressure:
                 gamma = 0
             cap = max(0, s.remaining_tokens - 1)
             if gamma > cap:
                 gamma = cap
                 self._counts["remaining"] += 1
-            out[s.seq_id] = gamma
+            out[s.seq_id] = (name if gamma > 0 else default, gamma)
         return out
 
     def observe(self, step: StepStats) -> None:

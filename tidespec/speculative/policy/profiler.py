@@ -14,7 +14,8 @@ once decided a whole benchmark's batch-1 choice, docs/benchmarks.md section 5b):
   ``context``-token cache (q = gamma + 1 when verifying, 1 for plain decode);
 - ``target_latency[n]``: the same for one sequence and n tokens (TIDE's T(n));
 - ``draft_cost[name]``: D0, one drafting step with gamma = 1 on a ``context``-token sequence (for a
-  drafter that reads the target's taps: ``observe`` of the new position with taps, then ``propose``);
+  drafter that reads the target's taps: ``observe`` of the new position with taps, then ``propose``),
+  for each drafter of a ``MultiDrafter`` (``"default"``: the first);
 - ``catchup[(L, b)]``: extra seconds a stateful drafter spends re-ingesting L lagging tokens for
   each of b sequences (Nightjar's c_prefill(L, B)).
 
@@ -44,6 +45,7 @@ from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.models.quant import quantization_of
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter, DraftInput, Observation
+from tidespec.speculative.drafters.multi import MultiDrafter
 from tidespec.speculative.policy.speedup import Profile
 
 STATEFUL_DRAFTERS = frozenset({"draft-model", "eagle3"})
@@ -172,16 +174,19 @@ def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerCon
     single = {n: statistics.median(times) for n, times in single_samples.items()}
     draft_cost = {"default": 0.0}
     catchup: dict[tuple[int, int], float] = {}
-    if drafter is not None:
-        clock = _DraftClock(drafter, len(drafter.tap_layers) * model.cfg.hidden_size, gen)
+    members = list(drafter.members.values()) if isinstance(drafter, MultiDrafter) else [drafter] if drafter else []
+    for member in members:  # each drafter of a MultiDrafter on its own: the policy prices each choice
+        clock = _DraftClock(member, len(member.tap_layers) * model.cfg.hidden_size, gen)
         d0 = _draft_cost(clock, model.cfg.vocab_size, cfg, gen)
-        if clock.drafted == 0 and drafter.name in STATEFUL_DRAFTERS:  # model-free ones may find no match
-            say(f"warning: {drafter.name} proposed nothing while being timed; D0 is not its drafting cost")
-        draft_cost = {"default": d0, drafter.name: d0}
-        say(f"D0({drafter.name}) = {d0 * 1e3:.2f} ms")
-        if drafter.name in STATEFUL_DRAFTERS:
+        if clock.drafted == 0 and member.name in STATEFUL_DRAFTERS:  # model-free ones may find no match
+            say(f"warning: {member.name} proposed nothing while being timed; D0 is not its drafting cost")
+        draft_cost[member.name] = d0
+        if member is members[0]:
+            draft_cost["default"] = d0
+        say(f"D0({member.name}) = {d0 * 1e3:.2f} ms")
+        if member.name in STATEFUL_DRAFTERS and not catchup:  # the catch-up of the (first) stateful one
             catchup = _catchup(clock, model.cfg.vocab_size, cfg, gen)
-            say("catch-up table measured")
+            say(f"catch-up table of {member.name} measured")
     key = profile_key(model, drafter.name if drafter is not None else "none", {"compiled": "1"} if compiled else None)
     return Profile(target_latency=single, draft_cost=draft_cost, catchup=catchup, key=key, verify_latency=verify)
 

@@ -152,18 +152,30 @@ class AlphaTracker:
     def update(self, bucket: int, step: StepStats) -> None:
         """Fold in one step's counts (accepted, rejected, draft depth, short drafts and the
         per-sequence outcomes); a step that asked for no drafts changes nothing."""
-        asked = step.num_drafts + step.num_short_drafts
-        if asked <= 0:
+        if step.num_drafts + step.num_short_drafts <= 0:
             return
+        self._fold(bucket, (float(step.num_accepted_tokens), float(step.num_rejected), float(step.num_draft_depth),
+                            float(step.num_short_drafts)), step.seq_outcomes)
+
+    def update_outcomes(self, bucket: int, outcomes: Sequence[tuple[int, int, int]]) -> None:
+        """Fold in (gamma asked, draft depth, accepted) per sequence — one drafter's share of a step,
+        or drafts scored on the side — counted as ``update`` counts a step. Example: [(4, 4, 4),
+        (4, 2, 1), (4, 0, 0)] adds accepted 5, rejected 1, depth 6, short drafts 2."""
+        if not outcomes:
+            return
+        self._fold(bucket, (float(sum(a for _, _, a in outcomes)), float(sum(a < d for _, d, a in outcomes)),
+                            float(sum(d for _, d, _ in outcomes)), float(sum(d < g for g, d, _ in outcomes))),
+                   outcomes)
+
+    def _fold(self, bucket: int, counts: tuple[float, float, float, float],
+              outcomes: Sequence[tuple[int, int, int]]) -> None:
         if bucket not in self.per_bucket:  # a new bucket starts from what all steps say
             self.per_bucket[bucket] = self.overall.copy()
-        counts = (float(step.num_accepted_tokens), float(step.num_rejected), float(step.num_draft_depth),
-                  float(step.num_short_drafts))
         keep = 1.0 - self.ema
         for c in (self.per_bucket[bucket], self.overall):
             c.add(keep, *counts)
-            if step.seq_outcomes:
-                c.add_positions(keep, step.seq_outcomes)
+            if outcomes:
+                c.add_positions(keep, outcomes)
 
 
 def predicted_speedups(tracker: AlphaTracker, batch_size: int, profile: Profile, gamma_max: int,

@@ -1,0 +1,185 @@
+"""Several drafters loaded at once (``MultiDrafter``), and cheap shadow scoring of the model-free ones.
+
+Why this exists: no drafter wins everywhere — a suffix drafter is nearly free and excellent on
+repetitive text, EAGLE-3 costs a head forward per token and wins on free text, and both lose to
+plain decoding at large batches (TIDE section 4.1, the field guide's operational traps). The
+controller (``speculative.policy.analytic``) chooses per step which drafter drafts for which
+sequence; this wrapper makes several drafters look like one to the engine: ``propose`` routes each
+``DraftInput`` to the member its ``drafter`` field names, ``observe`` and ``release`` reach every
+member (stateful ones must follow every sequence even while another drafter runs).
+
+Shadow estimates. A model-free member (n-gram, suffix: no weights, no per-token forward) can draft
+on the side for free, so the controller knows its acceptance without ever running it: after each
+``observe`` the wrapper asks it for a draft of the sequence's next tokens (one pending draft per
+member and sequence, never for the member that drafts the sequence this step) and scores that draft
+against the tokens the target then produced. For greedy requests this is exactly what verification
+would have accepted (verification keeps the longest prefix that matches the target's argmax); for
+sampled ones a point-mass draft token is accepted with probability p(token), which is also the
+probability that the target's own draw equals it, so the score has the right distribution.
+
+Worked example (suffix shadowing eagle3, gamma 3): context ... t9 observed, the shadow drafts
+[a, b, c] for positions 10..12; the target then emits t10 = a, t11 = x: the draft is scored
+(gamma 3, depth 3, accepted 1) — the same outcome the engine would have counted had the suffix
+drafter run — and the next shadow draft starts from t11.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tidespec.sampling import SamplingParams
+from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observation
+
+MODEL_FREE = frozenset({"ngram", "suffix"})  # drafters whose propose costs no model forward
+
+
+@dataclass
+class _Shadow:
+    """A draft a model-free member proposed on the side, waiting for the target's tokens."""
+
+    start: int  # context length when it was proposed: the draft guesses token_ids[start:]
+    gamma: int
+    tokens: list[int]
+
+
+def score_shadow(shadow: _Shadow, token_ids: Sequence[int]) -> tuple[int, int, int] | None:
+    """(gamma, depth, accepted) once the target's tokens decide the draft, else None.
+
+    Example: draft [5, 6, 7] from start 10; tokens[10:] = [5, 9] -> (3, 3, 1) (decided by the
+    mismatch); tokens[10:] = [5] -> None (position 11 not produced yet); [5, 6, 7] -> (3, 3, 3).
+    """
+    actual = token_ids[shadow.start:shadow.start + len(shadow.tokens)]
+    accepted = 0
+    for drafted, real in zip(shadow.tokens, actual):
+        if drafted != real:
+            return shadow.gamma, len(shadow.tokens), accepted
+        accepted += 1
+    if accepted == len(shadow.tokens):
+        return shadow.gamma, len(shadow.tokens), accepted
+    return None
+
+
+class MultiDrafter:
+    """Several drafters behind the one ``Drafter`` contract (name ``"a+b"``); at most one of them may
+    read the target's taps. ``shadow_gamma`` > 0 turns on shadow scoring of the model-free members
+    (the draft length they are scored at: the engine's largest gamma)."""
+
+    def __init__(self, drafters: Sequence[Drafter], shadow_gamma: int = 0) -> None:
+        if len(drafters) < 2:
+            raise ValueError("MultiDrafter needs at least two drafters")
+        names = [d.name for d in drafters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"drafter names must differ, got {names}")
+        tapped = [d for d in drafters if d.tap_layers]
+        if len(tapped) > 1:
+            raise ValueError(f"at most one drafter may read the target's taps, got {[d.name for d in tapped]}")
+        if shadow_gamma < 0:
+            raise ValueError(f"shadow_gamma must be >= 0, got {shadow_gamma}")
+        self.members: dict[str, Drafter] = {d.name: d for d in drafters}
+        self.default = names[0]
+        self.name = "+".join(names)
+        self.tap_layers: tuple[int, ...] = tapped[0].tap_layers if tapped else ()
+        self.tapped: str | None = tapped[0].name if tapped else None
+        self.shadow_gamma = shadow_gamma
+        self.shadowed = frozenset(n for n in names if n in MODEL_FREE) if shadow_gamma else frozenset()
+        self._pending: dict[str, dict[int, _Shadow]] = {n: {} for n in self.shadowed}
+        self._running: dict[int, str] = {}  # seq_id -> the member that drafted it in the last propose
+        self._scored: dict[str, list[tuple[int, int, int]]] = {}
+
+    @property
+    def version(self) -> int:
+        """The version of the member that has one (EAGLE-3's published head), else 0."""
+        return next((int(getattr(d, "version")) for d in self.members.values() if hasattr(d, "version")), 0)
+
+    def member_of(self, inp: DraftInput) -> str:
+        name = inp.drafter or self.default
+        if name not in self.members:
+            raise ValueError(f"no drafter {name!r} loaded (have {', '.join(self.members)})")
+        return name
+
+    def propose(self, inputs: list[DraftInput]) -> DraftProposal:
+        groups: dict[str, list[DraftInput]] = {}
+        for inp in inputs:
+            groups.setdefault(self.member_of(inp), []).append(inp)
+        self._running = {inp.seq_id: name for name, group in groups.items() for inp in group}
+        out = DraftProposal()
+        for name, group in groups.items():
+            part = self.members[name].propose(group)
+            out.drafts.update(part.drafts)
+            out.cold |= part.cold
+        return out
+
+    def observe(self, observations: list[Observation]) -> None:
+        for name, member in self.members.items():
+            if name == self.tapped or all(o.taps is None for o in observations):
+                member.observe(observations)
+            else:  # a model-free member never needs the taps; spare it the reference
+                member.observe([Observation(o.seq_id, o.token_ids, o.num_new_cached, None, o.start)
+                                for o in observations])
+        if self.shadowed:
+            self._shadow(observations)
+
+    def release(self, seq_id: int) -> None:
+        for member in self.members.values():
+            member.release(seq_id)
+        for pending in self._pending.values():
+            pending.pop(seq_id, None)
+        self._running.pop(seq_id, None)
+
+    def drain_shadow(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Shadow outcomes scored since the last call, per member name (then forgotten)."""
+        out, self._scored = self._scored, {}
+        return out
+
+    def _shadow(self, observations: list[Observation]) -> None:
+        """Score the pending shadow drafts against the new tokens; draft anew where none is pending."""
+        for name in self.shadowed:
+            pending = self._pending[name]
+            fresh: list[DraftInput] = []
+            for obs in observations:
+                shadow = pending.get(obs.seq_id)
+                if shadow is not None:
+                    outcome = score_shadow(shadow, obs.token_ids)
+                    if outcome is None:
+                        continue
+                    self._scored.setdefault(name, []).append(outcome)
+                    del pending[obs.seq_id]
+                if self._running.get(obs.seq_id) == name:
+                    continue  # it drafts this sequence for real: the engine counts its outcomes
+                if obs.start >= 0 and obs.start + obs.num_new_cached >= len(obs.token_ids):
+                    continue  # a prompt chunk before the prompt's end: nothing generated yet
+                fresh.append(DraftInput(obs.seq_id, obs.token_ids, self.shadow_gamma, SamplingParams()))
+            if fresh:
+                drafts = self.members[name].propose(fresh).drafts
+                for inp in fresh:
+                    d = drafts.get(inp.seq_id)
+                    tokens = list(d.token_ids) if d is not None and not d.is_tree else []
+                    if d is not None and d.is_tree:  # shadows are scored as chains: the first path
+                        tokens = _first_path(d.token_ids, d.parent_indices or [])
+                    if not tokens:
+                        self._scored.setdefault(name, []).append((self.shadow_gamma, 0, 0))
+                        continue
+                    pending[inp.seq_id] = _Shadow(len(inp.token_ids), self.shadow_gamma, tokens)
+
+
+def stateful_member(drafter: Drafter | None, stateful: frozenset[str]) -> Drafter | None:
+    """The drafter itself, or the first member of a ``MultiDrafter``, whose name is in ``stateful``."""
+    members = list(drafter.members.values()) if isinstance(drafter, MultiDrafter) else [drafter] if drafter else []
+    return next((d for d in members if d.name in stateful), None)
+
+
+def find_member(drafter: Drafter | None, name: str) -> Drafter | None:
+    """The drafter named ``name``: ``drafter`` itself or one of a ``MultiDrafter``'s members."""
+    return stateful_member(drafter, frozenset({name}))
+
+
+def _first_path(tokens: list[int], parents: list[int]) -> list[int]:
+    """The path that always follows a node's first child: parents [-1, -1, 0, 2] -> tokens 0, 2, 3."""
+    path: list[int] = []
+    node = -1
+    for j, p in enumerate(parents):
+        if p == node:
+            path.append(tokens[j])
+            node = j
+    return path
