@@ -13,10 +13,13 @@ engine, numbers in ``tidespec.server.metrics`` — and guarantees the contract a
   plus a usage chunk (``choices: []``) when ``stream_options.include_usage``;
 * a client that disconnects — streaming or not — gets its request aborted in the engine, which
   frees its KV slot;
-* an optional API key guards every route except ``/health``.
+* an optional API key guards every route except ``/health``: ``Authorization: Bearer <key>``,
+  ``X-API-Key: <key>``, or HTTP Basic auth with the key as password (what a browser sends for
+  ``/dashboard`` after its login prompt).
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health``,
-``GET /metrics``. Header ``X-Tidespec-Route: <label>`` buckets a request in the per-route metrics.
+``GET /metrics``, ``GET /dashboard`` (a live page, ``tidespec.server.dashboard``). Header
+``X-Tidespec-Route: <label>`` buckets a request in the per-route metrics.
 ``/health`` is 200 while the engine loop runs; with online training its body also says whether the
 trainer child runs (``{"status": "ok", "online": {"trainer": {"state": "restarting", ...}, ...}}``):
 serving goes on without training, so a dead trainer is shown, not failed.
@@ -57,6 +60,7 @@ from tidespec.engine.scheduler import QueueFullError
 from tidespec.errors import check_at_least
 from tidespec.sampling import SamplingParams, SamplingParamsError
 from tidespec.server.async_engine import AsyncEngine, EngineRequestError, EngineStoppedError, RequestStream
+from tidespec.server.dashboard import DASHBOARD_PATH, basic_auth_password, register_dashboard
 from tidespec.server.metrics import Metrics
 from tidespec.server.protocol import (
     AssistantMessage,
@@ -186,11 +190,15 @@ class _Guard:
         if self.api_key is not None and scope.get("path") != "/health":
             auth = headers.get("authorization", b"")
             token = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get("x-api-key", b"")
+            if auth[:6].lower() == b"basic ":
+                token = basic_auth_password(auth[6:])
             if not secrets.compare_digest(token, self.api_key):
                 self.on_reject("unauthorized")
+                # a browser opening the dashboard answers a Basic challenge with its login prompt
+                page = str(scope.get("path", "")).startswith(DASHBOARD_PATH)
                 resp = JSONResponse(error_body(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
                                                code="invalid_api_key"), status_code=401,
-                                    headers={"WWW-Authenticate": "Bearer"})
+                                    headers={"WWW-Authenticate": 'Basic realm="tidespec"' if page else "Bearer"})
                 await resp(scope, receive, send)
                 return
         length = headers.get("content-length")
@@ -552,6 +560,7 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: M
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await server.chat(body, request)
 
+    register_dashboard(app, engine, config.served_model_name, metrics, online)
     app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
                        on_reject=metrics.on_rejected)
     return app

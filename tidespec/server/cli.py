@@ -118,6 +118,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     log.info("serving %r on http://%s:%d (drafter %s, policy %s, max_waiting %d%s)", server_config.served_model_name,
              ns.host, ns.port, config.spec.drafter, config.policy.name, config.scheduler.max_waiting,
              ", online training" if online is not None else "")
+    log.info("live dashboard: http://%s:%d/dashboard", ns.host, ns.port)
     try:
         # SIGTERM: requests in flight get GRACE_S to finish, the rest end with an error event
         GracefulServer(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,

@@ -55,6 +55,9 @@ Online training (``attach_online``, servers with ``--online-training`` only), re
 ``OnlineTraining.state()`` at scrape time: ``trainer_up`` (1 while the trainer child runs, 0 while
 it waits for a restart, after the supervisor gave up, or after it exited), and the counters
 ``trainer_deaths_total`` (exits nobody asked for) and ``trainer_restarts_total``.
+
+The same feeds also fill ``series`` (``tidespec.server.series``): per-second points over the last
+ten minutes for the ``/dashboard`` page, so the page and ``/metrics`` show one set of numbers.
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from tidespec.engine.output import RequestOutput
+from tidespec.server.series import Series
 from tidespec.speculative.policy.api import SpeculationPolicy, bucket_of
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.stats import StepStats
@@ -196,6 +200,8 @@ class Metrics:
                                 ["reason"], registry=r)
         # online training (attach_online): created only for servers that train
         self.trainer: _TrainerMetrics | None = None
+        # per-second history for /dashboard (bounded ring), fed by the same calls
+        self.series = Series()
 
     # ------------------------------------------------------------------ feeds
     def on_step(self, stats: StepStats) -> None:
@@ -215,10 +221,13 @@ class Metrics:
             self._count_decode_step(stats)
             if self.policy is not None:
                 self._tally_decode_step(stats, max(lens, default=0))
+        version = getattr(self.drafter, "version", None)
+        self.series.on_step(stats, version if isinstance(version, (int, float)) else None)
 
     def attach_policy(self, policy: SpeculationPolicy, profile: Profile | None = None) -> None:
         """Export ``policy``'s decisions; with ``profile`` also predicted vs measured speedup."""
         self.policy, self.profile = policy, profile
+        self.series.profile = profile
         self.policy_info.labels(policy=policy.name).set(1)
 
     def _count_decode_step(self, stats: StepStats) -> None:
@@ -305,6 +314,7 @@ class Metrics:
         self.req_draft_tokens.labels(route=route).inc(s.num_draft_tokens)
         self.req_accepted_tokens.labels(route=route).inc(s.num_accepted_tokens)
         self.req_generation_tokens.labels(route=route).inc(len(output.token_ids))
+        self.series.on_request_finished(route, s, len(output.token_ids))
 
     def on_rejected(self, reason: str) -> None:
         """A request the server refused (``queue_full``, ``invalid``, ``unauthorized``)."""
