@@ -271,6 +271,10 @@ class OnlineTrainingConfig:
     trainer_args: str = opt("", "extra flags for the trainer child process, e.g. \"--threads 1 --epochs 3\"")
     trainer_nice: int = opt(0, "niceness added to the trainer child (e.g. 10): on a CPU shared with serving, the "
                                "engine then runs first and training takes what is left, so rounds take longer")
+    trainer_share: float = opt(0.0, "on a CPU shared with serving: fraction of the time serving is busy that the "
+                                    "trainer child may run (0 = it is paused while requests are served and runs "
+                                    "flat out when idle; 1 = never paused); a trainer on another --trainer-device "
+                                    "always runs")
     trainer_max_restarts: int = opt(5, "restarts in a row of a trainer child that dies within 5 minutes of its start "
                                        "before the server gives up on training (serving goes on)")
     trainer_backoff_max_s: float = opt(60.0, "longest wait before a dead trainer child is restarted (the waits "
@@ -287,6 +291,8 @@ class OnlineTrainingConfig:
             raise ConfigError(f"online_poll_s must be > 0, got {self.poll_s}")
         if not 0 <= self.trainer_nice <= 19:
             raise ConfigError(f"trainer_nice must be in [0, 19], got {self.trainer_nice}")
+        if not 0.0 <= self.trainer_share <= 1.0:
+            raise ConfigError(f"trainer_share must be in [0, 1], got {self.trainer_share}")
         check_at_least(0, trainer_max_restarts=self.trainer_max_restarts)
         if self.trainer_backoff_max_s <= 0:
             raise ConfigError(f"trainer_backoff_max_s must be > 0, got {self.trainer_backoff_max_s}")

@@ -11,11 +11,15 @@ last column runs the suffix drafter under the ``hybrid`` policy (Nightjar's band
 profiled model as prior; the profile is measured once and cached), and the demo reports what that
 policy decided.
 
-Part 2 — an EAGLE-3 drafter learning online (TIDE). A request trace that shifts domain — code the
-drafter never saw, then chat — runs through the engine with plain decoding and with the EAGLE-3
-drafter plus online training: the engine captures the target's hidden states, selective
-collection switches on at the shift, ``tidespec train-drafter`` runs as a child process and the
-engine swaps each better drafter in between steps. A live progress line shows acceptance,
+Part 2 — everything on: an EAGLE-3 drafter learning online (TIDE) beside the suffix drafter,
+both under the analytic controller. A request trace that shifts domain — code the drafter never
+saw, then chat — runs through the engine with plain decoding and with suffix + EAGLE-3 plus online
+training, the two configurations taking turns on slices of the trace: the controller chooses per
+step which drafter drafts and how far (or none: then the step is plain decoding's), the engine
+captures the target's hidden states, selective collection switches on at the shift,
+``tidespec train-drafter`` runs as a child process that yields the CPU to serving (paused while
+requests are decoded, ``--trainer-share``) and the engine swaps each better drafter in between
+steps. A live progress line shows acceptance,
 drafter version and tokens/s; the demo ends with a per-phase table against plain decoding, a
 plot, and the losslessness check (every output equal to plain's). The starting drafter is the
 bootstrap shipped in ``tidespec/assets`` (trained by our own ``train-drafter`` on prompts disjoint
@@ -127,15 +131,18 @@ def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bo
     """Part 2: the domain-shift trace, plain vs EAGLE-3 with online training; True when lossless."""
     boot = shipped_bootstrap()
     con.print(f"starting drafter: {boot if boot else 'fresh random head (no shipped bootstrap found)'}; "
-              f"policy: static gamma={ns.gamma} (chains); trainer: a child process with 1 thread")
+              f"drafters suffix + EAGLE-3 under the analytic controller (gamma <= {ns.gamma}); trainer: a child "
+              f"process with 1 thread, running {ns.trainer_share:.0%} of the busy time and whenever serving is idle")
     cfg = ShiftBenchConfig(workloads=f"code_unseen:{ns.code_requests},chat:{ns.chat_requests}",
                            max_tokens=ns.max_tokens, gamma=ns.gamma, concurrency=2, configs="plain,online",
+                           drafter="suffix,eagle3", policy="analytic", turn=4, trainer_share=ns.trainer_share,
                            bootstrap=str(boot) if boot else None, min_signals=ns.min_signals, collect_n_init=4,
                            window=4, bin_s=10.0, overhead_repeats=0, recompute_rows=0)
     out = Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     doc = run_shift_bench(cfg, loaded, out, command="make demo", log=lambda _: None)
     plain, online = doc["configs"]["plain"], doc["configs"]["online"]
-    table = Table(title="part 2: EAGLE-3 learning online under a domain shift (vs plain decoding, 2 in flight)")
+    table = Table(title="part 2: suffix + EAGLE-3 learning online under the controller, a domain shift "
+                        "(vs plain decoding, 2 in flight, taking turns of 4 requests)")
     for col in ("phase", "requests", "plain tok/s", "online tok/s", "speedup", "accept len (all)",
                 "accept len (2nd half)", "drafter versions"):
         table.add_column(col, no_wrap=True)
@@ -170,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--code-requests", type=int, default=8, help="part 2: requests of the code phase")
     ap.add_argument("--chat-requests", type=int, default=32, help="part 2: requests of the chat phase")
     ap.add_argument("--min-signals", type=int, default=768, help="part 2: signal rows per training round")
+    ap.add_argument("--trainer-share", type=float, default=0.0,
+                    help="part 2: fraction of the busy time the trainer may run (it always runs when idle)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--part", choices=["all", "drafters", "online"], default="all", help="which part to run")
     ns = ap.parse_args(argv)
@@ -185,7 +194,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"hybrid gamma<={ns.gamma} (suffix+hybrid)")
         lossless &= part_drafters(con, loaded, ns)
     if ns.part in ("all", "online"):
-        con.print("[bold]part 2[/bold]: EAGLE-3 learning online — code it never saw, then chat")
+        con.print("[bold]part 2[/bold]: everything on (suffix + EAGLE-3 learning online, one controller) — code "
+                  "the drafter never saw, then chat")
         lossless &= part_online(con, loaded, ns)
     con.print(f"demo took {time.perf_counter() - t_start:.0f} s; outputs identical to plain decoding: "
               + ("[green]yes[/green]" if lossless else "[red]NO[/red]"))

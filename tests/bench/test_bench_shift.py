@@ -52,6 +52,10 @@ def test_trace_phases_take_fresh_records(tmp_path: Path) -> None:
     ({"signal_dir": "/no/such/dir"}, "not a directory"),
     ({"collect_epsilon": 1.0}, "collect_epsilon"),
     ({"workloads": "code:0"}, "request count"),
+    ({"drafter": "suffix"}, "include eagle3"),
+    ({"drafter": "suffix,eagle3"}, "analytic"),
+    ({"policy": "oracle"}, "policy"),
+    ({"trainer_share": 1.5}, "trainer_share"),
 ])
 def test_config_validation(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -108,3 +112,28 @@ def test_shift_bench_end_to_end(tmp_path: Path) -> None:
     (out / "README.md").unlink()
     again = replot(out)  # re-rendered from bench_shift.json alone
     assert again["configs"]["online"]["mismatches"] == 0 and (out / "README.md").is_file()
+
+
+def test_shift_bench_interleaves_a_controller_with_several_drafters(tmp_path: Path) -> None:
+    """Everything on: suffix + EAGLE-3 under the analytic controller, online training yielding to
+    serving, a static suffix baseline; the configurations take turns of 3 requests."""
+    hf, _ = tiny_hf_model("qwen2", torch.float64)
+    ckpt = write_tiny_checkpoint(hf, tmp_path / "ckpt")
+    a = _workload(tmp_path / "a.jsonl", "a", 6, 10)
+    b = _workload(tmp_path / "b.jsonl", "b", 3, 40)
+    cfg = ShiftBenchConfig(workloads=f"{a},{b}", requests_per_phase=3, max_tokens=10, gamma=3, concurrency=2,
+                           configs="plain,online,suffix", drafter="suffix,eagle3", policy="analytic", turn=3,
+                           draft_vocab=0, min_signals=16, trainer_epochs=1.0, window=2, bin_s=0.5,
+                           overhead_repeats=0, recompute_rows=0, capture_prompt=True)
+    doc = run_shift_bench(cfg, resolve_target(str(ckpt), "float64"), tmp_path / "out", command="test",
+                          progress=False, log=lambda _: None)
+    assert list(doc["configs"]) == ["plain", "online", "suffix"]
+    for name in ("online", "suffix"):
+        assert doc["configs"][name]["mismatches"] == 0, name
+    turns = {n: r["turns"] for n, r in doc["runs"].items()}
+    assert all(len(t) == 2 for t in turns.values())  # 6 requests in turns of 3
+    order = sorted((span[0], n) for n, t in turns.items() for span in t)
+    assert [n for _, n in order] == ["plain", "online", "suffix"] * 2  # they took turns
+    online = doc["configs"]["online"]["online"]
+    assert online["governor"] is not None and online["trainer_running"] is False
+

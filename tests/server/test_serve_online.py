@@ -44,6 +44,8 @@ def test_serve_online_training_swaps_in_a_trained_drafter(tmp_path: Path) -> Non
             if versions[-1] != "0":
                 break
             i += 1
+            if i % 8 == 0:
+                time.sleep(2.0)  # serving idle: the trainer, paused while requests run, trains now
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
     finally:
         stop_server(proc)
@@ -53,6 +55,7 @@ def test_serve_online_training_swaps_in_a_trained_drafter(tmp_path: Path) -> Non
     version = int(versions[-1])
     assert latest_version(root) is not None and latest_version(root) >= version >= 1
     assert f"tidespec:spec_decode_drafter_version {float(version)}" in metrics
+    assert "tidespec:trainer_paused" in metrics
     assert SignalStore(root / "signals", 1 << 30).num_signals() >= 300
     assert "published v1" in trainer_log
     # the trainer child stops with the server (SIGTERM: app shutdown hook; a killed server: PDEATHSIG)

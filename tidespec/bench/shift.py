@@ -11,7 +11,16 @@ the engine three ways:
 * ``frozen`` — the EAGLE-3 drafter at fixed gamma, never updated (the bootstrap drafter, or a fresh
   head when none is given);
 * ``online`` — the same starting drafter with online training on: capture into a signal store,
-  TIDE's selective collection, ``tidespec train-drafter`` as a child process, swaps between steps.
+  TIDE's selective collection, ``tidespec train-drafter`` as a child process (paused while its
+  engine decodes beyond ``--trainer-share``, ``online.trainer.governor``), swaps between steps;
+* ``ngram`` / ``suffix`` (optional) — that model-free drafter alone at a static gamma.
+
+``--drafter suffix,eagle3 --policy analytic`` gives frozen and online the suffix drafter beside
+EAGLE-3 and the analytic controller, which chooses per step which drafter drafts and how far (or
+none): everything on. The configurations take turns on slices of ``--turn`` requests (each keeps
+its own engine, drafter and clock across turns), so every phase of every configuration is measured
+in the same minutes and a slow spell of the machine hits all of them; the online trainer is held
+paused during the other configurations' turns.
 
 Requests run closed-loop with ``concurrency`` in flight, greedy, every request generating exactly
 ``max_tokens`` tokens (EOS ignored), so every configuration does the same work and greedy outputs
@@ -47,6 +56,7 @@ closed loop and the engines in ``bench.shift_runs``, the side measurements in
 
 from __future__ import annotations
 
+import functools
 import shutil
 from dataclasses import asdict
 from pathlib import Path
@@ -57,14 +67,17 @@ from tidespec.bench.shift_config import ShiftBenchConfig, TraceItem, build_trace
 from tidespec.bench.shift_measure import measure_capture_overhead, measure_training_sources
 from tidespec.bench.shift_report import plot_shift, report
 from tidespec.bench.shift_runs import (
+    OnlineSetup,
+    TraceLoop,
     TraceRun,
     eagle3_engine,
-    run_online,
-    run_trace,
+    finish_online,
+    online_status,
     seed_publish_root,
+    start_online,
+    static_engine,
     trace_engine_config,
 )
-from tidespec.engine.engine import LLMEngine
 from tidespec.models.loader import LoadedModel
 
 
@@ -104,31 +117,44 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
     out_dir.mkdir(parents=True, exist_ok=True)
     trace = build_trace(cfg, target.tokenizer)
     log(f"trace: {' -> '.join(f'{Path(w).stem} x{n}' for w, n in cfg.phase_specs)}, {cfg.max_tokens} tokens each, "
-        f"{cfg.concurrency} in flight")
+        f"{cfg.concurrency} in flight; " + (f"configurations take turns of {cfg.turn} requests" if cfg.turn else
+                                             "configurations one after another"))
     frozen_root = out_dir / "frozen-drafter"
     if frozen_root.exists():
         shutil.rmtree(frozen_root)
     seed_publish_root(frozen_root, cfg.bootstrap, target.model)
-    runs: dict[str, TraceRun] = {}
+    loops: dict[str, TraceLoop] = {}
+    online: OnlineSetup | None = None
     for name in cfg.config_names:
-        if name == "plain":
-            engine = LLMEngine(target.model, target.tokenizer, trace_engine_config(trace, cfg, target.model, 0))
-            runs[name] = run_trace(engine, trace, cfg.concurrency, cfg.max_tokens, "plain", progress)
-        elif name == "frozen":
-            ecfg = trace_engine_config(trace, cfg, target.model, cfg.gamma)
-            engine = eagle3_engine(target.model, target.tokenizer, ecfg, frozen_root, cfg.draft_vocab)
-            runs[name] = run_trace(engine, trace, cfg.concurrency, cfg.max_tokens, "frozen", progress)
-        else:
+        status = None
+        if name == "online":
             work = out_dir / "online"
             if work.exists():
                 shutil.rmtree(work)
-            runs[name] = run_online(target, trace, cfg, work, progress)
+            online = start_online(target, trace, cfg, work)
+            engine, status = online.engine, functools.partial(online_status, online.online)
+        elif name == "frozen":
+            engine = eagle3_engine(target.model, target.tokenizer, trace_engine_config(trace, cfg, target.model,
+                                                                                          cfg.gamma),
+                                   frozen_root, cfg.draft_vocab)
+        else:  # plain, or a model-free drafter alone at a static gamma
+            gamma = 0 if name == "plain" else cfg.gamma
+            engine = static_engine(target, trace_engine_config(trace, cfg, target.model, gamma, name))
+        loops[name] = TraceLoop(engine, trace, cfg.concurrency, cfg.max_tokens, name, progress, status)
+    try:
+        runs = _take_turns(loops, len(trace), cfg.turn, online)
+    finally:
+        if online is not None:
+            online.online.close()  # the trainer child never outlives the run (close is idempotent)
+    if online is not None:
+        finish_online(runs["online"], online)
     plain = runs.get("plain")
     doc: dict[str, Any] = {"config": asdict(cfg), "phases": [Path(w).stem for w in cfg.phases],
                            "phase_sizes": [(Path(w).stem, n) for w, n in cfg.phase_specs],
                            "configs": {n: summarize_run(r, trace, plain if n != "plain" else None)
                                        for n, r in runs.items()},
-                           "runs": {n: {"steps": r.steps, "requests": r.requests} for n, r in runs.items()}}
+                           "runs": {n: {"steps": r.steps, "requests": r.requests, "turns": r.turns}
+                                    for n, r in runs.items()}}
     if cfg.overhead_repeats:
         doc["capture_overhead"] = measure_capture_overhead(target, trace, cfg, frozen_root, progress)
     signal_dir = Path(cfg.signal_dir) if cfg.signal_dir else (out_dir / "online" / "signals")
@@ -137,6 +163,21 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
 
     return finish_run(out_dir, "shift", doc, command, str(target.model.dtype).removeprefix("torch."), report,
                       plot_shift, log)
+
+
+def _take_turns(loops: dict[str, TraceLoop], n: int, turn: int, online: OnlineSetup | None) -> dict[str, TraceRun]:
+    """Each configuration runs requests ``[k * turn, (k + 1) * turn)`` of the trace in turn (all of
+    them at once with ``turn`` 0). The online trainer is held paused outside its configuration's
+    turns, so it never shares the CPU with another configuration's measurement."""
+    governor = online.online.governor if online is not None else None
+    for end in range(turn or n, n + (turn or n), turn or n):
+        for name, loop in loops.items():
+            if governor is not None and name == "online":
+                governor.hold(False)
+            loop.run_turn(min(end, n))
+            if governor is not None and name == "online":
+                governor.hold(True)
+    return {name: loop.finish() for name, loop in loops.items()}
 
 
 def replot(out_dir: Path) -> dict[str, Any]:

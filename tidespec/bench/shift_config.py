@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidespec.config import CollectionConfig, ConfigError, OnlineTrainingConfig, opt
+from tidespec.config import POLICIES, CollectionConfig, ConfigError, OnlineTrainingConfig, SpecConfig, opt
 from tidespec.workloads.loader import Prompt, load_prompts
 
-CONFIGS = ("plain", "frozen", "online")
+CONFIGS = ("plain", "frozen", "online", "ngram", "suffix")  # ngram, suffix: that drafter alone at a static gamma
 
 
 @dataclass
@@ -36,10 +36,20 @@ class ShiftBenchConfig:
     requests_per_phase: int = opt(16, "requests of a phase that gives no :N")
     offset: int = opt(0, "skip the first N records of every workload (e.g. the ones a bootstrap drafter saw)")
     max_tokens: int = opt(128, "tokens generated per request (EOS ignored)")
-    gamma: int = opt(4, "speculation length of the EAGLE-3 configurations (chains)")
+    gamma: int = opt(4, "speculation length of the speculating configurations (chains; the most a policy may choose)")
     concurrency: int = opt(4, "requests in flight (closed loop)")
-    configs: str = opt("plain,frozen,online", "comma-separated subset of plain, frozen, online; 'none' runs only "
+    configs: str = opt("plain,frozen,online", "comma-separated subset of plain, frozen, online, ngram, suffix (the "
+                                             "last two: that drafter alone at --gamma, static); 'none' runs only "
                                              "the capture-overhead and signals-vs-recompute measurements")
+    drafter: str = opt("eagle3", "drafters of frozen and online: eagle3, or several joined by commas that include "
+                                 "eagle3 (e.g. suffix,eagle3: --policy analytic chooses per step)")
+    policy: str = opt("static", f"speculation policy of frozen and online: {', '.join(POLICIES)} (static: --gamma "
+                                "every step)")
+    turn: int = opt(8, "requests per turn: the configurations take turns on slices of the trace, so each phase of "
+                       "each is measured in the same minutes (0 = each runs the whole trace, one after another)")
+    trainer_share: float = opt(OnlineTrainingConfig.trainer_share,
+                               "online: fraction of its busy time the trainer child may run (0 = only while its "
+                               "engine is idle; outside the online configuration's turns it is paused)")
     bootstrap: str | None = opt(None, "starting drafter: a publish root or an exported EAGLE-3 checkpoint "
                                      "(default: a fresh random head)")
     draft_vocab: int = opt(8192, "draft vocabulary of a fresh head (0 = the target's)")
@@ -81,6 +91,16 @@ class ShiftBenchConfig:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.gamma > 16:
             raise ConfigError(f"gamma must be <= 16, got {self.gamma}")
+        if self.policy not in POLICIES:
+            raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        names = SpecConfig(drafter=self.drafter).drafter_names  # validates the names
+        if "eagle3" not in names:
+            raise ConfigError(f"drafter must include eagle3 (frozen and online are EAGLE-3 configurations), "
+                              f"got {self.drafter!r}")
+        if len(names) > 1 and self.policy != "analytic":
+            raise ConfigError(f"several drafters ({self.drafter}) need --policy analytic, which chooses among them")
+        if self.turn < 0 or not 0.0 <= self.trainer_share <= 1.0:
+            raise ConfigError("turn must be >= 0 and trainer_share in [0, 1]")
         if not 0.0 <= self.collect_epsilon < 1.0:
             raise ConfigError(f"collect_epsilon must be in [0, 1), got {self.collect_epsilon}")
         if self.trainer_epochs <= 0 or self.bin_s <= 0:

@@ -15,6 +15,7 @@ Worked example::
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import shlex
 import time
@@ -26,75 +27,116 @@ from typing import Any, Callable
 from tqdm import tqdm
 
 from tidespec.bench.shift_config import ShiftBenchConfig, TraceItem
-from tidespec.config import CacheConfig, CollectionConfig, ConfigError, EngineConfig, SpecConfig
+from tidespec.config import CacheConfig, CollectionConfig, ConfigError, EngineConfig, PolicyConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.llm import build_eagle3_drafter
+from tidespec.llm import build_drafter, build_eagle3_drafter, build_engine, build_policy
 from tidespec.models.eagle3_checkpoint import head_from_published, load_drafter_source, publish
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import LoadedModel
 from tidespec.online.attach import OnlineConfig, OnlineTraining, attach_online_training, read_trainer_rounds
+from tidespec.online.trainer.governor import GovernorConfig
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig
-from tidespec.stats import StepStats
+from tidespec.speculative.drafters.multi import MultiDrafter
+from tidespec.stats import RequestStats, StepStats
 
 
 @dataclass
 class TraceRun:
     config: str
     wall_s: float = 0.0
-    steps: list[dict[str, float]] = field(default_factory=list)  # t, emitted, drafts, accepted, version
+    steps: list[dict[str, Any]] = field(default_factory=list)  # t, emitted, drafts, accepted, version, by_drafter, taps
     requests: list[dict[str, Any]] = field(default_factory=list)  # in trace order
     outputs: list[list[int]] = field(default_factory=list)  # in trace order
+    turns: list[tuple[float, float]] = field(default_factory=list)  # wall-clock (perf_counter) span of each turn
     online: dict[str, Any] = field(default_factory=dict)
+
+
+class TraceLoop:
+    """The closed loop over ``trace`` with ``concurrency`` requests in flight, run in turns:
+    ``run_turn(end)`` admits requests up to trace index ``end`` and returns once they all finished,
+    so several configurations can take turns on the same slices of the trace. Times are on the
+    loop's own clock, which only advances during its turns (so tokens/s of a phase does not count
+    other configurations' turns). A progress line shows finished requests, recent acceptance
+    length, tokens/s and the drafter version.
+
+    Example (two configurations interleaved in turns of 8 requests)::
+
+        loops = [TraceLoop(e, trace, 4, 128, name) for name, e in engines.items()]
+        for end in range(8, len(trace) + 8, 8):
+            for loop in loops:
+                loop.run_turn(min(end, len(trace)))
+        runs = [loop.finish() for loop in loops]
+    """
+
+    def __init__(self, engine: LLMEngine, trace: list[TraceItem], concurrency: int, max_tokens: int, desc: str,
+                 progress: bool = True, status: Callable[[], str] | None = None) -> None:
+        self.engine, self.trace, self.concurrency = engine, trace, concurrency
+        self.params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.run = TraceRun(desc)
+        self.status = status
+        self.pending = deque(enumerate(trace))
+        self.live: dict[str, tuple[int, float]] = {}
+        self.results: dict[int, dict[str, Any]] = {}
+        self.outputs: dict[int, list[int]] = {}
+        self.elapsed = 0.0  # seconds of this loop's turns so far
+        self.bar = tqdm(total=len(trace), desc=desc, unit="req", disable=not progress, leave=True, dynamic_ncols=True)
+
+    def run_turn(self, end: int) -> None:
+        """Run until every request with trace index < ``end`` has finished."""
+        engine, t_turn = self.engine, time.perf_counter()
+
+        def clock() -> float:
+            return self.elapsed + time.perf_counter() - t_turn
+
+        def on_step(st: StepStats) -> None:
+            self.run.steps.append({"t": clock(), "emitted": st.num_emitted_tokens, "drafts": st.num_drafts,
+                                   "accepted": st.num_accepted_tokens,
+                                   "version": float(getattr(engine.drafter, "version", 0)), "batch": st.batch_size,
+                                   "by_drafter": {n: sum(1 for _, d, _ in o if d) for n, o in st.drafter_outcomes.items()},
+                                   "taps": st.taps})
+
+        engine.step_listeners.append(on_step)
+        try:
+            while (self.pending and self.pending[0][0] < end) or engine.has_unfinished_requests():
+                while self.pending and self.pending[0][0] < end and len(self.live) < self.concurrency:
+                    idx, item = self.pending.popleft()
+                    rid = engine.add_request(item.prompt.token_ids, self.params, label=item.prompt.record.domain)
+                    self.live[rid] = (idx, clock())
+                for out in engine.step():
+                    if out.finished:
+                        self._finished(out.request_id, out.token_ids, out.stats, clock())
+        finally:
+            engine.step_listeners.remove(on_step)
+            self.elapsed = clock()
+            self.run.turns.append((t_turn, time.perf_counter()))
+
+    def _finished(self, request_id: str, token_ids: list[int], st: RequestStats, now: float) -> None:
+        idx, t_in = self.live.pop(request_id)
+        item = self.trace[idx]
+        self.results[idx] = {"index": idx, "phase": item.phase, "workload": item.workload, "id": item.prompt.record.id,
+                             "t_start": t_in, "t_end": now, "tokens": len(token_ids), "drafts": st.num_drafts,
+                             "draft_tokens": st.num_draft_tokens, "accepted": st.num_accepted_tokens,
+                             "version": int(getattr(self.engine.drafter, "version", 0))}
+        self.outputs[idx] = list(token_ids)
+        self.bar.update(1)
+        self.bar.set_postfix_str(_progress_line(self.run, self.status), refresh=False)
+
+    def finish(self) -> TraceRun:
+        """The run's record, once every turn is done."""
+        self.bar.close()
+        self.run.wall_s = self.elapsed
+        self.run.requests = [self.results[i] for i in range(len(self.trace))]
+        self.run.outputs = [self.outputs[i] for i in range(len(self.trace))]
+        return self.run
 
 
 def run_trace(engine: LLMEngine, trace: list[TraceItem], concurrency: int, max_tokens: int, desc: str,
               progress: bool = True, status: Callable[[], str] | None = None) -> TraceRun:
-    """Closed loop over ``trace`` with ``concurrency`` requests in flight; a progress line shows
-    finished requests, recent acceptance length, tokens/s and the drafter version."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    run = TraceRun(desc)
-    t0 = time.perf_counter()
-
-    def on_step(st: StepStats) -> None:
-        run.steps.append({"t": time.perf_counter() - t0, "emitted": st.num_emitted_tokens, "drafts": st.num_drafts,
-                          "accepted": st.num_accepted_tokens, "version": float(getattr(engine.drafter, "version", 0)),
-                          "batch": st.batch_size})
-
-    engine.step_listeners.append(on_step)
-    pending = deque(enumerate(trace))
-    live: dict[str, tuple[int, float]] = {}
-    results: dict[int, dict[str, Any]] = {}
-    outputs: dict[int, list[int]] = {}
-    try:
-        with tqdm(total=len(trace), desc=desc, unit="req", disable=not progress, leave=True,
-                  dynamic_ncols=True) as bar:
-            while pending or engine.has_unfinished_requests():
-                while pending and len(live) < concurrency:
-                    idx, item = pending.popleft()
-                    rid = engine.add_request(item.prompt.token_ids, params, label=item.prompt.record.domain)
-                    live[rid] = (idx, time.perf_counter() - t0)
-                for out in engine.step():
-                    if not out.finished:
-                        continue
-                    idx, t_in = live.pop(out.request_id)
-                    item = trace[idx]
-                    st = out.stats
-                    results[idx] = {"index": idx, "phase": item.phase, "workload": item.workload,
-                                    "id": item.prompt.record.id, "t_start": t_in,
-                                    "t_end": time.perf_counter() - t0, "tokens": len(out.token_ids),
-                                    "drafts": st.num_drafts, "draft_tokens": st.num_draft_tokens,
-                                    "accepted": st.num_accepted_tokens,
-                                    "version": int(getattr(engine.drafter, "version", 0))}
-                    outputs[idx] = list(out.token_ids)
-                    bar.update(1)
-                    bar.set_postfix_str(_progress_line(run, status), refresh=False)
-    finally:
-        engine.step_listeners.remove(on_step)
-    run.wall_s = time.perf_counter() - t0
-    run.requests = [results[i] for i in range(len(trace))]
-    run.outputs = [outputs[i] for i in range(len(trace))]
-    return run
+    """The whole trace in one turn (``TraceLoop``)."""
+    loop = TraceLoop(engine, trace, concurrency, max_tokens, desc, progress, status)
+    loop.run_turn(len(trace))
+    return loop.finish()
 
 
 def _progress_line(run: TraceRun, status: Callable[[], str] | None) -> str:
@@ -113,15 +155,23 @@ def _progress_line(run: TraceRun, status: Callable[[], str] | None) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def trace_engine_config(trace: list[TraceItem], cfg: ShiftBenchConfig, model: LlamaModel,
-                        gamma: int) -> EngineConfig:
+def trace_engine_config(trace: list[TraceItem], cfg: ShiftBenchConfig, model: LlamaModel, gamma: int,
+                        drafter: str | None = None) -> EngineConfig:
     """The engine settings of every configuration: ``concurrency`` KV slots just long enough for
-    the trace's longest prompt plus ``max_tokens`` and speculation slack; EAGLE-3 at ``gamma``
-    (0 = plain decoding)."""
+    the trace's longest prompt plus ``max_tokens`` and speculation slack; ``drafter`` (default: the
+    EAGLE-3 configurations' ``cfg.drafter``, under ``cfg.policy``) at ``gamma`` (0 = plain decoding).
+    A drafter other than ``cfg.drafter`` (the static ngram / suffix configurations) runs static."""
     longest = max(len(t.prompt.token_ids) for t in trace) + cfg.max_tokens + cfg.gamma + 2
     max_len = min(model.cfg.max_position_embeddings, longest)
+    name = drafter or cfg.drafter
     return EngineConfig(cache=CacheConfig(max_model_len=max_len, max_num_seqs=cfg.concurrency),
-                        spec=SpecConfig(drafter="eagle3" if gamma else "none", num_speculative_tokens=gamma))
+                        spec=SpecConfig(drafter=name if gamma else "none", num_speculative_tokens=gamma),
+                        policy=PolicyConfig(name=cfg.policy if name == cfg.drafter else "static"))
+
+
+def static_engine(target: LoadedModel, ecfg: EngineConfig) -> LLMEngine:
+    """Plain decoding or one model-free drafter at a static gamma."""
+    return build_engine(ecfg, target.model, target.tokenizer)
 
 
 def seed_publish_root(root: Path, bootstrap: str | None, target: LlamaModel) -> int | None:
@@ -137,16 +187,32 @@ def seed_publish_root(root: Path, bootstrap: str | None, target: LlamaModel) -> 
 
 
 def eagle3_engine(model: LlamaModel, tokenizer: Any, ecfg: EngineConfig, root: Path, draft_vocab: int) -> LLMEngine:
-    """An engine with the EAGLE-3 drafter of publish root ``root``: its newest published version,
-    or a fresh head of ``draft_vocab`` tokens (0 = the target's) when there is none."""
-    drafter = build_eagle3_drafter(model, root, draft_vocab, Eagle3DrafterConfig(
-        max_num_seqs=ecfg.cache.max_num_seqs, max_model_len=ecfg.cache.max_model_len))
-    return LLMEngine(model, tokenizer, ecfg, drafter=drafter)
+    """An engine with the EAGLE-3 drafter of publish root ``root`` (its newest published version,
+    or a fresh head of ``draft_vocab`` tokens, 0 = the target's, when there is none), beside the
+    other drafters ``ecfg.spec.drafter`` names, under ``ecfg.policy``."""
+    spec, cache = ecfg.spec, ecfg.cache
+    eagle = build_eagle3_drafter(model, root, draft_vocab, Eagle3DrafterConfig(
+        max_num_seqs=cache.max_num_seqs, max_model_len=cache.max_model_len))
+    members = [eagle if name == "eagle3" else build_drafter(dataclasses.replace(spec, drafter=name), model,
+                                                            cache.max_num_seqs, cache.max_model_len)
+               for name in spec.drafter_names]
+    drafter = eagle if len(members) == 1 else MultiDrafter(
+        [d for d in members if d is not None], shadow_gamma=spec.num_speculative_tokens)
+    return LLMEngine(model, tokenizer, ecfg, drafter=drafter, policy=build_policy(ecfg, model, drafter))
 
 
-def run_online(target: LoadedModel, trace: list[TraceItem], cfg: ShiftBenchConfig, work: Path,
-               progress: bool = True) -> TraceRun:
-    """The ``online`` configuration: capture + selective collection + a trainer child process."""
+@dataclass
+class OnlineSetup:
+    """The ``online`` configuration's engine with capture, collection and a supervised trainer."""
+
+    engine: LLMEngine
+    online: OnlineTraining
+    root: Path
+    signals: Path
+
+
+def start_online(target: LoadedModel, trace: list[TraceItem], cfg: ShiftBenchConfig, work: Path) -> OnlineSetup:
+    """Build the ``online`` configuration and start its trainer child (yielding to its engine)."""
     from tidespec.online.trainer.process import start_trainer_process
 
     root, signals = work / "drafter", work / "signals"
@@ -164,20 +230,23 @@ def run_online(target: LoadedModel, trace: list[TraceItem], cfg: ShiftBenchConfi
     log = work / "trainer.log"
     online.supervise_trainer(functools.partial(start_trainer_process, online.config, target.path, dtype=dtype,
                                                draft_vocab=cfg.draft_vocab, extra_args=extra, log_path=log),
-                             log_path=log)
-    try:
-        run = run_trace(engine, trace, cfg.concurrency, cfg.max_tokens, "online", progress,
-                        status=lambda: _online_status(online))
-    finally:
-        online.close()
+                             log_path=log, yield_to=GovernorConfig(share=cfg.trainer_share))
+    return OnlineSetup(engine, online, root, signals)
+
+
+def finish_online(run: TraceRun, setup: OnlineSetup) -> TraceRun:
+    """Stop the trainer and file the online state, rounds and signal directory with ``run``."""
+    online = setup.online
+    online.close()
     run.online = {k: v for k, v in online.state().items() if k != "collector"}
     run.online["collector"] = online.selective.state()
-    run.online["rounds"] = read_trainer_rounds(root)
-    run.online["signal_dir"] = str(signals)
+    run.online["rounds"] = read_trainer_rounds(setup.root)
+    run.online["signal_dir"] = str(setup.signals)
     return run
 
 
-def _online_status(online: OnlineTraining) -> str:
+def online_status(online: OnlineTraining) -> str:
     st = online.capture.stats()
     on = "on" if online.selective.collection_enabled else "off"
-    return f"collect {on}, {st['num_captured']} signals"
+    paused = " (paused)" if online.governor is not None and online.governor.state()["paused"] else ""
+    return f"collect {on}, {st['num_captured']} signals, trainer{paused}"

@@ -63,6 +63,7 @@ from tidespec.models.llama import LlamaConfig
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
 from tidespec.online.store import TAPS_DTYPES, SignalStore
+from tidespec.online.trainer.governor import GovernorConfig, TrainingGovernor
 from tidespec.online.trainer.supervisor import RestartPolicy, TrainerSupervisor
 from tidespec.speculative.api import DraftInput, DraftProposal, Observation
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
@@ -386,17 +387,26 @@ class OnlineTraining:
     collector: SignalCollector
     updater: DrafterUpdater
     trainer: TrainerSupervisor | None = None  # set by ``supervise_trainer``
+    governor: TrainingGovernor | None = None  # pauses the trainer while serving is busy (shared CPU)
     _closed: bool = field(default=False, init=False, repr=False)
 
     def supervise_trainer(self, start: Callable[[], subprocess.Popen[bytes]], policy: RestartPolicy | None = None,
-                          log_path: Path | str | None = None) -> TrainerSupervisor:
+                          log_path: Path | str | None = None, yield_to: GovernorConfig | None = None
+                          ) -> TrainerSupervisor:
         """Start the trainer child (``start()``, e.g. ``start_trainer_process`` with its arguments
         bound) under a ``TrainerSupervisor``: restarted with backoff when it dies; when the
-        supervisor gives up for good, capture stops. Raises what the first start raises."""
+        supervisor gives up for good, capture stops. ``yield_to``: the child shares the engine's CPU
+        and a ``TrainingGovernor`` pauses it while serving is busy (None: it always runs, e.g. on
+        another device). Raises what the first start raises."""
         if self.trainer is not None:
             raise RuntimeError("a trainer child is already supervised")
         self.trainer = TrainerSupervisor(start, policy, log_path=log_path, on_give_up=self._trainer_gone)
-        return self.trainer.start()
+        self.trainer.start()
+        if yield_to is not None:
+            self.governor = TrainingGovernor(self.trainer, yield_to)
+            self.collector.engine.step_listeners.append(self.governor.on_step)
+            self.governor.start()
+        return self.trainer
 
     def _trainer_gone(self, state: str) -> None:
         """The supervisor's ``on_give_up``: no trainer will read signals any more, so none are captured."""
@@ -418,6 +428,7 @@ class OnlineTraining:
             "refused_versions": sorted(self.updater.refused),
             "trainer_running": self.trainer is not None and self.trainer.running,
             "trainer": self.trainer.state() if self.trainer is not None else None,
+            "governor": self.governor.state() if self.governor is not None else None,
             "collector": sel,
         }
 
@@ -438,6 +449,8 @@ class OnlineTraining:
         self._closed = True
         self.updater.close()
         self.capture.close(timeout)
+        if self.governor is not None:
+            self.governor.close()
         if self.trainer is not None:
             self.trainer.close(timeout)
 

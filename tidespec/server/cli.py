@@ -101,6 +101,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     online = None
     if config.online.enabled:
         from tidespec.online.attach import OnlineConfig, attach_online_training
+        from tidespec.online.trainer.governor import GovernorConfig
         from tidespec.online.trainer.process import start_trainer_process, trainer_log_path
         from tidespec.online.trainer.supervisor import RestartPolicy
 
@@ -112,8 +113,11 @@ def cmd_serve(ns: argparse.Namespace) -> int:
             device=oc.trainer_device or config.model.device, draft_vocab=config.spec.eagle3.draft_vocab,
             extra_args=shlex.split(oc.trainer_args), log_path=log_path, nice=oc.trainer_nice)
         # a trainer that dies is restarted with backoff; its state is in /health and /metrics
+        # on the engine's own device the trainer yields to serving (paused while requests run)
+        shared = (oc.trainer_device or config.model.device) == config.model.device
         online.supervise_trainer(start, RestartPolicy(max_restarts=oc.trainer_max_restarts,
-                                                      backoff_max_s=oc.trainer_backoff_max_s), log_path)
+                                                      backoff_max_s=oc.trainer_backoff_max_s), log_path,
+                                 yield_to=GovernorConfig(share=oc.trainer_share) if shared else None)
     app = create_app(engine, server_config, on_shutdown=online.close if online is not None else None, online=online)
     log.info("serving %r on http://%s:%d (drafter %s, policy %s, max_waiting %d%s)", server_config.served_model_name,
              ns.host, ns.port, config.spec.drafter, config.policy.name, config.scheduler.max_waiting,

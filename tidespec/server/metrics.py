@@ -53,7 +53,8 @@ client takes differences between two scrapes to isolate one run.
 
 Online training (``attach_online``, servers with ``--online-training`` only), read from
 ``OnlineTraining.state()`` at scrape time: ``trainer_up`` (1 while the trainer child runs, 0 while
-it waits for a restart, after the supervisor gave up, or after it exited), and the counters
+it waits for a restart, after the supervisor gave up, or after it exited), ``trainer_paused`` (1
+while it yields the CPU to serving: ``online.trainer.governor``), and the counters
 ``trainer_deaths_total`` (exits nobody asked for) and ``trainer_restarts_total``.
 
 The same feeds also fill ``series`` (``tidespec.server.series``): per-second points over the last
@@ -104,6 +105,7 @@ class _TrainerMetrics:
 
     online: OnlineTraining
     up: Gauge
+    paused: Gauge
     deaths: Counter
     restarts: Counter
     exported: dict[str, int] = field(default_factory=lambda: {"deaths": 0, "restarts": 0})
@@ -112,6 +114,7 @@ class _TrainerMetrics:
     def refresh(self) -> None:
         trainer = self.online.state()["trainer"] or {}
         self.up.set(1 if trainer.get("state") == "running" else 0)
+        self.paused.set(1 if trainer.get("paused") else 0)
         with self.lock:  # two concurrent scrapes must not both add the same deaths
             for key, counter in (("deaths", self.deaths), ("restarts", self.restarts)):
                 now = int(trainer.get(key, 0))
@@ -271,6 +274,8 @@ class Metrics:
             online,
             Gauge(f"{p}trainer_up", "1 while the online-training child process runs, else 0 (dead and waiting "
                   "for its restart, given up on, or exited).", registry=r),
+            Gauge(f"{p}trainer_paused", "1 while the trainer child is paused because serving is busy on the "
+                  "CPU it shares (--trainer-share), else 0.", registry=r),
             Counter(f"{p}trainer_deaths", "Exits of the online-training child nobody asked for.", registry=r),
             Counter(f"{p}trainer_restarts", "Restarts of the online-training child after it died.", registry=r))
 

@@ -111,6 +111,7 @@ class TrainerSupervisor:
         self._deaths = 0
         self._failures = 0  # quick failures in a row
         self._last_exit: str | None = None
+        self._paused = False  # SIGSTOPped on purpose (``pause``); a restarted child starts paused too
 
     # ------------------------------------------------------------------ public
     def start(self, timeout: float = 60.0) -> TrainerSupervisor:
@@ -126,11 +127,35 @@ class TrainerSupervisor:
             raise self._start_error
         return self
 
+    def pause(self) -> None:
+        """Stop the child where it is (SIGSTOP): it keeps its memory and place and uses no CPU until
+        ``resume``; a child restarted meanwhile starts paused too (``training governor``)."""
+        with self._lock:
+            self._paused = True
+            self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Let a paused child go on (SIGCONT)."""
+        with self._lock:
+            self._paused = False
+            self._signal(signal.SIGCONT)
+
+    def _signal(self, sig: signal.Signals) -> None:
+        """Send ``sig`` to the live child, if any (caller holds the lock)."""
+        proc = self._proc
+        if proc is not None and proc.poll() is None:
+            try:
+                proc.send_signal(sig)
+            except ProcessLookupError:
+                pass  # it died just now; the supervisor thread sees that
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop supervising: SIGTERM the child, SIGKILL it after ``timeout`` s, never restart (idempotent)."""
         with self._lock:
             self._stop.set()  # under the lock: no child is started after this
             proc = self._proc
+            self._paused = False
+            self._signal(signal.SIGCONT)  # a stopped child would not act on SIGTERM
         if proc is not None and proc.poll() is None:
             proc.terminate()
             try:
@@ -162,6 +187,7 @@ class TrainerSupervisor:
                 "deaths": self._deaths,
                 "last_exit": self._last_exit,
                 "since_s": round(time.monotonic() - self._since, 1),
+                "paused": self._paused,
             }
 
     # ------------------------------------------------------------------ the supervisor thread
@@ -190,6 +216,8 @@ class TrainerSupervisor:
                 return None
             proc = self._start_child()
             self._proc = proc
+            if self._paused:
+                self._signal(signal.SIGSTOP)
             self._state = "running"
             self._since = time.monotonic()
             return proc
