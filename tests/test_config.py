@@ -31,7 +31,7 @@ FLAGS = {
     '--draft-layers': 0, '--tree-top-k': 2, '--policy': 'static', '--profile': None, '--guard-kv-usage': 0.9,
     '--guard-temperature': 2.0, '--eagle3-dir': None, '--eagle3-draft-vocab': 0, '--eagle3-tree-depth': 5,
     '--eagle3-tree-top-k': 4, '--online-training': False, '--signal-dir': None, '--signal-budget-mb': 2048,
-    '--online-poll-s': 2.0, '--trainer-device': None, '--trainer-args': '', '--trainer-nice': 0, '--trainer-share': 0.0,
+    '--online-poll-s': 2.0, '--trainer-device': None, '--trainer-args': '', '--trainer-nice': 0, '--trainer-share': 0.0, '--rollback-min-drafts': 64,
     '--trainer-max-restarts': 5, '--trainer-backoff-max-s': 60.0,
     '--collect-force': False, '--collect-prompt': False, '--collect-bootstrap': False, '--collect-epsilon': 0.02,
     '--collect-n-init': 20, '--collect-n-threshold': 16384, '--collect-lambda-short': 0.9,

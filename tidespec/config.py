@@ -180,7 +180,7 @@ class SpecConfig:
     """What to speculate with: the drafter, how far (gamma), chain or tree, and each drafter's knobs."""
 
     drafter: str = opt("none", f"speculative drafter: {', '.join(DRAFTERS)}; several joined by commas "
-                               "(e.g. suffix,eagle3) for --policy analytic to choose from per step")
+                               "(e.g. suffix,eagle3) for --policy analytic, bandit or hybrid to choose from per step")
     num_speculative_tokens: int = opt(4, "draft tokens per step (gamma)")
     tree: bool = opt(False, "allow tree-shaped proposals (drafters that support them)")
     ngram: NgramConfig = section(NgramConfig, "ngram")
@@ -279,6 +279,9 @@ class OnlineTrainingConfig:
                                        "before the server gives up on training (serving goes on)")
     trainer_backoff_max_s: float = opt(60.0, "longest wait before a dead trainer child is restarted (the waits "
                                              "double from 1 s)")
+    rollback_min_drafts: int = opt(64, "after a drafter swap, drafts of the new version before its served speedup "
+                                       "(eq. 5 with its measured acceptance) is compared with the previous version's; "
+                                       "a loser is swapped back out (0 = never check)")
     capture_prompt: bool = opt(False, "also capture prompt positions (labels are the user's text, not the "
                                       "target's outputs; repeated chat templates then dominate the trainer's "
                                       "held-out score)", flag="--collect-prompt")
@@ -291,6 +294,7 @@ class OnlineTrainingConfig:
             raise ConfigError(f"online_poll_s must be > 0, got {self.poll_s}")
         if not 0 <= self.trainer_nice <= 19:
             raise ConfigError(f"trainer_nice must be in [0, 19], got {self.trainer_nice}")
+        check_at_least(0, rollback_min_drafts=self.rollback_min_drafts)
         if not 0.0 <= self.trainer_share <= 1.0:
             raise ConfigError(f"trainer_share must be in [0, 1], got {self.trainer_share}")
         check_at_least(0, trainer_max_restarts=self.trainer_max_restarts)

@@ -17,7 +17,7 @@ import torch
 from tests.helpers import tiny_hf_model, write_tiny_checkpoint
 from tidespec.bench.load import diff_steps, replot, run_load_bench
 from tidespec.bench.load_analysis import averaged, forward_vs_profile, model_check, trace_headroom, verdict
-from tidespec.bench.load_config import LoadBenchConfig, RunResult, server_args
+from tidespec.bench.load_config import ConfigName, LoadBenchConfig, RunResult, server_args
 from tidespec.bench.load_report import policy_state
 from tidespec.config import ConfigError
 from tidespec.speculative.policy.speedup import Profile
@@ -35,6 +35,15 @@ def test_server_args_per_configuration() -> None:
     assert server_args("static-3", cfg).startswith("--drafter ngram --policy static --num-speculative-tokens 3 ")
     assert server_args("hybrid", cfg).startswith("--drafter ngram --policy hybrid --num-speculative-tokens 4 ")
     assert "--threads 2 --max-num-seqs 8" in server_args("bandit", cfg)
+    both = LoadBenchConfig(drafter="suffix,eagle3", eagle3_dir="/boot", gamma_max=4,
+                           configs=("plain", "eagle3:static-2", "analytic", "suffix+eagle3:hybrid:online"))
+    assert server_args("eagle3:static-2", both).startswith(
+        "--drafter eagle3 --policy static --num-speculative-tokens 2 --eagle3-dir /boot ")
+    assert server_args("analytic", both).startswith("--drafter suffix,eagle3 --policy analytic ")
+    online = server_args("suffix+eagle3:hybrid:online", both, "/runs/root")
+    assert online.startswith("--drafter suffix,eagle3 --policy hybrid --num-speculative-tokens 4 "
+                             "--eagle3-dir /runs/root --online-training ")
+    assert ConfigName.parse("suffix+eagle3:analytic:online", "x") == ConfigName("suffix,eagle3", "analytic", True)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -44,6 +53,10 @@ def test_server_args_per_configuration() -> None:
     ({"rates": (0.0,)}, "rates"),
     ({"duration": 0.0}, "duration"),
     ({"drafter": "none"}, "plain decoding"),
+    ({"drafter": "suffix,eagle3", "configs": ("static-2",)}, "several drafters"),
+    ({"configs": ("suffix:analytic:online",)}, "online training needs eagle3"),
+    ({"configs": ("a:b:c:d",)}, "bad configuration"),
+    ({"configs": ("bogus:static-2",)}, "drafter must be one of"),
 ])
 def test_config_validation(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):

@@ -132,3 +132,27 @@ def test_engine_steps_pause_the_trainer_until_serving_is_idle() -> None:
     finally:
         gov.close()
         sup.close(2.0)
+
+
+def test_collection_asks_for_taps_only_while_speculation_pays() -> None:
+    """Where the policy predicts no speedup for any drafter, collection does not keep the taps on."""
+    from types import SimpleNamespace
+
+    from tidespec.config import CollectionConfig
+    from tidespec.online.attach import SignalCollector, speculation_pays
+    from tidespec.online.capture import CaptureBuffer
+    from tidespec.online.collection import SelectiveCollector
+
+    class Predicts:
+        speedup = 1.3
+
+        def stats(self) -> dict[str, float]:
+            return {"predicted_speedup": self.speedup}
+
+    policy = Predicts()
+    engine = SimpleNamespace(policy=policy)
+    collector = SignalCollector(engine, CaptureBuffer(None, 64, 8), SelectiveCollector(CollectionConfig(force=True)))
+    assert collector.wants_taps()
+    policy.speedup = 1.0  # the controller went off: nothing pays at this load
+    assert not collector.wants_taps()
+    assert speculation_pays(None)  # no policy (static engine): always

@@ -18,6 +18,8 @@ from tidespec.speculative.drafters.multi import MultiDrafter, _first_path, _Shad
 from tidespec.speculative.drafters.ngram import NgramDrafter
 from tidespec.speculative.policy.analytic import AnalyticPolicy
 from tidespec.speculative.policy.api import DrafterPolicy, PlanInput, SeqState
+from tidespec.speculative.policy.bandit_policies import DrafterArms
+from tidespec.speculative.policy.factory import PolicyOptions, make_policy
 from tidespec.speculative.policy.guards import GuardConfig, Guards
 from tidespec.speculative.policy.profiler import ProfilerConfig, measure_profile
 from tidespec.speculative.policy.speedup import Profile
@@ -217,9 +219,61 @@ def test_config_parses_drafter_lists_and_policies_refuse_what_they_cannot_choose
     for bad in ("none,suffix", "suffix,bogus", "suffix,suffix", ","):
         with pytest.raises(ConfigError):
             SpecConfig(drafter=bad)
-    cfg = EngineConfig(spec=SpecConfig(drafter="ngram,suffix"), policy=PolicyConfig(name="bandit"))
+    cfg = EngineConfig(spec=SpecConfig(drafter="ngram,suffix"), policy=PolicyConfig(name="static"))
     with pytest.raises(ConfigError, match="analytic"):
         build_policy(cfg, model, build_drafter(cfg.spec, model, 2, 96))
+
+
+def test_drafter_arms_hand_traced() -> None:
+    arms = DrafterArms(("suffix", "eagle3"), 2, frozenset({"eagle3"}))
+    assert arms.pairs == [("suffix", 0), ("suffix", 1), ("suffix", 2), ("eagle3", 1), ("eagle3", 2)]
+    assert arms.gammas == [0, 1, 2, 1, 2] and arms.switching == [False, False, False, True, True]
+    step = StepStats(spec_lens={1: 2, 2: 2, 3: 1}, seq_drafters={1: "eagle3", 2: "eagle3", 3: "suffix"})
+    assert arms.arm_of(step) == 4 and arms.arm_of(StepStats(spec_lens={1: 0})) == 0
+    single = DrafterArms((None,), 3)
+    assert single.gammas == [0, 1, 2, 3] and single.switching is None
+
+
+@pytest.mark.parametrize("name", ["bandit", "hybrid"])
+def test_bandits_over_drafter_gamma_arms_find_the_best_drafter(name: str) -> None:
+    """A synthetic world: suffix at gamma 2 gives 150 tokens/s, every other arm 100 or less; the
+    bandit over (drafter, gamma) arms exploits (suffix, 2) in most late steps."""
+    profile = _profile()
+    pol = make_policy(name, PolicyOptions(gamma_max=2, profile=profile, seed=1, drafters=("suffix", "eagle3"),
+                                          shadowed=frozenset({"suffix"})))
+    assert isinstance(pol, DrafterPolicy)
+    inp = PlanInput(1, 0.1, [SeqState(1, 0.0, 100)], ("suffix", "eagle3"))
+    goodput = {("suffix", 0): 100.0, ("suffix", 1): 110.0, ("suffix", 2): 150.0, ("eagle3", 1): 90.0,
+               ("eagle3", 2): 80.0}
+    late = []
+    for k in range(1500):
+        drafter, gamma = pol.plan_drafters(inp)[1]
+        key = (drafter if gamma else "suffix", gamma)
+        outcome = (gamma, gamma, gamma if key == ("suffix", 2) else 0)
+        pol.observe(StepStats(num_decode_seqs=1, num_emitted_tokens=int(goodput[key] / 10), total_time=0.1,
+                              spec_lens={1: gamma}, seq_drafters={1: drafter} if gamma else {},
+                              drafter_outcomes={drafter: [outcome]} if gamma else {},
+                              num_drafts=int(gamma > 0), num_accepted_tokens=outcome[2], num_draft_depth=gamma,
+                              num_rejected=int(gamma > 0 and outcome[2] < gamma), seq_outcomes=[outcome] if gamma else []))
+        if k >= 1000:
+            late.append(key)
+    assert late.count(("suffix", 2)) > 0.7 * len(late)
+
+
+@pytest.mark.parametrize("name", ["analytic", "bandit", "hybrid"])
+def test_every_drafter_choosing_policy_keeps_greedy_outputs(model, tok, name: str) -> None:
+    plain = outputs(engine(model, tok, SpecConfig()), PROMPTS, max_tokens=40)
+    spec = SpecConfig(drafter="suffix,eagle3", num_speculative_tokens=3)
+    drafter = build_drafter(spec, model, 4, 96)
+    assert isinstance(drafter, MultiDrafter)
+    policy = make_policy(name, PolicyOptions(gamma_max=3, profile=_profile(), seed=2, guards=GuardConfig(gamma_max=3),
+                                             drafters=tuple(drafter.members), shadowed=drafter.shadowed))
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=4), spec=spec)
+    e = LLMEngine(model, tok, cfg, drafter=drafter, policy=policy)
+    seen: list[StepStats] = []
+    e.step_listeners.append(seen.append)
+    assert outputs(e, PROMPTS, max_tokens=40) == plain
+    assert {n for s in seen for n in s.seq_drafters.values()} >= {"suffix"}
 
 
 def test_profiler_prices_every_drafter_of_a_multi_drafter(model) -> None:

@@ -45,6 +45,7 @@ import asyncio
 import json
 import math
 import random
+import shutil
 import sys
 import time
 from dataclasses import asdict
@@ -55,7 +56,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tidespec.bench.load_analysis import model_check, verdict
-from tidespec.bench.load_config import DYNAMIC_TRACE, LoadBenchConfig, RunResult, server_args
+from tidespec.bench.load_config import DYNAMIC_TRACE, ConfigName, LoadBenchConfig, RunResult, server_args
 from tidespec.bench.load_report import plot_run, render_run, report
 from tidespec.bench.report import command_line, default_out_dir, finish_run
 from tidespec.bench.serve import arrival_times, free_port, launch_server, run_load, stop_server, summarize
@@ -164,6 +165,23 @@ def ensure_profile(cfg: LoadBenchConfig, out_dir: Path) -> str:
     return str(path)
 
 
+def _online_root(cfg: LoadBenchConfig, name: str, root: Path) -> str | None:
+    """A fresh publish root for a configuration that trains online (None for the others), seeded
+    with ``cfg.eagle3_dir``'s drafter as version 1 when given (else the server starts a fresh head)."""
+    if not ConfigName.parse(name, cfg.drafter).online:
+        return None
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    if cfg.eagle3_dir:
+        from tidespec.bench.shift_runs import seed_publish_root
+        from tidespec.config import ModelConfig
+        from tidespec.llm import load_target
+
+        seed_publish_root(root, cfg.eagle3_dir, load_target(ModelConfig(model=cfg.model)).model)
+    return str(root)
+
+
 def run_load_bench(cfg: LoadBenchConfig, out_dir: Path | None = None, command: str = "") -> dict[str, Any]:
     """Run every configuration (trace first on a fresh server, then the rate sweep); with
     ``cfg.repeats`` > 1, round after round over all configurations (ABAB..., so a slow spell of
@@ -179,9 +197,11 @@ def run_load_bench(cfg: LoadBenchConfig, out_dir: Path | None = None, command: s
         port = free_port()
         base_url = f"http://127.0.0.1:{port}"
         what = f"round {rep + 1}/{cfg.repeats}, " if cfg.repeats > 1 else ""
-        print(f"[{what}{ci + 1}/{len(cfg.configs)}] {name}: tidespec serve {server_args(name, cfg)}", file=sys.stderr)
-        log = out_dir / (f"server-{name}.log" if cfg.repeats == 1 else f"server-{name}-r{rep + 1}.log")
-        proc = launch_server(server_args(name, cfg), port, None, 600.0, log)
+        tag = name.replace(":", "-").replace("+", "-") + ("" if cfg.repeats == 1 else f"-r{rep + 1}")
+        root = _online_root(cfg, name, out_dir / f"eagle3-{tag}")
+        args = server_args(name, cfg, root)
+        print(f"[{what}{ci + 1}/{len(cfg.configs)}] {name}: tidespec serve {args}", file=sys.stderr)
+        proc = launch_server(args, port, None, 600.0, out_dir / f"server-{tag}.log")
         try:
             warm = arrival_times([(0.0, math.inf)], 2, None, random.Random(0))
             asyncio.run(run_load(_client_ns(cfg), base_url, items, warm))  # first-request costs out of the way
@@ -221,8 +241,13 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=float, default=d.duration, help="seconds of arrivals per rate")
     p.add_argument("--trace", default="dynamic",
                    help="rate trace for the dynamic run: 'dynamic' (built in), 'none', or a CSV/JSONL of (time_s, rate)")
-    p.add_argument("--configs", default=",".join(d.configs), help="plain, static-G, analytic, bandit, hybrid")
-    p.add_argument("--drafter", default=d.drafter, help="drafter of the speculating configurations")
+    p.add_argument("--configs", default=",".join(d.configs),
+                   help="plain, static-G, analytic, bandit, hybrid; each optionally DRAFTERS: first (suffix+eagle3:"
+                        "analytic) and :online last (EAGLE-3 training online while it serves)")
+    p.add_argument("--drafter", default=d.drafter, help="drafter(s) of the speculating configurations that name "
+                                                        "none (e.g. suffix,eagle3: the profile prices each)")
+    p.add_argument("--eagle3-dir", default=None, help="EAGLE-3 checkpoint or publish root for configurations with "
+                                                      "eagle3 (and the starting drafter of ...:online ones)")
     p.add_argument("--gamma-max", type=int, default=d.gamma_max, help="gamma_max of the adaptive policies")
     p.add_argument("--max-tokens", type=int, default=d.max_tokens, help="max_tokens of every request")
     p.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="server's batch limit")
@@ -279,6 +304,7 @@ def run(ns: argparse.Namespace) -> int:
         raise ConfigError(f"--rates must be comma-separated numbers, got {ns.rates!r}") from None
     cfg = LoadBenchConfig(workload=ns.workload, model=ns.model, rates=rates, duration=ns.duration, trace=trace,
                           configs=tuple(x.strip() for x in ns.configs.split(",") if x.strip()), drafter=ns.drafter,
+                          eagle3_dir=ns.eagle3_dir,
                           gamma_max=ns.gamma_max, max_tokens=ns.max_tokens, max_num_seqs=ns.max_num_seqs,
                           threads=ns.threads, seed=ns.seed, profile=ns.profile, extra_server_args=ns.server_args,
                           fresh_prompts=ns.fresh_prompts, min_steps=ns.min_steps, repeats=ns.repeats)

@@ -4,6 +4,10 @@ Why this exists: the running (``bench.load``), the analysis (``bench.load_analys
 report (``bench.load_report``) all read these types; kept below all three, each can import them
 without a cycle. Configuration names: ``plain`` (no drafter), ``static-G`` (the drafter at fixed
 gamma G), ``analytic`` / ``bandit`` / ``hybrid`` (the drafter with gamma_max ``--gamma-max``).
+A name may say its drafters first and ask for online training last: ``eagle3:static-2``,
+``suffix+eagle3:analytic`` (both drafters, the controller chooses), ``suffix+eagle3:analytic:online``
+(EAGLE-3 learning online in a fresh publish root seeded from ``eagle3_dir``, its trainer child
+yielding to serving).
 
 Worked example::
 
@@ -18,7 +22,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidespec.config import POLICIES, ConfigError
+from tidespec.config import POLICIES, ConfigError, SpecConfig
 
 ADAPTIVE = ("analytic", "bandit", "hybrid")
 # (start second, req/s): idle, a ramp to saturation, a burst, back to idle (Nightjar Fig. 9's shape)
@@ -34,7 +38,8 @@ class LoadBenchConfig:
     duration: float = 25.0  # seconds of arrivals per rate
     trace: tuple[tuple[float, float], ...] | None = DYNAMIC_TRACE  # None: no trace run
     configs: tuple[str, ...] = ("plain", "static-1", "static-2", "static-3", "static-4", "static-5", *ADAPTIVE)
-    drafter: str = "suffix"
+    drafter: str = "suffix"  # drafters of names that name none (several joined by commas)
+    eagle3_dir: str | None = None  # EAGLE-3 checkpoint or publish root for configurations with eagle3
     gamma_max: int = 5
     max_tokens: int = 64
     max_num_seqs: int = 16
@@ -57,7 +62,7 @@ class LoadBenchConfig:
         if not self.configs:
             raise ConfigError("configs must not be empty")
         for name in self.configs:
-            server_args(name, self)  # raises on an unknown name
+            server_args(name, self, "<root>")  # raises on an unknown name
         if not 1 <= self.gamma_max <= 16:
             raise ConfigError(f"gamma_max must be in [1, 16], got {self.gamma_max}")
         if self.drafter == "none":
@@ -68,12 +73,43 @@ class LoadBenchConfig:
             raise ConfigError(f"min_steps and repeats must be >= 1, got {self.min_steps}, {self.repeats}")
 
 
-def server_args(name: str, cfg: LoadBenchConfig) -> str:
-    """Engine flags of configuration ``name``: ``plain``, ``static-G`` or an adaptive policy.
+@dataclass(frozen=True)
+class ConfigName:
+    """A configuration name taken apart: ``[drafters:]policy[:online]`` (module docstring).
+
+    Example: ``ConfigName.parse("suffix+eagle3:analytic:online", "suffix")`` ->
+    drafter "suffix,eagle3", policy "analytic", online True.
+    """
+
+    drafter: str
+    policy: str
+    online: bool
+
+    @classmethod
+    def parse(cls, name: str, default_drafter: str) -> ConfigName:
+        parts = name.split(":")
+        online = parts[-1] == "online" and len(parts) > 1
+        if online:
+            parts = parts[:-1]
+        if len(parts) > 2 or not parts[-1]:
+            raise ConfigError(f"bad configuration {name!r}: use [drafters:]policy[:online], e.g. suffix+eagle3:analytic")
+        drafter = parts[0].replace("+", ",") if len(parts) == 2 else default_drafter
+        return cls(drafter, parts[-1], online)
+
+
+def server_args(name: str, cfg: LoadBenchConfig, eagle3_root: str | None = None) -> str:
+    """Engine flags of configuration ``name``: ``plain``, ``static-G`` or an adaptive policy, with
+    the drafters the name gives (``ConfigName``); ``eagle3_root``: the publish root of an online one.
 
     Example: ``server_args("static-3", LoadBenchConfig())`` ->
     ``"--drafter suffix --policy static --num-speculative-tokens 3"`` (+ the common flags).
     """
+    parsed = ConfigName.parse(name, cfg.drafter)
+    drafters = SpecConfig(drafter=parsed.drafter).drafter_names  # validates them
+    name = parsed.policy
+    if len(drafters) > 1 and name not in ADAPTIVE and name != "plain":
+        raise ConfigError(f"bad configuration {parsed.policy!r} with drafters {parsed.drafter}: several drafters "
+                          f"need one of {', '.join(ADAPTIVE)}")
     if name == "plain":
         spec = "--drafter none"
     elif name.startswith("static-"):
@@ -83,11 +119,17 @@ def server_args(name: str, cfg: LoadBenchConfig) -> str:
             raise ConfigError(f"bad configuration {name!r}: static-G needs an integer G") from None
         if not 1 <= gamma <= 16:
             raise ConfigError(f"bad configuration {name!r}: G must be in [1, 16]")
-        spec = f"--drafter {cfg.drafter} --policy static --num-speculative-tokens {gamma}"
+        spec = f"--drafter {parsed.drafter} --policy static --num-speculative-tokens {gamma}"
     elif name in POLICIES and name != "static":
-        spec = f"--drafter {cfg.drafter} --policy {name} --num-speculative-tokens {cfg.gamma_max}"
+        spec = f"--drafter {parsed.drafter} --policy {name} --num-speculative-tokens {cfg.gamma_max}"
     else:
         raise ConfigError(f"unknown configuration {name!r}; use plain, static-G or one of {', '.join(ADAPTIVE)}")
+    if parsed.online:
+        if "eagle3" not in drafters or eagle3_root is None:
+            raise ConfigError(f"configuration {parsed!r}: online training needs eagle3 among its drafters")
+        spec += f" --eagle3-dir {shlex.quote(eagle3_root)} --online-training"
+    elif "eagle3" in drafters and cfg.eagle3_dir:
+        spec += f" --eagle3-dir {shlex.quote(cfg.eagle3_dir)}"
     common = f"--threads {cfg.threads} --max-num-seqs {cfg.max_num_seqs} --max-waiting 1024"
     profile = f" --profile {shlex.quote(cfg.profile)}" if cfg.profile else ""
     model = f" --model {shlex.quote(cfg.model)}" if cfg.model else ""

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tidespec.config import POLICIES, CollectionConfig, ConfigError, OnlineTrainingConfig, SpecConfig, opt
+from tidespec.speculative.policy.factory import MULTI_DRAFTER_POLICIES
 from tidespec.workloads.loader import Prompt, load_prompts
 
 CONFIGS = ("plain", "frozen", "online", "ngram", "suffix")  # ngram, suffix: that drafter alone at a static gamma
@@ -42,7 +43,7 @@ class ShiftBenchConfig:
                                              "last two: that drafter alone at --gamma, static); 'none' runs only "
                                              "the capture-overhead and signals-vs-recompute measurements")
     drafter: str = opt("eagle3", "drafters of frozen and online: eagle3, or several joined by commas that include "
-                                 "eagle3 (e.g. suffix,eagle3: --policy analytic chooses per step)")
+                                 "eagle3 (e.g. suffix,eagle3: --policy analytic, bandit or hybrid chooses per step)")
     policy: str = opt("static", f"speculation policy of frozen and online: {', '.join(POLICIES)} (static: --gamma "
                                 "every step)")
     turn: int = opt(8, "requests per turn: the configurations take turns on slices of the trace, so each phase of "
@@ -97,8 +98,9 @@ class ShiftBenchConfig:
         if "eagle3" not in names:
             raise ConfigError(f"drafter must include eagle3 (frozen and online are EAGLE-3 configurations), "
                               f"got {self.drafter!r}")
-        if len(names) > 1 and self.policy != "analytic":
-            raise ConfigError(f"several drafters ({self.drafter}) need --policy analytic, which chooses among them")
+        if len(names) > 1 and self.policy not in MULTI_DRAFTER_POLICIES:
+            raise ConfigError(f"several drafters ({self.drafter}) need a policy that chooses among them: "
+                              f"--policy {', '.join(MULTI_DRAFTER_POLICIES)}")
         if self.turn < 0 or not 0.0 <= self.trainer_share <= 1.0:
             raise ConfigError("turn must be >= 0 and trainer_share in [0, 1]")
         if not 0.0 <= self.collect_epsilon < 1.0:

@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from tidespec.config import CollectionConfig, EngineConfig
 from tidespec.errors import ConfigError
 from tidespec.models.eagle3_checkpoint import (
@@ -58,16 +60,19 @@ from tidespec.models.eagle3_checkpoint import (
     latest_version,
     load_version,
 )
-from tidespec.models.eagle3_head import Eagle3ConfigError
+from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError
 from tidespec.models.llama import LlamaConfig
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
+from tidespec.online.rollback import RollbackConfig, ServedCheck
 from tidespec.online.store import TAPS_DTYPES, SignalStore
 from tidespec.online.trainer.governor import GovernorConfig, TrainingGovernor
 from tidespec.online.trainer.supervisor import RestartPolicy, TrainerSupervisor
 from tidespec.speculative.api import DraftInput, DraftProposal, Observation
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
 from tidespec.speculative.drafters.multi import find_member
+from tidespec.speculative.policy.api import SpeculationPolicy
+from tidespec.speculative.policy.factory import policy_profile
 
 if TYPE_CHECKING:
     from tidespec.engine.engine import LLMEngine
@@ -124,6 +129,7 @@ class OnlineConfig:
     capture_prompt: bool = False  # also capture prompt positions (labels = the prompt's next token)
     poll_s: float = 2.0  # seconds between checks of the publish root
     collection: CollectionConfig = field(default_factory=CollectionConfig)
+    rollback_min_drafts: int = 64  # drafts of a new version before the served check decides (0 = no check)
 
     def __post_init__(self) -> None:
         if not self.publish_root or not self.signal_dir:
@@ -137,6 +143,8 @@ class OnlineConfig:
                                     f"capture_capacity_rows ({self.capture_capacity_rows})")
         if self.max_shard_age_s <= 0 or self.poll_s <= 0:
             raise OnlineConfigError("max_shard_age_s and poll_s must be > 0")
+        if self.rollback_min_drafts < 0:
+            raise OnlineConfigError(f"rollback_min_drafts must be >= 0, got {self.rollback_min_drafts}")
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> OnlineConfig:
@@ -159,12 +167,21 @@ class OnlineConfig:
             capture_prompt=oc.capture_prompt,
             poll_s=oc.poll_s,
             collection=dataclasses.replace(oc.collect, bootstrap=bootstrap),
+            rollback_min_drafts=oc.rollback_min_drafts,
         )
 
 
 # ----------------------------------------------------------------------------------------------
 # capture
 # ----------------------------------------------------------------------------------------------
+
+
+def speculation_pays(policy: SpeculationPolicy | None) -> bool:
+    """Whether ``policy`` last predicted a speedup over plain decoding for some drafter (its
+    ``predicted_speedup`` stat; a policy without predictions - static - always says yes)."""
+    if policy is None:
+        return True
+    return policy.stats().get("predicted_speedup", 2.0) > 1.0
 
 
 class SignalCollector:
@@ -195,9 +212,13 @@ class SignalCollector:
         return self
 
     def wants_taps(self) -> bool:
-        """``engine.tap_demand`` entry: the target's taps are wanted while collection is on, also in
-        steps where no drafter reads them (the drafter being trained may be parked by the policy)."""
-        return self.enabled and self.selective.collection_enabled
+        """``engine.tap_demand`` entry: the target's taps are wanted while collection is on and the
+        engine's policy predicts that speculating pays at the current load — also in steps where no
+        drafter reads them (the drafter being trained may be parked). Where nothing pays (a large
+        batch, a domain where no drafter helps yet) decode steps stay plain decoding's; signals
+        are then captured only in the steps that compute taps anyway (prefill, a drafter's probes
+        and the steps after them), a bounded share."""
+        return self.enabled and self.selective.collection_enabled and speculation_pays(self.engine.policy)
 
     def __call__(self, observations: list[Observation]) -> None:
         """``engine.observation_consumers`` entry."""
@@ -267,7 +288,8 @@ class DrafterUpdater:
     """
 
     def __init__(self, drafter: Eagle3Drafter, root: Path | str, target_cfg: LlamaConfig, poll_s: float = 2.0,
-                 selective: SelectiveCollector | None = None, capture: CaptureBuffer | None = None) -> None:
+                 selective: SelectiveCollector | None = None, capture: CaptureBuffer | None = None,
+                 check: ServedCheck | None = None) -> None:
         if poll_s <= 0:
             raise OnlineConfigError(f"poll_s must be > 0, got {poll_s}")
         self.drafter = drafter
@@ -278,6 +300,7 @@ class DrafterUpdater:
         self.capture = capture
         self.refused: dict[int, str] = {}  # version -> reason
         self.num_swaps = 0
+        self.check = check  # the served check after each swap (rollback); None: swaps are final
         self._loaded = drafter.version  # newest version loaded (served or parked)
         self._refused_files: dict[int, tuple[tuple[str, int, int], ...]] = {}  # version -> files when refused
         self._rounds_seen = len(read_trainer_rounds(self.root))  # rounds before we started are history
@@ -356,18 +379,43 @@ class DrafterUpdater:
         self._rounds_seen = max(self._rounds_seen, len(rounds))
 
     def between_steps(self, engine: LLMEngine) -> None:
-        """``engine.between_steps`` entry: swap in a parked version (weights already in memory)."""
+        """``engine.between_steps`` entry: act on the served check of the last swap (roll back a
+        version that loses in service), then swap in a parked version (weights already in memory)."""
+        if self.check is not None and self.check.previous is not None:
+            self._settle(self.check)
         if self._pending is None:
             return
         with self._lock:
             pub, self._pending = self._pending, None
         if pub is None:
             return
-        cfg = pub.config if pub.config != self.drafter.head.cfg else None
-        self.drafter.load_state(pub.version, pub.state_dict, cfg)
+        if self.check is not None:  # keep what serves now, to swap it back if the new one loses
+            head = self.drafter.head
+            self.check.swapped(self.drafter.version, {k: v.clone() for k, v in head.state_dict().items()}, head.cfg)
+        self._swap(pub.version, pub.state_dict, pub.config)
+
+    def _swap(self, version: int, state_dict: dict[str, torch.Tensor], config: Eagle3Config) -> None:
+        self.drafter.load_state(version, state_dict, config if config != self.drafter.head.cfg else None)
         if self.capture is not None:
-            self.capture.set_drafter_version(pub.version)
+            self.capture.set_drafter_version(version)
         self.num_swaps += 1
+
+    def _settle(self, check: ServedCheck) -> None:
+        """Keep the new version or swap the previous one back, once the check can tell."""
+        verdict = check.verdict()
+        if verdict is None:
+            return
+        kept, new = check.previous, self.drafter.version
+        assert kept is not None
+        if verdict == "rollback":
+            self._swap(kept.version, kept.state_dict, kept.config)
+            check.current = kept.record  # the restored version's record goes on
+            check.rollbacks += 1
+            self.refused[new] = f"lost in service ({check.last_verdict})"
+            logger.warning("drafter version %d rolled back to version %d: %s", new, kept.version, check.last_verdict)
+        else:
+            logger.info("drafter version %d kept: %s", new, check.last_verdict)
+        check.settled()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -488,7 +536,13 @@ def attach_online_training(engine: LLMEngine, config: OnlineConfig, *, start: bo
                             drafter_version=drafter.version)
     selective = SelectiveCollector(config.collection)
     collector = SignalCollector(engine, capture, selective, capture_prompt=config.capture_prompt)
-    updater = DrafterUpdater(drafter, config.publish_root, engine.model.cfg, config.poll_s, selective, capture)
+    check = None
+    if config.rollback_min_drafts:
+        policy = engine.policy
+        check = ServedCheck(policy_profile(policy) if policy is not None else None,
+                            RollbackConfig(min_drafts=config.rollback_min_drafts, gamma_max=max(1, engine.gamma_max)))
+        engine.step_listeners.append(check.on_step)
+    updater = DrafterUpdater(drafter, config.publish_root, engine.model.cfg, config.poll_s, selective, capture, check)
     collector.hook_into(engine)
     engine.finish_listeners.append(collector.on_finish)
     engine.between_steps.append(updater.between_steps)

@@ -324,7 +324,7 @@ def test_steps_with_prefill_are_not_credited_to_an_arm() -> None:
     policy.observe(step_stats(2, 0, 0, 0, 0, 2, 0.2, 0.0, 0.19, num_prefill_tokens=64))
     assert policy.bandit.arm_means(2) == pytest.approx([0.0, 300.0, 0.0])
     assert policy.bandit.arm_counts(2) == [0, 1, 0]
-    assert policy.bandit._last_gamma == 0 and policy.bandit._zero_run == 1
+    assert policy.bandit._last_arm == 0 and policy.bandit._zero_run == 1
     hybrid = HybridPolicy(synthetic_profile(), gamma_max=2, prior_alpha=0.6)
     hybrid.plan(plan_input(1))
     hybrid.observe(step_stats(1, 2, 1, 2, 0, 1, 0.5, 0.001, 0.4, num_prefill_tokens=64))

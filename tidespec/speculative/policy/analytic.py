@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from tidespec.speculative.policy.api import PlanInput, bucket_of, check_gamma_max
 from tidespec.speculative.policy.speedup import Profile
-from tidespec.speculative.policy.tracking import AlphaTracker, predicted_speedups
+from tidespec.speculative.policy.tracking import DrafterTrackers, predicted_speedups
 from tidespec.stats import StepStats
 
 
@@ -76,7 +76,7 @@ class AnalyticPolicy:
         self.drafter = drafter
         self.drafters: tuple[str | None, ...] = drafters or (drafter,)
         self.shadowed = frozenset(shadowed)
-        self.trackers = {d: AlphaTracker(prior_alpha=prior_alpha, ema=ema) for d in self.drafters}
+        self.trackers = DrafterTrackers(self.drafters, prior_alpha, ema)
         self.alphas = self.trackers[self.drafters[0]]  # the (first) drafter's estimates
         self._chosen: dict[int, tuple[str | None, int]] = {}
         self._speedup: dict[int, float] = {}
@@ -134,14 +134,7 @@ class AnalyticPolicy:
         key = bucket_of(step.num_decode_seqs)
         if step.num_cold_drafts:
             self._reprobe[key] = True
-        if not self.multi:
-            self.alphas.update(key, step)
-            return
-        for outcomes in (step.drafter_outcomes, step.shadow_outcomes):
-            for name, outs in outcomes.items():
-                tracker = self.trackers.get(name)
-                if tracker is not None:
-                    tracker.update_outcomes(key, outs)
+        self.trackers.update(key, step)
 
     def choices(self) -> dict[int, tuple[str, int]]:
         """Bucket -> the (drafter, gamma) last chosen there (drafter "" = the engine's only one)."""
@@ -159,7 +152,7 @@ class AnalyticPolicy:
             if self.multi:
                 out[f"drafter_b{key}"] = float(self.drafters.index(drafter))
         if self.multi:
-            for d, tracker in self.trackers.items():
+            for d, tracker in self.trackers.trackers.items():
                 out[f"alpha_{d}"] = tracker.global_alpha
                 out[f"rho_{d}"] = tracker.overall.rho()
         return out

@@ -112,6 +112,13 @@ class NightjarBandit:
     Call ``select(batch_size)`` once per engine step before drafting and ``update(...)`` once
     after it with the arm actually played and the goodput it achieved. Deterministic given the
     seed (or an injected ``rng``).
+
+    Arms. By default arm k is gamma = k. ``arm_gammas`` generalises that to any arm set, e.g.
+    (drafter, gamma) pairs of several drafters flattened to indices: arm k speculates
+    ``arm_gammas[k]`` tokens (0 = off), and pays the switching cost after an off step only when
+    ``switch_arms[k]`` (a stateful drafter that must catch up; default: every arm with gamma > 0).
+    Example: drafters (suffix, eagle3), gamma_max 2 -> arm_gammas (0, 1, 2, 1, 2), switch_arms
+    (False, False, False, True, True).
     """
 
     def __init__(
@@ -125,9 +132,18 @@ class NightjarBandit:
         prior_count: float = 0.0,
         explore_scale: ExploreScale | None = None,
         rng: random.Random | None = None,
+        arm_gammas: Sequence[int] | None = None,
+        switch_arms: Sequence[bool] | None = None,
     ) -> None:
         if gamma_max < 1:
             raise ValueError(f"gamma_max must be >= 1, got {gamma_max}")
+        self.arm_gammas = tuple(arm_gammas) if arm_gammas is not None else tuple(range(gamma_max + 1))
+        self.switch_arms = (tuple(switch_arms) if switch_arms is not None
+                            else tuple(g > 0 for g in self.arm_gammas))
+        if len(self.switch_arms) != len(self.arm_gammas) or not self.arm_gammas or \
+                any(not 0 <= g <= gamma_max for g in self.arm_gammas):
+            raise ValueError("arm_gammas must be in [0, gamma_max], with one switch_arms entry per arm")
+        self.num_arms = len(self.arm_gammas)
         if prior_count < 0 or (prior_count > 0 and prior is None):
             raise ValueError(f"prior_count must be >= 0 and needs a prior, got {prior_count}")
         self.gamma_max = gamma_max
@@ -138,7 +154,7 @@ class NightjarBandit:
         self.explore_scale = explore_scale
         self.rng = rng if rng is not None else random.Random(seed)
         self._states: dict[int, _BucketState] = {}
-        self._last_gamma: int | None = None  # arm played on the previous engine step
+        self._last_arm: int | None = None  # arm played on the previous engine step
         self._zero_run = 0  # consecutive engine steps played with gamma = 0
         self.last_explored = False
 
@@ -148,7 +164,7 @@ class NightjarBandit:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         key = self.bucket(batch_size)
         if key not in self._states:
-            self._states[key] = _BucketState(num_arms=self.gamma_max + 1)
+            self._states[key] = _BucketState(num_arms=self.num_arms)
         return key, self._states[key]
 
     def position(self, batch_size: int) -> Position:
@@ -174,21 +190,23 @@ class NightjarBandit:
     def objective(self, batch_size: int, lag_tokens: int | None = None) -> list[float]:
         """Eq. 3's value of every arm at this step (lower is better)."""
         means = self.arm_means(batch_size)
-        switching = self._last_gamma == 0 and self.switching_cost is not None
+        switching = (self._last_arm is not None and self.arm_gammas[self._last_arm] == 0
+                     and self.switching_cost is not None)
         cost = 0.0
         if switching and self.switching_cost is not None:
             lag = lag_tokens if lag_tokens is not None else self._zero_run
             cost = self.switching_cost(lag, batch_size)
         out = []
-        for gamma, g in enumerate(means):
+        for arm, g in enumerate(means):
             value = 1.0 / g if g > 0 else math.inf
-            if switching and gamma > 0:
-                value += cost / gamma
+            if switching and self.switch_arms[arm]:
+                value += cost / self.arm_gammas[arm]
             out.append(value)
         return out
 
     def select(self, batch_size: int, lag_tokens: int | None = None) -> int:
-        """Choose gamma for this engine step at ``batch_size`` (Algorithm 1 lines 5-23)."""
+        """Choose the arm (gamma, by default) for this engine step at ``batch_size`` (Algorithm 1
+        lines 5-23)."""
         key, st = self._state(batch_size)
         if st.tau == 1:
             p = 1.0 / math.sqrt(st.b)
@@ -196,7 +214,7 @@ class NightjarBandit:
                 p *= min(1.0, max(0.0, self.explore_scale(key, self.arm_means(batch_size))))
             st.explore_bin = self.rng.random() < p
         if st.explore_bin:
-            gamma = self.rng.randrange(self.gamma_max + 1)
+            gamma = self.rng.randrange(self.num_arms)
             st.explore_steps += 1
         else:
             obj = self.objective(batch_size, lag_tokens)
@@ -214,8 +232,8 @@ class NightjarBandit:
         says nothing about the arm — e.g. a step that also prefilled a prompt chunk, whose cost no
         arm controls — so the arm's mean and count stay as they were.
         """
-        if not 0 <= gamma <= self.gamma_max:
-            raise ValueError(f"gamma must be in [0, {self.gamma_max}], got {gamma}")
+        if not 0 <= gamma < self.num_arms:
+            raise ValueError(f"arm must be in [0, {self.num_arms - 1}], got {gamma}")
         if not math.isfinite(goodput) or goodput < 0:
             raise ValueError(f"goodput must be finite and >= 0, got {goodput}")
         if not math.isfinite(step_time) or step_time < 0:
@@ -225,8 +243,8 @@ class NightjarBandit:
             st.counts[gamma] += 1
             st.means[gamma] += (goodput - st.means[gamma]) / st.counts[gamma]
             st.time_s[gamma] += step_time
-        self._last_gamma = gamma
-        self._zero_run = self._zero_run + 1 if gamma == 0 else 0
+        self._last_arm = gamma
+        self._zero_run = self._zero_run + 1 if self.arm_gammas[gamma] == 0 else 0
 
     # ---- reporting -----------------------------------------------------------------------
     @property
@@ -244,7 +262,8 @@ class NightjarBandit:
         """Counters of one bucket (keys as returned by ``buckets()``)."""
         st = self._states[key]
         return {
-            "gamma": float(st.last_choice),
+            "gamma": float(self.arm_gammas[st.last_choice]),
+            "arm": float(st.last_choice),
             "explore_steps": float(st.explore_steps),
             "exploit_steps": float(st.exploit_steps),
             "block": float(st.j),

@@ -12,17 +12,70 @@ decode-only steps. A step that also prefills a prompt chunk is not credited: its
 the chunk's, which no arm controls, and under load such steps are frequent, so crediting them
 buries differences of a few per cent between arms in noise (measured in docs/benchmarks.md
 section 5c: the hybrid kept speculating at batch 16). Acceptance (alpha) is still learned from them.
+
+Several drafters (``drafters``): the arms are (drafter, gamma) pairs, flattened by ``DrafterArms``
+(arm 0 = off, then each drafter's gammas 1..gamma_max); the arm a step played is the gamma that
+ran with the drafter most of its speculating sequences used (``StepStats.seq_drafters``); only the
+arms of stateful drafters pay the switching cost. The hybrid's prior evaluates eq. 5 per drafter
+with that drafter's own estimates (``tracking.DrafterTrackers``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from tidespec.speculative.policy.api import PlanInput, bucket_of, check_gamma_max
 from tidespec.speculative.policy.bandit import NightjarBandit, SwitchingCost
 from tidespec.speculative.policy.speedup import Profile
-from tidespec.speculative.policy.tracking import AlphaTracker, predicted_speedups
+from tidespec.speculative.policy.tracking import DrafterTrackers, predicted_speedups
 from tidespec.stats import StepStats
+
+
+@dataclass(frozen=True)
+class DrafterArms:
+    """(drafter, gamma) arms as bandit indices: arm 0 is off, then ``gamma_max`` arms per drafter.
+
+    Example: drafters ("suffix", "eagle3"), gamma_max 2, stateful {"eagle3"}: arms (suffix, 0),
+    (suffix, 1), (suffix, 2), (eagle3, 1), (eagle3, 2); gammas (0, 1, 2, 1, 2); only the last two
+    pay the switching cost. One drafter ``(None,)``: arm k is gamma k, as in Nightjar.
+    """
+
+    drafters: tuple[str | None, ...]
+    gamma_max: int
+    stateful: frozenset[str] = frozenset()
+
+    @property
+    def pairs(self) -> list[tuple[str | None, int]]:
+        return [(self.drafters[0], 0)] + [(d, g) for d in self.drafters for g in range(1, self.gamma_max + 1)]
+
+    @property
+    def gammas(self) -> list[int]:
+        return [g for _, g in self.pairs]
+
+    @property
+    def switching(self) -> list[bool] | None:
+        """Arms that pay the switching cost (None: every speculating arm, one drafter)."""
+        if len(self.drafters) == 1:
+            return None
+        return [g > 0 and d in self.stateful for d, g in self.pairs]
+
+    def arm_of(self, step: StepStats) -> int:
+        """The arm a step played: its gamma (capped) with its most used drafter; 0 when off."""
+        gamma = min(step.gamma, self.gamma_max)
+        if gamma == 0:
+            return 0
+        names = list(step.seq_drafters.values())
+        drafter = max(set(names), key=names.count) if names and len(self.drafters) > 1 else self.drafters[0]
+        if drafter not in self.drafters:
+            drafter = self.drafters[0]
+        return 1 + self.drafters.index(drafter) * self.gamma_max + gamma - 1
+
+    def plan(self, inp: PlanInput, arm: int) -> dict[int, tuple[str, int]]:
+        """Every sequence gets ``arm``'s (drafter, gamma); off uses the engine's first drafter."""
+        drafter, gamma = self.pairs[arm]
+        name = drafter if drafter is not None and gamma > 0 else (inp.drafters[0] if inp.drafters else "")
+        return {s.seq_id: (name, gamma) for s in inp.seqs}
 
 
 def _bandit_stats(bandit: NightjarBandit) -> dict[str, float]:
@@ -38,7 +91,8 @@ def _goodput(step: StepStats) -> float:
 
 
 class BanditPolicy:
-    """Nightjar: one bandit per batch size (``bucketed=True``: per power-of-two bucket)."""
+    """Nightjar: one bandit per batch size (``bucketed=True``: per power-of-two bucket), over gamma
+    or, with several ``drafters``, over (drafter, gamma) arms (``DrafterArms``)."""
 
     def __init__(
         self,
@@ -47,25 +101,31 @@ class BanditPolicy:
         switching_cost: SwitchingCost | None = None,
         bucketed: bool = False,
         profile: Profile | None = None,
+        drafters: tuple[str, ...] = (),
+        stateful: frozenset[str] = frozenset(),
     ) -> None:
         check_gamma_max(gamma_max)
         self.name = "bandit"
         self.gamma_max = gamma_max
         self.profile = profile  # not used to decide; kept so metrics can check speedup against it
+        self.arms = DrafterArms(drafters or (None,), gamma_max, stateful)
         self.bandit = NightjarBandit(
-            gamma_max, switching_cost, seed, bucket=bucket_of if bucketed else None
+            gamma_max, switching_cost, seed, bucket=bucket_of if bucketed else None,
+            arm_gammas=self.arms.gammas, switch_arms=self.arms.switching,
         )
 
     def plan(self, inp: PlanInput) -> dict[int, int]:
+        return {sid: gamma for sid, (_, gamma) in self.plan_drafters(inp).items()}
+
+    def plan_drafters(self, inp: PlanInput) -> dict[int, tuple[str, int]]:
         if not inp.seqs:
             return {}
-        gamma = self.bandit.select(inp.batch_size)
-        return {s.seq_id: gamma for s in inp.seqs}
+        return self.arms.plan(inp, self.bandit.select(inp.batch_size))
 
     def observe(self, step: StepStats) -> None:
         batch = step.num_decode_seqs
         if batch >= 1 and step.total_time > 0:
-            self.bandit.update(batch, min(step.gamma, self.gamma_max), _goodput(step), step.total_time,
+            self.bandit.update(batch, self.arms.arm_of(step), _goodput(step), step.total_time,
                                credit=not step.num_prefill_tokens)
 
     def stats(self) -> dict[str, float]:
@@ -112,7 +172,8 @@ class HybridPolicy:
 
     def __init__(self, profile: Profile, gamma_max: int, seed: int = 0, prior_count: float = 4.0,
                  prior_alpha: float = 0.7, ema: float = 0.1, regret_wide: float = 0.15, explore_floor: float = 0.25,
-                 use_switching_cost: bool = True, bucketed: bool = False, drafter: str | None = None) -> None:
+                 use_switching_cost: bool = True, bucketed: bool = False, drafter: str | None = None,
+                 drafters: tuple[str, ...] = (), stateful: frozenset[str] = frozenset()) -> None:
         check_gamma_max(gamma_max)
         if prior_count <= 0:
             raise ValueError(f"prior_count must be > 0, got {prior_count}")
@@ -126,7 +187,9 @@ class HybridPolicy:
         self.drafter = drafter
         self.regret_wide = regret_wide
         self.explore_floor = explore_floor
-        self.alphas = AlphaTracker(prior_alpha=prior_alpha, ema=ema)
+        self.arms = DrafterArms(drafters or (drafter,), gamma_max, stateful)
+        self.trackers = DrafterTrackers(self.arms.drafters, prior_alpha, ema)
+        self.alphas = self.trackers[self.arms.drafters[0]]  # the (first) drafter's estimates
         self.ema = ema
         self.kappa = 1.0
         self._bucket: Callable[[int], int] = bucket_of if bucketed else (lambda b: b)
@@ -141,12 +204,17 @@ class HybridPolicy:
             prior=self.predicted_goodputs,
             prior_count=prior_count,
             explore_scale=self.explore_scale,
+            arm_gammas=self.arms.gammas,
+            switch_arms=self.arms.switching,
         )
 
     def predicted_goodputs(self, key: int) -> list[float]:
-        """g_pred for every arm of bucket ``key`` (tokens/s), calibrated by kappa."""
+        """g_pred for every arm of bucket ``key`` (tokens/s), calibrated by kappa; eq. 5 of each arm's
+        drafter with that drafter's estimates."""
         base = self.kappa * self.profile.baseline_tokens_per_s(key)
-        return [base * s for s in predicted_speedups(self.alphas, key, self.profile, self.gamma_max, self.drafter)]
+        speedups = {d: predicted_speedups(self.trackers[d], key, self.profile, self.gamma_max, d)
+                    for d in self.arms.drafters}
+        return [base * speedups[d][g] for d, g in self.arms.pairs]
 
     def explore_scale(self, key: int, means: Sequence[float]) -> float:
         """The factor on 1/sqrt(b) described in the class docstring."""
@@ -160,27 +228,31 @@ class HybridPolicy:
         return scale
 
     def plan(self, inp: PlanInput) -> dict[int, int]:
+        return {sid: gamma for sid, (_, gamma) in self.plan_drafters(inp).items()}
+
+    def plan_drafters(self, inp: PlanInput) -> dict[int, tuple[str, int]]:
         if not inp.seqs:
             return {}
         key = self._bucket(inp.batch_size)
-        gamma = self.bandit.select(inp.batch_size)
-        self._last_predicted_speedup = predicted_speedups(self.alphas, key, self.profile, self.gamma_max,
-                                                          self.drafter)[gamma]
-        return {s.seq_id: gamma for s in inp.seqs}
+        arm = self.bandit.select(inp.batch_size)
+        drafter, gamma = self.arms.pairs[arm]
+        self._last_predicted_speedup = predicted_speedups(self.trackers[drafter], key, self.profile, self.gamma_max,
+                                                          drafter)[gamma]
+        return self.arms.plan(inp, arm)
 
     def observe(self, step: StepStats) -> None:
         batch = step.num_decode_seqs
         if batch < 1 or step.total_time <= 0:
             return
-        gamma = min(step.gamma, self.gamma_max)
+        arm = self.arms.arm_of(step)
         goodput = _goodput(step)
         key = self._bucket(batch)
         credit = not step.num_prefill_tokens  # see the module docstring
-        predicted = self.predicted_goodputs(key)[gamma] / self.kappa
+        predicted = self.predicted_goodputs(key)[arm] / self.kappa
         if credit and predicted > 0 and goodput > 0:
             self.kappa += self.ema * (goodput / predicted - self.kappa)
-        self.bandit.update(batch, gamma, goodput, step.total_time, credit=credit)
-        self.alphas.update(bucket_of(key), step)
+        self.bandit.update(batch, arm, goodput, step.total_time, credit=credit)
+        self.trackers.update(bucket_of(key), step)
 
     def stats(self) -> dict[str, float]:
         out = _bandit_stats(self.bandit)

@@ -17,6 +17,7 @@ from tidespec.speculative.policy.analytic import AnalyticPolicy
 from tidespec.speculative.policy.api import SpeculationPolicy, check_gamma_max
 from tidespec.speculative.policy.bandit_policies import BanditPolicy, HybridPolicy
 from tidespec.speculative.policy.guards import GuardConfig, Guards
+from tidespec.speculative.policy.profiler import STATEFUL_DRAFTERS
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.speculative.policy.static import StaticPolicy
 
@@ -54,21 +55,26 @@ def _static(o: PolicyOptions) -> SpeculationPolicy:
 
 def _analytic(o: PolicyOptions) -> SpeculationPolicy:
     return AnalyticPolicy(_need_profile(o, "analytic"), o.gamma_max, ema=o.ema, prior_alpha=o.prior_alpha,
-                          drafters=o.drafters if len(o.drafters) > 1 else (), shadowed=o.shadowed)
+                          drafters=_several(o), shadowed=o.shadowed)
 
 
 def _bandit(o: PolicyOptions) -> SpeculationPolicy:
     cost = o.profile.catchup_cost if o.profile is not None else None
-    return BanditPolicy(o.gamma_max, seed=o.seed, switching_cost=cost, bucketed=o.bucketed, profile=o.profile)
+    return BanditPolicy(o.gamma_max, seed=o.seed, switching_cost=cost, bucketed=o.bucketed, profile=o.profile,
+                        drafters=_several(o), stateful=STATEFUL_DRAFTERS)
 
 
 def _hybrid(o: PolicyOptions) -> SpeculationPolicy:
     return HybridPolicy(
-        _need_profile(o, "hybrid"), o.gamma_max, seed=o.seed, prior_alpha=o.prior_alpha, ema=o.ema, bucketed=o.bucketed
-    )
+        _need_profile(o, "hybrid"), o.gamma_max, seed=o.seed, prior_alpha=o.prior_alpha, ema=o.ema, bucketed=o.bucketed,
+        drafters=_several(o), stateful=STATEFUL_DRAFTERS)
 
 
-MULTI_DRAFTER_POLICIES = ("analytic",)  # the policies that also choose the drafter
+def _several(o: PolicyOptions) -> tuple[str, ...]:
+    return o.drafters if len(o.drafters) > 1 else ()
+
+
+MULTI_DRAFTER_POLICIES = ("analytic", "bandit", "hybrid")  # the policies that also choose the drafter
 
 POLICIES: Mapping[str, Callable[[PolicyOptions], SpeculationPolicy]] = MappingProxyType(
     {"static": _static, "analytic": _analytic, "bandit": _bandit, "hybrid": _hybrid}

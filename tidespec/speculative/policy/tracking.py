@@ -178,6 +178,32 @@ class AlphaTracker:
                 c.add_positions(keep, outcomes)
 
 
+class DrafterTrackers:
+    """One ``AlphaTracker`` per drafter a policy chooses among. With one drafter it learns from
+    whole steps (``AlphaTracker.update``); with several, each from its own outcomes
+    (``StepStats.drafter_outcomes``) and the outcomes scored on the side for the model-free ones
+    (``StepStats.shadow_outcomes``). Drafter ``None`` stands for "the engine's only drafter"."""
+
+    def __init__(self, drafters: Sequence[str | None], prior_alpha: float = 0.7, ema: float = 0.1) -> None:
+        if not drafters or len(set(drafters)) != len(drafters):
+            raise ValueError(f"need distinct drafter names, got {list(drafters)}")
+        self.names = tuple(drafters)
+        self.trackers = {d: AlphaTracker(prior_alpha=prior_alpha, ema=ema) for d in self.names}
+
+    def __getitem__(self, drafter: str | None) -> AlphaTracker:
+        return self.trackers[drafter]
+
+    def update(self, bucket: int, step: StepStats) -> None:
+        if len(self.names) == 1:
+            self.trackers[self.names[0]].update(bucket, step)
+            return
+        for outcomes in (step.drafter_outcomes, step.shadow_outcomes):
+            for name, outs in outcomes.items():
+                tracker = self.trackers.get(name)
+                if tracker is not None:
+                    tracker.update_outcomes(bucket, outs)
+
+
 def predicted_speedups(tracker: AlphaTracker, batch_size: int, profile: Profile, gamma_max: int,
                        drafter: str | None = None) -> list[float]:
     """Eq. 5 for every gamma 0..gamma_max at this batch size, with the acceptance and draft
