@@ -137,3 +137,27 @@ def test_shift_bench_interleaves_a_controller_with_several_drafters(tmp_path: Pa
     online = doc["configs"]["online"]["online"]
     assert online["governor"] is not None and online["trainer_running"] is False
 
+
+
+def test_yield_bench_on_a_shift_runs_store(tmp_path: Path) -> None:
+    """bench yield on the store an online run filled: every mode and both idle rounds measured."""
+    from tidespec.bench.yield_bench import YieldBenchConfig, run_yield_bench
+
+    hf, _ = tiny_hf_model("qwen2", torch.float64)
+    ckpt = write_tiny_checkpoint(hf, tmp_path / "ckpt")
+    a = _workload(tmp_path / "a.jsonl", "a", 6, 10)
+    target = resolve_target(str(ckpt), "float64")
+    shift = ShiftBenchConfig(workloads=f"{a}:4", max_tokens=12, gamma=3, concurrency=2, configs="online",
+                             draft_vocab=0, min_signals=10_000, collect_force=True, overhead_repeats=0,
+                             recompute_rows=0, capture_prompt=True)
+    run_shift_bench(shift, target, tmp_path / "shift", command="test", progress=False, log=lambda _: None)
+    signals = tmp_path / "shift" / "online" / "signals"
+    cfg = YieldBenchConfig(signal_dir=str(signals), workload=str(a), requests=2, max_tokens=8, concurrency=2,
+                           repeats=1, epochs=1.0)
+    doc = run_yield_bench(cfg, target, tmp_path / "yield", command="test", log=lambda _: None)
+    assert set(doc["saturation_tok_s"]) == {"none", "governed", "free"}
+    assert all(v[0] > 0 for v in doc["saturation_tok_s"].values())
+    assert all(v[0] > 0 for v in doc["idle_round_s"].values()) and doc["idle_ratio"] > 0
+    assert (tmp_path / "yield" / "yield.png").is_file()
+    with pytest.raises(ConfigError, match="signal"):
+        YieldBenchConfig(signal_dir=str(tmp_path / "none"))

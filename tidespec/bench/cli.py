@@ -1,4 +1,4 @@
-"""``tidespec bench {decode,spec,profile,shift,learn,serve,load,quality}``: the benchmark sub-commands.
+"""``tidespec bench {decode,spec,profile,shift,learn,yield,serve,load,quality}``: the benchmark sub-commands.
 
 Why this exists: the benchmarks are part of the product (their numbers go into
 docs/benchmarks.md), so they are run from the same CLI with the same model flags as
@@ -42,6 +42,7 @@ from tidespec.bench.shift import replot as replot_shift
 from tidespec.bench.shift import run_shift_bench
 from tidespec.bench.shift_config import ShiftBenchConfig
 from tidespec.bench.spec import SpecBenchConfig, run_spec_bench
+from tidespec.bench.yield_bench import YieldBenchConfig, run_yield_bench
 from tidespec.config import (
     ModelConfig,
     PolicyConfig,
@@ -112,6 +113,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         b.add_argument("--replot", type=Path, default=None, metavar="DIR",
                        help=f"only re-render README.md and {name}.png of an earlier run in DIR")
         b.set_defaults(func=func)
+
+    y = sub.add_parser("yield", help="online training vs serving on a shared CPU: cost at saturation, round at idle",
+                       formatter_class=fmt)
+    add_dataclass_args(y, YieldBenchConfig)
+    add_dataclass_args(y, ModelConfig)
+    y.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-yield-<time>)")
+    y.set_defaults(func=cmd_yield)
 
     _register_serve(sub)
     q = sub.add_parser("quality", help="quantized / bfloat16 target against float32: greedy agreement, perplexity",
@@ -194,6 +202,16 @@ def _replot_or_run(ns: argparse.Namespace, config_cls: type, run: Callable[..., 
 
 def cmd_shift(ns: argparse.Namespace) -> int:
     return _replot_or_run(ns, ShiftBenchConfig, run_shift_bench, replot_shift, "shift.png")
+
+
+def cmd_yield(ns: argparse.Namespace) -> int:
+    mc = dataclass_from_args(ModelConfig, ns)
+    if mc.threads:
+        torch.set_num_threads(mc.threads)
+    run_yield_bench(dataclass_from_args(YieldBenchConfig, ns),
+                    resolve_target(mc.model, mc.dtype, mc.device, mc.quantization, mc.quant_group_size), ns.out,
+                    command=command_line())
+    return 0
 
 
 def cmd_learn(ns: argparse.Namespace) -> int:

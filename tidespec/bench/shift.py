@@ -166,10 +166,12 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
 
 
 def _take_turns(loops: dict[str, TraceLoop], n: int, turn: int, online: OnlineSetup | None) -> dict[str, TraceRun]:
-    """Each configuration runs requests ``[k * turn, (k + 1) * turn)`` of the trace in turn (all of
-    them at once with ``turn`` 0). The online trainer is held paused outside its configuration's
+    """Each configuration warms up, then runs requests ``[k * turn, (k + 1) * turn)`` of the trace in
+    turn (all of them at once with ``turn`` 0). The online trainer is held paused outside its configuration's
     turns, so it never shares the CPU with another configuration's measurement."""
     governor = online.online.governor if online is not None else None
+    for loop in loops.values():
+        loop.warm_up()
     for end in range(turn or n, n + (turn or n), turn or n):
         for name, loop in loops.items():
             if governor is not None and name == "online":

@@ -82,6 +82,13 @@ class TraceLoop:
         self.elapsed = 0.0  # seconds of this loop's turns so far
         self.bar = tqdm(total=len(trace), desc=desc, unit="req", disable=not progress, leave=True, dynamic_ncols=True)
 
+    def warm_up(self, max_tokens: int = 8) -> None:
+        """One short untimed, unrecorded request (the trace's first prompt): first-call costs of the
+        kernels and the drafters are paid before the first turn, by every configuration alike."""
+        self.engine.add_request(self.trace[0].prompt.token_ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
     def run_turn(self, end: int) -> None:
         """Run until every request with trace index < ``end`` has finished."""
         engine, t_turn = self.engine, time.perf_counter()

@@ -1,0 +1,173 @@
+"""``tidespec bench yield``: what online training costs serving on a shared CPU, and what serving
+costs training when idle (issue 19, item 2).
+
+Why this exists: the trainer child yields to serving (``online.trainer.governor``): stopped while
+the engine steps, running flat out when it is idle. Two claims follow, and this measures both on
+the same signal store:
+
+* at saturation (a closed loop keeps the engine busy) training costs no throughput: the loop's
+  tokens/s with no trainer, with a governed trainer (``--trainer-share``, default 0) and with an
+  ungoverned one (the old behaviour), interleaved per repeat;
+* at idle a training round takes as long as a standalone ``train-drafter --once`` run: the round's
+  wall time as a child of an idle engine under the governor, against the same command alone,
+  interleaved per repeat.
+
+Worked example::
+
+    tidespec bench yield --signal-dir runs/shift/online/signals --repeats 2
+    # saturation: none 61.2 tok/s, governed 60.9 (0.995x), free 41.0 (0.67x); idle round: alone
+    # 21.4 s, governed 21.6 s (1.01x)
+
+Outputs: ``bench_yield.json``, ``README.md`` and ``yield.png`` in the output directory.
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from tidespec.bench.report import default_out_dir, finish_run, new_figure, save_figure
+from tidespec.bench.shift_config import ShiftBenchConfig, build_trace
+from tidespec.bench.shift_runs import TraceLoop
+from tidespec.config import CacheConfig, CollectionConfig, ConfigError, EngineConfig, opt
+from tidespec.engine.engine import LLMEngine
+from tidespec.models.loader import LoadedModel
+from tidespec.online.attach import OnlineConfig
+from tidespec.online.trainer.governor import GovernorConfig, TrainingGovernor
+from tidespec.online.trainer.process import start_trainer_process
+from tidespec.online.trainer.supervisor import TrainerSupervisor
+
+MODES = ("none", "governed", "free")
+
+
+@dataclass
+class YieldBenchConfig:
+    """Flags of ``tidespec bench yield`` (one field = one ``--flag``)."""
+
+    signal_dir: str | None = opt(None, "signal store the trainer reads (e.g. a bench shift run's online/signals)")
+    workload: str = opt("code", "prompts of the closed loop")
+    requests: int = opt(8, "requests per saturation run")
+    max_tokens: int = opt(64, "tokens generated per request")
+    concurrency: int = opt(4, "requests in flight")
+    repeats: int = opt(2, "rounds over the modes (saturation) and over alone/governed (idle)")
+    trainer_threads: int = opt(1, "torch threads of the trainer child")
+    epochs: float = opt(1.0, "idle part: passes over the store in the timed round")
+    trainer_share: float = opt(0.0, "the governed trainer's share of busy time")
+
+    def __post_init__(self) -> None:
+        if self.signal_dir is None or not Path(self.signal_dir).is_dir():
+            raise ConfigError(f"--signal-dir must be a signal store directory, got {self.signal_dir}")
+        if min(self.requests, self.max_tokens, self.concurrency, self.repeats, self.trainer_threads) < 1:
+            raise ConfigError("requests, max_tokens, concurrency, repeats and trainer_threads must be >= 1")
+        if self.epochs <= 0 or not 0.0 <= self.trainer_share <= 1.0:
+            raise ConfigError("epochs must be > 0 and trainer_share in [0, 1]")
+
+
+def _trainer(cfg: YieldBenchConfig, target: LoadedModel, root: Path, epochs: float) -> TrainerSupervisor:
+    """A supervised ``train-drafter --once`` child on the store (a fresh publish root each time)."""
+    if root.exists():
+        shutil.rmtree(root)
+    online = OnlineConfig(publish_root=str(root), signal_dir=str(cfg.signal_dir),
+                          collection=CollectionConfig(n_threshold=1))
+    dtype = str(target.model.dtype).removeprefix("torch.")
+    extra = ["--once", "--threads", str(cfg.trainer_threads), "--epochs", str(epochs), "--heldout-frac", "0.2"]
+    return TrainerSupervisor(lambda: start_trainer_process(online, target.path, dtype=dtype, extra_args=extra,
+                                                           log_path=root.parent / f"{root.name}.log")).start()
+
+
+def saturation_run(cfg: YieldBenchConfig, target: LoadedModel, mode: str, work: Path) -> float:
+    """Tokens/s of the closed loop with no trainer, a governed one, or a free one."""
+    trace = build_trace(ShiftBenchConfig(workloads=f"{cfg.workload}:{cfg.requests}", max_tokens=cfg.max_tokens),
+                        target.tokenizer)
+    longest = max(len(t.prompt.token_ids) for t in trace) + cfg.max_tokens + 2
+    engine = LLMEngine(target.model, target.tokenizer,
+                       EngineConfig(cache=CacheConfig(max_model_len=longest, max_num_seqs=cfg.concurrency)))
+    trainer = governor = None
+    if mode != "none":
+        trainer = _trainer(cfg, target, work / f"root-{mode}", epochs=1000.0)  # trains all along
+        time.sleep(3.0)  # past its start-up (imports, loading the store)
+        if mode == "governed":
+            governor = TrainingGovernor(trainer, GovernorConfig(share=cfg.trainer_share))
+            engine.step_listeners.append(governor.on_step)
+            governor.start()
+    try:
+        loop = TraceLoop(engine, trace, cfg.concurrency, cfg.max_tokens, mode, progress=False)
+        loop.run_turn(len(trace))
+        run = loop.finish()
+    finally:
+        if governor is not None:
+            governor.close()
+        if trainer is not None:
+            trainer.close()
+    return sum(r["tokens"] for r in run.requests) / run.wall_s
+
+
+def idle_round(cfg: YieldBenchConfig, target: LoadedModel, governed: bool, work: Path) -> float:
+    """Wall seconds of one ``--once`` round, alone or as the governed child of an idle engine."""
+    engine = LLMEngine(target.model, target.tokenizer, EngineConfig()) if governed else None
+    t0 = time.perf_counter()
+    trainer = _trainer(cfg, target, work / ("root-idle-governed" if governed else "root-idle-alone"), cfg.epochs)
+    governor = None
+    if engine is not None:
+        governor = TrainingGovernor(trainer, GovernorConfig(share=cfg.trainer_share))
+        engine.step_listeners.append(governor.on_step)  # never called: the engine is idle
+        governor.start()
+    while trainer.state()["state"] in ("starting", "running"):
+        time.sleep(0.05)
+    seconds = time.perf_counter() - t0
+    if governor is not None:
+        governor.close()
+    trainer.close()
+    return seconds
+
+
+def run_yield_bench(cfg: YieldBenchConfig, target: LoadedModel, out_dir: Path | None = None, command: str = "",
+                    log: Any = print) -> dict[str, Any]:
+    out_dir = out_dir or default_out_dir("yield")
+    work = out_dir / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    sat: dict[str, list[float]] = {m: [] for m in MODES}
+    idle: dict[str, list[float]] = {"alone": [], "governed": []}
+    for rep in range(cfg.repeats):
+        for mode in MODES:
+            sat[mode].append(saturation_run(cfg, target, mode, work))
+            log(f"[{rep + 1}/{cfg.repeats}] saturation, trainer {mode}: {sat[mode][-1]:.1f} tok/s")
+        for name in ("alone", "governed"):
+            idle[name].append(idle_round(cfg, target, name == "governed", work))
+            log(f"[{rep + 1}/{cfg.repeats}] idle round, {name}: {idle[name][-1]:.1f} s")
+    base = statistics.mean(sat["none"])
+    doc = {"config": asdict(cfg), "saturation_tok_s": sat, "idle_round_s": idle,
+           "saturation_ratio": {m: statistics.mean(v) / base for m, v in sat.items()},
+           "idle_ratio": statistics.mean(idle["governed"]) / statistics.mean(idle["alone"])}
+    return finish_run(out_dir, "yield", doc, command, str(target.model.dtype).removeprefix("torch."), report,
+                      plot_yield, log)
+
+
+def plot_yield(doc: dict[str, Any], out_dir: Path) -> Path:
+    """Saturation tokens/s per trainer mode and idle round seconds, one dot per repeat."""
+    fig, (ax_s, ax_i) = new_figure(2, width_per_col=4.5)
+    for ax, data, unit in ((ax_s, doc["saturation_tok_s"], "tokens/s (closed loop)"),
+                           (ax_i, doc["idle_round_s"], "seconds per training round (idle)")):
+        names = list(data)
+        ax.bar(names, [statistics.mean(v) for v in data.values()], color="tab:blue", alpha=0.5)
+        for i, values in enumerate(data.values()):
+            ax.plot([i] * len(values), values, "ko", markersize=4)
+        ax.set_ylabel(unit)
+    ax_s.set_title("serving while training")
+    ax_i.set_title("training while serving is idle")
+    return save_figure(fig, out_dir, "yield.png")
+
+
+def report(doc: dict[str, Any]) -> str:
+    sat, idle = doc["saturation_tok_s"], doc["idle_round_s"]
+    lines = ["| trainer at saturation | tok/s per repeat | mean vs no trainer |", "|---|---|---|"]
+    for mode, values in sat.items():
+        lines.append(f"| {mode} | {', '.join(f'{v:.1f}' for v in values)} | {doc['saturation_ratio'][mode]:.3f}x |")
+    lines += ["", "| idle round | seconds per repeat |", "|---|---|"]
+    lines += [f"| {name} | {', '.join(f'{v:.1f}' for v in values)} |" for name, values in idle.items()]
+    lines += ["", f"Governed round / standalone round: {doc['idle_ratio']:.3f}x."]
+    return "\n".join(lines) + "\n"
