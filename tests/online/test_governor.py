@@ -75,6 +75,11 @@ def test_governor_hand_traced_on_a_fake_clock() -> None:
     assert switch.calls[-1] == "resume" and not gov.state()["paused"]
     st = gov.state()
     assert st["pauses"] == 2 and st["paused_s"] == pytest.approx(1.8 + 2.01, abs=0.06)  # 100.2-102.0, 102.2-104.21
+    long = TrainingGovernor(Switch(), GovernorConfig(share=0.0, idle_s=0.3), clock)
+    long.on_step_start()
+    assert not long.should_run(clock.now + 2.0)  # a step (a long prefill) still running is busy
+    long.on_step()
+    assert long.should_run(clock.now + 0.31)
     never = TrainingGovernor(Switch(), GovernorConfig(share=0.0), clock)
     never.on_step(StepStats())
     assert not never.should_run(clock.now) and never.should_run(clock.now + 1.0)
@@ -118,7 +123,7 @@ def test_engine_steps_pause_the_trainer_until_serving_is_idle() -> None:
     gov = TrainingGovernor(sup, GovernorConfig(share=0.0, idle_s=0.2, tick_s=0.01)).start()
     model, tok = tiny_llama(64), tiny_tokenizer(64)
     engine = LLMEngine(model, tok, EngineConfig(cache=CacheConfig(max_model_len=256, max_num_seqs=2)))
-    engine.step_listeners.append(gov.on_step)
+    gov.attach(engine)
     try:
         engine.add_request([3, 4, 5], SamplingParams(max_tokens=200, ignore_eos=True))
         seen = set()

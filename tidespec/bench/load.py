@@ -151,15 +151,16 @@ def ensure_profile(cfg: LoadBenchConfig, out_dir: Path) -> str:
         return cfg.profile
     import torch
 
-    from tidespec.config import EngineConfig, ModelConfig, SpecConfig
-    from tidespec.llm import build_engine
+    from tidespec.config import ModelConfig, SpecConfig
+    from tidespec.llm import build_drafter, load_target
     from tidespec.speculative.policy.profiler import load_or_measure
 
     torch.set_num_threads(cfg.threads)
-    engine = build_engine(EngineConfig(model=ModelConfig(model=cfg.model, threads=cfg.threads),
-                                       spec=SpecConfig(drafter=cfg.drafter, num_speculative_tokens=cfg.gamma_max)))
-    prof, _ = load_or_measure(engine.model, engine.drafter, progress=lambda m: print(m, file=sys.stderr),
-                              compiled=engine.config.model.compile)
+    spec = SpecConfig(drafter=cfg.drafter, num_speculative_tokens=cfg.gamma_max)
+    # no policy needs building here (several drafters would refuse the static one): only the drafter
+    model = load_target(ModelConfig(model=cfg.model, threads=cfg.threads)).model
+    drafter = build_drafter(spec, model, cfg.max_num_seqs, min(2048, model.cfg.max_position_embeddings))
+    prof, _ = load_or_measure(model, drafter, progress=lambda m: print(m, file=sys.stderr))
     path = out_dir / "profile.json"
     prof.save(path)
     return str(path)

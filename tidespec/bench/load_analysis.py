@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from tidespec.bench.load_config import ADAPTIVE, LoadBenchConfig, RunResult
+from tidespec.bench.load_config import LoadBenchConfig, RunResult, is_adaptive
 from tidespec.speculative.policy.speedup import Profile
 
 
@@ -84,8 +84,8 @@ def verdict(results: list[RunResult], cfg: LoadBenchConfig,
     results = averaged(results)
     for rate in cfg.rates:
         at = [r for r in results if r.kind == "rate" and r.rate == rate]
-        static = [r for r in at if r.config not in ADAPTIVE]
-        adaptive = [r for r in at if r.config in ADAPTIVE]
+        static = [r for r in at if not is_adaptive(r.config)]
+        adaptive = [r for r in at if is_adaptive(r.config)]
         if not static or not adaptive:
             continue
         bs, ba = max(static, key=throughput), max(adaptive, key=throughput)
@@ -97,8 +97,8 @@ def verdict(results: list[RunResult], cfg: LoadBenchConfig,
             row["adaptive_over_plain"] = throughput(ba) / throughput(plain)
         out["per_rate"].append(row)
     trace = [r for r in results if r.kind == "trace"]
-    static = [r for r in trace if r.config not in ADAPTIVE]
-    adaptive = [r for r in trace if r.config in ADAPTIVE]
+    static = [r for r in trace if not is_adaptive(r.config)]
+    adaptive = [r for r in trace if is_adaptive(r.config)]
     if static and adaptive:
         bs, ba = max(static, key=throughput), max(adaptive, key=throughput)
         fastest = min(static, key=mean_e2e)
@@ -137,7 +137,7 @@ def trace_headroom(results: list[RunResult], checks: list[dict[str, Any]]) -> li
         seconds = {b: st["total"] for b, st in plain.steps.items() if st.get("total", 0.0) > 0}
         measured: dict[str, dict[str, float]] = {}
         for x in checks:
-            if x["kind"] == "trace" and x.get("repeat", 0) == rep and x["config"] not in ADAPTIVE:
+            if x["kind"] == "trace" and x.get("repeat", 0) == rep and not is_adaptive(x["config"]):
                 measured.setdefault(x["config"], {})[str(x["bucket"])] = x["measured"]
         if not seconds or not measured:
             continue

@@ -97,6 +97,11 @@ class ConfigName:
         return cls(drafter, parts[-1], online)
 
 
+def is_adaptive(name: str) -> bool:
+    """Whether configuration ``name`` runs an adaptive policy: ``hybrid``, ``suffix+eagle3:analytic:online``."""
+    return ConfigName.parse(name, "").policy in ADAPTIVE
+
+
 def server_args(name: str, cfg: LoadBenchConfig, eagle3_root: str | None = None) -> str:
     """Engine flags of configuration ``name``: ``plain``, ``static-G`` or an adaptive policy, with
     the drafters the name gives (``ConfigName``); ``eagle3_root``: the publish root of an online one.
@@ -128,7 +133,7 @@ def server_args(name: str, cfg: LoadBenchConfig, eagle3_root: str | None = None)
         if "eagle3" not in drafters or eagle3_root is None:
             raise ConfigError(f"configuration {parsed!r}: online training needs eagle3 among its drafters")
         spec += f" --eagle3-dir {shlex.quote(eagle3_root)} --online-training"
-    elif "eagle3" in drafters and cfg.eagle3_dir:
+    elif "eagle3" in drafters and cfg.eagle3_dir and name != "plain":
         spec += f" --eagle3-dir {shlex.quote(cfg.eagle3_dir)}"
     common = f"--threads {cfg.threads} --max-num-seqs {cfg.max_num_seqs} --max-waiting 1024"
     profile = f" --profile {shlex.quote(cfg.profile)}" if cfg.profile else ""

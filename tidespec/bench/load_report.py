@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from tidespec.bench.load_analysis import averaged, forward_vs_profile, mean_e2e, throughput
-from tidespec.bench.load_config import ADAPTIVE, LoadBenchConfig, RunResult
+from tidespec.bench.load_config import LoadBenchConfig, RunResult, is_adaptive
 from tidespec.bench.report import machine_line, markdown_table, new_figure, save_figure, write_text
 from tidespec.bench.serve import RequestRecord
 from tidespec.speculative.policy.speedup import Profile
@@ -48,7 +48,7 @@ def report(doc: dict[str, Any], command: str) -> str:
     lines += ["", "fwd/profile: the run's target forwards against the profile's T(b, 1 + drafted) "
               "(`forward_vs_profile`); runs doing the same work at different values saw the machine at different "
               "speeds."]
-    states = [r for r in results if r.policy and r.config in ADAPTIVE]
+    states = [r for r in results if r.policy and is_adaptive(r.config)]
     if states:
         lines += ["", "Policy state at the end of each run (per batch-size bucket: gamma chosen last, "
                   "alpha and rho estimated; `spec_policy_stat`):", ""]
@@ -133,7 +133,7 @@ def plot_sweep(results: list[RunResult], cfg: LoadBenchConfig, out_dir: Path) ->
         rs = sorted((r for r in results if r.kind == "rate" and r.config == name), key=lambda r: r.rate or 0.0)
         if not rs:
             continue
-        style = "-" if name in ADAPTIVE else "--"
+        style = "-" if is_adaptive(name) else "--"
         xs = [r.rate for r in rs]
         axes[0].plot(xs, [throughput(r) for r in rs], style, marker="o", label=name)
         axes[1].plot(xs, [mean_e2e(r) for r in rs], style, marker="o", label=name)
@@ -163,10 +163,10 @@ def plot_trace(results: list[RunResult], cfg: LoadBenchConfig, out_dir: Path) ->
         edges = np.arange(0.0, span + bin_s, bin_s)
         times, weights = token_times(ok)
         toks = np.histogram(times, edges, weights=weights)[0] / bin_s
-        style = "-" if name in ADAPTIVE else "--"
+        style = "-" if is_adaptive(name) else "--"
         axes[0].plot(edges[:-1] + bin_s / 2, toks, style, label=name)
         axes[1].scatter([x.start_s for x in ok], [x.e2e_s for x in ok], s=8, label=name,
-                        marker="o" if name in ADAPTIVE else "x")
+                        marker="o" if is_adaptive(name) else "x")
     ax2 = axes[0].twinx()
     ts = [t for t, _ in trace] + [end]
     ax2.step(ts, [r for _, r in trace] + [trace[-1][1] if trace else 0.0], where="post", color="grey", alpha=0.4)

@@ -92,7 +92,7 @@ def saturation_run(cfg: YieldBenchConfig, target: LoadedModel, mode: str, work: 
         time.sleep(3.0)  # past its start-up (imports, loading the store)
         if mode == "governed":
             governor = TrainingGovernor(trainer, GovernorConfig(share=cfg.trainer_share))
-            engine.step_listeners.append(governor.on_step)
+            governor.attach(engine)
             governor.start()
     try:
         loop = TraceLoop(engine, trace, cfg.concurrency, cfg.max_tokens, mode, progress=False)
@@ -114,7 +114,7 @@ def idle_round(cfg: YieldBenchConfig, target: LoadedModel, governed: bool, work:
     governor = None
     if engine is not None:
         governor = TrainingGovernor(trainer, GovernorConfig(share=cfg.trainer_share))
-        engine.step_listeners.append(governor.on_step)  # never called: the engine is idle
+        governor.attach(engine)  # never called: the engine is idle
         governor.start()
     while trainer.state()["state"] in ("starting", "running"):
         time.sleep(0.05)

@@ -452,7 +452,7 @@ class OnlineTraining:
         self.trainer.start()
         if yield_to is not None:
             self.governor = TrainingGovernor(self.trainer, yield_to)
-            self.collector.engine.step_listeners.append(self.governor.on_step)
+            self.governor.attach(self.collector.engine)
             self.governor.start()
         return self.trainer
 

@@ -12,9 +12,11 @@ its place in the round, and goes on where it was when it is continued (SIGCONT),
 round takes as long as a standalone ``train-drafter`` run, and at saturation training costs serving
 nothing but the memory it holds.
 
-Load is measured, not guessed: every engine step reports itself (``on_step``, a step listener that
-records the time and does nothing else); serving counts as busy while a step ran within the last
-``idle_s`` seconds. A daemon thread re-decides every ``tick_s`` seconds.
+Load is measured, not guessed: every engine step reports its start (``on_step_start``, a
+``between_steps`` hook) and its end (``on_step``, a step listener), each recording the time and
+nothing else; serving counts as busy while a step runs or ran within the last ``idle_s`` seconds
+(a long prefill step is busy throughout). ``attach(engine)`` registers both. A daemon thread
+re-decides every ``tick_s`` seconds.
 
 Worked example (share 0.1, period 2 s, idle_s 0.3): the engine steps continuously from t = 10 s to
 t = 20 s, then nothing arrives. The trainer runs in the first 0.2 s of every 2 s period while the
@@ -28,10 +30,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tidespec.errors import ConfigError
 from tidespec.stats import StepStats
+
+if TYPE_CHECKING:
+    from tidespec.engine.engine import LLMEngine
 
 
 class Pausable(Protocol):
@@ -67,6 +72,7 @@ class TrainingGovernor:
         self.config = config or GovernorConfig()
         self.clock = clock
         self._last_step = -float("inf")
+        self._in_step = False
         self._running = True  # the trainer starts running
         self._since = clock()
         self._lock = threading.Lock()
@@ -77,12 +83,24 @@ class TrainingGovernor:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
-    def on_step(self, stats: StepStats) -> None:
-        """``engine.step_listeners`` entry: the engine is working now."""
+    def attach(self, engine: LLMEngine) -> TrainingGovernor:
+        """Follow ``engine``'s steps (``between_steps`` and ``step_listeners``); returns self."""
+        engine.between_steps.append(self.on_step_start)
+        engine.step_listeners.append(self.on_step)
+        return self
+
+    def on_step_start(self, engine: object = None) -> None:
+        """``engine.between_steps`` entry: a step begins."""
+        self._in_step = True
+        self._last_step = self.clock()
+
+    def on_step(self, stats: StepStats | None = None) -> None:
+        """``engine.step_listeners`` entry: a step ended."""
+        self._in_step = False
         self._last_step = self.clock()
 
     def busy(self, now: float) -> bool:
-        return now - self._last_step < self.config.idle_s
+        return self._in_step or now - self._last_step < self.config.idle_s
 
     def should_run(self, now: float) -> bool:
         """Whether the trainer may run at ``now``: never while held, always while serving is idle,
