@@ -3,9 +3,9 @@ API-key guard, and the page drawn by a headless Chromium.
 
 The live tests run the tiny model with the n-gram and suffix drafters, chosen per step by the
 analytic policy on a profile measured for that model here (a fraction of a second), so the
-plain-decoding line is a real estimate. The browser test is skipped when no Chromium binary is on PATH (``make test`` installs
-``chromium-headless-shell`` where it can); with ``TIDESPEC_SCREENSHOT=1`` it sends traffic for
-longer and writes ``docs/dashboard.png``.
+plain-decoding line is a real estimate. The browser test is skipped when no Chromium binary is on
+PATH (``make test`` installs ``chromium-headless-shell`` where it can); with
+``TIDESPEC_SCREENSHOT=1`` it sends traffic for longer and writes ``docs/dashboard.png``.
 """
 
 from __future__ import annotations

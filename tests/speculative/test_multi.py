@@ -72,7 +72,8 @@ def test_multi_drafter_validates_and_routes(model) -> None:
     assert isinstance(multi, MultiDrafter) and multi.name == "ngram+suffix" and multi.tap_layers == ()
     assert multi.shadowed == {"ngram", "suffix"}
     ctx = [1, 2, 3, 1, 2, 3, 1, 2]
-    p = multi.propose([DraftInput(0, ctx, 2, SamplingParams(), drafter="suffix"), DraftInput(1, ctx, 2, SamplingParams())])
+    p = multi.propose([DraftInput(0, ctx, 2, SamplingParams(), drafter="suffix"),
+                       DraftInput(1, ctx, 2, SamplingParams())])
     assert p.drafts[0].token_ids == [3, 1] and p.drafts[1].token_ids == [3, 1]
     with pytest.raises(ValueError, match="no drafter 'eagle3'"):
         multi.propose([DraftInput(0, ctx, 2, SamplingParams(), drafter="eagle3")])
@@ -254,7 +255,8 @@ def test_bandits_over_drafter_gamma_arms_find_the_best_drafter(name: str) -> Non
                               spec_lens={1: gamma}, seq_drafters={1: drafter} if gamma else {},
                               drafter_outcomes={drafter: [outcome]} if gamma else {},
                               num_drafts=int(gamma > 0), num_accepted_tokens=outcome[2], num_draft_depth=gamma,
-                              num_rejected=int(gamma > 0 and outcome[2] < gamma), seq_outcomes=[outcome] if gamma else []))
+                              num_rejected=int(gamma > 0 and outcome[2] < gamma),
+                              seq_outcomes=[outcome] if gamma else []))
         if k >= 1000:
             late.append(key)
     assert late.count(("suffix", 2)) > 0.7 * len(late)

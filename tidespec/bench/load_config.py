@@ -92,7 +92,8 @@ class ConfigName:
         if online:
             parts = parts[:-1]
         if len(parts) > 2 or not parts[-1]:
-            raise ConfigError(f"bad configuration {name!r}: use [drafters:]policy[:online], e.g. suffix+eagle3:analytic")
+            raise ConfigError(f"bad configuration {name!r}: use [drafters:]policy[:online], "
+                              "e.g. suffix+eagle3:analytic")
         drafter = parts[0].replace("+", ",") if len(parts) == 2 else default_drafter
         return cls(drafter, parts[-1], online)
 

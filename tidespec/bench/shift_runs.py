@@ -100,7 +100,8 @@ class TraceLoop:
             self.run.steps.append({"t": clock(), "emitted": st.num_emitted_tokens, "drafts": st.num_drafts,
                                    "accepted": st.num_accepted_tokens,
                                    "version": float(getattr(engine.drafter, "version", 0)), "batch": st.batch_size,
-                                   "by_drafter": {n: sum(1 for _, d, _ in o if d) for n, o in st.drafter_outcomes.items()},
+                                   "by_drafter": {n: sum(1 for _, d, _ in o if d)
+                                                  for n, o in st.drafter_outcomes.items()},
                                    "taps": st.taps})
 
         engine.step_listeners.append(on_step)

@@ -8,8 +8,9 @@ described in ``tidespec.models.eagle3_head``; this module owns the per-sequence 
 Drafter state per sequence: the taps ``observe`` handed over, the head's own K/V for every
 position whose tap row and next token are final (one slot of a 1-layer ``KVCache``; extended over
 the pending taps at the next ``propose``, so steps without speculation cost no head forward), plus
-the last position's output (pre-norm hidden and logits), which starts the next proposal. Speculative positions are written past the cached
-length and simply forgotten afterwards (the rollback is not advancing the length).
+the last position's output (pre-norm hidden and logits), which starts the next proposal.
+Speculative positions are written past the cached length and simply forgotten afterwards (the
+rollback is not advancing the length).
 
 Worked example (context ``t0..t4``, target KV holds t0..t3, taps h0..h3 observed)::
 
