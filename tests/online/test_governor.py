@@ -149,15 +149,12 @@ def test_collection_asks_for_taps_only_while_speculation_pays() -> None:
     from tidespec.online.collection import SelectiveCollector
 
     class Predicts:
-        speedup = 1.3
-
-        def stats(self) -> dict[str, float]:
-            return {"predicted_speedup": self.speedup}
+        last_predicted_speedup = 1.3
 
     policy = Predicts()
     engine = SimpleNamespace(policy=policy)
     collector = SignalCollector(engine, CaptureBuffer(None, 64, 8), SelectiveCollector(CollectionConfig(force=True)))
     assert collector.wants_taps()
-    policy.speedup = 1.0  # the controller went off: nothing pays at this load
+    policy.last_predicted_speedup = 1.0  # the controller went off: nothing pays at this load
     assert not collector.wants_taps()
     assert speculation_pays(None)  # no policy (static engine): always

@@ -29,15 +29,13 @@ from tqdm import tqdm
 from tidespec.bench.shift_config import ShiftBenchConfig, TraceItem
 from tidespec.config import CacheConfig, CollectionConfig, ConfigError, EngineConfig, PolicyConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.llm import build_drafter, build_eagle3_drafter, build_engine, build_policy
+from tidespec.llm import build_engine
 from tidespec.models.eagle3_checkpoint import head_from_published, load_drafter_source, publish
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import LoadedModel
 from tidespec.online.attach import OnlineConfig, OnlineTraining, attach_online_training, read_trainer_rounds
 from tidespec.online.trainer.governor import GovernorConfig
 from tidespec.sampling import SamplingParams
-from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig
-from tidespec.speculative.drafters.multi import MultiDrafter
 from tidespec.stats import RequestStats, StepStats
 
 
@@ -197,16 +195,9 @@ def seed_publish_root(root: Path, bootstrap: str | None, target: LlamaModel) -> 
 def eagle3_engine(model: LlamaModel, tokenizer: Any, ecfg: EngineConfig, root: Path, draft_vocab: int) -> LLMEngine:
     """An engine with the EAGLE-3 drafter of publish root ``root`` (its newest published version,
     or a fresh head of ``draft_vocab`` tokens, 0 = the target's, when there is none), beside the
-    other drafters ``ecfg.spec.drafter`` names, under ``ecfg.policy``."""
-    spec, cache = ecfg.spec, ecfg.cache
-    eagle = build_eagle3_drafter(model, root, draft_vocab, Eagle3DrafterConfig(
-        max_num_seqs=cache.max_num_seqs, max_model_len=cache.max_model_len))
-    members = [eagle if name == "eagle3" else build_drafter(dataclasses.replace(spec, drafter=name), model,
-                                                            cache.max_num_seqs, cache.max_model_len)
-               for name in spec.drafter_names]
-    drafter = eagle if len(members) == 1 else MultiDrafter(
-        [d for d in members if d is not None], shadow_gamma=spec.num_speculative_tokens)
-    return LLMEngine(model, tokenizer, ecfg, drafter=drafter, policy=build_policy(ecfg, model, drafter))
+    other drafters ``ecfg.spec.drafter`` names, under ``ecfg.policy`` (``llm.build_engine``)."""
+    eagle3 = dataclasses.replace(ecfg.spec.eagle3, dir=str(root), draft_vocab=draft_vocab)
+    return build_engine(dataclasses.replace(ecfg, spec=dataclasses.replace(ecfg.spec, eagle3=eagle3)), model, tokenizer)
 
 
 @dataclass

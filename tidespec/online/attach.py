@@ -72,7 +72,7 @@ from tidespec.speculative.api import DraftInput, DraftProposal, Observation
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
 from tidespec.speculative.drafters.multi import find_member
 from tidespec.speculative.policy.api import SpeculationPolicy
-from tidespec.speculative.policy.factory import policy_profile
+from tidespec.speculative.policy.factory import policy_profile, predicted_speedup
 
 if TYPE_CHECKING:
     from tidespec.engine.engine import LLMEngine
@@ -177,11 +177,10 @@ class OnlineConfig:
 
 
 def speculation_pays(policy: SpeculationPolicy | None) -> bool:
-    """Whether ``policy`` last predicted a speedup over plain decoding for some drafter (its
-    ``predicted_speedup`` stat; a policy without predictions - static - always says yes)."""
-    if policy is None:
-        return True
-    return policy.stats().get("predicted_speedup", 2.0) > 1.0
+    """Whether ``policy`` last predicted a speedup over plain decoding for some drafter
+    (``factory.predicted_speedup``; a policy that predicts nothing - static - always says yes)."""
+    value = predicted_speedup(policy)
+    return value is None or value > 1.0
 
 
 class SignalCollector:

@@ -111,12 +111,11 @@ class MultiDrafter:
         return out
 
     def observe(self, observations: list[Observation]) -> None:
+        untapped = observations  # what the members that never read taps get: no reference to them
+        if self.tapped is not None and any(o.taps is not None for o in observations):
+            untapped = [Observation(o.seq_id, o.token_ids, o.num_new_cached, None, o.start) for o in observations]
         for name, member in self.members.items():
-            if name == self.tapped or all(o.taps is None for o in observations):
-                member.observe(observations)
-            else:  # a model-free member never needs the taps; spare it the reference
-                member.observe([Observation(o.seq_id, o.token_ids, o.num_new_cached, None, o.start)
-                                for o in observations])
+            member.observe(observations if name == self.tapped else untapped)
         if self.shadowed:
             self._shadow(observations)
 
@@ -163,10 +162,16 @@ class MultiDrafter:
                     pending[inp.seq_id] = _Shadow(len(inp.token_ids), self.shadow_gamma, tokens)
 
 
+def members_of(drafter: Drafter | None) -> list[Drafter]:
+    """A ``MultiDrafter``'s members, the drafter alone, or none."""
+    if isinstance(drafter, MultiDrafter):
+        return list(drafter.members.values())
+    return [drafter] if drafter is not None else []
+
+
 def stateful_member(drafter: Drafter | None, stateful: frozenset[str]) -> Drafter | None:
     """The drafter itself, or the first member of a ``MultiDrafter``, whose name is in ``stateful``."""
-    members = list(drafter.members.values()) if isinstance(drafter, MultiDrafter) else [drafter] if drafter else []
-    return next((d for d in members if d.name in stateful), None)
+    return next((d for d in members_of(drafter) if d.name in stateful), None)
 
 
 def find_member(drafter: Drafter | None, name: str) -> Drafter | None:

@@ -80,7 +80,7 @@ class AnalyticPolicy:
         self.alphas = self.trackers[self.drafters[0]]  # the (first) drafter's estimates
         self._chosen: dict[int, tuple[str | None, int]] = {}
         self._speedup: dict[int, float] = {}
-        self._last_speedup = 1.0
+        self.last_predicted_speedup = 1.0  # of the last plan (1.0 = off): read per step, keep it a field
 
     @property
     def multi(self) -> bool:
@@ -124,7 +124,7 @@ class AnalyticPolicy:
             self._off_steps[key] = 0
         self._chosen[key] = (drafter, gamma)
         self._speedup[key] = speedup
-        self._last_speedup = speedup
+        self.last_predicted_speedup = speedup
         name = drafter if drafter is not None and gamma > 0 else (inp.drafters[0] if inp.drafters else "")
         return {s.seq_id: (name or "", gamma) for s in inp.seqs}
 
@@ -141,7 +141,7 @@ class AnalyticPolicy:
         return {key: (d or "", g) for key, (d, g) in sorted(self._chosen.items())}
 
     def stats(self) -> dict[str, float]:
-        out = {"predicted_speedup": self._last_speedup, "alpha": self.alphas.global_alpha,
+        out = {"predicted_speedup": self.last_predicted_speedup, "alpha": self.alphas.global_alpha,
                "rho": self.alphas.overall.rho(), "probe_steps": float(self.num_probes)}
         for key in sorted(self._chosen):
             drafter, gamma = self._chosen[key]

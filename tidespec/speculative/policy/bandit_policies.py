@@ -195,7 +195,7 @@ class HybridPolicy:
         self._bucket: Callable[[int], int] = bucket_of if bucketed else (lambda b: b)
         self._scale_sum = 0.0
         self._scale_n = 0
-        self._last_predicted_speedup = 1.0
+        self.last_predicted_speedup = 1.0
         self.bandit = NightjarBandit(
             gamma_max,
             profile.catchup_cost if use_switching_cost else None,
@@ -236,7 +236,7 @@ class HybridPolicy:
         key = self._bucket(inp.batch_size)
         arm = self.bandit.select(inp.batch_size)
         drafter, gamma = self.arms.pairs[arm]
-        self._last_predicted_speedup = predicted_speedups(self.trackers[drafter], key, self.profile, self.gamma_max,
+        self.last_predicted_speedup = predicted_speedups(self.trackers[drafter], key, self.profile, self.gamma_max,
                                                           drafter)[gamma]
         return self.arms.plan(inp, arm)
 
@@ -256,7 +256,7 @@ class HybridPolicy:
 
     def stats(self) -> dict[str, float]:
         out = _bandit_stats(self.bandit)
-        out["predicted_speedup"] = self._last_predicted_speedup
+        out["predicted_speedup"] = self.last_predicted_speedup
         out["calibration"] = self.kappa
         out["alpha"] = self.alphas.global_alpha
         out["rho"] = self.alphas.overall.rho()

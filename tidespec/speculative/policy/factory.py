@@ -93,6 +93,15 @@ def make_policy(name: str, options: PolicyOptions | None = None) -> SpeculationP
     return Guards(policy, opts.guards) if opts.guards is not None else policy
 
 
+def predicted_speedup(policy: SpeculationPolicy | None) -> float | None:
+    """The speedup over plain decoding that ``policy`` (or the policy inside ``Guards``) predicted
+    for its last plan — analytic and hybrid keep it as ``last_predicted_speedup``; None for policies
+    that predict nothing (static, bandit) or no policy. A field read: cheap enough for every step."""
+    inner = policy.inner if isinstance(policy, Guards) else policy
+    value = getattr(inner, "last_predicted_speedup", None)
+    return float(value) if isinstance(value, (int, float)) else None
+
+
 def policy_profile(policy: SpeculationPolicy) -> Profile | None:
     """The profile a policy (or the policy inside ``Guards``) holds — analytic and hybrid plan with it,
     static and bandit keep it for the metrics; None when it was built without one."""

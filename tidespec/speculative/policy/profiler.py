@@ -45,7 +45,7 @@ from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.models.quant import quantization_of
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter, DraftInput, Observation
-from tidespec.speculative.drafters.multi import MultiDrafter
+from tidespec.speculative.drafters.multi import members_of
 from tidespec.speculative.policy.speedup import Profile
 
 STATEFUL_DRAFTERS = frozenset({"draft-model", "eagle3"})
@@ -174,7 +174,7 @@ def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerCon
     single = {n: statistics.median(times) for n, times in single_samples.items()}
     draft_cost = {"default": 0.0}
     catchup: dict[tuple[int, int], float] = {}
-    members = list(drafter.members.values()) if isinstance(drafter, MultiDrafter) else [drafter] if drafter else []
+    members = members_of(drafter)
     for member in members:  # each drafter of a MultiDrafter on its own: the policy prices each choice
         clock = _DraftClock(member, len(member.tap_layers) * model.cfg.hidden_size, gen)
         d0 = _draft_cost(clock, model.cfg.vocab_size, cfg, gen)
