@@ -26,7 +26,12 @@ from tidespec.online.eagle3_train import SignalSegment
 from tidespec.online.store import SignalShard, SignalStore
 from tidespec.online.trainer.config import TrainerConfig, TrainerConfigError
 from tidespec.online.trainer.data import cut_segment, segments_by_sequence, split_heldout
-from tidespec.online.trainer.process import capture_from_workload, export_latest, start_trainer_process
+from tidespec.online.trainer.process import (
+    capture_from_workload,
+    distill_from_workload,
+    export_latest,
+    start_trainer_process,
+)
 from tidespec.online.trainer.rounds import DraftTrainer
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig
@@ -92,6 +97,13 @@ def test_trainer_config_validation(tmp_path: Path) -> None:
         TrainerConfig()
     with pytest.raises(TrainerConfigError, match="heldout_frac"):
         TrainerConfig(signal_dir="s", publish_root="p", heldout_frac=1.0)
+    with pytest.raises(TrainerConfigError, match="needs --topk"):
+        TrainerConfig(signal_dir="s", publish_root="p", samples=2)
+    with pytest.raises(TrainerConfigError, match="weight_decay"):
+        TrainerConfig(signal_dir="s", publish_root="p", weight_decay=-1.0)
+    with pytest.raises(TrainerConfigError, match="needs the target model"):
+        DraftTrainer(TrainerConfig(signal_dir=str(tmp_path / "s"), publish_root=str(tmp_path / "p"),
+                                   init_from_target="layer"), tiny_llama(V).cfg, tiny_llama(V).embed_tokens)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +129,8 @@ def engine_acceptance(model: LlamaModel, drafter, prompts: list[list[int]]) -> t
     return [done[i] for i in ids], (accepted + drafts) / max(1, drafts)
 
 
-def test_once_round_from_workload_learns_and_publishes(model: LlamaModel, tmp_path: Path) -> None:
+def _workload(tmp_path: Path) -> tuple[Path, list[list[int]]]:
+    """32 random prompts of 3-7 round-tripping words as a completion workload file."""
     gen = torch.Generator().manual_seed(0)
     workload = tmp_path / "w.jsonl"
     tok = tiny_tokenizer(V)
@@ -127,6 +140,29 @@ def test_once_round_from_workload_learns_and_publishes(model: LlamaModel, tmp_pa
     workload.write_text("".join(json.dumps({"id": f"r{i}", "domain": "code", "kind": "completion",
                                             "prompt": " ".join(f"t{t}" for t in p)}) + "\n"
                                 for i, p in enumerate(prompts)))
+    return workload, prompts
+
+
+def test_distilled_round_from_workload_with_target_init_learns(model: LlamaModel, tmp_path: Path) -> None:
+    workload, prompts = _workload(tmp_path)
+    sig, root = tmp_path / "signals", tmp_path / "drafter"
+    cfg = TrainerConfig(signal_dir=str(sig), publish_root=str(root), from_workload=str(workload), samples=2, topk=8,
+                        temperature=1.0, max_tokens=40, max_steps=120, batch_segments=8, lr=3e-3, gamma=4,
+                        heldout_frac=0.25, lr_schedule="cosine", warmup_steps=10, weight_decay=0.01,
+                        init_from_target="layer", progress=False)
+    rows = distill_from_workload(model, tiny_tokenizer(V), cfg)
+    shards = [sh for _, sh in SignalStore(sig, 1 << 30).iter_shards()]
+    assert rows == sum(sh.num_signals for sh in shards) > 2000
+    assert all(sh.topk_ids is not None and sh.topk_ids.shape[1] == 8 for sh in shards)
+    r = DraftTrainer(cfg, model.cfg, model.embed_tokens, target=model).run(once=True)[0]
+    assert r.published_version == 1 and r.candidate_accept_len > r.baseline_accept_len + 0.3, r
+    dcfg = Eagle3DrafterConfig(max_num_seqs=4, max_model_len=96)
+    plain, _ = engine_acceptance(model, None, prompts[:4])
+    assert engine_acceptance(model, build_eagle3_drafter(model, root, cfg=dcfg), prompts[:4])[0] == plain
+
+
+def test_once_round_from_workload_learns_and_publishes(model: LlamaModel, tmp_path: Path) -> None:
+    workload, prompts = _workload(tmp_path)
     sig, root = tmp_path / "signals", tmp_path / "drafter"
     stats = capture_from_workload(model, tiny_tokenizer(V), str(workload), sig, max_tokens=40, progress=False)
     assert stats["num_captured"] > 1200 and stats["num_dropped"] == 0

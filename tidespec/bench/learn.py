@@ -56,6 +56,7 @@ from tidespec.bench.report import (
     save_figure,
 )
 from tidespec.config import ConfigError, opt
+from tidespec.models.eagle3_head import INIT_FROM_TARGET, init_from_target
 from tidespec.models.loader import LoadedModel
 from tidespec.online.eagle3_train import SignalSegment
 from tidespec.online.store import SignalStore
@@ -95,7 +96,14 @@ class LearnBenchConfig:
     draft_vocab: int = opt(8192, "draft vocabulary of the fresh heads (0 = the target's)")
     batch_segments: int = opt(TrainerConfig.batch_segments, "segments per optimizer step")
     max_segment_len: int = opt(TrainerConfig.max_segment_len, "positions per training segment")
-    lr: float = opt(TrainerConfig.lr, "AdamW learning rate")
+    lr: float = opt(TrainerConfig.lr, "AdamW peak learning rate")
+    lr_schedule: str = opt(TrainerConfig.lr_schedule, "constant or cosine (decay to 10 %% of --lr)",
+                           choices=["constant", "cosine"])
+    warmup_steps: int = opt(TrainerConfig.warmup_steps, "linear learning-rate warm-up steps")
+    weight_decay: float = opt(TrainerConfig.weight_decay, "AdamW weight decay")
+    init_from_target: str = opt(TrainerConfig.init_from_target, "fresh heads start from the target's weights: "
+                                "none, lm_head or layer (train-drafter's flag)", choices=["none", "lm_head", "layer"])
+    distill: str = opt(TrainerConfig.distill, "with top-k signals: soft or top1 labels", choices=["soft", "top1"])
     ttt_steps: int = opt(TrainerConfig.ttt_steps, "training-time-test unroll steps")
     target_length: float = opt(2.5, "acceptance length whose row count the fit extrapolates to")
     seed: int = opt(TrainerConfig.seed, "seed of the shuffle, the heads and the batches")
@@ -107,10 +115,14 @@ class LearnBenchConfig:
             if not Path(d).is_dir():
                 raise ConfigError(f"signal dir {d} is not a directory")
         parse_fractions(self.fractions)
+        if (self.lr_schedule not in ("constant", "cosine") or self.init_from_target not in INIT_FROM_TARGET
+                or self.distill not in ("soft", "top1")):
+            raise ConfigError(f"lr_schedule must be constant or cosine, distill soft or top1 and init_from_target "
+                              f"one of {', '.join(INIT_FROM_TARGET)}")
         for name in ("evals", "gamma", "batch_segments", "max_segment_len", "ttt_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("steps", "draft_vocab"):
+        for name in ("steps", "draft_vocab", "warmup_steps"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if (self.steps == 0 or self.per_share_epochs) and self.epochs <= 0:
@@ -119,8 +131,8 @@ class LearnBenchConfig:
             raise ConfigError("give either steps or per_share_epochs, not both")
         if not 0.0 < self.heldout_frac < 1.0:
             raise ConfigError(f"heldout_frac must be in (0, 1), got {self.heldout_frac}")
-        if self.lr <= 0 or self.target_length <= 1.0:
-            raise ConfigError("lr must be > 0 and target_length > 1")
+        if self.lr <= 0 or self.target_length <= 1.0 or self.weight_decay < 0:
+            raise ConfigError("lr must be > 0, target_length > 1 and weight_decay >= 0")
 
     @property
     def dirs(self) -> list[str]:
@@ -188,7 +200,10 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
     with tempfile.TemporaryDirectory(prefix="tidespec-learn-") as tmp:
         base = TrainerConfig(signal_dir=str(Path(tmp) / "s"), publish_root=str(Path(tmp) / "p"),
                              batch_segments=cfg.batch_segments, max_segment_len=cfg.max_segment_len, lr=cfg.lr,
-                             ttt_steps=cfg.ttt_steps, gamma=cfg.gamma, seed=cfg.seed, progress=progress)
+                             ttt_steps=cfg.ttt_steps, gamma=cfg.gamma, seed=cfg.seed, progress=progress,
+                             lr_schedule=cfg.lr_schedule,  # type: ignore[arg-type]
+                             warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
+                             distill=cfg.distill)  # type: ignore[arg-type]
         trainer = DraftTrainer(base, target.config, embed)
         for share in cfg.shares:
             n = max(1, round(share * len(order)))
@@ -198,6 +213,7 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
             marks = sorted({max(1, round(steps * j / cfg.evals)) for j in range(1, cfg.evals + 1)})
             trainer.cfg = dataclasses.replace(base, max_steps=steps)
             head = fresh_head_for(target.config, cfg.draft_vocab, segs, trainer.dtype, trainer.device, cfg.seed)
+            init_from_target(head, target.model, cfg.init_from_target)
             points = [{"step": 0, "heldout_accept_len": simulated_acceptance(head, embed, heldout, cfg.gamma),
                        "train_loss": None}]
             window: list[float] = []

@@ -216,3 +216,46 @@ class Eagle3Head(PlacedModule):
         attn = layer.self_attn(layer.attn_input(fused, embeds), cos, sin, layout, kv.k[0], kv.v[0])
         out = layer.finish(fused, attn)
         return out, self.logits(out)
+
+
+INIT_FROM_TARGET = ("none", "lm_head", "layer")
+
+
+@torch.no_grad()
+def init_from_target(head: Eagle3Head, target: nn.Module, what: str = "layer") -> Eagle3Head:
+    """Start a head from the target's own weights instead of random ones (in place; returns it).
+
+    ``"lm_head"``: the draft LM head's row ``d`` is the target's LM-head row of target token
+    ``d + d2t[d]``, the final norm is the target's. ``"layer"``: also the decoder layer from the
+    target's last layer (its q/k/v read the fused-hidden half of the ``2H`` input; the embedding
+    half starts at zero) and ``fc`` passing the highest tap through (the fused hidden starts as the
+    target's hidden state entering layer ``tap_layers[-1]``). ``"none"`` changes nothing.
+    ``target`` is a ``LlamaModel`` with the head's width and vocabulary.
+
+    Example: draft vocab {5, 9} (d2t [5, 8]) -> lm_head rows = target lm_head rows 5 and 9.
+    """
+    if what not in INIT_FROM_TARGET:
+        raise Eagle3ConfigError(f"init-from-target must be one of {', '.join(INIT_FROM_TARGET)}, got {what!r}")
+    if what == "none":
+        return head
+    cfg = head.cfg
+    rows = head.draft_to_target(torch.arange(cfg.draft_vocab_size, device=head.d2t.device))  # [Vd]
+    w = target.lm_head.weight  # [V, H]
+    head.lm_head.weight.copy_(w[rows.to(w.device)].to(head.lm_head.weight))
+    head.norm.weight.copy_(target.norm.weight.to(head.norm.weight))
+    if what == "lm_head":
+        return head
+    src = target.layers[len(target.layers) - 1]
+    layer = head.midlayer
+    h = cfg.hidden_size
+    qkv = layer.self_attn.qkv_proj.weight  # [q + 2kv, 2H]: embedding half, then hidden half
+    qkv.zero_()
+    qkv[:, h:].copy_(src.self_attn.qkv_proj.weight.to(qkv))
+    layer.hidden_norm.weight.copy_(src.input_layernorm.weight.to(qkv))
+    layer.input_layernorm.weight.fill_(1.0)
+    layer.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight.to(qkv))
+    layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight.to(qkv))
+    layer.mlp.load_state_dict({k: v.to(qkv) for k, v in src.mlp.state_dict().items()})
+    head.fc.weight.zero_()
+    head.fc.weight[:, 2 * h:3 * h].copy_(torch.eye(h, dtype=qkv.dtype, device=qkv.device))
+    return head

@@ -101,12 +101,19 @@ class Eagle3TrainError(UserError, ValueError):
 
 @dataclass
 class SignalSegment:
-    """Consecutive positions ``start_position .. start_position+N-1`` of one sequence."""
+    """Consecutive positions ``start_position .. start_position+N-1`` of one sequence.
+
+    With ``topk_ids`` / ``topk_logits`` (the target's top-k logits at each position, from a teacher
+    pass: ``trainer.distill``) the head is distilled from the target's distribution, and evaluation
+    counts a row only where the sequence continued with the target's greedy token.
+    """
 
     taps: torch.Tensor  # [N, 3H] target taps at those positions
     token_ids: torch.Tensor  # [N+1] int64: token at each position, then the token that followed
     target_next_ids: torch.Tensor | None = None  # [N] int64 target's own next token at each position
     start_position: int = 0
+    topk_ids: torch.Tensor | None = None  # [N, K] int64 target's top-k next-token ids at each position
+    topk_logits: torch.Tensor | None = None  # [N, K] float32 their logits
 
     def __post_init__(self) -> None:
         n = self.taps.shape[0]
@@ -118,13 +125,29 @@ class SignalSegment:
             raise Eagle3TrainError(f"target_next_ids must have shape ({n},), got {tuple(self.target_next_ids.shape)}")
         if self.start_position < 0:
             raise Eagle3TrainError(f"start_position must be >= 0, got {self.start_position}")
+        if (self.topk_ids is None) != (self.topk_logits is None):
+            raise Eagle3TrainError("topk_ids and topk_logits must be given together")
+        if self.topk_ids is not None and self.topk_logits is not None:
+            if self.topk_ids.dim() != 2 or self.topk_ids.shape[0] != n or self.topk_ids.shape != self.topk_logits.shape:
+                raise Eagle3TrainError(f"topk_ids/topk_logits must both be [{n}, K]")
 
     @property
     def num_positions(self) -> int:
         return int(self.taps.shape[0])
 
+    def slice(self, a: int, b: int) -> SignalSegment:
+        """Positions ``a .. b-1`` as a segment of their own (rope positions kept)."""
+        top = lambda t: t[a:b] if t is not None else None  # noqa: E731
+        return SignalSegment(self.taps[a:b], self.token_ids[a:b + 1], top(self.target_next_ids),
+                             self.start_position + a, top(self.topk_ids), top(self.topk_logits))
+
     def labels(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Target-vocab labels [N] for unroll step ``step`` (1-based) and a validity mask [N]."""
+        """Target-vocab labels [N] for unroll step ``step`` (1-based) and a validity mask [N].
+
+        With top-k rows, a label is valid only where the token that followed is the target's
+        greedy choice (``topk_ids[:, 0]``): a greedy chain drafted there is judged on the context
+        greedy decoding would have produced.
+        """
         n = self.num_positions
         rows = torch.arange(n)
         if self.target_next_ids is not None:
@@ -133,12 +156,26 @@ class SignalSegment:
             return self.target_next_ids[idx.clamp(max=n - 1)], valid
         idx = rows + step + 1
         valid = idx <= n
-        return self.token_ids[idx.clamp(max=n)], valid
+        labels = self.token_ids[idx.clamp(max=n)]
+        if self.topk_ids is not None:
+            valid = valid & (self.topk_ids[(idx - 1).clamp(max=n - 1), 0] == labels)
+        return labels, valid
+
+    def soft_labels(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The target's top-k at the position unroll step ``step`` predicts: ids [N, K], logits
+        [N, K] and validity [N] (row j, step s -> position j + s)."""
+        assert self.topk_ids is not None and self.topk_logits is not None
+        n = self.num_positions
+        idx = torch.arange(n) + step
+        keep = idx.clamp(max=n - 1)
+        return self.topk_ids[keep], self.topk_logits[keep], idx <= n - 1
 
 
 def segments_from_rows(taps: torch.Tensor, token_ids: torch.Tensor, next_token_ids: torch.Tensor,
-                       seq_ids: torch.Tensor, positions: torch.Tensor) -> list[SignalSegment]:
-    """Group signal-store rows (one per position) into per-sequence runs of consecutive positions.
+                       seq_ids: torch.Tensor, positions: torch.Tensor, topk_ids: torch.Tensor | None = None,
+                       topk_logits: torch.Tensor | None = None) -> list[SignalSegment]:
+    """Group signal-store rows (one per position) into per-sequence runs of consecutive positions
+    (``topk_ids`` / ``topk_logits`` [R, K], when given, follow their rows).
 
     Example: seq_ids [7, 7, 7, 9], positions [3, 4, 6, 0] -> segments (7: 3..4), (7: 6), (9: 0).
     """
@@ -150,7 +187,9 @@ def segments_from_rows(taps: torch.Tensor, token_ids: torch.Tensor, next_token_i
         if run:
             idx = torch.tensor(run)
             toks = torch.cat([token_ids[idx], next_token_ids[idx[-1:]]])
-            segments.append(SignalSegment(taps[idx], toks, None, int(positions[run[0]])))
+            top = ((topk_ids[idx], topk_logits[idx]) if topk_ids is not None and topk_logits is not None
+                   else (None, None))
+            segments.append(SignalSegment(taps[idx], toks, None, int(positions[run[0]]), *top))
 
     for i in order:
         if run and (int(seq_ids[i]) != int(seq_ids[run[-1]]) or int(positions[i]) != int(positions[run[-1]]) + 1):
@@ -196,6 +235,24 @@ class SignalBatch:
     def num_rows(self) -> int:
         return int(self.taps.shape[1])
 
+    @property
+    def distilled(self) -> bool:
+        """Every segment carries the target's top-k (the loss distils; otherwise hard labels)."""
+        return all(s.topk_ids is not None for s in self.segments)
+
+    def soft_labels(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Padded top-k ids [B, N, K], logits [B, N, K] and validity [B, N] of unroll step ``step``."""
+        k = min(int(s.topk_ids.shape[1]) for s in self.segments if s.topk_ids is not None)
+        b, n, dev = len(self.segments), self.num_rows, self.taps.device
+        ids = torch.zeros(b, n, k, dtype=torch.int64, device=dev)
+        logits = torch.zeros(b, n, k, dtype=torch.float32, device=dev)
+        valid = torch.zeros(b, n, dtype=torch.bool, device=dev)
+        for i, seg in enumerate(self.segments):
+            m = seg.num_positions
+            top_ids, top_logits, ok = seg.soft_labels(step)
+            ids[i, :m], logits[i, :m], valid[i, :m] = top_ids[:, :k], top_logits[:, :k], ok
+        return ids, logits, valid
+
     def labels(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Padded target-vocab labels [B, N] of unroll step ``step`` (1-based) and validity [B, N]."""
         labels = torch.zeros(len(self.segments), self.num_rows, dtype=torch.int64, device=self.taps.device)
@@ -233,23 +290,60 @@ def unroll(head: Eagle3Head, embed: nn.Embedding, batch: SignalBatch, num_steps:
 
 
 def ttt_loss(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], ttt_steps: int,
-             step_weight_decay: float = 0.8) -> tuple[torch.Tensor, list[float]]:
-    """Weighted sum over steps of the mean cross-entropy -> (loss, per-step top-1 accuracy)."""
+             step_weight_decay: float = 0.8, distill: str = "soft") -> tuple[torch.Tensor, list[float]]:
+    """Weighted sum over steps of the mean per-row loss -> (loss, per-step top-1 accuracy).
+
+    When every segment carries top-k rows, the per-row loss is the cross-entropy against the
+    target's top-k distribution renormalised over the draft vocabulary (``distill="soft"``) or
+    against the target's top-1 (``"top1"``); otherwise against the token that followed. Accuracy is
+    measured against the target's top-1 / the token that followed.
+
+    Example (distillation, K=2): target top-k logits [2.0, 1.0] -> p = [0.73, 0.27]; draft log-probs
+    of those tokens [-0.5, -1.5] -> row loss 0.73 * 0.5 + 0.27 * 1.5 = 0.77.
+    """
     batch = SignalBatch.collate(segments, head)
     t2d_index = head.target_to_draft()  # [V]
     loss = torch.zeros((), dtype=torch.float32, device=head.device)
     acc: list[float] = []
+    distilled = batch.distilled
     for s, logits in enumerate(unroll(head, embed, batch, ttt_steps), start=1):
-        labels, valid = batch.labels(s)
-        draft_labels = t2d_index[labels]  # [B, N], -1 = not in the draft vocab
-        keep = valid & (draft_labels >= 0)
+        if distilled and distill == "top1":
+            top_ids, _, ok = batch.soft_labels(s)
+            row_loss, top1, keep = _hard_loss(logits, top_ids[..., 0], ok, t2d_index)
+        elif distilled:
+            row_loss, top1, keep = _soft_loss(logits, *batch.soft_labels(s), t2d_index)
+        else:
+            row_loss, top1, keep = _hard_loss(logits, *batch.labels(s), t2d_index)
         if not bool(keep.any()):
             acc.append(float("nan"))
             continue
-        kept_logits, kept_labels = logits[keep], draft_labels[keep]  # [K, Vd], [K]
-        loss = loss + (step_weight_decay ** (s - 1)) * F.cross_entropy(kept_logits.float(), kept_labels)
-        acc.append(float((kept_logits.argmax(-1) == kept_labels).float().mean()))
+        loss = loss + (step_weight_decay ** (s - 1)) * row_loss[keep].mean()
+        acc.append(float((logits[keep].argmax(-1) == top1[keep]).float().mean()))
     return loss, acc
+
+
+def _hard_loss(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, t2d_index: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [B, N, Vd], target-vocab labels [B, N] -> (row loss [B, N], draft label [B, N], keep [B, N])."""
+    draft_labels = t2d_index[labels]  # [B, N], -1 = not in the draft vocab
+    keep = valid & (draft_labels >= 0)
+    safe = draft_labels.clamp(min=0)
+    row = F.cross_entropy(logits.float().flatten(0, 1), safe.flatten(), reduction="none").view_as(safe)
+    return row, safe, keep
+
+
+def _soft_loss(logits: torch.Tensor, top_ids: torch.Tensor, top_logits: torch.Tensor, valid: torch.Tensor,
+               t2d_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits [B, N, Vd], target top-k ids/logits [B, N, K] -> (row loss [B, N], draft id of the
+    target's top-1 [B, N], keep [B, N]). Top-k entries outside the draft vocabulary are dropped and
+    the rest renormalised; a row with none left, or whose top-1 is outside, is not kept."""
+    draft_ids = t2d_index[top_ids]  # [B, N, K], -1 = not in the draft vocab
+    inside = draft_ids >= 0
+    p = torch.softmax(top_logits.masked_fill(~inside, float("-inf")), dim=-1).nan_to_num(0.0)  # [B, N, K]
+    logq = torch.log_softmax(logits.float(), dim=-1).gather(-1, draft_ids.clamp(min=0))  # [B, N, K]
+    row = -(p * logq.masked_fill(~inside, 0.0)).sum(-1)  # [B, N]
+    keep = valid & inside[..., 0]
+    return row, draft_ids[..., 0].clamp(min=0), keep
 
 
 @dataclass

@@ -39,16 +39,32 @@ class TrainerConfig:
     max_segment_len: int = opt(256, "positions per training segment (longer runs are cut)")
     replay_rows: int = opt(4096, "also train on up to this many rows of earlier rounds (newest first), so a round "
                                 "on a new domain does not erase the old one; 0 = new rows only")
-    lr: float = opt(1e-3, "AdamW learning rate")
+    lr: float = opt(1e-3, "AdamW peak learning rate")
+    lr_schedule: Literal["constant", "cosine"] = opt("constant", "learning rate over a round's steps: constant, or "
+                                                                  "cosine decay to 10 %% of --lr")
+    warmup_steps: int = opt(0, "linear learning-rate warm-up steps at the start of each round")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    distill: Literal["soft", "top1"] = opt("soft", "signals with the target's top-k (--topk) train against its "
+                                                   "distribution (soft) or its top-1 token (top1)")
+    init_from_target: Literal["none", "lm_head", "layer"] = opt(
+        "none", "a fresh head starts from the target's weights: lm_head (its LM-head rows and final norm) or layer "
+                "(also its last decoder layer, fc passing the highest tap through); none = random")
     ttt_steps: int = opt(3, "training-time-test unroll steps")
     gamma: int = opt(4, "draft length of the simulated-acceptance evaluation")
     min_gain: float = opt(0.0, "publish only if the mean acceptance length improves by more than this")
     poll_s: float = opt(10.0, "seconds between checks of the signal store")
     max_rounds: int = opt(0, "stop after this many training rounds (0 = run until interrupted)")
     once: bool = opt(False, "run one round on the signals available now (at least one row) and exit")
-    from_workload: str | None = opt(None, "bootstrap: generate greedily from this JSONL workload, capture, train")
-    workload_limit: int = opt(0, "bootstrap: first N workload records (0 = all)")
+    from_workload: str | None = opt(None, "bootstrap: generate from these comma-separated JSONL workloads, capture, "
+                                          "train")
+    exclude_workload: str = opt("", "bootstrap: drop prompts that appear in these comma-separated workloads (the "
+                                    "ones a benchmark measures on)")
+    workload_limit: int = opt(0, "bootstrap: first N records of each workload (0 = all)")
     max_tokens: int = opt(128, "bootstrap: tokens generated per prompt")
+    samples: int = opt(1, "bootstrap: continuations per prompt (the first greedy, the others at --temperature)")
+    temperature: float = opt(0.8, "bootstrap: sampling temperature of continuations after the first")
+    topk: int = opt(0, "bootstrap: capture the target's top-k logits of every position by a teacher pass and "
+                       "distil from them (0 = greedy capture while generating, hard labels)")
     budget_mb: int = opt(2048, "signal store byte budget in MiB (bootstrap writes; readers ignore it)")
     seed: int = opt(0, "seed of shuffling and of a fresh head's draft-vocabulary head")
     export_dir: str | None = opt(None, "at the end, write the newest published drafter to this directory as one "
@@ -62,10 +78,11 @@ class TrainerConfig:
             raise TrainerConfigError("--signal-dir is required")
         if not self.publish_root:
             raise TrainerConfigError("--publish-root is required")
-        for name in ("threads", "draft_vocab", "max_steps", "max_rounds", "workload_limit", "replay_rows"):
+        for name in ("threads", "draft_vocab", "max_steps", "max_rounds", "workload_limit", "replay_rows", "topk",
+                     "warmup_steps"):
             if getattr(self, name) < 0:
                 raise TrainerConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("min_signals", "batch_segments", "ttt_steps", "gamma", "max_tokens", "budget_mb"):
+        for name in ("min_signals", "batch_segments", "ttt_steps", "gamma", "max_tokens", "budget_mb", "samples"):
             if getattr(self, name) < 1:
                 raise TrainerConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_segment_len < 2:
@@ -74,5 +91,11 @@ class TrainerConfig:
             raise TrainerConfigError(f"heldout_frac must be in (0, 1), got {self.heldout_frac}")
         if self.epochs <= 0 or self.lr <= 0 or self.poll_s <= 0:
             raise TrainerConfigError("epochs, lr and poll_s must be > 0")
+        if self.weight_decay < 0:
+            raise TrainerConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.temperature < 0:
+            raise TrainerConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.samples > 1 and not self.topk:
+            raise TrainerConfigError("--samples > 1 needs --topk (sampled continuations are distilled, not imitated)")
         if self.min_gain < 0:
             raise TrainerConfigError(f"min_gain must be >= 0, got {self.min_gain}")

@@ -28,17 +28,14 @@ def cut_segment(seg: SignalSegment, max_len: int) -> list[SignalSegment]:
 
     Example: 5 positions from 10, max_len 2 -> (10, 11), (12, 13), (14).
     """
-    out: list[SignalSegment] = []
-    for a in range(0, seg.num_positions, max_len):
-        b = min(a + max_len, seg.num_positions)
-        out.append(SignalSegment(seg.taps[a:b], seg.token_ids[a:b + 1], None, seg.start_position + a))
-    return out
+    return [seg.slice(a, min(a + max_len, seg.num_positions)) for a in range(0, seg.num_positions, max_len)]
 
 
 def segments_by_sequence(shards: Sequence[SignalShard], max_len: int) -> dict[int, list[SignalSegment]]:
     """Rows of all shards -> per store seq id, runs of consecutive positions cut to ``max_len``.
 
-    Duplicate (seq, position) rows keep the first one.
+    Duplicate (seq, position) rows keep the first one. The target's top-k rows come along when
+    every shard has them with one K (a teacher-pass store, ``trainer.distill``); else none do.
     """
     if not shards:
         return {}
@@ -47,6 +44,9 @@ def segments_by_sequence(shards: Sequence[SignalShard], max_len: int) -> dict[in
     nexts = torch.cat([s.next_token_ids for s in shards])  # [R]
     seqs = torch.cat([s.seq_ids for s in shards])  # [R]
     pos = torch.cat([s.positions for s in shards])  # [R]
+    ks = {int(s.topk_ids.shape[1]) if s.topk_ids is not None else 0 for s in shards}
+    top_ids = torch.cat([s.topk_ids for s in shards]) if 0 not in ks and len(ks) == 1 else None  # [R, K]
+    top_logits = torch.cat([s.topk_logits for s in shards]) if top_ids is not None else None  # [R, K]
     out: dict[int, list[SignalSegment]] = {}
     for sid in torch.unique(seqs).tolist():
         idx = (seqs == sid).nonzero().squeeze(1)  # [r]
@@ -57,7 +57,8 @@ def segments_by_sequence(shards: Sequence[SignalShard], max_len: int) -> dict[in
                 seen.add(p)
                 keep.append(i)
         k = torch.tensor(keep)
-        segs = segments_from_rows(taps[k], tokens[k], nexts[k], seqs[k], pos[k])
+        top = (top_ids[k], top_logits[k]) if top_ids is not None and top_logits is not None else (None, None)
+        segs = segments_from_rows(taps[k], tokens[k], nexts[k], seqs[k], pos[k], *top)
         out[int(sid)] = [piece for seg in segs for piece in cut_segment(seg, max_len)]
     return out
 
@@ -92,8 +93,8 @@ def split_heldout(by_seq: dict[int, list[SignalSegment]], frac: float
         if cut < 2 or seg.num_positions - cut < 2:
             train.append(seg)
             continue
-        train.append(SignalSegment(seg.taps[:cut], seg.token_ids[:cut + 1], None, seg.start_position))
-        heldout.append(SignalSegment(seg.taps[cut:], seg.token_ids[cut:], None, seg.start_position + cut))
+        train.append(seg.slice(0, cut))
+        heldout.append(seg.slice(cut, seg.num_positions))
     return train, heldout
 
 

@@ -38,6 +38,7 @@ from tidespec.online.collection import SelectiveCollector
 from tidespec.online.store import SignalStore
 from tidespec.online.trainer.config import TrainerConfig, TrainerConfigError
 from tidespec.online.trainer.dist import DistContext
+from tidespec.online.trainer.distill import generate_continuations, teacher_pass, training_prompts
 from tidespec.online.trainer.rounds import DraftTrainer, RoundResult
 
 logger = logging.getLogger(__name__)
@@ -53,15 +54,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def capture_from_workload(model: LlamaModel, tokenizer: Any, workload: str, signal_dir: str | Path, *,
                           max_tokens: int = 128, limit: int = 0, budget_bytes: int = 2 << 30,
-                          max_num_seqs: int = 8, progress: bool = True) -> dict[str, int]:
-    """Greedy-generate every workload prompt with the target, capturing the taps of every final
-    position into the store at ``signal_dir``. Returns the capture counters."""
+                          max_num_seqs: int = 8, progress: bool = True, exclude: str = "") -> dict[str, int]:
+    """Greedy-generate every prompt of the comma-separated workloads with the target, capturing the
+    taps of every final position into the store at ``signal_dir``. Returns the capture counters."""
     from tidespec.config import CacheConfig, EngineConfig, SpecConfig
     from tidespec.engine.engine import LLMEngine, RequestError
     from tidespec.sampling import SamplingParams
-    from tidespec.workloads.loader import load_prompts
 
-    prompts = load_prompts(workload, tokenizer, limit or None)
+    prompts = training_prompts(workload, tokenizer, exclude=exclude, limit=limit)
     taps = Eagle3Config.for_target(model.cfg).tap_layers
     longest = max(len(p.token_ids) for p in prompts) + max_tokens + 1
     max_len = max(8, min(model.cfg.max_position_embeddings, longest))
@@ -91,6 +91,20 @@ def capture_from_workload(model: LlamaModel, tokenizer: Any, workload: str, sign
     return stats
 
 
+def distill_from_workload(model: LlamaModel, tokenizer: Any, cfg: TrainerConfig) -> int:
+    """``--from-workload`` with ``--topk``: sampled continuations, then a teacher pass storing the
+    target's top-k logits of every position (``trainer.distill``). Returns the rows written."""
+    prompts = training_prompts(cfg.from_workload or "", tokenizer, exclude=cfg.exclude_workload,
+                               limit=cfg.workload_limit)
+    seqs = generate_continuations(model, tokenizer, prompts, samples=cfg.samples, temperature=cfg.temperature,
+                                  max_tokens=cfg.max_tokens, seed=cfg.seed, progress=cfg.progress)
+    store = SignalStore(cfg.signal_dir, cfg.budget_mb << 20)
+    rows = teacher_pass(model, seqs, Eagle3Config.for_target(model.cfg).tap_layers, cfg.topk, store,
+                        progress=cfg.progress)
+    logger.info("distill bootstrap: %d prompts, %d sequences, %d rows", len(prompts), len(seqs), rows)
+    return rows
+
+
 # ----------------------------------------------------------------------------------------------
 # entry points
 # ----------------------------------------------------------------------------------------------
@@ -109,13 +123,16 @@ def train_drafter(cfg: TrainerConfig) -> list[RoundResult]:
             device = f"cuda:{ctx.local_rank}"
         loaded = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
         if cfg.from_workload:
-            if ctx.is_main:
+            if ctx.is_main and cfg.topk:
+                distill_from_workload(loaded.model, loaded.tokenizer, cfg)
+            elif ctx.is_main:
                 capture_from_workload(loaded.model, loaded.tokenizer, cfg.from_workload, cfg.signal_dir,
                                       max_tokens=cfg.max_tokens, limit=cfg.workload_limit,
-                                      budget_bytes=cfg.budget_mb << 20, progress=cfg.progress)
+                                      budget_bytes=cfg.budget_mb << 20, progress=cfg.progress,
+                                      exclude=cfg.exclude_workload)
             ctx.barrier()
         run_cfg = TrainerConfig(**{**asdict(cfg), "device": device})
-        trainer = DraftTrainer(run_cfg, loaded.config, loaded.model.embed_tokens, ctx)
+        trainer = DraftTrainer(run_cfg, loaded.config, loaded.model.embed_tokens, ctx, target=loaded.model)
         if cfg.from_workload:  # the bootstrap signals form one round now, whatever their count
             first = trainer.run_round(min_signals=1)
             results = [first] if first is not None else []

@@ -55,12 +55,12 @@ from tidespec.models.eagle3_checkpoint import (
     publish,
     validate_eagle3_dir,
 )
-from tidespec.models.eagle3_head import Eagle3Head
+from tidespec.models.eagle3_head import Eagle3Head, init_from_target
 from tidespec.models.llama import LlamaConfig
 from tidespec.online.attach import TRAINER_STATE_NAME
 from tidespec.online.eagle3_train import SignalSegment, ttt_loss
 from tidespec.online.store import ShardGone, ShardInfo, SignalShard, SignalStore
-from tidespec.online.trainer.config import TrainerConfig
+from tidespec.online.trainer.config import TrainerConfig, TrainerConfigError
 from tidespec.online.trainer.data import fresh_head_for, segments_by_sequence, simulated_acceptance, split_heldout
 from tidespec.online.trainer.dist import DistContext, check_replicas_in_sync
 
@@ -71,15 +71,17 @@ class _TTTObjective(nn.Module):
     """The head plus its training-time-test loss as one module, so DDP can wrap it. The target's
     embedding is held outside the module tree (frozen, not broadcast, not synchronized)."""
 
-    def __init__(self, head: Eagle3Head, embed: nn.Embedding, ttt_steps: int, step_weight_decay: float = 0.8) -> None:
+    def __init__(self, head: Eagle3Head, embed: nn.Embedding, ttt_steps: int, step_weight_decay: float = 0.8,
+                 distill: str = "soft") -> None:
         super().__init__()
         self.head = head
         self._embed = (embed,)
         self.ttt_steps = ttt_steps
         self.step_weight_decay = step_weight_decay
+        self.distill = distill
 
     def forward(self, segments: list[SignalSegment]) -> tuple[torch.Tensor, list[float]]:
-        loss, acc = ttt_loss(self.head, self._embed[0], segments, self.ttt_steps, self.step_weight_decay)
+        loss, acc = ttt_loss(self.head, self._embed[0], segments, self.ttt_steps, self.step_weight_decay, self.distill)
         # every parameter in the graph (zero-weighted) so each rank's backward reaches every DDP hook
         anchor = sum(p.sum() for p in self.head.parameters()) * 0.0
         return loss + anchor, acc
@@ -144,11 +146,15 @@ class DraftTrainer:
     """Watches a signal store and publishes better EAGLE-3 heads (see the module docstring).
 
     ``embed`` is the target's token embedding (read-only). The head trains in float32 (float64
-    for a float64 target, as in the tests) on ``cfg.device``.
+    for a float64 target, as in the tests) on ``cfg.device``. ``target`` (the ``LlamaModel``) is
+    needed only when ``cfg.init_from_target`` starts fresh heads from its weights.
     """
 
     def __init__(self, cfg: TrainerConfig, target_cfg: LlamaConfig, embed: nn.Embedding,
-                 ctx: DistContext | None = None) -> None:
+                 ctx: DistContext | None = None, target: nn.Module | None = None) -> None:
+        if cfg.init_from_target != "none" and target is None:
+            raise TrainerConfigError(f"--init-from-target {cfg.init_from_target} needs the target model")
+        self.target = target
         self.cfg = cfg
         self.target_cfg = target_cfg
         self.embed = embed
@@ -185,12 +191,15 @@ class DraftTrainer:
         return pub.version if pub is not None else 0
 
     def _candidate(self, train: list[SignalSegment]) -> Eagle3Head:
-        """A copy of the current head; from a fresh head with a reduced draft vocabulary, a fresh
-        head whose vocabulary is the most frequent tokens of the training rows."""
+        """A copy of the current head; from a fresh head, a fresh head (with a reduced draft
+        vocabulary: the most frequent tokens of the training rows) started from the target's
+        weights as ``init_from_target`` says."""
         cfg = self.current.cfg
-        if self.current_version > 0 or self.cfg.init_from or cfg.draft_vocab_size == cfg.target_vocab_size:
+        if self.current_version > 0 or self.cfg.init_from:
             return copy.deepcopy(self.current)
-        return fresh_head_for(self.target_cfg, cfg.draft_vocab_size, train, self.dtype, self.device, self.cfg.seed)
+        head = (copy.deepcopy(self.current) if cfg.draft_vocab_size == cfg.target_vocab_size else
+                fresh_head_for(self.target_cfg, cfg.draft_vocab_size, train, self.dtype, self.device, self.cfg.seed))
+        return init_from_target(head, self.target, self.cfg.init_from_target) if self.target is not None else head
 
     # -- rounds ----------------------------------------------------------------------------------
 
@@ -295,13 +304,15 @@ class DraftTrainer:
         after every optimizer step (``bench learn`` evaluates there; it must leave the head in
         train mode)."""
         cfg, ctx = self.cfg, self.ctx
-        objective = _TTTObjective(head, self.embed, cfg.ttt_steps)
+        objective = _TTTObjective(head, self.embed, cfg.ttt_steps, distill=cfg.distill)
         model: nn.Module = (DistributedDataParallel(objective, broadcast_buffers=False) if ctx.enabled
                             else objective)
-        optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
         per_step = cfg.batch_segments * ctx.world_size
         # rank 0's count on every rank: a shard evicted between two ranks' reads must not desync DDP
         steps = ctx.broadcast(cfg.max_steps or max(1, math.ceil(cfg.epochs * len(train) / per_step)))
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda i: lr_factor(i, steps, cfg.warmup_steps, cfg.lr_schedule))
         batches = _batches(len(train), per_step, seed)
         head.train()
         losses: list[float] = []
@@ -314,6 +325,7 @@ class DraftTrainer:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
             optimizer.step()
+            schedule.step()
             losses.append(float(loss.detach()))
             bar.set_postfix(loss=f"{losses[-1]:.3f}", acc1=f"{acc[0]:.2f}" if acc and math.isfinite(acc[0]) else "-")
             if on_step is not None:
@@ -337,6 +349,21 @@ class DraftTrainer:
                 return results
             if result is None:
                 time.sleep(self.cfg.poll_s)
+
+
+def lr_factor(step: int, steps: int, warmup: int, schedule: str, floor: float = 0.1) -> float:
+    """Multiplier of the peak learning rate at 0-based optimizer step ``step`` of ``steps``: linear
+    warm-up over ``warmup`` steps, then constant or cosine decay down to ``floor``.
+
+    Example: steps 10, warmup 2, cosine -> 0.5, 1.0, then 1.0 ... 0.1 (0.1 at step 9).
+    """
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule != "cosine":
+        return 1.0
+    span = max(1, steps - 1 - warmup)
+    t = min(1.0, (step - warmup) / span)
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
 
 
 def _json_number(v: Any) -> bool:

@@ -1,0 +1,183 @@
+"""Distillation recipe: diverse continuations, the teacher pass, soft labels, init from the target, lr schedule."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import full_logits, tiny_llama, tiny_tokenizer
+from tests.speculative.test_eagle3 import tiny_target
+from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head, init_from_target
+from tidespec.models.kv_cache import KVCache
+from tidespec.models.llama import BatchLayout
+from tidespec.online.eagle3_train import (
+    SignalBatch,
+    SignalSegment,
+    _soft_loss,
+    evaluate,
+    select_draft_vocab,
+    ttt_loss,
+    unroll,
+)
+from tidespec.online.store import SignalStore
+from tidespec.online.trainer.data import segments_by_sequence, split_heldout
+from tidespec.online.trainer.distill import generate_continuations, teacher_pass, teacher_rows
+from tidespec.online.trainer.rounds import lr_factor
+from tidespec.workloads.loader import Prompt, WorkloadRecord
+
+VOCAB = 64
+
+
+def _prompts(n: int) -> list[Prompt]:
+    gen = torch.Generator().manual_seed(3)
+    return [Prompt(WorkloadRecord(f"p{i}", "code" if i % 2 else "chat", "completion", "x"),
+                   torch.randint(2, VOCAB, (5,), generator=gen).tolist()) for i in range(n)]
+
+
+def test_continuations_first_greedy_then_sampled_and_teacher_rows_match_full_logits(tmp_path: Path) -> None:
+    target = tiny_llama(VOCAB, layers=4)
+    seqs = generate_continuations(target, tiny_tokenizer(VOCAB), _prompts(3), samples=3, temperature=1.5,
+                                  max_tokens=12, progress=False)
+    assert [(c.prompt_index, c.sample) for c in seqs] == [(i, k) for i in range(3) for k in range(3)]
+    for c in seqs[::3]:  # sample 0 is the greedy continuation
+        logits = full_logits(target, c.token_ids)
+        assert c.token_ids[6:] == logits[5:-1].argmax(-1).tolist()
+    assert len({tuple(c.token_ids) for c in seqs}) > 3  # sampling diversifies
+    taps_layers = Eagle3Config.for_target(target.cfg).tap_layers
+    j, c = max(enumerate(seqs), key=lambda jc: len(jc[1].token_ids))
+    assert len(c.token_ids) > 16
+    taps, ids, logits = teacher_rows(target, c.token_ids, taps_layers, 4)
+    ref = full_logits(target, c.token_ids)[:-1]  # [N-1, V]
+    assert taps.shape == (len(c.token_ids) - 1, 3 * target.cfg.hidden_size)
+    assert torch.equal(ids, ref.topk(4).indices) and torch.allclose(logits, ref.topk(4).values.float())
+
+    store = SignalStore(tmp_path / "s", 1 << 30)
+    rows = teacher_pass(target, seqs, taps_layers, 4, store, shard_rows=40, progress=False)
+    shards = [sh for _, sh in store.iter_shards()]
+    # a prompt's rows once (sample 0); sampled continuations from the prompt's last position (4)
+    want = sum(len(c.token_ids) - (1 if c.sample == 0 else c.prompt_len) for c in seqs)
+    assert rows == want == sum(sh.num_signals for sh in shards)
+    assert len(shards) > 1 and all(sh.topk_ids is not None and sh.topk_ids.shape[1] == 4 for sh in shards)
+    by_seq = segments_by_sequence(shards, 8)
+    assert sorted(by_seq) == list(range(len(seqs)))
+    key = c.sample * 3 + c.prompt_index  # sample-major store seq ids
+    first = by_seq[key][0].start_position
+    assert first == (0 if c.sample == 0 else 4)
+    seg = by_seq[key][1]  # second piece: positions first+8 .. first+15
+    assert seg.start_position == first + 8 and seg.topk_ids is not None
+    assert torch.equal(seg.topk_ids, ids[first + 8:first + 16])
+    assert torch.equal(seg.token_ids, torch.tensor(c.token_ids[first + 8:first + 17]))
+
+
+def test_greedy_mask_of_labels_and_soft_label_indexing() -> None:
+    taps = torch.zeros(4, 6)
+    tokens = torch.tensor([5, 6, 7, 8, 9])  # position i holds tokens[i]; 9 followed position 3
+    top = torch.tensor([[6, 1], [2, 7], [8, 1], [9, 1]])  # the target's greedy after position 1 was 2, not 7
+    seg = SignalSegment(taps, tokens, None, 0, top, torch.zeros(4, 2))
+    labels, valid = seg.labels(1)  # row j, step 1 predicts position j + 2
+    assert labels.tolist() == [7, 8, 9, 9] and valid.tolist() == [False, True, True, False]
+    ids, _, ok = seg.soft_labels(1)  # the target's top-k at position j + 1
+    assert ids[:, 0].tolist() == [2, 8, 9, 9] and ok.tolist() == [True, True, True, False]
+    halves = [seg.slice(0, 2), seg.slice(2, 4)]
+    assert halves[1].start_position == 2 and torch.equal(halves[1].topk_ids, top[2:])
+    with pytest.raises(ValueError, match="together"):
+        SignalSegment(taps, tokens, None, 0, top, None)
+
+
+def test_soft_loss_worked_example_and_out_of_vocab_entries() -> None:
+    # draft vocab = target ids {3, 4, 5} (draft ids 0..2); target top-k (4, 3) with logits (2, 1)
+    t2d = torch.full((8,), -1, dtype=torch.int64)
+    t2d[3:6] = torch.arange(3)
+    logits = torch.log(torch.tensor([[[0.25, 0.6, 0.15]]]))  # draft log-probs
+    row, top1, keep = _soft_loss(logits, torch.tensor([[[4, 3]]]), torch.tensor([[[2.0, 1.0]]]),
+                                 torch.tensor([[True]]), t2d)
+    p = torch.softmax(torch.tensor([2.0, 1.0]), 0)
+    assert math.isclose(float(row), -(p[0] * math.log(0.6) + p[1] * math.log(0.25)), rel_tol=1e-6)
+    assert int(top1) == 1 and bool(keep)
+    # an out-of-vocab entry is dropped and the rest renormalised; an out-of-vocab top-1 drops the row
+    row, _, keep = _soft_loss(logits, torch.tensor([[[4, 7]]]), torch.tensor([[[2.0, 1.0]]]),
+                              torch.tensor([[True]]), t2d)
+    assert math.isclose(float(row), -math.log(0.6), rel_tol=1e-6) and bool(keep)
+    _, _, keep = _soft_loss(logits, torch.tensor([[[7, 4]]]), torch.tensor([[[2.0, 1.0]]]), torch.tensor([[True]]), t2d)
+    assert not bool(keep)
+
+
+def _distill_segments(target: torch.nn.Module, n: int, length: int, seed: int) -> list[SignalSegment]:
+    """Greedy continuations of random prompts with their teacher-pass top-k (K=4)."""
+    taps_layers = Eagle3Config.for_target(target.cfg).tap_layers
+    gen = torch.Generator().manual_seed(seed)
+    segs = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (4,), generator=gen).tolist()
+        while len(ids) < length + 1:
+            ids.append(int(full_logits(target, ids)[-1].argmax()))
+        taps, top_ids, top_logits = teacher_rows(target, ids, taps_layers, 4)
+        segs.append(SignalSegment(taps, torch.tensor(ids), None, 0, top_ids, top_logits))
+    return segs
+
+
+@pytest.mark.parametrize("distill", ["soft", "top1"])
+def test_distillation_raises_simulated_acceptance(distill: str) -> None:
+    target = tiny_target(torch.float32, seed=0, vocab=VOCAB)
+    segs = _distill_segments(target, 12, 32, seed=0)
+    train, held_out = segs[:8], segs[8:]
+    torch.manual_seed(1)
+    head = Eagle3Head(Eagle3Config.for_target(target.cfg))
+    before = evaluate(head, target.embed_tokens, held_out, gamma=3)
+    losses = [float(ttt_loss(head, target.embed_tokens, train, 3, distill=distill)[0].detach())]
+    optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    for _ in range(110):
+        loss, _ = ttt_loss(head, target.embed_tokens, train, 3, distill=distill)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.5 * losses[0]
+    assert evaluate(head, target.embed_tokens, held_out, gamma=3) > before + 0.5
+
+
+def test_init_from_target_copies_lm_head_rows_and_last_layer() -> None:
+    target = tiny_llama(VOCAB, layers=4)
+    head = Eagle3Head(Eagle3Config.for_target(target.cfg, 8)).to(torch.float64)
+    counts = torch.zeros(VOCAB, dtype=torch.int64)
+    counts[torch.arange(5, 61, 7)] = 1  # draft vocab: target ids 5, 12, ..., 54
+    head.set_vocab_map(*select_draft_vocab(counts, 8))
+    init_from_target(head, target, "lm_head")
+    assert torch.equal(head.lm_head.weight, target.lm_head.weight[5:61:7])
+    assert torch.equal(head.norm.weight, target.norm.weight)
+    init_from_target(head, target, "layer")
+    # one position: the head's first step is the target's last layer on the highest tap
+    ids = [3, 9, 4]
+    taps_layers = head.cfg.tap_layers
+    taps = teacher_rows(target, ids + [1], taps_layers, 1)[0][:1]  # [1, 3H]
+    seg = SignalSegment(taps, torch.tensor(ids[:2]))
+    prenorm_logits = unroll(head, target.embed_tokens, SignalBatch.collate([seg], head), 1)[0]  # [1, 1, Vd]
+    h = taps[:, 2 * target.cfg.hidden_size:]  # [1, H] the hidden entering layer taps_layers[-1]
+    kv = KVCache(1, 1, 4, target.cfg.num_kv_heads, target.cfg.head_dim, torch.float64)
+    layout = BatchLayout.build([1], [0], [0])
+    layout.attention_plan(None, kv)
+    cos, sin = target.rope(layout.positions, torch.float64)
+    out = target.layers[-1].forward(h, cos, sin, layout, kv.k[0], kv.v[0])  # [1, H]
+    assert torch.allclose(prenorm_logits[0], head.logits(out), atol=1e-10)
+    with pytest.raises(Eagle3ConfigError, match="init-from-target"):
+        init_from_target(head, target, "everything")
+
+
+def test_ttt_loss_distils_when_segments_carry_topk() -> None:
+    target = tiny_llama(VOCAB, layers=4)
+    seg = _distill_segments(target, 1, 12, seed=2)[0]
+    torch.manual_seed(0)
+    head = Eagle3Head(Eagle3Config.for_target(target.cfg)).to(torch.float64)
+    soft, _ = ttt_loss(head, target.embed_tokens, [seg], 2)
+    hard, _ = ttt_loss(head, target.embed_tokens, [SignalSegment(seg.taps, seg.token_ids)], 2)
+    assert soft.requires_grad and float(soft.detach()) != float(hard.detach())  # the soft targets are not one-hot
+    assert split_heldout({0: [seg]}, 0.25)[1][0].topk_ids is not None
+
+
+def test_lr_factor_warmup_and_cosine() -> None:
+    f = [lr_factor(i, 10, 2, "cosine") for i in range(10)]
+    assert f[:3] == [0.5, 1.0, 1.0] and math.isclose(f[-1], 0.1) and all(a >= b for a, b in zip(f[1:], f[2:]))
+    assert [lr_factor(i, 5, 0, "constant") for i in range(5)] == [1.0] * 5
