@@ -13,9 +13,13 @@ from tests.helpers import ScriptedPolicy, switching_drafters
 from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
+from tidespec.models.eagle3_checkpoint import fresh_head
+from tidespec.models.eagle3_head import init_from_target
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
 from tidespec.sampling import SamplingParams
+from tidespec.speculative.api import Drafter
+from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
 from tidespec.speculative.policy.api import SpeculationPolicy
 from tidespec.workloads.loader import load_prompts
 
@@ -33,11 +37,12 @@ def prompts(embedded) -> list[list[int]]:
 
 
 def run(embedded, spec: SpecConfig, prompts: list[list[int]], slots: int, budget: int = 512,
-        stagger: bool = False, policy: SpeculationPolicy | None = None) -> list[list[int]]:
+        stagger: bool = False, policy: SpeculationPolicy | None = None, drafter: Drafter | None = None
+        ) -> list[list[int]]:
     cfg = EngineConfig(cache=CacheConfig(max_model_len=1024, max_num_seqs=slots), spec=spec,
                        scheduler=SchedulerConfig(max_num_batched_tokens=budget))
     e = LLMEngine(embedded.model, embedded.tokenizer, cfg,
-                  drafter=build_drafter(spec, embedded.model, slots, 1024), policy=policy)
+                  drafter=drafter or build_drafter(spec, embedded.model, slots, 1024), policy=policy)
     params = SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)
     pending = list(enumerate(prompts))
     done: dict[str, list[int]] = {}
@@ -83,6 +88,19 @@ def test_batched_staggered_equals_alone(embedded, prompts, plain_alone):
 def test_speculative_greedy_equals_plain(embedded, prompts, plain_alone, drafter, tree):
     spec = SpecConfig(drafter=drafter, num_speculative_tokens=4, tree=tree, draft_model=DraftModelConfig(layers=6, tree_top_k=2))
     got = run(embedded, spec, prompts, slots=4)
+    for p, ref, g in zip(prompts, plain_alone, got):
+        assert_same_or_near_tie(embedded, p, ref, g)
+
+
+@pytest.mark.parametrize("tree,slots", [(False, 1), (False, 4), (True, 4)])
+def test_deeper_gated_eagle3_head_greedy_equals_plain(embedded, prompts, plain_alone, tree, slots):
+    """Dovetail's head shape (2 layers, gated fusion), started from the target's last layers."""
+    target = embedded.model
+    head = fresh_head(target.cfg, 4096, target.dtype, target.device, num_layers=2, fusion="gated")
+    init_from_target(head, target, "layer")
+    drafter = Eagle3Drafter(head, target.embed_tokens, Eagle3DrafterConfig(max_num_seqs=slots, max_model_len=1024))
+    got = run(embedded, SpecConfig(drafter="eagle3", num_speculative_tokens=4, tree=tree), prompts, slots=slots,
+              drafter=drafter)
     for p, ref, g in zip(prompts, plain_alone, got):
         assert_same_or_near_tie(embedded, p, ref, g)
 

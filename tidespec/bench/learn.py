@@ -56,7 +56,7 @@ from tidespec.bench.report import (
     save_figure,
 )
 from tidespec.config import ConfigError, opt
-from tidespec.models.eagle3_head import INIT_FROM_TARGET, init_from_target
+from tidespec.models.eagle3_head import FUSIONS, INIT_FROM_TARGET, init_from_target
 from tidespec.models.loader import LoadedModel
 from tidespec.online.eagle3_train import SignalSegment
 from tidespec.online.store import SignalStore
@@ -101,6 +101,8 @@ class LearnBenchConfig:
                            choices=["constant", "cosine"])
     warmup_steps: int = opt(TrainerConfig.warmup_steps, "linear learning-rate warm-up steps")
     weight_decay: float = opt(TrainerConfig.weight_decay, "AdamW weight decay")
+    head_layers: int = opt(TrainerConfig.head_layers, "decoder layers of the fresh heads")
+    fusion: str = opt(TrainerConfig.fusion, "concat (EAGLE-3) or gated (Dovetail's DGF)", choices=list(FUSIONS))
     init_from_target: str = opt(TrainerConfig.init_from_target, "fresh heads start from the target's weights: "
                                 "none, lm_head or layer (train-drafter's flag)", choices=["none", "lm_head", "layer"])
     distill: str = opt(TrainerConfig.distill, "with top-k signals: soft or top1 labels", choices=["soft", "top1"])
@@ -116,10 +118,10 @@ class LearnBenchConfig:
                 raise ConfigError(f"signal dir {d} is not a directory")
         parse_fractions(self.fractions)
         if (self.lr_schedule not in ("constant", "cosine") or self.init_from_target not in INIT_FROM_TARGET
-                or self.distill not in ("soft", "top1")):
-            raise ConfigError(f"lr_schedule must be constant or cosine, distill soft or top1 and init_from_target "
-                              f"one of {', '.join(INIT_FROM_TARGET)}")
-        for name in ("evals", "gamma", "batch_segments", "max_segment_len", "ttt_steps"):
+                or self.distill not in ("soft", "top1") or self.fusion not in FUSIONS):
+            raise ConfigError(f"lr_schedule must be constant or cosine, distill soft or top1, fusion one of "
+                              f"{', '.join(FUSIONS)} and init_from_target one of {', '.join(INIT_FROM_TARGET)}")
+        for name in ("evals", "gamma", "batch_segments", "max_segment_len", "ttt_steps", "head_layers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("steps", "draft_vocab", "warmup_steps"):
@@ -212,7 +214,8 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
             steps = steps_for(len(segs) if cfg.per_share_epochs else len(full))
             marks = sorted({max(1, round(steps * j / cfg.evals)) for j in range(1, cfg.evals + 1)})
             trainer.cfg = dataclasses.replace(base, max_steps=steps)
-            head = fresh_head_for(target.config, cfg.draft_vocab, segs, trainer.dtype, trainer.device, cfg.seed)
+            head = fresh_head_for(target.config, cfg.draft_vocab, segs, trainer.dtype, trainer.device, cfg.seed,
+                                  cfg.head_layers, cfg.fusion)
             init_from_target(head, target.model, cfg.init_from_target)
             points = [{"step": 0, "heldout_accept_len": simulated_acceptance(head, embed, heldout, cfg.gamma),
                        "train_loss": None}]

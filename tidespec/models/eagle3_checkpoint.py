@@ -17,6 +17,10 @@ Layout of one checkpoint directory (names as vLLM's ``llama_eagle3.py`` loads th
                          norm.weight [H], lm_head.weight [Vd, H]
                          d2t [Vd] int64 (target_id = draft_id + d2t[draft_id]), t2d [V] bool
                          embed_tokens.weight [V, H]  (optional; vLLM takes the target's otherwise)
+    deeper heads (Dovetail): "num_hidden_layers": N and layers.{1..N-1}.* plain decoder layers
+    gated fusion (Dovetail's DGF, ours; vLLM / SGLang do not load it): "tidespec_fusion": "gated",
+                         midlayer.gated.{embed_norm,embed_proj,gate}.weight, q/k/v read [.., H],
+                         no midlayer.input_layernorm
 
 Publish area::
 
@@ -95,7 +99,7 @@ def config_to_hf(cfg: Eagle3Config, dtype: torch.dtype) -> dict[str, Any]:
         "num_attention_heads": cfg.num_heads,
         "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim,
-        "num_hidden_layers": 1,
+        "num_hidden_layers": cfg.num_layers,
         "vocab_size": cfg.target_vocab_size,
         "draft_vocab_size": cfg.draft_vocab_size,
         "rms_norm_eps": cfg.rms_norm_eps,
@@ -110,6 +114,8 @@ def config_to_hf(cfg: Eagle3Config, dtype: torch.dtype) -> dict[str, Any]:
     }
     if cfg.rope_scaling is not None:
         out["rope_scaling"] = dict(cfg.rope_scaling)
+    if cfg.fusion != "concat":
+        out["tidespec_fusion"] = cfg.fusion
     return out
 
 
@@ -119,8 +125,8 @@ def config_from_hf(d: dict[str, Any], target_cfg: LlamaConfig | None = None) -> 
         archs = d.get("architectures") or []
         if ARCHITECTURE not in archs:
             raise DrafterCheckpointError(f"architectures {archs} does not name {ARCHITECTURE}")
-        if int(d.get("num_hidden_layers", 1)) != 1:
-            raise DrafterCheckpointError(f"num_hidden_layers must be 1, got {d.get('num_hidden_layers')}")
+        if int(d.get("num_hidden_layers", 1)) < 1:
+            raise DrafterCheckpointError(f"num_hidden_layers must be >= 1, got {d.get('num_hidden_layers')}")
         hidden = int(d["hidden_size"])
         heads = int(d["num_attention_heads"])
         taps = (d.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -141,6 +147,8 @@ def config_from_hf(d: dict[str, Any], target_cfg: LlamaConfig | None = None) -> 
             rope_theta=float(d.get("rope_theta", 10000.0)),
             rope_scaling=d.get("rope_scaling"),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            num_layers=int(d.get("num_hidden_layers", 1)),
+            fusion=str(d.get("tidespec_fusion", "concat")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, DrafterCheckpointError):
@@ -152,57 +160,79 @@ def config_from_hf(d: dict[str, Any], target_cfg: LlamaConfig | None = None) -> 
 def expected_shapes(cfg: Eagle3Config) -> dict[str, tuple[int, ...]]:
     """Checkpoint tensor name -> shape (``embed_tokens.weight`` excluded: it is optional)."""
     h, q, kv = cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    m = "midlayer."
-    return {
-        "fc.weight": (h, cfg.tap_size),
-        m + "input_layernorm.weight": (h,),
-        m + "hidden_norm.weight": (h,),
-        m + "self_attn.q_proj.weight": (q, 2 * h),
-        m + "self_attn.k_proj.weight": (kv, 2 * h),
-        m + "self_attn.v_proj.weight": (kv, 2 * h),
-        m + "self_attn.o_proj.weight": (h, q),
-        m + "post_attention_layernorm.weight": (h,),
-        m + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
-        m + "mlp.up_proj.weight": (cfg.intermediate_size, h),
-        m + "mlp.down_proj.weight": (h, cfg.intermediate_size),
-        "norm.weight": (h,),
-        "lm_head.weight": (cfg.draft_vocab_size, h),
-        "d2t": (cfg.draft_vocab_size,),
-        "t2d": (cfg.target_vocab_size,),
-    }
+    width = h if cfg.fusion == "gated" else 2 * h
+    out: dict[str, tuple[int, ...]] = {"fc.weight": (h, cfg.tap_size)}
+    for i in range(cfg.num_layers):
+        m = "midlayer." if i == 0 else f"layers.{i}."
+        inp = width if i == 0 else h
+        out.update({
+            m + "self_attn.q_proj.weight": (q, inp),
+            m + "self_attn.k_proj.weight": (kv, inp),
+            m + "self_attn.v_proj.weight": (kv, inp),
+            m + "self_attn.o_proj.weight": (h, q),
+            m + "post_attention_layernorm.weight": (h,),
+            m + "mlp.gate_proj.weight": (cfg.intermediate_size, h),
+            m + "mlp.up_proj.weight": (cfg.intermediate_size, h),
+            m + "mlp.down_proj.weight": (h, cfg.intermediate_size),
+        })
+        out[m + ("hidden_norm.weight" if i == 0 else "input_layernorm.weight")] = (h,)
+    if cfg.fusion == "gated":
+        out.update({"midlayer.gated.embed_norm.weight": (h,), "midlayer.gated.embed_proj.weight": (h, h),
+                    "midlayer.gated.gate.weight": (h, 2 * h)})
+    else:
+        out["midlayer.input_layernorm.weight"] = (h,)
+    out.update({"norm.weight": (h,), "lm_head.weight": (cfg.draft_vocab_size, h), "d2t": (cfg.draft_vocab_size,),
+                "t2d": (cfg.target_vocab_size,)})
+    return out
+
+
+_BLOCK = re.compile(r"^blocks\.(\d+)\.")
+_LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
 def head_to_checkpoint(cfg: Eagle3Config, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``Eagle3Head.state_dict()`` -> checkpoint tensors (q|k|v and gate|up split, contiguous copies)."""
+    """``Eagle3Head.state_dict()`` -> checkpoint tensors (q|k|v and gate|up split, ``blocks.j.`` as
+    ``layers.{j+1}.``, contiguous copies)."""
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
     out: dict[str, torch.Tensor] = {}
     for name, t in sd.items():
         t = t.detach()
-        if name == "midlayer.self_attn.qkv_proj.weight":
+        name = _BLOCK.sub(lambda mt: f"layers.{int(mt.group(1)) + 1}.", name)
+        if name.endswith("self_attn.qkv_proj.weight"):
             for part, piece in zip(("q", "k", "v"), t.split([q, kv, kv], dim=0)):
-                out[f"midlayer.self_attn.{part}_proj.weight"] = piece.contiguous().clone()
-        elif name == "midlayer.mlp.gate_up_proj.weight":
+                out[name.replace("qkv_proj", f"{part}_proj")] = piece.contiguous().clone()
+        elif name.endswith("mlp.gate_up_proj.weight"):
             gate, up = t.split(cfg.intermediate_size, dim=0)
-            out["midlayer.mlp.gate_proj.weight"] = gate.contiguous().clone()
-            out["midlayer.mlp.up_proj.weight"] = up.contiguous().clone()
+            out[name.replace("gate_up_proj", "gate_proj")] = gate.contiguous().clone()
+            out[name.replace("gate_up_proj", "up_proj")] = up.contiguous().clone()
         else:
             out[name] = t.contiguous().clone()
     return out
 
 
+def _head_name(name: str) -> str:
+    """Checkpoint name -> head name: ``layers.0.`` is ``midlayer.``, ``layers.i.`` is ``blocks.{i-1}.``."""
+    mt = _LAYER.match(name)
+    if mt is None:
+        return name
+    i = int(mt.group(1))
+    return ("midlayer." if i == 0 else f"blocks.{i - 1}.") + name[mt.end():]
+
+
 def checkpoint_to_head(ckpt: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors -> ``Eagle3Head.state_dict()`` names (``layers.0.`` read as ``midlayer.``)."""
-    renamed = {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in ckpt.items()}
+    """Checkpoint tensors -> ``Eagle3Head.state_dict()`` names (q/k/v and gate/up fused)."""
+    renamed = {_head_name(k): v for k, v in ckpt.items() if k != "embed_tokens.weight"}
     out: dict[str, torch.Tensor] = {}
-    a, m = "midlayer.self_attn.", "midlayer.mlp."
     for name, t in renamed.items():
-        if name == "embed_tokens.weight" or name.startswith((a + "q_proj", a + "k_proj", a + "v_proj",
-                                                             m + "gate_proj", m + "up_proj")):
-            continue
-        out[name] = t
-    out[a + "qkv_proj.weight"] = torch.cat([renamed[a + "q_proj.weight"], renamed[a + "k_proj.weight"],
-                                            renamed[a + "v_proj.weight"]])
-    out[m + "gate_up_proj.weight"] = torch.cat([renamed[m + "gate_proj.weight"], renamed[m + "up_proj.weight"]])
+        if name.endswith(("self_attn.q_proj.weight", "mlp.gate_proj.weight")):
+            a = name.rsplit(".", 2)[0]  # "midlayer.self_attn" / "blocks.0.mlp"
+            if name.endswith("q_proj.weight"):
+                k, v = renamed[a + ".k_proj.weight"], renamed[a + ".v_proj.weight"]
+                out[a + ".qkv_proj.weight"] = torch.cat([t, k, v])
+            else:
+                out[a + ".gate_up_proj.weight"] = torch.cat([t, renamed[a + ".up_proj.weight"]])
+        elif not name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.up_proj.weight")):
+            out[name] = t
     return out
 
 
@@ -413,7 +443,8 @@ def state_dict_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
 
 
 def fresh_head(target_cfg: LlamaConfig, draft_vocab_size: int | None = None, dtype: torch.dtype = torch.float32,
-               device: torch.device | str = "cpu", seed: int = FRESH_HEAD_SEED) -> Eagle3Head:
+               device: torch.device | str = "cpu", seed: int = FRESH_HEAD_SEED, num_layers: int = 1,
+               fusion: str = "concat") -> Eagle3Head:
     """A randomly initialised head, identical for equal arguments (the global RNG is untouched).
 
     The engine starts from it when nothing is published yet, and the trainer evaluates it as the
@@ -422,7 +453,7 @@ def fresh_head(target_cfg: LlamaConfig, draft_vocab_size: int | None = None, dty
     vocab = draft_vocab_size if draft_vocab_size else None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        head = Eagle3Head(Eagle3Config.for_target(target_cfg, vocab))
+        head = Eagle3Head(Eagle3Config.for_target(target_cfg, vocab, num_layers, fusion))
     return head.to(dtype=dtype, device=device).eval()
 
 

@@ -14,8 +14,16 @@ head's own previous pre-norm output while drafting)::
     residual = fused                                              # [T, H]
     x = cat(input_layernorm(embed(token_{i+1})), hidden_norm(fused))   # [T, 2H]
     h = residual + o_proj(attn(q/k/v_proj(x)))                     # q/k/v take 2H inputs
-    h = h + mlp(post_attention_layernorm(h))                       # pre-norm output, fed back
-    logits = lm_head(norm(h))                                      # [T, draft_vocab]
+    h = h + mlp(post_attention_layernorm(h))                       # [T, H]
+    h = blocks[j](h) for j = 0 .. num_layers-2                     # optional deeper head (plain blocks)
+    logits = lm_head(norm(h))                                      # [T, draft_vocab]; h is fed back
+
+Dovetail (Sec. 3.2-3.3) options: ``num_layers`` > 1 adds plain decoder blocks after the first,
+and ``fusion="gated"`` replaces the concatenation by Dynamic Gated Fusion::
+
+    h2 = silu(embed_proj(embed_norm(embed(token_{i+1}))))          # [T, H]
+    z = sigmoid(gate([fused; h2]))                                  # [T, H]
+    residual = z * fused + (1 - z) * h2;  x = hidden_norm(residual)  # q/k/v take H inputs
 
 Pairing (as in EAGLE): the head at position i sees the target hidden of position i and the
 token at position i+1, and predicts the token at i+2. Target token ids are recovered from draft
@@ -35,6 +43,7 @@ from tidespec.models.llama import (
     MLP,
     Attention,
     BatchLayout,
+    DecoderLayer,
     KVStorage,
     LlamaConfig,
     ModelConfigError,
@@ -80,12 +89,18 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     max_position_embeddings: int = 2048
+    num_layers: int = 1  # decoder blocks (Dovetail Sec. 3.3: deeper drafters)
+    fusion: str = "concat"  # "concat" (EAGLE-3) or "gated" (Dovetail's Dynamic Gated Fusion)
 
     def __post_init__(self) -> None:
         try:  # the layer's config checks width, heads, head_dim, MLP size, draft vocab and divisibility
             self.layer_config()
         except ModelConfigError as exc:
             raise Eagle3ConfigError(str(exc)) from None
+        if self.num_layers < 1:
+            raise Eagle3ConfigError(f"num_layers must be >= 1, got {self.num_layers}")
+        if self.fusion not in FUSIONS:
+            raise Eagle3ConfigError(f"fusion must be one of {', '.join(FUSIONS)}, got {self.fusion!r}")
         if self.draft_vocab_size > self.target_vocab_size:
             raise Eagle3ConfigError(
                 f"draft_vocab_size ({self.draft_vocab_size}) exceeds target_vocab_size ({self.target_vocab_size})")
@@ -97,9 +112,11 @@ class Eagle3Config:
             raise Eagle3ConfigError("rms_norm_eps and rope_theta must be positive")
 
     @classmethod
-    def for_target(cls, target_cfg: LlamaConfig, draft_vocab_size: int | None = None) -> "Eagle3Config":
+    def for_target(cls, target_cfg: LlamaConfig, draft_vocab_size: int | None = None, num_layers: int = 1,
+                   fusion: str = "concat") -> "Eagle3Config":
         """Head matching the target's width, heads and rope; ``draft_vocab_size=None`` = full vocab."""
         return cls(
+            num_layers=num_layers, fusion=fusion,
             hidden_size=target_cfg.hidden_size,
             num_heads=target_cfg.num_heads,
             num_kv_heads=target_cfg.num_kv_heads,
@@ -119,7 +136,7 @@ class Eagle3Config:
         return len(self.tap_layers) * self.hidden_size
 
     def layer_config(self) -> LlamaConfig:
-        """The one-layer Llama config the head's attention / MLP / rope are built from."""
+        """The Llama config each of the head's layers (attention, MLP, rope) is built from."""
         return LlamaConfig(
             vocab_size=self.draft_vocab_size, hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
@@ -129,32 +146,67 @@ class Eagle3Config:
         )
 
 
+FUSIONS = ("concat", "gated")
+
+
+class GatedFusion(nn.Module):
+    """Dovetail's Dynamic Gated Fusion of the fused hidden and the token embedding (Sec. 3.2).
+
+    Example: a zero ``gate`` gives z = 0.5 everywhere: the mean of ``fused`` and ``h2``.
+    """
+
+    def __init__(self, cfg: Eagle3Config) -> None:
+        super().__init__()
+        h = cfg.hidden_size
+        self.embed_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.embed_proj = nn.Linear(h, h, bias=False)
+        self.gate = nn.Linear(2 * h, h, bias=False)
+
+    def forward(self, fused: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """[..., H], [..., H] -> [..., H]."""
+        h2 = torch.nn.functional.silu(self.embed_proj(self.embed_norm(embeds)))
+        z = torch.sigmoid(self.gate(torch.cat([fused, h2], dim=-1)))
+        return z * fused + (1 - z) * h2
+
+
 class Eagle3Layer(nn.Module):
-    """The head's decoder layer; its q/k/v projection reads ``2H`` (embedding | fused hidden)."""
+    """The head's first decoder layer. With concat fusion its q/k/v projection reads ``2H``
+    (embedding | fused hidden); with gated fusion ``H`` (the gated mix, also the residual)."""
 
     def __init__(self, cfg: Eagle3Config) -> None:
         super().__init__()
         lcfg = cfg.layer_config()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the token embedding
+        self.gated = GatedFusion(cfg) if cfg.fusion == "gated" else None
+        if self.gated is None:
+            self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the token embedding
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # on the fused hidden
         self.self_attn = Attention(lcfg)
         attn = self.self_attn
-        attn.qkv_proj = nn.Linear(2 * cfg.hidden_size, attn.q_size + 2 * attn.kv_size, bias=False)
+        width = cfg.hidden_size if self.gated is not None else 2 * cfg.hidden_size
+        attn.qkv_proj = nn.Linear(width, attn.q_size + 2 * attn.kv_size, bias=False)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(lcfg)
 
-    def attn_input(self, fused: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        """[T, H], [T, H] -> [T, 2H]: normalized embedding first, then normalized hidden (vLLM order)."""
-        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(fused)], dim=-1)
+    def attn_input(self, fused: torch.Tensor, embeds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[..., H], [..., H] -> (attention input [..., 2H] or [..., H], residual [..., H]).
 
-    def finish(self, fused: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Residual (the un-normed fused hidden) + attention, then the MLP block -> pre-norm [T, H]."""
-        h = fused + attn_out
+        Concat: normalized embedding first, then normalized hidden (vLLM order); the residual is
+        the un-normed fused hidden. Gated: the normalized gated mix; the residual is the mix.
+        """
+        if self.gated is not None:
+            mix = self.gated(fused, embeds)
+            return self.hidden_norm(mix), mix
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(fused)], dim=-1), fused
+
+    def finish(self, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Residual + attention, then the MLP block -> [..., H]."""
+        h = residual + attn_out
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Eagle3Head(PlacedModule):
-    """EAGLE-3 draft head: ``fc`` (3H -> H), one decoder layer, final norm, draft-vocab LM head.
+    """EAGLE-3 draft head: ``fc`` (3H -> H), ``num_layers`` decoder layers (``midlayer``, then
+    plain ``blocks``), final norm, draft-vocab LM head.
 
     The token embedding is the target's (frozen, not owned): callers pass embeddings in.
     ``d2t`` [draft_vocab] int64 and ``t2d`` [target_vocab] bool are persistent buffers.
@@ -165,6 +217,7 @@ class Eagle3Head(PlacedModule):
         self.cfg = cfg
         self.fc = nn.Linear(cfg.tap_size, cfg.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(cfg)
+        self.blocks = nn.ModuleList(DecoderLayer(cfg.layer_config()) for _ in range(cfg.num_layers - 1))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)  # identity prefix map by default
@@ -206,15 +259,18 @@ class Eagle3Head(PlacedModule):
 
     def forward(self, fused: torch.Tensor, embeds: torch.Tensor, layout: BatchLayout,
                 kv: KVStorage) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inference step over a ragged batch with the head's one-layer KV cache (``[S, n_kv, L, hd]``).
+        """Inference step over a ragged batch with the head's KV cache (``num_layers`` layers of
+        ``[S, n_kv, L, hd]``).
 
         fused, embeds: [T, H] -> (pre-norm output [T, H], logits [T, draft_vocab]).
         """
         layer = self.midlayer
         cos, sin = self.rope(layout.positions, fused.dtype)
         layout.attention_plan(layer.self_attn.cfg.sliding_window, kv)
-        attn = layer.self_attn(layer.attn_input(fused, embeds), cos, sin, layout, kv.k[0], kv.v[0])
-        out = layer.finish(fused, attn)
+        x, residual = layer.attn_input(fused, embeds)
+        out = layer.finish(residual, layer.self_attn(x, cos, sin, layout, kv.k[0], kv.v[0]))
+        for i, block in enumerate(self.blocks, start=1):
+            out = block.forward(out, cos, sin, layout, kv.k[i], kv.v[i])
         return out, self.logits(out)
 
 
@@ -226,10 +282,11 @@ def init_from_target(head: Eagle3Head, target: nn.Module, what: str = "layer") -
     """Start a head from the target's own weights instead of random ones (in place; returns it).
 
     ``"lm_head"``: the draft LM head's row ``d`` is the target's LM-head row of target token
-    ``d + d2t[d]``, the final norm is the target's. ``"layer"``: also the decoder layer from the
-    target's last layer (its q/k/v read the fused-hidden half of the ``2H`` input; the embedding
-    half starts at zero) and ``fc`` passing the highest tap through (the fused hidden starts as the
-    target's hidden state entering layer ``tap_layers[-1]``). ``"none"`` changes nothing.
+    ``d + d2t[d]``, the final norm is the target's. ``"layer"``: also the head's decoder layers
+    from the target's last ``num_layers`` layers (the first one's q/k/v read the fused-hidden half
+    of the ``2H`` concat input, the embedding half starting at zero) and ``fc`` passing the highest
+    tap through (the fused hidden starts as the target's hidden state entering layer
+    ``tap_layers[-1]``). ``"none"`` changes nothing.
     ``target`` is a ``LlamaModel`` with the head's width and vocabulary.
 
     Example: draft vocab {5, 9} (d2t [5, 8]) -> lm_head rows = target lm_head rows 5 and 9.
@@ -245,17 +302,21 @@ def init_from_target(head: Eagle3Head, target: nn.Module, what: str = "layer") -
     head.norm.weight.copy_(target.norm.weight.to(head.norm.weight))
     if what == "lm_head":
         return head
-    src = target.layers[len(target.layers) - 1]
+    blocks = list(target.layers)[-cfg.num_layers:]  # the target's last num_layers layers, in order
+    src = blocks[0]
     layer = head.midlayer
     h = cfg.hidden_size
-    qkv = layer.self_attn.qkv_proj.weight  # [q + 2kv, 2H]: embedding half, then hidden half
+    qkv = layer.self_attn.qkv_proj.weight  # [q + 2kv, 2H] (embedding half, hidden half) or [q + 2kv, H]
     qkv.zero_()
-    qkv[:, h:].copy_(src.self_attn.qkv_proj.weight.to(qkv))
+    qkv[:, qkv.shape[1] - h:].copy_(src.self_attn.qkv_proj.weight.to(qkv))
     layer.hidden_norm.weight.copy_(src.input_layernorm.weight.to(qkv))
-    layer.input_layernorm.weight.fill_(1.0)
+    if layer.gated is None:
+        layer.input_layernorm.weight.fill_(1.0)
     layer.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight.to(qkv))
     layer.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight.to(qkv))
     layer.mlp.load_state_dict({k: v.to(qkv) for k, v in src.mlp.state_dict().items()})
+    for mine, theirs in zip(head.blocks, blocks[1:]):
+        mine.load_state_dict({k: v.to(qkv) for k, v in theirs.state_dict().items()})
     head.fc.weight.zero_()
     head.fc.weight[:, 2 * h:3 * h].copy_(torch.eye(h, dtype=qkv.dtype, device=qkv.device))
     return head

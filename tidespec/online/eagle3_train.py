@@ -41,23 +41,23 @@ from tidespec.models.llama import rotate_half
 
 @dataclass
 class TTTCache:
-    """K/V of earlier training-time-test steps: step s holds ``[B, N, n_kv, hd]``."""
+    """K/V of earlier training-time-test steps: ``k[layer][s]`` holds step s's ``[B, N, n_kv, hd]``."""
 
-    k: list[torch.Tensor] = field(default_factory=list)
-    v: list[torch.Tensor] = field(default_factory=list)
+    k: list[list[torch.Tensor]] = field(default_factory=list)
+    v: list[list[torch.Tensor]] = field(default_factory=list)
 
 
 def ttt_step(head: Eagle3Head, fused: torch.Tensor, embeds: torch.Tensor, positions: torch.Tensor,
-         cache: TTTCache) -> tuple[torch.Tensor, torch.Tensor]:
+             cache: TTTCache) -> tuple[torch.Tensor, torch.Tensor]:
     """One training-time-test step over B padded segments of N rows, differentiable, no KV slots.
 
     fused, embeds: [B, N, H]; positions: [B, N] rope positions of this step (row start + j + s).
-    Step s (0-based, ``len(cache.k)`` before the call) at row j stands for drafting step s+1
-    started after real position j: the query attends causally to step 0's keys at rows <= j
-    and to its own row's keys of steps 1..s (the speculative chain), exactly the keys the
-    inference path sees when drafting from position j. Padding rows must come last in each
-    segment (causality keeps real rows from seeing them). Returns (pre-norm [B, N, H],
-    logits [B, N, draft_vocab]).
+    Step s (0-based, the number of steps already in ``cache``) at row j stands for drafting step
+    s+1 started after real position j: in every layer of the head the query attends causally to
+    step 0's keys at rows <= j and to its own row's keys of steps 1..s (the speculative chain),
+    exactly the keys the inference path sees when drafting from position j. Padding rows must come
+    last in each segment (causality keeps real rows from seeing them). Returns (pre-norm
+    [B, N, H], logits [B, N, draft_vocab]).
 
     Example mask for N=3, step s=2 (columns: step-0 rows 0..2, then steps 1, 2 diagonal)::
 
@@ -65,34 +65,47 @@ def ttt_step(head: Eagle3Head, fused: torch.Tensor, embeds: torch.Tensor, positi
         row 1: [1 1 0 | 1 | 1]
         row 2: [1 1 1 | 1 | 1]
     """
+    if not cache.k:
+        cache.k = [[] for _ in range(head.cfg.num_layers)]
+        cache.v = [[] for _ in range(head.cfg.num_layers)]
     layer = head.midlayer
-    attn = layer.self_attn
-    b, n = fused.shape[0], fused.shape[1]
-    x = layer.attn_input(fused, embeds)  # [B, N, 2H]
+    cos, sin = head.rope(positions, fused.dtype)  # [B, N, hd]
+    rope = (cos.unsqueeze(-2), sin.unsqueeze(-2))  # [B, N, 1, hd] each
+    x, residual = layer.attn_input(fused, embeds)  # [B, N, 2H] or [B, N, H]; [B, N, H]
+    h = layer.finish(residual, _ttt_attention(layer.self_attn, x, rope, cache.k[0], cache.v[0]))
+    for i, block in enumerate(head.blocks, start=1):
+        h = h + _ttt_attention(block.self_attn, block.input_layernorm(h), rope, cache.k[i], cache.v[i])
+        h = h + block.mlp(block.post_attention_layernorm(h))
+    return h, head.logits(h)
+
+
+def _ttt_attention(attn: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor],
+                   ks: list[torch.Tensor], vs: list[torch.Tensor]) -> torch.Tensor:
+    """One layer's training-time-test attention (``ttt_step``'s mask); appends this step's K/V to
+    ``ks`` / ``vs``. x: [B, N, in] -> o_proj output [B, N, H]."""
+    b, n = x.shape[0], x.shape[1]
     q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
     q = q.view(b, n, attn.n_h, attn.hd)
     k = k.view(b, n, attn.n_kv, attn.hd)
     v = v.view(b, n, attn.n_kv, attn.hd)
-    cos, sin = head.rope(positions, fused.dtype)  # [B, N, hd]
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [B, N, 1, hd]
+    c, s = rope
     q = q * c + rotate_half(q) * s
     k = k * c + rotate_half(k) * s
-    cache.k.append(k)
-    cache.v.append(v)
+    ks.append(k)
+    vs.append(v)
     rep = attn.n_h // attn.n_kv
-    ks = [t.repeat_interleave(rep, dim=2) for t in cache.k]  # each [B, N, n_h, hd]
-    vs = [t.repeat_interleave(rep, dim=2) for t in cache.v]
+    kr = [t.repeat_interleave(rep, dim=2) for t in ks]  # each [B, N, n_h, hd]
+    vr = [t.repeat_interleave(rep, dim=2) for t in vs]
     scale = 1.0 / math.sqrt(attn.hd)
-    causal = torch.ones(n, n, dtype=torch.bool, device=fused.device).tril()  # [N, N]
-    first = torch.einsum("bihd,bjhd->bhij", q, ks[0]) * scale  # [B, n_h, N, N]
+    causal = torch.ones(n, n, dtype=torch.bool, device=x.device).tril()  # [N, N]
+    first = torch.einsum("bihd,bjhd->bhij", q, kr[0]) * scale  # [B, n_h, N, N]
     first = first.masked_fill(~causal, float("-inf"))
-    diag = [torch.einsum("bihd,bihd->bhi", q, kk).unsqueeze(-1) * scale for kk in ks[1:]]  # [B, n_h, N, 1] each
+    diag = [torch.einsum("bihd,bihd->bhi", q, kk).unsqueeze(-1) * scale for kk in kr[1:]]  # [B, n_h, N, 1] each
     probs = torch.softmax(torch.cat([first, *diag], dim=-1), dim=-1)  # [B, n_h, N, N + s]
-    out = torch.einsum("bhij,bjhd->bihd", probs[..., :n], vs[0])  # [B, N, n_h, hd]
-    for m, vv in enumerate(vs[1:]):
+    out = torch.einsum("bhij,bjhd->bihd", probs[..., :n], vr[0])  # [B, N, n_h, hd]
+    for m, vv in enumerate(vr[1:]):
         out = out + probs[..., n + m].transpose(1, 2).unsqueeze(-1) * vv
-    h = layer.finish(fused, attn.o_proj(out.reshape(b, n, attn.q_size)))
-    return h, head.logits(h)
+    return attn.o_proj(out.reshape(b, n, attn.q_size))
 
 
 class Eagle3TrainError(UserError, ValueError):

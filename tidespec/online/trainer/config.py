@@ -46,6 +46,9 @@ class TrainerConfig:
     weight_decay: float = opt(0.0, "AdamW weight decay")
     distill: Literal["soft", "top1"] = opt("soft", "signals with the target's top-k (--topk) train against its "
                                                    "distribution (soft) or its top-1 token (top1)")
+    head_layers: int = opt(1, "decoder layers of a fresh head (Dovetail: deeper drafters)")
+    fusion: Literal["concat", "gated"] = opt("concat", "how a fresh head fuses the target's hidden with the token "
+                                                        "embedding: concat (EAGLE-3) or gated (Dovetail's DGF)")
     init_from_target: Literal["none", "lm_head", "layer"] = opt(
         "none", "a fresh head starts from the target's weights: lm_head (its LM-head rows and final norm) or layer "
                 "(also its last decoder layer, fc passing the highest tap through); none = random")
@@ -82,7 +85,8 @@ class TrainerConfig:
                      "warmup_steps"):
             if getattr(self, name) < 0:
                 raise TrainerConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("min_signals", "batch_segments", "ttt_steps", "gamma", "max_tokens", "budget_mb", "samples"):
+        for name in ("min_signals", "batch_segments", "ttt_steps", "gamma", "max_tokens", "budget_mb", "samples",
+                     "head_layers"):
             if getattr(self, name) < 1:
                 raise TrainerConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_segment_len < 2:

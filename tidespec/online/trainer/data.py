@@ -99,17 +99,18 @@ def split_heldout(by_seq: dict[int, list[SignalSegment]], frac: float
 
 
 def fresh_head_for(target_cfg: LlamaConfig, draft_vocab: int, train: Sequence[SignalSegment], dtype: torch.dtype,
-                   device: torch.device | str, seed: int) -> Eagle3Head:
-    """A fresh head whose draft vocabulary is the ``draft_vocab`` most frequent tokens of ``train``
-    (the whole target vocabulary when ``draft_vocab`` is 0 or not smaller)."""
+                   device: torch.device | str, seed: int, num_layers: int = 1, fusion: str = "concat") -> Eagle3Head:
+    """A fresh head of ``num_layers`` layers and ``fusion`` whose draft vocabulary is the
+    ``draft_vocab`` most frequent tokens of ``train`` (the whole target vocabulary when
+    ``draft_vocab`` is 0 or not smaller)."""
     vocab = target_cfg.vocab_size
     if not draft_vocab or draft_vocab >= vocab:
-        return fresh_head(target_cfg, None, dtype, device, seed=seed)
+        return fresh_head(target_cfg, None, dtype, device, seed=seed, num_layers=num_layers, fusion=fusion)
     counts = torch.zeros(vocab, dtype=torch.int64)
     for seg in train:
         counts += torch.bincount(seg.token_ids, minlength=vocab)
     d2t, t2d = select_draft_vocab(counts, draft_vocab)
-    head = fresh_head(target_cfg, draft_vocab, dtype, device, seed=seed)
+    head = fresh_head(target_cfg, draft_vocab, dtype, device, seed=seed, num_layers=num_layers, fusion=fusion)
     head.set_vocab_map(d2t.to(device), t2d.to(device))
     return head
 

@@ -191,14 +191,13 @@ class DraftTrainer:
         return pub.version if pub is not None else 0
 
     def _candidate(self, train: list[SignalSegment]) -> Eagle3Head:
-        """A copy of the current head; from a fresh head, a fresh head (with a reduced draft
-        vocabulary: the most frequent tokens of the training rows) started from the target's
-        weights as ``init_from_target`` says."""
-        cfg = self.current.cfg
+        """A copy of the current head; from a fresh head, a fresh head of ``head_layers`` layers and
+        ``fusion`` (with a reduced draft vocabulary: the most frequent tokens of the training rows)
+        started from the target's weights as ``init_from_target`` says."""
         if self.current_version > 0 or self.cfg.init_from:
             return copy.deepcopy(self.current)
-        head = (copy.deepcopy(self.current) if cfg.draft_vocab_size == cfg.target_vocab_size else
-                fresh_head_for(self.target_cfg, cfg.draft_vocab_size, train, self.dtype, self.device, self.cfg.seed))
+        head = fresh_head_for(self.target_cfg, self.current.cfg.draft_vocab_size, train, self.dtype, self.device,
+                              self.cfg.seed, self.cfg.head_layers, self.cfg.fusion)
         return init_from_target(head, self.target, self.cfg.init_from_target) if self.target is not None else head
 
     # -- rounds ----------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ states (taps), and a head the trainer process publishes can be swapped in betwee
 described in ``tidespec.models.eagle3_head``; this module owns the per-sequence drafting state.
 
 Drafter state per sequence: the taps ``observe`` handed over, the head's own K/V for every
-position whose tap row and next token are final (one slot of a 1-layer ``KVCache``; extended over
-the pending taps at the next ``propose``, so steps without speculation cost no head forward), plus
+position whose tap row and next token are final (one slot of a ``KVCache`` with a layer per head
+layer; extended over the pending taps at the next ``propose``, so steps without speculation cost no
+head forward), plus
 the last position's output (pre-norm hidden and logits), which starts the next proposal.
 Speculative positions are written past the cached length and simply forgotten afterwards (the
 rollback is not advancing the length).
@@ -234,7 +235,7 @@ class Eagle3Drafter:
 
     def _new_kv(self) -> KVCache:
         c = self.head.cfg
-        return KVCache(1, self.cfg.max_num_seqs, self.cfg.max_model_len, c.num_kv_heads, c.head_dim,
+        return KVCache(c.num_layers, self.cfg.max_num_seqs, self.cfg.max_model_len, c.num_kv_heads, c.head_dim,
                        self.head.dtype, self.head.device)
 
     # -- weights ---------------------------------------------------------------------------------
@@ -250,7 +251,8 @@ class Eagle3Drafter:
                 head = Eagle3Head(config).to(dtype=old.dtype, device=old.device)
                 head.load_state_dict(state_dict)
                 self.head = head.eval()
-                if (config.num_kv_heads, config.head_dim) != (old.cfg.num_kv_heads, old.cfg.head_dim):
+                if ((config.num_kv_heads, config.head_dim, config.num_layers)
+                        != (old.cfg.num_kv_heads, old.cfg.head_dim, old.cfg.num_layers)):
                     self.kv = self._new_kv()
                     for st in self._states.values():
                         st.slot = self._allocate_slot()

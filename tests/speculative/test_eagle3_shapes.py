@@ -1,0 +1,127 @@
+"""Deeper EAGLE-3 heads and Dovetail's gated fusion: inference = training, lossless, checkpoints, init."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import capture, run_to_completion, tiny_llama, tiny_tokenizer
+from tidespec.config import CacheConfig, EngineConfig, SpecConfig
+from tidespec.engine.engine import LLMEngine
+from tidespec.models.eagle3_checkpoint import export_eagle3, import_eagle3, state_dict_equal
+from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head, init_from_target
+from tidespec.models.llama import LlamaModel
+from tidespec.online.eagle3_train import SignalBatch, SignalSegment, ttt_loss, unroll
+from tidespec.sampling import SamplingParams
+from tidespec.speculative.api import DraftInput, Observation
+from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
+
+V = 48
+SHAPES = [(1, "gated"), (2, "concat"), (2, "gated"), (3, "gated")]
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14, 15, 16, 12], [3, 3, 3, 3]]
+
+
+@pytest.fixture(scope="module")
+def target() -> LlamaModel:
+    return tiny_llama(V, layers=4, seed=2, scale=3.0)
+
+
+def shaped_head(target: LlamaModel, layers: int, fusion: str, seed: int = 1) -> Eagle3Head:
+    """A head of the given depth and fusion whose random weights are large enough to vary drafts."""
+    torch.manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.for_target(target.cfg, num_layers=layers, fusion=fusion)).to(target.dtype)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3)
+    return head
+
+
+def drafter_for(head: Eagle3Head, target: LlamaModel, slots: int = 4) -> Eagle3Drafter:
+    return Eagle3Drafter(head, target.embed_tokens, Eagle3DrafterConfig(max_num_seqs=slots, max_model_len=128,
+                                                                        tree_depth=3, tree_top_k=2))
+
+
+def test_config_validation() -> None:
+    cfg = tiny_llama(V, layers=4).cfg
+    with pytest.raises(Eagle3ConfigError, match="num_layers"):
+        Eagle3Config.for_target(cfg, num_layers=0)
+    with pytest.raises(Eagle3ConfigError, match="fusion"):
+        Eagle3Config.for_target(cfg, fusion="sum")
+
+
+@pytest.mark.parametrize("layers,fusion", SHAPES)
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_inference_chain_equals_training_time_test_unroll(target: LlamaModel, layers: int, fusion: str,
+                                                          gamma: int) -> None:
+    head = shaped_head(target, layers, fusion)
+    drafter = drafter_for(head, target)
+    ids = torch.randint(0, V, (12,), generator=torch.Generator().manual_seed(5)).tolist()
+    taps = capture(target, ids, drafter.tap_layers)
+    drafter.observe([Observation(0, ids, 11, taps[:11])])
+    draft = drafter.propose([DraftInput(0, ids, gamma, SamplingParams())]).drafts[0]
+    batch = SignalBatch.collate([SignalSegment(taps[:11], torch.tensor(ids))], head)
+    steps = unroll(head, target.embed_tokens, batch, gamma, True)
+    torch.testing.assert_close(drafter._states[0].last_logits, unroll(head, target.embed_tokens, batch, 1)[0][0, -1],
+                               rtol=1e-9, atol=1e-9)
+    assert draft.token_ids == [int(head.draft_to_target(lg[0, -1].argmax())) for lg in steps]
+    loss, _ = ttt_loss(head, target.embed_tokens, [batch.segments[0]], 3)
+    loss.backward()
+    assert all(p.grad is not None for p in head.parameters())  # every block and the gate learn
+
+
+def plain_outputs(target: LlamaModel, prompts: list[list[int]]) -> list[list[int]]:
+    return generate(target, None, prompts, SpecConfig(), 4)[0]
+
+
+def generate(target: LlamaModel, head: Eagle3Head | None, prompts: list[list[int]], spec: SpecConfig,
+             slots: int) -> tuple[list[list[int]], int]:
+    """Outputs in prompt order and the number of draft tokens accepted."""
+    out: list[list[int]] = []
+    accepted = 0
+    for start in range(0, len(prompts), slots):
+        cfg = EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=slots), spec=spec)
+        drafter = drafter_for(head, target, slots) if head is not None else None
+        engine = LLMEngine(target, tiny_tokenizer(V), cfg, drafter=drafter)
+        ids = [engine.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True))
+               for p in prompts[start:start + slots]]
+        done = run_to_completion(engine)
+        out += [done[i].token_ids for i in ids]
+        accepted += sum(done[i].stats.num_accepted_tokens for i in ids)
+    return out, accepted
+
+
+@pytest.mark.parametrize("layers,fusion", SHAPES)
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_equals_plain_for_every_head_shape(target: LlamaModel, layers: int, fusion: str, tree: bool,
+                                                  batch: int) -> None:
+    head = init_from_target(shaped_head(target, layers, fusion), target, "layer")  # drafts the target agrees with
+    spec = SpecConfig(drafter="eagle3", num_speculative_tokens=4, tree=tree)
+    got, accepted = generate(target, head, PROMPTS, spec, batch)
+    assert got == plain_outputs(target, PROMPTS)
+    assert accepted > 0  # some drafts were accepted: verification was exercised
+
+
+@pytest.mark.parametrize("layers,fusion", SHAPES)
+def test_checkpoint_round_trip_and_layer_names(tmp_path: Path, target: LlamaModel, layers: int, fusion: str) -> None:
+    head = shaped_head(target, layers, fusion)
+    export_eagle3(head, tmp_path)
+    cfg, sd = import_eagle3(tmp_path, target.cfg)
+    assert cfg == head.cfg and state_dict_equal(sd, head.state_dict())
+    from safetensors import safe_open
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert {f"layers.{i}.self_attn.q_proj.weight" for i in range(1, layers)} <= names
+    assert ("midlayer.gated.gate.weight" in names) == (fusion == "gated")
+    assert ("midlayer.input_layernorm.weight" in names) == (fusion == "concat")
+
+
+def test_init_from_target_copies_the_last_layers_in_order(target: LlamaModel) -> None:
+    head = init_from_target(shaped_head(target, 3, "gated"), target, "layer")
+    blocks = list(target.layers)[-3:]
+    assert torch.equal(head.midlayer.self_attn.qkv_proj.weight, blocks[0].self_attn.qkv_proj.weight)
+    for mine, theirs in zip(head.blocks, blocks[1:]):
+        assert state_dict_equal(mine.state_dict(), theirs.state_dict())
