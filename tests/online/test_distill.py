@@ -181,3 +181,20 @@ def test_lr_factor_warmup_and_cosine() -> None:
     f = [lr_factor(i, 10, 2, "cosine") for i in range(10)]
     assert f[:3] == [0.5, 1.0, 1.0] and math.isclose(f[-1], 0.1) and all(a >= b for a, b in zip(f[1:], f[2:]))
     assert [lr_factor(i, 5, 0, "constant") for i in range(5)] == [1.0] * 5
+
+
+def test_bf16_autocast_training_learns_and_keeps_float32_weights(tmp_path: Path) -> None:
+    from tidespec.online.trainer.config import TrainerConfig
+    from tidespec.online.trainer.rounds import DraftTrainer
+
+    target = tiny_target(torch.float32, seed=0, vocab=VOCAB)
+    segs = _distill_segments(target, 8, 32, seed=0)
+    cfg = TrainerConfig(signal_dir=str(tmp_path / "s"), publish_root=str(tmp_path / "p"), max_steps=60, lr=3e-3,
+                        autocast="bf16", progress=False)
+    trainer = DraftTrainer(cfg, target.cfg, target.embed_tokens)
+    torch.manual_seed(1)
+    head = Eagle3Head(Eagle3Config.for_target(target.cfg))
+    losses: list[float] = []
+    trainer.train_head(head, segs, seed=0, on_step=lambda step, loss: losses.append(loss))
+    assert losses[-1] < 0.7 * losses[0]
+    assert all(p.dtype == torch.float32 for p in head.parameters())

@@ -101,6 +101,8 @@ class LearnBenchConfig:
                            choices=["constant", "cosine"])
     warmup_steps: int = opt(TrainerConfig.warmup_steps, "linear learning-rate warm-up steps")
     weight_decay: float = opt(TrainerConfig.weight_decay, "AdamW weight decay")
+    autocast: str = opt(TrainerConfig.autocast, "none or bf16 (training matmuls in bfloat16)",
+                        choices=["none", "bf16"])
     head_layers: int = opt(TrainerConfig.head_layers, "decoder layers of the fresh heads")
     fusion: str = opt(TrainerConfig.fusion, "concat (EAGLE-3) or gated (Dovetail's DGF)", choices=list(FUSIONS))
     init_from_target: str = opt(TrainerConfig.init_from_target, "fresh heads start from the target's weights: "
@@ -118,8 +120,10 @@ class LearnBenchConfig:
                 raise ConfigError(f"signal dir {d} is not a directory")
         parse_fractions(self.fractions)
         if (self.lr_schedule not in ("constant", "cosine") or self.init_from_target not in INIT_FROM_TARGET
-                or self.distill not in ("soft", "top1") or self.fusion not in FUSIONS):
-            raise ConfigError(f"lr_schedule must be constant or cosine, distill soft or top1, fusion one of "
+                or self.distill not in ("soft", "top1") or self.fusion not in FUSIONS
+                or self.autocast not in ("none", "bf16")):
+            raise ConfigError(f"lr_schedule must be constant or cosine, distill soft or top1, autocast none or "
+                              f"bf16, fusion one of "
                               f"{', '.join(FUSIONS)} and init_from_target one of {', '.join(INIT_FROM_TARGET)}")
         for name in ("evals", "gamma", "batch_segments", "max_segment_len", "ttt_steps", "head_layers"):
             if getattr(self, name) < 1:
@@ -205,7 +209,7 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
                              ttt_steps=cfg.ttt_steps, gamma=cfg.gamma, seed=cfg.seed, progress=progress,
                              lr_schedule=cfg.lr_schedule,  # type: ignore[arg-type]
                              warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
-                             distill=cfg.distill)  # type: ignore[arg-type]
+                             distill=cfg.distill, autocast=cfg.autocast)  # type: ignore[arg-type]
         trainer = DraftTrainer(base, target.config, embed)
         for share in cfg.shares:
             n = max(1, round(share * len(order)))

@@ -72,16 +72,21 @@ class _TTTObjective(nn.Module):
     embedding is held outside the module tree (frozen, not broadcast, not synchronized)."""
 
     def __init__(self, head: Eagle3Head, embed: nn.Embedding, ttt_steps: int, step_weight_decay: float = 0.8,
-                 distill: str = "soft") -> None:
+                 distill: str = "soft", autocast: str = "none") -> None:
         super().__init__()
         self.head = head
         self._embed = (embed,)
         self.ttt_steps = ttt_steps
         self.step_weight_decay = step_weight_decay
         self.distill = distill
+        self.autocast = autocast
 
     def forward(self, segments: list[SignalSegment]) -> tuple[torch.Tensor, list[float]]:
-        loss, acc = ttt_loss(self.head, self._embed[0], segments, self.ttt_steps, self.step_weight_decay, self.distill)
+        # bfloat16 autocast: the matmuls run in bf16 (AMX on recent Xeons, tensor cores on GPUs),
+        # weights, optimizer state and the loss's softmax stay float32
+        with torch.autocast(self.head.device.type, dtype=torch.bfloat16, enabled=self.autocast == "bf16"):
+            loss, acc = ttt_loss(self.head, self._embed[0], segments, self.ttt_steps, self.step_weight_decay,
+                                 self.distill)
         # every parameter in the graph (zero-weighted) so each rank's backward reaches every DDP hook
         anchor = sum(p.sum() for p in self.head.parameters()) * 0.0
         return loss + anchor, acc
@@ -303,7 +308,7 @@ class DraftTrainer:
         after every optimizer step (``bench learn`` evaluates there; it must leave the head in
         train mode)."""
         cfg, ctx = self.cfg, self.ctx
-        objective = _TTTObjective(head, self.embed, cfg.ttt_steps, distill=cfg.distill)
+        objective = _TTTObjective(head, self.embed, cfg.ttt_steps, distill=cfg.distill, autocast=cfg.autocast)
         model: nn.Module = (DistributedDataParallel(objective, broadcast_buffers=False) if ctx.enabled
                             else objective)
         optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
