@@ -12,6 +12,8 @@ import torch
 from tests.helpers import tiny_llama, tiny_tokenizer
 from tidespec.bench.learn import LearnBenchConfig, fit_log2, load_sequences, parse_fractions, replot, run_learn_bench
 from tidespec.config import ConfigError
+from tidespec.models.eagle3_checkpoint import import_eagle3
+from tidespec.models.eagle3_head import Eagle3Config
 from tidespec.models.loader import LoadedModel
 from tidespec.online.trainer.data import heldout_keys
 from tidespec.online.trainer.process import capture_from_workload
@@ -71,8 +73,10 @@ def test_learning_curve_on_two_stores(tmp_path: Path) -> None:
     target = LoadedModel(model, tiny_tokenizer(V), model.cfg, "tiny")
     # 20 passes over each share's own segments (one segment per sequence here: all are < 256 positions)
     cfg = LearnBenchConfig(signal_dirs=f"{a},{b}", fractions="0.25,1", epochs=20, per_share_epochs=True, evals=2,
-                           heldout_frac=0.25, draft_vocab=0, lr=3e-3, batch_segments=8)
+                           heldout_frac=0.25, draft_vocab=0, lr=3e-3, batch_segments=8, export_dir=str(tmp_path / "x"))
     doc = run_learn_bench(cfg, target, tmp_path / "out", command="test", progress=False, log=lambda _: None)
+    exported = import_eagle3(tmp_path / "x", model.cfg)[0]  # the full share's head, as a checkpoint
+    assert exported == Eagle3Config.for_target(model.cfg)
     held = n // 4  # every 4th sequence
     assert doc["heldout_sequences"] == held
     small, full = doc["curves"]

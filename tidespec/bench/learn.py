@@ -56,6 +56,7 @@ from tidespec.bench.report import (
     save_figure,
 )
 from tidespec.config import ConfigError, opt
+from tidespec.models.eagle3_checkpoint import export_eagle3
 from tidespec.models.eagle3_head import FUSIONS, INIT_FROM_TARGET, init_from_target
 from tidespec.models.loader import LoadedModel
 from tidespec.online.eagle3_train import SignalSegment
@@ -110,6 +111,8 @@ class LearnBenchConfig:
     distill: str = opt(TrainerConfig.distill, "with top-k signals: soft or top1 labels", choices=["soft", "top1"])
     ttt_steps: int = opt(TrainerConfig.ttt_steps, "training-time-test unroll steps")
     target_length: float = opt(2.5, "acceptance length whose row count the fit extrapolates to")
+    export_dir: str | None = opt(None, "write the largest share's trained head here as an EAGLE-3 checkpoint "
+                                       "(serve it with --eagle3-dir; bench shift --bootstrap)")
     seed: int = opt(TrainerConfig.seed, "seed of the shuffle, the heads and the batches")
 
     def __post_init__(self) -> None:
@@ -243,6 +246,8 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
                     f"  held-out accept len {acc:.3f}")
 
             trainer.train_head(head, segs, seed=cfg.seed, on_step=on_step)
+            if cfg.export_dir and share == cfg.shares[-1]:
+                export_eagle3(head, cfg.export_dir)
             best = max(points, key=lambda p: p["heldout_accept_len"])
             curves.append({"fraction": share, "sequences": n, "rows": rows, "steps": steps, "points": points,
                            "final_accept_len": points[-1]["heldout_accept_len"],
