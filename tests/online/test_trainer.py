@@ -31,6 +31,7 @@ from tidespec.online.trainer.process import (
     distill_from_workload,
     export_latest,
     start_trainer_process,
+    train_drafter,
 )
 from tidespec.online.trainer.rounds import DraftTrainer
 from tidespec.sampling import SamplingParams
@@ -97,6 +98,8 @@ def test_trainer_config_validation(tmp_path: Path) -> None:
         TrainerConfig()
     with pytest.raises(TrainerConfigError, match="heldout_frac"):
         TrainerConfig(signal_dir="s", publish_root="p", heldout_frac=1.0)
+    with pytest.raises(TrainerConfigError, match="needs --from-workload"):
+        TrainerConfig(signal_dir="s", capture_only=True)
     with pytest.raises(TrainerConfigError, match="needs --topk"):
         TrainerConfig(signal_dir="s", publish_root="p", samples=2)
     with pytest.raises(TrainerConfigError, match="weight_decay"):
@@ -267,3 +270,17 @@ def test_start_trainer_process_runs_the_cli_and_logs(tmp_path: Path) -> None:
     assert proc.wait(timeout=120) == 2  # flags parsed; the missing model is a one-line user error
     log = (tmp_path / "drafter" / "trainer.log").read_text()
     assert log.startswith("error: ") and "no-such-model" in log and "Traceback" not in log
+
+
+def test_capture_only_bootstrap_fills_the_store_and_trains_nothing(tmp_path: Path) -> None:
+    hf, _ = tiny_hf_model("llama", torch.float32, num_hidden_layers=4)
+    ckpt = write_tiny_checkpoint(hf, tmp_path / "model")
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("".join(json.dumps({"id": f"r{i}", "domain": "code", "kind": "completion",
+                                            "prompt": f"w{3 + i} w{5 + i} w{7 + i}"}) + "\n" for i in range(3)))
+    cfg = TrainerConfig(signal_dir=str(tmp_path / "signals"), model=str(ckpt), from_workload=str(workload),
+                        capture_only=True, samples=2, topk=4, max_tokens=6, progress=False)
+    assert train_drafter(cfg) == []
+    shards = [sh for _, sh in SignalStore(tmp_path / "signals", 1 << 30).iter_shards()]
+    assert sum(sh.num_signals for sh in shards) > 0 and all(sh.topk_ids is not None for sh in shards)
+    assert sorted({int(s) for sh in shards for s in sh.seq_ids}) == list(range(6))  # 3 prompts x 2 samples

@@ -64,6 +64,7 @@ class TrainerConfig:
                                           "train")
     exclude_workload: str = opt("", "bootstrap: drop prompts that appear in these comma-separated workloads (the "
                                     "ones a benchmark measures on)")
+    capture_only: bool = opt(False, "bootstrap: fill --signal-dir from --from-workload and exit without training")
     workload_limit: int = opt(0, "bootstrap: first N records of each workload (0 = all)")
     max_tokens: int = opt(128, "bootstrap: tokens generated per prompt")
     samples: int = opt(1, "bootstrap: continuations per prompt (the first greedy, the others at --temperature)")
@@ -81,7 +82,7 @@ class TrainerConfig:
     def __post_init__(self) -> None:
         if not self.signal_dir:
             raise TrainerConfigError("--signal-dir is required")
-        if not self.publish_root:
+        if not self.publish_root and not self.capture_only:
             raise TrainerConfigError("--publish-root is required")
         for name in ("threads", "draft_vocab", "max_steps", "max_rounds", "workload_limit", "replay_rows", "topk",
                      "warmup_steps"):
@@ -101,6 +102,8 @@ class TrainerConfig:
             raise TrainerConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.temperature < 0:
             raise TrainerConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if self.capture_only and not self.from_workload:
+            raise TrainerConfigError("--capture-only needs --from-workload")
         if self.samples > 1 and not self.topk:
             raise TrainerConfigError("--samples > 1 needs --topk (sampled continuations are distilled, not imitated)")
         if self.min_gain < 0:

@@ -131,6 +131,8 @@ def train_drafter(cfg: TrainerConfig) -> list[RoundResult]:
                                       budget_bytes=cfg.budget_mb << 20, progress=cfg.progress,
                                       exclude=cfg.exclude_workload)
             ctx.barrier()
+            if cfg.capture_only:
+                return []
         run_cfg = TrainerConfig(**{**asdict(cfg), "device": device})
         trainer = DraftTrainer(run_cfg, loaded.config, loaded.model.embed_tokens, ctx, target=loaded.model)
         if cfg.from_workload:  # the bootstrap signals form one round now, whatever their count
