@@ -22,8 +22,8 @@ requests are decoded, ``--trainer-share``) and the engine swaps each better draf
 steps. A live progress line shows acceptance,
 drafter version and tokens/s; the demo ends with a per-phase table against plain decoding, a
 plot, and the losslessness check (every output equal to plain's). The starting drafter is the
-bootstrap shipped in ``tidespec/assets`` (trained by our own ``train-drafter`` on prompts disjoint
-from the trace; recipe in its README), or a fresh head when it is missing.
+bootstrap shipped in ``tidespec/assets`` (trained by our own trainer on prompts disjoint from the
+trace; recipe in its README), or a fresh head when it is missing.
 """
 
 from __future__ import annotations
