@@ -11,9 +11,12 @@ step s-1 at the same row, with the token one further along, at rope position ``r
 Attention of step s at row j: causal over step 1's keys (rows <= j, the real context) plus the
 row's own keys of steps 2..s (the speculative chain) — the keys the inference drafter sees when
 it drafts s tokens after position j (``ttt_step``). Inputs are ground-truth tokens
-(teacher forcing); gradients flow through the unroll. The loss of step s is cross-entropy over
-the draft vocabulary, weighted ``step_weight_decay ** (s - 1)``; labels outside the draft
-vocabulary are ignored.
+(teacher forcing); gradients flow through the unroll (every layer of a deeper head takes the
+same mask). The loss of step s is cross-entropy over the draft vocabulary, weighted
+``step_weight_decay ** (s - 1)``, against the token that followed, or, when the segments carry
+the target's top-k logits (a teacher pass, ``trainer.distill``), against the target's top-k
+distribution renormalised over the draft vocabulary (EAGLE-3 trains on the target's distribution)
+or its top-1; labels outside the draft vocabulary are ignored.
 
 Indexing for a segment of N positions (``token_ids`` [N+1], ``token_ids[i]`` at position i):
 step s at row j inputs token ``token_ids[j+s]`` and predicts ``token_ids[j+s+1]`` (or
@@ -22,7 +25,8 @@ rows 0..1 (tokens 3, 4) from ``token_ids`` alone, or rows 0..2 with ``target_nex
 
 Evaluation (``evaluate``) simulates greedy chain drafting of ``gamma`` tokens from every row
 whose labels are all known and counts how many match the target's actual continuation:
-acceptance length = accepted + 1 (the bonus token).
+acceptance length = accepted + 1 (the bonus token). With top-k rows, a row counts only where the
+continuation is the target's greedy one (sampled continuations are training contexts, not labels).
 """
 
 from __future__ import annotations
