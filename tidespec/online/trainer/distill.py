@@ -34,9 +34,11 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
+from tidespec.engine.engine import LLMEngine
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.online.store import ShardSink, SignalShard
+from tidespec.speculative.api import Drafter
 from tidespec.workloads.loader import Prompt
 
 logger = logging.getLogger(__name__)
@@ -57,17 +59,12 @@ def generate_continuations(model: LlamaModel, tokenizer: object, prompts: Sequen
                            temperature: float = 0.8, max_tokens: int = 128, max_num_seqs: int = 16, seed: int = 0,
                            progress: bool = True) -> list[Continuation]:
     """Generate ``samples`` continuations of every prompt with the target (plain decoding, no drafter)."""
-    from tidespec.config import CacheConfig, EngineConfig, SpecConfig
-    from tidespec.engine.engine import LLMEngine, RequestError
+    from tidespec.engine.engine import RequestError
     from tidespec.sampling import SamplingParams
 
     if samples < 1 or max_tokens < 1 or temperature < 0:
         raise ValueError("samples and max_tokens must be >= 1 and temperature >= 0")
-    longest = max(len(p.token_ids) for p in prompts) + max_tokens + 1
-    max_len = max(8, min(model.cfg.max_position_embeddings, longest))
-    config = EngineConfig(cache=CacheConfig(max_model_len=max_len, max_num_seqs=max_num_seqs),
-                          spec=SpecConfig(num_speculative_tokens=0))
-    engine = LLMEngine(model, tokenizer, config)  # type: ignore[arg-type]
+    engine = bootstrap_engine(model, tokenizer, prompts, max_tokens, max_num_seqs)
     owner: dict[str, tuple[int, int]] = {}
     for i, p in enumerate(prompts):
         for k in range(samples):
@@ -89,6 +86,19 @@ def generate_continuations(model: LlamaModel, tokenizer: object, prompts: Sequen
                     bar.update(1)
     out.sort(key=lambda c: (c.prompt_index, c.sample))
     return out
+
+
+def bootstrap_engine(model: LlamaModel, tokenizer: object, prompts: Sequence[Prompt], max_tokens: int,
+                     max_num_seqs: int, drafter: Drafter | None = None) -> LLMEngine:
+    """A plain-decoding engine whose context fits the longest prompt plus ``max_tokens`` (what the
+    offline bootstrap generates with; ``drafter`` only to tap hidden states, it never drafts)."""
+    from tidespec.config import CacheConfig, EngineConfig, SpecConfig
+
+    longest = max(len(p.token_ids) for p in prompts) + max_tokens + 1
+    max_len = max(8, min(model.cfg.max_position_embeddings, longest))
+    config = EngineConfig(cache=CacheConfig(max_model_len=max_len, max_num_seqs=max_num_seqs),
+                          spec=SpecConfig(num_speculative_tokens=0))
+    return LLMEngine(model, tokenizer, config, drafter=drafter)  # type: ignore[arg-type]
 
 
 @torch.inference_mode()

@@ -38,7 +38,7 @@ from tidespec.online.collection import SelectiveCollector
 from tidespec.online.store import SignalStore
 from tidespec.online.trainer.config import TrainerConfig, TrainerConfigError
 from tidespec.online.trainer.dist import DistContext
-from tidespec.online.trainer.distill import generate_continuations, teacher_pass, training_prompts
+from tidespec.online.trainer.distill import bootstrap_engine, generate_continuations, teacher_pass, training_prompts
 from tidespec.online.trainer.rounds import DraftTrainer, RoundResult
 
 logger = logging.getLogger(__name__)
@@ -57,19 +57,14 @@ def capture_from_workload(model: LlamaModel, tokenizer: Any, workload: str, sign
                           max_num_seqs: int = 8, progress: bool = True, exclude: str = "") -> dict[str, int]:
     """Greedy-generate every prompt of the comma-separated workloads with the target, capturing the
     taps of every final position into the store at ``signal_dir``. Returns the capture counters."""
-    from tidespec.config import CacheConfig, EngineConfig, SpecConfig
-    from tidespec.engine.engine import LLMEngine, RequestError
+    from tidespec.engine.engine import RequestError
     from tidespec.sampling import SamplingParams
 
     prompts = training_prompts(workload, tokenizer, exclude=exclude, limit=limit)
     taps = Eagle3Config.for_target(model.cfg).tap_layers
-    longest = max(len(p.token_ids) for p in prompts) + max_tokens + 1
-    max_len = max(8, min(model.cfg.max_position_embeddings, longest))
-    config = EngineConfig(cache=CacheConfig(max_model_len=max_len, max_num_seqs=max_num_seqs),
-                          spec=SpecConfig(num_speculative_tokens=0))
-    engine = LLMEngine(model, tokenizer, config, drafter=TapCaptureDrafter(taps))
+    engine = bootstrap_engine(model, tokenizer, prompts, max_tokens, max_num_seqs, TapCaptureDrafter(taps))
     store = SignalStore(signal_dir, budget_bytes)
-    capacity = max(4096, 4 * max_num_seqs * max_len)
+    capacity = max(4096, 4 * max_num_seqs * engine.max_model_len)
     capture = CaptureBuffer(store, capacity, min(2048, capacity), taps_dim=len(taps) * model.cfg.hidden_size)
     collector = SignalCollector(engine, capture, SelectiveCollector(CollectionConfig(force=True)))
     collector.hook_into(engine)
