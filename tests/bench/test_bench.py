@@ -247,6 +247,18 @@ def test_profile_times_the_compiled_step_next_to_eager(tmp_path: Path) -> None:
     assert "Compiled decode step" in (tmp_path / "table.md").read_text()
 
 
+def test_profile_times_untuned_kernels_next_to_the_measured_ones(tmp_path: Path) -> None:
+    model = _tiny_target().model
+    lin = model.layers[0].self_attn.qkv_proj
+    lin.choice, lin.tuned_threads = ("tall",) * 4, torch.get_num_threads()
+    cfg = ProfileConfig(ns=(1, 3), batch_sizes=(1,), context=16, repeats=2, target_s=0.01, bandwidth_mib=8,
+                        compare_untuned=True)
+    doc = run_profile(cfg, model, out_dir=tmp_path, command="x", echo=False)
+    assert all(r["t_untuned_ms"] > 0 and r["kernel_speedup"] > 0 for r in doc["rows"])
+    assert lin.choice == ("tall",) * 4  # restored after each untuned timing
+    assert "`F.linear` instead of the kernels" in (tmp_path / "table.md").read_text()
+
+
 def test_cli_runs_bench_decode_on_a_checkpoint(tmp_path: Path) -> None:
     hf, _ = tiny_hf_model("llama", torch.float32)
     ckpt = write_tiny_checkpoint(hf, tmp_path / "ckpt")

@@ -3,6 +3,7 @@ caches and reuses a kernel per row count."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
@@ -66,3 +67,21 @@ def test_a_layer_tuned_for_other_thread_counts_uses_f_linear(two_threads: None) 
     lin.tuned_threads = 3  # 6 % 2 == 0 would allow a split on 2 threads; the 3-block plan must not be used
     x = torch.randn(2, 8, dtype=torch.float64)
     assert torch.equal(lin.forward(x), F.linear(x, lin.weight))
+
+
+@pytest.mark.skipif(not linear.mkl_packing_available(), reason="this PyTorch build has no MKL packed sgemm")
+@pytest.mark.parametrize("rows", [1, 4, 17, 64])
+def test_the_mkl_packed_kernel_tracks_the_weight(rows: int, two_threads: None) -> None:
+    """fp32 only (a float64 layer forced to "mkl" runs F.linear, above): MKL's packed product equals
+    F.linear up to summation order, and a weight written in place is packed again."""
+    gen = torch.Generator().manual_seed(rows)
+    lin = Linear(48, 96, bias=True)
+    lin.choice = ("mkl",) * TUNED_ROWS[-1]
+    lin.tuned_threads = 2
+    x = torch.randn(rows, 48, generator=gen)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin.forward(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        lin.weight.mul_(-3.0)
+        torch.testing.assert_close(lin.forward(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        copied = copy.deepcopy(lin)  # the opaque packed weight stays behind; the copy packs its own
+        torch.testing.assert_close(copied.forward(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)

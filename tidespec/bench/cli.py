@@ -98,6 +98,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--target-seconds", type=float, default=0.4,
                    help="timed seconds aimed at per shape; big shapes get fewer repeats")
     p.add_argument("--bandwidth-mib", type=int, default=256, help="buffer size of the copy bandwidth test")
+    p.add_argument("--compare-untuned", action="store_true",
+                   help="also time every shape with F.linear for all projections (the kernels' gain)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-profile-<time>)")
     add_dataclass_args(p, ModelConfig)
     p.set_defaults(func=cmd_profile)
@@ -179,7 +181,7 @@ def cmd_spec(ns: argparse.Namespace) -> int:
 def cmd_profile(ns: argparse.Namespace) -> int:
     cfg = ProfileConfig(ns=parse_int_list(ns.ns, "--ns"), batch_sizes=parse_int_list(ns.batch_sizes, "--batch-sizes"),
                         context=ns.context, repeats=ns.repeats, target_s=ns.target_seconds,
-                        bandwidth_mib=ns.bandwidth_mib)
+                        bandwidth_mib=ns.bandwidth_mib, compare_untuned=ns.compare_untuned)
     run_profile(cfg, model_config=dataclass_from_args(ModelConfig, ns), out_dir=ns.out, command=command_line())
     return 0
 

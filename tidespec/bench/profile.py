@@ -42,6 +42,7 @@ from tidespec.config import ConfigError, ModelConfig
 from tidespec.errors import check_at_least
 from tidespec.models.compiled import KV_MARGIN, CompiledStep
 from tidespec.models.kv_cache import KVCache
+from tidespec.models.linear import untuned
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import LoadedModel
 from tidespec.models.quant import quantization_of
@@ -58,6 +59,7 @@ class ProfileConfig:
     target_s: float = 0.4  # timed seconds aimed at per shape (fewer repeats on big shapes)
     bandwidth_mib: int = 256  # size of each buffer of the copy test
     seed: int = 0
+    compare_untuned: bool = False  # also time each shape with F.linear for every projection, right after
 
     def __post_init__(self) -> None:
         if not self.ns or any(n < 1 for n in self.ns):
@@ -154,6 +156,10 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | LlamaModel | str | Non
                 c1 = c if n == min(cfg.ns) else c1
                 row.update(t_compiled_ms=c * 1e3, compiled_ratio_to_n1=c / c1 if c1 else float("nan"),
                            compiled_speedup=t / c)
+            if cfg.compare_untuned:
+                with untuned(model):
+                    u, _ = time_forward(model, kv, b, n, cfg.context, cfg.repeats, cfg.target_s, gen)
+                row.update(t_untuned_ms=u * 1e3, kernel_speedup=u / t)
             rows.append(row)
     grid_s = time.perf_counter() - t_start
     bw = memory_bandwidth(cfg.bandwidth_mib, device=model.device)
@@ -212,6 +218,12 @@ def format_profile_report(doc: dict[str, Any], command: str, info: dict[str, Any
                       f"warm-up {doc['compile_seconds']:.1f} s):", "", c_table, "",
                   f"- compiled batch-1 forward: {doc['batch1_compiled_tokens_per_s']:.1f} tokens/s = "
                   f"{doc['batch1_compiled_fraction_of_ceiling']:.0%} of the ceiling"]
+    if "t_untuned_ms" in doc["rows"][0]:
+        u_table = markdown_table(["n"] + [f"B={b} ms" for b in bs] + [f"B={b} F.linear/tuned" for b in bs],
+                                 [[n] + [cell[(b, n)]["t_untuned_ms"] for b in bs]
+                                  + [cell[(b, n)]["kernel_speedup"] for b in bs] for n in ns], digits=2)
+        lines += ["", "Every projection on `F.linear` instead of the kernels measured per row count "
+                      "(`--compare-untuned`; each shape timed right after the tuned forward):", "", u_table]
     return "\n".join(lines)
 
 

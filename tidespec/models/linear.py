@@ -11,6 +11,13 @@ BLAS library, the dtype and the thread count — not on anything we can know in 
   at every row count and ``W @ x^T`` is 2.4x *slower* at 2..16 rows, while in bfloat16 ``W @ x^T``
   is fastest from 2 rows and 1 row is faster padded to 2 (13.9 vs 18.4 ms per 30 layers).
 
+- on that same Xeon in fp32, oneDNN's kernel behind ``F.linear`` is bandwidth-bound up to 3 rows
+  and then turns 1.5x slower (the MLP's [3072, 576] weights x 30 layers: 9.3 ms at 3 rows, 14.6
+  at 4), which made every 4th draft token cost half a decode step; MKL's packed sgemm
+  (``cblas_sgemm_compute`` on a weight packed once by ``cblas_sgemm_pack``, reached through
+  PyTorch's ``mkl::_mkl_linear``, the op inductor's CPU freezing pass emits) stays near the
+  bandwidth bound to 8-16 rows (9.7 ms at 4, 11.5 at 8).
+
 So the choice is measured, not guessed: ``tune_linears`` times each candidate on the real weights
 (all layers' matrices of one shape in turn, so the weights stream from memory as in a forward)
 for row counts 1..``max_rows`` and stores the fastest per row count in each ``Linear``. The
@@ -27,6 +34,7 @@ Worked example (weight [3072, 576], 2 threads)::
     "tall":   mm(W [3072, 576], x^T [576, T])^T               -> [T, 3072]
     "split":  bmm(x [2, T, 576], W blocks [2, 576, 1536])     -> [2, T, 1536] -> [T, 3072]
     "pad2":   (1 row only) tall on [x; x] [2, 576], keep row 0 -> [1, 3072]
+    "mkl":    (fp32, MKL builds) packed sgemm of x [T, 576] with W packed once -> [T, 3072]
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ import json
 import logging
 import platform
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -46,9 +56,23 @@ from tidespec.files import atomic_write, cache_root
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("linear", "tall", "split", "pad2")
+STRATEGIES = ("linear", "tall", "split", "pad2", "mkl")
 TUNED_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # measured; other counts use the next one up
 PREFER_MARGIN = 1.1  # another kernel replaces F.linear only when >= 10 % faster (noise must not flip it)
+# Rows the MKL packing is laid out for. The packed weight serves every row count (``_mkl_linear``
+# uses it whenever its last argument equals the input's rows); packing for 16 was as fast as or
+# faster than packing for 4 at 4..32 rows, and as packing for 1 at 1 row, on the AMX Xeon.
+MKL_PACK_ROWS = 16
+
+
+def mkl_packing_available() -> bool:
+    """Whether this PyTorch build has MKL's packed sgemm behind ``torch.ops.mkl._mkl_linear``."""
+    return bool(getattr(torch._C, "has_mkl", False)) and hasattr(torch.ops.mkl, "_mkl_linear")
+
+
+def pack_weight(w: torch.Tensor) -> torch.Tensor:
+    """fp32 [out, in] -> MKL's packed copy (an opaque mkldnn tensor, same bytes again)."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), MKL_PACK_ROWS)
 
 
 def _split_weight(w: torch.Tensor, s: int) -> torch.Tensor:
@@ -56,8 +80,12 @@ def _split_weight(w: torch.Tensor, s: int) -> torch.Tensor:
     return w.view(s, w.shape[0] // s, w.shape[1]).transpose(1, 2)
 
 
-def run_strategy(name: str, x: torch.Tensor, w: torch.Tensor, blocks: torch.Tensor | None) -> torch.Tensor:
+def run_strategy(name: str, x: torch.Tensor, w: torch.Tensor, blocks: torch.Tensor | None,
+                 packed: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] @ w [out, in]^T -> [T, out] by the named kernel (no bias)."""
+    if name == "mkl":
+        assert packed is not None
+        return torch.ops.mkl._mkl_linear(x, packed, w, None, x.shape[0])
     if name == "tall":
         return torch.mm(w, x.t()).t().contiguous()  # [out, T] -> [T, out]
     if name == "pad2":
@@ -79,6 +107,8 @@ class Linear(nn.Linear):
     tuned_threads = 0  # the intra-op thread count the choice was measured with
     _blocks_key: tuple[int, int] | None = None
     _blocks: torch.Tensor | None = None
+    _packed_key: tuple[int, int] | None = None
+    _packed: torch.Tensor | None = None
 
     def blocks(self, s: int) -> torch.Tensor | None:
         """The weight split in ``s`` output blocks (rebuilt only if the weight moved), or None."""
@@ -90,31 +120,66 @@ class Linear(nn.Linear):
             self._blocks_key = key
         return self._blocks
 
+    def packed(self) -> torch.Tensor:
+        """The weight packed for MKL's sgemm (``tune_linears`` packs layers that chose "mkl"; a
+        weight that moved or was written in place, e.g. by ``load_state_dict``, is packed again;
+        an inference-mode weight has no version counter, so only a move is seen there)."""
+        w = self.weight
+        key = (w.data_ptr(), -1 if w.is_inference() else w._version)
+        if self._packed_key != key:
+            self._packed = pack_weight(self.weight)
+            self._packed_key = key
+        assert self._packed is not None
+        return self._packed
+
+    def __getstate__(self) -> dict[str, object]:
+        """Copies and pickles leave the packed weight behind (an opaque tensor that cannot be
+        copied); a copy packs its own on its first "mkl" forward."""
+        state = dict(super().__getstate__())
+        state.pop("_packed", None)
+        state.pop("_packed_key", None)
+        return state
+
+    def set_packing(self, used: bool) -> None:
+        """Pack the weight now if a row count runs "mkl" (not on the first forward), else drop it."""
+        if used:
+            self.packed()
+        else:
+            self._packed_key, self._packed = None, None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
         T = x.shape[0]
         if torch.compiler.is_compiling():  # inductor picks its own kernel; the measured one is for eager
             return F.linear(x, self.weight, self.bias)
-        if T > len(self.choice) or x.dim() != 2 or torch.get_num_threads() != self.tuned_threads:
+        if (T > len(self.choice) or x.dim() != 2 or torch.get_num_threads() != self.tuned_threads
+                or x.requires_grad):  # measured kernels are for inference ("mkl" has no backward)
             return F.linear(x, self.weight, self.bias)
         name = self.choice[T - 1]
         if name == "linear":
             return F.linear(x, self.weight, self.bias)
-        out = run_strategy(name, x, self.weight, self.blocks(self.tuned_threads))
+        if name == "mkl":
+            if self.weight.dtype != torch.float32:  # converted after tuning: MKL's packing is fp32 only
+                return F.linear(x, self.weight, self.bias)
+            out = run_strategy(name, x, self.weight, None, self.packed())
+        else:
+            out = run_strategy(name, x, self.weight, self.blocks(self.tuned_threads))
         return out if self.bias is None else out + self.bias
 
 
-def _candidates(rows: int, out_features: int, threads: int) -> list[str]:
+def _candidates(rows: int, out_features: int, threads: int, dtype: torch.dtype) -> list[str]:
     names = ["linear", "tall"]
     if threads > 1 and out_features % threads == 0:
         names.append("split")
     if rows == 1:
         names.append("pad2")
+    if dtype == torch.float32 and mkl_packing_available():
+        names.append("mkl")
     return names
 
 
 def _plan_key(groups: dict[tuple[int, int, str], list[Linear]], max_rows: int, threads: int) -> str:
-    ident = {"method": 2, "cpu": _cpu_name(), "torch": torch.__version__, "threads": threads, "max_rows": max_rows,
+    ident = {"method": 3, "cpu": _cpu_name(), "torch": torch.__version__, "threads": threads, "max_rows": max_rows,
              "shapes": sorted(f"{o}x{i}:{d}:{len(m)}" for (o, i, d), m in groups.items())}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -168,6 +233,7 @@ def tune_linears(root: nn.Module, repeats: int = 5, cache_dir: Path | None = Non
         for m in mods:
             m.choice = tuple(plan[names[key]])
             m.tuned_threads = threads
+            m.set_packing("mkl" in m.choice)
     return plan
 
 
@@ -175,20 +241,36 @@ def tune_linears(root: nn.Module, repeats: int = 5, cache_dir: Path | None = Non
 def _measure(mods: list[Linear], repeats: int, threads: int) -> list[str]:
     """The fastest kernel for 1..max(TUNED_ROWS) rows over all ``mods`` (one weight shape) in turn."""
     w0 = mods[0].weight
-    weights = [(m.weight, _split_weight(m.weight, threads) if m.out_features % threads == 0 else None)
-               for m in mods]
+    mkl = w0.dtype == torch.float32 and mkl_packing_available()
+    weights = [(m.weight, _split_weight(m.weight, threads) if m.out_features % threads == 0 else None,
+                m.packed() if mkl else None) for m in mods]
     best: dict[int, str] = {}
     for rows in TUNED_ROWS:
         x = torch.randn(rows, w0.shape[1], dtype=w0.dtype)
-        names = _candidates(rows, w0.shape[0], threads)
+        names = _candidates(rows, w0.shape[0], threads, w0.dtype)
         timings = dict.fromkeys(names, float("inf"))
         for round_ in range(repeats + 1):  # rounds interleave the kernels, so a burst of load hits all
             for name in names:
                 t0 = time.perf_counter()
-                for w, blocks in weights:
-                    run_strategy(name, x, w, blocks)
+                for w, blocks, packed in weights:
+                    run_strategy(name, x, w, blocks, packed)
                 if round_:  # round 0 warms up (first-call allocations, kernel selection)
                     timings[name] = min(timings[name], time.perf_counter() - t0)
         fastest = min(timings, key=timings.__getitem__)
         best[rows] = fastest if timings[fastest] < timings["linear"] / PREFER_MARGIN else "linear"
     return [best[min(r for r in TUNED_ROWS if r >= rows)] for rows in range(1, TUNED_ROWS[-1] + 1)]
+
+
+@contextmanager
+def untuned(root: nn.Module) -> Iterator[None]:
+    """Within the block every ``Linear`` under ``root`` runs ``F.linear`` (its measured kernels are
+    restored after): the baseline ``tidespec bench profile --compare-untuned`` times beside them."""
+    layers = [m for m in root.modules() if isinstance(m, Linear)]
+    saved = [m.choice for m in layers]
+    for m in layers:
+        m.choice = ()
+    try:
+        yield
+    finally:
+        for m, choice in zip(layers, saved):
+            m.choice = choice
