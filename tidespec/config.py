@@ -175,6 +175,32 @@ class Eagle3Options:
         check_at_least(1, eagle3_tree_depth=self.tree_depth, eagle3_tree_top_k=self.tree_top_k)
 
 
+DRAFT_VOCAB_MODES = ("off", "static", "dynamic")
+
+
+@dataclass
+class DraftVocabConfig(Section):
+    """EvoSpec's draft vocabulary for the EAGLE-3 drafter: a frequency core, plus (dynamic) an
+    ARC-managed buffer refilled off the step by HNSW + co-occurrence retrieval."""
+
+    mode: str = opt("off", "draft vocabulary: off (the drafter's own), static (a frequency core only, "
+                           "FR-Spec), dynamic (core + a buffer refilled from what the traffic needs)",
+                    choices=DRAFT_VOCAB_MODES)
+    core: int = opt(4096, "tokens in the static frequency core", min=1)
+    buffer: int = opt(256, "dynamic buffer capacity (ARC)", min=1)
+    max_insert: int = opt(32, "dynamic: tokens admitted per out-of-vocabulary event at most", min=1)
+    min_residency: int = opt(8, "dynamic: steps a token stays in the buffer before it may be evicted", min=0)
+    corpus: str = opt("drafter_boot,code_extra", "workloads (names or .jsonl paths, comma-separated) whose "
+                                                 "tokens give the core and seed the co-occurrence graph")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.mode not in DRAFT_VOCAB_MODES:
+            raise ConfigError(f"draft vocabulary mode must be one of {', '.join(DRAFT_VOCAB_MODES)}, got {self.mode!r}")
+        if not [c for c in self.corpus.split(",") if c.strip()]:
+            raise ConfigError("the draft vocabulary corpus names no workload")
+
+
 @dataclass
 class SpecConfig:
     """What to speculate with: the drafter, how far (gamma), chain or tree, and each drafter's knobs."""
@@ -187,6 +213,7 @@ class SpecConfig:
     suffix: SuffixConfig = section(SuffixConfig, "suffix")
     draft_model: DraftModelConfig = section(DraftModelConfig)
     eagle3: Eagle3Options = section(Eagle3Options, "eagle3")
+    vocab: DraftVocabConfig = section(DraftVocabConfig, "draft-vocab")
 
     def __post_init__(self) -> None:
         names = self.drafter_names

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from tidespec.config import EngineConfig, ModelConfig, SpecConfig
+from tidespec.config import DraftVocabConfig, EngineConfig, ModelConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
 from tidespec.errors import ConfigError
@@ -36,6 +36,10 @@ from tidespec.speculative.policy.factory import PolicyOptions, make_policy
 from tidespec.speculative.policy.guards import GuardConfig
 from tidespec.speculative.policy.profiler import STATEFUL_DRAFTERS, load_or_measure
 from tidespec.speculative.policy.speedup import Profile
+from tidespec.speculative.vocab.arc import ArcConfig
+from tidespec.speculative.vocab.dynamic import DynamicVocab, DynamicVocabConfig
+from tidespec.speculative.vocab.graph import CooccurrenceGraph
+from tidespec.workloads.loader import load_prompts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -102,6 +106,41 @@ def build_eagle3_drafter(target: LlamaModel, source: str | Path | None, draft_vo
     return Eagle3Drafter(head, target.embed_tokens, cfg, version=version)
 
 
+def output_matrix(target: LlamaModel) -> torch.Tensor:
+    """[V, H] the target's LM-head rows as floats (a quantized head of a tied model: the embedding)."""
+    w = getattr(target.lm_head, "weight", None)
+    if isinstance(w, torch.Tensor) and w.is_floating_point():
+        return w.detach()
+    if target.cfg.tie_word_embeddings:
+        return target.embed_tokens.weight.detach()
+    raise ConfigError("a draft vocabulary needs the target's LM head in floating point (run without --quantization)")
+
+
+def attach_draft_vocab(drafter: Drafter | None, vc: DraftVocabConfig, target: LlamaModel,
+                       tokenizer: PreTrainedTokenizerBase) -> DynamicVocab | None:
+    """Give the EAGLE-3 drafter (alone or in a ``MultiDrafter``) the draft vocabulary ``vc`` asks
+    for (None for mode "off"): the core and the co-occurrence graph from ``vc.corpus``'s tokens, the
+    output rows from the head (its own rows, the target's LM head for other tokens)."""
+    if vc.mode == "off":
+        return None
+    members = drafter.members.values() if isinstance(drafter, MultiDrafter) else [drafter]
+    eagle = next((d for d in members if isinstance(d, Eagle3Drafter)), None)
+    if eagle is None:
+        raise ConfigError(f"--draft-vocab-mode {vc.mode} needs the eagle3 drafter")
+    graph = CooccurrenceGraph()
+    for name in (c.strip() for c in vc.corpus.split(",")):
+        if name:
+            for prompt in load_prompts(name, tokenizer):
+                graph.add(prompt.token_ids)
+    lm = output_matrix(target)
+    cfg = DynamicVocabConfig(core_size=vc.core, dynamic=vc.mode == "dynamic", buffer=ArcConfig(
+        capacity=vc.buffer, max_insert=vc.max_insert, min_residency=vc.min_residency))
+    vocab = DynamicVocab.from_graph(cfg, graph, target.cfg.vocab_size, lambda ids: eagle.head.output_rows(ids, lm),
+                                    index_rows=lm if cfg.dynamic else None, fill=eagle.own_ids(), start=cfg.dynamic)
+    eagle.vocab = vocab
+    return vocab
+
+
 def build_policy(config: EngineConfig, model: LlamaModel, drafter: Drafter | None,
                  progress: Callable[[str], None] | None = None) -> SpeculationPolicy | None:
     """The speculation-length policy with guards (``config.policy``, gamma_max from ``config.spec``);
@@ -137,6 +176,7 @@ def build_engine(config: EngineConfig, model: LlamaModel | None = None,
     max_len = min(config.cache.max_model_len, model.cfg.max_position_embeddings)
     if drafter is None:
         drafter = build_drafter(config.spec, model, config.cache.max_num_seqs, max_len)
+        attach_draft_vocab(drafter, config.spec.vocab, model, tokenizer)
     policy = build_policy(config, model, drafter) if config.spec.num_speculative_tokens else None
     return LLMEngine(model, tokenizer, config, drafter=drafter, policy=policy)
 

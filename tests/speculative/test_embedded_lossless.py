@@ -5,6 +5,7 @@ differing position (top-2 logit gap < 1e-5), and then it is logged — never sil
 from __future__ import annotations
 
 import logging
+from importlib import resources
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from tests.helpers import ScriptedPolicy, switching_drafters
 from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.llm import build_drafter
+from tidespec.llm import build_drafter, build_eagle3_drafter, output_matrix
 from tidespec.models.eagle3_checkpoint import fresh_head
 from tidespec.models.eagle3_head import init_from_target
 from tidespec.models.kv_cache import KVCache
@@ -21,12 +22,16 @@ from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
 from tidespec.speculative.policy.api import SpeculationPolicy
+from tidespec.speculative.vocab.arc import ArcConfig
+from tidespec.speculative.vocab.dynamic import DynamicVocab, DynamicVocabConfig
+from tidespec.speculative.vocab.graph import GraphConfig
 from tidespec.workloads.loader import load_prompts
 
 pytestmark = pytest.mark.integration
 log = logging.getLogger(__name__)
 MAX_TOKENS = 24
 NEAR_TIE = 1e-5
+ASSET = str(resources.files("tidespec") / "assets" / "eagle3-smollm2-135m-instruct")  # the shipped head
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +131,28 @@ def test_two_threads_batched_and_speculative_equal_plain_alone(embedded, prompts
         got = run(embedded, spec, prompts, slots=slots)
         for p, ref, g in zip(prompts, plain_alone, got):
             assert_same_or_near_tie(embedded, p, ref, g)
+
+
+@pytest.mark.parametrize("tree,slots", [(False, 1), (False, 4), (True, 4)])
+def test_eagle3_over_a_changing_draft_vocabulary_greedy_equals_plain(embedded, prompts, plain_alone, tree, slots):
+    """The shipped head drafting over a 512-token core + a 64-token ARC buffer refilled between
+    steps (the worker's work run synchronously before each ``propose``; graph retrieval only)."""
+    target = embedded.model
+    drafter = build_eagle3_drafter(target, ASSET, cfg=Eagle3DrafterConfig(max_num_seqs=slots, max_model_len=1024))
+    lm = output_matrix(target)
+    cfg = DynamicVocabConfig(core_size=512, semantic_k=0, graph=GraphConfig(min_count=1, tau=0.0),
+                             buffer=ArcConfig(capacity=64, min_residency=1, warmup_events=0))
+    vocab = DynamicVocab(cfg, drafter.own_ids()[:512], lambda ids: drafter.head.output_rows(ids, lm), start=False)
+    drafter.vocab = vocab
+    propose = drafter.propose
+
+    def propose_between_steps(inputs):
+        vocab.process_pending()
+        return propose(inputs)
+
+    drafter.propose = propose_between_steps
+    got = run(embedded, SpecConfig(drafter="eagle3", num_speculative_tokens=4, tree=tree), prompts, slots=slots,
+              drafter=drafter)
+    for p, ref, g in zip(prompts, plain_alone, got):
+        assert_same_or_near_tie(embedded, p, ref, g)
+    assert vocab.stats.oov_events > 0 and vocab.stats.published > 0

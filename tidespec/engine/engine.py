@@ -380,13 +380,17 @@ class LLMEngine:
         if self.drafter is None:
             return
         observations = []
+        wants_hidden = bool(getattr(self.drafter, "wants_hidden", False)) and fwd.hidden is not None
         for a in advances:
             if a.seq.finish_reason is not None:
                 continue
-            taps = None
-            if fwd.taps is not None:
-                taps = fwd.taps.index_select(0, torch.tensor(a.kept_rows, device=self.device))
-            observations.append(Observation(a.seq.seq_id, list(a.seq.token_ids), len(a.kept_rows), taps, a.start))
+            taps = hidden = None
+            if fwd.taps is not None or wants_hidden:
+                kept = torch.tensor(a.kept_rows, device=self.device)
+                taps = fwd.taps.index_select(0, kept) if fwd.taps is not None else None
+                hidden = fwd.hidden.index_select(0, kept) if wants_hidden and fwd.hidden is not None else None
+            observations.append(Observation(a.seq.seq_id, list(a.seq.token_ids), len(a.kept_rows), taps, a.start,
+                                            hidden, len(a.seq.prompt_ids)))
         if observations:
             self.drafter.observe(observations)
             for consume in self.observation_consumers:

@@ -44,6 +44,7 @@ class ForwardOutput:
     logits: torch.Tensor | None  # [R, V] at the rows that need them (decode rows, last prefill rows)
     argmax: list[int]  # [R] greedy token per logits row (one host transfer for the whole batch)
     taps: torch.Tensor | None  # [T, num_taps * H] target hidden taps when asked, else None
+    hidden: torch.Tensor | None = None  # [T, H] the final (normed) hidden state of every row
 
 
 class ModelRunner:
@@ -65,7 +66,7 @@ class ModelRunner:
         if out is None:
             out = self.model(ids, layout, self.kv, logits_rows=logits_rows, tap_layers=tap_layers)
         argmax = out.logits.argmax(-1).tolist() if out.logits is not None else []
-        return ForwardOutput(rows, out.logits, argmax, out.taps if tap_layers else None)
+        return ForwardOutput(rows, out.logits, argmax, out.taps if tap_layers else None, out.last_hidden)
 
     def build_inputs(self, batch: ScheduledBatch, proposal: DraftProposal
                      ) -> tuple[torch.Tensor, dict[int, Row], BatchLayout, torch.Tensor]:

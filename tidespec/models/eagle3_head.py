@@ -253,17 +253,37 @@ class Eagle3Head(PlacedModule):
         """[T, 3H] target taps -> [T, H] fused hidden."""
         return self.fc(taps)
 
-    def logits(self, prenorm: torch.Tensor) -> torch.Tensor:
-        """[T, H] pre-norm output -> [T, draft_vocab] logits."""
-        return self.lm_head(self.norm(prenorm))
+    def logits(self, prenorm: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[T, H] pre-norm output -> [T, draft_vocab] logits, or [T, n] over the output ``rows``
+        [n, H] of another vocabulary (a dynamic draft vocabulary's V_t)."""
+        if rows is None:
+            return self.lm_head(self.norm(prenorm))
+        return torch.nn.functional.linear(self.norm(prenorm), rows)
+
+    def output_rows(self, ids: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+        """Output rows [n, H] for target ids [n]: this head's LM-head row where the id is in its
+        draft vocabulary, else the row of ``fallback`` [V, H] (the target's LM head, whose space
+        the head's final norm was started in by ``init_from_target``)."""
+        ids = ids.to(self.d2t.device)
+        rows = fallback[ids.to(fallback.device)].to(dtype=self.lm_head.weight.dtype, device=self.d2t.device)
+        draft = self.target_to_draft()[ids]  # [n] draft index or -1
+        inside = draft >= 0
+        rows[inside] = self.lm_head.weight[draft[inside]].detach()
+        return rows
 
     def forward(self, fused: torch.Tensor, embeds: torch.Tensor, layout: BatchLayout,
-                kv: KVStorage) -> tuple[torch.Tensor, torch.Tensor]:
+                kv: KVStorage, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Inference step over a ragged batch with the head's KV cache (``num_layers`` layers of
         ``[S, n_kv, L, hd]``).
 
-        fused, embeds: [T, H] -> (pre-norm output [T, H], logits [T, draft_vocab]).
+        fused, embeds: [T, H] -> (pre-norm output [T, H], logits [T, draft_vocab] or [T, n] over
+        the output ``rows`` [n, H] when given).
         """
+        out = self.step(fused, embeds, layout, kv)
+        return out, self.logits(out, rows)
+
+    def step(self, fused: torch.Tensor, embeds: torch.Tensor, layout: BatchLayout, kv: KVStorage) -> torch.Tensor:
+        """``forward`` without the output layer: fused, embeds [T, H] -> pre-norm output [T, H]."""
         layer = self.midlayer
         cos, sin = self.rope(layout.positions, fused.dtype)
         layout.attention_plan(layer.self_attn.cfg.sliding_window, kv)
@@ -271,7 +291,7 @@ class Eagle3Head(PlacedModule):
         out = layer.finish(residual, layer.self_attn(x, cos, sin, layout, kv.k[0], kv.v[0]))
         for i, block in enumerate(self.blocks, start=1):
             out = block.forward(out, cos, sin, layout, kv.k[i], kv.v[i])
-        return out, self.logits(out)
+        return out
 
 
 INIT_FROM_TARGET = ("none", "lm_head", "layer")

@@ -96,6 +96,10 @@ class Observation:
     num_new_cached: int  # tokens whose target KV became final this step
     taps: torch.Tensor | None = None  # [num_new_cached, num_taps * H] or None
     start: int = -1  # cache position of the first newly cached token (-1 = unknown)
+    # [num_new_cached, H] the target's final (normed) hidden state at those positions — row j
+    # produced token ``token_ids[start + j + 1]`` — when the drafter ``wants_hidden``, else None
+    hidden: torch.Tensor | None = None
+    num_prompt_tokens: int = 0  # positions before this are the prompt's (not generated)
 
 
 @runtime_checkable

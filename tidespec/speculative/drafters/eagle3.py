@@ -42,6 +42,7 @@ from tidespec.sampling import SamplingParams, make_generator, sample_from, seede
 from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.drafters.draft_model import draft_seed
 from tidespec.speculative.tree import tree_depths, tree_mask
+from tidespec.speculative.vocab.dynamic import DynamicVocab
 
 # ----------------------------------------------------------------------------------------------
 # EAGLE-2 dynamic tree
@@ -143,7 +144,8 @@ class _SeqState:
     base: int = 0  # context position of head position 0 (> 0 after a hole in the taps)
     kv_len: int = 0  # head positions with final K/V: pairs (tap_{base+j}, token_{base+j+1}) for j < kv_len
     last_hidden: torch.Tensor | None = None  # [H] pre-norm output at position kv_len - 1
-    last_logits: torch.Tensor | None = None  # [draft_vocab] logits at position kv_len - 1
+    last_logits: torch.Tensor | None = None  # [n] logits at position kv_len - 1 over the vocabulary below
+    logits_vocab: int = -1  # version of the draft vocabulary ``last_logits`` is over (-1: the head's own)
     stale: bool = False  # head weights changed since kv was computed: rebuild from taps
     hole: bool = False  # a step without taps since the last taps
     lost: bool = False  # taps resumed at an unknown position (``Observation.start`` -1): never drafted again
@@ -154,6 +156,15 @@ class _SeqState:
         if self.last_hidden is None or self.last_logits is None:
             raise RuntimeError("no observed position to draft from")
         return self.last_hidden, self.last_logits
+
+
+@dataclass(frozen=True)
+class _Vocab:
+    """The vocabulary one ``propose`` drafts over: the head's own (``rows`` None) or a dynamic V_t."""
+
+    version: int  # -1: the head's own draft vocabulary
+    ids: torch.Tensor  # [n] target id of each logit
+    rows: torch.Tensor | None  # [n, H] output rows, None = the head's LM head
 
 
 @dataclass
@@ -212,7 +223,7 @@ class Eagle3Drafter:
     name = "eagle3"
 
     def __init__(self, head: Eagle3Head, embed: nn.Embedding, cfg: Eagle3DrafterConfig | None = None,
-                 version: int = 0) -> None:
+                 version: int = 0, vocab: DynamicVocab | None = None) -> None:
         self.cfg = cfg if cfg is not None else Eagle3DrafterConfig()
         if embed.weight.shape != (head.cfg.target_vocab_size, head.cfg.hidden_size):
             raise Eagle3ConfigError(
@@ -222,6 +233,8 @@ class Eagle3Drafter:
         self.embed = embed
         self.version = version
         self.kv = self._new_kv()
+        self.vocab = vocab  # a dynamic draft vocabulary (EvoSpec), else the head's own
+        self._own_ids = self._head_ids()
         self._states: dict[int, _SeqState] = {}
         self._untracked: set[int] = set()  # first seen with no free slot: later taps would be misaligned
 
@@ -232,6 +245,26 @@ class Eagle3Drafter:
     @property
     def num_live(self) -> int:
         return len(self._states)
+
+    @property
+    def wants_hidden(self) -> bool:
+        """A dynamic vocabulary retrieves with the target's final hidden states."""
+        return self.vocab is not None and self.vocab.cfg.dynamic
+
+    def own_ids(self) -> list[int]:
+        """The target ids of the head's own draft vocabulary."""
+        return self._own_ids.tolist()
+
+    def _head_ids(self) -> torch.Tensor:
+        """[draft_vocab] target id of each of the head's own logits."""
+        return self.head.draft_to_target(torch.arange(self.head.cfg.draft_vocab_size, device=self.head.device))
+
+    def _vocab(self) -> _Vocab:
+        """The vocabulary to draft over now (read once per ``propose``: V_t swaps between steps)."""
+        if self.vocab is None:
+            return _Vocab(-1, self._own_ids, None)
+        snap = self.vocab.snapshot
+        return _Vocab(snap.version, snap.ids, snap.rows)
 
     def _new_kv(self) -> KVCache:
         c = self.head.cfg
@@ -258,6 +291,9 @@ class Eagle3Drafter:
                         st.slot = self._allocate_slot()
             else:
                 self.head.load_state_dict(state_dict)
+        self._own_ids = self._head_ids()
+        if self.vocab is not None:
+            self.vocab.refresh()  # V_t's output rows come from the new head (republished off the step)
         self.version = version
         for st in self._states.values():
             st.stale = True
@@ -299,6 +335,8 @@ class Eagle3Drafter:
             st.hole = False
             # copy: the engine may reuse its tap buffer, and a view would pin the whole batch's taps
             st.taps.append(obs.taps.to(dtype=self.head.dtype, device=self.head.device, copy=True))
+        if self.vocab is not None:
+            self.vocab.observe(observations)
 
     @torch.inference_mode()
     def propose(self, inputs: list[DraftInput]) -> DraftProposal:
@@ -314,7 +352,8 @@ class Eagle3Drafter:
             if len(inp.token_ids) > len(st.tokens):
                 st.tokens = list(inp.token_ids)
             ready.append((inp, st))
-        self._sync([st for _, st in ready])
+        vocab = self._vocab()
+        self._sync([st for _, st in ready], vocab)
         proposal = DraftProposal()
         chains: list[tuple[DraftInput, _SeqState, int]] = []
         trees: list[_TreeJob] = []
@@ -327,6 +366,9 @@ class Eagle3Drafter:
                 continue
             if st.base + st.kv_len != n - 1 or st.last_logits is None or st.tokens[:n] != list(inp.token_ids):
                 continue  # head KV does not cover the context up to the last token
+            if st.logits_vocab != vocab.version and st.last_hidden is not None:  # V_t changed since
+                st.last_logits = self.head.logits(st.last_hidden[None], vocab.rows)[0]
+                st.logits_vocab = vocab.version
             room = self.cfg.max_model_len - st.kv_len
             if inp.tree:
                 budget = self.cfg.tree_budget or inp.num_speculative_tokens
@@ -338,9 +380,9 @@ class Eagle3Drafter:
                 if gamma >= 1:
                     chains.append((inp, st, gamma))
         if chains:
-            proposal.drafts.update(self._propose_chains(chains))
+            proposal.drafts.update(self._propose_chains(chains, vocab))
         if trees:
-            for job, draft in zip(trees, self._propose_trees(trees)):
+            for job, draft in zip(trees, self._propose_trees(trees, vocab)):
                 proposal.drafts[job.seq_id] = draft
         return proposal
 
@@ -373,7 +415,7 @@ class Eagle3Drafter:
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.embed.weight.device)
         return self.embed(ids).to(dtype=self.head.dtype, device=self.head.device)  # [T, H]
 
-    def _sync(self, states: list[_SeqState]) -> None:
+    def _sync(self, states: list[_SeqState], vocab: _Vocab | None = None) -> None:
         """Rebuild stale sequences and extend every sequence's head KV to
         ``min(taps held, tokens - 1)`` positions, in one ragged forward."""
         jobs: list[_CatchUp] = []
@@ -393,27 +435,29 @@ class Eagle3Drafter:
         tokens = [t for j in jobs for t in j.state.tokens[j.state.base + j.start + 1:j.state.base + j.end + 1]]
         layout = BatchLayout.build([j.end - j.start for j in jobs], [j.start for j in jobs],
                                    [j.state.slot for j in jobs], device=self.head.device)
-        out, logits = self.head(self.head.fuse(taps), self._embed(tokens), layout, self.kv)
-        row = 0
-        for j in jobs:
-            row += j.end - j.start
+        out = self.head.step(self.head.fuse(taps), self._embed(tokens), layout, self.kv)  # [T, H]
+        last = torch.tensor([j.end - j.start for j in jobs], device=out.device).cumsum(0) - 1  # [J] each job's last row
+        vocab = vocab if vocab is not None else self._vocab()
+        last_logits = self.head.logits(out.index_select(0, last), vocab.rows)  # [J, n]: only where drafting starts
+        for i, j in enumerate(jobs):
             st = j.state
             st.kv_len = j.end
-            st.last_hidden, st.last_logits = out[row - 1].clone(), logits[row - 1].clone()
+            st.last_hidden, st.last_logits = out[int(last[i])].clone(), last_logits[i]
+            st.logits_vocab = vocab.version
             self.kv.set_length(st.slot, st.kv_len)
             if not self.cfg.retain_taps:
                 st.taps.drop_before(st.kv_len)
 
-    def _draw(self, logits: torch.Tensor, params: SamplingParams, gen: torch.Generator, position: int
-              ) -> tuple[int, torch.Tensor | None]:
-        """logits [Vd] -> (target token id, [V] draft probs over the target vocab or None if greedy).
+    def _draw(self, logits: torch.Tensor, ids: torch.Tensor, params: SamplingParams, gen: torch.Generator,
+              position: int) -> tuple[int, torch.Tensor | None]:
+        """logits [n] over target ids ``ids`` [n] -> (target token id, [V] draft probs over the target
+        vocab, zero outside ``ids``, or None if greedy).
 
         ``position``: the output position the token is drafted for; a seeded request draws with the
         target's race noise there (``sampling.seeded_draw``), so draft and target agree more often."""
         if params.greedy:
-            return int(self.head.draft_to_target(logits.argmax()).item()), None
-        q = target_probs(logits.unsqueeze(0), params)[0]  # [Vd]
-        ids = self.head.draft_to_target(torch.arange(q.shape[0], device=q.device))  # [Vd] target ids
+            return int(ids[logits.argmax()].item()), None
+        q = target_probs(logits.unsqueeze(0), params)[0]  # [n]: the softmax renormalised over ids
         vocab = self.head.cfg.target_vocab_size
         if params.seed is not None:
             draft_id = seeded_draw(q, params.seed, position, ids, vocab)
@@ -423,7 +467,7 @@ class Eagle3Drafter:
         full[ids] = q
         return int(ids[draft_id].item()), full
 
-    def _propose_chains(self, chains: list[tuple[DraftInput, _SeqState, int]]) -> dict[int, SeqDraft]:
+    def _propose_chains(self, chains: list[tuple[DraftInput, _SeqState, int]], vocab: _Vocab) -> dict[int, SeqDraft]:
         """Greedy / sampled chains, all sequences batched one token per forward."""
         toks: dict[int, list[int]] = {}
         probs: dict[int, list[torch.Tensor]] = {}
@@ -431,7 +475,7 @@ class Eagle3Drafter:
         for inp, st, _ in chains:
             gen = self._generator(inp, st)
             root_hidden, root_logits = st.root_output()
-            tok, p = self._draw(root_logits, inp.params, gen, len(inp.token_ids) - inp.num_prompt_tokens)
+            tok, p = self._draw(root_logits, vocab.ids, inp.params, gen, len(inp.token_ids) - inp.num_prompt_tokens)
             toks[inp.seq_id] = [tok]
             probs[inp.seq_id] = [p] if p is not None else []
             hidden[inp.seq_id] = root_hidden
@@ -444,9 +488,9 @@ class Eagle3Drafter:
             embeds = self._embed([toks[inp.seq_id][-1] for inp, _ in live])  # [B, H]
             layout = BatchLayout.build([1] * len(live), [st.kv_len + step - 1 for _, st in live],
                                        [st.slot for _, st in live], device=self.head.device)
-            out, logits = self.head(fused, embeds, layout, self.kv)
+            out, logits = self.head(fused, embeds, layout, self.kv, rows=vocab.rows)
             for b, (inp, st) in enumerate(live):
-                tok, p = self._draw(logits[b], inp.params, st.generator,
+                tok, p = self._draw(logits[b], vocab.ids, inp.params, st.generator,
                                     len(inp.token_ids) - inp.num_prompt_tokens + step)
                 toks[inp.seq_id].append(tok)
                 if p is not None:
@@ -466,7 +510,7 @@ class Eagle3Drafter:
             st.seeded = True
         return st.generator
 
-    def _propose_trees(self, jobs: list[_TreeJob]) -> list[SeqDraft]:
+    def _propose_trees(self, jobs: list[_TreeJob], vocab: _Vocab) -> list[SeqDraft]:
         """EAGLE-2: expand the best ``top_k`` nodes per level by cumulative log-prob, each with its
         top-k children; after ``depth`` levels keep the best ``budget`` candidates globally.
 
@@ -499,8 +543,8 @@ class Eagle3Drafter:
                 masks.append(tree_mask(parents)[1:, 1:])  # [q, q] drop the (cached) root
             layout = BatchLayout.build(q_lens, [j.state.kv_len for j in live], [j.state.slot for j in live],
                                        depths=depths, tree_masks=masks, device=self.head.device)
-            target_ids = self.head.draft_to_target(torch.tensor(tokens, device=self.head.device)).tolist()
-            out, logits = self.head(torch.stack(fused_rows), self._embed(target_ids), layout, self.kv)
+            target_ids = vocab.ids[torch.tensor(tokens, device=vocab.ids.device)].tolist()
+            out, logits = self.head(torch.stack(fused_rows), self._embed(target_ids), layout, self.kv, rows=vocab.rows)
             row = 0
             for job in live:
                 level_rows = {c: row + i for i, c in enumerate(job.expanded)}
@@ -514,7 +558,7 @@ class Eagle3Drafter:
         drafts: list[SeqDraft] = []
         for job in jobs:
             kept, parents = rerank_tree(job.scores, job.parents, job.budget)
-            ids = self.head.draft_to_target(torch.tensor([job.tokens[c] for c in kept], device=self.head.device))
+            ids = vocab.ids[torch.tensor([job.tokens[c] for c in kept], device=vocab.ids.device)]
             drafts.append(SeqDraft(ids.tolist(), parents, None))
         return drafts
 

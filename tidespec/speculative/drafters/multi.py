@@ -92,6 +92,11 @@ class MultiDrafter:
         """The version of the member that has one (EAGLE-3's published head), else 0."""
         return next((int(getattr(d, "version")) for d in self.members.values() if hasattr(d, "version")), 0)
 
+    @property
+    def wants_hidden(self) -> bool:
+        """Whether a member asks for the target's final hidden states (a dynamic draft vocabulary)."""
+        return any(bool(getattr(d, "wants_hidden", False)) for d in self.members.values())
+
     def member_of(self, inp: DraftInput) -> str:
         name = inp.drafter or self.default
         if name not in self.members:

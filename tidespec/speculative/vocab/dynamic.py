@@ -1,0 +1,287 @@
+"""A draft vocabulary that follows the traffic: a static frequency core plus an ARC-managed buffer
+filled by retrieval in a background thread (EvoSpec Sec. 3.3, Algorithm 1 path A).
+
+Why this exists: a drafter whose output layer covers a fixed set of tokens cannot propose any
+other token, so a static vocabulary chosen on one domain collapses acceptance on another, while
+the full vocabulary makes the output projection the drafter's largest cost. Here the output layer
+runs over V_t = core ∪ buffer. When a verified token is outside V_t (an OOV event) the engine's
+step only *records* it (token id + the target's final hidden state that produced it); a worker
+thread then recalls candidates — the token itself, its nearest LM-head rows by inner product with
+that hidden state (``index.MipsIndex``), and their likely successors (``graph.CooccurrenceGraph``,
+also learning from every served token) — admits them through ARC (``arc.ArcBuffer``), gathers the
+output rows of the new V_t and publishes a new immutable ``VocabSnapshot``. The drafter reads the
+current snapshot once per ``propose`` (between steps), so a swap never happens inside a step and
+the step never waits on retrieval. Lossless by construction: the drafter's probabilities are its
+softmax over V_t, zero elsewhere, and verification is unchanged.
+
+Worked example (core {0, 1}, buffer of 2, a recorded OOV token 7 whose successor is 8)::
+
+    vocab = DynamicVocab(DynamicVocabConfig(core_size=2, buffer=ArcConfig(capacity=2, min_residency=0)),
+                         core=[0, 1], rows_for=lambda ids: table[ids], graph=g)   # g: 7 -> 8 seen often
+    vocab.snapshot.ids          # tensor([0, 1])
+    vocab.record(produced=[(7, hidden)], streams=[])
+    vocab.drain()               # (tests) wait for the worker
+    vocab.snapshot.ids          # tensor([0, 1, 7, 8])
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tidespec.errors import ConfigError, check_at_least
+from tidespec.speculative.api import Observation
+from tidespec.speculative.vocab.arc import ArcBuffer, ArcConfig
+from tidespec.speculative.vocab.graph import CooccurrenceGraph, GraphConfig
+from tidespec.speculative.vocab.index import MipsIndex
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DynamicVocabConfig:
+    core_size: int = 4096  # static frequency core
+    buffer: ArcConfig = field(default_factory=ArcConfig)  # the dynamic buffer (capacity 0 via dynamic=False)
+    graph: GraphConfig = field(default_factory=GraphConfig)
+    dynamic: bool = True  # False: the core alone (a static frequency vocabulary, FR-Spec)
+    semantic_k: int = 10  # HNSW neighbours per OOV event (EvoSpec: 10)
+    successor_k: int = 8  # graph successors per seed (EvoSpec: 8)
+    max_pending: int = 256  # recorded steps waiting for the worker; beyond, the oldest are dropped (counted)
+
+    def __post_init__(self) -> None:
+        check_at_least(1, vocab_core_size=self.core_size, vocab_max_pending=self.max_pending)
+        check_at_least(0, vocab_semantic_k=self.semantic_k, vocab_successor_k=self.successor_k)
+
+
+@dataclass(frozen=True)
+class VocabSnapshot:
+    """One published V_t: read-only, replaced as a whole."""
+
+    version: int
+    ids: torch.Tensor  # [n] int64 target ids: the core, then the buffer
+    rows: torch.Tensor  # [n, H] the drafter's output rows for those ids
+    members: frozenset[int]  # the same ids, for the per-token OOV test
+
+    @property
+    def size(self) -> int:
+        return int(self.ids.shape[0])
+
+
+@dataclass
+class VocabStats:
+    """Counters read by metrics and benchmarks (ints written by one thread each)."""
+
+    verified: int = 0  # generated tokens verified while a snapshot was in use
+    covered: int = 0  # ... of which inside V_t
+    oov_events: int = 0
+    dropped: int = 0  # recorded steps dropped because the worker fell behind
+    published: int = 0  # snapshots published after the first
+    retrievals: int = 0
+    retrieval_s: float = 0.0  # worker time in HNSW + graph per OOV event, summed
+    errors: int = 0  # worker exceptions (logged; the vocabulary keeps its last snapshot)
+
+    @property
+    def coverage(self) -> float:
+        return self.covered / self.verified if self.verified else float("nan")
+
+    @property
+    def mean_retrieval_ms(self) -> float:
+        return 1e3 * self.retrieval_s / self.retrievals if self.retrievals else float("nan")
+
+
+@dataclass
+class _Record:
+    step: int
+    produced: list[tuple[int, torch.Tensor | None]]  # OOV tokens and the hidden that produced them
+    hits: list[int]  # buffer tokens verified this step
+    streams: list[tuple[int | None, list[int]]]  # (token before, newly final tokens) per sequence
+
+
+class DynamicVocab:
+    """V_t = core ∪ ARC buffer, maintained by a worker thread; ``snapshot`` is the current one.
+
+    ``rows_for(ids [n]) -> [n, H]`` gives the drafter's output rows (called on the worker);
+    ``index_rows`` [V, H] are the rows HNSW searches (the target's LM head), built on the worker
+    (or pass a prebuilt ``index``); ``graph`` is the co-occurrence graph (its unigram counts
+    chose ``core`` in ``from_graph``). ``start=False`` keeps everything on the caller's thread
+    (``process_pending``), for tests.
+    """
+
+    def __init__(self, cfg: DynamicVocabConfig, core: list[int], rows_for: Callable[[torch.Tensor], torch.Tensor],
+                 graph: CooccurrenceGraph | None = None, index_rows: torch.Tensor | None = None,
+                 index: MipsIndex | None = None, start: bool = True) -> None:
+        if not core:
+            raise ConfigError("a draft vocabulary needs a non-empty core")
+        self.cfg = cfg
+        self.core = list(dict.fromkeys(int(t) for t in core))
+        self._core_set = frozenset(self.core)
+        self.rows_for = rows_for
+        self.graph = graph if graph is not None else CooccurrenceGraph(cfg.graph)
+        self.arc = ArcBuffer(cfg.buffer)
+        self.stats = VocabStats()
+        self._index = index
+        self._index_rows = index_rows
+        self._pending: queue.Queue[_Record | None] = queue.Queue()
+        self._lock = threading.Lock()  # guards the rows source swap against a publish in flight
+        self._steps = 0
+        self.snapshot = self._build(0)
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=self._run, name="tidespec-vocab", daemon=True)
+            self._thread.start()
+
+    # -- engine side (hot path: no retrieval, no waiting) ------------------------------------------
+
+    def record(self, produced: list[tuple[int, torch.Tensor | None]],
+               streams: list[tuple[int | None, list[int]]]) -> None:
+        """One engine step's generated tokens, each with the target hidden state [H] that produced
+        it (or None), and each sequence's newly final tokens for the graph. Counts coverage
+        against the current snapshot and queues the OOV events; returns at once."""
+        self._steps += 1
+        snap = self.snapshot
+        oov: list[tuple[int, torch.Tensor | None]] = []
+        hits: list[int] = []
+        for tok, hidden in produced:
+            self.stats.verified += 1
+            if tok in snap.members:
+                self.stats.covered += 1
+                if tok not in self._core_set:
+                    hits.append(tok)
+            else:
+                self.stats.oov_events += 1
+                oov.append((tok, hidden.detach().clone() if hidden is not None else None))
+        if not (self.cfg.dynamic and (oov or hits or streams)):
+            return
+        if self._pending.qsize() >= self.cfg.max_pending:
+            self.stats.dropped += 1
+            return
+        self._pending.put(_Record(self._steps, oov, hits, streams))
+
+    def observe(self, observations: list[Observation]) -> None:
+        """``record`` the generated tokens of a step's observations: row j of an observation
+        produced ``token_ids[start + j + 1]``; prompt positions are not generated (not counted)."""
+        produced: list[tuple[int, torch.Tensor | None]] = []
+        streams: list[tuple[int | None, list[int]]] = []
+        for obs in observations:
+            if obs.start < 0:
+                continue
+            lo = max(obs.start + 1, obs.num_prompt_tokens)
+            hi = min(obs.start + obs.num_new_cached + 1, len(obs.token_ids))
+            if lo >= hi:
+                continue
+            for pos in range(lo, hi):
+                hidden = obs.hidden[pos - obs.start - 1] if obs.hidden is not None else None
+                produced.append((obs.token_ids[pos], hidden))
+            streams.append((obs.token_ids[lo - 1] if lo > 0 else None, obs.token_ids[lo:hi]))
+        if produced:
+            self.record(produced, streams)
+
+    def refresh(self, rows_for: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        """The drafter's output rows changed (new weights): republish V_t with fresh rows (on the
+        worker; until then the old snapshot, still lossless, is used)."""
+        with self._lock:
+            if rows_for is not None:
+                self.rows_for = rows_for
+        self._pending.put(_Record(self._steps, [], [], []))
+
+    # -- worker ----------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            rec = self._pending.get()
+            if rec is None:
+                self._pending.task_done()
+                return
+            try:
+                self._process(rec)
+            except Exception:  # a failure here must not take the engine down: keep the last snapshot
+                self.stats.errors += 1
+                log.exception("draft vocabulary update failed")
+            finally:
+                self._pending.task_done()
+
+    def process_pending(self) -> None:
+        """Run the queued records on this thread (``start=False``)."""
+        while not self._pending.empty():
+            rec = self._pending.get_nowait()
+            try:
+                if rec is not None:
+                    self._process(rec)
+            finally:
+                self._pending.task_done()
+
+    def drain(self) -> None:
+        """Wait until every recorded step has been processed (tests, benchmarks)."""
+        if self._thread is None:
+            self.process_pending()
+        else:
+            self._pending.join()
+
+    def close(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._pending.put(None)
+            self._thread.join(timeout=5)
+
+    def _ensure_index(self) -> MipsIndex | None:
+        if self._index is None and self._index_rows is not None:
+            self._index = MipsIndex.cached(self._index_rows)
+            self._index_rows = None
+        return self._index
+
+    def candidates(self, token: int, hidden: torch.Tensor | None) -> list[int]:
+        """The OOV token, its semantic neighbours, and every seed's likely successors (in order)."""
+        seeds = [token]
+        index = self._ensure_index() if hidden is not None and self.cfg.semantic_k else None
+        if index is not None and hidden is not None:
+            seeds += index.query(hidden, self.cfg.semantic_k)
+        out = list(seeds)
+        for s in seeds:
+            out += self.graph.successors(s, self.cfg.successor_k)
+        return [t for t in dict.fromkeys(out) if t not in self._core_set]
+
+    def _process(self, rec: _Record) -> None:
+        for prev, toks in rec.streams:
+            self.graph.add(toks, previous=prev)
+        before = self.arc.resident()
+        self.arc.touch(rec.hits, rec.step)
+        for tok, hidden in rec.produced:
+            t0 = time.perf_counter()
+            cands = self.candidates(tok, hidden)
+            self.stats.retrieval_s += time.perf_counter() - t0
+            self.stats.retrievals += 1
+            self.arc.admit(cands, rec.step)
+        if self.arc.resident() != before or not (rec.produced or rec.hits or rec.streams):
+            self.snapshot = self._build(self.snapshot.version + 1)
+            self.stats.published += 1
+
+    def _build(self, version: int) -> VocabSnapshot:
+        ids = self.core + [t for t in self.arc.resident() if t not in self._core_set]
+        id_t = torch.tensor(ids, dtype=torch.int64)
+        with self._lock:
+            rows = self.rows_for(id_t)
+        return VocabSnapshot(version, id_t.to(rows.device), rows, frozenset(ids))
+
+    @classmethod
+    def from_graph(cls, cfg: DynamicVocabConfig, graph: CooccurrenceGraph, vocab_size: int,
+                   rows_for: Callable[[torch.Tensor], torch.Tensor], index_rows: torch.Tensor | None = None,
+                   fill: list[int] | None = None, start: bool = True) -> "DynamicVocab":
+        """Core = the graph's ``core_size`` most frequent tokens; a corpus too small to name that
+        many is topped up from ``fill`` in order (e.g. the drafter's own, frequency-chosen draft
+        vocabulary), then by the lowest ids."""
+        size = min(cfg.core_size, vocab_size)
+        core = graph.most_frequent(size)
+        if len(core) < size:
+            seen = set(core)
+            for t in [*(fill or []), *range(vocab_size)]:
+                if len(core) >= size:
+                    break
+                if t not in seen:
+                    seen.add(t)
+                    core.append(t)
+        return cls(cfg, core, rows_for, graph=graph, index_rows=index_rows, start=start)
