@@ -180,8 +180,8 @@ DRAFT_VOCAB_MODES = ("off", "static", "dynamic")
 
 @dataclass
 class DraftVocabConfig(Section):
-    """EvoSpec's draft vocabulary for the EAGLE-3 drafter: a frequency core, plus (dynamic) an
-    ARC-managed buffer refilled off the step by HNSW + co-occurrence retrieval."""
+    """EvoSpec's draft vocabulary for the EAGLE-3 (else the draft-model) drafter: a frequency core,
+    plus (dynamic) an ARC-managed buffer refilled off the step by HNSW + co-occurrence retrieval."""
 
     mode: str = opt("off", "draft vocabulary: off (the drafter's own), static (a frequency core only, "
                            "FR-Spec), dynamic (core + a buffer refilled from what the traffic needs)",

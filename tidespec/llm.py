@@ -29,6 +29,7 @@ from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import LoadedModel, load_model
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter
+from tidespec.speculative.drafters.draft_model import DraftModelDrafter
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
 from tidespec.speculative.drafters.multi import MultiDrafter, stateful_member
 from tidespec.speculative.policy.api import SpeculationPolicy
@@ -73,7 +74,6 @@ def _one_drafter(name: str, spec: SpecConfig, target: LlamaModel, max_num_seqs: 
         return build_eagle3_drafter(target, spec.eagle3.dir, spec.eagle3.draft_vocab, Eagle3DrafterConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, tree_depth=spec.eagle3.tree_depth,
             tree_top_k=spec.eagle3.tree_top_k))
-    from tidespec.speculative.drafters.draft_model import DraftModelDrafter
     dm = spec.draft_model
     if dm.layers:
         draft = target.truncated(dm.layers)
@@ -118,26 +118,36 @@ def output_matrix(target: LlamaModel) -> torch.Tensor:
 
 def attach_draft_vocab(drafter: Drafter | None, vc: DraftVocabConfig, target: LlamaModel,
                        tokenizer: PreTrainedTokenizerBase) -> DynamicVocab | None:
-    """Give the EAGLE-3 drafter (alone or in a ``MultiDrafter``) the draft vocabulary ``vc`` asks
-    for (None for mode "off"): the core and the co-occurrence graph from ``vc.corpus``'s tokens, the
-    output rows from the head (its own rows, the target's LM head for other tokens)."""
+    """Give the EAGLE-3 drafter, else the draft-model drafter (alone or in a ``MultiDrafter``), the
+    draft vocabulary ``vc`` asks for (None for mode "off"): the core and the co-occurrence graph
+    from ``vc.corpus``'s tokens; the output rows of EAGLE-3 from its head (its own rows, the
+    target's LM head for other tokens; the core is topped up from the head's own vocabulary), of
+    the draft model from its LM head."""
     if vc.mode == "off":
         return None
     members = drafter.members.values() if isinstance(drafter, MultiDrafter) else [drafter]
-    eagle = next((d for d in members if isinstance(d, Eagle3Drafter)), None)
-    if eagle is None:
-        raise ConfigError(f"--draft-vocab-mode {vc.mode} needs the eagle3 drafter")
+    user = next((d for d in members if isinstance(d, (Eagle3Drafter, DraftModelDrafter))), None)
+    if user is None:
+        raise ConfigError(f"--draft-vocab-mode {vc.mode} needs the eagle3 or the draft-model drafter")
     graph = CooccurrenceGraph()
     for name in (c.strip() for c in vc.corpus.split(",")):
         if name:
             for prompt in load_prompts(name, tokenizer):
                 graph.add(prompt.token_ids)
     lm = output_matrix(target)
+    rows_for: Callable[[torch.Tensor], torch.Tensor]
+    fill: list[int] | None = None
+    if isinstance(user, Eagle3Drafter):
+        eagle = user
+        rows_for, fill = (lambda ids: eagle.head.output_rows(ids, lm)), eagle.own_ids()
+    else:
+        draft_lm = output_matrix(user.model)
+        rows_for = lambda ids: draft_lm[ids.to(draft_lm.device)]  # noqa: E731 - the draft model's own LM head
     cfg = DynamicVocabConfig(core_size=vc.core, dynamic=vc.mode == "dynamic", buffer=ArcConfig(
         capacity=vc.buffer, max_insert=vc.max_insert, min_residency=vc.min_residency))
-    vocab = DynamicVocab.from_graph(cfg, graph, target.cfg.vocab_size, lambda ids: eagle.head.output_rows(ids, lm),
-                                    index_rows=lm if cfg.dynamic else None, fill=eagle.own_ids(), start=cfg.dynamic)
-    eagle.vocab = vocab
+    vocab = DynamicVocab.from_graph(cfg, graph, target.cfg.vocab_size, rows_for,
+                                    index_rows=lm if cfg.dynamic else None, fill=fill, start=cfg.dynamic)
+    user.vocab = vocab
     return vocab
 
 

@@ -161,3 +161,27 @@ def test_yield_bench_on_a_shift_runs_store(tmp_path: Path) -> None:
     assert (tmp_path / "yield" / "yield.png").is_file()
     with pytest.raises(ConfigError, match="signal"):
         YieldBenchConfig(signal_dir=str(tmp_path / "none"))
+
+
+def test_shift_bench_compares_draft_vocabularies(tmp_path: Path) -> None:
+    """EvoSpec's configurations beside the frozen head: a static frequency core, the dynamic
+    core + buffer, the whole vocabulary; per phase coverage of V_t and draft time per token."""
+    hf, _ = tiny_hf_model("qwen2", torch.float64)
+    ckpt = write_tiny_checkpoint(hf, tmp_path / "ckpt")
+    a = _workload(tmp_path / "a.jsonl", "a", 6, 10)
+    b = _workload(tmp_path / "b.jsonl", "b", 3, 40)
+    cfg = ShiftBenchConfig(workloads=f"{a},{b}", requests_per_phase=3, max_tokens=10, gamma=3, concurrency=1,
+                           configs="plain,frozen,vocab-static,vocab-dynamic,vocab-full", turn=3, draft_vocab=0,
+                           vocab_core=8, vocab_buffer=4, vocab_corpus=str(a), window=2, bin_s=0.5,
+                           overhead_repeats=0, recompute_rows=0)
+    out = tmp_path / "out"
+    doc = run_shift_bench(cfg, resolve_target(str(ckpt), "float64"), out, command="test", progress=False,
+                          log=lambda _: None)
+    configs = doc["configs"]
+    for name in ("vocab-static", "vocab-dynamic", "vocab-full"):
+        assert configs[name]["mismatches"] == 0, name
+        assert all(0.0 <= p["coverage"] <= 1.0 and p["draft_ms_per_token"] > 0 for p in configs[name]["phases"])
+    assert configs["vocab-full"]["vocab"]["coverage"] == 1.0
+    assert configs["vocab-static"]["vocab"]["size"] == 12 and configs["vocab-dynamic"]["vocab"]["core"] == 8
+    assert configs["vocab-dynamic"]["vocab"]["size"] <= 12 and configs["vocab-dynamic"]["vocab"]["errors"] == 0
+    assert "coverage % / accept len / draft ms per token" in (out / "README.md").read_text()

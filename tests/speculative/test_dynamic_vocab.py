@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
-from tidespec.config import CacheConfig, DraftVocabConfig, EngineConfig, SpecConfig
+from tidespec.config import CacheConfig, DraftModelConfig, DraftVocabConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.errors import ConfigError
 from tidespec.llm import attach_draft_vocab
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head, init_from_target
 from tidespec.models.llama import LlamaModel
 from tidespec.sampling import SamplingParams
+from tidespec.speculative.drafters.draft_model import DraftModelDrafter
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
 from tidespec.speculative.vocab.arc import ArcBuffer, ArcConfig
 from tidespec.speculative.vocab.dynamic import DynamicVocab, DynamicVocabConfig
@@ -206,7 +207,7 @@ def _drafter(head: Eagle3Head, target: LlamaModel, slots: int) -> Eagle3Drafter:
                                                                         tree_depth=3, tree_top_k=2))
 
 
-def _generate(target: LlamaModel, drafter: Eagle3Drafter | None, spec: SpecConfig, slots: int,
+def _generate(target: LlamaModel, drafter: Eagle3Drafter | DraftModelDrafter | None, spec: SpecConfig, slots: int,
               between_steps: list[Callable[[LLMEngine], None]] | None = None) -> list[list[int]]:
     out: list[list[int]] = []
     for start in range(0, len(PROMPTS), slots):
@@ -250,6 +251,26 @@ def test_greedy_equals_plain_while_v_t_changes(target: LlamaModel, tree: bool, b
     assert vocab.stats.oov_events > 0 and vocab.stats.published >= 3 and swapped["done"]
 
 
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_draft_model_greedy_equals_plain_while_v_t_changes(target: LlamaModel, tree: bool, batch: int) -> None:
+    """The independent-draft case (EvoSpec Table 8): a 2-layer truncation of the target drafting
+    over a 6-token core + 6-token buffer that the worker refills between steps."""
+    plain = _generate(target, None, SpecConfig(), 4)
+    lm = target.lm_head.weight.detach()
+    cfg = DynamicVocabConfig(core_size=6, semantic_k=4, graph=GraphConfig(min_count=1, tau=0.0),
+                             buffer=ArcConfig(capacity=6, max_insert=3, min_residency=1, warmup_events=0))
+    vocab = DynamicVocab(cfg, list(range(6)), lambda ids: lm[ids], index=MipsIndex.build(lm), start=False)
+    drafter = DraftModelDrafter(target.truncated(2), max_num_seqs=batch, max_model_len=128, vocab=vocab)
+
+    def between(_engine: LLMEngine) -> None:
+        vocab.process_pending()
+
+    spec = SpecConfig(drafter="draft-model", num_speculative_tokens=4, tree=tree)
+    assert _generate(target, drafter, spec, batch, [between]) == plain
+    assert vocab.stats.oov_events > 0 and vocab.stats.published > 0
+
+
 def test_v_t_rows_are_the_heads_own_or_the_targets(target: LlamaModel) -> None:
     head = _head(target, draft_vocab=24)
     lm = target.lm_head.weight.detach()
@@ -272,14 +293,18 @@ def _sampling_vocab_drafter(monkeypatch: pytest.MonkeyPatch, model: LlamaModel) 
     made: list[DynamicVocab] = []
     inner_build = sampling.build_drafter
 
-    def build(spec: SpecConfig, target: LlamaModel, slots: int, max_len: int) -> Eagle3Drafter:
+    def build(spec: SpecConfig, target: LlamaModel, slots: int, max_len: int) -> Eagle3Drafter | DraftModelDrafter:
         drafter = inner_build(spec, target, slots, max_len)
-        assert isinstance(drafter, Eagle3Drafter)
+        assert isinstance(drafter, (Eagle3Drafter, DraftModelDrafter))
         lm = target.lm_head.weight.detach()
         cfg = DynamicVocabConfig(core_size=3, semantic_k=2, graph=GraphConfig(min_count=1, tau=0.0),
                                  buffer=ArcConfig(capacity=2, max_insert=2, min_residency=1, warmup_events=0))
-        vocab = DynamicVocab(cfg, [0, 3, 1], lambda ids: drafter.head.output_rows(ids, lm),
-                             index=MipsIndex.build(lm), start=False)
+        if isinstance(drafter, Eagle3Drafter):
+            eagle = drafter
+            rows_for = lambda ids: eagle.head.output_rows(ids, lm)  # noqa: E731
+        else:
+            rows_for = lambda ids: lm[ids]  # noqa: E731 - the truncated target shares its LM head
+        vocab = DynamicVocab(cfg, [0, 3, 1], rows_for, index=MipsIndex.build(lm), start=False)
         drafter.vocab = vocab
         made.append(vocab)
         propose = drafter.propose
@@ -295,8 +320,8 @@ def _sampling_vocab_drafter(monkeypatch: pytest.MonkeyPatch, model: LlamaModel) 
     return made
 
 
-@pytest.mark.parametrize("broken", [False, True])
-def test_sampling_with_a_dynamic_v_t_has_the_targets_distribution(broken: bool,
+@pytest.mark.parametrize("drafter,broken", [("eagle3", False), ("eagle3", True), ("draft-model", False)])
+def test_sampling_with_a_dynamic_v_t_has_the_targets_distribution(drafter: str, broken: bool,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Chi-squared over the first three sampled tokens (rejection sampling, no seed). Broken: the
     draft probabilities reported to the verifier are not renormalised over V_t (scaled by |V_t| / V,
@@ -316,7 +341,7 @@ def test_sampling_with_a_dynamic_v_t_has_the_targets_distribution(broken: bool,
 
         monkeypatch.setattr(Eagle3Drafter, "_draw", unnormalised)
     params = SamplingParams(temperature=1.0, top_p=1.0)
-    spec = SpecConfig(drafter="eagle3", num_speculative_tokens=3)
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, draft_model=DraftModelConfig(layers=1))
     samples, accepted, _ = sampling.sample_first3(model, sampling.tiny_tokenizer(sampling.V), list(sampling.PROMPT),
                                                   spec, params, monkeypatch, seeded=False)
     assert accepted > 1000 and made[0].stats.published > 0 and made[0].stats.oov_events > 0

@@ -77,6 +77,7 @@ from tidespec.bench.shift_runs import (
     start_online,
     static_engine,
     trace_engine_config,
+    vocab_engine,
 )
 from tidespec.models.loader import LoadedModel
 
@@ -89,14 +90,25 @@ def summarize_run(run: TraceRun, trace: list[TraceItem], plain: TraceRun | None)
         return (sum(r["accepted"] for r in reqs) + d) / d if d else float("nan")
 
     phases = []
+    seen = {"vocab_verified": 0, "vocab_covered": 0}  # the vocabulary's cumulative counters before the phase
     for p in sorted({t.phase for t in trace}):
         reqs = [r for r in run.requests if r["phase"] == p]
         t_a, t_b = min(r["t_start"] for r in reqs), max(r["t_end"] for r in reqs)
         half = reqs[len(reqs) // 2:]
-        phases.append({"phase": p + 1, "workload": reqs[0]["workload"], "requests": len(reqs),
-                       "tok_s": sum(r["tokens"] for r in reqs) / max(1e-9, t_b - t_a),
-                       "mean_acceptance_length": acc(reqs), "second_half_acceptance_length": acc(half),
-                       "versions": sorted({r["version"] for r in reqs})})
+        steps = [s for s in run.steps if t_a <= s["t"] <= t_b]
+        draft_tokens = sum(s.get("draft_tokens", 0) for s in steps)
+        phase = {"phase": p + 1, "workload": reqs[0]["workload"], "requests": len(reqs),
+                 "tok_s": sum(r["tokens"] for r in reqs) / max(1e-9, t_b - t_a),
+                 "mean_acceptance_length": acc(reqs), "second_half_acceptance_length": acc(half),
+                 "versions": sorted({r["version"] for r in reqs}),
+                 "draft_ms_per_token": 1e3 * sum(s.get("draft_s", 0.0) for s in steps) / draft_tokens
+                 if draft_tokens else float("nan")}
+        if "vocab_verified" in reqs[-1]:  # requests finish in trace order at concurrency 1; else approximate
+            last = max(reqs, key=lambda r: r["vocab_verified"])
+            verified = last["vocab_verified"] - seen["vocab_verified"]
+            phase["coverage"] = (last["vocab_covered"] - seen["vocab_covered"]) / verified if verified else float("nan")
+            seen = {k: last[k] for k in seen}
+        phases.append(phase)
     tok_s = sum(r["tokens"] for r in run.requests) / run.wall_s
     doc: dict[str, Any] = {"wall_s": run.wall_s, "tok_s": tok_s, "mean_acceptance_length": acc(run.requests),
                            "phases": phases}
@@ -107,6 +119,8 @@ def summarize_run(run: TraceRun, trace: list[TraceItem], plain: TraceRun | None)
             ph["speedup"] = ph["tok_s"] / base["tok_s"]
     if run.online:
         doc["online"] = run.online
+    if run.vocab:
+        doc["vocab"] = run.vocab
     return doc
 
 
@@ -133,6 +147,9 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
                 shutil.rmtree(work)
             online = start_online(target, trace, cfg, work)
             engine, status = online.engine, functools.partial(online_status, online.online)
+        elif name.startswith("vocab-"):
+            engine = vocab_engine(target.model, target.tokenizer,
+                                  trace_engine_config(trace, cfg, target.model, cfg.gamma), frozen_root, cfg, name)
         elif name == "frozen":
             engine = eagle3_engine(target.model, target.tokenizer, trace_engine_config(trace, cfg, target.model,
                                                                                           cfg.gamma),

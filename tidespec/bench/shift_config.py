@@ -21,11 +21,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tidespec.config import POLICIES, CollectionConfig, ConfigError, OnlineTrainingConfig, SpecConfig, opt
+from tidespec.config import (
+    POLICIES,
+    CollectionConfig,
+    ConfigError,
+    DraftVocabConfig,
+    OnlineTrainingConfig,
+    SpecConfig,
+    opt,
+)
 from tidespec.speculative.policy.factory import MULTI_DRAFTER_POLICIES
 from tidespec.workloads.loader import Prompt, load_prompts
 
-CONFIGS = ("plain", "frozen", "online", "ngram", "suffix")  # ngram, suffix: that drafter alone at a static gamma
+# ngram, suffix: that drafter alone at a static gamma; vocab-*: the frozen EAGLE-3 drafter over a
+# draft vocabulary (EvoSpec): a static frequency core of the dynamic one's full size (FR-Spec), the
+# dynamic core + buffer, or the whole target vocabulary
+CONFIGS = ("plain", "frozen", "online", "ngram", "suffix", "vocab-static", "vocab-dynamic", "vocab-full")
 
 
 @dataclass
@@ -68,6 +79,10 @@ class ShiftBenchConfig:
     trainer_threads: int = opt(1, "online: torch threads of the trainer child process")
     trainer_epochs: float = opt(4.0, "online: passes over each round's signals")
     trainer_args: str = opt("", "online: extra train-drafter flags")
+    vocab_core: int = opt(DraftVocabConfig.core, "vocab-dynamic: frequency core (vocab-static gets core + buffer)")
+    vocab_buffer: int = opt(DraftVocabConfig.buffer, "vocab-dynamic: ARC buffer capacity")
+    vocab_corpus: str = opt(DraftVocabConfig.corpus, "vocab-*: workloads whose tokens give the core and seed the "
+                                                     "co-occurrence graph")
     window: int = opt(8, "requests per point of the acceptance curve")
     bin_s: float = opt(15.0, "seconds per point of the tokens/s curve")
     overhead_repeats: int = opt(2, "capture overhead: off/on pairs (0 = skip)")
@@ -84,7 +99,7 @@ class ShiftBenchConfig:
             raise ConfigError(f"configs must be a subset of {', '.join(CONFIGS)} (or 'none': only the side "
                               f"measurements), got {self.configs!r}")
         for name in ("requests_per_phase", "max_tokens", "gamma", "concurrency", "min_signals", "collect_n_init",
-                     "trainer_threads", "window"):
+                     "trainer_threads", "window", "vocab_core", "vocab_buffer"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("offset", "draft_vocab", "overhead_repeats", "overhead_requests", "recompute_rows"):

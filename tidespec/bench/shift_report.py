@@ -16,7 +16,8 @@ from typing import Any
 
 from tidespec.bench.report import machine_line, markdown_table, new_figure, save_figure
 
-COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:orange"}  # same in both panels
+COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:orange", "vocab-static": "tab:red",
+          "vocab-dynamic": "tab:green", "vocab-full": "tab:purple"}  # same in both panels
 
 
 def _fmt(v: Any, digits: int = 2) -> str:
@@ -39,6 +40,7 @@ def report(doc: dict[str, Any]) -> str:
     heads = ["config", "tok/s", "speedup", "accept len"] + ["mismatches"] + [
         f"phase {i + 1} {w}: accept len (all / 2nd half)" for i, w in enumerate(doc["phases"])]
     lines += [markdown_table(heads, rows), ""]
+    lines += _vocab_lines(doc)
     if "online" in doc["configs"]:
         on = doc["configs"]["online"]["online"]
         lines += [f"Online: drafter v{on.get('drafter_version')} at the end, {on.get('swaps')} swaps, "
@@ -66,6 +68,30 @@ def report(doc: dict[str, Any]) -> str:
     elif ts:
         lines += [f"Training from signals vs recomputing: {ts['error']}", ""]
     return "\n".join(lines)
+
+
+def _vocab_lines(doc: dict[str, Any]) -> list[str]:
+    """Per phase and configuration: coverage of V_t (share of verified tokens inside it), acceptance
+    length, and the drafter's time per draft token (the engine's draft timer); then each draft
+    vocabulary's counters over the run."""
+    names = [n for n, s in doc["configs"].items() if "coverage" in s["phases"][0] or n == "frozen"]
+    if not any(n.startswith("vocab-") for n in names):
+        return []
+    rows = [[name] + [f"{_fmt(100 * p['coverage'], 1) if 'coverage' in p else '-'} / "
+                      f"{_fmt(p['mean_acceptance_length'])} / {_fmt(p['draft_ms_per_token'])}"
+                      for p in doc["configs"][name]["phases"]] for name in names]
+    heads = ["config"] + [f"phase {i + 1} {w}: coverage % / accept len / draft ms per token"
+                          for i, w in enumerate(doc["phases"])]
+    out = ["Draft vocabularies (frozen: the head's own vocabulary):", "", markdown_table(heads, rows), ""]
+    for name in names:
+        v = doc["configs"][name].get("vocab")
+        if v:
+            out.append(f"- {name}: |V_t| {v['size']} at the end (core {v['core']}), "
+                       f"coverage {_fmt(100 * v['coverage'], 1)} %, "
+                       f"{v['oov_events']} OOV events, {v['published']} V_t swaps, {v['retrievals']} retrievals "
+                       f"(mean {_fmt(v['mean_retrieval_ms'])} ms off the step), buffer admitted {v['admitted']} / "
+                       f"evicted {v['evicted']}, {v['dropped']} records dropped, {v['errors']} errors")
+    return out + [""]
 
 
 def _curves(run: dict[str, Any], window: int, bin_s: float) -> tuple[list[float], list[float], list[float], list[float]]:

@@ -27,7 +27,15 @@ from typing import Any, Callable
 from tqdm import tqdm
 
 from tidespec.bench.shift_config import ShiftBenchConfig, TraceItem
-from tidespec.config import CacheConfig, CollectionConfig, ConfigError, EngineConfig, PolicyConfig, SpecConfig
+from tidespec.config import (
+    CacheConfig,
+    CollectionConfig,
+    ConfigError,
+    DraftVocabConfig,
+    EngineConfig,
+    PolicyConfig,
+    SpecConfig,
+)
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine
 from tidespec.models.eagle3_checkpoint import head_from_published, load_drafter_source, publish
@@ -36,6 +44,7 @@ from tidespec.models.loader import LoadedModel
 from tidespec.online.attach import OnlineConfig, OnlineTraining, attach_online_training, read_trainer_rounds
 from tidespec.online.trainer.governor import GovernorConfig
 from tidespec.sampling import SamplingParams
+from tidespec.speculative.vocab.dynamic import DynamicVocab
 from tidespec.stats import RequestStats, StepStats
 
 
@@ -48,6 +57,7 @@ class TraceRun:
     outputs: list[list[int]] = field(default_factory=list)  # in trace order
     turns: list[tuple[float, float]] = field(default_factory=list)  # wall-clock (perf_counter) span of each turn
     online: dict[str, Any] = field(default_factory=dict)
+    vocab: dict[str, Any] = field(default_factory=dict)  # the draft vocabulary's counters at the end (vocab-*)
 
 
 class TraceLoop:
@@ -79,6 +89,7 @@ class TraceLoop:
         self.outputs: dict[int, list[int]] = {}
         self.elapsed = 0.0  # seconds of this loop's turns so far
         self.bar = tqdm(total=len(trace), desc=desc, unit="req", disable=not progress, leave=True, dynamic_ncols=True)
+        self.vocab = draft_vocab_of(engine)
 
     def warm_up(self, max_tokens: int = 8) -> None:
         """One short untimed, unrecorded request (the trace's first prompt): first-call costs of the
@@ -100,7 +111,7 @@ class TraceLoop:
                                    "version": float(getattr(engine.drafter, "version", 0)), "batch": st.batch_size,
                                    "by_drafter": {n: sum(1 for _, d, _ in o if d)
                                                   for n, o in st.drafter_outcomes.items()},
-                                   "taps": st.taps})
+                                   "taps": st.taps, "draft_s": st.draft_time, "draft_tokens": st.num_draft_tokens})
 
         engine.step_listeners.append(on_step)
         try:
@@ -124,6 +135,8 @@ class TraceLoop:
                              "t_start": t_in, "t_end": now, "tokens": len(token_ids), "drafts": st.num_drafts,
                              "draft_tokens": st.num_draft_tokens, "accepted": st.num_accepted_tokens,
                              "version": int(getattr(self.engine.drafter, "version", 0))}
+        if self.vocab is not None:  # cumulative: a phase's coverage is the difference across it
+            self.results[idx].update(vocab_verified=self.vocab.stats.verified, vocab_covered=self.vocab.stats.covered)
         self.outputs[idx] = list(token_ids)
         self.bar.update(1)
         self.bar.set_postfix_str(_progress_line(self.run, self.status), refresh=False)
@@ -134,7 +147,22 @@ class TraceLoop:
         self.run.wall_s = self.elapsed
         self.run.requests = [self.results[i] for i in range(len(self.trace))]
         self.run.outputs = [self.outputs[i] for i in range(len(self.trace))]
+        if self.vocab is not None:
+            self.vocab.drain()
+            st, arc = self.vocab.stats, self.vocab.arc.stats
+            self.run.vocab = {"size": self.vocab.snapshot.size, "core": len(self.vocab.core),
+                              "dynamic": self.vocab.cfg.dynamic, "coverage": st.coverage, "oov_events": st.oov_events,
+                              "published": st.published, "retrievals": st.retrievals,
+                              "mean_retrieval_ms": st.mean_retrieval_ms, "dropped": st.dropped, "errors": st.errors,
+                              "admitted": arc.admitted, "evicted": arc.evicted}
         return self.run
+
+
+def draft_vocab_of(engine: LLMEngine) -> DynamicVocab | None:
+    """The draft vocabulary of the engine's EAGLE-3 drafter (alone or a member), if it has one."""
+    drafter = engine.drafter
+    members = list(getattr(drafter, "members", {}).values()) or [drafter]
+    return next((v for v in (getattr(d, "vocab", None) for d in members) if isinstance(v, DynamicVocab)), None)
 
 
 def run_trace(engine: LLMEngine, trace: list[TraceItem], concurrency: int, max_tokens: int, desc: str,
@@ -198,6 +226,23 @@ def eagle3_engine(model: LlamaModel, tokenizer: Any, ecfg: EngineConfig, root: P
     other drafters ``ecfg.spec.drafter`` names, under ``ecfg.policy`` (``llm.build_engine``)."""
     eagle3 = dataclasses.replace(ecfg.spec.eagle3, dir=str(root), draft_vocab=draft_vocab)
     return build_engine(dataclasses.replace(ecfg, spec=dataclasses.replace(ecfg.spec, eagle3=eagle3)), model, tokenizer)
+
+
+def vocab_engine(model: LlamaModel, tokenizer: Any, ecfg: EngineConfig, root: Path, cfg: ShiftBenchConfig,
+                 config: str) -> LLMEngine:
+    """The frozen EAGLE-3 engine of ``root`` over the draft vocabulary ``config`` names (vocab-static:
+    a frequency core as large as vocab-dynamic's core + buffer; vocab-full: every target token).
+    The HNSW index is built (or read from its cache) here, before any turn is timed."""
+    mode, core = {"vocab-static": ("static", cfg.vocab_core + cfg.vocab_buffer),
+                  "vocab-dynamic": ("dynamic", cfg.vocab_core),
+                  "vocab-full": ("static", model.cfg.vocab_size)}[config]
+    vocab = DraftVocabConfig(mode=mode, core=core, buffer=cfg.vocab_buffer, corpus=cfg.vocab_corpus)
+    spec = dataclasses.replace(ecfg.spec, vocab=vocab)
+    engine = eagle3_engine(model, tokenizer, dataclasses.replace(ecfg, spec=spec), root, cfg.draft_vocab)
+    dv = draft_vocab_of(engine)
+    if dv is not None:
+        dv.prepare()
+    return engine
 
 
 @dataclass

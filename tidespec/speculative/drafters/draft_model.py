@@ -46,6 +46,7 @@ from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
 from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.tree import tree_depths, tree_mask
+from tidespec.speculative.vocab.dynamic import DynamicVocab, VocabSnapshot
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio constant: decorrelates the draft's stream from the target's
 
@@ -173,7 +174,7 @@ class DraftModelDrafter:
     tap_layers: tuple[int, ...] = ()
 
     def __init__(self, model: LlamaModel, max_num_seqs: int, max_model_len: int, tree_top_k: int = 2,
-                 name: str = "draft-model") -> None:
+                 name: str = "draft-model", vocab: DynamicVocab | None = None) -> None:
         check_at_least(1, max_num_seqs=max_num_seqs, max_model_len=max_model_len, tree_top_k=tree_top_k)
         self.model = model
         self.name = name
@@ -183,6 +184,13 @@ class DraftModelDrafter:
         self._slots: dict[int, int] = {}  # seq_id -> KV slot
         self._cached: dict[int, list[int]] = {}  # seq_id -> token ids whose draft K/V is valid
         self._generators: dict[int, torch.Generator] = {}  # seq_id -> draft sampler stream
+        self.vocab = vocab  # a draft vocabulary (EvoSpec): the LM head runs over V_t's rows only
+        self._snapshot: VocabSnapshot | None = None  # the V_t of the propose in progress
+
+    @property
+    def wants_hidden(self) -> bool:
+        """A dynamic vocabulary retrieves with the target's final hidden states."""
+        return self.vocab is not None and self.vocab.cfg.dynamic
 
     @property
     def num_live(self) -> int:
@@ -217,6 +225,7 @@ class DraftModelDrafter:
             jobs.append((inp.seq_id, job))
         if not jobs:
             return DraftProposal()
+        self._snapshot = self.vocab.snapshot if self.vocab is not None else None  # V_t swaps between steps
         for (_, job), logits in zip(jobs, self._forward(catchup)):
             job.consume(logits)
         while True:
@@ -235,7 +244,10 @@ class DraftModelDrafter:
         return DraftProposal(drafts)
 
     def observe(self, observations: list[Observation]) -> None:
-        """No-op: catch-up happens at ``propose`` by comparing contexts."""
+        """Catch-up happens at ``propose`` by comparing contexts; a draft vocabulary records the
+        verified tokens (and retrieves off the step)."""
+        if self.vocab is not None:
+            self.vocab.observe(observations)
 
     def release(self, seq_id: int) -> None:
         """Free a finished sequence's slot (unknown ids are ignored)."""
@@ -271,12 +283,23 @@ class DraftModelDrafter:
         for f in feeds:
             rows.extend(start + r for r in f.rows)
             start += len(f.tokens)
-        out = self.model(ids, layout, self.kv, logits_rows=torch.tensor(rows, dtype=torch.int64, device=device))
-        if out.logits is None:
-            raise RuntimeError("draft forward returned no logits")
+        logit_rows = torch.tensor(rows, dtype=torch.int64, device=device)  # [R]
+        snap = self._snapshot
+        out = self.model(ids, layout, self.kv, logits_rows=logit_rows if snap is None else logit_rows[:0])
         for f in feeds:
             self.kv.set_length(f.slot, f.ctx_len + len(f.tokens))
-        return list(out.logits.split([len(f.rows) for f in feeds]))  # [len(rows), V] each
+        if snap is not None:
+            # the LM head over V_t's rows only; -inf elsewhere, so argmax, top-k and the softmax
+            # (renormalised over V_t) of the jobs below never see a token outside V_t
+            h = out.last_hidden.index_select(0, logit_rows)  # [R, H] after the final norm
+            dtype = torch.promote_types(h.dtype, torch.float32)
+            logits = torch.full((h.shape[0], self.model.cfg.vocab_size), float("-inf"), dtype=dtype, device=device)
+            logits[:, snap.ids] = torch.nn.functional.linear(h, snap.rows).to(dtype)  # [R, V]
+        elif out.logits is None:
+            raise RuntimeError("draft forward returned no logits")
+        else:
+            logits = out.logits
+        return list(logits.split([len(f.rows) for f in feeds]))  # [len(rows), V] each
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

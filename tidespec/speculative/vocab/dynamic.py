@@ -228,6 +228,11 @@ class DynamicVocab:
             self._pending.put(None)
             self._thread.join(timeout=5)
 
+    def prepare(self) -> None:
+        """Build (or read from its cache) the HNSW index now rather than at the first OOV event."""
+        if self.cfg.dynamic and self.cfg.semantic_k:
+            self._ensure_index()
+
     def _ensure_index(self) -> MipsIndex | None:
         if self._index is None and self._index_rows is not None:
             self._index = MipsIndex.cached(self._index_rows)
