@@ -151,6 +151,13 @@ def attach_draft_vocab(drafter: Drafter | None, vc: DraftVocabConfig, target: Ll
     return vocab
 
 
+def draft_vocab_of(engine: LLMEngine) -> DynamicVocab | None:
+    """The draft vocabulary of the engine's drafter (alone or a ``MultiDrafter`` member), if any."""
+    drafter = engine.drafter
+    members = drafter.members.values() if isinstance(drafter, MultiDrafter) else [drafter]
+    return next((v for v in (getattr(d, "vocab", None) for d in members) if isinstance(v, DynamicVocab)), None)
+
+
 def build_policy(config: EngineConfig, model: LlamaModel, drafter: Drafter | None,
                  progress: Callable[[str], None] | None = None) -> SpeculationPolicy | None:
     """The speculation-length policy with guards (``config.policy``, gamma_max from ``config.spec``);

@@ -8,6 +8,7 @@ that the counters parsed from ``/metrics`` agree with the request's own ``usage`
 from __future__ import annotations
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -21,6 +22,7 @@ from tidespec.speculative.drafters.ngram import NgramDrafter
 from tidespec.speculative.policy.factory import PolicyOptions, make_policy
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.speculative.policy.static import StaticPolicy
+from tidespec.speculative.vocab.dynamic import DynamicVocab, DynamicVocabConfig
 from tidespec.stats import RequestStats, StepStats
 
 
@@ -240,3 +242,15 @@ def test_drafter_version_follows_swaps_in_responses_and_metrics() -> None:
         v4 = _families(client.get("/metrics").text)["tidespec:spec_decode_drafter_version"][()]
     assert (first["drafter_version"], second["drafter_version"]) == ("3", "4")
     assert (v3, v4) == (3.0, 4.0)
+
+
+def test_draft_vocab_counters_are_exported_at_scrape_time() -> None:
+    vocab = DynamicVocab(DynamicVocabConfig(core_size=2, dynamic=False), [0, 1],
+                         lambda ids: torch.zeros(len(ids), 4), start=False)
+    m = Metrics()
+    m.attach_vocab(vocab)
+    vocab.record([(0, None), (5, None)], [])
+    text = m.render().decode()
+    assert 'tidespec:draft_vocab_stat{stat="coverage"} 0.5' in text
+    assert 'tidespec:draft_vocab_stat{stat="oov_events"} 1.0' in text
+    assert 'tidespec:draft_vocab_stat{stat="size"} 2.0' in text

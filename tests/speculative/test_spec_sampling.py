@@ -84,6 +84,7 @@ def sample_first3(model, tok, prompt: list[int], spec: SpecConfig, params: Sampl
     request and draft generators seeded from a counter so the test is deterministic."""
     import tidespec.engine.engine as engine_mod
     import tidespec.speculative.drafters.draft_model as draft_model_mod
+    import tidespec.speculative.drafters.eagle3 as eagle3_mod
 
     counter = itertools.count(1_000_003)
 
@@ -94,6 +95,7 @@ def sample_first3(model, tok, prompt: list[int], spec: SpecConfig, params: Sampl
 
     monkeypatch.setattr(engine_mod, "make_generator", counted_generator)
     monkeypatch.setattr(draft_model_mod, "make_generator", counted_generator)
+    monkeypatch.setattr(eagle3_mod, "make_generator", counted_generator)
     cfg = EngineConfig(cache=CacheConfig(max_model_len=32, max_num_seqs=SLOTS), spec=spec,
                        scheduler=SchedulerConfig(max_num_batched_tokens=SLOTS * 12))
     drafter = build_drafter(spec, model, SLOTS, 32)

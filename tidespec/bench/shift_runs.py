@@ -37,14 +37,13 @@ from tidespec.config import (
     SpecConfig,
 )
 from tidespec.engine.engine import LLMEngine
-from tidespec.llm import build_engine
+from tidespec.llm import build_engine, draft_vocab_of
 from tidespec.models.eagle3_checkpoint import head_from_published, load_drafter_source, publish
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import LoadedModel
 from tidespec.online.attach import OnlineConfig, OnlineTraining, attach_online_training, read_trainer_rounds
 from tidespec.online.trainer.governor import GovernorConfig
 from tidespec.sampling import SamplingParams
-from tidespec.speculative.vocab.dynamic import DynamicVocab
 from tidespec.stats import RequestStats, StepStats
 
 
@@ -156,13 +155,6 @@ class TraceLoop:
                               "mean_retrieval_ms": st.mean_retrieval_ms, "dropped": st.dropped, "errors": st.errors,
                               "admitted": arc.admitted, "evicted": arc.evicted}
         return self.run
-
-
-def draft_vocab_of(engine: LLMEngine) -> DynamicVocab | None:
-    """The draft vocabulary of the engine's EAGLE-3 drafter (alone or a member), if it has one."""
-    drafter = engine.drafter
-    members = list(getattr(drafter, "members", {}).values()) or [drafter]
-    return next((v for v in (getattr(d, "vocab", None) for d in members) if isinstance(v, DynamicVocab)), None)
 
 
 def run_trace(engine: LLMEngine, trace: list[TraceItem], concurrency: int, max_tokens: int, desc: str,

@@ -58,6 +58,7 @@ from tidespec.engine.engine import LLMEngine, RequestError
 from tidespec.engine.output import RequestOutput
 from tidespec.engine.scheduler import QueueFullError
 from tidespec.errors import check_at_least
+from tidespec.llm import draft_vocab_of
 from tidespec.sampling import SamplingParams, SamplingParamsError
 from tidespec.server.async_engine import AsyncEngine, EngineRequestError, EngineStoppedError, RequestStream
 from tidespec.server.dashboard import DASHBOARD_PATH, basic_auth_password, register_dashboard
@@ -483,6 +484,9 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: M
         metrics.attach_policy(engine.policy, policy_profile(engine.policy))
     if engine.drafter is not None and hasattr(engine.drafter, "version"):
         metrics.attach_drafter(engine.drafter)
+    vocab = draft_vocab_of(engine)
+    if vocab is not None and metrics.vocab is None:
+        metrics.attach_vocab(vocab)
     server = _Server(engine, config, metrics)
 
     @asynccontextmanager

@@ -57,6 +57,10 @@ it waits for a restart, after the supervisor gave up, or after it exited), ``tra
 while it yields the CPU to serving: ``online.trainer.governor``), and the counters
 ``trainer_deaths_total`` (exits nobody asked for) and ``trainer_restarts_total``.
 
+A draft vocabulary (``attach_vocab``, servers run with ``--draft-vocab-mode``): its counters as
+``draft_vocab_stat{stat}`` at scrape time — |V_t|, coverage of the verified tokens, OOV events,
+V_t swaps, retrievals and their seconds (off the step), ARC admissions and evictions.
+
 The same feeds also fill ``series`` (``tidespec.server.series``): per-second points over the last
 ten minutes for the ``/dashboard`` page, so the page and ``/metrics`` show one set of numbers.
 """
@@ -73,6 +77,7 @@ from tidespec.engine.output import RequestOutput
 from tidespec.server.series import Series
 from tidespec.speculative.policy.api import SpeculationPolicy, bucket_of
 from tidespec.speculative.policy.speedup import Profile
+from tidespec.speculative.vocab.dynamic import DynamicVocab
 from tidespec.stats import StepStats
 
 if TYPE_CHECKING:
@@ -203,6 +208,9 @@ class Metrics:
                                 ["reason"], registry=r)
         # online training (attach_online): created only for servers that train
         self.trainer: _TrainerMetrics | None = None
+        # a draft vocabulary (attach_vocab): created only for servers that run one
+        self.vocab: DynamicVocab | None = None
+        self.vocab_stat: Gauge | None = None
         # per-second history for /dashboard (bounded ring), fed by the same calls
         self.series = Series()
 
@@ -264,6 +272,26 @@ class Metrics:
     def attach_drafter(self, drafter: object) -> None:
         """Export ``drafter.version`` (an online-trained drafter's current version)."""
         self.drafter = drafter
+
+    def attach_vocab(self, vocab: DynamicVocab) -> None:
+        """Export the draft vocabulary's counters (read at scrape time) as
+        ``draft_vocab_stat{stat}``: size, coverage, verified, covered, oov_events, published (V_t
+        swaps), retrievals, retrieval_seconds, admitted / evicted (ARC churn), dropped, errors."""
+        self.vocab = vocab
+        self.vocab_stat = Gauge(f"{PREFIX}draft_vocab_stat", "The draft vocabulary (EvoSpec): |V_t|, coverage of "
+                                "verified tokens, OOV events, swaps, retrievals and their seconds, ARC churn.",
+                                ["stat"], registry=self.registry)
+
+    def _refresh_vocab(self) -> None:
+        if self.vocab is None or self.vocab_stat is None:
+            return
+        st, arc = self.vocab.stats, self.vocab.arc.stats
+        values = {"size": self.vocab.snapshot.size, "coverage": st.coverage, "verified": st.verified,
+                  "covered": st.covered, "oov_events": st.oov_events, "published": st.published,
+                  "retrievals": st.retrievals, "retrieval_seconds": st.retrieval_s, "admitted": arc.admitted,
+                  "evicted": arc.evicted, "dropped": st.dropped, "errors": st.errors}
+        for name, value in values.items():
+            self.vocab_stat.labels(stat=name).set(value)
 
     def attach_online(self, online: OnlineTraining) -> None:
         """Export the state of ``online``'s trainer child (read at scrape time)."""
@@ -341,6 +369,7 @@ class Metrics:
     def render(self) -> bytes:
         """The text exposition format of this registry."""
         self._refresh_policy()
+        self._refresh_vocab()
         if self.trainer is not None:
             self.trainer.refresh()
         version = getattr(self.drafter, "version", None)
