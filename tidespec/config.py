@@ -312,6 +312,9 @@ class OnlineTrainingConfig:
     capture_prompt: bool = opt(False, "also capture prompt positions (labels are the user's text, not the "
                                       "target's outputs; repeated chat templates then dominate the trainer's "
                                       "held-out score)", flag="--collect-prompt")
+    lora: bool = opt(False, "EvoSpec path B: also capture the target's final hidden states, and the trainer child "
+                            "aligns the head with LoRA adapters between full rounds (merged in between steps)",
+                     flag="--online-lora")
     collect: CollectionConfig = section(CollectionConfig, "collect")
 
     def __post_init__(self) -> None:
@@ -347,6 +350,8 @@ class EngineConfig:
             raise ConfigError("--online-training needs the eagle3 drafter (--drafter eagle3, or e.g. suffix,eagle3)")
         if self.online.enabled and not self.spec.eagle3.dir:
             raise ConfigError("--online-training needs --eagle3-dir (the directory drafters are published to)")
+        if self.online.lora and not self.online.enabled:
+            raise ConfigError("--online-lora needs --online-training (the trainer child publishes the adapters)")
         need = self.cache.max_num_seqs * (self.spec.num_speculative_tokens + 1) + 16
         if self.scheduler.max_num_batched_tokens < need:
             # every running sequence must fit its verification tokens in one step, with room left

@@ -57,3 +57,13 @@ def atomic_write(path: Path, data: bytes) -> None:
     finally:
         tmp.unlink(missing_ok=True)
     fsync_path(path.parent)
+
+
+def directory_fingerprint(directory: Path) -> tuple[tuple[str, int, int], ...]:
+    """The fingerprint of a directory (a published version, an adapter): (name, size, mtime in ns) of every file in it,
+    sorted; () when it is gone. A copy still in progress changes it; an untouched directory does not."""
+    try:
+        stats = [(p.relative_to(directory).as_posix(), p.stat()) for p in directory.rglob("*") if p.is_file()]
+    except OSError:  # a file vanished while we looked: different from anything seen, so tried again
+        return (("", -1, -1),)
+    return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import SlowStore, tiny_llama, tiny_tokenizer
+from tests.helpers import SlowStore, tiny_llama
 from tidespec.config import CacheConfig, CollectionConfig, Eagle3Options, EngineConfig, OnlineTrainingConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_eagle3_drafter
@@ -47,16 +47,6 @@ LAYERS = 8  # EAGLE-3 taps (2, 4, 5): distinct without the tiny-model fallback
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14], [3, 3, 3, 3]]
 MAX_TOKENS = 20
 SLEEP_S = SlowStore.sleep_s
-
-
-@pytest.fixture(scope="module")
-def model() -> LlamaModel:
-    return tiny_llama(V, layers=LAYERS, seed=2, scale=3.0)
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return tiny_tokenizer(V)
 
 
 def make_engine(model: LlamaModel, tok, drafter=None, gamma: int = 3, tree: bool = False,

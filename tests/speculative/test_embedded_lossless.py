@@ -16,6 +16,7 @@ from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter, build_eagle3_drafter, output_matrix
 from tidespec.models.eagle3_checkpoint import fresh_head
 from tidespec.models.eagle3_head import init_from_target
+from tidespec.models.eagle3_lora import LoraAdapter, adapter_state, lora_parameters, merged_state, with_lora
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
 from tidespec.sampling import SamplingParams
@@ -136,7 +137,8 @@ def test_two_threads_batched_and_speculative_equal_plain_alone(embedded, prompts
 @pytest.mark.parametrize("tree,slots", [(False, 1), (False, 4), (True, 4)])
 def test_eagle3_over_a_changing_draft_vocabulary_greedy_equals_plain(embedded, prompts, plain_alone, tree, slots):
     """The shipped head drafting over a 512-token core + a 64-token ARC buffer refilled between
-    steps (the worker's work run synchronously before each ``propose``; graph retrieval only)."""
+    steps (the worker's work run synchronously before each ``propose``; graph retrieval only), with
+    random LoRA adapters merged in and swapped every few steps (EvoSpec path B's swaps)."""
     target = embedded.model
     drafter = build_eagle3_drafter(target, ASSET, cfg=Eagle3DrafterConfig(max_num_seqs=slots, max_model_len=1024))
     lm = output_matrix(target)
@@ -145,9 +147,15 @@ def test_eagle3_over_a_changing_draft_vocabulary_greedy_equals_plain(embedded, p
     vocab = DynamicVocab(cfg, drafter.own_ids()[:512], lambda ids: drafter.head.output_rows(ids, lm), start=False)
     drafter.vocab = vocab
     propose = drafter.propose
+    merged = [merged_state(drafter.head.state_dict(), random_adapter(drafter.head, seed), drafter.head.cfg)
+              for seed in (1, 2)]
+    calls = [0]
 
     def propose_between_steps(inputs):
         vocab.process_pending()
+        calls[0] += 1
+        if calls[0] % 5 == 0:
+            drafter.load_state(drafter.version, merged[calls[0] // 5 % 2])
         return propose(inputs)
 
     drafter.propose = propose_between_steps
@@ -155,4 +163,16 @@ def test_eagle3_over_a_changing_draft_vocabulary_greedy_equals_plain(embedded, p
               drafter=drafter)
     for p, ref, g in zip(prompts, plain_alone, got):
         assert_same_or_near_tie(embedded, p, ref, g)
-    assert vocab.stats.oov_events > 0 and vocab.stats.published > 0
+    assert vocab.stats.oov_events > 0 and vocab.stats.published > 0 and calls[0] >= 10
+
+
+def random_adapter(head, seed: int) -> LoraAdapter:
+    """A rank-8 LoRA adapter of ``head``'s q/v with random A and B (as published, not yet merged)."""
+    import copy
+
+    train = with_lora(copy.deepcopy(head), rank=8, alpha=16.0)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora_parameters(train):
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.05)
+    return LoraAdapter(seed, 0, 8, 2.0, adapter_state(train), {})

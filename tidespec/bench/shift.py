@@ -13,14 +13,19 @@ the engine three ways:
 * ``online`` — the same starting drafter with online training on: capture into a signal store,
   TIDE's selective collection, ``tidespec train-drafter`` as a child process (paused while its
   engine decodes beyond ``--trainer-share``, ``online.trainer.governor``), swaps between steps;
-* ``ngram`` / ``suffix`` (optional) — that model-free drafter alone at a static gamma.
+* ``ngram`` / ``suffix`` (optional) — that model-free drafter alone at a static gamma;
+* ``vocab-static`` / ``vocab-dynamic`` / ``vocab-full`` (optional) — the frozen drafter over a draft
+  vocabulary (EvoSpec: FR-Spec's frequency core, core + retrieved buffer, every token);
+* ``vocab-static-lora`` / ``vocab-dynamic-lora`` (optional) — the same, aligned online: capture on,
+  a trainer child that only trains LoRA adapters (EvoSpec path B, ``online.trainer.lora``), adapters
+  merged between steps — with the two above, EvoSpec Figure 3's ablation in one run.
 
 ``--drafter suffix,eagle3 --policy analytic`` gives frozen and online the suffix drafter beside
 EAGLE-3 and the analytic controller, which chooses per step which drafter drafts and how far (or
 none): everything on. The configurations take turns on slices of ``--turn`` requests (each keeps
 its own engine, drafter and clock across turns), so every phase of every configuration is measured
-in the same minutes and a slow spell of the machine hits all of them; the online trainer is held
-paused during the other configurations' turns.
+in the same minutes and a slow spell of the machine hits all of them; each online configuration's
+trainer is held paused during the other configurations' turns.
 
 Requests run closed-loop with ``concurrency`` in flight, greedy, every request generating exactly
 ``max_tokens`` tokens (EOS ignored), so every configuration does the same work and greedy outputs
@@ -63,7 +68,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tidespec.bench.report import default_out_dir, finish_run, rerender_run
-from tidespec.bench.shift_config import ShiftBenchConfig, TraceItem, build_trace
+from tidespec.bench.shift_config import ONLINE_CONFIGS, ShiftBenchConfig, TraceItem, build_trace
 from tidespec.bench.shift_measure import measure_capture_overhead, measure_training_sources
 from tidespec.bench.shift_report import plot_shift, report
 from tidespec.bench.shift_runs import (
@@ -138,15 +143,15 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
         shutil.rmtree(frozen_root)
     seed_publish_root(frozen_root, cfg.bootstrap, target.model)
     loops: dict[str, TraceLoop] = {}
-    online: OnlineSetup | None = None
+    onlines: dict[str, OnlineSetup] = {}
     for name in cfg.config_names:
         status = None
-        if name == "online":
-            work = out_dir / "online"
+        if name in ONLINE_CONFIGS:
+            work = out_dir / name
             if work.exists():
                 shutil.rmtree(work)
-            online = start_online(target, trace, cfg, work)
-            engine, status = online.engine, functools.partial(online_status, online.online)
+            setup = onlines[name] = start_online(target, trace, cfg, work, name)
+            engine, status = setup.engine, functools.partial(online_status, setup.online)
         elif name.startswith("vocab-"):
             engine = vocab_engine(target.model, target.tokenizer,
                                   trace_engine_config(trace, cfg, target.model, cfg.gamma), frozen_root, cfg, name)
@@ -159,12 +164,12 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
             engine = static_engine(target, trace_engine_config(trace, cfg, target.model, gamma, name))
         loops[name] = TraceLoop(engine, trace, cfg.concurrency, cfg.max_tokens, name, progress, status)
     try:
-        runs = _take_turns(loops, len(trace), cfg.turn, online)
+        runs = _take_turns(loops, len(trace), cfg.turn, onlines)
     finally:
-        if online is not None:
-            online.online.close()  # the trainer child never outlives the run (close is idempotent)
-    if online is not None:
-        finish_online(runs["online"], online)
+        for setup in onlines.values():
+            setup.online.close()  # no trainer child outlives the run (close is idempotent)
+    for name, setup in onlines.items():
+        finish_online(runs[name], setup)
     plain = runs.get("plain")
     doc: dict[str, Any] = {"config": asdict(cfg), "phases": [Path(w).stem for w in cfg.phases],
                            "phase_sizes": [(Path(w).stem, n) for w, n in cfg.phase_specs],
@@ -182,20 +187,23 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
                       plot_shift, log)
 
 
-def _take_turns(loops: dict[str, TraceLoop], n: int, turn: int, online: OnlineSetup | None) -> dict[str, TraceRun]:
+def _take_turns(loops: dict[str, TraceLoop], n: int, turn: int, onlines: dict[str, OnlineSetup]
+                ) -> dict[str, TraceRun]:
     """Each configuration warms up, then runs requests ``[k * turn, (k + 1) * turn)`` of the trace in
-    turn (all of them at once with ``turn`` 0). The online trainer is held paused outside its configuration's
-    turns, so it never shares the CPU with another configuration's measurement."""
-    governor = online.online.governor if online is not None else None
+    turn (all of them at once with ``turn`` 0). An online configuration's trainer is held paused outside
+    its turns, so it never shares the CPU with another configuration's measurement."""
+    governors = {name: s.online.governor for name, s in onlines.items() if s.online.governor is not None}
+    for governor in governors.values():
+        governor.hold(True)
     for loop in loops.values():
         loop.warm_up()
     for end in range(turn or n, n + (turn or n), turn or n):
         for name, loop in loops.items():
-            if governor is not None and name == "online":
-                governor.hold(False)
+            if name in governors:
+                governors[name].hold(False)
             loop.run_turn(min(end, n))
-            if governor is not None and name == "online":
-                governor.hold(True)
+            if name in governors:
+                governors[name].hold(True)
     return {name: loop.finish() for name, loop in loops.items()}
 
 

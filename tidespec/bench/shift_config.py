@@ -35,8 +35,11 @@ from tidespec.workloads.loader import Prompt, load_prompts
 
 # ngram, suffix: that drafter alone at a static gamma; vocab-*: the frozen EAGLE-3 drafter over a
 # draft vocabulary (EvoSpec): a static frequency core of the dynamic one's full size (FR-Spec), the
-# dynamic core + buffer, or the whole target vocabulary
-CONFIGS = ("plain", "frozen", "online", "ngram", "suffix", "vocab-static", "vocab-dynamic", "vocab-full")
+# dynamic core + buffer, or the whole target vocabulary; vocab-*-lora: the same, aligned online by
+# LoRA adapters (EvoSpec path B)
+CONFIGS = ("plain", "frozen", "online", "ngram", "suffix", "vocab-static", "vocab-dynamic", "vocab-full",
+           "vocab-static-lora", "vocab-dynamic-lora")
+ONLINE_CONFIGS = ("online", "vocab-static-lora", "vocab-dynamic-lora")  # each with its own trainer child
 
 
 @dataclass
@@ -50,9 +53,11 @@ class ShiftBenchConfig:
     max_tokens: int = opt(128, "tokens generated per request (EOS ignored)")
     gamma: int = opt(4, "speculation length of the speculating configurations (chains; the most a policy may choose)")
     concurrency: int = opt(4, "requests in flight (closed loop)")
-    configs: str = opt("plain,frozen,online", "comma-separated subset of plain, frozen, online, ngram, suffix (the "
-                                             "last two: that drafter alone at --gamma, static); 'none' runs only "
-                                             "the capture-overhead and signals-vs-recompute measurements")
+    configs: str = opt("plain,frozen,online", "comma-separated subset of plain, frozen, online, ngram, suffix (that "
+                                             "drafter alone at --gamma, static), vocab-static / vocab-dynamic / "
+                                             "vocab-full (draft vocabularies), vocab-static-lora / vocab-dynamic-lora "
+                                             "(the same with online LoRA alignment); 'none' runs only the "
+                                             "capture-overhead and signals-vs-recompute measurements")
     drafter: str = opt("eagle3", "drafters of frozen and online: eagle3, or several joined by commas that include "
                                  "eagle3 (e.g. suffix,eagle3: --policy analytic, bandit or hybrid chooses per step)")
     policy: str = opt("static", f"speculation policy of frozen and online: {', '.join(POLICIES)} (static: --gamma "

@@ -17,7 +17,8 @@ from typing import Any
 from tidespec.bench.report import machine_line, markdown_table, new_figure, save_figure
 
 COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:orange", "vocab-static": "tab:red",
-          "vocab-dynamic": "tab:green", "vocab-full": "tab:purple"}  # same in both panels
+          "vocab-dynamic": "tab:green", "vocab-full": "tab:purple", "vocab-static-lora": "tab:pink",
+          "vocab-dynamic-lora": "tab:olive"}  # same in both panels
 
 
 def _fmt(v: Any, digits: int = 2) -> str:
@@ -41,6 +42,10 @@ def report(doc: dict[str, Any]) -> str:
         f"phase {i + 1} {w}: accept len (all / 2nd half)" for i, w in enumerate(doc["phases"])]
     lines += [markdown_table(heads, rows), ""]
     lines += _vocab_lines(doc)
+    for name, s in doc["configs"].items():
+        ads = s.get("online", {}).get("adapters")
+        if name.endswith("-lora") and ads is not None:
+            lines += _adapter_lines(name, s["online"], ads)
     if "online" in doc["configs"]:
         on = doc["configs"]["online"]["online"]
         lines += [f"Online: drafter v{on.get('drafter_version')} at the end, {on.get('swaps')} swaps, "
@@ -120,6 +125,20 @@ def _curves(run: dict[str, Any], window: int, bin_s: float) -> tuple[list[float]
                 rates.append(tok / width)
             t += bin_s
     return xs, ys, ts, rates
+
+
+def _adapter_lines(name: str, on: dict[str, Any], ads: list[dict[str, Any]]) -> list[str]:
+    """One line on a ``vocab-*-lora`` run's LoRA path: adapters published, their update cost and scores."""
+    lora = on.get("lora") or {}
+    ms = sorted(float(a["metrics"].get("update_ms", "nan")) for a in ads)
+    median = ms[len(ms) // 2] if ms else float("nan")
+    last = ads[-1]["metrics"] if ads else {}
+    return [f"LoRA ({name}): {len(ads)} adapters published, adapter {lora.get('adapter', 0)} served at the end "
+            f"({lora.get('adapter_swaps', 0)} swaps, refused {lora.get('refused_adapters', [])}); update "
+            f"(optimizer steps) median {_fmt(median, 0)} ms in the trainer child; the last adapter: held-out "
+            f"accept len {_fmt(last.get('baseline_accept_len'))} -> {_fmt(last.get('heldout_accept_len'))}, "
+            f"{last.get('eligible_rows', '-')} replay rows of {last.get('seen_rows', '-')}; "
+            f"{on.get('captured')} signals captured ({on.get('dropped')} dropped).", ""]
 
 
 def plot_shift(doc: dict[str, Any], out_dir: Path) -> Path:

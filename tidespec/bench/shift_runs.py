@@ -1,6 +1,6 @@
 """Running ``tidespec bench shift``'s trace: the closed loop, and the engine of each configuration.
 
-Why this exists: the three configurations (plain, frozen, online) and the capture-overhead runs
+Why this exists: the configurations (plain, frozen, online, the draft vocabularies) and the capture-overhead runs
 of ``bench.shift_measure`` must drive the engine the same way — the same closed loop, greedy
 sampling with EOS ignored, the same record of every step and request — or their tokens/s and
 acceptance would not compare; ``run_trace`` is that one loop, and the engine builders here give
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import shlex
 import time
 from collections import deque
@@ -39,6 +40,7 @@ from tidespec.config import (
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine, draft_vocab_of
 from tidespec.models.eagle3_checkpoint import head_from_published, load_drafter_source, publish
+from tidespec.models.eagle3_lora import LORA_DIR
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import LoadedModel
 from tidespec.online.attach import OnlineConfig, OnlineTraining, attach_online_training, read_trainer_rounds
@@ -247,21 +249,31 @@ class OnlineSetup:
     signals: Path
 
 
-def start_online(target: LoadedModel, trace: list[TraceItem], cfg: ShiftBenchConfig, work: Path) -> OnlineSetup:
-    """Build the ``online`` configuration and start its trainer child (yielding to its engine)."""
+def start_online(target: LoadedModel, trace: list[TraceItem], cfg: ShiftBenchConfig, work: Path,
+                 name: str = "online") -> OnlineSetup:
+    """Build an online configuration and start its trainer child (yielding to its engine):
+    ``online`` trains full rounds; ``vocab-*-lora`` serves over that draft vocabulary and its
+    trainer only aligns LoRA adapters (EvoSpec path B; no full round ever runs), from signals
+    collected all the time and cut into small shards."""
     from tidespec.online.trainer.process import start_trainer_process
 
     root, signals = work / "drafter", work / "signals"
     seeded = seed_publish_root(root, cfg.bootstrap, target.model)
     ecfg = trace_engine_config(trace, cfg, target.model, cfg.gamma)
-    engine = eagle3_engine(target.model, target.tokenizer, ecfg, root, cfg.draft_vocab)
+    lora = name.endswith("-lora")
+    engine = (vocab_engine(target.model, target.tokenizer, ecfg, root, cfg, name.removesuffix("-lora")) if lora
+              else eagle3_engine(target.model, target.tokenizer, ecfg, root, cfg.draft_vocab))
     online = attach_online_training(engine, OnlineConfig(
         publish_root=str(root), signal_dir=str(signals), poll_s=1.0, capture_prompt=cfg.capture_prompt,
+        capture_flush_rows=256 if lora else OnlineConfig.capture_flush_rows, lora=lora,
         collection=CollectionConfig(n_init=cfg.collect_n_init, epsilon=cfg.collect_epsilon,
-                                    n_threshold=cfg.min_signals, force=cfg.collect_force,
+                                    n_threshold=cfg.min_signals, force=cfg.collect_force or lora,
                                     bootstrap=seeded is None)))
     extra = ["--threads", str(cfg.trainer_threads), "--epochs", str(cfg.trainer_epochs), "--poll-s", "2",
-             "--seed", str(cfg.seed), "--heldout-frac", "0.2", "--batch-segments", "4"] + shlex.split(cfg.trainer_args)
+             "--seed", str(cfg.seed), "--heldout-frac", "0.2", "--batch-segments", "4"]
+    if lora:
+        extra += ["--min-signals", str(1 << 40)]
+    extra += shlex.split(cfg.trainer_args)
     dtype = str(target.model.dtype).removeprefix("torch.")
     log = work / "trainer.log"
     online.supervise_trainer(functools.partial(start_trainer_process, online.config, target.path, dtype=dtype,
@@ -277,8 +289,20 @@ def finish_online(run: TraceRun, setup: OnlineSetup) -> TraceRun:
     run.online = {k: v for k, v in online.state().items() if k != "collector"}
     run.online["collector"] = online.selective.state()
     run.online["rounds"] = read_trainer_rounds(setup.root)
+    run.online["adapters"] = adapter_records(setup.root)
     run.online["signal_dir"] = str(setup.signals)
     return run
+
+
+def adapter_records(root: Path) -> list[dict[str, Any]]:
+    """Every LoRA adapter published under ``root`` with its metrics (``lora/v{N}/a{M}/meta.json``)."""
+    out = []
+    for meta in sorted((root / LORA_DIR).glob("v*/a*/meta.json"), key=lambda p: p.stat().st_mtime):
+        try:
+            out.append(json.loads(meta.read_text(encoding="utf-8")))
+        except (OSError, ValueError):
+            continue
+    return out
 
 
 def online_status(online: OnlineTraining) -> str:

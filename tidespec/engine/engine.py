@@ -118,6 +118,9 @@ class LLMEngine:
         # asked each step whether something other than drafting needs the taps (online training's
         # signal capture while it collects); must return quickly
         self.tap_demand: list[Callable[[], bool]] = []
+        # observation consumers that want the target's final hidden states with the taps (online
+        # LoRA alignment stores them to recover the target's top-k); fixed once serving starts
+        self.hidden_demand: list[Callable[[], bool]] = []
         self._last_tapped_draft = -(1 << 30)  # step in which a tap-reading drafter last drafted
 
     def _compiled_step(self) -> CompiledStep:
@@ -380,7 +383,8 @@ class LLMEngine:
         if self.drafter is None:
             return
         observations = []
-        wants_hidden = bool(getattr(self.drafter, "wants_hidden", False)) and fwd.hidden is not None
+        wants_hidden = fwd.hidden is not None and (bool(getattr(self.drafter, "wants_hidden", False))
+                                                   or any(demand() for demand in self.hidden_demand))
         for a in advances:
             if a.seq.finish_reason is not None:
                 continue

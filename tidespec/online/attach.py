@@ -53,6 +53,7 @@ import torch
 
 from tidespec.config import CollectionConfig, EngineConfig
 from tidespec.errors import ConfigError
+from tidespec.files import directory_fingerprint
 from tidespec.models.eagle3_checkpoint import (
     DrafterCheckpointError,
     PublishedDrafter,
@@ -62,8 +63,10 @@ from tidespec.models.eagle3_checkpoint import (
 )
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError
 from tidespec.models.llama import LlamaConfig
+from tidespec.online.adapters import AdapterUpdater
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
+from tidespec.online.poller import RootPoller
 from tidespec.online.rollback import RollbackConfig, ServedCheck
 from tidespec.online.store import TAPS_DTYPES, SignalStore
 from tidespec.online.trainer.governor import GovernorConfig, TrainingGovernor
@@ -130,6 +133,7 @@ class OnlineConfig:
     poll_s: float = 2.0  # seconds between checks of the publish root
     collection: CollectionConfig = field(default_factory=CollectionConfig)
     rollback_min_drafts: int = 64  # drafts of a new version before the served check decides (0 = no check)
+    lora: bool = False  # capture final hidden states and merge the trainer's LoRA adapters (EvoSpec path B)
 
     def __post_init__(self) -> None:
         if not self.publish_root or not self.signal_dir:
@@ -168,6 +172,7 @@ class OnlineConfig:
             poll_s=oc.poll_s,
             collection=dataclasses.replace(oc.collect, bootstrap=bootstrap),
             rollback_min_drafts=oc.rollback_min_drafts,
+            lora=oc.lora,
         )
 
 
@@ -208,6 +213,8 @@ class SignalCollector:
         """Register as the engine's observation consumer and tap demand (returns self)."""
         engine.observation_consumers.append(self)
         engine.tap_demand.append(self.wants_taps)
+        if self.buffer.hidden_dim:
+            engine.hidden_demand.append(self.wants_taps)  # with the taps, the final hidden states
         return self
 
     def wants_taps(self) -> bool:
@@ -242,10 +249,15 @@ class SignalCollector:
                 st = seq.stats
                 alpha = st.num_accepted_tokens / st.num_draft_tokens if st.num_draft_tokens else None
                 domain = seq.label or ""
+            hidden = None
+            if self.buffer.hidden_dim:
+                if obs.hidden is None:
+                    continue  # LoRA alignment needs the target's hidden states with every row
+                hidden = obs.hidden[lo:n]
             ids = obs.token_ids
             self.buffer.push(self.store_seq_id(obs.seq_id), list(range(start + lo, start + n)),
                              ids[start + lo:start + n], ids[start + lo + 1:start + n + 1],
-                             obs.taps[lo:n], domain=domain, alpha=alpha)
+                             obs.taps[lo:n], domain=domain, alpha=alpha, hidden=hidden)
 
     def on_finish(self, seq: Sequence) -> None:
         """``engine.finish_listeners`` entry: feed Algorithm 1 the acceptance rate of a finished request."""
@@ -259,16 +271,6 @@ class SignalCollector:
 # ----------------------------------------------------------------------------------------------
 
 
-def version_files(directory: Path) -> tuple[tuple[str, int, int], ...]:
-    """The fingerprint of a version directory: (name, size, mtime in ns) of every file in it,
-    sorted; () when it is gone. A copy still in progress changes it; an untouched directory does not."""
-    try:
-        stats = [(p.relative_to(directory).as_posix(), p.stat()) for p in directory.rglob("*") if p.is_file()]
-    except OSError:  # a file vanished while we looked: different from anything seen, so tried again
-        return (("", -1, -1),)
-    return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))
-
-
 def read_trainer_rounds(root: Path | str) -> list[dict[str, Any]]:
     """The trainer's round log (``trainer_state.json`` ``rounds``); [] when absent or unreadable."""
     try:
@@ -279,7 +281,7 @@ def read_trainer_rounds(root: Path | str) -> list[dict[str, Any]]:
     return [r for r in rounds if isinstance(r, dict)] if isinstance(rounds, list) else []
 
 
-class DrafterUpdater:
+class DrafterUpdater(RootPoller):
     """Polls a publish root in a background thread and swaps new drafter versions in between steps.
 
     The thread does all I/O, validation and tensor conversion; ``between_steps`` (the engine hook)
@@ -291,10 +293,9 @@ class DrafterUpdater:
                  check: ServedCheck | None = None) -> None:
         if poll_s <= 0:
             raise OnlineConfigError(f"poll_s must be > 0, got {poll_s}")
+        super().__init__(root, poll_s, "tidespec-drafter-updater")
         self.drafter = drafter
-        self.root = Path(root)
         self.target_cfg = target_cfg
-        self.poll_s = poll_s
         self.selective = selective
         self.capture = capture
         self.refused: dict[int, str] = {}  # version -> reason
@@ -305,27 +306,6 @@ class DrafterUpdater:
         self._rounds_seen = len(read_trainer_rounds(self.root))  # rounds before we started are history
         self._lock = threading.Lock()
         self._pending: PublishedDrafter | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> DrafterUpdater:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="tidespec-drafter-updater", daemon=True)
-            self._thread.start()
-        return self
-
-    def close(self, timeout: float | None = 5.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.poll_once()
-            except Exception:  # the poller must survive anything (serving goes on)
-                logger.exception("drafter updater: polling %s failed", self.root)
-            self._stop.wait(self.poll_s)
 
     def poll_once(self) -> int | None:
         """Check the root once; park a newer valid version for the next step. Returns the parked
@@ -336,7 +316,7 @@ class DrafterUpdater:
         newest = latest_version(self.root)
         if newest is None or newest <= self._loaded:
             return None
-        files = version_files(self.root / f"v{newest}")  # before reading: a later change is seen next poll
+        files = directory_fingerprint(self.root / f"v{newest}")  # before reading: a later change is seen next poll
         if self._refused_files.get(newest) == files:
             return None
         try:
@@ -433,6 +413,7 @@ class OnlineTraining:
     selective: SelectiveCollector
     collector: SignalCollector
     updater: DrafterUpdater
+    adapters: AdapterUpdater | None = None  # LoRA adapters of the served version (``--online-lora``)
     trainer: TrainerSupervisor | None = None  # set by ``supervise_trainer``
     governor: TrainingGovernor | None = None  # pauses the trainer while serving is busy (shared CPU)
     _closed: bool = field(default=False, init=False, repr=False)
@@ -477,6 +458,7 @@ class OnlineTraining:
             "trainer": self.trainer.state() if self.trainer is not None else None,
             "governor": self.governor.state() if self.governor is not None else None,
             "collector": sel,
+            "lora": self.adapters.state() if self.adapters is not None else None,
         }
 
     def health(self) -> dict[str, Any]:
@@ -495,6 +477,8 @@ class OnlineTraining:
             return
         self._closed = True
         self.updater.close()
+        if self.adapters is not None:
+            self.adapters.close()
         self.capture.close(timeout)
         if self.governor is not None:
             self.governor.close()
@@ -532,7 +516,8 @@ def attach_online_training(engine: LLMEngine, config: OnlineConfig, *, start: bo
     store = SignalStore(config.signal_dir, config.signal_budget_bytes, config.taps_dtype)
     capture = CaptureBuffer(store, config.capture_capacity_rows, config.capture_flush_rows,
                             taps_dim=drafter.head.cfg.tap_size, max_shard_age_s=config.max_shard_age_s,
-                            drafter_version=drafter.version)
+                            drafter_version=drafter.version,
+                            hidden_dim=engine.model.cfg.hidden_size if config.lora else 0)
     selective = SelectiveCollector(config.collection)
     collector = SignalCollector(engine, capture, selective, capture_prompt=config.capture_prompt)
     check = None
@@ -545,6 +530,11 @@ def attach_online_training(engine: LLMEngine, config: OnlineConfig, *, start: bo
     collector.hook_into(engine)
     engine.finish_listeners.append(collector.on_finish)
     engine.between_steps.append(updater.between_steps)
+    adapters = AdapterUpdater(drafter, config.publish_root, config.poll_s, check) if config.lora else None
+    if adapters is not None:
+        engine.between_steps.append(adapters.between_steps)
     if start:
         updater.start()
-    return OnlineTraining(config, drafter, store, capture, selective, collector, updater)
+        if adapters is not None:
+            adapters.start()
+    return OnlineTraining(config, drafter, store, capture, selective, collector, updater, adapters)

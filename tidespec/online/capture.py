@@ -66,6 +66,8 @@ class CaptureBuffer:
     rows, oldest shards discarded first) for ``drain()`` - useful for in-process consumers.
     ``taps_dtype``: host-buffer dtype of the taps; default the store's ``taps_dtype`` if it has
     one, else bfloat16. ``topk``: K of the optional target top-k rows (0 = none captured).
+    ``hidden_dim``: H of the optional rows of the target's final hidden state (0 = none captured;
+    stored in ``taps_dtype``).
     ``taps_dim``: k*H; given, the ring is allocated now, else at the first push (a one-off
     allocation on the hot path). ``pin_memory``: page-lock the ring (needed for truly asynchronous
     device-to-host copies); None = when CUDA is available (``taps_dim`` given) or the first
@@ -73,14 +75,15 @@ class CaptureBuffer:
     """
 
     def __init__(self, store: ShardSink | None, capacity_rows: int, flush_rows: int, *,
-                 taps_dtype: torch.dtype | None = None, topk: int = 0, taps_dim: int | None = None,
+                 taps_dtype: torch.dtype | None = None, topk: int = 0, hidden_dim: int = 0,
+                 taps_dim: int | None = None,
                  max_shard_age_s: float = 5.0, drafter_version: int = 0, pin_memory: bool | None = None) -> None:
         if capacity_rows < 1:
             raise ValueError(f"capacity_rows must be >= 1, got {capacity_rows}")
         if not 1 <= flush_rows <= capacity_rows:
             raise ValueError(f"flush_rows must be in [1, capacity_rows={capacity_rows}], got {flush_rows}")
-        if topk < 0:
-            raise ValueError(f"topk must be >= 0, got {topk}")
+        if topk < 0 or hidden_dim < 0:
+            raise ValueError(f"topk and hidden_dim must be >= 0, got {topk}, {hidden_dim}")
         if max_shard_age_s <= 0:
             raise ValueError(f"max_shard_age_s must be > 0, got {max_shard_age_s}")
         if taps_dim is not None and taps_dim < 1:
@@ -89,6 +92,7 @@ class CaptureBuffer:
         self.capacity_rows = capacity_rows
         self.flush_rows = flush_rows
         self.topk = topk
+        self.hidden_dim = hidden_dim
         self.max_shard_age_s = max_shard_age_s
         self.drafter_version = drafter_version
         store_dtype = getattr(store, "taps_dtype", None)
@@ -116,6 +120,7 @@ class CaptureBuffer:
         self._pushes: deque[_Push] = deque()  # per-push metadata of unreleased rows, oldest first
         self._topk_ids: torch.Tensor | None = None  # [C, K] int64
         self._topk_logits: torch.Tensor | None = None  # [C, K] float32
+        self._hidden: torch.Tensor | None = None  # [C, H] taps_dtype
         self._pin_memory = pin_memory
         if taps_dim is not None:
             self._allocate(taps_dim, pin=torch.cuda.is_available() if pin_memory is None else pin_memory)
@@ -125,17 +130,21 @@ class CaptureBuffer:
     # ----------------------------------------------------------------------------- hot path
     def push(self, seq_id: int, positions: IntRows, token_ids: IntRows, next_token_ids: IntRows,
              taps: torch.Tensor, domain: str = "", alpha: float | None = None,
-             topk_ids: torch.Tensor | None = None, topk_logits: torch.Tensor | None = None) -> bool:
+             topk_ids: torch.Tensor | None = None, topk_logits: torch.Tensor | None = None,
+             hidden: torch.Tensor | None = None) -> bool:
         """Buffer n rows of one sequence; returns False (and counts the rows) if they were dropped.
 
         ``taps``: [n, k*H] on any device; ``positions``/``token_ids``/``next_token_ids``: [n];
-        ``alpha``: acceptance rate of the request, if known; ``topk_*``: [n, K] when ``topk > 0``.
+        ``alpha``: acceptance rate of the request, if known; ``topk_*``: [n, K] when ``topk > 0``;
+        ``hidden``: [n, H] when ``hidden_dim > 0``.
         """
         n = int(taps.shape[0])
         if taps.dim() != 2:
             raise ValueError(f"taps must be [n, k*H], got shape {tuple(taps.shape)}")
         if (topk_ids is None) != (self.topk == 0) or (topk_logits is None) != (self.topk == 0):
             raise ValueError(f"topk_ids/topk_logits must be given exactly when topk > 0 (topk={self.topk})")
+        if (hidden is None) != (self.hidden_dim == 0) or (hidden is not None and hidden.shape[-1] != self.hidden_dim):
+            raise ValueError(f"hidden [n, {self.hidden_dim}] must be given exactly when hidden_dim > 0")
         self._counters["num_pushes"] += 1
         if n == 0:
             return True
@@ -165,7 +174,7 @@ class CaptureBuffer:
         ids = torch.stack(id_parts, dim=1)  # [n, 3]
         cuda_srcs: list[tuple[torch.Tensor, torch.Tensor]] = []  # (ring, source) pairs copied on the GPU stream
         for ring, src in ((self._ids, ids), (self._taps, taps), (self._topk_ids, topk_ids),
-                          (self._topk_logits, topk_logits)):
+                          (self._topk_logits, topk_logits), (self._hidden, hidden)):
             if ring is None or src is None:
                 continue
             if src.shape[0] != n:
@@ -220,6 +229,8 @@ class CaptureBuffer:
         if self.topk:
             self._topk_ids = torch.zeros(c, self.topk, dtype=torch.int64, pin_memory=pin)  # [C, K]
             self._topk_logits = torch.zeros(c, self.topk, dtype=torch.float32, pin_memory=pin)  # [C, K]
+        if self.hidden_dim:
+            self._hidden = torch.empty(c, self.hidden_dim, dtype=self.taps_dtype, pin_memory=pin)  # [C, H]
 
     def set_drafter_version(self, version: int) -> None:
         """Rows pushed from now on are tagged with ``version`` (a shard never mixes versions)."""
@@ -296,6 +307,7 @@ class CaptureBuffer:
             alphas=row_alphas,
             topk_ids=self._take(self._topk_ids, start, m) if self._topk_ids is not None else None,
             topk_logits=self._take(self._topk_logits, start, m) if self._topk_logits is not None else None,
+            hidden=self._take(self._hidden, start, m) if self._hidden is not None else None,
             domains=[self._domain_names[i] for i in uniq.tolist()], wall_time=time.time(),
             drafter_version=version, acceptance=acceptance)
 

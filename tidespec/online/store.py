@@ -98,6 +98,9 @@ class SignalShard:
     alphas: torch.Tensor | None = None  # [N] float32 acceptance rate of the row's request; NaN = unknown
     topk_ids: torch.Tensor | None = None  # [N, K] int64 target's top-k token ids
     topk_logits: torch.Tensor | None = None  # [N, K] float target's top-k logits
+    # [N, H] the target's final (normed) hidden state at each position: its logits are this times
+    # the LM head, so a trainer recovers the target's top-k without storing them (LoRA alignment)
+    hidden: torch.Tensor | None = None
     domains: list[str] = field(default_factory=lambda: [""])
     wall_time: float = 0.0  # unix time the shard was cut (0 = stamped by the store on append)
     drafter_version: int = 0  # version of the drafter deployed while these rows were served
@@ -116,6 +119,8 @@ class SignalShard:
         if self.topk_ids is not None and self.topk_logits is not None:
             if self.topk_ids.dim() != 2 or self.topk_ids.shape[0] != n or self.topk_ids.shape != self.topk_logits.shape:
                 raise ValueError(f"topk_ids/topk_logits must both be [{n}, K]")
+        if self.hidden is not None and (self.hidden.dim() != 2 or self.hidden.shape[0] != n):
+            raise ValueError(f"hidden must be [{n}, H], got shape {tuple(self.hidden.shape)}")
         if not self.domains:
             raise ValueError("domains must name at least one domain")
         if self.domain_ids is not None and n > 0:
@@ -266,6 +271,8 @@ class SignalStore:
         if shard.topk_ids is not None and shard.topk_logits is not None:
             tensors["topk_ids"] = _owned(shard.topk_ids, torch.int64)
             tensors["topk_logits"] = _owned(shard.topk_logits, torch.float32)
+        if shard.hidden is not None:
+            tensors["hidden"] = _owned(shard.hidden, self.taps_dtype)
         meta = {"domains": shard.domains, "wall_time": wall_time, "drafter_version": shard.drafter_version,
                 "acceptance": shard.acceptance}
         return st_save(tensors, metadata={"tidespec": json.dumps(meta)})
@@ -347,7 +354,7 @@ class SignalStore:
             taps=tensors["taps"], token_ids=tensors["token_ids"], next_token_ids=tensors["next_token_ids"],
             seq_ids=tensors["seq_ids"], positions=tensors["positions"], domain_ids=tensors["domain_ids"],
             alphas=tensors["alphas"], topk_ids=tensors.get("topk_ids"), topk_logits=tensors.get("topk_logits"),
-            domains=list(meta["domains"]), wall_time=float(meta["wall_time"]),
+            hidden=tensors.get("hidden"), domains=list(meta["domains"]), wall_time=float(meta["wall_time"]),
             drafter_version=int(meta["drafter_version"]),
             acceptance={str(k): float(v) for k, v in meta["acceptance"].items()})
 

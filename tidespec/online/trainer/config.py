@@ -11,12 +11,42 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tidespec.config import opt
+from tidespec.config import opt, section
 from tidespec.errors import ConfigError
 
 
 class TrainerConfigError(ConfigError):
     """A trainer setting is invalid; the message is one line."""
+
+
+@dataclass
+class LoraAlignConfig:
+    """Flags ``--lora-*`` of ``tidespec train-drafter`` (EvoSpec Table 5 defaults where it has one)."""
+
+    enabled: bool = opt(False, "between full rounds, align the newest head with LoRA adapters from the newest "
+                               "signals (EvoSpec path B; the signals must carry the target's hidden states: serve "
+                               "with --online-lora)", flag="--lora")
+    rank: int = opt(32, "adapter rank on the head's query and value projections")
+    alpha: float = opt(32.0, "adapter scaling numerator (scaling = alpha / rank)")
+    beta: float = opt(0.3, "curriculum: unroll step j of a row weighs exp(-beta * L_base * (j - 1))")
+    temperature: float = opt(1.0, "distillation temperature of the top-k KL")
+    topk: int = opt(20, "target top-k logits the KL runs over")
+    kl_threshold: float = opt(0.5, "a row the drafter got right still joins the replay buffer if its draft/target "
+                                   "KL exceeds this")
+    buffer_rows: int = opt(32, "eligible rows in the replay buffer that trigger an update (EvoSpec B)")
+    steps: int = opt(8, "optimizer steps per update")
+    lr: float = opt(5e-4, "adapter AdamW learning rate")
+    min_rows: int = opt(64, "new signal rows the aligner waits for before it reads them")
+    heldout_rows: int = opt(2048, "newest held-out rows kept to judge adapters")
+
+    def __post_init__(self) -> None:
+        for name in ("rank", "topk", "buffer_rows", "steps", "min_rows", "heldout_rows"):
+            if getattr(self, name) < 1:
+                raise TrainerConfigError(f"lora_{name} must be >= 1, got {getattr(self, name)}")
+        if self.alpha <= 0 or self.temperature <= 0 or self.lr <= 0:
+            raise TrainerConfigError("lora_alpha, lora_temperature and lora_lr must be > 0")
+        if self.beta < 0 or self.kl_threshold < 0:
+            raise TrainerConfigError("lora_beta and lora_kl_threshold must be >= 0")
 
 
 @dataclass
@@ -78,6 +108,7 @@ class TrainerConfig:
     export_dtype: Literal["float32", "bfloat16", "float16"] = opt("float32", "dtype of the --export-dir weights")
     backend: Literal["auto", "gloo", "nccl"] = opt("auto", "torch.distributed backend under torchrun")
     progress: bool = opt(True, "show progress bars (rank 0)")
+    lora: LoraAlignConfig = section(LoraAlignConfig, "lora")
 
     def __post_init__(self) -> None:
         if not self.signal_dir:

@@ -15,13 +15,13 @@ child of a serving process (which runs it under ``trainer.supervisor.TrainerSupe
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +128,7 @@ def train_drafter(cfg: TrainerConfig) -> list[RoundResult]:
             ctx.barrier()
             if cfg.capture_only:
                 return []
-        run_cfg = TrainerConfig(**{**asdict(cfg), "device": device})
+        run_cfg = dataclasses.replace(cfg, device=device)
         trainer = DraftTrainer(run_cfg, loaded.config, loaded.model.embed_tokens, ctx, target=loaded.model)
         if cfg.from_workload:  # the bootstrap signals form one round now, whatever their count
             first = trainer.run_round(min_signals=1)
@@ -178,6 +178,8 @@ def start_trainer_process(online: OnlineConfig, model: str | None, dtype: str = 
            "--no-progress"]
     if model:
         cmd += ["--model", model]
+    if online.lora:
+        cmd += ["--lora"]
     cmd += list(extra_args)
     log = Path(log_path) if log_path is not None else trainer_log_path(online)
     log.parent.mkdir(parents=True, exist_ok=True)

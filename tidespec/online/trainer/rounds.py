@@ -63,6 +63,7 @@ from tidespec.online.store import ShardGone, ShardInfo, SignalShard, SignalStore
 from tidespec.online.trainer.config import TrainerConfig, TrainerConfigError
 from tidespec.online.trainer.data import fresh_head_for, segments_by_sequence, simulated_acceptance, split_heldout
 from tidespec.online.trainer.dist import DistContext, check_replicas_in_sync
+from tidespec.online.trainer.lora import LoraAligner
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +173,7 @@ class DraftTrainer:
         self.state = self.ctx.broadcast(TrainerState.load(self.root) if self.ctx.is_main else None)
         self.current_version = -1
         self.current = self._refresh_current()
+        self.aligner = self._aligner(target) if cfg.lora.enabled else None
 
     # -- the current drafter ---------------------------------------------------------------------
 
@@ -190,6 +192,19 @@ class DraftTrainer:
             head = fresh_head(self.target_cfg, self.cfg.draft_vocab or None, self.dtype, self.device)
         self.current_version, self.current = version, head
         return head
+
+    def _aligner(self, target: nn.Module | None) -> LoraAligner:
+        """EvoSpec's path B between the rounds (``trainer.lora``), reading from where the rounds stand."""
+        from tidespec.llm import output_matrix
+
+        if target is None or self.ctx.enabled:
+            raise TrainerConfigError("--lora needs the target model and a single trainer process")
+        cfg = self.cfg
+        aligner = LoraAligner(cfg.lora, self.store, self.root, self.embed, output_matrix(target).to(self.device),
+                              gamma=cfg.gamma, ttt_steps=cfg.ttt_steps, heldout_frac=cfg.heldout_frac,
+                              max_segment_len=cfg.max_segment_len, min_gain=cfg.min_gain)
+        aligner.start_cursor(self.state.last_shard_id)
+        return aligner
 
     def _newest_valid(self) -> int:
         pub = load_latest_valid(self.root, self.target_cfg)
@@ -351,8 +366,16 @@ class DraftTrainer:
                 results.append(result)
             if once or (max_rounds and len(results) >= max_rounds):
                 return results
-            if result is None:
+            if result is None and not self.align():
                 time.sleep(self.cfg.poll_s)
+
+    def align(self) -> bool:
+        """One step of the LoRA path on the current head, if it is on; True if it read new signals."""
+        if self.aligner is None:
+            return False
+        before = self.aligner.cursor
+        self.aligner.step(self._refresh_current(), self.current_version)
+        return self.aligner.cursor != before
 
 
 def lr_factor(step: int, steps: int, warmup: int, schedule: str, floor: float = 0.1) -> float:
