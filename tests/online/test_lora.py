@@ -254,10 +254,11 @@ def plain(model: LlamaModel, tok) -> list[list[int]]:
     return run(make_engine(model, tok), PROMPTS)[0]
 
 
-def serving_with_lora(model: LlamaModel, tok, tmp_path: Path, tree: bool = False):
+def serving_with_lora(model: LlamaModel, tok, tmp_path: Path, tree: bool = False, rollback_min_drafts: int = 64):
     """(config, base head, drafter, engine, OnlineTraining): serving version 1 with --online-lora, no pollers."""
     cfg = OnlineConfig(publish_root=str(tmp_path / "drafter"), signal_dir=str(tmp_path / "signals"), lora=True,
-                       capture_capacity_rows=2048, capture_flush_rows=64, collection=CollectionConfig(force=True))
+                       capture_capacity_rows=2048, capture_flush_rows=64, collection=CollectionConfig(force=True),
+                       rollback_min_drafts=rollback_min_drafts)
     base = random_head(model, 1)
     publish(cfg.publish_root, base, {})
     drafter = build_eagle3_drafter(model, cfg.publish_root, cfg=drafter_cfg())
@@ -350,3 +351,31 @@ def test_the_trainer_aligns_between_rounds_from_where_its_rounds_stand(model: Ll
     assert trainer.align() and not trainer.align()  # read the new rows once
     assert trainer.aligner is not None and trainer.aligner.base_version == 1
     assert len(trainer.aligner.results) == 1 and trainer.aligner.results[0].base_version == 1
+
+
+def test_a_version_rolled_back_to_takes_its_newest_adapter_on_its_clean_weights(model: LlamaModel, tok,
+                                                                                tmp_path: Path) -> None:
+    """v1 + a1 served, v2 swapped in, then v1's weights (with a1 merged, as a rollback restores them)
+    come back: a1 is merged again into v1's kept clean copy, never on top of itself."""
+    cfg, base, drafter, engine, online = serving_with_lora(model, tok, tmp_path, rollback_min_drafts=0)
+    ads = online.adapters
+    assert ads is not None
+    save_adapter(cfg.publish_root, adapted(base, 1), base_version=1, metrics={})
+    ads.poll_once()
+    engine.step()
+    assert ads.poll_once() == 1
+    engine.step()
+    served_v1 = {k: v.clone() for k, v in drafter.head.state_dict().items()}
+    publish(cfg.publish_root, random_head(model, 2), {})
+    assert online.updater.poll_once() == 2
+    engine.step()
+    assert drafter.version == 2 and ads.applied == 0
+    drafter.load_state(1, served_v1)  # what a rollback does: the previous head state, adapter included
+    engine.step()
+    assert ads.poll_once() == 1
+    engine.step()
+    assert ads.applied == 1
+    want = merged_state(base.state_dict(), load_adapter(adapter_dir(cfg.publish_root, 1, 1), base.cfg), base.cfg)
+    for name, t in drafter.head.state_dict().items():
+        torch.testing.assert_close(t, want[name])
+    online.close()

@@ -72,7 +72,7 @@ class AdapterUpdater(RootPoller):
         self._want_base = -1  # version whose weights the engine thread should copy
         self._served_version = drafter.version
         self._parked: _Parked | None = None
-        self._loaded = (drafter.version, 0)  # newest (version, adapter) parked or served
+        self._loaded = (drafter.version, 0)  # newest (version, adapter) parked or served, of the served version
 
     def poll_once(self) -> int | None:
         """Park the newest valid adapter of the served version merged into its weights; returns
@@ -80,8 +80,9 @@ class AdapterUpdater(RootPoller):
         with self._lock:
             version = self._served_version
             base = self._bases.get(version)
+            loaded = self._loaded
         numbers = list_adapters(self.root, version)
-        if not numbers or (version, numbers[-1]) <= self._loaded:
+        if not numbers or (loaded[0] == version and numbers[-1] <= loaded[1]):
             return None
         number = numbers[-1]
         if base is None:
@@ -103,8 +104,10 @@ class AdapterUpdater(RootPoller):
             logger.warning("refusing LoRA adapter %s: %s; serving goes on without it", d, exc)
             return None
         with self._lock:
+            if version != self._served_version:  # the version changed while we merged: start over
+                return None
             self._parked = _Parked(version, number, state, adapter.metrics)
-        self._loaded = (version, number)
+            self._loaded = (version, number)
         logger.info("LoRA adapter v%d/a%d merged (metrics %s); swapping in at the next step",
                     version, number, adapter.metrics)
         return number
@@ -117,8 +120,8 @@ class AdapterUpdater(RootPoller):
             with self._lock:
                 previous, self._served_version, self._parked = self._served_version, version, None
                 self._bases = {v: b for v, b in self._bases.items() if v in (version, previous)}
+                self._loaded = (version, 0)  # a rolled-back-to version takes its newest adapter again
             self.applied = 0
-            self._loaded = (version, 0)  # a rolled-back-to version takes its newest adapter again
         if self._want_base == version and version not in self._bases and self.applied == 0:
             clean = {k: v.detach().clone() for k, v in self.drafter.head.state_dict().items()}
             with self._lock:

@@ -21,7 +21,8 @@ class TrainerConfigError(ConfigError):
 
 @dataclass
 class LoraAlignConfig:
-    """Flags ``--lora-*`` of ``tidespec train-drafter`` (EvoSpec Table 5 defaults where it has one)."""
+    """Flags ``--lora-*`` of ``tidespec train-drafter``: EvoSpec Table 5's rank, alpha, beta, temperature and
+    buffer; our learning rate and steps (EvoSpec: lr 1e-5 over far more updates than a 2-core CPU runs)."""
 
     enabled: bool = opt(False, "between full rounds, align the newest head with LoRA adapters from the newest "
                                "signals (EvoSpec path B; the signals must carry the target's hidden states: serve "

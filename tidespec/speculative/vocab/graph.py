@@ -68,7 +68,7 @@ class CooccurrenceGraph:
         total = self.out_total[token]
         limit = min(k, self.cfg.max_degree)
         out: list[int] = []
-        for tok, c in counts.most_common():
+        for tok, c in counts.most_common(limit):  # a heap of ``limit``: no sort of every successor
             if c < self.cfg.min_count or c / total < self.cfg.tau or len(out) >= limit:
                 break
             out.append(tok)
