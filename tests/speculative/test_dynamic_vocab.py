@@ -122,6 +122,24 @@ def test_oov_event_admits_the_token_and_its_successors_off_the_caller() -> None:
     assert torch.equal(snap.rows, _rows(snap.ids)) and 8 in snap.members
 
 
+def test_steps_without_oov_reach_the_worker_in_batches() -> None:
+    """Hits and graph streams of ``batch_steps`` steps make one record; an OOV event sends at once
+    (with what was held); nothing is lost: the graph learns every stream."""
+    cfg = DynamicVocabConfig(core_size=2, semantic_k=0, batch_steps=3, buffer=ArcConfig(capacity=4, min_residency=0))
+    vocab = DynamicVocab(cfg, [0, 1], _rows, start=False)
+    for _ in range(2):
+        vocab.record([(0, None)], [(None, [0, 1])])
+    assert vocab._pending.qsize() == 0  # held: no worker wake-up yet
+    vocab.record([(1, None)], [(1, [0])])
+    assert vocab._pending.qsize() == 1  # the third step sends the batch
+    vocab.record([(0, None)], [(0, [1])])
+    vocab.record([(9, None)], [(1, [9])])
+    assert vocab._pending.qsize() == 2  # an OOV event goes at once, with the held step
+    vocab.process_pending()
+    assert vocab.graph.edges[0][1] == 3 and vocab.graph.edges[1][0] == 1 and vocab.graph.edges[1][9] == 1
+    assert 9 in vocab.snapshot.members
+
+
 def test_static_mode_counts_coverage_and_never_changes() -> None:
     vocab = DynamicVocab(DynamicVocabConfig(core_size=2, dynamic=False), [0, 1], _rows, start=False)
     vocab.record([(5, None)], [(None, [5])])

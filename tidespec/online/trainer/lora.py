@@ -16,7 +16,7 @@ process (never the engine) on the same signal store and publish root as the full
       -> eligible rows (Algorithm 1 line 24): label in the head's vocabulary and (greedy draft !=
          label or KL(p || q) > kl_threshold), judged with the adapters as they are now
       -> replay buffer; once it holds ``buffer_rows`` eligible rows: ``steps`` AdamW steps on the
-         curriculum loss, buffer cleared
+         curriculum loss (each on one chunk of <= 8 segments, in turn), buffer cleared
       -> simulated acceptance on the held-out rows, adapted vs base head; publish the adapter
          (``lora/v{base}/a{N}``) iff it is better; the engine merges it in between steps
 
@@ -48,11 +48,14 @@ from torch import nn
 from tidespec.models.eagle3_head import Eagle3Head
 from tidespec.models.eagle3_lora import lora_parameters, save_adapter, with_lora
 from tidespec.online.eagle3_train import SignalBatch, SignalSegment, unroll
-from tidespec.online.store import ShardGone, SignalShard, SignalStore
+from tidespec.online.store import ShardGone, ShardInfo, SignalShard, SignalStore
 from tidespec.online.trainer.config import LoraAlignConfig
 from tidespec.online.trainer.data import segments_by_sequence, simulated_acceptance, split_heldout
 
 logger = logging.getLogger(__name__)
+
+SEGMENTS_PER_BATCH = 8  # segments per forward of the gate and per optimizer step
+MAX_READ_ROWS = 4096  # newest rows of a backlog the aligner reads at once
 
 
 @dataclass
@@ -191,12 +194,19 @@ class LoraAligner:
         logger.info("lora: adapters (rank %d) reset on drafter version %d", self.cfg.rank, version)
 
     def _read_new(self) -> list[SignalShard]:
+        """The shards since the cursor once they hold ``min_rows`` rows; of a larger backlog (a trainer
+        that starts late) only the newest ``MAX_READ_ROWS``: alignment follows the traffic of now."""
         infos = self.store.list_shards(since=self.cursor)
         if not infos or sum(i.num_signals for i in infos) < self.cfg.min_rows:
             return []
         self.cursor = infos[-1].shard_id
+        newest: list[ShardInfo] = []
+        for info in reversed(infos):
+            if newest and sum(i.num_signals for i in newest) + info.num_signals > MAX_READ_ROWS:
+                break
+            newest.insert(0, info)
         shards = []
-        for info in infos:
+        for info in newest:
             try:
                 shard = self.store.read(info.shard_id)
             except ShardGone:
@@ -222,8 +232,9 @@ class LoraAligner:
         self._keep_heldout([s for s in held if s.topk_ids is not None])
         train = [s for s in train if s.num_positions >= 2 and s.topk_ids is not None]
         seen = sum(s.num_positions for s in train)
-        if train:
-            for seg, mask in zip(train, eligible_rows(self.head, self.embed, train, self.cfg.kl_threshold,
+        for i in range(0, len(train), SEGMENTS_PER_BATCH):  # bounded memory: logits are [B, N, draft vocab]
+            chunk = train[i:i + SEGMENTS_PER_BATCH]
+            for seg, mask in zip(chunk, eligible_rows(self.head, self.embed, chunk, self.cfg.kl_threshold,
                                                       self.cfg.temperature)):
                 if bool(mask.any()):
                     self.buffer.append((seg, mask))
@@ -232,23 +243,36 @@ class LoraAligner:
             return None
         return self._update(base, buffered, seen)
 
+    @torch.no_grad()
+    def _buffer_loss(self, chunks: list[list[tuple[SignalSegment, torch.Tensor]]]) -> float:
+        """The curriculum loss over the whole replay buffer (mean per replay row)."""
+        assert self.head is not None
+        total, rows = 0.0, 0
+        for chunk in chunks:
+            loss, n = curriculum_loss(self.head, self.embed, [s for s, _ in chunk], [m for _, m in chunk],
+                                      self.ttt_steps, self.cfg.beta, self.cfg.temperature)
+            total += float(loss) * n
+            rows += n
+        return total / max(1, rows)
+
     def _update(self, base: Eagle3Head, buffered: int, seen: int) -> AdapterResult:
         assert self.head is not None and self.optimizer is not None
-        segs, masks = [s for s, _ in self.buffer], [m for _, m in self.buffer]
+        chunks = [self.buffer[i:i + SEGMENTS_PER_BATCH] for i in range(0, len(self.buffer), SEGMENTS_PER_BATCH)]
         t0 = time.perf_counter()
+        loss_before = self._buffer_loss(chunks)
         self.head.train()
-        losses: list[float] = []
-        for _ in range(self.cfg.steps):
-            loss, _ = curriculum_loss(self.head, self.embed, segs, masks, self.ttt_steps, self.cfg.beta,
-                                      self.cfg.temperature)
+        for k in range(self.cfg.steps):  # each step one chunk of the buffer, in turn
+            chunk = chunks[k % len(chunks)]
+            loss, _ = curriculum_loss(self.head, self.embed, [s for s, _ in chunk], [m for _, m in chunk],
+                                      self.ttt_steps, self.cfg.beta, self.cfg.temperature)
             self.optimizer.zero_grad(set_to_none=True)
             if loss.requires_grad:
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(lora_parameters(self.head), 1.0)
                 self.optimizer.step()
-            losses.append(float(loss.detach()))
         self.head.eval()
         update_ms = (time.perf_counter() - t0) * 1e3
+        losses = [loss_before, self._buffer_loss(chunks)]
         self.buffer.clear()
         held = list(self.heldout)
         before = simulated_acceptance(base, self.embed, held, self.gamma)

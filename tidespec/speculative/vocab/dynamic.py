@@ -12,7 +12,9 @@ also learning from every served token) — admits them through ARC (``arc.ArcBuf
 output rows of the new V_t and publishes a new immutable ``VocabSnapshot``. The drafter reads the
 current snapshot once per ``propose`` (between steps), so a swap never happens inside a step and
 the step never waits on retrieval. Lossless by construction: the drafter's probabilities are its
-softmax over V_t, zero elsewhere, and verification is unchanged.
+softmax over V_t, zero elsewhere, and verification is unchanged. Steps without an OOV event (their
+buffer hits and graph streams) reach the worker in batches of ``batch_steps``: on 2 cores a worker
+woken every step took the GIL and the cores from the step often enough to show in the draft time.
 
 Worked example (core {0, 1}, buffer of 2, a recorded OOV token 7 whose successor is 8)::
 
@@ -53,9 +55,13 @@ class DynamicVocabConfig:
     semantic_k: int = 10  # HNSW neighbours per OOV event (EvoSpec: 10)
     successor_k: int = 8  # graph successors per seed (EvoSpec: 8)
     max_pending: int = 256  # recorded steps waiting for the worker; beyond, the oldest are dropped (counted)
+    # steps whose buffer hits and graph streams go to the worker as one record (an OOV event goes at
+    # once, with them): the worker wakes, and takes the GIL from the step, once per batch, not per step
+    batch_steps: int = 16
 
     def __post_init__(self) -> None:
-        check_at_least(1, vocab_core_size=self.core_size, vocab_max_pending=self.max_pending)
+        check_at_least(1, vocab_core_size=self.core_size, vocab_max_pending=self.max_pending,
+                       vocab_batch_steps=self.batch_steps)
         check_at_least(0, vocab_semantic_k=self.semantic_k, vocab_successor_k=self.successor_k)
 
 
@@ -130,6 +136,9 @@ class DynamicVocab:
         self._pending: queue.Queue[_Record | None] = queue.Queue()
         self._lock = threading.Lock()  # guards the rows source swap against a publish in flight
         self._steps = 0
+        self._held_hits: list[int] = []  # buffer hits and streams of steps not yet sent to the worker
+        self._held_streams: list[tuple[int | None, list[int]]] = []
+        self._held_steps = 0
         self.snapshot = self._build(0)
         self._thread: threading.Thread | None = None
         if start:
@@ -158,10 +167,20 @@ class DynamicVocab:
                 oov.append((tok, hidden.detach().clone() if hidden is not None else None))
         if not (self.cfg.dynamic and (oov or hits or streams)):
             return
+        self._held_hits += hits
+        self._held_streams += streams
+        self._held_steps += 1
+        if oov or self._held_steps >= self.cfg.batch_steps:
+            self._send(oov)
+
+    def _send(self, oov: list[tuple[int, torch.Tensor | None]]) -> None:
+        """Queue one record: ``oov`` and the held hits and streams (engine thread)."""
+        rec = _Record(self._steps, oov, self._held_hits, self._held_streams)
+        self._held_hits, self._held_streams, self._held_steps = [], [], 0
         if self._pending.qsize() >= self.cfg.max_pending:
             self.stats.dropped += 1
             return
-        self._pending.put(_Record(self._steps, oov, hits, streams))
+        self._pending.put(rec)
 
     def observe(self, observations: list[Observation]) -> None:
         """``record`` the generated tokens of a step's observations: row j of an observation
@@ -207,7 +226,9 @@ class DynamicVocab:
                 self._pending.task_done()
 
     def process_pending(self) -> None:
-        """Run the queued records on this thread (``start=False``)."""
+        """Run the queued records, and the held steps, on this thread (``start=False``)."""
+        if self._held_steps:
+            self._send([])
         while not self._pending.empty():
             rec = self._pending.get_nowait()
             try:
@@ -217,7 +238,9 @@ class DynamicVocab:
                 self._pending.task_done()
 
     def drain(self) -> None:
-        """Wait until every recorded step has been processed (tests, benchmarks)."""
+        """Wait until every recorded step has been processed (tests, benchmarks; the engine thread)."""
+        if self._held_steps:
+            self._send([])
         if self._thread is None:
             self.process_pending()
         else:
