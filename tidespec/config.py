@@ -312,8 +312,9 @@ class OnlineTrainingConfig:
     capture_prompt: bool = opt(False, "also capture prompt positions (labels are the user's text, not the "
                                       "target's outputs; repeated chat templates then dominate the trainer's "
                                       "held-out score)", flag="--collect-prompt")
-    lora: bool = opt(False, "EvoSpec path B: also capture the target's final hidden states, and the trainer child "
-                            "aligns the head with LoRA adapters between full rounds (merged in between steps)",
+    lora: bool = opt(False, "EvoSpec path B: also capture the target's final hidden states (full rounds then "
+                            "distil from its top-k), and the trainer child aligns the head with LoRA adapters "
+                            "between full rounds (merged in between steps)",
                      flag="--online-lora")
     collect: CollectionConfig = section(CollectionConfig, "collect")
 

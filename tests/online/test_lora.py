@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -379,3 +380,28 @@ def test_a_version_rolled_back_to_takes_its_newest_adapter_on_its_clean_weights(
     for name, t in drafter.head.state_dict().items():
         torch.testing.assert_close(t, want[name])
     online.close()
+
+
+def test_full_rounds_distil_from_the_top_k_of_captured_hidden_states(model: LlamaModel, tok, tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import tidespec.online.trainer.rounds as rounds
+
+    cfg = capture_with_hidden(model, tok, tmp_path, PROMPTS)
+    seen: list[bool] = []
+    inner = rounds.ttt_loss
+
+    def spy(head, embed, segments, *args, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(all(s.topk_ids is not None for s in segments))
+        return inner(head, embed, segments, *args, **kwargs)
+
+    monkeypatch.setattr(rounds, "ttt_loss", spy)
+    tcfg = TrainerConfig(signal_dir=cfg.signal_dir, publish_root=cfg.publish_root, heldout_frac=0.25, max_steps=2,
+                         progress=False, lora=LoraAlignConfig(topk=5))
+    trainer = rounds.DraftTrainer(tcfg, model.cfg, model.embed_tokens, target=model)
+    assert trainer.run_round(min_signals=1) is not None
+    assert seen and all(seen)  # every training step saw the target's top-k
+    seen.clear()
+    blind = rounds.DraftTrainer(dataclasses.replace(tcfg, publish_root=str(tmp_path / "other")), model.cfg,
+                                model.embed_tokens)  # without the target: hard labels, as before
+    assert blind.run_round(min_signals=1) is not None
+    assert seen and not any(seen)

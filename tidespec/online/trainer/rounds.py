@@ -9,6 +9,8 @@ recorded in ``trainer_state.json``. The process around it is ``trainer.process``
 One round::
 
     new shards since the last consumed shard id  (>= min_signals rows, else wait poll_s)
+      -> shards captured with the target's final hidden states (--online-lora) get its top-k logits,
+         so the round distils from the target's distribution rather than imitating its tokens
       -> rows grouped per sequence into runs of consecutive positions, cut to max_segment_len
       -> split by sequence: ~heldout_frac of the sequences held out (positions split if only one)
       -> plus up to replay_rows rows of earlier rounds' shards (newest first), training only, so a
@@ -63,7 +65,7 @@ from tidespec.online.store import ShardGone, ShardInfo, SignalShard, SignalStore
 from tidespec.online.trainer.config import TrainerConfig, TrainerConfigError
 from tidespec.online.trainer.data import fresh_head_for, segments_by_sequence, simulated_acceptance, split_heldout
 from tidespec.online.trainer.dist import DistContext, check_replicas_in_sync
-from tidespec.online.trainer.lora import LoraAligner
+from tidespec.online.trainer.lora import LoraAligner, with_target_topk
 
 logger = logging.getLogger(__name__)
 
@@ -173,6 +175,7 @@ class DraftTrainer:
         self.state = self.ctx.broadcast(TrainerState.load(self.root) if self.ctx.is_main else None)
         self.current_version = -1
         self.current = self._refresh_current()
+        self._out_rows: torch.Tensor | None = None  # the target's LM-head rows, once a shard has hidden states
         self.aligner = self._aligner(target) if cfg.lora.enabled else None
 
     # -- the current drafter ---------------------------------------------------------------------
@@ -195,16 +198,31 @@ class DraftTrainer:
 
     def _aligner(self, target: nn.Module | None) -> LoraAligner:
         """EvoSpec's path B between the rounds (``trainer.lora``), reading from where the rounds stand."""
-        from tidespec.llm import output_matrix
-
         if target is None or self.ctx.enabled:
             raise TrainerConfigError("--lora needs the target model and a single trainer process")
         cfg = self.cfg
-        aligner = LoraAligner(cfg.lora, self.store, self.root, self.embed, output_matrix(target).to(self.device),
+        aligner = LoraAligner(cfg.lora, self.store, self.root, self.embed, self._target_rows(target),
                               gamma=cfg.gamma, ttt_steps=cfg.ttt_steps, heldout_frac=cfg.heldout_frac,
                               max_segment_len=cfg.max_segment_len, min_gain=cfg.min_gain)
         aligner.start_cursor(self.state.last_shard_id)
         return aligner
+
+    def _with_target_topk(self, shards: list[SignalShard]) -> list[SignalShard]:
+        """Shards that carry the target's final hidden states (``--online-lora`` capture) get its top-k
+        logits (``--topk``, else ``--lora-topk``), so the round distils from the target's
+        distribution (``--distill``) instead of imitating its tokens; other shards as they are."""
+        if self.target is None or not any(s.hidden is not None and s.topk_ids is None for s in shards):
+            return shards
+        rows, k = self._target_rows(self.target), self.cfg.topk or self.cfg.lora.topk
+        return [with_target_topk(s, rows, k) for s in shards]
+
+    def _target_rows(self, target: nn.Module) -> torch.Tensor:
+        """[V, H] the target's LM-head rows (a target's logits = its final hidden state times these)."""
+        if self._out_rows is None:
+            from tidespec.llm import output_matrix
+
+            self._out_rows = output_matrix(target).to(self.device)
+        return self._out_rows
 
     def _newest_valid(self) -> int:
         pub = load_latest_valid(self.root, self.target_cfg)
@@ -261,8 +279,8 @@ class DraftTrainer:
             except ShardGone:
                 logger.info("shard %s was evicted before it was read", info.shard_id)
         common = set(read).intersection(*self.ctx.all_gather(set(read)))  # every rank trains on the same rows
-        shards = [read[i.shard_id] for i in infos if i.shard_id in common]
-        old = [read[i.shard_id] for i in replay if i.shard_id in common]
+        shards = self._with_target_topk([read[i.shard_id] for i in infos if i.shard_id in common])
+        old = self._with_target_topk([read[i.shard_id] for i in replay if i.shard_id in common])
         self.state.last_shard_id = infos[-1].shard_id
         train, heldout = split_heldout(segments_by_sequence(shards, self.cfg.max_segment_len), self.cfg.heldout_frac)
         # replayed rows only train (the held-out split measures the traffic of now)
