@@ -56,6 +56,8 @@ def test_trace_phases_take_fresh_records(tmp_path: Path) -> None:
     ({"drafter": "suffix,eagle3"}, "analytic"),
     ({"policy": "oracle"}, "policy"),
     ({"trainer_share": 1.5}, "trainer_share"),
+    ({"configs": "plain,vocab-dynamic:4096"}, "configs must be"),
+    ({"configs": "vocab-static:0"}, "configs must be"),
 ])
 def test_config_validation(kwargs: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
@@ -171,7 +173,8 @@ def test_shift_bench_compares_draft_vocabularies(tmp_path: Path) -> None:
     a = _workload(tmp_path / "a.jsonl", "a", 6, 10)
     b = _workload(tmp_path / "b.jsonl", "b", 3, 40)
     cfg = ShiftBenchConfig(workloads=f"{a},{b}", requests_per_phase=3, max_tokens=10, gamma=3, concurrency=1,
-                           configs="plain,frozen,vocab-static,vocab-dynamic,vocab-full", turn=3, draft_vocab=0,
+                           configs="plain,frozen,vocab-static,vocab-dynamic,vocab-full,vocab-static:6,"
+                                   "vocab-dynamic:6:2", turn=3, draft_vocab=0,
                            vocab_core=8, vocab_buffer=4, vocab_corpus=str(a), window=2, bin_s=0.5,
                            overhead_repeats=0, recompute_rows=0)
     out = tmp_path / "out"
@@ -185,3 +188,6 @@ def test_shift_bench_compares_draft_vocabularies(tmp_path: Path) -> None:
     assert configs["vocab-static"]["vocab"]["size"] == 12 and configs["vocab-dynamic"]["vocab"]["core"] == 8
     assert configs["vocab-dynamic"]["vocab"]["size"] <= 12 and configs["vocab-dynamic"]["vocab"]["errors"] == 0
     assert "coverage % / accept len / draft ms per token" in (out / "README.md").read_text()
+    sized = configs["vocab-dynamic:6:2"]["vocab"]  # a size sweep's configurations: the sizes they name
+    assert configs["vocab-static:6"]["vocab"]["size"] == 6 and sized["core"] == 6 and sized["size"] <= 8
+    assert configs["vocab-dynamic:6:2"]["mismatches"] == 0

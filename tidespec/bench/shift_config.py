@@ -17,6 +17,7 @@ Worked example::
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ from tidespec.workloads.loader import Prompt, load_prompts
 CONFIGS = ("plain", "frozen", "online", "ngram", "suffix", "vocab-static", "vocab-dynamic", "vocab-full",
            "vocab-static-lora", "vocab-dynamic-lora")
 ONLINE_CONFIGS = ("online", "vocab-static-lora", "vocab-dynamic-lora")  # each with its own trainer child
+# a draft vocabulary of chosen sizes, for a size sweep in one run: vocab-static:CORE, vocab-dynamic:CORE:BUFFER
+SIZED_VOCAB = re.compile(r"vocab-static:[1-9]\d*|vocab-dynamic:[1-9]\d*:[1-9]\d*")
 
 
 @dataclass
@@ -56,7 +59,8 @@ class ShiftBenchConfig:
     configs: str = opt("plain,frozen,online", "comma-separated subset of plain, frozen, online, ngram, suffix (that "
                                              "drafter alone at --gamma, static), vocab-static / vocab-dynamic / "
                                              "vocab-full (draft vocabularies), vocab-static-lora / vocab-dynamic-lora "
-                                             "(the same with online LoRA alignment); 'none' runs only the "
+                                             "(the same with online LoRA alignment), vocab-static:CORE / "
+                                             "vocab-dynamic:CORE:BUFFER (chosen sizes: a sweep); 'none' runs only the "
                                              "capture-overhead and signals-vs-recompute measurements")
     drafter: str = opt("eagle3", "drafters of frozen and online: eagle3, or several joined by commas that include "
                                  "eagle3 (e.g. suffix,eagle3: --policy analytic, bandit or hybrid chooses per step)")
@@ -99,7 +103,7 @@ class ShiftBenchConfig:
     def __post_init__(self) -> None:
         if not self.phases:
             raise ConfigError("workloads must name at least one workload")
-        unknown = [c for c in self.config_names if c not in CONFIGS]
+        unknown = [c for c in self.config_names if c not in CONFIGS and not SIZED_VOCAB.fullmatch(c)]
         if unknown or not (self.config_names or self.configs.strip() == "none"):
             raise ConfigError(f"configs must be a subset of {', '.join(CONFIGS)} (or 'none': only the side "
                               f"measurements), got {self.configs!r}")

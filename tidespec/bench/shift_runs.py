@@ -225,12 +225,18 @@ def eagle3_engine(model: LlamaModel, tokenizer: Any, ecfg: EngineConfig, root: P
 def vocab_engine(model: LlamaModel, tokenizer: Any, ecfg: EngineConfig, root: Path, cfg: ShiftBenchConfig,
                  config: str) -> LLMEngine:
     """The frozen EAGLE-3 engine of ``root`` over the draft vocabulary ``config`` names (vocab-static:
-    a frequency core as large as vocab-dynamic's core + buffer; vocab-full: every target token).
+    a frequency core as large as vocab-dynamic's core + buffer; vocab-full: every target token;
+    vocab-static:CORE, vocab-dynamic:CORE:BUFFER: those sizes).
     The HNSW index is built (or read from its cache) here, before any turn is timed."""
-    mode, core = {"vocab-static": ("static", cfg.vocab_core + cfg.vocab_buffer),
-                  "vocab-dynamic": ("dynamic", cfg.vocab_core),
-                  "vocab-full": ("static", model.cfg.vocab_size)}[config]
-    vocab = DraftVocabConfig(mode=mode, core=core, buffer=cfg.vocab_buffer, corpus=cfg.vocab_corpus)
+    if ":" in config:  # vocab-static:CORE or vocab-dynamic:CORE:BUFFER (a size sweep)
+        kind, *sizes = config.split(":")
+        mode, core, buffer = kind.removeprefix("vocab-"), int(sizes[0]), int(sizes[1]) if len(sizes) > 1 else 0
+    else:
+        mode, core = {"vocab-static": ("static", cfg.vocab_core + cfg.vocab_buffer),
+                      "vocab-dynamic": ("dynamic", cfg.vocab_core),
+                      "vocab-full": ("static", model.cfg.vocab_size)}[config]
+        buffer = cfg.vocab_buffer
+    vocab = DraftVocabConfig(mode=mode, core=core, buffer=buffer or DraftVocabConfig.buffer, corpus=cfg.vocab_corpus)
     spec = dataclasses.replace(ecfg.spec, vocab=vocab)
     engine = eagle3_engine(model, tokenizer, dataclasses.replace(ecfg, spec=spec), root, cfg.draft_vocab)
     dv = draft_vocab_of(engine)
