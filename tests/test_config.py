@@ -21,7 +21,8 @@ from tidespec.server.cli import register as register_serve
 
 # Every engine flag and its default as the flat SpecConfig (34 fields) had them, plus those added since
 # (--quantization, --quant-group-size, --compile, --trainer-max-restarts, --trainer-backoff-max-s); nesting the config
-# must not rename a flag or move a default.
+# must not rename a flag or move a default (deliberate moves: --draft-vocab-core 4096 -> 0 = auto and
+# --draft-vocab-buffer 256 -> 512, after the size sweep of docs/benchmarks.md section 17).
 FLAGS = {
     '--model': None, '--dtype': 'float32', '--device': 'cpu', '--threads': 0, '--quantization': 'none',
     '--quant-group-size': 32, '--compile': False, '--max-model-len': 2048,
@@ -30,7 +31,7 @@ FLAGS = {
     '--suffix-max-tree-tokens': 20000, '--suffix-min-prob': 0.1, '--suffix-factor': 1.0, '--draft-model': None,
     '--draft-layers': 0, '--tree-top-k': 2, '--policy': 'static', '--profile': None, '--guard-kv-usage': 0.9,
     '--guard-temperature': 2.0, '--eagle3-dir': None, '--eagle3-draft-vocab': 0, '--eagle3-tree-depth': 5,
-    '--eagle3-tree-top-k': 4, '--draft-vocab-mode': 'off', '--draft-vocab-core': 4096, '--draft-vocab-buffer': 256,
+    '--eagle3-tree-top-k': 4, '--draft-vocab-mode': 'off', '--draft-vocab-core': 0, '--draft-vocab-buffer': 512,
     '--draft-vocab-max-insert': 32, '--draft-vocab-min-residency': 8,
     '--draft-vocab-corpus': 'drafter_boot,code_extra', '--online-training': False, '--signal-dir': None, '--signal-budget-mb': 2048,
     '--online-poll-s': 2.0, '--trainer-device': None, '--trainer-args': '', '--trainer-nice': 0,

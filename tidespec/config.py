@@ -176,6 +176,9 @@ class Eagle3Options:
 
 
 DRAFT_VOCAB_MODES = ("off", "static", "dynamic")
+# auto draft-vocabulary size for a 49k vocabulary: the shipped head's own 8,192 rows; the size sweep
+# (docs/benchmarks.md section 17) found the core decides coverage and 8,192 covers >= 98 % per phase
+AUTO_VOCAB_ROWS = 8192
 
 
 @dataclass
@@ -186,12 +189,26 @@ class DraftVocabConfig(Section):
     mode: str = opt("off", "draft vocabulary: off (the drafter's own), static (a frequency core only, "
                            "FR-Spec), dynamic (core + a buffer refilled from what the traffic needs)",
                     choices=DRAFT_VOCAB_MODES)
-    core: int = opt(4096, "tokens in the static frequency core", min=1)
-    buffer: int = opt(256, "dynamic buffer capacity (ARC)", min=1)
+    core: int = opt(0, f"tokens in the static frequency core (0 = auto: V_t no larger than the drafter's own "
+                       f"vocabulary or {AUTO_VOCAB_ROWS} tokens, whichever is smaller)", min=0)
+    buffer: int = opt(512, "dynamic buffer capacity (ARC)", min=1)
     max_insert: int = opt(32, "dynamic: tokens admitted per out-of-vocabulary event at most", min=1)
     min_residency: int = opt(8, "dynamic: steps a token stays in the buffer before it may be evicted", min=0)
     corpus: str = opt("drafter_boot,code_extra", "workloads (names or .jsonl paths, comma-separated) whose "
                                                  "tokens give the core and seed the co-occurrence graph")
+
+    def core_size(self, own: int) -> int:
+        """The core for a drafter with ``own`` trained output rows: ``core``, or (auto) as many
+        tokens as keep |V_t| = core + buffer within min(own, AUTO_VOCAB_ROWS), so the output
+        layer never costs more than the drafter's own.
+
+        Example: auto, own 8,192, buffer 512 -> dynamic 7,680, static 8,192; own 100 -> dynamic 50
+        (at least half the rows stay in the core).
+        """
+        if self.core:
+            return self.core
+        rows = min(own, AUTO_VOCAB_ROWS)
+        return max(rows - self.buffer, (rows + 1) // 2) if self.mode == "dynamic" else rows
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -120,9 +120,9 @@ def attach_draft_vocab(drafter: Drafter | None, vc: DraftVocabConfig, target: Ll
                        tokenizer: PreTrainedTokenizerBase) -> DynamicVocab | None:
     """Give the EAGLE-3 drafter, else the draft-model drafter (alone or in a ``MultiDrafter``), the
     draft vocabulary ``vc`` asks for (None for mode "off"): the core and the co-occurrence graph
-    from ``vc.corpus``'s tokens; the output rows of EAGLE-3 from its head (its own rows, the
-    target's LM head for other tokens; the core is topped up from the head's own vocabulary), of
-    the draft model from its LM head."""
+    from ``vc.corpus``'s tokens (a pruned EAGLE-3 head's own vocabulary first); the output rows of
+    EAGLE-3 from its head (its own rows, the target's LM-head rows mapped into its space for other
+    tokens), of the draft model from its LM head."""
     if vc.mode == "off":
         return None
     members = drafter.members.values() if isinstance(drafter, MultiDrafter) else [drafter]
@@ -136,17 +136,20 @@ def attach_draft_vocab(drafter: Drafter | None, vc: DraftVocabConfig, target: Ll
                 graph.add(prompt.token_ids)
     lm = output_matrix(target)
     rows_for: Callable[[torch.Tensor], torch.Tensor]
-    fill: list[int] | None = None
+    own: list[int] | None = None  # tokens with trained output rows (None: all of them)
     if isinstance(user, Eagle3Drafter):
         eagle = user
-        rows_for, fill = (lambda ids: eagle.head.output_rows(ids, lm)), eagle.own_ids()
+        rows_for, own = (lambda ids: eagle.head.output_rows(ids, lm)), eagle.own_ids()
+        own = own if len(own) < target.cfg.vocab_size else None
     else:
         draft_lm = output_matrix(user.model)
         rows_for = lambda ids: draft_lm[ids.to(draft_lm.device)]  # noqa: E731 - the draft model's own LM head
-    cfg = DynamicVocabConfig(core_size=vc.core, dynamic=vc.mode == "dynamic", buffer=ArcConfig(
-        capacity=vc.buffer, max_insert=vc.max_insert, min_residency=vc.min_residency))
+    dynamic = vc.mode == "dynamic"
+    cfg = DynamicVocabConfig(core_size=vc.core_size(len(own) if own else target.cfg.vocab_size), dynamic=dynamic,
+                             buffer=ArcConfig(capacity=vc.buffer, max_insert=vc.max_insert,
+                                              min_residency=vc.min_residency))
     vocab = DynamicVocab.from_graph(cfg, graph, target.cfg.vocab_size, rows_for,
-                                    index_rows=lm if cfg.dynamic else None, fill=fill, start=cfg.dynamic)
+                                    index_rows=lm if cfg.dynamic else None, own=own, start=cfg.dynamic)
     user.vocab = vocab
     return vocab
 

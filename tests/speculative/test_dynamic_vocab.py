@@ -15,7 +15,7 @@ from tidespec.config import CacheConfig, DraftModelConfig, DraftVocabConfig, Eng
 from tidespec.engine.engine import LLMEngine
 from tidespec.errors import ConfigError
 from tidespec.llm import attach_draft_vocab
-from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head, init_from_target
+from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head, fit_row_map, init_from_target
 from tidespec.models.llama import LlamaModel
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.draft_model import DraftModelDrafter
@@ -289,15 +289,58 @@ def test_draft_model_greedy_equals_plain_while_v_t_changes(target: LlamaModel, t
     assert vocab.stats.oov_events > 0 and vocab.stats.published > 0
 
 
-def test_v_t_rows_are_the_heads_own_or_the_targets(target: LlamaModel) -> None:
+def test_v_t_rows_are_the_heads_own_or_the_targets_mapped(target: LlamaModel) -> None:
     head = _head(target, draft_vocab=24)
     lm = target.lm_head.weight.detach()
     ids = torch.tensor([3, 30, 0])  # 30 is outside the head's 24-token vocabulary
     rows = head.output_rows(ids, lm)
-    assert torch.equal(rows[0], head.lm_head.weight[3]) and torch.equal(rows[1], lm[30])
+    assert torch.equal(rows[0], head.lm_head.weight[3]) and torch.equal(rows[1], lm[30] @ head.row_map(lm))
     h = torch.randn(2, target.cfg.hidden_size, dtype=target.dtype)
     full = head.logits(h)  # [2, 24] over the head's own vocabulary
     torch.testing.assert_close(head.logits(h, rows)[:, [0, 2]], full[:, [3, 0]])
+
+
+def test_rows_outside_the_heads_vocabulary_follow_how_its_rows_moved(target: LlamaModel) -> None:
+    """A head whose trained rows are the target's rotated and halved gets the same for the rest;
+    new weights (a version swap) refit the map."""
+    head = _head(target, draft_vocab=40)
+    lm = target.lm_head.weight.detach()  # [48, H]
+    q = torch.linalg.qr(torch.randn(lm.shape[1], lm.shape[1], dtype=lm.dtype, generator=torch.Generator().manual_seed(3)))[0]
+    with torch.no_grad():
+        head.lm_head.weight.copy_(0.5 * lm[:40] @ q)  # the identity d2t: draft id i is target id i
+
+    def error(got: torch.Tensor, want: torch.Tensor) -> float:  # relative, per row: the ridge shrinks a little
+        # (40 random rows in 32 dims: raw target rows would be off by ~2)
+        return float(((got - want).norm(dim=1) / want.norm(dim=1)).max())
+
+    assert error(head.output_rows(torch.tensor([41, 47]), lm), 0.5 * lm[[41, 47]] @ q) < 0.2
+    with torch.no_grad():
+        head.lm_head.weight.copy_(2.0 * lm[:40])
+    assert error(head.output_rows(torch.tensor([41]), lm), 2.0 * lm[[41]]) < 0.2
+
+
+def test_fit_row_map_worked_example() -> None:
+    x = torch.randn(64, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    m = fit_row_map(x, 0.5 * x, ridge=0.0)
+    torch.testing.assert_close(m, 0.5 * torch.eye(4, dtype=torch.float64))
+    assert float(fit_row_map(x, 0.5 * x).diagonal().max()) < 0.5  # the ridge shrinks it a little
+
+
+def test_the_core_puts_the_drafters_own_tokens_first() -> None:
+    g = CooccurrenceGraph(GraphConfig(min_count=1))
+    g.add([7, 7, 7, 7, 7, 2, 2, 2, 2, 2, 2, 2, 2, 2, 4])  # counts {7: 5, 2: 9, 4: 1}
+    cfg = DynamicVocabConfig(core_size=4, dynamic=False)
+    rows = lambda ids: torch.zeros(len(ids), 2)  # noqa: E731
+    assert DynamicVocab.from_graph(cfg, g, 12, rows, own=[4, 7, 9], start=False).core == [7, 4, 9, 2]
+    assert DynamicVocab.from_graph(cfg, g, 12, rows, start=False).core == [2, 7, 4, 0]  # every row trained
+
+
+def test_auto_core_keeps_v_t_within_the_drafters_own_rows() -> None:
+    assert DraftVocabConfig(mode="dynamic", buffer=512).core_size(8192) == 7680
+    assert DraftVocabConfig(mode="static").core_size(8192) == 8192
+    assert DraftVocabConfig(mode="dynamic", buffer=512).core_size(49152) == 7680  # at most AUTO_VOCAB_ROWS
+    assert DraftVocabConfig(mode="dynamic", buffer=512).core_size(100) == 50  # half stays in the core
+    assert DraftVocabConfig(mode="dynamic", core=300).core_size(8192) == 300
 
 
 # -- sampling: the target's distribution with a dynamic V_t ----------------------------------------
@@ -374,7 +417,7 @@ def test_draft_vocab_options_are_validated_and_need_eagle3(target: LlamaModel) -
     with pytest.raises(ConfigError, match="corpus"):
         DraftVocabConfig(corpus=" , ")
     with pytest.raises(ConfigError, match="draft_vocab_core|core"):
-        DraftVocabConfig(core=0)
+        DraftVocabConfig(core=-1)
     with pytest.raises(ConfigError, match="eagle3"):
         attach_draft_vocab(None, DraftVocabConfig(mode="static"), target, tiny_tokenizer(V))
     assert attach_draft_vocab(None, DraftVocabConfig(), target, tiny_tokenizer(V)) is None  # mode off

@@ -15,7 +15,8 @@ the engine three ways:
   engine decodes beyond ``--trainer-share``, ``online.trainer.governor``), swaps between steps;
 * ``ngram`` / ``suffix`` (optional) — that model-free drafter alone at a static gamma;
 * ``vocab-static`` / ``vocab-dynamic`` / ``vocab-full`` (optional) — the frozen drafter over a draft
-  vocabulary (EvoSpec: FR-Spec's frequency core, core + retrieved buffer, every token), and
+  vocabulary (EvoSpec: FR-Spec's frequency core, core + retrieved buffer, every token; the head's
+  rows for tokens outside its own vocabulary are the target's, mapped into its space), and
   ``vocab-static:CORE`` / ``vocab-dynamic:CORE:BUFFER`` of chosen sizes (a size sweep in one run);
 * ``vocab-static-lora`` / ``vocab-dynamic-lora`` (optional) — the same, aligned online: capture on,
   a trainer child that only trains LoRA adapters (EvoSpec path B, ``online.trainer.lora``), adapters

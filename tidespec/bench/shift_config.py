@@ -88,7 +88,8 @@ class ShiftBenchConfig:
     trainer_threads: int = opt(1, "online: torch threads of the trainer child process")
     trainer_epochs: float = opt(4.0, "online: passes over each round's signals")
     trainer_args: str = opt("", "online: extra train-drafter flags")
-    vocab_core: int = opt(DraftVocabConfig.core, "vocab-dynamic: frequency core (vocab-static gets core + buffer)")
+    vocab_core: int = opt(DraftVocabConfig.core, "vocab-dynamic: frequency core, 0 = auto (vocab-static gets core + buffer, "
+                                                   "or the auto |V_t| bound)")
     vocab_buffer: int = opt(DraftVocabConfig.buffer, "vocab-dynamic: ARC buffer capacity")
     vocab_corpus: str = opt(DraftVocabConfig.corpus, "vocab-*: workloads whose tokens give the core and seed the "
                                                      "co-occurrence graph")
@@ -108,10 +109,10 @@ class ShiftBenchConfig:
             raise ConfigError(f"configs must be a subset of {', '.join(CONFIGS)} (or 'none': only the side "
                               f"measurements), got {self.configs!r}")
         for name in ("requests_per_phase", "max_tokens", "gamma", "concurrency", "min_signals", "collect_n_init",
-                     "trainer_threads", "window", "vocab_core", "vocab_buffer"):
+                     "trainer_threads", "window", "vocab_buffer"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("offset", "draft_vocab", "overhead_repeats", "overhead_requests", "recompute_rows"):
+        for name in ("offset", "draft_vocab", "overhead_repeats", "overhead_requests", "recompute_rows", "vocab_core"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.gamma > 16:

@@ -225,14 +225,16 @@ def eagle3_engine(model: LlamaModel, tokenizer: Any, ecfg: EngineConfig, root: P
 def vocab_engine(model: LlamaModel, tokenizer: Any, ecfg: EngineConfig, root: Path, cfg: ShiftBenchConfig,
                  config: str) -> LLMEngine:
     """The frozen EAGLE-3 engine of ``root`` over the draft vocabulary ``config`` names (vocab-static:
-    a frequency core as large as vocab-dynamic's core + buffer; vocab-full: every target token;
+    a frequency core as large as vocab-dynamic's core + buffer, or as its auto |V_t| bound;
+    vocab-full: every target token;
     vocab-static:CORE, vocab-dynamic:CORE:BUFFER: those sizes).
     The HNSW index is built (or read from its cache) here, before any turn is timed."""
     if ":" in config:  # vocab-static:CORE or vocab-dynamic:CORE:BUFFER (a size sweep)
         kind, *sizes = config.split(":")
         mode, core, buffer = kind.removeprefix("vocab-"), int(sizes[0]), int(sizes[1]) if len(sizes) > 1 else 0
     else:
-        mode, core = {"vocab-static": ("static", cfg.vocab_core + cfg.vocab_buffer),
+        static_core = cfg.vocab_core + cfg.vocab_buffer if cfg.vocab_core else 0  # 0: auto, dynamic's |V_t| bound
+        mode, core = {"vocab-static": ("static", static_core),
                       "vocab-dynamic": ("dynamic", cfg.vocab_core),
                       "vocab-full": ("static", model.cfg.vocab_size)}[config]
         buffer = cfg.vocab_buffer

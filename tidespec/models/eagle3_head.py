@@ -226,6 +226,9 @@ class Eagle3Head(PlacedModule):
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.layer_config()), persistent=False)
+        # (key of the weights it was fitted to, [H, H] map): ``output_rows``' calibration, refitted
+        # whenever the LM head or the fallback rows change (a new version, a merged adapter)
+        self._row_map: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         """Install a draft vocabulary (see ``tidespec.online.eagle3_train.select_draft_vocab``)."""
@@ -262,14 +265,36 @@ class Eagle3Head(PlacedModule):
 
     def output_rows(self, ids: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
         """Output rows [n, H] for target ids [n]: this head's LM-head row where the id is in its
-        draft vocabulary, else the row of ``fallback`` [V, H] (the target's LM head, whose space
-        the head's final norm was started in by ``init_from_target``)."""
+        draft vocabulary, else the row of ``fallback`` [V, H] (the target's LM head) carried into
+        the head's output space by ``row_map``, a linear map fitted on the tokens that have both
+        rows. Raw target rows would not do: training moves the head's rows and final norm away
+        from the target's (and the target's rows of rare tokens are longer), so raw rows out-score
+        the trained ones and take the argmax (docs/benchmarks.md section 18)."""
         ids = ids.to(self.d2t.device)
-        rows = fallback[ids.to(fallback.device)].to(dtype=self.lm_head.weight.dtype, device=self.d2t.device)
         draft = self.target_to_draft()[ids]  # [n] draft index or -1
         inside = draft >= 0
-        rows[inside] = self.lm_head.weight[draft[inside]].detach()
+        w = self.lm_head.weight
+        rows = torch.empty(ids.shape[0], self.cfg.hidden_size, dtype=w.dtype, device=w.device)  # [n, H]
+        rows[inside] = w[draft[inside]].detach()
+        if not bool(inside.all()):
+            m = self.row_map(fallback)  # [H, H]
+            outside = fallback[ids[~inside].to(fallback.device)].to(device=m.device, dtype=m.dtype)  # [n_out, H]
+            rows[~inside] = (outside @ m).to(rows.dtype)
         return rows
+
+    @torch.no_grad()
+    def row_map(self, fallback: torch.Tensor) -> torch.Tensor:
+        """[H, H] map from ``fallback`` rows [V, H] to this head's LM-head rows (``fit_row_map``
+        over the head's own draft vocabulary), cached until either weight changes."""
+        w = self.lm_head.weight
+        key = (id(w), w._version, w.data_ptr(), id(fallback), fallback._version, fallback.data_ptr())
+        cached = self._row_map
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        own = self.draft_to_target(torch.arange(self.cfg.draft_vocab_size, device=self.d2t.device))  # [Vd]
+        m = fit_row_map(fallback[own.to(fallback.device)].to(w.device), w.detach())
+        self._row_map = (key, m)
+        return m
 
     def forward(self, fused: torch.Tensor, embeds: torch.Tensor, layout: BatchLayout,
                 kv: KVStorage, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -292,6 +317,21 @@ class Eagle3Head(PlacedModule):
         for i, block in enumerate(self.blocks, start=1):
             out = block.forward(out, cos, sin, layout, kv.k[i], kv.v[i])
         return out
+
+
+def fit_row_map(source: torch.Tensor, target: torch.Tensor, ridge: float = 1e-2) -> torch.Tensor:
+    """Ridge least squares ``argmin_M |source M - target|^2 + lam |M|^2`` -> M [H, H], with
+    ``lam = ridge * mean(diag(source^T source))``; solved in float32 or wider.
+
+    source, target: [n, H] paired rows (the target's LM-head rows and the head's trained rows of
+    the same tokens). Example: target = 0.5 * source (a head whose rows shrank by half) -> M is
+    about 0.5 * I (a little less: the ridge), so an untrained token's target row r drafts as 0.5 * r.
+    """
+    dtype = torch.promote_types(source.dtype, torch.float32)
+    x, y = source.to(dtype), target.to(dtype)
+    gram = x.T @ x  # [H, H]
+    lam = ridge * float(gram.diagonal().mean())
+    return torch.linalg.solve(gram + lam * torch.eye(gram.shape[0], dtype=dtype, device=gram.device), x.T @ y)
 
 
 INIT_FROM_TARGET = ("none", "lm_head", "layer")

@@ -298,18 +298,23 @@ class DynamicVocab:
     @classmethod
     def from_graph(cls, cfg: DynamicVocabConfig, graph: CooccurrenceGraph, vocab_size: int,
                    rows_for: Callable[[torch.Tensor], torch.Tensor], index_rows: torch.Tensor | None = None,
-                   fill: list[int] | None = None, start: bool = True) -> "DynamicVocab":
-        """Core = the graph's ``core_size`` most frequent tokens; a corpus too small to name that
-        many is topped up from ``fill`` in order (e.g. the drafter's own, frequency-chosen draft
-        vocabulary), then by the lowest ids."""
+                   own: list[int] | None = None, start: bool = True) -> "DynamicVocab":
+        """Core = the ``core_size`` first of: the drafter's ``own`` tokens (those with trained
+        output rows, e.g. a pruned EAGLE-3 head's draft vocabulary; None = every token has one),
+        most frequent in the graph first; then the graph's other tokens by frequency; then the
+        lowest ids. A pruned head's own vocabulary is itself a frequency vocabulary, chosen on its
+        (broad) training signals, and its rows beat calibrated target rows: it goes first.
+
+        Example: own [4, 7, 9], graph counts {7: 5, 2: 9, 4: 1}, core_size 4 -> core [7, 4, 9, 2].
+        """
         size = min(cfg.core_size, vocab_size)
-        core = graph.most_frequent(size)
+        ranked = graph.most_frequent(len(graph.unigrams))
+        if own is not None:
+            mine = set(own)
+            ranked = [t for t in ranked if t in mine] + [t for t in own if t not in graph.unigrams] + \
+                [t for t in ranked if t not in mine]
+        core = list(dict.fromkeys(ranked))[:size]
         if len(core) < size:
             seen = set(core)
-            for t in [*(fill or []), *range(vocab_size)]:
-                if len(core) >= size:
-                    break
-                if t not in seen:
-                    seen.add(t)
-                    core.append(t)
+            core += [t for t in range(vocab_size) if t not in seen][:size - len(core)]
         return cls(cfg, core, rows_for, graph=graph, index_rows=index_rows, start=start)
