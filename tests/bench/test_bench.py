@@ -79,14 +79,14 @@ def test_workload_missing_empty_and_bad_limit(tmp_path: Path) -> None:
 
 
 def test_builtin_workloads_ship_with_sources_and_licenses() -> None:
-    sizes = {"code": 16, "chat": 48, "code_unseen": 32, "drafter_boot": 150, "code_extra": 72}
+    sizes = {"code": 16, "chat": 48, "code_unseen": 32, "drafter_boot": 150, "code_extra": 72, "zh_chat": 16}
     for name, size in sizes.items():
         path = resolve_workload_path(name)
         assert path.parent.name == "workloads" and path.name == f"{name}.jsonl"
         recs = load_workload(name)
         assert len(recs) == size
         assert all(r.source and r.license for r in recs)
-        assert all(r.license.startswith(("MIT", "Apache-2.0", "PSF-2.0")) for r in recs)
+        assert all(r.license.startswith(("MIT", "Apache-2.0", "PSF-2.0", "CC0-1.0")) for r in recs)
     assert {r.kind for r in load_workload("code")} == {"completion", "chat"}
     # the shipped drafter's evaluation set holds no prompt it was trained on
     boot = {r.prompt for r in load_workload("drafter_boot")}

@@ -11,7 +11,7 @@ module, which accepts any JSONL of the shape described in ``../shared/workloads/
 e.g. Llama's BOS); ``chat`` prompts become one user message wrapped in the model's chat template
 with the generation prompt appended. Order is the file's order; ``limit`` keeps the first N.
 
-The names ``code``, ``chat``, ``code_unseen``, ``drafter_boot`` and ``code_extra`` resolve to small sets shipped
+The names ``code``, ``chat``, ``code_unseen``, ``drafter_boot``, ``code_extra`` and ``zh_chat`` resolve to small sets shipped
 in ``tidespec/workloads/`` (a file of that name in the working directory wins; see its README).
 
 Worked example::
@@ -35,7 +35,7 @@ from tidespec.config import ConfigError
 
 KINDS = ("completion", "chat")
 REQUIRED_KEYS = ("id", "domain", "kind", "prompt")
-BUILTIN_WORKLOADS = ("code", "chat", "code_unseen", "drafter_boot", "code_extra")
+BUILTIN_WORKLOADS = ("code", "chat", "code_unseen", "drafter_boot", "code_extra", "zh_chat")
 
 
 class WorkloadError(ConfigError):
