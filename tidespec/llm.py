@@ -144,8 +144,8 @@ def attach_draft_vocab(drafter: Drafter | None, vc: DraftVocabConfig, target: Ll
     else:
         draft_lm = output_matrix(user.model)
         rows_for = lambda ids: draft_lm[ids.to(draft_lm.device)]  # noqa: E731 - the draft model's own LM head
-    dynamic = vc.mode == "dynamic"
-    cfg = DynamicVocabConfig(core_size=vc.core_size(len(own) if own else target.cfg.vocab_size), dynamic=dynamic,
+    cfg = DynamicVocabConfig(core_size=vc.core_size(len(own) if own else target.cfg.vocab_size),
+                             dynamic=vc.mode == "dynamic",
                              buffer=ArcConfig(capacity=vc.buffer, max_insert=vc.max_insert,
                                               min_residency=vc.min_residency))
     vocab = DynamicVocab.from_graph(cfg, graph, target.cfg.vocab_size, rows_for,

@@ -313,7 +313,7 @@ class DynamicVocab:
             mine = set(own)
             ranked = [t for t in ranked if t in mine] + [t for t in own if t not in graph.unigrams] + \
                 [t for t in ranked if t not in mine]
-        core = list(dict.fromkeys(ranked))[:size]
+        core = ranked[:size]  # no repeats: graph tokens once each, own tokens (distinct) not in the graph once
         if len(core) < size:
             seen = set(core)
             core += [t for t in range(vocab_size) if t not in seen][:size - len(core)]
