@@ -44,7 +44,14 @@ from tidespec.online.eagle3_train import SignalBatch as Batch
 from tidespec.online.eagle3_train import SignalSegment, unroll
 from tidespec.online.store import SignalStore
 from tidespec.online.trainer.config import LoraAlignConfig, TrainerConfig, TrainerConfigError
-from tidespec.online.trainer.lora import LoraAligner, curriculum_loss, eligible_rows, topk_kl, with_target_topk
+from tidespec.online.trainer.lora import (
+    LoraAligner,
+    anchor_rows,
+    curriculum_loss,
+    eligible_rows,
+    topk_kl,
+    with_target_topk,
+)
 from tidespec.sampling import SamplingParams
 
 
@@ -138,13 +145,18 @@ def test_topk_kl_is_zero_on_agreement_and_drops_tokens_outside_the_draft_vocabul
     t2d = torch.tensor([0, 1, -1, 2])  # target token 2 is outside the 3-token draft vocabulary
     top_ids = torch.tensor([[[3, 2, 0]]])  # [1, 1, 3]
     top_logits = torch.tensor([[[2.0, 9.0, 1.0]]])
-    agree = torch.tensor([[[1.0, -5.0, 2.0]]])  # draft ids 0, 1, 2 <- target tokens 0, 1, 3
+    agree = torch.tensor([[[1.0, -1e4, 2.0]]])  # draft ids 0, 1, 2 <- target tokens 0, 1, 3
     kl, keep = topk_kl(agree, top_ids, top_logits, t2d, 1.0)
     assert bool(keep.all()) and abs(float(kl)) < 1e-6  # token 2 (logit 9) dropped from both sides
     kl, _ = topk_kl(torch.tensor([[[2.0, -5.0, 1.0]]]), top_ids, top_logits, t2d, 1.0)
     p = torch.softmax(torch.tensor([2.0, 1.0]), 0)
-    q = torch.softmax(torch.tensor([1.0, 2.0]), 0)
+    q = torch.softmax(torch.tensor([2.0, -5.0, 1.0]), 0)[[2, 0]]  # the drafter's whole softmax, on the support
     assert abs(float(kl) - float((p * (p / q).log()).sum())) < 1e-6
+    # mass off the support is error: draft id 1 (target 1, not in the top-k) taking half of q's mass
+    # costs log 2 even though q's ratios on the support are p's
+    half, _ = topk_kl(torch.tensor([[[1.0, 1.0 + torch.log(torch.tensor(1 + torch.e)).item(), 2.0]]]), top_ids,
+                      top_logits, t2d, 1.0)
+    assert abs(float(half) - float(torch.log(torch.tensor(2.0)))) < 1e-5
     _, keep = topk_kl(agree, torch.tensor([[[2, 2, 2]]]), top_logits, t2d, 1.0)
     assert not bool(keep.any())
 
@@ -172,13 +184,29 @@ def test_the_replay_gate_keeps_misses_and_divergent_rows_only(model: LlamaModel)
     head = fresh_head(model.cfg, None, model.dtype, seed=3)
     seg = segment(model, head, [5, 6, 7])
     embed = model.embed_tokens
-    gated = eligible_rows(head, embed, [seg], kl_threshold=1e9, temperature=1.0)[0]  # misses only
+    gated_all, usable = eligible_rows(head, embed, [seg], kl_threshold=1e9, temperature=1.0)
+    gated = gated_all[0]  # misses only
     logits = unroll(head, embed, Batch.collate([seg], head), 1)[0][0]  # [N, Vd]
     labels, valid = seg.labels(1)
     misses = (head.draft_to_target(logits.argmax(-1)) != labels) & valid
     assert gated.tolist() == misses.tolist()
-    everything = eligible_rows(head, embed, [seg], kl_threshold=-1.0, temperature=1.0)[0]
-    assert everything.tolist() == valid.tolist()  # every labelled row diverges by more than -1
+    everything = eligible_rows(head, embed, [seg], kl_threshold=-1.0, temperature=1.0)[0][0]
+    assert everything.tolist() == valid.tolist() == usable[0].tolist()  # every labelled row diverges by more than -1
+
+
+def test_anchor_rows_add_about_ratio_times_the_eligible_rows_from_the_usable_ones() -> None:
+    gen = torch.Generator().manual_seed(0)
+    usable = [torch.rand(400, generator=gen) < 0.9 for _ in range(4)]
+    eligible = [u & (torch.rand(400, generator=gen) < 0.1) for u in usable]
+    n_elig = sum(int(e.sum()) for e in eligible)
+    assert [m.tolist() for m in anchor_rows(eligible, usable, 0.0, gen)] == [e.tolist() for e in eligible]
+    every = anchor_rows(eligible, usable, 1e9, gen)
+    assert [m.tolist() for m in every] == [u.tolist() for u in usable]
+    mixed = anchor_rows(eligible, usable, 1.0, gen)
+    for m, e, u in zip(mixed, eligible, usable):
+        assert bool((m >= e).all()) and bool((m <= u).all())  # eligible kept, nothing unusable added
+    added = sum(int(m.sum()) for m in mixed) - n_elig
+    assert 0.7 * n_elig < added < 1.3 * n_elig
 
 
 def capture_with_hidden(model: LlamaModel, tok, tmp_path: Path, prompts: list[list[int]]) -> OnlineConfig:

@@ -35,6 +35,8 @@ class LoraAlignConfig:
     kl_threshold: float = opt(0.5, "a row the drafter got right still joins the replay buffer if its draft/target "
                                    "KL exceeds this")
     buffer_rows: int = opt(32, "eligible rows in the replay buffer that trigger an update (EvoSpec B)")
+    anchor: float = opt(0.0, "rows the head already drafts well replayed beside the eligible ones, per eligible "
+                             "row (0 = EvoSpec's buffer of misses only)")
     steps: int = opt(8, "optimizer steps per update")
     lr: float = opt(5e-4, "adapter AdamW learning rate")
     min_rows: int = opt(64, "new signal rows the aligner waits for before it reads them")
@@ -46,8 +48,8 @@ class LoraAlignConfig:
                 raise TrainerConfigError(f"lora_{name} must be >= 1, got {getattr(self, name)}")
         if self.alpha <= 0 or self.temperature <= 0 or self.lr <= 0:
             raise TrainerConfigError("lora_alpha, lora_temperature and lora_lr must be > 0")
-        if self.beta < 0 or self.kl_threshold < 0:
-            raise TrainerConfigError("lora_beta and lora_kl_threshold must be >= 0")
+        if self.beta < 0 or self.kl_threshold < 0 or self.anchor < 0:
+            raise TrainerConfigError("lora_beta, lora_kl_threshold and lora_anchor must be >= 0")
 
 
 @dataclass

@@ -15,8 +15,10 @@ process (never the engine) on the same signal store and publish root as the full
       -> sequences split: ~heldout_frac held out (kept, newest ``heldout_rows``, to judge adapters)
       -> eligible rows (Algorithm 1 line 24): label in the head's vocabulary and (greedy draft !=
          label or KL(p || q) > kl_threshold), judged with the adapters as they are now
-      -> replay buffer; once it holds ``buffer_rows`` eligible rows: ``steps`` AdamW steps on the
-         curriculum loss (each on one chunk of <= 8 segments, in turn), buffer cleared
+      -> replay buffer, with ``anchor`` times as many of the rows the head already drafts well
+         beside them (0 = EvoSpec's buffer; see ``anchor_rows``); once it holds ``buffer_rows``
+         eligible rows: ``steps`` AdamW steps on the curriculum loss (each on one chunk of <= 8
+         segments, in turn), buffer cleared
       -> simulated acceptance on the held-out rows, adapted vs base head; publish the adapter
          (``lora/v{base}/a{N}``) iff it is better; the engine merges it in between steps
 
@@ -94,14 +96,20 @@ def topk_kl(logits: torch.Tensor, top_ids: torch.Tensor, top_logits: torch.Tenso
     """KL(p || q) per row over the target's top-k support inside the draft vocabulary.
 
     logits [B, N, Vd] (draft), top_ids / top_logits [B, N, K] (target) -> (kl [B, N], keep [B, N]);
-    p and q are both softmaxes of logits / temperature renormalised on the support; a row whose
-    support has no draft-vocabulary token is not kept."""
+    p is the softmax of the target's top-k logits / temperature renormalised on the support, q the
+    drafter's softmax of logits / temperature over its whole vocabulary, read on the support: the
+    mass q puts off the support counts as error (sum p log(p/q) >= -log q(support) >= 0). A q
+    renormalised on the support would leave the logits off it untouched, and pulling the support's
+    top-1 down towards a flatter p then lets a token off the support overtake it (benchmarks sections
+    15 and 19: updates that lowered their loss lowered held-out acceptance). A row whose support has
+    no draft-vocabulary token is not kept.
+
+    Example: p = (0.7, 0.3) on tokens (a, b), q(a) = 0.7, q(b) = 0.3 -> 0; the same q(a), q(b) halved
+    (half of q's mass elsewhere) -> log 2."""
     draft_ids = t2d[top_ids]  # [B, N, K], -1 = outside the draft vocabulary
     inside = draft_ids >= 0
-    neg = float("-inf")
-    logp = torch.log_softmax((top_logits.float() / temperature).masked_fill(~inside, neg), dim=-1)
-    z_q = logits.float().gather(-1, draft_ids.clamp(min=0)) / temperature  # [B, N, K]
-    logq = torch.log_softmax(z_q.masked_fill(~inside, neg), dim=-1)
+    logp = torch.log_softmax((top_logits.float() / temperature).masked_fill(~inside, float("-inf")), dim=-1)
+    logq = torch.log_softmax(logits.float() / temperature, dim=-1).gather(-1, draft_ids.clamp(min=0))  # [B, N, K]
     p = logp.exp().nan_to_num(0.0)
     kl = (p * (logp - logq).masked_fill(~inside, 0.0).nan_to_num(0.0)).sum(-1)  # [B, N]
     return kl, inside.any(-1)
@@ -139,9 +147,10 @@ def curriculum_loss(head: Eagle3Head, embed: nn.Embedding, segments: list[Signal
 
 @torch.no_grad()
 def eligible_rows(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], kl_threshold: float,
-                  temperature: float) -> list[torch.Tensor]:
-    """Algorithm 1 line 22-24 per segment: [N] bool, label in the draft vocabulary and (greedy
-    draft != label or KL(p || q) > kl_threshold) at unroll step 1."""
+                  temperature: float) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Algorithm 1 line 22-24 per segment -> (eligible, usable), each [N] bool per segment: usable =
+    labelled, label in the draft vocabulary, target top-k known; eligible = usable and (greedy draft
+    != label or KL(p || q) > kl_threshold) at unroll step 1."""
     batch = SignalBatch.collate(segments, head)
     t2d = head.target_to_draft()
     logits = unroll(head, embed, batch, 1)[0]  # [B, N, Vd]
@@ -150,8 +159,26 @@ def eligible_rows(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSe
     top_ids, top_logits, top_ok = batch.soft_labels(1)
     kl, keep = topk_kl(logits, top_ids, top_logits, t2d, temperature)
     miss = logits.argmax(-1) != draft_labels
-    ok = valid & top_ok & keep & (draft_labels >= 0) & (miss | (kl > kl_threshold))
-    return [ok[b, :s.num_positions].cpu() for b, s in enumerate(segments)]
+    usable = valid & top_ok & keep & (draft_labels >= 0)
+    ok = usable & (miss | (kl > kl_threshold))
+    return ([ok[b, :s.num_positions].cpu() for b, s in enumerate(segments)],
+            [usable[b, :s.num_positions].cpu() for b, s in enumerate(segments)])
+
+
+def anchor_rows(eligible: list[torch.Tensor], usable: list[torch.Tensor], ratio: float,
+                gen: torch.Generator) -> list[torch.Tensor]:
+    """``eligible`` plus about ``ratio`` times as many of the other usable rows, drawn uniformly.
+
+    Why: the replay buffer holds, by construction, the rows the head got wrong; a few steps on those
+    alone move the head towards them and away from the rows it got right (benchmarks section 15: the
+    buffer loss fell while held-out acceptance fell). Rows it already drafts well, replayed beside
+    the misses, anchor the update to the traffic as a whole. ``ratio`` 0 is EvoSpec's buffer.
+    Example: 10 eligible of 100 usable rows, ratio 1.0 -> each of the other 90 kept with p = 10/90:
+    about 20 rows in all."""
+    others = [u & ~e for e, u in zip(eligible, usable)]
+    n_elig, n_other = sum(int(e.sum()) for e in eligible), sum(int(o.sum()) for o in others)
+    p = min(1.0, ratio * n_elig / n_other) if n_other else 0.0
+    return [e | (o & (torch.rand(o.shape, generator=gen) < p)) for e, o in zip(eligible, others)]
 
 
 class LoraAligner:
@@ -178,7 +205,9 @@ class LoraAligner:
         self.base_version = -1
         self.head: Eagle3Head | None = None  # the base head with adapters (training copy)
         self.optimizer: torch.optim.Optimizer | None = None
-        self.buffer: list[tuple[SignalSegment, torch.Tensor]] = []
+        self.buffer: list[tuple[SignalSegment, torch.Tensor]] = []  # (segment, replayed rows [N])
+        self.buffered = 0  # eligible rows in the buffer (anchors not counted)
+        self.gen = torch.Generator().manual_seed(0)  # anchor draws
         self.heldout: deque[SignalSegment] = deque()
         self.results: list[AdapterResult] = []
 
@@ -191,6 +220,7 @@ class LoraAligner:
         self.optimizer = torch.optim.AdamW(lora_parameters(self.head), lr=self.cfg.lr, betas=(0.9, 0.95))
         self.base_version = version
         self.buffer.clear()
+        self.buffered = 0
         logger.info("lora: adapters (rank %d) reset on drafter version %d", self.cfg.rank, version)
 
     def _read_new(self) -> list[SignalShard]:
@@ -211,7 +241,7 @@ class LoraAligner:
                 shard = self.store.read(info.shard_id)
             except ShardGone:
                 continue
-            if shard.hidden is not None:
+            if shard.hidden is not None or shard.topk_ids is not None:  # served (hidden) or teacher-pass rows
                 shards.append(with_target_topk(shard, self.out_rows, self.cfg.topk))
         return shards
 
@@ -234,11 +264,13 @@ class LoraAligner:
         seen = sum(s.num_positions for s in train)
         for i in range(0, len(train), SEGMENTS_PER_BATCH):  # bounded memory: logits are [B, N, draft vocab]
             chunk = train[i:i + SEGMENTS_PER_BATCH]
-            for seg, mask in zip(chunk, eligible_rows(self.head, self.embed, chunk, self.cfg.kl_threshold,
-                                                      self.cfg.temperature)):
+            eligible, usable = eligible_rows(self.head, self.embed, chunk, self.cfg.kl_threshold,
+                                             self.cfg.temperature)
+            for seg, elig, mask in zip(chunk, eligible, anchor_rows(eligible, usable, self.cfg.anchor, self.gen)):
                 if bool(mask.any()):
                     self.buffer.append((seg, mask))
-        buffered = sum(int(m.sum()) for _, m in self.buffer)
+                    self.buffered += int(elig.sum())
+        buffered = self.buffered
         if buffered < self.cfg.buffer_rows:
             return None
         return self._update(base, buffered, seen)
@@ -274,6 +306,7 @@ class LoraAligner:
         update_ms = (time.perf_counter() - t0) * 1e3
         losses = [loss_before, self._buffer_loss(chunks)]
         self.buffer.clear()
+        self.buffered = 0
         held = list(self.heldout)
         before = simulated_acceptance(base, self.embed, held, self.gamma)
         after = simulated_acceptance(self.head, self.embed, held, self.gamma)
