@@ -205,8 +205,8 @@ class LoraAligner:
         self.base_version = -1
         self.head: Eagle3Head | None = None  # the base head with adapters (training copy)
         self.optimizer: torch.optim.Optimizer | None = None
-        self.buffer: list[tuple[SignalSegment, torch.Tensor]] = []  # (segment, replayed rows [N])
-        self.buffered = 0  # eligible rows in the buffer (anchors not counted)
+        # (segment, replayed rows [N], how many of them are eligible: anchors do not fill the buffer)
+        self.buffer: list[tuple[SignalSegment, torch.Tensor, int]] = []
         self.gen = torch.Generator().manual_seed(0)  # anchor draws
         self.heldout: deque[SignalSegment] = deque()
         self.results: list[AdapterResult] = []
@@ -220,7 +220,6 @@ class LoraAligner:
         self.optimizer = torch.optim.AdamW(lora_parameters(self.head), lr=self.cfg.lr, betas=(0.9, 0.95))
         self.base_version = version
         self.buffer.clear()
-        self.buffered = 0
         logger.info("lora: adapters (rank %d) reset on drafter version %d", self.cfg.rank, version)
 
     def _read_new(self) -> list[SignalShard]:
@@ -268,20 +267,19 @@ class LoraAligner:
                                              self.cfg.temperature)
             for seg, elig, mask in zip(chunk, eligible, anchor_rows(eligible, usable, self.cfg.anchor, self.gen)):
                 if bool(mask.any()):
-                    self.buffer.append((seg, mask))
-                    self.buffered += int(elig.sum())
-        buffered = self.buffered
+                    self.buffer.append((seg, mask, int(elig.sum())))
+        buffered = sum(n for _, _, n in self.buffer)
         if buffered < self.cfg.buffer_rows:
             return None
         return self._update(base, buffered, seen)
 
     @torch.no_grad()
-    def _buffer_loss(self, chunks: list[list[tuple[SignalSegment, torch.Tensor]]]) -> float:
+    def _buffer_loss(self, chunks: list[list[tuple[SignalSegment, torch.Tensor, int]]]) -> float:
         """The curriculum loss over the whole replay buffer (mean per replay row)."""
         assert self.head is not None
         total, rows = 0.0, 0
         for chunk in chunks:
-            loss, n = curriculum_loss(self.head, self.embed, [s for s, _ in chunk], [m for _, m in chunk],
+            loss, n = curriculum_loss(self.head, self.embed, [s for s, _, _ in chunk], [m for _, m, _ in chunk],
                                       self.ttt_steps, self.cfg.beta, self.cfg.temperature)
             total += float(loss) * n
             rows += n
@@ -295,7 +293,7 @@ class LoraAligner:
         self.head.train()
         for k in range(self.cfg.steps):  # each step one chunk of the buffer, in turn
             chunk = chunks[k % len(chunks)]
-            loss, _ = curriculum_loss(self.head, self.embed, [s for s, _ in chunk], [m for _, m in chunk],
+            loss, _ = curriculum_loss(self.head, self.embed, [s for s, _, _ in chunk], [m for _, m, _ in chunk],
                                       self.ttt_steps, self.cfg.beta, self.cfg.temperature)
             self.optimizer.zero_grad(set_to_none=True)
             if loss.requires_grad:
@@ -306,7 +304,6 @@ class LoraAligner:
         update_ms = (time.perf_counter() - t0) * 1e3
         losses = [loss_before, self._buffer_loss(chunks)]
         self.buffer.clear()
-        self.buffered = 0
         held = list(self.heldout)
         before = simulated_acceptance(base, self.embed, held, self.gamma)
         after = simulated_acceptance(self.head, self.embed, held, self.gamma)
