@@ -28,6 +28,8 @@ from tidespec.llm import build_eagle3_drafter, output_matrix
 from tidespec.models.eagle3_checkpoint import fresh_head, publish
 from tidespec.models.eagle3_head import Eagle3Head
 from tidespec.models.eagle3_lora import (
+    ALL_TARGETS,
+    TARGETS,
     WEIGHTS_NAME,
     AdapterError,
     adapter_dir,
@@ -42,8 +44,9 @@ from tidespec.models.llama import LlamaModel
 from tidespec.online.attach import OnlineConfig, attach_online_training
 from tidespec.online.eagle3_train import SignalBatch as Batch
 from tidespec.online.eagle3_train import SignalSegment, unroll
-from tidespec.online.store import SignalStore
+from tidespec.online.store import SignalShard, SignalStore
 from tidespec.online.trainer.config import LoraAlignConfig, TrainerConfig, TrainerConfigError
+from tidespec.online.trainer.data import segments_by_sequence
 from tidespec.online.trainer.lora import (
     LoraAligner,
     anchor_rows,
@@ -55,9 +58,9 @@ from tidespec.online.trainer.lora import (
 from tidespec.sampling import SamplingParams
 
 
-def adapted(head: Eagle3Head, seed: int, rank: int = 4) -> Eagle3Head:
+def adapted(head: Eagle3Head, seed: int, rank: int = 4, targets: tuple[str, ...] = TARGETS) -> Eagle3Head:
     """A ``with_lora`` copy of ``head`` whose adapters are random (B no longer zero)."""
-    train = with_lora(copy.deepcopy(head), rank=rank, alpha=2.0 * rank)
+    train = with_lora(copy.deepcopy(head), rank=rank, alpha=2.0 * rank, targets=targets)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in lora_parameters(train):
@@ -89,13 +92,14 @@ def segment(model: LlamaModel, head: Eagle3Head, prompt: list[int], n: int = 12,
 # -- model level: merge, files, validation -----------------------------------------------------
 
 
-@pytest.mark.parametrize("layers,fusion", [(1, "concat"), (2, "gated")])
+@pytest.mark.parametrize("layers,fusion,targets", [(1, "concat", TARGETS), (2, "gated", TARGETS),
+                                                    (2, "concat", ALL_TARGETS), (1, "gated", ("k_proj", "down_proj"))])
 def test_merged_adapter_computes_what_the_peft_head_computes(model: LlamaModel, layers: int, fusion: str,
-                                                             tmp_path: Path) -> None:
+                                                             targets: tuple[str, ...], tmp_path: Path) -> None:
     head = fresh_head(model.cfg, None, model.dtype, seed=3, num_layers=layers, fusion=fusion)
-    fresh = with_lora(copy.deepcopy(head), rank=4, alpha=8.0)
+    fresh = with_lora(copy.deepcopy(head), rank=4, alpha=8.0, targets=targets)
     assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, _ in fresh.named_parameters() if "lora_" in n} == \
-        {"q_proj", "v_proj"}
+        set(targets)
     assert all(not p.requires_grad for n, p in fresh.named_parameters() if "lora_" not in n)
     seg = segment(model, head, [5, 6, 7])
     embed = model.embed_tokens
@@ -103,11 +107,12 @@ def test_merged_adapter_computes_what_the_peft_head_computes(model: LlamaModel, 
     base_logits = unroll(head, embed, batch, 3)
     for a, b in zip(unroll(fresh, embed, batch, 3), base_logits):  # B starts at zero: same function
         torch.testing.assert_close(a, b)
-    train = adapted(head, seed=1)
+    train = adapted(head, seed=1, targets=targets)
     moved = unroll(train, embed, batch, 3)
     assert not torch.allclose(moved[0], base_logits[0])
     n = save_adapter(tmp_path, train, base_version=3, metrics={})
     ad = load_adapter(adapter_dir(tmp_path, 3, n), head.cfg)
+    assert ad.targets == tuple(t for t in ALL_TARGETS if t in targets)
     served = copy.deepcopy(head)
     served.load_state_dict(merged_state(head.state_dict(), ad, head.cfg))
     for a, b in zip(unroll(served, embed, batch, 3), moved):
@@ -127,6 +132,12 @@ def test_adapters_are_numbered_and_bad_ones_refused(model: LlamaModel, tmp_path:
     d = adapter_dir(tmp_path, 2, save_adapter(tmp_path, rank8, 2, {}))
     (d / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj"]}')
     with pytest.raises(AdapterError, match="shape"):
+        load_adapter(d, head.cfg)
+    (d / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 8, "target_modules": ["q_proj", "lm_head"]}')
+    with pytest.raises(AdapterError, match="subset of q_proj"):
+        load_adapter(d, head.cfg)
+    (d / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 8, "target_modules": ["q_proj", "o_proj"]}')
+    with pytest.raises(AdapterError, match="does not fit"):  # the file holds v_proj, the config names o_proj
         load_adapter(d, head.cfg)
     (d / WEIGHTS_NAME).write_bytes((d / WEIGHTS_NAME).read_bytes()[:64])
     with pytest.raises(AdapterError, match="unreadable"):
@@ -232,24 +243,102 @@ def test_captured_hidden_states_give_the_targets_exact_top_k(model: LlamaModel, 
     assert torch.equal(shard.topk_ids[:, 0], shard.next_token_ids)
 
 
-def test_the_aligner_learns_from_served_signals_and_publishes_only_a_better_adapter(
-        model: LlamaModel, tok, tmp_path: Path) -> None:
+def served_in_turn(model: LlamaModel, tok, tmp_path: Path) -> tuple[OnlineConfig, list[SignalShard], SignalStore]:
+    """Shards captured from a few prompts, and an empty store to append them to one at a time (the
+    rows as a serving engine would deliver them)."""
     prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [12, 13, 14, 15, 16, 12, 13, 14], [3, 4, 5, 3, 4],
                [20, 21, 22, 20], [30, 31, 30, 31], [7, 7, 8, 8], [40, 41, 42]]
     cfg = capture_with_hidden(model, tok, tmp_path, prompts)
+    src = SignalStore(cfg.signal_dir, 1 << 30)
+    shards = [src.read(i.shard_id) for i in src.list_shards()]
+    assert len(shards) >= 3
+    return cfg, shards, SignalStore(tmp_path / "live", 1 << 30)
+
+
+def test_the_aligner_learns_from_served_signals_and_publishes_only_a_better_adapter(
+        model: LlamaModel, tok, tmp_path: Path) -> None:
+    cfg, shards, live = served_in_turn(model, tok, tmp_path)
     base = random_head(model, 1)
-    store = SignalStore(cfg.signal_dir, 1 << 30)
-    lcfg = LoraAlignConfig(enabled=True, rank=4, alpha=8.0, buffer_rows=8, steps=6, lr=5e-3, min_rows=8, topk=6)
-    aligner = LoraAligner(lcfg, store, cfg.publish_root, model.embed_tokens, output_matrix(model), gamma=3,
-                          ttt_steps=3, heldout_frac=0.25, max_segment_len=64)
-    result = aligner.step(base, 1)
-    assert result is not None and result.eligible_rows >= 8 and result.seen_rows > result.eligible_rows // 2
-    assert result.loss_after < result.loss_before  # the adapters learned the buffered rows
-    published = list_adapters(cfg.publish_root, 1)
-    assert (result.adapter is not None) == (result.adapted_accept_len > result.baseline_accept_len)
-    assert published == ([result.adapter] if result.adapter is not None else [])
+    lcfg = LoraAlignConfig(enabled=True, rank=4, alpha=8.0, buffer_rows=8, steps=6, lr=5e-3, min_rows=8, topk=6,
+                           judge_rows=16)
+    aligner = LoraAligner(lcfg, live, cfg.publish_root, model.embed_tokens, output_matrix(model), gamma=3,
+                          ttt_steps=3, max_segment_len=64)
+    assert aligner.step(base, 1) is None  # nothing in the store yet
+    live.append(shards[0])
+    assert aligner.step(base, 1) is None  # trained on the first rows; judged only on rows served after them
+    pending = aligner.pending
+    assert pending is not None and pending.eligible_rows >= 8 and pending.seen_rows > pending.eligible_rows // 2
+    assert pending.loss_after < pending.loss_before  # the adapters learned the buffered rows
+    results = []
+    for shard in shards[1:]:
+        live.append(shard)
+        result = aligner.step(base, 1)
+        if result is not None:
+            results.append(result)
+    assert results and all(r.judged_rows >= 16 for r in results)
+    published = [r.adapter for r in results if r.adapter is not None]
+    assert list_adapters(cfg.publish_root, 1) == published
+    assert all((r.adapter is not None) == (r.adapted_accept_len > r.baseline_accept_len) for r in results)
     assert aligner.step(base, 1) is None  # nothing new in the store
     assert aligner.step(random_head(model, 2), 2) is None and aligner.base_version == 2  # a new version resets
+    assert aligner.pending is None and not aligner.buffer
+
+
+def test_an_update_is_judged_on_the_next_rows_against_the_head_served_meanwhile(
+        model: LlamaModel, tok, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Test, then train: the rows that score an update arrived after it, and once an adapter is
+    published it (not the base head) is what the next update has to beat."""
+    from tidespec.online.trainer import lora
+
+    cfg, shards, live = served_in_turn(model, tok, tmp_path)
+    base = random_head(model, 1)
+    lcfg = LoraAlignConfig(enabled=True, rank=4, alpha=8.0, buffer_rows=4, steps=2, min_rows=8, topk=6,
+                           judge_rows=8)
+    aligner = LoraAligner(lcfg, live, cfg.publish_root, model.embed_tokens, output_matrix(model), gamma=3,
+                          ttt_steps=3, max_segment_len=64)
+    scored: list[tuple[Eagle3Head, list[SignalSegment]]] = []
+    base_score = [0.5]
+
+    def score(head: Eagle3Head, embed: torch.nn.Module, segments: list[SignalSegment], gamma: int) -> float:
+        scored.append((head, segments))
+        return 2.0 if head is aligner.head else base_score[0] if head is base else 1.0  # the adapted head wins
+
+    monkeypatch.setattr(lora, "simulated_acceptance", score)
+    live.append(shards[0])
+    assert aligner.step(base, 1) is None and aligner.pending is not None and aligner.served is base
+    live.append(shards[1])
+    result = aligner.step(base, 1)
+    assert result is not None and result.adapter == 1 and aligner.pending is not None  # judged, then trained again
+    rows = {(s.start_position, tuple(s.token_ids.tolist()))
+            for segs in segments_by_sequence([with_target_topk(shards[1], output_matrix(model), 6)], 64).values()
+            for s in segs}
+    assert [h for h, _ in scored] == [base, aligner.head]
+    for _, segments in scored:  # exactly the second shard's rows, none the update trained on
+        assert {(s.start_position, tuple(s.token_ids.tolist())) for s in segments} == rows
+    served = aligner.served
+    assert served is not base and served is not aligner.head
+    want = merged_state(base.state_dict(), load_adapter(adapter_dir(cfg.publish_root, 1, 1), base.cfg), base.cfg)
+    merged = copy.deepcopy(base)
+    merged.load_state_dict(want)
+    seg = segments_by_sequence([with_target_topk(shards[2], output_matrix(model), 6)], 64)
+    probe = [s for segs in seg.values() for s in segs]
+    batch = Batch.collate(probe, merged)
+    torch.testing.assert_close(unroll(served, model.embed_tokens, batch, 1)[0],
+                               unroll(merged, model.embed_tokens, batch, 1)[0])  # the published adapter
+    scored.clear()
+    live.append(shards[2])
+    result = aligner.step(base, 1)
+    assert result is not None and scored[0][0] is served  # the next update must beat it, and the bare base
+    assert [h for h, _ in scored] == [served, aligner.head, base] and result.adapter == 2 and not result.reset
+    # the traffic goes back to where the base head is best: a zero adapter (the base) is published
+    base_score[0] = 3.0
+    live.append(shards[3] if len(shards) > 3 else shards[0])
+    result = aligner.step(base, 1)
+    assert result is not None and result.reset and result.adapter == 3 and aligner.served is base
+    zero = load_adapter(adapter_dir(cfg.publish_root, 1, 3), base.cfg)
+    assert all(not bool(t.any()) for n, t in zero.tensors.items() if "lora_B" in n)
+    for name, t in merged_state(base.state_dict(), zero, base.cfg).items():  # the published a3 is the base head
+        assert torch.equal(t, base.state_dict()[name])
 
 
 def test_lora_options_are_validated_and_reach_the_trainer_child(tmp_path: Path,
@@ -260,6 +349,9 @@ def test_lora_options_are_validated_and_reach_the_trainer_child(tmp_path: Path,
         LoraAlignConfig(rank=0)
     with pytest.raises(TrainerConfigError, match="lora_beta"):
         LoraAlignConfig(beta=-1)
+    with pytest.raises(TrainerConfigError, match="lora_targets.*got q_proj, fc"):
+        LoraAlignConfig(targets="q_proj, fc")
+    assert LoraAlignConfig(targets="down_proj,q_proj").target_modules == ("q_proj", "down_proj")
     with pytest.raises(ConfigError, match="--online-lora needs --online-training"):
         EngineConfig(online=OnlineTrainingConfig(lora=True))
     spec = SpecConfig(drafter="eagle3", eagle3=Eagle3Options(dir=str(tmp_path / "root")))
@@ -379,7 +471,7 @@ def test_the_trainer_aligns_between_rounds_from_where_its_rounds_stand(model: Ll
     assert trainer.run_round() is None  # far fewer rows than a full round needs
     assert trainer.align() and not trainer.align()  # read the new rows once
     assert trainer.aligner is not None and trainer.aligner.base_version == 1
-    assert len(trainer.aligner.results) == 1 and trainer.aligner.results[0].base_version == 1
+    assert trainer.aligner.pending is not None and not trainer.aligner.results  # updated; judged on later rows
 
 
 def test_a_version_rolled_back_to_takes_its_newest_adapter_on_its_clean_weights(model: LlamaModel, tok,

@@ -135,8 +135,9 @@ def _adapter_lines(name: str, on: dict[str, Any], ads: list[dict[str, Any]]) -> 
     last = ads[-1]["metrics"] if ads else {}
     return [f"LoRA ({name}): {len(ads)} adapters published, adapter {lora.get('adapter', 0)} served at the end "
             f"({lora.get('adapter_swaps', 0)} swaps, refused {lora.get('refused_adapters', [])}); update "
-            f"(optimizer steps) median {_fmt(median, 0)} ms in the trainer child; the last adapter: held-out "
-            f"accept len {_fmt(last.get('baseline_accept_len'))} -> {_fmt(last.get('heldout_accept_len'))}, "
+            f"(optimizer steps) median {_fmt(median, 0)} ms in the trainer child; the last adapter: accept len on "
+            f"{last.get('judged_rows', '-')} rows served after it {_fmt(last.get('baseline_accept_len'))} -> "
+            f"{_fmt(last.get('adapted_accept_len'))}, "
             f"{last.get('eligible_rows', '-')} replay rows of {last.get('seen_rows', '-')}; "
             f"{on.get('captured')} signals captured ({on.get('dropped')} dropped).", ""]
 

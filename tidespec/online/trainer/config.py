@@ -13,6 +13,7 @@ from typing import Literal
 
 from tidespec.config import opt, section
 from tidespec.errors import ConfigError
+from tidespec.models.eagle3_lora import ALL_TARGETS, TARGETS, AdapterError, check_targets
 
 
 class TrainerConfigError(ConfigError):
@@ -27,7 +28,9 @@ class LoraAlignConfig:
     enabled: bool = opt(False, "between full rounds, align the newest head with LoRA adapters from the newest "
                                "signals (EvoSpec path B; the signals must carry the target's hidden states: serve "
                                "with --online-lora)", flag="--lora")
-    rank: int = opt(32, "adapter rank on the head's query and value projections")
+    rank: int = opt(32, "adapter rank")
+    targets: str = opt(",".join(TARGETS), "comma-separated linears of every draft layer that get adapters: "
+                       + ", ".join(ALL_TARGETS) + " (default: EvoSpec's query and value)")
     alpha: float = opt(32.0, "adapter scaling numerator (scaling = alpha / rank)")
     beta: float = opt(0.3, "curriculum: unroll step j of a row weighs exp(-beta * L_base * (j - 1))")
     temperature: float = opt(1.0, "distillation temperature of the top-k KL")
@@ -40,12 +43,21 @@ class LoraAlignConfig:
     steps: int = opt(8, "optimizer steps per update")
     lr: float = opt(5e-4, "adapter AdamW learning rate")
     min_rows: int = opt(64, "new signal rows the aligner waits for before it reads them")
-    heldout_rows: int = opt(2048, "newest held-out rows kept to judge adapters")
+    judge_rows: int = opt(256, "an update is judged on at least this many rows served after it (then trained on), "
+                               "against the head served meanwhile")
+
+    @property
+    def target_modules(self) -> tuple[str, ...]:
+        return check_targets([t.strip() for t in self.targets.split(",") if t.strip()])
 
     def __post_init__(self) -> None:
-        for name in ("rank", "topk", "buffer_rows", "steps", "min_rows", "heldout_rows"):
+        for name in ("rank", "topk", "buffer_rows", "steps", "min_rows", "judge_rows"):
             if getattr(self, name) < 1:
                 raise TrainerConfigError(f"lora_{name} must be >= 1, got {getattr(self, name)}")
+        try:
+            _ = self.target_modules
+        except AdapterError as exc:
+            raise TrainerConfigError(f"lora_targets: {exc}") from None
         if self.alpha <= 0 or self.temperature <= 0 or self.lr <= 0:
             raise TrainerConfigError("lora_alpha, lora_temperature and lora_lr must be > 0")
         if self.beta < 0 or self.kl_threshold < 0 or self.anchor < 0:

@@ -3,7 +3,8 @@
 Why this exists: a full round (``rounds``) waits for ``min_signals`` new rows (16k by default)
 before it retrains the head; after a topic shift that is many requests of poor drafting.
 EvoSpec (Sec. 3.4, Algorithm 1 path B, Table 5) closes the gap with small, frequent updates of
-rank-32 LoRA adapters on the draft layer's query and value projections, from a replay buffer of
+rank-32 LoRA adapters on the draft layer's query and value projections (``--lora-targets`` adds
+the layer's other linears: ``eagle3_lora.ALL_TARGETS``), from a replay buffer of
 verification events the drafter could have got right (its token was in the draft vocabulary)
 but did not (the draft was rejected) or only barely (a large draft/target divergence), with a
 confidence-aware curriculum on a top-k KL loss. This module is that path, run by the trainer
@@ -12,21 +13,32 @@ process (never the engine) on the same signal store and publish root as the full
     new shards since the aligner's own cursor (>= min_rows rows; the full rounds keep theirs)
       -> the target's top-k logits at every row, recovered from the captured final hidden state
          (logits = hidden @ LM-head^T; the engine stores hidden, never logits)
-      -> sequences split: ~heldout_frac held out (kept, newest ``heldout_rows``, to judge adapters)
+      -> an update waiting to be judged is judged first on these rows (below)
       -> eligible rows (Algorithm 1 line 24): label in the head's vocabulary and (greedy draft !=
          label or KL(p || q) > kl_threshold), judged with the adapters as they are now
       -> replay buffer, with ``anchor`` times as many of the rows the head already drafts well
          beside them (0 = EvoSpec's buffer; see ``anchor_rows``); once it holds ``buffer_rows``
-         eligible rows: ``steps`` AdamW steps on the curriculum loss (each on one chunk of <= 8
-         segments, in turn), buffer cleared
-      -> simulated acceptance on the held-out rows, adapted vs base head; publish the adapter
-         (``lora/v{base}/a{N}``) iff it is better; the engine merges it in between steps
+         eligible rows and no update waits: ``steps`` AdamW steps on the curriculum loss (each on
+         one chunk of <= 8 segments, in turn), buffer cleared
+      -> the update waits for ``judge_rows`` rows served after it; simulated acceptance on them,
+         adapted vs the head served now (base, or base + the newest adapter) vs the bare base head;
+         publish the adapter (``lora/v{base}/a{N}``) iff it is the best, or a zero adapter (the base
+         head) iff the base head is (``_judge``); the engine merges it in between steps
+
+Judging on the rows that arrive next (test, then train: every row first scores the pending update,
+then joins the replay buffer) rather than on a held-out share: after a shift a held-out window
+still holds the old domain, so an adapter fitted to the new one is judged on the traffic it left
+(benchmarks section 19: every adapter but the first refused), and on a few requests per phase a
+held-out share is a handful of sequences taken from training. Rows that arrive after an update are
+unseen by it and are the traffic the adapter would serve. Example: buffer full at shard 3 -> update;
+shard 4 (>= judge_rows rows) -> judged, published or not, then buffered -> next update.
 
 Curriculum (EvoSpec eq. 4-5): for an eligible row with step-1 cross-entropy L_base against the
 verified token, step j of the training-time-test unroll weighs w_j = exp(-beta * L_base * (j-1)),
-and the loss is sum_j w_j * T^2 * KL(p_j || q_j) over the target's top-k support (both
-distributions renormalised there, temperature T). Worked example: L_base 2.0, beta 0.3 ->
-w = [1, 0.55, 0.30, 0.17] for j = 1..4; a confident row (L_base 0.1) keeps w = [1, 0.97, 0.94, 0.91].
+and the loss is sum_j w_j * T^2 * KL(p_j || q_j) over the target's top-k support (p renormalised
+there, q the drafter's whole softmax read there: ``topk_kl``; temperature T). Worked example:
+L_base 2.0, beta 0.3 -> w = [1, 0.55, 0.30, 0.17] for j = 1..4; a confident row (L_base 0.1) keeps
+w = [1, 0.97, 0.94, 0.91].
 
 A new full-round version resets the adapters (they are relative to their base version).
 """
@@ -38,7 +50,6 @@ import dataclasses
 import logging
 import math
 import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,11 +59,20 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidespec.models.eagle3_head import Eagle3Head
-from tidespec.models.eagle3_lora import lora_parameters, save_adapter, with_lora
+from tidespec.models.eagle3_lora import (
+    AdapterError,
+    adapter_dir,
+    list_adapters,
+    load_adapter,
+    lora_parameters,
+    merged_state,
+    save_adapter,
+    with_lora,
+)
 from tidespec.online.eagle3_train import SignalBatch, SignalSegment, unroll
 from tidespec.online.store import ShardGone, ShardInfo, SignalShard, SignalStore
 from tidespec.online.trainer.config import LoraAlignConfig
-from tidespec.online.trainer.data import segments_by_sequence, simulated_acceptance, split_heldout
+from tidespec.online.trainer.data import segments_by_sequence, simulated_acceptance
 
 logger = logging.getLogger(__name__)
 
@@ -62,17 +82,34 @@ MAX_READ_ROWS = 4096  # newest rows of a backlog the aligner reads at once
 
 @dataclass
 class AdapterResult:
-    """One adapter update: what it trained on, how it scored, whether it was published."""
+    """One adapter update: what it trained on, how it scored on the rows served after it, whether it
+    was published. ``baseline_accept_len`` is the head served while it was judged (base, or base +
+    the newest adapter)."""
 
     base_version: int
     eligible_rows: int
     seen_rows: int
     loss_before: float
     loss_after: float
+    judged_rows: int
     baseline_accept_len: float
     adapted_accept_len: float
+    base_accept_len: float  # the bare base head (= baseline_accept_len while no adapter is served)
+    reset: bool  # the base head won: a zero adapter (the base) published, training goes on
     update_ms: float
-    adapter: int | None  # the published number, None if it did not beat the base head
+    adapter: int | None  # the published number, None if it did not beat the served head
+
+
+@dataclass
+class _Pending:
+    """An update waiting for ``judge_rows`` rows served after it (``judge``) to be judged on."""
+
+    eligible_rows: int
+    seen_rows: int
+    loss_before: float
+    loss_after: float
+    update_ms: float
+    judge: list[SignalSegment]
 
 
 def with_target_topk(shard: SignalShard, out_rows: torch.Tensor, k: int, chunk: int = 256) -> SignalShard:
@@ -185,11 +222,12 @@ class LoraAligner:
     """Path B state of one trainer: adapters on the current base version, replay buffer, cursor.
 
     ``out_rows`` [V, H]: the target's LM-head rows (the top-k of a captured hidden state).
-    ``min_gain``: an adapter is published only if its held-out acceptance beats the base head's by more.
+    ``min_gain``: an adapter is published only if its acceptance on the rows served after it beats
+    the served head's by more.
     """
 
     def __init__(self, cfg: LoraAlignConfig, store: SignalStore, root: Path | str, embed: nn.Embedding,
-                 out_rows: torch.Tensor, *, gamma: int, ttt_steps: int, heldout_frac: float, max_segment_len: int,
+                 out_rows: torch.Tensor, *, gamma: int, ttt_steps: int, max_segment_len: int,
                  min_gain: float = 0.0) -> None:
         self.cfg = cfg
         self.store = store
@@ -198,17 +236,19 @@ class LoraAligner:
         self.out_rows = out_rows
         self.gamma = gamma
         self.ttt_steps = ttt_steps
-        self.heldout_frac = heldout_frac
         self.max_segment_len = max_segment_len
         self.min_gain = min_gain
         self.cursor: str | None = None  # newest shard id read (the full rounds keep their own)
         self.base_version = -1
         self.head: Eagle3Head | None = None  # the base head with adapters (training copy)
+        self.base: Eagle3Head | None = None  # the version's head, no adapters
+        self.served: Eagle3Head | None = None  # what the engine serves: the base head, or a copy at the last publish
         self.optimizer: torch.optim.Optimizer | None = None
         # (segment, replayed rows [N], how many of them are eligible: anchors do not fill the buffer)
         self.buffer: list[tuple[SignalSegment, torch.Tensor, int]] = []
+        self.seen = 0  # training rows read since the last update
+        self.pending: _Pending | None = None
         self.gen = torch.Generator().manual_seed(0)  # anchor draws
-        self.heldout: deque[SignalSegment] = deque()
         self.results: list[AdapterResult] = []
 
     def start_cursor(self, shard_id: str | None) -> None:
@@ -216,11 +256,29 @@ class LoraAligner:
         self.cursor = shard_id
 
     def _rebase(self, base: Eagle3Head, version: int) -> None:
-        self.head = with_lora(copy.deepcopy(base), self.cfg.rank, self.cfg.alpha).eval()
+        self.head = with_lora(copy.deepcopy(base), self.cfg.rank, self.cfg.alpha, self.cfg.target_modules).eval()
+        self.base = base
+        self.served = self._served_head(base, version)
         self.optimizer = torch.optim.AdamW(lora_parameters(self.head), lr=self.cfg.lr, betas=(0.9, 0.95))
         self.base_version = version
         self.buffer.clear()
-        logger.info("lora: adapters (rank %d) reset on drafter version %d", self.cfg.rank, version)
+        self.seen = 0
+        self.pending = None
+        logger.info("lora: adapters (rank %d on %s) reset on drafter version %d", self.cfg.rank, self.cfg.targets,
+                    version)
+
+    def _served_head(self, base: Eagle3Head, version: int) -> Eagle3Head:
+        """What the engine serves for ``version``: the base head with the newest valid adapter
+        already published for it merged in (a restarted trainer must beat that, not the bare base)."""
+        for number in reversed(list_adapters(self.root, version)):
+            try:
+                adapter = load_adapter(adapter_dir(self.root, version, number), base.cfg)
+            except AdapterError:
+                continue  # the engine refuses it too
+            served = copy.deepcopy(base)
+            served.load_state_dict(merged_state(base.state_dict(), adapter, base.cfg))
+            return served
+        return base
 
     def _read_new(self) -> list[SignalShard]:
         """The shards since the cursor once they hold ``min_rows`` rows; of a larger backlog (a trainer
@@ -244,23 +302,26 @@ class LoraAligner:
                 shards.append(with_target_topk(shard, self.out_rows, self.cfg.topk))
         return shards
 
-    def _keep_heldout(self, segments: list[SignalSegment]) -> None:
-        self.heldout.extend(segments)
-        while sum(s.num_positions for s in self.heldout) > self.cfg.heldout_rows and len(self.heldout) > 1:
-            self.heldout.popleft()
-
     def step(self, base: Eagle3Head, version: int) -> AdapterResult | None:
-        """Read the new signals, grow the replay buffer, update and maybe publish once it is full."""
+        """Read the new signals: judge the waiting update on them once there are ``judge_rows``, then
+        grow the replay buffer and update once it is full (and no update waits). Returns the judged
+        update, if one was."""
         if self.head is None or version != self.base_version:
             self._rebase(base, version)
         assert self.head is not None and self.optimizer is not None
         shards = self._read_new()
         if not shards:
             return None
-        train, held = split_heldout(segments_by_sequence(shards, self.max_segment_len), self.heldout_frac)
-        self._keep_heldout([s for s in held if s.topk_ids is not None])
-        train = [s for s in train if s.num_positions >= 2 and s.topk_ids is not None]
-        seen = sum(s.num_positions for s in train)
+        segments = [s for segs in segments_by_sequence(shards, self.max_segment_len).values() for s in segs
+                    if s.topk_ids is not None]
+        result = None
+        if self.pending is not None:
+            self.pending.judge.extend(segments)
+            if sum(s.num_positions for s in self.pending.judge) >= self.cfg.judge_rows:
+                result = self._judge(self.pending)
+                self.pending = None
+        train = [s for s in segments if s.num_positions >= 2]
+        self.seen += sum(s.num_positions for s in train)
         for i in range(0, len(train), SEGMENTS_PER_BATCH):  # bounded memory: logits are [B, N, draft vocab]
             chunk = train[i:i + SEGMENTS_PER_BATCH]
             eligible, usable = eligible_rows(self.head, self.embed, chunk, self.cfg.kl_threshold,
@@ -269,27 +330,26 @@ class LoraAligner:
                 if bool(mask.any()):
                     self.buffer.append((seg, mask, int(elig.sum())))
         buffered = sum(n for _, _, n in self.buffer)
-        if buffered < self.cfg.buffer_rows:
-            return None
-        return self._update(base, buffered, seen)
+        if self.pending is None and buffered >= self.cfg.buffer_rows:
+            self.pending = self._update(buffered)
+        return result
 
-    @torch.no_grad()
-    def _buffer_loss(self, chunks: list[list[tuple[SignalSegment, torch.Tensor, int]]]) -> float:
-        """The curriculum loss over the whole replay buffer (mean per replay row)."""
+    def _buffer_loss(self, chunk: list[tuple[SignalSegment, torch.Tensor, int]]) -> float:
+        """The curriculum loss over one chunk of the replay buffer (mean per replay row)."""
         assert self.head is not None
-        total, rows = 0.0, 0
-        for chunk in chunks:
-            loss, n = curriculum_loss(self.head, self.embed, [s for s, _, _ in chunk], [m for _, m, _ in chunk],
+        with torch.no_grad():
+            loss, _ = curriculum_loss(self.head, self.embed, [s for s, _, _ in chunk], [m for _, m, _ in chunk],
                                       self.ttt_steps, self.cfg.beta, self.cfg.temperature)
-            total += float(loss) * n
-            rows += n
-        return total / max(1, rows)
+        return float(loss)
 
-    def _update(self, base: Eagle3Head, buffered: int, seen: int) -> AdapterResult:
+    def _update(self, buffered: int) -> _Pending:
+        """``steps`` optimizer steps over the buffer's chunks in turn; the buffer is cleared. The loss
+        before and after is read on the first chunk only (a diagnostic: the trainer runs on a
+        fraction of two cores, and a pass over the whole buffer costs as much as the steps)."""
         assert self.head is not None and self.optimizer is not None
         chunks = [self.buffer[i:i + SEGMENTS_PER_BATCH] for i in range(0, len(self.buffer), SEGMENTS_PER_BATCH)]
         t0 = time.perf_counter()
-        loss_before = self._buffer_loss(chunks)
+        loss_before = self._buffer_loss(chunks[0])
         self.head.train()
         for k in range(self.cfg.steps):  # each step one chunk of the buffer, in turn
             chunk = chunks[k % len(chunks)]
@@ -302,22 +362,64 @@ class LoraAligner:
                 self.optimizer.step()
         self.head.eval()
         update_ms = (time.perf_counter() - t0) * 1e3
-        losses = [loss_before, self._buffer_loss(chunks)]
+        pending = _Pending(buffered, self.seen, loss_before, self._buffer_loss(chunks[0]), update_ms, [])
         self.buffer.clear()
-        held = list(self.heldout)
-        before = simulated_acceptance(base, self.embed, held, self.gamma)
-        after = simulated_acceptance(self.head, self.embed, held, self.gamma)
-        better = math.isfinite(after) and (not math.isfinite(before) or after > before + self.min_gain)
-        metrics: dict[str, Any] = {"eligible_rows": buffered, "seen_rows": seen, "update_ms": round(update_ms, 1),
-                                   "heldout_accept_len": after, "baseline_accept_len": before,
-                                   "loss_before": losses[0], "loss_after": losses[-1]}
-        number = (save_adapter(self.root, self.head, self.base_version,
-                               {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and math.isfinite(v)})
-                  if better else None)
-        result = AdapterResult(self.base_version, buffered, seen, losses[0], losses[-1], before, after, update_ms,
-                               number)
+        self.seen = 0
+        logger.info("lora: %d eligible rows of %d, loss %.3f -> %.3f in %.0f ms; judged on the next %d rows",
+                    buffered, pending.seen_rows, pending.loss_before, pending.loss_after, update_ms,
+                    self.cfg.judge_rows)
+        return pending
+
+    def _judge(self, pending: _Pending) -> AdapterResult:
+        """Simulated acceptance on the rows served after the update of the served head, the adapted one
+        and (when an adapter is served) the bare base head; the best by more than ``min_gain`` over the
+        served one is published and served from now on. The base head winning means the traffic went
+        back to where the adapters do not help (benchmarks section 20: prose and math adapters cost
+        code 0.17 of acceptance when code returned): a zero adapter, equal to the base head, is
+        published, and training goes on from the adapters as they are (restarting them from zero
+        threw away a domain's progress on a noisy judgement, section 20 run B).
+
+        Example: served a3 1.90, adapted 1.95, base 2.10 -> a4 = zero adapter (the base) published;
+        the next update must beat 2.x of the base head on its own rows."""
+        assert self.head is not None and self.served is not None and self.base is not None
+        before = simulated_acceptance(self.served, self.embed, pending.judge, self.gamma)
+        after = simulated_acceptance(self.head, self.embed, pending.judge, self.gamma)
+        bare = before if self.served is self.base else simulated_acceptance(self.base, self.embed, pending.judge,
+                                                                             self.gamma)
+
+        def beats(a: float, b: float) -> bool:
+            return math.isfinite(a) and (not math.isfinite(b) or a > b + self.min_gain)
+
+        reset = beats(bare, before) and not after > bare
+        publish = reset or (beats(after, before) and not bare > after)
+        judged = sum(s.num_positions for s in pending.judge)
+        metrics: dict[str, Any] = {"eligible_rows": pending.eligible_rows, "seen_rows": pending.seen_rows,
+                                   "update_ms": round(pending.update_ms, 1), "judged_rows": judged,
+                                   "adapted_accept_len": after, "baseline_accept_len": before,
+                                   "base_accept_len": bare, "reset": reset,
+                                   "loss_before": pending.loss_before, "loss_after": pending.loss_after}
+        number = None
+        if publish:
+            number = save_adapter(self.root, zero_adapters(self.head) if reset else self.head, self.base_version,
+                                  {k: v for k, v in metrics.items()
+                                   if isinstance(v, (int, float)) and math.isfinite(v)})
+            self.served = self.base if reset else copy.deepcopy(self.head)
+        result = AdapterResult(self.base_version, pending.eligible_rows, pending.seen_rows, pending.loss_before,
+                               pending.loss_after, judged, before, after, bare, reset, pending.update_ms, number)
         self.results.append(result)
-        logger.info("lora: %d eligible rows, loss %.3f -> %.3f in %.0f ms, held-out accept len %.3f -> %.3f, %s",
-                    buffered, losses[0], losses[-1], update_ms, before, after,
-                    f"published v{self.base_version}/a{number}" if number else "not published")
+        logger.info("lora: judged on %d rows served after it: accept len %.3f (served) -> %.3f (adapted), %.3f "
+                    "(base), %s", judged, before, after, bare,
+                    (f"base head published as v{self.base_version}/a{number}" if reset else
+                     f"published v{self.base_version}/a{number}" if number else "not published"))
         return result
+
+
+def zero_adapters(head: Eagle3Head) -> Eagle3Head:
+    """A copy of a ``with_lora`` head with every adapter's B zero: the base head's function, in the
+    adapter format (what the engine merges to serve the base head again)."""
+    out = copy.deepcopy(head)
+    with torch.no_grad():
+        for name, p in out.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+    return out

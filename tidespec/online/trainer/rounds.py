@@ -202,8 +202,8 @@ class DraftTrainer:
             raise TrainerConfigError("--lora needs the target model and a single trainer process")
         cfg = self.cfg
         aligner = LoraAligner(cfg.lora, self.store, self.root, self.embed, self._target_rows(target),
-                              gamma=cfg.gamma, ttt_steps=cfg.ttt_steps, heldout_frac=cfg.heldout_frac,
-                              max_segment_len=cfg.max_segment_len, min_gain=cfg.min_gain)
+                              gamma=cfg.gamma, ttt_steps=cfg.ttt_steps, max_segment_len=cfg.max_segment_len,
+                              min_gain=cfg.min_gain)
         aligner.start_cursor(self.state.last_shard_id)
         return aligner
 
