@@ -268,17 +268,18 @@ class LoraAligner:
                     version)
 
     def _served_head(self, base: Eagle3Head, version: int) -> Eagle3Head:
-        """What the engine serves for ``version``: the base head with the newest valid adapter
-        already published for it merged in (a restarted trainer must beat that, not the bare base)."""
-        for number in reversed(list_adapters(self.root, version)):
-            try:
-                adapter = load_adapter(adapter_dir(self.root, version, number), base.cfg)
-            except AdapterError:
-                continue  # the engine refuses it too
-            served = copy.deepcopy(base)
-            served.load_state_dict(merged_state(base.state_dict(), adapter, base.cfg))
-            return served
-        return base
+        """What the engine serves for ``version``: ``online.adapters`` merges the newest adapter only,
+        and an engine that refuses it serves the base head. A restarted trainer must beat that."""
+        numbers = list_adapters(self.root, version)
+        if not numbers:
+            return base
+        try:
+            adapter = load_adapter(adapter_dir(self.root, version, numbers[-1]), base.cfg)
+        except AdapterError:
+            return base  # the engine refuses it too
+        served = copy.deepcopy(base)
+        served.load_state_dict(merged_state(base.state_dict(), adapter, base.cfg))
+        return served
 
     def _read_new(self) -> list[SignalShard]:
         """The shards since the cursor once they hold ``min_rows`` rows; of a larger backlog (a trainer
