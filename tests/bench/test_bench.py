@@ -8,17 +8,21 @@ import argparse
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from tests.helpers import tiny_hf_model, tiny_llama, tiny_tokenizer, write_tiny_checkpoint
+from tidespec.bench import spec as spec_bench
 from tidespec.bench.cli import register
 from tidespec.bench.decode import DecodeBenchConfig, run_decode_bench, wave_indices
 from tidespec.bench.profile import ProfileConfig, kv_bytes_per_token, run_profile, weight_bytes_per_token
 from tidespec.bench.report import command_line, markdown_table, percentile, summarize
 from tidespec.bench.spec import SpecBenchConfig, run_spec_bench
 from tidespec.config import ConfigError, ModelConfig
+from tidespec.llm import build_engine
+from tidespec.models.eagle3_checkpoint import export_eagle3, fresh_head
 from tidespec.models.loader import LoadedModel, load_model
 from tidespec.workloads.loader import (
     WorkloadError,
@@ -224,6 +228,48 @@ def test_spec_bench_smoke_lossless_and_hf(tmp_path: Path) -> None:
     assert [h["label"] for h in doc["hf"]] == ["hf plain", "hf prompt-lookup k=2"]
     assert doc["hf"][0]["speedup"] == 1.0 and "hf_pld_speedup" in doc["headline"]
     assert doc["headline"]["total_mismatches"] == 0
+
+
+def test_spec_bench_compares_eagle3_heads_in_one_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[str | None] = []  # the head directory each engine was built with
+
+    def build(econf: Any, **kw: Any) -> Any:
+        built.append(econf.spec.eagle3.dir if econf.spec.drafter == "eagle3" else None)
+        return build_engine(econf, **kw)
+
+    monkeypatch.setattr(spec_bench, "build_engine", build)
+    hf, _ = tiny_hf_model("llama", torch.float32, num_hidden_layers=4)  # EAGLE-3 taps need >= 3 layers
+    target = load_model(str(write_tiny_checkpoint(hf, tmp_path / "ckpt")), dtype=torch.float64)
+    heads = {"d1": fresh_head(target.model.cfg, None, torch.float64, seed=1),
+             "d2-gated": fresh_head(target.model.cfg, None, torch.float64, seed=2, num_layers=2, fusion="gated")}
+    for name, head in heads.items():
+        export_eagle3(head, tmp_path / name)
+    cfg = SpecBenchConfig(workload=str(_workload(tmp_path, "w", 2)), drafters=("none", "eagle3"), gammas=(2,),
+                          max_tokens=6, eagle3_heads=tuple(f"{n}={tmp_path / n}" for n in heads))
+    doc = run_spec_bench(cfg, target, model_config=ModelConfig(dtype="float64"), out_dir=tmp_path / "out", echo=False)
+    assert [c["label"] for c in doc["configs"]] == ["plain", "eagle3[d1] g=2", "eagle3[d2-gated] g=2"]
+    assert [c["eagle3_head"] for c in doc["configs"]] == [None, str(tmp_path / "d1"), str(tmp_path / "d2-gated")]
+    assert built == [None, str(tmp_path / "d1"), str(tmp_path / "d2-gated")]
+    plain, *spec = doc["configs"]
+    assert plain["draft_ms_per_step"] == 0.0 and math.isnan(plain["draft_ms_per_draft_token"])
+    for c in spec:
+        assert c["mismatches"] == 0 and c["num_draft_tokens"] > 0, c["label"]
+        assert c["draft_ms_per_draft_token"] > 0 and c["verify_ms_per_step"] > 0 and c["steps"] > 0
+    assert "| eagle3[d2-gated] g=2 |" in (tmp_path / "out" / "table.md").read_text()
+
+
+def test_spec_bench_eagle3_heads_are_checked(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    with pytest.raises(ConfigError, match="add eagle3 to --drafters"):
+        SpecBenchConfig(drafters=("none", "suffix"), eagle3_heads=(str(tmp_path / "a"),))
+    with pytest.raises(ConfigError, match="is not a directory"):
+        SpecBenchConfig(drafters=("eagle3",), eagle3_heads=(f"x={tmp_path / 'missing'}",))
+    with pytest.raises(ConfigError, match="names must differ"):
+        SpecBenchConfig(drafters=("eagle3",), eagle3_heads=(f"x={tmp_path / 'a'}", f"x={tmp_path / 'a'}"))
+    cfg = SpecBenchConfig(drafters=("eagle3", "suffix"), gammas=(1, 3), eagle3_heads=(str(tmp_path / "a"),))
+    assert cfg.grid() == [("plain", 0, None), ("eagle3", 1, (str(tmp_path / "a"), str(tmp_path / "a"))),
+                          ("eagle3", 3, (str(tmp_path / "a"), str(tmp_path / "a"))), ("suffix", 1, None),
+                          ("suffix", 3, None)]
 
 
 def test_profile_smoke(tmp_path: Path) -> None:

@@ -51,6 +51,7 @@ from tidespec.config import (
     add_dataclass_args,
     dataclass_from_args,
 )
+from tidespec.workloads.loader import BUILTIN_WORKLOADS
 
 # SpecConfig fields the spec bench sweeps itself (so they are not flags there).
 _SWEPT_SPEC_FIELDS = ("drafter", "num_speculative_tokens")
@@ -83,6 +84,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--compare", choices=["hf"], default=None,
                    help="also run HF generate() plain and with prompt lookup")
     s.add_argument("--hf-pld-tokens", default="10", help="HF prompt_lookup_num_tokens value(s), comma-separated")
+    s.add_argument("--eagle3-heads", default="",
+                   help="EAGLE-3 heads compared in one interleaved run, comma-separated NAME=DIR (or DIR): one "
+                        "eagle3 configuration per head and gamma (needs eagle3 in --drafters; default: the one "
+                        "head of --eagle3-dir)")
     add_dataclass_args(s, ModelConfig)
     add_dataclass_args(s, SchedulerConfig)
     add_dataclass_args(s, SpecConfig, skip=_SWEPT_SPEC_FIELDS)
@@ -151,7 +156,8 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
 
 def _add_workload_args(p: argparse.ArgumentParser, limit: int) -> None:
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", default="code", help="JSONL path, or a built-in name: code, chat")
+    g.add_argument("--workload", default="code",
+                   help="JSONL path, or a built-in name (" + ", ".join(BUILTIN_WORKLOADS) + ")")
     g.add_argument("--limit", type=int, default=limit, help="use the first N records")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request (EOS ignored)")
     g.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run")
@@ -171,7 +177,8 @@ def cmd_spec(ns: argparse.Namespace) -> int:
                           gammas=parse_int_list(ns.gammas, "--gammas"), batch_size=ns.batch_size,
                           max_tokens=ns.max_tokens, compare_hf=ns.compare == "hf",
                           hf_pld_tokens=parse_int_list(ns.hf_pld_tokens, "--hf-pld-tokens"),
-                          warmup=not ns.no_warmup)
+                          warmup=not ns.no_warmup,
+                          eagle3_heads=parse_str_list(ns.eagle3_heads, "--eagle3-heads") if ns.eagle3_heads else ())
     run_spec_bench(cfg, model_config=dataclass_from_args(ModelConfig, ns),
                    scheduler=dataclass_from_args(SchedulerConfig, ns), spec_base=dataclass_from_args(SpecConfig, ns),
                    policy=dataclass_from_args(PolicyConfig, ns), out_dir=ns.out, command=command_line())

@@ -167,20 +167,29 @@ class WaveResult:
     wall_time: float
     decode_tokens: int  # tokens emitted by steps without prefill
     decode_time: float  # wall time of those steps
+    draft_time: float = 0.0  # seconds in the drafter's proposals, all steps (the engine's draft timer)
+    verify_time: float = 0.0  # seconds in the target's forwards, all steps
+    steps: int = 0  # engine steps that scheduled work
 
 
 def run_wave(engine: LLMEngine, prompts: list[Prompt], indices: list[int], params: SamplingParams) -> WaveResult:
     """Add ``prompts[i]`` for each i in ``indices`` at once and step the engine until all finish."""
     if engine.has_unfinished_requests():
         raise RuntimeError("run_wave needs an idle engine")
-    decode_tokens, decode_time = 0, 0.0
+    decode_tokens, decode_time, draft_time, verify_time, steps = 0, 0.0, 0.0, 0.0, 0
     t0 = time.perf_counter()
     rids = [engine.add_request(prompts[i].token_ids, params) for i in indices]
     final: dict[str, Any] = {}
+    counted = engine.last_stats
     while engine.has_unfinished_requests():
         ts = time.perf_counter()
         outs = engine.step()
         dt = time.perf_counter() - ts
+        if engine.last_stats is not counted:  # a step with nothing scheduled leaves the last stats in place
+            counted = engine.last_stats
+            steps += 1
+            draft_time += counted.draft_time
+            verify_time += counted.verify_time
         if not outs:
             continue
         if engine.last_stats.num_prefill_tokens == 0:
@@ -199,7 +208,7 @@ def run_wave(engine: LLMEngine, prompts: list[Prompt], indices: list[int], param
         records.append(RequestRecord(i, prompts[i].record.id, len(prompts[i].token_ids), len(o.token_ids),
                                      first - s.arrival_time, finish - s.arrival_time, list(o.token_ids),
                                      s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens))
-    return WaveResult(records, wall, decode_tokens, decode_time)
+    return WaveResult(records, wall, decode_tokens, decode_time, draft_time, verify_time, steps)
 
 
 def wave_indices(num_prompts: int, batch_size: int) -> list[list[int]]:

@@ -62,7 +62,7 @@ from tidespec.bench.report import command_line, default_out_dir, finish_run
 from tidespec.bench.serve import arrival_times, free_port, launch_server, run_load, stop_server, summarize
 from tidespec.config import ConfigError
 from tidespec.speculative.policy.speedup import Profile
-from tidespec.workloads.loader import load_workload
+from tidespec.workloads.loader import BUILTIN_WORKLOADS, load_workload
 
 
 def _client_ns(cfg: LoadBenchConfig, offset: int = 0) -> argparse.Namespace:
@@ -236,7 +236,8 @@ def run_load_bench(cfg: LoadBenchConfig, out_dir: Path | None = None, command: s
 # ----------------------------------------------------------------------------- CLI
 def add_args(p: argparse.ArgumentParser) -> None:
     d = LoadBenchConfig()
-    p.add_argument("--workload", default=d.workload, help="JSONL path, or a built-in name: code, chat")
+    p.add_argument("--workload", default=d.workload,
+                   help="JSONL path, or a built-in name (" + ", ".join(BUILTIN_WORKLOADS) + ")")
     p.add_argument("--model", default=None, help="checkpoint for every server (default: the embedded model)")
     p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates), help="arrival rates, req/s, comma-separated")
     p.add_argument("--duration", type=float, default=d.duration, help="seconds of arrivals per rate")

@@ -45,7 +45,7 @@ import httpx
 import numpy as np
 
 from tidespec.config import ConfigError
-from tidespec.workloads.loader import WorkloadRecord, load_workload
+from tidespec.workloads.loader import BUILTIN_WORKLOADS, WorkloadRecord, load_workload
 
 ROUTE_HEADER = "X-Tidespec-Route"
 
@@ -446,7 +446,8 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="model name to send; None = the server's first model")
     g.add_argument("--api-key", default=None, help="API key; env TIDESPEC_API_KEY when not given")
     g.add_argument("--workload", required=True,
-                   help="workload JSONL {id, domain, kind: completion|chat, prompt}, or a built-in name: code, chat")
+                   help="workload JSONL {id, domain, kind: completion|chat, prompt}, or a built-in name ("
+                        + ", ".join(BUILTIN_WORKLOADS) + ")")
     g.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
                    help="shuffle the workload order (seeded)")
     g.add_argument("--rate", type=float, default=math.inf, help="Poisson arrival rate, req/s (inf = all at once)")

@@ -70,6 +70,9 @@ class SpecBenchConfig:
     compare_hf: bool = False
     hf_pld_tokens: tuple[int, ...] = (10,)
     warmup: bool = True
+    # EAGLE-3 heads to compare in one run, "NAME=DIR" or "DIR" each: one configuration per head x gamma
+    # (empty: the one head of --eagle3-dir)
+    eagle3_heads: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         bad = [d for d in self.drafters if d not in DRAFTERS]
@@ -87,14 +90,40 @@ class SpecBenchConfig:
             raise ConfigError(f"max_tokens must be >= 2, got {self.max_tokens}")
         if any(k < 1 for k in self.hf_pld_tokens):
             raise ConfigError(f"hf_pld_tokens must be >= 1, got {self.hf_pld_tokens}")
+        if self.eagle3_heads and "eagle3" not in self.drafters:
+            raise ConfigError("--eagle3-heads compares EAGLE-3 heads: add eagle3 to --drafters")
+        names = [name for name, _ in self.heads()]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"--eagle3-heads names must differ, got {', '.join(names)}")
+        for name, directory in self.heads():
+            if not name or not Path(directory).is_dir():
+                raise ConfigError(f"--eagle3-heads: {name or '(empty name)'}={directory} is not a directory "
+                                  "(an exported head or a publish root)")
 
-    def grid(self) -> list[tuple[str, int]]:
-        """(drafter, gamma) per configuration; plain first, always (``none`` means plain)."""
-        return [(PLAIN, 0)] + [(d, g) for d in self.drafters if d != "none" for g in self.gammas]
+    def heads(self) -> list[tuple[str, str]]:
+        """(name, directory) per ``eagle3_heads`` entry; a bare directory is its own name.
+
+        Example: ``("d1=runs/a/head", "runs/b")`` -> ``[("d1", "runs/a/head"), ("runs/b", "runs/b")]``.
+        """
+        return [(e.split("=", 1)[0], e.split("=", 1)[1]) if "=" in e else (e, e) for e in self.eagle3_heads]
+
+    def grid(self) -> list[tuple[str, int, tuple[str, str] | None]]:
+        """(drafter, gamma, EAGLE-3 head or None) per configuration; plain first, always (``none`` means
+        plain); with ``eagle3_heads`` one eagle3 configuration per head and gamma."""
+        grid: list[tuple[str, int, tuple[str, str] | None]] = [(PLAIN, 0, None)]
+        for d in self.drafters:
+            if d == "none":
+                continue
+            heads: list[tuple[str, str] | None] = list(self.heads()) if d == "eagle3" and self.eagle3_heads else [None]
+            grid += [(d, g, h) for h in heads for g in self.gammas]
+        return grid
 
 
-def config_label(drafter: str, gamma: int) -> str:
-    return PLAIN if drafter == PLAIN else f"{drafter} g={gamma}"
+def config_label(drafter: str, gamma: int, head: str | None = None) -> str:
+    """``plain``, ``suffix g=4``, or ``eagle3[d2-gated] g=4`` for one of several compared heads."""
+    if drafter == PLAIN:
+        return PLAIN
+    return f"{drafter}[{head}] g={gamma}" if head else f"{drafter} g={gamma}"
 
 
 @dataclass
@@ -106,8 +135,12 @@ class _Run:
     gamma: int
     engine: LLMEngine | None = None
     pld: int | None = None  # HF prompt lookup tokens (None = HF plain)
+    head: str | None = None  # EAGLE-3 head directory when several are compared
     records: list[RequestRecord] = dataclasses.field(default_factory=list)
     wall: float = 0.0
+    draft_time: float = 0.0  # the engine's draft timer over the measured waves
+    verify_time: float = 0.0
+    steps: int = 0
 
 
 def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None, *,
@@ -127,13 +160,16 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
                             mc.quant_group_size)
     prompts = load_prompts(cfg.workload, target.tokenizer, cfg.limit)
     runs: list[_Run] = []
-    for drafter, gamma in cfg.grid():
+    for drafter, gamma, head in cfg.grid():
         spec = dataclasses.replace(base, drafter="none" if drafter == PLAIN else drafter,
                                    num_speculative_tokens=gamma)
+        if head is not None:
+            spec = dataclasses.replace(spec, eagle3=dataclasses.replace(base.eagle3, dir=head[1]))
         econf = bench_engine_config(prompts, cfg.max_tokens, cfg.batch_size,
                                     target.model.cfg.max_position_embeddings, mc, scheduler, spec, policy)
         engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
-        runs.append(_Run(config_label(drafter, gamma), drafter, gamma, engine=engine))
+        runs.append(_Run(config_label(drafter, gamma, head[0] if head else None), drafter, gamma, engine=engine,
+                         head=head[1] if head else None))
     hf_runs: list[_Run] = []
     hf: HFRunner | None = None
     if cfg.compare_hf:
@@ -159,6 +195,9 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
                 w = run_wave(r.engine, prompts, idx, params)
                 r.records.extend(w.requests)
                 r.wall += w.wall_time
+                r.draft_time += w.draft_time
+                r.verify_time += w.verify_time
+                r.steps += w.steps
                 bar.update()
             if hf is not None:
                 for i in idx:
@@ -214,6 +253,11 @@ def _summarize_run(run: _Run, plain: _Run) -> dict[str, Any]:
         "num_drafts": drafts,
         "num_draft_tokens": draft_tokens,
         "num_accepted_tokens": accepted,
+        "eagle3_head": run.head,
+        "steps": run.steps,
+        "draft_ms_per_step": 1e3 * run.draft_time / run.steps if run.steps else float("nan"),
+        "draft_ms_per_draft_token": 1e3 * run.draft_time / draft_tokens if draft_tokens else float("nan"),
+        "verify_ms_per_step": 1e3 * run.verify_time / run.steps if run.steps else float("nan"),
         "per_request_speedup": {k: spread[k] for k in ("min", "p10", "p50", "p90", "max")},
         "losses": [{"prompt_id": x["prompt_id"], "speedup": x["speedup"]} for x in per_req if x["speedup"] < 1.0],
         "mismatches": sum(1 for r, p in zip(run.records, plain.records) if r.token_ids != p.token_ids),
@@ -245,8 +289,10 @@ def format_spec_report(doc: dict[str, Any], command: str, info: dict[str, Any]) 
     """Markdown: command, machine, the configuration table, the spread table, headline, losers."""
     rows = doc["configs"] + doc["hf"]
     main = markdown_table(
-        ["configuration", "tok/s", "speedup", "mean acc. len", "acc. rate", "mismatches"],
+        ["configuration", "tok/s", "speedup", "mean acc. len", "acc. rate", "draft ms/step",
+         "draft ms/draft token", "forward ms/step", "mismatches"],
         [[c["label"], c["tokens_per_s"], c["speedup"], c["mean_acceptance_length"], c["acceptance_rate"],
+          c.get("draft_ms_per_step"), c.get("draft_ms_per_draft_token"), c.get("verify_ms_per_step"),
           c["mismatches"] if c["drafter"] not in ("hf", "hf-pld") else None] for c in rows], digits=2)
     spread = markdown_table(
         ["configuration", "min", "p10", "median", "p90", "max", "prompts slower than plain"],
