@@ -169,6 +169,9 @@ class Eagle3Options:
     draft_vocab: int = opt(0, "EAGLE-3: draft vocabulary of a fresh head (0 = the target's vocabulary)")
     tree_depth: int = opt(5, "EAGLE-3 trees (--tree): expansion depth")
     tree_top_k: int = opt(4, "EAGLE-3 trees (--tree): children per expanded node and frontier width")
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = opt(
+        "auto", "EAGLE-3 head's weights and activations (auto = the target's --dtype); the drafter's precision "
+                "never changes the output, only how often its drafts are accepted and what they cost")
 
     def __post_init__(self) -> None:
         check_at_least(0, eagle3_draft_vocab=self.draft_vocab)

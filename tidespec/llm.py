@@ -73,7 +73,8 @@ def _one_drafter(name: str, spec: SpecConfig, target: LlamaModel, max_num_seqs: 
     if name == "eagle3":
         return build_eagle3_drafter(target, spec.eagle3.dir, spec.eagle3.draft_vocab, Eagle3DrafterConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, tree_depth=spec.eagle3.tree_depth,
-            tree_top_k=spec.eagle3.tree_top_k))
+            tree_top_k=spec.eagle3.tree_top_k),
+            dtype=None if spec.eagle3.dtype == "auto" else getattr(torch, spec.eagle3.dtype))
     dm = spec.draft_model
     if dm.layers:
         draft = target.truncated(dm.layers)
@@ -90,8 +91,8 @@ def _one_drafter(name: str, spec: SpecConfig, target: LlamaModel, max_num_seqs: 
 
 
 def build_eagle3_drafter(target: LlamaModel, source: str | Path | None, draft_vocab_size: int = 0,
-                         cfg: Eagle3DrafterConfig | None = None) -> Eagle3Drafter:
-    """The EAGLE-3 drafter for ``target``.
+                         cfg: Eagle3DrafterConfig | None = None, dtype: torch.dtype | None = None) -> Eagle3Drafter:
+    """The EAGLE-3 drafter for ``target``, its head in ``dtype`` (None = the target's).
 
     ``source``: None -> a fresh random head (version 0; lossless anyway, it learns online);
     otherwise what ``load_drafter_source`` finds there (an exported checkpoint as version 0, or a
@@ -99,10 +100,11 @@ def build_eagle3_drafter(target: LlamaModel, source: str | Path | None, draft_vo
     ``draft_vocab_size`` (0 = full vocabulary) only shapes a fresh head.
     """
     pub = load_drafter_source(source, target.cfg) if source is not None else None
+    dtype = dtype if dtype is not None else target.dtype
     if pub is None:
-        head, version = fresh_head(target.cfg, draft_vocab_size or None, target.dtype, target.device), 0
+        head, version = fresh_head(target.cfg, draft_vocab_size or None, dtype, target.device), 0
     else:
-        head, version = head_from_published(pub, target.dtype, target.device), pub.version
+        head, version = head_from_published(pub, dtype, target.device), pub.version
     return Eagle3Drafter(head, target.embed_tokens, cfg, version=version)
 
 

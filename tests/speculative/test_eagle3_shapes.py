@@ -105,6 +105,18 @@ def test_greedy_equals_plain_for_every_head_shape(target: LlamaModel, layers: in
     assert accepted > 0  # some drafts were accepted: verification was exercised
 
 
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_equals_plain_with_a_bfloat16_head_on_a_float64_target(target: LlamaModel, tree: bool,
+                                                                      batch: int) -> None:
+    """``--eagle3-dtype``: the head drafts in its own precision; the target's output does not move."""
+    head = init_from_target(shaped_head(target, 2, "gated"), target, "layer").to(torch.bfloat16)
+    spec = SpecConfig(drafter="eagle3", num_speculative_tokens=4, tree=tree)
+    got, accepted = generate(target, head, PROMPTS, spec, batch)
+    assert got == plain_outputs(target, PROMPTS)
+    assert accepted > 0
+
+
 @pytest.mark.parametrize("layers,fusion", SHAPES)
 def test_checkpoint_round_trip_and_layer_names(tmp_path: Path, target: LlamaModel, layers: int, fusion: str) -> None:
     head = shaped_head(target, layers, fusion)

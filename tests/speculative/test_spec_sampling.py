@@ -19,7 +19,7 @@ from scipy.stats import chisquare
 
 import tidespec.speculative.verify as verify_mod
 from tests.helpers import tiny_llama, tiny_tokenizer
-from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SchedulerConfig, SpecConfig
+from tidespec.config import CacheConfig, DraftModelConfig, Eagle3Options, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
 from tidespec.models.kv_cache import KVCache
@@ -155,6 +155,20 @@ def test_speculative_sampling_matches_target(model, tok, prompt, drafter, tree, 
     assert accepted > 1000, "too few accepted drafts: the test would not exercise verification"
     if tree:
         assert branching > 500, "too few branching trees: the test would not exercise sibling rejection"
+    p = chi2_pvalue(samples, exact_distribution(model, prompt, params))
+    assert p > 0.01, f"speculative samples deviate from the target distribution (chi2 p={p:.2e})"
+
+
+def test_a_bfloat16_eagle3_head_keeps_the_targets_distribution(tok, prompt, monkeypatch):
+    """``--eagle3-dtype bfloat16`` on a float64 target: rejection sampling with the head's draft
+    probabilities (softmax in float32 over bfloat16 logits) still samples the target's distribution."""
+    model = tiny_llama(V, layers=3, seed=4, scale=1.5)  # EAGLE-3 taps need >= 3 layers
+    torch.manual_seed(0)
+    spec = SpecConfig(drafter="eagle3", num_speculative_tokens=3, eagle3=Eagle3Options(dtype="bfloat16"))
+    assert build_drafter(spec, model, 1, 32).head.dtype == torch.bfloat16
+    params = SETTINGS[1]
+    samples, accepted, _ = sample_first3(model, tok, prompt, spec, params, monkeypatch, seeded=False)
+    assert accepted > 1000, "too few accepted drafts: the test would not exercise verification"
     p = chi2_pvalue(samples, exact_distribution(model, prompt, params))
     assert p > 0.01, f"speculative samples deviate from the target distribution (chi2 p={p:.2e})"
 

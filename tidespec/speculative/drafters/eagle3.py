@@ -457,6 +457,7 @@ class Eagle3Drafter:
         target's race noise there (``sampling.seeded_draw``), so draft and target agree more often."""
         if params.greedy:
             return int(ids[logits.argmax()].item()), None
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # a half-precision head's too
         q = target_probs(logits.unsqueeze(0), params)[0]  # [n]: the softmax renormalised over ids
         vocab = self.head.cfg.target_vocab_size
         if params.seed is not None:

@@ -136,6 +136,28 @@ def profile_key(model: LlamaModel, drafter_name: str, extra: dict[str, str] | No
     return f"{model.cfg.architecture}-L{model.cfg.num_layers}-H{model.cfg.hidden_size}-{drafter_name}-{digest}"
 
 
+def drafter_signature(drafter: Drafter | None) -> dict[str, str]:
+    """What a drafter's costs depend on beyond its name: the shape and dtype of each neural drafter's
+    network (an EAGLE-3 head of another depth or precision, a draft model of other layers), so the
+    cached profile of one is never read for another.
+
+    Example: a suffix + EAGLE-3 ``MultiDrafter`` -> ``{"eagle3": "Eagle3Config(...) torch.bfloat16"}``.
+    """
+    sig: dict[str, str] = {}
+    for d in members_of(drafter):
+        net = getattr(d, "head", None) or getattr(d, "model", None)
+        if isinstance(net, torch.nn.Module):
+            cfg = getattr(net, "cfg", None)
+            sig[d.name] = f"{cfg!r} {next(net.parameters()).dtype}"
+    return sig
+
+
+def profile_key_for(model: LlamaModel, drafter: Drafter | None, compiled: bool) -> str:
+    """``profile_key`` of ``model`` speculating with ``drafter`` (its networks included), eager or compiled."""
+    return profile_key(model, drafter.name if drafter is not None else "none",
+                       {**({"compiled": "1"} if compiled else {}), **drafter_signature(drafter)})
+
+
 def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerConfig | None = None,
                     progress: Callable[[str], None] | None = None, compiled: bool = False) -> Profile:
     """Measure a ``Profile`` (see the module docstring); ``compiled``: T(b, q) of the compiled
@@ -187,7 +209,7 @@ def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerCon
         if member.name in STATEFUL_DRAFTERS and not catchup:  # the catch-up of the (first) stateful one
             catchup = _catchup(clock, model.cfg.vocab_size, cfg, gen)
             say(f"catch-up table of {member.name} measured")
-    key = profile_key(model, drafter.name if drafter is not None else "none", {"compiled": "1"} if compiled else None)
+    key = profile_key_for(model, drafter, compiled)
     return Profile(target_latency=single, draft_cost=draft_cost, catchup=catchup, key=key, verify_latency=verify)
 
 
@@ -264,7 +286,7 @@ def load_or_measure(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerCon
                     compiled: bool = False) -> tuple[Profile, Path]:
     """The cached profile for this model/device/dtype/drafter (and compiled step), measured (and
     cached) when missing."""
-    key = profile_key(model, drafter.name if drafter is not None else "none", {"compiled": "1"} if compiled else None)
+    key = profile_key_for(model, drafter, compiled)
     path = profile_cache_dir() / f"{key}.json"
     if path.exists() and not refresh:
         try:
