@@ -74,7 +74,7 @@ def _one_drafter(name: str, spec: SpecConfig, target: LlamaModel, max_num_seqs: 
         return build_eagle3_drafter(target, spec.eagle3.dir, spec.eagle3.draft_vocab, Eagle3DrafterConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, tree_depth=spec.eagle3.tree_depth,
             tree_top_k=spec.eagle3.tree_top_k),
-            dtype=None if spec.eagle3.dtype == "auto" else getattr(torch, spec.eagle3.dtype))
+            dtype=None if spec.eagle3.dtype == "auto" else DTYPES[spec.eagle3.dtype])
     dm = spec.draft_model
     if dm.layers:
         draft = target.truncated(dm.layers)

@@ -92,10 +92,11 @@ class SpecBenchConfig:
             raise ConfigError(f"hf_pld_tokens must be >= 1, got {self.hf_pld_tokens}")
         if self.eagle3_heads and "eagle3" not in self.drafters:
             raise ConfigError("--eagle3-heads compares EAGLE-3 heads: add eagle3 to --drafters")
-        names = [name for name, _ in self.heads()]
+        heads = self.heads()
+        names = [name for name, _ in heads]
         if len(set(names)) != len(names):
             raise ConfigError(f"--eagle3-heads names must differ, got {', '.join(names)}")
-        for name, directory in self.heads():
+        for name, directory in heads:
             if not name or not Path(directory).is_dir():
                 raise ConfigError(f"--eagle3-heads: {name or '(empty name)'}={directory} is not a directory "
                                   "(an exported head or a publish root)")

@@ -145,10 +145,9 @@ def drafter_signature(drafter: Drafter | None) -> dict[str, str]:
     """
     sig: dict[str, str] = {}
     for d in members_of(drafter):
-        net = getattr(d, "head", None) or getattr(d, "model", None)
+        net = getattr(d, "head", None) or getattr(d, "model", None)  # Eagle3Head / LlamaModel: cfg, dtype
         if isinstance(net, torch.nn.Module):
-            cfg = getattr(net, "cfg", None)
-            sig[d.name] = f"{cfg!r} {next(net.parameters()).dtype}"
+            sig[d.name] = f"{net.cfg!r} {net.dtype}"
     return sig
 
 
