@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from tidespec.cli import build_parser
 from tidespec.config import (
+    Eagle3Options,
     EngineConfig,
+    ModelConfig,
     NgramConfig,
     OnlineTrainingConfig,
     SpecConfig,
@@ -17,6 +20,7 @@ from tidespec.config import (
     flag_defaults,
 )
 from tidespec.errors import ConfigError
+from tidespec.llm import head_quantization
 from tidespec.server.cli import register as register_serve
 
 # Every engine flag and its default as the flat SpecConfig (34 fields) had them, plus those added since
@@ -31,7 +35,7 @@ FLAGS = {
     '--suffix-max-tree-tokens': 20000, '--suffix-min-prob': 0.1, '--suffix-factor': 1.0, '--draft-model': None,
     '--draft-layers': 0, '--tree-top-k': 2, '--policy': 'static', '--profile': None, '--guard-kv-usage': 0.9,
     '--guard-temperature': 2.0, '--eagle3-dir': None, '--eagle3-draft-vocab': 0, '--eagle3-tree-depth': 5,
-    '--eagle3-tree-top-k': 4, '--eagle3-dtype': 'auto',
+    '--eagle3-tree-top-k': 4, '--eagle3-dtype': 'auto', '--eagle3-quantization': 'auto',
     '--draft-vocab-mode': 'off', '--draft-vocab-core': 0, '--draft-vocab-buffer': 512,
     '--draft-vocab-max-insert': 32, '--draft-vocab-min-residency': 8,
     '--draft-vocab-corpus': 'drafter_boot,code_extra', '--online-training': False, '--signal-dir': None, '--signal-budget-mb': 2048,
@@ -76,7 +80,18 @@ def test_flags_land_in_their_sections() -> None:
 @pytest.mark.parametrize("build", [
     lambda: SpecConfig(ngram=NgramConfig(min=3, max=2)),
     lambda: EngineConfig(spec=SpecConfig(drafter="ngram"), online=OnlineTrainingConfig(enabled=True)),
+    lambda: EngineConfig(model=ModelConfig(device="cuda"),
+                         spec=SpecConfig(drafter="eagle3", eagle3=Eagle3Options(quantization="int8"))),
 ])
 def test_sections_validate_on_construction(build) -> None:
     with pytest.raises(ConfigError):
         build()
+
+
+def test_eagle3_quantization_auto_is_int8_on_a_cpu_only() -> None:
+    """The head drafts with int8 weights on a CPU by default (bound by reading them there); a CUDA
+    head stays float unless asked, and asking there is a one-line configuration error (above)."""
+    assert head_quantization("auto", torch.device("cpu")) == "int8"
+    assert head_quantization("auto", torch.device("cuda", 0)) == "none"
+    assert head_quantization("int4", torch.device("cpu")) == "int4"
+    EngineConfig(model=ModelConfig(device="cuda"), spec=SpecConfig(drafter="eagle3"))  # auto: fine anywhere

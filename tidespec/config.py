@@ -172,6 +172,10 @@ class Eagle3Options:
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = opt(
         "auto", "EAGLE-3 head's weights and activations (auto = the target's --dtype); the drafter's precision "
                 "never changes the output, only how often its drafts are accepted and what they cost")
+    quantization: Literal["auto", "none", "int8", "int4"] = opt(
+        "auto", "EAGLE-3 head's weights while drafting: int8 (per output channel) or int4 (groups of 32, LM head "
+                "int8) copies of its linear layers, PyTorch's CPU kernels; the float head still trains, swaps and "
+                "rolls back. auto = int8 on --device cpu, none elsewhere. Lossless whatever it is")
 
     def __post_init__(self) -> None:
         check_at_least(0, eagle3_draft_vocab=self.draft_vocab)
@@ -373,6 +377,9 @@ class EngineConfig:
             raise ConfigError("--online-training needs --eagle3-dir (the directory drafters are published to)")
         if self.online.lora and not self.online.enabled:
             raise ConfigError("--online-lora needs --online-training (the trainer child publishes the adapters)")
+        if self.spec.eagle3.quantization in ("int8", "int4") and not self.model.device.startswith("cpu"):
+            raise ConfigError(f"--eagle3-quantization {self.spec.eagle3.quantization} needs --device cpu "
+                              f"(PyTorch's CPU kernels), got {self.model.device!r}")
         need = self.cache.max_num_seqs * (self.spec.num_speculative_tokens + 1) + 16
         if self.scheduler.max_num_batched_tokens < need:
             # every running sequence must fit its verification tokens in one step, with room left

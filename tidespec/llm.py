@@ -73,7 +73,7 @@ def _one_drafter(name: str, spec: SpecConfig, target: LlamaModel, max_num_seqs: 
     if name == "eagle3":
         return build_eagle3_drafter(target, spec.eagle3.dir, spec.eagle3.draft_vocab, Eagle3DrafterConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, tree_depth=spec.eagle3.tree_depth,
-            tree_top_k=spec.eagle3.tree_top_k),
+            tree_top_k=spec.eagle3.tree_top_k, quantization=head_quantization(spec.eagle3.quantization, target.device)),
             dtype=None if spec.eagle3.dtype == "auto" else DTYPES[spec.eagle3.dtype])
     dm = spec.draft_model
     if dm.layers:
@@ -88,6 +88,17 @@ def _one_drafter(name: str, spec: SpecConfig, target: LlamaModel, max_num_seqs: 
         draft = target.truncated(max(1, target.cfg.num_layers // 4))
     return DraftModelDrafter(draft, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                              tree_top_k=dm.tree_top_k)
+
+
+def head_quantization(option: str, device: torch.device) -> str:
+    """``--eagle3-quantization`` resolved for a head on ``device``: "auto" is int8 on a CPU (where
+    drafting is bound by reading the head's weights; docs/benchmarks.md section 22), none elsewhere.
+
+    Example: ``head_quantization("auto", torch.device("cpu")) == "int8"``; on cuda:0 -> "none".
+    """
+    if option != "auto":
+        return option
+    return "int8" if device.type == "cpu" else "none"
 
 
 def build_eagle3_drafter(target: LlamaModel, source: str | Path | None, draft_vocab_size: int = 0,

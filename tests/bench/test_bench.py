@@ -19,7 +19,7 @@ from tidespec.bench.cli import register
 from tidespec.bench.decode import DecodeBenchConfig, run_decode_bench, wave_indices
 from tidespec.bench.profile import ProfileConfig, kv_bytes_per_token, run_profile, weight_bytes_per_token
 from tidespec.bench.report import command_line, markdown_table, percentile, summarize
-from tidespec.bench.spec import SpecBenchConfig, run_spec_bench
+from tidespec.bench.spec import HeadVariant, SpecBenchConfig, run_spec_bench
 from tidespec.config import ConfigError, ModelConfig
 from tidespec.llm import build_engine
 from tidespec.models.eagle3_checkpoint import export_eagle3, fresh_head
@@ -245,17 +245,20 @@ def test_spec_bench_compares_eagle3_heads_in_one_run(tmp_path: Path, monkeypatch
     for name, head in heads.items():
         export_eagle3(head, tmp_path / name)
     cfg = SpecBenchConfig(workload=str(_workload(tmp_path, "w", 2)), drafters=("none", "eagle3"), gammas=(2,),
-                          max_tokens=6, eagle3_heads=tuple(f"{n}={tmp_path / n}" for n in heads))
+                          max_tokens=6, eagle3_heads=tuple(f"{n}={tmp_path / n}" for n in heads),
+                          eagle3_quantizations=("none", "int8"))
     doc = run_spec_bench(cfg, target, model_config=ModelConfig(dtype="float64"), out_dir=tmp_path / "out", echo=False)
-    assert [c["label"] for c in doc["configs"]] == ["plain", "eagle3[d1] g=2", "eagle3[d2-gated] g=2"]
-    assert [c["eagle3_head"] for c in doc["configs"]] == [None, str(tmp_path / "d1"), str(tmp_path / "d2-gated")]
-    assert built == [None, str(tmp_path / "d1"), str(tmp_path / "d2-gated")]
+    assert [c["label"] for c in doc["configs"]] == ["plain", "eagle3[d1 none] g=2", "eagle3[d1 int8] g=2",
+                                                    "eagle3[d2-gated none] g=2", "eagle3[d2-gated int8] g=2"]
+    dirs = [None] + [str(tmp_path / n) for n in heads for _ in range(2)]
+    assert [c["eagle3_head"] for c in doc["configs"]] == dirs and built == dirs
+    assert [c["eagle3_quantization"] for c in doc["configs"]] == [None, "none", "int8", "none", "int8"]
     plain, *spec = doc["configs"]
     assert plain["draft_ms_per_step"] == 0.0 and math.isnan(plain["draft_ms_per_draft_token"])
     for c in spec:
         assert c["mismatches"] == 0 and c["num_draft_tokens"] > 0, c["label"]
         assert c["draft_ms_per_draft_token"] > 0 and c["verify_ms_per_step"] > 0 and c["steps"] > 0
-    assert "| eagle3[d2-gated] g=2 |" in (tmp_path / "out" / "table.md").read_text()
+    assert "| eagle3[d2-gated int8] g=2 |" in (tmp_path / "out" / "table.md").read_text()
 
 
 def test_spec_bench_eagle3_heads_are_checked(tmp_path: Path) -> None:
@@ -266,10 +269,16 @@ def test_spec_bench_eagle3_heads_are_checked(tmp_path: Path) -> None:
         SpecBenchConfig(drafters=("eagle3",), eagle3_heads=(f"x={tmp_path / 'missing'}",))
     with pytest.raises(ConfigError, match="names must differ"):
         SpecBenchConfig(drafters=("eagle3",), eagle3_heads=(f"x={tmp_path / 'a'}", f"x={tmp_path / 'a'}"))
+    with pytest.raises(ConfigError, match="distinct values of none, int8, int4"):
+        SpecBenchConfig(drafters=("eagle3",), eagle3_quantizations=("int8", "int3"))
+    a = HeadVariant(str(tmp_path / "a"), str(tmp_path / "a"))
     cfg = SpecBenchConfig(drafters=("eagle3", "suffix"), gammas=(1, 3), eagle3_heads=(str(tmp_path / "a"),))
-    assert cfg.grid() == [("plain", 0, None), ("eagle3", 1, (str(tmp_path / "a"), str(tmp_path / "a"))),
-                          ("eagle3", 3, (str(tmp_path / "a"), str(tmp_path / "a"))), ("suffix", 1, None),
+    assert cfg.grid() == [("plain", 0, None), ("eagle3", 1, a), ("eagle3", 3, a), ("suffix", 1, None),
                           ("suffix", 3, None)]
+    cfg = SpecBenchConfig(drafters=("eagle3",), gammas=(2,), eagle3_heads=(f"h={tmp_path / 'a'}",),
+                          eagle3_quantizations=("none", "int8"))
+    assert [v for _, _, v in cfg.grid()] == [None, HeadVariant("h none", str(tmp_path / "a"), "none"),
+                                             HeadVariant("h int8", str(tmp_path / "a"), "int8")]
 
 
 def test_profile_smoke(tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ from tidespec.models.quant import (
     quantization_of,
     quantize_int4,
     quantize_int8,
+    quantize_linears,
     quantize_model,
 )
 
@@ -177,6 +178,28 @@ def test_bad_group_size_and_device_are_one_line_errors() -> None:
     meta = tiny_llama().to("meta")
     with pytest.raises(QuantizationError, match="needs --device cpu"):
         quantize_model(meta, "int8")
+
+
+def test_quantize_linears_reaches_every_linear_of_another_network() -> None:
+    """The EAGLE-3 head's int8/int4 drafting copy: every nn.Linear at any depth, the output layer
+    int8 under int4; a group that does not divide an input size or a non-CPU weight is refused
+    before anything changes."""
+    from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head
+    target = tiny_llama(V, layers=4)
+    head = Eagle3Head(Eagle3Config.for_target(target.cfg, num_layers=2, fusion="gated")).double()
+    linears = sum(isinstance(m, torch.nn.Linear) for m in head.modules())
+    assert quantize_linears(head, "int4", 32, int8_names=("lm_head",)) == linears == 12
+    assert isinstance(head.lm_head, Int8Linear) and isinstance(head.fc, Int4Linear)
+    assert isinstance(head.blocks[0].mlp.down_proj, Int4Linear) and isinstance(head.midlayer.gated.gate, Int4Linear)
+    assert not any(isinstance(m, torch.nn.Linear) for m in head.modules())
+    odd = torch.nn.Sequential(torch.nn.Linear(48, 32), torch.nn.Linear(32, 16))
+    with pytest.raises(QuantizationError, match="does not divide 0's input size 48; use int8"):
+        quantize_linears(odd, "int4", 32)
+    assert isinstance(odd[1], torch.nn.Linear) and not isinstance(odd[1], Int4Linear)  # nothing was touched
+    with pytest.raises(QuantizationError, match="need a CPU"):
+        quantize_linears(torch.nn.Sequential(torch.nn.Linear(32, 16)).to("meta"), "int8")
+    with pytest.raises(QuantizationError, match="int8 or int4"):
+        quantize_linears(odd, "none")
 
 
 @pytest.mark.parametrize("kw,needle", [

@@ -375,24 +375,30 @@ def plain(model: LlamaModel, tok) -> list[list[int]]:
     return run(make_engine(model, tok), PROMPTS)[0]
 
 
-def serving_with_lora(model: LlamaModel, tok, tmp_path: Path, tree: bool = False, rollback_min_drafts: int = 64):
+def serving_with_lora(model: LlamaModel, tok, tmp_path: Path, tree: bool = False, rollback_min_drafts: int = 64,
+                      quantization: str = "none"):
     """(config, base head, drafter, engine, OnlineTraining): serving version 1 with --online-lora, no pollers."""
     cfg = OnlineConfig(publish_root=str(tmp_path / "drafter"), signal_dir=str(tmp_path / "signals"), lora=True,
                        capture_capacity_rows=2048, capture_flush_rows=64, collection=CollectionConfig(force=True),
                        rollback_min_drafts=rollback_min_drafts)
     base = random_head(model, 1)
     publish(cfg.publish_root, base, {})
-    drafter = build_eagle3_drafter(model, cfg.publish_root, cfg=drafter_cfg())
+    drafter = build_eagle3_drafter(model, cfg.publish_root, cfg=dataclasses.replace(drafter_cfg(),
+                                                                                   quantization=quantization))
     engine = make_engine(model, tok, drafter, gamma=4, tree=tree)
     return cfg, base, drafter, engine, attach_online_training(engine, cfg, start=False)
 
 
-@pytest.mark.parametrize("tree,batch", [(False, 4), (True, 4), (False, 1)])
+@pytest.mark.parametrize("tree,batch,quantization", [(False, 4, "none"), (True, 4, "none"), (False, 1, "int8")])
 def test_greedy_equals_plain_across_adapter_swaps(model: LlamaModel, tok, plain: list[list[int]], tmp_path: Path,
-                                                  tree: bool, batch: int) -> None:
-    cfg, base, drafter, engine, online = serving_with_lora(model, tok, tmp_path, tree)
+                                                  tree: bool, batch: int, quantization: str) -> None:
+    """int8: the poller quantizes each merged adapter's drafting copy; the engine thread only installs it."""
+    cfg, base, drafter, engine, online = serving_with_lora(model, tok, tmp_path, tree, quantization=quantization)
     ads = online.adapters
     assert ads is not None
+    prepared: list[object] = []
+    real_prepare = drafter.prepare
+    drafter.prepare = lambda *a, **k: prepared.append(real_prepare(*a, **k)) or prepared[-1]  # type: ignore[method-assign]
     heads = [adapted(base, s) for s in (1, 2)]
 
     def between(step: int) -> None:
@@ -411,6 +417,8 @@ def test_greedy_equals_plain_across_adapter_swaps(model: LlamaModel, tok, plain:
     want = merged_state(base.state_dict(), load_adapter(adapter_dir(cfg.publish_root, 1, 2), base.cfg), base.cfg)
     for name, t in drafter.head.state_dict().items():
         torch.testing.assert_close(t, want[name])
+    assert len(prepared) == 2 and (drafter.served is prepared[-1] if quantization != "none" else
+                                   drafter.served is drafter.head and prepared == [None, None])
     online.close()
 
 

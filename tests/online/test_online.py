@@ -3,6 +3,7 @@ blocks the engine, drafter versions swap in between steps losslessly, bad versio
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import statistics
@@ -202,22 +203,26 @@ def online_cfg(tmp_path: Path) -> OnlineConfig:
                         collection=CollectionConfig(force=True))
 
 
-@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("tree,quantization", [(False, "none"), (True, "none"), (False, "int8")])
 def test_greedy_equals_plain_across_a_drafter_swap(model: LlamaModel, tok, plain: list[list[int]],
-                                                   tmp_path: Path, tree: bool) -> None:
+                                                   tmp_path: Path, tree: bool, quantization: str) -> None:
+    """int8: the poller builds the new version's drafting copy; the swap installs that very copy."""
     cfg = online_cfg(tmp_path)
     assert publish(cfg.publish_root, random_head(model, 1), {"note": "v1"}) == 1
-    drafter = build_eagle3_drafter(model, cfg.publish_root, cfg=drafter_cfg())
+    drafter = build_eagle3_drafter(model, cfg.publish_root,
+                                   cfg=dataclasses.replace(drafter_cfg(), quantization=quantization))
     assert drafter.version == 1
     engine = make_engine(model, tok, drafter, gamma=4, tree=tree)
     online = attach_online_training(engine, cfg, start=False)
     swapped_at: list[int] = []
+    prepared: list[object] = []
 
     def between(step: int) -> None:
         if step == 4:  # mid-generation: publish v2, the poller loads it, the next step swaps it in
             publish(cfg.publish_root, random_head(model, 2), {"note": "v2"})
             assert online.updater.poll_once() == 2
             assert drafter.version == 1  # not yet: only between steps
+            prepared.append(online.updater._pending_served)
         if drafter.version == 2 and not swapped_at:
             swapped_at.append(step)
             assert engine.has_unfinished_requests()
@@ -226,6 +231,7 @@ def test_greedy_equals_plain_across_a_drafter_swap(model: LlamaModel, tok, plain
     assert outs == plain
     assert drafted > 0
     assert swapped_at == [5]
+    assert drafter.served is (prepared[0] if quantization != "none" else drafter.head) and drafter.served is not None
     state = online.state()
     assert state["drafter_version"] == 2 and state["swaps"] == 1 and state["collection_enabled"]
     assert state["captured"] > 0 and state["dropped"] == 0

@@ -39,9 +39,10 @@ def shaped_head(target: LlamaModel, layers: int, fusion: str, seed: int = 1) -> 
     return head
 
 
-def drafter_for(head: Eagle3Head, target: LlamaModel, slots: int = 4) -> Eagle3Drafter:
+def drafter_for(head: Eagle3Head, target: LlamaModel, slots: int = 4, quantization: str = "none") -> Eagle3Drafter:
     return Eagle3Drafter(head, target.embed_tokens, Eagle3DrafterConfig(max_num_seqs=slots, max_model_len=128,
-                                                                        tree_depth=3, tree_top_k=2))
+                                                                        tree_depth=3, tree_top_k=2,
+                                                                        quantization=quantization))
 
 
 def test_config_validation() -> None:
@@ -77,13 +78,13 @@ def plain_outputs(target: LlamaModel, prompts: list[list[int]]) -> list[list[int
 
 
 def generate(target: LlamaModel, head: Eagle3Head | None, prompts: list[list[int]], spec: SpecConfig,
-             slots: int) -> tuple[list[list[int]], int]:
+             slots: int, quantization: str = "none") -> tuple[list[list[int]], int]:
     """Outputs in prompt order and the number of draft tokens accepted."""
     out: list[list[int]] = []
     accepted = 0
     for start in range(0, len(prompts), slots):
         cfg = EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=slots), spec=spec)
-        drafter = drafter_for(head, target, slots) if head is not None else None
+        drafter = drafter_for(head, target, slots, quantization) if head is not None else None
         engine = LLMEngine(target, tiny_tokenizer(V), cfg, drafter=drafter)
         ids = [engine.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True))
                for p in prompts[start:start + slots]]
@@ -115,6 +116,45 @@ def test_greedy_equals_plain_with_a_bfloat16_head_on_a_float64_target(target: Ll
     got, accepted = generate(target, head, PROMPTS, spec, batch)
     assert got == plain_outputs(target, PROMPTS)
     assert accepted > 0
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+@pytest.mark.parametrize("tree", [False, True])
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_equals_plain_with_a_quantized_head(target: LlamaModel, quantization: str, tree: bool,
+                                                   batch: int) -> None:
+    """``--eagle3-quantization``: the head drafts with int8/int4 weights; the target's output does not move."""
+    head = init_from_target(shaped_head(target, 2, "gated"), target, "layer")
+    spec = SpecConfig(drafter="eagle3", num_speculative_tokens=4, tree=tree)
+    got, accepted = generate(target, head, PROMPTS, spec, batch, quantization)
+    assert got == plain_outputs(target, PROMPTS)
+    assert accepted > 0
+
+
+def test_quantized_drafting_copy_follows_every_weight_swap(target: LlamaModel) -> None:
+    """The float head stays the drafter's ``head`` (swaps, rollbacks and adapters read it); the int8
+    copy that drafts is rebuilt from it at every ``load_state`` and drafts what the float head does."""
+    from tidespec.models.quant import Int8Linear
+    head = init_from_target(shaped_head(target, 1, "concat"), target, "layer")
+    drafter = drafter_for(head, target, 1, "int8")
+    assert drafter.head is head and isinstance(head.lm_head, torch.nn.Linear)
+    assert isinstance(drafter.served.lm_head, Int8Linear) and isinstance(drafter.served.fc, Int8Linear)
+    other = shaped_head(target, 1, "concat", seed=7)
+    drafter.load_state(3, other.state_dict())
+    assert drafter.head is head and state_dict_equal(head.state_dict(), other.state_dict())
+    w = other.lm_head.weight.detach().float()
+    assert float((drafter.served.lm_head.dequantize() - w).abs().max()) <= float(w.abs().max()) / 127
+    ids = PROMPTS[2]
+    taps = capture(target, ids, drafter.tap_layers)
+    float_drafter = drafter_for(other, target, 1)
+    drafts = []
+    for d in (drafter, float_drafter):
+        d.observe([Observation(0, ids, len(ids) - 1, taps[:len(ids) - 1])])
+        drafts.append(d.propose([DraftInput(0, ids, 4, SamplingParams())]).drafts[0].token_ids)
+    assert drafts[0][:2] == drafts[1][:2]  # int8 weights draft what float ones do (up to late near-ties)
+    prepared = drafter.prepare(head.state_dict())  # an updater's thread quantizes; the swap installs it
+    drafter.load_state(4, head.state_dict(), served=prepared)
+    assert drafter.served is prepared and float_drafter.prepare(head.state_dict()) is None
 
 
 @pytest.mark.parametrize("layers,fusion", SHAPES)

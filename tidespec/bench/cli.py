@@ -88,6 +88,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="EAGLE-3 heads compared in one interleaved run, comma-separated NAME=DIR (or DIR): one "
                         "eagle3 configuration per head and gamma (needs eagle3 in --drafters; default: the one "
                         "head of --eagle3-dir)")
+    s.add_argument("--eagle3-quantizations", default="",
+                   help="EAGLE-3 drafting weights compared in one interleaved run, comma-separated none,int8,int4: "
+                        "one eagle3 configuration per head, quantization and gamma (default: --eagle3-quantization)")
     add_dataclass_args(s, ModelConfig)
     add_dataclass_args(s, SchedulerConfig)
     add_dataclass_args(s, SpecConfig, skip=_SWEPT_SPEC_FIELDS)
@@ -178,7 +181,9 @@ def cmd_spec(ns: argparse.Namespace) -> int:
                           max_tokens=ns.max_tokens, compare_hf=ns.compare == "hf",
                           hf_pld_tokens=parse_int_list(ns.hf_pld_tokens, "--hf-pld-tokens"),
                           warmup=not ns.no_warmup,
-                          eagle3_heads=parse_str_list(ns.eagle3_heads, "--eagle3-heads") if ns.eagle3_heads else ())
+                          eagle3_heads=parse_str_list(ns.eagle3_heads, "--eagle3-heads") if ns.eagle3_heads else (),
+                          eagle3_quantizations=parse_str_list(ns.eagle3_quantizations, "--eagle3-quantizations")
+                          if ns.eagle3_quantizations else ())
     run_spec_bench(cfg, model_config=dataclass_from_args(ModelConfig, ns),
                    scheduler=dataclass_from_args(SchedulerConfig, ns), spec_base=dataclass_from_args(SpecConfig, ns),
                    policy=dataclass_from_args(PolicyConfig, ns), out_dir=ns.out, command=command_line())

@@ -51,9 +51,10 @@ from tidespec.bench.decode import (
 from tidespec.bench.report import machine_line, markdown_table, new_figure, save_figure, summarize, write_results
 from tidespec.config import DRAFTERS, ConfigError, ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.llm import build_engine
+from tidespec.llm import build_engine, head_quantization
 from tidespec.models.loader import LoadedModel
 from tidespec.sampling import SamplingParams
+from tidespec.speculative.drafters.eagle3 import HEAD_QUANTIZATIONS
 from tidespec.workloads.loader import load_prompts
 
 PLAIN = "plain"
@@ -73,6 +74,9 @@ class SpecBenchConfig:
     # EAGLE-3 heads to compare in one run, "NAME=DIR" or "DIR" each: one configuration per head x gamma
     # (empty: the one head of --eagle3-dir)
     eagle3_heads: tuple[str, ...] = ()
+    # EAGLE-3 drafting weights to compare in one run (none, int8, int4): one configuration per head x
+    # quantization x gamma (empty: the one of --eagle3-quantization)
+    eagle3_quantizations: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         bad = [d for d in self.drafters if d not in DRAFTERS]
@@ -90,8 +94,12 @@ class SpecBenchConfig:
             raise ConfigError(f"max_tokens must be >= 2, got {self.max_tokens}")
         if any(k < 1 for k in self.hf_pld_tokens):
             raise ConfigError(f"hf_pld_tokens must be >= 1, got {self.hf_pld_tokens}")
-        if self.eagle3_heads and "eagle3" not in self.drafters:
-            raise ConfigError("--eagle3-heads compares EAGLE-3 heads: add eagle3 to --drafters")
+        if (self.eagle3_heads or self.eagle3_quantizations) and "eagle3" not in self.drafters:
+            raise ConfigError("--eagle3-heads / --eagle3-quantizations compare EAGLE-3 heads: add eagle3 to --drafters")
+        bad_q = [q for q in self.eagle3_quantizations if q not in HEAD_QUANTIZATIONS]
+        if bad_q or len(set(self.eagle3_quantizations)) != len(self.eagle3_quantizations):
+            raise ConfigError(f"--eagle3-quantizations: distinct values of {', '.join(HEAD_QUANTIZATIONS)}, "
+                              f"got {','.join(self.eagle3_quantizations)}")
         heads = self.heads()
         names = [name for name, _ in heads]
         if len(set(names)) != len(names):
@@ -108,20 +116,42 @@ class SpecBenchConfig:
         """
         return [(e.split("=", 1)[0], e.split("=", 1)[1]) if "=" in e else (e, e) for e in self.eagle3_heads]
 
-    def grid(self) -> list[tuple[str, int, tuple[str, str] | None]]:
-        """(drafter, gamma, EAGLE-3 head or None) per configuration; plain first, always (``none`` means
-        plain); with ``eagle3_heads`` one eagle3 configuration per head and gamma."""
-        grid: list[tuple[str, int, tuple[str, str] | None]] = [(PLAIN, 0, None)]
+    def variants(self) -> list[HeadVariant]:
+        """The compared EAGLE-3 variants: every head x every quantization (none compared: one).
+
+        Example: heads ``("d1=a",)``, quantizations ``("none", "int8")`` -> ``d1 none`` and ``d1 int8``.
+        """
+        heads: list[tuple[str, str] | None] = list(self.heads()) or [None]
+        quants: list[str | None] = list(self.eagle3_quantizations) or [None]
+        return [HeadVariant(" ".join(x for x in (h[0] if h else None, q) if x), h[1] if h else None, q)
+                for h in heads for q in quants]
+
+    def grid(self) -> list[tuple[str, int, HeadVariant | None]]:
+        """(drafter, gamma, EAGLE-3 variant or None) per configuration; plain first, always (``none``
+        means plain); with ``eagle3_heads`` / ``eagle3_quantizations`` one eagle3 configuration per
+        variant and gamma."""
+        grid: list[tuple[str, int, HeadVariant | None]] = [(PLAIN, 0, None)]
+        compared = bool(self.eagle3_heads or self.eagle3_quantizations)
         for d in self.drafters:
             if d == "none":
                 continue
-            heads: list[tuple[str, str] | None] = list(self.heads()) if d == "eagle3" and self.eagle3_heads else [None]
-            grid += [(d, g, h) for h in heads for g in self.gammas]
+            variants: list[HeadVariant | None] = list(self.variants()) if d == "eagle3" and compared else [None]
+            grid += [(d, g, v) for v in variants for g in self.gammas]
         return grid
 
 
+@dataclass(frozen=True)
+class HeadVariant:
+    """One compared EAGLE-3 configuration: a head directory and/or a drafting quantization (None:
+    what the command line says)."""
+
+    label: str
+    directory: str | None = None
+    quantization: str | None = None
+
+
 def config_label(drafter: str, gamma: int, head: str | None = None) -> str:
-    """``plain``, ``suffix g=4``, or ``eagle3[d2-gated] g=4`` for one of several compared heads."""
+    """``plain``, ``suffix g=4``, or ``eagle3[d2-gated int8] g=4`` for one of several compared variants."""
     if drafter == PLAIN:
         return PLAIN
     return f"{drafter}[{head}] g={gamma}" if head else f"{drafter} g={gamma}"
@@ -137,6 +167,7 @@ class _Run:
     engine: LLMEngine | None = None
     pld: int | None = None  # HF prompt lookup tokens (None = HF plain)
     head: str | None = None  # EAGLE-3 head directory when several are compared
+    quantization: str | None = None  # the EAGLE-3 head's drafting weights (none, int8, int4)
     records: list[RequestRecord] = dataclasses.field(default_factory=list)
     wall: float = 0.0
     draft_time: float = 0.0  # the engine's draft timer over the measured waves
@@ -165,12 +196,15 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
         spec = dataclasses.replace(base, drafter="none" if drafter == PLAIN else drafter,
                                    num_speculative_tokens=gamma)
         if head is not None:
-            spec = dataclasses.replace(spec, eagle3=dataclasses.replace(base.eagle3, dir=head[1]))
+            spec = dataclasses.replace(spec, eagle3=dataclasses.replace(
+                base.eagle3, dir=head.directory or base.eagle3.dir, quantization=head.quantization or base.eagle3.quantization))
         econf = bench_engine_config(prompts, cfg.max_tokens, cfg.batch_size,
                                     target.model.cfg.max_position_embeddings, mc, scheduler, spec, policy)
         engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
-        runs.append(_Run(config_label(drafter, gamma, head[0] if head else None), drafter, gamma, engine=engine,
-                         head=head[1] if head else None))
+        runs.append(_Run(config_label(drafter, gamma, head.label if head else None), drafter, gamma, engine=engine,
+                         head=head.directory if head else None,
+                         quantization=head_quantization(spec.eagle3.quantization, target.model.device)
+                         if drafter == "eagle3" else None))
     hf_runs: list[_Run] = []
     hf: HFRunner | None = None
     if cfg.compare_hf:
@@ -255,6 +289,7 @@ def _summarize_run(run: _Run, plain: _Run) -> dict[str, Any]:
         "num_draft_tokens": draft_tokens,
         "num_accepted_tokens": accepted,
         "eagle3_head": run.head,
+        "eagle3_quantization": run.quantization,
         "steps": run.steps,
         "draft_ms_per_step": 1e3 * run.draft_time / run.steps if run.steps else float("nan"),
         "draft_ms_per_draft_token": 1e3 * run.draft_time / draft_tokens if draft_tokens else float("nan"),

@@ -32,6 +32,7 @@ ids by ``target_id = draft_id + d2t[draft_id]``.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,7 @@ from tidespec.models.llama import (
     rope_cos_sin,
     rope_inv_freq,
 )
+from tidespec.models.quant import quantize_linears
 
 
 class Eagle3ConfigError(ConfigError):
@@ -317,6 +319,31 @@ class Eagle3Head(PlacedModule):
         for i, block in enumerate(self.blocks, start=1):
             out = block.forward(out, cos, sin, layout, kv.k[i], kv.v[i])
         return out
+
+
+HEAD_INT4_GROUP_SIZE = 32  # the int4 kernel's finest group (GGUF Q4_1's block): divides any width that is a multiple of 32
+
+
+def quantized_head(head: Eagle3Head, mode: str, in_place: bool = False) -> Eagle3Head:
+    """A copy of ``head`` whose linear layers hold int8 or int4 weights (``models.quant``), for
+    drafting on a CPU; ``head`` itself is left as it is (training, LoRA merges, rollbacks and the
+    dynamic vocabulary's output rows read its float weights). ``mode`` "none" returns ``head``.
+
+    Why: at one row per step the head is bound by reading its weights, and its float32 weights
+    (about 35 MB for SmolLM2-135M's head with an 8,192-token vocabulary) are read again for every
+    draft token: int8 reads a quarter of that. The LM head stays int8 under int4 (it writes the
+    logits; as the target's, ``quantize_model``). Lossless either way: the target verifies every
+    draft, and sampled drafts carry the probabilities this copy computed. ``in_place``: quantize
+    ``head`` itself (a head built only to be drafted with).
+
+    Example: ``quantized_head(head, "int8").lm_head`` is an ``Int8Linear`` with ``head``'s d2t/t2d.
+    """
+    if mode == "none":
+        return head
+    served = head if in_place else copy.deepcopy(head)
+    served._row_map = None  # output_rows is the float head's business
+    quantize_linears(served, mode, HEAD_INT4_GROUP_SIZE, int8_names=("lm_head",))
+    return served.eval()
 
 
 def fit_row_map(source: torch.Tensor, target: torch.Tensor, ridge: float = 1e-2) -> torch.Tensor:

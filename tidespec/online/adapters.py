@@ -42,6 +42,7 @@ from tidespec.online.rollback import ServedCheck
 
 if TYPE_CHECKING:
     from tidespec.engine.engine import LLMEngine
+    from tidespec.models.eagle3_head import Eagle3Head
     from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ class _Parked:
     number: int
     state: dict[str, torch.Tensor]
     metrics: dict[str, Any]
+    served: Eagle3Head | None = None  # the drafting copy of ``state`` (quantized in the poller, off the step)
 
 
 class AdapterUpdater(RootPoller):
@@ -106,7 +108,7 @@ class AdapterUpdater(RootPoller):
         with self._lock:
             if version != self._served_version:  # the version changed while we merged: start over
                 return None
-            self._parked = _Parked(version, number, state, adapter.metrics)
+            self._parked = _Parked(version, number, state, adapter.metrics, self.drafter.prepare(state))
             self._loaded = (version, number)
         logger.info("LoRA adapter v%d/a%d merged (metrics %s); swapping in at the next step",
                     version, number, adapter.metrics)
@@ -133,7 +135,7 @@ class AdapterUpdater(RootPoller):
             parked, self._parked = self._parked, None
         if parked is None or parked.version != version:
             return
-        self.drafter.load_state(version, parked.state)
+        self.drafter.load_state(version, parked.state, served=parked.served)
         self.applied = parked.number
         self.num_swaps += 1
 

@@ -61,7 +61,7 @@ from tidespec.models.eagle3_checkpoint import (
     latest_version,
     load_version,
 )
-from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError
+from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head
 from tidespec.models.llama import LlamaConfig
 from tidespec.online.adapters import AdapterUpdater
 from tidespec.online.capture import CaptureBuffer
@@ -306,6 +306,7 @@ class DrafterUpdater(RootPoller):
         self._rounds_seen = len(read_trainer_rounds(self.root))  # rounds before we started are history
         self._lock = threading.Lock()
         self._pending: PublishedDrafter | None = None
+        self._pending_served: Eagle3Head | None = None  # its drafting copy (quantized here, off the step)
 
     def poll_once(self) -> int | None:
         """Check the root once; park a newer valid version for the next step. Returns the parked
@@ -337,8 +338,9 @@ class DrafterUpdater(RootPoller):
         head = self.drafter.head
         pub.state_dict = {k: (v.to(device=head.device, dtype=head.dtype) if v.is_floating_point()
                               else v.to(device=head.device)) for k, v in pub.state_dict.items()}
+        served = self.drafter.prepare(pub.state_dict, pub.config)
         with self._lock:
-            self._pending = pub
+            self._pending, self._pending_served = pub, served
         logger.info("drafter version %d loaded from %s (metrics %s); swapping in at the next step",
                     pub.version, self.root, pub.metrics)
         return pub.version
@@ -366,15 +368,17 @@ class DrafterUpdater(RootPoller):
             return
         with self._lock:
             pub, self._pending = self._pending, None
+            served, self._pending_served = self._pending_served, None
         if pub is None:
             return
         if self.check is not None:  # keep what serves now, to swap it back if the new one loses
             head = self.drafter.head
             self.check.swapped(self.drafter.version, {k: v.clone() for k, v in head.state_dict().items()}, head.cfg)
-        self._swap(pub.version, pub.state_dict, pub.config)
+        self._swap(pub.version, pub.state_dict, pub.config, served)
 
-    def _swap(self, version: int, state_dict: dict[str, torch.Tensor], config: Eagle3Config) -> None:
-        self.drafter.load_state(version, state_dict, config if config != self.drafter.head.cfg else None)
+    def _swap(self, version: int, state_dict: dict[str, torch.Tensor], config: Eagle3Config,
+              served: Eagle3Head | None = None) -> None:
+        self.drafter.load_state(version, state_dict, config if config != self.drafter.head.cfg else None, served)
         if self.capture is not None:
             self.capture.set_drafter_version(version)
         self.num_swaps += 1

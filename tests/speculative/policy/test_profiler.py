@@ -8,7 +8,7 @@ import torch
 from tests.helpers import tiny_llama
 from tidespec.models.eagle3_checkpoint import fresh_head
 from tidespec.speculative.drafters.draft_model import DraftModelDrafter
-from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
+from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
 from tidespec.speculative.drafters.multi import MultiDrafter
 from tidespec.speculative.drafters.suffix import SuffixDrafter
 from tidespec.speculative.policy import profiler
@@ -79,17 +79,19 @@ def test_a_drafter_that_reads_taps_is_fed_them_while_timed() -> None:
     assert prof.draft_cost["eagle3"] > 0 and set(prof.catchup) == {(1, 1), (8, 1), (1, 2), (8, 2)}
 
 
-def test_profile_key_tells_eagle3_heads_of_another_shape_or_dtype_apart() -> None:
+def test_profile_key_tells_eagle3_heads_of_another_shape_dtype_or_quantization_apart() -> None:
     """A cached profile (D0, catch-up) belongs to one head: a deeper or half-precision head, or a
     draft model of other layers, must not read it."""
     model = tiny_llama(48, layers=4, seed=0)
     keys = set()
-    for layers, dtype in [(1, torch.float64), (2, torch.float64), (1, torch.bfloat16)]:
+    for layers, dtype, quant in [(1, torch.float64, "none"), (2, torch.float64, "none"), (1, torch.bfloat16, "none"),
+                                 (1, torch.float64, "int8"), (1, torch.float64, "int4")]:
         head = fresh_head(model.cfg, None, dtype, num_layers=layers)
-        keys.add(profile_key_for(model, Eagle3Drafter(head, model.embed_tokens), False))
+        keys.add(profile_key_for(model, Eagle3Drafter(head, model.embed_tokens,
+                                                      Eagle3DrafterConfig(quantization=quant)), False))
     keys |= {profile_key_for(model, DraftModelDrafter(model.truncated(k), max_num_seqs=1, max_model_len=16), False)
              for k in (1, 2)}
-    assert len(keys) == 5
+    assert len(keys) == 7
     multi = MultiDrafter([SuffixDrafter(), Eagle3Drafter(fresh_head(model.cfg, None, torch.float64),
                                                          model.embed_tokens)], shadow_gamma=2)
     assert set(drafter_signature(multi)) == {"eagle3"}

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head
+from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head, quantized_head
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
@@ -77,6 +77,8 @@ def rerank_tree(scores: list[float], parents: list[int], budget: int) -> tuple[l
 # Drafter
 # ----------------------------------------------------------------------------------------------
 
+HEAD_QUANTIZATIONS = ("none", "int8", "int4")
+
 
 @dataclass
 class Eagle3DrafterConfig:
@@ -88,8 +90,12 @@ class Eagle3DrafterConfig:
     tree_top_k: int = 4  # EAGLE-2: children per expanded node and frontier width
     tree_budget: int = 0  # tokens kept after the global rerank; 0 = the sequence's gamma
     retain_taps: bool = True  # keep every tap row so a weight swap can rebuild the head KV exactly
+    quantization: str = "none"  # draft with an int8 / int4 weight copy of the head (CPU; models.eagle3_head.quantized_head)
 
     def __post_init__(self) -> None:
+        if self.quantization not in HEAD_QUANTIZATIONS:
+            raise Eagle3ConfigError(f"quantization must be one of {', '.join(HEAD_QUANTIZATIONS)}, "
+                                    f"got {self.quantization!r}")
         if self.max_num_seqs < 1:
             raise Eagle3ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 2:
@@ -218,6 +224,11 @@ class Eagle3Drafter:
     last output are kept (computed by the old weights) and new positions use the new weights —
     acceptance may be a little lower until those sequences finish. Either way losslessness does
     not depend on it: the target verifies every draft.
+
+    Quantized drafting (``cfg.quantization`` int8/int4): ``head`` keeps the float weights and
+    ``served``, an int8/int4 copy rebuilt at every ``load_state``, computes the drafts (about 2.5x
+    cheaper per draft token on a 2-core CPU, docs/benchmarks.md section 22). With "none" they are
+    the same module.
     """
 
     name = "eagle3"
@@ -229,7 +240,8 @@ class Eagle3Drafter:
             raise Eagle3ConfigError(
                 f"embedding {tuple(embed.weight.shape)} does not match the head "
                 f"({head.cfg.target_vocab_size}, {head.cfg.hidden_size})")
-        self.head = head.eval()
+        self.head = head.eval()  # the float weights: what swaps, rollbacks, adapters and V_t's rows read
+        self.served = quantized_head(self.head, self.cfg.quantization)  # what drafts: the head or its int8/int4 copy
         self.embed = embed
         self.version = version
         self.kv = self._new_kv()
@@ -273,9 +285,21 @@ class Eagle3Drafter:
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def load_state(self, version: int, state_dict: dict[str, torch.Tensor], config: Eagle3Config | None = None) -> None:
+    def prepare(self, state_dict: dict[str, torch.Tensor], config: Eagle3Config | None = None) -> Eagle3Head | None:
+        """The int8/int4 drafting copy of weights about to be swapped in, built where they were loaded
+        (an updater's thread; ~45 ms for SmolLM2's head) so ``load_state`` does not quantize on the
+        engine thread. None when the head drafts with its float weights."""
+        if self.cfg.quantization == "none":
+            return None
+        head = Eagle3Head(config or self.head.cfg).to(dtype=self.head.dtype, device=self.head.device)
+        head.load_state_dict(state_dict)
+        return quantized_head(head, self.cfg.quantization, in_place=True)
+
+    def load_state(self, version: int, state_dict: dict[str, torch.Tensor], config: Eagle3Config | None = None,
+                   served: Eagle3Head | None = None) -> None:
         """Swap in new head weights (between engine steps). A different ``config`` (e.g. another
-        draft vocabulary) rebuilds the head; attention-shape changes also reallocate the KV."""
+        draft vocabulary) rebuilds the head; attention-shape changes also reallocate the KV.
+        ``served``: the drafting copy ``prepare`` built from the same weights (else built here)."""
         with torch.no_grad():
             if config is not None and config != self.head.cfg:
                 if config.tap_layers != self.head.cfg.tap_layers:
@@ -291,6 +315,9 @@ class Eagle3Drafter:
                         st.slot = self._allocate_slot()
             else:
                 self.head.load_state_dict(state_dict)
+            if served is None or served.cfg != self.head.cfg:
+                served = quantized_head(self.head, self.cfg.quantization)
+            self.served = served
         self._own_ids = self._head_ids()
         if self.vocab is not None:
             self.vocab.refresh()  # V_t's output rows come from the new head (republished off the step)
@@ -367,7 +394,7 @@ class Eagle3Drafter:
             if st.base + st.kv_len != n - 1 or st.last_logits is None or st.tokens[:n] != list(inp.token_ids):
                 continue  # head KV does not cover the context up to the last token
             if st.logits_vocab != vocab.version and st.last_hidden is not None:  # V_t changed since
-                st.last_logits = self.head.logits(st.last_hidden[None], vocab.rows)[0]
+                st.last_logits = self.served.logits(st.last_hidden[None], vocab.rows)[0]
                 st.logits_vocab = vocab.version
             room = self.cfg.max_model_len - st.kv_len
             if inp.tree:
@@ -435,10 +462,10 @@ class Eagle3Drafter:
         tokens = [t for j in jobs for t in j.state.tokens[j.state.base + j.start + 1:j.state.base + j.end + 1]]
         layout = BatchLayout.build([j.end - j.start for j in jobs], [j.start for j in jobs],
                                    [j.state.slot for j in jobs], device=self.head.device)
-        out = self.head.step(self.head.fuse(taps), self._embed(tokens), layout, self.kv)  # [T, H]
+        out = self.served.step(self.served.fuse(taps), self._embed(tokens), layout, self.kv)  # [T, H]
         last = torch.tensor([j.end - j.start for j in jobs], device=out.device).cumsum(0) - 1  # [J] each job's last row
         vocab = vocab if vocab is not None else self._vocab()
-        last_logits = self.head.logits(out.index_select(0, last), vocab.rows)  # [J, n]: only where drafting starts
+        last_logits = self.served.logits(out.index_select(0, last), vocab.rows)  # [J, n]: only where drafting starts
         for i, j in enumerate(jobs):
             st = j.state
             st.kv_len = j.end
@@ -489,7 +516,7 @@ class Eagle3Drafter:
             embeds = self._embed([toks[inp.seq_id][-1] for inp, _ in live])  # [B, H]
             layout = BatchLayout.build([1] * len(live), [st.kv_len + step - 1 for _, st in live],
                                        [st.slot for _, st in live], device=self.head.device)
-            out, logits = self.head(fused, embeds, layout, self.kv, rows=vocab.rows)
+            out, logits = self.served(fused, embeds, layout, self.kv, rows=vocab.rows)
             for b, (inp, st) in enumerate(live):
                 tok, p = self._draw(logits[b], vocab.ids, inp.params, st.generator,
                                     len(inp.token_ids) - inp.num_prompt_tokens + step)
@@ -545,7 +572,7 @@ class Eagle3Drafter:
             layout = BatchLayout.build(q_lens, [j.state.kv_len for j in live], [j.state.slot for j in live],
                                        depths=depths, tree_masks=masks, device=self.head.device)
             target_ids = vocab.ids[torch.tensor(tokens, device=vocab.ids.device)].tolist()
-            out, logits = self.head(torch.stack(fused_rows), self._embed(target_ids), layout, self.kv, rows=vocab.rows)
+            out, logits = self.served(torch.stack(fused_rows), self._embed(target_ids), layout, self.kv, rows=vocab.rows)
             row = 0
             for job in live:
                 level_rows = {c: row + i for i, c in enumerate(job.expanded)}

@@ -141,13 +141,15 @@ def drafter_signature(drafter: Drafter | None) -> dict[str, str]:
     network (an EAGLE-3 head of another depth or precision, a draft model of other layers), so the
     cached profile of one is never read for another.
 
-    Example: a suffix + EAGLE-3 ``MultiDrafter`` -> ``{"eagle3": "Eagle3Config(...) torch.bfloat16"}``.
+    Example: a suffix + EAGLE-3 ``MultiDrafter`` -> ``{"eagle3": "Eagle3Config(...) torch.bfloat16"}``;
+    with an int8 drafting copy of the head ``"Eagle3Config(...) torch.float32 int8"``.
     """
     sig: dict[str, str] = {}
     for d in members_of(drafter):
         net = getattr(d, "head", None) or getattr(d, "model", None)  # Eagle3Head / LlamaModel: cfg, dtype
         if isinstance(net, torch.nn.Module):
-            sig[d.name] = f"{net.cfg!r} {net.dtype}"
+            quant = getattr(getattr(d, "cfg", None), "quantization", "none")  # Eagle3DrafterConfig's
+            sig[d.name] = f"{net.cfg!r} {net.dtype}" + (f" {quant}" if quant != "none" else "")
     return sig
 
 
