@@ -27,6 +27,7 @@ from tidespec.errors import ConfigError
 from tidespec.models.eagle3_checkpoint import fresh_head, head_from_published, load_drafter_source
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import LoadedModel, load_model
+from tidespec.models.quant import Int8Linear
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter
 from tidespec.speculative.drafters.draft_model import DraftModelDrafter
@@ -135,7 +136,9 @@ def attach_draft_vocab(drafter: Drafter | None, vc: DraftVocabConfig, target: Ll
     draft vocabulary ``vc`` asks for (None for mode "off"): the core and the co-occurrence graph
     from ``vc.corpus``'s tokens (a pruned EAGLE-3 head's own vocabulary first); the output rows of
     EAGLE-3 from its head (its own rows, the target's LM-head rows mapped into its space for other
-    tokens), of the draft model from its LM head."""
+    tokens), of the draft model from its LM head. An EAGLE-3 head that drafts in int8 (or int4)
+    drafts over V_t in int8 as well: each published V_t carries an ``Int8Linear`` of its rows,
+    built on the vocabulary's worker thread."""
     if vc.mode == "off":
         return None
     members = drafter.members.values() if isinstance(drafter, MultiDrafter) else [drafter]
@@ -161,8 +164,10 @@ def attach_draft_vocab(drafter: Drafter | None, vc: DraftVocabConfig, target: Ll
                              dynamic=vc.mode == "dynamic",
                              buffer=ArcConfig(capacity=vc.buffer, max_insert=vc.max_insert,
                                               min_residency=vc.min_residency))
+    quantized = isinstance(user, Eagle3Drafter) and user.cfg.quantization != "none"  # V_t's rows drafted in int8 too
     vocab = DynamicVocab.from_graph(cfg, graph, target.cfg.vocab_size, rows_for,
-                                    index_rows=lm if cfg.dynamic else None, own=own, start=cfg.dynamic)
+                                    index_rows=lm if cfg.dynamic else None, own=own, start=cfg.dynamic,
+                                    output_for=Int8Linear.from_weight if quantized else None)
     user.vocab = vocab
     return vocab
 

@@ -20,7 +20,7 @@ from tidespec.bench.decode import DecodeBenchConfig, run_decode_bench, wave_indi
 from tidespec.bench.profile import ProfileConfig, kv_bytes_per_token, run_profile, weight_bytes_per_token
 from tidespec.bench.report import command_line, markdown_table, percentile, summarize
 from tidespec.bench.spec import HeadVariant, SpecBenchConfig, run_spec_bench
-from tidespec.config import ConfigError, ModelConfig
+from tidespec.config import ConfigError, DraftVocabConfig, ModelConfig, SpecConfig
 from tidespec.llm import build_engine
 from tidespec.models.eagle3_checkpoint import export_eagle3, fresh_head
 from tidespec.models.loader import LoadedModel, load_model
@@ -232,9 +232,11 @@ def test_spec_bench_smoke_lossless_and_hf(tmp_path: Path) -> None:
 
 def test_spec_bench_compares_eagle3_heads_in_one_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     built: list[str | None] = []  # the head directory each engine was built with
+    vocab_modes: list[str] = []  # and its draft-vocabulary mode
 
     def build(econf: Any, **kw: Any) -> Any:
         built.append(econf.spec.eagle3.dir if econf.spec.drafter == "eagle3" else None)
+        vocab_modes.append(econf.spec.vocab.mode)
         return build_engine(econf, **kw)
 
     monkeypatch.setattr(spec_bench, "build_engine", build)
@@ -247,7 +249,11 @@ def test_spec_bench_compares_eagle3_heads_in_one_run(tmp_path: Path, monkeypatch
     cfg = SpecBenchConfig(workload=str(_workload(tmp_path, "w", 2)), drafters=("none", "eagle3"), gammas=(2,),
                           max_tokens=6, eagle3_heads=tuple(f"{n}={tmp_path / n}" for n in heads),
                           eagle3_quantizations=("none", "int8"))
-    doc = run_spec_bench(cfg, target, model_config=ModelConfig(dtype="float64"), out_dir=tmp_path / "out", echo=False)
+    workload = str(_workload(tmp_path, "w", 2))  # --draft-vocab-mode static: the EAGLE-3 configurations only
+    base = SpecConfig(vocab=DraftVocabConfig(mode="static", corpus=workload))
+    doc = run_spec_bench(cfg, target, model_config=ModelConfig(dtype="float64"), spec_base=base,
+                         out_dir=tmp_path / "out", echo=False)
+    assert vocab_modes == ["off"] + ["static"] * 4
     assert [c["label"] for c in doc["configs"]] == ["plain", "eagle3[d1 none] g=2", "eagle3[d1 int8] g=2",
                                                     "eagle3[d2-gated none] g=2", "eagle3[d2-gated int8] g=2"]
     dirs = [None] + [str(tmp_path / n) for n in heads for _ in range(2)]

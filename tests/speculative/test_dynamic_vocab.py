@@ -17,6 +17,7 @@ from tidespec.errors import ConfigError
 from tidespec.llm import attach_draft_vocab
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head, fit_row_map, init_from_target
 from tidespec.models.llama import LlamaModel
+from tidespec.models.quant import Int8Linear
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.draft_model import DraftModelDrafter
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
@@ -220,9 +221,10 @@ def _head(target: LlamaModel, seed: int = 1, draft_vocab: int | None = None) -> 
     return head
 
 
-def _drafter(head: Eagle3Head, target: LlamaModel, slots: int) -> Eagle3Drafter:
+def _drafter(head: Eagle3Head, target: LlamaModel, slots: int, quantization: str = "none") -> Eagle3Drafter:
     return Eagle3Drafter(head, target.embed_tokens, Eagle3DrafterConfig(max_num_seqs=slots, max_model_len=128,
-                                                                        tree_depth=3, tree_top_k=2))
+                                                                        tree_depth=3, tree_top_k=2,
+                                                                        quantization=quantization))
 
 
 def _generate(target: LlamaModel, drafter: Eagle3Drafter | DraftModelDrafter | None, spec: SpecConfig, slots: int,
@@ -242,18 +244,22 @@ def _generate(target: LlamaModel, drafter: Eagle3Drafter | DraftModelDrafter | N
 
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_equals_plain_while_v_t_changes(target: LlamaModel, tree: bool, batch: int) -> None:
+@pytest.mark.parametrize("quantization", ["none", "int8"])
+def test_greedy_equals_plain_while_v_t_changes(target: LlamaModel, tree: bool, batch: int, quantization: str) -> None:
     """A head with a 24-token draft vocabulary drafting over a 6-token core + 6-token buffer that
     the worker refills between steps (synchronously here, so every run is the same); swapped
-    head weights mid-run republish V_t's rows."""
+    head weights mid-run republish V_t's rows. int8: the head drafts in int8, V_t through an
+    int8 layer of its rows."""
     plain = _generate(target, None, SpecConfig(), 4)
     head = init_from_target(_head(target, draft_vocab=24), target, "layer")
-    drafter = _drafter(head, target, batch)
+    drafter = _drafter(head, target, batch, quantization)
     lm = target.lm_head.weight.detach()
     cfg = DynamicVocabConfig(core_size=6, semantic_k=4, graph=GraphConfig(min_count=1, tau=0.0),
                              buffer=ArcConfig(capacity=6, max_insert=3, min_residency=1, warmup_events=0))
     vocab = DynamicVocab(cfg, list(range(6)), lambda ids: drafter.head.output_rows(ids, lm),
-                         index=MipsIndex.build(lm), start=False)
+                         index=MipsIndex.build(lm), start=False,
+                         output_for=Int8Linear.from_weight if quantization == "int8" else None)
+    assert isinstance(vocab.snapshot.head, Int8Linear if quantization == "int8" else torch.Tensor)
     drafter.vocab = vocab
     swapped = {"done": False}
 
@@ -287,6 +293,18 @@ def test_draft_model_greedy_equals_plain_while_v_t_changes(target: LlamaModel, t
     spec = SpecConfig(drafter="draft-model", num_speculative_tokens=4, tree=tree)
     assert _generate(target, drafter, spec, batch, [between]) == plain
     assert vocab.stats.oov_events > 0 and vocab.stats.published > 0
+
+
+def test_an_int8_v_t_scores_the_heads_own_tokens_as_its_int8_lm_head_does(target: LlamaModel) -> None:
+    """V_t's int8 layer is built from the float head's rows by the same per-row scheme as the
+    drafting copy's LM head, so over the head's own tokens both give the same logits."""
+    head = _head(target, draft_vocab=24)
+    drafter = _drafter(head, target, 1, "int8")
+    own = torch.tensor([3, 0, 17, 9])  # target ids inside the head's 24-token vocabulary (identity d2t)
+    layer = Int8Linear.from_weight(head.output_rows(own, target.lm_head.weight.detach()))
+    prenorm = torch.randn(2, target.cfg.hidden_size, dtype=target.dtype)
+    full = drafter.served.logits(prenorm)  # [2, 24] through the int8 LM head
+    torch.testing.assert_close(drafter.served.logits(prenorm, layer), full[:, own], rtol=0, atol=0)
 
 
 def test_v_t_rows_are_the_heads_own_or_the_targets_mapped(target: LlamaModel) -> None:

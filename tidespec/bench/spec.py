@@ -58,6 +58,7 @@ from tidespec.speculative.drafters.eagle3 import HEAD_QUANTIZATIONS
 from tidespec.workloads.loader import load_prompts
 
 PLAIN = "plain"
+VOCAB_DRAFTERS = ("eagle3", "draft-model")  # the drafters a --draft-vocab-mode applies to
 
 
 @dataclass
@@ -195,6 +196,8 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
     for drafter, gamma, head in cfg.grid():
         spec = dataclasses.replace(base, drafter="none" if drafter == PLAIN else drafter,
                                    num_speculative_tokens=gamma)
+        if drafter not in VOCAB_DRAFTERS:  # --draft-vocab-mode shapes the drafters that have an output layer only
+            spec = dataclasses.replace(spec, vocab=dataclasses.replace(base.vocab, mode="off"))
         if head is not None:
             spec = dataclasses.replace(spec, eagle3=dataclasses.replace(
                 base.eagle3, dir=head.directory or base.eagle3.dir, quantization=head.quantization or base.eagle3.quantization))

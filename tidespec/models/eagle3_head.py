@@ -258,11 +258,14 @@ class Eagle3Head(PlacedModule):
         """[T, 3H] target taps -> [T, H] fused hidden."""
         return self.fc(taps)
 
-    def logits(self, prenorm: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, prenorm: torch.Tensor, rows: torch.Tensor | nn.Module | None = None) -> torch.Tensor:
         """[T, H] pre-norm output -> [T, draft_vocab] logits, or [T, n] over the output ``rows``
-        [n, H] of another vocabulary (a dynamic draft vocabulary's V_t)."""
+        [n, H] of another vocabulary (a dynamic draft vocabulary's V_t), or through a layer built
+        from such rows (V_t's int8 output layer, for a head that drafts in int8)."""
         if rows is None:
             return self.lm_head(self.norm(prenorm))
+        if isinstance(rows, nn.Module):
+            return rows(self.norm(prenorm))
         return torch.nn.functional.linear(self.norm(prenorm), rows)
 
     def output_rows(self, ids: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:

@@ -170,7 +170,7 @@ class _Vocab:
 
     version: int  # -1: the head's own draft vocabulary
     ids: torch.Tensor  # [n] target id of each logit
-    rows: torch.Tensor | None  # [n, H] output rows, None = the head's LM head
+    rows: torch.Tensor | nn.Module | None  # [n, H] output rows or their int8 layer; None = the head's LM head
 
 
 @dataclass
@@ -228,7 +228,7 @@ class Eagle3Drafter:
     Quantized drafting (``cfg.quantization`` int8/int4): ``head`` keeps the float weights and
     ``served``, an int8/int4 copy rebuilt at every ``load_state``, computes the drafts (about 2.5x
     cheaper per draft token on a 2-core CPU, docs/benchmarks.md section 22). With "none" they are
-    the same module.
+    the same module. A dynamic V_t is then drafted over through its snapshot's int8 output layer.
     """
 
     name = "eagle3"
@@ -276,7 +276,7 @@ class Eagle3Drafter:
         if self.vocab is None:
             return _Vocab(-1, self._own_ids, None)
         snap = self.vocab.snapshot
-        return _Vocab(snap.version, snap.ids, snap.rows)
+        return _Vocab(snap.version, snap.ids, snap.head)
 
     def _new_kv(self) -> KVCache:
         c = self.head.cfg

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from tidespec.errors import ConfigError, check_at_least
 from tidespec.speculative.api import Observation
@@ -73,6 +74,12 @@ class VocabSnapshot:
     ids: torch.Tensor  # [n] int64 target ids: the core, then the buffer
     rows: torch.Tensor  # [n, H] the drafter's output rows for those ids
     members: frozenset[int]  # the same ids, for the per-token OOV test
+    output: nn.Module | None = None  # [T, H] -> [T, n] over ``rows`` in the drafter's weight format (int8), or None
+
+    @property
+    def head(self) -> torch.Tensor | nn.Module:
+        """What the drafter's logits multiply by: ``output`` if built, else the float ``rows``."""
+        return self.output if self.output is not None else self.rows
 
     @property
     def size(self) -> int:
@@ -113,6 +120,8 @@ class DynamicVocab:
     """V_t = core ∪ ARC buffer, maintained by a worker thread; ``snapshot`` is the current one.
 
     ``rows_for(ids [n]) -> [n, H]`` gives the drafter's output rows (called on the worker);
+    ``output_for(rows)``, if given, builds the layer that drafts over them in the drafter's own
+    weight format (an int8 ``Int8Linear`` for a head drafting in int8; on the worker too);
     ``index_rows`` [V, H] are the rows HNSW searches (the target's LM head), built on the worker
     (or pass a prebuilt ``index``); ``graph`` is the co-occurrence graph (its unigram counts
     chose ``core`` in ``from_graph``). ``start=False`` keeps everything on the caller's thread
@@ -121,13 +130,15 @@ class DynamicVocab:
 
     def __init__(self, cfg: DynamicVocabConfig, core: list[int], rows_for: Callable[[torch.Tensor], torch.Tensor],
                  graph: CooccurrenceGraph | None = None, index_rows: torch.Tensor | None = None,
-                 index: MipsIndex | None = None, start: bool = True) -> None:
+                 index: MipsIndex | None = None, start: bool = True,
+                 output_for: Callable[[torch.Tensor], nn.Module] | None = None) -> None:
         if not core:
             raise ConfigError("a draft vocabulary needs a non-empty core")
         self.cfg = cfg
         self.core = list(dict.fromkeys(int(t) for t in core))
         self._core_set = frozenset(self.core)
         self.rows_for = rows_for
+        self.output_for = output_for  # rows [n, H] -> the drafting output layer (e.g. int8), built on the worker
         self.graph = graph if graph is not None else CooccurrenceGraph(cfg.graph)
         self.arc = ArcBuffer(cfg.buffer)
         self.stats = VocabStats()
@@ -293,12 +304,14 @@ class DynamicVocab:
         id_t = torch.tensor(ids, dtype=torch.int64)
         with self._lock:
             rows = self.rows_for(id_t)
-        return VocabSnapshot(version, id_t.to(rows.device), rows, frozenset(ids))
+        output = self.output_for(rows) if self.output_for is not None else None
+        return VocabSnapshot(version, id_t.to(rows.device), rows, frozenset(ids), output)
 
     @classmethod
     def from_graph(cls, cfg: DynamicVocabConfig, graph: CooccurrenceGraph, vocab_size: int,
                    rows_for: Callable[[torch.Tensor], torch.Tensor], index_rows: torch.Tensor | None = None,
-                   own: list[int] | None = None, start: bool = True) -> "DynamicVocab":
+                   own: list[int] | None = None, start: bool = True,
+                   output_for: Callable[[torch.Tensor], nn.Module] | None = None) -> "DynamicVocab":
         """Core = the ``core_size`` first of: the drafter's ``own`` tokens (those with trained
         output rows, e.g. a pruned EAGLE-3 head's draft vocabulary; None = every token has one),
         most frequent in the graph first; then the graph's other tokens by frequency; then the
@@ -317,4 +330,4 @@ class DynamicVocab:
         if len(core) < size:
             seen = set(core)
             core += [t for t in range(vocab_size) if t not in seen][:size - len(core)]
-        return cls(cfg, core, rows_for, graph=graph, index_rows=index_rows, start=start)
+        return cls(cfg, core, rows_for, graph=graph, index_rows=index_rows, start=start, output_for=output_for)
