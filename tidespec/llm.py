@@ -26,7 +26,7 @@ from tidespec.engine.output import RequestOutput
 from tidespec.errors import ConfigError
 from tidespec.models.eagle3_checkpoint import fresh_head, head_from_published, load_drafter_source
 from tidespec.models.llama import LlamaModel
-from tidespec.models.loader import LoadedModel, load_model
+from tidespec.models.loader import DTYPES, LoadedModel, load_model
 from tidespec.models.quant import Int8Linear
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter
@@ -43,7 +43,6 @@ from tidespec.speculative.vocab.dynamic import DynamicVocab, DynamicVocabConfig
 from tidespec.speculative.vocab.graph import CooccurrenceGraph
 from tidespec.workloads.loader import load_prompts
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def load_target(mc: ModelConfig) -> LoadedModel:

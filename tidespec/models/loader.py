@@ -60,6 +60,8 @@ GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 # Files that hold a tokenizer's vocabulary (fast JSON, sentencepiece, byte-level BPE, tiktoken).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
+# the --dtype / --export-dtype names and the torch dtypes they load as (engine, benchmarks, trainer child)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 class ModelLoadError(UserError):

@@ -44,7 +44,6 @@ from tidespec.online.trainer.rounds import DraftTrainer, RoundResult
 logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,7 +106,7 @@ def distill_from_workload(model: LlamaModel, tokenizer: Any, cfg: TrainerConfig)
 
 def train_drafter(cfg: TrainerConfig) -> list[RoundResult]:
     """``tidespec train-drafter``: join torchrun's group if any, load the target, (bootstrap,) train."""
-    from tidespec.models.loader import load_model
+    from tidespec.models.loader import DTYPES, load_model
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
