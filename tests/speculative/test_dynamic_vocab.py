@@ -259,7 +259,7 @@ def test_greedy_equals_plain_while_v_t_changes(target: LlamaModel, tree: bool, b
     vocab = DynamicVocab(cfg, list(range(6)), lambda ids: drafter.head.output_rows(ids, lm),
                          index=MipsIndex.build(lm), start=False,
                          output_for=Int8Linear.from_weight if quantization == "int8" else None)
-    assert isinstance(vocab.snapshot.head, Int8Linear if quantization == "int8" else torch.Tensor)
+    assert isinstance(vocab.snapshot.weights, Int8Linear if quantization == "int8" else torch.Tensor)
     drafter.vocab = vocab
     swapped = {"done": False}
 

@@ -49,12 +49,11 @@ from tidespec.bench.decode import (
     workload_doc,
 )
 from tidespec.bench.report import machine_line, markdown_table, new_figure, save_figure, summarize, write_results
-from tidespec.config import DRAFTERS, ConfigError, ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig
+from tidespec.config import DRAFTERS, QUANTIZATIONS, ConfigError, ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine, head_quantization
 from tidespec.models.loader import LoadedModel
 from tidespec.sampling import SamplingParams
-from tidespec.speculative.drafters.eagle3 import HEAD_QUANTIZATIONS
 from tidespec.workloads.loader import load_prompts
 
 PLAIN = "plain"
@@ -97,9 +96,9 @@ class SpecBenchConfig:
             raise ConfigError(f"hf_pld_tokens must be >= 1, got {self.hf_pld_tokens}")
         if (self.eagle3_heads or self.eagle3_quantizations) and "eagle3" not in self.drafters:
             raise ConfigError("--eagle3-heads / --eagle3-quantizations compare EAGLE-3 heads: add eagle3 to --drafters")
-        bad_q = [q for q in self.eagle3_quantizations if q not in HEAD_QUANTIZATIONS]
+        bad_q = [q for q in self.eagle3_quantizations if q not in QUANTIZATIONS]
         if bad_q or len(set(self.eagle3_quantizations)) != len(self.eagle3_quantizations):
-            raise ConfigError(f"--eagle3-quantizations: distinct values of {', '.join(HEAD_QUANTIZATIONS)}, "
+            raise ConfigError(f"--eagle3-quantizations: distinct values of {', '.join(QUANTIZATIONS)}, "
                               f"got {','.join(self.eagle3_quantizations)}")
         heads = self.heads()
         names = [name for name, _ in heads]

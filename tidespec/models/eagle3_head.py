@@ -344,7 +344,6 @@ def quantized_head(head: Eagle3Head, mode: str, in_place: bool = False) -> Eagle
     if mode == "none":
         return head
     served = head if in_place else copy.deepcopy(head)
-    served._row_map = None  # output_rows is the float head's business
     quantize_linears(served, mode, HEAD_INT4_GROUP_SIZE, int8_names=("lm_head",))
     return served.eval()
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from tidespec.config import QUANTIZATIONS
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head, quantized_head
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
@@ -77,8 +78,6 @@ def rerank_tree(scores: list[float], parents: list[int], budget: int) -> tuple[l
 # Drafter
 # ----------------------------------------------------------------------------------------------
 
-HEAD_QUANTIZATIONS = ("none", "int8", "int4")
-
 
 @dataclass
 class Eagle3DrafterConfig:
@@ -93,8 +92,8 @@ class Eagle3DrafterConfig:
     quantization: str = "none"  # draft with an int8 / int4 weight copy of the head (CPU; models.eagle3_head.quantized_head)
 
     def __post_init__(self) -> None:
-        if self.quantization not in HEAD_QUANTIZATIONS:
-            raise Eagle3ConfigError(f"quantization must be one of {', '.join(HEAD_QUANTIZATIONS)}, "
+        if self.quantization not in QUANTIZATIONS:
+            raise Eagle3ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
                                     f"got {self.quantization!r}")
         if self.max_num_seqs < 1:
             raise Eagle3ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
@@ -276,7 +275,7 @@ class Eagle3Drafter:
         if self.vocab is None:
             return _Vocab(-1, self._own_ids, None)
         snap = self.vocab.snapshot
-        return _Vocab(snap.version, snap.ids, snap.head)
+        return _Vocab(snap.version, snap.ids, snap.weights)
 
     def _new_kv(self) -> KVCache:
         c = self.head.cfg
@@ -291,9 +290,13 @@ class Eagle3Drafter:
         engine thread. None when the head drafts with its float weights."""
         if self.cfg.quantization == "none":
             return None
-        head = Eagle3Head(config or self.head.cfg).to(dtype=self.head.dtype, device=self.head.device)
+        return quantized_head(self._built(config or self.head.cfg, state_dict), self.cfg.quantization, in_place=True)
+
+    def _built(self, config: Eagle3Config, state_dict: dict[str, torch.Tensor]) -> Eagle3Head:
+        """A new head of ``config`` holding ``state_dict``, in the served head's dtype and device."""
+        head = Eagle3Head(config).to(dtype=self.head.dtype, device=self.head.device)
         head.load_state_dict(state_dict)
-        return quantized_head(head, self.cfg.quantization, in_place=True)
+        return head.eval()
 
     def load_state(self, version: int, state_dict: dict[str, torch.Tensor], config: Eagle3Config | None = None,
                    served: Eagle3Head | None = None) -> None:
@@ -305,9 +308,7 @@ class Eagle3Drafter:
                 if config.tap_layers != self.head.cfg.tap_layers:
                     raise Eagle3ConfigError(f"tap layers changed {self.head.cfg.tap_layers} -> {config.tap_layers}")
                 old = self.head
-                head = Eagle3Head(config).to(dtype=old.dtype, device=old.device)
-                head.load_state_dict(state_dict)
-                self.head = head.eval()
+                self.head = self._built(config, state_dict)
                 if ((config.num_kv_heads, config.head_dim, config.num_layers)
                         != (old.cfg.num_kv_heads, old.cfg.head_dim, old.cfg.num_layers)):
                     self.kv = self._new_kv()

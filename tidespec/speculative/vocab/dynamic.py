@@ -77,7 +77,7 @@ class VocabSnapshot:
     output: nn.Module | None = None  # [T, H] -> [T, n] over ``rows`` in the drafter's weight format (int8), or None
 
     @property
-    def head(self) -> torch.Tensor | nn.Module:
+    def weights(self) -> torch.Tensor | nn.Module:
         """What the drafter's logits multiply by: ``output`` if built, else the float ``rows``."""
         return self.output if self.output is not None else self.rows
 
