@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from tidespec.online.store import ShardSink, SignalShard
+from tidespec.threads import start_helper
 
 logger = logging.getLogger(__name__)
 
@@ -124,8 +125,7 @@ class CaptureBuffer:
         self._pin_memory = pin_memory
         if taps_dim is not None:
             self._allocate(taps_dim, pin=torch.cuda.is_available() if pin_memory is None else pin_memory)
-        self._thread = threading.Thread(target=self._run, name="tidespec-capture-flusher", daemon=True)
-        self._thread.start()
+        self._thread = start_helper(self._run, "tidespec-capture-flusher")
 
     # ----------------------------------------------------------------------------- hot path
     def push(self, seq_id: int, positions: IntRows, token_ids: IntRows, next_token_ids: IntRows,

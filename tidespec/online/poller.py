@@ -22,6 +22,8 @@ import threading
 from pathlib import Path
 from typing import Self
 
+from tidespec.threads import start_helper
+
 logger = logging.getLogger(__name__)
 
 
@@ -40,8 +42,7 @@ class RootPoller:
 
     def start(self) -> Self:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
+            self._thread = start_helper(self._run, self._name)
         return self
 
     def close(self, timeout: float | None = 5.0) -> None:

@@ -14,6 +14,10 @@ thread that owns it. ``AsyncEngine`` is the only bridge between the two:
   (``prepare``), so a huge prompt delays only its own request: not the engine's steps, not the
   event loop (``/health``, other streams).
 
+Only the engine thread has an OpenMP team (``tidespec.threads``): it sets the intra-op thread count
+of the thread that built the engine when it starts, the preparation worker runs with one, and the
+server's main thread gives its team back before serving (``serve``'s ``release_team``).
+
 Bounded memory: at most ``max_in_flight`` requests (running + waiting + being added) exist; one
 more raises ``QueueFullError`` at once, without touching the engine (the server answers 429).
 
@@ -45,10 +49,13 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
+import torch
+
 from tidespec.engine.engine import LLMEngine, RequestError
 from tidespec.engine.output import RequestOutput
 from tidespec.engine.scheduler import QueueFullError
 from tidespec.sampling import SamplingParams
+from tidespec.threads import helper_init, pin_threads
 
 log = logging.getLogger("tidespec.server")
 
@@ -141,6 +148,10 @@ class AsyncEngine:
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.engine = engine
+        # the engine thread steps with the intra-op threads of the thread that built the engine:
+        # a thread started later would take PyTorch's last set_num_threads value, which a helper
+        # thread may have lowered to 1 (tidespec.threads)
+        self.intraop_threads = torch.get_num_threads()
         self.max_in_flight = max_in_flight
         self.idle_poll_s = idle_poll_s
         self.on_finished = on_finished  # called in the engine thread for every finished request
@@ -155,7 +166,7 @@ class AsyncEngine:
         # prompt preparation (chat templates, tokenization) runs here: never on the engine thread,
         # where it would stall every stream, nor on the event loop; one worker bounds it
         self.prep: concurrent.futures.ThreadPoolExecutor = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="tidespec-prep")
+            max_workers=1, thread_name_prefix="tidespec-prep", initializer=helper_init)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -255,6 +266,7 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
+        pin_threads(self.intraop_threads)
         eng = self.engine
         stop = False
         while not stop:

@@ -85,6 +85,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     from tidespec.llm import build_engine
     from tidespec.server.app import ServerConfig, create_app
     from tidespec.server.graceful import GracefulServer
+    from tidespec.threads import release_team
 
     if not 0 < ns.port < 65536:
         raise ConfigError(f"port must be in [1, 65535], got {ns.port}")
@@ -123,6 +124,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
              ns.host, ns.port, config.spec.drafter, config.policy.name, config.scheduler.max_waiting,
              ", online training" if online is not None else "")
     log.info("live dashboard: http://%s:%d/dashboard", ns.host, ns.port)
+    # the engine steps on a thread of its own: the OpenMP team this thread made while loading the
+    # model would otherwise keep that thread's team from spin-waiting (tidespec.threads)
+    release_team()
     try:
         # SIGTERM: requests in flight get GRACE_S to finish, the rest end with an error event
         GracefulServer(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from tidespec.errors import ConfigError
 from tidespec.stats import StepStats
+from tidespec.threads import start_helper
 
 if TYPE_CHECKING:
     from tidespec.engine.engine import LLMEngine
@@ -138,8 +139,7 @@ class TrainingGovernor:
 
     def start(self) -> TrainingGovernor:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="tidespec-training-governor", daemon=True)
-            self._thread.start()
+            self._thread = start_helper(self._loop, "tidespec-training-governor")
         return self
 
     def close(self) -> None:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from tidespec.errors import ConfigError, check_at_least
+from tidespec.threads import start_helper
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +120,7 @@ class TrainerSupervisor:
         exception raised by the first start is raised here (nothing is retried then)."""
         if self._thread is not None:
             return self
-        self._thread = threading.Thread(target=self._run, name="tidespec-trainer-supervisor", daemon=True)
-        self._thread.start()
+        self._thread = start_helper(self._run, "tidespec-trainer-supervisor")
         if not self._started.wait(timeout):
             raise TimeoutError(f"the trainer child did not start within {timeout} s")
         if self._start_error is not None:

@@ -43,6 +43,7 @@ from tidespec.speculative.api import Observation
 from tidespec.speculative.vocab.arc import ArcBuffer, ArcConfig
 from tidespec.speculative.vocab.graph import CooccurrenceGraph, GraphConfig
 from tidespec.speculative.vocab.index import MipsIndex
+from tidespec.threads import start_helper
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +154,7 @@ class DynamicVocab:
         self.snapshot = self._build(0)
         self._thread: threading.Thread | None = None
         if start:
-            self._thread = threading.Thread(target=self._run, name="tidespec-vocab", daemon=True)
-            self._thread.start()
+            self._thread = start_helper(self._run, "tidespec-vocab")
 
     # -- engine side (hot path: no retrieval, no waiting) ------------------------------------------
 
