@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import threading
 
-import pytest
 import torch
 
 from tests.helpers import tiny_llama, tiny_tokenizer
@@ -72,6 +71,6 @@ def test_release_team_frees_the_runtimes_threads_and_keeps_one() -> None:
         return release_team(), torch.get_num_threads()
 
     freed, threads = _in_thread(scenario)
-    if not freed:
-        pytest.skip("no OpenMP runtime with omp_pause_resource_all in this process")
+    # PyTorch's OpenMP builds (the Linux wheels, this project's CI) load a runtime that frees it
+    assert freed == ("OpenMP" in torch.__config__.parallel_info())
     assert threads == 1

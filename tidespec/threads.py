@@ -76,9 +76,8 @@ def _openmp_runtime() -> ctypes.CDLL | None:
         lines = Path("/proc/self/maps").read_text().splitlines()
     except OSError:
         return None
-    for line in lines:
-        path = line.split()[-1] if line.split() else ""
-        if any(Path(path).name.startswith(lib + ".") or Path(path).name.startswith(lib + "-") for lib in OPENMP_RUNTIMES):
+    for path in {line.split()[-1] for line in lines if "/" in line}:  # each mapped file once
+        if Path(path).name.split(".")[0].split("-")[0] in OPENMP_RUNTIMES:  # libgomp.so.1, libgomp-<hash>.so.1
             try:
                 lib = ctypes.CDLL(path)
             except OSError:
