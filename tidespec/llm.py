@@ -166,7 +166,8 @@ def attach_draft_vocab(drafter: Drafter | None, vc: DraftVocabConfig, target: Ll
     quantized = isinstance(user, Eagle3Drafter) and user.cfg.quantization != "none"  # V_t's rows drafted in int8 too
     vocab = DynamicVocab.from_graph(cfg, graph, target.cfg.vocab_size, rows_for,
                                     index_rows=lm if cfg.dynamic else None, own=own, start=cfg.dynamic,
-                                    output_for=Int8Linear.from_weight if quantized else None)
+                                    output_for=Int8Linear.from_weight if quantized else None,
+                                    output_join=Int8Linear.concat if quantized else None)
     user.vocab = vocab
     return vocab
 

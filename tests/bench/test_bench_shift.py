@@ -187,7 +187,9 @@ def test_shift_bench_compares_draft_vocabularies(tmp_path: Path) -> None:
     assert configs["vocab-full"]["vocab"]["coverage"] == 1.0
     assert configs["vocab-static"]["vocab"]["size"] == 12 and configs["vocab-dynamic"]["vocab"]["core"] == 8
     assert configs["vocab-dynamic"]["vocab"]["size"] <= 12 and configs["vocab-dynamic"]["vocab"]["errors"] == 0
-    assert "coverage % / accept len / draft ms per token" in (out / "README.md").read_text()
+    report = (out / "README.md").read_text()
+    assert "coverage % / accept len / draft ms per token" in report and "x frozen)" in report
+    assert configs["vocab-dynamic"]["draft_ms_per_token"] > 0 and "mean_build_ms" in configs["vocab-dynamic"]["vocab"]
     sized = configs["vocab-dynamic:6:2"]["vocab"]  # a size sweep's configurations: the sizes they name
     assert configs["vocab-static:6"]["vocab"]["size"] == 6 and sized["core"] == 6 and sized["size"] <= 8
     assert configs["vocab-dynamic:6:2"]["mismatches"] == 0

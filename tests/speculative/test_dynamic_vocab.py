@@ -166,6 +166,53 @@ def test_a_failing_update_keeps_the_last_snapshot() -> None:
         vocab.close()
 
 
+def test_a_publish_builds_the_buffer_only_until_the_rows_change() -> None:
+    """The core's rows and int8 layer are kept between publishes (a full rebuild took a core from
+    the step at every publish); joined with the buffer's they equal a layer built over all of V_t's
+    rows, exactly; after ``refresh`` (new head weights) the core is built again from the new rows."""
+    base = torch.randn(V, 16)
+    asked: list[list[int]] = []
+
+    def rows_by(scale: float) -> Callable[[torch.Tensor], torch.Tensor]:
+        def rows_for(ids: torch.Tensor) -> torch.Tensor:
+            asked.append(ids.tolist())
+            return scale * base[ids]
+        return rows_for
+
+    cfg = DynamicVocabConfig(core_size=4, semantic_k=0, buffer=ArcConfig(capacity=4, min_residency=0))
+    vocab = DynamicVocab(cfg, [0, 1, 2, 3], rows_by(1.0), graph=_graph_7_to_8(), start=False,
+                         output_for=Int8Linear.from_weight, output_join=Int8Linear.concat)
+    vocab.record([(7, None)], [])
+    vocab.drain()
+    assert asked == [[0, 1, 2, 3], [7, 8]]  # the publish computed the two buffer rows only
+    snap = vocab.snapshot
+    whole = Int8Linear.from_weight(base[snap.ids])
+    assert isinstance(snap.output, Int8Linear) and snap.ids.tolist() == [0, 1, 2, 3, 7, 8]
+    assert torch.equal(snap.output.qweight, whole.qweight) and torch.equal(snap.output.scales, whole.scales)
+    assert torch.equal(snap.rows, base[snap.ids])
+    vocab.record([(9, None)], [])
+    vocab.drain()
+    snap = vocab.snapshot
+    assert asked[-1] == [9] and sorted(snap.ids.tolist()) == [0, 1, 2, 3, 7, 8, 9]  # 7 and 8 kept their rows
+    whole = Int8Linear.from_weight(base[snap.ids])
+    assert isinstance(snap.output, Int8Linear) and torch.equal(snap.output.qweight, whole.qweight)
+    vocab.refresh(rows_by(2.0))
+    vocab.drain()
+    assert asked[-2][:4] == [0, 1, 2, 3] and sorted(asked[-1]) == [7, 8, 9]
+    assert torch.equal(vocab.snapshot.rows, 2.0 * base[vocab.snapshot.ids])
+    assert vocab.stats.published == 3 and vocab.stats.mean_build_ms >= 0.0
+
+
+def test_records_queued_while_the_worker_was_busy_make_one_publish() -> None:
+    cfg = DynamicVocabConfig(core_size=2, semantic_k=0, buffer=ArcConfig(capacity=8, min_residency=0))
+    vocab = DynamicVocab(cfg, [0, 1], _rows, start=False)
+    for tok in (5, 6, 7):
+        vocab.record([(tok, None)], [])
+    assert vocab._pending.qsize() == 3
+    vocab.process_pending()
+    assert vocab.stats.published == 1 and {5, 6, 7} <= vocab.snapshot.members
+
+
 class _BlockingIndex(MipsIndex):
     """An index whose queries wait until released: retrieval that takes forever."""
 

@@ -117,8 +117,10 @@ def summarize_run(run: TraceRun, trace: list[TraceItem], plain: TraceRun | None)
             seen = {k: last[k] for k in seen}
         phases.append(phase)
     tok_s = sum(r["tokens"] for r in run.requests) / run.wall_s
+    draft_tokens = sum(s.get("draft_tokens", 0) for s in run.steps)
     doc: dict[str, Any] = {"wall_s": run.wall_s, "tok_s": tok_s, "mean_acceptance_length": acc(run.requests),
-                           "phases": phases}
+                           "draft_ms_per_token": 1e3 * sum(s.get("draft_s", 0.0) for s in run.steps) / draft_tokens
+                           if draft_tokens else float("nan"), "phases": phases}
     if plain is not None:
         doc["speedup"] = tok_s / (sum(r["tokens"] for r in plain.requests) / plain.wall_s)
         doc["mismatches"] = sum(a != b for a, b in zip(run.outputs, plain.outputs))

@@ -88,13 +88,20 @@ def _vocab_lines(doc: dict[str, Any]) -> list[str]:
     heads = ["config"] + [f"phase {i + 1} {w}: coverage % / accept len / draft ms per token"
                           for i, w in enumerate(doc["phases"])]
     out = ["Draft vocabularies (frozen: the head's own vocabulary):", "", markdown_table(heads, rows), ""]
+    base = doc["configs"].get("frozen", {}).get("draft_ms_per_token")
+    pooled = [f"{name} {_fmt(doc['configs'][name].get('draft_ms_per_token'))} ms"
+              + (f" ({_fmt(doc['configs'][name]['draft_ms_per_token'] / base, 3)}x frozen)"
+                 if base and name != "frozen" and "draft_ms_per_token" in doc["configs"][name] else "")
+              for name in names]
+    out += ["Draft ms per draft token over the whole run (all phases' steps pooled): " + ", ".join(pooled) + ".", ""]
     for name in names:
         v = doc["configs"][name].get("vocab")
         if v:
             out.append(f"- {name}: |V_t| {v['size']} at the end (core {v['core']}), "
                        f"coverage {_fmt(100 * v['coverage'], 1)} %, "
                        f"{v['oov_events']} OOV events, {v['published']} V_t swaps, {v['retrievals']} retrievals "
-                       f"(mean {_fmt(v['mean_retrieval_ms'])} ms off the step), buffer admitted {v['admitted']} / "
+                       f"(mean {_fmt(v['mean_retrieval_ms'])} ms off the step), "
+                       f"{_fmt(v.get('mean_build_ms', float('nan')))} ms per V_t build (worker), buffer admitted {v['admitted']} / "
                        f"evicted {v['evicted']}, {v['dropped']} records dropped, {v['errors']} errors")
     return out + [""]
 

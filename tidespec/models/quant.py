@@ -64,6 +64,8 @@ Worked example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -181,6 +183,18 @@ class Int8Linear(QuantizedLinear):
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
         q, s = quantize_int8(weight)
         return cls(q.to(weight.device), s.to(weight.device), bias)
+
+    @classmethod
+    def concat(cls, layers: Sequence["Int8Linear"]) -> "Int8Linear":
+        """One layer whose outputs are ``layers``' outputs side by side: the rows stacked. Exact
+        (each output channel has its own scale), so a layer over rows ``[a; b]`` can be built from
+        the quantized ``a`` kept from before and a newly quantized ``b``: a copy, no requantizing.
+
+        Example: ``concat([from_weight(w[:3]), from_weight(w[3:])])`` equals ``from_weight(w)``.
+        """
+        if not layers or any(layer.bias is not None for layer in layers):
+            raise QuantizationError("concat needs at least one layer, none with a bias")
+        return cls(torch.cat([layer.qweight for layer in layers]), torch.cat([layer.scales for layer in layers]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] -> [T, N]

@@ -279,7 +279,7 @@ class Metrics:
         swaps), retrievals, retrieval_seconds, admitted / evicted (ARC churn), dropped, errors."""
         self.vocab = vocab
         self.vocab_stat = Gauge(f"{PREFIX}draft_vocab_stat", "The draft vocabulary (EvoSpec): |V_t|, coverage of "
-                                "verified tokens, OOV events, swaps, retrievals and their seconds, ARC churn.",
+                                "verified tokens, OOV events, swaps, retrievals and their seconds, V_t builds' seconds, ARC churn.",
                                 ["stat"], registry=self.registry)
 
     def _refresh_vocab(self) -> None:
@@ -288,7 +288,8 @@ class Metrics:
         st, arc = self.vocab.stats, self.vocab.arc.stats
         values = {"size": self.vocab.snapshot.size, "coverage": st.coverage, "verified": st.verified,
                   "covered": st.covered, "oov_events": st.oov_events, "published": st.published,
-                  "retrievals": st.retrievals, "retrieval_seconds": st.retrieval_s, "admitted": arc.admitted,
+                  "retrievals": st.retrievals, "retrieval_seconds": st.retrieval_s,
+                  "build_seconds": st.build_s, "admitted": arc.admitted,
                   "evicted": arc.evicted, "dropped": st.dropped, "errors": st.errors}
         for name, value in values.items():
             self.vocab_stat.labels(stat=name).set(value)

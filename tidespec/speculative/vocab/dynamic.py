@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 from torch import nn
@@ -73,9 +74,15 @@ class VocabSnapshot:
 
     version: int
     ids: torch.Tensor  # [n] int64 target ids: the core, then the buffer
-    rows: torch.Tensor  # [n, H] the drafter's output rows for those ids
+    blocks: tuple[torch.Tensor, ...]  # [n_i, H] each: the drafter's output rows for those ids, in order
     members: frozenset[int]  # the same ids, for the per-token OOV test
     output: nn.Module | None = None  # [T, H] -> [T, n] over ``rows`` in the drafter's weight format (int8), or None
+
+    @cached_property
+    def rows(self) -> torch.Tensor:
+        """[n, H] the output rows stacked: built when first read (a drafter with an ``output``
+        layer never reads them, so a publish does not copy ~8k float rows for nothing)."""
+        return self.blocks[0] if len(self.blocks) == 1 else torch.cat(self.blocks)
 
     @property
     def weights(self) -> torch.Tensor | nn.Module:
@@ -85,6 +92,14 @@ class VocabSnapshot:
     @property
     def size(self) -> int:
         return int(self.ids.shape[0])
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Output rows of some ids and the drafting layer over them, built from one rows source."""
+
+    rows: torch.Tensor  # [n, H]
+    output: nn.Module | None  # [T, H] -> [T, n], or None
 
 
 @dataclass
@@ -99,6 +114,7 @@ class VocabStats:
     retrievals: int = 0
     retrieval_s: float = 0.0  # worker time in HNSW + graph per OOV event, summed
     errors: int = 0  # worker exceptions (logged; the vocabulary keeps its last snapshot)
+    build_s: float = 0.0  # worker time building published snapshots, summed
 
     @property
     def coverage(self) -> float:
@@ -107,6 +123,10 @@ class VocabStats:
     @property
     def mean_retrieval_ms(self) -> float:
         return 1e3 * self.retrieval_s / self.retrievals if self.retrievals else float("nan")
+
+    @property
+    def mean_build_ms(self) -> float:
+        return 1e3 * self.build_s / self.published if self.published else float("nan")
 
 
 @dataclass
@@ -122,17 +142,27 @@ class DynamicVocab:
 
     ``rows_for(ids [n]) -> [n, H]`` gives the drafter's output rows (called on the worker);
     ``output_for(rows)``, if given, builds the layer that drafts over them in the drafter's own
-    weight format (an int8 ``Int8Linear`` for a head drafting in int8; on the worker too);
+    weight format (an int8 ``Int8Linear`` for a head drafting in int8; on the worker too), and
+    ``output_join(layers)`` the layer over their rows stacked (``Int8Linear.concat``);
     ``index_rows`` [V, H] are the rows HNSW searches (the target's LM head), built on the worker
     (or pass a prebuilt ``index``); ``graph`` is the co-occurrence graph (its unigram counts
     chose ``core`` in ``from_graph``). ``start=False`` keeps everything on the caller's thread
     (``process_pending``), for tests.
+
+    The worker's CPU time is taken from the step on a small host (on 2 cores the draft time per
+    token rose about as much as the worker worked: docs/benchmarks.md section 24), so a publish
+    does as little as it can: the core's rows and layer are kept from the first build, and each
+    buffer token's row from when it was admitted, until ``refresh`` says the rows source changed;
+    only newly admitted tokens' rows are computed, the buffer's layer is rebuilt (<= ``capacity``
+    rows) and joined to the core's; and the records that queued while the worker was busy are
+    absorbed together before one publish.
     """
 
     def __init__(self, cfg: DynamicVocabConfig, core: list[int], rows_for: Callable[[torch.Tensor], torch.Tensor],
                  graph: CooccurrenceGraph | None = None, index_rows: torch.Tensor | None = None,
                  index: MipsIndex | None = None, start: bool = True,
-                 output_for: Callable[[torch.Tensor], nn.Module] | None = None) -> None:
+                 output_for: Callable[[torch.Tensor], nn.Module] | None = None,
+                 output_join: Callable[[list[nn.Module]], nn.Module] | None = None) -> None:
         if not core:
             raise ConfigError("a draft vocabulary needs a non-empty core")
         self.cfg = cfg
@@ -140,13 +170,18 @@ class DynamicVocab:
         self._core_set = frozenset(self.core)
         self.rows_for = rows_for
         self.output_for = output_for  # rows [n, H] -> the drafting output layer (e.g. int8), built on the worker
+        self.output_join = output_join  # layers over row blocks -> the layer over the blocks stacked
         self.graph = graph if graph is not None else CooccurrenceGraph(cfg.graph)
         self.arc = ArcBuffer(cfg.buffer)
         self.stats = VocabStats()
         self._index = index
         self._index_rows = index_rows
         self._pending: queue.Queue[_Record | None] = queue.Queue()
-        self._lock = threading.Lock()  # guards the rows source swap against a publish in flight
+        self._lock = threading.Lock()  # guards the rows source, its generation and the core's cached part
+        self._rows_gen = 0  # bumped by ``refresh``: a core part built from an older source is not kept
+        self._core_part: _Part | None = None
+        self._extra_rows: dict[int, torch.Tensor] = {}  # buffer token -> its output row [H] (worker only)
+        self._extra_gen = 0  # the rows source generation ``_extra_rows`` came from
         self._steps = 0
         self._held_hits: list[int] = []  # buffer hits and streams of steps not yet sent to the worker
         self._held_streams: list[tuple[int | None, list[int]]] = []
@@ -218,34 +253,46 @@ class DynamicVocab:
         with self._lock:
             if rows_for is not None:
                 self.rows_for = rows_for
+            self._rows_gen += 1
+            self._core_part = None
         self._pending.put(_Record(self._steps, [], [], []))
 
     # -- worker ----------------------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            rec = self._pending.get()
-            if rec is None:
-                self._pending.task_done()
-                return
+            batch = [self._pending.get()]
+            while True:  # what queued meanwhile is absorbed with it: one publish for all
+                try:
+                    batch.append(self._pending.get_nowait())
+                except queue.Empty:
+                    break
+            stop = any(rec is None for rec in batch)
             try:
-                self._process(rec)
+                self._process([rec for rec in batch if rec is not None])
             except Exception:  # a failure here must not take the engine down: keep the last snapshot
                 self.stats.errors += 1
                 log.exception("draft vocabulary update failed")
             finally:
-                self._pending.task_done()
+                for _ in batch:
+                    self._pending.task_done()
+            if stop:
+                return
 
     def process_pending(self) -> None:
         """Run the queued records, and the held steps, on this thread (``start=False``)."""
         if self._held_steps:
             self._send([])
+        batch: list[_Record] = []
         while not self._pending.empty():
             rec = self._pending.get_nowait()
-            try:
-                if rec is not None:
-                    self._process(rec)
-            finally:
+            if rec is not None:
+                batch.append(rec)
+        try:
+            if batch:
+                self._process(batch)
+        finally:
+            for _ in batch:
                 self._pending.task_done()
 
     def drain(self) -> None:
@@ -284,34 +331,78 @@ class DynamicVocab:
             out += self.graph.successors(s, self.cfg.successor_k)
         return [t for t in dict.fromkeys(out) if t not in self._core_set]
 
-    def _process(self, rec: _Record) -> None:
-        for prev, toks in rec.streams:
-            self.graph.add(toks, previous=prev)
+    def _process(self, records: list[_Record]) -> None:
+        """Absorb ``records`` in order, then publish once if V_t changed or one of them asked to
+        (an empty record: ``refresh``)."""
         before = self.arc.resident()
-        self.arc.touch(rec.hits, rec.step)
-        for tok, hidden in rec.produced:
+        asked = False
+        for rec in records:
+            for prev, toks in rec.streams:
+                self.graph.add(toks, previous=prev)
+            self.arc.touch(rec.hits, rec.step)
+            for tok, hidden in rec.produced:
+                t0 = time.perf_counter()
+                cands = self.candidates(tok, hidden)
+                self.stats.retrieval_s += time.perf_counter() - t0
+                self.stats.retrievals += 1
+                self.arc.admit(cands, rec.step)
+            asked |= not (rec.produced or rec.hits or rec.streams)
+        if self.arc.resident() != before or asked:
             t0 = time.perf_counter()
-            cands = self.candidates(tok, hidden)
-            self.stats.retrieval_s += time.perf_counter() - t0
-            self.stats.retrievals += 1
-            self.arc.admit(cands, rec.step)
-        if self.arc.resident() != before or not (rec.produced or rec.hits or rec.streams):
             self.snapshot = self._build(self.snapshot.version + 1)
+            self.stats.build_s += time.perf_counter() - t0
             self.stats.published += 1
 
     def _build(self, version: int) -> VocabSnapshot:
-        ids = self.core + [t for t in self.arc.resident() if t not in self._core_set]
-        id_t = torch.tensor(ids, dtype=torch.int64)
+        """V_t = the core's part (kept while the rows source is unchanged) + the buffer's, built now."""
+        extra = [t for t in self.arc.resident() if t not in self._core_set]
         with self._lock:
-            rows = self.rows_for(id_t)
-        output = self.output_for(rows) if self.output_for is not None else None
-        return VocabSnapshot(version, id_t.to(rows.device), rows, frozenset(ids), output)
+            rows_for, gen, core = self.rows_for, self._rows_gen, self._core_part
+        if core is None:
+            core = self._part(rows_for, self.core)
+            with self._lock:
+                if self._rows_gen == gen:  # else a refresh came meanwhile: its own record rebuilds
+                    self._core_part = core
+        ids = torch.tensor(self.core + extra, dtype=torch.int64, device=core.rows.device)  # [n]
+        members = self._core_set.union(extra)
+        if not extra:
+            return VocabSnapshot(version, ids, (core.rows,), members, core.output)
+        buf = self._extra_part(rows_for, gen, extra)
+        snap = VocabSnapshot(version, ids, (core.rows, buf.rows), members, None)
+        return VocabSnapshot(version, ids, snap.blocks, members, self._joined(core, buf, snap))
+
+    def _part(self, rows_for: Callable[[torch.Tensor], torch.Tensor], ids: list[int]) -> _Part:
+        rows = rows_for(torch.tensor(ids, dtype=torch.int64))  # [n, H]
+        return _Part(rows, self.output_for(rows) if self.output_for is not None else None)
+
+    def _extra_part(self, rows_for: Callable[[torch.Tensor], torch.Tensor], gen: int, extra: list[int]) -> _Part:
+        """The buffer's part: rows kept per token since its admission (computed for new tokens only),
+        its layer built afresh (a few hundred rows); rows of tokens that left the buffer are dropped."""
+        if self._extra_gen != gen:
+            self._extra_rows, self._extra_gen = {}, gen
+        missing = [t for t in extra if t not in self._extra_rows]
+        if missing:
+            for t, row in zip(missing, rows_for(torch.tensor(missing, dtype=torch.int64))):
+                self._extra_rows[t] = row
+        self._extra_rows = {t: self._extra_rows[t] for t in extra}
+        rows = torch.stack([self._extra_rows[t] for t in extra])  # [n_extra, H]
+        return _Part(rows, self.output_for(rows) if self.output_for is not None else None)
+
+    def _joined(self, core: _Part, buf: _Part, snap: VocabSnapshot) -> nn.Module | None:
+        """The drafting layer over [core; buffer]: the two parts' layers joined, or, with no
+        ``output_join``, built from all of ``snap``'s rows afresh."""
+        if self.output_for is None:
+            return None
+        if self.output_join is None or core.output is None or buf.output is None:
+            return self.output_for(snap.rows)
+        return self.output_join([core.output, buf.output])
 
     @classmethod
     def from_graph(cls, cfg: DynamicVocabConfig, graph: CooccurrenceGraph, vocab_size: int,
                    rows_for: Callable[[torch.Tensor], torch.Tensor], index_rows: torch.Tensor | None = None,
                    own: list[int] | None = None, start: bool = True,
-                   output_for: Callable[[torch.Tensor], nn.Module] | None = None) -> "DynamicVocab":
+                   output_for: Callable[[torch.Tensor], nn.Module] | None = None,
+                   output_join: Callable[[list[nn.Module]], nn.Module] | None = None) -> "DynamicVocab":
         """Core = the ``core_size`` first of: the drafter's ``own`` tokens (those with trained
         output rows, e.g. a pruned EAGLE-3 head's draft vocabulary; None = every token has one),
         most frequent in the graph first; then the graph's other tokens by frequency; then the
@@ -330,4 +421,5 @@ class DynamicVocab:
         if len(core) < size:
             seen = set(core)
             core += [t for t in range(vocab_size) if t not in seen][:size - len(core)]
-        return cls(cfg, core, rows_for, graph=graph, index_rows=index_rows, start=start, output_for=output_for)
+        return cls(cfg, core, rows_for, graph=graph, index_rows=index_rows, start=start, output_for=output_for,
+                   output_join=output_join)
