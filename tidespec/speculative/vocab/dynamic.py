@@ -369,7 +369,10 @@ class DynamicVocab:
             return VocabSnapshot(version, ids, (core.rows,), members, core.output)
         buf = self._extra_part(rows_for, gen, extra)
         snap = VocabSnapshot(version, ids, (core.rows, buf.rows), members, None)
-        return VocabSnapshot(version, ids, snap.blocks, members, self._joined(core, buf, snap))
+        output = self._joined(core, buf, snap)
+        if output is None:  # the drafter multiplies by the float rows: stack them here, not on its thread
+            return VocabSnapshot(version, ids, (snap.rows,), members, None)
+        return VocabSnapshot(version, ids, snap.blocks, members, output)
 
     def _part(self, rows_for: Callable[[torch.Tensor], torch.Tensor], ids: list[int]) -> _Part:
         rows = rows_for(torch.tensor(ids, dtype=torch.int64))  # [n, H]
