@@ -101,7 +101,8 @@ def _vocab_lines(doc: dict[str, Any]) -> list[str]:
                        f"coverage {_fmt(100 * v['coverage'], 1)} %, "
                        f"{v['oov_events']} OOV events, {v['published']} V_t swaps, {v['retrievals']} retrievals "
                        f"(mean {_fmt(v['mean_retrieval_ms'])} ms off the step), "
-                       f"{_fmt(v.get('mean_build_ms', float('nan')))} ms per V_t build (worker), buffer admitted {v['admitted']} / "
+                       f"{_fmt(v.get('mean_build_ms', float('nan')))} ms per V_t build (worker), "
+                       f"buffer admitted {v['admitted']} / "
                        f"evicted {v['evicted']}, {v['dropped']} records dropped, {v['errors']} errors")
     return out + [""]
 

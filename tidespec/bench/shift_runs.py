@@ -154,7 +154,8 @@ class TraceLoop:
             self.run.vocab = {"size": self.vocab.snapshot.size, "core": len(self.vocab.core),
                               "dynamic": self.vocab.cfg.dynamic, "coverage": st.coverage, "oov_events": st.oov_events,
                               "published": st.published, "retrievals": st.retrievals,
-                              "mean_retrieval_ms": st.mean_retrieval_ms, "mean_build_ms": st.mean_build_ms, "dropped": st.dropped, "errors": st.errors,
+                              "mean_retrieval_ms": st.mean_retrieval_ms, "mean_build_ms": st.mean_build_ms,
+                              "dropped": st.dropped, "errors": st.errors,
                               "admitted": arc.admitted, "evicted": arc.evicted}
         return self.run
 

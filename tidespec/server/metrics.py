@@ -276,10 +276,12 @@ class Metrics:
     def attach_vocab(self, vocab: DynamicVocab) -> None:
         """Export the draft vocabulary's counters (read at scrape time) as
         ``draft_vocab_stat{stat}``: size, coverage, verified, covered, oov_events, published (V_t
-        swaps), retrievals, retrieval_seconds, admitted / evicted (ARC churn), dropped, errors."""
+        swaps), retrievals, retrieval_seconds, build_seconds (the worker's V_t builds), admitted /
+        evicted (ARC churn), dropped, errors."""
         self.vocab = vocab
         self.vocab_stat = Gauge(f"{PREFIX}draft_vocab_stat", "The draft vocabulary (EvoSpec): |V_t|, coverage of "
-                                "verified tokens, OOV events, swaps, retrievals and their seconds, V_t builds' seconds, ARC churn.",
+                                "verified tokens, OOV events, swaps, retrievals and their seconds, V_t builds' "
+                                "seconds, ARC churn.",
                                 ["stat"], registry=self.registry)
 
     def _refresh_vocab(self) -> None:

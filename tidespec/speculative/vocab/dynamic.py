@@ -359,7 +359,7 @@ class DynamicVocab:
         with self._lock:
             rows_for, gen, core = self.rows_for, self._rows_gen, self._core_part
         if core is None:
-            core = self._part(rows_for, self.core)
+            core = self._part(rows_for(torch.tensor(self.core, dtype=torch.int64)))
             with self._lock:
                 if self._rows_gen == gen:  # else a refresh came meanwhile: its own record rebuilds
                     self._core_part = core
@@ -368,14 +368,13 @@ class DynamicVocab:
         if not extra:
             return VocabSnapshot(version, ids, (core.rows,), members, core.output)
         buf = self._extra_part(rows_for, gen, extra)
-        snap = VocabSnapshot(version, ids, (core.rows, buf.rows), members, None)
-        output = self._joined(core, buf, snap)
-        if output is None:  # the drafter multiplies by the float rows: stack them here, not on its thread
-            return VocabSnapshot(version, ids, (snap.rows,), members, None)
-        return VocabSnapshot(version, ids, snap.blocks, members, output)
+        output = self._joined(core, buf)
+        # without a layer the drafter multiplies by the float rows: stacked here, not on its thread
+        blocks = (core.rows, buf.rows) if output is not None else (torch.cat([core.rows, buf.rows]),)
+        return VocabSnapshot(version, ids, blocks, members, output)
 
-    def _part(self, rows_for: Callable[[torch.Tensor], torch.Tensor], ids: list[int]) -> _Part:
-        rows = rows_for(torch.tensor(ids, dtype=torch.int64))  # [n, H]
+    def _part(self, rows: torch.Tensor) -> _Part:
+        """``rows`` [n, H] and the drafting layer over them (if the drafter has its own format)."""
         return _Part(rows, self.output_for(rows) if self.output_for is not None else None)
 
     def _extra_part(self, rows_for: Callable[[torch.Tensor], torch.Tensor], gen: int, extra: list[int]) -> _Part:
@@ -388,16 +387,15 @@ class DynamicVocab:
             for t, row in zip(missing, rows_for(torch.tensor(missing, dtype=torch.int64))):
                 self._extra_rows[t] = row
         self._extra_rows = {t: self._extra_rows[t] for t in extra}
-        rows = torch.stack([self._extra_rows[t] for t in extra])  # [n_extra, H]
-        return _Part(rows, self.output_for(rows) if self.output_for is not None else None)
+        return self._part(torch.stack([self._extra_rows[t] for t in extra]))  # rows [n_extra, H]
 
-    def _joined(self, core: _Part, buf: _Part, snap: VocabSnapshot) -> nn.Module | None:
+    def _joined(self, core: _Part, buf: _Part) -> nn.Module | None:
         """The drafting layer over [core; buffer]: the two parts' layers joined, or, with no
-        ``output_join``, built from all of ``snap``'s rows afresh."""
-        if self.output_for is None:
+        ``output_join``, built from the stacked rows afresh."""
+        if self.output_for is None or core.output is None or buf.output is None:
             return None
-        if self.output_join is None or core.output is None or buf.output is None:
-            return self.output_for(snap.rows)
+        if self.output_join is None:
+            return self.output_for(torch.cat([core.rows, buf.rows]))
         return self.output_join([core.output, buf.output])
 
     @classmethod
