@@ -3,8 +3,9 @@ EAGLE-3 checkpoint publisher and the signal store share.
 
 Why this exists: a crash must never leave a half-written cache entry, checkpoint or manifest
 that a later reader trusts, and every cached artefact (converted GGUF checkpoints, measured
-profiles) must land under one root that honours the same environment variables. Each writer
-used to carry its own fsync helper and its own idea of the cache root.
+profiles) must land under one root that honours the same environment variables, keyed by the
+CPU it was measured on where it is a measurement (``cpu_name``). Each writer used to carry its own
+fsync helper and its own idea of the cache root.
 
 Worked example::
 
@@ -16,6 +17,7 @@ Worked example::
 from __future__ import annotations
 
 import os
+import platform
 import uuid
 from pathlib import Path
 
@@ -29,6 +31,30 @@ def cache_root() -> Path:
         return Path(env).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME")
     return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "tidespec"
+
+
+def cpu_name(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
+    """The CPU's marketing name with its family and model numbers from ``cpuinfo``
+    (``platform.processor()`` elsewhere): part of the key of every cached measurement (kernel plans,
+    profiles), which holds only on the CPU it was taken on. The numbers matter: a cloud VM may call a
+    Zen 4 and a Zen 5 host both "AMD EPYC".
+
+    Example: ``"AMD EPYC (family 26, model 2)"``.
+    """
+    fields: dict[str, str] = {}
+    try:
+        with open(cpuinfo, encoding="utf-8") as fh:
+            for line in fh:
+                key, sep, value = line.partition(":")
+                if not sep:
+                    break  # the first processor's block ends at a blank line
+                fields.setdefault(key.strip().lower(), value.strip())
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        return f"{name} (family {fields['cpu family']}, model {fields['model']})"
+    return name
 
 
 def fsync_path(path: Path) -> None:

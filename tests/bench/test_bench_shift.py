@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import capture, checkpoint_tokenizer, tiny_hf_model, write_tiny_checkpoint
+from tests.helpers import capture, checkpoint_tokenizer, tiny_hf_model, tiny_llama, write_tiny_checkpoint
 from tidespec.bench.decode import resolve_target
 from tidespec.bench.shift import replot, run_shift_bench
 from tidespec.bench.shift_config import ShiftBenchConfig, build_trace
 from tidespec.bench.shift_measure import recompute_taps
 from tidespec.bench.shift_report import _curves
+from tidespec.bench.shift_runs import trace_engine_config
 from tidespec.config import ConfigError
 
 
@@ -43,6 +44,21 @@ def test_trace_phases_take_fresh_records(tmp_path: Path) -> None:
         build_trace(ShiftBenchConfig(workloads=str(b), requests_per_phase=5, offset=2), checkpoint_tokenizer())
 
 
+def test_the_profile_flag_reaches_the_eagle3_configurations_only(tmp_path: Path) -> None:
+    """``--profile`` prices frozen and online (their policy); the static configurations take none."""
+    a = _workload(tmp_path / "a.jsonl", "a", 4, 10)
+    prof = tmp_path / "profile.json"
+    prof.write_text("{}", encoding="utf-8")
+    cfg = ShiftBenchConfig(workloads=str(a), requests_per_phase=2, drafter="suffix,eagle3", policy="analytic",
+                           profile=str(prof))
+    trace = build_trace(cfg, checkpoint_tokenizer())
+    model = tiny_llama(64)
+    eagle3 = trace_engine_config(trace, cfg, model, cfg.gamma)
+    assert (eagle3.policy.name, eagle3.policy.profile) == ("analytic", str(prof))
+    suffix = trace_engine_config(trace, cfg, model, cfg.gamma, drafter="suffix")
+    assert (suffix.policy.name, suffix.policy.profile) == ("static", None)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"configs": "plain,fast"}, "subset"),
     ({"configs": ""}, "subset"),
@@ -50,6 +66,7 @@ def test_trace_phases_take_fresh_records(tmp_path: Path) -> None:
     ({"gamma": 0}, "gamma"),
     ({"bootstrap": "/no/such/dir"}, "not a directory"),
     ({"signal_dir": "/no/such/dir"}, "not a directory"),
+    ({"profile": "/no/such/profile.json"}, "not a file"),
     ({"collect_epsilon": 1.0}, "collect_epsilon"),
     ({"workloads": "code:0"}, "request count"),
     ({"drafter": "suffix"}, "include eagle3"),

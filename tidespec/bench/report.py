@@ -34,6 +34,7 @@ import torch
 from matplotlib.figure import Figure
 
 from tidespec.config import ConfigError
+from tidespec.files import cpu_name
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -84,18 +85,6 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], digits
     return "\n".join(lines)
 
 
-def cpu_model() -> str:
-    """The CPU's marketing name from /proc/cpuinfo (``platform.processor()`` elsewhere)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_info(dtype: str | None = None) -> dict[str, Any]:
     """Where and how a benchmark ran: CPU, cores, threads, library versions, dtype."""
     import transformers
@@ -105,7 +94,7 @@ def machine_info(dtype: str | None = None) -> dict[str, Any]:
     except AttributeError:  # not on Linux
         usable = os.cpu_count() or 0
     return {
-        "cpu": cpu_model(),
+        "cpu": cpu_name(),
         "cpu_count": os.cpu_count(),
         "usable_cores": usable,
         "torch_threads": torch.get_num_threads(),

@@ -28,6 +28,7 @@ from tidespec.config import (
     ConfigError,
     DraftVocabConfig,
     OnlineTrainingConfig,
+    PolicyConfig,
     SpecConfig,
     opt,
 )
@@ -66,6 +67,8 @@ class ShiftBenchConfig:
                                  "eagle3 (e.g. suffix,eagle3: --policy analytic, bandit or hybrid chooses per step)")
     policy: str = opt("static", f"speculation policy of frozen and online: {', '.join(POLICIES)} (static: --gamma "
                                 "every step)")
+    profile: str | None = opt(PolicyConfig.profile, "profile JSON of the analytic/hybrid policy of frozen and online "
+                                                     "(default: measured at start-up, cached)")
     turn: int = opt(8, "requests per turn: the configurations take turns on slices of the trace, so each phase of "
                        "each is measured in the same minutes (0 = each runs the whole trace, one after another)")
     trainer_share: float = opt(OnlineTrainingConfig.trainer_share,
@@ -136,6 +139,8 @@ class ShiftBenchConfig:
             value = getattr(self, name)
             if value is not None and not Path(value).is_dir():
                 raise ConfigError(f"{name} {value} is not a directory")
+        if self.profile is not None and not Path(self.profile).is_file():
+            raise ConfigError(f"profile {self.profile} is not a file")
 
     @property
     def phase_specs(self) -> list[tuple[str, int]]:

@@ -195,7 +195,8 @@ def trace_engine_config(trace: list[TraceItem], cfg: ShiftBenchConfig, model: Ll
     name = drafter or cfg.drafter
     return EngineConfig(cache=CacheConfig(max_model_len=max_len, max_num_seqs=cfg.concurrency),
                         spec=SpecConfig(drafter=name if gamma else "none", num_speculative_tokens=gamma),
-                        policy=PolicyConfig(name=cfg.policy if name == cfg.drafter else "static"))
+                        policy=PolicyConfig(name=cfg.policy, profile=cfg.profile)
+                        if name == cfg.drafter else PolicyConfig(name="static"))
 
 
 def static_engine(target: LoadedModel, ecfg: EngineConfig) -> LLMEngine:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import platform
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -52,7 +51,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidespec.files import atomic_write, cache_root
+from tidespec.files import atomic_write, cache_root, cpu_name
 
 log = logging.getLogger(__name__)
 
@@ -179,19 +178,9 @@ def _candidates(rows: int, out_features: int, threads: int, dtype: torch.dtype) 
 
 
 def _plan_key(groups: dict[tuple[int, int, str], list[Linear]], max_rows: int, threads: int) -> str:
-    ident = {"method": 3, "cpu": _cpu_name(), "torch": torch.__version__, "threads": threads, "max_rows": max_rows,
+    ident = {"method": 3, "cpu": cpu_name(), "torch": torch.__version__, "threads": threads, "max_rows": max_rows,
              "shapes": sorted(f"{o}x{i}:{d}:{len(m)}" for (o, i, d), m in groups.items())}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def tune_linears(root: nn.Module, repeats: int = 5, cache_dir: Path | None = None) -> dict[str, list[str]]:

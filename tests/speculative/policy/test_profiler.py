@@ -95,3 +95,14 @@ def test_profile_key_tells_eagle3_heads_of_another_shape_dtype_or_quantization_a
     multi = MultiDrafter([SuffixDrafter(), Eagle3Drafter(fresh_head(model.cfg, None, torch.float64),
                                                          model.embed_tokens)], shadow_gamma=2)
     assert set(drafter_signature(multi)) == {"eagle3"}
+
+
+def test_profile_key_tells_cpus_apart(monkeypatch) -> None:
+    """A cache directory that outlives a machine (a copied home, a moved VM) must not hand one CPU's
+    measured costs to another: the key holds the CPU's model name."""
+    model = tiny_llama(48, layers=2, seed=0)
+    monkeypatch.setattr(profiler, "cpu_name", lambda: "AMD EPYC 9R14")
+    amd = profile_key_for(model, SuffixDrafter(), False)
+    assert profile_key_for(model, SuffixDrafter(), False) == amd  # stable on one machine
+    monkeypatch.setattr(profiler, "cpu_name", lambda: "Intel(R) Xeon(R) Platinum 8488C")
+    assert profile_key_for(model, SuffixDrafter(), False) != amd

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from tidespec.files import cache_root
+from tidespec.files import cache_root, cpu_name
 from tidespec.models.compiled import KV_MARGIN, CompiledStep
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
@@ -125,10 +125,11 @@ def profile_cache_dir() -> Path:
 
 
 def profile_key(model: LlamaModel, drafter_name: str, extra: dict[str, str] | None = None) -> str:
-    """Stable key of what the costs depend on: architecture, dtype, weight quantization, device,
+    """Stable key of what the costs depend on: architecture, dtype, weight quantization, device (and the
+    CPU's model: a cache directory that outlives a machine must not hand one CPU's costs to another),
     drafter, threads."""
     parts = {"schema": PROFILE_SCHEMA, "cfg": repr(model.cfg), "dtype": str(model.dtype), "device": str(model.device),
-             "drafter": drafter_name, "threads": str(torch.get_num_threads()), **(extra or {})}
+             "cpu": cpu_name(), "drafter": drafter_name, "threads": str(torch.get_num_threads()), **(extra or {})}
     quant = quantization_of(model)
     if quant != "none":  # only then, so the keys of unquantized models (and their cached profiles) stay
         parts["quantization"] = quant
