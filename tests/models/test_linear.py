@@ -16,7 +16,7 @@ from tidespec.models.linear import STRATEGIES, TUNED_ROWS, Linear, tune_linears
 
 
 @pytest.mark.parametrize("name", STRATEGIES)
-@pytest.mark.parametrize("rows", [1, 2, 5, 17, 64, 65])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 17, 64, 65])
 @pytest.mark.parametrize("n_out", [64, 63, 400])
 def test_every_kernel_computes_the_same_product(name: str, rows: int, n_out: int, two_threads: None) -> None:
     """Forced to one kernel for every row count (pad2 and split fall back where they cannot run:
@@ -48,7 +48,8 @@ def test_tuning_measures_once_then_reads_the_cached_plan(tmp_path: Path, two_thr
     assert set(plan) == {"64x32:float32", "32x32:float32", "128x32:float32", "32x64:float32"}
     for kernels in plan.values():
         assert len(kernels) == TUNED_ROWS[-1] and set(kernels) <= set(STRATEGIES)
-        assert "pad2" not in kernels[1:]  # padding only ever serves a single row
+        assert "pad2" not in kernels[1:]  # padding to two only ever serves a single row
+        assert "tall4" not in kernels[:2]  # chunks of four: from three rows
     qkv = model.layers[0].self_attn.qkv_proj
     assert qkv.choice == tuple(plan["64x32:float32"]) and qkv.tuned_threads == 2
     assert len(list(tmp_path.glob("*.json"))) == 1

@@ -21,7 +21,10 @@ BLAS library, the dtype and the thread count — not on anything we can know in 
 - on an AMD EPYC Zen 5 (MKL, fp32, 2 threads) one row is fastest padded to two, ``mm(W, [x; x]^T)``
   (the 2-row "tall" product, keep row 0): 1.1-1.6x faster than "split" (30 x [3072, 576]: 4.9 vs
   6.9 ms; the LM head 2.4 vs 3.9 ms) — but only with ``[x; x]`` copied: as the stride-0 view
-  ``x.expand(2, -1)`` MKL ran it 1.6-2x slower than "split", so it never won a measurement.
+  ``x.expand(2, -1)`` MKL ran it 1.6-2x slower than "split", so it never won a measurement. On the
+  same host "tall" costs less at 4 rows than at 3 (30 x [3072, 576]: 5.8 vs 6.7 ms) and grows
+  faster than the rows beyond 4, so 3 rows go padded to 4 and 8 rows as two products of 4 ("tall4",
+  10.5 vs 11.5 ms at 8 rows).
 
 So the choice is measured, not guessed: ``tune_linears`` times each candidate on the real weights
 (all layers' matrices of one shape in turn, so the weights stream from memory as in a forward)
@@ -39,6 +42,7 @@ Worked example (weight [3072, 576], 2 threads)::
     "tall":   mm(W [3072, 576], x^T [576, T])^T               -> [T, 3072]
     "split":  bmm(x [2, T, 576], W blocks [2, 576, 1536])     -> [2, T, 1536] -> [T, 3072]
     "pad2":   (1 row only) tall on [x; x] [2, 576] (a copy), keep row 0 -> [1, 3072]
+    "tall4":  (3+ rows) tall on chunks of 4 rows, a chunk of 3 padded to 4 (and of 1 to 2) -> [T, 3072]
     "mkl":    (fp32, MKL builds) packed sgemm of x [T, 576] with W packed once -> [T, 3072]
 """
 
@@ -60,7 +64,7 @@ from tidespec.files import atomic_write, cache_root, cpu_name
 
 log = logging.getLogger(__name__)
 
-STRATEGIES = ("linear", "tall", "split", "pad2", "mkl")
+STRATEGIES = ("linear", "tall", "split", "pad2", "mkl", "tall4")
 TUNED_ROWS = (1, 2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 48, 64)  # measured; other counts use the next one up
 PREFER_MARGIN = 1.1  # another kernel replaces F.linear only when >= 10 % faster (noise must not flip it)
 # Rows the MKL packing is laid out for. The packed weight serves every row count (``_mkl_linear``
@@ -84,6 +88,13 @@ def _split_weight(w: torch.Tensor, s: int) -> torch.Tensor:
     return w.view(s, w.shape[0] // s, w.shape[1]).transpose(1, 2)
 
 
+def _tall_even(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [r <= 4, in] @ w^T by "tall", an odd r padded with a copy of its last row -> [r, out] (a view)."""
+    r = x.shape[0]
+    xp = torch.cat((x, x[-1:])) if r % 2 else x  # [r or r + 1, in]
+    return torch.mm(w, xp.t())[:, :r].t()
+
+
 def run_strategy(name: str, x: torch.Tensor, w: torch.Tensor, blocks: torch.Tensor | None,
                  packed: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, in] @ w [out, in]^T -> [T, out] by the named kernel (no bias)."""
@@ -94,6 +105,8 @@ def run_strategy(name: str, x: torch.Tensor, w: torch.Tensor, blocks: torch.Tens
         return torch.mm(w, x.t()).t().contiguous()  # [out, T] -> [T, out]
     if name == "pad2":  # a real copy: MKL runs a stride-0 view (x.expand(2, -1)) 1.6-2x slower than "split"
         return torch.mm(w, torch.cat((x, x)).t())[:, :1].t().contiguous()  # [out, 2] -> [1, out]
+    if name == "tall4":
+        return torch.cat([_tall_even(x[i:i + 4], w) for i in range(0, x.shape[0], 4)])  # [T, out]
     if name == "split":
         assert blocks is not None
         s, T = blocks.shape[0], x.shape[0]
@@ -177,15 +190,17 @@ def _candidates(rows: int, out_features: int, threads: int, dtype: torch.dtype) 
         names.append("split")
     if rows == 1:
         names.append("pad2")
+    elif 3 <= rows <= 16:  # more chunks read the weight more often: never faster, only slower to tune
+        names.append("tall4")
     if dtype == torch.float32 and mkl_packing_available():
         names.append("mkl")
     return names
 
 
 def _plan_key(groups: dict[tuple[int, int, str], list[Linear]], max_rows: int, threads: int) -> str:
-    # method: bumped when a candidate kernel changes (4: "pad2" multiplies a copied [x; x]), so plans
-    # measured with the old kernel are measured again
-    ident = {"method": 4, "cpu": cpu_name(), "torch": torch.__version__, "threads": threads, "max_rows": max_rows,
+    # method: bumped when the candidate kernels change (4: "pad2" multiplies a copied [x; x]; 5: "tall4"),
+    # so plans measured without them are measured again
+    ident = {"method": 5, "cpu": cpu_name(), "torch": torch.__version__, "threads": threads, "max_rows": max_rows,
              "shapes": sorted(f"{o}x{i}:{d}:{len(m)}" for (o, i, d), m in groups.items())}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
 

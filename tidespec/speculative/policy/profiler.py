@@ -115,9 +115,9 @@ def time_forward(model: LlamaModel, kv: KVCache, batch: int, n: int, context: in
 # (2: the row-blocked CPU GEMM of models.llama.Linear; 3: W @ x^T for 2..16 rows; 4: medians over interleaved
 # passes; 5: batched attention and matmul kernels measured per machine; 6: each timed forward builds its layout,
 # as an engine step does, and --compile profiles the compiled step; 7: drafters that read taps are fed them while
-# timed; 8: MKL's packed sgemm among the measured kernels; 9: the 1-row "pad2" kernel multiplies a copy), so an
-# old cached profile is never reused.
-PROFILE_SCHEMA = "9"
+# timed; 8: MKL's packed sgemm among the measured kernels; 9: the 1-row "pad2" kernel multiplies a copy; 10: "tall4"
+# among the measured kernels), so an old cached profile is never reused.
+PROFILE_SCHEMA = "10"
 
 
 def profile_cache_dir() -> Path:
