@@ -89,7 +89,8 @@ def _split_weight(w: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def _tall_even(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [r <= 4, in] @ w^T by "tall", an odd r padded with a copy of its last row -> [r, out] (a view)."""
+    """x [r <= 4, in] @ w^T by "tall", an odd r padded with a copy of its last row -> [r, out] (a view):
+    "pad2" for one row, "tall4" per chunk."""
     r = x.shape[0]
     xp = torch.cat((x, x[-1:])) if r % 2 else x  # [r or r + 1, in]
     return torch.mm(w, xp.t())[:, :r].t()
@@ -103,8 +104,8 @@ def run_strategy(name: str, x: torch.Tensor, w: torch.Tensor, blocks: torch.Tens
         return torch.ops.mkl._mkl_linear(x, packed, w, None, x.shape[0])
     if name == "tall":
         return torch.mm(w, x.t()).t().contiguous()  # [out, T] -> [T, out]
-    if name == "pad2":  # a real copy: MKL runs a stride-0 view (x.expand(2, -1)) 1.6-2x slower than "split"
-        return torch.mm(w, torch.cat((x, x)).t())[:, :1].t().contiguous()  # [out, 2] -> [1, out]
+    if name == "pad2":  # [x; x] copied: MKL ran the stride-0 view x.expand(2, -1) 1.6-2x slower than "split"
+        return _tall_even(x, w).contiguous()  # [1, out]
     if name == "tall4":
         return torch.cat([_tall_even(x[i:i + 4], w) for i in range(0, x.shape[0], 4)])  # [T, out]
     if name == "split":
