@@ -13,7 +13,7 @@ The tree::
       model      ModelConfig       --model --dtype --device --threads --quantization --quant-group-size
       cache      CacheConfig       --max-model-len --max-num-seqs
       scheduler  SchedulerConfig   --max-num-batched-tokens --max-waiting
-      spec       SpecConfig        --drafter --num-speculative-tokens --tree
+      spec       SpecConfig        --drafter --num-speculative-tokens --tree --drafter-device
         ngram        NgramConfig        --ngram-min --ngram-max
         suffix       SuffixConfig       --suffix-max-tree-tokens --suffix-min-prob --suffix-factor
         draft_model  DraftModelConfig   --draft-model --draft-layers --tree-top-k
@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import shlex
 import types
 import typing
@@ -86,7 +87,10 @@ class ModelConfig(Section):
     quant_group_size: int = opt(32, "int4: input weights per scale/zero group (32, 64, 128 or 256; 32 = GGUF Q4_1)")
     compile: bool = opt(False, "torch.compile (inductor) the decode step: plain and verification forwards of "
                                "decode batches run one compiled graph (at most four, compiled at start-up, cached "
-                               "on disk); prefill chunks and trees run eager")
+                               "on disk); prefill chunks and trees run eager. On CUDA: the captured graphs' body "
+                               "is compiled first")
+    enforce_eager: bool = opt(False, "on CUDA, run every forward eagerly: no CUDA graphs (by default decode and "
+                                     "verification forwards of chains replay graphs captured at start-up)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -122,6 +126,7 @@ class SchedulerConfig(Section):
 
 
 DRAFTERS = ("none", "ngram", "suffix", "draft-model", "eagle3")
+DEVICE_NAME = re.compile(r"|cpu|cuda(:[0-9]+)?")  # what --drafter-device accepts ("" = the target's device)
 # guard defaults, shared with ``speculative.policy.guards.GuardConfig`` (defined once, here)
 GUARD_KV_USAGE = 0.9
 GUARD_TEMPERATURE = 2.0
@@ -233,6 +238,10 @@ class SpecConfig:
                                "(e.g. suffix,eagle3) for --policy analytic, bandit or hybrid to choose from per step")
     num_speculative_tokens: int = opt(4, "draft tokens per step (gamma)")
     tree: bool = opt(False, "allow tree-shaped proposals (drafters that support them)")
+    drafter_device: str = opt("", "device the drafter runs on: cpu, cuda or cuda:N (empty = the target's --device). "
+                                  "Dovetail-style placement: only token ids and the target's taps cross devices; "
+                                  "EAGLE-3 and the draft model get their own copies of the target weights they read "
+                                  "(ngram and suffix run on the host anyway)", flag="--drafter-device")
     ngram: NgramConfig = section(NgramConfig, "ngram")
     suffix: SuffixConfig = section(SuffixConfig, "suffix")
     draft_model: DraftModelConfig = section(DraftModelConfig)
@@ -249,6 +258,9 @@ class SpecConfig:
             raise ConfigError(f"drafter names a drafter twice: {self.drafter!r}")
         if not 0 <= self.num_speculative_tokens <= 64:
             raise ConfigError(f"num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens}")
+        if not DEVICE_NAME.fullmatch(self.drafter_device):
+            raise ConfigError(f"drafter_device must be empty (the target's device), cpu, cuda or cuda:N, "
+                              f"got {self.drafter_device!r}")
 
     @property
     def drafter_names(self) -> tuple[str, ...]:
@@ -377,9 +389,10 @@ class EngineConfig:
             raise ConfigError("--online-training needs --eagle3-dir (the directory drafters are published to)")
         if self.online.lora and not self.online.enabled:
             raise ConfigError("--online-lora needs --online-training (the trainer child publishes the adapters)")
-        if self.spec.eagle3.quantization in ("int8", "int4") and not self.model.device.startswith("cpu"):
-            raise ConfigError(f"--eagle3-quantization {self.spec.eagle3.quantization} needs --device cpu "
-                              f"(PyTorch's CPU kernels), got {self.model.device!r}")
+        head_device = self.spec.drafter_device or self.model.device  # where the EAGLE-3 head drafts
+        if self.spec.eagle3.quantization in ("int8", "int4") and not head_device.startswith("cpu"):
+            raise ConfigError(f"--eagle3-quantization {self.spec.eagle3.quantization} needs the drafter on the CPU "
+                              f"(PyTorch's CPU kernels; --device or --drafter-device cpu), got {head_device!r}")
         need = self.cache.max_num_seqs * (self.spec.num_speculative_tokens + 1) + 16
         if self.scheduler.max_num_batched_tokens < need:
             # every running sequence must fit its verification tokens in one step, with room left

@@ -24,10 +24,12 @@ from tidespec.config import DraftVocabConfig, EngineConfig, ModelConfig, SpecCon
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
 from tidespec.errors import ConfigError
+from tidespec.models import placement
 from tidespec.models.eagle3_checkpoint import fresh_head, head_from_published, load_drafter_source
+from tidespec.models.graphs import uses_graphs
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import DTYPES, LoadedModel, load_model
-from tidespec.models.quant import Int8Linear
+from tidespec.models.quant import Int8Linear, QuantizedLinear
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter
 from tidespec.speculative.drafters.draft_model import DraftModelDrafter
@@ -44,7 +46,6 @@ from tidespec.speculative.vocab.graph import CooccurrenceGraph
 from tidespec.workloads.loader import load_prompts
 
 
-
 def load_target(mc: ModelConfig) -> LoadedModel:
     """The target model ``mc`` names: loaded in ``mc.dtype`` on ``mc.device``, its linear layers
     quantized as ``mc.quantization`` says (what every engine, server and benchmark serves)."""
@@ -54,7 +55,8 @@ def load_target(mc: ModelConfig) -> LoadedModel:
 
 def build_drafter(spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_model_len: int) -> Drafter | None:
     """The drafter named by ``spec.drafter`` (None for "none"); several names give a ``MultiDrafter``
-    whose model-free members are scored on the side at gamma = ``num_speculative_tokens``."""
+    whose model-free members are scored on the side at gamma = ``num_speculative_tokens``. Model
+    drafters run on ``spec.drafter_device`` ("" = the target's device)."""
     names = spec.drafter_names
     if len(names) > 1:
         return MultiDrafter([_one_drafter(name, spec, target, max_num_seqs, max_model_len) for name in names],
@@ -63,6 +65,8 @@ def build_drafter(spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_m
 
 
 def _one_drafter(name: str, spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_model_len: int) -> Drafter:
+    """One drafter; a model drafter on ``spec.drafter_device`` (ngram and suffix run on the host:
+    nothing to place, the flag is ignored for them)."""
     if name == "ngram":
         from tidespec.speculative.drafters.ngram import NgramDrafter
         return NgramDrafter(min_n=spec.ngram.min, max_n=spec.ngram.max)
@@ -70,24 +74,36 @@ def _one_drafter(name: str, spec: SpecConfig, target: LlamaModel, max_num_seqs: 
         from tidespec.speculative.drafters.suffix import SuffixDrafter
         return SuffixDrafter(max_tree_tokens=spec.suffix.max_tree_tokens, min_prob=spec.suffix.min_prob,
                              factor=spec.suffix.factor)
+    device = placement.resolve_device(spec.drafter_device, target.device)
     if name == "eagle3":
         return build_eagle3_drafter(target, spec.eagle3.dir, spec.eagle3.draft_vocab, Eagle3DrafterConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, tree_depth=spec.eagle3.tree_depth,
-            tree_top_k=spec.eagle3.tree_top_k, quantization=head_quantization(spec.eagle3.quantization, target.device)),
-            dtype=None if spec.eagle3.dtype == "auto" else DTYPES[spec.eagle3.dtype])
+            tree_top_k=spec.eagle3.tree_top_k, quantization=head_quantization(spec.eagle3.quantization, device)),
+            dtype=None if spec.eagle3.dtype == "auto" else DTYPES[spec.eagle3.dtype], device=device)
     dm = spec.draft_model
-    if dm.layers:
-        draft = target.truncated(dm.layers)
-    elif dm.path:
-        loaded = load_model(dm.path, dtype=target.dtype, device=str(target.device))
+    if dm.path and not dm.layers:
+        loaded = load_model(dm.path, dtype=target.dtype, device=str(device))
         if loaded.model.cfg.vocab_size != target.cfg.vocab_size:
             raise ConfigError(f"draft model vocab ({loaded.model.cfg.vocab_size}) differs from the target's "
                              f"({target.cfg.vocab_size}): drafter and target must share a tokenizer")
         draft = loaded.model
     else:
-        draft = target.truncated(max(1, target.cfg.num_layers // 4))
+        draft = truncated_on(target, dm.layers or max(1, target.cfg.num_layers // 4), device)
     return DraftModelDrafter(draft, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                              tree_top_k=dm.tree_top_k)
+
+
+def truncated_on(target: LlamaModel, num_layers: int, device: torch.device) -> LlamaModel:
+    """The target's first ``num_layers`` layers as a draft model on ``device``: sharing the
+    target's weights on its own device, else a copy of them moved there (``placement.module_copy``;
+    embedding, those layers, final norm and LM head, once at build time)."""
+    draft = target.truncated(num_layers)
+    if not placement.elsewhere(device, target.device):
+        return draft
+    if device.type != "cpu" and any(isinstance(m, QuantizedLinear) for m in draft.modules()):
+        raise ConfigError(f"the draft-model drafter cannot move the quantized target's layers to {device} "
+                          f"(CPU kernels): give it its own --draft-model PATH there")
+    return placement.module_copy(draft, device)
 
 
 def head_quantization(option: str, device: torch.device) -> str:
@@ -102,8 +118,12 @@ def head_quantization(option: str, device: torch.device) -> str:
 
 
 def build_eagle3_drafter(target: LlamaModel, source: str | Path | None, draft_vocab_size: int = 0,
-                         cfg: Eagle3DrafterConfig | None = None, dtype: torch.dtype | None = None) -> Eagle3Drafter:
-    """The EAGLE-3 drafter for ``target``, its head in ``dtype`` (None = the target's).
+                         cfg: Eagle3DrafterConfig | None = None, dtype: torch.dtype | None = None,
+                         device: torch.device | None = None) -> Eagle3Drafter:
+    """The EAGLE-3 drafter for ``target``, its head in ``dtype`` (None = the target's) on ``device``
+    (None = the target's). On another device than the target's the drafter embeds its draft
+    tokens with its own copy of the target's embedding there (in the head's dtype); only the taps
+    cross devices (``Eagle3Drafter.observe`` moves them).
 
     ``source``: None -> a fresh random head (version 0; lossless anyway, it learns online);
     otherwise what ``load_drafter_source`` finds there (an exported checkpoint as version 0, or a
@@ -112,11 +132,15 @@ def build_eagle3_drafter(target: LlamaModel, source: str | Path | None, draft_vo
     """
     pub = load_drafter_source(source, target.cfg) if source is not None else None
     dtype = dtype if dtype is not None else target.dtype
+    device = device if device is not None else target.device
     if pub is None:
-        head, version = fresh_head(target.cfg, draft_vocab_size or None, dtype, target.device), 0
+        head, version = fresh_head(target.cfg, draft_vocab_size or None, dtype, device), 0
     else:
-        head, version = head_from_published(pub, dtype, target.device), pub.version
-    return Eagle3Drafter(head, target.embed_tokens, cfg, version=version)
+        head, version = head_from_published(pub, dtype, device), pub.version
+    embed = target.embed_tokens
+    if placement.elsewhere(device, target.device):
+        embed = placement.embedding_copy(embed, device, dtype)
+    return Eagle3Drafter(head, embed, cfg, version=version)
 
 
 def output_matrix(target: LlamaModel) -> torch.Tensor:
@@ -193,7 +217,8 @@ def build_policy(config: EngineConfig, model: LlamaModel, drafter: Drafter | Non
     if pc.profile:
         profile = Profile.load(pc.profile)
     elif needs_profile:
-        profile, _ = load_or_measure(model, drafter, progress=progress, compiled=config.model.compile)
+        profile, _ = load_or_measure(model, drafter, progress=progress, compiled=config.model.compile,
+                                     graphs=uses_graphs(model.device, config.model.enforce_eager))
     guards = GuardConfig(kv_threshold=pc.guard_kv_usage, temperature_threshold=pc.guard_temperature,
                          gamma_max=gamma_max)
     multi = drafter if isinstance(drafter, MultiDrafter) else None

@@ -43,6 +43,7 @@ from tidespec.engine.scheduler import PrefillChunk, Scheduler
 from tidespec.engine.sequence import Sequence
 from tidespec.errors import UserError
 from tidespec.models.compiled import KV_MARGIN, CompiledStep, inductor_cache_dir
+from tidespec.models.graphs import GraphStep, uses_graphs
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import LlamaModel
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
@@ -87,10 +88,16 @@ class LLMEngine:
         self.device = model.device
         cc = config.cache
         self.max_model_len = min(cc.max_model_len, model.cfg.max_position_embeddings)
-        margin = KV_MARGIN if config.model.compile else 0  # the compiled step never reads a slot's full length
-        self.kv = KVCache.for_model(model.cfg, cc.max_num_seqs, self.max_model_len + margin, model.dtype, self.device)
-        self.compile_seconds = 0.0  # warm-up of the compiled decode step (--compile)
-        self.runner = ModelRunner(model, self.kv, self._compiled_step() if config.model.compile else None)
+        graphs = self._wants_graphs()
+        # the compiled CPU step never reads a slot's full length
+        margin = KV_MARGIN if config.model.compile and not graphs else 0
+        self.kv = KVCache.for_model(model.cfg, cc.max_num_seqs, self.max_model_len + margin, model.dtype, self.device,
+                                    spare_slot=graphs)
+        self.compile_seconds = 0.0  # warm-up of the compiled decode step (--compile) or capture of the CUDA graphs
+        if graphs:
+            self.runner = ModelRunner(model, self.kv, graphs=self._graph_step())
+        else:
+            self.runner = ModelRunner(model, self.kv, self._compiled_step() if config.model.compile else None)
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_batched_tokens, config.scheduler.max_waiting)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -122,6 +129,21 @@ class LLMEngine:
         # LoRA alignment stores them to recover the target's top-k); fixed once serving starts
         self.hidden_demand: list[Callable[[], bool]] = []
         self._last_tapped_draft = -(1 << 30)  # step in which a tap-reading drafter last drafted
+
+    def _wants_graphs(self) -> bool:
+        """Decode forwards replay CUDA graphs: on a GPU, unless --enforce-eager."""
+        return uses_graphs(self.device, self.config.model.enforce_eager)
+
+    def _graph_step(self) -> GraphStep:
+        """The CUDA graphs of decode and verification forwards, all captured now (the first requests
+        never wait on a capture); off a GPU the same static layout runs without graphs."""
+        gamma = self.config.spec.num_speculative_tokens if self.drafter is not None else 0
+        step = GraphStep(self.model, self.kv, self._tap_layers(), 1 + gamma, capture=self.device.type == "cuda",
+                         compile=self.config.model.compile)
+        seconds = step.warm_up()
+        log.info("captured %d CUDA graphs in %.1f s", len(step.graphs), seconds)
+        self.compile_seconds = seconds
+        return step
 
     def _compiled_step(self) -> CompiledStep:
         """The compiled decode step, its graphs compiled now (or loaded from the disk cache): the

@@ -22,6 +22,7 @@ import torch
 
 from tidespec.engine.scheduler import ScheduledBatch
 from tidespec.models.compiled import CompiledStep
+from tidespec.models.graphs import GraphStep
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.speculative.api import DraftProposal, SeqDraft
@@ -47,30 +48,57 @@ class ForwardOutput:
     hidden: torch.Tensor | None = None  # [T, H] the final (normed) hidden state of every row
 
 
+@dataclass
+class ForwardPlan:
+    """One forward's inputs as host lists (flattened rows, per-sequence layout, logits rows)."""
+
+    tokens: list[int]  # [T]
+    rows: dict[int, Row]  # seq_id -> its rows
+    q_lens: list[int]
+    ctx_lens: list[int]
+    slots: list[int]
+    depths: list[list[int] | None]
+    masks: list[torch.Tensor | None]
+    logits_rows: list[int]  # [R]
+
+
 class ModelRunner:
     """Lays out and runs the target forward over the engine's KV slots."""
 
-    def __init__(self, model: LlamaModel, kv: KVCache, compiled: CompiledStep | None = None) -> None:
+    def __init__(self, model: LlamaModel, kv: KVCache, compiled: CompiledStep | None = None,
+                 graphs: GraphStep | None = None) -> None:
         self.model = model
         self.kv = kv
         self.device = model.device
-        self.compiled = compiled  # the compiled decode step, when --compile
+        self.compiled = compiled  # the compiled decode step, when --compile on the CPU
+        self.graphs = graphs  # the CUDA graphs of decode batches, on a GPU unless --enforce-eager
 
     def forward(self, batch: ScheduledBatch, proposal: DraftProposal, tap_layers: tuple[int, ...]) -> ForwardOutput:
         """ONE target forward for the whole batch; K/V of every row is written into its slot. A
-        decode batch of chains runs the compiled step when there is one (every row needs logits)."""
-        ids, rows, layout, logits_rows = self.build_inputs(batch, proposal)
+        decode batch of chains replays a CUDA graph or runs the compiled step when there is one
+        (every row needs logits)."""
+        plan = self.plan(batch, proposal)
         out = None
-        if self.compiled is not None and not batch.prefill and all(m is None for m in layout.tree_masks):
-            out = self.compiled(ids, layout, tap_layers)
+        chains = not batch.prefill and all(m is None for m in plan.masks)
+        if self.graphs is not None and chains:
+            out = self.graphs(plan.tokens, plan.q_lens, plan.ctx_lens, plan.slots, tap_layers)
         if out is None:
-            out = self.model(ids, layout, self.kv, logits_rows=logits_rows, tap_layers=tap_layers)
+            ids, layout, logits_rows = self.tensors(plan)
+            if self.compiled is not None and chains:
+                out = self.compiled(ids, layout, tap_layers)
+            if out is None:
+                out = self.model(ids, layout, self.kv, logits_rows=logits_rows, tap_layers=tap_layers)
         argmax = out.logits.argmax(-1).tolist() if out.logits is not None else []
-        return ForwardOutput(rows, out.logits, argmax, out.taps if tap_layers else None, out.last_hidden)
+        return ForwardOutput(plan.rows, out.logits, argmax, out.taps if tap_layers else None, out.last_hidden)
 
-    def build_inputs(self, batch: ScheduledBatch, proposal: DraftProposal
-                     ) -> tuple[torch.Tensor, dict[int, Row], BatchLayout, torch.Tensor]:
-        """-> (ids [T], rows per seq_id, layout, logits_rows [R])."""
+    def tensors(self, plan: ForwardPlan) -> tuple[torch.Tensor, BatchLayout, torch.Tensor]:
+        """The eager forward's inputs on the model's device: (ids [T], layout, logits_rows [R])."""
+        layout = BatchLayout.build(plan.q_lens, plan.ctx_lens, plan.slots, plan.depths, plan.masks, device=self.device)
+        ids = torch.tensor(plan.tokens, dtype=torch.int64, device=self.device)
+        return ids, layout, torch.tensor(plan.logits_rows, dtype=torch.int64, device=self.device)
+
+    def plan(self, batch: ScheduledBatch, proposal: DraftProposal) -> ForwardPlan:
+        """The forward's layout as host lists (no tensor yet)."""
         tokens: list[int] = []
         q_lens: list[int] = []
         ctx_lens: list[int] = []
@@ -110,6 +138,4 @@ class ModelRunner:
             slots.append(seq.slot)  # type: ignore[arg-type]
             depths.append(None)
             masks.append(None)
-        layout = BatchLayout.build(q_lens, ctx_lens, slots, depths, masks, device=self.device)
-        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        return ids, rows, layout, torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
+        return ForwardPlan(tokens, rows, q_lens, ctx_lens, slots, depths, masks, logit_rows)

@@ -34,10 +34,12 @@ Worked example: sequences A (slot 0, ctx 3, a 2-token chain) and B (slot 1, ctx 
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # SDPA's CPU kernel multiplies a block of query rows at once, and its float32 matmul for 1 or 2
 # rows sums in another order than for 3 or more: a verification row (1 + gamma rows) then differs
@@ -49,6 +51,11 @@ import torch.nn.functional as F
 # The padding costs ~5 us (float32) / ~28 us (bfloat16) per layer at one row and 320 keys.
 ROW_INVARIANT_Q = 4
 ROW_INVARIANT_KV = 16
+# On CUDA, SDPA may pick cuDNN's attention, which builds an execution plan for every new shape: an
+# eager forward's key length changes every step, and the EAGLE-3 head's attention then took 9 ms a
+# call on an H100 (torch 2.11). Eager CUDA attention uses the other kernels; compiled code (static
+# shapes inside the CUDA graphs) keeps SDPA's own choice.
+NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -139,9 +146,14 @@ def attend_padded(q: torch.Tensor, q_index: torch.Tensor | None, mask: torch.Ten
         qp = q.new_zeros(rows * q_max, n_h, hd)  # [Sb * q_max, n_h, hd]
         qp.index_copy_(0, q_index, q)
     qb = qp.view(rows, q_max, n_h, hd).transpose(1, 2)  # [Sb, n_h, q_max, hd]
-    if causal:
-        out = F.scaled_dot_product_attention(qb, keys, values, is_causal=True, enable_gqa=True)  # [1, n_h, q, hd]
-    else:
-        out = F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, enable_gqa=True)  # [Sb, n_h, q_max, hd]
+    eager_cuda = q.is_cuda and not torch.compiler.is_compiling()
+    with sdpa_kernel(NOT_CUDNN) if eager_cuda else contextlib.nullcontext():
+        out = _sdpa(qb, keys, values, mask, causal)
     out = out.transpose(1, 2).reshape(rows * q_max, n_h, hd)
     return out if q_index is None else out.index_select(0, q_index)
+
+
+def _sdpa(qb: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, causal: bool) -> torch.Tensor:
+    if causal:
+        return F.scaled_dot_product_attention(qb, keys, values, is_causal=True, enable_gqa=True)  # [1, n_h, q, hd]
+    return F.scaled_dot_product_attention(qb, keys, values, attn_mask=mask, enable_gqa=True)  # [Sb, n_h, q_max, hd]

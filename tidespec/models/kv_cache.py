@@ -33,20 +33,28 @@ class KVCache:
     zero_chunk = 64  # positions zero-filled at a time ahead of the reads (amortises the fill calls)
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        shape = (num_slots, num_kv_heads, max_len, head_dim)
-        self.k: list[torch.Tensor] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v: list[torch.Tensor] = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+                 dtype: torch.dtype, device: torch.device | str = "cpu", spare_slot: bool = False) -> None:
+        # ``spare_slot``: one more slot, ``num_slots``, that no sequence is ever given: the CUDA
+        # graphs write their padding rows' K/V there (``models/graphs.py``)
+        total = num_slots + int(spare_slot)
+        shape = (total, num_kv_heads, max_len, head_dim)
+        # off the CPU the cache is zero-filled once (cheap on a GPU, and a captured graph cannot
+        # call ``make_readable``); on the CPU untouched pages stay uncommitted (module docstring)
+        fill = torch.empty if torch.device(device).type == "cpu" else torch.zeros
+        self.k: list[torch.Tensor] = [fill(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v: list[torch.Tensor] = [fill(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.num_slots = num_slots
+        self.spare_slot: int | None = num_slots if spare_slot else None
         self.max_len = max_len
-        self.lengths: list[int] = [0] * num_slots
-        self.finite: list[int] = [0] * num_slots  # positions [0, finite) hold written or zeroed values
+        self.lengths: list[int] = [0] * total
+        # positions [0, finite) hold written or zeroed values
+        self.finite: list[int] = [0 if fill is torch.empty else max_len] * total
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
 
     @classmethod
     def for_model(cls, cfg: LlamaConfig, num_slots: int, max_len: int, dtype: torch.dtype,
-                  device: torch.device | str = "cpu") -> "KVCache":
-        return cls(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim, dtype, device)
+                  device: torch.device | str = "cpu", spare_slot: bool = False) -> "KVCache":
+        return cls(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim, dtype, device, spare_slot)
 
     @property
     def num_free_slots(self) -> int:

@@ -23,6 +23,7 @@ cache, one prefilling a 4-token chunk from scratch::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -311,7 +312,7 @@ class Attention(nn.Module):
         q, k = qk[:, :self.n_h], qk[:, self.n_h:]  # [T, n_h, hd], [T, n_kv, hd]
         layout.write_kv(k_cache, v_cache, k, v)
         out = layout.attend(self.cfg.sliding_window, q, k_cache, v_cache)  # [T, n_h, hd]
-        return self.o_proj.forward(out.view(T, self.q_size))
+        return self.o_proj.forward(out.reshape(T, self.q_size))  # a view unless SDPA laid it out otherwise (CUDA)
 
 
 class MLP(nn.Module):
@@ -398,16 +399,21 @@ class LlamaModel(PlacedModule):
         return self.run(input_ids, layout, kv.k, kv.v, logits_rows, tap_layers)
 
     def run(self, input_ids: torch.Tensor, layout: ForwardLayout, k: list[torch.Tensor], v: list[torch.Tensor],
-            logits_rows: torch.Tensor | None = None, tap_layers: tuple[int, ...] = ()) -> ModelOutput:
+            logits_rows: torch.Tensor | None = None, tap_layers: tuple[int, ...] = (),
+            layer_fn: Callable[..., torch.Tensor] | None = None) -> ModelOutput:
         """The forward's body over any ``ForwardLayout`` (eager or the compiled step's) and the
-        per-layer K/V tensors ``k[i]``, ``v[i]`` [S, n_kv, L, hd]."""
+        per-layer K/V tensors ``k[i]``, ``v[i]`` [S, n_kv, L, hd]. ``layer_fn(layer, h, cos, sin,
+        layout, k, v)`` replaces ``layer.forward`` (one compiled layer serves every layer)."""
         h = self.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rope(layout.positions, h.dtype)
         taps: list[torch.Tensor] = []
         for i, layer in enumerate(self.layers):
             if i in tap_layers:
                 taps.append(h)
-            h = layer.forward(h, cos, sin, layout, k[i], v[i])
+            if layer_fn is None:
+                h = layer.forward(h, cos, sin, layout, k[i], v[i])
+            else:
+                h = layer_fn(layer, h, cos, sin, layout, k[i], v[i])
         h = self.norm(h)
         rows = h if logits_rows is None else h.index_select(0, logits_rows)
         logits = self.lm_head(rows).to(torch.promote_types(h.dtype, torch.float32)) if rows.shape[0] else None

@@ -133,9 +133,11 @@ def verify_sampled(draft: SeqDraft, logits: torch.Tensor, params: SamplingParams
         chosen: int | None = None
         for j in candidates:
             x = draft.token_ids[j]
-            q = draft.draft_probs[j].to(p.dtype) if draft.draft_probs is not None else None
+            # the drafter may run on another device than the target (--drafter-device): q comes to p
+            q = draft.draft_probs[j].to(dtype=p.dtype, device=p.device) if draft.draft_probs is not None else None
             qx = float(q[x]) if q is not None else 1.0
-            u = float(torch.rand((), generator=generator, dtype=torch.float64))
+            u = float(torch.rand((), generator=generator, dtype=torch.float64,
+                                 device=generator.device if generator is not None else None))
             if qx > 0 and u * qx < float(p[x]):  # accept with prob min(1, p(x)/q(x))
                 chosen = j
                 break

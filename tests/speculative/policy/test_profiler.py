@@ -54,6 +54,25 @@ def test_forward_samples_times_a_real_forward_within_its_budget() -> None:
     assert len(times) == 3 and all(t > 0 for t in times)
 
 
+def test_the_profile_of_an_engine_on_cuda_graphs_times_the_graph_step() -> None:
+    """On a GPU the engine replays CUDA graphs, so the profile times ``GraphStep`` (here its static
+    block without capture) and is cached under a key of its own."""
+    model = tiny_llama(32, layers=1, seed=0)
+    cfg = ProfilerConfig(batch_sizes=(1, 2), tokens_per_seq=(1, 3), single_seq_tokens=(1,), passes=1)
+    replayed: list[int] = []
+    real_call = profiler.GraphStep.__call__
+
+    def counting(self, *args, **kw):
+        replayed.append(1)
+        return real_call(self, *args, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(profiler.GraphStep, "__call__", counting)
+        prof = measure_profile(model, None, cfg, graphs=True)
+    assert len(replayed) >= 5 and all(t > 0 for t in prof.verify_latency.values())
+    assert prof.key == profile_key_for(model, None, False, graphs=True) != profile_key_for(model, None, False)
+
+
 def test_a_drafter_that_reads_taps_is_fed_them_while_timed() -> None:
     """EAGLE-3 drafts from the target's hidden states: timed without them it proposed nothing and
     its drafting cost came out as ~0.01 ms. The profiler now observes random taps first, so every

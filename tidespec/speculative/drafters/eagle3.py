@@ -429,7 +429,8 @@ class Eagle3Drafter:
             if slot is None:
                 self._untracked.add(seq_id)  # more live sequences than slots: never drafted for
                 return None
-            st = _SeqState(slot=slot, taps=_TapStore(), generator=make_generator(None))
+            # the draft sampler draws on the head's device (a CUDA tensor needs a CUDA generator)
+            st = _SeqState(slot=slot, taps=_TapStore(), generator=make_generator(None, self.head.device))
             self._states[seq_id] = st
         return st
 

@@ -40,6 +40,7 @@ import torch
 
 from tidespec.files import cache_root, cpu_name
 from tidespec.models.compiled import KV_MARGIN, CompiledStep
+from tidespec.models.graphs import GraphStep
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.models.quant import quantization_of
@@ -78,18 +79,21 @@ def sync_device(device: torch.device) -> None:
 
 def forward_samples(model: LlamaModel, kv: KVCache, batch: int, n: int, context: int, repeats: int,
                     target_s: float, gen: torch.Generator, warm_up: bool = True,
-                    step: CompiledStep | None = None) -> list[float]:
+                    step: CompiledStep | GraphStep | None = None) -> list[float]:
     """Seconds of each timed forward of ``n`` new tokens for each of ``batch`` sequences on a
     ``context``-token cache: ``repeats`` of them, fewer when the first one shows that they would
     overrun ``target_s`` (at least one). ``warm_up`` runs one untimed forward first. ``step``: time
-    the compiled decode step instead of the eager forward. Each forward builds its layout, as an
-    engine step does."""
-    ids = torch.randint(0, model.cfg.vocab_size, (batch * n,), generator=gen).to(model.device)  # [B*n]
+    the compiled decode step or the CUDA graphs instead of the eager forward (where they take the
+    shape). Each forward builds its layout, as an engine step does."""
+    tokens = torch.randint(0, model.cfg.vocab_size, (batch * n,), generator=gen).tolist()  # [B*n]
+    ids = torch.tensor(tokens, device=model.device)
+    q_lens, ctx_lens, slots = [n] * batch, [context] * batch, list(range(batch))
 
     def forward() -> None:
-        layout = BatchLayout.build(q_lens=[n] * batch, ctx_lens=[context] * batch, slots=list(range(batch)),
-                                   device=model.device)
-        if step is None or step(ids, layout) is None:
+        if isinstance(step, GraphStep) and step(tokens, q_lens, ctx_lens, slots) is not None:
+            return
+        layout = BatchLayout.build(q_lens=q_lens, ctx_lens=ctx_lens, slots=slots, device=model.device)
+        if not isinstance(step, CompiledStep) or step(ids, layout) is None:
             model(ids, layout, kv, logits_rows=None)
 
     if warm_up:
@@ -105,7 +109,7 @@ def forward_samples(model: LlamaModel, kv: KVCache, batch: int, n: int, context:
 
 
 def time_forward(model: LlamaModel, kv: KVCache, batch: int, n: int, context: int, repeats: int, target_s: float,
-                 gen: torch.Generator, step: CompiledStep | None = None) -> tuple[float, int]:
+                 gen: torch.Generator, step: CompiledStep | GraphStep | None = None) -> tuple[float, int]:
     """Median seconds of one forward (``forward_samples``), and the number of timed repeats."""
     times = forward_samples(model, kv, batch, n, context, repeats, target_s, gen, step=step)
     return statistics.median(times), len(times)
@@ -116,7 +120,7 @@ def time_forward(model: LlamaModel, kv: KVCache, batch: int, n: int, context: in
 # passes; 5: batched attention and matmul kernels measured per machine; 6: each timed forward builds its layout,
 # as an engine step does, and --compile profiles the compiled step; 7: drafters that read taps are fed them while
 # timed; 8: MKL's packed sgemm among the measured kernels; 9: the 1-row "pad2" kernel multiplies a copy; 10: "tall4"
-# among the measured kernels), so an old cached profile is never reused.
+# among the measured kernels; on CUDA the graphs are what is timed), so an old cached profile is never reused.
 PROFILE_SCHEMA = "10"
 
 
@@ -151,20 +155,26 @@ def drafter_signature(drafter: Drafter | None) -> dict[str, str]:
         net = getattr(d, "head", None) or getattr(d, "model", None)  # Eagle3Head / LlamaModel: cfg, dtype
         if isinstance(net, torch.nn.Module):
             quant = getattr(getattr(d, "cfg", None), "quantization", "none")  # Eagle3DrafterConfig's
-            sig[d.name] = f"{net.cfg!r} {net.dtype}" + (f" {quant}" if quant != "none" else "")
+            device = next(net.parameters()).device  # --drafter-device: a GPU drafter costs otherwise
+            sig[d.name] = (f"{net.cfg!r} {net.dtype}" + (f" {quant}" if quant != "none" else "")
+                           + (f" {device}" if device.type != "cpu" else ""))
     return sig
 
 
-def profile_key_for(model: LlamaModel, drafter: Drafter | None, compiled: bool) -> str:
-    """``profile_key`` of ``model`` speculating with ``drafter`` (its networks included), eager or compiled."""
+def profile_key_for(model: LlamaModel, drafter: Drafter | None, compiled: bool, graphs: bool = False) -> str:
+    """``profile_key`` of ``model`` speculating with ``drafter`` (its networks included), eager or
+    compiled, through CUDA graphs or not."""
     return profile_key(model, drafter.name if drafter is not None else "none",
-                       {**({"compiled": "1"} if compiled else {}), **drafter_signature(drafter)})
+                       {**({"compiled": "1"} if compiled else {}), **({"graphs": "1"} if graphs else {}),
+                        **drafter_signature(drafter)})
 
 
 def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerConfig | None = None,
-                    progress: Callable[[str], None] | None = None, compiled: bool = False) -> Profile:
+                    progress: Callable[[str], None] | None = None, compiled: bool = False,
+                    graphs: bool = False) -> Profile:
     """Measure a ``Profile`` (see the module docstring); ``compiled``: T(b, q) of the compiled
-    decode step (``--compile``), which is what decode steps then run."""
+    decode step (``--compile``), ``graphs``: of the CUDA graphs (over a compiled layer with
+    ``compiled``), which is what decode steps then run."""
     cfg = cfg or ProfilerConfig()
     say = progress or (lambda _msg: None)
     gen = torch.Generator().manual_seed(0)
@@ -172,18 +182,26 @@ def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerCon
     max_q = max(cfg.tokens_per_seq + cfg.single_seq_tokens)
     # a model with a short context window (tiny test models) gets a shorter cache, not an error
     context = max(0, min(cfg.context, model.cfg.max_position_embeddings - max_q - 1))
-    kv = KVCache.for_model(model.cfg, max_b, context + max_q + 1 + KV_MARGIN, model.dtype, model.device)
+    kv = KVCache.for_model(model.cfg, max_b, context + max_q + 1 + KV_MARGIN, model.dtype, model.device,
+                           spare_slot=graphs)
     for k, v in zip(kv.k, kv.v):  # attention cost does not depend on the values; avoid garbage NaNs
         k.zero_()
         v.zero_()
-    step = CompiledStep(model, kv) if compiled else None
+    step: CompiledStep | GraphStep | None = None
+    if graphs:  # graphs for every row count of the grid (a verification of 9 rows, say)
+        step = GraphStep(model, kv, (), max(cfg.tokens_per_seq), capture=model.device.type == "cuda",
+                         compile=compiled)
+    elif compiled:
+        step = CompiledStep(model, kv)
     samples: dict[tuple[int, int], list[float]] = {(b, q): [] for b in cfg.batch_sizes for q in cfg.tokens_per_seq}
     single_samples: dict[int, list[float]] = {n: [] for n in cfg.single_seq_tokens}
     # one untimed forward of the largest shape warms up the kernels and the allocator for all shapes
     forward_samples(model, kv, max(cfg.batch_sizes), max(cfg.tokens_per_seq), context, 1, 0.0, gen, warm_up=False,
                     step=step)
-    if step is not None:
+    if isinstance(step, CompiledStep):
         step.warm_up(max(cfg.tokens_per_seq))
+    elif step is not None:
+        step.warm_up()
     for p in range(cfg.passes):
         for b in cfg.batch_sizes:
             for q in cfg.tokens_per_seq:
@@ -212,7 +230,7 @@ def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerCon
         if member.name in STATEFUL_DRAFTERS and not catchup:  # the catch-up of the (first) stateful one
             catchup = _catchup(clock, model.cfg.vocab_size, cfg, gen)
             say(f"catch-up table of {member.name} measured")
-    key = profile_key_for(model, drafter, compiled)
+    key = profile_key_for(model, drafter, compiled, graphs)
     return Profile(target_latency=single, draft_cost=draft_cost, catchup=catchup, key=key, verify_latency=verify)
 
 
@@ -286,17 +304,17 @@ def _catchup(clock: _DraftClock, vocab: int, cfg: ProfilerConfig, gen: torch.Gen
 
 def load_or_measure(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerConfig | None = None,
                     refresh: bool = False, progress: Callable[[str], None] | None = None,
-                    compiled: bool = False) -> tuple[Profile, Path]:
-    """The cached profile for this model/device/dtype/drafter (and compiled step), measured (and
-    cached) when missing."""
-    key = profile_key_for(model, drafter, compiled)
+                    compiled: bool = False, graphs: bool = False) -> tuple[Profile, Path]:
+    """The cached profile for this model/device/dtype/drafter (compiled step, CUDA graphs),
+    measured (and cached) when missing."""
+    key = profile_key_for(model, drafter, compiled, graphs)
     path = profile_cache_dir() / f"{key}.json"
     if path.exists() and not refresh:
         try:
             return Profile.load(path), path
         except (ValueError, KeyError, json.JSONDecodeError):
             pass  # stale format or a torn write: measure again below
-    prof = measure_profile(model, drafter, cfg, progress, compiled)
+    prof = measure_profile(model, drafter, cfg, progress, compiled, graphs)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(prof.to_json())

@@ -1,0 +1,130 @@
+"""On a GPU: the CUDA graphs replay the eager forward, and speculation stays lossless on CUDA.
+
+Marked ``cuda`` and skipped where no GPU is (``make test`` runs on CPUs only); run on a lent GPU
+with ``python -m pytest -m cuda tests/cuda``. Float32 with TF32 off, so a greedy token can only
+differ between two kernels at a near-tie, which these sharp random models do not have.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
+from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, ModelConfig, SpecConfig
+from tidespec.engine.engine import LLMEngine
+from tidespec.llm import build_drafter
+from tidespec.models.graphs import GraphStep
+from tidespec.models.kv_cache import KVCache
+from tidespec.models.llama import BatchLayout
+from tidespec.sampling import SamplingParams
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+V = 48
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14, 15, 16, 12], [3, 3, 3, 3]]
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def test_graph_replay_equals_eager_forward():
+    model = tiny_llama(64, layers=2, seed=1, dtype=torch.float32).to("cuda")
+    eager_kv = KVCache.for_model(model.cfg, 6, 300, torch.float32, "cuda")
+    graph_kv = KVCache.for_model(model.cfg, 6, 300, torch.float32, "cuda", spare_slot=True)
+    step = GraphStep(model, graph_kv, tap_layers=(0, 1), max_q=4)
+    step.warm_up()
+    assert len(step.graphs) == 4 * 4 * 2  # batches 1, 2, 4, 6 x rows 1..4 x keys 256, 300
+    gen = torch.Generator().manual_seed(0)
+    ctx = {1: 9, 3: 20, 4: 5}
+    for slot, n in ctx.items():
+        ids = torch.randint(2, 64, (n,), generator=gen).cuda()
+        for kv in (eager_kv, graph_kv):
+            model(ids, BatchLayout.build([n], [0], [slot], device="cuda"), kv)
+    for _ in range(3):  # three replays in a row: inputs really are re-read
+        slots, q_lens = [3, 1, 4], [1, 4, 2]
+        tokens = torch.randint(2, 64, (sum(q_lens),), generator=gen).tolist()
+        ctx_lens = [ctx[s] for s in slots]
+        layout = BatchLayout.build(q_lens, ctx_lens, slots, device="cuda")
+        want = model(torch.tensor(tokens, device="cuda"), layout, eager_kv, tap_layers=(0, 1))
+        got = step(tokens, q_lens, ctx_lens, slots, tap_layers=(0, 1))
+        assert got is not None and got.taps is not None
+        torch.testing.assert_close(got.logits, want.logits)
+        torch.testing.assert_close(got.taps, want.taps)
+        for s, q in zip(slots, q_lens):
+            ctx[s] += q
+    assert step.num_replayed == 3
+
+
+def _generate(model, spec: SpecConfig, graphs: bool = True) -> list[list[int]]:
+    cfg = EngineConfig(model=ModelConfig(device="cuda", dtype="float32", enforce_eager=not graphs),
+                       cache=CacheConfig(max_model_len=96, max_num_seqs=4), spec=spec)
+    drafter = build_drafter(spec, model, 4, 96) if spec.drafter != "none" else None
+    engine = LLMEngine(model, tiny_tokenizer(V), cfg, drafter=drafter)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    done = run_to_completion(engine)
+    if graphs:
+        assert engine.runner.graphs is not None and engine.runner.graphs.num_replayed > 0
+    return [done[i].token_ids for i in ids]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(V, layers=3, seed=2, scale=3.0, dtype=torch.float32).to("cuda")
+
+
+@pytest.fixture(scope="module")
+def plain(model):
+    return _generate(model, SpecConfig())
+
+
+def test_graphs_equal_eager_plain_decoding(model, plain):
+    assert _generate(model, SpecConfig(), graphs=False) == plain
+
+
+@pytest.mark.parametrize("drafter,tree", [("ngram", False), ("suffix", False), ("suffix", True),
+                                          ("draft-model", False), ("draft-model", True), ("eagle3", False),
+                                          ("eagle3", True)])
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_greedy_speculation_equals_plain_on_cuda(model, plain, drafter, tree, gamma):
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=gamma, tree=tree,
+                      draft_model=DraftModelConfig(layers=1, tree_top_k=2))
+    assert _generate(model, spec) == plain
+
+
+@pytest.mark.parametrize("drafter,tree", [("eagle3", False), ("eagle3", True), ("draft-model", False)])
+def test_dovetail_placement_target_on_cpu_drafter_on_cuda(drafter, tree):
+    target = tiny_llama(V, layers=3, seed=2, scale=3.0, dtype=torch.float32)
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, tree=tree, drafter_device="cuda",
+                      draft_model=DraftModelConfig(layers=1, tree_top_k=2))
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=4), spec=spec)
+    outs = []
+    for s in (SpecConfig(), spec):
+        drafter_obj = build_drafter(s, target, 4, 96) if s.drafter != "none" else None
+        engine = LLMEngine(target, tiny_tokenizer(V), EngineConfig(cache=cfg.cache, spec=s), drafter=drafter_obj)
+        ids = [engine.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in PROMPTS]
+        done = run_to_completion(engine)
+        outs.append([done[i].token_ids for i in ids])
+    assert outs[0] == outs[1]
+
+
+def test_sampling_on_cuda_runs_unseeded_and_seeded_is_reproducible(model):
+    spec = SpecConfig(drafter="suffix", num_speculative_tokens=3)
+    cfg = EngineConfig(model=ModelConfig(device="cuda", dtype="float32"),
+                       cache=CacheConfig(max_model_len=96, max_num_seqs=4), spec=spec)
+    runs = []
+    for _ in range(2):
+        engine = LLMEngine(model, tiny_tokenizer(V), cfg, drafter=build_drafter(spec, model, 4, 96))
+        a = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=16, temperature=1.0, seed=7, ignore_eos=True))
+        b = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=16, temperature=0.8, ignore_eos=True))
+        done = run_to_completion(engine)
+        assert len(done[b].token_ids) == 16
+        runs.append(done[a].token_ids)
+    assert runs[0] == runs[1]

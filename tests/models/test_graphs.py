@@ -1,0 +1,111 @@
+"""The CUDA graphs' static block layout gives the eager forward's outputs; the engine over it stays lossless.
+
+On the CPU the block runs without capture (``GraphStep(capture=False)``): what a graph replays is
+this same body, so these tests check its layout (rows per slot, padding into the spare slot, the
+in-graph mask, the kept rows). tests/cuda/ replays real graphs on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
+from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SpecConfig
+from tidespec.engine.engine import LLMEngine
+from tidespec.llm import build_drafter
+from tidespec.models.graphs import GraphStep, batch_buckets, key_buckets
+from tidespec.models.kv_cache import KVCache
+from tidespec.models.llama import BatchLayout
+from tidespec.sampling import SamplingParams
+
+
+def test_buckets():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(4) == [1, 2, 4]
+    assert batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert key_buckets(100) == [100]
+    assert key_buckets(1040) == [256, 512, 1024, 1040]
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_static_block_equals_eager_forward(window):
+    model = tiny_llama(64, layers=2, seed=1, sliding_window=window)
+    cfg = model.cfg
+    eager_kv = KVCache.for_model(cfg, 6, 300, torch.float64)
+    block_kv = KVCache.for_model(cfg, 6, 300, torch.float64, spare_slot=True)
+    step = GraphStep(model, block_kv, tap_layers=(0, 1), max_q=4, capture=False)
+    gen = torch.Generator().manual_seed(0)
+    # prefill slots 1, 3, 4 alike in both caches (eager forward)
+    ctx = {1: 9, 3: 20, 4: 5}
+    for slot, n in ctx.items():
+        ids = torch.randint(2, 64, (n,), generator=gen)
+        for kv in (eager_kv, block_kv):
+            model(ids, BatchLayout.build([n], [0], [slot]), kv)
+    # one decode step: slot 3 plain, slot 1 verifying 3 drafts, slot 4 verifying 1
+    slots, q_lens = [3, 1, 4], [1, 4, 2]
+    tokens = torch.randint(2, 64, (sum(q_lens),), generator=gen).tolist()
+    ctx_lens = [ctx[s] for s in slots]
+    want = model(torch.tensor(tokens), BatchLayout.build(q_lens, ctx_lens, slots), eager_kv, tap_layers=(0, 1))
+    got = step(tokens, q_lens, ctx_lens, slots, tap_layers=(0, 1))
+    assert got is not None and got.taps is not None and want.taps is not None
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.taps, want.taps, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.last_hidden, want.last_hidden, rtol=1e-12, atol=1e-12)
+    for s, c, q in zip(slots, ctx_lens, q_lens):  # the K/V went into the sequences' own slots
+        torch.testing.assert_close(block_kv.k[1][s, :, :c + q], eager_kv.k[1][s, :, :c + q], rtol=1e-12, atol=1e-12)
+    assert step.num_replayed == 1
+
+
+def test_batches_no_graph_fits_are_declined():
+    model = tiny_llama(64, layers=1)
+    kv = KVCache.for_model(model.cfg, 2, 64, torch.float64, spare_slot=True)
+    step = GraphStep(model, kv, tap_layers=(), max_q=2, capture=False)
+    assert step([5, 6, 7], [3], [4], [0]) is None  # 3 rows > max_q
+    assert step([5], [1], [64], [0]) is None  # 65 keys > the cache
+    assert step([5], [1], [4], [0], tap_layers=(0,)) is None  # other taps than captured
+    assert step.num_declined == 3
+    with pytest.raises(ValueError, match="spare slot"):
+        GraphStep(model, KVCache.for_model(model.cfg, 2, 64, torch.float64), (), 2, capture=False)
+
+
+V = 48
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14, 15, 16, 12], [3, 3, 3, 3]]
+
+
+def _generate(model, spec: SpecConfig) -> tuple[list[list[int]], LLMEngine]:
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=4), spec=spec)
+    drafter = build_drafter(spec, model, 4, 96) if spec.drafter != "none" else None
+    engine = LLMEngine(model, tiny_tokenizer(V), cfg, drafter=drafter)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in PROMPTS]
+    done = run_to_completion(engine)
+    return [done[i].token_ids for i in ids], engine
+
+
+@pytest.mark.parametrize("drafter,tree", [("none", False), ("suffix", False), ("draft-model", False),
+                                          ("draft-model", True), ("eagle3", False), ("eagle3", True)])
+def test_engine_over_the_static_block_is_lossless(monkeypatch, drafter, tree):
+    model = tiny_llama(V, layers=3, seed=2, scale=3.0)
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, tree=tree,
+                      draft_model=DraftModelConfig(layers=1, tree_top_k=2))
+    plain, _ = _generate(model, SpecConfig())
+    monkeypatch.setattr(LLMEngine, "_wants_graphs", lambda self: True)
+    got, engine = _generate(model, spec)
+    assert got == plain
+    graphs = engine.runner.graphs
+    assert graphs is not None and graphs.num_replayed > 0
+
+
+def test_compiled_layer_in_the_static_block_equals_eager_forward():
+    model = tiny_llama(64, layers=2, seed=1, dtype=torch.float32)
+    eager_kv = KVCache.for_model(model.cfg, 3, 64, torch.float32)
+    block_kv = KVCache.for_model(model.cfg, 3, 64, torch.float32, spare_slot=True)
+    step = GraphStep(model, block_kv, tap_layers=(), max_q=3, capture=False, compile=True)
+    for kv in (eager_kv, block_kv):
+        model(torch.tensor([4, 5, 6, 7]), BatchLayout.build([4], [0], [1]), kv)
+    for tokens, q_lens, ctx_lens in (([9, 10, 11], [3], [4]), ([12], [1], [7])):
+        want = model(torch.tensor(tokens), BatchLayout.build(q_lens, ctx_lens, [1]), eager_kv)
+        got = step(tokens, q_lens, ctx_lens, [1])
+        assert got is not None
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,262 @@
+"""CUDA graphs of the decode and verification forwards, one per (batch bucket, rows per sequence, key bucket).
+
+Why this exists: an eager decode step of a 30-layer model launches ~800 small kernels; on a GPU
+the launches and the Python around them, not the arithmetic, set the step time (21 ms for the
+135M shape on an H100, where its weights are read in 0.1 ms). A CUDA graph replays all of a
+step's kernels with one launch (nano-vllm's ``model_runner.py`` captures one per batch size; vLLM
+and SGLang do the same). A graph fixes every shape and every address, so the forward is laid out
+in a static block:
+
+* graph (B, q, L) runs ``B x q`` rows: row ``b * q + i`` is the ``i``-th new token of the
+  sequence in KV slot ``b``. Slots are handed out lowest first, so a batch whose highest slot is
+  below B fits the bucket ``B`` (buckets 1, 2, 4, 8, then steps of 16, up to the cache's slots).
+* every sequence's ``n <= q`` new tokens (its last token plus a chain of drafts) fill the first
+  ``n`` rows of its slot's block; every other row is padding: token 0, position 0, its K/V written
+  into the cache's spare slot, which no sequence owns (``KVCache(spare_slot=True)``).
+* attention reads the keys ``k[:B, :, :L]`` of the first ``B`` slots (a view: the cache's address
+  never changes), ``L`` the smallest key bucket (256, 512, ... the cache's length) that holds
+  every sequence's context plus its new tokens; the mask is computed inside the graph from each
+  slot's context length: row ``i`` of slot ``b`` sees keys ``0 .. ctx[b] + i`` (and the sliding
+  window). Padding rows read finite values (a CUDA cache is zero-filled once) and are discarded.
+* the step's inputs are one int64 buffer the host fills with one copy: ids, positions, write
+  slots, write offsets (``B x q`` each), context lengths (``B``), and the rows to keep (``T``).
+  After the replay the kept rows of logits, taps and hidden states are gathered out of the
+  graph's static outputs (the next replay overwrites them).
+
+Trees, prefill chunks and batches that fit no graph run the eager forward (the runner falls back
+when ``__call__`` returns None). With ``compile=True`` one decoder layer is compiled by inductor
+(``dynamic=True``: one compile serves every bucket and, the weights being its inputs, every layer:
+the whole model compiled took 70-160 s on the H100 machine) before the graphs capture it, as
+SGLang does under ``--enable-torch-compile``. ``capture=False`` runs the same static body without graphs: the CPU
+tests check the layout that way against the eager forward.
+
+Worked example (slots 0 and 2 decoding, slot 2 verifying 2 drafts; graph B=4, q=3, L=256)::
+
+    step = GraphStep(model, kv, tap_layers=(), max_q=3)
+    step.warm_up()                                        # captures every (B, q, L) graph
+    out = step([a9, b4, d1, d2], q_lens=[1, 3], ctx_lens=[40, 61], slots=[0, 2])
+    # rows kept: 0 (slot 0, i=0) and 6, 7, 8 (slot 2, i=0..2); out.logits.shape == (4, V)
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from tidespec.models.attention import attend_padded
+from tidespec.models.kv_cache import KVCache
+from tidespec.models.llama import DecoderLayer, LlamaModel, ModelOutput
+
+log = logging.getLogger(__name__)
+
+MIN_KEY_BUCKET = 256  # the shortest key range a graph reads
+
+
+def uses_graphs(device: torch.device, enforce_eager: bool) -> bool:
+    """Whether forwards on ``device`` replay CUDA graphs: on a GPU, unless --enforce-eager."""
+    return device.type == "cuda" and not enforce_eager
+
+
+def batch_buckets(max_slots: int) -> list[int]:
+    """Batch sizes a graph is captured for: 1, 2, 4, 8, then every 16, and ``max_slots`` itself.
+
+    Example: ``batch_buckets(40) == [1, 2, 4, 8, 16, 32, 40]``."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_slots] + list(range(16, max_slots, 16))
+    return sorted(set(sizes + [max_slots]))
+
+
+def key_buckets(max_len: int) -> list[int]:
+    """Key lengths a graph reads: powers of two from ``MIN_KEY_BUCKET``, and ``max_len`` itself.
+
+    Example: ``key_buckets(1040) == [256, 512, 1024, 1040]``."""
+    sizes = []
+    length = MIN_KEY_BUCKET
+    while length < max_len:
+        sizes.append(length)
+        length *= 2
+    return sizes + [max_len]
+
+
+@dataclass
+class SlotBlockLayout:
+    """The ``ForwardLayout`` of a static block: ``B`` slots x ``q`` rows, keys ``[0, L)``."""
+
+    positions: torch.Tensor  # [B * q] int64
+    write_slots: torch.Tensor  # [B * q] int64
+    write_offsets: torch.Tensor  # [B * q] int64
+    ctx: torch.Tensor  # [B] int64 tokens in each slot before this forward
+    batch: int
+    rows: int
+    keys: int
+    window: int | None  # the model's sliding window
+    mask: torch.Tensor = field(init=False)  # [B, 1, q, L] bool, built once per forward
+
+    def __post_init__(self) -> None:
+        """Row i of slot b sees keys 0 .. ctx[b] + i (and those within the window)."""
+        device = self.ctx.device
+        qpos = self.ctx.view(-1, 1, 1, 1) + torch.arange(self.rows, device=device).view(1, 1, -1, 1)
+        kpos = torch.arange(self.keys, device=device).view(1, 1, 1, -1)
+        mask = kpos <= qpos  # [B, 1, q, L]
+        if self.window is not None:
+            mask = mask & (qpos - kpos < self.window)
+        self.mask = mask
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k_cache/v_cache: [S, n_kv, Lmax, hd]; k/v: [B * q, n_kv, hd]
+        k_cache[self.write_slots, :, self.write_offsets] = k
+        v_cache[self.write_slots, :, self.write_offsets] = v
+
+    def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q [B * q, n_h, hd] -> [B * q, n_h, hd] over the keys of slots 0 .. B-1 (``window`` is in the mask)."""
+        keys = k_cache[:self.batch, :, :self.keys]  # [B, n_kv, L, hd], a view
+        values = v_cache[:self.batch, :, :self.keys]
+        return attend_padded(q, None, self.mask, keys, values)
+
+
+def _layer_forward(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   layout: SlotBlockLayout, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """One decoder layer over the static block (what ``compile=True`` compiles)."""
+    return layer.forward(h, cos, sin, layout, k_cache, v_cache)
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | None  # None: run the body (capture=False)
+    logits: torch.Tensor  # [B * q, V] float32, the graph's static outputs
+    taps: torch.Tensor | None  # [B * q, num_taps * H]
+    hidden: torch.Tensor  # [B * q, H]
+
+
+class GraphStep:
+    """Decode/verification forwards of chains replayed from CUDA graphs; ``__call__`` returns None
+    for a batch no graph fits (the caller then runs the eager forward)."""
+
+    def __init__(self, model: LlamaModel, kv: KVCache, tap_layers: tuple[int, ...], max_q: int,
+                 capture: bool = True, compile: bool = False) -> None:
+        if kv.spare_slot is None:
+            raise ValueError("GraphStep needs a KVCache with a spare slot (KVCache(spare_slot=True))")
+        self.model = model
+        self.kv = kv
+        self.tap_layers = tuple(tap_layers)
+        self.max_q = max_q
+        self.capture = capture
+        self.batches = batch_buckets(kv.num_slots)
+        self.key_lens = key_buckets(kv.max_len)
+        self.device = model.device
+        n = self.batches[-1] * max_q
+        # ids, positions, write slots, write offsets (n each), ctx (B), kept rows (<= n)
+        self.inputs = torch.zeros(5 * n + self.batches[-1], dtype=torch.int64, device=self.device)
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.num_replayed = 0  # forwards served by a graph
+        self.num_declined = 0  # decode forwards handed back to eager (too many rows, slot or keys)
+        # the rope table is built before any capture: a graph only reads it
+        model.rope(torch.zeros(1, dtype=torch.int64, device=self.device), model.embed_tokens.weight.dtype)
+        # compiled: one decoder layer, which serves all of them (their weights are the graph's
+        # inputs), so the compile costs one layer's, not the model's; the graphs capture it
+        self._layer: Callable[..., torch.Tensor] | None = None
+        if compile:
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self._layer = torch.compile(_layer_forward, dynamic=True, fullgraph=True)
+
+    def _body(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
+              write_offsets: torch.Tensor, ctx: torch.Tensor, batch: int, rows: int,
+              keys: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        layout = SlotBlockLayout(positions, write_slots, write_offsets, ctx, batch, rows, keys,
+                                 self.model.cfg.sliding_window)
+        out = self.model.run(ids, layout, self.kv.k, self.kv.v, None, self.tap_layers, self._layer)
+        return out.logits, out.taps, out.last_hidden
+
+    def _run_static(self, batch: int, rows: int, keys: int) -> _Graph:
+        """One forward of the static block over the input buffer's current contents."""
+        n = batch * rows
+        b = self.inputs
+        with torch.inference_mode():
+            logits, taps, hidden = self._body(b[:n], b[n:2 * n], b[2 * n:3 * n], b[3 * n:4 * n], b[4 * n:4 * n + batch],
+                                            batch, rows, keys)
+        assert logits is not None
+        return _Graph(None, logits, taps, hidden)
+
+    def _graph(self, batch: int, rows: int, keys: int) -> _Graph:
+        key = (batch, rows, keys)
+        found = self.graphs.get(key)
+        if found is not None:
+            return found
+        self._fill_padding(batch, rows)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):  # warm-up runs outside the capture (cuBLAS handles, compiles)
+            for _ in range(2):
+                self._run_static(batch, rows, keys)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a trainer thread using the same GPU does not break the capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            out = self._run_static(batch, rows, keys)
+        found = _Graph(graph, out.logits, out.taps, out.hidden)
+        self.graphs[key] = found
+        return found
+
+    def _fill_padding(self, batch: int, rows: int) -> None:
+        """Inputs of an all-padding block (for warm-up and capture)."""
+        n = batch * rows
+        self.inputs.zero_()
+        self.inputs[2 * n:3 * n] = self.kv.spare_slot
+
+    def warm_up(self) -> float:
+        """Capture every graph (largest batch first, so smaller ones reuse its memory). Returns seconds."""
+        t0 = time.perf_counter()
+        if not self.capture:
+            return 0.0
+        for batch in reversed(self.batches):
+            for rows in range(self.max_q, 0, -1):
+                for keys in reversed(self.key_lens):
+                    self._graph(batch, rows, keys)
+        return time.perf_counter() - t0
+
+    def __call__(self, tokens: list[int], q_lens: list[int], ctx_lens: list[int], slots: list[int],
+                 tap_layers: tuple[int, ...] = ()) -> ModelOutput | None:
+        """Logits, taps and hidden states at every row of a decode batch of chains (rows in the
+        order of ``tokens``), or None when no graph fits it."""
+        rows = max(q_lens)
+        need_keys = max(c + q for c, q in zip(ctx_lens, q_lens))
+        bi = bisect.bisect_left(self.batches, max(slots) + 1)
+        ki = bisect.bisect_left(self.key_lens, need_keys)
+        if (tap_layers and tuple(tap_layers) != self.tap_layers) or rows > self.max_q or bi == len(self.batches) \
+                or ki == len(self.key_lens):
+            self.num_declined += 1
+            return None
+        batch, keys = self.batches[bi], self.key_lens[ki]
+        n = batch * rows
+        spare = self.kv.spare_slot
+        ids, pos, wslots, woffs = [0] * n, [0] * n, [spare] * n, [0] * n
+        ctx = [0] * batch
+        kept: list[int] = []
+        t = 0
+        for q, c, s in zip(q_lens, ctx_lens, slots):
+            ctx[s] = c
+            for i in range(q):
+                r = s * rows + i
+                ids[r], pos[r], wslots[r], woffs[r] = tokens[t], c + i, s, c + i
+                kept.append(r)
+                t += 1
+        self.kv.make_readable(list(range(batch)), keys)  # a no-op on a GPU, whose cache starts zeroed
+        values = torch.tensor(ids + pos + wslots + woffs + ctx + kept, dtype=torch.int64)
+        self.inputs[:values.numel()].copy_(values, non_blocking=True)
+        if self.capture:
+            graph = self._graph(batch, rows, keys)
+            assert graph.graph is not None
+            graph.graph.replay()
+        else:
+            graph = self._run_static(batch, rows, keys)
+        self.num_replayed += 1
+        start = 4 * n + batch
+        keep = self.inputs[start:start + len(kept)]  # [T] rows of the block to return
+        taps = graph.taps.index_select(0, keep) if (tap_layers and graph.taps is not None) else None
+        return ModelOutput(logits=graph.logits.index_select(0, keep), taps=taps,
+                           last_hidden=graph.hidden.index_select(0, keep))
