@@ -29,6 +29,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
 from transformers import PreTrainedTokenizerFast
 
+from tidespec.bench.shapes import synthetic_tokenizer
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
 from tidespec.models.kv_cache import KVCache
@@ -40,10 +41,7 @@ from tidespec.stats import StepStats
 
 def tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """Word-level tokenizer over tokens ``t0 .. t{V-1}``; ``t0`` doubles as EOS."""
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t1"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t0", unk_token="t1")
+    return synthetic_tokenizer(vocab_size)
 
 
 def checkpoint_tokenizer(vocab: int = 96) -> PreTrainedTokenizerFast:

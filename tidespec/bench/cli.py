@@ -1,4 +1,4 @@
-"""``tidespec bench {decode,spec,profile,shift,learn,yield,serve,load,quality}``: the benchmark sub-commands.
+"""``tidespec bench {decode,spec,profile,anchor,shift,learn,yield,serve,load,quality}``: the benchmark sub-commands.
 
 Why this exists: the benchmarks are part of the product (their numbers go into
 docs/benchmarks.md), so they are run from the same CLI with the same model flags as
@@ -11,6 +11,7 @@ Worked example::
     tidespec bench decode --workload code --batch-sizes 1,4,16 --max-tokens 128 --threads 2 --compare hf,llamacpp
     tidespec bench spec --workload code --drafters none,ngram,suffix,draft-model --gammas 1,3,5,8 --compare hf
     tidespec bench profile --threads 2
+    tidespec bench anchor --device cuda --dtype bfloat16 --shapes smollm2-135m,tinyllama-1.1b --batch-sizes 1,16
     tidespec bench shift --workloads code,chat,code --bootstrap runs/boot/drafter --threads 2
     tidespec bench learn --signal-dirs runs/boot/signals --fractions 0.25,0.5,1 --threads 2
     tidespec bench quality --workload code,chat --quantizations int8,int4 --threads 2
@@ -37,6 +38,7 @@ from tidespec.bench.decode import (
 from tidespec.bench.learn import LearnBenchConfig, run_learn_bench
 from tidespec.bench.learn import replot as replot_learn
 from tidespec.bench.profile import ProfileConfig, run_profile
+from tidespec.bench.shapes import SHAPES, AnchorBenchConfig, run_anchor_bench
 from tidespec.bench.report import command_line
 from tidespec.bench.shift import replot as replot_shift
 from tidespec.bench.shift import run_shift_bench
@@ -111,6 +113,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-profile-<time>)")
     add_dataclass_args(p, ModelConfig)
     p.set_defaults(func=cmd_profile)
+
+    a = sub.add_parser("anchor", help="plain decode of real model shapes (random weights) vs the compiled "
+                                      "static-shape anchor (gpt-fast's recipe), same run", formatter_class=fmt)
+    a.add_argument("--shapes", default="smollm2-135m,tinyllama-1.1b", help="comma-separated: " + ", ".join(SHAPES))
+    a.add_argument("--batch-sizes", default="1,16", help="comma-separated batch sizes")
+    a.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens per request")
+    a.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
+    a.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians are reported)")
+    a.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-anchor-<time>)")
+    add_dataclass_args(a, ModelConfig)
+    a.set_defaults(func=cmd_anchor)
 
     for name, help_, config_cls, func in [
             ("shift", "EAGLE-3 under a domain shift: plain vs frozen vs online training", ShiftBenchConfig, cmd_shift),
@@ -187,6 +200,14 @@ def cmd_spec(ns: argparse.Namespace) -> int:
     run_spec_bench(cfg, model_config=dataclass_from_args(ModelConfig, ns),
                    scheduler=dataclass_from_args(SchedulerConfig, ns), spec_base=dataclass_from_args(SpecConfig, ns),
                    policy=dataclass_from_args(PolicyConfig, ns), out_dir=ns.out, command=command_line())
+    return 0
+
+
+def cmd_anchor(ns: argparse.Namespace) -> int:
+    cfg = AnchorBenchConfig(shapes=parse_str_list(ns.shapes, "--shapes"),
+                            batch_sizes=parse_int_list(ns.batch_sizes, "--batch-sizes"), prompt_len=ns.prompt_len,
+                            max_tokens=ns.max_tokens, rounds=ns.rounds)
+    run_anchor_bench(cfg, dataclass_from_args(ModelConfig, ns), out_dir=ns.out, command=command_line())
     return 0
 
 

@@ -17,7 +17,9 @@ The prompts run in waves of ``batch_size``; for each wave every configuration ru
 * per-request speedup = plain latency / this latency for the same request: min, p10, median,
   p90, max, and every request below 1.0;
 * ``mismatches``: requests whose tokens differ from plain's (greedy speculation is lossless, so
-  this should be 0; a float32 near-tie can flip one).
+  this should be 0; a near-tie can flip one: bfloat16 on a GPU, the quantized CPU paths), and
+  for each such request where it first differs and how close the target's two tokens were there
+  (``bench/divergence.py``: ``divergence`` of a configuration in results.json).
 
 Worked example::
 
@@ -48,10 +50,12 @@ from tidespec.bench.decode import (
     wave_indices,
     workload_doc,
 )
+from tidespec.bench.divergence import divergence_report
 from tidespec.bench.report import machine_line, markdown_table, new_figure, save_figure, summarize, write_results
 from tidespec.config import DRAFTERS, QUANTIZATIONS, ConfigError, ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine, head_quantization
+from tidespec.models import placement
 from tidespec.models.loader import LoadedModel
 from tidespec.sampling import SamplingParams
 from tidespec.workloads.loader import load_prompts
@@ -205,7 +209,8 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
         engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
         runs.append(_Run(config_label(drafter, gamma, head.label if head else None), drafter, gamma, engine=engine,
                          head=head.directory if head else None,
-                         quantization=head_quantization(spec.eagle3.quantization, target.model.device)
+                         quantization=head_quantization(spec.eagle3.quantization, placement.resolve_device(
+                             spec.drafter_device, target.model.device))
                          if drafter == "eagle3" else None))
     hf_runs: list[_Run] = []
     hf: HFRunner | None = None
@@ -247,6 +252,12 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
 
     plain = runs[0]
     configs = [_summarize_run(r, plain) for r in runs]
+    for c, r in zip(configs, runs):  # where each differing output left plain's, and whether at a near-tie
+        if c["mismatches"]:
+            c["divergence"] = divergence_report(
+                target.model, [prompts[x.prompt_index].token_ids for x in r.records],
+                [x.token_ids for x in plain.records], [x.token_ids for x in r.records],
+                [x.prompt_id for x in r.records])
     hf_summary = [_summarize_run(h, hf_runs[0]) for h in hf_runs]
     for h in hf_summary:  # HF figures relative to our plain decoding too
         h["tokens_per_s_vs_tidespec_plain"] = h["tokens_per_s"] / configs[0]["tokens_per_s"]
@@ -351,6 +362,12 @@ def format_spec_report(doc: dict[str, Any], command: str, info: dict[str, Any]) 
     if "hf_pld_speedup" in h:
         lines.append(f"- HF prompt lookup ({h['hf_pld_best']}): {h['hf_pld_speedup']:.2f}x HF plain; "
                      f"tidespec plain / HF plain: {h['tidespec_plain_vs_hf_plain']:.2f}x")
+    for c in doc["configs"]:
+        if "divergence" in c:
+            d = c["divergence"]
+            lines.append(f"- {c['label']}: {d['count']} output(s) differ from plain; the first divergence is at a "
+                         f"near-tie in {d['near_ties']} (largest logit gap {d['max_relative_gap']:.2g} of the top "
+                         "logit)")
     for c in doc["configs"]:
         if c["losses"]:
             worst = sorted(c["losses"], key=lambda x: x["speedup"])[:5]
