@@ -195,6 +195,28 @@ def test_broken_verifier_is_caught(model, tok, prompt, monkeypatch):
     assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) < 0.01
 
 
+@pytest.mark.parametrize("drafter", ["ngram", "draft-model"])
+def test_the_one_transfer_chain_verifier_matches_target(model, tok, prompt, drafter, monkeypatch):
+    """The GPU's chain verifier (``verify_chain_sampled``: every row's draws up front, one host
+    read), forced on here: point-mass drafts (n-gram) and drafts with probabilities (draft model)."""
+    monkeypatch.setattr(verify_mod, "one_transfer", lambda logits: True)
+    params = SETTINGS[1]
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, draft_model=DraftModelConfig(layers=1))
+    samples, accepted, _ = sample_first3(model, tok, prompt, spec, params, monkeypatch, seeded=False)
+    assert accepted > 1000
+    assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) > 0.01
+
+
+def test_a_broken_one_transfer_verifier_is_caught(model, tok, prompt, monkeypatch):
+    """The same chain verifier drawing its fallbacks from p instead of the residuals: caught."""
+    monkeypatch.setattr(verify_mod, "one_transfer", lambda logits: True)
+    monkeypatch.setattr(verify_mod, "chain_residuals", lambda p, q, x: p)
+    params = SETTINGS[1]
+    samples, _, _ = sample_first3(model, tok, prompt, SpecConfig(drafter="ngram", num_speculative_tokens=3), params,
+                                  monkeypatch, seeded=False)
+    assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) < 0.01
+
+
 def test_reused_race_noise_is_caught(model, tok, prompt, monkeypatch):
     """Seeded draws that reuse the first position's noise at every position (a counter that does
     not advance) keep each marginal exact but couple the tokens; the test must see it."""
@@ -232,3 +254,18 @@ def test_exact_distribution_sums_to_one(model, prompt):
         dist = exact_distribution(model, prompt, params)
         assert abs(sum(dist.values()) - 1.0) < 1e-9
         assert len(dist) >= 3  # a non-degenerate distribution, or the test would prove little
+
+
+def test_one_transfer_chain_verifier_hand_traced():
+    """Certain outcomes: drafts the target is sure of are all accepted (then the bonus row's token);
+    a draft the target gives probability 0 is rejected and the fallback comes from its residual."""
+    from tidespec.speculative.api import SeqDraft
+    sure = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 1.0], [1.0, 0.0, 0.0]])  # [n + 1 = 3, V = 3]
+    gen = torch.Generator().manual_seed(0)
+    got = verify_mod.verify_chain_sampled(SeqDraft([1, 2], None, None), sure, gen)
+    assert (got.accepted, got.token_ids, got.bonus) == ([0, 1], [1, 2, 0], True)
+    never = torch.tensor([[0.5, 0.0, 0.5], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]])  # the drafter's probabilities for drafts 1, 0
+    for _ in range(20):
+        got = verify_mod.verify_chain_sampled(SeqDraft([1, 0], None, q), never, gen)
+        assert got.accepted == [] and got.token_ids[0] in (0, 2) and not got.bonus

@@ -112,6 +112,12 @@ def residual_probs(p: torch.Tensor, q: torch.Tensor | None, token: int) -> torch
     return r / total
 
 
+def one_transfer(logits: torch.Tensor) -> bool:
+    """Whether a chain is verified with ``verify_chain_sampled`` (on a GPU, where every host read
+    of a device value stalls the device) rather than token by token."""
+    return logits.is_cuda
+
+
 def verify_sampled(draft: SeqDraft, logits: torch.Tensor, params: SamplingParams,
                    generator: torch.Generator | None) -> VerifyResult:
     """Exact rejection sampling over a chain (with or without draft probs) or a point-mass tree.
@@ -121,6 +127,8 @@ def verify_sampled(draft: SeqDraft, logits: torch.Tensor, params: SamplingParams
     if draft.draft_probs is not None and draft.is_tree:
         raise ValueError("tree proposals must be point mass (draft_probs=None) for exact verification")
     probs = target_probs(logits, params)  # [n + 1, V]
+    if not draft.is_tree and draft.num_tokens and one_transfer(logits):
+        return verify_chain_sampled(draft, probs, generator)
     kids = children_of(draft)
     accepted: list[int] = []
     row = 0
@@ -147,3 +155,41 @@ def verify_sampled(draft: SeqDraft, logits: torch.Tensor, params: SamplingParams
             return VerifyResult(accepted, [draft.token_ids[j] for j in accepted] + [tok], False)
         accepted.append(chosen)
         row = chosen + 1
+
+
+def chain_residuals(p: torch.Tensor, q: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    """``residual_probs`` of every row at once: p, q [n, V] (q None: point masses at x), x [n] -> [n, V]."""
+    if q is None:
+        r = p.scatter(1, x.unsqueeze(1), 0.0)
+    else:
+        r = (p - q).clamp_min(0.0)
+    total = r.sum(1, keepdim=True)  # [n, 1]
+    return torch.where(total > 0, r / total.clamp_min(torch.finfo(r.dtype).tiny), p)  # p == q: draw from p
+
+
+def verify_chain_sampled(draft: SeqDraft, probs: torch.Tensor, generator: torch.Generator | None) -> VerifyResult:
+    """Rejection sampling over a chain with one host transfer: every row's uniform and every row's
+    fallback token (a draw from its residual; after the last draft, the bonus from p) are drawn
+    up front on the device, and the acceptances and fallbacks are read in one go. The draws of
+    rows past the first rejection are never used; being independent of the used ones, they leave
+    the distribution exactly the sequential walk's.
+
+    probs: [n + 1, V] target probabilities (``target_probs``). Example: drafts [5, 7, 9], accepted
+    [True, False, True] -> drafts 0 kept, draft 1 rejected, the row-1 fallback emitted: [5, f1].
+    """
+    n = draft.num_tokens
+    device = probs.device
+    x = torch.tensor(draft.token_ids, dtype=torch.int64, device=device)  # [n]
+    p = probs[:n]  # [n, V]
+    px = p.gather(1, x.unsqueeze(1)).squeeze(1).double()  # [n]
+    q = draft.draft_probs.to(dtype=p.dtype, device=device) if draft.draft_probs is not None else None  # [n, V]
+    qx = q.gather(1, x.unsqueeze(1)).squeeze(1).double() if q is not None else torch.ones_like(px)  # [n]
+    u = torch.rand(n, generator=generator, dtype=torch.float64,
+                   device=generator.device if generator is not None else device).to(device)  # [n]
+    accept = (qx > 0) & (u * qx < px)  # [n]: accept with prob min(1, p(x) / q(x))
+    rows = torch.cat([chain_residuals(p, q, x), probs[n:n + 1]])  # [n + 1, V]
+    fallback = torch.multinomial(rows, 1, generator=generator).squeeze(1)  # [n + 1]
+    flags_and_tokens = torch.cat([accept.long(), fallback]).tolist()  # the one host transfer
+    flags, tokens = flags_and_tokens[:n], flags_and_tokens[n:]
+    k = flags.index(0) if 0 in flags else n  # the first rejected draft, or n: all accepted
+    return VerifyResult(list(range(k)), draft.token_ids[:k] + [tokens[k]], k == n)
