@@ -308,6 +308,16 @@ def test_profile_times_the_compiled_step_next_to_eager(tmp_path: Path) -> None:
     assert "Compiled decode step" in (tmp_path / "table.md").read_text()
 
 
+def test_profile_on_cuda_graphs_times_the_graph_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the engine replays CUDA graphs the profile times them (here the static block, no capture)."""
+    import tidespec.bench.profile as profile_mod
+    monkeypatch.setattr(profile_mod, "uses_graphs", lambda device, enforce_eager: True)
+    cfg = ProfileConfig(ns=(1, 3), batch_sizes=(1, 2), context=16, repeats=2, target_s=0.01, bandwidth_mib=8)
+    doc = run_profile(cfg, _tiny_target(), out_dir=tmp_path, command="x", echo=False)
+    assert doc["step"] == "CUDA graphs" and all(r["t_compiled_ms"] > 0 for r in doc["rows"])
+    assert "CUDA graphs" in (tmp_path / "table.md").read_text()
+
+
 def test_profile_times_untuned_kernels_next_to_the_measured_ones(tmp_path: Path) -> None:
     model = _tiny_target().model
     lin = model.layers[0].self_attn.qkv_proj

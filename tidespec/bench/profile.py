@@ -41,6 +41,7 @@ from tidespec.bench.report import log2_panel, machine_line, markdown_table, new_
 from tidespec.config import ConfigError, ModelConfig
 from tidespec.errors import check_at_least
 from tidespec.models.compiled import KV_MARGIN, CompiledStep
+from tidespec.models.graphs import GraphStep, uses_graphs
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.linear import untuned
 from tidespec.models.llama import LlamaModel
@@ -128,16 +129,21 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | LlamaModel | str | Non
         raise ConfigError(f"context + largest n ({cfg.context + max(cfg.ns)}) exceeds the model's context "
                           f"({model.cfg.max_position_embeddings})")
     gen = torch.Generator().manual_seed(cfg.seed)
+    graphs = uses_graphs(model.device, mc.enforce_eager)
     kv = KVCache.for_model(model.cfg, num_slots=max(cfg.batch_sizes), max_len=cfg.context + max(cfg.ns) + KV_MARGIN,
-                           dtype=model.dtype, device=model.device)
+                           dtype=model.dtype, device=model.device, spare_slot=graphs)
     fill_gen = gen if model.device.type == "cpu" else None  # a CPU generator cannot fill device tensors
     for k, v in zip(kv.k, kv.v):  # plausible K/V values in the context region
         k.normal_(generator=fill_gen)
         v.normal_(generator=fill_gen)
 
-    step = None
+    step: CompiledStep | GraphStep | None = None
     compile_s = 0.0
-    if mc.compile:  # the compiled decode step, timed right after the eager forward of each shape
+    if graphs:  # on a GPU what decode steps run: the CUDA graphs (each captured by its shape's untimed warm-up)
+        t0 = time.perf_counter()
+        step = GraphStep(model, kv, (), max(cfg.ns), capture=model.device.type == "cuda", compile=mc.compile)
+        compile_s = time.perf_counter() - t0
+    elif mc.compile:  # the compiled decode step, timed right after the eager forward of each shape
         t0 = time.perf_counter()
         step = CompiledStep(model, kv)
         step.warm_up(max(cfg.ns))
@@ -182,7 +188,7 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | LlamaModel | str | Non
         "batch1_fraction_of_ceiling": measured / ceiling,
     }
     if step is not None and b1:
-        doc.update(compile_seconds=compile_s, batch1_compiled_tokens_per_s=1e3 / b1[0]["t_compiled_ms"],
+        doc.update(step="CUDA graphs" if graphs else "compiled", compile_seconds=compile_s, batch1_compiled_tokens_per_s=1e3 / b1[0]["t_compiled_ms"],
                    batch1_compiled_fraction_of_ceiling=1e3 / b1[0]["t_compiled_ms"] / ceiling)
     precision, quant = str(model.dtype).replace("torch.", ""), quantization_of(model)
     if quant != "none":
@@ -214,9 +220,10 @@ def format_profile_report(doc: dict[str, Any], command: str, info: dict[str, Any
         c_table = markdown_table(["n"] + [f"B={b} ms" for b in bs] + [f"B={b} eager/compiled" for b in bs],
                                  [[n] + [cell[(b, n)]["t_compiled_ms"] for b in bs]
                                   + [cell[(b, n)]["compiled_speedup"] for b in bs] for n in ns], digits=2)
-        lines += ["", f"Compiled decode step (`--compile`; each shape timed right after its eager forward; "
-                      f"warm-up {doc['compile_seconds']:.1f} s):", "", c_table, "",
-                  f"- compiled batch-1 forward: {doc['batch1_compiled_tokens_per_s']:.1f} tokens/s = "
+        what = ("CUDA graphs (each captured at its shape's first forward" if doc.get("step") == "CUDA graphs"
+                else f"Compiled decode step (`--compile`; warm-up {doc['compile_seconds']:.1f} s")
+        lines += ["", f"{what}; each shape timed right after its eager forward):", "", c_table, "",
+                  f"- {doc.get('step', 'compiled')} batch-1 forward: {doc['batch1_compiled_tokens_per_s']:.1f} tokens/s = "
                   f"{doc['batch1_compiled_fraction_of_ceiling']:.0%} of the ceiling"]
     if "t_untuned_ms" in doc["rows"][0]:
         u_table = markdown_table(["n"] + [f"B={b} ms" for b in bs] + [f"B={b} F.linear/tuned" for b in bs],
