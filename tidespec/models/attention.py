@@ -53,8 +53,8 @@ ROW_INVARIANT_Q = 4
 ROW_INVARIANT_KV = 16
 # On CUDA, SDPA may pick cuDNN's attention, which builds an execution plan for every new shape: an
 # eager forward's key length changes every step, and the EAGLE-3 head's attention then took 9 ms a
-# call on an H100 (torch 2.11). Eager CUDA attention uses the other kernels; compiled code (static
-# shapes inside the CUDA graphs) keeps SDPA's own choice.
+# call on an H100 (torch 2.11). Eager CUDA attention (also what a graph of the eager forward
+# captures) uses the other kernels; inductor-compiled code keeps SDPA's own choice.
 NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
