@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidespec.models.llama import LlamaModel
+from tidespec.speculative.policy.profiler import sync_device
 
 
 class _Layer(nn.Module):
@@ -97,13 +98,8 @@ class AnchorModel(nn.Module):
         """Tokens/s of ``steps`` decode steps of the whole batch (after compiling and warming up)."""
         ids = torch.randint(0, self.embed.num_embeddings, (self.batch, 1), device=self.lm_head.device)
         self.decode(ids, start, min(warm_steps, steps))  # compiles, records the graph
-        _sync(ids.device)
+        sync_device(ids.device)
         t0 = time.perf_counter()
         self.decode(ids, start, steps)
-        _sync(ids.device)
+        sync_device(ids.device)
         return self.batch * steps / (time.perf_counter() - t0)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

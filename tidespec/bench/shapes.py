@@ -34,6 +34,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from tidespec.bench.anchor import AnchorModel
+from tidespec.bench.decode import run_wave
 from tidespec.bench.report import log2_panel, machine_line, markdown_table, new_figure, save_figure, write_results
 from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tidespec.engine.engine import LLMEngine
@@ -41,6 +42,7 @@ from tidespec.errors import ConfigError, check_at_least
 from tidespec.llm import DTYPES
 from tidespec.models.llama import LlamaConfig, LlamaModel
 from tidespec.sampling import SamplingParams
+from tidespec.workloads.loader import Prompt, WorkloadRecord
 
 # Real model shapes (architecture fields of their config.json), served with random weights.
 SHAPES: dict[str, LlamaConfig] = {
@@ -97,19 +99,13 @@ def random_model(cfg: LlamaConfig, dtype: torch.dtype, device: str, seed: int) -
 
 def engine_decode_speed(engine: LLMEngine, batch: int, prompt_len: int, max_tokens: int,
                         gen: torch.Generator) -> float:
-    """Decode-only tokens/s of one wave of ``batch`` requests through ``engine``."""
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    for _ in range(batch):
-        engine.add_request(torch.randint(1, engine.model.cfg.vocab_size, (prompt_len,), generator=gen).tolist(), params)
-    tokens, seconds = 0, 0.0
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        engine.step()
-        dt = time.perf_counter() - t0
-        if engine.last_stats.num_prefill_tokens == 0:
-            tokens += engine.last_stats.num_emitted_tokens
-            seconds += dt
-    return tokens / seconds if seconds else float("nan")
+    """Decode-only tokens/s of one wave of ``batch`` random prompts through ``engine`` (``run_wave``'s
+    accounting: tokens of steps without prefill over those steps' wall time)."""
+    vocab = engine.model.cfg.vocab_size
+    prompts = [Prompt(WorkloadRecord(f"random-{i}", "random", "completion", ""),
+                      torch.randint(1, vocab, (prompt_len,), generator=gen).tolist()) for i in range(batch)]
+    wave = run_wave(engine, prompts, list(range(batch)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return wave.decode_tokens / wave.decode_time if wave.decode_time else float("nan")
 
 
 def run_anchor_bench(cfg: AnchorBenchConfig, model_config: ModelConfig, out_dir: Path | None = None,
