@@ -20,10 +20,11 @@ from tidespec.bench.decode import DecodeBenchConfig, run_decode_bench, wave_indi
 from tidespec.bench.profile import ProfileConfig, kv_bytes_per_token, run_profile, weight_bytes_per_token
 from tidespec.bench.report import command_line, markdown_table, percentile, summarize
 from tidespec.bench.spec import HeadVariant, SpecBenchConfig, run_spec_bench
-from tidespec.config import ConfigError, DraftVocabConfig, ModelConfig, SpecConfig
+from tidespec.config import ConfigError, DraftVocabConfig, EngineConfig, ModelConfig, SpecConfig
 from tidespec.llm import build_engine
 from tidespec.models.eagle3_checkpoint import export_eagle3, fresh_head
 from tidespec.models.loader import LoadedModel, load_model
+from tidespec.sampling import SamplingParams
 from tidespec.workloads.loader import (
     WorkloadError,
     load_prompts,
@@ -353,3 +354,33 @@ def test_cli_runs_bench_decode_on_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="unknown drafter"):
         spec_ns.func(spec_ns)
     assert not hasattr(spec_ns, "num_speculative_tokens") and spec_ns.ngram_max == 4
+
+
+def test_spec_bench_can_end_requests_at_eos(tmp_path: Path) -> None:
+    """--no-ignore-eos: each request ends at its first EOS, in plain and speculating configurations
+    alike (same tokens), and HF's generate() stops there too; the report says so."""
+    target = _hf_target(tmp_path, torch.float64)
+    wl = str(_workload(tmp_path, "w", 2))
+    engine = build_engine(EngineConfig(model=ModelConfig(dtype="float64")), target.model, target.tokenizer)
+    engine.add_request(load_prompts(wl, target.tokenizer)[0].token_ids, SamplingParams(max_tokens=8, ignore_eos=True))
+    plain0: list[int] = []
+    while engine.has_unfinished_requests():
+        plain0 = next(iter(o.token_ids for o in engine.step()), plain0)
+    stop = plain0[2]  # the third generated token of the first prompt becomes the EOS
+    n0 = plain0.index(stop) + 1
+    for name in ("config.json", "generation_config.json"):  # the checkpoint's EOS, for tidespec and HF alike
+        path = tmp_path / "ckpt" / name
+        path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": stop}))
+    target = load_model(str(tmp_path / "ckpt"), dtype=torch.float64)
+    assert stop in target.model.cfg.eos_token_ids
+    cfg = SpecBenchConfig(workload=wl, drafters=("none", "ngram", "suffix"), gammas=(3,), max_tokens=8,
+                          compare_hf=True, hf_pld_tokens=(2,), ignore_eos=False)
+    out = tmp_path / "b"
+    doc = run_spec_bench(cfg, target, model_config=ModelConfig(dtype="float64"), out_dir=out, echo=False)
+    for c in doc["configs"]:
+        assert c["mismatches"] == 0, c["label"]
+        assert c["per_request"][0]["output_tokens"] == n0, c["label"]
+    assert [len(h["per_request"]) for h in doc["hf"]] == [2, 2]
+    assert all(h["output_tokens"] < 2 * 8 for h in doc["hf"])  # HF's generate() stopped at the EOS too
+    assert "ending at EOS" in (out / "table.md").read_text()
+    assert doc["config"]["ignore_eos"] is False

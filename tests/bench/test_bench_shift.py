@@ -8,6 +8,7 @@ the signals-vs-recompute epoch; whether the trainer publishes in time is not ass
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -20,8 +21,9 @@ from tidespec.bench.shift import replot, run_shift_bench
 from tidespec.bench.shift_config import ShiftBenchConfig, build_trace
 from tidespec.bench.shift_measure import recompute_taps
 from tidespec.bench.shift_report import _curves
-from tidespec.bench.shift_runs import trace_engine_config
-from tidespec.config import ConfigError
+from tidespec.bench.shift_runs import run_trace, trace_engine_config
+from tidespec.config import ConfigError, EngineConfig, ModelConfig
+from tidespec.llm import build_engine
 
 
 def _workload(path: Path, domain: str, n: int, base: int) -> Path:
@@ -210,3 +212,19 @@ def test_shift_bench_compares_draft_vocabularies(tmp_path: Path) -> None:
     sized = configs["vocab-dynamic:6:2"]["vocab"]  # a size sweep's configurations: the sizes they name
     assert configs["vocab-static:6"]["vocab"]["size"] == 6 and sized["core"] == 6 and sized["size"] <= 8
     assert configs["vocab-dynamic:6:2"]["mismatches"] == 0
+
+
+def test_trace_requests_can_end_at_eos(tmp_path: Path) -> None:
+    """``ignore_eos=False`` (``--no-ignore-eos``): a request ends at its EOS, as a served one does."""
+    a = _workload(tmp_path / "a.jsonl", "a", 2, 10)
+    trace = build_trace(ShiftBenchConfig(workloads=str(a), requests_per_phase=2), checkpoint_tokenizer())
+    model = tiny_llama(dtype=torch.float64)
+    engine = build_engine(EngineConfig(model=ModelConfig(dtype="float64")), model, checkpoint_tokenizer())
+    full = run_trace(engine, trace, 1, 8, "full", progress=False).outputs
+    stop = full[0][2]  # the first request's third token becomes the EOS
+    model.cfg = dataclasses.replace(model.cfg, eos_token_ids=(stop,))
+    engine = build_engine(EngineConfig(model=ModelConfig(dtype="float64")), model, checkpoint_tokenizer())
+    cut = run_trace(engine, trace, 1, 8, "eos", progress=False, ignore_eos=False).outputs
+    assert cut[0] == full[0][:full[0].index(stop) + 1]
+    again = run_trace(engine, trace, 1, 8, "ignored", progress=False).outputs  # the default ignores it
+    assert again == full

@@ -247,13 +247,14 @@ class HFRunner:
         eos = self.model.generation_config.eos_token_id
         self.eos = eos[0] if isinstance(eos, list) else eos
 
-    def generate(self, prompt: Prompt, index: int, max_tokens: int, pld_tokens: int | None = None) -> RequestRecord:
+    def generate(self, prompt: Prompt, index: int, max_tokens: int, pld_tokens: int | None = None,
+                 ignore_eos: bool = True) -> RequestRecord:
         """Greedy ``generate()`` of exactly ``max_tokens`` tokens at batch 1 (prompt lookup when
-        ``pld_tokens`` is set)."""
+        ``pld_tokens`` is set); ``ignore_eos=False``: at most ``max_tokens``, ending at EOS."""
         from transformers import GenerationConfig
 
         ids = torch.tensor([prompt.token_ids], dtype=torch.int64, device=self.device)  # [1, P]
-        gc = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False,
+        gc = GenerationConfig(max_new_tokens=max_tokens, min_new_tokens=max_tokens if ignore_eos else None, do_sample=False,
                               eos_token_id=self.eos, pad_token_id=self.eos, prompt_lookup_num_tokens=pld_tokens)
         streamer = _TimingStreamer()
         t0 = time.perf_counter()

@@ -244,3 +244,9 @@ def identical_prefix(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def eos_words(ignore_eos: bool, max_tokens: int) -> str:
+    """How a report states the requests' length. Example: ``eos_words(False, 128)`` ->
+    ``"up to 128 tokens each, ending at EOS"``."""
+    return f"{max_tokens} tokens each, EOS ignored" if ignore_eos else f"up to {max_tokens} tokens each, ending at EOS"

@@ -30,8 +30,9 @@ in the same minutes and a slow spell of the machine hits all of them; each onlin
 trainer is held paused during the other configurations' turns.
 
 Requests run closed-loop with ``concurrency`` in flight, greedy, every request generating exactly
-``max_tokens`` tokens (EOS ignored), so every configuration does the same work and greedy outputs
-must be identical to plain's (``mismatches`` counts requests that differ). Over the trace it
+``max_tokens`` tokens (EOS ignored; ``--no-ignore-eos``: ending at EOS, as served requests do), so
+every configuration does the same work and greedy outputs must be identical to plain's
+(``mismatches`` counts requests that differ). Over the trace it
 records every engine step (time, emitted tokens, drafts, accepted tokens, drafter version) and
 plots mean acceptance length per window of requests and tokens/s over time, with the phase
 boundaries marked.
@@ -166,7 +167,7 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
         else:  # plain, or a model-free drafter alone at a static gamma
             gamma = 0 if name == "plain" else cfg.gamma
             engine = static_engine(target, trace_engine_config(trace, cfg, target.model, gamma, name))
-        loops[name] = TraceLoop(engine, trace, cfg.concurrency, cfg.max_tokens, name, progress, status)
+        loops[name] = TraceLoop(engine, trace, cfg.concurrency, cfg.max_tokens, name, progress, status, cfg.ignore_eos)
     try:
         runs = _take_turns(loops, len(trace), cfg.turn, onlines)
     finally:

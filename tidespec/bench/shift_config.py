@@ -54,7 +54,10 @@ class ShiftBenchConfig:
                                                        "built-in names, each optionally NAME:N for N requests")
     requests_per_phase: int = opt(16, "requests of a phase that gives no :N")
     offset: int = opt(0, "skip the first N records of every workload (e.g. the ones a bootstrap drafter saw)")
-    max_tokens: int = opt(128, "tokens generated per request (EOS ignored)")
+    max_tokens: int = opt(128, "tokens generated per request (EOS ignored unless --no-ignore-eos)")
+    ignore_eos: bool = opt(True, "every request generates --max-tokens tokens; --no-ignore-eos ends each at its EOS "
+                                 "as a server does (acceptance then leaves out text past EOS, which serving never "
+                                 "drafts and no drafter trained on)")
     gamma: int = opt(4, "speculation length of the speculating configurations (chains; the most a policy may choose)")
     concurrency: int = opt(4, "requests in flight (closed loop)")
     configs: str = opt("plain,frozen,online", "comma-separated subset of plain, frozen, online, ngram, suffix (that "

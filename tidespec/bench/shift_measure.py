@@ -57,7 +57,7 @@ def measure_capture_overhead(target: LoadedModel, trace: list[TraceItem], cfg: S
                         publish_root=str(root), signal_dir=str(Path(tmp) / "signals"), poll_s=3600.0,
                         collection=CollectionConfig(force=True)), start=False)
                 run = run_trace(engine, items, cfg.concurrency, cfg.max_tokens, f"capture {mode} ({rep + 1})",
-                                progress)
+                                progress, ignore_eos=cfg.ignore_eos)
                 if online is not None:
                     online.close()
                     dropped += online.capture.stats()["num_dropped"]

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tidespec.bench.report import machine_line, markdown_table, new_figure, save_figure
+from tidespec.bench.report import eos_words, machine_line, markdown_table, new_figure, save_figure
 
 COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:orange", "vocab-static": "tab:red",
           "vocab-dynamic": "tab:green", "vocab-full": "tab:purple", "vocab-static-lora": "tab:pink",
@@ -30,7 +30,7 @@ def report(doc: dict[str, Any]) -> str:
     lines = ["# bench shift", "", f"Command: `{doc.get('command', '')}`", "",
              f"Machine: {machine_line(doc['machine'])}", "",
              f"Trace: {' -> '.join(f'{w} x{n}' for w, n in doc['phase_sizes'])}, "
-             f"{cfg['max_tokens']} tokens each, {cfg['concurrency']} in flight, gamma {cfg['gamma']} (chains); "
+             f"{eos_words(cfg.get('ignore_eos', True), cfg['max_tokens'])}, {cfg['concurrency']} in flight, gamma {cfg['gamma']} (chains); "
              f"starting drafter: {cfg['bootstrap'] or 'fresh random head'}.", ""]
     rows = []
     for name, s in doc["configs"].items():

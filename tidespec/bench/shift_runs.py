@@ -79,9 +79,9 @@ class TraceLoop:
     """
 
     def __init__(self, engine: LLMEngine, trace: list[TraceItem], concurrency: int, max_tokens: int, desc: str,
-                 progress: bool = True, status: Callable[[], str] | None = None) -> None:
+                 progress: bool = True, status: Callable[[], str] | None = None, ignore_eos: bool = True) -> None:
         self.engine, self.trace, self.concurrency = engine, trace, concurrency
-        self.params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
         self.run = TraceRun(desc)
         self.status = status
         self.pending = deque(enumerate(trace))
@@ -161,9 +161,9 @@ class TraceLoop:
 
 
 def run_trace(engine: LLMEngine, trace: list[TraceItem], concurrency: int, max_tokens: int, desc: str,
-              progress: bool = True, status: Callable[[], str] | None = None) -> TraceRun:
+              progress: bool = True, status: Callable[[], str] | None = None, ignore_eos: bool = True) -> TraceRun:
     """The whole trace in one turn (``TraceLoop``)."""
-    loop = TraceLoop(engine, trace, concurrency, max_tokens, desc, progress, status)
+    loop = TraceLoop(engine, trace, concurrency, max_tokens, desc, progress, status, ignore_eos)
     loop.run_turn(len(trace))
     return loop.finish()
 

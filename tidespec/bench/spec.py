@@ -7,7 +7,10 @@ prompts, reports the spread of the per-prompt speedup and lists the losers, and 
 adds HF transformers' plain ``generate()`` and its prompt-lookup decoding
 (``prompt_lookup_num_tokens``) as the outside reference.
 
-Method. Greedy, every request generates exactly ``max_tokens`` tokens (EOS ignored). One engine
+Method. Greedy, every request generates exactly ``max_tokens`` tokens (EOS ignored; with
+``ignore_eos=False`` a request ends at its EOS as a server's does — greedy speculation is lossless,
+so every configuration still emits the same tokens, and no drafter is measured on the text a model
+writes past its EOS, which serving never asks for and no drafter was trained on). One engine
 per configuration (plain; drafter x gamma), all built up front and sharing the target weights.
 The prompts run in waves of ``batch_size``; for each wave every configuration runs it in turn
 (round-robin), so a shared machine's drift hits all configurations alike. Per configuration:
@@ -51,7 +54,15 @@ from tidespec.bench.decode import (
     workload_doc,
 )
 from tidespec.bench.divergence import divergence_report
-from tidespec.bench.report import machine_line, markdown_table, new_figure, save_figure, summarize, write_results
+from tidespec.bench.report import (
+    eos_words,
+    machine_line,
+    markdown_table,
+    new_figure,
+    save_figure,
+    summarize,
+    write_results,
+)
 from tidespec.config import DRAFTERS, QUANTIZATIONS, ConfigError, ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine, head_quantization
@@ -81,6 +92,7 @@ class SpecBenchConfig:
     # EAGLE-3 drafting weights to compare in one run (none, int8, int4): one configuration per head x
     # quantization x gamma (empty: the one of --eagle3-quantization)
     eagle3_quantizations: tuple[str, ...] = ()
+    ignore_eos: bool = True  # every request generates max_tokens; False: a request ends at its EOS
 
     def __post_init__(self) -> None:
         bad = [d for d in self.drafters if d not in DRAFTERS]
@@ -218,7 +230,7 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
         hf = HFRunner(target.path, mc.dtype, mc.device)
         hf_runs = [_Run("hf plain", "hf", 0)] + [_Run(f"hf prompt-lookup k={k}", "hf-pld", k, pld=k)
                                                  for k in cfg.hf_pld_tokens]
-    params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=cfg.ignore_eos)
     if cfg.warmup:
         warm = SamplingParams(max_tokens=min(8, cfg.max_tokens), ignore_eos=True)
         for r in runs:
@@ -245,7 +257,7 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
                 for i in idx:
                     for h in hf_runs:
                         bar.set_postfix_str(f"wave {wi + 1}/{len(waves)} {h.label}")
-                        rec = hf.generate(prompts[i], i, cfg.max_tokens, h.pld)
+                        rec = hf.generate(prompts[i], i, cfg.max_tokens, h.pld, cfg.ignore_eos)
                         h.records.append(rec)
                         h.wall += rec.latency
                         bar.update()
@@ -280,7 +292,7 @@ def _summarize_run(run: _Run, plain: _Run) -> dict[str, Any]:
     drafts = sum(r.num_drafts for r in run.records)
     draft_tokens = sum(r.num_draft_tokens for r in run.records)
     accepted = sum(r.num_accepted_tokens for r in run.records)
-    per_req = [{"request": k, "prompt_id": r.prompt_id, "latency_s": r.latency,
+    per_req = [{"request": k, "prompt_id": r.prompt_id, "latency_s": r.latency, "output_tokens": r.output_tokens,
                 "speedup": p.latency / r.latency if r.latency > 0 else float("nan"),
                 "mean_acceptance_length": (r.num_accepted_tokens + r.num_drafts) / r.num_drafts
                 if r.num_drafts else float("nan")}
@@ -350,7 +362,7 @@ def format_spec_report(doc: dict[str, Any], command: str, info: dict[str, Any]) 
         digits=2)
     cfg = doc["config"]
     lines = [f"### Speculative decoding ({doc['workload']}, {len(doc['prompt_ids'])} prompts, batch "
-             f"{cfg['batch_size']}, {cfg['max_tokens']} tokens each, greedy, EOS ignored)", "",
+             f"{cfg['batch_size']}, {eos_words(cfg.get('ignore_eos', True), cfg['max_tokens'])}, greedy)", "",
              f"Command: `{command}`", "", f"Machine: {machine_line(info)}", "",
              "Speedup = tokens/s over the same engine's plain decoding (HF rows: over HF plain generate()).", "",
              main, "", "Per-prompt speedup (plain latency / configuration latency, same prompt):", "", spread, ""]
