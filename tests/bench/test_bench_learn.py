@@ -92,13 +92,16 @@ def test_learning_curve_on_two_stores(tmp_path: Path) -> None:
     for c in (small, full):
         assert c["best_accept_len"] > c["points"][0]["heldout_accept_len"] + 0.3
         assert c["best_accept_len"] == max(p["heldout_accept_len"] for p in c["points"])
+        # the served estimate (the same chains walked as a server meets them) is reported beside it
+        assert all(1.0 <= p["heldout_walk_len"] <= 1 + doc["config"]["gamma"] for p in c["points"])
+        assert c["final_walk_len"] == c["points"][-1]["heldout_walk_len"]
     slope = (full["best_accept_len"] - small["best_accept_len"]) / math.log2(full["rows"] / small["rows"])
     assert doc["fit"]["per_doubling"] == pytest.approx(slope)
     saved = json.loads((tmp_path / "out" / "bench_learn.json").read_text())
     assert saved["command"] == "test" and len(saved["curves"]) == 2
     assert (tmp_path / "out" / "learn.png").stat().st_size > 0
     readme = tmp_path / "out" / "README.md"
-    assert "per doubling" in readme.read_text()
+    assert "per doubling" in readme.read_text() and "walked as served" in readme.read_text()
     readme.unlink()
     again = replot(tmp_path / "out")  # re-rendered from bench_learn.json alone
     assert again["curves"][1]["rows"] == full["rows"] and "per doubling" in readme.read_text()

@@ -8,8 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import full_logits, tiny_llama, tiny_tokenizer
+from tests.helpers import full_logits, run_to_completion, tiny_llama, tiny_tokenizer
 from tests.speculative.test_eagle3 import tiny_target
+from tidespec.config import CacheConfig, EngineConfig, SpecConfig
+from tidespec.engine.engine import LLMEngine
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head, init_from_target
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
@@ -17,15 +19,20 @@ from tidespec.online.eagle3_train import (
     SignalBatch,
     SignalSegment,
     _soft_loss,
+    acceptance_stats,
     evaluate,
     select_draft_vocab,
     ttt_loss,
     unroll,
+    walk_chains,
 )
 from tidespec.online.store import SignalStore
 from tidespec.online.trainer.data import segments_by_sequence, split_heldout
 from tidespec.online.trainer.distill import generate_continuations, teacher_pass, teacher_rows
 from tidespec.online.trainer.rounds import lr_factor
+from tidespec.sampling import SamplingParams
+from tidespec.speculative.api import DraftInput, DraftProposal
+from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
 from tidespec.workloads.loader import Prompt, WorkloadRecord
 
 VOCAB = 64
@@ -198,3 +205,54 @@ def test_bf16_autocast_training_learns_and_keeps_float32_weights(tmp_path: Path)
     trainer.train_head(head, segs, seed=0, on_step=lambda step, loss: losses.append(loss))
     assert losses[-1] < 0.7 * losses[0]
     assert all(p.dtype == torch.float32 for p in head.parameters())
+
+
+def test_walked_acceptance_is_what_the_engine_serves() -> None:
+    """``acceptance_stats``' walk steps where a greedy server drafts and emits what it emits: a
+    trained head serving one request through the engine (float64, gamma 3) and the walk over the
+    teacher-forced rows of the same output give the same steps and tokens; the per-row mean
+    differs (easy stretches count at each row there)."""
+    target = tiny_target(torch.float64, seed=0, vocab=VOCAB)
+    train = _distill_segments(target, 8, 32, seed=0)
+    torch.manual_seed(1)
+    head = Eagle3Head(Eagle3Config.for_target(target.cfg)).to(torch.float64)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    for _ in range(80):
+        loss, _ = ttt_loss(head, target.embed_tokens, train, 3)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    head.eval()
+    drafter = Eagle3Drafter(head, target.embed_tokens, Eagle3DrafterConfig(max_num_seqs=1, max_model_len=64))
+    config = EngineConfig(cache=CacheConfig(max_num_seqs=1, max_model_len=64),
+                          spec=SpecConfig(drafter="eagle3", num_speculative_tokens=3))
+    engine = LLMEngine(target, tiny_tokenizer(VOCAB), config, drafter=drafter)
+    prompt = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(7)).tolist()
+    engine.add_request(prompt, SamplingParams(max_tokens=40, ignore_eos=True))
+    steps: list[tuple[int, list[int]]] = []  # (context length, drafts) of every speculating step
+    propose = drafter.propose
+
+    def spy(inputs: list[DraftInput]) -> DraftProposal:
+        out = propose(inputs)
+        steps.extend((len(i.token_ids), list(out.drafts[i.seq_id].token_ids)) for i in inputs if i.seq_id in out.drafts)
+        return out
+
+    drafter.propose = spy  # type: ignore[method-assign]
+    full = prompt + next(iter(run_to_completion(engine).values())).token_ids
+    served_tokens = 0
+    for n, drafts in steps:  # what each step emitted, cut where the output ends (as the walk's labels are)
+        k = 0
+        while k < len(drafts) and n + k < len(full) and drafts[k] == full[n + k]:
+            k += 1
+        served_tokens += min(k + 1, len(full) - n)  # the last step's tokens end at max_tokens
+    assert served_tokens == len(full) - len(prompt) - 1  # every generated token but the prefill's
+    assert len(steps) >= 8 and served_tokens > len(steps)  # the head accepts something
+    taps, top_ids, top_logits = teacher_rows(target, full, Eagle3Config.for_target(target.cfg).tap_layers, 4)
+    top_ids = top_ids.clone()
+    top_ids[:len(prompt), 0] = -1  # rows before the last prompt row: the server drafts nowhere there
+    seg = SignalSegment(taps, torch.tensor(full), None, 0, top_ids, top_logits)
+    stats = acceptance_stats(head, target.embed_tokens, [seg], 3)
+    assert (stats.walk_steps, stats.walk_tokens) == (len(steps), served_tokens)
+    assert stats.row_mean != stats.walk_mean and stats.walk_mean == served_tokens / len(steps)
+    assert walk_chains([2, 0, 0, 1, 0, 0], [True] * 5 + [False]) == (2, 5)
+    assert walk_chains([2, 0, 0, 1, 0, 0], [True, True, True, False, True, False]) == (2, 4)

@@ -6,6 +6,9 @@ gap is a measurement, not a guess: this benchmark trains fresh heads on nested s
 captured signals for the same number of optimizer steps (or the same number of passes), scores
 every one on one fixed held-out split with the trainer's own metric (simulated greedy
 gamma-chains against the target's tokens), and fits the best score against log2(training rows).
+Beside that per-row score it reports the same chains walked as a greedy server meets them (one step
+per emitted run of tokens: ``eagle3_train.AcceptanceStats``), the figure a served acceptance length
+is comparable with; the per-row score is higher (an easy stretch counts at each of its rows).
 Curves that flatten over steps at levels rising with the share mean data-limited; curves still
 rising at their last step mean step-limited. The fit's slope says what each doubling of signals
 buys, and how many rows the target length would take if the trend held (an extrapolation,
@@ -62,7 +65,7 @@ from tidespec.models.loader import LoadedModel
 from tidespec.online.eagle3_train import SignalSegment
 from tidespec.online.store import SignalStore
 from tidespec.online.trainer.config import TrainerConfig
-from tidespec.online.trainer.data import fresh_head_for, heldout_keys, segments_by_sequence, simulated_acceptance
+from tidespec.online.trainer.data import fresh_head_for, heldout_acceptance, heldout_keys, segments_by_sequence
 from tidespec.online.trainer.rounds import DraftTrainer
 
 
@@ -224,8 +227,8 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
             head = fresh_head_for(target.config, cfg.draft_vocab, segs, trainer.dtype, trainer.device, cfg.seed,
                                   cfg.head_layers, cfg.fusion)
             init_from_target(head, target.model, cfg.init_from_target)
-            points = [{"step": 0, "heldout_accept_len": simulated_acceptance(head, embed, heldout, cfg.gamma),
-                       "train_loss": None}]
+            acc0, walk0 = heldout_acceptance(head, embed, heldout, cfg.gamma)
+            points = [{"step": 0, "heldout_accept_len": acc0, "heldout_walk_len": walk0, "train_loss": None}]
             window: list[float] = []
             t0 = time.perf_counter()
             eval_s = 0.0
@@ -237,13 +240,14 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
                     return
                 t = time.perf_counter()
                 head.eval()
-                acc = simulated_acceptance(head, embed, heldout, cfg.gamma)
+                acc, walk = heldout_acceptance(head, embed, heldout, cfg.gamma)
                 head.train()
                 eval_s += time.perf_counter() - t
-                points.append({"step": step, "heldout_accept_len": acc, "train_loss": sum(window) / len(window)})
+                points.append({"step": step, "heldout_accept_len": acc, "heldout_walk_len": walk,
+                               "train_loss": sum(window) / len(window)})
                 window.clear()
                 log(f"  share {share:g} ({rows:,} rows): step {step}/{steps}  train loss {points[-1]['train_loss']:.3f}"
-                    f"  held-out accept len {acc:.3f}")
+                    f"  held-out accept len {acc:.3f} (walked as served: {walk:.3f})")
 
             trainer.train_head(head, segs, seed=cfg.seed, on_step=on_step)
             if cfg.export_dir and share == cfg.shares[-1]:
@@ -251,6 +255,7 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
             best = max(points, key=lambda p: p["heldout_accept_len"])
             curves.append({"fraction": share, "sequences": n, "rows": rows, "steps": steps, "points": points,
                            "final_accept_len": points[-1]["heldout_accept_len"],
+                           "final_walk_len": points[-1]["heldout_walk_len"],
                            "best_accept_len": best["heldout_accept_len"], "best_step": best["step"],
                            "train_s": time.perf_counter() - t0 - eval_s})
     fit = fit_log2([c["rows"] for c in curves], [c["best_accept_len"] for c in curves], cfg.target_length)
@@ -283,12 +288,15 @@ def report(doc: dict[str, Any]) -> str:
         last_gain = p[-1]["heldout_accept_len"] - p[-2]["heldout_accept_len"] if len(p) > 1 else float("nan")
         rows.append([f"{c['fraction']:g}", c["sequences"], f"{c['rows']:,}", c["steps"],
                      f"{p[0]['heldout_accept_len']:.3f}", f"{c['final_accept_len']:.3f}", f"{last_gain:+.3f}",
-                     f"{c['best_accept_len']:.3f} (step {c['best_step']})",
+                     f"{c['best_accept_len']:.3f} (step {c['best_step']})", _fmt(c.get("final_walk_len")),
                      f"{p[-1]['train_loss']:.3f}" if p[-1]["train_loss"] is not None else "-", f"{c['train_s']:.0f}"])
     lines.append(markdown_table(["share", "sequences", "train rows", "steps", "fresh", "final",
-                                 "last gain", "best", "final train loss", "train s"], rows))
+                                 "last gain", "best", "final, walked as served", "final train loss", "train s"], rows))
     lines += ["", "(last gain: held-out change over the last evaluation interval; clearly positive means "
-              "that share was still learning when its steps ran out, i.e. step-limited there.)"]
+              "that share was still learning when its steps ran out, i.e. step-limited there. Walked as served: "
+              "the same chains counted as a greedy server meets them, one step per emitted run of tokens instead "
+              "of one per row, which is what a served acceptance length measures; lower, since easy stretches "
+              "are drafted from once per step, not at each of their rows.)"]
     fit = doc["fit"]
     lines.append("")
     if fit["per_doubling"] is None:
@@ -304,13 +312,23 @@ def report(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _fmt(x: float | None) -> str:
+    """3 decimals, "-" for a run written before the walked estimate existed."""
+    return "-" if x is None else f"{x:.3f}"
+
+
 def plot_learn(doc: dict[str, Any], out_dir: Path) -> Path:
-    """Left: held-out acceptance over optimizer steps, one line per share. Right: best held-out
-    acceptance against training rows (log2 axis) with the fit, extended to the target length."""
+    """Left: held-out acceptance over optimizer steps, one line per share (dashed: the same chains walked
+    as a server meets them). Right: best held-out acceptance against training rows (log2 axis) with
+    the fit, extended to the target length."""
     fig, (ax_s, ax_r) = new_figure(2)
     for c in doc["curves"]:
-        ax_s.plot([p["step"] for p in c["points"]], [p["heldout_accept_len"] for p in c["points"]], marker="o",
-                  label=f"{c['fraction']:g} ({c['rows']:,} rows)")
+        line, = ax_s.plot([p["step"] for p in c["points"]], [p["heldout_accept_len"] for p in c["points"]],
+                          marker="o", label=f"{c['fraction']:g} ({c['rows']:,} rows)")
+        walked = [(p["step"], p["heldout_walk_len"]) for p in c["points"] if p.get("heldout_walk_len") is not None]
+        if walked:
+            ax_s.plot(*zip(*walked), ls="--", marker=".", color=line.get_color(),
+                      label=f"{c['fraction']:g}, walked as served")
     ax_s.set_xlabel("optimizer step")
     ax_s.set_ylabel(f"held-out mean acceptance length (gamma {doc['config']['gamma']})")
     ax_s.set_title("fresh heads, nested shares" + (", same epochs" if doc["config"].get("per_share_epochs")

@@ -409,29 +409,100 @@ class Eagle3Trainer:
         return float(loss.detach()), acc
 
 
-@torch.no_grad()
-def evaluate(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], gamma: int = 3) -> float:
-    """Simulated mean acceptance length of greedy chains of ``gamma`` drafts against the target's
-    actual continuation, over every row of every segment whose ``gamma`` labels are all known.
+@dataclass
+class AcceptanceStats:
+    """Simulated greedy chains over a batch of segments, counted two ways (``acceptance_stats``).
 
-    Example: drafts [a, b, c] where the target continued [a, b, x] -> 2 accepted -> length 3.
-    Returns NaN when no row qualifies.
+    Per row: every row whose ``gamma`` labels are all known drafts a chain; ``row_sum`` adds
+    accepted + 1 over those ``rows``. Walk: what a greedy server would see — drafting at a row, then
+    jumping past the tokens that step emitted (``walk_steps`` chains, ``walk_tokens`` tokens). A long
+    easy stretch is drafted from once per step there but from every one of its rows in the per-row
+    count, so the per-row mean is the higher one; the walk is what served acceptance measures
+    (docs/benchmarks.md section 30).
     """
+
+    rows: int = 0
+    row_sum: int = 0
+    walk_steps: int = 0
+    walk_tokens: int = 0
+
+    @property
+    def row_mean(self) -> float:
+        return self.row_sum / self.rows if self.rows else float("nan")
+
+    @property
+    def walk_mean(self) -> float:
+        return self.walk_tokens / self.walk_steps if self.walk_steps else float("nan")
+
+
+def walk_chains(leading: list[int], start_ok: list[bool]) -> tuple[int, int]:
+    """A greedy server's walk over one segment's rows -> (steps, tokens emitted).
+
+    ``leading[p]``: drafts of the chain drafted at row p that match the continuation (stopping at
+    the first label that is unknown or not the target's greedy one); ``start_ok[p]``: row p's first
+    label is the target's greedy token (elsewhere the recorded text left the greedy path: prompt
+    text, a sampled token, and no server would draft there for this continuation). A step at row p
+    emits ``leading[p] + 1`` tokens (fewer where the segment's text ends: rows predict the tokens
+    two positions on) and the walk goes on ``leading[p] + 1`` rows later.
+
+    Example: leading [2, 0, 0, 1, 0, 0], rows 0-4 ok (the last row's label lies past the text) ->
+    a step at row 0 (3 tokens), one at row 3 (2 tokens) -> (2, 5). With row 3 not ok as well:
+    rows 0 (3 tokens) and 4 (1 token: the text ends) -> (2, 4).
+    """
+    n = len(leading)
+    steps = tokens = p = 0
+    while p < n:
+        if not start_ok[p]:
+            p += 1
+            continue
+        steps += 1
+        tokens += min(leading[p] + 1, n - p - 1)  # the segment's text ends at row n's token: no bonus past it
+        p += leading[p] + 1
+    return steps, tokens
+
+
+@torch.no_grad()
+def acceptance_stats(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], gamma: int
+                     ) -> AcceptanceStats:
+    """Greedy chains of ``gamma`` drafts from every row of ``segments`` at once (one unroll),
+    counted per row and as a server's walk (``AcceptanceStats``)."""
     if gamma < 1:
         raise Eagle3TrainError(f"gamma must be >= 1, got {gamma}")
     batch = SignalBatch.collate(segments, head)
     step_logits = unroll(head, embed, batch, gamma, self_feed=True)
     alive = torch.ones(len(segments), batch.num_rows, dtype=torch.bool, device=head.device)  # [B, N]
-    accepted = torch.zeros(len(segments), batch.num_rows, dtype=torch.int64, device=head.device)
+    leading = torch.zeros(len(segments), batch.num_rows, dtype=torch.int64, device=head.device)  # walk: through valid labels
+    accepted = torch.zeros_like(leading)  # per row: rows whose gamma labels are all known
     rows_ok = alive.clone()
+    first_ok = alive.clone()
     for s, logits in enumerate(step_logits, start=1):
         labels, valid = batch.labels(s)
+        if s == 1:
+            first_ok = valid.clone()
         rows_ok &= valid
         alive &= head.draft_to_target(logits.argmax(-1)) == labels
         accepted += alive.long()
-    if not bool(rows_ok.any()):
-        return float("nan")
-    return float((accepted[rows_ok] + 1).double().mean())
+        leading += (alive & valid).long()
+        alive &= valid  # a chain is not judged past a label that is unknown or off the greedy path
+    stats = AcceptanceStats(rows=int(rows_ok.sum()), row_sum=int((accepted[rows_ok] + 1).sum()))
+    lead, ok = leading.tolist(), first_ok.tolist()
+    for b, seg in enumerate(segments):
+        n = seg.num_positions
+        steps, tokens = walk_chains(lead[b][:n], ok[b][:n])
+        stats.walk_steps += steps
+        stats.walk_tokens += tokens
+    return stats
+
+
+def evaluate(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], gamma: int = 3) -> float:
+    """Simulated mean acceptance length of greedy chains of ``gamma`` drafts against the target's
+    actual continuation, over every row of every segment whose ``gamma`` labels are all known
+    (``AcceptanceStats.row_mean``).
+
+    Example: drafts [a, b, c] where the target continued [a, b, x] -> 2 accepted -> length 3.
+    Returns NaN when no row qualifies.
+    """
+    return acceptance_stats(head, embed, segments, gamma).row_mean
 
 
 def select_draft_vocab(token_counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:

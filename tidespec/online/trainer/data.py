@@ -19,7 +19,13 @@ from torch import nn
 from tidespec.models.eagle3_checkpoint import fresh_head
 from tidespec.models.eagle3_head import Eagle3Head
 from tidespec.models.llama import LlamaConfig
-from tidespec.online.eagle3_train import SignalSegment, evaluate, segments_from_rows, select_draft_vocab
+from tidespec.online.eagle3_train import (
+    AcceptanceStats,
+    SignalSegment,
+    acceptance_stats,
+    segments_from_rows,
+    select_draft_vocab,
+)
 from tidespec.online.store import SignalShard
 
 
@@ -119,11 +125,22 @@ def simulated_acceptance(head: Eagle3Head, embed: nn.Embedding, segments: list[S
                          batch: int = 32) -> float:
     """``evaluate`` over all segments in batches, weighted by each batch's qualifying rows
     (a segment of n positions has ``max(0, n - gamma)`` rows with all gamma labels). NaN if none."""
+    return heldout_acceptance(head, embed, segments, gamma, batch)[0]
+
+
+def heldout_acceptance(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], gamma: int,
+                       batch: int = 32) -> tuple[float, float]:
+    """(``simulated_acceptance``, the served estimate: ``AcceptanceStats.walk_mean`` over every
+    segment) from one unroll per batch of segments. NaN where nothing qualifies."""
     total, weight = 0.0, 0
+    walk = AcceptanceStats()
     usable = [s for s in segments if s.num_positions > gamma]
     for i in range(0, len(usable), batch):
         chunk = usable[i:i + batch]
         w = sum(s.num_positions - gamma for s in chunk)
-        total += evaluate(head, embed, chunk, gamma) * w
+        stats = acceptance_stats(head, embed, chunk, gamma)
+        total += stats.row_mean * w
         weight += w
-    return total / weight if weight else float("nan")
+        walk.walk_steps += stats.walk_steps
+        walk.walk_tokens += stats.walk_tokens
+    return (total / weight if weight else float("nan")), walk.walk_mean
