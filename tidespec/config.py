@@ -177,6 +177,10 @@ class Eagle3Options:
     dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = opt(
         "auto", "EAGLE-3 head's weights and activations (auto = the target's --dtype); the drafter's precision "
                 "never changes the output, only how often its drafts are accepted and what they cost")
+    min_draft_prob: float = opt(
+        0.0, "EAGLE-3 chains: stop drafting once the product of the chain's draft probabilities under the head "
+             "falls below this (its confidence tracks acceptance, EAGLE-2); the first draft is always proposed. "
+             "0 = draft as many as the policy asks")
     quantization: Literal["auto", "none", "int8", "int4"] = opt(
         "auto", "EAGLE-3 head's weights while drafting: int8 (per output channel) or int4 (groups of 32, LM head "
                 "int8) copies of its linear layers, PyTorch's CPU kernels; the float head still trains, swaps and "
@@ -185,6 +189,8 @@ class Eagle3Options:
     def __post_init__(self) -> None:
         check_at_least(0, eagle3_draft_vocab=self.draft_vocab)
         check_at_least(1, eagle3_tree_depth=self.tree_depth, eagle3_tree_top_k=self.tree_top_k)
+        if not 0.0 <= self.min_draft_prob < 1.0:
+            raise ConfigError(f"--eagle3-min-draft-prob must be in [0, 1), got {self.min_draft_prob}")
 
 
 DRAFT_VOCAB_MODES = ("off", "static", "dynamic")

@@ -78,7 +78,8 @@ def _one_drafter(name: str, spec: SpecConfig, target: LlamaModel, max_num_seqs: 
     if name == "eagle3":
         return build_eagle3_drafter(target, spec.eagle3.dir, spec.eagle3.draft_vocab, Eagle3DrafterConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, tree_depth=spec.eagle3.tree_depth,
-            tree_top_k=spec.eagle3.tree_top_k, quantization=head_quantization(spec.eagle3.quantization, device)),
+            tree_top_k=spec.eagle3.tree_top_k, quantization=head_quantization(spec.eagle3.quantization, device),
+            min_draft_prob=spec.eagle3.min_draft_prob),
             dtype=None if spec.eagle3.dtype == "auto" else DTYPES[spec.eagle3.dtype], device=device)
     dm = spec.draft_model
     if dm.path and not dm.layers:

@@ -286,6 +286,13 @@ def test_spec_bench_eagle3_heads_are_checked(tmp_path: Path) -> None:
                           eagle3_quantizations=("none", "int8"))
     assert [v for _, _, v in cfg.grid()] == [None, HeadVariant("h none", str(tmp_path / "a"), "none"),
                                              HeadVariant("h int8", str(tmp_path / "a"), "int8")]
+    cfg = SpecBenchConfig(drafters=("eagle3",), gammas=(4,), eagle3_min_draft_probs=(0.0, 0.3))
+    assert [v for _, _, v in cfg.grid()] == [None, HeadVariant("p>=0", None, None, 0.0),
+                                             HeadVariant("p>=0.3", None, None, 0.3)]
+    with pytest.raises(ConfigError, match="min-draft-probs"):
+        SpecBenchConfig(drafters=("eagle3",), eagle3_min_draft_probs=(0.3, 1.0))
+    with pytest.raises(ConfigError, match="add eagle3 to --drafters"):
+        SpecBenchConfig(drafters=("suffix",), eagle3_min_draft_probs=(0.3,))
 
 
 def test_profile_smoke(tmp_path: Path) -> None:

@@ -24,7 +24,8 @@ from tidespec.online.eagle3_train import (
 )
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter, DraftInput, Observation
-from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig, rerank_tree
+from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
+from tidespec.speculative.tree import rerank_tree
 
 VOCAB = 48
 

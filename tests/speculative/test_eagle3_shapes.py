@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import capture, run_to_completion, tiny_llama, tiny_tokenizer
-from tidespec.config import CacheConfig, EngineConfig, SpecConfig
+from tidespec.config import CacheConfig, ConfigError, Eagle3Options, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.models.eagle3_checkpoint import export_eagle3, import_eagle3, state_dict_equal
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head, init_from_target
@@ -39,10 +39,12 @@ def shaped_head(target: LlamaModel, layers: int, fusion: str, seed: int = 1) -> 
     return head
 
 
-def drafter_for(head: Eagle3Head, target: LlamaModel, slots: int = 4, quantization: str = "none") -> Eagle3Drafter:
+def drafter_for(head: Eagle3Head, target: LlamaModel, slots: int = 4, quantization: str = "none",
+                min_draft_prob: float = 0.0) -> Eagle3Drafter:
     return Eagle3Drafter(head, target.embed_tokens, Eagle3DrafterConfig(max_num_seqs=slots, max_model_len=128,
                                                                         tree_depth=3, tree_top_k=2,
-                                                                        quantization=quantization))
+                                                                        quantization=quantization,
+                                                                        min_draft_prob=min_draft_prob))
 
 
 def test_config_validation() -> None:
@@ -78,19 +80,24 @@ def plain_outputs(target: LlamaModel, prompts: list[list[int]]) -> list[list[int
 
 
 def generate(target: LlamaModel, head: Eagle3Head | None, prompts: list[list[int]], spec: SpecConfig,
-             slots: int, quantization: str = "none") -> tuple[list[list[int]], int]:
-    """Outputs in prompt order and the number of draft tokens accepted."""
+             slots: int, quantization: str = "none", min_draft_prob: float = 0.0,
+             drafted: list[int] | None = None) -> tuple[list[list[int]], int]:
+    """Outputs in prompt order and the number of draft tokens accepted (``drafted`` gets the
+    number of draft tokens proposed appended)."""
     out: list[list[int]] = []
-    accepted = 0
+    accepted = proposed = 0
     for start in range(0, len(prompts), slots):
         cfg = EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=slots), spec=spec)
-        drafter = drafter_for(head, target, slots, quantization) if head is not None else None
+        drafter = drafter_for(head, target, slots, quantization, min_draft_prob) if head is not None else None
         engine = LLMEngine(target, tiny_tokenizer(V), cfg, drafter=drafter)
         ids = [engine.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True))
                for p in prompts[start:start + slots]]
         done = run_to_completion(engine)
         out += [done[i].token_ids for i in ids]
         accepted += sum(done[i].stats.num_accepted_tokens for i in ids)
+        proposed += sum(done[i].stats.num_draft_tokens for i in ids)
+    if drafted is not None:
+        drafted.append(proposed)
     return out, accepted
 
 
@@ -129,6 +136,23 @@ def test_greedy_equals_plain_with_a_quantized_head(target: LlamaModel, quantizat
     got, accepted = generate(target, head, PROMPTS, spec, batch, quantization)
     assert got == plain_outputs(target, PROMPTS)
     assert accepted > 0
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_confident_chains_stop_early_and_stay_lossless(target: LlamaModel, batch: int) -> None:
+    """``--eagle3-min-draft-prob``: a chain ends once its drafts' probability product falls below
+    the floor (fewer draft tokens than the policy asked), and greedy output does not move."""
+    head = init_from_target(shaped_head(target, 1, "concat"), target, "layer")
+    spec = SpecConfig(drafter="eagle3", num_speculative_tokens=4)
+    counts: list[int] = []
+    full, _ = generate(target, head, PROMPTS, spec, batch, drafted=counts)
+    cut, accepted = generate(target, head, PROMPTS, spec, batch, min_draft_prob=0.5, drafted=counts)
+    assert full == cut == plain_outputs(target, PROMPTS)
+    assert accepted > 0 and 0 < counts[1] < counts[0]
+    with pytest.raises(Eagle3ConfigError, match="min_draft_prob"):
+        Eagle3DrafterConfig(min_draft_prob=1.0)
+    with pytest.raises(ConfigError, match="min-draft-prob"):
+        Eagle3Options(min_draft_prob=-0.1)
 
 
 def test_quantized_drafting_copy_follows_every_weight_swap(target: LlamaModel) -> None:

@@ -30,6 +30,7 @@ from tidespec.bench import quality
 from tidespec.bench.decode import (
     DecodeBenchConfig,
     parse_compare,
+    parse_float_list,
     parse_int_list,
     parse_str_list,
     resolve_target,
@@ -93,6 +94,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     s.add_argument("--eagle3-quantizations", default="",
                    help="EAGLE-3 drafting weights compared in one interleaved run, comma-separated none,int8,int4: "
                         "one eagle3 configuration per head, quantization and gamma (default: --eagle3-quantization)")
+    s.add_argument("--eagle3-min-draft-probs", default="",
+                   help="EAGLE-3 chain confidence floors compared in one interleaved run, comma-separated values in "
+                        "[0, 1): one eagle3 configuration per floor (and head, quantization) and gamma (default: "
+                        "--eagle3-min-draft-prob)")
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="every request generates --max-tokens tokens; --no-ignore-eos ends each at its EOS as a "
                         "server does (acceptance then leaves out text past EOS, which serving never drafts)")
@@ -199,7 +204,9 @@ def cmd_spec(ns: argparse.Namespace) -> int:
                           warmup=not ns.no_warmup,
                           eagle3_heads=parse_str_list(ns.eagle3_heads, "--eagle3-heads") if ns.eagle3_heads else (),
                           eagle3_quantizations=parse_str_list(ns.eagle3_quantizations, "--eagle3-quantizations")
-                          if ns.eagle3_quantizations else (), ignore_eos=ns.ignore_eos)
+                          if ns.eagle3_quantizations else (),
+                          eagle3_min_draft_probs=parse_float_list(ns.eagle3_min_draft_probs, "--eagle3-min-draft-probs")
+                          if ns.eagle3_min_draft_probs else (), ignore_eos=ns.ignore_eos)
     run_spec_bench(cfg, model_config=dataclass_from_args(ModelConfig, ns),
                    scheduler=dataclass_from_args(SchedulerConfig, ns), spec_base=dataclass_from_args(SpecConfig, ns),
                    policy=dataclass_from_args(PolicyConfig, ns), out_dir=ns.out, command=command_line())

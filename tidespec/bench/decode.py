@@ -118,6 +118,18 @@ def parse_int_list(text: str, name: str, minimum: int = 1) -> tuple[int, ...]:
     return values
 
 
+def parse_float_list(text: str, name: str) -> tuple[float, ...]:
+    """``"0, 0.3"`` -> ``(0.0, 0.3)``; one-line ``ConfigError`` on anything else (ranges are the
+    config's to check)."""
+    try:
+        values = tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"{name} must be a comma-separated list of numbers, got {text!r}") from None
+    if not values:
+        raise ConfigError(f"{name} must be a non-empty comma-separated list, got {text!r}")
+    return values
+
+
 def bench_engine_config(prompts: list[Prompt], max_tokens: int, max_batch: int, max_position: int,
                         model: ModelConfig | None = None, scheduler: SchedulerConfig | None = None,
                         spec: SpecConfig | None = None, policy: PolicyConfig | None = None) -> EngineConfig:

@@ -92,6 +92,9 @@ class SpecBenchConfig:
     # EAGLE-3 drafting weights to compare in one run (none, int8, int4): one configuration per head x
     # quantization x gamma (empty: the one of --eagle3-quantization)
     eagle3_quantizations: tuple[str, ...] = ()
+    # EAGLE-3 chain confidence floors to compare in one run (--eagle3-min-draft-prob values): one
+    # configuration per head x quantization x floor x gamma (empty: the one of the command line)
+    eagle3_min_draft_probs: tuple[float, ...] = ()
     ignore_eos: bool = True  # every request generates max_tokens; False: a request ends at its EOS
 
     def __post_init__(self) -> None:
@@ -110,8 +113,13 @@ class SpecBenchConfig:
             raise ConfigError(f"max_tokens must be >= 2, got {self.max_tokens}")
         if any(k < 1 for k in self.hf_pld_tokens):
             raise ConfigError(f"hf_pld_tokens must be >= 1, got {self.hf_pld_tokens}")
-        if (self.eagle3_heads or self.eagle3_quantizations) and "eagle3" not in self.drafters:
-            raise ConfigError("--eagle3-heads / --eagle3-quantizations compare EAGLE-3 heads: add eagle3 to --drafters")
+        if self._compared and "eagle3" not in self.drafters:
+            raise ConfigError("--eagle3-heads / --eagle3-quantizations / --eagle3-min-draft-probs compare EAGLE-3 "
+                              "variants: add eagle3 to --drafters")
+        if any(not 0.0 <= f < 1.0 for f in self.eagle3_min_draft_probs) or \
+                len(set(self.eagle3_min_draft_probs)) != len(self.eagle3_min_draft_probs):
+            raise ConfigError(f"--eagle3-min-draft-probs: distinct values in [0, 1), got "
+                              f"{','.join(map(str, self.eagle3_min_draft_probs))}")
         bad_q = [q for q in self.eagle3_quantizations if q not in QUANTIZATIONS]
         if bad_q or len(set(self.eagle3_quantizations)) != len(self.eagle3_quantizations):
             raise ConfigError(f"--eagle3-quantizations: distinct values of {', '.join(QUANTIZATIONS)}, "
@@ -132,22 +140,30 @@ class SpecBenchConfig:
         """
         return [(e.split("=", 1)[0], e.split("=", 1)[1]) if "=" in e else (e, e) for e in self.eagle3_heads]
 
-    def variants(self) -> list[HeadVariant]:
-        """The compared EAGLE-3 variants: every head x every quantization (none compared: one).
+    @property
+    def _compared(self) -> bool:
+        return bool(self.eagle3_heads or self.eagle3_quantizations or self.eagle3_min_draft_probs)
 
-        Example: heads ``("d1=a",)``, quantizations ``("none", "int8")`` -> ``d1 none`` and ``d1 int8``.
+    def variants(self) -> list[HeadVariant]:
+        """The compared EAGLE-3 variants: every head x every quantization x every confidence floor
+        (none compared: one).
+
+        Example: heads ``("d1=a",)``, quantizations ``("none", "int8")`` -> ``d1 none`` and ``d1 int8``;
+        floors ``(0.0, 0.3)`` alone -> ``p>=0`` and ``p>=0.3``.
         """
         heads: list[tuple[str, str] | None] = list(self.heads()) or [None]
         quants: list[str | None] = list(self.eagle3_quantizations) or [None]
-        return [HeadVariant(" ".join(x for x in (h[0] if h else None, q) if x), h[1] if h else None, q)
-                for h in heads for q in quants]
+        floors: list[float | None] = list(self.eagle3_min_draft_probs) or [None]
+        return [HeadVariant(" ".join(x for x in (h[0] if h else None, q, f"p>={f:g}" if f is not None else None) if x),
+                            h[1] if h else None, q, f)
+                for h in heads for q in quants for f in floors]
 
     def grid(self) -> list[tuple[str, int, HeadVariant | None]]:
         """(drafter, gamma, EAGLE-3 variant or None) per configuration; plain first, always (``none``
         means plain); with ``eagle3_heads`` / ``eagle3_quantizations`` one eagle3 configuration per
         variant and gamma."""
         grid: list[tuple[str, int, HeadVariant | None]] = [(PLAIN, 0, None)]
-        compared = bool(self.eagle3_heads or self.eagle3_quantizations)
+        compared = self._compared
         for d in self.drafters:
             if d == "none":
                 continue
@@ -158,12 +174,13 @@ class SpecBenchConfig:
 
 @dataclass(frozen=True)
 class HeadVariant:
-    """One compared EAGLE-3 configuration: a head directory and/or a drafting quantization (None:
-    what the command line says)."""
+    """One compared EAGLE-3 configuration: a head directory, a drafting quantization and/or a chain
+    confidence floor (None: what the command line says)."""
 
     label: str
     directory: str | None = None
     quantization: str | None = None
+    min_draft_prob: float | None = None
 
 
 def config_label(drafter: str, gamma: int, head: str | None = None) -> str:
@@ -215,7 +232,8 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
             spec = dataclasses.replace(spec, vocab=dataclasses.replace(base.vocab, mode="off"))
         if head is not None:
             spec = dataclasses.replace(spec, eagle3=dataclasses.replace(
-                base.eagle3, dir=head.directory or base.eagle3.dir, quantization=head.quantization or base.eagle3.quantization))
+                base.eagle3, dir=head.directory or base.eagle3.dir, quantization=head.quantization or base.eagle3.quantization,
+                min_draft_prob=base.eagle3.min_draft_prob if head.min_draft_prob is None else head.min_draft_prob))
         econf = bench_engine_config(prompts, cfg.max_tokens, cfg.batch_size,
                                     target.model.cfg.max_position_embeddings, mc, scheduler, spec, policy)
         engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)

@@ -129,3 +129,27 @@ def build_tree_from_paths(paths: list[list[int]]) -> tuple[list[int], list[int]]
         parent_indices.append(parent)
         stack.extend((c, idx) for c in reversed(kids[node].values()))
     return token_ids, parent_indices
+
+
+def rerank_tree(scores: list[float], parents: list[int], budget: int) -> tuple[list[int], list[int]]:
+    """Keep the ``budget`` candidates with the highest cumulative log-probability, as a tree.
+
+    ``parents[j]`` indexes an earlier candidate or is -1 (root child); ``scores`` are cumulative
+    path log-probabilities (a child never scores above its parent). A candidate is kept only
+    when its parent is kept, so the result is always a tree; ties go to the shallower, earlier
+    candidate. Returns (kept candidate indices in topological order, their parents re-indexed).
+
+    Example: scores [-0.1, -1.0, -0.3, -2.0], parents [-1, -1, 0, 2], budget 3
+    -> order by score: 0, 2, 1 -> kept [0, 1, 2] -> parents [-1, -1, 0].
+    """
+    depths = tree_depths(parents)
+    order = sorted(range(len(scores)), key=lambda j: (-scores[j], depths[j], j))
+    kept: set[int] = set()
+    for j in order:
+        if len(kept) >= budget:
+            break
+        if parents[j] < 0 or parents[j] in kept:
+            kept.add(j)
+    topo = sorted(kept, key=lambda j: (depths[j], j))
+    new_index = {j: i for i, j in enumerate(topo)}
+    return topo, [new_index[parents[j]] if parents[j] >= 0 else -1 for j in topo]

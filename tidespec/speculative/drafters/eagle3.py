@@ -42,36 +42,14 @@ from tidespec.models.llama import BatchLayout
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
 from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.drafters.draft_model import draft_seed
-from tidespec.speculative.tree import tree_depths, tree_mask
+from tidespec.speculative.tree import rerank_tree, tree_depths, tree_mask
 from tidespec.speculative.vocab.dynamic import DynamicVocab
 
-# ----------------------------------------------------------------------------------------------
-# EAGLE-2 dynamic tree
-# ----------------------------------------------------------------------------------------------
 
-
-def rerank_tree(scores: list[float], parents: list[int], budget: int) -> tuple[list[int], list[int]]:
-    """Keep the ``budget`` candidates with the highest cumulative log-probability, as a tree.
-
-    ``parents[j]`` indexes an earlier candidate or is -1 (root child); ``scores`` are cumulative
-    path log-probabilities (a child never scores above its parent). A candidate is kept only
-    when its parent is kept, so the result is always a tree; ties go to the shallower, earlier
-    candidate. Returns (kept candidate indices in topological order, their parents re-indexed).
-
-    Example: scores [-0.1, -1.0, -0.3, -2.0], parents [-1, -1, 0, 2], budget 3
-    -> order by score: 0, 2, 1 -> kept [0, 1, 2] -> parents [-1, -1, 0].
-    """
-    depths = tree_depths(parents)
-    order = sorted(range(len(scores)), key=lambda j: (-scores[j], depths[j], j))
-    kept: set[int] = set()
-    for j in order:
-        if len(kept) >= budget:
-            break
-        if parents[j] < 0 or parents[j] in kept:
-            kept.add(j)
-    topo = sorted(kept, key=lambda j: (depths[j], j))
-    new_index = {j: i for i, j in enumerate(topo)}
-    return topo, [new_index[parents[j]] if parents[j] >= 0 else -1 for j in topo]
+def _drawn_prob(top: float, probs: torch.Tensor | None, token: int) -> float:
+    """A draft's probability under the head: greedy (``probs`` None) the top one, sampled the drawn
+    token's in ``probs`` [V] (the distribution it was drawn from)."""
+    return top if probs is None else float(probs[token])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -90,6 +68,7 @@ class Eagle3DrafterConfig:
     tree_budget: int = 0  # tokens kept after the global rerank; 0 = the sequence's gamma
     retain_taps: bool = True  # keep every tap row so a weight swap can rebuild the head KV exactly
     quantization: str = "none"  # draft with an int8 / int4 weight copy of the head (CPU; models.eagle3_head.quantized_head)
+    min_draft_prob: float = 0.0  # chains stop once the product of their drafts' head probabilities is below this
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -103,6 +82,8 @@ class Eagle3DrafterConfig:
             raise Eagle3ConfigError(f"tree_depth and tree_top_k must be >= 1, got {self.tree_depth}, {self.tree_top_k}")
         if self.tree_budget < 0:
             raise Eagle3ConfigError(f"tree_budget must be >= 0, got {self.tree_budget}")
+        if not 0.0 <= self.min_draft_prob < 1.0:
+            raise Eagle3ConfigError(f"min_draft_prob must be in [0, 1), got {self.min_draft_prob}")
 
 
 class _TapStore:
@@ -498,20 +479,33 @@ class Eagle3Drafter:
         return int(ids[draft_id].item()), full
 
     def _propose_chains(self, chains: list[tuple[DraftInput, _SeqState, int]], vocab: _Vocab) -> dict[int, SeqDraft]:
-        """Greedy / sampled chains, all sequences batched one token per forward."""
+        """Greedy / sampled chains, all sequences batched one token per forward.
+
+        With ``min_draft_prob`` > 0 a chain also stops once the product of its drafts' probabilities
+        under the head (greedy: the top probability; sampled: the drawn token's) falls below it: the
+        head's confidence tracks how likely the target accepts (EAGLE-2), so the chain is not
+        extended where a draft would likely be rejected yet cost a head step and a verification row.
+        Example: probabilities 0.9, 0.5, 0.6 with min_draft_prob 0.3 -> products 0.9, 0.45, 0.27 ->
+        the chain ends after its third draft (the first two keep it going)."""
         toks: dict[int, list[int]] = {}
         probs: dict[int, list[torch.Tensor]] = {}
         hidden: dict[int, torch.Tensor] = {}
-        for inp, st, _ in chains:
+        confident: dict[int, float] = {}  # product of the chain's draft probabilities so far
+        floor = self.cfg.min_draft_prob
+        roots = [st.root_output() for _, st, _ in chains]
+        root_conf = self._confidence(torch.stack([logits for _, logits in roots])) if floor > 0 else None
+        for i, ((inp, st, _), (root_hidden, root_logits)) in enumerate(zip(chains, roots)):
             gen = self._generator(inp, st)
-            root_hidden, root_logits = st.root_output()
             tok, p = self._draw(root_logits, vocab.ids, inp.params, gen, len(inp.token_ids) - inp.num_prompt_tokens)
             toks[inp.seq_id] = [tok]
             probs[inp.seq_id] = [p] if p is not None else []
             hidden[inp.seq_id] = root_hidden
+            if root_conf is not None:
+                confident[inp.seq_id] = _drawn_prob(root_conf[i], p, tok)
         step = 1
         while True:
-            live = [(inp, st) for inp, st, g in chains if len(toks[inp.seq_id]) < g]
+            live = [(inp, st) for inp, st, g in chains
+                    if len(toks[inp.seq_id]) < g and confident.get(inp.seq_id, 1.0) >= floor]
             if not live:
                 break
             fused = torch.stack([hidden[inp.seq_id] for inp, _ in live])  # [B, H]
@@ -519,6 +513,7 @@ class Eagle3Drafter:
             layout = BatchLayout.build([1] * len(live), [st.kv_len + step - 1 for _, st in live],
                                        [st.slot for _, st in live], device=self.head.device)
             out, logits = self.served(fused, embeds, layout, self.kv, rows=vocab.rows)
+            conf = self._confidence(logits) if floor > 0 else None
             for b, (inp, st) in enumerate(live):
                 tok, p = self._draw(logits[b], vocab.ids, inp.params, st.generator,
                                     len(inp.token_ids) - inp.num_prompt_tokens + step)
@@ -526,10 +521,17 @@ class Eagle3Drafter:
                 if p is not None:
                     probs[inp.seq_id].append(p)
                 hidden[inp.seq_id] = out[b]
+                if conf is not None:
+                    confident[inp.seq_id] *= _drawn_prob(conf[b], p, tok)
             step += 1
         return {inp.seq_id: SeqDraft(toks[inp.seq_id], None,
                                      torch.stack(probs[inp.seq_id]) if probs[inp.seq_id] else None)
                 for inp, _, _ in chains}
+
+    @staticmethod
+    def _confidence(logits: torch.Tensor) -> list[float]:
+        """[B, n] logits -> each row's top probability (one host read for the batch)."""
+        return torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()
 
     def _generator(self, inp: DraftInput, st: _SeqState) -> torch.Generator:
         """Per-sequence draft sampler, seeded once from the request seed (never equal to it)."""
