@@ -97,6 +97,8 @@ def test_learning_curve_on_two_stores(tmp_path: Path) -> None:
         assert c["final_walk_len"] == c["points"][-1]["heldout_walk_len"]
     slope = (full["best_accept_len"] - small["best_accept_len"]) / math.log2(full["rows"] / small["rows"])
     assert doc["fit"]["per_doubling"] == pytest.approx(slope)
+    walk_slope = (full["best_walk_len"] - small["best_walk_len"]) / math.log2(full["rows"] / small["rows"])
+    assert doc["fit_walk"]["per_doubling"] == pytest.approx(walk_slope)
     saved = json.loads((tmp_path / "out" / "bench_learn.json").read_text())
     assert saved["command"] == "test" and len(saved["curves"]) == 2
     assert (tmp_path / "out" / "learn.png").stat().st_size > 0

@@ -253,15 +253,19 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
             if cfg.export_dir and share == cfg.shares[-1]:
                 export_eagle3(head, cfg.export_dir)
             best = max(points, key=lambda p: p["heldout_accept_len"])
+            best_walk = max((p["heldout_walk_len"] for p in points if math.isfinite(p["heldout_walk_len"])),
+                            default=float("nan"))
             curves.append({"fraction": share, "sequences": n, "rows": rows, "steps": steps, "points": points,
                            "final_accept_len": points[-1]["heldout_accept_len"],
                            "final_walk_len": points[-1]["heldout_walk_len"],
                            "best_accept_len": best["heldout_accept_len"], "best_step": best["step"],
+                           "best_walk_len": best_walk,
                            "train_s": time.perf_counter() - t0 - eval_s})
     fit = fit_log2([c["rows"] for c in curves], [c["best_accept_len"] for c in curves], cfg.target_length)
+    fit_walk = fit_log2([c["rows"] for c in curves], [c["best_walk_len"] for c in curves], cfg.target_length)
     doc: dict[str, Any] = {"config": asdict(cfg), "store_rows": store_rows, "sequences": len(by_key),
                            "heldout_sequences": len(held), "heldout_rows": heldout_rows, "curves": curves,
-                           "fit": fit}
+                           "fit": fit, "fit_walk": fit_walk}
     return finish_run(out_dir, "learn", doc, command, str(target.model.dtype).removeprefix("torch."), report,
                       plot_learn, log)
 
@@ -297,19 +301,26 @@ def report(doc: dict[str, Any]) -> str:
               "the same chains counted as a greedy server meets them, one step per emitted run of tokens instead "
               "of one per row, which is what a served acceptance length measures; lower, since easy stretches "
               "are drafted from once per step, not at each of their rows.)"]
-    fit = doc["fit"]
-    lines.append("")
-    if fit["per_doubling"] is None:
-        lines.append("Fit: needs at least two shares with different row counts.")
-    else:
-        need = fit["rows_for_target"]
-        reach = (f"it reaches {fit['target']:g} at about {need:.2g} rows if the trend held (an extrapolation "
-                 f"{need / max(c['rows'] for c in doc['curves']):.2g}x beyond the largest share)"
-                 if need is not None else f"it does not rise, so it never reaches {fit['target']:g}")
-        lines.append(f"Fit of the best held-out acceptance: {fit['intercept']:.3f} + {fit['per_doubling']:.3f} "
-                     f"x log2(rows), i.e. {fit['per_doubling']:+.3f} per doubling of the training rows; {reach}.")
+    for name, fit in (("the best held-out acceptance", doc["fit"]),
+                      ("the best held-out acceptance walked as served", doc.get("fit_walk"))):
+        if fit is None:  # a run written before the walked estimate existed
+            continue
+        lines.append("")
+        lines.append(_fit_line(name, fit, max(c["rows"] for c in doc["curves"])))
     lines.append("")
     return "\n".join(lines)
+
+
+def _fit_line(name: str, fit: dict[str, Any], largest: int) -> str:
+    """One sentence on a ``fit_log2`` result."""
+    if fit["per_doubling"] is None:
+        return f"Fit of {name}: needs at least two shares with different row counts."
+    need = fit["rows_for_target"]
+    reach = (f"it reaches {fit['target']:g} at about {need:.2g} rows if the trend held (an extrapolation "
+             f"{need / largest:.2g}x beyond the largest share)"
+             if need is not None else f"it does not rise, so it never reaches {fit['target']:g}")
+    return (f"Fit of {name}: {fit['intercept']:.3f} + {fit['per_doubling']:.3f} x log2(rows), i.e. "
+            f"{fit['per_doubling']:+.3f} per doubling of the training rows; {reach}.")
 
 
 def _fmt(x: float | None) -> str:
@@ -336,15 +347,20 @@ def plot_learn(doc: dict[str, Any], out_dir: Path) -> Path:
     ax_s.legend(fontsize=8)
     ax_s.grid(alpha=0.3)
     rows = [c["rows"] for c in doc["curves"]]
-    ax_r.plot(rows, [c["best_accept_len"] for c in doc["curves"]], "o", label="best held-out")
     fit = doc["fit"]
-    if fit["per_doubling"] is not None:
-        hi = max(rows) * 4.0
-        if fit["rows_for_target"] is not None:
-            hi = max(hi, min(fit["rows_for_target"], max(rows) * 2.0 ** 12))
-        xs = np.geomspace(min(rows), hi, 50)
-        ax_r.plot(xs, fit["intercept"] + fit["per_doubling"] * np.log2(xs), "--",
-                  label=f"fit: {fit['per_doubling']:+.3f} per doubling")
+    for key, fit_key, what in (("best_accept_len", "fit", "best held-out"),
+                               ("best_walk_len", "fit_walk", "best held-out, walked as served")):
+        if fit_key not in doc:  # a run written before the walked estimate existed
+            continue
+        dots, = ax_r.plot(rows, [c[key] for c in doc["curves"]], "o", label=what)
+        f = doc[fit_key]
+        if f["per_doubling"] is not None:
+            hi = max(rows) * 4.0
+            if f["rows_for_target"] is not None:
+                hi = max(hi, min(f["rows_for_target"], max(rows) * 2.0 ** 12))
+            xs = np.geomspace(min(rows), hi, 50)
+            ax_r.plot(xs, f["intercept"] + f["per_doubling"] * np.log2(xs), "--", color=dots.get_color(),
+                      label=f"fit: {f['per_doubling']:+.3f} per doubling")
     ax_r.axhline(fit["target"], color="grey", lw=0.8, ls=":", label=f"target {fit['target']:g}")
     ax_r.set_xscale("log", base=2)
     ax_r.set_xlabel("training rows (log2)")
