@@ -435,24 +435,26 @@ class AcceptanceStats:
         return self.walk_tokens / self.walk_steps if self.walk_steps else float("nan")
 
 
-def walk_chains(leading: list[int], start_ok: list[bool]) -> tuple[int, int]:
+def walk_chains(leading: list[int], judged: list[bool]) -> tuple[int, int]:
     """A greedy server's walk over one segment's rows -> (steps, tokens emitted).
 
-    ``leading[p]``: drafts of the chain drafted at row p that match the continuation (stopping at
-    the first label that is unknown or not the target's greedy one); ``start_ok[p]``: row p's first
-    label is the target's greedy token (elsewhere the recorded text left the greedy path: prompt
-    text, a sampled token, and no server would draft there for this continuation). A step at row p
-    emits ``leading[p] + 1`` tokens (fewer where the segment's text ends: rows predict the tokens
-    two positions on) and the walk goes on ``leading[p] + 1`` rows later.
+    ``leading[p]``: drafts of the chain drafted at row p that match the continuation; ``judged[p]``:
+    that chain's outcome is known — its first label is the target's greedy token and no label off
+    the greedy path (prompt text, a sampled token) cut it short before a draft missed (labels past
+    the end of the text only end it, as max_tokens ends a served request). A step at a judged row p
+    emits ``leading[p] + 1`` tokens (fewer where the text ends: rows predict the tokens two
+    positions on) and the walk goes on ``leading[p] + 1`` rows later; an unjudged row is skipped.
+    On a greedy continuation every row is judged and the walk is exactly a server's (a test serves
+    one through the engine); on sampled ones it keeps the chains whose outcome the text tells.
 
-    Example: leading [2, 0, 0, 1, 0, 0], rows 0-4 ok (the last row's label lies past the text) ->
-    a step at row 0 (3 tokens), one at row 3 (2 tokens) -> (2, 5). With row 3 not ok as well:
-    rows 0 (3 tokens) and 4 (1 token: the text ends) -> (2, 4).
+    Example: leading [2, 0, 0, 1, 0, 0], rows 0-4 judged (the last row has nothing left to draft)
+    -> a step at row 0 (3 tokens), one at row 3 (2 tokens) -> (2, 5). With row 3 not judged as
+    well: rows 0 (3 tokens) and 4 (1 token: the text ends) -> (2, 4).
     """
     n = len(leading)
     steps = tokens = p = 0
     while p < n:
-        if not start_ok[p]:
+        if not judged[p]:
             p += 1
             continue
         steps += 1
@@ -465,30 +467,37 @@ def walk_chains(leading: list[int], start_ok: list[bool]) -> tuple[int, int]:
 def acceptance_stats(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], gamma: int
                      ) -> AcceptanceStats:
     """Greedy chains of ``gamma`` drafts from every row of ``segments`` at once (one unroll),
-    counted per row and as a server's walk (``AcceptanceStats``)."""
+    counted per row and as a server's walk (``AcceptanceStats``, ``walk_chains``)."""
     if gamma < 1:
         raise Eagle3TrainError(f"gamma must be >= 1, got {gamma}")
     batch = SignalBatch.collate(segments, head)
     step_logits = unroll(head, embed, batch, gamma, self_feed=True)
-    alive = torch.ones(len(segments), batch.num_rows, dtype=torch.bool, device=head.device)  # [B, N]
-    leading = torch.zeros(len(segments), batch.num_rows, dtype=torch.int64, device=head.device)  # walk: through valid labels
-    accepted = torch.zeros_like(leading)  # per row: rows whose gamma labels are all known
-    rows_ok = alive.clone()
-    first_ok = alive.clone()
+    b, n = len(segments), batch.num_rows
+    rows = torch.arange(n, device=head.device)
+    lengths = torch.tensor([seg.num_positions for seg in segments], device=head.device)  # [B]
+    alive = torch.ones(b, n, dtype=torch.bool, device=head.device)  # [B, N] per row: every draft so far matched
+    accepted = torch.zeros(b, n, dtype=torch.int64, device=head.device)
+    rows_ok = alive.clone()  # per row: all gamma labels known
+    running = alive.clone()  # walk: matched through labels on the greedy path
+    judged = alive.clone()  # walk: the chain's outcome is known
+    leading = torch.zeros_like(accepted)
     for s, logits in enumerate(step_logits, start=1):
         labels, valid = batch.labels(s)
-        if s == 1:
-            first_ok = valid.clone()
+        inside = rows[None, :] <= lengths[:, None] - s - 1  # [B, N] the label lies within the text
+        match = head.draft_to_target(logits.argmax(-1)) == labels
         rows_ok &= valid
-        alive &= head.draft_to_target(logits.argmax(-1)) == labels
+        alive &= match
         accepted += alive.long()
-        leading += (alive & valid).long()
-        alive &= valid  # a chain is not judged past a label that is unknown or off the greedy path
+        judged &= ~(running & inside & ~valid)  # an off-path label cut the chain short: outcome unknown
+        if s == 1:
+            judged &= valid  # nothing to draft at the last row; off-path first labels are not drafted for
+        running &= valid & match
+        leading += running.long()
     stats = AcceptanceStats(rows=int(rows_ok.sum()), row_sum=int((accepted[rows_ok] + 1).sum()))
-    lead, ok = leading.tolist(), first_ok.tolist()
-    for b, seg in enumerate(segments):
-        n = seg.num_positions
-        steps, tokens = walk_chains(lead[b][:n], ok[b][:n])
+    lead, ok = leading.tolist(), judged.tolist()
+    for i, seg in enumerate(segments):
+        m = seg.num_positions
+        steps, tokens = walk_chains(lead[i][:m], ok[i][:m])
         stats.walk_steps += steps
         stats.walk_tokens += tokens
     return stats
