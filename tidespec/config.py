@@ -178,9 +178,10 @@ class Eagle3Options:
         "auto", "EAGLE-3 head's weights and activations (auto = the target's --dtype); the drafter's precision "
                 "never changes the output, only how often its drafts are accepted and what they cost")
     min_draft_prob: float = opt(
-        0.0, "EAGLE-3 chains: stop drafting once the product of the chain's draft probabilities under the head "
+        0.4, "EAGLE-3 chains: stop drafting once the product of the chain's draft probabilities under the head "
              "falls below this (its confidence tracks acceptance, EAGLE-2); the first draft is always proposed. "
-             "0 = draft as many as the policy asks")
+             "0 = draft as many as the policy asks. 0.4: every gamma 3-6 within a few percent of the best on "
+             "code and above plain on chat (docs/benchmarks.md section 30)")
     quantization: Literal["auto", "none", "int8", "int4"] = opt(
         "auto", "EAGLE-3 head's weights while drafting: int8 (per output channel) or int4 (groups of 32, LM head "
                 "int8) copies of its linear layers, PyTorch's CPU kernels; the float head still trains, swaps and "
