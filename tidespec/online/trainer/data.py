@@ -19,13 +19,7 @@ from torch import nn
 from tidespec.models.eagle3_checkpoint import fresh_head
 from tidespec.models.eagle3_head import Eagle3Head
 from tidespec.models.llama import LlamaConfig
-from tidespec.online.eagle3_train import (
-    AcceptanceStats,
-    SignalSegment,
-    acceptance_stats,
-    segments_from_rows,
-    select_draft_vocab,
-)
+from tidespec.online.eagle3_train import SignalSegment, acceptance_stats, segments_from_rows, select_draft_vocab
 from tidespec.online.store import SignalShard
 
 
@@ -130,10 +124,10 @@ def simulated_acceptance(head: Eagle3Head, embed: nn.Embedding, segments: list[S
 
 def heldout_acceptance(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], gamma: int,
                        batch: int = 32) -> tuple[float, float]:
-    """(``simulated_acceptance``, the served estimate: ``AcceptanceStats.walk_mean`` over every
+    """(``simulated_acceptance``, the served estimate: walked tokens per step, ``acceptance_stats``, over every
     segment) from one unroll per batch of segments. NaN where nothing qualifies."""
     total, weight = 0.0, 0
-    walk = AcceptanceStats()
+    steps = tokens = 0
     usable = [s for s in segments if s.num_positions > gamma]
     for i in range(0, len(usable), batch):
         chunk = usable[i:i + batch]
@@ -141,6 +135,6 @@ def heldout_acceptance(head: Eagle3Head, embed: nn.Embedding, segments: list[Sig
         stats = acceptance_stats(head, embed, chunk, gamma)
         total += stats.row_mean * w
         weight += w
-        walk.walk_steps += stats.walk_steps
-        walk.walk_tokens += stats.walk_tokens
-    return (total / weight if weight else float("nan")), walk.walk_mean
+        steps += stats.walk_steps
+        tokens += stats.walk_tokens
+    return (total / weight if weight else float("nan")), (tokens / steps if steps else float("nan"))
