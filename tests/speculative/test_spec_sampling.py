@@ -159,17 +159,20 @@ def test_speculative_sampling_matches_target(model, tok, prompt, drafter, tree, 
     assert p > 0.01, f"speculative samples deviate from the target distribution (chi2 p={p:.2e})"
 
 
-def test_a_bfloat16_eagle3_head_keeps_the_targets_distribution(tok, prompt, monkeypatch):
+@pytest.mark.parametrize("floor", [0.0, 0.4])
+def test_a_bfloat16_eagle3_head_keeps_the_targets_distribution(tok, prompt, floor, monkeypatch):
     """``--eagle3-dtype bfloat16`` on a float64 target, drafting with int8 weights (the CPU default,
     ``--eagle3-quantization``): rejection sampling with the draft probabilities that copy computes
-    (softmax in float32 over its bfloat16 logits) still samples the target's distribution. (Float
-    heads: the dynamic-vocabulary sampling tests build their drafters unquantized.)"""
+    (softmax in float32 over its bfloat16 logits) still samples the target's distribution, with and
+    without chains that stop on the drawn drafts' probabilities (``--eagle3-min-draft-prob``, 0.4 by
+    default). (Float heads: the dynamic-vocabulary sampling tests build their drafters unquantized.)"""
     model = tiny_llama(V, layers=3, seed=4, scale=1.5)  # EAGLE-3 taps need >= 3 layers
     torch.manual_seed(0)
     spec = SpecConfig(drafter="eagle3", num_speculative_tokens=3,
-                      eagle3=Eagle3Options(dtype="bfloat16", quantization="int8"))
+                      eagle3=Eagle3Options(dtype="bfloat16", quantization="int8", min_draft_prob=floor))
     drafter = build_drafter(spec, model, 1, 32)
     assert drafter.head.dtype == torch.bfloat16 and type(drafter.served.lm_head).__name__ == "Int8Linear"
+    assert drafter.cfg.min_draft_prob == floor
     params = SETTINGS[1]
     samples, accepted, _ = sample_first3(model, tok, prompt, spec, params, monkeypatch, seeded=False)
     assert accepted > 1000, "too few accepted drafts: the test would not exercise verification"
