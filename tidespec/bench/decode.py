@@ -124,7 +124,7 @@ def parse_float_list(text: str, name: str) -> tuple[float, ...]:
     try:
         values = tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ConfigError(f"{name} must be a comma-separated list of numbers, got {text!r}") from None
+        raise ConfigError(f"{name} must be comma-separated numbers, got {text!r}") from None
     if not values:
         raise ConfigError(f"{name} must be a non-empty comma-separated list, got {text!r}")
     return values

@@ -49,6 +49,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from tidespec.bench.decode import parse_float_list
 from tidespec.bench.report import (
     default_out_dir,
     finish_run,
@@ -71,11 +72,8 @@ from tidespec.online.trainer.rounds import DraftTrainer
 
 def parse_fractions(text: str) -> tuple[float, ...]:
     """"0.5,0.125,1" -> (0.125, 0.5, 1.0); each in (0, 1], no repeats."""
-    try:
-        values = sorted({float(x) for x in text.split(",") if x.strip()})
-    except ValueError as exc:
-        raise ConfigError(f"fractions must be comma-separated numbers, got {text!r}") from exc
-    if not values or values[0] <= 0.0 or values[-1] > 1.0:
+    values = sorted(set(parse_float_list(text, "fractions")))
+    if values[0] <= 0.0 or values[-1] > 1.0:
         raise ConfigError(f"fractions must be in (0, 1], got {text!r}")
     return tuple(values)
 
