@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import tiny_llama, tiny_tokenizer
+from tests.speculative.test_dynamic_vocab import _drafter, _head
 from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
@@ -254,3 +255,21 @@ def test_draft_vocab_counters_are_exported_at_scrape_time() -> None:
     assert 'tidespec:draft_vocab_stat{stat="coverage"} 0.5' in text
     assert 'tidespec:draft_vocab_stat{stat="oov_events"} 1.0' in text
     assert 'tidespec:draft_vocab_stat{stat="size"} 2.0' in text
+
+
+def test_server_shutdown_stops_the_draft_vocabulary_worker() -> None:
+    """The dynamic vocabulary's worker thread ends with the server (it used to outlive it)."""
+    target = tiny_llama(64, layers=4, seed=2)
+    drafter = _drafter(_head(target, draft_vocab=24), target, 2)
+    drafter.vocab = DynamicVocab(DynamicVocabConfig(core_size=6, semantic_k=0), list(range(6)),
+                                 lambda ids: drafter.head.output_rows(ids, target.lm_head.weight.detach()))
+    worker = drafter.vocab._thread
+    assert worker is not None and worker.is_alive()
+    engine = LLMEngine(target, tiny_tokenizer(64), EngineConfig(cache=CacheConfig(max_model_len=128, max_num_seqs=2),
+                       spec=SpecConfig(drafter="eagle3", num_speculative_tokens=3)), drafter=drafter)
+    with TestClient(create_app(engine, ServerConfig(served_model_name="tiny"))) as client:
+        r = client.post("/v1/completions", json={"model": "tiny", "prompt": "t5 t6 t7 t8", "max_tokens": 8,
+                                                 "temperature": 0})
+        assert r.status_code == 200
+        assert worker.is_alive()
+    assert not worker.is_alive()

@@ -497,6 +497,8 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: M
             yield
         finally:
             await server.aengine.shutdown()
+            if vocab is not None:
+                vocab.close()  # its worker thread: nothing records into it once the engine loop stopped
             if metrics.on_step in engine.step_listeners:
                 engine.step_listeners.remove(metrics.on_step)
             if on_shutdown is not None:
