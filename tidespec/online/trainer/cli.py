@@ -1,4 +1,5 @@
-"""``tidespec train-drafter``: the command line of the decoupled EAGLE-3 trainer.
+"""``tidespec train-drafter``, ``synth-prompts`` and ``mine-prompts``: the command lines of the decoupled
+EAGLE-3 trainer and of the training prompts it can make for itself (self-instructed chat, mined code).
 
 Why this exists: the trainer runs as its own process — a child of ``tidespec serve
 --online-training``, a standalone job on another machine sharing the directories, or several
@@ -10,6 +11,8 @@ Worked examples::
 
     tidespec train-drafter --signal-dir runs/signals --publish-root runs/drafter --min-signals 8192
     tidespec train-drafter --from-workload code.jsonl --signal-dir runs/sig --publish-root runs/drafter --once
+    tidespec synth-prompts --out runs/q.jsonl --count 1000 --exclude-workload chat,code_unseen
+    tidespec mine-prompts --out runs/code.jsonl --count 1000 --exclude-workload code_unseen
     torchrun --nproc_per_node 2 -m tidespec.online.trainer.cli train-drafter --signal-dir ... --publish-root ... --once
 """
 
@@ -19,28 +22,64 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from tidespec.commands import standalone_main
 from tidespec.config import add_dataclass_args, dataclass_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add ``train-drafter`` to the top-level parser's sub-parsers."""
-    from tidespec.online.trainer.config import TrainerConfig
+    """Add ``train-drafter``, ``synth-prompts`` and ``mine-prompts`` to the top-level parser's sub-parsers."""
+    from tidespec.online.trainer.config import MinePromptsConfig, SynthPromptsConfig, TrainerConfig
 
-    p = subparsers.add_parser("train-drafter", help="train and publish EAGLE-3 drafters from captured signals",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add_dataclass_args(p, TrainerConfig)
+    _command(subparsers, "train-drafter", "train and publish EAGLE-3 drafters from captured signals", TrainerConfig,
+             cmd_train_drafter)
+    _command(subparsers, "synth-prompts", "write training prompts sampled from the target itself (Magpie "
+             "self-instruct) as a workload JSONL", SynthPromptsConfig, cmd_synth_prompts)
+    _command(subparsers, "mine-prompts", "write code-completion training prompts (a documented function's "
+             "signature and docstring) mined from Python sources as a workload JSONL", MinePromptsConfig,
+             cmd_mine_prompts)
+
+
+def _command(subparsers: argparse._SubParsersAction, name: str, help_text: str, cls: type,
+             func: Callable[[argparse.Namespace], int]) -> None:
+    """One sub-command: a flag per field of ``cls``, plus ``--log-level``."""
+    p = subparsers.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_dataclass_args(p, cls)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level")
-    p.set_defaults(func=cmd_train_drafter)
+    p.set_defaults(func=func)
+
+
+def _logging(ns: argparse.Namespace) -> None:
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+def _prompt_source(cls: type, ns: argparse.Namespace) -> Any:
+    """The validated config of a prompt-writing command; refuses to overwrite its ``--out``."""
+    from tidespec.online.trainer.config import TrainerConfigError
+
+    _logging(ns)
+    cfg = dataclass_from_args(cls, ns)
+    if os.path.exists(cfg.out):
+        raise TrainerConfigError(f"{cfg.out} exists; remove it or choose another --out")
+    return cfg
+
+
+def _write_prompts(records: list[Any], out: str) -> int:
+    from tidespec.online.trainer.selfinstruct import write_workload
+
+    write_workload(records, out)
+    print(f"wrote {len(records)} prompts to {out}")
+    return 0
 
 
 def cmd_train_drafter(ns: argparse.Namespace) -> int:
     from tidespec.online.trainer.config import TrainerConfig
     from tidespec.online.trainer.process import train_drafter
 
-    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _logging(ns)
     cfg = dataclass_from_args(TrainerConfig, ns)
     results = train_drafter(cfg)
     if int(os.environ.get("RANK", "0")) != 0:
@@ -51,6 +90,28 @@ def cmd_train_drafter(ns: argparse.Namespace) -> int:
               f"{r.train_loss:.3f}, mean acceptance length {r.baseline_accept_len:.3f} -> "
               f"{r.candidate_accept_len:.3f} ({status}, {r.train_time_s:.1f} s)")
     return 0
+
+
+def cmd_synth_prompts(ns: argparse.Namespace) -> int:
+    import torch
+
+    from tidespec.models.loader import DTYPES, load_model
+    from tidespec.online.trainer.config import SynthPromptsConfig
+    from tidespec.online.trainer.selfinstruct import synth_prompts
+
+    cfg = _prompt_source(SynthPromptsConfig, ns)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    loaded = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=cfg.device)
+    return _write_prompts(synth_prompts(loaded.model, loaded.tokenizer, cfg), cfg.out)
+
+
+def cmd_mine_prompts(ns: argparse.Namespace) -> int:
+    from tidespec.online.trainer.codemine import mine_functions
+    from tidespec.online.trainer.config import MinePromptsConfig
+
+    cfg = _prompt_source(MinePromptsConfig, ns)
+    return _write_prompts(mine_functions(cfg), cfg.out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tidespec.config import opt, section
+from tidespec.config import Section, opt, section
 from tidespec.errors import ConfigError
 from tidespec.models.eagle3_lora import ALL_TARGETS, TARGETS, AdapterError, check_targets
 
@@ -154,3 +154,67 @@ class TrainerConfig:
             raise TrainerConfigError("--samples > 1 needs --topk (sampled continuations are distilled, not imitated)")
         if self.min_gain < 0:
             raise TrainerConfigError(f"min_gain must be >= 0, got {self.min_gain}")
+
+
+@dataclass
+class PromptSourceConfig(Section):
+    """Flags shared by the commands that write training prompts as a workload JSONL."""
+
+    out: str = opt("", "workload JSONL to write (train-drafter --from-workload reads it)")
+    count: int = opt(1000, "prompts to write", min=1)
+    domain: str = opt("prompts", "domain label and id prefix of the written records")
+    exclude_workload: str = opt("", "drop prompts sharing --exclusion-ngram words in a row with a prompt of these "
+                                    "comma-separated workloads (the ones a benchmark measures on)")
+    exclusion_ngram: int = opt(8, "words in a row that make a prompt overlap a held-out prompt", min=1)
+    seed: int = opt(0, "seed of the prompts")
+    progress: bool = opt(True, "show a progress bar")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.out:
+            raise TrainerConfigError("--out is required")
+        if not self.domain.strip():
+            raise TrainerConfigError("--domain must not be empty")
+
+
+@dataclass
+class SynthPromptsConfig(PromptSourceConfig):
+    """Flags of ``tidespec synth-prompts`` (one field = one ``--flag``): Magpie self-instruct; query i
+    is sampled with seed ``seed * 1000003 + i``."""
+
+    domain: str = opt("self_instruct", "domain label and id prefix of the written records")
+    model: str | None = opt(None, "target checkpoint (HF dir or GGUF); default: embedded SmolLM2-135M-Instruct")
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = opt("float32", "target weights dtype")
+    device: str = opt("cpu", "torch device of the target")
+    threads: int = opt(0, "torch intra-op threads (0 = torch default)", min=0)
+    system: str | None = opt(None, "system message before the user's turn (default: the chat template's own); "
+                                   "steers the queries, e.g. 'You are a Python programming assistant.'")
+    temperature: float = opt(1.0, "sampling temperature of the queries (Magpie: 1.0)")
+    top_p: float = opt(1.0, "nucleus mass of the queries")
+    max_query_tokens: int = opt(128, "a query that has not ended after this many tokens is dropped", min=1)
+    min_words: int = opt(4, "shorter queries are dropped", min=1)
+    max_attempts: int = opt(0, "stop after this many sampled queries (0 = 4 x --count)", min=0)
+    max_num_seqs: int = opt(16, "queries sampled at once", min=1)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.temperature <= 0:
+            raise TrainerConfigError(f"temperature must be > 0 (greedy writes one query), got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise TrainerConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def attempts(self) -> int:
+        """Samples drawn at most: ``max_attempts``, or 4 x ``count`` when it is 0."""
+        return self.max_attempts or 4 * self.count
+
+
+@dataclass
+class MinePromptsConfig(PromptSourceConfig):
+    """Flags of ``tidespec mine-prompts`` (one field = one ``--flag``): code completion prompts from
+    documented functions in Python sources, a sample of them seeded by ``seed``."""
+
+    domain: str = opt("code_mined", "domain label and id prefix of the written records")
+    source: str = opt("", "comma-separated directories or .py files to mine (default: the Python standard library)")
+    min_doc_words: int = opt(5, "functions whose docstring is shorter are skipped", min=1)
+    max_chars: int = opt(1200, "prompts (signature + docstring) longer than this are skipped", min=1)
