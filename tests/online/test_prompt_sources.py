@@ -109,10 +109,10 @@ class Box:
 
 def test_prompts_from_source_stop_at_the_docstring() -> None:
     got = prompts_from_source(SOURCE)
-    assert got == ['def clamp(x: float, lo: float, hi: float) -> float:\n'
-                   '    """Limit x to the closed interval from lo to hi."""\n',
-                   'def joined(parts: list[str]) -> str:\n'
-                   '    """Join the parts with the platform\'s path separator, in order."""\n']
+    assert got == [('def clamp(x: float, lo: float, hi: float) -> float:\n'
+                    '    """Limit x to the closed interval from lo to hi."""\n'),
+                   ('def joined(parts: list[str]) -> str:\n'
+                    '    """Join the parts with the platform\'s path separator, in order."""\n')]
     assert prompts_from_source("def broken(:\n") == []
     assert prompts_from_source(SOURCE, max_chars=60) == []
 
@@ -134,9 +134,8 @@ def test_mine_functions_samples_dedupes_and_excludes(tmp_path: Path) -> None:
     assert all(r.kind == "completion" and r.domain == "code_mined" for r in recs)
     assert [r.prompt for r in mine_functions(cfg)] == [r.prompt for r in recs]  # seeded sample
     held = tmp_path / "held.jsonl"
-    held.write_text(json.dumps({"id": "h", "domain": "code", "kind": "completion",
-                                "prompt": "def area(r):\n    \"\"\"Area of a circle of radius r, in square units.\"\"\"\n"})
-                    + "\n")
+    area = 'def area(r):\n    """Area of a circle of radius r, in square units."""\n'
+    held.write_text(json.dumps({"id": "h", "domain": "code", "kind": "completion", "prompt": area}) + "\n")
     excluded = mine_functions(MinePromptsConfig(**{**cfg.__dict__, "exclude_workload": str(held)}))
     assert len(excluded) == 3 and not any("area" in r.prompt for r in excluded)
     assert len(mine_functions(MinePromptsConfig(**{**cfg.__dict__, "count": 2}))) == 2

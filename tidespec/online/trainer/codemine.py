@@ -35,7 +35,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tidespec.online.trainer.config import MinePromptsConfig, TrainerConfigError
-from tidespec.online.trainer.selfinstruct import OverlapFilter
+from tidespec.online.trainer.selfinstruct import OverlapFilter, held_out_texts
 from tidespec.workloads.loader import WorkloadRecord
 
 logger = logging.getLogger(__name__)
@@ -88,13 +88,10 @@ def prompts_from_source(text: str, *, min_doc_words: int = 5, max_chars: int = 1
 
 def mine_functions(cfg: MinePromptsConfig) -> list[WorkloadRecord]:
     """Up to ``cfg.count`` prompts from the sources, a seeded sample of all that pass the filters."""
-    from tidespec.workloads.loader import load_workload
-
     roots = [s.strip() for s in cfg.source.split(",") if s.strip()]
     # the standard library's directory holds the installed packages too: the default is only the former
     skip = () if roots else ("site-packages", "dist-packages")
-    held = [r.prompt for name in cfg.exclude_workload.split(",") if name.strip() for r in load_workload(name.strip())]
-    gate = OverlapFilter(held, cfg.exclusion_ngram)
+    gate = OverlapFilter(held_out_texts(cfg.exclude_workload), cfg.exclusion_ngram)
     found: list[tuple[str, str]] = []  # (prompt, file)
     files = list(python_files(roots or default_sources(), skip))
     for path in tqdm(files, desc="mine functions", unit="file", disable=not cfg.progress, leave=False):
