@@ -22,7 +22,7 @@ from tidespec.bench.shift_config import ShiftBenchConfig, build_trace
 from tidespec.bench.shift_measure import recompute_taps
 from tidespec.bench.shift_report import _curves
 from tidespec.bench.shift_runs import run_trace, trace_engine_config
-from tidespec.config import ConfigError, EngineConfig, ModelConfig
+from tidespec.config import ConfigError, Eagle3Options, EngineConfig, ModelConfig
 from tidespec.llm import build_engine
 
 
@@ -61,6 +61,17 @@ def test_the_profile_flag_reaches_the_eagle3_configurations_only(tmp_path: Path)
     assert (suffix.policy.name, suffix.policy.profile) == ("static", None)
 
 
+def test_the_chain_floor_reaches_the_engine(tmp_path: Path) -> None:
+    """``--eagle3-min-draft-prob`` is serving's default unless given; 0 makes every chain --gamma long."""
+    a = _workload(tmp_path / "a.jsonl", "a", 4, 10)
+    trace = build_trace(ShiftBenchConfig(workloads=str(a), requests_per_phase=2), checkpoint_tokenizer())
+    for floor in (None, 0.0):
+        cfg = ShiftBenchConfig(workloads=str(a), requests_per_phase=2,
+                               **({} if floor is None else {"eagle3_min_draft_prob": floor}))
+        got = trace_engine_config(trace, cfg, tiny_llama(64), cfg.gamma).spec.eagle3.min_draft_prob
+        assert got == (Eagle3Options().min_draft_prob if floor is None else floor)
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"configs": "plain,fast"}, "subset"),
     ({"configs": ""}, "subset"),
@@ -75,6 +86,7 @@ def test_the_profile_flag_reaches_the_eagle3_configurations_only(tmp_path: Path)
     ({"drafter": "suffix,eagle3"}, "analytic"),
     ({"policy": "oracle"}, "policy"),
     ({"trainer_share": 1.5}, "trainer_share"),
+    ({"eagle3_min_draft_prob": 1.0}, "min-draft-prob"),
     ({"configs": "plain,vocab-dynamic:4096"}, "configs must be"),
     ({"configs": "vocab-static:0"}, "configs must be"),
 ])

@@ -27,6 +27,7 @@ from tidespec.config import (
     CollectionConfig,
     ConfigError,
     DraftVocabConfig,
+    Eagle3Options,
     OnlineTrainingConfig,
     PolicyConfig,
     SpecConfig,
@@ -80,6 +81,10 @@ class ShiftBenchConfig:
     bootstrap: str | None = opt(None, "starting drafter: a publish root or an exported EAGLE-3 checkpoint "
                                      "(default: a fresh random head)")
     draft_vocab: int = opt(8192, "draft vocabulary of a fresh head (0 = the target's)")
+    eagle3_min_draft_prob: float = opt(Eagle3Options.min_draft_prob,
+                                       "EAGLE-3 chains of frozen and online stop once their drafts' product of head "
+                                       "probabilities is below this (serving's --eagle3-min-draft-prob); 0 = every "
+                                       "chain --gamma long, what an acceptance length 'at gamma N' means")
     min_signals: int = opt(4096, "online: new signal rows that trigger a training round (serving's default, "
                                  f"{CollectionConfig.n_threshold}, is more than the default trace captures)")
     collect_n_init: int = opt(8, "online: requests averaged before shift detection starts (serving's default, "
@@ -110,6 +115,8 @@ class ShiftBenchConfig:
     def __post_init__(self) -> None:
         if not self.phases:
             raise ConfigError("workloads must name at least one workload")
+        if not 0.0 <= self.eagle3_min_draft_prob < 1.0:
+            raise ConfigError(f"--eagle3-min-draft-prob must be in [0, 1), got {self.eagle3_min_draft_prob}")
         unknown = [c for c in self.config_names if c not in CONFIGS and not SIZED_VOCAB.fullmatch(c)]
         if unknown or not (self.config_names or self.configs.strip() == "none"):
             raise ConfigError(f"configs must be a subset of {', '.join(CONFIGS)} (or 'none': only the side "
