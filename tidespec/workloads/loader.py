@@ -32,6 +32,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from tidespec.config import ConfigError
+from tidespec.files import atomic_write
 
 KINDS = ("completion", "chat")
 REQUIRED_KEYS = ("id", "domain", "kind", "prompt")
@@ -128,6 +129,21 @@ def load_workload(name_or_path: str | Path, limit: int | None = None) -> list[Wo
     if not records:
         raise WorkloadError(f"workload {path} has no records")
     return records
+
+
+def workload_texts(names: str) -> list[str]:
+    """The prompt texts of comma-separated workloads (names or JSONL paths); none for ``""``."""
+    return [r.prompt for name in names.split(",") if name.strip() for r in load_workload(name.strip())]
+
+
+def write_workload(records: list[WorkloadRecord], path: str | Path) -> None:
+    """Write records in this module's JSONL format (``files.atomic_write``: a reader never sees half
+    a file, and an existing file is replaced only by a complete one)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, "".join(json.dumps({"id": r.id, "domain": r.domain, "kind": r.kind, "prompt": r.prompt,
+                                           "source": r.source, "license": r.license}, ensure_ascii=False) + "\n"
+                               for r in records).encode("utf-8"))
 
 
 def prompt_token_ids(record: WorkloadRecord, tokenizer: PreTrainedTokenizerBase) -> list[int]:

@@ -68,7 +68,7 @@ def _prompt_source(cls: type, ns: argparse.Namespace) -> Any:
 
 
 def _write_prompts(records: list[Any], out: str) -> int:
-    from tidespec.online.trainer.selfinstruct import write_workload
+    from tidespec.workloads.loader import write_workload
 
     write_workload(records, out)
     print(f"wrote {len(records)} prompts to {out}")

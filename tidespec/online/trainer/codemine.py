@@ -35,8 +35,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from tidespec.online.trainer.config import MinePromptsConfig, TrainerConfigError
-from tidespec.online.trainer.selfinstruct import OverlapFilter, held_out_texts
-from tidespec.workloads.loader import WorkloadRecord
+from tidespec.online.trainer.selfinstruct import OverlapFilter
+from tidespec.workloads.loader import WorkloadRecord, workload_texts
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +91,7 @@ def mine_functions(cfg: MinePromptsConfig) -> list[WorkloadRecord]:
     roots = [s.strip() for s in cfg.source.split(",") if s.strip()]
     # the standard library's directory holds the installed packages too: the default is only the former
     skip = () if roots else ("site-packages", "dist-packages")
-    gate = OverlapFilter(held_out_texts(cfg.exclude_workload), cfg.exclusion_ngram)
+    gate = OverlapFilter(workload_texts(cfg.exclude_workload), cfg.exclusion_ngram)
     found: list[tuple[str, str]] = []  # (prompt, file)
     files = list(python_files(roots or default_sources(), skip))
     for path in tqdm(files, desc="mine functions", unit="file", disable=not cfg.progress, leave=False):

@@ -175,9 +175,9 @@ def training_prompts(workloads: str, tokenizer: object, *, exclude: str = "", li
     Example: ``training_prompts("chat.jsonl,math.jsonl", tok, exclude="chat")`` drops the shipped
     chat benchmark's 48 prompts from the shared 120-prompt chat set.
     """
-    from tidespec.workloads.loader import load_workload, tokenize_workload
+    from tidespec.workloads.loader import load_workload, tokenize_workload, workload_texts
 
-    held = {r.prompt for name in exclude.split(",") if name.strip() for r in load_workload(name.strip())}
+    held = set(workload_texts(exclude))
     records = []
     for name in (w.strip() for w in workloads.split(",")):
         if name:

@@ -19,24 +19,21 @@ Worked example (SmolLM2's template; the pre-query text ends at ``<|im_start|>use
     pre = pre_query_text(tok)            # '<|im_start|>system\\nYou are ...<|im_end|>\\n<|im_start|>user\\n'
     recs = synth_prompts(model, tok, SynthPromptsConfig(out="runs/q.jsonl", count=2))
     recs[0].prompt                       # e.g. "I'm organizing a wedding ... Do you have any recommendations?"
-    write_workload(recs, "runs/q.jsonl") # one {"id", "domain", "kind": "chat", "prompt", ...} per line
+    write_workload(recs, "runs/q.jsonl")  # workloads.loader: one {"id", "domain", "kind": "chat", ...} per line
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import re
 from collections.abc import Iterable
-from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from tidespec.models.llama import LlamaModel
 from tidespec.online.trainer.config import SynthPromptsConfig, TrainerConfigError
-from tidespec.workloads.loader import Prompt, WorkloadRecord
+from tidespec.workloads.loader import Prompt, WorkloadRecord, workload_texts
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +67,6 @@ def word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
     return {tuple(words[i: i + n]) for i in range(len(words) - n + 1)}
 
 
-def held_out_texts(workloads: str) -> list[str]:
-    """The prompt texts of comma-separated workloads (names or JSONL paths); none for ``""``."""
-    from tidespec.workloads.loader import load_workload
-
-    return [r.prompt for name in workloads.split(",") if name.strip() for r in load_workload(name.strip())]
-
-
 class OverlapFilter:
     """Rejects a text that shares an ``n``-word run with any held-out text, or repeats a kept one.
 
@@ -107,7 +97,7 @@ def synth_prompts(model: LlamaModel, tokenizer: Any, cfg: SynthPromptsConfig) ->
 
     pre = pre_query_text(tokenizer, cfg.system)
     pre_ids = list(tokenizer.encode(pre, add_special_tokens=False))
-    gate = OverlapFilter(held_out_texts(cfg.exclude_workload), cfg.exclusion_ngram)
+    gate = OverlapFilter(workload_texts(cfg.exclude_workload), cfg.exclusion_ngram)
     source = WorkloadRecord(id="pre-query", domain=cfg.domain, kind="completion", prompt=pre)
     engine = bootstrap_engine(model, tokenizer, [Prompt(source, pre_ids)], cfg.max_query_tokens, cfg.max_num_seqs)
     source_note = (f"self-instruct (Magpie) by {cfg.model or 'the embedded SmolLM2-135M-Instruct'}, temperature "
@@ -147,16 +137,3 @@ def synth_prompts(model: LlamaModel, tokenizer: Any, cfg: SynthPromptsConfig) ->
         logger.warning("self-instruct: only %d of %d prompts after %d samples (raise --max-attempts)",
                        len(kept), cfg.count, drawn)
     return kept
-
-
-def write_workload(records: list[WorkloadRecord], path: str | Path) -> None:
-    """Write records as workload JSONL (``workloads.loader``'s format), atomically: a reader never
-    sees half a file, and an existing file is replaced only by a complete one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.writelines(json.dumps({"id": r.id, "domain": r.domain, "kind": r.kind, "prompt": r.prompt,
-                                 "source": r.source, "license": r.license}, ensure_ascii=False) + "\n"
-                     for r in records)
-    os.replace(tmp, path)
