@@ -115,8 +115,7 @@ class ShiftBenchConfig:
     def __post_init__(self) -> None:
         if not self.phases:
             raise ConfigError("workloads must name at least one workload")
-        if not 0.0 <= self.eagle3_min_draft_prob < 1.0:
-            raise ConfigError(f"--eagle3-min-draft-prob must be in [0, 1), got {self.eagle3_min_draft_prob}")
+        Eagle3Options(min_draft_prob=self.eagle3_min_draft_prob)  # serving's check of the floor
         unknown = [c for c in self.config_names if c not in CONFIGS and not SIZED_VOCAB.fullmatch(c)]
         if unknown or not (self.config_names or self.configs.strip() == "none"):
             raise ConfigError(f"configs must be a subset of {', '.join(CONFIGS)} (or 'none': only the side "
