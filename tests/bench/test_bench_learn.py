@@ -5,16 +5,26 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from tests.helpers import tiny_llama, tiny_tokenizer
-from tidespec.bench.learn import LearnBenchConfig, fit_log2, load_sequences, parse_fractions, replot, run_learn_bench
+from tidespec.bench.learn import (
+    LearnBenchConfig,
+    fit_log2,
+    load_sequences,
+    parse_fractions,
+    replot,
+    run_learn_bench,
+    vocab_coverage,
+)
 from tidespec.config import ConfigError
 from tidespec.models.eagle3_checkpoint import import_eagle3
 from tidespec.models.eagle3_head import Eagle3Config
 from tidespec.models.loader import LoadedModel
+from tidespec.online.eagle3_train import SignalSegment
 from tidespec.online.trainer.data import heldout_keys
 from tidespec.online.trainer.process import capture_from_workload
 
@@ -34,9 +44,20 @@ def test_heldout_keys_and_fit_hand_traced() -> None:
     assert parse_fractions("1,0.25,0.5,0.25") == (0.25, 0.5, 1.0)
 
 
+def test_vocab_coverage_hand_traced() -> None:
+    t2d = torch.zeros(10, dtype=torch.bool)
+    t2d[[5, 9]] = True
+    seg = SignalSegment(taps=torch.zeros(3, 6), token_ids=torch.tensor([1, 5, 7, 9]))
+    # the text continues with 5, 7, 9; the vocabulary holds 5 and 9
+    assert vocab_coverage(SimpleNamespace(t2d=t2d), [seg]) == pytest.approx(2 / 3)  # type: ignore[arg-type]
+    assert math.isnan(vocab_coverage(SimpleNamespace(t2d=t2d), []))  # type: ignore[arg-type]
+
+
 def test_config_rejects_bad_input(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not a directory"):
         LearnBenchConfig(signal_dirs=str(tmp_path / "missing"))
+    with pytest.raises(ConfigError, match="not a directory"):
+        LearnBenchConfig(signal_dirs=str(tmp_path), eval_dirs=str(tmp_path / "missing"))
     for kw, msg in [({"fractions": "0,1"}, "in \\(0, 1\\]"), ({"fractions": "a"}, "comma-separated numbers"),
                     ({"evals": 0}, "evals"), ({"heldout_frac": 1.0}, "heldout_frac"),
                     ({"steps": 0, "epochs": 0.0}, "epochs"), ({"steps": 5, "per_share_epochs": True}, "not both")]:
@@ -64,16 +85,20 @@ def _capture(model, tmp_path: Path, name: str, seed: int) -> Path:
 def test_learning_curve_on_two_stores(tmp_path: Path) -> None:
     model = tiny_llama(V, layers=8, seed=2, scale=1.0)
     a, b = _capture(model, tmp_path, "a", 0), _capture(model, tmp_path, "b", 1)
-    by_key, store_rows = load_sequences([str(a), str(b)], 256)
+    scored = _capture(model, tmp_path, "c", 2)  # scored, never trained on
+    by_key, store_rows, store_of = load_sequences([str(a), str(b)], 256)
     # both stores' sequences (16 prompts each; a prompt may end at once on EOS), re-keyed 0, 1, ...
     n = len(by_key)
     assert sorted(by_key) == list(range(n)) and 30 <= n <= 32
+    na = store_of.count(0)
+    assert store_of == [0] * na + [1] * (n - na) and 15 <= na <= 16
     assert sum(store_rows) == sum(s.num_positions for segs in by_key.values() for s in segs)
 
     target = LoadedModel(model, tiny_tokenizer(V), model.cfg, "tiny")
     # 20 passes over each share's own segments (one segment per sequence here: all are < 256 positions)
     cfg = LearnBenchConfig(signal_dirs=f"{a},{b}", fractions="0.25,1", epochs=20, per_share_epochs=True, evals=2,
-                           heldout_frac=0.25, draft_vocab=0, lr=3e-3, batch_segments=8, export_dir=str(tmp_path / "x"))
+                           heldout_frac=0.25, draft_vocab=0, lr=3e-3, batch_segments=8, export_dir=str(tmp_path / "x"),
+                           eval_dirs=str(scored))
     doc = run_learn_bench(cfg, target, tmp_path / "out", command="test", progress=False, log=lambda _: None)
     exported = import_eagle3(tmp_path / "x", model.cfg)[0]  # the full share's head, as a checkpoint
     assert exported == Eagle3Config.for_target(model.cfg)
@@ -99,11 +124,21 @@ def test_learning_curve_on_two_stores(tmp_path: Path) -> None:
     assert doc["fit"]["per_doubling"] == pytest.approx(slope)
     walk_slope = (full["best_walk_len"] - small["best_walk_len"]) / math.log2(full["rows"] / small["rows"])
     assert doc["fit_walk"]["per_doubling"] == pytest.approx(walk_slope)
+    # the last head per source: each store's held-out sequences, then every sequence of the scored-only store
+    src_a, src_b, src_c = doc["sources"]
+    assert [s["split"] for s in doc["sources"]] == ["held out", "held out", "scored only"]
+    assert src_a["sequences"] == sum(1 for k in heldout_keys(list(by_key), 0.25) if k < na)
+    assert src_a["sequences"] + src_b["sequences"] == held
+    assert src_a["rows"] + src_b["rows"] == doc["heldout_rows"]
+    scored_only, scored_rows, _ = load_sequences([str(scored)], 256)
+    assert (src_c["sequences"], src_c["rows"]) == (len(scored_only), sum(scored_rows))
+    assert all(s["coverage"] == 1.0 and 1.0 <= s["walk_len"] <= 1 + doc["config"]["gamma"] for s in doc["sources"])
     saved = json.loads((tmp_path / "out" / "bench_learn.json").read_text())
     assert saved["command"] == "test" and len(saved["curves"]) == 2
     assert (tmp_path / "out" / "learn.png").stat().st_size > 0
     readme = tmp_path / "out" / "README.md"
     assert "per doubling" in readme.read_text() and "walked as served" in readme.read_text()
+    assert "scored only" in readme.read_text() and "100.0 %" in readme.read_text()
     readme.unlink()
     again = replot(tmp_path / "out")  # re-rendered from bench_learn.json alone
     assert again["curves"][1]["rows"] == full["rows"] and "per doubling" in readme.read_text()

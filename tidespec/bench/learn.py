@@ -24,6 +24,9 @@ Protocol::
          ``epochs`` passes over the share's own segments), held-out acceptance at step 0 and at
          ``evals`` evenly spaced steps
       -> fit best held-out acceptance = a + b * log2(rows) over the shares (least squares)
+      -> the largest share's head per source: each store's own held-out sequences and every sequence
+         of each ``eval_dirs`` store (scored, never trained on): acceptance, walked, and the share of
+         the text's tokens inside the head's draft vocabulary (a token outside it cannot be drafted)
 
 Worked example::
 
@@ -48,6 +51,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from torch import nn
 
 from tidespec.bench.decode import parse_float_list
 from tidespec.bench.report import (
@@ -61,7 +65,7 @@ from tidespec.bench.report import (
 )
 from tidespec.config import ConfigError, opt
 from tidespec.models.eagle3_checkpoint import export_eagle3
-from tidespec.models.eagle3_head import FUSIONS, INIT_FROM_TARGET, init_from_target
+from tidespec.models.eagle3_head import FUSIONS, INIT_FROM_TARGET, Eagle3Head, init_from_target
 from tidespec.models.loader import LoadedModel
 from tidespec.online.eagle3_train import SignalSegment
 from tidespec.online.store import SignalStore
@@ -112,6 +116,8 @@ class LearnBenchConfig:
     distill: str = opt(TrainerConfig.distill, "with top-k signals: soft or top1 labels", choices=["soft", "top1"])
     ttt_steps: int = opt(TrainerConfig.ttt_steps, "training-time-test unroll steps")
     target_length: float = opt(2.5, "acceptance length whose row count the fit extrapolates to")
+    eval_dirs: str = opt("", "comma-separated signal stores the largest share's head is scored on but never "
+                             "trained on, every sequence of each (e.g. a domain's captured traffic)")
     export_dir: str | None = opt(None, "write the largest share's trained head here as an EAGLE-3 checkpoint "
                                        "(serve it with --eagle3-dir; bench shift --bootstrap)")
     seed: int = opt(TrainerConfig.seed, "seed of the shuffle, the heads and the batches")
@@ -119,7 +125,7 @@ class LearnBenchConfig:
     def __post_init__(self) -> None:
         if not self.dirs:
             raise ConfigError("signal_dirs must name at least one directory")
-        for d in self.dirs:
+        for d in self.dirs + self.eval_stores:
             if not Path(d).is_dir():
                 raise ConfigError(f"signal dir {d} is not a directory")
         parse_fractions(self.fractions)
@@ -149,25 +155,58 @@ class LearnBenchConfig:
         return [d.strip() for d in self.signal_dirs.split(",") if d.strip()]
 
     @property
+    def eval_stores(self) -> list[str]:
+        return [d.strip() for d in self.eval_dirs.split(",") if d.strip()]
+
+    @property
     def shares(self) -> tuple[float, ...]:
         return parse_fractions(self.fractions)
 
 
-def load_sequences(dirs: list[str], max_segment_len: int) -> tuple[dict[int, list[SignalSegment]], list[int]]:
+def load_store_sequences(directory: str, max_segment_len: int) -> tuple[list[list[SignalSegment]], int]:
+    """One store's sequences (segments each, in sequence-id order) and its row count."""
+    shards = [shard for _, shard in SignalStore(directory, 1 << 40).iter_shards()]
+    by_seq = segments_by_sequence(shards, max_segment_len)
+    return [by_seq[sid] for sid in sorted(by_seq)], sum(int(shard.positions.numel()) for shard in shards)
+
+
+def load_sequences(dirs: list[str], max_segment_len: int
+                   ) -> tuple[dict[int, list[SignalSegment]], list[int], list[int]]:
     """Every sequence of every store, re-keyed 0, 1, ... store by store (sequence ids of different
-    stores may collide). Returns (segments per key, rows per store)."""
+    stores may collide). Returns (segments per key, rows per store, the store index of each key)."""
     by_key: dict[int, list[SignalSegment]] = {}
     rows: list[int] = []
-    for d in dirs:
-        store = SignalStore(d, 1 << 40)
-        shards = [shard for _, shard in store.iter_shards()]
-        by_seq = segments_by_sequence(shards, max_segment_len)
-        for sid in sorted(by_seq):
-            by_key[len(by_key)] = by_seq[sid]
-        rows.append(sum(int(shard.positions.numel()) for shard in shards))
+    store_of: list[int] = []
+    for i, d in enumerate(dirs):
+        sequences, n = load_store_sequences(d, max_segment_len)
+        for segs in sequences:
+            by_key[len(by_key)] = segs
+            store_of.append(i)
+        rows.append(n)
     if not by_key:
         raise ConfigError(f"no signals in {', '.join(dirs)}")
-    return by_key, rows
+    return by_key, rows, store_of
+
+
+def vocab_coverage(head: Eagle3Head, segments: list[SignalSegment]) -> float:
+    """Share of the tokens the segments' text continues with that lie inside ``head``'s draft
+    vocabulary (NaN for no rows). Example: labels [5, 7, 9] and a vocabulary {5, 9} -> 2/3."""
+    labels = torch.cat([s.token_ids[1:] for s in segments]) if segments else torch.zeros(0, dtype=torch.int64)
+    return float(head.t2d.cpu()[labels].float().mean()) if labels.numel() else float("nan")
+
+
+Source = tuple[str, str, int, list[SignalSegment]]  # (store, split, sequences, their segments)
+
+
+def score_sources(head: Eagle3Head, embed: nn.Embedding, sources: list[Source], gamma: int) -> list[dict[str, Any]]:
+    """Per source: its sequences and rows, acceptance per row and walked as served
+    (``heldout_acceptance``), and ``vocab_coverage``."""
+    out = []
+    for name, split, sequences, segs in sources:
+        acc, walk = heldout_acceptance(head, embed, segs, gamma)
+        out.append({"source": name, "split": split, "sequences": sequences, "rows": sum(s.num_positions for s in segs),
+                    "accept_len": acc, "walk_len": walk, "coverage": vocab_coverage(head, segs)})
+    return out
 
 
 def fit_log2(rows: list[int], lengths: list[float], target: float) -> dict[str, Any]:
@@ -190,8 +229,15 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
                     progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train one fresh head per share and evaluate it on the fixed held-out split (module docstring)."""
     out_dir = out_dir or default_out_dir("learn")
-    by_key, store_rows = load_sequences(cfg.dirs, cfg.max_segment_len)
+    by_key, store_rows, store_of = load_sequences(cfg.dirs, cfg.max_segment_len)
     held = heldout_keys(list(by_key), cfg.heldout_frac)
+    sources: list[Source] = [(d, "held out", sum(store_of[k] == i for k in held),
+                              [s for k in sorted(held) if store_of[k] == i for s in by_key[k]])
+                             for i, d in enumerate(cfg.dirs)]
+    for d in cfg.eval_stores:
+        sequences = load_store_sequences(d, cfg.max_segment_len)[0]
+        sources.append((d, "scored only", len(sequences), [s for segs in sequences for s in segs]))
+    by_source: list[dict[str, Any]] = []
     heldout = [s for k in sorted(held) for s in by_key[k]]
     train_keys = [k for k in sorted(by_key) if k not in held]
     order = [train_keys[int(i)] for i in torch.randperm(len(train_keys),
@@ -248,8 +294,11 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
                     f"  held-out accept len {acc:.3f} (walked as served: {walk:.3f})")
 
             trainer.train_head(head, segs, seed=cfg.seed, on_step=on_step)
-            if cfg.export_dir and share == cfg.shares[-1]:
-                export_eagle3(head, cfg.export_dir)
+            if share == cfg.shares[-1]:
+                if cfg.export_dir:
+                    export_eagle3(head, cfg.export_dir)
+                head.eval()
+                by_source = score_sources(head, embed, sources, cfg.gamma)
             best = max(points, key=lambda p: p["heldout_accept_len"])
             best_walk = max((p["heldout_walk_len"] for p in points if math.isfinite(p["heldout_walk_len"])),
                             default=float("nan"))
@@ -263,7 +312,7 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
     fit_walk = fit_log2([c["rows"] for c in curves], [c["best_walk_len"] for c in curves], cfg.target_length)
     doc: dict[str, Any] = {"config": asdict(cfg), "store_rows": store_rows, "sequences": len(by_key),
                            "heldout_sequences": len(held), "heldout_rows": heldout_rows, "curves": curves,
-                           "fit": fit, "fit_walk": fit_walk}
+                           "fit": fit, "fit_walk": fit_walk, "sources": by_source}
     return finish_run(out_dir, "learn", doc, command, str(target.model.dtype).removeprefix("torch."), report,
                       plot_learn, log)
 
@@ -299,6 +348,14 @@ def report(doc: dict[str, Any]) -> str:
               "the same chains counted as a greedy server meets them, one step per emitted run of tokens instead "
               "of one per row, which is what a served acceptance length measures; lower, since easy stretches "
               "are drafted from once per step, not at each of their rows.)"]
+    if doc.get("sources"):  # runs written before the per-source scores have none
+        lines += ["", ("The largest share's head at its last step, per source (vocabulary coverage: the share of "
+                       "the text's tokens inside the head's draft vocabulary; a token outside it cannot be drafted):"),
+                  ""]
+        lines.append(markdown_table(
+            ["source", "split", "sequences", "rows", "accept len", "walked as served", "vocabulary coverage"],
+            [[src["source"], src["split"], src["sequences"], f"{src['rows']:,}", f"{src['accept_len']:.3f}",
+              f"{src['walk_len']:.3f}", f"{100 * src['coverage']:.1f} %"] for src in doc["sources"]]))
     for name, fit in (("the best held-out acceptance", doc["fit"]),
                       ("the best held-out acceptance walked as served", doc.get("fit_walk"))):
         if fit is None:  # a run written before the walked estimate existed
