@@ -32,7 +32,6 @@ import argparse
 import sys
 import time
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -44,12 +43,12 @@ from tidespec.bench.shift_config import ShiftBenchConfig
 from tidespec.config import CacheConfig, EngineConfig, NgramConfig, PolicyConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter, build_policy
+from tidespec.models.eagle3_checkpoint import shipped_bootstrap
 from tidespec.models.loader import LoadedModel, load_model
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.policy.api import SpeculationPolicy
 from tidespec.workloads.loader import load_prompts
 
-BOOTSTRAP_DRAFTER = "eagle3-smollm2-135m-instruct"  # directory under tidespec/assets
 
 @dataclass
 class Run:
@@ -119,12 +118,6 @@ def part_drafters(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> 
               f"{st.get('exploit_steps', 0):.0f} exploitation steps, gamma chosen at batch 1: "
               f"{st.get('gamma_b1', float('nan')):.0f}, model calibration {st.get('calibration', float('nan')):.2f}")
     return lossless
-
-
-def shipped_bootstrap() -> Path | None:
-    """The bootstrap EAGLE-3 drafter shipped for the embedded model, if installed."""
-    path = Path(str(resources.files("tidespec") / "assets" / BOOTSTRAP_DRAFTER))
-    return path if (path / "config.json").is_file() else None
 
 
 def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bool:

@@ -14,6 +14,7 @@ Worked example::
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
 from tidespec.errors import ConfigError
 from tidespec.models import placement
-from tidespec.models.eagle3_checkpoint import fresh_head, head_from_published, load_drafter_source
+from tidespec.models.eagle3_checkpoint import fresh_head, head_from_published, load_drafter_source, shipped_bootstrap
 from tidespec.models.graphs import uses_graphs
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import DTYPES, LoadedModel, load_model
@@ -44,6 +45,8 @@ from tidespec.speculative.vocab.arc import ArcConfig
 from tidespec.speculative.vocab.dynamic import DynamicVocab, DynamicVocabConfig
 from tidespec.speculative.vocab.graph import CooccurrenceGraph
 from tidespec.workloads.loader import load_prompts
+
+log = logging.getLogger(__name__)
 
 
 def load_target(mc: ModelConfig) -> LoadedModel:
@@ -132,6 +135,10 @@ def build_eagle3_drafter(target: LlamaModel, source: str | Path | None, draft_vo
     ``draft_vocab_size`` (0 = full vocabulary) only shapes a fresh head.
     """
     pub = load_drafter_source(source, target.cfg) if source is not None else None
+    if source is None:
+        boot = shipped_bootstrap()
+        log.warning("EAGLE-3 without --eagle3-dir: a fresh random head, whose drafts are rejected until a trained "
+                    "head is published%s", f" (the embedded model's bootstrap head: --eagle3-dir {boot})" if boot else "")
     dtype = dtype if dtype is not None else target.dtype
     device = device if device is not None else target.device
     if pub is None:

@@ -10,6 +10,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from tests.helpers import tiny_llama
+from tidespec.llm import build_eagle3_drafter
 from tidespec.models import eagle3_checkpoint as ckpt
 from tidespec.models.eagle3_checkpoint import (
     DrafterCheckpointError,
@@ -199,3 +201,17 @@ def test_published_weights_swap_into_a_live_drafter(tmp_path: Path) -> None:
     bigger = make_head(seed=3, draft_vocab=32)  # a new draft vocabulary rebuilds the head
     drafter.load_state(n + 1, bigger.state_dict(), bigger.cfg)
     assert drafter.head.cfg.draft_vocab_size == 32
+
+
+def test_a_fresh_head_says_how_to_load_a_trained_one(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    boot = ckpt.shipped_bootstrap()
+    assert boot is not None and (boot / "config.json").is_file()  # the embedded model's head ships with the package
+    model = tiny_llama(48, layers=8, seed=2)
+    with caplog.at_level("WARNING", logger="tidespec.llm"):
+        build_eagle3_drafter(model, None)
+    assert f"--eagle3-dir {boot}" in caplog.text and "fresh random head" in caplog.text
+    caplog.clear()
+    ckpt.export_eagle3(Eagle3Head(Eagle3Config.for_target(model.cfg)), tmp_path / "head")
+    with caplog.at_level("WARNING", logger="tidespec.llm"):
+        build_eagle3_drafter(model, tmp_path / "head")
+    assert "fresh random head" not in caplog.text

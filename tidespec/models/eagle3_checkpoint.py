@@ -47,6 +47,7 @@ import re
 import shutil
 import uuid
 from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,15 @@ LATEST_NAME = "LATEST"
 LOCK_NAME = ".lock"
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 FRESH_HEAD_SEED = 0  # engine and trainer build the same random head when nothing was published
+BOOTSTRAP_DRAFTER = "eagle3-smollm2-135m-instruct"  # the embedded model's head, a directory under tidespec/assets
 
 logger = logging.getLogger(__name__)
+
+
+def shipped_bootstrap() -> Path | None:
+    """The bootstrap EAGLE-3 drafter shipped for the embedded model (SmolLM2-135M-Instruct), if installed."""
+    path = Path(str(resources.files("tidespec") / "assets" / BOOTSTRAP_DRAFTER))
+    return path if (path / CONFIG_NAME).is_file() else None
 
 
 class DrafterCheckpointError(UserError, ValueError):
