@@ -5,7 +5,6 @@ differing position (top-2 logit gap < 1e-5), and then it is logged — never sil
 from __future__ import annotations
 
 import logging
-from importlib import resources
 
 import pytest
 import torch
@@ -14,7 +13,7 @@ from tests.helpers import ScriptedPolicy, switching_drafters
 from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter, build_eagle3_drafter, output_matrix
-from tidespec.models.eagle3_checkpoint import fresh_head
+from tidespec.models.eagle3_checkpoint import fresh_head, shipped_bootstrap
 from tidespec.models.eagle3_head import init_from_target
 from tidespec.models.eagle3_lora import LoraAdapter, adapter_state, lora_parameters, merged_state, with_lora
 from tidespec.models.kv_cache import KVCache
@@ -32,7 +31,7 @@ pytestmark = pytest.mark.integration
 log = logging.getLogger(__name__)
 MAX_TOKENS = 24
 NEAR_TIE = 1e-5
-ASSET = str(resources.files("tidespec") / "assets" / "eagle3-smollm2-135m-instruct")  # the shipped head
+ASSET = str(shipped_bootstrap())  # the shipped head
 
 
 @pytest.fixture(scope="module")
