@@ -144,3 +144,31 @@ def test_learning_curve_on_two_stores(tmp_path: Path) -> None:
     assert again["curves"][1]["rows"] == full["rows"] and "per doubling" in readme.read_text()
     with pytest.raises(ConfigError, match="a bench learn output directory"):
         replot(tmp_path)
+
+
+def test_init_from_a_trained_head_fine_tunes_it_and_widens_its_vocabulary(tmp_path: Path) -> None:
+    model = tiny_llama(V, layers=8, seed=2, scale=1.0)
+    store = _capture(model, tmp_path, "a", 0)
+    target = LoadedModel(model, tiny_tokenizer(V), model.cfg, "tiny")
+    with pytest.raises(ConfigError, match="not both"):
+        LearnBenchConfig(signal_dirs=str(store), init_from=str(tmp_path), init_from_target="lm_head")
+
+    def run(name: str, **kw: object) -> dict:
+        cfg = LearnBenchConfig(signal_dirs=str(store), fractions="1", evals=1, heldout_frac=0.25, lr=3e-3,
+                               batch_segments=8, export_dir=str(tmp_path / name), **kw)  # type: ignore[arg-type]
+        return run_learn_bench(cfg, target, None, progress=False, log=lambda _: None)
+
+    first = run("first", steps=6, draft_vocab=16)
+    # the same split: the fine-tune starts where the first run ended, not from a fresh head
+    again = run("again", steps=1, draft_vocab=16, init_from=str(tmp_path / "first"))
+    start, end = again["curves"][0]["points"][0], first["curves"][0]["points"][-1]
+    assert start["heldout_accept_len"] == pytest.approx(end["heldout_accept_len"])
+    assert start["heldout_walk_len"] == pytest.approx(end["heldout_walk_len"])
+    wide = run("wide", steps=1, draft_vocab=24, init_from=str(tmp_path / "first"))
+    old_cfg, old_state = import_eagle3(tmp_path / "first", model.cfg)
+    new_cfg, new_state = import_eagle3(tmp_path / "wide", model.cfg)
+    assert (old_cfg.draft_vocab_size, new_cfg.draft_vocab_size) == (16, 24)
+    assert bool((old_state["t2d"] <= new_state["t2d"]).all()) and int(new_state["t2d"].sum()) == 24
+    assert wide["sources"][0]["coverage"] >= first["sources"][0]["coverage"]
+    with pytest.raises(ConfigError, match="no valid EAGLE-3 checkpoint"):
+        run("none", steps=1, init_from=str(tmp_path / "empty-root"))

@@ -16,6 +16,7 @@ from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3H
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
 from tidespec.online.eagle3_train import (
+    Eagle3TrainError,
     SignalBatch,
     SignalSegment,
     _soft_loss,
@@ -27,7 +28,7 @@ from tidespec.online.eagle3_train import (
     walk_chains,
 )
 from tidespec.online.store import SignalStore
-from tidespec.online.trainer.data import segments_by_sequence, split_heldout
+from tidespec.online.trainer.data import segments_by_sequence, split_heldout, token_counts, widen_head
 from tidespec.online.trainer.distill import generate_continuations, teacher_pass, teacher_rows
 from tidespec.online.trainer.rounds import lr_factor
 from tidespec.sampling import SamplingParams
@@ -171,6 +172,37 @@ def test_init_from_target_copies_lm_head_rows_and_last_layer() -> None:
     assert torch.allclose(prenorm_logits[0], head.logits(out), atol=1e-10)
     with pytest.raises(Eagle3ConfigError, match="init-from-target"):
         init_from_target(head, target, "everything")
+
+
+def test_widen_head_keeps_its_tokens_and_rows_and_adds_the_most_frequent_others() -> None:
+    target = tiny_llama(VOCAB, layers=4)
+    head = Eagle3Head(Eagle3Config.for_target(target.cfg, 8)).to(torch.float64)
+    counts = torch.zeros(VOCAB, dtype=torch.int64)
+    counts[torch.arange(5, 61, 7)] = 1
+    head.set_vocab_map(*select_draft_vocab(counts, 8))  # own tokens 5, 12, ..., 54
+    # training text: 3 x token 2, 2 x token 41, 1 x token 30, and own tokens, more frequent but already in
+    text = torch.tensor([2, 2, 2, 41, 41, 30, 5, 5, 5, 5, 12])
+    seg = SignalSegment(torch.zeros(text.shape[0] - 1, head.cfg.tap_size, dtype=torch.float64), text)
+    assert token_counts([seg], VOCAB)[[2, 41, 30, 5]].tolist() == [3, 2, 1, 4]
+    wide = widen_head(head, 10, [seg], target.lm_head.weight)
+    own = torch.arange(5, 61, 7)
+    ids = wide.draft_to_target(torch.arange(10))
+    assert ids.tolist() == sorted(own.tolist() + [2, 41])  # the two most frequent tokens not yet drafted
+    assert wide.cfg.draft_vocab_size == 10 and int(wide.t2d.sum()) == 10
+    # old rows unchanged at their new draft ids, new ones the head's calibrated rows for them
+    inv = wide.target_to_draft()
+    assert torch.equal(wide.lm_head.weight[inv[own]], head.lm_head.weight)
+    new = torch.tensor([2, 41])
+    assert torch.allclose(wide.lm_head.weight[inv[new]], head.output_rows(new, target.lm_head.weight.float()))
+    # the layers are the head's: the same pre-norm output, the same logits on the old vocabulary
+    taps = torch.randn(3, head.cfg.tap_size, dtype=torch.float64)
+    assert torch.equal(wide.fuse(taps), head.fuse(taps))
+    h = torch.randn(3, head.cfg.hidden_size, dtype=torch.float64)
+    assert torch.allclose(wide.logits(h)[:, inv[own]], head.logits(h))
+    assert wide.dtype == head.dtype and wide.training == head.training
+    for n in (7, VOCAB + 1):
+        with pytest.raises(Eagle3TrainError, match="cannot be widened"):
+            widen_head(head, n, [seg], target.lm_head.weight)
 
 
 def test_ttt_loss_distils_when_segments_carry_topk() -> None:

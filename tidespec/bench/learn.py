@@ -19,7 +19,9 @@ Protocol::
     signal stores (one or more; sequences re-keyed store by store, in store order)
       -> held out: every round(1/heldout_frac)-th sequence (the trainer's rule), fixed for all shares
       -> training sequences shuffled once (seed); share f = the first round(f * n) of them (nested)
-      -> per share: a fresh head (draft vocabulary = that share's most frequent tokens), the same
+      -> per share: a fresh head (draft vocabulary = that share's most frequent tokens; or, with
+         ``init_from``, a trained checkpoint, its vocabulary widened to ``draft_vocab`` by
+         ``trainer.data.widen_head``: fine-tuning), the same
          ``steps`` AdamW training-time-test steps as ``train-drafter`` (or, with ``per_share_epochs``,
          ``epochs`` passes over the share's own segments), held-out acceptance at step 0 and at
          ``evals`` evenly spaced steps
@@ -64,13 +66,19 @@ from tidespec.bench.report import (
     save_figure,
 )
 from tidespec.config import ConfigError, opt
-from tidespec.models.eagle3_checkpoint import export_eagle3
+from tidespec.models.eagle3_checkpoint import export_eagle3, head_from_published, load_drafter_source
 from tidespec.models.eagle3_head import FUSIONS, INIT_FROM_TARGET, Eagle3Head, init_from_target
 from tidespec.models.loader import LoadedModel
 from tidespec.online.eagle3_train import SignalSegment
 from tidespec.online.store import SignalStore
 from tidespec.online.trainer.config import TrainerConfig
-from tidespec.online.trainer.data import fresh_head_for, heldout_acceptance, heldout_keys, segments_by_sequence
+from tidespec.online.trainer.data import (
+    fresh_head_for,
+    heldout_acceptance,
+    heldout_keys,
+    segments_by_sequence,
+    widen_head,
+)
 from tidespec.online.trainer.rounds import DraftTrainer
 
 
@@ -99,7 +107,12 @@ class LearnBenchConfig:
     heldout_frac: float = opt(TrainerConfig.heldout_frac, "fraction of sequences held out (the trainer's rule), "
                                                           "the same for all shares")
     gamma: int = opt(TrainerConfig.gamma, "draft length of the simulated-acceptance evaluation")
-    draft_vocab: int = opt(8192, "draft vocabulary of the fresh heads (0 = the target's)")
+    draft_vocab: int = opt(8192, "draft vocabulary of the fresh heads (0 = the target's); with --init-from, a "
+                                 "size above the checkpoint's widens its vocabulary (its own tokens plus the "
+                                 "most frequent others of the training split)")
+    init_from: str | None = opt(None, "every share starts from this exported EAGLE-3 checkpoint instead of a "
+                                      "fresh head (fine-tuning; --head-layers, --fusion and --init-from-target "
+                                      "do not apply)")
     batch_segments: int = opt(TrainerConfig.batch_segments, "segments per optimizer step")
     max_segment_len: int = opt(TrainerConfig.max_segment_len, "positions per training segment")
     lr: float = opt(TrainerConfig.lr, "AdamW peak learning rate")
@@ -147,6 +160,8 @@ class LearnBenchConfig:
             raise ConfigError("give either steps or per_share_epochs, not both")
         if not 0.0 < self.heldout_frac < 1.0:
             raise ConfigError(f"heldout_frac must be in (0, 1), got {self.heldout_frac}")
+        if self.init_from is not None and self.init_from_target != "none":
+            raise ConfigError("give either init_from (a trained head) or init_from_target, not both")
         if self.lr <= 0 or self.target_length <= 1.0 or self.weight_decay < 0:
             raise ConfigError("lr must be > 0, target_length > 1 and weight_decay >= 0")
 
@@ -225,6 +240,19 @@ def fit_log2(rows: list[int], lengths: list[float], target: float) -> dict[str, 
     return {"per_doubling": float(b), "intercept": float(a), "rows_for_target": need, "target": target}
 
 
+def start_from(path: str, draft_vocab: int, train: list[SignalSegment], target: LoadedModel, dtype: torch.dtype,
+               device: torch.device) -> Eagle3Head:
+    """The exported checkpoint at ``path`` as a trainable head, its vocabulary widened to
+    ``draft_vocab`` from ``train`` when that is larger (``widen_head``)."""
+    published = load_drafter_source(path, target.config)
+    if published is None:
+        raise ConfigError(f"init_from {path} holds no valid EAGLE-3 checkpoint")
+    head = head_from_published(published, dtype, device)
+    if draft_vocab > head.cfg.draft_vocab_size:
+        head = widen_head(head, draft_vocab, train, target.model.lm_head.weight)
+    return head.train()
+
+
 def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | None = None, command: str = "",
                     progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train one fresh head per share and evaluate it on the fixed held-out split (module docstring)."""
@@ -268,9 +296,12 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
             steps = steps_for(len(segs) if cfg.per_share_epochs else len(full))
             marks = sorted({max(1, round(steps * j / cfg.evals)) for j in range(1, cfg.evals + 1)})
             trainer.cfg = dataclasses.replace(base, max_steps=steps)
-            head = fresh_head_for(target.config, cfg.draft_vocab, segs, trainer.dtype, trainer.device, cfg.seed,
-                                  cfg.head_layers, cfg.fusion)
-            init_from_target(head, target.model, cfg.init_from_target)
+            if cfg.init_from is not None:
+                head = start_from(cfg.init_from, cfg.draft_vocab, segs, target, trainer.dtype, trainer.device)
+            else:
+                head = fresh_head_for(target.config, cfg.draft_vocab, segs, trainer.dtype, trainer.device, cfg.seed,
+                                      cfg.head_layers, cfg.fusion)
+                init_from_target(head, target.model, cfg.init_from_target)
             acc0, walk0 = heldout_acceptance(head, embed, heldout, cfg.gamma)
             points = [{"step": 0, "heldout_accept_len": acc0, "heldout_walk_len": walk0, "train_loss": None}]
             window: list[float] = []

@@ -11,6 +11,7 @@ and the simulated acceptance on the held-out split decides whether a candidate i
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -19,7 +20,13 @@ from torch import nn
 from tidespec.models.eagle3_checkpoint import fresh_head
 from tidespec.models.eagle3_head import Eagle3Head
 from tidespec.models.llama import LlamaConfig
-from tidespec.online.eagle3_train import SignalSegment, acceptance_stats, segments_from_rows, select_draft_vocab
+from tidespec.online.eagle3_train import (
+    Eagle3TrainError,
+    SignalSegment,
+    acceptance_stats,
+    segments_from_rows,
+    select_draft_vocab,
+)
 from tidespec.online.store import SignalShard
 
 
@@ -106,13 +113,50 @@ def fresh_head_for(target_cfg: LlamaConfig, draft_vocab: int, train: Sequence[Si
     vocab = target_cfg.vocab_size
     if not draft_vocab or draft_vocab >= vocab:
         return fresh_head(target_cfg, None, dtype, device, seed=seed, num_layers=num_layers, fusion=fusion)
-    counts = torch.zeros(vocab, dtype=torch.int64)
-    for seg in train:
-        counts += torch.bincount(seg.token_ids, minlength=vocab)
-    d2t, t2d = select_draft_vocab(counts, draft_vocab)
+    d2t, t2d = select_draft_vocab(token_counts(train, vocab), draft_vocab)
     head = fresh_head(target_cfg, draft_vocab, dtype, device, seed=seed, num_layers=num_layers, fusion=fusion)
     head.set_vocab_map(d2t.to(device), t2d.to(device))
     return head
+
+
+def token_counts(segments: Sequence[SignalSegment], vocab: int) -> torch.Tensor:
+    """[vocab] int64: how often each target id is a row's token over ``segments``."""
+    counts = torch.zeros(vocab, dtype=torch.int64)
+    for seg in segments:
+        counts += torch.bincount(seg.token_ids, minlength=vocab)
+    return counts
+
+
+@torch.no_grad()
+def widen_head(head: Eagle3Head, draft_vocab: int, train: Sequence[SignalSegment],
+               target_lm_head: torch.Tensor) -> Eagle3Head:
+    """A copy of a trained ``head`` whose draft vocabulary grows to ``draft_vocab``: its own tokens
+    plus the most frequent others of ``train``. Layers, norm and the old rows are kept; a new
+    token's row is ``head.output_rows`` of it (the target's LM-head row [V, H] carried into the
+    head's output space by the fitted row map), so training starts from calibrated rows rather
+    than random ones. Why: a pruned head can never propose a token outside its vocabulary (11-14 %
+    of chat answer tokens for the shipped 8,192-token head, docs/benchmarks.md section 32), and
+    retraining a wider head from scratch costs the whole recipe again.
+
+    Example: own tokens {3, 7}, counts of train [0, 9, 0, 1, 0, 5, 0, 0], draft_vocab 3 -> vocabulary
+    {1, 3, 7} (1 is the most frequent id not yet in it); rows of 3 and 7 unchanged.
+    """
+    n, v = draft_vocab, head.cfg.target_vocab_size
+    if not head.cfg.draft_vocab_size <= n <= v:
+        raise Eagle3TrainError(f"a head of {head.cfg.draft_vocab_size} draft tokens cannot be widened to {n} "
+                               f"(target vocabulary {v})")
+    own = head.t2d.to("cpu")  # [V] bool
+    score = token_counts(train, v).double()
+    score[own] = float("inf")  # keep every own token first; then by count, ties to the lower id
+    d2t, t2d = select_draft_vocab(score, n)
+    ids = d2t + torch.arange(n)  # [n] ascending target ids
+    w = head.lm_head.weight
+    wide = Eagle3Head(dataclasses.replace(head.cfg, draft_vocab_size=n)).to(device=w.device, dtype=w.dtype)
+    state = {k: t for k, t in head.state_dict().items() if k not in ("lm_head.weight", "d2t", "t2d")}
+    wide.load_state_dict(state, strict=False)
+    wide.set_vocab_map(d2t.to(w.device), t2d.to(w.device))
+    wide.lm_head.weight.copy_(head.output_rows(ids, target_lm_head.detach().to(w.device, torch.float32)).to(w.dtype))
+    return wide.train(head.training)
 
 
 def simulated_acceptance(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], gamma: int,
