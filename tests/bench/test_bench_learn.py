@@ -156,7 +156,7 @@ def test_init_from_a_trained_head_fine_tunes_it_and_widens_its_vocabulary(tmp_pa
     def run(name: str, **kw: object) -> dict:
         cfg = LearnBenchConfig(signal_dirs=str(store), fractions="1", evals=1, heldout_frac=0.25, lr=3e-3,
                                batch_segments=8, export_dir=str(tmp_path / name), **kw)  # type: ignore[arg-type]
-        return run_learn_bench(cfg, target, None, progress=False, log=lambda _: None)
+        return run_learn_bench(cfg, target, tmp_path / f"{name}-out", progress=False, log=lambda _: None)
 
     first = run("first", steps=6, draft_vocab=16)
     # the same split: the fine-tune starts where the first run ended, not from a fresh head
@@ -164,6 +164,8 @@ def test_init_from_a_trained_head_fine_tunes_it_and_widens_its_vocabulary(tmp_pa
     start, end = again["curves"][0]["points"][0], first["curves"][0]["points"][-1]
     assert start["heldout_accept_len"] == pytest.approx(end["heldout_accept_len"])
     assert start["heldout_walk_len"] == pytest.approx(end["heldout_walk_len"])
+    assert "| fresh |" in (tmp_path / "first-out" / "README.md").read_text()
+    assert "| start (fine-tuned from its checkpoint) |" in (tmp_path / "again-out" / "README.md").read_text()
     wide = run("wide", steps=1, draft_vocab=24, init_from=str(tmp_path / "first"))
     old_cfg, old_state = import_eagle3(tmp_path / "first", model.cfg)
     new_cfg, new_state = import_eagle3(tmp_path / "wide", model.cfg)

@@ -372,7 +372,8 @@ def report(doc: dict[str, Any]) -> str:
                      f"{p[0]['heldout_accept_len']:.3f}", f"{c['final_accept_len']:.3f}", f"{last_gain:+.3f}",
                      f"{c['best_accept_len']:.3f} (step {c['best_step']})", _fmt(c.get("final_walk_len")),
                      f"{p[-1]['train_loss']:.3f}" if p[-1]["train_loss"] is not None else "-", f"{c['train_s']:.0f}"])
-    lines.append(markdown_table(["share", "sequences", "train rows", "steps", "fresh", "final",
+    start = "start (fine-tuned from its checkpoint)" if doc["config"].get("init_from") else "fresh"
+    lines.append(markdown_table(["share", "sequences", "train rows", "steps", start, "final",
                                  "last gain", "best", "final, walked as served", "final train loss", "train s"], rows))
     lines += ["", "(last gain: held-out change over the last evaluation interval; clearly positive means "
               "that share was still learning when its steps ran out, i.e. step-limited there. Walked as served: "
@@ -428,8 +429,9 @@ def plot_learn(doc: dict[str, Any], out_dir: Path) -> Path:
                       label=f"{c['fraction']:g}, walked as served")
     ax_s.set_xlabel("optimizer step")
     ax_s.set_ylabel(f"held-out mean acceptance length (gamma {doc['config']['gamma']})")
-    ax_s.set_title("fresh heads, nested shares" + (", same epochs" if doc["config"].get("per_share_epochs")
-                                                   else ", same steps"))
+    start = "fine-tuned heads" if doc["config"].get("init_from") else "fresh heads"
+    ax_s.set_title(f"{start}, nested shares" + (", same epochs" if doc["config"].get("per_share_epochs")
+                                                else ", same steps"))
     ax_s.legend(fontsize=8)
     ax_s.grid(alpha=0.3)
     rows = [c["rows"] for c in doc["curves"]]
