@@ -66,7 +66,7 @@ from tidespec.bench.report import (
     save_figure,
 )
 from tidespec.config import ConfigError, opt
-from tidespec.models.eagle3_checkpoint import export_eagle3, head_from_published, load_drafter_source
+from tidespec.models.eagle3_checkpoint import PublishedDrafter, export_eagle3, head_from_published, load_drafter_source
 from tidespec.models.eagle3_head import FUSIONS, INIT_FROM_TARGET, Eagle3Head, init_from_target
 from tidespec.models.loader import LoadedModel
 from tidespec.online.eagle3_train import SignalSegment
@@ -240,13 +240,19 @@ def fit_log2(rows: list[int], lengths: list[float], target: float) -> dict[str, 
     return {"per_doubling": float(b), "intercept": float(a), "rows_for_target": need, "target": target}
 
 
-def start_from(path: str, draft_vocab: int, train: list[SignalSegment], target: LoadedModel, dtype: torch.dtype,
-               device: torch.device) -> Eagle3Head:
-    """The exported checkpoint at ``path`` as a trainable head, its vocabulary widened to
-    ``draft_vocab`` from ``train`` when that is larger (``widen_head``)."""
+def load_start(path: str, target: LoadedModel) -> PublishedDrafter:
+    """The exported checkpoint (or publish root's newest version) at ``path``, validated; read once,
+    before the stores, so a bad path fails at once rather than after minutes of loading."""
     published = load_drafter_source(path, target.config)
     if published is None:
         raise ConfigError(f"init_from {path} holds no valid EAGLE-3 checkpoint")
+    return published
+
+
+def start_from(published: PublishedDrafter, draft_vocab: int, train: list[SignalSegment], target: LoadedModel,
+               dtype: torch.dtype, device: torch.device) -> Eagle3Head:
+    """``published`` as a trainable head, its vocabulary widened to ``draft_vocab`` from ``train``
+    when that is larger (``widen_head``)."""
     head = head_from_published(published, dtype, device)
     if draft_vocab > head.cfg.draft_vocab_size:
         head = widen_head(head, draft_vocab, train, target.model.lm_head.weight)
@@ -257,6 +263,7 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
                     progress: bool = True, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Train one fresh head per share and evaluate it on the fixed held-out split (module docstring)."""
     out_dir = out_dir or default_out_dir("learn")
+    start = load_start(cfg.init_from, target) if cfg.init_from is not None else None
     by_key, store_rows, store_of = load_sequences(cfg.dirs, cfg.max_segment_len)
     held = heldout_keys(list(by_key), cfg.heldout_frac)
     sources: list[Source] = [(d, "held out", sum(store_of[k] == i for k in held),
@@ -296,8 +303,8 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
             steps = steps_for(len(segs) if cfg.per_share_epochs else len(full))
             marks = sorted({max(1, round(steps * j / cfg.evals)) for j in range(1, cfg.evals + 1)})
             trainer.cfg = dataclasses.replace(base, max_steps=steps)
-            if cfg.init_from is not None:
-                head = start_from(cfg.init_from, cfg.draft_vocab, segs, target, trainer.dtype, trainer.device)
+            if start is not None:
+                head = start_from(start, cfg.draft_vocab, segs, target, trainer.dtype, trainer.device)
             else:
                 head = fresh_head_for(target.config, cfg.draft_vocab, segs, trainer.dtype, trainer.device, cfg.seed,
                                       cfg.head_layers, cfg.fusion)
