@@ -88,7 +88,7 @@ class ModelConfig(Section):
     compile: bool = opt(False, "torch.compile (inductor) the decode step: plain and verification forwards of "
                                "decode batches run one compiled graph (at most four, compiled at start-up, cached "
                                "on disk); prefill chunks and trees run eager. On CUDA: the captured graphs' body "
-                               "is compiled first")
+                               "is compiled first, and so is the EAGLE-3 head's step")
     enforce_eager: bool = opt(False, "on CUDA, run every forward eagerly: no CUDA graphs (by default decode and "
                                      "verification forwards of chains replay graphs captured at start-up)")
 

@@ -35,7 +35,7 @@ from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter
 from tidespec.speculative.drafters.draft_model import DraftModelDrafter
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
-from tidespec.speculative.drafters.multi import MultiDrafter, stateful_member
+from tidespec.speculative.drafters.multi import MultiDrafter, find_member, stateful_member
 from tidespec.speculative.policy.api import SpeculationPolicy
 from tidespec.speculative.policy.factory import PolicyOptions, make_policy
 from tidespec.speculative.policy.guards import GuardConfig
@@ -56,18 +56,22 @@ def load_target(mc: ModelConfig) -> LoadedModel:
                       quant_group_size=mc.quant_group_size)
 
 
-def build_drafter(spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_model_len: int) -> Drafter | None:
+def build_drafter(spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_model_len: int,
+                  enforce_eager: bool = False, compile: bool = False) -> Drafter | None:
     """The drafter named by ``spec.drafter`` (None for "none"); several names give a ``MultiDrafter``
     whose model-free members are scored on the side at gamma = ``num_speculative_tokens``. Model
-    drafters run on ``spec.drafter_device`` ("" = the target's device)."""
+    drafters run on ``spec.drafter_device`` ("" = the target's device); an EAGLE-3 head on a GPU
+    drafts through CUDA graphs unless ``enforce_eager``, of its inductor-compiled step with ``compile``."""
     names = spec.drafter_names
     if len(names) > 1:
-        return MultiDrafter([_one_drafter(name, spec, target, max_num_seqs, max_model_len) for name in names],
-                            shadow_gamma=spec.num_speculative_tokens)
-    return None if names[0] == "none" else _one_drafter(names[0], spec, target, max_num_seqs, max_model_len)
+        return MultiDrafter([_one_drafter(name, spec, target, max_num_seqs, max_model_len, enforce_eager, compile)
+                             for name in names], shadow_gamma=spec.num_speculative_tokens)
+    return None if names[0] == "none" else _one_drafter(names[0], spec, target, max_num_seqs, max_model_len,
+                                                        enforce_eager, compile)
 
 
-def _one_drafter(name: str, spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_model_len: int) -> Drafter:
+def _one_drafter(name: str, spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_model_len: int,
+                 enforce_eager: bool = False, compile: bool = False) -> Drafter:
     """One drafter; a model drafter on ``spec.drafter_device`` (ngram and suffix run on the host:
     nothing to place, the flag is ignored for them)."""
     if name == "ngram":
@@ -82,7 +86,7 @@ def _one_drafter(name: str, spec: SpecConfig, target: LlamaModel, max_num_seqs: 
         return build_eagle3_drafter(target, spec.eagle3.dir, spec.eagle3.draft_vocab, Eagle3DrafterConfig(
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, tree_depth=spec.eagle3.tree_depth,
             tree_top_k=spec.eagle3.tree_top_k, quantization=head_quantization(spec.eagle3.quantization, device),
-            min_draft_prob=spec.eagle3.min_draft_prob),
+            min_draft_prob=spec.eagle3.min_draft_prob, graphs=uses_graphs(device, enforce_eager), compile=compile),
             dtype=None if spec.eagle3.dtype == "auto" else DTYPES[spec.eagle3.dtype], device=device)
     dm = spec.draft_model
     if dm.path and not dm.layers:
@@ -246,8 +250,14 @@ def build_engine(config: EngineConfig, model: LlamaModel | None = None,
         model, tokenizer = loaded.model, loaded.tokenizer
     max_len = min(config.cache.max_model_len, model.cfg.max_position_embeddings)
     if drafter is None:
-        drafter = build_drafter(config.spec, model, config.cache.max_num_seqs, max_len)
+        drafter = build_drafter(config.spec, model, config.cache.max_num_seqs, max_len, config.model.enforce_eager,
+                                config.model.compile)
         attach_draft_vocab(drafter, config.spec.vocab, model, tokenizer)
+        head = find_member(drafter, "eagle3")
+        if isinstance(head, Eagle3Drafter):  # its CUDA graphs captured now, the draft vocabulary attached
+            seconds = head.warm_up(config.spec.num_speculative_tokens)
+            if seconds:
+                log.info("captured the EAGLE-3 head's CUDA graphs in %.1f s", seconds)
     policy = build_policy(config, model, drafter) if config.spec.num_speculative_tokens else None
     return LLMEngine(model, tokenizer, config, drafter=drafter, policy=policy)
 

@@ -128,3 +128,36 @@ def test_sampling_on_cuda_runs_unseeded_and_seeded_is_reproducible(model):
         assert len(done[b].token_ids) == 16
         runs.append(done[a].token_ids)
     assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_head_graphs_replay_the_eager_drafter_on_cuda(compile):
+    from tests.helpers import capture
+    from tests.speculative.test_eagle3 import VOCAB as HV
+    from tests.speculative.test_eagle3 import tiny_head, tiny_target
+    from tidespec.speculative.api import DraftInput, Observation
+    from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
+
+    target = tiny_target(torch.float32)
+    head = tiny_head(target)
+    gen = torch.Generator().manual_seed(4)
+    seqs = {s: torch.randint(0, HV, (40,), generator=gen).tolist() for s in (0, 1, 2)}
+    taps = {s: capture(target, ids, head.cfg.tap_layers).cuda() for s, ids in seqs.items()}
+    target.to("cuda"), head.to("cuda")
+    eager, graphed = (Eagle3Drafter(head, target.embed_tokens, Eagle3DrafterConfig(
+        max_num_seqs=4, max_model_len=300, graphs=g, compile=compile)) for g in (False, True))
+    assert graphed.warm_up(4) > 0 and graphed._graphs is not None
+    captured = len(graphed._graphs.graphs)
+    assert captured == 3 * 2 * (5 + 4)  # batches 1, 2, 4 x keys 256, 300 x (catch-ups of 1..5 rows + chains 1..4)
+    cached = {0: 3, 1: 4, 2: 5}
+    for d in (eager, graphed):
+        d.observe([Observation(s, seqs[s][:c + 1], c, taps[s][:c]) for s, c in cached.items()])
+    for accepted in ([1, 3, 2], [2, 1, 4], [4, 2, 1]):
+        inputs = [DraftInput(s, seqs[s][:c + 1], 4, SamplingParams()) for s, c in cached.items()]
+        want, got = eager.propose(inputs).drafts, graphed.propose(inputs).drafts
+        assert {s: d.token_ids for s, d in got.items()} == {s: d.token_ids for s, d in want.items()}
+        for (s, c), n in zip(list(cached.items()), accepted):
+            for d in (eager, graphed):
+                d.observe([Observation(s, seqs[s][:c + n + 1], n, taps[s][c:c + n])])
+            cached[s] = c + n
+    assert graphed._graphs.num_replayed == 3 * 2 and len(graphed._graphs.graphs) == captured

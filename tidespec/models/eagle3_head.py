@@ -45,6 +45,7 @@ from tidespec.models.llama import (
     Attention,
     BatchLayout,
     DecoderLayer,
+    ForwardLayout,
     KVStorage,
     LlamaConfig,
     ModelConfigError,
@@ -314,13 +315,20 @@ class Eagle3Head(PlacedModule):
 
     def step(self, fused: torch.Tensor, embeds: torch.Tensor, layout: BatchLayout, kv: KVStorage) -> torch.Tensor:
         """``forward`` without the output layer: fused, embeds [T, H] -> pre-norm output [T, H]."""
+        layout.attention_plan(self.midlayer.self_attn.cfg.sliding_window, kv)
+        return self.run(fused, embeds, layout, kv.k, kv.v)
+
+    def run(self, fused: torch.Tensor, embeds: torch.Tensor, layout: ForwardLayout, k: list[torch.Tensor],
+            v: list[torch.Tensor]) -> torch.Tensor:
+        """``step``'s body over any ``ForwardLayout`` (eager or a CUDA graph's static block,
+        ``models/eagle3_graphs.py``) and the per-layer K/V ``k[i]``, ``v[i]`` [S, n_kv, L, hd]:
+        fused, embeds [T, H] -> pre-norm output [T, H]."""
         layer = self.midlayer
         cos, sin = self.rope(layout.positions, fused.dtype)
-        layout.attention_plan(layer.self_attn.cfg.sliding_window, kv)
         x, residual = layer.attn_input(fused, embeds)
-        out = layer.finish(residual, layer.self_attn(x, cos, sin, layout, kv.k[0], kv.v[0]))
+        out = layer.finish(residual, layer.self_attn(x, cos, sin, layout, k[0], v[0]))
         for i, block in enumerate(self.blocks, start=1):
-            out = block.forward(out, cos, sin, layout, kv.k[i], kv.v[i])
+            out = block.forward(out, cos, sin, layout, k[i], v[i])
         return out
 
 

@@ -21,7 +21,7 @@ Worked example (context ``t0..t4``, target KV holds t0..t3, taps h0..h3 observed
 
 Steps without taps. While speculation is off the engine runs exactly plain decoding: no taps, so
 the sequence's taps get a hole. The head then restarts its context at the first position that has
-taps again (``_SeqState.base``): head position j holds the pair (h_{base+j}, t_{base+j+1}), and
+taps again (``SeqState.base``): head position j holds the pair (h_{base+j}, t_{base+j+1}), and
 since rotary attention depends only on position differences this is exactly the head attending
 over the window after the hole. The first step with taps again drafts nothing for the sequence
 (it is *cold*, reported in ``DraftProposal.cold``); the next one drafts. Example: taps h0..h9,
@@ -36,12 +36,14 @@ import torch
 from torch import nn
 
 from tidespec.config import QUANTIZATIONS
+from tidespec.models.eagle3_graphs import HeadGraphs
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head, quantized_head
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
 from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.drafters.draft_model import draft_seed
+from tidespec.speculative.drafters.eagle3_state import CatchUp, SeqState, TapStore
 from tidespec.speculative.tree import rerank_tree, tree_depths, tree_mask
 from tidespec.speculative.vocab.dynamic import DynamicVocab
 
@@ -69,6 +71,10 @@ class Eagle3DrafterConfig:
     retain_taps: bool = True  # keep every tap row so a weight swap can rebuild the head KV exactly
     quantization: str = "none"  # draft with an int8 / int4 weight copy of the head (CPU; models.eagle3_head.quantized_head)
     min_draft_prob: float = 0.0  # chains stop once the product of their drafts' head probabilities is below this
+    # catch up and draft greedy chains through ``models.eagle3_graphs`` (CUDA graphs on a GPU; on
+    # a CPU their static bodies run uncaptured, which only the tests want)
+    graphs: bool = False
+    compile: bool = False  # with graphs: inductor-compile the head's step before capturing it (--compile)
 
     def __post_init__(self) -> None:
         if self.quantization not in QUANTIZATIONS:
@@ -86,64 +92,6 @@ class Eagle3DrafterConfig:
             raise Eagle3ConfigError(f"min_draft_prob must be in [0, 1), got {self.min_draft_prob}")
 
 
-class _TapStore:
-    """Tap rows of one sequence kept as appended chunks; rows before ``start`` may be dropped."""
-
-    def __init__(self) -> None:
-        self.chunks: list[torch.Tensor] = []  # each [n_i, 3H]
-        self.start = 0  # position of the first row still held
-        self.end = 0  # one past the last position appended
-
-    def append(self, rows: torch.Tensor) -> None:
-        if rows.shape[0]:
-            self.chunks.append(rows)
-            self.end += rows.shape[0]
-
-    def rows(self, a: int, b: int) -> torch.Tensor:
-        """[b - a, 3H] rows for positions a..b-1 (must be held)."""
-        if a < self.start or b > self.end:
-            raise IndexError(f"tap rows {a}..{b} not held ({self.start}..{self.end})")
-        out: list[torch.Tensor] = []
-        pos = self.start
-        for c in self.chunks:
-            lo, hi = max(a, pos), min(b, pos + c.shape[0])
-            if lo < hi:
-                out.append(c[lo - pos:hi - pos])
-            pos += c.shape[0]
-        return torch.cat(out) if len(out) > 1 else out[0]
-
-    def drop_before(self, a: int) -> None:
-        """Forget rows before position a (chunk granularity is refined by slicing)."""
-        if a <= self.start:
-            return
-        keep = self.rows(a, self.end) if a < self.end else None
-        self.chunks = [keep] if keep is not None else []
-        self.start = a
-
-
-@dataclass
-class _SeqState:
-    slot: int
-    taps: _TapStore
-    generator: torch.Generator
-    tokens: list[int] = field(default_factory=list)  # context token ids known to the drafter
-    base: int = 0  # context position of head position 0 (> 0 after a hole in the taps)
-    kv_len: int = 0  # head positions with final K/V: pairs (tap_{base+j}, token_{base+j+1}) for j < kv_len
-    last_hidden: torch.Tensor | None = None  # [H] pre-norm output at position kv_len - 1
-    last_logits: torch.Tensor | None = None  # [n] logits at position kv_len - 1 over the vocabulary below
-    logits_vocab: int = -1  # version of the draft vocabulary ``last_logits`` is over (-1: the head's own)
-    stale: bool = False  # head weights changed since kv was computed: rebuild from taps
-    hole: bool = False  # a step without taps since the last taps
-    lost: bool = False  # taps resumed at an unknown position (``Observation.start`` -1): never drafted again
-    seeded: bool = False  # generator seeded from the request seed already
-
-    def root_output(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pre-norm hidden [H], logits [Vd]) at the last final position: where drafting starts."""
-        if self.last_hidden is None or self.last_logits is None:
-            raise RuntimeError("no observed position to draft from")
-        return self.last_hidden, self.last_logits
-
-
 @dataclass(frozen=True)
 class _Vocab:
     """The vocabulary one ``propose`` drafts over: the head's own (``rows`` None) or a dynamic V_t."""
@@ -154,18 +102,11 @@ class _Vocab:
 
 
 @dataclass
-class _CatchUp:
-    state: _SeqState
-    start: int  # first head position to compute
-    end: int  # one past the last
-
-
-@dataclass
 class _TreeJob:
     """EAGLE-2 expansion state for one sequence."""
 
     seq_id: int
-    state: _SeqState
+    state: SeqState
     budget: int
     depth: int
     tokens: list[int] = field(default_factory=list)  # [n] draft ids of all candidates
@@ -209,6 +150,10 @@ class Eagle3Drafter:
     ``served``, an int8/int4 copy rebuilt at every ``load_state``, computes the drafts (about 2.5x
     cheaper per draft token on a 2-core CPU, docs/benchmarks.md section 22). With "none" they are
     the same module. A dynamic V_t is then drafted over through its snapshot's int8 output layer.
+
+    CUDA graphs (``cfg.graphs``, set on a GPU unless --enforce-eager): the catch-up and greedy
+    chains over the head's own vocabulary replay ``models.eagle3_graphs.HeadGraphs`` (one host
+    read per proposal); trees, sampled chains and a dynamic V_t take the eager path.
     """
 
     name = "eagle3"
@@ -227,8 +172,9 @@ class Eagle3Drafter:
         self.kv = self._new_kv()
         self.vocab = vocab  # a dynamic draft vocabulary (EvoSpec), else the head's own
         self._own_ids = self._head_ids()
-        self._states: dict[int, _SeqState] = {}
+        self._states: dict[int, SeqState] = {}
         self._untracked: set[int] = set()  # first seen with no free slot: later taps would be misaligned
+        self._graphs: HeadGraphs | None = None  # built on first use (cfg.graphs), over the served head
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -261,7 +207,25 @@ class Eagle3Drafter:
     def _new_kv(self) -> KVCache:
         c = self.head.cfg
         return KVCache(c.num_layers, self.cfg.max_num_seqs, self.cfg.max_model_len, c.num_kv_heads, c.head_dim,
-                       self.head.dtype, self.head.device)
+                       self.head.dtype, self.head.device, spare_slot=self.cfg.graphs)
+
+    def _head_graphs(self, vocab: _Vocab) -> HeadGraphs | None:
+        """The head's graphs when they can serve this proposal: ``cfg.graphs``, the head's own draft
+        vocabulary (a dynamic V_t changes size between steps), float weights, the embedding on the
+        head's device. Rebuilt after a swap that replaced the head or its cache."""
+        if (not self.cfg.graphs or vocab.rows is not None or self.served is not self.head
+                or self.embed.weight.device != self.head.device):
+            return None
+        if self._graphs is None or not self._graphs.serves(self.head, self.embed, self.kv):
+            self._graphs = HeadGraphs(self.head, self.embed, self.kv, capture=self.head.device.type == "cuda",
+                                      compile=self.cfg.compile)
+        return self._graphs
+
+    def warm_up(self, max_gamma: int) -> float:
+        """Capture the head's CUDA graphs for chains of up to ``max_gamma`` drafts now (with
+        ``cfg.graphs`` on a GPU and the head's own vocabulary; else nothing). Returns seconds."""
+        graphs = self._head_graphs(self._vocab())
+        return graphs.warm_up(max_gamma) if graphs is not None else 0.0
 
     # -- weights ---------------------------------------------------------------------------------
 
@@ -349,7 +313,7 @@ class Eagle3Drafter:
 
     @torch.inference_mode()
     def propose(self, inputs: list[DraftInput]) -> DraftProposal:
-        ready: list[tuple[DraftInput, _SeqState]] = []
+        ready: list[tuple[DraftInput, SeqState]] = []
         seen: set[int] = set()
         for inp in inputs:
             if inp.seq_id in seen:
@@ -364,7 +328,7 @@ class Eagle3Drafter:
         vocab = self._vocab()
         self._sync([st for _, st in ready], vocab)
         proposal = DraftProposal()
-        chains: list[tuple[DraftInput, _SeqState, int]] = []
+        chains: list[tuple[DraftInput, SeqState, int]] = []
         trees: list[_TreeJob] = []
         for inp, st in ready:
             n = len(inp.token_ids)
@@ -403,7 +367,7 @@ class Eagle3Drafter:
             raise RuntimeError("no free head KV slot")
         return slot
 
-    def _state(self, seq_id: int) -> _SeqState | None:
+    def _state(self, seq_id: int) -> SeqState | None:
         st = self._states.get(seq_id)
         if st is None:
             slot = None if seq_id in self._untracked else self.kv.allocate()
@@ -411,13 +375,13 @@ class Eagle3Drafter:
                 self._untracked.add(seq_id)  # more live sequences than slots: never drafted for
                 return None
             # the draft sampler draws on the head's device (a CUDA tensor needs a CUDA generator)
-            st = _SeqState(slot=slot, taps=_TapStore(), generator=make_generator(None, self.head.device))
+            st = SeqState(slot=slot, taps=TapStore(), generator=make_generator(None, self.head.device))
             self._states[seq_id] = st
         return st
 
-    def _restart(self, st: _SeqState, position: int) -> None:
+    def _restart(self, st: SeqState, position: int) -> None:
         """Start the sequence's head context afresh at context ``position`` (after a hole)."""
-        st.base, st.taps = position, _TapStore()
+        st.base, st.taps = position, TapStore()
         st.kv_len, st.last_hidden, st.last_logits, st.stale = 0, None, None, False
         self.kv.set_length(st.slot, 0)
 
@@ -425,10 +389,10 @@ class Eagle3Drafter:
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.embed.weight.device)
         return self.embed(ids).to(dtype=self.head.dtype, device=self.head.device)  # [T, H]
 
-    def _sync(self, states: list[_SeqState], vocab: _Vocab | None = None) -> None:
+    def _sync(self, states: list[SeqState], vocab: _Vocab | None = None) -> None:
         """Rebuild stale sequences and extend every sequence's head KV to
         ``min(taps held, tokens - 1)`` positions, in one ragged forward."""
-        jobs: list[_CatchUp] = []
+        jobs: list[CatchUp] = []
         for st in states:
             if st.lost:
                 continue
@@ -437,22 +401,28 @@ class Eagle3Drafter:
             st.stale = False
             end = min(st.taps.end, len(st.tokens) - 1 - st.base, self.cfg.max_model_len)
             if end > st.kv_len:
-                jobs.append(_CatchUp(st, st.kv_len, end))
+                jobs.append(CatchUp(st, st.kv_len, end))
         if not jobs:
             return
         taps = torch.cat([j.state.taps.rows(j.start, j.end) for j in jobs])  # [T, 3H]
         # head position i pairs tap i with the token after it
         tokens = [t for j in jobs for t in j.state.tokens[j.state.base + j.start + 1:j.state.base + j.end + 1]]
-        layout = BatchLayout.build([j.end - j.start for j in jobs], [j.start for j in jobs],
-                                   [j.state.slot for j in jobs], device=self.head.device)
-        out = self.served.step(self.served.fuse(taps), self._embed(tokens), layout, self.kv)  # [T, H]
-        last = torch.tensor([j.end - j.start for j in jobs], device=out.device).cumsum(0) - 1  # [J] each job's last row
+        q_lens, starts, slots = [j.end - j.start for j in jobs], [j.start for j in jobs], [j.state.slot for j in jobs]
         vocab = vocab if vocab is not None else self._vocab()
-        last_logits = self.served.logits(out.index_select(0, last), vocab.rows)  # [J, n]: only where drafting starts
+        graphs = self._head_graphs(vocab)
+        found = graphs.catch_up(taps, tokens, q_lens, starts, slots) if graphs is not None else None
+        if found is not None:
+            last_hidden, last_logits = found  # [J, H], [J, Vd]: each job's last row
+        else:
+            layout = BatchLayout.build(q_lens, starts, slots, device=self.head.device)
+            out = self.served.step(self.served.fuse(taps), self._embed(tokens), layout, self.kv)  # [T, H]
+            last = torch.tensor(q_lens, device=out.device).cumsum(0) - 1  # [J] each job's last row
+            last_hidden = out.index_select(0, last)  # [J, H]
+            last_logits = self.served.logits(last_hidden, vocab.rows)  # [J, n]: only where drafting starts
         for i, j in enumerate(jobs):
             st = j.state
             st.kv_len = j.end
-            st.last_hidden, st.last_logits = out[int(last[i])].clone(), last_logits[i]
+            st.last_hidden, st.last_logits = last_hidden[i], last_logits[i]
             st.logits_vocab = vocab.version
             self.kv.set_length(st.slot, st.kv_len)
             if not self.cfg.retain_taps:
@@ -478,7 +448,7 @@ class Eagle3Drafter:
         full[ids] = q
         return int(ids[draft_id].item()), full
 
-    def _propose_chains(self, chains: list[tuple[DraftInput, _SeqState, int]], vocab: _Vocab) -> dict[int, SeqDraft]:
+    def _propose_chains(self, chains: list[tuple[DraftInput, SeqState, int]], vocab: _Vocab) -> dict[int, SeqDraft]:
         """Greedy / sampled chains, all sequences batched one token per forward.
 
         With ``min_draft_prob`` > 0 a chain also stops once the product of its drafts' probabilities
@@ -487,6 +457,15 @@ class Eagle3Drafter:
         extended where a draft would likely be rejected yet cost a head step and a verification row.
         Example: probabilities 0.9, 0.5, 0.6 with min_draft_prob 0.3 -> products 0.9, 0.45, 0.27 ->
         the chain ends after its third draft (the first two keep it going)."""
+        graphs = self._head_graphs(vocab)
+        if graphs is not None and all(inp.params.greedy for inp, _, _ in chains):
+            roots = [st.root_output() for _, st, _ in chains]
+            found = graphs.chain(torch.stack([h for h, _ in roots]), torch.stack([z for _, z in roots]),
+                                 [st.kv_len for _, st, _ in chains], [st.slot for _, st, _ in chains],
+                                 max(g for _, _, g in chains))
+            if found is not None:
+                return {inp.seq_id: SeqDraft(self._confident_prefix(ids[:g], tops), None, None)
+                        for (inp, _, g), ids, tops in zip(chains, *found)}
         toks: dict[int, list[int]] = {}
         probs: dict[int, list[torch.Tensor]] = {}
         hidden: dict[int, torch.Tensor] = {}
@@ -528,12 +507,22 @@ class Eagle3Drafter:
                                      torch.stack(probs[inp.seq_id]) if probs[inp.seq_id] else None)
                 for inp, _, _ in chains}
 
+    def _confident_prefix(self, ids: list[int], tops: list[float]) -> list[int]:
+        """The drafts a chain keeps under ``min_draft_prob`` given the head's probability of each:
+        the ``k``-th draft is kept while the product of the probabilities before it is >= the floor
+        (as the eager loop decides). Example: floor 0.3, tops 0.9, 0.5, 0.6, 0.8 -> 3 drafts."""
+        keep, product = 1, tops[0]
+        while keep < len(ids) and product >= self.cfg.min_draft_prob:
+            product *= tops[keep]
+            keep += 1
+        return ids[:keep]
+
     @staticmethod
     def _confidence(logits: torch.Tensor) -> list[float]:
         """[B, n] logits -> each row's top probability (one host read for the batch)."""
         return torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()
 
-    def _generator(self, inp: DraftInput, st: _SeqState) -> torch.Generator:
+    def _generator(self, inp: DraftInput, st: SeqState) -> torch.Generator:
         """Per-sequence draft sampler, seeded once from the request seed (never equal to it)."""
         if not st.seeded:
             seed = draft_seed(inp.params.seed)

@@ -1,0 +1,81 @@
+"""Per-sequence state of the EAGLE-3 drafter: its tap rows, its head-KV position, where its chain starts.
+
+Why this exists: ``drafters/eagle3.py`` owns the drafting logic; the bookkeeping it keeps per
+sequence (see that module's docstring for the positions' meaning) lives here so each module stays
+readable on its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+class TapStore:
+    """Tap rows of one sequence kept as appended chunks; rows before ``start`` may be dropped."""
+
+    def __init__(self) -> None:
+        self.chunks: list[torch.Tensor] = []  # each [n_i, 3H]
+        self.start = 0  # position of the first row still held
+        self.end = 0  # one past the last position appended
+
+    def append(self, rows: torch.Tensor) -> None:
+        if rows.shape[0]:
+            self.chunks.append(rows)
+            self.end += rows.shape[0]
+
+    def rows(self, a: int, b: int) -> torch.Tensor:
+        """[b - a, 3H] rows for positions a..b-1 (must be held)."""
+        if a < self.start or b > self.end:
+            raise IndexError(f"tap rows {a}..{b} not held ({self.start}..{self.end})")
+        out: list[torch.Tensor] = []
+        end = self.end
+        for c in reversed(self.chunks):  # from the newest: a catch-up reads the last few rows
+            pos = end - c.shape[0]
+            lo, hi = max(a, pos), min(b, end)
+            if lo < hi:
+                out.append(c[lo - pos:hi - pos])
+            if pos <= a:
+                break
+            end = pos
+        out.reverse()
+        return torch.cat(out) if len(out) > 1 else out[0]
+
+    def drop_before(self, a: int) -> None:
+        """Forget rows before position a (chunk granularity is refined by slicing)."""
+        if a <= self.start:
+            return
+        keep = self.rows(a, self.end) if a < self.end else None
+        self.chunks = [keep] if keep is not None else []
+        self.start = a
+
+
+@dataclass
+class SeqState:
+    slot: int
+    taps: TapStore
+    generator: torch.Generator
+    tokens: list[int] = field(default_factory=list)  # context token ids known to the drafter
+    base: int = 0  # context position of head position 0 (> 0 after a hole in the taps)
+    kv_len: int = 0  # head positions with final K/V: pairs (tap_{base+j}, token_{base+j+1}) for j < kv_len
+    last_hidden: torch.Tensor | None = None  # [H] pre-norm output at position kv_len - 1
+    last_logits: torch.Tensor | None = None  # [n] logits at position kv_len - 1 over the vocabulary below
+    logits_vocab: int = -1  # version of the draft vocabulary ``last_logits`` is over (-1: the head's own)
+    stale: bool = False  # head weights changed since kv was computed: rebuild from taps
+    hole: bool = False  # a step without taps since the last taps
+    lost: bool = False  # taps resumed at an unknown position (``Observation.start`` -1): never drafted again
+    seeded: bool = False  # generator seeded from the request seed already
+
+    def root_output(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(pre-norm hidden [H], logits [Vd]) at the last final position: where drafting starts."""
+        if self.last_hidden is None or self.last_logits is None:
+            raise RuntimeError("no observed position to draft from")
+        return self.last_hidden, self.last_logits
+
+
+@dataclass
+class CatchUp:
+    state: SeqState
+    start: int  # first head position to compute
+    end: int  # one past the last
