@@ -172,5 +172,9 @@ def test_init_from_a_trained_head_fine_tunes_it_and_widens_its_vocabulary(tmp_pa
     assert (old_cfg.draft_vocab_size, new_cfg.draft_vocab_size) == (16, 24)
     assert bool((old_state["t2d"] <= new_state["t2d"]).all()) and int(new_state["t2d"].sum()) == 24
     assert wide["sources"][0]["coverage"] >= first["sources"][0]["coverage"]
+    # grown to 2 layers: the new block starts as the identity, so the held-out start is unchanged
+    deep = run("deep", steps=1, draft_vocab=16, head_layers=2, init_from=str(tmp_path / "first"))
+    assert deep["curves"][0]["points"][0]["heldout_accept_len"] == pytest.approx(end["heldout_accept_len"])
+    assert import_eagle3(tmp_path / "deep", model.cfg)[0].num_layers == 2
     with pytest.raises(ConfigError, match="no valid EAGLE-3 checkpoint"):
         run("none", steps=1, init_from=str(tmp_path / "empty-root"))

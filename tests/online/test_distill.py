@@ -28,7 +28,7 @@ from tidespec.online.eagle3_train import (
     walk_chains,
 )
 from tidespec.online.store import SignalStore
-from tidespec.online.trainer.data import segments_by_sequence, split_heldout, token_counts, widen_head
+from tidespec.online.trainer.data import deepen_head, segments_by_sequence, split_heldout, token_counts, widen_head
 from tidespec.online.trainer.distill import generate_continuations, teacher_pass, teacher_rows
 from tidespec.online.trainer.rounds import lr_factor
 from tidespec.sampling import SamplingParams
@@ -172,6 +172,33 @@ def test_init_from_target_copies_lm_head_rows_and_last_layer() -> None:
     assert torch.allclose(prenorm_logits[0], head.logits(out), atol=1e-10)
     with pytest.raises(Eagle3ConfigError, match="init-from-target"):
         init_from_target(head, target, "everything")
+
+
+def test_deepen_head_starts_as_the_shallow_head_with_the_targets_last_layers() -> None:
+    target = tiny_llama(VOCAB, layers=4)
+    torch.manual_seed(3)
+    head = Eagle3Head(Eagle3Config.for_target(target.cfg, 16)).to(torch.float64)
+    deep = deepen_head(head, 3, list(target.layers))
+    assert deep.cfg.num_layers == 3 and len(deep.blocks) == 2 and deep.training == head.training
+    for block, source in zip(deep.blocks, list(target.layers)[-2:]):
+        assert not block.self_attn.o_proj.weight.any() and not block.mlp.down_proj.weight.any()
+        assert torch.equal(block.self_attn.qkv_proj.weight, source.self_attn.qkv_proj.weight)
+        assert torch.equal(block.mlp.gate_up_proj.weight, source.mlp.gate_up_proj.weight)
+    assert torch.equal(deep.midlayer.self_attn.qkv_proj.weight, head.midlayer.self_attn.qkv_proj.weight)
+    # the same outputs over a 5-token context: the new blocks add nothing to their residual yet
+    gen = torch.Generator().manual_seed(0)
+    fused = torch.randn(5, head.cfg.hidden_size, generator=gen, dtype=torch.float64)
+    embeds = torch.randn(5, head.cfg.hidden_size, generator=gen, dtype=torch.float64)
+    outs = []
+    for h in (head, deep):
+        c = h.cfg
+        kv = KVCache(c.num_layers, 1, 16, c.num_kv_heads, c.head_dim, torch.float64)
+        outs.append(h(fused, embeds, BatchLayout.build([5], [0], [0]), kv))
+    torch.testing.assert_close(outs[1][0], outs[0][0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(outs[1][1], outs[0][1], rtol=1e-12, atol=1e-12)
+    for n in (1, 5):
+        with pytest.raises(Eagle3TrainError, match="cannot be deepened"):
+            deepen_head(head, n, list(target.layers))
 
 
 def test_widen_head_keeps_its_tokens_and_rows_and_adds_the_most_frequent_others() -> None:

@@ -73,6 +73,7 @@ from tidespec.online.eagle3_train import SignalSegment
 from tidespec.online.store import SignalStore
 from tidespec.online.trainer.config import TrainerConfig
 from tidespec.online.trainer.data import (
+    deepen_head,
     fresh_head_for,
     heldout_acceptance,
     heldout_keys,
@@ -111,8 +112,9 @@ class LearnBenchConfig:
                                  "size above the checkpoint's widens its vocabulary (its own tokens plus the "
                                  "most frequent others of the training split)")
     init_from: str | None = opt(None, "every share starts from this exported EAGLE-3 checkpoint instead of a "
-                                      "fresh head (fine-tuning; --head-layers, --fusion and --init-from-target "
-                                      "do not apply)")
+                                      "fresh head (fine-tuning; a --head-layers above its depth deepens it with "
+                                      "blocks that start as the identity; --fusion and --init-from-target do "
+                                      "not apply)")
     batch_segments: int = opt(TrainerConfig.batch_segments, "segments per optimizer step")
     max_segment_len: int = opt(TrainerConfig.max_segment_len, "positions per training segment")
     lr: float = opt(TrainerConfig.lr, "AdamW peak learning rate")
@@ -122,7 +124,8 @@ class LearnBenchConfig:
     weight_decay: float = opt(TrainerConfig.weight_decay, "AdamW weight decay")
     autocast: str = opt(TrainerConfig.autocast, "none or bf16 (training matmuls in bfloat16)",
                         choices=["none", "bf16"])
-    head_layers: int = opt(TrainerConfig.head_layers, "decoder layers of the fresh heads")
+    head_layers: int = opt(TrainerConfig.head_layers, "decoder layers of the fresh heads (with --init-from: "
+                                                      "of the fine-tuned ones, when above the checkpoint's)")
     fusion: str = opt(TrainerConfig.fusion, "concat (EAGLE-3) or gated (Dovetail's DGF)", choices=list(FUSIONS))
     init_from_target: str = opt(TrainerConfig.init_from_target, "fresh heads start from the target's weights: "
                                 "none, lm_head or layer (train-drafter's flag)", choices=["none", "lm_head", "layer"])
@@ -250,12 +253,15 @@ def load_start(path: str, target: LoadedModel) -> PublishedDrafter:
 
 
 def start_from(published: PublishedDrafter, draft_vocab: int, train: list[SignalSegment], target: LoadedModel,
-               dtype: torch.dtype, device: torch.device) -> Eagle3Head:
+               dtype: torch.dtype, device: torch.device, num_layers: int = 1) -> Eagle3Head:
     """``published`` as a trainable head, its vocabulary widened to ``draft_vocab`` from ``train``
-    when that is larger (``widen_head``)."""
+    when that is larger (``widen_head``), deepened to ``num_layers`` when that is larger
+    (``deepen_head``: the new blocks start as the identity)."""
     head = head_from_published(published, dtype, device)
     if draft_vocab > head.cfg.draft_vocab_size:
         head = widen_head(head, draft_vocab, train, target.model.lm_head.weight)
+    if num_layers > head.cfg.num_layers:
+        head = deepen_head(head, num_layers, list(target.model.layers))
     return head.train()
 
 
@@ -304,7 +310,7 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
             marks = sorted({max(1, round(steps * j / cfg.evals)) for j in range(1, cfg.evals + 1)})
             trainer.cfg = dataclasses.replace(base, max_steps=steps)
             if start is not None:
-                head = start_from(start, cfg.draft_vocab, segs, target, trainer.dtype, trainer.device)
+                head = start_from(start, cfg.draft_vocab, segs, target, trainer.dtype, trainer.device, cfg.head_layers)
             else:
                 head = fresh_head_for(target.config, cfg.draft_vocab, segs, trainer.dtype, trainer.device, cfg.seed,
                                       cfg.head_layers, cfg.fusion)
