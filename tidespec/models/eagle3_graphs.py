@@ -37,6 +37,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -93,15 +94,21 @@ class HeadGraphs:
         self.batches = batch_buckets(kv.num_slots)
         self.key_lens = key_buckets(kv.max_len)
         device, cfg = head.device, head.cfg
-        slots, rows = self.batches[-1], self.batches[-1] * MAX_CATCH_UP_ROWS
-        # catch-up: ids, positions, write slots, write offsets (rows each), ctx and last row (slots
-        # each), then what the host gathers with: each tap row's block row (<= rows), the slots
-        self.catch_in = torch.zeros(5 * rows + 3 * slots, dtype=torch.int64, device=device)
-        self.taps_in = torch.zeros(rows, cfg.tap_size, dtype=head.dtype, device=device)  # [rows, 3H]
-        # chain: ctx and write slot per slot, then the sequences' slots; the roots' output and logits
-        self.chain_in = torch.zeros(3 * slots, dtype=torch.int64, device=device)
-        self.hidden_in = torch.zeros(slots, cfg.hidden_size, dtype=head.dtype, device=device)  # [S, H]
-        self.logits_in = torch.zeros(slots, cfg.draft_vocab_size, dtype=head.dtype, device=device)  # [S, Vd]
+        self.S = slots = self.batches[-1]
+        self.R = rows = slots * MAX_CATCH_UP_ROWS
+        # Every field sits at a fixed offset (a view's offset never depends on the block's size, so
+        # a compiled body sees the same storage offsets every call and inductor does not recompile),
+        # and in inference mode, where the drafter calls the graphs (one dispatch key set).
+        with torch.inference_mode():
+            # catch-up: ids, positions, write slots, write offsets at 0, R, 2R, 3R (rows each); ctx
+            # and last row at 4R, 4R + S (slots each); what the host gathers with: each tap row's
+            # block row at 4R + 2S, the sequences' slots at 5R + 2S
+            self.catch_in = torch.zeros(5 * rows + 3 * slots, dtype=torch.int64, device=device)
+            self.taps_in = torch.zeros(rows, cfg.tap_size, dtype=head.dtype, device=device)  # [R, 3H]
+            # chain: ctx, write slot per slot and the sequences' slots at 0, S, 2S; the roots' output and logits
+            self.chain_in = torch.zeros(3 * slots, dtype=torch.int64, device=device)
+            self.hidden_in = torch.zeros(slots, cfg.hidden_size, dtype=head.dtype, device=device)  # [S, H]
+            self.logits_in = torch.zeros(slots, cfg.draft_vocab_size, dtype=head.dtype, device=device)  # [S, Vd]
         self.graphs: dict[tuple[str, int, int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.window = cfg.layer_config().sliding_window
@@ -129,15 +136,15 @@ class HeadGraphs:
 
     def _catch_body(self, batch: int, rows: int, keys: int) -> tuple[torch.Tensor, ...]:
         """The head over ``batch x rows`` tap rows -> each slot's last row: (pre-norm [B, H], logits [B, Vd])."""
-        n, b = batch * rows, self.catch_in
-        ids, pos, wslots, woffs = b[:n], b[n:2 * n], b[2 * n:3 * n], b[3 * n:4 * n]
-        ctx, last = b[4 * n:4 * n + batch], b[4 * n + batch:4 * n + 2 * batch]
+        n, b, R, S = batch * rows, self.catch_in, self.R, self.S
+        ids, pos, wslots, woffs = b[:n], b[R:R + n], b[2 * R:2 * R + n], b[3 * R:3 * R + n]
+        ctx, last = b[4 * R:4 * R + batch], b[4 * R + S:4 * R + S + batch]
         layout = self._layout(pos, wslots, woffs, ctx, batch, rows, keys)
         return self._catch(self.head, self.embed, self.taps_in[:n], ids, layout, self.kv.k, self.kv.v, last)
 
     def _chain_body(self, batch: int, gamma: int, keys: int) -> tuple[torch.Tensor, ...]:
         """``gamma`` greedy drafts per slot -> [B, 2 * gamma] float64: target ids, then top probabilities."""
-        ctx, wslots = self.chain_in[:batch], self.chain_in[batch:2 * batch]
+        ctx, wslots = self.chain_in[:batch], self.chain_in[self.S:self.S + batch]
         hidden, logits = self.hidden_in[:batch], self.logits_in[:batch]  # [B, H], [B, Vd]
         ids: list[torch.Tensor] = []
         tops: list[torch.Tensor] = []
@@ -190,9 +197,10 @@ class HeadGraphs:
         n = batch * rows
 
         def pad() -> None:
+            R, S = self.R, self.S
             self.catch_in.zero_()
-            self.catch_in[2 * n:3 * n] = self.kv.spare_slot
-            self.catch_in[4 * n + batch:4 * n + 2 * batch] = torch.arange(batch, device=self.catch_in.device) * rows
+            self.catch_in[2 * R:2 * R + n] = self.kv.spare_slot
+            self.catch_in[4 * R + S:4 * R + S + batch] = torch.arange(batch, device=self.catch_in.device) * rows
 
         def body() -> tuple[torch.Tensor, ...]:
             return self._catch_body(batch, rows, keys)
@@ -203,13 +211,14 @@ class HeadGraphs:
         """The chain graph of a block (captured now if new) and its body."""
         def pad() -> None:
             self.chain_in.zero_()
-            self.chain_in[batch:2 * batch] = self.kv.spare_slot
+            self.chain_in[self.S:self.S + batch] = self.kv.spare_slot
 
         def body() -> tuple[torch.Tensor, ...]:
             return self._chain_body(batch, gamma, keys)
 
         return self._prepared(("chain", batch, gamma, keys), body, pad), body
 
+    @torch.inference_mode()
     def warm_up(self, max_gamma: int) -> float:
         """Capture now every graph chains of up to ``max_gamma`` drafts need (catch-ups of up to
         ``max_gamma + 1`` rows), largest first: the first requests never wait on a capture.
@@ -232,11 +241,17 @@ class HeadGraphs:
             return None
         return self.batches[bi], self.key_lens[ki]
 
-    def _fill(self, buffer: torch.Tensor, values: list[int]) -> torch.Tensor:
-        """Copy ``values`` into the front of an int64 input buffer (one host-to-device copy)."""
-        buffer[:len(values)].copy_(torch.tensor(values, dtype=torch.int64), non_blocking=True)
+    @staticmethod
+    def _fill(buffer: torch.Tensor, fields: list[tuple[int, list[int]]]) -> torch.Tensor:
+        """Write each (offset, values) field into an int64 input buffer (one host-to-device copy
+        of a host array laid out like it)."""
+        host = np.zeros(buffer.shape[0], dtype=np.int64)
+        for offset, values in fields:
+            host[offset:offset + len(values)] = values
+        buffer.copy_(torch.from_numpy(host), non_blocking=True)
         return buffer
 
+    @torch.inference_mode()
     def catch_up(self, taps: torch.Tensor, tokens: list[int], q_lens: list[int], ctx_lens: list[int],
                  slots: list[int]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The head's K/V for ``q_lens[j]`` new positions of each sequence (``taps`` [T, 3H] and
@@ -263,13 +278,15 @@ class HeadGraphs:
 
         graph, body = self._catch_graph(batch, rows, keys)
         self.kv.make_readable(list(range(batch)), keys)  # a no-op on a GPU, whose cache starts zeroed
-        b = self._fill(self.catch_in, ids + pos + wslots + woffs + ctx + last + kept + slots)
-        start = 4 * n + 2 * batch  # the kept rows, then the slots, follow the graph's inputs
-        self.taps_in.index_copy_(0, b[start:start + len(kept)], taps)
+        R, S = self.R, self.S
+        b = self._fill(self.catch_in, [(0, ids), (R, pos), (2 * R, wslots), (3 * R, woffs), (4 * R, ctx),
+                                       (4 * R + S, last), (4 * R + 2 * S, kept), (5 * R + 2 * S, slots)])
+        self.taps_in.index_copy_(0, b[4 * R + 2 * S:4 * R + 2 * S + len(kept)], taps)
         root, logits = self._replay(graph, body)
-        where = b[start + len(kept):start + len(kept) + len(slots)]  # [J] each sequence's slot
+        where = b[5 * R + 2 * S:5 * R + 2 * S + len(slots)]  # [J] each sequence's slot
         return root.index_select(0, where), logits.index_select(0, where)
 
+    @torch.inference_mode()
     def chain(self, hidden: torch.Tensor, logits: torch.Tensor, ctx_lens: list[int], slots: list[int],
               gamma: int) -> tuple[list[list[int]], list[list[float]]] | None:
         """``gamma`` greedy drafts for each sequence from its root output (``hidden`` [J, H],
@@ -287,7 +304,8 @@ class HeadGraphs:
 
         graph, body = self._chain_graph(batch, gamma, keys)
         self.kv.make_readable(list(range(batch)), keys)
-        where = self._fill(self.chain_in, ctx + wslots + slots)[2 * batch:2 * batch + len(slots)]  # [J]
+        S = self.S
+        where = self._fill(self.chain_in, [(0, ctx), (S, wslots), (2 * S, slots)])[2 * S:2 * S + len(slots)]  # [J]
         self.hidden_in.index_copy_(0, where, hidden)
         self.logits_in.index_copy_(0, where, logits)
         (drafts,) = self._replay(graph, body)
