@@ -14,7 +14,7 @@ from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
-from tidespec.models.graphs import GraphStep, batch_buckets, key_buckets
+from tidespec.models.graphs import GraphStep, batch_buckets, block_rows, key_buckets
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
 from tidespec.sampling import SamplingParams
@@ -109,3 +109,11 @@ def test_compiled_layer_in_the_static_block_equals_eager_forward():
         got = step(tokens, q_lens, ctx_lens, [1])
         assert got is not None
         torch.testing.assert_close(got.logits, want.logits, rtol=1e-5, atol=1e-5)
+
+
+def test_block_rows_hand_traced():
+    # slot 0 decodes one token after 5, slot 2 verifies two after 3; a block of 4 slots x 2 rows, spare slot 9
+    b = block_rows([7, 8, 9], [1, 2], [5, 3], [0, 2], batch=4, rows=2, spare=9)
+    assert b.ids == [7, 0, 0, 0, 8, 9, 0, 0] and b.positions == [5, 0, 0, 0, 3, 4, 0, 0]
+    assert b.write_slots == [0, 9, 9, 9, 2, 2, 9, 9] and b.write_offsets == b.positions
+    assert b.ctx == [5, 0, 3, 0] and b.kept == [0, 4, 5]

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from tidespec.models.eagle3_head import Eagle3Head
-from tidespec.models.graphs import SlotBlockLayout, batch_buckets, key_buckets
+from tidespec.models.graphs import SlotBlockLayout, batch_buckets, block_rows, key_buckets
 from tidespec.models.kv_cache import KVCache
 
 MAX_CATCH_UP_ROWS = 16  # rows per sequence a catch-up graph takes (more: the eager forward)
@@ -263,24 +263,19 @@ class HeadGraphs:
         if found is None or rows > MAX_CATCH_UP_ROWS:
             return None
         batch, keys = found
-        n, spare = batch * rows, self.kv.spare_slot
-        ids, pos, wslots, woffs = [0] * n, [0] * n, [spare] * n, [0] * n
-        ctx, last = [0] * batch, [s * rows for s in range(batch)]
-        kept: list[int] = []  # the block row of each tap row
-        t = 0
-        for q, c, s in zip(q_lens, ctx_lens, slots):
-            ctx[s], last[s] = c, s * rows + q - 1
-            for i in range(q):
-                r = s * rows + i
-                ids[r], pos[r], wslots[r], woffs[r] = tokens[t], c + i, s, c + i
-                kept.append(r)
-                t += 1
+        assert self.kv.spare_slot is not None
+        blk = block_rows(tokens, q_lens, ctx_lens, slots, batch, rows, self.kv.spare_slot)
+        last = [s * rows for s in range(batch)]  # each slot's last new row (padding: its first)
+        for q, s in zip(q_lens, slots):
+            last[s] = s * rows + q - 1
+        kept = blk.kept  # the block row of each tap row
 
         graph, body = self._catch_graph(batch, rows, keys)
         self.kv.make_readable(list(range(batch)), keys)  # a no-op on a GPU, whose cache starts zeroed
         R, S = self.R, self.S
-        b = self._fill(self.catch_in, [(0, ids), (R, pos), (2 * R, wslots), (3 * R, woffs), (4 * R, ctx),
-                                       (4 * R + S, last), (4 * R + 2 * S, kept), (5 * R + 2 * S, slots)])
+        b = self._fill(self.catch_in, [(0, blk.ids), (R, blk.positions), (2 * R, blk.write_slots),
+                                       (3 * R, blk.write_offsets), (4 * R, blk.ctx), (4 * R + S, last),
+                                       (4 * R + 2 * S, kept), (5 * R + 2 * S, slots)])
         self.taps_in.index_copy_(0, b[4 * R + 2 * S:4 * R + 2 * S + len(kept)], taps)
         root, logits = self._replay(graph, body)
         where = b[5 * R + 2 * S:5 * R + 2 * S + len(slots)]  # [J] each sequence's slot

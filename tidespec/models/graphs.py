@@ -83,6 +83,40 @@ def key_buckets(max_len: int) -> list[int]:
 
 
 @dataclass
+class BlockRows:
+    """The host-side inputs of a static block: where each new token of each sequence goes."""
+
+    ids: list[int]  # [B * q] token of each block row (0 on padding)
+    positions: list[int]  # [B * q] its position (0 on padding)
+    write_slots: list[int]  # [B * q] KV slot its K/V is written to (the spare slot on padding)
+    write_offsets: list[int]  # [B * q] offset there
+    ctx: list[int]  # [B] tokens in each slot before this forward (0 where no sequence is)
+    kept: list[int]  # the block row of each token, in the order of ``tokens``
+
+
+def block_rows(tokens: list[int], q_lens: list[int], ctx_lens: list[int], slots: list[int], batch: int,
+               rows: int, spare: int) -> BlockRows:
+    """Lay the new tokens of sequences (``q_lens[j]`` of them, in ``tokens`` in sequence order, after
+    ``ctx_lens[j]`` cached ones, in KV slot ``slots[j]``) into a block of ``batch`` slots x ``rows``.
+
+    Example: tokens [7, 8, 9], q_lens [1, 2], ctx_lens [5, 3], slots [0, 2], batch 4, rows 2 ->
+    ids [7, 0, 0, 0, 8, 9, 0, 0], positions [5, 0, 0, 0, 3, 4, 0, 0], write slots [0, S, S, S, 2, 2,
+    S, S] (S the spare slot), ctx [5, 0, 3, 0], kept [0, 4, 5].
+    """
+    n = batch * rows
+    out = BlockRows([0] * n, [0] * n, [spare] * n, [0] * n, [0] * batch, [])
+    t = 0
+    for q, c, s in zip(q_lens, ctx_lens, slots):
+        out.ctx[s] = c
+        for i in range(q):
+            r = s * rows + i
+            out.ids[r], out.positions[r], out.write_slots[r], out.write_offsets[r] = tokens[t], c + i, s, c + i
+            out.kept.append(r)
+            t += 1
+    return out
+
+
+@dataclass
 class SlotBlockLayout:
     """The ``ForwardLayout`` of a static block: ``B`` slots x ``q`` rows, keys ``[0, L)``."""
 
@@ -233,20 +267,12 @@ class GraphStep:
             return None
         batch, keys = self.batches[bi], self.key_lens[ki]
         n = batch * rows
-        spare = self.kv.spare_slot
-        ids, pos, wslots, woffs = [0] * n, [0] * n, [spare] * n, [0] * n
-        ctx = [0] * batch
-        kept: list[int] = []
-        t = 0
-        for q, c, s in zip(q_lens, ctx_lens, slots):
-            ctx[s] = c
-            for i in range(q):
-                r = s * rows + i
-                ids[r], pos[r], wslots[r], woffs[r] = tokens[t], c + i, s, c + i
-                kept.append(r)
-                t += 1
+        assert self.kv.spare_slot is not None
+        blk = block_rows(tokens, q_lens, ctx_lens, slots, batch, rows, self.kv.spare_slot)
+        kept = blk.kept
         self.kv.make_readable(list(range(batch)), keys)  # a no-op on a GPU, whose cache starts zeroed
-        values = torch.tensor(ids + pos + wslots + woffs + ctx + kept, dtype=torch.int64)
+        values = torch.tensor(blk.ids + blk.positions + blk.write_slots + blk.write_offsets + blk.ctx + kept,
+                              dtype=torch.int64)
         self.inputs[:values.numel()].copy_(values, non_blocking=True)
         if self.capture:
             graph = self._graph(batch, rows, keys)
