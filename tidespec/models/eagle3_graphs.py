@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from tidespec.models.eagle3_head import Eagle3Head
-from tidespec.models.graphs import SlotBlockLayout, batch_buckets, block_rows, key_buckets
+from tidespec.models.graphs import SlotBlockLayout, batch_buckets, block_rows, capture_graph, key_buckets
 from tidespec.models.kv_cache import KVCache
 
 MAX_CATCH_UP_ROWS = 16  # rows per sequence a catch-up graph takes (more: the eager forward)
@@ -169,18 +169,7 @@ class HeadGraphs:
         found = self.graphs.get(key)
         if found is None:
             pad()
-            device = self.head.device
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):  # warm-up outside the capture (cuBLAS handles)
-                for _ in range(2):
-                    body()
-            torch.cuda.current_stream(device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            # thread_local: a trainer thread using the same GPU does not break the capture
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                outputs = body()
-            found = self.graphs[key] = _Graph(graph, outputs)
+            found = self.graphs[key] = _Graph(*capture_graph(body, self.head.device, self.pool))
         return found
 
     def _replay(self, graph: _Graph | None, body: _Body) -> tuple[torch.Tensor, ...]:

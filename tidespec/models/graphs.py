@@ -45,6 +45,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
@@ -55,6 +56,8 @@ from tidespec.models.llama import DecoderLayer, LlamaModel, ModelOutput
 log = logging.getLogger(__name__)
 
 MIN_KEY_BUCKET = 256  # the shortest key range a graph reads
+
+_T = TypeVar("_T")  # what a captured body returns
 
 
 def uses_graphs(device: torch.device, enforce_eager: bool) -> bool:
@@ -80,6 +83,24 @@ def key_buckets(max_len: int) -> list[int]:
         sizes.append(length)
         length *= 2
     return sizes + [max_len]
+
+
+def capture_graph(body: Callable[[], _T], device: torch.device,
+                  pool: tuple[int, int] | None) -> tuple[torch.cuda.CUDAGraph, _T]:
+    """A CUDA graph of ``body`` and its static outputs: two warm-up runs on a side stream first
+    (cuBLAS handles, compiles happen outside the capture), then the capture into ``pool``
+    (graphs sharing it reuse each other's freed memory). The caller has filled the inputs."""
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            body()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    # thread_local: a trainer thread using the same GPU does not break the capture
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+        outputs = body()
+    return graph, outputs
 
 
 @dataclass
@@ -222,16 +243,7 @@ class GraphStep:
         if found is not None:
             return found
         self._fill_padding(batch, rows)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):  # warm-up runs outside the capture (cuBLAS handles, compiles)
-            for _ in range(2):
-                self._run_static(batch, rows, keys)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a trainer thread using the same GPU does not break the capture
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            out = self._run_static(batch, rows, keys)
+        graph, out = capture_graph(lambda: self._run_static(batch, rows, keys), self.device, self.pool)
         found = _Graph(graph, out.logits, out.taps, out.hidden)
         self.graphs[key] = found
         return found
