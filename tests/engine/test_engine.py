@@ -326,3 +326,17 @@ def test_a_component_failing_after_commit_does_not_lose_a_finished_request(caplo
     with caplog.at_level("ERROR", logger="tidespec.engine.engine"):
         assert run(flaky=True) == run(flaky=False)
     assert "drafter observe failed" in caplog.text and "finish listener failed" in caplog.text
+
+
+def test_observed_rows_are_copies_of_the_kept_rows(model, tok):
+    """The rows handed to observers: a chain's consecutive rows by slice, a tree's path by gather,
+    either way a copy that later writes to the forward's output do not reach."""
+    e = make_engine(model, tok, slots=1)
+    out = torch.arange(24, dtype=torch.float64).view(6, 4)  # [T, H] a forward output
+    for rows in ([2, 3, 4], [0, 2, 5], [5]):
+        got = e._rows_of(out, rows)
+        assert torch.equal(got, out.index_select(0, torch.tensor(rows)))
+        before = got.clone()
+        out.add_(100.0)
+        assert torch.equal(got, before)
+    assert e._rows_of(None, [0, 1]) is None

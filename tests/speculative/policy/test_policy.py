@@ -7,7 +7,14 @@ import random
 import pytest
 
 from tidespec.speculative.policy.analytic import AnalyticPolicy
-from tidespec.speculative.policy.api import PlanInput, SeqState, SpeculationPolicy, bucket_of
+from tidespec.speculative.policy.api import (
+    DrafterPolicy,
+    PlanInput,
+    SeqState,
+    SpeculationPolicy,
+    bucket_of,
+    plans_drafters,
+)
 from tidespec.speculative.policy.bandit_policies import BanditPolicy, HybridPolicy
 from tidespec.speculative.policy.factory import PolicyOptions, make_policy
 from tidespec.speculative.policy.guards import GuardConfig, Guards
@@ -211,6 +218,13 @@ def test_static_policy() -> None:
     assert isinstance(policy, SpeculationPolicy)
     with pytest.raises(ValueError):
         StaticPolicy(-1)
+
+
+def test_plans_drafters_agrees_with_the_protocol_check() -> None:
+    """The cheap check the step makes answers as ``isinstance(policy, DrafterPolicy)`` does."""
+    policies: list[SpeculationPolicy] = [StaticPolicy(3), Guards(StaticPolicy(3)),
+                                         AnalyticPolicy(synthetic_profile(), gamma_max=4)]
+    assert [plans_drafters(p) for p in policies] == [isinstance(p, DrafterPolicy) for p in policies] == [False, True, True]
 
 
 # ---- analytic ----

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tidespec.config import GUARD_KV_USAGE, GUARD_TEMPERATURE
 from tidespec.errors import ConfigError
-from tidespec.speculative.policy.api import DrafterPolicy, PlanInput, SpeculationPolicy, check_gamma_max
+from tidespec.speculative.policy.api import PlanInput, SpeculationPolicy, check_gamma_max, plans_drafters
 from tidespec.stats import StepStats
 
 
@@ -62,7 +62,7 @@ class Guards:
         inner policy that only picks gamma drafts with the first drafter (an override too)."""
         cfg = self.config
         default = inp.drafters[0] if inp.drafters else ""
-        if isinstance(self.inner, DrafterPolicy):
+        if plans_drafters(self.inner):
             raw = self.inner.plan_drafters(inp)
         else:
             raw = {sid: (default, g) for sid, g in self.inner.plan(inp).items()}
