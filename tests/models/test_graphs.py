@@ -57,6 +57,60 @@ def test_static_block_equals_eager_forward(window):
     assert step.num_replayed == 1
 
 
+def test_every_block_writes_its_logits_into_one_shared_buffer():
+    """Blocks of different shapes return their logits from the same buffer (its first B x q rows),
+    each forward's rows right while the next forward has not run."""
+    model = tiny_llama(64, layers=2, seed=1)
+    eager_kv = KVCache.for_model(model.cfg, 4, 64, torch.float64)
+    block_kv = KVCache.for_model(model.cfg, 4, 64, torch.float64, spare_slot=True)
+    step = GraphStep(model, block_kv, tap_layers=(), max_q=3, capture=False)
+    for kv in (eager_kv, block_kv):
+        model(torch.tensor([5, 6, 7]), BatchLayout.build([3], [0], [2]), kv)
+    for tokens, q_lens, ctx in (([9], [1], 3), ([9, 4, 8], [3], 3), ([9, 4], [2], 3)):
+        got = step(tokens, q_lens, [ctx], [2])
+        want = model(torch.tensor(tokens), BatchLayout.build(q_lens, [ctx], [2]), eager_kv)
+        assert got is not None
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
+    assert step.logits.shape == (step.batches[-1] * 3, 64)  # [max B x max q, V]
+    for batch, rows in ((4, 3), (1, 1), (2, 2)):
+        out = step._run_static(batch, rows, 64)
+        assert out.logits.data_ptr() == step.logits.data_ptr() and out.logits.shape == (batch * rows, 64)
+
+
+def test_prompt_chunks_beside_decoding_sequences_in_one_block():
+    """A prompt chunk is a run of new tokens like a verification: in a block of 16 rows per slot,
+    beside a sequence verifying 2 drafts, it writes the eager forward's K/V; logits come back at
+    the rows asked for (the chunk's last, the verifying sequence's three), taps at every row."""
+    model = tiny_llama(64, layers=2, seed=1)
+    eager_kv = KVCache.for_model(model.cfg, 4, 96, torch.float64)
+    block_kv = KVCache.for_model(model.cfg, 4, 96, torch.float64, spare_slot=True)
+    step = GraphStep(model, block_kv, tap_layers=(0, 1), max_q=3, capture=False, prompt_rows=64)
+    assert step.row_sizes == [1, 2, 3, 16, 32, 64] and (4, 16) in step.blocks and (4, 32) not in step.blocks
+    gen = torch.Generator().manual_seed(3)
+    first = torch.randint(2, 64, (6,), generator=gen)
+    for kv in (eager_kv, block_kv):  # slot 0 holds 6 tokens already
+        model(first, BatchLayout.build([6], [0], [0]), kv)
+    chunk = torch.randint(2, 64, (11,), generator=gen).tolist()  # slot 2: a prompt's second chunk, after 4
+    eager_kv.set_length(2, 0)
+    for kv in (eager_kv, block_kv):
+        model(torch.tensor([7, 8, 9, 10]), BatchLayout.build([4], [0], [2]), kv)
+    tokens, q_lens, ctx_lens, slots = [30, 31, 32] + chunk, [3, 11], [6, 4], [0, 2]
+    logits_rows = [0, 1, 2, 13]
+    want = model(torch.tensor(tokens), BatchLayout.build(q_lens, ctx_lens, slots), eager_kv,
+                 logits_rows=torch.tensor(logits_rows), tap_layers=(0, 1))
+    got = step(tokens, q_lens, ctx_lens, slots, tap_layers=(0, 1), logits_rows=logits_rows)
+    assert got is not None and got.logits is not None and got.taps is not None and want.taps is not None
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got.taps, want.taps, rtol=1e-12, atol=1e-12)
+    for s, c, q in zip(slots, ctx_lens, q_lens):
+        torch.testing.assert_close(block_kv.v[0][s, :, :c + q], eager_kv.v[0][s, :, :c + q], rtol=1e-12, atol=1e-12)
+    assert step(chunk, [11], [4], [2], logits_rows=[]).logits is None  # a chunk before the prompt's end
+    assert step([5] * 17, [17], [0], [3]) is None  # 32 rows x 4 slots > 64 rows: eager
+    assert step([5] * 70, [70], [0], [0]) is None  # more rows than any block has
+    assert step(list(range(2, 42)), [40], [0], [0]) is not None  # 64 rows x 1 slot
+    assert step.num_declined == 2
+
+
 def test_batches_no_graph_fits_are_declined():
     model = tiny_llama(64, layers=1)
     kv = KVCache.for_model(model.cfg, 2, 64, torch.float64, spare_slot=True)
@@ -94,7 +148,8 @@ def test_engine_over_the_static_block_is_lossless(monkeypatch, drafter, tree):
     got, engine = _generate(model, spec)
     assert got == plain
     graphs = engine.runner.graphs
-    assert graphs is not None and graphs.num_replayed > 0
+    # every forward without a tree went through the block, the prompts' prefills included
+    assert graphs is not None and graphs.num_replayed > 0 and graphs.num_declined == 0
 
 
 def test_compiled_layer_in_the_static_block_equals_eager_forward():

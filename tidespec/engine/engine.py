@@ -139,7 +139,8 @@ class LLMEngine:
         never wait on a capture); off a GPU the same static layout runs without graphs."""
         gamma = self.config.spec.num_speculative_tokens if self.drafter is not None else 0
         step = GraphStep(self.model, self.kv, self._tap_layers(), 1 + gamma, capture=self.device.type == "cuda",
-                         compile=self.config.model.compile)
+                         compile=self.config.model.compile,
+                         prompt_rows=self.config.scheduler.max_num_batched_tokens)
         seconds = step.warm_up()
         log.info("captured %d CUDA graphs in %.1f s", len(step.graphs), seconds)
         self.compile_seconds = seconds

@@ -75,13 +75,15 @@ class ModelRunner:
 
     def forward(self, batch: ScheduledBatch, proposal: DraftProposal, tap_layers: tuple[int, ...]) -> ForwardOutput:
         """ONE target forward for the whole batch; K/V of every row is written into its slot. A
-        decode batch of chains replays a CUDA graph or runs the compiled step when there is one
-        (every row needs logits)."""
+        batch without trees replays a CUDA graph when one fits it (prompt chunks included); a decode
+        batch of chains runs the compiled step when there is one (every row needs logits)."""
         plan = self.plan(batch, proposal)
         out = None
-        chains = not batch.prefill and all(m is None for m in plan.masks)
-        if self.graphs is not None and chains:
-            out = self.graphs(plan.tokens, plan.q_lens, plan.ctx_lens, plan.slots, tap_layers)
+        no_trees = all(m is None for m in plan.masks)
+        chains = not batch.prefill and no_trees
+        if self.graphs is not None and no_trees:
+            out = self.graphs(plan.tokens, plan.q_lens, plan.ctx_lens, plan.slots, tap_layers,
+                              plan.logits_rows if batch.prefill else None)
         if out is None:
             ids, layout, logits_rows = self.tensors(plan)
             if self.compiled is not None and chains:

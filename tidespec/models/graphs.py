@@ -1,4 +1,4 @@
-"""CUDA graphs of the decode and verification forwards, one per (batch bucket, rows per sequence, key bucket).
+"""CUDA graphs of the decode, verification and prompt-chunk forwards, one per (batch bucket, rows per sequence, key bucket).
 
 Why this exists: an eager decode step of a 30-layer model launches ~800 small kernels; on a GPU
 the launches and the Python around them, not the arithmetic, set the step time (21 ms for the
@@ -18,12 +18,24 @@ in a static block:
   every sequence's context plus its new tokens; the mask is computed inside the graph from each
   slot's context length: row ``i`` of slot ``b`` sees keys ``0 .. ctx[b] + i`` (and the sliding
   window). Padding rows read finite values (a CUDA cache is zero-filled once) and are discarded.
+* a prompt chunk is such a run of new tokens too (row ``i`` sees the cache and the rows before it):
+  blocks of 16, 32, 64, ... rows per sequence, of at most ``prompt_rows`` rows in all (the step's
+  token budget), take prompt chunks with the sequences decoding beside them, so a prompt's prefill
+  replays one graph instead of launching ~800 eager kernels (13-17 ms for an 80-token prompt on an
+  H200, ``docs/benchmarks.md`` section 36). A block computes every row's logits; only the rows
+  asked for (a last chunk's last row, every verification row) are returned.
 * the step's inputs are one int64 buffer the host fills with one copy: ids, positions, write
   slots, write offsets (``B x q`` each), context lengths (``B``), and the rows to keep (``T``).
   After the replay the kept rows of logits, taps and hidden states are gathered out of the
-  graph's static outputs (the next replay overwrites them).
+  graph's static outputs (the next replay overwrites them). Every graph writes its logits into
+  the first ``B x q`` rows of one buffer they share: a graph's own ``[B * q, V]`` float32 output
+  would add up over the graphs — at 256 slots, 2,048 tokens, gamma 4 and a 49,152-token vocabulary
+  (20 batch buckets x 5 row counts x 4 key buckets) to 26 GB, at the default 32 slots to 0.74 GB;
+  shared, one buffer of the largest block's rows (slots x q, or ``prompt_rows``): 0.25 GB and
+  0.1 GB (nano-vllm's graphs share their output buffer the same way).
 
-Trees, prefill chunks and batches that fit no graph run the eager forward (the runner falls back
+Trees and batches that fit no graph (a prompt chunk in a block over ``prompt_rows`` rows: one in
+a high slot, or a long one) run the eager forward (the runner falls back
 when ``__call__`` returns None). With ``compile=True`` one decoder layer is compiled by inductor
 (``dynamic=True``: one compile serves every bucket and, the weights being its inputs, every layer:
 the whole model compiled took 70-160 s on the H100 machine) before the graphs capture it, as
@@ -83,6 +95,20 @@ def key_buckets(max_len: int) -> list[int]:
         sizes.append(length)
         length *= 2
     return sizes + [max_len]
+
+
+def prompt_row_sizes(max_q: int, max_rows: int) -> list[int]:
+    """Rows per sequence of the blocks that take prompt chunks: powers of two from 16, above the
+    verification rows ``max_q``, up to ``max_rows`` (the most rows a prompt block holds).
+
+    Example: ``prompt_row_sizes(5, 512) == [16, 32, 64, 128, 256, 512]``; ``prompt_row_sizes(5, 0) == []``."""
+    sizes = []
+    rows = 16
+    while rows <= max_rows:
+        if rows > max_q:
+            sizes.append(rows)
+        rows *= 2
+    return sizes
 
 
 def capture_graph(body: Callable[[], _T], device: torch.device,
@@ -182,7 +208,7 @@ def _layer_forward(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph | None  # None: run the body (capture=False)
-    logits: torch.Tensor  # [B * q, V] float32, the graph's static outputs
+    logits: torch.Tensor  # [B * q, V] float32, a view of the buffer every graph writes its logits to
     taps: torch.Tensor | None  # [B * q, num_taps * H]
     hidden: torch.Tensor  # [B * q, H]
 
@@ -192,7 +218,10 @@ class GraphStep:
     for a batch no graph fits (the caller then runs the eager forward)."""
 
     def __init__(self, model: LlamaModel, kv: KVCache, tap_layers: tuple[int, ...], max_q: int,
-                 capture: bool = True, compile: bool = False) -> None:
+                 capture: bool = True, compile: bool = False, prompt_rows: int = 0) -> None:
+        """``max_q``: rows per sequence of a verification (1 + gamma); ``prompt_rows``: the most rows
+        (batch bucket x rows per sequence) a block holding a prompt chunk may have (0: prompt chunks
+        run the eager forward)."""
         if kv.spare_slot is None:
             raise ValueError("GraphStep needs a KVCache with a spare slot (KVCache(spare_slot=True))")
         self.model = model
@@ -203,9 +232,16 @@ class GraphStep:
         self.batches = batch_buckets(kv.num_slots)
         self.key_lens = key_buckets(kv.max_len)
         self.device = model.device
-        n = self.batches[-1] * max_q
-        # ids, positions, write slots, write offsets (n each), ctx (B), kept rows (<= n)
-        self.inputs = torch.zeros(5 * n + self.batches[-1], dtype=torch.int64, device=self.device)
+        self.row_sizes = list(range(1, max_q + 1)) + prompt_row_sizes(max_q, prompt_rows)
+        self.prompt_rows = prompt_rows
+        # the blocks with a graph: every block of verification rows, prompt blocks up to ``prompt_rows``
+        self.blocks = [(b, r) for b in self.batches for r in self.row_sizes if self._fits(b, r)]
+        n = max(b * r for b, r in self.blocks)
+        # ids, positions, write slots, write offsets (n each), ctx (B), kept rows (<= n), rows of logits (<= n)
+        self.inputs = torch.zeros(6 * n + self.batches[-1], dtype=torch.int64, device=self.device)
+        # [n, V] the logits of every graph, in its first B * q rows
+        dtype = torch.promote_types(model.embed_tokens.weight.dtype, torch.float32)
+        self.logits = torch.zeros(n, model.cfg.vocab_size, dtype=dtype, device=self.device)
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.num_replayed = 0  # forwards served by a graph
@@ -224,7 +260,7 @@ class GraphStep:
               keys: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         layout = SlotBlockLayout(positions, write_slots, write_offsets, ctx, batch, rows, keys,
                                  self.model.cfg.sliding_window)
-        out = self.model.run(ids, layout, self.kv.k, self.kv.v, None, self.tap_layers, self._layer)
+        out = self.model.run(ids, layout, self.kv.k, self.kv.v, None, self.tap_layers, self._layer, self.logits)
         return out.logits, out.taps, out.last_hidden
 
     def _run_static(self, batch: int, rows: int, keys: int) -> _Graph:
@@ -254,37 +290,43 @@ class GraphStep:
         self.inputs.zero_()
         self.inputs[2 * n:3 * n] = self.kv.spare_slot
 
+    def _fits(self, batch: int, rows: int) -> bool:
+        """Whether a block of ``batch`` slots x ``rows`` has a graph: every verification block, and a
+        prompt block of at most ``prompt_rows`` rows."""
+        return rows <= self.max_q or batch * rows <= self.prompt_rows
+
     def warm_up(self) -> float:
-        """Capture every graph (largest batch first, so smaller ones reuse its memory). Returns seconds."""
+        """Capture every graph (largest block first, so smaller ones reuse its memory). Returns seconds."""
         t0 = time.perf_counter()
         if not self.capture:
             return 0.0
-        for batch in reversed(self.batches):
-            for rows in range(self.max_q, 0, -1):
-                for keys in reversed(self.key_lens):
-                    self._graph(batch, rows, keys)
+        for batch, rows in sorted(self.blocks, key=lambda br: (-br[0] * br[1], -br[0])):
+            for keys in reversed(self.key_lens):
+                self._graph(batch, rows, keys)
         return time.perf_counter() - t0
 
     def __call__(self, tokens: list[int], q_lens: list[int], ctx_lens: list[int], slots: list[int],
-                 tap_layers: tuple[int, ...] = ()) -> ModelOutput | None:
-        """Logits, taps and hidden states at every row of a decode batch of chains (rows in the
-        order of ``tokens``), or None when no graph fits it."""
-        rows = max(q_lens)
-        need_keys = max(c + q for c, q in zip(ctx_lens, q_lens))
+                 tap_layers: tuple[int, ...] = (), logits_rows: list[int] | None = None) -> ModelOutput | None:
+        """Taps and hidden states at every row of a batch of chains and prompt chunks (rows in the
+        order of ``tokens``), logits at ``logits_rows`` of them (None: every row; []: none), or None
+        when no graph fits the batch."""
+        ri = bisect.bisect_left(self.row_sizes, max(q_lens))
         bi = bisect.bisect_left(self.batches, max(slots) + 1)
-        ki = bisect.bisect_left(self.key_lens, need_keys)
-        if (tap_layers and tuple(tap_layers) != self.tap_layers) or rows > self.max_q or bi == len(self.batches) \
-                or ki == len(self.key_lens):
+        ki = bisect.bisect_left(self.key_lens, max(c + q for c, q in zip(ctx_lens, q_lens)))
+        if (tap_layers and tuple(tap_layers) != self.tap_layers) or ri == len(self.row_sizes) \
+                or bi == len(self.batches) or ki == len(self.key_lens) \
+                or not self._fits(self.batches[bi], self.row_sizes[ri]):
             self.num_declined += 1
             return None
-        batch, keys = self.batches[bi], self.key_lens[ki]
+        batch, rows, keys = self.batches[bi], self.row_sizes[ri], self.key_lens[ki]
         n = batch * rows
         assert self.kv.spare_slot is not None
         blk = block_rows(tokens, q_lens, ctx_lens, slots, batch, rows, self.kv.spare_slot)
         kept = blk.kept
+        logit_kept = kept if logits_rows is None else [kept[r] for r in logits_rows]
         self.kv.make_readable(list(range(batch)), keys)  # a no-op on a GPU, whose cache starts zeroed
-        values = torch.tensor(blk.ids + blk.positions + blk.write_slots + blk.write_offsets + blk.ctx + kept,
-                              dtype=torch.int64)
+        values = torch.tensor(blk.ids + blk.positions + blk.write_slots + blk.write_offsets + blk.ctx + kept
+                              + logit_kept, dtype=torch.int64)
         self.inputs[:values.numel()].copy_(values, non_blocking=True)
         if self.capture:
             graph = self._graph(batch, rows, keys)
@@ -295,6 +337,7 @@ class GraphStep:
         self.num_replayed += 1
         start = 4 * n + batch
         keep = self.inputs[start:start + len(kept)]  # [T] rows of the block to return
+        logit_keep = self.inputs[start + len(kept):start + len(kept) + len(logit_kept)]  # [R]
         taps = graph.taps.index_select(0, keep) if (tap_layers and graph.taps is not None) else None
-        return ModelOutput(logits=graph.logits.index_select(0, keep), taps=taps,
-                           last_hidden=graph.hidden.index_select(0, keep))
+        logits = graph.logits.index_select(0, logit_keep) if logit_kept else None
+        return ModelOutput(logits=logits, taps=taps, last_hidden=graph.hidden.index_select(0, keep))

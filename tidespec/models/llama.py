@@ -400,10 +400,13 @@ class LlamaModel(PlacedModule):
 
     def run(self, input_ids: torch.Tensor, layout: ForwardLayout, k: list[torch.Tensor], v: list[torch.Tensor],
             logits_rows: torch.Tensor | None = None, tap_layers: tuple[int, ...] = (),
-            layer_fn: Callable[..., torch.Tensor] | None = None) -> ModelOutput:
+            layer_fn: Callable[..., torch.Tensor] | None = None,
+            logits_out: torch.Tensor | None = None) -> ModelOutput:
         """The forward's body over any ``ForwardLayout`` (eager or the compiled step's) and the
         per-layer K/V tensors ``k[i]``, ``v[i]`` [S, n_kv, L, hd]. ``layer_fn(layer, h, cos, sin,
-        layout, k, v)`` replaces ``layer.forward`` (one compiled layer serves every layer)."""
+        layout, k, v)`` replaces ``layer.forward`` (one compiled layer serves every layer).
+        ``logits_out`` [>= R, V] (float32, or float64 for a float64 model): the logits are written
+        into its first R rows, and those returned (the CUDA graphs' one shared output buffer)."""
         h = self.embed_tokens(input_ids)  # [T, H]
         cos, sin = self.rope(layout.positions, h.dtype)
         taps: list[torch.Tensor] = []
@@ -416,7 +419,11 @@ class LlamaModel(PlacedModule):
                 h = layer_fn(layer, h, cos, sin, layout, k[i], v[i])
         h = self.norm(h)
         rows = h if logits_rows is None else h.index_select(0, logits_rows)
-        logits = self.lm_head(rows).to(torch.promote_types(h.dtype, torch.float32)) if rows.shape[0] else None
+        logits = None
+        if rows.shape[0] and logits_out is not None:
+            logits = logits_out[:rows.shape[0]].copy_(self.lm_head(rows))  # [R, V], the cast in the copy
+        elif rows.shape[0]:
+            logits = self.lm_head(rows).to(torch.promote_types(h.dtype, torch.float32))  # [R, V]
         tap_t = torch.cat(taps, dim=-1) if taps else None  # [T, num_taps * H]
         return ModelOutput(logits=logits, taps=tap_t, last_hidden=h)
 
