@@ -1,5 +1,5 @@
-"""GPU probe (docs/benchmarks.md section 36): per engine step, graph replay ms per rows, host time
-per phase (perf_counter wrappers around the engine's methods) and where the host waits for the GPU
+"""GPU probe (docs/benchmarks.md section 36): per engine step, graph replay ms per rows (prompt
+blocks' too), the prefill steps' forward apart, host time per phase (perf_counter wrappers around the engine's methods) and where the host waits for the GPU
 (torch.cuda.set_sync_debug_mode). Random weights of the 135M shape, bf16, compiled layer, batch 1.
 
 Usage on the device machine: ``PYTHONPATH=$PWD python3 docs/gpu/probe_host_phases.py cuda``
@@ -82,15 +82,18 @@ for name, spec in (("plain", SpecConfig()), ("suffix5", SpecConfig(drafter="suff
         finally:
             acc["emit"] += time.perf_counter() - t
     engmod.emit = emit
-    tot, toks = [], []
-    e.step_listeners.append(lambda s, tot=tot, toks=toks: (tot.append(s.total_time), toks.append(s.num_emitted_tokens)))
+    tot, toks, prefill = [], [], []
+    e.step_listeners.append(lambda s, tot=tot, toks=toks, prefill=prefill: (
+        tot.append(s.total_time), toks.append(s.num_emitted_tokens),
+        prefill.append(s.verify_time) if s.num_prefill_tokens else None))
     t = time.perf_counter()
     for i in range(1, 4):
         run_wave(e, prompts, [i], p)
     wall = time.perf_counter() - t
     engmod.emit = orig_emit
     n = len(tot)
-    print(f"  {name}: {sum(toks) / wall:.0f} tok/s, steps {n}, tokens/step {sum(toks) / n:.2f}, step {1e3 * sum(tot) / n:.3f} ms; "
+    print(f"  {name}: {sum(toks) / wall:.0f} tok/s, steps {n}, tokens/step {sum(toks) / n:.2f}, step {1e3 * sum(tot) / n:.3f} ms, "
+          f"prefill forward {1e3 * sum(prefill) / max(len(prefill), 1):.2f} ms x {len(prefill)}; "
           + ", ".join(f"{k} {1e3 * v / n:.3f}" for k, v in sorted(acc.items(), key=lambda kv: -kv[1])), flush=True)
     if cuda:  # where the host waits for the GPU
         seen = collections.Counter()
