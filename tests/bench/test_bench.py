@@ -16,10 +16,10 @@ import torch
 from tests.helpers import tiny_hf_model, tiny_llama, tiny_tokenizer, write_tiny_checkpoint
 from tidespec.bench import spec as spec_bench
 from tidespec.bench.cli import register
-from tidespec.bench.decode import DecodeBenchConfig, run_decode_bench, wave_indices
+from tidespec.bench.decode import DecodeBenchConfig, RequestRecord, run_decode_bench, wave_indices
 from tidespec.bench.profile import ProfileConfig, kv_bytes_per_token, run_profile, weight_bytes_per_token
 from tidespec.bench.report import command_line, markdown_table, percentile, summarize
-from tidespec.bench.spec import HeadVariant, SpecBenchConfig, run_spec_bench
+from tidespec.bench.spec import HeadVariant, SpecBenchConfig, _pooled_tpot, run_spec_bench
 from tidespec.config import ConfigError, DraftVocabConfig, EngineConfig, ModelConfig, SpecConfig
 from tidespec.llm import build_engine
 from tidespec.models.eagle3_checkpoint import export_eagle3, fresh_head
@@ -218,9 +218,10 @@ def test_spec_bench_smoke_lossless_and_hf(tmp_path: Path) -> None:
     labels = [c["label"] for c in doc["configs"]]
     assert labels == ["plain", "ngram g=1", "ngram g=3", "suffix g=1", "suffix g=3", "draft-model g=1",
                       "draft-model g=3"]
-    assert doc["configs"][0]["speedup"] == 1.0
+    assert doc["configs"][0]["speedup"] == 1.0 and doc["configs"][0]["tpot_speedup"] == 1.0
     for c in doc["configs"]:
         assert c["mismatches"] == 0, c["label"]
+        assert c["mean_ttft_ms"] > 0 and c["tpot_ms"] > 0 and c["tpot_speedup"] > 0
         assert c["output_tokens"] == 2 * 8 and len(c["per_request"]) == 2
         assert c["per_request_speedup"]["min"] <= c["per_request_speedup"]["p50"] <= c["per_request_speedup"]["max"]
         assert all(x["speedup"] < 1.0 for x in c["losses"])
@@ -229,6 +230,14 @@ def test_spec_bench_smoke_lossless_and_hf(tmp_path: Path) -> None:
     assert [h["label"] for h in doc["hf"]] == ["hf plain", "hf prompt-lookup k=2"]
     assert doc["hf"][0]["speedup"] == 1.0 and "hf_pld_speedup" in doc["headline"]
     assert doc["headline"]["total_mismatches"] == 0
+
+
+def test_pooled_tpot_by_hand() -> None:
+    """Time per output token after the first, pooled over the requests (a one-token request adds nothing)."""
+    recs = [RequestRecord(0, "a", 3, 11, 0.1, 1.1), RequestRecord(1, "b", 3, 6, 0.2, 0.7),
+            RequestRecord(2, "c", 3, 1, 0.3, 0.3)]
+    assert _pooled_tpot(recs) == pytest.approx(1.5 / 15)
+    assert math.isnan(_pooled_tpot(recs[2:]))
 
 
 def test_spec_bench_compares_eagle3_heads_in_one_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,6 +17,10 @@ The prompts run in waves of ``batch_size``; for each wave every configuration ru
 
 * tokens/s = output tokens / wall time of its waves; speedup = that / plain's tokens/s;
 * mean acceptance length = (accepted + drafts) / drafts (tokens per speculating step);
+* TTFT (first token, ms) and TPOT (ms per output token after the first, pooled over the
+  requests: the decode phase alone, what speculation changes; vLLM's benchmarks report both);
+  TPOT speedup = plain's TPOT / this TPOT (the prompt's prefill, which speculation does not
+  touch, left out of it: on a GPU whose prefill runs eager it is ~7 % of a 128-token request);
 * per-request speedup = plain latency / this latency for the same request: min, p10, median,
   p90, max, and every request below 1.0;
 * ``mismatches``: requests whose tokens differ from plain's (greedy speculation is lossless, so
@@ -302,6 +306,19 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
                          lambda out: _plot_spec(configs, hf_summary, out), echo)
 
 
+def _pooled_tpot(records: list[RequestRecord]) -> float:
+    """Seconds per output token after each request's first, pooled: sum(latency - TTFT) / sum(tokens - 1).
+
+    Example: requests (TTFT 0.1 s, latency 1.1 s, 11 tokens) and (0.2 s, 0.7 s, 6 tokens) -> 1.5 / 15 = 0.1 s."""
+    decode = sum(r.latency - r.ttft for r in records if r.output_tokens > 1)
+    tokens = sum(r.output_tokens - 1 for r in records if r.output_tokens > 1)
+    return decode / tokens if tokens else float("nan")
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
+
+
 def _summarize_run(run: _Run, plain: _Run) -> dict[str, Any]:
     tokens = sum(r.output_tokens for r in run.records)
     plain_tokens = sum(r.output_tokens for r in plain.records)
@@ -326,6 +343,9 @@ def _summarize_run(run: _Run, plain: _Run) -> dict[str, Any]:
         "wall_time_s": run.wall,
         "tokens_per_s": tps,
         "speedup": tps / plain_tps,
+        "mean_ttft_ms": 1e3 * float(np.mean([r.ttft for r in run.records])) if run.records else float("nan"),
+        "tpot_ms": 1e3 * _pooled_tpot(run.records),
+        "tpot_speedup": _ratio(_pooled_tpot(plain.records), _pooled_tpot(run.records)),
         "mean_acceptance_length": (accepted + drafts) / drafts if drafts else float("nan"),
         "acceptance_rate": accepted / draft_tokens if draft_tokens else float("nan"),
         "num_drafts": drafts,
@@ -368,9 +388,10 @@ def format_spec_report(doc: dict[str, Any], command: str, info: dict[str, Any]) 
     """Markdown: command, machine, the configuration table, the spread table, headline, losers."""
     rows = doc["configs"] + doc["hf"]
     main = markdown_table(
-        ["configuration", "tok/s", "speedup", "mean acc. len", "acc. rate", "draft ms/step",
-         "draft ms/draft token", "forward ms/step", "mismatches"],
-        [[c["label"], c["tokens_per_s"], c["speedup"], c["mean_acceptance_length"], c["acceptance_rate"],
+        ["configuration", "tok/s", "speedup", "TTFT ms", "TPOT ms", "TPOT speedup", "mean acc. len", "acc. rate",
+         "draft ms/step", "draft ms/draft token", "forward ms/step", "mismatches"],
+        [[c["label"], c["tokens_per_s"], c["speedup"], c.get("mean_ttft_ms"), c.get("tpot_ms"), c.get("tpot_speedup"),
+          c["mean_acceptance_length"], c["acceptance_rate"],
           c.get("draft_ms_per_step"), c.get("draft_ms_per_draft_token"), c.get("verify_ms_per_step"),
           c["mismatches"] if c["drafter"] not in ("hf", "hf-pld") else None] for c in rows], digits=2)
     spread = markdown_table(
@@ -382,7 +403,9 @@ def format_spec_report(doc: dict[str, Any], command: str, info: dict[str, Any]) 
     lines = [f"### Speculative decoding ({doc['workload']}, {len(doc['prompt_ids'])} prompts, batch "
              f"{cfg['batch_size']}, {eos_words(cfg.get('ignore_eos', True), cfg['max_tokens'])}, greedy)", "",
              f"Command: `{command}`", "", f"Machine: {machine_line(info)}", "",
-             "Speedup = tokens/s over the same engine's plain decoding (HF rows: over HF plain generate()).", "",
+             ("Speedup = tokens/s over the same engine's plain decoding (HF rows: over HF plain generate()); "
+              "TPOT speedup = plain's time per output token after the first over this one's (the decode phase "
+              "alone, the prompt's prefill left out)."), "",
              main, "", "Per-prompt speedup (plain latency / configuration latency, same prompt):", "", spread, ""]
     h = doc["headline"]
     if "best_config" in h:
