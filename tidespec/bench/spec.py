@@ -52,6 +52,7 @@ from tidespec.bench.decode import (
     HFRunner,
     RequestRecord,
     bench_engine_config,
+    reference_decode_split,
     resolve_target,
     run_wave,
     wave_indices,
@@ -310,9 +311,8 @@ def _pooled_tpot(records: list[RequestRecord]) -> float:
     """Seconds per output token after each request's first, pooled: sum(latency - TTFT) / sum(tokens - 1).
 
     Example: requests (TTFT 0.1 s, latency 1.1 s, 11 tokens) and (0.2 s, 0.7 s, 6 tokens) -> 1.5 / 15 = 0.1 s."""
-    decode = sum(r.latency - r.ttft for r in records if r.output_tokens > 1)
-    tokens = sum(r.output_tokens - 1 for r in records if r.output_tokens > 1)
-    return decode / tokens if tokens else float("nan")
+    tokens, seconds = reference_decode_split(records)
+    return seconds / tokens if tokens else float("nan")
 
 
 def _ratio(a: float, b: float) -> float:

@@ -323,7 +323,7 @@ class GraphStep:
         assert self.kv.spare_slot is not None
         blk = block_rows(tokens, q_lens, ctx_lens, slots, batch, rows, self.kv.spare_slot)
         kept = blk.kept
-        logit_kept = kept if logits_rows is None else [kept[r] for r in logits_rows]
+        logit_kept = [] if logits_rows is None else [kept[r] for r in logits_rows]  # block rows of the logits asked for
         self.kv.make_readable(list(range(batch)), keys)  # a no-op on a GPU, whose cache starts zeroed
         values = torch.tensor(blk.ids + blk.positions + blk.write_slots + blk.write_offsets + blk.ctx + kept
                               + logit_kept, dtype=torch.int64)
@@ -337,7 +337,8 @@ class GraphStep:
         self.num_replayed += 1
         start = 4 * n + batch
         keep = self.inputs[start:start + len(kept)]  # [T] rows of the block to return
-        logit_keep = self.inputs[start + len(kept):start + len(kept) + len(logit_kept)]  # [R]
+        # [R] the logits' rows: every kept row, or those asked for (written after the kept rows)
+        logit_keep = keep if logits_rows is None else self.inputs[start + len(kept):start + len(kept) + len(logit_kept)]
         taps = graph.taps.index_select(0, keep) if (tap_layers and graph.taps is not None) else None
-        logits = graph.logits.index_select(0, logit_keep) if logit_kept else None
+        logits = graph.logits.index_select(0, logit_keep) if logit_keep.numel() else None
         return ModelOutput(logits=logits, taps=taps, last_hidden=graph.hidden.index_select(0, keep))
