@@ -65,15 +65,22 @@ class LoraAlignConfig:
 
 
 @dataclass
-class TrainerConfig:
+class TargetOptions:
+    """The target a training command loads: ``--model``, ``--dtype``, ``--device``, ``--threads``
+    (``train-drafter`` and ``synth-prompts`` both inherit them; the engine's are ``ModelConfig``'s)."""
+
+    model: str | None = opt(None, "target checkpoint (HF dir or GGUF); default: embedded SmolLM2-135M-Instruct")
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = opt("float32", "target weights dtype")
+    device: str = opt("cpu", "torch device of the target (cpu, cuda, cuda:1); train-drafter also trains there")
+    threads: int = opt(0, "torch intra-op threads (0 = torch default)", min=0)
+
+
+@dataclass
+class TrainerConfig(TargetOptions):
     """Flags of ``tidespec train-drafter`` (one field = one ``--flag``)."""
 
     signal_dir: str = opt("", "signal store directory to watch (written by the engine or --from-workload)")
     publish_root: str = opt("", "drafter publish root (v1/, v2/, LATEST); the engine's --eagle3-dir")
-    model: str | None = opt(None, "target checkpoint (HF dir or GGUF); default: embedded SmolLM2-135M-Instruct")
-    dtype: Literal["float32", "bfloat16", "float16", "float64"] = opt("float32", "target weights dtype")
-    device: str = opt("cpu", "torch device for the target embedding and training (cpu, cuda, cuda:1)")
-    threads: int = opt(0, "torch intra-op threads (0 = torch default)")
     draft_vocab: int = opt(0, "draft vocabulary of a fresh head, most frequent captured tokens (0 = full vocab)")
     init_from: str | None = opt(None, "exported EAGLE-3 checkpoint to start from when nothing is published")
     min_signals: int = opt(16384, "new signal rows (positions) that trigger a training round")
@@ -178,15 +185,11 @@ class PromptSourceConfig(Section):
 
 
 @dataclass
-class SynthPromptsConfig(PromptSourceConfig):
+class SynthPromptsConfig(PromptSourceConfig, TargetOptions):
     """Flags of ``tidespec synth-prompts`` (one field = one ``--flag``): Magpie self-instruct; query i
     is sampled with seed ``seed * 1000003 + i``."""
 
     domain: str = opt("self_instruct", "domain label and id prefix of the written records")
-    model: str | None = opt(None, "target checkpoint (HF dir or GGUF); default: embedded SmolLM2-135M-Instruct")
-    dtype: Literal["float32", "bfloat16", "float16", "float64"] = opt("float32", "target weights dtype")
-    device: str = opt("cpu", "torch device of the target")
-    threads: int = opt(0, "torch intra-op threads (0 = torch default)", min=0)
     system: str | None = opt(None, "system message before the user's turn (default: the chat template's own); "
                                    "steers the queries, e.g. 'You are a Python programming assistant.'")
     temperature: float = opt(1.0, "sampling temperature of the queries (Magpie: 1.0)")
