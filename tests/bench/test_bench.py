@@ -20,7 +20,7 @@ from tidespec.bench.decode import DecodeBenchConfig, RequestRecord, run_decode_b
 from tidespec.bench.profile import ProfileConfig, kv_bytes_per_token, run_profile, weight_bytes_per_token
 from tidespec.bench.report import command_line, markdown_table, percentile, summarize
 from tidespec.bench.spec import HeadVariant, SpecBenchConfig, _pooled_tpot, run_spec_bench
-from tidespec.config import ConfigError, DraftVocabConfig, EngineConfig, ModelConfig, SpecConfig
+from tidespec.config import ConfigError, DraftVocabConfig, Eagle3Options, EngineConfig, ModelConfig, SpecConfig
 from tidespec.llm import build_engine
 from tidespec.models.eagle3_checkpoint import export_eagle3, fresh_head
 from tidespec.models.loader import LoadedModel, load_model
@@ -302,6 +302,33 @@ def test_spec_bench_eagle3_heads_are_checked(tmp_path: Path) -> None:
         SpecBenchConfig(drafters=("eagle3",), eagle3_min_draft_probs=(0.3, 1.0))
     with pytest.raises(ConfigError, match="add eagle3 to --drafters"):
         SpecBenchConfig(drafters=("suffix",), eagle3_min_draft_probs=(0.3,))
+    cfg = SpecBenchConfig(drafters=("eagle3",), gammas=(4,), eagle3_shapes=("chain", "tree"))
+    assert [v for _, _, v in cfg.grid()] == [None, HeadVariant("chain", tree=False), HeadVariant("tree", tree=True)]
+    with pytest.raises(ConfigError, match="distinct values of chain, tree"):
+        SpecBenchConfig(drafters=("eagle3",), eagle3_shapes=("chain", "bush"))
+
+
+def test_spec_bench_compares_chains_and_trees_in_one_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--eagle3-shapes chain,tree``: EAGLE-3 as chains and as trees of the same gamma, interleaved;
+    the other drafters keep the command line's shape; every output is plain decoding's."""
+    trees: list[tuple[str, bool]] = []  # (drafter, tree) each engine was built with
+
+    def build(econf: Any, **kw: Any) -> Any:
+        trees.append((econf.spec.drafter, econf.spec.tree))
+        return build_engine(econf, **kw)
+
+    monkeypatch.setattr(spec_bench, "build_engine", build)
+    hf, _ = tiny_hf_model("llama", torch.float32, num_hidden_layers=4)
+    target = load_model(str(write_tiny_checkpoint(hf, tmp_path / "ckpt")), dtype=torch.float64)
+    export_eagle3(fresh_head(target.model.cfg, None, torch.float64, seed=1), tmp_path / "head")
+    cfg = SpecBenchConfig(workload=str(_workload(tmp_path, "w", 2)), drafters=("none", "suffix", "eagle3"),
+                          gammas=(3,), max_tokens=8, eagle3_shapes=("chain", "tree"))
+    doc = run_spec_bench(cfg, target, model_config=ModelConfig(dtype="float64"),
+                         spec_base=SpecConfig(eagle3=Eagle3Options(dir=str(tmp_path / "head"))),
+                         out_dir=tmp_path / "out", echo=False)
+    assert trees == [("none", False), ("suffix", False), ("eagle3", False), ("eagle3", True)]
+    assert [c["label"] for c in doc["configs"]] == ["plain", "suffix g=3", "eagle3[chain] g=3", "eagle3[tree] g=3"]
+    assert all(c["mismatches"] == 0 for c in doc["configs"])
 
 
 def test_profile_smoke(tmp_path: Path) -> None:

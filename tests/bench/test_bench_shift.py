@@ -20,7 +20,7 @@ from tidespec.bench.decode import resolve_target
 from tidespec.bench.shift import replot, run_shift_bench
 from tidespec.bench.shift_config import ShiftBenchConfig, build_trace
 from tidespec.bench.shift_measure import recompute_taps
-from tidespec.bench.shift_report import _curves
+from tidespec.bench.shift_report import _curves, config_colors
 from tidespec.bench.shift_runs import run_trace, trace_engine_config
 from tidespec.config import ConfigError, Eagle3Options, EngineConfig, ModelConfig
 from tidespec.llm import build_engine
@@ -240,3 +240,33 @@ def test_trace_requests_can_end_at_eos(tmp_path: Path) -> None:
     assert cut[0] == full[0][:full[0].index(stop) + 1]
     again = run_trace(engine, trace, 1, 8, "ignored", progress=False).outputs  # the default ignores it
     assert again == full
+
+
+def test_trees_reach_every_speculating_configuration_and_stay_lossless(tmp_path: Path) -> None:
+    """``--tree``: frozen EAGLE-3 and suffix propose trees of --gamma tokens; the report says so and
+    the served outputs are plain decoding's."""
+    hf, _ = tiny_hf_model("qwen2", torch.float64)
+    ckpt = write_tiny_checkpoint(hf, tmp_path / "ckpt")
+    a = _workload(tmp_path / "a.jsonl", "a", 6, 10)
+    cfg = ShiftBenchConfig(workloads=str(a), requests_per_phase=4, max_tokens=10, gamma=3, concurrency=2,
+                           configs="plain,frozen,suffix", tree=True, turn=2, draft_vocab=0, window=2, bin_s=0.5,
+                           overhead_repeats=0, recompute_rows=0)
+    trace = build_trace(cfg, checkpoint_tokenizer())
+    for drafter in (None, "suffix"):
+        assert trace_engine_config(trace, cfg, tiny_llama(64), cfg.gamma, drafter=drafter).spec.tree
+    out = tmp_path / "out"
+    doc = run_shift_bench(cfg, resolve_target(str(ckpt), "float64"), out, command="test", progress=False,
+                          log=lambda _: None)
+    for name in ("frozen", "suffix"):
+        assert doc["configs"][name]["mismatches"] == 0, name
+    assert doc["configs"]["frozen"]["mean_acceptance_length"] >= 1.0
+    assert "gamma 3 (trees)" in (out / "README.md").read_text()
+
+
+def test_every_configuration_gets_its_own_colour() -> None:
+    """Both panels of shift.png tell configurations apart: no two share a colour (suffix once drew
+    in frozen's blue), sized vocabularies included."""
+    names = ["plain", "frozen", "online", "suffix", "ngram", "vocab-static", "vocab-static:6", "vocab-dynamic:6:2"]
+    colors = config_colors(names)
+    assert list(colors) == names and len(set(colors.values())) == len(names)
+    assert colors["frozen"] == "tab:blue" and colors["plain"] == "tab:gray"

@@ -98,6 +98,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="EAGLE-3 chain confidence floors compared in one interleaved run, comma-separated values in "
                         "[0, 1): one eagle3 configuration per floor (and head, quantization) and gamma (default: "
                         "--eagle3-min-draft-prob)")
+    s.add_argument("--eagle3-shapes", default="",
+                   help="EAGLE-3 proposal shapes compared in one interleaved run, comma-separated chain,tree (tree: "
+                        "EAGLE-2's dynamic tree of gamma tokens, --eagle3-tree-depth/--eagle3-tree-top-k): one eagle3 "
+                        "configuration per shape (and head, quantization, floor) and gamma (default: --tree or not)")
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="every request generates --max-tokens tokens; --no-ignore-eos ends each at its EOS as a "
                         "server does (acceptance then leaves out text past EOS, which serving never drafts)")
@@ -206,7 +210,9 @@ def cmd_spec(ns: argparse.Namespace) -> int:
                           eagle3_quantizations=parse_str_list(ns.eagle3_quantizations, "--eagle3-quantizations")
                           if ns.eagle3_quantizations else (),
                           eagle3_min_draft_probs=parse_float_list(ns.eagle3_min_draft_probs, "--eagle3-min-draft-probs")
-                          if ns.eagle3_min_draft_probs else (), ignore_eos=ns.ignore_eos)
+                          if ns.eagle3_min_draft_probs else (),
+                          eagle3_shapes=parse_str_list(ns.eagle3_shapes, "--eagle3-shapes") if ns.eagle3_shapes else (),
+                          ignore_eos=ns.ignore_eos)
     run_spec_bench(cfg, model_config=dataclass_from_args(ModelConfig, ns),
                    scheduler=dataclass_from_args(SchedulerConfig, ns), spec_base=dataclass_from_args(SpecConfig, ns),
                    policy=dataclass_from_args(PolicyConfig, ns), out_dir=ns.out, command=command_line())

@@ -59,7 +59,11 @@ class ShiftBenchConfig:
     ignore_eos: bool = opt(True, "every request generates --max-tokens tokens; --no-ignore-eos ends each at its EOS "
                                  "as a server does (acceptance then leaves out text past EOS, which serving never "
                                  "drafts and no drafter trained on)")
-    gamma: int = opt(4, "speculation length of the speculating configurations (chains; the most a policy may choose)")
+    gamma: int = opt(4, "speculation length of the speculating configurations (a chain's drafts, or a tree's token "
+                          "budget with --tree; the most a policy may choose)")
+    tree: bool = opt(False, "every speculating configuration proposes EAGLE-2-style trees of --gamma tokens "
+                            "(serving's --tree; EAGLE-3 and suffix: several candidates per position, verified in "
+                            "the same --gamma + 1 rows as a chain) instead of chains")
     concurrency: int = opt(4, "requests in flight (closed loop)")
     configs: str = opt("plain,frozen,online", "comma-separated subset of plain, frozen, online, ngram, suffix (that "
                                              "drafter alone at --gamma, static), vocab-static / vocab-dynamic / "

@@ -18,7 +18,19 @@ from tidespec.bench.report import eos_words, machine_line, markdown_table, new_f
 
 COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:orange", "vocab-static": "tab:red",
           "vocab-dynamic": "tab:green", "vocab-full": "tab:purple", "vocab-static-lora": "tab:pink",
-          "vocab-dynamic-lora": "tab:olive"}  # same in both panels
+          "vocab-dynamic-lora": "tab:olive", "suffix": "tab:cyan", "ngram": "tab:brown"}  # same in both panels
+SPARE_COLORS = ("black", "gold", "navy", "lime", "maroon", "teal", "darkviolet", "salmon")
+
+
+def config_colors(names: list[str]) -> dict[str, str]:
+    """One distinct colour per configuration: its own from ``COLORS``, else the first spare one no
+    other configuration of the run uses (sized vocabularies such as ``vocab-static:4096``).
+
+    Example: ["plain", "vocab-static:6", "suffix"] -> plain tab:gray, vocab-static:6 black, suffix tab:cyan.
+    """
+    colors = {n: COLORS[n] for n in names if n in COLORS}
+    spare = iter(c for c in SPARE_COLORS if c not in colors.values())
+    return {n: colors.get(n) or next(spare, "tab:gray") for n in names}
 
 
 def _fmt(v: Any, digits: int = 2) -> str:
@@ -30,7 +42,7 @@ def report(doc: dict[str, Any]) -> str:
     lines = ["# bench shift", "", f"Command: `{doc.get('command', '')}`", "",
              f"Machine: {machine_line(doc['machine'])}", "",
              f"Trace: {' -> '.join(f'{w} x{n}' for w, n in doc['phase_sizes'])}, "
-             f"{eos_words(cfg.get('ignore_eos', True), cfg['max_tokens'])}, {cfg['concurrency']} in flight, gamma {cfg['gamma']} (chains); "
+             f"{eos_words(cfg.get('ignore_eos', True), cfg['max_tokens'])}, {cfg['concurrency']} in flight, gamma {cfg['gamma']} ({'trees' if cfg.get('tree') else 'chains'}); "
              f"starting drafter: {cfg['bootstrap'] or 'fresh random head'}.", ""]
     rows = []
     for name, s in doc["configs"].items():
@@ -158,9 +170,10 @@ def plot_shift(doc: dict[str, Any], out_dir: Path) -> Path:
     for _, n in doc["phase_sizes"][:-1]:
         edge += n
         ax_a.axvline(edge, color="grey", linestyle=":", linewidth=1)
+    colors = config_colors(list(doc["runs"]))
     for name, run in doc["runs"].items():
         xs, ys, ts, rates = _curves(run, cfg["window"], cfg["bin_s"])
-        color = COLORS.get(name)
+        color = colors[name]
         if xs:
             ax_a.plot(xs, ys, marker="o", markersize=3, label=name, color=color)
         ax_t.plot(ts, rates, label=name, color=color)

@@ -195,7 +195,7 @@ def trace_engine_config(trace: list[TraceItem], cfg: ShiftBenchConfig, model: Ll
     max_len = min(model.cfg.max_position_embeddings, longest)
     name = drafter or cfg.drafter
     return EngineConfig(cache=CacheConfig(max_model_len=max_len, max_num_seqs=cfg.concurrency),
-                        spec=SpecConfig(drafter=name if gamma else "none", num_speculative_tokens=gamma,
+                        spec=SpecConfig(drafter=name if gamma else "none", num_speculative_tokens=gamma, tree=cfg.tree,
                                         eagle3=Eagle3Options(min_draft_prob=cfg.eagle3_min_draft_prob)),
                         policy=PolicyConfig(name=cfg.policy, profile=cfg.profile)
                         if name == cfg.drafter else PolicyConfig(name="static"))

@@ -77,6 +77,7 @@ from tidespec.sampling import SamplingParams
 from tidespec.workloads.loader import load_prompts
 
 PLAIN = "plain"
+SHAPES = ("chain", "tree")  # EAGLE-3 proposal shapes --eagle3-shapes compares
 VOCAB_DRAFTERS = ("eagle3", "draft-model")  # the drafters a --draft-vocab-mode applies to
 
 
@@ -100,6 +101,9 @@ class SpecBenchConfig:
     # EAGLE-3 chain confidence floors to compare in one run (--eagle3-min-draft-prob values): one
     # configuration per head x quantization x floor x gamma (empty: the one of the command line)
     eagle3_min_draft_probs: tuple[float, ...] = ()
+    # EAGLE-3 proposal shapes to compare in one run (chain, tree: EAGLE-2's dynamic tree of gamma tokens):
+    # one configuration per head x quantization x floor x shape x gamma (empty: --tree or not)
+    eagle3_shapes: tuple[str, ...] = ()
     ignore_eos: bool = True  # every request generates max_tokens; False: a request ends at its EOS
 
     def __post_init__(self) -> None:
@@ -119,8 +123,11 @@ class SpecBenchConfig:
         if any(k < 1 for k in self.hf_pld_tokens):
             raise ConfigError(f"hf_pld_tokens must be >= 1, got {self.hf_pld_tokens}")
         if self._compared and "eagle3" not in self.drafters:
-            raise ConfigError("--eagle3-heads / --eagle3-quantizations / --eagle3-min-draft-probs compare EAGLE-3 "
-                              "variants: add eagle3 to --drafters")
+            raise ConfigError("--eagle3-heads / --eagle3-quantizations / --eagle3-min-draft-probs / --eagle3-shapes "
+                              "compare EAGLE-3 variants: add eagle3 to --drafters")
+        if any(x not in SHAPES for x in self.eagle3_shapes) or len(set(self.eagle3_shapes)) != len(self.eagle3_shapes):
+            raise ConfigError(f"--eagle3-shapes: distinct values of {', '.join(SHAPES)}, "
+                              f"got {','.join(self.eagle3_shapes)}")
         if any(not 0.0 <= f < 1.0 for f in self.eagle3_min_draft_probs) or \
                 len(set(self.eagle3_min_draft_probs)) != len(self.eagle3_min_draft_probs):
             raise ConfigError(f"--eagle3-min-draft-probs: distinct values in [0, 1), got "
@@ -147,21 +154,24 @@ class SpecBenchConfig:
 
     @property
     def _compared(self) -> bool:
-        return bool(self.eagle3_heads or self.eagle3_quantizations or self.eagle3_min_draft_probs)
+        return bool(self.eagle3_heads or self.eagle3_quantizations or self.eagle3_min_draft_probs or self.eagle3_shapes)
 
     def variants(self) -> list[HeadVariant]:
-        """The compared EAGLE-3 variants: every head x every quantization x every confidence floor
-        (none compared: one).
+        """The compared EAGLE-3 variants: every head x every quantization x every confidence floor x
+        every proposal shape (none compared: one).
 
         Example: heads ``("d1=a",)``, quantizations ``("none", "int8")`` -> ``d1 none`` and ``d1 int8``;
-        floors ``(0.0, 0.3)`` alone -> ``p>=0`` and ``p>=0.3``.
+        floors ``(0.0, 0.3)`` alone -> ``p>=0`` and ``p>=0.3``; shapes ``("chain", "tree")`` alone ->
+        ``chain`` and ``tree``.
         """
         heads: list[tuple[str, str] | None] = list(self.heads()) or [None]
         quants: list[str | None] = list(self.eagle3_quantizations) or [None]
         floors: list[float | None] = list(self.eagle3_min_draft_probs) or [None]
-        return [HeadVariant(" ".join(x for x in (h[0] if h else None, q, f"p>={f:g}" if f is not None else None) if x),
-                            h[1] if h else None, q, f)
-                for h in heads for q in quants for f in floors]
+        shapes: list[str | None] = list(self.eagle3_shapes) or [None]
+        return [HeadVariant(" ".join(x for x in (h[0] if h else None, q, f"p>={f:g}" if f is not None else None, t)
+                                     if x),
+                            h[1] if h else None, q, f, None if t is None else t == "tree")
+                for h in heads for q in quants for f in floors for t in shapes]
 
     def grid(self) -> list[tuple[str, int, HeadVariant | None]]:
         """(drafter, gamma, EAGLE-3 variant or None) per configuration; plain first, always (``none``
@@ -179,13 +189,14 @@ class SpecBenchConfig:
 
 @dataclass(frozen=True)
 class HeadVariant:
-    """One compared EAGLE-3 configuration: a head directory, a drafting quantization and/or a chain
-    confidence floor (None: what the command line says)."""
+    """One compared EAGLE-3 configuration: a head directory, a drafting quantization, a chain
+    confidence floor and/or a proposal shape (None: what the command line says)."""
 
     label: str
     directory: str | None = None
     quantization: str | None = None
     min_draft_prob: float | None = None
+    tree: bool | None = None
 
 
 def config_label(drafter: str, gamma: int, head: str | None = None) -> str:
@@ -238,7 +249,8 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
         if head is not None:
             spec = dataclasses.replace(spec, eagle3=dataclasses.replace(
                 base.eagle3, dir=head.directory or base.eagle3.dir, quantization=head.quantization or base.eagle3.quantization,
-                min_draft_prob=base.eagle3.min_draft_prob if head.min_draft_prob is None else head.min_draft_prob))
+                min_draft_prob=base.eagle3.min_draft_prob if head.min_draft_prob is None else head.min_draft_prob),
+                tree=base.tree if head.tree is None else head.tree)
         econf = bench_engine_config(prompts, cfg.max_tokens, cfg.batch_size,
                                     target.model.cfg.max_position_embeddings, mc, scheduler, spec, policy)
         engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
