@@ -138,3 +138,29 @@ def test_padded_queries_make_a_verification_row_equal_its_decode_row(dtype: torc
         for r in range(5):
             decode = AttentionPlan.build([1], [ctx + r], [1], [None], None, "cpu", min_q=ROW_INVARIANT_Q, max_kv=700)
             assert torch.equal(got[r], decode.attend(q[3 + r:4 + r], k, v)[0]), (ctx, r)
+
+
+def test_a_tree_fed_level_by_level_equals_the_tree_fed_whole() -> None:
+    """A level's tokens attend to earlier levels kept in the cache through a [q, p + q] mask (how
+    EAGLE-3 grows its draft trees): each token's output equals feeding the whole tree at once."""
+    parents = [-1, -1, 0, 0, 1, 2]  # levels: [0, 1], [2, 3, 4], [5]
+    levels = [[0, 1], [2, 3, 4], [5]]
+    model = tiny_llama(vocab_size=32, layers=2, dtype=torch.float64)
+    ctx = [3, 1, 4, 1, 5]
+    tokens = [9, 2, 6, 5, 3, 8]
+    whole_kv = KVCache.for_model(model.cfg, num_slots=1, max_len=16, dtype=torch.float64)
+    _fill_contexts(model, whole_kv, {0: ctx})
+    layout = BatchLayout.build([6], [len(ctx)], [0], depths=[tree_depths(parents)],
+                               tree_masks=[tree_mask(parents)[1:, 1:]])
+    whole = model(torch.tensor(tokens), layout, whole_kv).logits  # [6, V]
+    kv = KVCache.for_model(model.cfg, num_slots=1, max_len=16, dtype=torch.float64)
+    _fill_contexts(model, kv, {0: ctx})
+    depths = tree_depths(parents)
+    for level in levels:
+        prev = level[0]  # tokens of earlier levels, in the cache after the context
+        layout = BatchLayout.build([len(level)], [len(ctx) + prev], [0], depths=[[depths[j] - prev for j in level]],
+                                   tree_masks=[tree_mask(parents[:level[-1] + 1])[prev + 1:, 1:]])
+        got = model(torch.tensor([tokens[j] for j in level]), layout, kv).logits
+        torch.testing.assert_close(got, whole[level[0]:level[-1] + 1], rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="tree mask"):  # wider than the cache holds
+        AttentionPlan.build([2], [1], [0], [torch.ones(2, 4, dtype=torch.bool)], None, "cpu")

@@ -144,7 +144,7 @@ class BatchLayout:
     positions: torch.Tensor  # [T] int64 rope positions (ctx + depth for tree tokens)
     write_slots: torch.Tensor  # [T] int64 slot index of each new token
     write_offsets: torch.Tensor  # [T] int64 cache offset of each new token (ctx + index)
-    tree_masks: list[torch.Tensor | None] = field(default_factory=list)  # per seq [q, q] bool or None (causal)
+    tree_masks: list[torch.Tensor | None] = field(default_factory=list)  # per seq [q, p + q] bool or None (causal)
     _plans: dict[int | None, AttentionPlan] = field(default_factory=dict, repr=False)  # per sliding window
 
     def attention_plan(self, window: int | None, kv: "KVStorage | None" = None, min_q: int = 1) -> AttentionPlan:
@@ -186,7 +186,9 @@ class BatchLayout:
               tree_masks: list[torch.Tensor | None] | None = None,
               device: torch.device | str = "cpu") -> "BatchLayout":
         """Derive positions and write offsets. ``depths[i]`` (tree sequences) gives each new
-        token's depth below the context; ``None`` means a chain (depth = index)."""
+        token's position offset from ``ctx_lens[i]``, its depth below the context when the tree is
+        fed whole (negative for a level fed above earlier levels kept in the cache, whose
+        ``tree_masks[i]`` then covers them too); ``None`` means a chain (depth = index)."""
         pos: list[int] = []
         wslots: list[int] = []
         woffs: list[int] = []

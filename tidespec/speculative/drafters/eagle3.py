@@ -535,8 +535,16 @@ class Eagle3Drafter:
         """EAGLE-2: expand the best ``top_k`` nodes per level by cumulative log-prob, each with its
         top-k children; after ``depth`` levels keep the best ``budget`` candidates globally.
 
-        Each level re-feeds every expanded node so far (a handful) on top of the cached context
-        with an ancestor-or-self mask; the speculative K/V past ``kv_len`` is never kept.
+        Each level feeds only its frontier (``top_k`` rows a sequence): the nodes expanded at
+        earlier levels keep their K/V in the head's cache past ``kv_len``, in expansion order, and
+        the frontier attends to the context and, among those, to its ancestors (a [q, p + q]
+        ancestor-or-self mask). That speculative K/V is never committed: ``kv_len`` stays, and the
+        next proposal or catch-up overwrites it. (Re-feeding every expanded node at every level
+        computed the same rows 1 + 2 + ... times: 24 head rows for a tree of 4, now 12.)
+
+        Example, top_k 2, depth 3: level 1 feeds the root's children [a, b] at kv_len, kv_len + 1;
+        level 2 feeds the best two grandchildren [c, d] at kv_len + 2, + 3 with the mask rows
+        c: [a 1, b 0, c 1, d 0], d: [a 1, b 0, c 0, d 1] when both hang under a.
         """
         top_k = self.cfg.tree_top_k
         for job in jobs:
@@ -550,30 +558,32 @@ class Eagle3Drafter:
             q_lens: list[int] = []
             depths: list[list[int]] = []
             masks: list[torch.Tensor] = []
+            ctx_lens: list[int] = []
             for job in live:
+                prev = len(job.expanded)  # nodes already in the cache past kv_len
                 job.expanded = job.expanded + job.frontier
                 nodes = job.expanded
                 local = {c: i for i, c in enumerate(nodes)}
                 parents = [local[job.parents[c]] if job.parents[c] >= 0 else -1 for c in nodes]
-                for c in nodes:
+                for c in job.frontier:
                     p = job.parents[c]
                     fused_rows.append(job.hidden[p] if p >= 0 else job.state.root_output()[0])
                     tokens.append(job.tokens[c])
-                q_lens.append(len(nodes))
-                depths.append(tree_depths(parents))
-                masks.append(tree_mask(parents)[1:, 1:])  # [q, q] drop the (cached) root
-            layout = BatchLayout.build(q_lens, [j.state.kv_len for j in live], [j.state.slot for j in live],
+                q_lens.append(len(job.frontier))
+                ctx_lens.append(job.state.kv_len + prev)
+                depths.append([d - prev for d in tree_depths(parents)[prev:]])  # offsets from kv_len + prev
+                masks.append(tree_mask(parents)[prev + 1:, 1:])  # [q, prev + q]: the (cached) root dropped
+            layout = BatchLayout.build(q_lens, ctx_lens, [j.state.slot for j in live],
                                        depths=depths, tree_masks=masks, device=self.head.device)
             target_ids = vocab.ids[torch.tensor(tokens, device=vocab.ids.device)].tolist()
             out, logits = self.served(torch.stack(fused_rows), self._embed(target_ids), layout, self.kv, rows=vocab.rows)
             row = 0
             for job in live:
-                level_rows = {c: row + i for i, c in enumerate(job.expanded)}
-                row += len(job.expanded)
                 children: list[int] = []
                 for c in job.frontier:
-                    job.hidden[c] = out[level_rows[c]]
-                    children.extend(job.add_children(c, logits[level_rows[c]], top_k))
+                    job.hidden[c] = out[row]
+                    children.extend(job.add_children(c, logits[row], top_k))
+                    row += 1
                 children.sort(key=lambda c: (-job.scores[c], c))
                 job.frontier = children[:top_k]
         drafts: list[SeqDraft] = []
