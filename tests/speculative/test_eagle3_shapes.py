@@ -201,3 +201,22 @@ def test_init_from_target_copies_the_last_layers_in_order(target: LlamaModel) ->
     assert torch.equal(head.midlayer.self_attn.qkv_proj.weight, blocks[0].self_attn.qkv_proj.weight)
     for mine, theirs in zip(head.blocks, blocks[1:]):
         assert state_dict_equal(mine.state_dict(), theirs.state_dict())
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_requests_that_run_to_the_context_limit_stay_lossless(target: LlamaModel, tree: bool) -> None:
+    """Near the end of the context a tree has fewer cache rows to grow into than its levels would
+    fill (top-k rows per level): it grows shallower instead of writing past the head's cache (a
+    tree of 4 then raised in the step and failed every request in it)."""
+    limit = 32
+    head = init_from_target(shaped_head(target, 1, "concat"), target, "layer")
+    outputs = []
+    for drafter in (None, Eagle3Drafter(head, target.embed_tokens, Eagle3DrafterConfig(
+            max_num_seqs=2, max_model_len=limit, tree_depth=4, tree_top_k=4))):
+        spec = SpecConfig(drafter="eagle3", num_speculative_tokens=4, tree=tree) if drafter else SpecConfig()
+        engine = LLMEngine(target, tiny_tokenizer(V), EngineConfig(cache=CacheConfig(max_model_len=limit, max_num_seqs=2),
+                                                                   spec=spec), drafter=drafter)
+        ids = [engine.add_request(p, SamplingParams(max_tokens=limit - len(p), ignore_eos=True)) for p in PROMPTS[:2]]
+        done = run_to_completion(engine)
+        outputs.append([done[i].token_ids for i in ids])
+    assert outputs[1] == outputs[0] and all(len(o) == limit - len(p) for o, p in zip(outputs[0], PROMPTS))

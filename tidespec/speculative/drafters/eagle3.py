@@ -345,7 +345,8 @@ class Eagle3Drafter:
             room = self.cfg.max_model_len - st.kv_len
             if inp.tree:
                 budget = self.cfg.tree_budget or inp.num_speculative_tokens
-                depth = min(self.cfg.tree_depth, budget, room)
+                # levels 1..depth-1 each keep up to top_k rows in the cache past kv_len
+                depth = min(self.cfg.tree_depth, budget, 1 + room // self.cfg.tree_top_k)
                 if depth >= 1:
                     trees.append(_TreeJob(inp.seq_id, st, budget, depth))
             else:
