@@ -48,6 +48,7 @@ class StepStats:
     # tokens the target then produced (``speculative.drafters.multi``), per drafter name
     shadow_outcomes: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
     num_cold_drafts: int = 0  # sequences asked to draft whose drafter had no context to draft from yet
+    num_draft_errors: int = 0  # sequences asked to draft whose drafter raised: they decoded without drafts
     taps: bool = False  # whether the target's hidden-state taps were computed and handed out this step
     draft_time: float = 0.0  # seconds in drafter.propose
     verify_time: float = 0.0  # seconds in the target forward (+ verification)

@@ -14,6 +14,8 @@ from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
 from tidespec.sampling import SamplingParams, SamplingParamsError
 from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.drafters.ngram import NgramDrafter
+from tidespec.stats import StepStats
 
 V = 64
 
@@ -326,6 +328,47 @@ def test_a_component_failing_after_commit_does_not_lose_a_finished_request(caplo
     with caplog.at_level("ERROR", logger="tidespec.engine.engine"):
         assert run(flaky=True) == run(flaky=False)
     assert "drafter observe failed" in caplog.text and "finish listener failed" in caplog.text
+
+
+def test_a_drafter_failing_in_propose_costs_its_drafts_not_the_requests(caplog) -> None:
+    """Drafts are optional: when the drafter raises in ``propose`` (a bug, a cache it outgrew), the
+    sequences it was asked for decode without drafts that step, are counted and logged, and every
+    request finishes with plain decoding's tokens. Before, the step raised and the server failed
+    every request in flight."""
+
+    class FlakyProposer(NgramDrafter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def propose(self, inputs: list[DraftInput]) -> DraftProposal:
+            self.calls += 1
+            if self.calls % 2:
+                raise RuntimeError("propose broke")
+            return super().propose(inputs)
+
+    model, tok = tiny_llama(), tiny_tokenizer(64)
+    prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 8, 7, 8, 7, 8]]
+
+    def run(drafter: NgramDrafter | None) -> tuple[list[list[int]], LLMEngine, list[StepStats]]:
+        spec = SpecConfig(drafter="ngram", num_speculative_tokens=3) if drafter else SpecConfig()
+        e = LLMEngine(model, tok, EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=2), spec=spec),
+                      drafter=drafter)
+        steps: list[StepStats] = []
+        e.step_listeners.append(steps.append)
+        ids = [e.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
+        done = run_to_completion(e)
+        return [done[i].token_ids for i in ids], e, steps
+
+    plain, _, _ = run(None)
+    with caplog.at_level("ERROR", logger="tidespec.engine.engine"):
+        got, engine, steps = run(FlakyProposer())
+    assert got == plain
+    failed = [s for s in steps if s.num_draft_errors]
+    assert engine.draft_errors == len(failed) > 0 and engine.component_errors == 0
+    assert all(not s.spec_lens or max(s.spec_lens.values()) == 0 for s in failed)  # those steps decoded plainly
+    assert any(s.num_drafts for s in steps)  # the other steps still speculated
+    assert "drafter ngram failed" in caplog.text
 
 
 def test_observed_rows_are_copies_of_the_kept_rows(model, tok):

@@ -29,10 +29,10 @@ from tests.server.live import MODEL, LiveServer, stream_text, tiny_engine
 from tidespec.bench import serve as bench_serve
 from tidespec.bench.serve import arrival_times, check_loopback, load_rate_trace
 from tidespec.config import CacheConfig, ConfigError, EngineConfig
+from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine
 from tidespec.models.loader import LoadedModel
 from tidespec.server.app import ServerConfig, create_app
-from tidespec.speculative.api import DraftInput, DraftProposal, Observation
 from tidespec.speculative.drafters.ngram import NgramDrafter
 
 
@@ -339,29 +339,22 @@ class _PoisonError(RuntimeError):
         self.seq_ids = seq_ids
 
 
-class PoisonDrafter:
-    """N-gram drafter that raises for sequences whose first prompt token is ``poison``; the error
-    names them (``seq_ids``) when ``attributable``, else it is a plain RuntimeError."""
+def poisoned_engine(poison: int, attributable: bool) -> LLMEngine:
+    """An n-gram-drafting engine whose target forward raises in any step that decodes a sequence
+    whose first prompt token is ``poison`` (its prefill passes); the error names those sequences
+    (``seq_ids``) when ``attributable``, else it is a plain RuntimeError. (A drafter that raises
+    no longer serves: the engine then decodes without drafts.)"""
+    engine = tiny_engine(max_num_seqs=8, drafter=NgramDrafter(1, 3))
+    forward = engine.runner.forward
 
-    name = "poison"
-    tap_layers: tuple[int, ...] = ()
-
-    def __init__(self, poison: int, attributable: bool) -> None:
-        self.inner = NgramDrafter(1, 3)
-        self.poison = poison
-        self.attributable = attributable
-
-    def propose(self, inputs: list[DraftInput]) -> DraftProposal:
-        bad = [i.seq_id for i in inputs if i.token_ids[0] == self.poison]
+    def poisoned(batch: Any, proposal: Any, tap_layers: Any = ()) -> Any:
+        bad = [seq.seq_id for seq in batch.decode if seq.token_ids[0] == poison]
         if bad:
-            raise _PoisonError(bad) if self.attributable else RuntimeError("drafter crashed")
-        return self.inner.propose(inputs)
+            raise _PoisonError(bad) if attributable else RuntimeError("forward crashed")
+        return forward(batch, proposal, tap_layers)
 
-    def observe(self, observations: list[Observation]) -> None:
-        self.inner.observe(observations)
-
-    def release(self, seq_id: int) -> None:
-        self.inner.release(seq_id)
+    engine.runner.forward = poisoned  # type: ignore[method-assign]
+    return engine
 
 
 async def _run_mixed(url: str, prompts: list[str], stream: list[bool]) -> list[tuple[int, str, bool]]:
@@ -383,7 +376,7 @@ async def _run_mixed(url: str, prompts: list[str], stream: list[bool]) -> list[t
 
 
 def test_engine_error_fails_only_that_request(caplog: pytest.LogCaptureFixture) -> None:
-    engine = tiny_engine(max_num_seqs=8, drafter=PoisonDrafter(63, attributable=True))
+    engine = poisoned_engine(63, attributable=True)
     with LiveServer(create_app(engine, ServerConfig(served_model_name=MODEL))) as s:
         good = ["t5 t6 t5 t6", "t9 t8 t7", "t11 t12 t11"]
         refs = {p: s.client().completions.create(model=MODEL, prompt=p, max_tokens=16, temperature=0,
@@ -402,7 +395,7 @@ def test_engine_error_fails_only_that_request(caplog: pytest.LogCaptureFixture) 
 
 
 def test_unattributable_engine_error_fails_in_flight_and_recovers() -> None:
-    engine = tiny_engine(max_num_seqs=8, drafter=PoisonDrafter(63, attributable=False))
+    engine = poisoned_engine(63, attributable=False)
     with LiveServer(create_app(engine, ServerConfig(served_model_name=MODEL))) as s:
         results = asyncio.run(_run_mixed(s.url, ["t63 t5", "t9 t8 t7"], [False, False]))
         assert results[0][0] == 500 and results[0][2]
@@ -416,7 +409,7 @@ def test_unattributable_engine_error_fails_in_flight_and_recovers() -> None:
 def test_load_gauges_are_current_after_a_failed_step() -> None:
     """The only request fails in its first decode step (after its prefill step had set the gauges
     to one running request): the gauges return to idle without waiting for another request."""
-    engine = tiny_engine(max_num_seqs=8, drafter=PoisonDrafter(63, attributable=False))
+    engine = poisoned_engine(63, attributable=False)
     with LiveServer(create_app(engine, ServerConfig(served_model_name=MODEL))) as s:
         # ignore_eos: a sampled EOS as the first token would end the request before any decode step
         # (the test then saw a 200: it happened once in a full make test)

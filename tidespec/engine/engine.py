@@ -59,6 +59,7 @@ log = logging.getLogger(__name__)
 # probing every few steps keeps it warm, one that parked it for longer gets plain decoding's work
 # (no taps) and pays one cold step when it drafts again (``_want_taps``).
 TAP_LINGER_STEPS = 8
+DRAFT_ERROR_LOG_EVERY = 100  # a drafter that keeps failing logs its traceback once per this many failures
 
 
 class RequestError(UserError, ValueError):
@@ -104,6 +105,7 @@ class LLMEngine:
         self._req_ids = itertools.count()
         self.step_count = 0
         self.component_errors = 0  # post-commit component failures (logged; the outputs were delivered)
+        self.draft_errors = 0  # steps whose drafter raised in propose (logged; those sequences decoded plainly)
         self.last_stats = StepStats()
         self.history: deque[StepStats] = deque(maxlen=4096)
         self.step_listeners: list[Callable[[StepStats], None]] = []
@@ -310,7 +312,21 @@ class LLMEngine:
         if not inputs or self.drafter is None:
             return DraftProposal()
         t = time.perf_counter()
-        proposal = self.drafter.propose(inputs)
+        try:
+            proposal = self.drafter.propose(inputs)
+        except Exception:  # drafts are optional: a drafter's failure must not fail the requests
+            stats.draft_time = time.perf_counter() - t
+            self.draft_errors += 1
+            stats.num_draft_errors = len(inputs)
+            if self.draft_errors % DRAFT_ERROR_LOG_EVERY == 1:  # the first, then one in 100: no flood
+                log.exception("drafter %s failed in step %d (%d failures so far); its %d sequence(s) decode "
+                              "without drafts this step", self.drafter.name, self.step_count - 1, self.draft_errors,
+                              len(inputs))
+            for inp in inputs:
+                gammas[inp.seq_id] = 0
+                chosen.pop(inp.seq_id, None)
+            stats.seq_drafters = dict(chosen)
+            return DraftProposal()
         stats.draft_time = time.perf_counter() - t
         for inp in inputs:  # a drafter may not exceed the gamma it was given
             d = proposal.drafts.get(inp.seq_id)

@@ -145,6 +145,8 @@ class Metrics:
         self.num_draft_tokens = Counter(f"{p}spec_decode_num_draft_tokens", "Draft tokens proposed.", registry=r)
         self.num_accepted_tokens = Counter(f"{p}spec_decode_num_accepted_tokens", "Draft tokens accepted.",
                                            registry=r)
+        self.draft_errors = Counter(f"{p}spec_decode_draft_errors", "Sequence-steps whose drafter raised: they "
+                                    "decoded without drafts (the server log has the traceback).", registry=r)
         self.accepted_per_pos = Counter(f"{p}spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by position in the draft (0 = first).",
                                         ["position"], registry=r)
@@ -220,6 +222,7 @@ class Metrics:
         self.num_drafts.inc(stats.num_drafts)
         self.num_draft_tokens.inc(stats.num_draft_tokens)
         self.num_accepted_tokens.inc(stats.num_accepted_tokens)
+        self.draft_errors.inc(stats.num_draft_errors)
         for pos, n in enumerate(stats.accepted_per_pos):
             if n:
                 self.accepted_per_pos.labels(position=str(pos)).inc(n)
