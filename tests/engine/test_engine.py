@@ -7,6 +7,7 @@ import torch
 
 from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, SpecConfig
+from tidespec.engine import engine as engine_module
 from tidespec.engine.engine import LLMEngine, RequestError
 from tidespec.engine.scheduler import QueueFullError
 from tidespec.engine.sequence import Sequence
@@ -330,7 +331,7 @@ def test_a_component_failing_after_commit_does_not_lose_a_finished_request(caplo
     assert "drafter observe failed" in caplog.text and "finish listener failed" in caplog.text
 
 
-def test_a_drafter_failing_in_propose_costs_its_drafts_not_the_requests(caplog) -> None:
+def test_a_drafter_failing_in_propose_costs_its_drafts_not_the_requests(caplog, monkeypatch) -> None:
     """Drafts are optional: when the drafter raises in ``propose`` (a bug, a cache it outgrew), the
     sequences it was asked for decode without drafts that step, are counted and logged, and every
     request finishes with plain decoding's tokens. Before, the step raised and the server failed
@@ -343,9 +344,13 @@ def test_a_drafter_failing_in_propose_costs_its_drafts_not_the_requests(caplog) 
 
         def propose(self, inputs: list[DraftInput]) -> DraftProposal:
             self.calls += 1
-            if self.calls % 2:
+            if self.calls % 3 == 1:
                 raise RuntimeError("propose broke")
-            return super().propose(inputs)
+            proposal = super().propose(inputs)
+            if self.calls % 3 == 2:  # a draft longer than the gamma asked for breaks the contract too
+                for inp in inputs:
+                    proposal.drafts[inp.seq_id] = SeqDraft([1] * (inp.num_speculative_tokens + 1))
+            return proposal
 
     model, tok = tiny_llama(), tiny_tokenizer(64)
     prompts = [[3, 4, 5, 3, 4, 5, 3, 4], [7, 8, 7, 8, 7, 8]]
@@ -361,6 +366,7 @@ def test_a_drafter_failing_in_propose_costs_its_drafts_not_the_requests(caplog) 
         return [done[i].token_ids for i in ids], e, steps
 
     plain, _, _ = run(None)
+    monkeypatch.setattr(engine_module, "DRAFT_ERROR_LOG_EVERY", 1)  # log every failure (default: 1 in 100)
     with caplog.at_level("ERROR", logger="tidespec.engine.engine"):
         got, engine, steps = run(FlakyProposer())
     assert got == plain
@@ -368,7 +374,7 @@ def test_a_drafter_failing_in_propose_costs_its_drafts_not_the_requests(caplog) 
     assert engine.draft_errors == len(failed) > 0 and engine.component_errors == 0
     assert all(not s.spec_lens or max(s.spec_lens.values()) == 0 for s in failed)  # those steps decoded plainly
     assert any(s.num_drafts for s in steps)  # the other steps still speculated
-    assert "drafter ngram failed" in caplog.text
+    assert "drafter ngram failed" in caplog.text and "proposed 4 > 3 tokens" in caplog.text
 
 
 def test_observed_rows_are_copies_of_the_kept_rows(model, tok):

@@ -314,11 +314,16 @@ class LLMEngine:
         t = time.perf_counter()
         try:
             proposal = self.drafter.propose(inputs)
+            for inp in inputs:  # a drafter may not exceed the gamma it was given (its KV rows were reserved)
+                d = proposal.drafts.get(inp.seq_id)
+                if d is not None and d.num_tokens > inp.num_speculative_tokens:
+                    raise RuntimeError(f"drafter {self.drafter.name} proposed {d.num_tokens} > "
+                                       f"{inp.num_speculative_tokens} tokens for sequence {inp.seq_id}")
         except Exception:  # drafts are optional: a drafter's failure must not fail the requests
             stats.draft_time = time.perf_counter() - t
             self.draft_errors += 1
             stats.num_draft_errors = len(inputs)
-            if self.draft_errors % DRAFT_ERROR_LOG_EVERY == 1:  # the first, then one in 100: no flood
+            if (self.draft_errors - 1) % DRAFT_ERROR_LOG_EVERY == 0:  # the first, then one in 100: no flood
                 log.exception("drafter %s failed in step %d (%d failures so far); its %d sequence(s) decode "
                               "without drafts this step", self.drafter.name, self.step_count - 1, self.draft_errors,
                               len(inputs))
@@ -328,10 +333,6 @@ class LLMEngine:
             stats.seq_drafters = dict(chosen)
             return DraftProposal()
         stats.draft_time = time.perf_counter() - t
-        for inp in inputs:  # a drafter may not exceed the gamma it was given
-            d = proposal.drafts.get(inp.seq_id)
-            if d is not None and d.num_tokens > inp.num_speculative_tokens:
-                raise RuntimeError(f"drafter {self.drafter.name} proposed {d.num_tokens} > {inp.num_speculative_tokens} tokens")
         for sid in proposal.cold & gammas.keys():
             if sid not in proposal.drafts:
                 gammas[sid] = 0
