@@ -79,7 +79,8 @@ class AttentionPlan:
         """One plan per forward. ``tree_masks[i]``: [q, p + q] bool over sequence i's last ``p``
         cached tokens and its ``q`` new ones (p = 0: among the new tokens only; the cache before
         them is visible to all), or None for causal order. ``p > 0`` lets a tree grow level by
-        level, each level's K/V kept in the cache where the next level reads it under the mask. ``window``: sliding window over cache offsets, or None.
+        level, each level's K/V kept in the cache where the next level reads it under the mask.
+        ``window``: sliding window over cache offsets, or None.
         ``min_q``: pad every sequence's queries to at least this many rows (``ROW_INVARIANT_Q``
         makes a row's output bits independent of how many rows its sequence has; keys are then
         padded to a multiple of ``ROW_INVARIANT_KV``, at most ``max_kv``, the cache's length)."""
@@ -104,7 +105,7 @@ class AttentionPlan:
             rows = mask[b, 0]  # [q_max, kv_len]
             rows[:q, :c] = True
             new = torch.ones(q, q, dtype=torch.bool).tril() if tmask is None else tmask.to("cpu", torch.bool)
-            if tuple(new.shape) != (q, new.shape[1]) or not q <= new.shape[1] <= c + q:
+            if new.dim() != 2 or new.shape[0] != q or not q <= new.shape[1] <= c + q:
                 raise ValueError(f"tree mask {tuple(new.shape)} for {q} new tokens after {c} cached ones")
             rows[:q, c + q - new.shape[1]:c + q] = new  # [q, p + q]: the last p cached tokens too
             if window is not None:  # a query at offset c + i sees keys at offsets > c + i - window
