@@ -3,7 +3,8 @@
 Why this exists: TIDE (Sec. 3.2) drafts with an EAGLE-3 head that reads the target's own hidden
 states (taps), and a head the trainer process publishes can be swapped in between engine steps
 (``load_state``). The head's computation (one step, the token/tap pairing, the d2t map) is
-described in ``tidespec.models.eagle3_head``; this module owns the per-sequence drafting state.
+described in ``tidespec.models.eagle3_head``; this module owns the per-sequence drafting state
+(trees grow in ``eagle3_tree``).
 
 Drafter state per sequence: the taps ``observe`` handed over, the head's own K/V for every
 position whose tap row and next token are final (one slot of a ``KVCache`` with a layer per head
@@ -30,7 +31,7 @@ then 5 steps without, then taps from position 15 on -> base 15, head position 0 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -44,7 +45,7 @@ from tidespec.sampling import SamplingParams, make_generator, sample_from, seede
 from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.drafters.draft_model import draft_seed
 from tidespec.speculative.drafters.eagle3_state import CatchUp, SeqState, TapStore
-from tidespec.speculative.tree import rerank_tree, tree_depths, tree_mask
+from tidespec.speculative.drafters.eagle3_tree import TreeJob, grow_trees
 from tidespec.speculative.vocab.dynamic import DynamicVocab
 
 
@@ -99,36 +100,6 @@ class _Vocab:
     version: int  # -1: the head's own draft vocabulary
     ids: torch.Tensor  # [n] target id of each logit
     rows: torch.Tensor | nn.Module | None  # [n, H] output rows or their int8 layer; None = the head's LM head
-
-
-@dataclass
-class _TreeJob:
-    """EAGLE-2 expansion state for one sequence."""
-
-    seq_id: int
-    state: SeqState
-    budget: int
-    depth: int
-    tokens: list[int] = field(default_factory=list)  # [n] draft ids of all candidates
-    parents: list[int] = field(default_factory=list)  # [n] candidate parent (-1 = root)
-    scores: list[float] = field(default_factory=list)  # [n] cumulative log-prob
-    expanded: list[int] = field(default_factory=list)  # candidates forwarded so far (topological)
-    frontier: list[int] = field(default_factory=list)  # candidates to forward this level
-    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # candidate -> its pre-norm output [H]
-
-    def add_children(self, parent: int, logits: torch.Tensor, top_k: int) -> list[int]:
-        """logits [Vd] at ``parent`` (-1 = root) -> top-k children appended; returns their indices."""
-        logp = torch.log_softmax(logits.double(), dim=-1)
-        k = min(top_k, logp.shape[-1])
-        top_lp, top_ids = torch.topk(logp, k)
-        base = self.scores[parent] if parent >= 0 else 0.0
-        new: list[int] = []
-        for lp, tok in zip(top_lp.tolist(), top_ids.tolist()):
-            new.append(len(self.tokens))
-            self.tokens.append(int(tok))
-            self.parents.append(parent)
-            self.scores.append(base + float(lp))
-        return new
 
 
 class Eagle3Drafter:
@@ -329,7 +300,7 @@ class Eagle3Drafter:
         self._sync([st for _, st in ready], vocab)
         proposal = DraftProposal()
         chains: list[tuple[DraftInput, SeqState, int]] = []
-        trees: list[_TreeJob] = []
+        trees: list[TreeJob] = []
         for inp, st in ready:
             n = len(inp.token_ids)
             if st.lost:
@@ -348,7 +319,7 @@ class Eagle3Drafter:
                 # levels 1..depth-1 each keep up to top_k rows in the cache past kv_len
                 depth = min(self.cfg.tree_depth, budget, 1 + room // self.cfg.tree_top_k)
                 if depth >= 1:
-                    trees.append(_TreeJob(inp.seq_id, st, budget, depth))
+                    trees.append(TreeJob(inp.seq_id, st, budget, depth))
             else:
                 gamma = min(inp.num_speculative_tokens, room)
                 if gamma >= 1:
@@ -532,65 +503,15 @@ class Eagle3Drafter:
             st.seeded = True
         return st.generator
 
-    def _propose_trees(self, jobs: list[_TreeJob], vocab: _Vocab) -> list[SeqDraft]:
-        """EAGLE-2: expand the best ``top_k`` nodes per level by cumulative log-prob, each with its
-        top-k children; after ``depth`` levels keep the best ``budget`` candidates globally.
+    def _propose_trees(self, jobs: list[TreeJob], vocab: _Vocab) -> list[SeqDraft]:
+        """EAGLE-2 trees over ``vocab`` (``eagle3_tree.grow_trees``; one head forward per level)."""
 
-        Each level feeds only its frontier (``top_k`` rows a sequence): the nodes expanded at
-        earlier levels keep their K/V in the head's cache past ``kv_len``, in expansion order, and
-        the frontier attends to the context and, among those, to its ancestors (a [q, p + q]
-        ancestor-or-self mask). That speculative K/V is never committed: ``kv_len`` stays, and the
-        next proposal or catch-up overwrites it. (Re-feeding every expanded node at every level
-        computed the same rows 1 + 2 + ... times: 24 head rows for a tree of 4, now 12.)
-
-        Example, top_k 2, depth 3: level 1 feeds the root's children [a, b] at kv_len, kv_len + 1;
-        level 2 feeds the best two grandchildren [c, d] at kv_len + 2, + 3 with the mask rows
-        c: [a 1, b 0, c 1, d 0], d: [a 1, b 0, c 0, d 1] when both hang under a.
-        """
-        top_k = self.cfg.tree_top_k
-        for job in jobs:
-            job.frontier = job.add_children(-1, job.state.root_output()[1], top_k)
-        for level in range(1, max(j.depth for j in jobs)):
-            live = [j for j in jobs if level < j.depth and j.frontier]
-            if not live:
-                break
-            fused_rows: list[torch.Tensor] = []
-            tokens: list[int] = []
-            q_lens: list[int] = []
-            depths: list[list[int]] = []
-            masks: list[torch.Tensor] = []
-            ctx_lens: list[int] = []
-            for job in live:
-                prev = len(job.expanded)  # nodes already in the cache past kv_len
-                job.expanded = job.expanded + job.frontier
-                nodes = job.expanded
-                local = {c: i for i, c in enumerate(nodes)}
-                parents = [local[job.parents[c]] if job.parents[c] >= 0 else -1 for c in nodes]
-                for c in job.frontier:
-                    p = job.parents[c]
-                    fused_rows.append(job.hidden[p] if p >= 0 else job.state.root_output()[0])
-                    tokens.append(job.tokens[c])
-                q_lens.append(len(job.frontier))
-                ctx_lens.append(job.state.kv_len + prev)
-                depths.append([d - prev for d in tree_depths(parents)[prev:]])  # offsets from kv_len + prev
-                masks.append(tree_mask(parents)[prev + 1:, 1:])  # [q, prev + q]: the (cached) root dropped
-            layout = BatchLayout.build(q_lens, ctx_lens, [j.state.slot for j in live],
-                                       depths=depths, tree_masks=masks, device=self.head.device)
+        def step(fused: torch.Tensor, tokens: list[int], layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:
             target_ids = vocab.ids[torch.tensor(tokens, device=vocab.ids.device)].tolist()
-            out, logits = self.served(torch.stack(fused_rows), self._embed(target_ids), layout, self.kv, rows=vocab.rows)
-            row = 0
-            for job in live:
-                children: list[int] = []
-                for c in job.frontier:
-                    job.hidden[c] = out[row]
-                    children.extend(job.add_children(c, logits[row], top_k))
-                    row += 1
-                children.sort(key=lambda c: (-job.scores[c], c))
-                job.frontier = children[:top_k]
+            return self.served(fused, self._embed(target_ids), layout, self.kv, rows=vocab.rows)
+
         drafts: list[SeqDraft] = []
-        for job in jobs:
-            kept, parents = rerank_tree(job.scores, job.parents, job.budget)
-            ids = vocab.ids[torch.tensor([job.tokens[c] for c in kept], device=vocab.ids.device)]
-            drafts.append(SeqDraft(ids.tolist(), parents, None))
+        for ids, parents in grow_trees(jobs, self.cfg.tree_top_k, step, self.head.device):
+            drafts.append(SeqDraft(vocab.ids[torch.tensor(ids, device=vocab.ids.device)].tolist(), parents, None))
         return drafts
 
