@@ -342,8 +342,8 @@ class _PoisonError(RuntimeError):
 def poisoned_engine(poison: int, attributable: bool) -> LLMEngine:
     """An n-gram-drafting engine whose target forward raises in any step that decodes a sequence
     whose first prompt token is ``poison`` (its prefill passes); the error names those sequences
-    (``seq_ids``) when ``attributable``, else it is a plain RuntimeError. (A drafter that raises
-    no longer serves: the engine then decodes without drafts.)"""
+    (``seq_ids``) when ``attributable``, else it is a plain RuntimeError. (The poison cannot sit in
+    the drafter: a drafter that raises only costs its sequences their drafts.)"""
     engine = tiny_engine(max_num_seqs=8, drafter=NgramDrafter(1, 3))
     forward = engine.runner.forward
 
