@@ -16,6 +16,7 @@ import torch
 from tests.online.test_online import PROMPTS, drafter_cfg, make_engine, random_head, run
 from tidespec.config import (
     CollectionConfig,
+    DraftVocabConfig,
     Eagle3Options,
     EngineConfig,
     OnlineTrainingConfig,
@@ -349,6 +350,8 @@ def test_lora_options_are_validated_and_reach_the_trainer_child(tmp_path: Path,
         LoraAlignConfig(rank=0)
     with pytest.raises(TrainerConfigError, match="lora_beta"):
         LoraAlignConfig(beta=-1)
+    with pytest.raises(TrainerConfigError, match="lora_replay_rows and lora_extra_vocab"):
+        LoraAlignConfig(extra_vocab=-1)
     with pytest.raises(TrainerConfigError, match="lora_targets.*got q_proj, fc"):
         LoraAlignConfig(targets="q_proj, fc")
     assert LoraAlignConfig(targets="down_proj,q_proj").target_modules == ("q_proj", "down_proj")
@@ -365,6 +368,13 @@ def test_lora_options_are_validated_and_reach_the_trainer_child(tmp_path: Path,
     add_dataclass_args(parser, TrainerConfig)
     parsed = dataclass_from_args(TrainerConfig, parser.parse_args(started[0][started[0].index("train-drafter") + 1:]))
     assert parsed.lora.enabled and parsed.lora.rank == 32 and parsed.lora.beta == 0.3
+    assert parsed.lora.extra_vocab == 0  # no dynamic draft vocabulary: the head's own tokens only
+    dynamic = dataclasses.replace(spec, vocab=DraftVocabConfig(mode="dynamic", buffer=64))
+    online = OnlineConfig.from_engine_config(EngineConfig(spec=dynamic, online=OnlineTrainingConfig(enabled=True,
+                                                                                                   lora=True)))
+    process.start_trainer_process(online, None, log_path=tmp_path / "log")
+    parsed = dataclass_from_args(TrainerConfig, parser.parse_args(started[1][started[1].index("train-drafter") + 1:]))
+    assert parsed.lora.extra_vocab == 64  # the adapters learn the tokens the buffer can hold
 
 
 # -- serving: lossless swaps, refusals ----------------------------------------------------------

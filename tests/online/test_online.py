@@ -87,8 +87,8 @@ def plain(model: LlamaModel, tok) -> list[list[int]]:
     return run(make_engine(model, tok), PROMPTS)[0]
 
 
-def random_head(model: LlamaModel, seed: int) -> Eagle3Head:
-    head = fresh_head(model.cfg, None, model.dtype, seed=seed)
+def random_head(model: LlamaModel, seed: int, draft_vocab: int | None = None) -> Eagle3Head:
+    head = fresh_head(model.cfg, draft_vocab, model.dtype, seed=seed)
     with torch.no_grad():  # larger weights: drafts depend visibly on the inputs
         for p in head.parameters():
             if p.dim() == 2:

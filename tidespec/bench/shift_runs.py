@@ -278,6 +278,7 @@ def start_online(target: LoadedModel, trace: list[TraceItem], cfg: ShiftBenchCon
     online = attach_online_training(engine, OnlineConfig(
         publish_root=str(root), signal_dir=str(signals), poll_s=1.0, capture_prompt=cfg.capture_prompt,
         capture_flush_rows=256 if lora else OnlineConfig.capture_flush_rows, lora=lora,
+        lora_extra_vocab=(cfg.vocab_buffer or DraftVocabConfig.buffer) if name == "vocab-dynamic-lora" else 0,
         collection=CollectionConfig(n_init=cfg.collect_n_init, epsilon=cfg.collect_epsilon,
                                     n_threshold=cfg.min_signals, force=cfg.collect_force or lora,
                                     bootstrap=seeded is None)))

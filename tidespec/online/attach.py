@@ -134,6 +134,9 @@ class OnlineConfig:
     collection: CollectionConfig = field(default_factory=CollectionConfig)
     rollback_min_drafts: int = 64  # drafts of a new version before the served check decides (0 = no check)
     lora: bool = False  # capture final hidden states and merge the trainer's LoRA adapters (EvoSpec path B)
+    # the trainer's adapters also learn this many emitted tokens outside the head's vocabulary
+    # (``--lora-extra-vocab``): the dynamic draft vocabulary's buffer, 0 without one
+    lora_extra_vocab: int = 0
 
     def __post_init__(self) -> None:
         if not self.publish_root or not self.signal_dir:
@@ -147,8 +150,9 @@ class OnlineConfig:
                                     f"capture_capacity_rows ({self.capture_capacity_rows})")
         if self.max_shard_age_s <= 0 or self.poll_s <= 0:
             raise OnlineConfigError("max_shard_age_s and poll_s must be > 0")
-        if self.rollback_min_drafts < 0:
-            raise OnlineConfigError(f"rollback_min_drafts must be >= 0, got {self.rollback_min_drafts}")
+        if self.rollback_min_drafts < 0 or self.lora_extra_vocab < 0:
+            raise OnlineConfigError("rollback_min_drafts and lora_extra_vocab must be >= 0, got "
+                                    f"{self.rollback_min_drafts} and {self.lora_extra_vocab}")
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig) -> OnlineConfig:
@@ -173,6 +177,7 @@ class OnlineConfig:
             collection=dataclasses.replace(oc.collect, bootstrap=bootstrap),
             rollback_min_drafts=oc.rollback_min_drafts,
             lora=oc.lora,
+            lora_extra_vocab=config.spec.vocab.buffer if config.spec.vocab.mode == "dynamic" else 0,
         )
 
 

@@ -45,6 +45,12 @@ class LoraAlignConfig:
     min_rows: int = opt(64, "new signal rows the aligner waits for before it reads them")
     judge_rows: int = opt(256, "an update is judged on at least this many rows served after it (then trained on), "
                                "against the head served meanwhile")
+    replay_rows: int = opt(0, "eligible rows of earlier updates kept in a window and replayed beside the new "
+                              "ones, topping each step up to 8 segments (0 = EvoSpec's buffer, cleared at each "
+                              "update)")
+    extra_vocab: int = opt(0, "tokens outside the head's own vocabulary the adapters are trained and judged "
+                              "on: the newest distinct ones the target emitted, drafted through calibrated rows "
+                              "(a dynamic draft vocabulary's buffer; 0 = the head's own vocabulary only)")
 
     @property
     def target_modules(self) -> tuple[str, ...]:
@@ -62,6 +68,8 @@ class LoraAlignConfig:
             raise TrainerConfigError("lora_alpha, lora_temperature and lora_lr must be > 0")
         if self.beta < 0 or self.kl_threshold < 0 or self.anchor < 0:
             raise TrainerConfigError("lora_beta, lora_kl_threshold and lora_anchor must be >= 0")
+        if self.replay_rows < 0 or self.extra_vocab < 0:
+            raise TrainerConfigError("lora_replay_rows and lora_extra_vocab must be >= 0")
 
 
 @dataclass

@@ -14,12 +14,16 @@ process (never the engine) on the same signal store and publish root as the full
       -> the target's top-k logits at every row, recovered from the captured final hidden state
          (logits = hidden @ LM-head^T; the engine stores hidden, never logits)
       -> an update waiting to be judged is judged first on these rows (below)
-      -> eligible rows (Algorithm 1 line 24): label in the head's vocabulary and (greedy draft !=
-         label or KL(p || q) > kl_threshold), judged with the adapters as they are now
+      -> eligible rows (Algorithm 1 line 24): label in the draft vocabulary and (greedy draft !=
+         label or KL(p || q) > kl_threshold), judged with the adapters as they are now; the draft
+         vocabulary is the head's own plus, with ``extra_vocab`` N, the newest N distinct tokens
+         outside it that the target emitted, through calibrated rows (``extra_vocab``: what a
+         dynamic V_t lets the engine draft; the adapters then learn to propose them)
       -> replay buffer, with ``anchor`` times as many of the rows the head already drafts well
          beside them (0 = EvoSpec's buffer; see ``anchor_rows``); once it holds ``buffer_rows``
          eligible rows and no update waits: ``steps`` AdamW steps on the curriculum loss (each on
-         one chunk of <= 8 segments, in turn), buffer cleared
+         one chunk of <= 8 segments, in turn, topped up from a window of earlier buffers of
+         ``replay_rows`` eligible rows), buffer moved into that window
       -> the update waits for ``judge_rows`` rows served after it; simulated acceptance on them,
          adapted vs the head served now (base, or base + the newest adapter) vs the bare base head;
          publish the adapter (``lora/v{base}/a{N}``) iff it is the best, or a zero adapter (the base
@@ -50,6 +54,9 @@ import dataclasses
 import logging
 import math
 import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -152,6 +159,44 @@ def topk_kl(logits: torch.Tensor, top_ids: torch.Tensor, top_logits: torch.Tenso
     return kl, inside.any(-1)
 
 
+@contextmanager
+def extra_vocab(head: Eagle3Head, ids: torch.Tensor, rows: torch.Tensor) -> Iterator[Eagle3Head]:
+    """Within the block ``head`` drafts over its own vocabulary plus the target ids ``ids`` [n] (none
+    of them its own), whose output rows are ``rows`` [n, H]; its LM head, vocabulary map and config
+    are restored on exit. Nothing trainable changes: the LoRA adapters live in the draft layers, the
+    widened LM head is frozen, so an adapter trained inside the block serves the narrow head.
+
+    Why: with a dynamic draft vocabulary the engine drafts over V_t, which holds tokens outside the
+    head's trained vocabulary through calibrated rows (``Eagle3Head.output_rows``). EvoSpec's path B
+    aligns on every verification event whose token was in V_t; judged on the head's own vocabulary
+    only, a head after a shift could never learn to propose the new domain's tokens that retrieval
+    put within its reach (benchmarks section 19: coverage 94.6 %, acceptance unchanged).
+
+    Example: own vocabulary {5, 9} (d2t [5, 8]), ids [2], rows [[..]] -> inside the block draft ids
+    0, 1, 2 stand for target ids 5, 9, 2 and the logits have 3 columns."""
+    if ids.numel() == 0:
+        yield head
+        return
+    saved = (head.cfg, head.lm_head, head.d2t, head.t2d)
+    own = head.draft_to_target(torch.arange(head.cfg.draft_vocab_size, device=head.d2t.device))  # [Vd]
+    every = torch.cat([own, ids.to(own.device)])  # [Vd + n]
+    n = every.numel()
+    w = head.lm_head.weight
+    lm_head = nn.Linear(w.shape[1], n, bias=False, device=w.device, dtype=w.dtype).requires_grad_(False)
+    with torch.no_grad():
+        lm_head.weight.copy_(torch.cat([w.detach(), rows.to(device=w.device, dtype=w.dtype)]))
+    t2d = torch.zeros_like(head.t2d)
+    t2d[every] = True
+    head.cfg = dataclasses.replace(head.cfg, draft_vocab_size=n)
+    head.lm_head = lm_head
+    head.d2t = every - torch.arange(n, device=every.device)
+    head.t2d = t2d
+    try:
+        yield head
+    finally:
+        head.cfg, head.lm_head, head.d2t, head.t2d = saved
+
+
 def _padded(masks: list[torch.Tensor], n: int, device: torch.device) -> torch.Tensor:
     out = torch.zeros(len(masks), n, dtype=torch.bool, device=device)  # [B, N]
     for b, m in enumerate(masks):
@@ -246,10 +291,15 @@ class LoraAligner:
         self.optimizer: torch.optim.Optimizer | None = None
         # (segment, replayed rows [N], how many of them are eligible: anchors do not fill the buffer)
         self.buffer: list[tuple[SignalSegment, torch.Tensor, int]] = []
+        self.window: list[tuple[SignalSegment, torch.Tensor, int]] = []  # earlier updates' buffers, newest last
         self.seen = 0  # training rows read since the last update
         self.pending: _Pending | None = None
         self.gen = torch.Generator().manual_seed(0)  # anchor draws
         self.results: list[AdapterResult] = []
+        # ``cfg.extra_vocab`` newest distinct emitted tokens outside the base head's vocabulary (oldest
+        # first) and their calibrated output rows [H], computed once per base version
+        self.recent: OrderedDict[int, None] = OrderedDict()
+        self.extra_rows: dict[int, torch.Tensor] = {}
 
     def start_cursor(self, shard_id: str | None) -> None:
         """Read only shards after ``shard_id`` (the trainer starts where its full rounds stand)."""
@@ -262,8 +312,10 @@ class LoraAligner:
         self.optimizer = torch.optim.AdamW(lora_parameters(self.head), lr=self.cfg.lr, betas=(0.9, 0.95))
         self.base_version = version
         self.buffer.clear()
+        self.window.clear()
         self.seen = 0
         self.pending = None
+        self.extra_rows.clear()
         logger.info("lora: adapters (rank %d on %s) reset on drafter version %d", self.cfg.rank, self.cfg.targets,
                     version)
 
@@ -315,6 +367,7 @@ class LoraAligner:
             return None
         segments = [s for segs in segments_by_sequence(shards, self.max_segment_len).values() for s in segs
                     if s.topk_ids is not None]
+        self._note_tokens(segments)
         result = None
         if self.pending is not None:
             self.pending.judge.extend(segments)
@@ -325,8 +378,8 @@ class LoraAligner:
         self.seen += sum(s.num_positions for s in train)
         for i in range(0, len(train), SEGMENTS_PER_BATCH):  # bounded memory: logits are [B, N, draft vocab]
             chunk = train[i:i + SEGMENTS_PER_BATCH]
-            eligible, usable = eligible_rows(self.head, self.embed, chunk, self.cfg.kl_threshold,
-                                             self.cfg.temperature)
+            with self._wide(self.head) as head:
+                eligible, usable = eligible_rows(head, self.embed, chunk, self.cfg.kl_threshold, self.cfg.temperature)
             for seg, elig, mask in zip(chunk, eligible, anchor_rows(eligible, usable, self.cfg.anchor, self.gen)):
                 if bool(mask.any()):
                     self.buffer.append((seg, mask, int(elig.sum())))
@@ -335,18 +388,52 @@ class LoraAligner:
             self.pending = self._update(buffered)
         return result
 
+    def _note_tokens(self, segments: list[SignalSegment]) -> None:
+        """Remember the newest ``cfg.extra_vocab`` distinct tokens outside the base head's vocabulary
+        that the target emitted in ``segments`` (a dynamic V_t admits each at its first sighting)."""
+        if not self.cfg.extra_vocab or not segments:
+            return
+        assert self.base is not None
+        own = self.base.t2d.cpu()  # [V] bool
+        for seg in segments:
+            for t in seg.token_ids.tolist():
+                if not own[t]:
+                    self.recent[t] = None
+                    self.recent.move_to_end(t)
+        while len(self.recent) > self.cfg.extra_vocab:
+            self.recent.popitem(last=False)
+
+    @contextmanager
+    def _wide(self, head: Eagle3Head) -> Iterator[Eagle3Head]:
+        """``head`` over its own vocabulary plus the remembered tokens (``extra_vocab``), whose rows are
+        the base head's calibrated rows (the LM head is never adapted, so one row serves every head)."""
+        if not self.recent:
+            yield head
+            return
+        assert self.base is not None
+        ids = list(self.recent)
+        new = [t for t in ids if t not in self.extra_rows]
+        if new:
+            with torch.no_grad():
+                rows = self.base.output_rows(torch.tensor(new), self.out_rows)  # [n_new, H]
+            self.extra_rows.update(zip(new, rows))
+        with extra_vocab(head, torch.tensor(ids), torch.stack([self.extra_rows[t] for t in ids])) as wide:
+            yield wide
+
     def _buffer_loss(self, chunk: list[tuple[SignalSegment, torch.Tensor, int]]) -> float:
         """The curriculum loss over one chunk of the replay buffer (mean per replay row)."""
         assert self.head is not None
-        with torch.no_grad():
-            loss, _ = curriculum_loss(self.head, self.embed, [s for s, _, _ in chunk], [m for _, m, _ in chunk],
+        with torch.no_grad(), self._wide(self.head) as head:
+            loss, _ = curriculum_loss(head, self.embed, [s for s, _, _ in chunk], [m for _, m, _ in chunk],
                                       self.ttt_steps, self.cfg.beta, self.cfg.temperature)
         return float(loss)
 
     def _update(self, buffered: int) -> _Pending:
-        """``steps`` optimizer steps over the buffer's chunks in turn; the buffer is cleared. The loss
-        before and after is read on the first chunk only (a diagnostic: the trainer runs on a
-        fraction of two cores, and a pass over the whole buffer costs as much as the steps)."""
+        """``steps`` optimizer steps over the buffer's chunks in turn, each chunk topped up to
+        ``SEGMENTS_PER_BATCH`` segments drawn from the replay window (``replay_rows``); the buffer then
+        joins the window (the oldest leave it) and is cleared. The loss before and after is read on
+        the first chunk only (a diagnostic: the trainer runs on a fraction of two cores, and a pass
+        over the whole buffer costs as much as the steps)."""
         assert self.head is not None and self.optimizer is not None
         chunks = [self.buffer[i:i + SEGMENTS_PER_BATCH] for i in range(0, len(self.buffer), SEGMENTS_PER_BATCH)]
         t0 = time.perf_counter()
@@ -354,8 +441,13 @@ class LoraAligner:
         self.head.train()
         for k in range(self.cfg.steps):  # each step one chunk of the buffer, in turn
             chunk = chunks[k % len(chunks)]
-            loss, _ = curriculum_loss(self.head, self.embed, [s for s, _, _ in chunk], [m for _, m, _ in chunk],
-                                      self.ttt_steps, self.cfg.beta, self.cfg.temperature)
+            room = SEGMENTS_PER_BATCH - len(chunk)
+            if room and self.window:
+                pick = torch.randperm(len(self.window), generator=self.gen)[:room].tolist()
+                chunk = chunk + [self.window[i] for i in pick]
+            with self._wide(self.head) as head:
+                loss, _ = curriculum_loss(head, self.embed, [s for s, _, _ in chunk], [m for _, m, _ in chunk],
+                                          self.ttt_steps, self.cfg.beta, self.cfg.temperature)
             self.optimizer.zero_grad(set_to_none=True)
             if loss.requires_grad:
                 loss.backward()
@@ -364,6 +456,10 @@ class LoraAligner:
         self.head.eval()
         update_ms = (time.perf_counter() - t0) * 1e3
         pending = _Pending(buffered, self.seen, loss_before, self._buffer_loss(chunks[0]), update_ms, [])
+        if self.cfg.replay_rows:
+            self.window.extend(self.buffer)
+            while sum(n for _, _, n in self.window) > self.cfg.replay_rows:
+                self.window.pop(0)
         self.buffer.clear()
         self.seen = 0
         logger.info("lora: %d eligible rows of %d, loss %.3f -> %.3f in %.0f ms; judged on the next %d rows",
@@ -383,10 +479,13 @@ class LoraAligner:
         Example: served a3 1.90, adapted 1.95, base 2.10 -> a4 = zero adapter (the base) published;
         the next update must beat 2.x of the base head on its own rows."""
         assert self.head is not None and self.served is not None and self.base is not None
-        before = simulated_acceptance(self.served, self.embed, pending.judge, self.gamma)
-        after = simulated_acceptance(self.head, self.embed, pending.judge, self.gamma)
-        bare = before if self.served is self.base else simulated_acceptance(self.base, self.embed, pending.judge,
-                                                                             self.gamma)
+        def score(head: Eagle3Head) -> float:
+            with self._wide(head) as wide:
+                return simulated_acceptance(wide, self.embed, pending.judge, self.gamma)
+
+        before = score(self.served)
+        after = score(self.head)
+        bare = before if self.served is self.base else score(self.base)
 
         def beats(a: float, b: float) -> bool:
             return math.isfinite(a) and (not math.isfinite(b) or a > b + self.min_gain)

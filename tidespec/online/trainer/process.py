@@ -178,7 +178,7 @@ def start_trainer_process(online: OnlineConfig, model: str | None, dtype: str = 
     if model:
         cmd += ["--model", model]
     if online.lora:
-        cmd += ["--lora"]
+        cmd += ["--lora", "--lora-extra-vocab", str(online.lora_extra_vocab)]
     cmd += list(extra_args)
     log = Path(log_path) if log_path is not None else trainer_log_path(online)
     log.parent.mkdir(parents=True, exist_ok=True)
