@@ -270,3 +270,40 @@ def test_every_configuration_gets_its_own_colour() -> None:
     colors = config_colors(names)
     assert list(colors) == names and len(set(colors.values())) == len(names)
     assert colors["frozen"] == "tab:blue" and colors["plain"] == "tab:gray"
+
+
+def test_a_trainer_catches_up_alone_after_its_configurations_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--trainer-catchup-s``: after an online configuration's turn its trainer runs (unheld) while
+    no configuration's loop runs, then is held again before the next configuration's turn."""
+    from types import SimpleNamespace
+
+    from tidespec.bench import shift
+
+    events: list[str] = []
+
+    class Loop:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def warm_up(self) -> None:
+            events.append(f"warm {self.name}")
+
+        def run_turn(self, end: int) -> None:
+            events.append(f"turn {self.name} {end}")
+
+        def finish(self) -> str:
+            return self.name
+
+    class Governor:
+        def hold(self, held: bool) -> None:
+            events.append("hold" if held else "release")
+
+    monkeypatch.setattr(shift.time, "sleep", lambda s: events.append(f"alone {s:g}"))
+    onlines = {"lora": SimpleNamespace(online=SimpleNamespace(governor=Governor()))}
+    runs = shift._take_turns({"plain": Loop("plain"), "lora": Loop("lora")}, 4, 2, onlines, catchup_s=7.0)
+    assert runs == {"plain": "plain", "lora": "lora"}
+    assert events == ["hold", "warm plain", "warm lora",
+                      "turn plain 2", "release", "turn lora 2", "alone 7", "hold",
+                      "turn plain 4", "release", "turn lora 4", "alone 7", "hold"]
+    with pytest.raises(ConfigError, match="trainer_catchup_s"):
+        ShiftBenchConfig(trainer_catchup_s=-1.0)

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
@@ -169,7 +170,7 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
             engine = static_engine(target, trace_engine_config(trace, cfg, target.model, gamma, name))
         loops[name] = TraceLoop(engine, trace, cfg.concurrency, cfg.max_tokens, name, progress, status, cfg.ignore_eos)
     try:
-        runs = _take_turns(loops, len(trace), cfg.turn, onlines)
+        runs = _take_turns(loops, len(trace), cfg.turn, onlines, cfg.trainer_catchup_s)
     finally:
         for setup in onlines.values():
             setup.online.close()  # no trainer child outlives the run (close is idempotent)
@@ -192,11 +193,12 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
                       plot_shift, log)
 
 
-def _take_turns(loops: dict[str, TraceLoop], n: int, turn: int, onlines: dict[str, OnlineSetup]
-                ) -> dict[str, TraceRun]:
+def _take_turns(loops: dict[str, TraceLoop], n: int, turn: int, onlines: dict[str, OnlineSetup],
+                catchup_s: float = 0.0) -> dict[str, TraceRun]:
     """Each configuration warms up, then runs requests ``[k * turn, (k + 1) * turn)`` of the trace in
     turn (all of them at once with ``turn`` 0). An online configuration's trainer is held paused outside
-    its turns, so it never shares the CPU with another configuration's measurement."""
+    its turns, so it never shares the CPU with another configuration's measurement; ``catchup_s``: it
+    runs alone that long after each of its turns, while every clock is stopped."""
     governors = {name: s.online.governor for name, s in onlines.items() if s.online.governor is not None}
     for governor in governors.values():
         governor.hold(True)
@@ -208,6 +210,7 @@ def _take_turns(loops: dict[str, TraceLoop], n: int, turn: int, onlines: dict[st
                 governors[name].hold(False)
             loop.run_turn(min(end, n))
             if name in governors:
+                time.sleep(catchup_s)  # the engine idles: the governor lets its trainer run
                 governors[name].hold(True)
     return {name: loop.finish() for name, loop in loops.items()}
 

@@ -82,6 +82,10 @@ class ShiftBenchConfig:
     trainer_share: float = opt(OnlineTrainingConfig.trainer_share,
                                "online: fraction of its busy time the trainer child may run (0 = only while its "
                                "engine is idle; outside the online configuration's turns it is paused)")
+    trainer_catchup_s: float = opt(0.0, "online: after each of its configuration's turns the trainer child runs "
+                                        "alone this many seconds more, on no configuration's clock: a trainer on "
+                                        "hardware of its own (TIDE's decoupled trainer) on a machine that has none "
+                                        "to spare (0 = it only gets its share of the turns)")
     bootstrap: str | None = opt(None, "starting drafter: a publish root or an exported EAGLE-3 checkpoint "
                                      "(default: a fresh random head)")
     draft_vocab: int = opt(8192, "draft vocabulary of a fresh head (0 = the target's)")
@@ -142,8 +146,8 @@ class ShiftBenchConfig:
         if len(names) > 1 and self.policy not in MULTI_DRAFTER_POLICIES:
             raise ConfigError(f"several drafters ({self.drafter}) need a policy that chooses among them: "
                               f"--policy {', '.join(MULTI_DRAFTER_POLICIES)}")
-        if self.turn < 0 or not 0.0 <= self.trainer_share <= 1.0:
-            raise ConfigError("turn must be >= 0 and trainer_share in [0, 1]")
+        if self.turn < 0 or self.trainer_catchup_s < 0 or not 0.0 <= self.trainer_share <= 1.0:
+            raise ConfigError("turn and trainer_catchup_s must be >= 0 and trainer_share in [0, 1]")
         if not 0.0 <= self.collect_epsilon < 1.0:
             raise ConfigError(f"collect_epsilon must be in [0, 1), got {self.collect_epsilon}")
         if self.trainer_epochs <= 0 or self.bin_s <= 0:

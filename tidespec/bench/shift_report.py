@@ -43,7 +43,10 @@ def report(doc: dict[str, Any]) -> str:
              f"Machine: {machine_line(doc['machine'])}", "",
              f"Trace: {' -> '.join(f'{w} x{n}' for w, n in doc['phase_sizes'])}, "
              f"{eos_words(cfg.get('ignore_eos', True), cfg['max_tokens'])}, {cfg['concurrency']} in flight, gamma {cfg['gamma']} ({'trees' if cfg.get('tree') else 'chains'}); "
-             f"starting drafter: {cfg['bootstrap'] or 'fresh random head'}.", ""]
+             f"starting drafter: {cfg['bootstrap'] or 'fresh random head'}."
+             + (f" Trainer children ran alone {cfg['trainer_catchup_s']:g} s after each of their configuration's "
+                "turns, on no configuration's clock (a trainer on hardware of its own)."
+                if cfg.get("trainer_catchup_s") else ""), ""]
     rows = []
     for name, s in doc["configs"].items():
         rows.append([name, _fmt(s["tok_s"], 1), _fmt(s.get("speedup")), _fmt(s["mean_acceptance_length"]),
@@ -53,6 +56,11 @@ def report(doc: dict[str, Any]) -> str:
     heads = ["config", "tok/s", "speedup", "accept len"] + ["mismatches"] + [
         f"phase {i + 1} {w}: accept len (all / 2nd half)" for i, w in enumerate(doc["phases"])]
     lines += [markdown_table(heads, rows), ""]
+    lines += [("Tokens/s per phase (speedup over plain in the same phase; each configuration's own clock, which "
+               "stops outside its turns):"), "",
+              markdown_table(["config"] + [f"phase {i + 1} {w}" for i, w in enumerate(doc["phases"])],
+                             [[name] + [f"{_fmt(p['tok_s'], 1)}" + (f" ({_fmt(p['speedup'])}x)" if "speedup" in p else "")
+                                        for p in s["phases"]] for name, s in doc["configs"].items()]), ""]
     lines += _vocab_lines(doc)
     for name, s in doc["configs"].items():
         ads = s.get("online", {}).get("adapters")
