@@ -407,11 +407,12 @@ class LoraAligner:
     def _wide(self, head: Eagle3Head) -> Iterator[Eagle3Head]:
         """``head`` over its own vocabulary plus the remembered tokens (``extra_vocab``), whose rows are
         the base head's calibrated rows (the LM head is never adapted, so one row serves every head)."""
-        if not self.recent:
+        assert self.base is not None
+        own = self.base.t2d.cpu()  # [V] bool; a new base version may own tokens remembered under the last
+        ids = [t for t in self.recent if not own[t]]
+        if not ids:
             yield head
             return
-        assert self.base is not None
-        ids = list(self.recent)
         new = [t for t in ids if t not in self.extra_rows]
         if new:
             with torch.no_grad():
