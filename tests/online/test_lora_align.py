@@ -127,3 +127,19 @@ def test_the_replay_window_keeps_earlier_rows_in_training(model: LlamaModel, tok
         windows[replay] = list(steps)
     assert len(windows[40]) >= 2 and any(windows[40][1:])  # later updates replay earlier buffers' segments
     assert not any(windows[0])  # EvoSpec's buffer: each update trains on its own rows only
+
+
+def test_a_new_base_version_drops_remembered_tokens_it_owns(model: LlamaModel, tok, tmp_path: Path) -> None:
+    _, shards, live = served_in_turn(model, tok, tmp_path)
+    cfg = LoraAlignConfig(enabled=True, rank=4, alpha=8.0, buffer_rows=8, min_rows=8, topk=6, extra_vocab=512)
+    aligner = LoraAligner(cfg, live, tmp_path / "root", model.embed_tokens, output_matrix(model), gamma=3,
+                          ttt_steps=3, max_segment_len=64)
+    live.append(shards[0])
+    aligner.step(pruned_head(model, 1), 1)
+    remembered = set(aligner.recent)
+    assert remembered and min(remembered) >= OWN
+    wider = random_head(model, 2, max(remembered) + 1)  # a full round's head owning every remembered token
+    aligner.step(wider, 2)
+    assert aligner.base_version == 2
+    with aligner._wide(aligner.head) as head:
+        assert head.cfg.draft_vocab_size == max(remembered) + 1  # nothing added: all of them are its own
