@@ -307,3 +307,20 @@ def test_a_trainer_catches_up_alone_after_its_configurations_turns(monkeypatch: 
                       "turn plain 4", "release", "turn lora 4", "alone 7", "hold"]
     with pytest.raises(ConfigError, match="trainer_catchup_s"):
         ShiftBenchConfig(trainer_catchup_s=-1.0)
+
+
+def test_a_lora_trainer_learns_as_many_extra_tokens_as_the_engines_buffer_holds() -> None:
+    from types import SimpleNamespace
+
+    from tidespec.bench.shift_runs import lora_extra_vocab
+    from tidespec.speculative.vocab.arc import ArcConfig
+    from tidespec.speculative.vocab.dynamic import DynamicVocab, DynamicVocabConfig
+
+    def engine(dynamic: bool) -> SimpleNamespace:
+        cfg = DynamicVocabConfig(core_size=2, semantic_k=0, dynamic=dynamic, buffer=ArcConfig(capacity=24))
+        vocab = DynamicVocab(cfg, [0, 1], lambda ids: torch.eye(8)[ids], start=False)
+        return SimpleNamespace(drafter=SimpleNamespace(vocab=vocab))
+
+    assert lora_extra_vocab(engine(True)) == 24  # vocab-dynamic(-lora), whatever sizes it named
+    assert lora_extra_vocab(engine(False)) == 0  # vocab-static: nothing outside the core is drafted
+    assert lora_extra_vocab(SimpleNamespace(drafter=SimpleNamespace())) == 0  # no draft vocabulary

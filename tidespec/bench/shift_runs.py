@@ -251,6 +251,14 @@ def vocab_engine(model: LlamaModel, tokenizer: Any, ecfg: EngineConfig, root: Pa
     return engine
 
 
+def lora_extra_vocab(engine: LLMEngine) -> int:
+    """The tokens outside its head's vocabulary a LoRA trainer learns for ``engine``: its dynamic
+    draft vocabulary's buffer capacity (the engine as built, whatever sizes its configuration named),
+    0 without one."""
+    dv = draft_vocab_of(engine)
+    return dv.cfg.buffer.capacity if dv is not None and dv.cfg.dynamic else 0
+
+
 @dataclass
 class OnlineSetup:
     """The ``online`` configuration's engine with capture, collection and a supervised trainer."""
@@ -278,7 +286,7 @@ def start_online(target: LoadedModel, trace: list[TraceItem], cfg: ShiftBenchCon
     online = attach_online_training(engine, OnlineConfig(
         publish_root=str(root), signal_dir=str(signals), poll_s=1.0, capture_prompt=cfg.capture_prompt,
         capture_flush_rows=256 if lora else OnlineConfig.capture_flush_rows, lora=lora,
-        lora_extra_vocab=(cfg.vocab_buffer or DraftVocabConfig.buffer) if name == "vocab-dynamic-lora" else 0,
+        lora_extra_vocab=lora_extra_vocab(engine),
         collection=CollectionConfig(n_init=cfg.collect_n_init, epsilon=cfg.collect_epsilon,
                                     n_threshold=cfg.min_signals, force=cfg.collect_force or lora,
                                     bootstrap=seeded is None)))
