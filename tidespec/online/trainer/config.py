@@ -23,7 +23,8 @@ class TrainerConfigError(ConfigError):
 @dataclass
 class LoraAlignConfig:
     """Flags ``--lora-*`` of ``tidespec train-drafter``: EvoSpec Table 5's rank, alpha, beta, temperature and
-    buffer; our learning rate and steps (EvoSpec: lr 1e-5 over far more updates than a 2-core CPU runs)."""
+    buffer; our learning rate, steps and replay window (EvoSpec: lr 1e-5 over far more updates than a 2-core CPU
+    runs, and a buffer cleared at every update)."""
 
     enabled: bool = opt(False, "between full rounds, align the newest head with LoRA adapters from the newest "
                                "signals (EvoSpec path B; the signals must carry the target's hidden states: serve "
@@ -40,14 +41,14 @@ class LoraAlignConfig:
     buffer_rows: int = opt(32, "eligible rows in the replay buffer that trigger an update (EvoSpec B)")
     anchor: float = opt(0.0, "rows the head already drafts well replayed beside the eligible ones, per eligible "
                              "row (0 = EvoSpec's buffer of misses only)")
-    steps: int = opt(8, "optimizer steps per update")
+    steps: int = opt(16, "optimizer steps per update (docs/benchmarks.md section 42: 16 gains earlier than 8)")
     lr: float = opt(5e-4, "adapter AdamW learning rate")
     min_rows: int = opt(64, "new signal rows the aligner waits for before it reads them")
     judge_rows: int = opt(256, "an update is judged on at least this many rows served after it (then trained on), "
                                "against the head served meanwhile")
-    replay_rows: int = opt(0, "eligible rows of earlier updates kept in a window and replayed beside the new "
-                              "ones, topping each step up to 8 segments (0 = EvoSpec's buffer, cleared at each "
-                              "update)")
+    replay_rows: int = opt(2048, "eligible rows of earlier updates kept in a window and replayed beside the new "
+                                 "ones, topping each step up to 8 segments (0 = EvoSpec's buffer, cleared at each "
+                                 "update; docs/benchmarks.md sections 40 and 42)")
     extra_vocab: int = opt(0, "tokens outside the head's own vocabulary the adapters are trained and judged "
                               "on: the newest distinct ones the target emitted, drafted through calibrated rows "
                               "(a dynamic draft vocabulary's buffer; 0 = the head's own vocabulary only)")
