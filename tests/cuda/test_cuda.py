@@ -161,3 +161,18 @@ def test_head_graphs_replay_the_eager_drafter_on_cuda(compile):
                 d.observe([Observation(s, seqs[s][:c + n + 1], n, taps[s][c:c + n])])
             cached[s] = c + n
     assert graphed._graphs.num_replayed == 3 * 2 and len(graphed._graphs.graphs) == captured
+
+
+def test_bench_profile_and_the_policy_profiler_time_the_cuda_graphs(model, tmp_path):
+    """``tidespec bench profile`` and the start-up profiler the analytic policy reads run on CUDA and
+    time the captured graphs (each graph captured by its shape's untimed warm-up)."""
+    from tidespec.bench.profile import ProfileConfig, run_profile
+    from tidespec.speculative.policy.profiler import ProfilerConfig, measure_profile
+
+    cfg = ProfileConfig(ns=(1, 3), batch_sizes=(1, 2), context=16, repeats=2, target_s=0.01, bandwidth_mib=8)
+    doc = run_profile(cfg, model, out_dir=tmp_path, command="x", echo=False)
+    assert doc["step"] == "CUDA graphs" and all(r["t_ms"] > 0 and r["t_compiled_ms"] > 0 for r in doc["rows"])
+    assert doc["bandwidth_gb_s"] > 0 and (tmp_path / "plot.png").stat().st_size > 0
+    prof = measure_profile(model, None, ProfilerConfig(batch_sizes=(1, 2), tokens_per_seq=(1, 3),
+                                                       single_seq_tokens=(1,), passes=1), graphs=True)
+    assert prof.verify_latency and all(t > 0 for t in prof.verify_latency.values())
