@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tidespec.cli import main
 
@@ -14,12 +15,40 @@ from tidespec.cli import main
     (["generate", "hi", "--model", "/nonexistent/model"], "/nonexistent/model"),
     (["generate", "hi", "--num-speculative-tokens", "-2"], "num_speculative_tokens"),
     (["generate", "hi", "--drafter", "ngram", "--ngram-min", "5", "--ngram-max", "2"], "ngram_min"),
+    (["generate", "hi", "--threads", str(2**64)], "threads must be <= 4096"),
+    (["generate", "hi", "--drafter", "suffix", "--suffix-max-tree-tokens", "-1"], "suffix_max_tree_tokens"),
+    (["generate", "hi", "--drafter", "suffix", "--suffix-factor", "0"], "suffix_factor must be > 0"),
+    (["generate", "hi", "--max-num-seqs", str(10**20)], "lower --max-num-seqs or --max-model-len"),
+    (["generate", "hi", "--max-num-seqs", str(10**7)], "out of memory; lower --max-num-seqs"),
+    (["bench", "load", "--threads", "0"], "threads must be in [1, 4096]"),
 ])
 def test_bad_input_gives_one_line_error(argv, needle, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and needle in err
     assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("argv", [["generate", "hi"], ["bench", "anchor"], ["bench", "profile"],
+                                  ["bench", "spec"], ["bench", "decode"]])
+@pytest.mark.parametrize("device,needle", [("cuda", "CUDA is not available"), ("cuda:x", "bad device")])
+def test_a_device_this_machine_lacks_is_a_one_line_error(argv, device, needle, capsys):
+    assert main([*argv, "--device", device]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and needle in err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi", "--suffix-factor", "nan"],
+                                  ["generate", "hi", "--guard-temperature", "inf"],
+                                  ["bench", "spec", "--suffix-min-prob=-inf"], ["serve", "--online-poll-s", "nan"],
+                                  ["serve", "--header-timeout", "nan"], ["bench", "load", "--duration", "inf"],
+                                  ["bench", "serve", "--timeout", "nan"]])
+def test_a_float_flag_must_be_finite(argv, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2 and "must be a finite number" in capsys.readouterr().err
 
 
 def test_non_model_file_is_one_line_error(tmp_path, capsys):

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import shlex
 import types
@@ -48,20 +49,39 @@ def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argp
     """A dataclass field that ``add_dataclass_args`` turns into a ``--flag`` with this help.
 
     ``choices=`` restricts the values; ``flag="--name"`` names the flag outright (otherwise it is
-    the section prefix plus the field name, underscores as dashes); ``min=`` is a lower bound that
-    a ``Section`` checks on construction."""
+    the section prefix plus the field name, underscores as dashes); ``min=`` and ``max=`` are
+    bounds that a ``Section`` checks on construction."""
     return field(default=default, metadata={"help": help, **kw})
 
 
 class Section:
-    """Base of config sections whose fields declare a lower bound (``opt(..., min=8)``): every such
+    """Base of config sections whose fields declare bounds (``opt(..., min=8, max=64)``): every such
     field is checked on construction, so a section with no other rule needs no ``__post_init__``;
     one that has more rules calls ``super().__post_init__()`` first."""
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
             if "min" in f.metadata:
-                check_at_least(f.metadata["min"], **{f.name: getattr(self, f.name)})
+                check_at_least(f.metadata["min"], **{f.name: value})
+            if "max" in f.metadata and value > f.metadata["max"]:
+                raise ConfigError(f"{f.name} must be <= {f.metadata['max']}, got {value}")
+
+
+def finite_float(text: str) -> float:
+    """The argparse type of every float flag built from a config: a number, not nan or +-inf (which
+    pass most range checks, ``nan <= 0`` being false, and then fail far from the flag).
+
+    Example: ``finite_float("0.5")`` -> 0.5; ``finite_float("nan")`` raises
+    ``argparse.ArgumentTypeError("must be a finite number, got 'nan'")``.
+    """
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+    return value
 
 
 def section(cls: type, prefix: str = "") -> Any:
@@ -70,6 +90,7 @@ def section(cls: type, prefix: str = "") -> Any:
 
 
 QUANTIZATIONS = ("none", "int8", "int4")
+MAX_THREADS = 4096  # more than any CPU has; torch.set_num_threads overflows past a C int
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU int4 kernel accepts
 
 
@@ -78,7 +99,7 @@ class ModelConfig(Section):
     model: str | None = opt(None, "HF checkpoint dir or GGUF file; default: embedded SmolLM2-135M-Instruct")
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = opt("float32", "weights and activations dtype")
     device: str = opt("cpu", "torch device (cpu, cuda, cuda:1)")
-    threads: int = opt(0, "torch intra-op threads (0 = torch default)", min=0)
+    threads: int = opt(0, "torch intra-op threads (0 = torch default)", min=0, max=MAX_THREADS)
     quantization: Literal["none", "int8", "int4"] = opt(
         "none", "weight-only quantization of the layers' projections (int8 per output channel or int4 per group) "
                 "and the LM head (int8), CPU only; the matmuls run PyTorch's kernels on bfloat16 activations, the "
@@ -150,8 +171,11 @@ class SuffixConfig:
     factor: float = opt(1.0, "suffix drafter: speculation length per matched token")
 
     def __post_init__(self) -> None:
+        check_at_least(0, suffix_max_tree_tokens=self.max_tree_tokens)
         if not 0.0 <= self.min_prob < 1.0:
             raise ConfigError(f"suffix_min_prob must be in [0, 1), got {self.min_prob}")
+        if not self.factor > 0.0:
+            raise ConfigError(f"suffix_factor must be > 0, got {self.factor}")
 
 
 @dataclass
@@ -453,8 +477,8 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
         elif get_origin(tp) is Literal:
             group.add_argument(flag, choices=list(get_args(tp)), default=default, help=help_, dest=dest)
         elif tp in (int, float, str):
-            group.add_argument(flag, type=tp, default=default, help=help_, choices=f.metadata.get("choices"),
-                               dest=dest)
+            group.add_argument(flag, type=finite_float if tp is float else tp, default=default, help=help_,
+                               choices=f.metadata.get("choices"), dest=dest)
         else:
             raise TypeError(f"unsupported config field type {tp!r} for {cls.__name__}.{f.name}")
 

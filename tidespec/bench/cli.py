@@ -53,6 +53,7 @@ from tidespec.config import (
     SpecConfig,
     add_dataclass_args,
     dataclass_from_args,
+    finite_float,
 )
 from tidespec.workloads.loader import BUILTIN_WORKLOADS
 
@@ -117,7 +118,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-sizes", default="1,2,4,8,16,32", help="comma-separated batch sizes")
     p.add_argument("--context", type=int, default=200, help="tokens already in each sequence's cache")
     p.add_argument("--repeats", type=int, default=5, help="most timed forwards per shape (median kept)")
-    p.add_argument("--target-seconds", type=float, default=0.4,
+    p.add_argument("--target-seconds", type=finite_float, default=0.4,
                    help="timed seconds aimed at per shape; big shapes get fewer repeats")
     p.add_argument("--bandwidth-mib", type=int, default=256, help="buffer size of the copy bandwidth test")
     p.add_argument("--compare-untuned", action="store_true",

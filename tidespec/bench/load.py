@@ -60,7 +60,7 @@ from tidespec.bench.load_config import DYNAMIC_TRACE, ConfigName, LoadBenchConfi
 from tidespec.bench.load_report import plot_run, render_run, report
 from tidespec.bench.report import command_line, default_out_dir, finish_run
 from tidespec.bench.serve import arrival_times, free_port, launch_server, run_load, stop_server, summarize
-from tidespec.config import ConfigError
+from tidespec.config import ConfigError, finite_float
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.workloads.loader import BUILTIN_WORKLOADS, load_workload
 
@@ -240,7 +240,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="JSONL path, or a built-in name (" + ", ".join(BUILTIN_WORKLOADS) + ")")
     p.add_argument("--model", default=None, help="checkpoint for every server (default: the embedded model)")
     p.add_argument("--rates", default=",".join(f"{r:g}" for r in d.rates), help="arrival rates, req/s, comma-separated")
-    p.add_argument("--duration", type=float, default=d.duration, help="seconds of arrivals per rate")
+    p.add_argument("--duration", type=finite_float, default=d.duration, help="seconds of arrivals per rate")
     p.add_argument("--trace", default="dynamic",
                    help="rate trace for the dynamic run: 'dynamic' (built in), 'none', or a CSV/JSONL of (time_s, rate)")
     p.add_argument("--configs", default=",".join(d.configs),

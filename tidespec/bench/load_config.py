@@ -22,7 +22,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from tidespec.config import POLICIES, ConfigError, SpecConfig
+from tidespec.config import MAX_THREADS, POLICIES, ConfigError, SpecConfig
 
 ADAPTIVE = ("analytic", "bandit", "hybrid")
 # (start second, req/s): idle, a ramp to saturation, a burst, back to idle (Nightjar Fig. 9's shape)
@@ -57,8 +57,8 @@ class LoadBenchConfig:
         if not self.rates or any(not (r > 0 and math.isfinite(r)) for r in self.rates):
             raise ConfigError(f"rates must be finite and > 0, got {self.rates}")
         self.rates = tuple(sorted(self.rates))
-        if self.duration <= 0:
-            raise ConfigError(f"duration must be > 0, got {self.duration}")
+        if not (self.duration > 0 and math.isfinite(self.duration)):
+            raise ConfigError(f"duration must be finite and > 0, got {self.duration}")
         if not self.configs:
             raise ConfigError("configs must not be empty")
         for name in self.configs:
@@ -71,6 +71,10 @@ class LoadBenchConfig:
             raise ConfigError("max_tokens, max_num_seqs and max_concurrency must be >= 1")
         if self.min_steps < 1 or self.repeats < 1:
             raise ConfigError(f"min_steps and repeats must be >= 1, got {self.min_steps}, {self.repeats}")
+        if not 1 <= self.threads <= MAX_THREADS:  # the servers' --threads, and the profile's
+            raise ConfigError(f"threads must be in [1, {MAX_THREADS}], got {self.threads}")
+        if not (self.timeout > 0 and math.isfinite(self.timeout)):
+            raise ConfigError(f"timeout must be finite and > 0, got {self.timeout}")
 
 
 @dataclass(frozen=True)

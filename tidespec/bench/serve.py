@@ -44,7 +44,7 @@ from urllib.parse import urlparse
 import httpx
 import numpy as np
 
-from tidespec.config import ConfigError
+from tidespec.config import ConfigError, finite_float
 from tidespec.workloads.loader import BUILTIN_WORKLOADS, WorkloadRecord, load_workload
 
 ROUTE_HEADER = "X-Tidespec-Route"
@@ -454,10 +454,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rate-trace", default=None, help="CSV or JSON lines of (time_s, rate) to replay instead of --rate")
     g.add_argument("--max-concurrency", type=int, default=32, help="most requests in flight from this client")
     g.add_argument("--num-requests", type=int, default=100, help="requests to send at most")
-    g.add_argument("--duration", type=float, default=None, help="stop sending after this many seconds")
-    g.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
+    g.add_argument("--duration", type=finite_float, default=None, help="stop sending after this many seconds")
+    g.add_argument("--timeout", type=finite_float, default=300.0, help="per-request timeout, seconds")
     g.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
-    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
+    g.add_argument("--temperature", type=finite_float, default=0.0, help="sampling temperature of every request")
     g.add_argument("--seed", type=int, default=0, help="arrival/shuffle seed; request i gets seed + i")
     g.add_argument("--spec-tokens", type=int, default=None,
                    help="per-request tidespec.num_speculative_tokens (0 = disable; None = the server's)")
@@ -466,7 +466,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--out", default=None, help="directory for bench_serve.json and bench_serve.png")
     g.add_argument("--launch", action="store_true", help="start a server subprocess for the run and stop it after")
     g.add_argument("--launch-args", default="", help="engine flags for --launch, e.g. \"--drafter ngram\"")
-    g.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for a launched server")
+    g.add_argument("--launch-timeout", type=finite_float, default=600.0, help="seconds to wait for a launched server")
 
 
 def _validate(ns: argparse.Namespace) -> None:

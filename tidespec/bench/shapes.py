@@ -41,6 +41,7 @@ from tidespec.engine.engine import LLMEngine
 from tidespec.errors import ConfigError, check_at_least
 from tidespec.llm import DTYPES
 from tidespec.models.llama import LlamaConfig, LlamaModel
+from tidespec.models.loader import check_device
 from tidespec.sampling import SamplingParams
 from tidespec.workloads.loader import Prompt, WorkloadRecord
 
@@ -112,6 +113,7 @@ def run_anchor_bench(cfg: AnchorBenchConfig, model_config: ModelConfig, out_dir:
                      command: str = "", echo: bool = True) -> dict[str, Any]:
     """Measure every (shape, batch) for tidespec and the anchor; write results.json, table.md, plot.png."""
     dtype = DTYPES[model_config.dtype]
+    check_device(model_config.device)
     gen = torch.Generator().manual_seed(cfg.seed)
     rows: list[dict[str, Any]] = []
     for shape in cfg.shapes:

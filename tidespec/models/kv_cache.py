@@ -24,7 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from tidespec.errors import ConfigError
 from tidespec.models.llama import LlamaConfig
+
+MAX_NUMEL = 2**62  # torch sizes are C int64: a larger tensor is not even attempted
 
 
 class KVCache:
@@ -41,8 +44,15 @@ class KVCache:
         # off the CPU the cache is zero-filled once (cheap on a GPU, and a captured graph cannot
         # call ``make_readable``); on the CPU untouched pages stay uncommitted (module docstring)
         fill = torch.empty if torch.device(device).type == "cpu" else torch.zeros
-        self.k: list[torch.Tensor] = [fill(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v: list[torch.Tensor] = [fill(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        numel = total * num_kv_heads * max_len * head_dim
+        need = f"{2 * num_layers * numel * dtype.itemsize / 2**30:,.1f} GiB"
+        if numel >= MAX_NUMEL:
+            raise self._no_room(total, max_len, need, device, "larger than any tensor")
+        try:
+            self.k: list[torch.Tensor] = [fill(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.v: list[torch.Tensor] = [fill(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        except RuntimeError as exc:  # torch.OutOfMemoryError (a RuntimeError) and the CPU allocator's error
+            raise self._no_room(total, max_len, need, device, "out of memory") from exc
         self.num_slots = num_slots
         self.spare_slot: int | None = num_slots if spare_slot else None
         self.max_len = max_len
@@ -50,6 +60,12 @@ class KVCache:
         # positions [0, finite) hold written or zeroed values
         self.finite: list[int] = [0 if fill is torch.empty else max_len] * total
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
+
+    @staticmethod
+    def _no_room(slots: int, max_len: int, need: str, device: torch.device | str, why: str) -> ConfigError:
+        """The one-line error of a cache that cannot be allocated, naming the flags that size it."""
+        return ConfigError(f"the KV cache of {slots} sequences x {max_len} positions needs {need} on {device}: "
+                           f"{why}; lower --max-num-seqs or --max-model-len")
 
     @classmethod
     def for_model(cls, cfg: LlamaConfig, num_slots: int, max_len: int, dtype: torch.dtype,

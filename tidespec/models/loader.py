@@ -136,7 +136,7 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str
     weights of the linear layers (``models.quant.quantize_model``).
     Raises ``ModelLoadError`` with a one-line message on any problem.
     """
-    target = _check_device(device)
+    target = check_device(device)
     hf_dir = hf_checkpoint_dir(path)
     cfg_dict = read_config(hf_dir)
     try:
@@ -157,7 +157,9 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str
     return LoadedModel(model=model.eval(), tokenizer=tokenizer, config=cfg, path=str(hf_dir))
 
 
-def _check_device(device: str | torch.device) -> torch.device:
+def check_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device``; a ``ModelLoadError`` (one line) for a malformed name or a
+    CUDA device on a machine without CUDA, before anything is allocated there."""
     try:
         target = torch.device(device)
     except RuntimeError as exc:

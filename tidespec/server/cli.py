@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from tidespec.commands import standalone_main
-from tidespec.config import ConfigError, EngineConfig, add_engine_args, engine_config_from_args
+from tidespec.config import ConfigError, EngineConfig, add_engine_args, engine_config_from_args, finite_float
 from tidespec.server.graceful import HEADER_TIMEOUT_S
 
 DEFAULT_MAX_WAITING = 256
@@ -46,7 +46,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help=f"require 'Authorization: Bearer KEY' on every route but /health (default: env {API_KEY_ENV})")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients must send (default: the checkpoint's name)")
-    g.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S, metavar="S",
+    g.add_argument("--header-timeout", type=finite_float, default=HEADER_TIMEOUT_S, metavar="S",
                    help="close a connection whose request headers are not complete S seconds after its "
                         f"first byte (408; default: {HEADER_TIMEOUT_S:g})")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
