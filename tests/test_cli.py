@@ -51,6 +51,35 @@ def test_a_float_flag_must_be_finite(argv, capsys):
     assert exc.value.code == 2 and "must be a finite number" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["bench", "spec"], ["bench", "anchor"], ["bench", "load"], ["bench", "serve"]])
+def test_an_output_directory_that_cannot_be_written_is_refused_before_the_run(command, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        main([*command, "--out", str(tmp_path / "file" / "x")])
+    assert exc.value.code == 2 and "argument --out: cannot write to" in capsys.readouterr().err
+    # a writable one passes the check and is not left behind by it: the run fails on another flag
+    assert main(["bench", "spec", "--out", str(tmp_path / "a" / "b"), "--drafters", "bogus"]) == 2
+    assert "unknown drafter" in capsys.readouterr().err and not (tmp_path / "a").exists()
+
+
+@pytest.mark.parametrize("command", [["synth-prompts"], ["mine-prompts"]])
+def test_a_prompt_file_that_cannot_be_written_is_refused_before_the_prompts_are_made(command, tmp_path, capsys):
+    (tmp_path / "file").write_text("")
+    assert main([*command, "--out", str(tmp_path / "file" / "x.jsonl"), "--count", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --out: cannot write to") and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("text", ['{"bad json', "[1, 2]", '{"version": 999}', '{"version": 1}'])
+def test_a_profile_that_is_not_one_is_a_one_line_error(text, tmp_path, capsys):
+    bad = tmp_path / "profile.json"
+    bad.write_text(text)
+    argv = ["generate", "hi", "--drafter", "suffix", "--policy", "analytic", "--profile", str(bad)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {bad} is not a tidespec profile") and len(err.splitlines()) == 1
+
+
 def test_non_model_file_is_one_line_error(tmp_path, capsys):
     junk = tmp_path / "weights.gguf"
     junk.write_text("not a model")

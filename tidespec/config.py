@@ -35,11 +35,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import os
 import re
 import shlex
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from tidespec.errors import ConfigError, check_at_least
@@ -82,6 +84,35 @@ def finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
     return value
+
+
+def output_dir(text: str) -> Path:
+    """The argparse type of a command's ``--out`` directory: one that cannot be written is refused
+    when the flags are read, not when a run of minutes is done and its results have nowhere to go.
+    The check creates the missing directories and removes them again (the run creates them).
+
+    Example: ``output_dir("runs/x")`` -> ``Path("runs/x")``; ``output_dir("README.md/x")`` raises
+    ``argparse.ArgumentTypeError("cannot write to README.md/x: ... Not a directory ...")``.
+    """
+    path = Path(text)
+    missing = []
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        missing.append(probe)
+        probe = probe.parent
+    try:
+        if not missing:
+            if not path.is_dir():
+                raise NotADirectoryError(f"{text} is not a directory")
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise PermissionError(f"{text} is not writable")
+        else:
+            path.mkdir(parents=True)
+            for made in missing:  # deepest first
+                made.rmdir()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot write to {text}: {exc}") from None
+    return path
 
 
 def section(cls: type, prefix: str = "") -> Any:

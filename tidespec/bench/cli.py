@@ -54,6 +54,7 @@ from tidespec.config import (
     add_dataclass_args,
     dataclass_from_args,
     finite_float,
+    output_dir,
 )
 from tidespec.workloads.loader import BUILTIN_WORKLOADS
 
@@ -123,7 +124,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--bandwidth-mib", type=int, default=256, help="buffer size of the copy bandwidth test")
     p.add_argument("--compare-untuned", action="store_true",
                    help="also time every shape with F.linear for all projections (the kernels' gain)")
-    p.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-profile-<time>)")
+    p.add_argument("--out", type=output_dir, default=None, help="output directory (default: runs/bench-profile-<time>)")
     add_dataclass_args(p, ModelConfig)
     p.set_defaults(func=cmd_profile)
 
@@ -134,7 +135,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     a.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens per request")
     a.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request")
     a.add_argument("--rounds", type=int, default=3, help="interleaved rounds (medians are reported)")
-    a.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-anchor-<time>)")
+    a.add_argument("--out", type=output_dir, default=None, help="output directory (default: runs/bench-anchor-<time>)")
     add_dataclass_args(a, ModelConfig)
     a.set_defaults(func=cmd_anchor)
 
@@ -145,7 +146,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         b = sub.add_parser(name, help=help_, formatter_class=fmt)
         add_dataclass_args(b, config_cls)
         add_dataclass_args(b, ModelConfig)
-        b.add_argument("--out", type=Path, default=None, help=f"output directory (default: runs/bench-{name}-<time>)")
+        b.add_argument("--out", type=output_dir, default=None,
+                       help=f"output directory (default: runs/bench-{name}-<time>)")
         b.add_argument("--replot", type=Path, default=None, metavar="DIR",
                        help=f"only re-render README.md and {name}.png of an earlier run in DIR")
         b.set_defaults(func=func)
@@ -154,7 +156,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        formatter_class=fmt)
     add_dataclass_args(y, YieldBenchConfig)
     add_dataclass_args(y, ModelConfig)
-    y.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-yield-<time>)")
+    y.add_argument("--out", type=output_dir, default=None, help="output directory (default: runs/bench-yield-<time>)")
     y.set_defaults(func=cmd_yield)
 
     _register_serve(sub)
@@ -190,7 +192,7 @@ def _add_workload_args(p: argparse.ArgumentParser, limit: int) -> None:
     g.add_argument("--limit", type=int, default=limit, help="use the first N records")
     g.add_argument("--max-tokens", type=int, default=128, help="tokens generated per request (EOS ignored)")
     g.add_argument("--no-warmup", action="store_true", help="skip the short warm-up run")
-    g.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-<kind>-<time>)")
+    g.add_argument("--out", type=output_dir, default=None, help="output directory (default: runs/bench-<kind>-<time>)")
 
 
 def cmd_decode(ns: argparse.Namespace) -> int:

@@ -60,7 +60,7 @@ from tidespec.bench.load_config import DYNAMIC_TRACE, ConfigName, LoadBenchConfi
 from tidespec.bench.load_report import plot_run, render_run, report
 from tidespec.bench.report import command_line, default_out_dir, finish_run
 from tidespec.bench.serve import arrival_times, free_port, launch_server, run_load, stop_server, summarize
-from tidespec.config import ConfigError, finite_float
+from tidespec.config import ConfigError, finite_float, output_dir
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.workloads.loader import BUILTIN_WORKLOADS, load_workload
 
@@ -264,7 +264,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="rounds over all configurations, each on fresh servers; the verdict compares means")
     p.add_argument("--min-steps", type=int, default=d.min_steps,
                    help="model check: leave out buckets with fewer decode steps than this")
-    p.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-load-<time>)")
+    p.add_argument("--out", type=output_dir, default=None, help="output directory (default: runs/bench-load-<time>)")
     p.add_argument("--replot", type=Path, default=None, metavar="DIR",
                    help="only re-render README.md and the plots of an earlier run in DIR")
 

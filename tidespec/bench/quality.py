@@ -53,7 +53,7 @@ from tidespec.bench.report import (
     save_figure,
     write_results,
 )
-from tidespec.config import ConfigError, ModelConfig, add_dataclass_args, dataclass_from_args
+from tidespec.config import ConfigError, ModelConfig, add_dataclass_args, dataclass_from_args, output_dir
 from tidespec.llm import DTYPES, build_engine
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
@@ -271,7 +271,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=64, help="reference greedy continuation length (EOS stops it)")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,
                    help="also score the unquantized model in bfloat16")
-    p.add_argument("--out", type=Path, default=None, help="output directory (default: runs/bench-quality-<time>)")
+    p.add_argument("--out", type=output_dir, default=None, help="output directory (default: runs/bench-quality-<time>)")
     add_dataclass_args(p, ModelConfig, skip=("quantization",))
 
 

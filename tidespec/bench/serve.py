@@ -44,7 +44,7 @@ from urllib.parse import urlparse
 import httpx
 import numpy as np
 
-from tidespec.config import ConfigError, finite_float
+from tidespec.config import ConfigError, finite_float, output_dir
 from tidespec.workloads.loader import BUILTIN_WORKLOADS, WorkloadRecord, load_workload
 
 ROUTE_HEADER = "X-Tidespec-Route"
@@ -463,7 +463,7 @@ def add_args(parser: argparse.ArgumentParser) -> None:
                    help="per-request tidespec.num_speculative_tokens (0 = disable; None = the server's)")
     g.add_argument("--route-header", action=argparse.BooleanOptionalAction, default=True,
                    help=f"send each record's domain as {ROUTE_HEADER}")
-    g.add_argument("--out", default=None, help="directory for bench_serve.json and bench_serve.png")
+    g.add_argument("--out", type=output_dir, default=None, help="directory for bench_serve.json and bench_serve.png")
     g.add_argument("--launch", action="store_true", help="start a server subprocess for the run and stop it after")
     g.add_argument("--launch-args", default="", help="engine flags for --launch, e.g. \"--drafter ngram\"")
     g.add_argument("--launch-timeout", type=finite_float, default=600.0, help="seconds to wait for a launched server")

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tidespec.commands import standalone_main
-from tidespec.config import add_dataclass_args, dataclass_from_args
+from tidespec.config import add_dataclass_args, dataclass_from_args, output_dir
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -64,7 +64,18 @@ def _prompt_source(cls: type, ns: argparse.Namespace) -> Any:
     cfg = dataclass_from_args(cls, ns)
     if os.path.exists(cfg.out):
         raise TrainerConfigError(f"{cfg.out} exists; remove it or choose another --out")
+    _writable("--out", os.path.dirname(cfg.out) or ".")
     return cfg
+
+
+def _writable(flag: str, directory: str) -> None:
+    """Refuse, before minutes of work, an output the command could not write at the end."""
+    from tidespec.online.trainer.config import TrainerConfigError
+
+    try:
+        output_dir(directory)
+    except argparse.ArgumentTypeError as exc:
+        raise TrainerConfigError(f"{flag}: {exc}") from None
 
 
 def _write_prompts(records: list[Any], out: str) -> int:
@@ -81,6 +92,8 @@ def cmd_train_drafter(ns: argparse.Namespace) -> int:
 
     _logging(ns)
     cfg = dataclass_from_args(TrainerConfig, ns)
+    if cfg.export_dir:
+        _writable("--export-dir", cfg.export_dir)
     results = train_drafter(cfg)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0  # under torchrun, rank 0 reports

@@ -192,7 +192,11 @@ class Profile:
             text = Path(path).read_text()
         except OSError as exc:
             raise ConfigError(f"cannot read profile {path}: {exc.strerror or exc}") from None
-        return cls.from_json(text)
+        try:
+            return cls.from_json(text)
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:  # bad JSON, or JSON of another shape
+            raise ConfigError(f"{path} is not a tidespec profile ({type(exc).__name__}: {exc}); "
+                              f"write one with tidespec profile") from None
 
 
 # ---- the model ---------------------------------------------------------------------------
