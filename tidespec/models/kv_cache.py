@@ -52,7 +52,9 @@ class KVCache:
             self.k: list[torch.Tensor] = [fill(shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.v: list[torch.Tensor] = [fill(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         except RuntimeError as exc:  # torch.OutOfMemoryError (a RuntimeError) and the CPU allocator's error
-            raise self._no_room(total, max_len, need, device, "out of memory") from exc
+            text = str(exc)
+            why = "out of memory" if "memory" in text.lower() else (text.strip().splitlines() or [repr(exc)])[0]
+            raise self._no_room(total, max_len, need, device, why) from exc
         self.num_slots = num_slots
         self.spare_slot: int | None = num_slots if spare_slot else None
         self.max_len = max_len
