@@ -494,7 +494,7 @@ def run(ns: argparse.Namespace) -> int:
     arrivals = arrival_times(trace, ns.num_requests, ns.duration, random.Random(ns.seed))
     if not arrivals:
         raise ConfigError("the rate settings produce no arrivals")
-    out_dir = Path(ns.out) if ns.out else None
+    out_dir: Path | None = ns.out  # already a Path (output_dir)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
     proc: subprocess.Popen[bytes] | None = None
