@@ -30,7 +30,7 @@ from tidespec.server.cli import register as register_serve
 # --draft-vocab-buffer 256 -> 512, after the size sweep of docs/benchmarks.md section 17).
 FLAGS = {
     '--model': None, '--dtype': 'float32', '--device': 'cpu', '--threads': 0, '--quantization': 'none',
-    '--quant-group-size': 32, '--compile': False, '--enforce-eager': False, '--max-model-len': 2048,
+    '--quant-group-size': 32, '--compile': False, '--enforce-eager': False, '--row-invariant': True, '--max-model-len': 2048,
     '--max-num-seqs': 32, '--max-num-batched-tokens': 512, '--max-waiting': 0, '--drafter': 'none',
     '--num-speculative-tokens': 4, '--tree': False, '--drafter-device': '', '--ngram-min': 1, '--ngram-max': 4,
     '--suffix-max-tree-tokens': 20000, '--suffix-min-prob': 0.1, '--suffix-factor': 1.0, '--draft-model': None,

@@ -134,15 +134,21 @@ class ModelConfig(Section):
     quantization: Literal["none", "int8", "int4"] = opt(
         "none", "weight-only quantization of the layers' projections (int8 per output channel or int4 per group) "
                 "and the LM head (int8), CPU only; the matmuls run PyTorch's kernels on bfloat16 activations, the "
-                "rest of the model keeps --dtype. Speculation is lossless w.r.t. the quantized model exactly with "
-                "--dtype float64, up to near-ties with float32 (README)")
+                "rest of the model keeps --dtype. Greedy speculation gives exactly the quantized model's plain "
+                "decoding (README, Guarantees)")
     quant_group_size: int = opt(32, "int4: input weights per scale/zero group (32, 64, 128 or 256; 32 = GGUF Q4_1)")
     compile: bool = opt(False, "torch.compile (inductor) the decode step: plain and verification forwards of "
                                "decode batches run one compiled graph (at most four, compiled at start-up, cached "
-                               "on disk); prefill chunks and trees run eager. On CUDA: the captured graphs' body "
+                               "on disk); prefill chunks and trees run eager, except on a row-invariant CPU target "
+                               "where every forward runs compiled (three graphs). On CUDA: the captured graphs' body "
                                "is compiled first, and so is the EAGLE-3 head's step")
     enforce_eager: bool = opt(False, "on CUDA, run every forward eagerly: no CUDA graphs (by default decode and "
                                      "verification forwards of chains replay graphs captured at start-up)")
+    row_invariant: bool = opt(True, "on the CPU, run kernels whose result for a row does not depend on the other "
+                                    "rows of a forward (tidespec's exact attention, projection kernels measured "
+                                    "row-invariant on this machine): greedy speculation and batching then give "
+                                    "exactly plain decoding's tokens (README, Guarantees). --no-row-invariant: "
+                                    "PyTorch's SDPA and the fastest kernel per row count")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers import tiny_llama
-from tidespec.models.attention import ROW_INVARIANT_Q, AttentionPlan
+from tidespec.models.attention import AttentionPlan
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.speculative.tree import tree_depths, tree_mask
@@ -40,18 +40,19 @@ def _batch(slots: list[int]) -> tuple[list[list[int]], list[int], list[list[int]
     return new, ctx, depths, masks
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["sdpa", "exact"])
 @pytest.mark.parametrize("slots", [[2, 0, 3, 1], [0, 9, 4, 15]], ids=["view", "gather"])
 @pytest.mark.parametrize("window", [None, 6], ids=["full", "window6"])
-def test_ragged_batch_equals_each_sequence_alone(slots: list[int], window: int | None) -> None:
+def test_ragged_batch_equals_each_sequence_alone(slots: list[int], window: int | None, exact: bool) -> None:
     model = tiny_llama(vocab_size=32, layers=2, sliding_window=window)
     new, ctx, depths, masks = _batch(slots)
-    kv = KVCache.for_model(model.cfg, num_slots=16, max_len=32, dtype=torch.float64)
+    kv = KVCache.for_model(model.cfg, num_slots=16, max_len=32, dtype=torch.float64, transposed_keys=exact)
     _fill_contexts(model, kv, {s: [(3 * s + i) % 32 for i in range(c)] for s, c in zip(slots, ctx)})
     ref_kv = copy.deepcopy(kv)
 
     layout = BatchLayout.build([len(n) for n in new], ctx, slots, depths, masks)
-    plan = layout.attention_plan(window)
-    assert (plan.gather is not None) == (slots[1] == 9)
+    plan = layout.attention_plan(window, exact=exact)
+    assert plan.exact == exact and (plan.gather is not None) == (slots[1] == 9 and not exact)
     got = model(torch.tensor([t for n in new for t in n]), layout, kv).logits  # [T, V]
 
     start = 0
@@ -121,23 +122,82 @@ def test_plan_worked_example() -> None:
     assert plan.mask[1, 0].int().tolist() == [[1, 1, 0, 0, 0], [1, 0, 0, 0, 0]]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_padded_queries_make_a_verification_row_equal_its_decode_row(dtype: torch.dtype) -> None:
-    """With queries padded to ROW_INVARIANT_Q rows and keys to a multiple of ROW_INVARIANT_KV, row r
-    of a 5-token verification (batched with two other sequences) has exactly the bits of that token
-    decoded alone on ctx + r cached tokens: what makes speculation on a row-invariant (quantized)
-    target exactly lossless. (Not guaranteed when another sequence of the batch is far longer.)"""
-    torch.manual_seed(1)
-    k = torch.randn(4, 3, 700, 64, dtype=dtype)  # [S, n_kv, L, hd], SmolLM2's head layout
+def _transposed(k: torch.Tensor) -> torch.Tensor:
+    """The same keys [S, n_kv, L, hd] stored as the row-invariant kernel reads them ([S, n_kv, hd, L])."""
+    return k.transpose(2, 3).contiguous().transpose(2, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "window6"])
+def test_exact_kernel_matches_textbook_attention(dtype: torch.dtype, window: int | None) -> None:
+    """The row-invariant kernel computes attention: chains, a tree, a prompt chunk and a decode row
+    against the textbook formula (to rounding), GQA with 2 query heads per KV head."""
+    torch.manual_seed(0)
+    slots = [2, 0, 3, 1]
+    new, ctx, _, masks = _batch(slots)
+    q_lens = [len(n) for n in new]
+    k = torch.randn(16, 2, 32, 8, dtype=dtype)  # [S, n_kv, L, hd]
     v = torch.randn_like(k)
-    for ctx in (37, 600):
-        q_lens, ctxs, slots = [3, 5, 1], [ctx - 20, ctx, 20], [0, 1, 3]  # the longest within 16 keys
-        q = torch.randn(sum(q_lens), 9, 64, dtype=dtype)  # [T, n_h, hd]
-        verify = AttentionPlan.build(q_lens, ctxs, slots, [None] * 3, None, "cpu", min_q=ROW_INVARIANT_Q, max_kv=700)
-        got = verify.attend(q, k, v)[3:8]  # the 5-token sequence's rows
-        for r in range(5):
-            decode = AttentionPlan.build([1], [ctx + r], [1], [None], None, "cpu", min_q=ROW_INVARIANT_Q, max_kv=700)
-            assert torch.equal(got[r], decode.attend(q[3 + r:4 + r], k, v)[0]), (ctx, r)
+    q = torch.randn(sum(q_lens), 4, 8, dtype=dtype)  # [T, n_h, hd]
+    got = AttentionPlan.build(q_lens, ctx, slots, masks, window, "cpu", exact=True).attend(q, _transposed(k), v)
+    start = 0
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    for n, c, s, m in zip(q_lens, ctx, slots, masks):
+        ref = _reference_attention(q[start:start + n].double(), k[s, :, :c + n].double(), v[s, :, :c + n].double(),
+                                   c, m, window)
+        torch.testing.assert_close(got[start:start + n].double(), ref, rtol=0, atol=tol, msg=f"slot {s}")
+        start += n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_exact_kernel_row_has_the_same_bits_whatever_the_call_holds(dtype: torch.dtype) -> None:
+    """A token's output from the row-invariant kernel is bit for bit its output decoded alone, when
+    it is verified among 1..8 rows, batched beside short and far longer sequences, part of a long
+    prompt chunk, or a node of a draft tree (its ancestors in breadth-first cache order): what makes
+    speculation and batching on a CPU exactly lossless. SDPA fails this on the same inputs."""
+    torch.manual_seed(1)
+    S, n_kv, n_h, hd, L = 4, 3, 9, 64, 1700  # SmolLM2's head layout
+    k = torch.randn(S, n_kv, L, hd, dtype=dtype)
+    v = torch.randn_like(k)
+    kt = _transposed(k)
+    qs = torch.randn(S, L, n_h, hd, dtype=dtype)  # the query of the token at each position
+
+    def run(seqs: list[tuple[int, int, int]], trees: list[torch.Tensor | None] | None = None,
+            exact: bool = True) -> list[torch.Tensor]:
+        """seqs: (slot, ctx, q) -> each sequence's outputs [q, n_h, hd]."""
+        plan = AttentionPlan.build([q for _, _, q in seqs], [c for _, c, _ in seqs], [s for s, _, _ in seqs],
+                                   trees or [None] * len(seqs), None, "cpu", exact=exact)
+        out = plan.attend(torch.cat([qs[s, c:c + q] for s, c, q in seqs]), kt if exact else k, v)
+        return list(out.split([q for _, _, q in seqs]))
+
+    sdpa_differs = False
+    for ctx in (5, 100, 300, 700, 1500):
+        alone = [run([(0, ctx + i, 1)])[0][0] for i in range(8)]
+        cases = [[(0, ctx, n)] for n in range(2, 9)]
+        cases += [[(0, ctx, 5), (1, 1600, 5), (2, 30, 1)], [(2, 12, 1), (0, ctx, 3)], [(0, ctx - 4, 12)]]
+        for seqs in cases:
+            mine = next(i for i, (s, _, _) in enumerate(seqs) if s == 0)
+            s, c, n = seqs[mine]
+            got = run(seqs)[mine]
+            for i in range(max(0, ctx - c), min(n, ctx - c + 8)):
+                assert torch.equal(got[i], alone[c + i - ctx]), (ctx, seqs, i)
+            ref = run(seqs, exact=False)[mine]
+            sdpa_differs |= any(not torch.equal(ref[i], run([(0, c + i, 1)], exact=False)[0][0])
+                                for i in range(max(0, ctx - c), min(n, ctx - c + 8)))
+    assert sdpa_differs, "SDPA matched too: the test would not tell the kernels apart"
+    # a tree over drafts a, b (children of the root), c under a, d under c: inputs [root, a, b, c, d]
+    # at cache offsets ctx + 0..4; d's ancestors sit at +0, +1, +3, where a chain root-a-c-d holds them
+    # at +0, +1, +2 (slot 3 gets slot 0's context and that chain)
+    ctx, path = 200, [0, 1, 3, 4]
+    mask = tree_mask([-1, -1, 0, 2])  # [5, 5] ancestor-or-self over [root, a, b, c, d]
+    kc, vc = k.clone(), v.clone()
+    kc[3], vc[3] = k[0], v[0]
+    for i, node in enumerate(path):
+        kc[3, :, ctx + i], vc[3, :, ctx + i] = k[0, :, ctx + node], v[0, :, ctx + node]
+    tree_out = AttentionPlan.build([5], [ctx], [0], [mask], None, "cpu", exact=True).attend(qs[0, ctx:ctx + 5], kt, v)
+    chain_out = AttentionPlan.build([1], [ctx + 3], [3], [None], None, "cpu", exact=True).attend(
+        qs[0, ctx + 4:ctx + 5], _transposed(kc), vc)
+    assert torch.equal(tree_out[4], chain_out[0])
 
 
 def test_a_tree_fed_level_by_level_equals_the_tree_fed_whole() -> None:

@@ -44,6 +44,8 @@ from tidespec.engine.sequence import Sequence
 from tidespec.errors import UserError
 from tidespec.models.compiled import KV_MARGIN, CompiledStep, inductor_cache_dir
 from tidespec.models.graphs import GraphStep, uses_graphs
+from tidespec.models.invariance import InvarianceReport, clear_row_invariance, make_row_invariant
+from tidespec.models.kernels import exact_attention_error
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import LlamaModel
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
@@ -92,8 +94,10 @@ class LLMEngine:
         graphs = self._wants_graphs()
         # the compiled CPU step never reads a slot's full length
         margin = KV_MARGIN if config.model.compile and not graphs else 0
+        exact = self.device.type == "cpu" and config.model.row_invariant and exact_attention_error() is None
         self.kv = KVCache.for_model(model.cfg, cc.max_num_seqs, self.max_model_len + margin, model.dtype, self.device,
-                                    spare_slot=graphs)
+                                    spare_slot=graphs, transposed_keys=exact)
+        self.invariance = self._row_invariance()
         self.compile_seconds = 0.0  # warm-up of the compiled decode step (--compile) or capture of the CUDA graphs
         if graphs:
             self.runner = ModelRunner(model, self.kv, graphs=self._graph_step())
@@ -131,6 +135,21 @@ class LLMEngine:
         # LoRA alignment stores them to recover the target's top-k); fixed once serving starts
         self.hidden_demand: list[Callable[[], bool]] = []
         self._last_tapped_draft = -(1 << 30)  # step in which a tap-reading drafter last drafted
+
+    def _row_invariance(self) -> InvarianceReport:
+        """Row-invariant kernels for the target (``models/invariance.py``) on the CPU unless
+        --no-row-invariant; the outcome is logged, and it is a warning when it is not exact."""
+        budget = self.config.scheduler.max_num_batched_tokens
+        if self.device.type != "cpu":
+            report = InvarianceReport(budget, f"no row-invariant kernels on {self.device.type} yet (README, Guarantees)")
+            clear_row_invariance(self.model)
+        elif not self.config.model.row_invariant:
+            report = InvarianceReport(budget, "turned off (--no-row-invariant)")
+            clear_row_invariance(self.model)
+        else:
+            report = make_row_invariant(self.model, budget)
+        (log.info if report.exact else log.warning)("%s", report.summary())
+        return report
 
     def _wants_graphs(self) -> bool:
         """Decode forwards replay CUDA graphs: on a GPU, unless --enforce-eager."""

@@ -76,7 +76,8 @@ class ModelRunner:
     def forward(self, batch: ScheduledBatch, proposal: DraftProposal, tap_layers: tuple[int, ...]) -> ForwardOutput:
         """ONE target forward for the whole batch; K/V of every row is written into its slot. A
         batch without trees replays a CUDA graph when one fits it (prompt chunks included); a decode
-        batch of chains runs the compiled step when there is one (every row needs logits)."""
+        batch of chains runs the compiled step when there is one (every row needs logits), and on a
+        row-invariant target every batch does."""
         plan = self.plan(batch, proposal)
         out = None
         no_trees = all(m is None for m in plan.masks)
@@ -86,7 +87,9 @@ class ModelRunner:
                               plan.logits_rows if batch.prefill else None)
         if out is None:
             ids, layout, logits_rows = self.tensors(plan)
-            if self.compiled is not None and chains:
+            if self.compiled is not None and self.compiled.exact:  # every forward: models/compiled.py
+                out = self.compiled(ids, layout, tap_layers, logits_rows)
+            elif self.compiled is not None and chains:
                 out = self.compiled(ids, layout, tap_layers)
             if out is None:
                 out = self.model(ids, layout, self.kv, logits_rows=logits_rows, tap_layers=tap_layers)

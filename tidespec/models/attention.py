@@ -22,6 +22,15 @@ cache there (another request's old K/V) never reaches an output: a masked score'
 exactly 0. That needs the values there to be finite (0 x NaN is NaN), which is why the caller
 makes the range readable first (``KVCache.make_readable``: zero-fill of never-written positions).
 
+Two kernels run the plan. On the CPU, when the key cache is stored transposed (``KVCache(...,
+transposed_keys=True)``, what the engine allocates for a row-invariant target), every new token
+is attended on its own by ``tidespec::exact_attention`` (``models/csrc/row_invariant.cpp``): its
+output has the same bits whatever else the call holds, which is what makes a verification row
+equal its decode row and a batched row equal the row run alone. The plan then carries one mask row
+per token (``row_mask``) and its slot (``row_slots``) and pads nothing. Elsewhere (a GPU, a cache
+in the usual layout) the padded block goes to one ``scaled_dot_product_attention`` call, whose
+output for a row depends on the rest of the call in the last bits.
+
 Worked example: sequences A (slot 0, ctx 3, a 2-token chain) and B (slot 1, ctx 1, 1 token)::
 
     plan = AttentionPlan.build(q_lens=[2, 1], ctx_lens=[3, 1], slots=[0, 1], tree_masks=[None, None],
@@ -30,6 +39,8 @@ Worked example: sequences A (slot 0, ctx 3, a 2-token chain) and B (slot 1, ctx 
     plan.q_index                                # tensor([0, 1, 2]): A's rows 0, 1; B's row 0 at 1*2+0
     plan.mask[0, 0]  # A: [[1,1,1,1,0], [1,1,1,1,1]]
     plan.mask[1, 0]  # B: [[1,1,0,0,0], [1,0,0,0,0]]   (row 1 is padding: key 0 only)
+    exact = AttentionPlan.build(..., exact=True)   # the same layout for the row-invariant kernel
+    exact.row_slots, exact.row_mask[2]             # tensor([0, 0, 1]); B's row: [1, 1, 0, 0, 0]
 """
 
 from __future__ import annotations
@@ -41,16 +52,6 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# SDPA's CPU kernel multiplies a block of query rows at once, and its float32 matmul for 1 or 2
-# rows sums in another order than for 3 or more: a verification row (1 + gamma rows) then differs
-# from the same row decoded alone by ~5e-7. It also sums a row's keys in an order that depends on
-# how many keys there are (a tail of 8..15 is handled apart), masked or not. With the queries
-# padded to >= 4 rows and the keys to a multiple of 16, a row's output had the same bits whatever
-# the number of rows (3..512) and of keys up to 48 more (measured on torch 2.13 CPU, float32 and
-# bfloat16; tests/models/test_attention.py asserts it for a verification against its decode rows).
-# The padding costs ~5 us (float32) / ~28 us (bfloat16) per layer at one row and 320 keys.
-ROW_INVARIANT_Q = 4
-ROW_INVARIANT_KV = 16
 # On CUDA, SDPA may pick cuDNN's attention, which builds an execution plan for every new shape: an
 # eager forward's key length changes every step, and the EAGLE-3 head's attention then took 9 ms a
 # call on an H100 (torch 2.11). Eager CUDA attention (also what a graph of the eager forward
@@ -71,19 +72,25 @@ class AttentionPlan:
     gather: torch.Tensor | None  # [B] int64 slots to gather, or None to read the view [lo:hi]
     identity: bool  # q_index is 0..T-1 and T == Sb * q_max: no scatter/gather of queries needed
     causal: bool  # one sequence, empty cache, causal order, no window: SDPA's own causal mask suffices
+    row_slots: torch.Tensor | None = None  # exact: [T] int64 slot of each new token
+    row_mask: torch.Tensor | None = None  # exact: [T, kv_len] bool, the keys each new token sees
+
+    @property
+    def exact(self) -> bool:
+        """Whether the row-invariant kernel runs this plan (``build(..., exact=True)``)."""
+        return self.row_mask is not None
 
     @staticmethod
     def build(q_lens: list[int], ctx_lens: list[int], slots: list[int], tree_masks: list[torch.Tensor | None],
-              window: int | None, device: torch.device | str, min_q: int = 1,
-              max_kv: int | None = None) -> "AttentionPlan":
+              window: int | None, device: torch.device | str, exact: bool = False) -> "AttentionPlan":
         """One plan per forward. ``tree_masks[i]``: [q, p + q] bool over sequence i's last ``p``
         cached tokens and its ``q`` new ones (p = 0: among the new tokens only; the cache before
         them is visible to all), or None for causal order. ``p > 0`` lets a tree grow level by
         level, each level's K/V kept in the cache where the next level reads it under the mask.
-        ``window``: sliding window over cache offsets, or None.
-        ``min_q``: pad every sequence's queries to at least this many rows (``ROW_INVARIANT_Q``
-        makes a row's output bits independent of how many rows its sequence has; keys are then
-        padded to a multiple of ``ROW_INVARIANT_KV``, at most ``max_kv``, the cache's length)."""
+        ``window``: sliding window over cache offsets, or None. ``exact``: a plan for the
+        row-invariant kernel (one mask row per token, nothing padded; module docstring)."""
+        if exact:
+            return AttentionPlan._build_exact(q_lens, ctx_lens, slots, tree_masks, window, device)
         B = len(q_lens)
         lo, hi = min(slots), max(slots) + 1
         gather = None
@@ -93,30 +100,36 @@ class AttentionPlan:
         else:
             base = [s - lo for s in slots]
         num_rows = B if gather is not None else hi - lo
-        q_max = max(max(q_lens), min_q)
+        q_max = max(q_lens)
         kv_len = max(c + q for c, q in zip(ctx_lens, q_lens))
-        if min_q >= ROW_INVARIANT_Q:  # the row-invariant layout: keys to a multiple of 16 as well
-            kv_len = -(-kv_len // ROW_INVARIANT_KV) * ROW_INVARIANT_KV
-            kv_len = kv_len if max_kv is None else min(kv_len, max_kv)
         mask = torch.zeros(num_rows, 1, q_max, kv_len, dtype=torch.bool)
         mask[:, :, :, 0] = True  # padding rows (and unused slots) look at key 0 only
         index: list[int] = []
         for b, q, c, tmask in zip(base, q_lens, ctx_lens, tree_masks):
-            rows = mask[b, 0]  # [q_max, kv_len]
-            rows[:q, :c] = True
-            new = torch.ones(q, q, dtype=torch.bool).tril() if tmask is None else tmask.to("cpu", torch.bool)
-            if new.dim() != 2 or new.shape[0] != q or not q <= new.shape[1] <= c + q:
-                raise ValueError(f"tree mask {tuple(new.shape)} for {q} new tokens after {c} cached ones")
-            rows[:q, c + q - new.shape[1]:c + q] = new  # [q, p + q]: the last p cached tokens too
-            if window is not None:  # a query at offset c + i sees keys at offsets > c + i - window
-                qpos = torch.arange(c, c + q).unsqueeze(1)  # [q, 1]
-                kpos = torch.arange(kv_len).unsqueeze(0)  # [1, kv_len]
-                rows[:q] &= qpos - kpos < window
+            _visible_keys(mask[b, 0, :q], q, c, tmask, window)
             index.extend(range(b * q_max, b * q_max + q))
         identity = index == list(range(num_rows * q_max))
         causal = B == 1 and ctx_lens[0] == 0 and tree_masks[0] is None and window is None and q_max == q_lens[0]
         return AttentionPlan(lo, hi, q_max, kv_len, torch.tensor(index, dtype=torch.int64, device=device),
                              mask.to(device), gather, identity, causal)
+
+    @staticmethod
+    def _build_exact(q_lens: list[int], ctx_lens: list[int], slots: list[int],
+                     tree_masks: list[torch.Tensor | None], window: int | None,
+                     device: torch.device | str) -> "AttentionPlan":
+        T = sum(q_lens)
+        kv_len = max(c + q for c, q in zip(ctx_lens, q_lens))
+        row_mask = torch.zeros(T, kv_len, dtype=torch.bool)
+        row_slots: list[int] = []
+        start = 0
+        for q, c, slot, tmask in zip(q_lens, ctx_lens, slots, tree_masks):
+            _visible_keys(row_mask[start:start + q], q, c, tmask, window)
+            row_slots.extend([slot] * q)
+            start += q
+        ids = torch.arange(T, dtype=torch.int64, device=device)
+        empty = torch.zeros(0, 1, 0, 0, dtype=torch.bool, device=device)
+        return AttentionPlan(min(slots), max(slots) + 1, max(q_lens), kv_len, ids, empty, None, True, False,
+                             torch.tensor(row_slots, dtype=torch.int64, device=device), row_mask.to(device))
 
     def read_slots(self, slots: list[int]) -> list[int]:
         """The slots whose first ``kv_len`` positions this plan reads (``slots``: the batch's)."""
@@ -130,8 +143,38 @@ class AttentionPlan:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q: [T, n_h, hd] (rope applied, K/V of these tokens already in the cache) -> [T, n_h, hd]."""
+        if self.row_mask is not None and self.row_slots is not None:
+            return attend_exact(q, k_cache, v_cache, self.row_slots, self.row_mask)
         return attend_padded(q, None if self.identity else self.q_index, self.mask, self.keys(k_cache),
                              self.keys(v_cache), self.causal)
+
+
+def _visible_keys(rows: torch.Tensor, q: int, c: int, tmask: torch.Tensor | None, window: int | None) -> None:
+    """Mark in ``rows`` ([q, kv_len] bool, all False) the keys each of a sequence's q new tokens
+    sees after its c cached ones: the cache, then causal order or the tree mask (``tmask`` [q,
+    p + q] over the last p cached tokens and the new ones), within the sliding window if any."""
+    rows[:, :c] = True
+    new = torch.ones(q, q, dtype=torch.bool).tril() if tmask is None else tmask.to("cpu", torch.bool)
+    if new.dim() != 2 or new.shape[0] != q or not q <= new.shape[1] <= c + q:
+        raise ValueError(f"tree mask {tuple(new.shape)} for {q} new tokens after {c} cached ones")
+    rows[:, c + q - new.shape[1]:c + q] = new  # [q, p + q]: the last p cached tokens too
+    if window is not None:  # a query at offset c + i sees keys at offsets > c + i - window
+        qpos = torch.arange(c, c + q).unsqueeze(1)  # [q, 1]
+        kpos = torch.arange(rows.shape[1]).unsqueeze(0)  # [1, kv_len]
+        rows &= qpos - kpos < window
+
+
+def transposed_keys(k_cache: torch.Tensor) -> bool:
+    """Whether a key cache ([S, n_kv, L, hd]) is stored transposed (positions contiguous): the
+    layout the row-invariant kernel reads, and the engine's sign that the target runs it."""
+    return k_cache.device.type == "cpu" and k_cache.stride(2) == 1 and k_cache.shape[2] > 1
+
+
+def attend_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_slots: torch.Tensor,
+                 row_mask: torch.Tensor) -> torch.Tensor:
+    """Each new token attended on its own by ``tidespec::exact_attention``: q [T, n_h, hd], the whole
+    caches [S, n_kv, L, hd] (keys transposed), row_slots [T], row_mask [T, kv_len] -> [T, n_h, hd]."""
+    return torch.ops.tidespec.exact_attention(q, k_cache, v_cache, row_slots, row_mask, q.shape[-1] ** -0.5)
 
 
 def attend_padded(q: torch.Tensor, q_index: torch.Tensor | None, mask: torch.Tensor, keys: torch.Tensor,

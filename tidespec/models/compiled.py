@@ -18,8 +18,9 @@ batch would otherwise compile twice).
 
 Inside the graph the layout is tensors only (``StepLayout``): rope positions, the K/V write
 slots and offsets, each token's row in the padded attention block, and the block's mask, built by
-the same ``AttentionPlan`` the eager forward uses (with the same row-invariant padding for
-quantized targets). No host sync and no data-dependent shape in the compiled region: the same
+the same ``AttentionPlan`` the eager forward uses. A row-invariant target (keys stored transposed,
+``models/attention.py``) gets one mask row per token instead and calls the exact attention kernel,
+an op inductor leaves as it is. No host sync and no data-dependent shape in the compiled region: the same
 step is what a CUDA run can capture as a graph (``mode="reduce-overhead"``).
 
 Worked example::
@@ -39,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from tidespec.files import cache_root
-from tidespec.models.attention import ROW_INVARIANT_Q, AttentionPlan, attend_padded
+from tidespec.models.attention import AttentionPlan, attend_exact, attend_padded, transposed_keys
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel, ModelOutput
 
@@ -76,6 +77,25 @@ class StepLayout:
         return attend_padded(q, self.q_index, self.mask, keys, values)
 
 
+@dataclass
+class ExactStepLayout:
+    """The compiled step's layout for the row-invariant attention kernel: no padded block."""
+
+    positions: torch.Tensor  # [T] int64 rope positions
+    write_slots: torch.Tensor  # [T] int64 slot of each new token (also the slot its query reads)
+    write_offsets: torch.Tensor  # [T] int64 cache offset of each new token
+    row_mask: torch.Tensor  # [T, Lk] bool, the keys each new token sees (window included)
+
+    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        # k_cache/v_cache: [S, n_kv, L, hd]; k/v: [T, n_kv, hd]
+        k_cache[self.write_slots, :, self.write_offsets] = k
+        v_cache[self.write_slots, :, self.write_offsets] = v
+
+    def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """q [T, n_h, hd] -> [T, n_h, hd]; ``window`` is already in the mask."""
+        return attend_exact(q, k_cache, v_cache, self.write_slots, self.row_mask)
+
+
 def inductor_cache_dir() -> str:
     """Inductor's on-disk cache: ``$TORCHINDUCTOR_CACHE_DIR``, pointed into tidespec's cache root
     unless the user chose a place. Inductor writes its own default (``/tmp/torchinductor_<user>``)
@@ -102,7 +122,7 @@ class CompiledStep:
         # and ``i in (s0, s1)`` was then False for every layer; bools and ``range`` stay constants
         self.tap_layers = tuple(tap_layers)
         self._tap_flags = tuple(i in self.tap_layers for i in range(model.cfg.num_layers))
-        self.min_q = ROW_INVARIANT_Q if model.row_invariant else 1
+        self.exact = transposed_keys(kv.k[0])  # the row-invariant attention kernel (models/attention.py)
         # the rope table is built on first use; built here, the graph only reads it (no guard on
         # its absence, no recompile once it exists)
         model.rope(torch.zeros(1, dtype=torch.int64, device=model.device), model.embed_tokens.weight.dtype)
@@ -111,7 +131,7 @@ class CompiledStep:
         # dynamo keeps every graph of this code object in one cache whose default limit (8) a
         # process with several engines (a benchmark, the tests) would exceed; 4 graphs per engine
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        self._fn = torch.compile(self._body, dynamic=True, fullgraph=True)
+        self._fn = torch.compile(self._body_exact if self.exact else self._body, dynamic=True, fullgraph=True)
 
     def _body(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
               write_offsets: torch.Tensor, q_index: torch.Tensor, mask: torch.Tensor,
@@ -121,16 +141,38 @@ class CompiledStep:
         out = self.model.run(ids, layout, self.kv.k, self.kv.v, None, taps)
         return out.logits, out.taps, out.last_hidden
 
-    def __call__(self, ids: torch.Tensor, layout: BatchLayout, tap_layers: tuple[int, ...] = ()) -> ModelOutput | None:
+    def _body_exact(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
+                    write_offsets: torch.Tensor, row_mask: torch.Tensor, logits_rows: torch.Tensor
+                    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        layout = ExactStepLayout(positions, write_slots, write_offsets, row_mask)
+        taps = tuple(i for i, flag in enumerate(self._tap_flags) if flag)
+        out = self.model.run(ids, layout, self.kv.k, self.kv.v, logits_rows, taps)
+        return out.logits, out.taps, out.last_hidden
+
+    def __call__(self, ids: torch.Tensor, layout: BatchLayout, tap_layers: tuple[int, ...] = (),
+                 logits_rows: torch.Tensor | None = None) -> ModelOutput | None:
         """Logits at every row of a decode batch (chains only), or None when the slots are far apart
         or other taps than ``self.tap_layers`` are asked for. Asked for no taps, it runs the same
         graph and drops them (the in-graph taps cost next to nothing; a second set of graphs
-        without them would double the compile time)."""
+        without them would double the compile time). A row-invariant target runs every forward
+        here (prompt chunks and trees too, logits at ``logits_rows`` [R], default every row): an
+        eager forward would round differently from the compiled one, so no row may ever take the
+        other path than the same row in another batch."""
         if tap_layers and tuple(tap_layers) != self.tap_layers:
             self.num_declined += 1
             return None
         plan = AttentionPlan.build(layout.q_lens, layout.ctx_lens, layout.slots, layout.tree_masks,
-                                   self.model.cfg.sliding_window, ids.device, self.min_q, self.kv.max_len)
+                                   self.model.cfg.sliding_window, ids.device, self.exact)
+        if plan.row_mask is not None:  # every batch runs: the exact kernel reads each row's own slot
+            rows = logits_rows if logits_rows is not None else torch.arange(ids.shape[0], device=ids.device)
+            none = rows.shape[0] == 0  # a prompt chunk without logits: the last row's, dropped (no graph of its own)
+            with torch.inference_mode():
+                logits, taps, last = self._fn(ids, layout.positions, layout.write_slots, layout.write_offsets,
+                                              plan.row_mask, rows if not none else rows.new_full((1,), ids.shape[0] - 1))
+            self.num_compiled += 1
+            if none and logits is not None:
+                logits = logits[:0]
+            return ModelOutput(logits=logits, taps=taps if tap_layers else None, last_hidden=last)
         if plan.gather is not None or plan.kv_len >= self.kv.max_len:
             # far-apart slots: reading the whole range would waste more than eager's gather; the
             # cache's full length: a graph of its own (caches get KV_MARGIN so this never happens)
@@ -145,10 +187,21 @@ class CompiledStep:
 
     def warm_up(self, max_q: int) -> float:
         """Compile (or load from the disk cache) the graphs decode batches will use: one and two
-        sequences, one row and ``max_q`` rows each (``max_q`` = 1 + the largest draft). Writes only
-        into free slots, which hold nothing. Returns the seconds it took."""
+        sequences, one row and ``max_q`` rows each (``max_q`` = 1 + the largest draft); for a
+        row-invariant target, one row, and several rows with logits at all or at one of them
+        (prompt chunks). Writes only into free slots, which hold nothing. Returns the seconds it took."""
         free = self.kv.free_slots()
         t0 = time.perf_counter()
+        if self.exact and free:
+            device = self.model.device
+            for q, rows in ((1, [0]), (max(max_q, 2), None), (4, [3])):
+                if 8 + q > self.kv.max_len:
+                    continue
+                layout = BatchLayout.build([q], [8], free[:1], device=device)
+                ids = torch.zeros(q, dtype=torch.int64, device=device)
+                self(ids, layout, self.tap_layers,
+                     None if rows is None else torch.tensor(rows, dtype=torch.int64, device=device))
+            return time.perf_counter() - t0
         for batch in (1, 2):
             if len(free) < batch:
                 continue

@@ -10,6 +10,11 @@ so untouched pages are never committed by the OS; positions are zero-filled only
 attention call is about to read them unwritten (``make_readable``): a masked key's weight is 0,
 but 0 x NaN from uninitialised memory would still be NaN.
 
+A row-invariant CPU target (``models/attention.py``) stores its keys transposed,
+``transposed_keys=True``: memory [S, n_kv, hd, L], so that a run of consecutive positions of one
+head dim is one vector load for the exact attention kernel; ``k[i]`` is still the [S, n_kv, L, hd]
+view, so every reader and writer indexes it as before.
+
 Worked example::
 
     kv = KVCache.for_model(cfg, num_slots=2, max_len=16, dtype=torch.float32)
@@ -36,11 +41,22 @@ class KVCache:
     zero_chunk = 64  # positions zero-filled at a time ahead of the reads (amortises the fill calls)
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu", spare_slot: bool = False) -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu", spare_slot: bool = False,
+                 transposed_keys: bool = False) -> None:
         # ``spare_slot``: one more slot, ``num_slots``, that no sequence is ever given: the CUDA
-        # graphs write their padding rows' K/V there (``models/graphs.py``)
+        # graphs write their padding rows' K/V there (``models/graphs.py``). ``transposed_keys``:
+        # keys stored [S, n_kv, hd, L] for the row-invariant kernel (module docstring), CPU only
         total = num_slots + int(spare_slot)
         shape = (total, num_kv_heads, max_len, head_dim)
+        if transposed_keys:
+            if torch.device(device).type != "cpu":
+                raise ValueError("transposed keys are the CPU's row-invariant layout")
+            from tidespec.models.kernels import exact_attention_error  # the kernel that reads them
+
+            error = exact_attention_error()
+            if error is not None:
+                raise RuntimeError(f"transposed keys need tidespec's exact attention kernel: {error}")
+        key_shape = (total, num_kv_heads, head_dim, max_len) if transposed_keys else shape
         # off the CPU the cache is zero-filled once (cheap on a GPU, and a captured graph cannot
         # call ``make_readable``); on the CPU untouched pages stay uncommitted (module docstring)
         fill = torch.empty if torch.device(device).type == "cpu" else torch.zeros
@@ -49,7 +65,8 @@ class KVCache:
         if numel >= MAX_NUMEL:
             raise self._no_room(total, max_len, need, device, "larger than any tensor")
         try:
-            self.k: list[torch.Tensor] = [fill(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            keys = [fill(key_shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            self.k: list[torch.Tensor] = [k.transpose(2, 3) for k in keys] if transposed_keys else keys
             self.v: list[torch.Tensor] = [fill(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         except RuntimeError as exc:  # torch.OutOfMemoryError (a RuntimeError) and the CPU allocator's error
             text = str(exc)
@@ -71,8 +88,15 @@ class KVCache:
 
     @classmethod
     def for_model(cls, cfg: LlamaConfig, num_slots: int, max_len: int, dtype: torch.dtype,
-                  device: torch.device | str = "cpu", spare_slot: bool = False) -> "KVCache":
-        return cls(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim, dtype, device, spare_slot)
+                  device: torch.device | str = "cpu", spare_slot: bool = False,
+                  transposed_keys: bool = False) -> "KVCache":
+        return cls(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim, dtype, device, spare_slot,
+                   transposed_keys)
+
+    @property
+    def transposed_keys(self) -> bool:
+        """Whether the keys are stored transposed (the row-invariant kernel's layout)."""
+        return self.k[0].stride(2) == 1 and self.k[0].stride(3) != 1
 
     @property
     def num_free_slots(self) -> int:

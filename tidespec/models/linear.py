@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidespec.files import atomic_write, cache_root, cpu_name
+from tidespec.models.rows import in_pieces
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,38 @@ def mkl_packing_available() -> bool:
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
     """fp32 [out, in] -> MKL's packed copy (an opaque mkldnn tensor, same bytes again)."""
     return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), MKL_PACK_ROWS)
+
+
+@torch.library.custom_op("tidespec::linear_in_pieces", mutates_args=())
+def linear_in_pieces(x: torch.Tensor, weight: torch.Tensor, limit: int) -> torch.Tensor:
+    """``F.linear(x, weight)`` in row pieces of at most ``limit`` (``rows.pieces``): an op of its
+    own so a compiled graph keeps the row count symbolic (splitting it in the graph would
+    specialise every count) and calls the kernel as it is. x [T, in] -> [T, out]."""
+    return in_pieces(lambda p: F.linear(p, weight), x, limit)
+
+
+@linear_in_pieces.register_fake
+def _linear_in_pieces_fake(x: torch.Tensor, weight: torch.Tensor, limit: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("tidespec::linear_tiles", mutates_args=())
+def linear_tiles(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tensor:
+    """``F.linear(x, weight)`` over row tiles of exactly ``tile`` rows (the last one zero-padded):
+    every call the BLAS library sees has the same shape, so it picks the same kernel, and a row's
+    bits depend only on its own values (measured per machine: ``models/invariance.py``). An op of
+    its own for the reasons of ``linear_in_pieces``. x [T, in] -> [T, out].
+
+    Example: 20 rows, tile 16 -> F.linear on rows 0..15, then on rows 16..19 and 12 rows of zeros."""
+    T = x.shape[0]
+    pad = -T % tile
+    xp = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x  # [T + pad, in]
+    return torch.cat([F.linear(chunk, weight) for chunk in xp.split(tile)])[:T]
+
+
+@linear_tiles.register_fake
+def _linear_tiles_fake(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
 
 
 def _split_weight(w: torch.Tensor, s: int) -> torch.Tensor:
@@ -123,6 +156,10 @@ class Linear(nn.Linear):
 
     choice: tuple[str, ...] = ()  # kernel for 1, 2, ... rows; beyond its length: F.linear
     tuned_threads = 0  # the intra-op thread count the choice was measured with
+    # row invariance (models/invariance.py): one kernel for every row count ("mkl" or "linear"),
+    # run in pieces of at most ``invariant_limit`` rows when that is > 0; replaces ``choice``
+    invariant: str = ""
+    invariant_limit = 0
     _blocks_key: tuple[int, int] | None = None
     _blocks: torch.Tensor | None = None
     _packed_key: tuple[int, int] | None = None
@@ -165,9 +202,43 @@ class Linear(nn.Linear):
         else:
             self._packed_key, self._packed = None, None
 
+    def invariant_kernels(self) -> tuple[str, ...]:
+        """Kernels ``models/invariance.py`` measures for row invariance, in order of preference: MKL's
+        packed sgemm (float32 on MKL builds), ``F.linear``, ``F.linear`` on 16-row tiles."""
+        mkl = self.weight.dtype == torch.float32 and mkl_packing_available()
+        return ("mkl", "linear", "tile16") if mkl else ("linear", "tile16")
+
+    def set_invariant(self, kernel: str, limit: int) -> None:
+        """Run ``kernel`` ("mkl": MKL's packed sgemm, "linear": F.linear, "tile16": F.linear on
+        16-row tiles; "": the measured per-row-count choice) for every row count, in pieces of at
+        most ``limit`` rows (0: whole); the packed weight is made now."""
+        self.invariant, self.invariant_limit = kernel, limit
+        if kernel == "mkl":
+            self.packed()
+
+    def _invariant_forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] -> [T, out], each row's bits independent of T (models/invariance.py)
+        if self.invariant == "tile16":
+            out = torch.ops.tidespec.linear_tiles(x, self.weight, 16)
+        elif self.invariant == "mkl":
+            assert self._packed is not None  # packed by set_invariant (a weight written since: repacked eagerly)
+            packed = self._packed if torch.compiler.is_compiling() else self.packed()
+            if self.invariant_limit and x.shape[0] > self.invariant_limit:  # (compiled: one graph per count)
+                out = in_pieces(lambda p: torch.ops.tidespec.packed_linear(p, packed, self.weight), x,
+                                self.invariant_limit)
+            else:
+                out = torch.ops.tidespec.packed_linear(x, packed, self.weight)
+        elif self.invariant_limit:  # F.linear within its measured frontier
+            out = torch.ops.tidespec.linear_in_pieces(x, self.weight, self.invariant_limit)
+        else:
+            out = F.linear(x, self.weight)
+        return out if self.bias is None else out + self.bias
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]
         T = x.shape[0]
+        if self.invariant and x.dim() == 2 and not x.requires_grad:
+            return self._invariant_forward(x)
         if torch.compiler.is_compiling():  # inductor picks its own kernel; the measured one is for eager
             return F.linear(x, self.weight, self.bias)
         if (T > len(self.choice) or x.dim() != 2 or torch.get_num_threads() != self.tuned_threads

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidespec.errors import UserError
-from tidespec.models.attention import ROW_INVARIANT_Q, AttentionPlan
+from tidespec.models.attention import AttentionPlan, transposed_keys
 from tidespec.models.linear import Linear
 
 SLICE_WRITE_MAX_SEQS = 2  # K/V writes of up to this many sequences use slice copies, else one index_put
@@ -147,16 +147,16 @@ class BatchLayout:
     tree_masks: list[torch.Tensor | None] = field(default_factory=list)  # per seq [q, p + q] bool or None (causal)
     _plans: dict[int | None, AttentionPlan] = field(default_factory=dict, repr=False)  # per sliding window
 
-    def attention_plan(self, window: int | None, kv: "KVStorage | None" = None, min_q: int = 1) -> AttentionPlan:
-        """The padded-batch attention plan of this layout, built on first use (with ``min_q``, see
-        ``AttentionPlan.build``) and shared by all layers. With ``kv``, the key range the plan
-        reads is made safe to read first."""
+    def attention_plan(self, window: int | None, kv: "KVStorage | None" = None, exact: bool = False) -> AttentionPlan:
+        """The attention plan of this layout, built on first use and shared by all layers; ``exact``:
+        for the row-invariant kernel (``AttentionPlan.build``). With ``kv``, the key range the
+        padded plan reads is made safe to read first (the exact kernel reads only visible keys)."""
         plan = self._plans.get(window)
         if plan is None:
             plan = AttentionPlan.build(self.q_lens, self.ctx_lens, self.slots, self.tree_masks, window,
-                                       self.positions.device, min_q, kv.k[0].shape[2] if kv is not None else None)
+                                       self.positions.device, exact)
             self._plans[window] = plan
-        if kv is not None:
+        if kv is not None and not plan.exact:
             kv.make_readable(plan.read_slots(self.slots), plan.kv_len)
         return plan
 
@@ -368,8 +368,9 @@ class LlamaModel(PlacedModule):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
-        # True when every matmul gives a row the same bits whatever the row count (the quantized
-        # kernels): attention then pads its queries to match, so a verification row equals a decode row
+        # True once ``models.invariance.make_row_invariant`` chose row-invariant kernels for every
+        # projection and the exact attention kernel is built: caches for this model then store their
+        # keys transposed (``KVCache(transposed_keys=True)``), which routes attention to that kernel
         self.row_invariant = False
         # cos/sin tables per (device, dtype), built lazily; kept out of the module's buffers so
         # .to(bfloat16) never degrades the float32 rope computation
@@ -397,7 +398,7 @@ class LlamaModel(PlacedModule):
         """input_ids: [T] int64. ``logits_rows``: [R] rows needing logits (None = all, empty = none).
         ``tap_layers``: layer indices whose *input* hidden state is returned (EAGLE-3 uses
         (2, L//2, L-3))."""
-        layout.attention_plan(self.cfg.sliding_window, kv, ROW_INVARIANT_Q if self.row_invariant else 1)
+        layout.attention_plan(self.cfg.sliding_window, kv, transposed_keys(kv.k[0]))
         return self.run(input_ids, layout, kv.k, kv.v, logits_rows, tap_layers)
 
     def run(self, input_ids: torch.Tensor, layout: ForwardLayout, k: list[torch.Tensor], v: list[torch.Tensor],

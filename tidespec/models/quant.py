@@ -71,6 +71,7 @@ from torch import nn
 
 from tidespec.config import INT4_GROUP_SIZES, QUANTIZATIONS
 from tidespec.models.llama import LlamaModel, ModelConfigError
+from tidespec.models.rows import in_pieces
 
 KERNEL_DTYPE = torch.bfloat16  # the activation dtype both kernels are vectorised for
 INT4_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
@@ -141,6 +142,9 @@ class QuantizedLinear(nn.Module):
 
     bias: torch.Tensor | None
     _kernel_buffers: tuple[str, ...] = ()
+    # rows up to which the kernel was measured row-invariant when that is below the engine's token
+    # budget: calls run in pieces within it (models/invariance.py); 0 = whole calls
+    row_limit = 0
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -154,6 +158,20 @@ class QuantizedLinear(nn.Module):
             if buf.is_floating_point() and buf.dtype != KERNEL_DTYPE:
                 setattr(self, name, buf.to(KERNEL_DTYPE))
         return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, K] -> [T, N] in x's dtype
+        xb = x.to(KERNEL_DTYPE).contiguous()
+        y = self._kernel(xb) if not self.row_limit else self._kernel_in_pieces(xb)
+        return self._finish(y, x.dtype)
+
+    def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
+        """The kernel on bfloat16 rows: xb [T, K] -> [T, N] bfloat16."""
+        raise NotImplementedError
+
+    def _kernel_in_pieces(self, xb: torch.Tensor) -> torch.Tensor:
+        """``_kernel`` in row pieces within the kernel's measured frontier (``row_limit``)."""
+        raise NotImplementedError
 
     def _finish(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Kernel output ``[T, out]`` bfloat16 -> ``dtype``, plus the bias."""
@@ -196,10 +214,12 @@ class Int8Linear(QuantizedLinear):
             raise QuantizationError("concat needs at least one layer, none with a bias")
         return cls(torch.cat([layer.qweight for layer in layers]), torch.cat([layer.scales for layer in layers]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, K] -> [T, N]
-        xb = x.to(KERNEL_DTYPE).contiguous()
-        return self._finish(torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scales), x.dtype)
+    def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
+        # xb: [T, K] bfloat16 -> [T, N] bfloat16
+        return torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scales)
+
+    def _kernel_in_pieces(self, xb: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tidespec.int8_in_pieces(xb, self.qweight, self.scales, self.row_limit)
 
     def dequantize(self) -> torch.Tensor:
         """The weight the kernel multiplies by, float32 ``[N, K]``."""
@@ -238,16 +258,48 @@ class Int4Linear(QuantizedLinear):
         scale_zero = torch.stack([scales, zeros], dim=2).transpose(0, 1).contiguous()  # [K/G, N_pad, 2]
         return cls(packed, scale_zero, k, n, group_size, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, K] -> [T, N]
-        xb = x.to(KERNEL_DTYPE).contiguous()
+    def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
+        # xb: [T, K] bfloat16 -> [T, N] bfloat16
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scale_zero)
-        if y.shape[1] != self.out_features:
-            y = y[:, :self.out_features].contiguous()
-        return self._finish(y, x.dtype)
+        return y[:, :self.out_features].contiguous() if y.shape[1] != self.out_features else y
+
+    def _kernel_in_pieces(self, xb: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.tidespec.int4_in_pieces(xb, self.packed, self.group_size, self.scale_zero, self.row_limit)
+        return y[:, :self.out_features].contiguous() if y.shape[1] != self.out_features else y
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", group_size={self.group_size}"
+
+
+# --------------------------------------------------------------------------- kernels in row pieces
+# Ops of their own so that a compiled graph keeps the row count symbolic (splitting the rows in the
+# graph would specialise every count) and calls the kernel as it is (models/invariance.py).
+
+
+@torch.library.custom_op("tidespec::int8_in_pieces", mutates_args=())
+def int8_in_pieces(xb: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, limit: int) -> torch.Tensor:
+    """``_weight_int8pack_mm`` over xb [T, K] bfloat16 in row pieces of at most ``limit`` -> [T, N]."""
+    return in_pieces(lambda p: torch.ops.aten._weight_int8pack_mm(p, qweight, scales), xb, limit)
+
+
+@int8_in_pieces.register_fake
+def _int8_in_pieces_fake(xb: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, limit: int) -> torch.Tensor:
+    return xb.new_empty(xb.shape[0], qweight.shape[0])
+
+
+@torch.library.custom_op("tidespec::int4_in_pieces", mutates_args=())
+def int4_in_pieces(xb: torch.Tensor, packed: torch.Tensor, group_size: int, scale_zero: torch.Tensor,
+                   limit: int) -> torch.Tensor:
+    """``_weight_int4pack_mm_for_cpu`` over xb [T, K] bfloat16 in row pieces of at most ``limit`` ->
+    [T, N_pad] (the padded output rows included, as the kernel gives them)."""
+    return in_pieces(lambda p: torch.ops.aten._weight_int4pack_mm_for_cpu(p, packed, group_size, scale_zero), xb,
+                     limit)
+
+
+@int4_in_pieces.register_fake
+def _int4_in_pieces_fake(xb: torch.Tensor, packed: torch.Tensor, group_size: int, scale_zero: torch.Tensor,
+                         limit: int) -> torch.Tensor:
+    return xb.new_empty(xb.shape[0], packed.shape[0])
 
 
 # --------------------------------------------------------------------------- the model
@@ -314,9 +366,6 @@ def quantize_model(model: LlamaModel, mode: str, group_size: int = 32, lm_head: 
                 setattr(parent, name, quantized_linear(getattr(parent, name), mode, group_size))
         if lm_head and not isinstance(model.lm_head, QuantizedLinear):
             model.lm_head = quantized_linear(model.lm_head, "int8", group_size)
-    # every matmul now gives a row the same bits whatever the row count: pad attention's queries so
-    # it does too, and verification computes exactly what decoding would (models/attention.py)
-    model.row_invariant = lm_head
 
 
 def quantize_linears(module: nn.Module, mode: str, group_size: int = 32, int8_names: tuple[str, ...] = ()) -> int:

@@ -1,0 +1,69 @@
+"""Row invariance of the projections (``models/rows.py``, ``models/invariance.py``): the frontier
+probe finds where a kernel stops being row-invariant, calls within it split into probed pieces,
+and on a real model every projection is chosen row-invariant up to the engine's budget."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tests.helpers import tiny_llama
+from tidespec.models.invariance import make_row_invariant
+from tidespec.models.linear import Linear
+from tidespec.models.quant import quantize_model
+from tidespec.models.rows import PROBE_ROWS, frontier, in_pieces, pieces, probed
+
+
+def test_probed_and_pieces_worked_examples() -> None:
+    assert probed(20) == list(range(1, 17)) + [20]
+    assert pieces(100, 32) == [32, 32, 32, 4]
+    assert pieces(40, 24) == [24, 16]
+    assert pieces(0, 8) == []
+    for rows in range(1, 300):  # every piece a probed size within the limit, summing to the rows
+        ps = pieces(rows, 48)
+        assert sum(ps) == rows and all(p in PROBE_ROWS and p <= 48 for p in ps)
+
+
+def _switching_kernel(at: int, w: torch.Tensor):
+    """A kernel that sums in another order above ``at`` rows (as BLAS libraries switch kernels)."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        prod = x.unsqueeze(1) * w  # [T, out, in]: each output summed on its own, in a fixed order
+        return prod.sum(-1) if x.shape[0] <= at else prod.flip(-1).sum(-1)  # other order, other rounding
+    return fn
+
+
+def test_frontier_finds_where_a_kernel_switches_and_pieces_restore_the_bits() -> None:
+    w = torch.randn(48, 64)
+    fn = _switching_kernel(24, w)
+    assert frontier(fn, 64, torch.float32, 200) == 24
+    x = torch.randn(100, 64)
+    alone = torch.cat([fn(x[i:i + 1]) for i in range(100)])
+    assert not torch.equal(fn(x), alone)  # the whole call rounds otherwise
+    assert torch.equal(in_pieces(fn, x, 24), alone)
+
+
+def test_make_row_invariant_on_a_quantized_model_keeps_every_row_bit_exact() -> None:
+    """int8 target (float32 activations): after ``make_row_invariant`` each projection's rows, and
+    the whole model's logits of a row, have the same bits in a 1-row and in a 70-row call."""
+    model = tiny_llama(vocab_size=64, layers=2, dtype=torch.float32)
+    quantize_model(model, "int8")
+    report = make_row_invariant(model, budget=96)
+    assert report.exact and model.row_invariant
+    assert {k.kernel for k in report.kernels} == {"int8"}
+    x = torch.randn(70, model.cfg.hidden_size)
+    layer = model.layers[0].mlp.gate_up_proj
+    alone = torch.cat([layer.forward(x[i:i + 1]) for i in range(70)])
+    assert torch.equal(layer.forward(x), alone)
+
+
+def test_float_linear_gets_an_invariant_kernel_and_runs_it_for_every_row_count() -> None:
+    lin = Linear(96, 80, bias=False)
+    model = torch.nn.Sequential(lin)
+    report = make_row_invariant(model, budget=64)
+    assert report.kernels and report.kernels[0].kernel in lin.invariant_kernels()
+    assert lin.invariant == report.kernels[0].kernel
+    x = torch.randn(64, 96)
+    with torch.inference_mode():
+        alone = torch.cat([lin.forward(x[i:i + 1]) for i in range(64)])
+        assert torch.equal(lin.forward(x), alone)
+        torch.testing.assert_close(lin.forward(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)

@@ -1,0 +1,428 @@
+// Row-invariant CPU kernels: tidespec::exact_attention and tidespec::packed_linear.
+//
+// packed_linear(x, packed, w) is MKL's packed sgemm (PyTorch's mkl::_mkl_linear) over a weight
+// packed once, called with the input's own row count: measured row-invariant (a row's bits do not
+// depend on how many rows share the call, 1 to 1024 rows), where a plain sgemm picks its kernel by
+// the row count. It is an op of its own so that torch.compile calls it as it is (inductor's own
+// lowering of mkl::_mkl_linear wants a constant row count).
+//
+// exact_attention: the rest of this note.
+//
+// Why this exists: greedy speculative decoding is lossless only if a verification forward (k rows
+// per sequence) computes each row's logits bit for bit as a decode forward (1 row) does, and
+// batching must not change a row either. PyTorch's CPU SDPA does not give that: it multiplies
+// blocks of query rows by blocks of keys with BLAS GEMMs whose summation order depends on how many
+// rows and keys the call holds (the K-blocking of P @ V, the vector body vs the scalar tail of the
+// softmax), so a row's output depends on its neighbours in the call and on the padded key length.
+// No library offers a CPU attention whose per-row arithmetic is fixed, so this one is written for
+// that property first, speed second:
+//
+//   * a row sees exactly the keys its mask marks visible; padding keys, padding rows and other
+//     sequences never enter its arithmetic;
+//   * every score q . k is one fma chain over the head dim, d = 0, 1, ..., hd-1, in one lane of a
+//     vector of VL keys (the key cache is stored transposed, [hd, L] per head, so VL consecutive
+//     keys are one load): a score's bits do not depend on the lane or the tile it is computed in;
+//   * the softmax runs over the row's visible keys in rank order (its m-th visible key is element
+//     m): the sum in VL partial sums (lane m mod VL) folded by a fixed tree; P @ V sums each output
+//     element over the visible keys in rank order;
+//   * every element goes through the same vector code (a tail is a partial vector, never a scalar
+//     loop), so its exp, its products and its sums do not depend on where it falls in a call;
+//   * fma only where written (vec::fmadd); the file is compiled with -ffp-contract=off.
+// Tiling (which rows and heads share a task, how many keys a tile holds) changes only which
+// independent lanes are computed together, never the order of any row's operations.
+//
+// A tree's tokens sit in the cache in breadth-first order, so a token's visible ancestors come in
+// the same rank order as in a chain: a token verified in a tree gets the bits of a chain.
+//
+// Worked example (one head, hd = 2, two visible keys, scale 1):
+//   q = [1, 0], keys [[1, 0], [0, 1]], values [[2, 0], [0, 4]]
+//   scores [1, 0] -> max 1 -> e = [1, exp(-1)] -> sum 1.3679 -> out = (1*[2,0] + 0.3679*[0,4]) / 1.3679
+//                                                                  = [1.4621, 1.0758]
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <optional>
+#include <vector>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+constexpr int64_t VL = Vec::size();  // keys per score vector; lanes of the softmax sum
+constexpr int64_t RB = 16;           // query vectors (rows x heads of one KV head) per task, at most
+constexpr int64_t KT = 64;           // keys per P @ V tile (their values stay in L1 across the task's vectors)
+
+// VL floats of ``src`` from ``count`` elements (the rest 0), as one vector.
+template <typename scalar_t>
+inline Vec load(const scalar_t* src, int64_t count) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return count == VL ? Vec::loadu(src) : Vec::loadu(src, count);
+  } else {
+    Vec out;
+    if (count == VL) {
+      at::vec::load_to_float<scalar_t>(src, out);
+    } else {
+      alignas(64) float buf[VL] = {};
+      for (int64_t l = 0; l < count; ++l) buf[l] = static_cast<float>(src[l]);
+      out = Vec::loadu(buf);
+    }
+    return out;
+  }
+}
+
+// A vector's lanes summed by a fixed tree: lane l + w into lane l, w = VL/2, ..., 1.
+inline float fold_sum(const Vec& v) {
+  alignas(64) float lane[VL];
+  v.store(lane);
+  for (int64_t w = VL / 2; w >= 1; w /= 2) {
+    for (int64_t l = 0; l < w; ++l) lane[l] = lane[l] + lane[l + w];
+  }
+  return lane[0];
+}
+
+inline float fold_max(const Vec& v) {  // a max is exact in any order
+  alignas(64) float lane[VL];
+  v.store(lane);
+  float m = lane[0];
+  for (int64_t l = 1; l < VL; ++l) m = std::max(m, lane[l]);
+  return m;
+}
+
+struct Task {
+  int64_t slot;   // KV slot of the task's rows
+  int64_t head0;  // first query head
+  int64_t heads;  // query heads (all of one KV head's group, or one)
+  int64_t row0;   // first row (into q / mask / out)
+  int64_t rows;   // consecutive rows of the same slot
+};
+
+// Scores of R query vectors (qv, [R, hd]) against keys [0, nk) of one KV head: blocks of KT keys
+// are first copied into ``kbuf`` ([hd, KT] float, L1-resident; the cache rows are a page apart),
+// then tiles of VL keys get one fma chain over d per lane; R is a template argument so the
+// accumulators stay in registers.
+template <int64_t R, typename scalar_t>
+void score_tiles(const float* qv, const scalar_t* kb, int64_t kd, int64_t hd, int64_t nk, int64_t kv_pad,
+                 float scale, float* kbuf, float* scores) {
+  const Vec vscale(scale);
+  for (int64_t b0 = 0; b0 < nk; b0 += KT) {
+    const int64_t bw = std::min<int64_t>(KT, nk - b0);
+    for (int64_t d = 0; d < hd; ++d) {
+      for (int64_t l0 = 0; l0 < bw; l0 += VL) {
+        load(kb + d * kd + b0 + l0, std::min<int64_t>(VL, bw - l0)).store(kbuf + d * KT + l0);
+      }
+    }
+    for (int64_t t0 = 0; t0 < bw; t0 += VL) {
+      Vec s[R];
+      for (int64_t i = 0; i < R; ++i) s[i] = Vec(0.0f);
+      for (int64_t d = 0; d < hd; ++d) {
+        const Vec kt = Vec::loadu(kbuf + d * KT + t0);
+        for (int64_t i = 0; i < R; ++i) s[i] = at::vec::fmadd(Vec(qv[i * hd + d]), kt, s[i]);
+      }
+      for (int64_t i = 0; i < R; ++i) (s[i] * vscale).store(scores + i * kv_pad + b0 + t0);
+    }
+  }
+}
+
+template <typename scalar_t>
+void score_dispatch(int64_t R, const float* qv, const scalar_t* kb, int64_t kd, int64_t hd, int64_t nk,
+                    int64_t kv_pad, float scale, float* kbuf, float* scores) {
+  switch (R) {
+    case 1: score_tiles<1>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 2: score_tiles<2>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 3: score_tiles<3>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 4: score_tiles<4>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 5: score_tiles<5>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 6: score_tiles<6>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 7: score_tiles<7>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 8: score_tiles<8>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 9: score_tiles<9>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 10: score_tiles<10>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 11: score_tiles<11>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 12: score_tiles<12>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 13: score_tiles<13>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 14: score_tiles<14>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 15: score_tiles<15>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    default: score_tiles<16>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+  }
+}
+
+// One query vector's softmax over its visible keys by rank: its unnormalised weight of key j goes to
+// w[j] (visible j only); returns 1 / (sum of the weights).
+inline float softmax_weights(const bool* mrow, const float* sc, int64_t nk, int64_t* rk, float* e, float* w) {
+  int64_t n = 0;
+  for (int64_t j = 0; j < nk; ++j) {  // branch-free compaction: rk[n] = j, n += visible
+    rk[n] = j;
+    n += mrow[j] ? 1 : 0;
+  }
+  for (int64_t m = 0; m < n; ++m) e[m] = sc[rk[m]];
+  const Vec ninf(-std::numeric_limits<float>::infinity());
+  Vec vmax = ninf;
+  for (int64_t m0 = 0; m0 < n; m0 += VL) {
+    const int64_t c = std::min<int64_t>(VL, n - m0);
+    vmax = at::vec::maximum(vmax, c == VL ? Vec::loadu(e + m0) : Vec::set(ninf, Vec::loadu(e + m0, c), c));
+  }
+  const Vec mx(fold_max(vmax));
+  Vec vsum(0.0f);
+  for (int64_t m0 = 0; m0 < n; m0 += VL) {
+    const int64_t c = std::min<int64_t>(VL, n - m0);
+    const Vec x = (Vec::loadu(e + m0, c) - mx).exp_u20();
+    const Vec xs = c == VL ? x : Vec::set(Vec(0.0f), x, c);  // lanes past the row's keys add nothing
+    xs.store(e + m0, c);
+    vsum = vsum + xs;
+  }
+  for (int64_t m = 0; m < n; ++m) w[rk[m]] = e[m];
+  return n ? 1.0f / fold_sum(vsum) : 0.0f;
+}
+
+// P @ V for R query vectors of one KV head over keys [j0, j1), into the accumulators acc [R, HV * VL]:
+// keys in ascending order (= each vector's rank order); a value row is loaded once for all R, and
+// vector i adds key j only where its mask says visible.
+template <int64_t R, int64_t HV, typename scalar_t>
+void pv_tile(const bool* const* mrows, const float* w, int64_t kv_pad, int64_t j0, int64_t j1,
+             const scalar_t* vb, int64_t vs, int64_t hd, float* acc) {
+  Vec a[R][HV];
+  for (int64_t i = 0; i < R; ++i) {
+    for (int64_t k = 0; k < HV; ++k) a[i][k] = Vec::loadu(acc + (i * HV + k) * VL);
+  }
+  for (int64_t j = j0; j < j1; ++j) {
+    const scalar_t* vr = vb + j * vs;
+    Vec v[HV];
+    for (int64_t k = 0; k < HV; ++k) v[k] = load(vr + k * VL, std::min<int64_t>(VL, hd - k * VL));
+    for (int64_t i = 0; i < R; ++i) {
+      if (!mrows[i][j]) continue;
+      const Vec p(w[i * kv_pad + j]);
+      for (int64_t k = 0; k < HV; ++k) a[i][k] = at::vec::fmadd(p, v[k], a[i][k]);
+    }
+  }
+  for (int64_t i = 0; i < R; ++i) {
+    for (int64_t k = 0; k < HV; ++k) a[i][k].store(acc + (i * HV + k) * VL);
+  }
+}
+
+// R query vectors: key tiles of KT, within a tile groups of vectors whose accumulators fit the
+// registers; then each output row scaled by its 1 / sum.
+template <int64_t HV, typename scalar_t>
+void pv_groups(int64_t R, const bool* const* mrows, const float* w, int64_t kv_pad, const float* inv, int64_t nk,
+               const scalar_t* vb, int64_t vs, int64_t hd, float* acc, scalar_t* const* orows) {
+  constexpr int64_t G = HV <= 2 ? 8 : (HV <= 4 ? 4 : 2);
+  std::fill(acc, acc + R * HV * VL, 0.0f);
+  for (int64_t j0 = 0; j0 < nk; j0 += KT) {
+    const int64_t j1 = std::min<int64_t>(nk, j0 + KT);
+    for (int64_t i0 = 0; i0 < R; i0 += G) {
+      const int64_t r = std::min<int64_t>(G, R - i0);
+      const float* wi = w + i0 * kv_pad;
+      float* ai = acc + i0 * HV * VL;
+      switch (r) {
+        case 1: pv_tile<1, HV>(mrows + i0, wi, kv_pad, j0, j1, vb, vs, hd, ai); break;
+        case 2: pv_tile<2, HV>(mrows + i0, wi, kv_pad, j0, j1, vb, vs, hd, ai); break;
+        case 3: pv_tile<(G >= 3 ? 3 : 2), HV>(mrows + i0, wi, kv_pad, j0, j1, vb, vs, hd, ai); break;
+        case 4: pv_tile<(G >= 4 ? 4 : 2), HV>(mrows + i0, wi, kv_pad, j0, j1, vb, vs, hd, ai); break;
+        case 5: pv_tile<(G >= 5 ? 5 : 2), HV>(mrows + i0, wi, kv_pad, j0, j1, vb, vs, hd, ai); break;
+        case 6: pv_tile<(G >= 6 ? 6 : 2), HV>(mrows + i0, wi, kv_pad, j0, j1, vb, vs, hd, ai); break;
+        case 7: pv_tile<(G >= 7 ? 7 : 2), HV>(mrows + i0, wi, kv_pad, j0, j1, vb, vs, hd, ai); break;
+        default: pv_tile<G, HV>(mrows + i0, wi, kv_pad, j0, j1, vb, vs, hd, ai); break;
+      }
+    }
+  }
+  alignas(64) float out[VL];
+  for (int64_t i = 0; i < R; ++i) {
+    const Vec vinv(inv[i]);
+    for (int64_t k = 0; k < HV; ++k) {
+      (Vec::loadu(acc + (i * HV + k) * VL) * vinv).store(out);
+      const int64_t c = std::min<int64_t>(VL, hd - k * VL);
+      for (int64_t l = 0; l < c; ++l) orows[i][k * VL + l] = static_cast<scalar_t>(out[l]);
+    }
+  }
+}
+
+template <typename scalar_t>
+void pv_dispatch(int64_t R, const bool* const* mrows, const float* w, int64_t kv_pad, const float* inv, int64_t nk,
+                 const scalar_t* vb, int64_t vs, int64_t hd, float* acc, scalar_t* const* orows) {
+  const int64_t hv = (hd + VL - 1) / VL;
+  switch (hv) {
+    case 1: pv_groups<1>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, orows); break;
+    case 2: pv_groups<2>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, orows); break;
+    case 3: pv_groups<3>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, orows); break;
+    case 4: pv_groups<4>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, orows); break;
+    case 5: pv_groups<5>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, orows); break;
+    case 6: pv_groups<6>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, orows); break;
+    case 7: pv_groups<7>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, orows); break;
+    case 8: pv_groups<8>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, orows); break;
+    default: TORCH_CHECK(false, "exact_attention: head size ", hd, " above ", 8 * VL);
+  }
+}
+
+template <typename scalar_t>
+void attend_float(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& mask,
+                  const std::vector<Task>& tasks, float scale, at::Tensor& out) {
+  const int64_t n_h = q.size(1), hd = q.size(2);
+  const int64_t group = n_h / k_cache.size(1), kv_len = mask.size(1);
+  const int64_t kv_pad = (kv_len + VL - 1) / VL * VL;
+  const scalar_t* qd = q.data_ptr<scalar_t>();
+  const scalar_t* kd = k_cache.data_ptr<scalar_t>();
+  const scalar_t* vd = v_cache.data_ptr<scalar_t>();
+  const bool* md = mask.data_ptr<bool>();
+  scalar_t* od = out.data_ptr<scalar_t>();
+  // keys [S, n_kv, L, hd] stored transposed (positions contiguous, the head dim strided by k_d)
+  const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), k_d = k_cache.stride(3);
+  const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
+
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qv(RB * hd), scores(RB * kv_pad), weights(RB * kv_pad), e(kv_pad + VL),
+        acc(RB * ((hd + VL - 1) / VL) * VL), kbuf(hd * KT);
+    std::vector<int64_t> rank(kv_pad + 1);
+    for (int64_t ti = begin; ti < end; ++ti) {
+      const Task& task = tasks[ti];
+      const int64_t R = task.rows * task.heads;  // query vectors, row-major over (row, head)
+      const int64_t g = task.head0 / group;
+      const scalar_t* kb = kd + task.slot * ks0 + g * ks1;
+      const scalar_t* vb = vd + task.slot * vs0 + g * vs1;
+      int64_t nk = 0;  // keys up to the last one any row of the task sees
+      for (int64_t r = 0; r < task.rows; ++r) {
+        const bool* mrow = md + (task.row0 + r) * kv_len;
+        for (int64_t j = kv_len - 1; j >= nk; --j) {
+          if (mrow[j]) {
+            nk = j + 1;
+            break;
+          }
+        }
+      }
+      for (int64_t i = 0; i < R; ++i) {
+        const int64_t row = task.row0 + i / task.heads, h = task.head0 + i % task.heads;
+        for (int64_t d = 0; d < hd; ++d) qv[i * hd + d] = static_cast<float>(qd[(row * n_h + h) * hd + d]);
+      }
+      score_dispatch(R, qv.data(), kb, k_d, hd, nk, kv_pad, scale, kbuf.data(), scores.data());
+      const bool* mrows[RB];
+      scalar_t* orows[RB];
+      float inv[RB];
+      for (int64_t i = 0; i < R; ++i) {
+        const int64_t row = task.row0 + i / task.heads, h = task.head0 + i % task.heads;
+        mrows[i] = md + row * kv_len;
+        orows[i] = od + (row * n_h + h) * hd;
+        inv[i] = softmax_weights(mrows[i], scores.data() + i * kv_pad, nk, rank.data(), e.data(),
+                                 weights.data() + i * kv_pad);
+      }
+      pv_dispatch(R, mrows, weights.data(), kv_pad, inv, nk, vb, vs2, hd, acc.data(), orows);
+    }
+  });
+}
+
+// float64 (the tests' reference dtype): the same visiting order, plain scalar loops.
+void attend_double(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& mask,
+                   double scale, at::Tensor& out) {
+  const int64_t T = q.size(0), n_h = q.size(1), hd = q.size(2);
+  const int64_t group = n_h / k_cache.size(1), kv_len = mask.size(1);
+  const auto qa = q.accessor<double, 3>();
+  const auto ka = k_cache.accessor<double, 4>();
+  const auto va = v_cache.accessor<double, 4>();
+  const auto ma = mask.accessor<bool, 2>();
+  auto oa = out.accessor<double, 3>();
+  at::parallel_for(0, T * n_h, 1, [&](int64_t begin, int64_t end) {
+    std::vector<double> s(kv_len);
+    std::vector<int64_t> rk(kv_len);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t t = task / n_h, h = task % n_h, g = h / group;
+      int64_t n = 0;
+      double mx = -std::numeric_limits<double>::infinity();
+      for (int64_t j = 0; j < kv_len; ++j) {
+        if (!ma[t][j]) continue;
+        double dot = 0;
+        for (int64_t d = 0; d < hd; ++d) dot = std::fma(qa[t][h][d], ka[0][g][j][d], dot);
+        rk[n] = j;
+        s[n] = dot * scale;
+        mx = std::max(mx, s[n++]);
+      }
+      double sum = 0;
+      for (int64_t m = 0; m < n; ++m) sum += (s[m] = std::exp(s[m] - mx));
+      for (int64_t d = 0; d < hd; ++d) {
+        double a = 0;
+        for (int64_t m = 0; m < n; ++m) a = std::fma(s[m], va[0][g][rk[m]][d], a);
+        oa[t][h][d] = n ? a / sum : 0.0;
+      }
+    }
+  });
+}
+
+at::Tensor exact_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& slots, const at::Tensor& mask, double scale) {
+  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "exact_attention runs on the CPU");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q [T, n_h, hd], caches [S, n_kv, L, hd]");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) == v_cache.size(3), "head sizes differ");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of KV heads");
+  TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == q.size(0), "mask [T, kv_len] bool");
+  TORCH_CHECK(mask.size(1) <= k_cache.size(2), "mask longer than the cache");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == q.size(0), "slots [T] int64");
+  at::Tensor qc = q.contiguous(), mc = mask.contiguous(), sc = slots.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  const int64_t T = q.size(0), n_kv = k_cache.size(1), group = q.size(1) / n_kv;
+  const int64_t* sd = sc.data_ptr<int64_t>();
+  if (q.scalar_type() == at::kDouble) {  // reference path: one slot at a time
+    for (int64_t t = 0; t < T;) {
+      int64_t n = 1;
+      while (t + n < T && sd[t + n] == sd[t]) ++n;
+      at::Tensor o = out.narrow(0, t, n);
+      attend_double(qc.narrow(0, t, n), k_cache.narrow(0, sd[t], 1), v_cache.narrow(0, sd[t], 1),
+                    mc.narrow(0, t, n), scale, o);
+      t += n;
+    }
+    return out;
+  }
+  TORCH_CHECK(k_cache.stride(2) == 1, "the key cache must be stored transposed ([S, n_kv, hd, L] in memory)");
+  TORCH_CHECK(v_cache.stride(3) == 1, "the value cache's head dim must be contiguous");
+  TORCH_CHECK(group <= RB, "more than ", RB, " query heads per KV head");
+  // tasks: runs of consecutive rows of one slot x KV heads; few rows (decode) split the group's
+  // heads over tasks too, so both threads get work
+  int64_t runs = 0;
+  for (int64_t t = 0; t < T; ++t) runs += (t == 0 || sd[t] != sd[t - 1]) ? 1 : 0;
+  const bool split_heads = runs * n_kv < 4 * at::get_num_threads();
+  const int64_t heads = split_heads ? 1 : group;
+  const int64_t rows_per_task = std::max<int64_t>(1, RB / heads);
+  std::vector<Task> tasks;
+  for (int64_t t = 0; t < T;) {
+    int64_t n = 1;
+    while (t + n < T && n < rows_per_task && sd[t + n] == sd[t]) ++n;
+    for (int64_t h = 0; h < q.size(1); h += heads) tasks.push_back({sd[t], h, heads, t, n});
+    t += n;
+  }
+  switch (q.scalar_type()) {
+    case at::kFloat: attend_float<float>(qc, k_cache, v_cache, mc, tasks, static_cast<float>(scale), out); break;
+    case at::kBFloat16: attend_float<at::BFloat16>(qc, k_cache, v_cache, mc, tasks, static_cast<float>(scale), out); break;
+    case at::kHalf: attend_float<at::Half>(qc, k_cache, v_cache, mc, tasks, static_cast<float>(scale), out); break;
+    default: TORCH_CHECK(false, "exact_attention: unsupported dtype ", q.scalar_type());
+  }
+  return out;
+}
+
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkl::_mkl_linear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const std::optional<at::Tensor>&, int64_t)>();
+  return op.call(x, packed, w, std::nullopt, x.size(0));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(tidespec, m) {
+  m.def("exact_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor mask, float scale) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor w) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tidespec, CPU, m) {
+  m.impl("exact_attention", &exact_attention);
+  m.impl("packed_linear", &packed_linear);
+}
+
+TORCH_LIBRARY_IMPL(tidespec, MkldnnCPU, m) {  // the packed weight is an MKL-DNN tensor: its key wins
+  m.impl("packed_linear", &packed_linear);
+}

@@ -1,0 +1,177 @@
+"""Row invariance: every projection of the target gives a row the same bits whatever the call holds.
+
+Why this exists: greedy speculative decoding is bit-identical to plain decoding only if the target
+computes each row's logits bit for bit the same in a verification forward (1 + gamma rows per
+sequence), in a decode forward (1 row) and beside any other sequences or prompt chunks. Attention
+gets that from its own kernel (``models/csrc/row_invariant.cpp``). The projections run library
+kernels, and whether those are row-invariant depends on the library, the CPU and the shape: on a
+Sapphire Rapids VM (torch 2.13, MKL 2024.2, 2 threads) MKL's packed sgemm and PyTorch's int8/int4
+kernels give a row the same bits at any row count from 1 to 1024, while a plain float32 sgemm
+changes its kernel after 1 row and again after 12, and oneDNN's bfloat16 GEMM after 32 rows.
+
+So it is measured, per weight shape and kernel, on this machine, up to the engine's token budget
+(``rows.frontier``): a kernel whose frontier covers the budget runs as it is, one with a smaller
+frontier runs each call in pieces within it (``rows.pieces``). The measurements are cached per (CPU,
+torch, threads) under ``cache_root() / "row-invariance"``. ``make_row_invariant`` applies them to a
+model and returns the report the engine prints at start-up.
+
+Worked example (SmolLM2-135M in bfloat16 on the VM above, budget 512)::
+
+    report = make_row_invariant(model, 512)
+    report.exact                  # True
+    report.summary()              # "row invariance: exact (up to 512 rows a forward): attention exact;
+                                  #  projections 960x576 linear in pieces of <= 32 rows, ..."
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tidespec.files import atomic_write, cache_root, cpu_name
+from tidespec.models.kernels import exact_attention_error
+from tidespec.models.linear import Linear
+from tidespec.models.quant import Int4Linear, Int8Linear, QuantizedLinear
+from tidespec.models.rows import PROBE_METHOD, frontier
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class KernelChoice:
+    """What one weight shape runs under row invariance."""
+
+    shape: str  # "out x in:dtype:kind"
+    kernel: str  # "mkl" (packed sgemm), "linear" (F.linear), "int8" or "int4" (the aten kernels)
+    frontier: int  # rows up to which the kernel was measured row-invariant
+    layers: int  # projections of this shape
+
+
+@dataclass
+class InvarianceReport:
+    """The row-invariance state of a target: the kernels chosen, and anything not invariant."""
+
+    budget: int  # the most rows one forward may hold (the engine's token budget)
+    attention: str  # "exact" (the row-invariant kernel) or why not
+    kernels: list[KernelChoice] = field(default_factory=list)
+
+    @property
+    def exact(self) -> bool:
+        """Every part row-invariant: speculation and batching are bit-identical to plain decoding alone."""
+        return self.attention == "exact"
+
+    def chunked(self) -> list[KernelChoice]:
+        """Shapes whose kernel runs in pieces (its frontier is below the budget)."""
+        return [k for k in self.kernels if k.frontier < self.budget]
+
+    def summary(self) -> str:
+        """One line for the start-up log."""
+        if not self.exact:
+            return (f"row invariance: NOT guaranteed ({self.attention}); speculation and batching may change "
+                    f"greedy outputs at near-ties")
+        parts = [f"{k.shape.split(':')[0]} {k.kernel}" + (f" in pieces of <= {k.frontier} rows"
+                                                           if k.frontier < self.budget else "")
+                 for k in self.kernels]
+        return (f"row invariance: exact (up to {self.budget} rows a forward): attention exact; "
+                f"projections {', '.join(parts)}")
+
+    def to_json(self) -> dict[str, object]:
+        return {"budget": self.budget, "attention": self.attention, "exact": self.exact,
+                "kernels": [asdict(k) for k in self.kernels]}
+
+
+def _cache_path(ident: dict[str, object]) -> Path:
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "row-invariance" / f"{key}.json"
+
+
+def cached_frontier(kind: str, shape: tuple[int, int], dtype: torch.dtype, rows: int,
+                    fn: Callable[[torch.Tensor], torch.Tensor]) -> int:
+    """``frontier`` of a kernel on a weight shape up to ``rows``, read from the disk cache when
+    measured before on this CPU with this torch and thread count (it does not depend on the weight's
+    values)."""
+    ident = {"method": PROBE_METHOD, "cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+             "kind": kind, "shape": list(shape), "dtype": str(dtype), "rows": rows}
+    path = _cache_path(ident)
+    try:
+        return int(json.loads(path.read_text())["frontier"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    value = frontier(fn, shape[1], dtype, rows)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps({**ident, "frontier": value}).encode())
+    return value
+
+
+MAX_PROBE_ROWS = 1024  # rows probed, whatever the budget: a larger budget runs bigger calls in pieces within this
+
+
+def _choose_float_kernel(layer: Linear, probe: int) -> tuple[str, int]:
+    """The first kernel of ``Linear.INVARIANT_KERNELS`` (for this dtype) measured row-invariant over
+    every probed row count, else the one that is so up to the most rows: (kernel, frontier).
+    Example: float32 with MKL -> ("mkl", 1024); bfloat16 on oneDNN -> ("tile16", 1024), since
+    ``F.linear`` changes kernel above 32 rows."""
+    best = ("", -1)
+    for kernel in layer.invariant_kernels():
+        layer.set_invariant(kernel, 0)
+        value = cached_frontier(kernel, tuple(layer.weight.shape), layer.weight.dtype, probe, layer.forward)
+        if value >= probe:
+            return kernel, value
+        best = max(best, (kernel, value), key=lambda kv: kv[1])
+    return best
+
+
+def make_row_invariant(model: nn.Module, budget: int) -> InvarianceReport:
+    """Choose, for every projection of ``model`` (``llama.Linear`` and the quantized layers), a kernel
+    that is row-invariant up to ``budget`` rows (or runs in pieces within its frontier), build the
+    exact attention kernel, and mark the model ``row_invariant`` when that succeeded. Layers of one
+    shape share one measurement. Returns the report (``summary()`` for the log)."""
+    error = exact_attention_error()
+    report = InvarianceReport(budget, "exact" if error is None else f"no exact attention kernel: {error}")
+    probe = MAX_PROBE_ROWS  # one measurement per shape serves every budget (cached)
+    groups: dict[tuple[str, int, int, str], list[nn.Module]] = {}
+    for module in model.modules():
+        if isinstance(module, Linear) and module.weight.device.type == "cpu":
+            key = ("float", module.out_features, module.in_features, str(module.weight.dtype))
+        elif isinstance(module, (Int8Linear, Int4Linear)):
+            kind = "int8" if isinstance(module, Int8Linear) else f"int4-g{module.group_size}"
+            key = (kind, module.out_features, module.in_features, "bfloat16")
+        else:
+            continue
+        groups.setdefault(key, []).append(module)
+    for (kind, n_out, n_in, dtype_name), layers in groups.items():
+        first = layers[0]
+        if isinstance(first, QuantizedLinear):
+            first.row_limit = 0
+            value = cached_frontier(kind, (n_out, n_in), torch.bfloat16, probe, first._kernel)
+        else:
+            assert isinstance(first, Linear)
+            kind, value = _choose_float_kernel(first, probe)
+        for layer in layers:
+            limit = value if value < min(budget, probe) or budget > probe else 0  # 0: whole calls
+            if isinstance(layer, QuantizedLinear):
+                layer.row_limit = limit
+            else:
+                assert isinstance(layer, Linear)
+                layer.set_invariant(kind, limit)
+        report.kernels.append(KernelChoice(f"{n_out}x{n_in}:{dtype_name.removeprefix('torch.')}", kind, value,
+                                           len(layers)))
+    model.row_invariant = report.exact  # type: ignore[assignment]  # LlamaModel's flag: caches transposed
+    return report
+
+
+def clear_row_invariance(model: nn.Module) -> None:
+    """Undo ``make_row_invariant``: every projection back to its fastest kernel per row count, the
+    model's caches in the usual layout (SDPA). What ``--no-row-invariant`` and GPU engines run."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.set_invariant("", 0)
+        elif isinstance(module, QuantizedLinear):
+            module.row_limit = 0
+    model.row_invariant = False  # type: ignore[assignment]

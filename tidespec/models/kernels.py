@@ -1,0 +1,112 @@
+"""tidespec's own CPU kernels (``models/csrc``), compiled on first use and cached per machine.
+
+Why this exists: exact speculative decoding needs an attention whose per-row arithmetic does not
+depend on the other rows of the call (``csrc/exact_attention.cpp`` says why none of PyTorch's does).
+The kernel is C++ built with PyTorch's own extension builder (``torch.utils.cpp_extension.load``:
+the compiler on PATH and ninja), once per (CPU vector capability, torch version, source), into
+``cache_root() / "kernels"``; a later process only loads the shared library (~0.1 s). It is built
+for the vector width PyTorch itself dispatches to on this CPU (AVX512, AVX2 or plain C++), with
+``-ffp-contract=off`` so that no multiply-add is fused where the source did not ask for it.
+
+When the build cannot run (no C++ compiler, a read-only cache) the engine keeps PyTorch's SDPA and
+says at start-up that speculation is then not guaranteed bit-identical (``exact_attention_error``).
+
+Worked example::
+
+    op = exact_attention_op()            # builds on the first call of the process (~15 s the first time)
+    out = op(q, k_cache, v_cache, slots, mask, 0.125)   # q [T, n_h, hd] -> [T, n_h, hd]
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from tidespec.files import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "row_invariant.cpp"
+# per vector capability: the flags that make ATen's Vectorized<float> use it (what PyTorch's own
+# kernels are compiled with for that capability)
+CAPABILITY_FLAGS = {
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c",
+               "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
+}
+COMMON_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math"]
+
+
+def _capability() -> str:
+    cap = torch.backends.cpu.get_cpu_capability()
+    return cap if cap in CAPABILITY_FLAGS else "DEFAULT"
+
+
+def _build_name() -> str:
+    """Library name keyed by what changes the binary: source, flags, capability, torch version."""
+    cap = _capability()
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update(" ".join(COMMON_FLAGS + CAPABILITY_FLAGS.get(cap, [])).encode())
+    key.update(torch.__version__.encode())
+    return f"tidespec_kernels_{cap.lower()}_{key.hexdigest()[:12]}"
+
+
+def _load() -> None:
+    from torch.utils import cpp_extension  # imported lazily: it pulls in setuptools
+
+    name = _build_name()
+    build_dir = cache_root() / "kernels" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    if not (build_dir / f"{name}.so").exists():
+        log.info("building tidespec's row-invariant attention kernel for this CPU (once; cached in %s)", build_dir)
+    flags = COMMON_FLAGS + CAPABILITY_FLAGS.get(_capability(), [])
+    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(build_dir),
+                       is_python_module=False, verbose=False)
+    torch.library.register_fake("tidespec::exact_attention")(_exact_attention_fake)
+    torch.library.register_fake("tidespec::packed_linear")(_packed_linear_fake)
+
+
+def _exact_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                          mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """Shape function for torch.compile: the output has q's shape and dtype."""
+    return torch.empty_like(q)
+
+
+def _packed_linear_fake(x: torch.Tensor, packed: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Shape function for torch.compile: [T, in] x [out, in] -> [T, out]."""
+    return x.new_empty(x.shape[0], w.shape[0])
+
+
+@functools.cache
+def ensure_built() -> str | None:
+    """Build or load the kernel library once per process (the result is cached: the library, once
+    loaded, stays loaded); None when it is ready, else why not, in one line."""
+    try:
+        _load()
+    except Exception as exc:  # noqa: BLE001 - any build failure (compiler, ninja, disk) means: no kernel
+        text = str(exc).strip().splitlines()
+        error = f"{type(exc).__name__}: {text[0] if text else exc!r}"
+        log.warning("tidespec's row-invariant attention kernel could not be built (%s): speculation falls back "
+                    "to SDPA and is not guaranteed bit-identical to plain decoding", error)
+        return error
+    return None
+
+
+def exact_attention_error() -> str | None:
+    """Why the kernel is unavailable (None when it is available); builds it on the first call."""
+    return ensure_built()
+
+
+def exact_attention_op() -> Callable[..., torch.Tensor]:
+    """``torch.ops.tidespec.exact_attention`` (q, k_cache, v_cache, slots, mask, scale), built first.
+    Raises RuntimeError when it cannot be built (callers check ``exact_attention_error`` first)."""
+    error = ensure_built()
+    if error is not None:
+        raise RuntimeError(f"tidespec's exact attention kernel is unavailable: {error}")
+    return torch.ops.tidespec.exact_attention
