@@ -20,6 +20,7 @@ Worked example::
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from tidespec.bench.decode import (
     resolve_target,
     run_decode_bench,
 )
+from tidespec.bench.exactness import ExactnessBenchConfig, exact, run_exactness_bench
 from tidespec.bench.learn import LearnBenchConfig, run_learn_bench
 from tidespec.bench.learn import replot as replot_learn
 from tidespec.bench.profile import ProfileConfig, run_profile
@@ -159,6 +161,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     y.add_argument("--out", type=output_dir, default=None, help="output directory (default: runs/bench-yield-<time>)")
     y.set_defaults(func=cmd_yield)
 
+    x = sub.add_parser("exactness", help="greedy outputs of every path and drafter, alone and batched, against "
+                                         "plain decoding alone (bit-exactness matrix)", formatter_class=fmt)
+    add_dataclass_args(x, ExactnessBenchConfig)
+    x.add_argument("--row-invariant", action=argparse.BooleanOptionalAction, default=True,
+                   help="--no-row-invariant: measure the engine without row-invariant kernels (before/after)")
+    x.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0 = torch default)")
+    x.add_argument("--out", type=output_dir, default=None, help="output directory (default: runs/bench-exactness-<time>)")
+    x.set_defaults(func=cmd_exactness)
+
     _register_serve(sub)
     q = sub.add_parser("quality", help="quantized / bfloat16 target against float32: greedy agreement, perplexity",
                        formatter_class=fmt)
@@ -252,6 +263,16 @@ def _replot_or_run(ns: argparse.Namespace, config_cls: type, run: Callable[..., 
     run(cfg, resolve_target(mc.model, mc.dtype, mc.device, mc.quantization, mc.quant_group_size), ns.out,
         command=command_line())
     return 0
+
+
+def cmd_exactness(ns: argparse.Namespace) -> int:
+    if ns.threads:
+        torch.set_num_threads(ns.threads)
+    out = ns.out or Path("runs") / f"bench-exactness-{time.strftime('%Y%m%d-%H%M%S')}"
+    doc = run_exactness_bench(dataclass_from_args(ExactnessBenchConfig, ns), row_invariant=ns.row_invariant,
+                              out_dir=out)
+    print((out / "table.md").read_text())
+    return 0 if exact(doc) else 1
 
 
 def cmd_shift(ns: argparse.Namespace) -> int:

@@ -11,8 +11,9 @@ module, which accepts any JSONL of the shape described in ``../shared/workloads/
 e.g. Llama's BOS); ``chat`` prompts become one user message wrapped in the model's chat template
 with the generation prompt appended. Order is the file's order; ``limit`` keeps the first N.
 
-The names ``code``, ``chat``, ``code_unseen``, ``drafter_boot``, ``code_extra`` and ``zh_chat`` resolve to small sets shipped
-in ``tidespec/workloads/`` (a file of that name in the working directory wins; see its README).
+The names ``code``, ``chat``, ``code_unseen``, ``drafter_boot``, ``code_extra``, ``zh_chat`` and
+``multilingual`` resolve to small sets shipped in ``tidespec/workloads/`` (a file of that name in the
+working directory wins; see its README).
 
 Worked example::
 
@@ -36,7 +37,7 @@ from tidespec.files import atomic_write
 
 KINDS = ("completion", "chat")
 REQUIRED_KEYS = ("id", "domain", "kind", "prompt")
-BUILTIN_WORKLOADS = ("code", "chat", "code_unseen", "drafter_boot", "code_extra", "zh_chat")
+BUILTIN_WORKLOADS = ("code", "chat", "code_unseen", "drafter_boot", "code_extra", "zh_chat", "multilingual")
 
 
 class WorkloadError(ConfigError):

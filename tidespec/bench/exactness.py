@@ -1,0 +1,315 @@
+"""``tidespec bench exactness``: is every path's greedy output exactly plain decoding's, alone?
+
+Why this exists: the engine's first promise is that speculation and batching never change what
+the model would have said (README, Guarantees). It holds only if every forward computes a row's
+logits bit for bit the same whatever else the forward holds (``models/invariance.py``), which
+depends on the kernels, the dtype, the CPU and torch.compile. This benchmark checks the promise
+where a user would: for every path it is asked for (dtype x weight quantization x ``--compile``)
+and every drafter, on prompts of several domains and languages, with long outputs, it compares
+each request's greedy tokens with the same path's plain decoding of that prompt alone:
+
+* ``plain/batched``: plain decoding, all prompts at once (continuous batching, chunked prefill);
+* ``<drafter>/alone`` and ``<drafter>/batched``: speculative decoding one prompt at a time, and
+  all at once.
+
+Each cell counts identical outputs; every difference is listed with the first differing position
+and the gap between the target's two best logits there (``bench/divergence.py``). Per path it
+also measures row invariance directly (``row_probe``): the logits of rows computed in 8-row
+verifications, in a batch beside another sequence and in one prompt chunk, against the same
+rows decoded one at a time, counting the rows whose logits have exactly the same bits.
+``--no-row-invariant`` measures the engine as it was before row invariance (SDPA and the
+fastest kernel per row count), for a before/after table from one command.
+
+Worked example::
+
+    cfg = ExactnessBenchConfig(paths="int4+compile", drafters="suffix", limit=2, max_tokens=64)
+    doc = run_exactness_bench(cfg, out_dir=Path("runs/exact"))
+    doc["paths"][0]["cells"]["suffix/batched"]   # {"identical": 8, "total": 8, "divergences": []}
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from tidespec.bench.divergence import first_divergence
+from tidespec.bench.report import command_line, machine_info, machine_line
+from tidespec.config import (
+    CacheConfig,
+    ConfigError,
+    DraftModelConfig,
+    Eagle3Options,
+    EngineConfig,
+    ModelConfig,
+    PolicyConfig,
+    SchedulerConfig,
+    SpecConfig,
+    opt,
+)
+from tidespec.engine.engine import LLMEngine
+from tidespec.engine.scheduler import PrefillChunk, ScheduledBatch
+from tidespec.engine.sequence import Sequence
+from tidespec.llm import build_engine
+from tidespec.models.eagle3_checkpoint import shipped_bootstrap
+from tidespec.models.loader import LoadedModel, load_model
+from tidespec.models.quant import quantize_model
+from tidespec.sampling import SamplingParams
+from tidespec.speculative.api import DraftProposal, SeqDraft
+from tidespec.workloads.loader import Prompt, load_prompts
+
+PATHS = ("float32", "float32+compile", "bfloat16", "bfloat16+compile", "int8", "int8+compile", "int4", "int4+compile",
+         "bfloat16+int4")
+DRAFTERS = ("ngram", "suffix", "draft-model", "eagle3", "eagle3-tree", "suffix,eagle3+analytic")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class ExactnessBenchConfig:
+    workloads: str = opt("code,chat,zh_chat,multilingual", "comma-separated workloads (built-in names or JSONL paths)")
+    limit: int = opt(6, "prompts per workload", min=1)
+    max_tokens: int = opt(256, "tokens generated per request (EOS ignored)", min=1)
+    paths: str = opt(",".join(PATHS), "comma-separated target paths: [float32|bfloat16+][int8|int4][+compile] "
+                                      "(float32, bfloat16+compile, int4+compile, bfloat16+int4, ...)")
+    drafters: str = opt(";".join(DRAFTERS), "semicolon-separated drafter configurations: " + "; ".join(DRAFTERS))
+    gamma: int = opt(4, "draft tokens per step", min=1)
+    max_num_seqs: int = opt(32, "KV slots (the batched runs put every prompt in flight at once)", min=1)
+
+    def __post_init__(self) -> None:
+        for p in self.path_list:
+            parse_path(p)
+        bad = [d for d in self.drafter_list if d not in DRAFTERS]
+        if bad:
+            raise ConfigError(f"unknown drafter configuration(s) {', '.join(bad)}; choose from {'; '.join(DRAFTERS)}")
+
+    @property
+    def workload_list(self) -> list[str]:
+        return [w.strip() for w in self.workloads.split(",") if w.strip()]
+
+    @property
+    def path_list(self) -> list[str]:
+        return [p.strip() for p in self.paths.split(",") if p.strip()]
+
+    @property
+    def drafter_list(self) -> list[str]:
+        return [d.strip() for d in self.drafters.split(";") if d.strip()]
+
+
+def parse_path(path: str) -> tuple[str, str, bool]:
+    """A target path, ``[dtype+][int8|int4][+compile]`` -> (dtype, quantization, compile); a
+    one-line error else.
+
+    Examples: ``parse_path("int4+compile") == ("float32", "int4", True)``,
+    ``parse_path("bfloat16+int4") == ("bfloat16", "int4", False)``,
+    ``parse_path("bfloat16") == ("bfloat16", "none", False)``."""
+    parts = path.split("+")
+    dtype = parts.pop(0) if parts[0] in DTYPES else "float32"
+    quant = parts.pop(0) if parts and parts[0] in ("int8", "int4") else "none"
+    compile_ = parts == ["compile"]
+    if (parts and not compile_) or (dtype == "float32" and quant == "none" and not path.startswith("float32")):
+        raise ConfigError(f"unknown path {path!r}: [float32|bfloat16+][int8|int4][+compile], e.g. int4+compile, "
+                          f"bfloat16+int4")
+    return dtype, quant, compile_
+
+
+def spec_for(name: str, gamma: int) -> tuple[SpecConfig, PolicyConfig]:
+    """The engine sections of a drafter configuration of ``DRAFTERS``."""
+    eagle = Eagle3Options(dir=str(shipped_bootstrap()))
+    if name == "draft-model":
+        return SpecConfig(drafter="draft-model", num_speculative_tokens=gamma,
+                          draft_model=DraftModelConfig(layers=6)), PolicyConfig()
+    if name in ("eagle3", "eagle3-tree"):
+        return SpecConfig(drafter="eagle3", num_speculative_tokens=gamma, tree=name == "eagle3-tree",
+                          eagle3=eagle), PolicyConfig()
+    if name == "suffix,eagle3+analytic":
+        return SpecConfig(drafter="suffix,eagle3", num_speculative_tokens=gamma, eagle3=eagle), \
+            PolicyConfig(name="analytic")
+    return SpecConfig(drafter=name, num_speculative_tokens=gamma), PolicyConfig()
+
+
+def target_model(dtype: str, quantization: str, cache: dict[tuple[str, str], LoadedModel]) -> LoadedModel:
+    """The embedded model in ``dtype`` with ``quantization`` (one copy per pair, kept for the run)."""
+    key = (dtype, quantization)
+    if key not in cache:
+        base = cache.get((dtype, "none")) or load_model(None, dtype=DTYPES[dtype])
+        if quantization != "none":  # a quantized copy; the float model stays as it is
+            base = dataclasses.replace(base, model=copy.deepcopy(base.model))
+            quantize_model(base.model, quantization)
+        cache[key] = base
+    return cache[key]
+
+
+def _generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, batched: bool) -> list[list[int]]:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    if not batched:
+        return [_generate(engine, [p], max_tokens, True)[0] for p in prompts]
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.token_ids
+    return [done[i] for i in ids]
+
+
+def _compare(target: LoadedModel, prompts: list[Prompt], plain: list[list[int]],
+             got: list[list[int]]) -> dict[str, Any]:
+    divergences = []
+    for p, ref, out in zip(prompts, plain, got):
+        if ref != out:
+            d = first_divergence(target.model, p.token_ids, ref, out, p.record.id)
+            divergences.append(dataclasses.asdict(d) if d is not None else {"prompt_id": p.record.id})
+    return {"identical": len(plain) - len(divergences), "total": len(plain), "divergences": divergences}
+
+
+def _shadow(engine: LLMEngine, tokens: list[int]) -> Sequence:
+    """A sequence outside the scheduler, in a free slot of the engine's cache, with ``tokens``
+    prefilled the way the engine prefills a prompt alone (chunks of its token budget)."""
+    slot = engine.kv.allocate()
+    if slot is None:
+        raise RuntimeError("row probe: no free KV slot")
+    seq = Sequence(-1 - slot, f"probe{slot}", list(tokens), SamplingParams(), torch.Generator(), None)  # type: ignore[arg-type]
+    seq.slot = slot
+    done = 0
+    while done < len(tokens):
+        n = min(len(tokens) - done, engine.scheduler.budget)
+        seq.num_cached = done
+        engine.runner.forward(ScheduledBatch(prefill=[PrefillChunk(seq, done, n)]), DraftProposal(), ())
+        done += n
+    seq.num_cached = len(tokens)
+    return seq
+
+
+def _forward(engine: LLMEngine, batch: ScheduledBatch, drafts: dict[int, SeqDraft] | None = None) -> Any:
+    out = engine.runner.forward(batch, DraftProposal(drafts or {}), ())
+    assert out.logits is not None
+    return out
+
+
+def row_probe(engine: LLMEngine, prompts: list[list[int]], k: int = 8) -> dict[str, int]:
+    """Rows whose logits have exactly the bits of the same rows decoded one at a time, through the
+    engine's own forward path (eager, compiled or CUDA graphs, as it runs). Per prompt: its last
+    token and the next ``k - 1`` tokens of its plain continuation decoded one row a forward (the
+    reference), then verified as one k-row chain, as a 3-row chain beside another prompt's k-row
+    chain, and fed as one prompt chunk (its last row). Frees every slot it took."""
+    counts = {"rows": 0, "identical": 0}
+    for i, prompt in enumerate(prompts):
+        a = _shadow(engine, prompt[:-1])
+        a.token_ids = list(prompt)
+        ones: list[torch.Tensor] = []
+        for _ in range(k):  # plain decoding: one row a forward
+            ones.append(_forward(engine, ScheduledBatch(decode=[a])).logits[0].clone())
+            a.num_cached += 1
+            a.token_ids = a.token_ids + [int(ones[-1].argmax())]
+        engine.kv.free(a.slot)  # type: ignore[arg-type]
+        cont = a.token_ids[len(prompt):]  # [k] the continuation
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for partner in (False, True):
+            b = _shadow(engine, prompt[:-1])
+            b.token_ids = list(prompt)
+            seqs, drafts = [b], {b.seq_id: SeqDraft(cont[:2] if partner else cont[:k - 1])}
+            if partner:
+                other = prompts[(i + 1) % len(prompts)]
+                c = _shadow(engine, other[:-1])
+                c.token_ids = list(other)
+                seqs.append(c)
+                drafts[c.seq_id] = SeqDraft([other[-1]] * (k - 1))
+            out = _forward(engine, ScheduledBatch(decode=seqs), drafts)
+            row = out.rows[b.seq_id]
+            pairs += [(out.logits[row.logits_start + j], ones[j]) for j in range(row.num)]
+            for s in seqs:
+                engine.kv.free(s.slot)  # type: ignore[arg-type]
+        chunk = _shadow(engine, prompt[:-1])
+        chunk.prompt_ids = prompt + cont[:k - 1]
+        out = _forward(engine, ScheduledBatch(prefill=[PrefillChunk(chunk, len(prompt) - 1, k)]))
+        engine.kv.free(chunk.slot)  # type: ignore[arg-type]
+        pairs.append((out.logits[-1], ones[k - 1]))
+        counts["rows"] += len(pairs)
+        counts["identical"] += sum(int(torch.equal(got, ref)) for got, ref in pairs)
+    return counts
+
+
+def run_exactness_bench(cfg: ExactnessBenchConfig, row_invariant: bool = True, out_dir: Path | None = None,
+                        progress: bool = True) -> dict[str, Any]:
+    """Every path x cell of ``cfg``; writes ``results.json`` and ``table.md`` into ``out_dir``.
+    ``row_invariant``: False runs the engine as before row invariance (``--no-row-invariant``)."""
+    targets: dict[tuple[str, str], LoadedModel] = {}
+    doc: dict[str, Any] = {"config": {**dataclasses.asdict(cfg), "row_invariant": row_invariant}, "paths": [],
+                           "machine": machine_info(), "command": command_line()}
+    first = target_model("float32", "none", targets)
+    prompts = [p for w in cfg.workload_list for p in load_prompts(w, first.tokenizer, limit=cfg.limit)]
+    longest = max(len(p.token_ids) for p in prompts)
+    cache = CacheConfig(max_model_len=longest + cfg.max_tokens + cfg.gamma + 2, max_num_seqs=cfg.max_num_seqs)
+    ids = [p.token_ids for p in prompts]
+    bar = tqdm(total=len(cfg.path_list) * (2 + 2 * len(cfg.drafter_list)), desc="exactness", disable=not progress)
+    for path in cfg.path_list:
+        dtype, quant, compile_ = parse_path(path)
+        target = target_model(dtype, quant, targets)
+        model_cfg = ModelConfig(dtype=dtype, quantization=quant, compile=compile_, row_invariant=row_invariant,
+                                threads=torch.get_num_threads())
+        t0 = time.perf_counter()
+        plain_engine = build_engine(EngineConfig(model=model_cfg, cache=cache), model=target.model,
+                                    tokenizer=target.tokenizer)
+        entry: dict[str, Any] = {"path": path, "invariance": plain_engine.invariance.to_json(), "cells": {}}
+        entry["row_probe"] = row_probe(plain_engine, ids[:4])
+        plain = _generate(plain_engine, ids, cfg.max_tokens, batched=False)
+        bar.update()
+        entry["cells"]["plain/batched"] = _compare(target, prompts, plain,
+                                                   _generate(plain_engine, ids, cfg.max_tokens, batched=True))
+        bar.update()
+        for name in cfg.drafter_list:
+            spec, policy = spec_for(name, cfg.gamma)
+            econf = EngineConfig(model=model_cfg, cache=cache, spec=spec, policy=policy,
+                                 scheduler=SchedulerConfig())
+            engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
+            for batched in (False, True):
+                got = _generate(engine, ids, cfg.max_tokens, batched)
+                entry["cells"][f"{name}/{'batched' if batched else 'alone'}"] = _compare(target, prompts, plain, got)
+                bar.update()
+        entry["seconds"] = round(time.perf_counter() - t0, 1)
+        doc["paths"].append(entry)
+        if out_dir is not None:
+            write_report(doc, out_dir)
+    bar.close()
+    return doc
+
+
+def exact(doc: dict[str, Any]) -> bool:
+    """Whether every cell of every path was identical to plain decoding alone."""
+    return all(c["identical"] == c["total"] for p in doc["paths"] for c in p["cells"].values())
+
+
+def table(doc: dict[str, Any]) -> str:
+    """Markdown: one row per path, one column per cell (identical/total), the row probe last."""
+    cells = list(doc["paths"][0]["cells"]) if doc["paths"] else []
+    lines = ["| path | " + " | ".join(cells) + " | rows bit-identical (probe) |",
+             "|---|" + "---:|" * (len(cells) + 1)]
+    for p in doc["paths"]:
+        vals = []
+        for c in cells:
+            cell = p["cells"][c]
+            text = f"{cell['identical']}/{cell['total']}"
+            vals.append(text if cell["identical"] == cell["total"] else f"**{text}**")
+        probe = p["row_probe"]
+        vals.append(f"{probe['identical']}/{probe['rows']}")
+        lines.append(f"| {p['path']} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def write_report(doc: dict[str, Any], out_dir: Path) -> None:
+    """``results.json`` (every cell, every divergence) and ``table.md`` (command, machine, table)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
+    c = doc["config"]
+    setting = (f"row invariance: {'on' if c['row_invariant'] else 'off (--no-row-invariant)'}; {c['limit']} prompts "
+               f"per workload of {c['workloads']}, {c['max_tokens']} tokens, greedy, EOS ignored, gamma {c['gamma']}; "
+               "each cell: outputs identical to the path's plain decoding of the prompt alone")
+    head = [f"`{doc.get('command', '')}`", "", machine_line(doc["machine"]), "", setting, ""]
+    (out_dir / "table.md").write_text("\n".join(head) + table(doc) + "\n")
