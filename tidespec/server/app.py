@@ -55,6 +55,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tidespec.config import ConfigError
 from tidespec.engine.engine import LLMEngine, RequestError
+from tidespec.engine.exactness import ExactnessChecker
 from tidespec.engine.output import RequestOutput
 from tidespec.engine.scheduler import QueueFullError
 from tidespec.errors import check_at_least
@@ -86,6 +87,7 @@ if TYPE_CHECKING:
     from tidespec.online.attach import OnlineTraining
 
 ROUTE_HEADER = "x-tidespec-route"
+EXACTNESS_TICK_S = 0.02  # the longest an exactness-check tick runs before the engine thread looks for requests
 _ROUTE_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
 _STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
                  404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
@@ -111,6 +113,9 @@ class ServerConfig:
     default_completion_max_tokens: int = 16  # OpenAI's default for /v1/completions
     disconnect_poll_s: float = 0.5  # how often a non-streaming request checks its client is still there
     max_in_flight: int | None = None  # None = engine max_num_seqs + max_waiting (unbounded if max_waiting == 0)
+    # fraction of finished greedy requests re-decoded plainly in idle time and compared token by
+    # token (engine/exactness.py); 0 = off
+    exactness_check: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -119,6 +124,8 @@ class ServerConfig:
         check_at_least(1, default_completion_max_tokens=self.default_completion_max_tokens)
         if self.disconnect_poll_s <= 0:
             raise ConfigError(f"disconnect_poll_s must be > 0, got {self.disconnect_poll_s}")
+        if not 0.0 <= self.exactness_check <= 1.0:
+            raise ConfigError(f"--exactness-check must be a fraction in [0, 1], got {self.exactness_check}")
 
 
 class ApiError(Exception):
@@ -286,8 +293,11 @@ class _Server:
         self.engine = engine
         self.config = config
         self.metrics = metrics
+        self.checker = (ExactnessChecker(engine, config.exactness_check, on_result=metrics.on_exactness_check)
+                        if config.exactness_check > 0 else None)
         self.aengine = AsyncEngine(engine, max_in_flight=config.max_in_flight,
-                                   on_finished=metrics.on_request_finished, on_idle=self._idle)
+                                   on_finished=metrics.on_request_finished, on_idle=self._idle,
+                                   idle_work=self._check_exactness if self.checker is not None else None)
         self.created = int(time.time())
         self.vocab_size = engine.model.cfg.vocab_size
 
@@ -299,6 +309,11 @@ class _Server:
 
     def _idle(self, eng: LLMEngine) -> None:
         self.metrics.set_load(eng.num_running, eng.num_waiting, eng.kv.usage())
+
+    def _check_exactness(self, eng: LLMEngine) -> bool:
+        """Idle work: a few forwards of the exactness checker's re-decodes (``--exactness-check``)."""
+        assert self.checker is not None
+        return self.checker.tick(EXACTNESS_TICK_S)
 
     # ------------------------------------------------------------------ shared request steps
     def check_model(self, model: str | None) -> None:

@@ -141,7 +141,8 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, max_in_flight: int | None = None, idle_poll_s: float = 0.5,
                  on_finished: Callable[[RequestOutput, str | None], None] | None = None,
-                 on_idle: Callable[[LLMEngine], None] | None = None) -> None:
+                 on_idle: Callable[[LLMEngine], None] | None = None,
+                 idle_work: Callable[[LLMEngine], bool] | None = None) -> None:
         if max_in_flight is None:
             mw = engine.config.scheduler.max_waiting
             max_in_flight = engine.config.cache.max_num_seqs + mw if mw else None
@@ -156,6 +157,10 @@ class AsyncEngine:
         self.idle_poll_s = idle_poll_s
         self.on_finished = on_finished  # called in the engine thread for every finished request
         self.on_idle = on_idle  # called in the engine thread when it runs out of work
+        # called in the engine thread, again and again while it has no requests, until it returns
+        # False (then the thread waits for commands); each call must return within a few tens of
+        # ms, since a request that arrives meanwhile waits for it (the exactness checker's ticks)
+        self.idle_work = idle_work
         self._commands: queue.Queue[Command] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}  # event-loop thread only
         self._labels: dict[str, str | None] = {}  # engine thread only
@@ -269,13 +274,17 @@ class AsyncEngine:
         pin_threads(self.intraop_threads)
         eng = self.engine
         stop = False
+        idle_pending = False  # idle work left over from the last idle call
         while not stop:
             busy = eng.has_unfinished_requests()
-            stop = self._apply_commands(block=not busy)
+            stop = self._apply_commands(block=not busy and not idle_pending)
             if stop or not eng.has_unfinished_requests():
                 if not stop and busy and self.on_idle is not None:
                     self._safe(self.on_idle, eng)
+                if not stop and self.idle_work is not None:
+                    idle_pending = self._idle_work(eng)
                 continue
+            idle_pending = self.idle_work is not None  # finished requests may have left idle work
             try:
                 outputs = eng.step()
             except Exception as exc:  # noqa: BLE001 - one bad step must not kill the server
@@ -379,6 +388,15 @@ class AsyncEngine:
             loop.call_soon_threadsafe(self._deliver, outputs, errors)
         except RuntimeError:  # the loop closed between the check and the call
             log.warning("event loop closed; dropped %d output(s)", len(outputs))
+
+    def _idle_work(self, eng: LLMEngine) -> bool:
+        """One idle-work call; a failure is logged and stops idle work until the next request."""
+        assert self.idle_work is not None
+        try:
+            return bool(self.idle_work(eng))
+        except Exception:  # noqa: BLE001 - idle work must not stop the engine
+            log.exception("idle work %r failed", self.idle_work)
+            return False
 
     @staticmethod
     def _safe(fn: Callable[..., Any], *args: Any) -> None:

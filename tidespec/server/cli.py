@@ -49,6 +49,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--header-timeout", type=finite_float, default=HEADER_TIMEOUT_S, metavar="S",
                    help="close a connection whose request headers are not complete S seconds after its "
                         f"first byte (408; default: {HEADER_TIMEOUT_S:g})")
+    g.add_argument("--exactness-check", type=finite_float, default=0.0, metavar="RATE",
+                   help="re-decode this fraction of finished greedy requests plainly while the engine is idle and "
+                        "compare them token by token; a mismatch is logged (request id, position, top-2 logit gap) "
+                        "and counted in tidespec:exactness_checks_total{result} (default: 0, off)")
     g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn and tidespec log level (default: info)")
     p.set_defaults(func=cmd_serve, max_waiting=DEFAULT_MAX_WAITING)
@@ -94,7 +98,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV) or None
     config = server_engine_config(ns)
-    server_config = ServerConfig(served_model_name=ns.served_model_name or served_name(config), api_key=api_key)
+    server_config = ServerConfig(served_model_name=ns.served_model_name or served_name(config), api_key=api_key,
+                                 exactness_check=ns.exactness_check)
     if not _is_loopback(ns.host):
         log.warning("binding %s: the server is reachable from other machines%s", ns.host,
                     "" if api_key else " and has no API key")

@@ -208,6 +208,11 @@ class Metrics:
         # server-level
         self.rejected = Counter(f"{p}request_rejected", "Requests refused before reaching the engine.",
                                 ["reason"], registry=r)
+        self.exactness_checks = Counter(
+            f"{p}exactness_checks", "Finished greedy requests re-decoded plainly in idle time (--exactness-check), by "
+            "result: match, mismatch (logged with the request id, position and top-2 logit gap), dropped (more "
+            "pending than the bound), abandoned (stopped for a request that needed its KV slot; retried).",
+            ["result"], registry=r)
         # online training (attach_online): created only for servers that train
         self.trainer: _TrainerMetrics | None = None
         # a draft vocabulary (attach_vocab): created only for servers that run one
@@ -217,6 +222,10 @@ class Metrics:
         self.series = Series()
 
     # ------------------------------------------------------------------ feeds
+    def on_exactness_check(self, result: str, mismatch: object | None) -> None:
+        """``ExactnessChecker`` result hook (the mismatch itself is logged by the checker)."""
+        self.exactness_checks.labels(result=result).inc()
+
     def on_step(self, stats: StepStats) -> None:
         """Step listener: ``engine.step_listeners.append(metrics.on_step)``."""
         self.num_drafts.inc(stats.num_drafts)
