@@ -102,6 +102,7 @@ def test_served_requests_are_checked_in_idle_time_and_counted_in_metrics() -> No
     corrupt.done = False
     engine.finish_listeners.append(corrupt)
     with TestClient(create_app(engine, ServerConfig(served_model_name="tiny", exactness_check=1.0))) as client:
+        assert 'tidespec:exactness_checks_total{result="mismatch"} 0.0' in client.get("/metrics").text
         for _ in range(2):
             r = client.post("/v1/completions", json={"model": "tiny", "prompt": "t5 t9 t12 t5 t9", "max_tokens": 10,
                                                      "temperature": 0, "ignore_eos": True})

@@ -55,7 +55,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tidespec.config import ConfigError
 from tidespec.engine.engine import LLMEngine, RequestError
-from tidespec.engine.exactness import ExactnessChecker
+from tidespec.engine.exactness import RESULTS, ExactnessChecker
 from tidespec.engine.output import RequestOutput
 from tidespec.engine.scheduler import QueueFullError
 from tidespec.errors import check_at_least
@@ -295,6 +295,8 @@ class _Server:
         self.metrics = metrics
         self.checker = (ExactnessChecker(engine, config.exactness_check, on_result=metrics.on_exactness_check)
                         if config.exactness_check > 0 else None)
+        if self.checker is not None:  # every result's series from the start, at 0 (an alert can watch mismatch)
+            metrics.init_exactness_checks(RESULTS)
         self.aengine = AsyncEngine(engine, max_in_flight=config.max_in_flight,
                                    on_finished=metrics.on_request_finished, on_idle=self._idle,
                                    idle_work=self._check_exactness if self.checker is not None else None)

@@ -222,6 +222,11 @@ class Metrics:
         self.series = Series()
 
     # ------------------------------------------------------------------ feeds
+    def init_exactness_checks(self, results: tuple[str, ...]) -> None:
+        """Create the ``exactness_checks_total`` series of every result at 0."""
+        for result in results:
+            self.exactness_checks.labels(result=result)
+
     def on_exactness_check(self, result: str, mismatch: object | None) -> None:
         """``ExactnessChecker`` result hook (the mismatch itself is logged by the checker)."""
         self.exactness_checks.labels(result=result).inc()
