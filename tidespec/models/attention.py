@@ -52,6 +52,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from tidespec.models.kernels import exact_attention_op
+
 # On CUDA, SDPA may pick cuDNN's attention, which builds an execution plan for every new shape: an
 # eager forward's key length changes every step, and the EAGLE-3 head's attention then took 9 ms a
 # call on an H100 (torch 2.11). Eager CUDA attention (also what a graph of the eager forward
@@ -174,6 +176,8 @@ def attend_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  row_mask: torch.Tensor) -> torch.Tensor:
     """Each new token attended on its own by ``tidespec::exact_attention``: q [T, n_h, hd], the whole
     caches [S, n_kv, L, hd] (keys transposed), row_slots [T], row_mask [T, kv_len] -> [T, n_h, hd]."""
+    if not torch.compiler.is_compiling():  # built (or loaded from the cache) on first use; a graph finds it loaded
+        exact_attention_op()
     return torch.ops.tidespec.exact_attention(q, k_cache, v_cache, row_slots, row_mask, q.shape[-1] ** -0.5)
 
 

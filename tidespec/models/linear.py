@@ -84,11 +84,29 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), MKL_PACK_ROWS)
 
 
+def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tensor:
+    """``F.linear(x, weight)`` over row tiles of exactly ``tile`` rows (the last one zero-padded):
+    every call the BLAS library sees has the same shape, so it picks the same kernel, and a row's
+    bits depend only on its own values (measured per machine: ``models/invariance.py``).
+    x [T, in] -> [T, out].
+
+    Example: 20 rows, tile 16 -> F.linear on rows 0..15, then on rows 16..19 and 12 rows of zeros."""
+    T = x.shape[0]
+    pad = -T % tile
+    xp = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x  # [T + pad, in]
+    if xp.shape[0] == tile:
+        return F.linear(xp, weight)[:T]
+    return torch.cat([F.linear(chunk, weight) for chunk in xp.split(tile)])[:T]
+
+
+# The compiled step calls these through ops of their own, so that a graph keeps the row count
+# symbolic (splitting the rows in the graph would specialise every count) and calls the kernel as
+# it is; eager code calls the functions directly (a custom op's Python dispatch costs ~70 us a call).
+
+
 @torch.library.custom_op("tidespec::linear_in_pieces", mutates_args=())
 def linear_in_pieces(x: torch.Tensor, weight: torch.Tensor, limit: int) -> torch.Tensor:
-    """``F.linear(x, weight)`` in row pieces of at most ``limit`` (``rows.pieces``): an op of its
-    own so a compiled graph keeps the row count symbolic (splitting it in the graph would
-    specialise every count) and calls the kernel as it is. x [T, in] -> [T, out]."""
+    """``F.linear(x, weight)`` in row pieces of at most ``limit`` (``rows.pieces``). x [T, in] -> [T, out]."""
     return in_pieces(lambda p: F.linear(p, weight), x, limit)
 
 
@@ -99,16 +117,8 @@ def _linear_in_pieces_fake(x: torch.Tensor, weight: torch.Tensor, limit: int) ->
 
 @torch.library.custom_op("tidespec::linear_tiles", mutates_args=())
 def linear_tiles(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tensor:
-    """``F.linear(x, weight)`` over row tiles of exactly ``tile`` rows (the last one zero-padded):
-    every call the BLAS library sees has the same shape, so it picks the same kernel, and a row's
-    bits depend only on its own values (measured per machine: ``models/invariance.py``). An op of
-    its own for the reasons of ``linear_in_pieces``. x [T, in] -> [T, out].
-
-    Example: 20 rows, tile 16 -> F.linear on rows 0..15, then on rows 16..19 and 12 rows of zeros."""
-    T = x.shape[0]
-    pad = -T % tile
-    xp = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x  # [T + pad, in]
-    return torch.cat([F.linear(chunk, weight) for chunk in xp.split(tile)])[:T]
+    """``tiled_linear`` as an op. x [T, in] -> [T, out]."""
+    return tiled_linear(x, weight, tile)
 
 
 @linear_tiles.register_fake
@@ -218,18 +228,20 @@ class Linear(nn.Linear):
 
     def _invariant_forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out], each row's bits independent of T (models/invariance.py)
+        compiling = torch.compiler.is_compiling()
         if self.invariant == "tile16":
-            out = torch.ops.tidespec.linear_tiles(x, self.weight, 16)
+            out = torch.ops.tidespec.linear_tiles(x, self.weight, 16) if compiling else tiled_linear(x, self.weight, 16)
         elif self.invariant == "mkl":
             assert self._packed is not None  # packed by set_invariant (a weight written since: repacked eagerly)
-            packed = self._packed if torch.compiler.is_compiling() else self.packed()
+            packed = self._packed if compiling else self.packed()
             if self.invariant_limit and x.shape[0] > self.invariant_limit:  # (compiled: one graph per count)
                 out = in_pieces(lambda p: torch.ops.tidespec.packed_linear(p, packed, self.weight), x,
                                 self.invariant_limit)
             else:
                 out = torch.ops.tidespec.packed_linear(x, packed, self.weight)
         elif self.invariant_limit:  # F.linear within its measured frontier
-            out = torch.ops.tidespec.linear_in_pieces(x, self.weight, self.invariant_limit)
+            out = (torch.ops.tidespec.linear_in_pieces(x, self.weight, self.invariant_limit) if compiling
+                   else in_pieces(lambda p: F.linear(p, self.weight), x, self.invariant_limit))
         else:
             out = F.linear(x, self.weight)
         return out if self.bias is None else out + self.bias

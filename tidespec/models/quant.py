@@ -219,7 +219,9 @@ class Int8Linear(QuantizedLinear):
         return torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scales)
 
     def _kernel_in_pieces(self, xb: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tidespec.int8_in_pieces(xb, self.qweight, self.scales, self.row_limit)
+        if torch.compiler.is_compiling():  # an op of its own in a graph (below); eager calls the kernel directly
+            return torch.ops.tidespec.int8_in_pieces(xb, self.qweight, self.scales, self.row_limit)
+        return in_pieces(self._kernel, xb, self.row_limit)
 
     def dequantize(self) -> torch.Tensor:
         """The weight the kernel multiplies by, float32 ``[N, K]``."""
@@ -264,6 +266,8 @@ class Int4Linear(QuantizedLinear):
         return y[:, :self.out_features].contiguous() if y.shape[1] != self.out_features else y
 
     def _kernel_in_pieces(self, xb: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():  # eager calls the kernel directly (see int8)
+            return in_pieces(self._kernel, xb, self.row_limit)
         y = torch.ops.tidespec.int4_in_pieces(xb, self.packed, self.group_size, self.scale_zero, self.row_limit)
         return y[:, :self.out_features].contiguous() if y.shape[1] != self.out_features else y
 
