@@ -242,7 +242,7 @@ def run_exactness_bench(cfg: ExactnessBenchConfig, row_invariant: bool = True, o
     ``row_invariant``: False runs the engine as before row invariance (``--no-row-invariant``)."""
     targets: dict[tuple[str, str], LoadedModel] = {}
     doc: dict[str, Any] = {"config": {**dataclasses.asdict(cfg), "row_invariant": row_invariant}, "paths": [],
-                           "machine": machine_info(), "command": command_line()}
+                           "machine": machine_info("per path"), "command": command_line()}
     first = target_model("float32", "none", targets)
     prompts = [p for w in cfg.workload_list for p in load_prompts(w, first.tokenizer, limit=cfg.limit)]
     longest = max(len(p.token_ids) for p in prompts)
