@@ -67,3 +67,21 @@ def test_float_linear_gets_an_invariant_kernel_and_runs_it_for_every_row_count()
         alone = torch.cat([lin.forward(x[i:i + 1]) for i in range(64)])
         assert torch.equal(lin.forward(x), alone)
         torch.testing.assert_close(lin.forward(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_every_invariant_kernel_computes_the_product_and_the_choice_is_the_fastest_invariant_one() -> None:
+    """bfloat16: each candidate (``tall64`` pads tiles to 2..64 rows) gives F.linear's product up to
+    rounding at row counts across its tile edges; ``make_row_invariant`` runs a kernel whose rows
+    are bit-identical in a 1-row and a 70-row call (the probe's verdict, checked here again)."""
+    lin = Linear(96, 80, bias=False).to(torch.bfloat16)
+    x = torch.randn(70, 96).to(torch.bfloat16)
+    with torch.inference_mode():
+        for kernel in lin.invariant_kernels():
+            lin.set_invariant(kernel, 0)
+            for rows in (1, 3, 64, 65, 70):
+                torch.testing.assert_close(lin.forward(x[:rows]).float(), F.linear(x[:rows], lin.weight).float(),
+                                           rtol=2e-2, atol=2e-2)
+        report = make_row_invariant(torch.nn.Sequential(lin), budget=96)
+        assert lin.invariant == report.kernels[0].kernel and report.kernels[0].frontier >= 96
+        alone = torch.cat([lin.forward(x[i:i + 1]) for i in range(70)])
+        assert torch.equal(lin.forward(x), alone)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -112,19 +113,75 @@ def cached_frontier(kind: str, shape: tuple[int, int], dtype: torch.dtype, rows:
 MAX_PROBE_ROWS = 1024  # rows probed, whatever the budget: a larger budget runs bigger calls in pieces within this
 
 
-def _choose_float_kernel(layer: Linear, probe: int) -> tuple[str, int]:
-    """The first kernel of ``Linear.INVARIANT_KERNELS`` (for this dtype) measured row-invariant over
-    every probed row count, else the one that is so up to the most rows: (kernel, frontier).
-    Example: float32 with MKL -> ("mkl", 1024); bfloat16 on oneDNN -> ("tile16", 1024), since
-    ``F.linear`` changes kernel above 32 rows."""
-    best = ("", -1)
+TIMED_ROWS = (1, 5, 16)  # what decoding runs most: a decode row, a gamma-4 verification, 16 sequences' decodes
+
+
+def _frontiers(layer: Linear, probe: int) -> dict[str, int]:
+    """Each kernel of ``layer.invariant_kernels()`` -> its measured frontier on the layer's shape."""
+    out: dict[str, int] = {}
     for kernel in layer.invariant_kernels():
         layer.set_invariant(kernel, 0)
-        value = cached_frontier(kernel, tuple(layer.weight.shape), layer.weight.dtype, probe, layer.forward)
-        if value >= probe:
-            return kernel, value
-        best = max(best, (kernel, value), key=lambda kv: kv[1])
-    return best
+        out[kernel] = cached_frontier(kernel, tuple(layer.weight.shape), layer.weight.dtype, probe, layer.forward)
+    return out
+
+
+def choose_float_kernels(groups: list[list[Linear]], probe: int) -> list[tuple[str, int]]:
+    """A kernel and its frontier for each group of ``Linear`` layers (one weight shape a group, all
+    of one dtype): the fastest (``fastest_kernel``) of the kernels measured row-invariant over every
+    probed row count on every shape; for a shape where none of those is, the kernel invariant up to
+    the most rows (run in pieces). One kernel for the whole model, because what makes one faster is
+    how it streams the weights from memory in a forward, which one shape's weights alone (cache
+    resident) do not show.
+    Example: float32 with MKL -> "mkl" everywhere; bfloat16 on a Sapphire Rapids VM -> "tall64"
+    (``F.linear`` changes kernel above 32 rows; its 16-row tiles cost a 1-row decode 16 rows)."""
+    frontiers = [_frontiers(layers[0], probe) for layers in groups]
+    common = [k for k in frontiers[0] if all(f.get(k, 0) >= probe for f in frontiers)]
+    chosen = (common[0] if len(common) == 1 else
+              fastest_kernel([layer for layers in groups for layer in layers], common) if common else "")
+    return [(chosen, probe) if chosen else max(f.items(), key=lambda kv: kv[1]) for f in frontiers]
+
+
+def fastest_kernel(layers: list[Linear], kernels: list[str], repeats: int = 5) -> str:
+    """The kernel of ``kernels`` that runs ``TIMED_ROWS`` rows through ``layers`` (every projection
+    of a model, in order, so the weights stream from memory as in a forward) in the least time, the
+    best of ``repeats`` rounds that interleave the kernels; cached on disk as the frontiers are (a
+    measurement taken on a busy machine is taken again after deleting the cache).
+    Example: SmolLM2-135M in bfloat16, ["tall64", "tile16"] -> "tall64"."""
+    ident = {"method": PROBE_METHOD, "cpu": cpu_name(), "torch": torch.__version__,
+             "threads": torch.get_num_threads(), "kind": "fastest", "kernels": kernels, "rows": list(TIMED_ROWS),
+             "layers": [f"{tuple(m.weight.shape)}:{m.weight.dtype}" for m in layers]}
+    path = _cache_path(ident)
+    try:
+        chosen = str(json.loads(path.read_text())["kernel"])
+        if chosen in kernels:
+            return chosen
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    g = torch.Generator().manual_seed(0)
+    inputs = {(rows, n_in): (torch.randn(rows, n_in, generator=g) * 0.5).to(layers[0].weight.dtype)
+              for rows in TIMED_ROWS for n_in in {m.in_features for m in layers}}  # [rows, in] each
+    seconds = dict.fromkeys(kernels, float("inf"))
+    with torch.inference_mode():
+        for round_ in range(repeats + 1):  # round 0 warms up (packing, first-call allocations)
+            for kernel in kernels:
+                for layer in layers:
+                    layer.set_invariant(kernel, 0)
+                t0 = time.perf_counter()
+                for rows in TIMED_ROWS:
+                    for layer in layers:
+                        layer.forward(inputs[rows, layer.in_features])
+                if round_:
+                    seconds[kernel] = min(seconds[kernel], time.perf_counter() - t0)
+    chosen = min(kernels, key=seconds.__getitem__)
+    if chosen != "mkl":  # packed copies made while timing "mkl" are dropped
+        for layer in layers:
+            layer.set_packing(False)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps({**ident, "kernel": chosen, "seconds": seconds}).encode())
+    log.info("row-invariant projections: %s (%s for %s rows through %d layers)", chosen,
+             ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in seconds.items()), "+".join(map(str, TIMED_ROWS)),
+             len(layers))
+    return chosen
 
 
 def make_row_invariant(model: nn.Module, budget: int) -> InvarianceReport:
@@ -145,14 +202,22 @@ def make_row_invariant(model: nn.Module, budget: int) -> InvarianceReport:
         else:
             continue
         groups.setdefault(key, []).append(module)
-    for (kind, n_out, n_in, dtype_name), layers in groups.items():
+    float_keys: dict[str, list[tuple[str, int, int, str]]] = {}  # dtype -> its shapes' keys
+    for key in groups:
+        if key[0] == "float":
+            float_keys.setdefault(key[3], []).append(key)
+    chosen: dict[tuple[str, int, int, str], tuple[str, int]] = {}
+    for keys in float_keys.values():
+        floats = [[m for m in groups[key] if isinstance(m, Linear)] for key in keys]
+        chosen.update(zip(keys, choose_float_kernels(floats, probe)))
+    for key, layers in groups.items():
+        kind, n_out, n_in, dtype_name = key
         first = layers[0]
         if isinstance(first, QuantizedLinear):
             first.row_limit = 0
             value = cached_frontier(kind, (n_out, n_in), torch.bfloat16, probe, first._kernel)
         else:
-            assert isinstance(first, Linear)
-            kind, value = _choose_float_kernel(first, probe)
+            kind, value = chosen[key]
         for layer in layers:
             limit = value if value < min(budget, probe) or budget > probe else 0  # 0: whole calls
             if isinstance(layer, QuantizedLinear):

@@ -48,11 +48,12 @@ Worked example (weight [3072, 576], 2 threads)::
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -99,6 +100,27 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tens
     return torch.cat([F.linear(chunk, weight) for chunk in xp.split(tile)])[:T]
 
 
+TALL_TILES = (2, 4, 8, 16, 32, 64)  # the row counts "tall64" pads a tile to
+
+
+def tall_tiled_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, weight)`` as ``mm(weight, tile^T)`` (BLAS's tall-skinny orientation, the
+    per-row-count "tall"/"pad2" kernels of ``tune_linears``) over row tiles of at most 64 rows,
+    each zero-padded to the next of ``TALL_TILES``: the library sees only these six shapes, so a
+    row's bits depend on its own values only (measured per machine: ``models/invariance.py``),
+    while a decode row pays for 2 rows, not for a 16-row tile. x [T, in] -> [T, out].
+
+    Example: 70 rows -> a tile of 64 rows and one of 6 padded to 8: ``mm(W, [64, in]^T)``,
+    ``mm(W, [8, in]^T)``; rows 64..69 are the first 6 columns of the second product."""
+    outs = []
+    for chunk in x.split(TALL_TILES[-1]):
+        n = chunk.shape[0]
+        tile = next(t for t in TALL_TILES if t >= n)
+        padded = torch.cat([chunk, chunk.new_zeros(tile - n, chunk.shape[1])]) if tile > n else chunk  # [tile, in]
+        outs.append(torch.mm(weight, padded.t()).t()[:n])  # [out, tile] -> [n, out] (a view)
+    return outs[0].contiguous() if len(outs) == 1 else torch.cat(outs)
+
+
 # The compiled step calls these through ops of their own, so that a graph keeps the row count
 # symbolic (splitting the rows in the graph would specialise every count) and calls the kernel as
 # it is; eager code calls the functions directly (a custom op's Python dispatch costs ~70 us a call).
@@ -123,6 +145,17 @@ def linear_tiles(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tens
 
 @linear_tiles.register_fake
 def _linear_tiles_fake(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+@torch.library.custom_op("tidespec::linear_tall_tiles", mutates_args=())
+def linear_tall_tiles(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``tall_tiled_linear`` as an op. x [T, in] -> [T, out]."""
+    return tall_tiled_linear(x, weight)
+
+
+@linear_tall_tiles.register_fake
+def _linear_tall_tiles_fake(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return x.new_empty(x.shape[0], weight.shape[0])
 
 
@@ -213,37 +246,41 @@ class Linear(nn.Linear):
             self._packed_key, self._packed = None, None
 
     def invariant_kernels(self) -> tuple[str, ...]:
-        """Kernels ``models/invariance.py`` measures for row invariance, in order of preference: MKL's
-        packed sgemm (float32 on MKL builds), ``F.linear``, ``F.linear`` on 16-row tiles."""
+        """Kernels ``models/invariance.py`` measures for row invariance (it runs the fastest of those
+        invariant at every probed row count): MKL's packed sgemm (float32 on MKL builds),
+        ``tall_tiled_linear``, ``F.linear``, ``F.linear`` on 16-row tiles."""
         mkl = self.weight.dtype == torch.float32 and mkl_packing_available()
-        return ("mkl", "linear", "tile16") if mkl else ("linear", "tile16")
+        return ("mkl", "tall64", "linear", "tile16") if mkl else ("tall64", "linear", "tile16")
 
     def set_invariant(self, kernel: str, limit: int) -> None:
-        """Run ``kernel`` ("mkl": MKL's packed sgemm, "linear": F.linear, "tile16": F.linear on
-        16-row tiles; "": the measured per-row-count choice) for every row count, in pieces of at
-        most ``limit`` rows (0: whole); the packed weight is made now."""
+        """Run ``kernel`` ("mkl": MKL's packed sgemm, "tall64": ``tall_tiled_linear``, "linear":
+        F.linear, "tile16": F.linear on 16-row tiles; "": the measured per-row-count choice) for
+        every row count, in pieces of at most ``limit`` rows (0: whole); the packed weight is made
+        now."""
         self.invariant, self.invariant_limit = kernel, limit
         if kernel == "mkl":
             self.packed()
 
     def _invariant_forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out], each row's bits independent of T (models/invariance.py)
-        compiling = torch.compiler.is_compiling()
-        if self.invariant == "tile16":
-            out = torch.ops.tidespec.linear_tiles(x, self.weight, 16) if compiling else tiled_linear(x, self.weight, 16)
-        elif self.invariant == "mkl":
+        compiling, limit, w = torch.compiler.is_compiling(), self.invariant_limit, self.weight
+        if self.invariant == "linear":  # F.linear, within its measured frontier when limited
+            out = (F.linear(x, w) if not limit else torch.ops.tidespec.linear_in_pieces(x, w, limit) if compiling
+                   else in_pieces(lambda p: F.linear(p, w), x, limit))
+            return out if self.bias is None else out + self.bias
+        kernel: Callable[[torch.Tensor], torch.Tensor]
+        if self.invariant == "mkl":
             assert self._packed is not None  # packed by set_invariant (a weight written since: repacked eagerly)
             packed = self._packed if compiling else self.packed()
-            if self.invariant_limit and x.shape[0] > self.invariant_limit:  # (compiled: one graph per count)
-                out = in_pieces(lambda p: torch.ops.tidespec.packed_linear(p, packed, self.weight), x,
-                                self.invariant_limit)
-            else:
-                out = torch.ops.tidespec.packed_linear(x, packed, self.weight)
-        elif self.invariant_limit:  # F.linear within its measured frontier
-            out = (torch.ops.tidespec.linear_in_pieces(x, self.weight, self.invariant_limit) if compiling
-                   else in_pieces(lambda p: F.linear(p, self.weight), x, self.invariant_limit))
-        else:
-            out = F.linear(x, self.weight)
+            kernel = functools.partial(torch.ops.tidespec.packed_linear, packed=packed, w=w)
+        elif self.invariant == "tall64":
+            kernel = (functools.partial(torch.ops.tidespec.linear_tall_tiles, weight=w) if compiling
+                      else functools.partial(tall_tiled_linear, weight=w))
+        else:  # "tile16"
+            kernel = (functools.partial(torch.ops.tidespec.linear_tiles, weight=w, tile=16) if compiling
+                      else functools.partial(tiled_linear, weight=w, tile=16))
+        # a kernel invariant only up to ``limit`` rows runs bigger calls in pieces (compiled: a graph per count)
+        out = in_pieces(kernel, x, limit) if limit and x.shape[0] > limit else kernel(x)
         return out if self.bias is None else out + self.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

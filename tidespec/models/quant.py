@@ -162,15 +162,21 @@ class QuantizedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] -> [T, N] in x's dtype
         xb = x.to(KERNEL_DTYPE).contiguous()
-        y = self._kernel(xb) if not self.row_limit else self._kernel_in_pieces(xb)
+        if not self.row_limit:
+            y = self._kernel(xb)
+        elif torch.compiler.is_compiling():  # an op of its own keeps the graph's row count symbolic
+            y = self._compiled_in_pieces(xb)
+        else:  # eager calls the kernel directly (a custom op's Python dispatch costs ~70 us a call)
+            y = in_pieces(self._kernel, xb, self.row_limit)
         return self._finish(y, x.dtype)
 
     def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
         """The kernel on bfloat16 rows: xb [T, K] -> [T, N] bfloat16."""
         raise NotImplementedError
 
-    def _kernel_in_pieces(self, xb: torch.Tensor) -> torch.Tensor:
-        """``_kernel`` in row pieces within the kernel's measured frontier (``row_limit``)."""
+    def _compiled_in_pieces(self, xb: torch.Tensor) -> torch.Tensor:
+        """``_kernel`` in row pieces within its measured frontier (``row_limit``), as the op a
+        compiled graph calls: xb [T, K] -> [T, N] bfloat16."""
         raise NotImplementedError
 
     def _finish(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -218,10 +224,8 @@ class Int8Linear(QuantizedLinear):
         # xb: [T, K] bfloat16 -> [T, N] bfloat16
         return torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scales)
 
-    def _kernel_in_pieces(self, xb: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # an op of its own in a graph (below); eager calls the kernel directly
-            return torch.ops.tidespec.int8_in_pieces(xb, self.qweight, self.scales, self.row_limit)
-        return in_pieces(self._kernel, xb, self.row_limit)
+    def _compiled_in_pieces(self, xb: torch.Tensor) -> torch.Tensor:
+        return torch.ops.tidespec.int8_in_pieces(xb, self.qweight, self.scales, self.row_limit)
 
     def dequantize(self) -> torch.Tensor:
         """The weight the kernel multiplies by, float32 ``[N, K]``."""
@@ -265,9 +269,7 @@ class Int4Linear(QuantizedLinear):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scale_zero)
         return y[:, :self.out_features].contiguous() if y.shape[1] != self.out_features else y
 
-    def _kernel_in_pieces(self, xb: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling():  # eager calls the kernel directly (see int8)
-            return in_pieces(self._kernel, xb, self.row_limit)
+    def _compiled_in_pieces(self, xb: torch.Tensor) -> torch.Tensor:
         y = torch.ops.tidespec.int4_in_pieces(xb, self.packed, self.group_size, self.scale_zero, self.row_limit)
         return y[:, :self.out_features].contiguous() if y.shape[1] != self.out_features else y
 

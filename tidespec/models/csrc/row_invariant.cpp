@@ -48,8 +48,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -113,7 +115,12 @@ void score_tiles(const float* qv, const scalar_t* kb, int64_t kd, int64_t hd, in
   const Vec vscale(scale);
   for (int64_t b0 = 0; b0 < nk; b0 += KT) {
     const int64_t bw = std::min<int64_t>(KT, nk - b0);
+    const int64_t next = std::min<int64_t>(KT, nk - b0 - KT);  // keys of the next block, if any
     for (int64_t d = 0; d < hd; ++d) {
+      // the next block's row of head dim d: a page away from this one, where no hardware prefetcher looks
+      for (int64_t l0 = 0; l0 < next; l0 += 64 / static_cast<int64_t>(sizeof(scalar_t))) {
+        __builtin_prefetch(kb + d * kd + b0 + KT + l0);
+      }
       for (int64_t l0 = 0; l0 < bw; l0 += VL) {
         load(kb + d * kd + b0 + l0, std::min<int64_t>(VL, bw - l0)).store(kbuf + d * KT + l0);
       }
@@ -155,13 +162,24 @@ void score_dispatch(int64_t R, const float* qv, const scalar_t* kb, int64_t kd, 
 
 // One query vector's softmax over its visible keys by rank: its unnormalised weight of key j goes to
 // w[j] (visible j only); returns 1 / (sum of the weights).
+// A row whose visible keys are the prefix [0, n) (a chain's row: its context, then its own earlier
+// tokens) has rank m = key m, so its softmax runs on the scores in place: the same elements in the
+// same order as the compacted copy, hence the same bits, without the gather and scatter.
 inline float softmax_weights(const bool* mrow, const float* sc, int64_t nk, int64_t* rk, float* e, float* w) {
   int64_t n = 0;
-  for (int64_t j = 0; j < nk; ++j) {  // branch-free compaction: rk[n] = j, n += visible
-    rk[n] = j;
-    n += mrow[j] ? 1 : 0;
+  for (int64_t j = 0; j < nk; ++j) n += mrow[j] ? 1 : 0;
+  const bool prefix = n == 0 || std::memchr(mrow, 0, static_cast<size_t>(n)) == nullptr;
+  if (prefix) {
+    e = w;  // the weights are computed where the scores were copied to, key m at element m
+    if (e != sc) std::copy(sc, sc + n, e);
+  } else {
+    n = 0;
+    for (int64_t j = 0; j < nk; ++j) {  // branch-free compaction: rk[n] = j, n += visible
+      rk[n] = j;
+      n += mrow[j] ? 1 : 0;
+    }
+    for (int64_t m = 0; m < n; ++m) e[m] = sc[rk[m]];
   }
-  for (int64_t m = 0; m < n; ++m) e[m] = sc[rk[m]];
   const Vec ninf(-std::numeric_limits<float>::infinity());
   Vec vmax = ninf;
   for (int64_t m0 = 0; m0 < n; m0 += VL) {
@@ -177,22 +195,24 @@ inline float softmax_weights(const bool* mrow, const float* sc, int64_t nk, int6
     xs.store(e + m0, c);
     vsum = vsum + xs;
   }
-  for (int64_t m = 0; m < n; ++m) w[rk[m]] = e[m];
+  if (!prefix) {
+    for (int64_t m = 0; m < n; ++m) w[rk[m]] = e[m];
+  }
   return n ? 1.0f / fold_sum(vsum) : 0.0f;
 }
 
 // P @ V for R query vectors of one KV head over keys [j0, j1), into the accumulators acc [R, HV * VL]:
-// keys in ascending order (= each vector's rank order); a value row is loaded once for all R, and
-// vector i adds key j only where its mask says visible.
-template <int64_t R, int64_t HV, typename scalar_t>
+// keys in ascending order (= each vector's rank order); a value row (vt + (j - j0) * vs, float or
+// the cache's dtype) is loaded once for all R, and vector i adds key j only where its mask says visible.
+template <int64_t R, int64_t HV, typename value_t>
 void pv_tile(const bool* const* mrows, const float* w, int64_t kv_pad, int64_t j0, int64_t j1,
-             const scalar_t* vb, int64_t vs, int64_t hd, float* acc) {
+             const value_t* vt, int64_t vs, int64_t hd, float* acc) {
   Vec a[R][HV];
   for (int64_t i = 0; i < R; ++i) {
     for (int64_t k = 0; k < HV; ++k) a[i][k] = Vec::loadu(acc + (i * HV + k) * VL);
   }
   for (int64_t j = j0; j < j1; ++j) {
-    const scalar_t* vr = vb + j * vs;
+    const value_t* vr = vt + (j - j0) * vs;
     Vec v[HV];
     for (int64_t k = 0; k < HV; ++k) v[k] = load(vr + k * VL, std::min<int64_t>(VL, hd - k * VL));
     for (int64_t i = 0; i < R; ++i) {
@@ -207,27 +227,47 @@ void pv_tile(const bool* const* mrows, const float* w, int64_t kv_pad, int64_t j
 }
 
 // R query vectors: key tiles of KT, within a tile groups of vectors whose accumulators fit the
-// registers; then each output row scaled by its 1 / sum.
+// registers (G of them: G * HV accumulators, HV values and a weight in 32 vector registers); then
+// each output row scaled by its 1 / sum. A bfloat16 / half tile's values are converted to float
+// once into ``vbuf`` ([KT, HV * VL]), not once per group.
 template <int64_t HV, typename scalar_t>
 void pv_groups(int64_t R, const bool* const* mrows, const float* w, int64_t kv_pad, const float* inv, int64_t nk,
-               const scalar_t* vb, int64_t vs, int64_t hd, float* acc, scalar_t* const* orows) {
-  constexpr int64_t G = HV <= 2 ? 8 : (HV <= 4 ? 4 : 2);
+               const scalar_t* vb, int64_t vs, int64_t hd, float* acc, float* vbuf, scalar_t* const* orows) {
+  constexpr int64_t G = HV <= 2 ? 8 : (HV <= 4 ? 6 : 2);
   std::fill(acc, acc + R * HV * VL, 0.0f);
   for (int64_t j0 = 0; j0 < nk; j0 += KT) {
     const int64_t j1 = std::min<int64_t>(nk, j0 + KT);
+    const float* vtf = nullptr;
+    if constexpr (!std::is_same_v<scalar_t, float>) {
+      for (int64_t j = j0; j < j1; ++j) {
+        for (int64_t k = 0; k < HV; ++k) {
+          load(vb + j * vs + k * VL, std::min<int64_t>(VL, hd - k * VL)).store(vbuf + (j - j0) * HV * VL + k * VL);
+        }
+      }
+      vtf = vbuf;
+    }
     for (int64_t i0 = 0; i0 < R; i0 += G) {
       const int64_t r = std::min<int64_t>(G, R - i0);
       const float* wi = w + i0 * kv_pad;
       float* ai = acc + i0 * HV * VL;
+      const bool* const* mi = mrows + i0;
+      auto run = [&](auto rows) {
+        constexpr int64_t RR = decltype(rows)::value;
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          pv_tile<RR, HV>(mi, wi, kv_pad, j0, j1, vb + j0 * vs, vs, hd, ai);
+        } else {
+          pv_tile<RR, HV>(mi, wi, kv_pad, j0, j1, vtf, HV * VL, hd, ai);
+        }
+      };
       switch (r) {
-        case 1: pv_tile<1, HV>(mrows + i0, wi, kv_pad, j0, j1, vb, vs, hd, ai); break;
-        case 2: pv_tile<2, HV>(mrows + i0, wi, kv_pad, j0, j1, vb, vs, hd, ai); break;
-        case 3: pv_tile<(G >= 3 ? 3 : 2), HV>(mrows + i0, wi, kv_pad, j0, j1, vb, vs, hd, ai); break;
-        case 4: pv_tile<(G >= 4 ? 4 : 2), HV>(mrows + i0, wi, kv_pad, j0, j1, vb, vs, hd, ai); break;
-        case 5: pv_tile<(G >= 5 ? 5 : 2), HV>(mrows + i0, wi, kv_pad, j0, j1, vb, vs, hd, ai); break;
-        case 6: pv_tile<(G >= 6 ? 6 : 2), HV>(mrows + i0, wi, kv_pad, j0, j1, vb, vs, hd, ai); break;
-        case 7: pv_tile<(G >= 7 ? 7 : 2), HV>(mrows + i0, wi, kv_pad, j0, j1, vb, vs, hd, ai); break;
-        default: pv_tile<G, HV>(mrows + i0, wi, kv_pad, j0, j1, vb, vs, hd, ai); break;
+        case 1: run(std::integral_constant<int64_t, 1>{}); break;
+        case 2: run(std::integral_constant<int64_t, 2>{}); break;
+        case 3: run(std::integral_constant<int64_t, (G >= 3 ? 3 : 2)>{}); break;
+        case 4: run(std::integral_constant<int64_t, (G >= 4 ? 4 : 2)>{}); break;
+        case 5: run(std::integral_constant<int64_t, (G >= 5 ? 5 : 2)>{}); break;
+        case 6: run(std::integral_constant<int64_t, (G >= 6 ? 6 : 2)>{}); break;
+        case 7: run(std::integral_constant<int64_t, (G >= 7 ? 7 : 2)>{}); break;
+        default: run(std::integral_constant<int64_t, G>{}); break;
       }
     }
   }
@@ -244,17 +284,17 @@ void pv_groups(int64_t R, const bool* const* mrows, const float* w, int64_t kv_p
 
 template <typename scalar_t>
 void pv_dispatch(int64_t R, const bool* const* mrows, const float* w, int64_t kv_pad, const float* inv, int64_t nk,
-                 const scalar_t* vb, int64_t vs, int64_t hd, float* acc, scalar_t* const* orows) {
+                 const scalar_t* vb, int64_t vs, int64_t hd, float* acc, float* vbuf, scalar_t* const* orows) {
   const int64_t hv = (hd + VL - 1) / VL;
   switch (hv) {
-    case 1: pv_groups<1>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, orows); break;
-    case 2: pv_groups<2>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, orows); break;
-    case 3: pv_groups<3>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, orows); break;
-    case 4: pv_groups<4>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, orows); break;
-    case 5: pv_groups<5>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, orows); break;
-    case 6: pv_groups<6>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, orows); break;
-    case 7: pv_groups<7>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, orows); break;
-    case 8: pv_groups<8>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, orows); break;
+    case 1: pv_groups<1>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, vbuf, orows); break;
+    case 2: pv_groups<2>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, vbuf, orows); break;
+    case 3: pv_groups<3>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, vbuf, orows); break;
+    case 4: pv_groups<4>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, vbuf, orows); break;
+    case 5: pv_groups<5>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, vbuf, orows); break;
+    case 6: pv_groups<6>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, vbuf, orows); break;
+    case 7: pv_groups<7>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, vbuf, orows); break;
+    case 8: pv_groups<8>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, vbuf, orows); break;
     default: TORCH_CHECK(false, "exact_attention: head size ", hd, " above ", 8 * VL);
   }
 }
@@ -276,7 +316,8 @@ void attend_float(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qv(RB * hd), scores(RB * kv_pad), weights(RB * kv_pad), e(kv_pad + VL),
-        acc(RB * ((hd + VL - 1) / VL) * VL), kbuf(hd * KT);
+        acc(RB * ((hd + VL - 1) / VL) * VL), kbuf(hd * KT),
+        vbuf(KT * ((hd + VL - 1) / VL) * VL);
     std::vector<int64_t> rank(kv_pad + 1);
     for (int64_t ti = begin; ti < end; ++ti) {
       const Task& task = tasks[ti];
@@ -309,7 +350,7 @@ void attend_float(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         inv[i] = softmax_weights(mrows[i], scores.data() + i * kv_pad, nk, rank.data(), e.data(),
                                  weights.data() + i * kv_pad);
       }
-      pv_dispatch(R, mrows, weights.data(), kv_pad, inv, nk, vb, vs2, hd, acc.data(), orows);
+      pv_dispatch(R, mrows, weights.data(), kv_pad, inv, nk, vb, vs2, hd, acc.data(), vbuf.data(), orows);
     }
   });
 }
