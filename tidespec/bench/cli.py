@@ -38,6 +38,8 @@ from tidespec.bench.decode import (
     run_decode_bench,
 )
 from tidespec.bench.exactness import ExactnessBenchConfig, exact, run_exactness_bench
+from tidespec.bench.invariance_cost import InvarianceCostConfig, run_invariance_cost
+from tidespec.bench.invariance_cost import table as invariance_cost_table
 from tidespec.bench.learn import LearnBenchConfig, run_learn_bench
 from tidespec.bench.learn import replot as replot_learn
 from tidespec.bench.profile import ProfileConfig, run_profile
@@ -170,6 +172,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     x.add_argument("--out", type=output_dir, default=None, help="output directory (default: runs/bench-exactness-<time>)")
     x.set_defaults(func=cmd_exactness)
 
+    c = sub.add_parser("invariance-cost", help="plain decode speed with and without row-invariant kernels, decode "
+                                              "steps interleaved in one process", formatter_class=fmt)
+    add_dataclass_args(c, InvarianceCostConfig)
+    c.add_argument("--out", type=output_dir, default=None,
+                   help="output directory (default: runs/bench-invariance-cost-<time>)")
+    c.set_defaults(func=cmd_invariance_cost)
+
     _register_serve(sub)
     q = sub.add_parser("quality", help="quantized / bfloat16 target against float32: greedy agreement, perplexity",
                        formatter_class=fmt)
@@ -273,6 +282,15 @@ def cmd_exactness(ns: argparse.Namespace) -> int:
                               out_dir=out)
     print((out / "table.md").read_text())
     return 0 if exact(doc) else 1
+
+
+def cmd_invariance_cost(ns: argparse.Namespace) -> int:
+    out = ns.out or Path("runs") / f"bench-invariance-cost-{time.strftime('%Y%m%d-%H%M%S')}"
+    doc = run_invariance_cost(dataclass_from_args(InvarianceCostConfig, ns), out_dir=out)
+    text = invariance_cost_table(doc)
+    (out / "table.md").write_text(text + "\n")
+    print(text)
+    return 0
 
 
 def cmd_shift(ns: argparse.Namespace) -> int:

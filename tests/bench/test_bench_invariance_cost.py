@@ -1,0 +1,29 @@
+"""``tidespec bench invariance-cost``: both engines decode the same prompts step by step, the report
+has a row per path and batch size, and bad input is a one-line error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tidespec.bench.invariance_cost import InvarianceCostConfig, run_invariance_cost, table
+from tidespec.errors import UserError
+
+
+def test_invariance_cost_times_both_engines_on_the_same_steps(tmp_path: Path, two_threads) -> None:
+    cfg = InvarianceCostConfig(paths="float32", batch_sizes="1,2", max_tokens=4, rounds=1)
+    doc = run_invariance_cost(cfg, out_dir=tmp_path, progress=False)
+    assert [(r["path"], r["batch"]) for r in doc["rows"]] == [("float32", 1), ("float32", 2)]
+    for r in doc["rows"]:
+        assert r["steps"] >= 2 and r["ms_off"] > 0 and r["ms_on"] > 0 and r["exact"]
+        assert r["speed_on_vs_off"] == pytest.approx(r["ms_off"] / r["ms_on"])
+    assert (tmp_path / "results.json").exists() and (tmp_path / "plot.png").exists()
+    assert "| float32 | 2 |" in table(doc)
+
+
+@pytest.mark.parametrize("kw", [{"paths": "float16"}, {"batch_sizes": "0"}, {"batch_sizes": "x"}])
+def test_invariance_cost_rejects_bad_input_in_one_line(kw: dict[str, str]) -> None:
+    with pytest.raises(UserError) as err:
+        InvarianceCostConfig(**kw)
+    assert "\n" not in str(err.value)
