@@ -99,6 +99,7 @@ def run_invariance_cost(cfg: InvarianceCostConfig, out_dir: Path | None = None, 
     """Every path x batch size: decode time per step with and without row invariance, interleaved."""
     torch.set_num_threads(cfg.threads)
     rows: list[dict[str, Any]] = []
+    doc = {"config": asdict(cfg), "command": command_line(), "machine": machine_info(), "rows": rows}
     runs = [(p, b) for p in cfg.path_list for b in cfg.batch_list]
     bar = tqdm(total=len(runs) * cfg.rounds, desc="invariance cost", unit="round", disable=not progress)
     for path in cfg.path_list:
@@ -118,13 +119,21 @@ def run_invariance_cost(cfg: InvarianceCostConfig, out_dir: Path | None = None, 
                          "ms_on": 1e3 * on / steps, "speed_on_vs_off": off / on,
                          "exact": engines[True].invariance.exact})
             del engines
+            bar.write(f"{path} batch {batch}: {rows[-1]['ms_off']:.1f} ms/step without row invariance, "
+                      f"{rows[-1]['ms_on']:.1f} with: {rows[-1]['speed_on_vs_off']:.3f}x")
+            if out_dir is not None:  # after every row: a long run cut short keeps what it measured
+                _save(doc, out_dir, plot=False)
     bar.close()
-    doc = {"config": asdict(cfg), "command": command_line(), "machine": machine_info(), "rows": rows}
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
-        _plot(rows, out_dir / "plot.png")
+        _save(doc, out_dir, plot=True)
     return doc
+
+
+def _save(doc: dict[str, Any], out_dir: Path, plot: bool) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
+    if plot and doc["rows"]:
+        _plot(doc["rows"], out_dir / "plot.png")
 
 
 def table(doc: dict[str, Any]) -> str:

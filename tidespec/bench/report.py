@@ -109,8 +109,9 @@ def machine_info(dtype: str | None = None) -> dict[str, Any]:
 
 def machine_line(info: dict[str, Any]) -> str:
     """One human line for a report header."""
+    dtype = f", dtype {info['dtype']}" if info.get("dtype") else ""  # none: the report names one per row
     return (f"{info['cpu']}, {info['usable_cores']} usable cores, torch {info['torch']} with "
-            f"{info['torch_threads']} threads, transformers {info['transformers']}, dtype {info['dtype']}")
+            f"{info['torch_threads']} threads, transformers {info['transformers']}{dtype}")
 
 
 def command_line(argv: Sequence[str] | None = None) -> str:

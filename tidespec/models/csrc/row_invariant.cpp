@@ -97,6 +97,20 @@ inline float fold_max(const Vec& v) {  // a max is exact in any order
   return m;
 }
 
+// The index of a mask row's last visible key (-1 if none), scanning back 8 keys at a time (a prompt
+// chunk's causal rows end far before the row's end; the scan is only a search, no arithmetic).
+inline int64_t last_visible(const bool* mrow, int64_t n) {
+  int64_t j = n;
+  while (j >= 8) {
+    uint64_t word;
+    std::memcpy(&word, mrow + j - 8, sizeof(word));
+    if (word != 0) break;
+    j -= 8;
+  }
+  while (j > 0 && !mrow[j - 1]) --j;
+  return j - 1;
+}
+
 struct Task {
   int64_t slot;   // KV slot of the task's rows
   int64_t head0;  // first query head
@@ -105,7 +119,7 @@ struct Task {
   int64_t rows;   // consecutive rows of the same slot
 };
 
-// Scores of R query vectors (qv, [R, hd]) against keys [0, nk) of one KV head: blocks of KT keys
+// Scores of R query vectors (qv, [hd, R]: element d of every vector together) against keys [0, nk) of one KV head: blocks of KT keys
 // are first copied into ``kbuf`` ([hd, KT] float, L1-resident; the cache rows are a page apart),
 // then tiles of VL keys get one fma chain over d per lane; R is a template argument so the
 // accumulators stay in registers.
@@ -130,7 +144,8 @@ void score_tiles(const float* qv, const scalar_t* kb, int64_t kd, int64_t hd, in
       for (int64_t i = 0; i < R; ++i) s[i] = Vec(0.0f);
       for (int64_t d = 0; d < hd; ++d) {
         const Vec kt = Vec::loadu(kbuf + d * KT + t0);
-        for (int64_t i = 0; i < R; ++i) s[i] = at::vec::fmadd(Vec(qv[i * hd + d]), kt, s[i]);
+        const float* qd = qv + d * R;  // the R vectors' element d, adjacent: one base pointer for all R
+        for (int64_t i = 0; i < R; ++i) s[i] = at::vec::fmadd(Vec(qd[i]), kt, s[i]);
       }
       for (int64_t i = 0; i < R; ++i) (s[i] * vscale).store(scores + i * kv_pad + b0 + t0);
     }
@@ -326,18 +341,10 @@ void attend_float(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       const scalar_t* kb = kd + task.slot * ks0 + g * ks1;
       const scalar_t* vb = vd + task.slot * vs0 + g * vs1;
       int64_t nk = 0;  // keys up to the last one any row of the task sees
-      for (int64_t r = 0; r < task.rows; ++r) {
-        const bool* mrow = md + (task.row0 + r) * kv_len;
-        for (int64_t j = kv_len - 1; j >= nk; --j) {
-          if (mrow[j]) {
-            nk = j + 1;
-            break;
-          }
-        }
-      }
+      for (int64_t r = 0; r < task.rows; ++r) nk = std::max(nk, last_visible(md + (task.row0 + r) * kv_len, kv_len) + 1);
       for (int64_t i = 0; i < R; ++i) {
         const int64_t row = task.row0 + i / task.heads, h = task.head0 + i % task.heads;
-        for (int64_t d = 0; d < hd; ++d) qv[i * hd + d] = static_cast<float>(qd[(row * n_h + h) * hd + d]);
+        for (int64_t d = 0; d < hd; ++d) qv[d * R + i] = static_cast<float>(qd[(row * n_h + h) * hd + d]);
       }
       score_dispatch(R, qv.data(), kb, k_d, hd, nk, kv_pad, scale, kbuf.data(), scores.data());
       const bool* mrows[RB];
