@@ -92,21 +92,37 @@ def _cache_path(ident: dict[str, object]) -> Path:
     return cache_root() / "row-invariance" / f"{key}.json"
 
 
+def _machine(kind: str) -> dict[str, object]:
+    """What a cached measurement of ``kind`` depends on besides its own inputs."""
+    return {"method": PROBE_METHOD, "cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "kind": kind}
+
+
+def _read_cached(ident: dict[str, object], field_: str) -> object | None:
+    """Field ``field_`` of the measurement cached under ``ident``, or None if none is readable."""
+    try:
+        return json.loads(_cache_path(ident).read_text())[field_]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _write_cached(ident: dict[str, object], values: dict[str, object]) -> None:
+    path = _cache_path(ident)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(path, json.dumps({**ident, **values}).encode())
+
+
 def cached_frontier(kind: str, shape: tuple[int, int], dtype: torch.dtype, rows: int,
                     fn: Callable[[torch.Tensor], torch.Tensor]) -> int:
     """``frontier`` of a kernel on a weight shape up to ``rows``, read from the disk cache when
     measured before on this CPU with this torch and thread count (it does not depend on the weight's
     values)."""
-    ident = {"method": PROBE_METHOD, "cpu": cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-             "kind": kind, "shape": list(shape), "dtype": str(dtype), "rows": rows}
-    path = _cache_path(ident)
-    try:
-        return int(json.loads(path.read_text())["frontier"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    ident = {**_machine(kind), "shape": list(shape), "dtype": str(dtype), "rows": rows}
+    cached = _read_cached(ident, "frontier")
+    if isinstance(cached, int):
+        return cached
     value = frontier(fn, shape[1], dtype, rows)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps({**ident, "frontier": value}).encode())
+    _write_cached(ident, {"frontier": value})
     return value
 
 
@@ -147,16 +163,11 @@ def fastest_kernel(layers: list[Linear], kernels: list[str], repeats: int = 5) -
     best of ``repeats`` rounds that interleave the kernels; cached on disk as the frontiers are (a
     measurement taken on a busy machine is taken again after deleting the cache).
     Example: SmolLM2-135M in bfloat16, ["tall64", "tile16"] -> "tall64"."""
-    ident = {"method": PROBE_METHOD, "cpu": cpu_name(), "torch": torch.__version__,
-             "threads": torch.get_num_threads(), "kind": "fastest", "kernels": kernels, "rows": list(TIMED_ROWS),
+    ident = {**_machine("fastest"), "kernels": kernels, "rows": list(TIMED_ROWS),
              "layers": [f"{tuple(m.weight.shape)}:{m.weight.dtype}" for m in layers]}
-    path = _cache_path(ident)
-    try:
-        chosen = str(json.loads(path.read_text())["kernel"])
-        if chosen in kernels:
-            return chosen
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    cached = _read_cached(ident, "kernel")
+    if cached in kernels:
+        return str(cached)
     g = torch.Generator().manual_seed(0)
     inputs = {(rows, n_in): (torch.randn(rows, n_in, generator=g) * 0.5).to(layers[0].weight.dtype)
               for rows in TIMED_ROWS for n_in in {m.in_features for m in layers}}  # [rows, in] each
@@ -176,8 +187,7 @@ def fastest_kernel(layers: list[Linear], kernels: list[str], repeats: int = 5) -
     if chosen != "mkl":  # packed copies made while timing "mkl" are dropped
         for layer in layers:
             layer.set_packing(False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(path, json.dumps({**ident, "kernel": chosen, "seconds": seconds}).encode())
+    _write_cached(ident, {"kernel": chosen, "seconds": seconds})
     log.info("row-invariant projections: %s (%s for %s rows through %d layers)", chosen,
              ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in seconds.items()), "+".join(map(str, TIMED_ROWS)),
              len(layers))

@@ -48,12 +48,11 @@ Worked example (weight [3072, 576], 2 threads)::
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -85,6 +84,11 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), MKL_PACK_ROWS)
 
 
+def _zero_padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """x [T, in] with zero rows appended up to ``rows`` (x itself when T == rows) -> [rows, in]."""
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])]) if rows > x.shape[0] else x
+
+
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tensor:
     """``F.linear(x, weight)`` over row tiles of exactly ``tile`` rows (the last one zero-padded):
     every call the BLAS library sees has the same shape, so it picks the same kernel, and a row's
@@ -93,8 +97,7 @@ def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tens
 
     Example: 20 rows, tile 16 -> F.linear on rows 0..15, then on rows 16..19 and 12 rows of zeros."""
     T = x.shape[0]
-    pad = -T % tile
-    xp = torch.cat([x, x.new_zeros(pad, x.shape[1])]) if pad else x  # [T + pad, in]
+    xp = _zero_padded(x, T + -T % tile)  # [T + pad, in]
     if xp.shape[0] == tile:
         return F.linear(xp, weight)[:T]
     return torch.cat([F.linear(chunk, weight) for chunk in xp.split(tile)])[:T]
@@ -116,8 +119,7 @@ def tall_tiled_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     for chunk in x.split(TALL_TILES[-1]):
         n = chunk.shape[0]
         tile = next(t for t in TALL_TILES if t >= n)
-        padded = torch.cat([chunk, chunk.new_zeros(tile - n, chunk.shape[1])]) if tile > n else chunk  # [tile, in]
-        outs.append(torch.mm(weight, padded.t()).t()[:n])  # [out, tile] -> [n, out] (a view)
+        outs.append(torch.mm(weight, _zero_padded(chunk, tile).t()).t()[:n])  # [out, tile] -> [n, out] (a view)
     return outs[0].contiguous() if len(outs) == 1 else torch.cat(outs)
 
 
@@ -263,25 +265,27 @@ class Linear(nn.Linear):
 
     def _invariant_forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out], each row's bits independent of T (models/invariance.py)
-        compiling, limit, w = torch.compiler.is_compiling(), self.invariant_limit, self.weight
-        if self.invariant == "linear":  # F.linear, within its measured frontier when limited
-            out = (F.linear(x, w) if not limit else torch.ops.tidespec.linear_in_pieces(x, w, limit) if compiling
-                   else in_pieces(lambda p: F.linear(p, w), x, limit))
-            return out if self.bias is None else out + self.bias
-        kernel: Callable[[torch.Tensor], torch.Tensor]
+        limit, w = self.invariant_limit, self.weight
+        if not limit or x.shape[0] <= limit:
+            out = self._invariant_kernel(x)
+        elif self.invariant == "linear" and torch.compiler.is_compiling():  # keeps the graph's row count symbolic
+            out = torch.ops.tidespec.linear_in_pieces(x, w, limit)
+        else:  # a kernel invariant only up to ``limit`` rows runs bigger calls in pieces (compiled: a graph per count)
+            out = in_pieces(self._invariant_kernel, x, limit)
+        return out if self.bias is None else out + self.bias
+
+    def _invariant_kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """``self.invariant``'s kernel on x [T, in] -> [T, out], no bias: the function in eager code,
+        its op in a compiled graph (the functions split rows, which a graph would specialise)."""
+        compiling, w = torch.compiler.is_compiling(), self.weight
         if self.invariant == "mkl":
             assert self._packed is not None  # packed by set_invariant (a weight written since: repacked eagerly)
-            packed = self._packed if compiling else self.packed()
-            kernel = functools.partial(torch.ops.tidespec.packed_linear, packed=packed, w=w)
-        elif self.invariant == "tall64":
-            kernel = (functools.partial(torch.ops.tidespec.linear_tall_tiles, weight=w) if compiling
-                      else functools.partial(tall_tiled_linear, weight=w))
-        else:  # "tile16"
-            kernel = (functools.partial(torch.ops.tidespec.linear_tiles, weight=w, tile=16) if compiling
-                      else functools.partial(tiled_linear, weight=w, tile=16))
-        # a kernel invariant only up to ``limit`` rows runs bigger calls in pieces (compiled: a graph per count)
-        out = in_pieces(kernel, x, limit) if limit and x.shape[0] > limit else kernel(x)
-        return out if self.bias is None else out + self.bias
+            return torch.ops.tidespec.packed_linear(x, self._packed if compiling else self.packed(), w)
+        if self.invariant == "tall64":
+            return torch.ops.tidespec.linear_tall_tiles(x, w) if compiling else tall_tiled_linear(x, w)
+        if self.invariant == "tile16":
+            return torch.ops.tidespec.linear_tiles(x, w, 16) if compiling else tiled_linear(x, w, 16)
+        return F.linear(x, w)  # "linear"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out]

@@ -119,9 +119,9 @@ struct Task {
   int64_t rows;   // consecutive rows of the same slot
 };
 
-// Scores of R query vectors (qv, [hd, R]: element d of every vector together) against keys [0, nk) of one KV head: blocks of KT keys
-// are first copied into ``kbuf`` ([hd, KT] float, L1-resident; the cache rows are a page apart),
-// then tiles of VL keys get one fma chain over d per lane; R is a template argument so the
+// Scores of R query vectors (qv, [hd, R]: element d of every vector together) against keys [0, nk)
+// of one KV head: blocks of KT keys are first copied into ``kbuf`` ([hd, KT] float, L1-resident;
+// the cache rows are a page apart, so the next block is prefetched meanwhile), then tiles of VL keys get one fma chain over d per lane; R is a template argument so the
 // accumulators stay in registers.
 template <int64_t R, typename scalar_t>
 void score_tiles(const float* qv, const scalar_t* kb, int64_t kd, int64_t hd, int64_t nk, int64_t kv_pad,
@@ -186,7 +186,7 @@ inline float softmax_weights(const bool* mrow, const float* sc, int64_t nk, int6
   const bool prefix = n == 0 || std::memchr(mrow, 0, static_cast<size_t>(n)) == nullptr;
   if (prefix) {
     e = w;  // the weights are computed where the scores were copied to, key m at element m
-    if (e != sc) std::copy(sc, sc + n, e);
+    std::copy(sc, sc + n, e);
   } else {
     n = 0;
     for (int64_t j = 0; j < nk; ++j) {  // branch-free compaction: rk[n] = j, n += visible
