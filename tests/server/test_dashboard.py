@@ -22,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import tiny_llama, tiny_tokenizer
 from tests.server.live import CHAT_TEMPLATE, MODEL, LiveServer, tiny_engine
@@ -165,6 +166,12 @@ def _traffic(url: str, seconds: float, clients: int = 1, headers: dict[str, str]
         t.join()
 
 
+def _by_drafter(text: str, name: str) -> dict[str, float]:
+    """drafter label -> value of the Prometheus sample ``name`` in an exposition."""
+    return {sample.labels["drafter"]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == name}
+
+
 def _data(c: httpx.Client) -> dict[str, Any]:
     time.sleep(1.1)  # the last second of traffic is over, so its point is in the series
     r = c.get("/dashboard/data")
@@ -183,6 +190,16 @@ def test_dashboard_page_and_data_on_a_live_server() -> None:
             for src in srcs:  # the vendored chart library is served by the server itself
                 assert c.get("/" + src).status_code == 200, src
             d = _data(c)
+            metrics = c.get("/metrics").text
+    # Prometheus says per drafter what the dashboard shows (issue 49 item 3)
+    drafts = _by_drafter(metrics, "tidespec:spec_decode_drafter_num_drafts_total")
+    tokens = _by_drafter(metrics, "tidespec:spec_decode_drafter_num_draft_tokens_total")
+    accepted = _by_drafter(metrics, "tidespec:spec_decode_drafter_num_accepted_tokens_total")
+    assert set(drafts) <= {"ngram", "suffix"} and sum(drafts.values()) > 0, drafts
+    assert all(tokens[d] >= drafts[d] and 0 <= accepted[d] <= tokens[d] for d in drafts)
+    chosen = _by_drafter(metrics, "tidespec:spec_policy_choices_total")
+    assert set(chosen) <= {"ngram", "suffix", "none"} and sum(chosen.values()) >= sum(drafts.values())
+    assert set(_by_drafter(metrics, "tidespec:spec_policy_drafter_predicted_speedup")) == {"ngram", "suffix"}
     assert d["t"] and len(d["t"]) == len(d["tokens_per_s"]["served"]) == len(d["gamma"])
     assert max(d["tokens_per_s"]["served"]) > 0
     assert any(v for v in d["tokens_per_s"]["decoding"] if v is not None)

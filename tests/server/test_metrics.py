@@ -274,3 +274,21 @@ def test_server_shutdown_stops_the_draft_vocabulary_worker() -> None:
         assert r.status_code == 200
         assert worker.is_alive()
     assert not worker.is_alive()
+
+
+def test_per_drafter_counters_hand_traced() -> None:
+    """The docstring's example: suffix and eagle3 under one controller, a third sequence at gamma 0."""
+    m = Metrics()
+    m.on_step(StepStats(num_decode_seqs=3, spec_lens={1: 3, 2: 4, 3: 0}, seq_drafters={1: "suffix", 2: "eagle3"},
+                        drafter_outcomes={"suffix": [(3, 3, 2)], "eagle3": [(4, 4, 1)]}))
+    drafts, tokens, accepted, choices = ("tidespec:spec_decode_drafter_num_drafts_total",
+                                         "tidespec:spec_decode_drafter_num_draft_tokens_total",
+                                         "tidespec:spec_decode_drafter_num_accepted_tokens_total",
+                                         "tidespec:spec_policy_choices_total")
+    for name, want in ((drafts, {"suffix": 1, "eagle3": 1}), (tokens, {"suffix": 3, "eagle3": 4}),
+                       (accepted, {"suffix": 2, "eagle3": 1}), (choices, {"suffix": 1, "eagle3": 1, "none": 1})):
+        for drafter, value in want.items():
+            assert _value(m, name, drafter=drafter) == value, (name, drafter)
+    m.series.default_drafter = "ngram"  # a single drafter: named "" in the step's stats
+    m.on_step(StepStats(num_decode_seqs=1, spec_lens={1: 2}, drafter_outcomes={"": [(2, 2, 2)]}))
+    assert _value(m, accepted, drafter="ngram") == 2 and _value(m, choices, drafter="ngram") == 1

@@ -25,6 +25,18 @@ Worked example (hand-traced)::
     # spec_decode_current_num_speculative_tokens = mean(4, 4, 0) = 2.667
     m.render()   # text exposition format for GET /metrics
 
+Per drafter (several drafters under one controller, ``--drafter suffix,eagle3 --policy analytic``;
+one drafter is labelled with its own name): ``spec_decode_drafter_num_drafts{drafter}``,
+``spec_decode_drafter_num_draft_tokens{drafter}`` (draft positions: the draft depth, draft tokens
+for a chain) and ``spec_decode_drafter_num_accepted_tokens{drafter}`` — vLLM's three
+``spec_decode_*`` counters split by drafter — plus ``spec_policy_choices{drafter}`` (decode
+sequence-steps by the drafter the policy chose, ``"none"`` for no speculation) and, at scrape time,
+``spec_policy_drafter_predicted_speedup{drafter}``: what the controller believes each drafter
+would pay at its best gamma. Example: one step, suffix drafting 3 positions and 2 accepted for one
+sequence, eagle3 4 positions and 1 accepted for another, a third sequence at gamma 0: drafts
+{suffix: 1, eagle3: 1}, tokens {suffix: 3, eagle3: 4}, accepted {suffix: 2, eagle3: 1}, choices
+{suffix: 1, eagle3: 1, none: 1}.
+
 Policy metrics (``attach_policy``): the chosen speculation length per batch-size bucket
 (``spec_policy_gamma{bucket}``, and ``spec_policy_steps_total{bucket, gamma}`` counting decode steps
 by the gamma that ran), the policy's own counters mirrored at scrape time
@@ -150,6 +162,21 @@ class Metrics:
         self.accepted_per_pos = Counter(f"{p}spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by position in the draft (0 = first).",
                                         ["position"], registry=r)
+        # per drafter (several under one controller: which one pays), from StepStats.drafter_outcomes
+        self.drafter_drafts = Counter(f"{p}spec_decode_drafter_num_drafts", "Sequence-steps that speculated "
+                                      "with a draft of this drafter.", ["drafter"], registry=r)
+        self.drafter_draft_tokens = Counter(f"{p}spec_decode_drafter_num_draft_tokens", "Draft positions this "
+                                            "drafter proposed (the draft depth: draft tokens for a chain).",
+                                            ["drafter"], registry=r)
+        self.drafter_accepted = Counter(f"{p}spec_decode_drafter_num_accepted_tokens", "Draft tokens of this "
+                                        "drafter the target accepted.", ["drafter"], registry=r)
+        self.policy_choices = Counter(f"{p}spec_policy_choices", "Decode sequence-steps by the drafter the policy "
+                                      "chose for them ('none': no speculation).", ["drafter"], registry=r)
+        self.drafter_speedup = Gauge(f"{p}spec_policy_drafter_predicted_speedup", "Speedup over plain decoding the "
+                                     "controller predicts for each drafter at its best gamma (last planned batch).",
+                                     ["drafter"], registry=r)
+        self._drafter_children: dict[str, tuple[Counter, ...]] = {}
+        self._choice_children: dict[str, Counter] = {}
         self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generation_tokens = Counter(f"{p}generation_tokens", "Tokens generated.", registry=r)
         self.running = Gauge(f"{p}num_requests_running", "Requests holding a KV slot.", registry=r)
@@ -245,6 +272,7 @@ class Metrics:
         self.set_load(stats.num_running, stats.num_waiting, stats.kv_usage)
         lens = list(stats.spec_lens.values())
         self.current_spec.set(sum(lens) / len(lens) if lens else 0.0)
+        self._count_drafters(stats)
         if stats.num_decode_seqs and not stats.num_prefill_tokens:
             self._count_decode_step(stats)
             if self.policy is not None:
@@ -257,6 +285,34 @@ class Metrics:
         self.policy, self.profile = policy, profile
         self.series.profile = profile
         self.policy_info.labels(policy=policy.name).set(1)
+
+    def _drafter(self, name: str) -> tuple[Counter, ...]:
+        """The labelled children of one drafter name, looked up once (not every step)."""
+        c = self._drafter_children.get(name)
+        if c is None:
+            c = self._drafter_children[name] = (
+                self.drafter_drafts.labels(drafter=name), self.drafter_draft_tokens.labels(drafter=name),
+                self.drafter_accepted.labels(drafter=name))
+        return c
+
+    def _choice(self, name: str) -> Counter:
+        c = self._choice_children.get(name)
+        if c is None:
+            c = self._choice_children[name] = self.policy_choices.labels(drafter=name)
+        return c
+
+    def _count_drafters(self, stats: StepStats) -> None:
+        """Per-drafter drafts, positions, accepted tokens and the policy's choices of one step (the
+        engine's only drafter is named "" in its stats: it gets the drafter's own name here)."""
+        default = self.series.default_drafter or "drafter"
+        for name, outcomes in stats.drafter_outcomes.items():
+            drafts, tokens, accepted = self._drafter(name or default)
+            drafts.inc(sum(1 for _, depth, _ in outcomes if depth))  # as num_drafts: a draft with tokens
+            tokens.inc(sum(depth for _, depth, _ in outcomes))
+            accepted.inc(sum(acc for _, _, acc in outcomes))
+        for sid, gamma in stats.spec_lens.items():
+            name = (stats.seq_drafters.get(sid) or default) if gamma > 0 else "none"
+            self._choice(name).inc()
 
     def _count_decode_step(self, stats: StepStats) -> None:
         key = bucket_of(stats.num_decode_seqs)
@@ -337,6 +393,11 @@ class Metrics:
                 self.policy_decisions.labels(kind=kind).set(stats[f"{kind}_steps"])
         for name, value in stats.items():
             self.policy_stat.labels(stat=name).set(value)
+        drafter_speedups = getattr(self.policy, "drafter_speedups", None)  # a controller of several drafters
+        if callable(drafter_speedups):
+            default = self.series.default_drafter or "drafter"
+            for name, value in drafter_speedups().items():
+                self.drafter_speedup.labels(drafter=name or default).set(value)
         if self.profile is None:
             return
         for key, t in self._tallies.items():

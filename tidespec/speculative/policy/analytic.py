@@ -80,6 +80,7 @@ class AnalyticPolicy:
         self.alphas = self.trackers[self.drafters[0]]  # the (first) drafter's estimates
         self._chosen: dict[int, tuple[str | None, int]] = {}
         self._speedup: dict[int, float] = {}
+        self._drafter_speedup: dict[str, float] = {}  # drafter -> predicted speedup at its best gamma, last plan
         self.last_predicted_speedup = 1.0  # of the last plan (1.0 = off): read per step, keep it a field
 
     @property
@@ -107,6 +108,7 @@ class AnalyticPolicy:
             return {}
         table = {d: self.predicted(inp.batch_size, d) for d in self.drafters}
         best = {d: _argmax(s, 1) for d, s in table.items()}  # each drafter's best gamma >= 1
+        self._drafter_speedup = {d or "": table[d][best[d]] for d in self.drafters}
         drafter = max(self.drafters, key=lambda d: (table[d][best[d]], -best[d], -self.drafters.index(d)))
         gamma = best[drafter] if table[drafter][best[drafter]] > 1.0 else 0
         speedup = table[drafter][gamma]
@@ -139,6 +141,11 @@ class AnalyticPolicy:
     def choices(self) -> dict[int, tuple[str, int]]:
         """Bucket -> the (drafter, gamma) last chosen there (drafter "" = the engine's only one)."""
         return {key: (d or "", g) for key, (d, g) in sorted(self._chosen.items())}
+
+    def drafter_speedups(self) -> dict[str, float]:
+        """Drafter -> the speedup over plain decoding predicted for it at its best gamma (>= 1) at
+        the last planned batch size ("" names the only drafter of a single-drafter policy)."""
+        return dict(self._drafter_speedup)
 
     def stats(self) -> dict[str, float]:
         out = {"predicted_speedup": self.last_predicted_speedup, "alpha": self.alphas.global_alpha,
