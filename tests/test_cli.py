@@ -19,7 +19,8 @@ from tidespec.cli import main
     (["generate", "hi", "--drafter", "suffix", "--suffix-max-tree-tokens", "-1"], "suffix_max_tree_tokens"),
     (["generate", "hi", "--drafter", "suffix", "--suffix-factor", "0"], "suffix_factor must be > 0"),
     (["generate", "hi", "--max-num-seqs", str(10**20)], "lower --max-num-seqs or --max-model-len"),
-    (["generate", "hi", "--max-num-seqs", str(10**7)], "out of memory; lower --max-num-seqs"),
+    (["generate", "hi", "--max-num-seqs", str(10**7)], "of memory is available; lower --max-num-seqs"),
+    (["generate", "hi", "--max-num-seqs", str(10**7), "--kv-overcommit"], "out of memory; lower --max-num-seqs"),
     (["bench", "load", "--threads", "0"], "threads must be in [1, 4096]"),
 ])
 def test_bad_input_gives_one_line_error(argv, needle, capsys):

@@ -31,7 +31,7 @@ from tidespec.server.cli import register as register_serve
 FLAGS = {
     '--model': None, '--dtype': 'float32', '--device': 'cpu', '--threads': 0, '--quantization': 'none',
     '--quant-group-size': 32, '--compile': False, '--enforce-eager': False, '--row-invariant': True, '--max-model-len': 2048,
-    '--max-num-seqs': 32, '--max-num-batched-tokens': 512, '--max-waiting': 0, '--drafter': 'none',
+    '--max-num-seqs': 32, '--kv-overcommit': False, '--max-num-batched-tokens': 512, '--max-waiting': 0, '--drafter': 'none',
     '--num-speculative-tokens': 4, '--tree': False, '--drafter-device': '', '--ngram-min': 1, '--ngram-max': 4,
     '--suffix-max-tree-tokens': 20000, '--suffix-min-prob': 0.1, '--suffix-factor': 1.0, '--draft-model': None,
     '--draft-layers': 0, '--tree-top-k': 2, '--policy': 'static', '--profile': None, '--guard-kv-usage': 0.9,

@@ -44,7 +44,7 @@ def _exception_classes() -> list[tuple[str, str, list[str]]]:
 
 def test_every_user_facing_error_derives_from_user_error() -> None:
     """Errors a user can fix share ``UserError``; the few that do not are internal signals, named here."""
-    internal = {"EngineRequestError", "EngineStoppedError", "ApiError", "ShardGone"}
+    internal = {"EngineRequestError", "EngineStoppedError", "ApiError", "ShardGone", "_BodyTooLarge"}
     classes = _exception_classes()
     assert len(classes) > 10
     for module, name, _ in classes:

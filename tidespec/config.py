@@ -174,6 +174,9 @@ class ModelConfig(Section):
 class CacheConfig(Section):
     max_model_len: int = opt(2048, "longest sequence (prompt + output) a request may reach, tokens", min=8)
     max_num_seqs: int = opt(32, "KV slots = most sequences running at once", min=1)
+    kv_overcommit: bool = opt(False, "on the CPU, reserve a KV cache larger than the memory available (pages are "
+                                     "committed only as sequences grow; the OOM killer ends the server if they "
+                                     "all grow); by default such a cache is refused at start-up")
 
 
 @dataclass

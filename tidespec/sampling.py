@@ -30,7 +30,12 @@ GREEDY_TEMPERATURE = 1e-5
 
 
 class SamplingParamsError(UserError, ValueError):
-    """A sampling parameter is out of range; the message is one line, fit for an HTTP 400."""
+    """A sampling parameter is out of range; the message is one line, fit for an HTTP 400.
+    ``param``: the parameter's name."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -50,17 +55,17 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if not isinstance(self.temperature, (int, float)) or self.temperature != self.temperature:
-            raise SamplingParamsError(f"temperature must be a number, got {self.temperature!r}")
+            raise SamplingParamsError(f"temperature must be a number, got {self.temperature!r}", param="temperature")
         if self.temperature < 0:
-            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}")
+            raise SamplingParamsError(f"temperature must be >= 0, got {self.temperature}", param="temperature")
         if not (0.0 < self.top_p <= 1.0):
-            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingParamsError(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if self.top_k < 0:
-            raise SamplingParamsError(f"top_k must be >= 0, got {self.top_k}")
+            raise SamplingParamsError(f"top_k must be >= 0, got {self.top_k}", param="top_k")
         if self.max_tokens < 1:
-            raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise SamplingParamsError("stop strings must be non-empty strings")
+            raise SamplingParamsError("stop strings must be non-empty strings", param="stop")
 
     @property
     def greedy(self) -> bool:

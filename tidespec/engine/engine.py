@@ -65,7 +65,12 @@ DRAFT_ERROR_LOG_EVERY = 100  # a drafter that keeps failing logs its traceback o
 
 
 class RequestError(UserError, ValueError):
-    """A request cannot be served as given (prompt too long, empty prompt); one-line message."""
+    """A request cannot be served as given (prompt too long, empty prompt); one-line message.
+    ``param``: the request field at fault, as the API names it (``prompt``, ``max_tokens``, ...)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -96,7 +101,7 @@ class LLMEngine:
         margin = KV_MARGIN if config.model.compile and not graphs else 0
         exact = self.device.type == "cpu" and config.model.row_invariant and exact_attention_error() is None
         self.kv = KVCache.for_model(model.cfg, cc.max_num_seqs, self.max_model_len + margin, model.dtype, self.device,
-                                    spare_slot=graphs, transposed_keys=exact)
+                                    spare_slot=graphs, transposed_keys=exact, overcommit=cc.kv_overcommit)
         self.invariance = self._row_invariance()
         self.compile_seconds = 0.0  # warm-up of the compiled decode step (--compile) or capture of the CUDA graphs
         if graphs:
@@ -185,13 +190,15 @@ class LLMEngine:
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         if not ids:
-            raise RequestError("prompt is empty")
+            raise RequestError("prompt is empty", param="prompt")
         if len(ids) + params.max_tokens > self.max_model_len:
+            # the prompt is at fault when it leaves no room for one token, else max_tokens
             raise RequestError(
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"length {self.max_model_len}")
+                f"length {self.max_model_len}", param="prompt" if len(ids) >= self.max_model_len else "max_tokens")
         if spec_tokens is not None and spec_tokens < 0:
-            raise RequestError(f"num_speculative_tokens must be >= 0, got {spec_tokens}")
+            raise RequestError(f"num_speculative_tokens must be >= 0, got {spec_tokens}",
+                               param="num_speculative_tokens")
         rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
         if rid in self.seqs:
             raise RequestError(f"duplicate request id {rid}")

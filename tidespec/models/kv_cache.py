@@ -8,7 +8,11 @@ positions, and attention reads a contiguous view (no gather) — the right trade
 a paged gather per step would cost more than it saves. Memory is reserved with ``torch.empty``
 so untouched pages are never committed by the OS; positions are zero-filled only when a batched
 attention call is about to read them unwritten (``make_readable``): a masked key's weight is 0,
-but 0 x NaN from uninitialised memory would still be NaN.
+but 0 x NaN from uninitialised memory would still be NaN. Because nothing is committed up front,
+a cache far larger than the machine's memory would start fine and be killed later by the
+kernel's OOM killer; so a CPU cache larger than the memory available is refused at start-up
+(``overcommit=False``, the engine's default; ``--kv-overcommit`` lifts it, for sequences known to
+stay short).
 
 A row-invariant CPU target (``models/attention.py``) stores its keys transposed,
 ``transposed_keys=True``: memory [S, n_kv, hd, L], so that a run of consecutive positions of one
@@ -27,12 +31,29 @@ Worked example::
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import psutil
 import torch
 
 from tidespec.errors import ConfigError
 from tidespec.models.llama import LlamaConfig
 
 MAX_NUMEL = 2**62  # torch sizes are C int64: a larger tensor is not even attempted
+CGROUP = Path("/sys/fs/cgroup")
+
+
+def available_memory() -> int:
+    """Bytes of host memory this process can still commit: what the OS reports available, bounded
+    by the container's cgroup (v2) limit when there is one."""
+    available = int(psutil.virtual_memory().available)
+    try:
+        limit = (CGROUP / "memory.max").read_text().strip()
+        if limit != "max":
+            available = min(available, int(limit) - int((CGROUP / "memory.current").read_text().strip()))
+    except (OSError, ValueError):
+        pass
+    return max(0, available)
 
 
 class KVCache:
@@ -42,7 +63,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu", spare_slot: bool = False,
-                 transposed_keys: bool = False) -> None:
+                 transposed_keys: bool = False, overcommit: bool = True) -> None:
         # ``spare_slot``: one more slot, ``num_slots``, that no sequence is ever given: the CUDA
         # graphs write their padding rows' K/V there (``models/graphs.py``). ``transposed_keys``:
         # keys stored [S, n_kv, hd, L] for the row-invariant kernel (module docstring), CPU only
@@ -64,6 +85,10 @@ class KVCache:
         need = f"{2 * num_layers * numel * dtype.itemsize / 2**30:,.1f} GiB"
         if numel >= MAX_NUMEL:
             raise self._no_room(total, max_len, need, device, "larger than any tensor")
+        nbytes = 2 * num_layers * numel * dtype.itemsize
+        if not overcommit and fill is torch.empty and nbytes > (free := available_memory()):
+            raise self._no_room(total, max_len, need, device, f"only {free / 2**30:,.1f} GiB of memory is available",
+                                "; or pass --kv-overcommit when sequences stay far shorter")
         try:
             keys = [fill(key_shape, dtype=dtype, device=device) for _ in range(num_layers)]
             self.k: list[torch.Tensor] = [k.transpose(2, 3) for k in keys] if transposed_keys else keys
@@ -81,17 +106,18 @@ class KVCache:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() hands out slot 0 first
 
     @staticmethod
-    def _no_room(slots: int, max_len: int, need: str, device: torch.device | str, why: str) -> ConfigError:
+    def _no_room(slots: int, max_len: int, need: str, device: torch.device | str, why: str,
+                 more: str = "") -> ConfigError:
         """The one-line error of a cache that cannot be allocated, naming the flags that size it."""
         return ConfigError(f"the KV cache of {slots} sequences x {max_len} positions needs {need} on {device}: "
-                           f"{why}; lower --max-num-seqs or --max-model-len")
+                           f"{why}; lower --max-num-seqs or --max-model-len{more}")
 
     @classmethod
     def for_model(cls, cfg: LlamaConfig, num_slots: int, max_len: int, dtype: torch.dtype,
                   device: torch.device | str = "cpu", spare_slot: bool = False,
-                  transposed_keys: bool = False) -> "KVCache":
+                  transposed_keys: bool = False, overcommit: bool = True) -> "KVCache":
         return cls(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim, dtype, device, spare_slot,
-                   transposed_keys)
+                   transposed_keys, overcommit)
 
     @property
     def transposed_keys(self) -> bool:

@@ -15,12 +15,18 @@ engine, numbers in ``tidespec.server.metrics`` — and guarantees the contract a
   frees its KV slot;
 * an optional API key guards every route except ``/health``: ``Authorization: Bearer <key>``,
   ``X-API-Key: <key>``, or HTTP Basic auth with the key as password (what a browser sends for
-  ``/dashboard`` after its login prompt).
+  ``/dashboard`` after its login prompt); the key, the body's size and time bounds and the
+  server's phase (loading, draining: 503) are checked before any route (``guard``);
+* unknown request fields are ignored, as vLLM does, and named in the ``X-Tidespec-Ignored-Fields``
+  response header and (once per name) the log; ``strict_fields`` refuses them with a 400;
+* every 400 names in ``param`` the field at fault, as the request spelled it (``messages`` for a
+  chat prompt that fills the context, ``max_completion_tokens`` when that was sent).
 
 Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health``,
 ``GET /metrics``, ``GET /dashboard`` (a live page, ``tidespec.server.dashboard``). Header
 ``X-Tidespec-Route: <label>`` buckets a request in the per-route metrics.
-``/health`` is 200 while the engine loop runs; with online training its body also says whether the
+``/health`` is 200 while the engine loop runs (503 ``{"status": "loading" | "draining"}`` while the
+model loads or the server drains); with online training its body also says whether the
 trainer child runs (``{"status": "ok", "online": {"trainer": {"state": "restarting", ...}, ...}}``):
 serving goes on without training, so a dead trainer is shown, not failed.
 
@@ -37,13 +43,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
-import secrets
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
 
 import jinja2
 from fastapi import FastAPI, Request
@@ -61,8 +68,10 @@ from tidespec.engine.scheduler import QueueFullError
 from tidespec.errors import check_at_least
 from tidespec.llm import draft_vocab_of
 from tidespec.sampling import SamplingParams, SamplingParamsError
+from tidespec.server.api_errors import ApiError, error_body, error_response
 from tidespec.server.async_engine import AsyncEngine, EngineRequestError, EngineStoppedError, RequestStream
-from tidespec.server.dashboard import DASHBOARD_PATH, basic_auth_password, register_dashboard
+from tidespec.server.dashboard import register_dashboard
+from tidespec.server.guard import Admission, AdmissionGate, RequestGuard
 from tidespec.server.metrics import Metrics
 from tidespec.server.protocol import (
     AssistantMessage,
@@ -75,7 +84,6 @@ from tidespec.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
-    ErrorInfo,
     ErrorResponse,
     ModelCard,
     ModelList,
@@ -87,20 +95,18 @@ if TYPE_CHECKING:
     from tidespec.online.attach import OnlineTraining
 
 ROUTE_HEADER = "x-tidespec-route"
+IGNORED_FIELDS_HEADER = "X-Tidespec-Ignored-Fields"
+MAX_HEADER_CHARS = 1024
+MAX_WARNED_FIELDS = 256  # distinct unknown field names logged (once each); a fuzzer cannot flood the log
+SHUTDOWN_CODE = "server_shutting_down"  # requests the shutdown ended: 503 (or a stream's error event)
+log = logging.getLogger("tidespec.server")
 EXACTNESS_TICK_S = 0.02  # the longest an exactness-check tick runs before the engine thread looks for requests
 _ROUTE_RE = re.compile(r"[A-Za-z0-9_.:/-]{1,64}")
-_STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
-                 404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-                 415: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}
-
 _UNION_HINTS = {
     "prompt": "prompt must be a string, a list holding one string (n=1 only), or a non-empty list of token ids",
     "stop": "stop must be a non-empty string or a list of at most 16 non-empty strings",
     "logprobs": "logprobs are not supported",
 }
-
-ASGIApp = Callable[[MutableMapping[str, Any], Callable[[], Awaitable[Any]], Callable[[Any], Awaitable[None]]],
-                   Awaitable[None]]
 
 
 @dataclass
@@ -116,6 +122,9 @@ class ServerConfig:
     # fraction of finished greedy requests re-decoded plainly in idle time and compared token by
     # token (engine/exactness.py); 0 = off
     exactness_check: float = 0.0
+    body_timeout_s: float = 30.0  # a request body not complete this long after its headers: 408
+    strict_fields: bool = False  # unknown request fields: a 400 (default: ignored, named in a header and the log)
+    trim_memory: bool = True  # hand freed heap pages back to the OS after large requests (guard.MemoryTrimmer)
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -126,31 +135,8 @@ class ServerConfig:
             raise ConfigError(f"disconnect_poll_s must be > 0, got {self.disconnect_poll_s}")
         if not 0.0 <= self.exactness_check <= 1.0:
             raise ConfigError(f"--exactness-check must be a fraction in [0, 1], got {self.exactness_check}")
-
-
-class ApiError(Exception):
-    """An error answered as an OpenAI error object."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.type = type_ or _STATUS_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-
-
-def error_body(status: int, message: str, param: str | None = None, code: str | None = None,
-               type_: str | None = None) -> dict[str, Any]:
-    err = ApiError(status, message, param, code, type_)
-    return ErrorResponse(error=ErrorInfo(message=err.message, type=err.type, param=err.param,
-                                         code=err.code)).model_dump()
-
-
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, param, code), status_code=status, headers=headers)
+        if not self.body_timeout_s > 0:
+            raise ConfigError(f"--body-timeout must be > 0, got {self.body_timeout_s}")
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -179,92 +165,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return text, param
 
 
-class _Guard:
-    """ASGI middleware: API key on every route but ``/health``, request body size bound."""
-
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int,
-                 on_reject: Callable[[str], None]) -> None:
-        self.app = app
-        self.api_key = api_key.encode() if api_key else None
-        self.max_body_bytes = max_body_bytes
-        self.on_reject = on_reject
-
-    async def __call__(self, scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Any]],
-                       send: Callable[[Any], Awaitable[None]]) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        headers = {k.decode("latin-1").lower(): v for k, v in scope.get("headers", [])}
-        if self.api_key is not None and scope.get("path") != "/health":
-            auth = headers.get("authorization", b"")
-            token = auth[7:].strip() if auth[:7].lower() == b"bearer " else headers.get("x-api-key", b"")
-            if auth[:6].lower() == b"basic ":
-                token = basic_auth_password(auth[6:])
-            if not secrets.compare_digest(token, self.api_key):
-                self.on_reject("unauthorized")
-                # a browser opening the dashboard answers a Basic challenge with its login prompt
-                page = str(scope.get("path", "")).startswith(DASHBOARD_PATH)
-                resp = JSONResponse(error_body(401, "invalid or missing API key (send 'Authorization: Bearer <key>')",
-                                               code="invalid_api_key"), status_code=401,
-                                    headers={"WWW-Authenticate": 'Basic realm="tidespec"' if page else "Bearer"})
-                await resp(scope, receive, send)
-                return
-        length = headers.get("content-length")
-        if length is not None and not length.isdigit():
-            await error_response(400, "invalid Content-Length header")(scope, receive, send)
-            return
-        if length is not None and int(length) > self.max_body_bytes:
-            resp = error_response(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
-            await resp(scope, receive, send)
-            return
-        if length is None:  # a chunked body: read it here, bounded, so an oversized one is a 413 too
-            body = await self._read_bounded(receive)
-            if body is None:
-                resp = error_response(413, f"request body exceeds {self.max_body_bytes} bytes", code="body_too_large")
-                await resp(scope, receive, send)
-                return
-            receive = _replay(body, receive)
-        await self.app(scope, receive, send)
-
-    async def _read_bounded(self, receive: Callable[[], Awaitable[Any]]) -> bytes | None:
-        """The whole request body, or None as soon as it exceeds ``max_body_bytes``."""
-        chunks: list[bytes] = []
-        seen = 0
-        while True:
-            message = await receive()
-            if message.get("type") != "http.request":  # the client went away: nothing more will come
-                break
-            chunk = message.get("body", b"")
-            seen += len(chunk)
-            if seen > self.max_body_bytes:
-                return None
-            chunks.append(chunk)
-            if not message.get("more_body"):
-                break
-        return b"".join(chunks)
-
-
-def _replay(body: bytes, receive: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitable[Any]]:
-    """An ASGI ``receive`` that hands over ``body`` as one message, then defers to ``receive``
-    (which reports the client's disconnect)."""
-    sent = False
-
-    async def replayed() -> Any:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        return await receive()
-
-    return replayed
-
-
 class _EventStream(StreamingResponse):
     """SSE response that runs ``on_close`` however it ends (done, client gone, cancelled)."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], headers: dict[str, str]) -> None:
         super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
         self._on_close = on_close
 
     async def __call__(self, scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Any]],
@@ -273,6 +179,11 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._on_close()
+
+
+def _stopped(exc: EngineStoppedError) -> ApiError:
+    """The 503 of a request the server's shutdown ended (or that arrived once the engine stopped)."""
+    return ApiError(503, str(exc), code=SHUTDOWN_CODE, headers={"Retry-After": "5"})
 
 
 def _sse(obj: BaseModel | dict[str, Any]) -> str:
@@ -284,6 +195,9 @@ def _usage(out: RequestOutput) -> Usage:
     p, c = len(out.prompt_token_ids), len(out.token_ids)
     return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, draft_tokens=out.stats.num_draft_tokens,
                  accepted_tokens=out.stats.num_accepted_tokens)
+
+
+ApiRequest = CompletionRequest | ChatCompletionRequest
 
 
 class _Server:
@@ -301,6 +215,7 @@ class _Server:
                                    on_finished=metrics.on_request_finished, on_idle=self._idle,
                                    idle_work=self._check_exactness if self.checker is not None else None)
         self.created = int(time.time())
+        self.warned_fields: set[str] = set()
         self.vocab_size = engine.model.cfg.vocab_size
 
     @property
@@ -333,25 +248,43 @@ class _Server:
                            param="X-Tidespec-Route")
         return label
 
+    def ignored_fields(self, body: ApiRequest, request_id_prefix: str) -> dict[str, str]:
+        """The response header naming the request's unknown fields (ignored, as vLLM does; each new
+        name is logged once), or a 400 for the first of them under ``strict_fields``."""
+        unknown = body.unknown_fields()
+        if not unknown:
+            return {}
+        if self.config.strict_fields:
+            raise ApiError(400, f"unknown field {unknown[0]!r} (the server runs with --strict-fields)",
+                           param=unknown[0], code="unknown_field")
+        new = [f for f in unknown if f not in self.warned_fields]
+        if new and len(self.warned_fields) < MAX_WARNED_FIELDS:
+            self.warned_fields.update(new)
+            log.warning("%s request: ignored unknown field(s) %s (logged once per name; --strict-fields refuses them)",
+                        request_id_prefix, ", ".join(map(repr, new)))
+        # names come from clients: percent-encoded (RFC 3986) into a header-safe ASCII list
+        return {IGNORED_FIELDS_HEADER: ",".join(quote(f, safe="[]._-:/@$") for f in unknown)[:MAX_HEADER_CHARS]}
+
     @staticmethod
-    def params(build: Callable[[], SamplingParams]) -> SamplingParams:
+    def params(build: Callable[[], SamplingParams], body: ApiRequest) -> SamplingParams:
         try:
             return build()
         except SamplingParamsError as exc:
-            raise ApiError(400, str(exc).splitlines()[0]) from exc
+            raise ApiError(400, str(exc).splitlines()[0], param=body.api_param(exc.param)) from exc
 
-    async def submit(self, prompt: str | list[int], params: SamplingParams, spec_tokens: int | None,
-                     label: str | None, fit_max_tokens: bool, prefix: str) -> RequestStream:
+    async def submit(self, prompt: str | list[int], params: SamplingParams, body: ApiRequest,
+                     label: str | None, prefix: str) -> RequestStream:
+        fit = isinstance(body, ChatCompletionRequest) and not body.max_tokens_given
         try:
-            return await self.aengine.add_request(prompt, params, spec_tokens=spec_tokens, label=label,
-                                                  fit_max_tokens=fit_max_tokens, prefix=prefix)
+            return await self.aengine.add_request(prompt, params, spec_tokens=body.spec_tokens(), label=label,
+                                                  fit_max_tokens=fit, prefix=prefix)
         except QueueFullError as exc:
             self.metrics.on_rejected("queue_full")
             raise ApiError(429, str(exc).splitlines()[0], code="rate_limit_exceeded") from exc
         except (RequestError, SamplingParamsError) as exc:
-            raise ApiError(400, str(exc).splitlines()[0], param="prompt") from exc
+            raise ApiError(400, str(exc).splitlines()[0], param=body.api_param(exc.param)) from exc
         except EngineStoppedError as exc:
-            raise ApiError(503, str(exc)) from exc
+            raise _stopped(exc) from exc
 
     async def collect(self, stream: RequestStream, request: Request) -> RequestOutput:
         """Wait for the final output; abort if the client goes away."""
@@ -366,7 +299,7 @@ class _Server:
                 except EngineRequestError as exc:
                     raise ApiError(500, str(exc), code="engine_error") from exc
                 except EngineStoppedError as exc:
-                    raise ApiError(503, str(exc)) from exc
+                    raise _stopped(exc) from exc
                 if out is not None and out.finished:
                     return out
                 if time.monotonic() >= next_check:
@@ -385,17 +318,18 @@ class _Server:
         prompt = body.prompt_input()
         if isinstance(prompt, list) and max(prompt) >= self.vocab_size:
             raise ApiError(400, f"prompt token ids must be < vocab size {self.vocab_size}", param="prompt")
-        params = self.params(lambda: body.sampling_params(self.config.default_completion_max_tokens))
-        stream = await self.submit(prompt, params, body.spec_tokens(), label, False, "cmpl")
+        headers = self.ignored_fields(body, "completion")
+        params = self.params(lambda: body.sampling_params(self.config.default_completion_max_tokens), body)
+        stream = await self.submit(prompt, params, body, label, "cmpl")
         model = self.config.served_model_name
         if body.stream:
             return _EventStream(self._stream_completion(stream, model, body.include_usage),
-                                lambda: self.aengine.abort(stream.request_id))
+                                lambda: self.aengine.abort(stream.request_id), headers)
         out = await self.collect(stream, request)
         resp = CompletionResponse(id=stream.request_id, created=int(time.time()), model=model,
                                   choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
                                   usage=_usage(out), drafter_version=self.drafter_version)
-        return JSONResponse(resp.model_dump())
+        return JSONResponse(resp.model_dump(), headers=headers)
 
     def _stream_completion(self, stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:
         created = int(time.time())
@@ -429,8 +363,11 @@ class _Server:
                 for event in render(out):
                     yield event
             yield "data: [DONE]\n\n"
-        except (EngineRequestError, EngineStoppedError) as exc:
+        except EngineRequestError as exc:
             yield _sse(error_body(500, str(exc), code="engine_error"))
+            yield "data: [DONE]\n\n"
+        except EngineStoppedError as exc:
+            yield _sse(error_body(503, str(exc), code=SHUTDOWN_CODE))
             yield "data: [DONE]\n\n"
         finally:
             if not stream.finished:
@@ -451,19 +388,20 @@ class _Server:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         label = self.route_label(request)
-        params = self.params(lambda: body.sampling_params(1))
+        headers = self.ignored_fields(body, "chat completion")
+        params = self.params(lambda: body.sampling_params(1), body)
         prompt = await self.aengine.prepare(self.chat_prompt, body)  # a template can be slow: off the event loop
-        stream = await self.submit(prompt, params, body.spec_tokens(), label, not body.max_tokens_given, "chatcmpl")
+        stream = await self.submit(prompt, params, body, label, "chatcmpl")
         model = self.config.served_model_name
         if body.stream:
             return _EventStream(self._stream_chat(stream, model, body.include_usage),
-                                lambda: self.aengine.abort(stream.request_id))
+                                lambda: self.aengine.abort(stream.request_id), headers)
         out = await self.collect(stream, request)
         resp = ChatCompletionResponse(
             id=stream.request_id, created=int(time.time()), model=model,
             choices=[ChatChoice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)],
             usage=_usage(out), drafter_version=self.drafter_version)
-        return JSONResponse(resp.model_dump())
+        return JSONResponse(resp.model_dump(), headers=headers)
 
     def _stream_chat(self, stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:
         created = int(time.time())
@@ -486,14 +424,17 @@ class _Server:
 
 
 def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: Metrics | None = None,
-               on_shutdown: Callable[[], None] | None = None, online: OnlineTraining | None = None) -> FastAPI:
+               on_shutdown: Callable[[], None] | None = None, online: OnlineTraining | None = None,
+               admission: Admission | None = None) -> FastAPI:
     """The FastAPI app serving ``engine``; the engine loop starts and stops with the app's lifespan.
 
     ``on_shutdown`` runs after the engine loop stopped (e.g. stopping online training's trainer
     child): uvicorn re-raises SIGTERM once the app has shut down, so code after ``uvicorn.run``
     never runs on a SIGTERM. ``online``: the online training attached to ``engine``, whose state
-    ``/health`` and ``/metrics`` show."""
+    ``/health`` and ``/metrics`` show. ``admission``: the server's phase, shared with the loading
+    app and the drain of ``tidespec serve`` (default: a new one, serving)."""
     config = config or ServerConfig()
+    admission = admission or Admission("serving")
     metrics = metrics or Metrics()
     if online is not None:
         metrics.attach_online(online)
@@ -527,10 +468,11 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: M
     app.state.async_engine = server.aengine
     app.state.metrics = metrics
     app.state.engine = engine
+    app.state.admission = admission
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
-        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        headers = {"Retry-After": "1"} if exc.status == 429 else exc.headers
         if exc.status == 400:
             metrics.on_rejected("invalid")
         return error_response(exc.status, exc.message, exc.param, exc.code, headers=headers)
@@ -584,6 +526,8 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: M
         return await server.chat(body, request)
 
     register_dashboard(app, engine, config.served_model_name, metrics, online)
-    app.add_middleware(_Guard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
-                       on_reject=metrics.on_rejected)
+    app.add_middleware(RequestGuard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
+                       body_timeout_s=config.body_timeout_s, on_reject=metrics.on_rejected,
+                       trim_memory=config.trim_memory)
+    app.add_middleware(AdmissionGate, admission=admission)  # added last: outermost, before the key check
     return app

@@ -22,14 +22,23 @@ import logging
 import os
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tidespec.commands import standalone_main
 from tidespec.config import ConfigError, EngineConfig, add_engine_args, engine_config_from_args, finite_float
 from tidespec.server.graceful import HEADER_TIMEOUT_S
 
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from tidespec.server.app import ServerConfig
+    from tidespec.server.guard import Admission
+
 DEFAULT_MAX_WAITING = 256
 GRACE_S = 10.0  # seconds in-flight requests get to finish on SIGTERM before their streams are ended
+BODY_TIMEOUT_S = 30.0
 API_KEY_ENV = "TIDESPEC_API_KEY"
 
 log = logging.getLogger("tidespec.server")
@@ -43,12 +52,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     g.add_argument("--api-key", default=None,
-                   help=f"require 'Authorization: Bearer KEY' on every route but /health (default: env {API_KEY_ENV})")
+                   help="require the key on every route but /health, sent as 'Authorization: Bearer KEY', "
+                        f"'X-API-Key: KEY' or HTTP Basic auth with KEY as password (default: env {API_KEY_ENV})")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients must send (default: the checkpoint's name)")
     g.add_argument("--header-timeout", type=finite_float, default=HEADER_TIMEOUT_S, metavar="S",
                    help="close a connection whose request headers are not complete S seconds after its "
                         f"first byte (408; default: {HEADER_TIMEOUT_S:g})")
+    g.add_argument("--body-timeout", type=finite_float, default=BODY_TIMEOUT_S, metavar="S",
+                   help="answer 408 and close the connection when a request's body is not complete S seconds after "
+                        f"its headers (default: {BODY_TIMEOUT_S:g})")
+    g.add_argument("--shutdown-grace", type=finite_float, default=GRACE_S, metavar="S",
+                   help="on SIGTERM/SIGINT, admit nothing new (503) and give requests in flight S seconds to finish; "
+                        f"the rest end with a 503 or an error event, then the server exits 0 (default: {GRACE_S:g})")
+    g.add_argument("--trim-memory", action=argparse.BooleanOptionalAction, default=True,
+                   help="after a request with a large body, hand the heap pages it freed back to the OS (glibc "
+                        "malloc_trim, off the request path): RSS returns to its level before the burst (default: on)")
+    g.add_argument("--strict-fields", action="store_true",
+                   help="refuse requests with fields the server does not know (400); by default they are ignored, "
+                        "named in the X-Tidespec-Ignored-Fields response header and logged")
     g.add_argument("--exactness-check", type=finite_float, default=0.0, metavar="RATE",
                    help="re-decode this fraction of finished greedy requests plainly while the engine is idle and "
                         "compare them token by token; a mismatch is logged (request id, position, top-2 logit gap) "
@@ -86,23 +108,55 @@ def _is_loopback(host: str) -> bool:
 def cmd_serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
-    from tidespec.llm import build_engine
-    from tidespec.server.app import ServerConfig, create_app
+    from tidespec.server.app import ServerConfig
     from tidespec.server.graceful import GracefulServer
-    from tidespec.threads import release_team
+    from tidespec.server.guard import Admission
+    from tidespec.server.loading import DeferredApp
 
     if not 0 < ns.port < 65536:
         raise ConfigError(f"port must be in [1, 65535], got {ns.port}")
-    if not ns.header_timeout > 0:
-        raise ConfigError(f"--header-timeout must be > 0, got {ns.header_timeout}")
+    for flag, value in (("--header-timeout", ns.header_timeout), ("--body-timeout", ns.body_timeout)):
+        if not value > 0:
+            raise ConfigError(f"{flag} must be > 0, got {value}")
+    if not ns.shutdown_grace >= 0:
+        raise ConfigError(f"--shutdown-grace must be >= 0, got {ns.shutdown_grace}")
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     api_key = ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV) or None
     config = server_engine_config(ns)
     server_config = ServerConfig(served_model_name=ns.served_model_name or served_name(config), api_key=api_key,
-                                 exactness_check=ns.exactness_check)
+                                 exactness_check=ns.exactness_check, body_timeout_s=ns.body_timeout,
+                                 strict_fields=ns.strict_fields, trim_memory=ns.trim_memory)
     if not _is_loopback(ns.host):
         log.warning("binding %s: the server is reachable from other machines%s", ns.host,
                     "" if api_key else " and has no API key")
+    admission = Admission("loading")
+    closers: list[Callable[[], None]] = []
+    # the port is bound first: /health answers 503 "loading" while the model loads (server/loading.py)
+    app = DeferredApp(lambda: _load_app(config, server_config, admission, closers), admission,
+                      on_failure=lambda _exc: setattr(server, "should_exit", True))
+    server = GracefulServer(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
+                                           timeout_graceful_shutdown=5), grace_s=ns.shutdown_grace,
+                            header_timeout_s=ns.header_timeout)
+    log.info("listening on http://%s:%d; loading the model", ns.host, ns.port)
+    try:
+        # SIGTERM: admit nothing new, requests in flight get the grace to finish, the rest end
+        # with an error event; then exit 0
+        server.run()
+    finally:
+        for close in closers:
+            close()
+    if app.error is not None:
+        raise app.error
+    return 0
+
+
+def _load_app(config: EngineConfig, server_config: ServerConfig, admission: Admission,
+              closers: list[Callable[[], None]]) -> FastAPI:
+    """The engine, its online training if asked, and the app serving them (on the loading thread)."""
+    from tidespec.llm import build_engine
+    from tidespec.server.app import create_app
+    from tidespec.threads import release_team
+
     engine = build_engine(config)
     online = None
     if config.online.enabled:
@@ -113,6 +167,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
         oc = config.online
         online = attach_online_training(engine, OnlineConfig.from_engine_config(config))
+        closers.append(online.close)
         log_path = trainer_log_path(online.config)
         start = functools.partial(
             start_trainer_process, online.config, config.model.model, dtype=config.model.dtype,
@@ -124,23 +179,15 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         online.supervise_trainer(start, RestartPolicy(max_restarts=oc.trainer_max_restarts,
                                                       backoff_max_s=oc.trainer_backoff_max_s), log_path,
                                  yield_to=GovernorConfig(share=oc.trainer_share) if shared else None)
-    app = create_app(engine, server_config, on_shutdown=online.close if online is not None else None, online=online)
-    log.info("serving %r on http://%s:%d (drafter %s, policy %s, max_waiting %d%s)", server_config.served_model_name,
-             ns.host, ns.port, config.spec.drafter, config.policy.name, config.scheduler.max_waiting,
-             ", online training" if online is not None else "")
-    log.info("live dashboard: http://%s:%d/dashboard", ns.host, ns.port)
+    app = create_app(engine, server_config, on_shutdown=online.close if online is not None else None, online=online,
+                     admission=admission)
+    log.info("serving %r (drafter %s, policy %s, max_waiting %d%s); live dashboard at /dashboard",
+             server_config.served_model_name, config.spec.drafter, config.policy.name,
+             config.scheduler.max_waiting, ", online training" if online is not None else "")
     # the engine steps on a thread of its own: the OpenMP team this thread made while loading the
     # model would otherwise keep that thread's team from spin-waiting (tidespec.threads)
     release_team()
-    try:
-        # SIGTERM: requests in flight get GRACE_S to finish, the rest end with an error event
-        GracefulServer(uvicorn.Config(app, host=ns.host, port=ns.port, log_level=ns.log_level,
-                                      timeout_graceful_shutdown=5), grace_s=GRACE_S,
-                       header_timeout_s=ns.header_timeout).run()
-    finally:
-        if online is not None:
-            online.close()
-    return 0
+    return app
 
 
 def main(argv: list[str] | None = None) -> int:

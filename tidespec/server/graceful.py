@@ -1,14 +1,18 @@
-"""A uvicorn server whose shutdown ends every open stream with an error event, never a cut, and
-that closes connections whose request headers do not arrive in time.
+"""A uvicorn server that drains on SIGTERM/SIGINT, ends every open stream with an error event,
+never a cut, exits 0, and closes connections whose request headers do not arrive in time.
 
 Why this exists: on SIGTERM uvicorn stops accepting connections, waits up to its graceful-shutdown
 timeout for open ones, then cancels their tasks, and only after that runs the app's lifespan
 shutdown (which stops the engine). A stream still running at the deadline was cancelled mid-body:
 the client saw the connection end with no error event and no ``[DONE]``, and the log got a
-traceback. Here the shutdown first gives in-flight requests ``grace_s`` to finish, then stops the
-engine loop, which fails the rest with ``EngineStoppedError``: each open stream sends an OpenAI
-error event and ``[DONE]`` and ends normally (a non-streaming request gets a 500 error body), and
-only then does uvicorn close the connections.
+traceback; and uvicorn re-raises the signal at the end, so the process died with 143. Here the
+shutdown drains first: the app's ``Admission`` turns to ``draining`` at once (``/health`` 503
+``{"status": "draining"}``, every new request, on a new or a kept-alive connection, a 503 with
+``Retry-After``: ``tidespec.server.guard``), requests in flight get ``grace_s`` to finish, then the
+engine loop stops, which fails the rest with ``EngineStoppedError``: each open stream sends an
+OpenAI error event (code ``server_shutting_down``) and ``[DONE]`` and ends normally, a
+non-streaming request gets a 503 with that code; only then does uvicorn close the listening
+socket and the connections, and the process exits 0 (a drain is the expected end, not a crash).
 
 uvicorn has no timeout for reading a request's headers: a client that opens connections and sends
 a header byte now and then (slowloris) holds each one forever. ``HeaderTimeoutH11Protocol`` (the
@@ -19,22 +23,28 @@ complete ``header_timeout_s`` after the connection opened or after its first byt
 Worked example::
 
     server = GracefulServer(uvicorn.Config(app, host="127.0.0.1", port=8000), grace_s=10.0)
-    server.run()            # SIGTERM: wait <= 10 s for requests in flight, then end the rest cleanly
+    server.run()            # SIGTERM: admit nothing new, wait <= 10 s for requests in flight,
+                            # end the rest cleanly, return (exit code 0)
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
+from collections.abc import Generator
 from typing import Any
 
+import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from tidespec.config import ConfigError
+from tidespec.server.api_errors import error_body
 from tidespec.server.async_engine import AsyncEngine
+from tidespec.server.guard import Admission
 
 log = logging.getLogger("tidespec.server")
 
@@ -49,12 +59,18 @@ class HeaderTimeoutH11Protocol(H11Protocol):
     connection); it is cancelled as soon as h11 has parsed a request's headers (uvicorn then starts
     a new request cycle). When it fires, a partly sent request gets a 408 with an OpenAI error body,
     a connection that sent nothing is closed silently. The body is not under this timer (the app
-    reads it with its own size limit).
+    reads it within its own size and time bounds, ``guard.RequestGuard``).
+
+    A request answered before its body was read (a 401, a 413) leaves the rest of the body to come:
+    h11 reads and discards it, and the connection is closed if it has not all arrived
+    ``header_timeout_s`` after the answer (a lingering close, as nginx's ``lingering_timeout``: the
+    client that is still writing can read the answer, one that trickles bytes holds nothing for long).
     """
 
     header_timeout_s: float = HEADER_TIMEOUT_S
     _header_timer: asyncio.TimerHandle | None = None
     _partial_request: bool = False  # bytes of a request whose headers are not complete yet
+    _linger_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -62,7 +78,24 @@ class HeaderTimeoutH11Protocol(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
+        self._cancel_linger_timer()
         super().connection_lost(exc)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing() and self.conn.their_state is h11.SEND_BODY:
+            self._cancel_linger_timer()
+            self._linger_timer = self.loop.call_later(self.header_timeout_s, self._linger_over)
+
+    def _linger_over(self) -> None:
+        self._linger_timer = None
+        if not self.transport.is_closing() and self.conn.their_state is h11.SEND_BODY:
+            self.transport.close()
+
+    def _cancel_linger_timer(self) -> None:
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+            self._linger_timer = None
 
     def data_received(self, data: bytes) -> None:
         cycle = self.cycle
@@ -91,9 +124,8 @@ class HeaderTimeoutH11Protocol(H11Protocol):
         if self.transport.is_closing():
             return
         if self._partial_request:
-            body = json.dumps({"error": {
-                "message": f"the request headers did not arrive within {self.header_timeout_s:g} s",
-                "type": "invalid_request_error", "param": None, "code": "request_timeout"}}).encode()
+            body = json.dumps(error_body(408, f"the request headers did not arrive within {self.header_timeout_s:g} s",
+                                         code="request_timeout")).encode()
             head = (f"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
                     f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode()
             self.transport.write(head + body)
@@ -113,12 +145,34 @@ class GracefulServer(uvicorn.Server):
         self.grace_s = grace_s
         self.poll_s = poll_s
 
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        """uvicorn's signal capture without re-raising the captured SIGTERM/SIGINT at the end: the
+        drain is the expected end of a server, so ``run`` returns and the process exits 0."""
+        with super().capture_signals():
+            try:
+                yield
+            finally:
+                if self._captured_signals:
+                    log.info("drained after signal %s; exiting normally", self._captured_signals[-1])
+                self._captured_signals.clear()
+
     async def shutdown(self, sockets: Any = None) -> None:
         state = getattr(self.config.app, "state", None)
+        admission: Admission | None = getattr(state, "admission", None) if state is not None else None
         aengine: AsyncEngine | None = getattr(state, "async_engine", None) if state is not None else None
+        if admission is not None:
+            admission.phase = "draining"  # from now on: /health 503, new requests 503 + Retry-After
+
+        def busy() -> int:
+            return max(aengine.num_in_flight if aengine is not None else 0,
+                       admission.active if admission is not None else 0)
+
         if aengine is not None and aengine.running:
+            if busy():
+                log.info("draining: admitting no new requests; %d in flight get up to %.1f s", busy(), self.grace_s)
             deadline = time.monotonic() + self.grace_s
-            while aengine.num_in_flight and time.monotonic() < deadline:
+            while busy() and time.monotonic() < deadline:
                 await asyncio.sleep(self.poll_s)
             if aengine.num_in_flight:
                 log.warning("shutting down: ending %d request(s) still in flight after %.1f s",

@@ -73,10 +73,26 @@ def first_invalid_text(value: Any, where: str = "") -> str | None:
 
 
 class _Strict(BaseModel):
-    """Strict types (no ``"1"`` -> 1 coercion), no NaN/inf; unknown fields are ignored like OpenAI's
-    server does for forward compatibility, except the unsupported features checked below."""
+    """Strict types (no ``"1"`` -> 1 coercion), no NaN/inf. Unknown fields are kept aside
+    (``extra="allow"``) and ignored, as vLLM and OpenAI's server do for forward compatibility;
+    ``unknown_fields`` names them so that the server can say so (or refuse them)."""
 
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
+
+    def unknown_fields(self, where: str = "") -> list[str]:
+        """Dotted paths of the fields this model and the models inside it do not know, except the
+        OpenAI features screened by ``UNSUPPORTED_FIELDS`` (known, accepted at "not used").
+
+        Example: ``ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi",
+        "x": 1}], "min_tokens": 2}).unknown_fields()`` -> ``["min_tokens", "messages[0].x"]``."""
+        found = [f"{where}{k}" for k in (self.model_extra or {}) if not (not where and k in UNSUPPORTED_FIELDS)]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
+            for i, item in items:
+                if isinstance(item, _Strict):
+                    found += item.unknown_fields(f"{where}{name}{'' if i is None else f'[{i}]'}.")
+        return found
 
 
 class StreamOptions(_Strict):
@@ -122,7 +138,7 @@ class _SamplingRequest(_Strict):
         where = first_invalid_text(data)
         if where is not None:
             raise PydanticCustomError("invalid_text", "{where} is not valid Unicode text (a lone surrogate)",
-                                      {"where": where})
+                                      {"where": where, "param": where})
         if isinstance(data, dict):
             for name, neutral in UNSUPPORTED_FIELDS.items():
                 if data.get(name) is not None and data[name] not in neutral:
@@ -161,6 +177,13 @@ class _SamplingRequest(_Strict):
             stop=stop,
             ignore_eos=self.ignore_eos,
         )
+
+    def api_param(self, name: str | None) -> str | None:
+        """The request field an engine-side parameter name stands for (``prompt`` is the prompt
+        the server built, from ``messages`` in a chat request)."""
+        if name == "num_speculative_tokens":
+            return "tidespec.num_speculative_tokens"
+        return name
 
     def spec_tokens(self) -> int | None:
         """Per-request speculation length: None = the engine decides, 0 = no speculation."""
@@ -218,6 +241,15 @@ class ChatCompletionRequest(_SamplingRequest):
     @property
     def max_tokens_given(self) -> bool:
         return self._max_tokens() is not None
+
+    def api_param(self, name: str | None) -> str | None:
+        if name == "prompt":
+            return "messages"
+        if name == "max_tokens" and self.max_completion_tokens is not None:
+            return "max_completion_tokens"
+        if name == "max_tokens" and self.max_tokens is None:  # the server filled it to the end of the context
+            return "messages"
+        return super().api_param(name)
 
     def template_messages(self) -> list[dict[str, str]]:
         """Messages as the tokenizer's chat template expects them (``developer`` -> ``system``)."""
