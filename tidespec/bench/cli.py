@@ -42,9 +42,10 @@ from tidespec.bench.invariance_cost import InvarianceCostConfig, run_invariance_
 from tidespec.bench.invariance_cost import table as invariance_cost_table
 from tidespec.bench.learn import LearnBenchConfig, run_learn_bench
 from tidespec.bench.learn import replot as replot_learn
+from tidespec.bench.memory import MemoryBenchConfig, run_memory_bench
 from tidespec.bench.profile import ProfileConfig, run_profile
-from tidespec.bench.shapes import SHAPES, AnchorBenchConfig, run_anchor_bench
 from tidespec.bench.report import command_line
+from tidespec.bench.shapes import SHAPES, AnchorBenchConfig, run_anchor_bench
 from tidespec.bench.shift import replot as replot_shift
 from tidespec.bench.shift import run_shift_bench
 from tidespec.bench.shift_config import ShiftBenchConfig
@@ -179,6 +180,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="output directory (default: runs/bench-invariance-cost-<time>)")
     c.set_defaults(func=cmd_invariance_cost)
 
+    m = sub.add_parser("memory", help="server RSS after a burst of large refused requests, with and without "
+                                      "--trim-memory", formatter_class=fmt)
+    add_dataclass_args(m, MemoryBenchConfig)
+    m.add_argument("--out", type=output_dir, default=None, help="output directory (default: runs/bench-memory-<time>)")
+    m.set_defaults(func=cmd_memory)
+
     _register_serve(sub)
     q = sub.add_parser("quality", help="quantized / bfloat16 target against float32: greedy agreement, perplexity",
                        formatter_class=fmt)
@@ -290,6 +297,13 @@ def cmd_invariance_cost(ns: argparse.Namespace) -> int:
     text = invariance_cost_table(doc)
     (out / "table.md").write_text(text + "\n")
     print(text)
+    return 0
+
+
+def cmd_memory(ns: argparse.Namespace) -> int:
+    out = ns.out or Path("runs") / f"bench-memory-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_memory_bench(dataclass_from_args(MemoryBenchConfig, ns), out_dir=out)
+    print((out / "table.md").read_text())
     return 0
 
 
