@@ -3,7 +3,7 @@
 Why this exists: each ~1 MB prompt that the server refuses (longer than the context) is still
 received, parsed, rendered through the chat template and tokenized before the refusal, and those
 copies are freed; glibc keeps freed pages in its arenas, so resident memory used to settle 25-60 %
-above its post-warm-up level and stay there (issue 49 item 4). The server now hands them back
+above its post-warm-up level and stay there. The server now hands them back
 (``server.guard.MemoryTrimmer``); this benchmark shows it, before and after, on a live
 ``tidespec serve``: for each configuration (``--configs trim,no-trim``: the server with its default
 ``--trim-memory`` and with ``--no-trim-memory``) it warms the server up with a few normal requests,
