@@ -26,15 +26,14 @@ import pytest
 import torch
 
 from tests.helpers import tiny_hf_model, tiny_llama, tiny_tokenizer, write_tiny_checkpoint
-from tests.server.live import MODEL, LiveServer, tiny_engine
-from tests.server.test_reliability import INNOCENT, POISON, _disconnect, _innocent, _poisoned
+from tests.server.live import CHAT_TEMPLATE, MODEL, LiveServer, tiny_engine
+from tests.server.test_reliability import POISON, _poisoned
 from tidespec.bench.serve import free_port, launch_server, stop_server
 from tidespec.config import CacheConfig, ConfigError, EngineConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.server.app import IGNORED_FIELDS_HEADER, ServerConfig, create_app
 from tidespec.server.guard import Admission, MemoryTrimmer
 from tidespec.server.loading import DeferredApp
-from tidespec.speculative.drafters.suffix import SuffixDrafter
 
 
 def _read_until_closed(sock: socket.socket, timeout: float) -> bytes:
@@ -296,58 +295,125 @@ def test_unknown_fields_are_named_in_a_header_and_the_log_or_refused(caplog: pyt
 
 
 # ----------------------------------------------------------------------------- chaos with a drain
-def test_chaos_with_a_sigterm_in_the_middle() -> None:
-    """Issue 49's chaos run: slow-body and slowloris clients, a burst of poisoned requests, 60
-    concurrent streams of which a third disconnect, and a SIGTERM once they all run: every innocent
-    stream admitted before the signal ends with its quiet-server text, every refused request is
-    answered with a 4xx/503 naming its cause, nothing is left unanswered, the engine ends empty."""
-    engine = tiny_engine(max_num_seqs=8, max_waiting=256, drafter=SuffixDrafter())
-    app = create_app(engine, ServerConfig(served_model_name=MODEL, body_timeout_s=1.0, max_body_bytes=256 * 1024))
-    with LiveServer(app, grace_s=60.0, header_timeout_s=1.0) as s:
+CKPT_INNOCENT = [  # (body, stream) in the tiny checkpoint's words; long enough to outlast the late probes
+    ({"prompt": "w5 w6 w7", "max_tokens": 160, "temperature": 0.0}, True),
+    ({"prompt": "w9 w8", "max_tokens": 150, "temperature": 0.9, "top_p": 0.8, "seed": 3}, True),
+    ({"messages": [{"role": "user", "content": "w5 w6"}], "max_tokens": 140, "temperature": 1.0, "seed": 11}, True),
+    ({"messages": [{"role": "user", "content": "w7"}], "max_tokens": 150, "temperature": 0.0}, False),
+    ({"prompt": "w11 w12 w11 w12", "max_tokens": 160, "temperature": 0.7, "top_k": 5, "seed": 99}, False),
+]
+CKPT_INNOCENT = [({**body, "ignore_eos": True}, stream) for body, stream in CKPT_INNOCENT]
+
+
+def _for_checkpoint(body: dict[str, Any] | bytes) -> dict[str, Any] | bytes:
+    """A poisoned body of the in-process chaos test, aimed at the tiny checkpoint (its name, its words)."""
+    if isinstance(body, bytes):
+        return body.replace(b'"tiny"', b'"ckpt"').replace(b'"t5', b'"w5')
+    out = {**body, "model": "ckpt"}
+    if isinstance(out.get("prompt"), str):
+        out["prompt"] = out["prompt"].replace("t5", "w5").replace("t6", "w6")
+    return out
+
+
+async def _answer(client: httpx.AsyncClient, body: dict[str, Any], stream: bool, started: list[int]) -> str:
+    """The text of one innocent request (streamed or not); ``started`` counts requests under way."""
+    chat = "messages" in body
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    payload = {"model": "ckpt", **body, "stream": stream}
+    if not stream:
+        started.append(1)
+        r = await client.post(path, json=payload)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        return choice["message"]["content"] if chat else choice["text"]
+    text, done = "", False
+    async with client.stream("POST", path, json=payload) as r:
+        assert r.status_code == 200
+        started.append(1)
+        async for line in r.aiter_lines():
+            if line == "data: [DONE]":
+                done = True
+            elif line.startswith("data: "):
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                for c in event["choices"]:
+                    text += (c["delta"].get("content") or "") if chat else c["text"]
+    assert done
+    return text
+
+
+def test_chaos_with_a_sigterm_in_the_middle(checkpoint: Path, tmp_path: Path) -> None:
+    """Issue 49's chaos run, through ``tidespec serve``: slow-body and slowloris clients, a burst of
+    poisoned requests, 60 concurrent streams of which a third disconnect, and a SIGTERM once all are
+    under way: every innocent request ends with its quiet-server text, every request after the
+    signal gets a 503 naming the shutdown, every poisoned one its 4xx, nothing is left unanswered,
+    and the process exits 0."""
+    config = json.loads((checkpoint / "tokenizer_config.json").read_text())
+    config["chat_template"] = CHAT_TEMPLATE.replace("t3", "w3").replace("t2", "w4")
+    (checkpoint / "tokenizer_config.json").write_text(json.dumps(config))
+    port = free_port()
+    proc = launch_server(f"--model {checkpoint} --threads 1 --drafter suffix --num-speculative-tokens 3 "
+                         "--max-num-seqs 8 --max-model-len 256 --body-timeout 1 --header-timeout 1 "
+                         "--shutdown-grace 60", port, None, timeout=120, log_path=tmp_path / "server.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
         async def quiet() -> list[str]:
-            async with httpx.AsyncClient(base_url=s.url, timeout=60) as client:
-                return [await _innocent(client, body, True) for body, _stream in INNOCENT]
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                return [await _answer(client, body, stream, []) for body, stream in CKPT_INNOCENT]
 
         reference = asyncio.run(quiet())
 
-        async def storm() -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+        async def storm(pool: concurrent.futures.ThreadPoolExecutor) -> tuple[list[Any], list[Any]]:
             rng = random.Random(1)
+            started: list[int] = []
             limits = httpx.Limits(max_connections=160, max_keepalive_connections=64)
-            async with httpx.AsyncClient(base_url=s.url, timeout=120, limits=limits) as client:
-                innocent = [asyncio.ensure_future(_innocent(client, INNOCENT[i % len(INNOCENT)][0], True))
+            async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as client:
+                loop = asyncio.get_running_loop()  # a thread per socket client, all connected before the signal
+                slow = [loop.run_in_executor(pool, _partial_body, port, None) for _ in range(10)]
+                slowloris = [loop.run_in_executor(pool, _slowloris, port) for _ in range(10)]
+                innocent = [asyncio.ensure_future(_answer(client, *CKPT_INNOCENT[i % len(CKPT_INNOCENT)], started))
                             for i in range(40)]
-                leavers = [asyncio.ensure_future(_disconnect(client, rng.randint(1, 6))) for _ in range(20)]
-                loop = asyncio.get_running_loop()  # a thread per socket client: all connect before the SIGTERM
-                slow = [loop.run_in_executor(pool, _partial_body, s.port, None) for _ in range(10)]
-                slowloris = [loop.run_in_executor(pool, _slowloris, s.port) for _ in range(10)]
-                poisoned = [asyncio.ensure_future(_poisoned(client, body, expect, chunked=rng.random() < 0.3))
-                            for body, expect in POISON]
+                leavers = [asyncio.ensure_future(_disconnect_ckpt(client, rng.randint(1, 6))) for _ in range(20)]
+                poisoned = [asyncio.ensure_future(_poisoned(client, _for_checkpoint(body), expect,
+                                                            chunked=rng.random() < 0.3)) for body, expect in POISON]
                 deadline = time.monotonic() + 60
-                while s.aengine.num_in_flight < 40 and time.monotonic() < deadline:
+                while len(started) < 40 and time.monotonic() < deadline:
                     await asyncio.sleep(0.01)
-                s.server.should_exit = True  # SIGTERM, with every stream admitted
-                await asyncio.sleep(0.2)
-                late = [await client.post("/v1/completions", json={"model": MODEL, "prompt": "t5", "max_tokens": 2})
+                proc.send_signal(signal.SIGTERM)  # with every innocent request under way
+                await asyncio.sleep(0.1)
+                late = [await client.post("/v1/completions", json={"model": "ckpt", "prompt": "w5", "max_tokens": 2})
                         for _ in range(5)]
-                done = await asyncio.wait_for(asyncio.gather(*innocent, *leavers, *slow, *slowloris, *poisoned,
+                done = await asyncio.wait_for(asyncio.gather(*innocent, *leavers, *poisoned, *slow, *slowloris,
                                                              return_exceptions=True), 240)
-            return done[:40], done[40:], done[60:70], late
+            return done, late
 
         with concurrent.futures.ThreadPoolExecutor(max_workers=20) as pool:
-            texts, others, slow_answers, late = asyncio.run(storm())
-        failures = [r for r in texts + others if isinstance(r, BaseException)]
+            done, late = asyncio.run(storm(pool))
+        failures = [r for r in done if isinstance(r, BaseException)]
         assert not failures, failures[:3]
-        for k, text in enumerate(texts):
-            assert text == reference[k % len(INNOCENT)], k
-        for answer, _seconds in slow_answers:
+        for k, text in enumerate(done[:40]):
+            assert text == reference[k % len(CKPT_INNOCENT)], k
+        for answer, _seconds in done[60 + len(POISON):70 + len(POISON)]:  # the slow bodies
             assert answer.startswith(b"HTTP/1.1 408"), answer
         for r in late:
             assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutting_down"
-        deadline = time.monotonic() + 30
-        while s.aengine.running and time.monotonic() < deadline:  # the drain ended: the engine loop stops
-            time.sleep(0.05)
-        assert not s.aengine.running
-        assert (engine.kv.usage(), len(engine.seqs)) == (0.0, 0)  # read after its thread ended
+            assert r.headers["retry-after"]
+        assert proc.wait(timeout=90) == 0, (tmp_path / "server.log").read_text()[-3000:]
+    finally:
+        stop_server(proc)
+    log = (tmp_path / "server.log").read_text()
+    assert "Traceback" not in log, log[-3000:]
+
+
+async def _disconnect_ckpt(client: httpx.AsyncClient, after_events: int) -> None:
+    body = {"model": "ckpt", "prompt": "w5 w6", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        n = 0
+        async for _line in r.aiter_lines():
+            n += 1
+            if n >= after_events:
+                return  # leaving the block closes the connection mid-stream
 
 
 def _slowloris(port: int) -> bytes:
