@@ -27,7 +27,7 @@ import torch
 
 from tests.helpers import tiny_hf_model, tiny_llama, tiny_tokenizer, write_tiny_checkpoint
 from tests.server.live import CHAT_TEMPLATE, MODEL, LiveServer, tiny_engine
-from tests.server.test_reliability import POISON, _poisoned
+from tests.server.test_reliability import POISON, _disconnect, _innocent, _poisoned
 from tidespec.bench.serve import free_port, launch_server, stop_server
 from tidespec.config import CacheConfig, ConfigError, EngineConfig
 from tidespec.engine.engine import LLMEngine
@@ -315,33 +315,6 @@ def _for_checkpoint(body: dict[str, Any] | bytes) -> dict[str, Any] | bytes:
     return out
 
 
-async def _answer(client: httpx.AsyncClient, body: dict[str, Any], stream: bool, started: list[int]) -> str:
-    """The text of one innocent request (streamed or not); ``started`` counts requests under way."""
-    chat = "messages" in body
-    path = "/v1/chat/completions" if chat else "/v1/completions"
-    payload = {"model": "ckpt", **body, "stream": stream}
-    if not stream:
-        started.append(1)
-        r = await client.post(path, json=payload)
-        assert r.status_code == 200, r.text
-        choice = r.json()["choices"][0]
-        return choice["message"]["content"] if chat else choice["text"]
-    text, done = "", False
-    async with client.stream("POST", path, json=payload) as r:
-        assert r.status_code == 200
-        started.append(1)
-        async for line in r.aiter_lines():
-            if line == "data: [DONE]":
-                done = True
-            elif line.startswith("data: "):
-                event = json.loads(line[6:])
-                assert "error" not in event, event
-                for c in event["choices"]:
-                    text += (c["delta"].get("content") or "") if chat else c["text"]
-    assert done
-    return text
-
-
 def test_chaos_with_a_sigterm_in_the_middle(checkpoint: Path, tmp_path: Path) -> None:
     """Issue 49's chaos run, through ``tidespec serve``: slow-body and slowloris clients, a burst of
     poisoned requests, 60 concurrent streams of which a third disconnect, and a SIGTERM once all are
@@ -359,7 +332,7 @@ def test_chaos_with_a_sigterm_in_the_middle(checkpoint: Path, tmp_path: Path) ->
     try:
         async def quiet() -> list[str]:
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:
-                return [await _answer(client, body, stream, []) for body, stream in CKPT_INNOCENT]
+                return [await _innocent(client, body, stream, "ckpt") for body, stream in CKPT_INNOCENT]
 
         reference = asyncio.run(quiet())
 
@@ -371,9 +344,9 @@ def test_chaos_with_a_sigterm_in_the_middle(checkpoint: Path, tmp_path: Path) ->
                 loop = asyncio.get_running_loop()  # a thread per socket client, all connected before the signal
                 slow = [loop.run_in_executor(pool, _partial_body, port, None) for _ in range(10)]
                 slowloris = [loop.run_in_executor(pool, _slowloris, port) for _ in range(10)]
-                innocent = [asyncio.ensure_future(_answer(client, *CKPT_INNOCENT[i % len(CKPT_INNOCENT)], started))
+                innocent = [asyncio.ensure_future(_innocent(client, *CKPT_INNOCENT[i % len(CKPT_INNOCENT)], "ckpt", started))
                             for i in range(40)]
-                leavers = [asyncio.ensure_future(_disconnect_ckpt(client, rng.randint(1, 6))) for _ in range(20)]
+                leavers = [asyncio.ensure_future(_disconnect(client, rng.randint(1, 6), "ckpt", "w5 w6")) for _ in range(20)]
                 poisoned = [asyncio.ensure_future(_poisoned(client, _for_checkpoint(body), expect,
                                                             chunked=rng.random() < 0.3)) for body, expect in POISON]
                 deadline = time.monotonic() + 60
@@ -403,17 +376,6 @@ def test_chaos_with_a_sigterm_in_the_middle(checkpoint: Path, tmp_path: Path) ->
         stop_server(proc)
     log = (tmp_path / "server.log").read_text()
     assert "Traceback" not in log, log[-3000:]
-
-
-async def _disconnect_ckpt(client: httpx.AsyncClient, after_events: int) -> None:
-    body = {"model": "ckpt", "prompt": "w5 w6", "max_tokens": 100, "ignore_eos": True, "stream": True}
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        n = 0
-        async for _line in r.aiter_lines():
-            n += 1
-            if n >= after_events:
-                return  # leaving the block closes the connection mid-stream
 
 
 def _slowloris(port: int) -> bytes:

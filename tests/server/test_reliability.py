@@ -141,11 +141,15 @@ POISON: list[tuple[dict[str, Any] | bytes, int]] = [
 ]
 
 
-async def _innocent(client: httpx.AsyncClient, body: dict[str, Any], stream: bool) -> str:
+async def _innocent(client: httpx.AsyncClient, body: dict[str, Any], stream: bool, model: str = MODEL,
+                    started: list[int] | None = None) -> str:
+    """The text of one innocent request, streamed or not; ``started`` gets an entry once it is under way."""
     chat = "messages" in body
     path = "/v1/chat/completions" if chat else "/v1/completions"
-    payload = {"model": MODEL, **body}
+    payload = {"model": model, **body}
     if not stream:
+        if started is not None:
+            started.append(1)
         r = await client.post(path, json=payload)
         assert r.status_code == 200, r.text
         choice = r.json()["choices"][0]
@@ -153,6 +157,8 @@ async def _innocent(client: httpx.AsyncClient, body: dict[str, Any], stream: boo
     text, done = "", False
     async with client.stream("POST", path, json={**payload, "stream": True}) as r:
         assert r.status_code == 200
+        if started is not None:
+            started.append(1)
         async for line in r.aiter_lines():
             if line == "data: [DONE]":
                 done = True
@@ -182,8 +188,8 @@ async def _poisoned(client: httpx.AsyncClient, body: dict[str, Any] | bytes, exp
         assert set(r.json()["error"]) >= {"message", "type", "code"}
 
 
-async def _disconnect(client: httpx.AsyncClient, after_events: int) -> None:
-    body = {"model": MODEL, "prompt": "t5 t6", "max_tokens": 100, "ignore_eos": True, "stream": True}
+async def _disconnect(client: httpx.AsyncClient, after_events: int, model: str = MODEL, prompt: str = "t5 t6") -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": 100, "ignore_eos": True, "stream": True}
     async with client.stream("POST", "/v1/completions", json=body) as r:
         assert r.status_code == 200
         n = 0
