@@ -27,26 +27,13 @@ import torch
 
 from tests.helpers import tiny_hf_model, tiny_llama, tiny_tokenizer, write_tiny_checkpoint
 from tests.server.live import CHAT_TEMPLATE, MODEL, LiveServer, tiny_engine
-from tests.server.test_reliability import POISON, _disconnect, _innocent, _poisoned
+from tests.server.test_reliability import POISON, _disconnect, _innocent, _poisoned, _read_until_closed
 from tidespec.bench.serve import free_port, launch_server, stop_server
 from tidespec.config import CacheConfig, ConfigError, EngineConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.server.app import IGNORED_FIELDS_HEADER, ServerConfig, create_app
 from tidespec.server.guard import Admission, MemoryTrimmer
 from tidespec.server.loading import DeferredApp
-
-
-def _read_until_closed(sock: socket.socket, timeout: float) -> bytes:
-    sock.settimeout(timeout)
-    data = b""
-    while True:
-        try:
-            chunk = sock.recv(4096)
-        except ConnectionResetError:
-            return data
-        if not chunk:
-            return data
-        data += chunk
 
 
 def _partial_body(port: int, key: str | None) -> tuple[bytes, float]:

@@ -29,10 +29,14 @@ from tidespec.speculative.drafters.suffix import SuffixDrafter
 
 # ----------------------------------------------------------------------------- slow headers
 def _read_until_closed(sock: socket.socket, timeout: float) -> bytes:
+    """Everything the server sends until it closes the connection (a reset counts as closed)."""
     sock.settimeout(timeout)
     data = b""
     while True:
-        chunk = sock.recv(4096)
+        try:
+            chunk = sock.recv(4096)
+        except ConnectionResetError:
+            return data
         if not chunk:
             return data
         data += chunk

@@ -82,10 +82,10 @@ class KVCache:
         # call ``make_readable``); on the CPU untouched pages stay uncommitted (module docstring)
         fill = torch.empty if torch.device(device).type == "cpu" else torch.zeros
         numel = total * num_kv_heads * max_len * head_dim
-        need = f"{2 * num_layers * numel * dtype.itemsize / 2**30:,.1f} GiB"
+        nbytes = 2 * num_layers * numel * dtype.itemsize
+        need = f"{nbytes / 2**30:,.1f} GiB"
         if numel >= MAX_NUMEL:
             raise self._no_room(total, max_len, need, device, "larger than any tensor")
-        nbytes = 2 * num_layers * numel * dtype.itemsize
         if not overcommit and fill is torch.empty and nbytes > (free := available_memory()):
             raise self._no_room(total, max_len, need, device, f"only {free / 2**30:,.1f} GiB of memory is available",
                                 "; or pass --kv-overcommit when sequences stay far shorter")

@@ -71,7 +71,7 @@ from tidespec.sampling import SamplingParams, SamplingParamsError
 from tidespec.server.api_errors import ApiError, error_body, error_response
 from tidespec.server.async_engine import AsyncEngine, EngineRequestError, EngineStoppedError, RequestStream
 from tidespec.server.dashboard import register_dashboard
-from tidespec.server.guard import Admission, AdmissionGate, RequestGuard
+from tidespec.server.guard import RETRY_AFTER_S, Admission, AdmissionGate, RequestGuard
 from tidespec.server.metrics import Metrics
 from tidespec.server.protocol import (
     AssistantMessage,
@@ -183,7 +183,7 @@ class _EventStream(StreamingResponse):
 
 def _stopped(exc: EngineStoppedError) -> ApiError:
     """The 503 of a request the server's shutdown ended (or that arrived once the engine stopped)."""
-    return ApiError(503, str(exc), code=SHUTDOWN_CODE, headers={"Retry-After": "5"})
+    return ApiError(503, str(exc), code=SHUTDOWN_CODE, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
 def _sse(obj: BaseModel | dict[str, Any]) -> str:
