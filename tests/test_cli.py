@@ -22,6 +22,12 @@ from tidespec.cli import main
     (["generate", "hi", "--max-num-seqs", str(10**7)], "of memory is available; lower --max-num-seqs"),
     (["generate", "hi", "--max-num-seqs", str(10**7), "--kv-overcommit"], "out of memory; lower --max-num-seqs"),
     (["bench", "load", "--threads", "0"], "threads must be in [1, 4096]"),
+    (["generate", "hi", "--drafter", "bogus"], "unknown drafter 'bogus': drafter must be one of none, draft-model"),
+    (["serve", "--drafter", "suffix,bogus"], "unknown drafter 'bogus'"),
+    (["generate", "hi", "--drafter-modules", "no_such_module_xyz", "--drafter", "x"], "cannot import"),
+    (["synth-prompts", "--out", "never-written.jsonl", "--count", "1", "--threads", str(2**64)],
+     "threads must be <= 4096"),
+    (["train-drafter", "--signal-dir", "s", "--publish-root", "p", "--threads", str(2**64)], "threads must be <= 4096"),
 ])
 def test_bad_input_gives_one_line_error(argv, needle, capsys):
     assert main(argv) == 2

@@ -20,18 +20,19 @@ from tidespec.config import (
     flag_defaults,
 )
 from tidespec.errors import ConfigError
-from tidespec.llm import head_quantization
 from tidespec.server.cli import register as register_serve
+from tidespec.speculative.drafters.eagle3 import head_quantization
 
 # Every engine flag and its default as the flat SpecConfig (34 fields) had them, plus those added since
 # (--quantization, --quant-group-size, --compile, --trainer-max-restarts, --trainer-backoff-max-s,
 # --drafter-device); nesting the config
 # must not rename a flag or move a default (deliberate moves: --draft-vocab-core 4096 -> 0 = auto and
-# --draft-vocab-buffer 256 -> 512, after the size sweep of docs/benchmarks.md section 17).
+# --draft-vocab-buffer 256 -> 512, after the size sweep in docs/benchmarks/learning.md).
 FLAGS = {
     '--model': None, '--dtype': 'float32', '--device': 'cpu', '--threads': 0, '--quantization': 'none',
     '--quant-group-size': 32, '--compile': False, '--enforce-eager': False, '--row-invariant': True, '--max-model-len': 2048,
     '--max-num-seqs': 32, '--kv-overcommit': False, '--max-num-batched-tokens': 512, '--max-waiting': 0, '--drafter': 'none',
+    '--drafter-modules': '',
     '--num-speculative-tokens': 4, '--tree': False, '--drafter-device': '', '--ngram-min': 1, '--ngram-max': 4,
     '--suffix-max-tree-tokens': 20000, '--suffix-min-prob': 0.1, '--suffix-factor': 1.0, '--draft-model': None,
     '--draft-layers': 0, '--tree-top-k': 2, '--policy': 'static', '--profile': None, '--guard-kv-usage': 0.9,

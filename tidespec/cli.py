@@ -34,8 +34,10 @@ def sampling_from_args(ns: argparse.Namespace):  # -> SamplingParams
 
 def cmd_generate(ns: argparse.Namespace) -> int:
     from tidespec.llm import LLM
+    from tidespec.speculative.registry import kinds_for
     params = sampling_from_args(ns)
     config = engine_config_from_args(ns)
+    kinds_for(config.spec)  # an unknown drafter is refused before the model loads
     llm = LLM(config)
     if config.model.compile:
         print(f"[compiled the decode step in {llm.engine.compile_seconds:.1f} s]", file=sys.stderr)
@@ -81,7 +83,10 @@ def cmd_profile(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tidespec", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="tidespec",
+        description="tidespec: an inference engine and OpenAI-compatible server whose speculative decoding "
+                    "is lossless. Run `tidespec COMMAND --help` for a command's flags.")
     sub = parser.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate text for prompts",
                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)

@@ -115,6 +115,17 @@ def output_dir(text: str) -> Path:
     return path
 
 
+def field_of(cls: type, name: str, help: str | None = None) -> Any:  # noqa: A002 - mirrors argparse
+    """A new field declared as ``cls``'s field ``name`` (default, help, flag, bounds), its help
+    optionally reworded: a command that takes some of a section's flags declares them once.
+
+    Example: ``threads: int = field_of(ModelConfig, "threads")`` -> ``--threads``, default 0, min 0,
+    max ``MAX_THREADS``, ModelConfig's help.
+    """
+    f = cls.__dataclass_fields__[name]
+    return field(default=f.default, metadata={**f.metadata, **({"help": help} if help is not None else {})})
+
+
 def section(cls: type, prefix: str = "") -> Any:
     """A dataclass field holding the config section ``cls``; its flags are ``--<prefix>-<field>``."""
     return field(default_factory=cls, metadata={"section": True, "prefix": prefix})
@@ -186,7 +197,7 @@ class SchedulerConfig(Section):
                               "0 = unbounded (the server sets a bound)", min=0)
 
 
-DRAFTERS = ("none", "ngram", "suffix", "draft-model", "eagle3")
+DRAFTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a drafter's name (which exist: speculative.registry)
 DEVICE_NAME = re.compile(r"|cpu|cuda(:[0-9]+)?")  # what --drafter-device accepts ("" = the target's device)
 # guard defaults, shared with ``speculative.policy.guards.GuardConfig`` (defined once, here)
 GUARD_KV_USAGE = 0.9
@@ -245,7 +256,7 @@ class Eagle3Options:
         0.4, "EAGLE-3 chains: stop drafting once the product of the chain's draft probabilities under the head "
              "falls below this (its confidence tracks acceptance, EAGLE-2); the first draft is always proposed. "
              "0 = draft as many as the policy asks. 0.4: every gamma 3-6 within a few percent of the best on "
-             "code and above plain on chat (docs/benchmarks.md section 30)")
+             "code and above plain on chat")
     quantization: Literal["auto", "none", "int8", "int4"] = opt(
         "auto", "EAGLE-3 head's weights while drafting: int8 (per output channel) or int4 (groups of 32, LM head "
                 "int8) copies of its linear layers, PyTorch's CPU kernels; the float head still trains, swaps and "
@@ -260,7 +271,7 @@ class Eagle3Options:
 
 DRAFT_VOCAB_MODES = ("off", "static", "dynamic")
 # auto draft-vocabulary size for a 49k vocabulary: the shipped head's own 8,192 rows; the size sweep
-# (docs/benchmarks.md section 17) found the core decides coverage and 8,192 covers >= 98 % per phase
+# (docs/benchmarks/learning.md) found the core decides coverage and 8,192 covers >= 98 % per phase
 AUTO_VOCAB_ROWS = 8192
 
 
@@ -305,12 +316,16 @@ class DraftVocabConfig(Section):
 class SpecConfig:
     """What to speculate with: the drafter, how far (gamma), chain or tree, and each drafter's knobs."""
 
-    drafter: str = opt("none", f"speculative drafter: {', '.join(DRAFTERS)}; several joined by commas "
-                               "(e.g. suffix,eagle3) for --policy analytic, bandit or hybrid to choose from per step")
+    drafter: str = opt("none", "speculative drafter: none, ngram, suffix, draft-model, eagle3 or one a "
+                               "--drafter-modules module defines; several joined by commas (e.g. suffix,eagle3) "
+                               "for --policy analytic, bandit or hybrid to choose from per step")
+    drafter_modules: str = opt("", "comma-separated importable modules that each define a drafter "
+                                   "(DRAFTER = DrafterKind(...), see docs/architecture.md), usable by name in "
+                                   "--drafter", flag="--drafter-modules")
     num_speculative_tokens: int = opt(4, "draft tokens per step (gamma)")
     tree: bool = opt(False, "allow tree-shaped proposals (drafters that support them)")
     drafter_device: str = opt("", "device the drafter runs on: cpu, cuda or cuda:N (empty = the target's --device). "
-                                  "Dovetail-style placement: only token ids and the target's taps cross devices; "
+                                  "Only token ids and the target's taps cross devices; "
                                   "EAGLE-3 and the draft model get their own copies of the target weights they read "
                                   "(ngram and suffix run on the host anyway)", flag="--drafter-device")
     ngram: NgramConfig = section(NgramConfig, "ngram")
@@ -321,10 +336,10 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         names = self.drafter_names
-        bad = [n for n in names if n not in DRAFTERS]
+        bad = [n for n in names if not DRAFTER_NAME.fullmatch(n)]
         if bad or not names or (len(names) > 1 and "none" in names):
-            raise ConfigError(f"drafter must be one of {', '.join(DRAFTERS)} or several of them joined by "
-                              f"commas (not none), got {self.drafter!r}")
+            raise ConfigError(f"drafter must be none, a drafter's name or several joined by commas (not none), "
+                              f"got {self.drafter!r}")
         if len(set(names)) != len(names):
             raise ConfigError(f"drafter names a drafter twice: {self.drafter!r}")
         if not 0 <= self.num_speculative_tokens <= 64:
@@ -414,14 +429,14 @@ class OnlineTrainingConfig:
     trainer_backoff_max_s: float = opt(60.0, "longest wait before a dead trainer child is restarted (the waits "
                                              "double from 1 s)")
     rollback_min_drafts: int = opt(64, "after a drafter swap, drafts of the new version before its served speedup "
-                                       "(eq. 5 with its measured acceptance) is compared with the previous version's; "
+                                       "(the cost model's prediction from its measured acceptance) is compared with the previous version's; "
                                        "a loser is swapped back out (0 = never check)")
     capture_prompt: bool = opt(False, "also capture prompt positions (labels are the user's text, not the "
                                       "target's outputs; repeated chat templates then dominate the trainer's "
                                       "held-out score)", flag="--collect-prompt")
-    lora: bool = opt(False, "EvoSpec path B: also capture the target's final hidden states (full rounds then "
-                            "distil from its top-k), and the trainer child aligns the head with LoRA adapters "
-                            "between full rounds (merged in between steps)",
+    lora: bool = opt(False, "align the head online with LoRA adapters: also capture the target's final hidden states (full rounds then "
+                            "distil from its top-k), and the trainer child trains adapters between full rounds (merged into the "
+                            "served head between steps)",
                      flag="--online-lora")
     collect: CollectionConfig = section(CollectionConfig, "collect")
 

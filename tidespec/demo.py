@@ -163,7 +163,7 @@ def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bo
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0].replace("``", ""))
     ap.add_argument("--prompts-per-domain", type=int, default=2, help="part 1: prompts per domain")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--gamma", type=int, default=4, help="speculation length (gamma_max for hybrid)")

@@ -16,31 +16,28 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from tidespec.config import DraftVocabConfig, EngineConfig, ModelConfig, SpecConfig
+from tidespec.config import DraftVocabConfig, EngineConfig, ModelConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
 from tidespec.errors import ConfigError
-from tidespec.models import placement
-from tidespec.models.eagle3_checkpoint import fresh_head, head_from_published, load_drafter_source, shipped_bootstrap
 from tidespec.models.graphs import uses_graphs
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import DTYPES, LoadedModel, load_model
-from tidespec.models.quant import Int8Linear, QuantizedLinear
+from tidespec.models.quant import Int8Linear
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter
 from tidespec.speculative.drafters.draft_model import DraftModelDrafter
-from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
-from tidespec.speculative.drafters.multi import MultiDrafter, find_member, stateful_member
+from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
 from tidespec.speculative.policy.api import SpeculationPolicy
 from tidespec.speculative.policy.factory import PolicyOptions, make_policy
 from tidespec.speculative.policy.guards import GuardConfig
-from tidespec.speculative.policy.profiler import STATEFUL_DRAFTERS, load_or_measure
+from tidespec.speculative.policy.profiler import load_or_measure
 from tidespec.speculative.policy.speedup import Profile
+from tidespec.speculative.registry import build_drafter, stateful_names
 from tidespec.speculative.vocab.arc import ArcConfig
 from tidespec.speculative.vocab.dynamic import DynamicVocab, DynamicVocabConfig
 from tidespec.speculative.vocab.graph import CooccurrenceGraph
@@ -54,105 +51,6 @@ def load_target(mc: ModelConfig) -> LoadedModel:
     quantized as ``mc.quantization`` says (what every engine, server and benchmark serves)."""
     return load_model(mc.model, dtype=DTYPES[mc.dtype], device=mc.device, quantization=mc.quantization,
                       quant_group_size=mc.quant_group_size)
-
-
-def build_drafter(spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_model_len: int,
-                  enforce_eager: bool = False, compile: bool = False) -> Drafter | None:
-    """The drafter named by ``spec.drafter`` (None for "none"); several names give a ``MultiDrafter``
-    whose model-free members are scored on the side at gamma = ``num_speculative_tokens``. Model
-    drafters run on ``spec.drafter_device`` ("" = the target's device); an EAGLE-3 head on a GPU
-    drafts through CUDA graphs unless ``enforce_eager``, of its inductor-compiled step with ``compile``."""
-    names = spec.drafter_names
-    if len(names) > 1:
-        return MultiDrafter([_one_drafter(name, spec, target, max_num_seqs, max_model_len, enforce_eager, compile)
-                             for name in names], shadow_gamma=spec.num_speculative_tokens)
-    return None if names[0] == "none" else _one_drafter(names[0], spec, target, max_num_seqs, max_model_len,
-                                                        enforce_eager, compile)
-
-
-def _one_drafter(name: str, spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_model_len: int,
-                 enforce_eager: bool = False, compile: bool = False) -> Drafter:
-    """One drafter; a model drafter on ``spec.drafter_device`` (ngram and suffix run on the host:
-    nothing to place, the flag is ignored for them)."""
-    if name == "ngram":
-        from tidespec.speculative.drafters.ngram import NgramDrafter
-        return NgramDrafter(min_n=spec.ngram.min, max_n=spec.ngram.max)
-    if name == "suffix":
-        from tidespec.speculative.drafters.suffix import SuffixDrafter
-        return SuffixDrafter(max_tree_tokens=spec.suffix.max_tree_tokens, min_prob=spec.suffix.min_prob,
-                             factor=spec.suffix.factor)
-    device = placement.resolve_device(spec.drafter_device, target.device)
-    if name == "eagle3":
-        return build_eagle3_drafter(target, spec.eagle3.dir, spec.eagle3.draft_vocab, Eagle3DrafterConfig(
-            max_num_seqs=max_num_seqs, max_model_len=max_model_len, tree_depth=spec.eagle3.tree_depth,
-            tree_top_k=spec.eagle3.tree_top_k, quantization=head_quantization(spec.eagle3.quantization, device),
-            min_draft_prob=spec.eagle3.min_draft_prob, graphs=uses_graphs(device, enforce_eager), compile=compile),
-            dtype=None if spec.eagle3.dtype == "auto" else DTYPES[spec.eagle3.dtype], device=device)
-    dm = spec.draft_model
-    if dm.path and not dm.layers:
-        loaded = load_model(dm.path, dtype=target.dtype, device=str(device))
-        if loaded.model.cfg.vocab_size != target.cfg.vocab_size:
-            raise ConfigError(f"draft model vocab ({loaded.model.cfg.vocab_size}) differs from the target's "
-                             f"({target.cfg.vocab_size}): drafter and target must share a tokenizer")
-        draft = loaded.model
-    else:
-        draft = truncated_on(target, dm.layers or max(1, target.cfg.num_layers // 4), device)
-    return DraftModelDrafter(draft, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                             tree_top_k=dm.tree_top_k)
-
-
-def truncated_on(target: LlamaModel, num_layers: int, device: torch.device) -> LlamaModel:
-    """The target's first ``num_layers`` layers as a draft model on ``device``: sharing the
-    target's weights on its own device, else a copy of them moved there (``placement.module_copy``;
-    embedding, those layers, final norm and LM head, once at build time)."""
-    draft = target.truncated(num_layers)
-    if not placement.elsewhere(device, target.device):
-        return draft
-    if device.type != "cpu" and any(isinstance(m, QuantizedLinear) for m in draft.modules()):
-        raise ConfigError(f"the draft-model drafter cannot move the quantized target's layers to {device} "
-                          f"(CPU kernels): give it its own --draft-model PATH there")
-    return placement.module_copy(draft, device)
-
-
-def head_quantization(option: str, device: torch.device) -> str:
-    """``--eagle3-quantization`` resolved for a head on ``device``: "auto" is int8 on a CPU (where
-    drafting is bound by reading the head's weights; docs/benchmarks.md section 22), none elsewhere.
-
-    Example: ``head_quantization("auto", torch.device("cpu")) == "int8"``; on cuda:0 -> "none".
-    """
-    if option != "auto":
-        return option
-    return "int8" if device.type == "cpu" else "none"
-
-
-def build_eagle3_drafter(target: LlamaModel, source: str | Path | None, draft_vocab_size: int = 0,
-                         cfg: Eagle3DrafterConfig | None = None, dtype: torch.dtype | None = None,
-                         device: torch.device | None = None) -> Eagle3Drafter:
-    """The EAGLE-3 drafter for ``target``, its head in ``dtype`` (None = the target's) on ``device``
-    (None = the target's). On another device than the target's the drafter embeds its draft
-    tokens with its own copy of the target's embedding there (in the head's dtype); only the taps
-    cross devices (``Eagle3Drafter.observe`` moves them).
-
-    ``source``: None -> a fresh random head (version 0; lossless anyway, it learns online);
-    otherwise what ``load_drafter_source`` finds there (an exported checkpoint as version 0, or a
-    publish root's newest valid version), or a fresh head when a publish root has none.
-    ``draft_vocab_size`` (0 = full vocabulary) only shapes a fresh head.
-    """
-    pub = load_drafter_source(source, target.cfg) if source is not None else None
-    if source is None:
-        boot = shipped_bootstrap()
-        log.warning("EAGLE-3 without --eagle3-dir: a fresh random head, whose drafts are rejected until a trained "
-                    "head is published%s", f" (the embedded model's bootstrap head: --eagle3-dir {boot})" if boot else "")
-    dtype = dtype if dtype is not None else target.dtype
-    device = device if device is not None else target.device
-    if pub is None:
-        head, version = fresh_head(target.cfg, draft_vocab_size or None, dtype, device), 0
-    else:
-        head, version = head_from_published(pub, dtype, device), pub.version
-    embed = target.embed_tokens
-    if placement.elsewhere(device, target.device):
-        embed = placement.embedding_copy(embed, device, dtype)
-    return Eagle3Drafter(head, embed, cfg, version=version)
 
 
 def output_matrix(target: LlamaModel) -> torch.Tensor:
@@ -176,7 +74,7 @@ def attach_draft_vocab(drafter: Drafter | None, vc: DraftVocabConfig, target: Ll
     built on the vocabulary's worker thread."""
     if vc.mode == "off":
         return None
-    members = drafter.members.values() if isinstance(drafter, MultiDrafter) else [drafter]
+    members = drafter.members.values() if drafter is not None else ()
     user = next((d for d in members if isinstance(d, (Eagle3Drafter, DraftModelDrafter))), None)
     if user is None:
         raise ConfigError(f"--draft-vocab-mode {vc.mode} needs the eagle3 or the draft-model drafter")
@@ -210,9 +108,7 @@ def attach_draft_vocab(drafter: Drafter | None, vc: DraftVocabConfig, target: Ll
 
 def draft_vocab_of(engine: LLMEngine) -> DynamicVocab | None:
     """The draft vocabulary of the engine's drafter (alone or a ``MultiDrafter`` member), if any."""
-    drafter = engine.drafter
-    members = drafter.members.values() if isinstance(drafter, MultiDrafter) else [drafter]
-    return next((v for v in (getattr(d, "vocab", None) for d in members) if isinstance(v, DynamicVocab)), None)
+    return engine.drafter.vocab if engine.drafter is not None else None
 
 
 def build_policy(config: EngineConfig, model: LlamaModel, drafter: Drafter | None,
@@ -224,7 +120,7 @@ def build_policy(config: EngineConfig, model: LlamaModel, drafter: Drafter | Non
         return None
     pc, gamma_max = config.policy, config.spec.num_speculative_tokens
     profile: Profile | None = None
-    stateful = stateful_member(drafter, STATEFUL_DRAFTERS) is not None
+    stateful = drafter.stateful
     needs_profile = pc.name in ("analytic", "hybrid") or (pc.name == "bandit" and stateful)
     if pc.profile:
         profile = Profile.load(pc.profile)
@@ -233,10 +129,10 @@ def build_policy(config: EngineConfig, model: LlamaModel, drafter: Drafter | Non
                                      graphs=uses_graphs(model.device, config.model.enforce_eager))
     guards = GuardConfig(kv_threshold=pc.guard_kv_usage, temperature_threshold=pc.guard_temperature,
                          gamma_max=gamma_max)
-    multi = drafter if isinstance(drafter, MultiDrafter) else None
+    several = tuple(drafter.members) if len(drafter.members) > 1 else ()
     return make_policy(pc.name, PolicyOptions(
-        gamma_max=gamma_max, profile=profile, guards=guards, drafters=tuple(multi.members) if multi else (),
-        shadowed=multi.shadowed if multi else frozenset()))
+        gamma_max=gamma_max, profile=profile, guards=guards, drafters=several, shadowed=drafter.shadowed,
+        stateful=stateful_names(drafter)))
 
 
 def build_engine(config: EngineConfig, model: LlamaModel | None = None,
@@ -253,11 +149,10 @@ def build_engine(config: EngineConfig, model: LlamaModel | None = None,
         drafter = build_drafter(config.spec, model, config.cache.max_num_seqs, max_len, config.model.enforce_eager,
                                 config.model.compile)
         attach_draft_vocab(drafter, config.spec.vocab, model, tokenizer)
-        head = find_member(drafter, "eagle3")
-        if isinstance(head, Eagle3Drafter):  # its CUDA graphs captured now, the draft vocabulary attached
-            seconds = head.warm_up(config.spec.num_speculative_tokens)
+        if drafter is not None:  # CUDA graphs captured now, the draft vocabulary attached
+            seconds = drafter.warm_up(config.spec.num_speculative_tokens)
             if seconds:
-                log.info("captured the EAGLE-3 head's CUDA graphs in %.1f s", seconds)
+                log.info("warmed the drafter up (CUDA graphs captured) in %.1f s", seconds)
     policy = build_policy(config, model, drafter) if config.spec.num_speculative_tokens else None
     return LLMEngine(model, tokenizer, config, drafter=drafter, policy=policy)
 

@@ -5,7 +5,7 @@ calling OS thread, and a thread's team lives as long as the thread. GNU OpenMP (
 PyTorch's Linux wheels) counts the threads of all teams; once they outnumber the CPUs it stops
 spin-waiting between parallel regions, and every one of a decode step's hundreds of small
 parallel regions then wakes its workers through the kernel (a futex each). Measured on the 2-core
-development VM, the embedded model's batch-2 decode step (docs/benchmarks.md section 23):
+development VM, the embedded model's batch-2 decode step (docs/benchmarks/cpu.md):
 
 - a helper thread that once ran a 2-thread op (the capture flusher's first copy of a shard) and
   stayed alive took the step from 26 to 42 ms, ~570 voluntary context switches per step, for the

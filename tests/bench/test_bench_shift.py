@@ -323,4 +323,4 @@ def test_a_lora_trainer_learns_as_many_extra_tokens_as_the_engines_buffer_holds(
 
     assert lora_extra_vocab(engine(True)) == 24  # vocab-dynamic(-lora), whatever sizes it named
     assert lora_extra_vocab(engine(False)) == 0  # vocab-static: nothing outside the core is drafted
-    assert lora_extra_vocab(SimpleNamespace(drafter=SimpleNamespace())) == 0  # no draft vocabulary
+    assert lora_extra_vocab(SimpleNamespace(drafter=SimpleNamespace(vocab=None))) == 0  # no draft vocabulary

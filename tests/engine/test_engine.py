@@ -14,7 +14,7 @@ from tidespec.engine.sequence import Sequence
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
 from tidespec.sampling import SamplingParams, SamplingParamsError
-from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.drafters.ngram import NgramDrafter
 from tidespec.stats import StepStats
 
@@ -207,7 +207,7 @@ def test_seeded_sampling_is_reproducible(model, tok):
 
 
 def test_top_p_that_underflows_fails_no_request() -> None:
-    """Issue 20 item 1: top_p=1e-300 passes validation but is 0 in float32; it used to mask every
+    """top_p=1e-300 passes validation but is 0 in float32; it used to mask every
     token and make the whole step raise. It now keeps the most likely token, and the other request
     of the same step completes exactly as it does alone."""
     model, tok = tiny_llama(dtype=torch.float32), tiny_tokenizer(64)  # float32 logits: 1e-300 rounds to 0
@@ -229,11 +229,10 @@ def test_a_row_that_fails_verification_leaves_every_sequence_as_it_was(monkeypat
     an undisturbed run."""
     import tidespec.engine.engine as engine_mod
 
-    class RepeatDrafter:
+    class RepeatDrafter(DrafterBase):
         """Drafts the last token repeated for every sequence (lossless: verification decides)."""
 
         name = "repeat"
-        tap_layers: tuple[int, ...] = ()
 
         def propose(self, inputs: list[DraftInput]) -> DraftProposal:
             return DraftProposal({i.seq_id: SeqDraft([i.token_ids[-1]] * i.num_speculative_tokens) for i in inputs})
@@ -280,11 +279,10 @@ def test_a_component_failing_after_commit_does_not_lose_a_finished_request(caplo
     undisturbed run (the failures are logged and counted). On the old engine the step raised after
     "a" had been removed, so "a" was neither delivered nor failed."""
 
-    class FlakyObserver:
+    class FlakyObserver(DrafterBase):
         """Proposes nothing; its observe raises once, on the step that finishes "a"."""
 
         name = "flaky"
-        tap_layers: tuple[int, ...] = ()
 
         def __init__(self) -> None:
             self.armed = False

@@ -11,7 +11,6 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import tiny_llama
-from tidespec.llm import build_eagle3_drafter
 from tidespec.models import eagle3_checkpoint as ckpt
 from tidespec.models.eagle3_checkpoint import (
     DrafterCheckpointError,
@@ -27,7 +26,7 @@ from tidespec.models.eagle3_checkpoint import (
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head
 from tidespec.models.llama import LlamaConfig
 from tidespec.online.eagle3_train import select_draft_vocab
-from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
+from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig, build_eagle3_drafter
 
 TARGET = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=8, num_heads=4,
                      num_kv_heads=2, head_dim=4)

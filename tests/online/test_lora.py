@@ -25,7 +25,7 @@ from tidespec.config import (
     dataclass_from_args,
 )
 from tidespec.errors import ConfigError
-from tidespec.llm import build_eagle3_drafter, output_matrix
+from tidespec.llm import output_matrix
 from tidespec.models.eagle3_checkpoint import fresh_head, publish
 from tidespec.models.eagle3_head import Eagle3Head
 from tidespec.models.eagle3_lora import (
@@ -57,6 +57,7 @@ from tidespec.online.trainer.lora import (
     with_target_topk,
 )
 from tidespec.sampling import SamplingParams
+from tidespec.speculative.drafters.eagle3 import build_eagle3_drafter
 
 
 def adapted(head: Eagle3Head, seed: int, rank: int = 4, targets: tuple[str, ...] = TARGETS) -> Eagle3Head:

@@ -16,7 +16,6 @@ import torch
 from tests.helpers import SlowStore, tiny_llama
 from tidespec.config import CacheConfig, CollectionConfig, Eagle3Options, EngineConfig, OnlineTrainingConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.llm import build_eagle3_drafter
 from tidespec.models.eagle3_checkpoint import (
     CONFIG_NAME,
     LATEST_NAME,
@@ -41,7 +40,7 @@ from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
 from tidespec.online.store import SignalShard, SignalStore
 from tidespec.sampling import SamplingParams
-from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig
+from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig, build_eagle3_drafter
 
 V = 48
 LAYERS = 8  # EAGLE-3 taps (2, 4, 5): distinct without the tiny-model fallback

@@ -12,14 +12,13 @@ from tests.helpers import run_to_completion, tiny_tokenizer
 from tests.speculative.test_eagle3 import _greedy_generations, tiny_target
 from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.llm import build_eagle3_drafter
 from tidespec.models.eagle3_checkpoint import fresh_head, publish
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head
 from tidespec.online.attach import DrafterUpdater
 from tidespec.online.eagle3_train import Eagle3TrainConfig, Eagle3Trainer
 from tidespec.online.rollback import RollbackConfig, ServedCheck
 from tidespec.sampling import SamplingParams
-from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig
+from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig, build_eagle3_drafter
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.stats import StepStats
 

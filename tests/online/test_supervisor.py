@@ -23,11 +23,10 @@ from tests.helpers import tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, CollectionConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.errors import ConfigError
-from tidespec.llm import build_eagle3_drafter
 from tidespec.online.attach import OnlineConfig, OnlineTraining, attach_online_training
 from tidespec.online.trainer.supervisor import RestartPolicy, TrainerSupervisor, describe_exit
 from tidespec.sampling import SamplingParams
-from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig
+from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig, build_eagle3_drafter
 
 LOGGER = "tidespec.online.trainer.supervisor"
 SLEEPER = "import time; time.sleep(60)"

@@ -15,7 +15,6 @@ import torch
 from tests.helpers import tiny_hf_model, tiny_llama, tiny_tokenizer, write_tiny_checkpoint
 from tidespec.config import CacheConfig, CollectionConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.llm import build_eagle3_drafter
 from tidespec.models.eagle3_checkpoint import import_eagle3, latest_version, load_version
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import load_model
@@ -35,7 +34,7 @@ from tidespec.online.trainer.process import (
 )
 from tidespec.online.trainer.rounds import DraftTrainer
 from tidespec.sampling import SamplingParams
-from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig
+from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig, build_eagle3_drafter
 
 V = 48
 LAYERS = 8

@@ -233,7 +233,7 @@ def test_drafter_version_follows_swaps_in_responses_and_metrics() -> None:
     cfg = EngineConfig(cache=CacheConfig(max_model_len=128, max_num_seqs=2), scheduler=SchedulerConfig(max_waiting=4),
                        spec=SpecConfig(drafter="ngram", num_speculative_tokens=3))
     drafter = NgramDrafter(1, 3)
-    drafter.version = 3  # what Eagle3Drafter.load_state sets on a swap
+    drafter.versioned, drafter.version = True, 3  # a versioned drafter (EAGLE-3) as its load_state leaves it
     engine = LLMEngine(tiny_llama(64), tok, cfg, drafter=drafter)
     body = {"model": "tiny", "prompt": "t5 t6 t7 t5 t6", "max_tokens": 4, "temperature": 0}
     with TestClient(create_app(engine, ServerConfig(served_model_name="tiny"))) as client:

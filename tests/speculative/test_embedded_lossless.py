@@ -12,7 +12,7 @@ import torch
 from tests.helpers import ScriptedPolicy, switching_drafters
 from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.llm import build_drafter, build_eagle3_drafter, output_matrix
+from tidespec.llm import build_drafter, output_matrix
 from tidespec.models.eagle3_checkpoint import fresh_head, shipped_bootstrap
 from tidespec.models.eagle3_head import init_from_target
 from tidespec.models.eagle3_lora import LoraAdapter, adapter_state, lora_parameters, merged_state, with_lora
@@ -20,7 +20,7 @@ from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter
-from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
+from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig, build_eagle3_drafter
 from tidespec.speculative.policy.api import SpeculationPolicy
 from tidespec.speculative.vocab.arc import ArcConfig
 from tidespec.speculative.vocab.dynamic import DynamicVocab, DynamicVocabConfig

@@ -12,7 +12,7 @@ from tidespec.engine.engine import TAP_LINGER_STEPS, LLMEngine
 from tidespec.llm import build_drafter, build_policy
 from tidespec.models.eagle3_checkpoint import fresh_head
 from tidespec.sampling import SamplingParams
-from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
 from tidespec.speculative.drafters.multi import MultiDrafter, _first_path, _Shadow, score_shadow
 from tidespec.speculative.drafters.ngram import NgramDrafter
@@ -79,12 +79,12 @@ def test_multi_drafter_validates_and_routes(model) -> None:
         multi.propose([DraftInput(0, ctx, 2, SamplingParams(), drafter="eagle3")])
 
 
-class _Oracle:
+class _Oracle(DrafterBase):
     """A model-free drafter (named like one) that knows the greedy continuation: it proposes its next
     ``right`` tokens and then one wrong token, so every scored draft is (gamma, right + 1, right)."""
 
     name = "suffix"
-    tap_layers: tuple[int, ...] = ()
+    model_free = True
 
     def __init__(self, continuation: dict[int, list[int]], right: int) -> None:
         self.continuation = continuation
@@ -217,9 +217,11 @@ def test_guards_keep_the_drafter_and_apply_their_rules() -> None:
 
 def test_config_parses_drafter_lists_and_policies_refuse_what_they_cannot_choose(model) -> None:
     assert SpecConfig(drafter="suffix, eagle3").drafter_names == ("suffix", "eagle3")
-    for bad in ("none,suffix", "suffix,bogus", "suffix,suffix", ","):
+    for bad in ("none,suffix", "suffix,suffix", ",", "suffix,a b"):
         with pytest.raises(ConfigError):
             SpecConfig(drafter=bad)
+    with pytest.raises(ConfigError, match="unknown drafter 'bogus': drafter must be one of none, draft-model, eagle3"):
+        build_drafter(SpecConfig(drafter="suffix,bogus"), model, 2, 96)  # a well-formed name no module defines
     cfg = EngineConfig(spec=SpecConfig(drafter="ngram,suffix"), policy=PolicyConfig(name="static"))
     with pytest.raises(ConfigError, match="analytic"):
         build_policy(cfg, model, build_drafter(cfg.spec, model, 2, 96))

@@ -9,7 +9,7 @@ from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SpecCon
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
 from tidespec.sampling import SamplingParams
-from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
 
 V = 48
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14, 15, 16, 12], [3, 3, 3, 3]]
@@ -69,11 +69,10 @@ def test_greedy_equals_plain(model, tok, plain, drafter, tree, gamma, batch):
     assert drafted > 0, "the drafter never proposed: the test would not exercise verification"
 
 
-class FixedDrafter:
+class FixedDrafter(DrafterBase):
     """Proposes a fixed continuation per sequence (correct or not) to hand-build mixed batches."""
 
     name = "fixed"
-    tap_layers: tuple[int, ...] = ()
 
     def __init__(self, plan: dict[int, list[int]]) -> None:
         self.plan = plan  # seq_id -> tokens to propose (truncated to gamma)

@@ -1,7 +1,7 @@
 """``tidespec bench {decode,spec,profile,anchor,shift,learn,yield,serve,load,quality}``: the benchmark sub-commands.
 
 Why this exists: the benchmarks are part of the product (their numbers go into
-docs/benchmarks.md), so they are run from the same CLI with the same model flags as
+docs/benchmarks/), so they are run from the same CLI with the same model flags as
 ``tidespec generate``; this module only turns flags into the benchmark configs and calls
 ``run_decode_bench`` / ``run_spec_bench`` / ``run_profile``. Each run prints a markdown report
 (command, machine, table) and writes ``results.json``, ``plot.png`` and ``table.md``.

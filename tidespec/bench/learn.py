@@ -1,6 +1,6 @@
 """``tidespec bench learn``: how an EAGLE-3 head's acceptance grows with its training signals.
 
-Why this exists: issue 5 asks for a mean acceptance length of 2.5 at gamma 4 from scratch on code,
+Why this exists: the goal was a mean acceptance length of 2.5 at gamma 4 from scratch on code,
 and our bootstrap ends near 1.6 on held-out code. Whether more steps or more data would close the
 gap is a measurement, not a guess: this benchmark trains fresh heads on nested shares of the same
 captured signals for the same number of optimizer steps (or the same number of passes), scores
@@ -126,7 +126,7 @@ class LearnBenchConfig:
                         choices=["none", "bf16"])
     head_layers: int = opt(TrainerConfig.head_layers, "decoder layers of the fresh heads (with --init-from: "
                                                       "of the fine-tuned ones, when above the checkpoint's)")
-    fusion: str = opt(TrainerConfig.fusion, "concat (EAGLE-3) or gated (Dovetail's DGF)", choices=list(FUSIONS))
+    fusion: str = opt(TrainerConfig.fusion, "concat (EAGLE-3) or gated (a learned gate mixes the two, as Dovetail)", choices=list(FUSIONS))
     init_from_target: str = opt(TrainerConfig.init_from_target, "fresh heads start from the target's weights: "
                                 "none, lm_head or layer (train-drafter's flag)", choices=["none", "lm_head", "layer"])
     distill: str = opt(TrainerConfig.distill, "with top-k signals: soft or top1 labels", choices=["soft", "top1"])

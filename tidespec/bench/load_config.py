@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tidespec.config import MAX_THREADS, POLICIES, ConfigError, SpecConfig
+from tidespec.speculative.registry import kinds_for
 
 ADAPTIVE = ("analytic", "bandit", "hybrid")
 # (start second, req/s): idle, a ramp to saturation, a burst, back to idle (Nightjar Fig. 9's shape)
@@ -115,7 +116,7 @@ def server_args(name: str, cfg: LoadBenchConfig, eagle3_root: str | None = None)
     ``"--drafter suffix --policy static --num-speculative-tokens 3"`` (+ the common flags).
     """
     parsed = ConfigName.parse(name, cfg.drafter)
-    drafters = SpecConfig(drafter=parsed.drafter).drafter_names  # validates them
+    drafters = tuple(kinds_for(SpecConfig(drafter=parsed.drafter)))  # validates them
     name = parsed.policy
     if len(drafters) > 1 and name not in ADAPTIVE and name != "plain":
         raise ConfigError(f"bad configuration {parsed.policy!r} with drafters {parsed.drafter}: several drafters "

@@ -2,7 +2,7 @@
 
 Why this exists: every benchmark must leave the same evidence behind — the numbers, the exact
 command that produced them and the machine they were taken on — in the same shape, so that
-``docs/benchmarks.md`` can be written from the JSON files alone and two runs can be compared.
+``docs/benchmarks/`` can be written from the JSON files alone and two runs can be compared.
 
 Worked example::
 

@@ -34,6 +34,7 @@ from tidespec.config import (
     opt,
 )
 from tidespec.speculative.policy.factory import MULTI_DRAFTER_POLICIES
+from tidespec.speculative.registry import kinds_for
 from tidespec.workloads.loader import Prompt, load_prompts
 
 # ngram, suffix: that drafter alone at a static gamma; vocab-*: the frozen EAGLE-3 drafter over a
@@ -139,7 +140,7 @@ class ShiftBenchConfig:
             raise ConfigError(f"gamma must be <= 16, got {self.gamma}")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
-        names = SpecConfig(drafter=self.drafter).drafter_names  # validates the names
+        names = tuple(kinds_for(SpecConfig(drafter=self.drafter)))  # validates the names
         if "eagle3" not in names:
             raise ConfigError(f"drafter must include eagle3 (frozen and online are EAGLE-3 configurations), "
                               f"got {self.drafter!r}")

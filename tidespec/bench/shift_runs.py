@@ -110,7 +110,7 @@ class TraceLoop:
         def on_step(st: StepStats) -> None:
             self.run.steps.append({"t": clock(), "emitted": st.num_emitted_tokens, "drafts": st.num_drafts,
                                    "accepted": st.num_accepted_tokens,
-                                   "version": float(getattr(engine.drafter, "version", 0)), "batch": st.batch_size,
+                                   "version": float(engine.drafter.version if engine.drafter is not None else 0), "batch": st.batch_size,
                                    "by_drafter": {n: sum(1 for _, d, _ in o if d)
                                                   for n, o in st.drafter_outcomes.items()},
                                    "taps": st.taps, "draft_s": st.draft_time, "draft_tokens": st.num_draft_tokens})
@@ -136,7 +136,7 @@ class TraceLoop:
         self.results[idx] = {"index": idx, "phase": item.phase, "workload": item.workload, "id": item.prompt.record.id,
                              "t_start": t_in, "t_end": now, "tokens": len(token_ids), "drafts": st.num_drafts,
                              "draft_tokens": st.num_draft_tokens, "accepted": st.num_accepted_tokens,
-                             "version": int(getattr(self.engine.drafter, "version", 0))}
+                             "version": int(self.engine.drafter.version if self.engine.drafter is not None else 0)}
         if self.vocab is not None:  # cumulative: a phase's coverage is the difference across it
             self.results[idx].update(vocab_verified=self.vocab.stats.verified, vocab_covered=self.vocab.stats.covered)
         self.outputs[idx] = list(token_ids)

@@ -68,12 +68,14 @@ from tidespec.bench.report import (
     summarize,
     write_results,
 )
-from tidespec.config import DRAFTERS, QUANTIZATIONS, ConfigError, ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig
+from tidespec.config import QUANTIZATIONS, ConfigError, ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.llm import build_engine, head_quantization
+from tidespec.llm import build_engine
 from tidespec.models import placement
 from tidespec.models.loader import LoadedModel
 from tidespec.sampling import SamplingParams
+from tidespec.speculative.drafters.eagle3 import head_quantization
+from tidespec.speculative.registry import kinds_for
 from tidespec.workloads.loader import load_prompts
 
 PLAIN = "plain"
@@ -107,9 +109,6 @@ class SpecBenchConfig:
     ignore_eos: bool = True  # every request generates max_tokens; False: a request ends at its EOS
 
     def __post_init__(self) -> None:
-        bad = [d for d in self.drafters if d not in DRAFTERS]
-        if bad:
-            raise ConfigError(f"unknown drafter(s) {', '.join(bad)}; choose from {', '.join(DRAFTERS)}")
         if not self.drafters:
             raise ConfigError("need at least one drafter")
         if not self.gammas or any(g < 1 or g > 64 for g in self.gammas):
@@ -237,6 +236,7 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
     if mc.threads:
         torch.set_num_threads(mc.threads)
     base = spec_base or SpecConfig()
+    kinds_for(dataclasses.replace(base, drafter=",".join(d for d in cfg.drafters if d != "none") or "none"))
     target = resolve_target(target if target is not None else mc.model, mc.dtype, mc.device, mc.quantization,
                             mc.quant_group_size)
     prompts = load_prompts(cfg.workload, target.tokenizer, cfg.limit)

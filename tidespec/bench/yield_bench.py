@@ -1,5 +1,5 @@
 """``tidespec bench yield``: what online training costs serving on a shared CPU, and what serving
-costs training when idle (issue 19, item 2).
+costs training when idle.
 
 Why this exists: the trainer child yields to serving (``online.trainer.governor``): stopped while
 the engine steps, running flat out when it is idle. Two claims follow, and this measures both on

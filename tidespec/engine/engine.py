@@ -50,7 +50,6 @@ from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import LlamaModel
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
 from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observation, SeqDraft
-from tidespec.speculative.drafters.multi import MultiDrafter
 from tidespec.speculative.policy.api import PlanInput, SeqState, SpeculationPolicy, plans_drafters
 from tidespec.speculative.verify import VerifyResult, verify_greedy, verify_sampled, verify_seeded
 from tidespec.stats import StepStats, add_per_position
@@ -278,10 +277,8 @@ class LLMEngine:
     # ----------------------------------------------------------------- step parts
     @property
     def drafter_names(self) -> tuple[str, ...]:
-        """The drafters a policy may choose from: a ``MultiDrafter``'s members, else the one drafter."""
-        if isinstance(self.drafter, MultiDrafter):
-            return tuple(self.drafter.members)
-        return (self.drafter.name,) if self.drafter is not None else ()
+        """The drafters a policy may choose from: the drafter's members (a single drafter: itself)."""
+        return tuple(self.drafter.members) if self.drafter is not None else ()
 
     def _plan(self, decode: list[Sequence]) -> tuple[dict[int, int], dict[int, str]]:
         """Each decoding sequence's gamma and drafter for this step, decided once: the policy (with
@@ -322,7 +319,7 @@ class LLMEngine:
         drafter then restarts its context after the hole (``Drafter`` contract)."""
         if self.drafter is None or not self.drafter.tap_layers:
             return False
-        tapped = self.drafter.tapped if isinstance(self.drafter, MultiDrafter) else self.drafter.name
+        tapped = self.drafter.tapped
         if any(name == tapped for name in chosen.values()):
             self._last_tapped_draft = self.step_count
         if prefill or self.step_count - self._last_tapped_draft <= TAP_LINGER_STEPS:
@@ -449,7 +446,7 @@ class LLMEngine:
         if self.drafter is None:
             return
         observations = []
-        wants_hidden = fwd.hidden is not None and (bool(getattr(self.drafter, "wants_hidden", False))
+        wants_hidden = fwd.hidden is not None and (self.drafter.wants_hidden
                                                    or any(demand() for demand in self.hidden_demand))
         for a in advances:
             if a.seq.finish_reason is not None:
@@ -492,7 +489,7 @@ class LLMEngine:
         stats.batch_size = len(decode) + num_prefill
         stats.num_decode_seqs = len(decode)
         stats.spec_lens = {s.seq_id: gammas[s.seq_id] for s in decode}
-        if isinstance(self.drafter, MultiDrafter):
+        if self.drafter is not None:
             stats.shadow_outcomes = self.drafter.drain_shadow()
         stats.total_time = time.perf_counter() - t0
         stats.other_time = stats.total_time - stats.draft_time - stats.verify_time  # incl. output processing

@@ -2,7 +2,7 @@
 
 Why this exists: on a GPU an eager head step is ~30 small kernels plus a host read of the drafted
 token, so a chain of gamma drafts cost ~70 ms on an H100 where its arithmetic takes microseconds
-(docs/benchmarks.md section 29: EAGLE-3 at 0.06x plain decoding, drafting launch-bound). Here the
+(docs/benchmarks/gpu.md: EAGLE-3 at 0.06x plain decoding, drafting launch-bound). Here the
 two forwards a greedy proposal needs are replayed from CUDA graphs, laid out like the target's
 (``models/graphs.py``: a static block of ``B`` KV slots x ``q`` rows, padding rows writing into the
 head cache's spare slot, keys ``[0, L)`` of the first ``B`` slots):

@@ -275,7 +275,7 @@ class Eagle3Head(PlacedModule):
         the head's output space by ``row_map``, a linear map fitted on the tokens that have both
         rows. Raw target rows would not do: training moves the head's rows and final norm away
         from the target's (and the target's rows of rare tokens are longer), so raw rows out-score
-        the trained ones and take the argmax (docs/benchmarks.md section 18)."""
+        the trained ones and take the argmax (docs/benchmarks/learning.md)."""
         ids = ids.to(self.d2t.device)
         draft = self.target_to_draft()[ids]  # [n] draft index or -1
         inside = draft >= 0

@@ -8,7 +8,7 @@ whole ``nn.Linear`` modules, so a *training copy* of the head gets each fused pr
 into ``q_proj`` / ``k_proj`` / ``v_proj`` (``SplitQKV``, the same function) and peft injects the
 adapters into the targets: q and v by default (EvoSpec), optionally also k, ``o_proj`` and the
 MLP's ``gate_up_proj`` / ``down_proj`` of every draft layer (``ALL_TARGETS``; a head that never
-saw a domain recovers about twice as much with them, benchmarks section 20). Serving never runs an
+saw a domain recovers about twice as much with them, docs/benchmarks/learning.md). Serving never runs an
 adapter: it merges ``W += B A * alpha / r`` into the rows of the serving weight each adapter stands
 for (``adapted_linears``), so a draft step costs exactly what it did.
 

@@ -22,7 +22,7 @@ in a static block:
   blocks of 16, 32, 64, ... rows per sequence, of at most ``prompt_rows`` rows in all (the step's
   token budget), take prompt chunks with the sequences decoding beside them, so a prompt's prefill
   replays one graph instead of launching ~800 eager kernels (13-17 ms for an 80-token prompt on an
-  H200, ``docs/benchmarks.md`` section 36). A block computes every row's logits; only the rows
+  H200, ``docs/benchmarks/gpu.md``). A block computes every row's logits; only the rows
   asked for (a last chunk's last row, every verification row) are returned.
 * the step's inputs are one int64 buffer the host fills with one copy: ids, positions, write
   slots, write offsets (``B x q`` each), context lengths (``B``), and the rows to keep (``T``).

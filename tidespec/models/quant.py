@@ -43,8 +43,8 @@ Both kernels are GEMVs: their time grows with the rows (30 layers' projections, 
 float32 ``F.linear`` 17 / 31 / 43 / 77 / 192, bfloat16 ``F.linear`` 18 / 19 / 19 / 26 / 58), so
 they win at decode and small verifications and lose on prefill chunks and large batches.
 
-Why these kernels and not torchao (0.18, same stack, 2-core Sapphire Rapids VM, docs/benchmarks.md
-section 8): torchao's int8 weight-only tensor dequantizes the whole int8 matrix to bfloat16 on
+Why these kernels and not torchao (0.18, same stack, 2-core Sapphire Rapids VM,
+docs/benchmarks/cpu.md): torchao's int8 weight-only tensor dequantizes the whole int8 matrix to bfloat16 on
 every eager call (``mm(x, q.to(bf16)) * s``): 31-33 ms at any row count, 3x the aten kernel at one
 row. ``torch.compile`` fuses that into a loop that comes close to the kernel but never beats it
 (1 / 2 / 5 / 16 rows: 10.0-10.6 / 11.2-11.6 / 18.6-19.3 / 33.9-35.1 ms against 9.1-10.0 /

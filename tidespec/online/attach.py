@@ -71,7 +71,7 @@ from tidespec.online.rollback import RollbackConfig, ServedCheck
 from tidespec.online.store import TAPS_DTYPES, SignalStore
 from tidespec.online.trainer.governor import GovernorConfig, TrainingGovernor
 from tidespec.online.trainer.supervisor import RestartPolicy, TrainerSupervisor
-from tidespec.speculative.api import DraftInput, DraftProposal, Observation
+from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
 from tidespec.speculative.drafters.multi import find_member
 from tidespec.speculative.policy.api import SpeculationPolicy
@@ -91,7 +91,7 @@ class OnlineConfigError(ConfigError):
     """An online-training setting is invalid; the message is one line."""
 
 
-class TapCaptureDrafter:
+class TapCaptureDrafter(DrafterBase):
     """A drafter that never drafts but makes the engine tap the target's hidden states.
 
     Used to capture signals from plain decoding (``train-drafter --from-workload``) without
@@ -105,12 +105,6 @@ class TapCaptureDrafter:
 
     def propose(self, inputs: list[DraftInput]) -> DraftProposal:
         return DraftProposal()
-
-    def observe(self, observations: list[Observation]) -> None:
-        return None
-
-    def release(self, seq_id: int) -> None:
-        return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -418,7 +418,7 @@ class AcceptanceStats:
     jumping past the tokens that step emitted (``walk_steps`` chains, ``walk_tokens`` tokens). A long
     easy stretch is drafted from once per step there but from every one of its rows in the per-row
     count, so the per-row mean is the higher one; the walk is what served acceptance measures
-    (docs/benchmarks.md section 30).
+    (docs/benchmarks/drafters.md).
     """
 
     rows: int = 0

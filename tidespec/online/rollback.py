@@ -1,7 +1,7 @@
 """Deploy only what pays in service: after a drafter swap, the served check, and the rollback.
 
 Why this exists: the trainer publishes a new EAGLE-3 version when its *held-out simulated*
-acceptance beats the serving one's (TIDE section 3.2's deploy rule). Held-out rows are not the
+acceptance beats the serving one's (TIDE §3.2's deploy rule). Held-out rows are not the
 traffic being served: a version can win offline and lose in service (a stale held-out split, a
 domain the trainer saw little of, a bad round). So after every swap the served version is checked
 on what it actually does: its measured acceptance, turned into the speedup it gives at the batch

@@ -221,8 +221,8 @@ class _Server:
     @property
     def drafter_version(self) -> str | None:
         """The drafter's version now (online training swaps versions between steps)."""
-        version = getattr(self.engine.drafter, "version", None) if self.engine.drafter is not None else None
-        return None if version is None else str(version)
+        drafter = self.engine.drafter
+        return str(drafter.version) if drafter is not None and drafter.versioned else None
 
     def _idle(self, eng: LLMEngine) -> None:
         self.metrics.set_load(eng.num_running, eng.num_waiting, eng.kv.usage())
@@ -440,7 +440,7 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: M
         metrics.attach_online(online)
     if engine.policy is not None and metrics.policy is None:
         metrics.attach_policy(engine.policy, policy_profile(engine.policy))
-    if engine.drafter is not None and hasattr(engine.drafter, "version"):
+    if engine.drafter is not None and engine.drafter.versioned:
         metrics.attach_drafter(engine.drafter)
     vocab = draft_vocab_of(engine)
     if vocab is not None and metrics.vocab is None:

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 from tidespec.commands import standalone_main
 from tidespec.config import ConfigError, EngineConfig, add_engine_args, engine_config_from_args, finite_float
 from tidespec.server.graceful import HEADER_TIMEOUT_S
+from tidespec.speculative.registry import kinds_for
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -91,6 +92,7 @@ def served_name(config: EngineConfig) -> str:
 def server_engine_config(ns: argparse.Namespace) -> EngineConfig:
     """The engine config of ``serve``: the waiting queue is always bounded."""
     config = engine_config_from_args(ns)
+    kinds_for(config.spec)  # an unknown drafter is refused before the port is bound and the model loads
     if config.scheduler.max_waiting == 0:
         config.scheduler = dataclasses.replace(config.scheduler, max_waiting=DEFAULT_MAX_WAITING)
     return config

@@ -43,6 +43,7 @@ from fastapi.responses import Response
 
 from tidespec.engine.engine import LLMEngine
 from tidespec.server.metrics import Metrics
+from tidespec.speculative.api import Drafter
 
 if TYPE_CHECKING:
     from tidespec.online.attach import OnlineTraining
@@ -68,18 +69,11 @@ def _static(name: str) -> bytes:
     return (resources.files("tidespec.server") / "static" / name).read_bytes()
 
 
-def _versions(drafter: object | None) -> list[dict[str, Any]]:
-    """Name and version of the engine's drafter, or of each member of a multi-drafter."""
+def _versions(drafter: Drafter | None) -> list[dict[str, Any]]:
+    """Name and version (None when it has none) of each of the engine's drafters."""
     if drafter is None:
         return []
-    members = getattr(drafter, "members", None)
-    parts = list(members.values()) if isinstance(members, dict) else [drafter]
-    out = []
-    for d in parts:
-        version = getattr(d, "version", None)
-        out.append({"name": str(getattr(d, "name", type(d).__name__)),
-                    "version": version if isinstance(version, (int, float)) else None})
-    return out
+    return [{"name": name, "version": d.version if d.versioned else None} for name, d in drafter.members.items()]
 
 
 def dashboard_data(engine: LLMEngine, model: str, metrics: Metrics, online: OnlineTraining | None,

@@ -53,7 +53,7 @@ The per-step work is two profile lookups; the policy's ``stats()`` runs only on 
 gauges take the *profiled* T(b, 1) as plain decoding's cost, so their ratio shows how far a served
 step is from the profile (on the 2-core VM: 1.3-1.4x, mostly a slower forward), not the model's
 error: for that, compare with a plain server's ``decode_step_*`` counters (``tidespec bench load``
-does, docs/benchmarks.md section 5).
+does; docs/benchmarks/policies.md).
 
 Where a decode step's time goes, per batch-size bucket, with or without a policy (plain servers
 too, so a benchmark can compare a speculating server with a plain one bucket by bucket, as TIDE's
@@ -87,6 +87,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from tidespec.engine.output import RequestOutput
 from tidespec.server.series import Series
+from tidespec.speculative.api import Drafter
 from tidespec.speculative.policy.api import SpeculationPolicy, bucket_of
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.speculative.vocab.dynamic import DynamicVocab
@@ -229,7 +230,7 @@ class Metrics:
         self.decode_tokens = Counter(f"{p}decode_step_tokens", "Tokens of the decode-only steps: emitted, drafted.",
                                      ["bucket", "kind"], registry=r)
         self._decode_children: dict[int, tuple[Counter, ...]] = {}
-        self.drafter: object | None = None
+        self.drafter: Drafter | None = None
         self.drafter_version = Gauge(f"{p}spec_decode_drafter_version", "Version of the drafter in use (online "
                                      "training publishes new ones; read at scrape time).", registry=r)
         # server-level
@@ -277,8 +278,7 @@ class Metrics:
             self._count_decode_step(stats)
             if self.policy is not None:
                 self._tally_decode_step(stats, max(lens, default=0))
-        version = getattr(self.drafter, "version", None)
-        self.series.on_step(stats, version if isinstance(version, (int, float)) else None)
+        self.series.on_step(stats, self.drafter.version if self.drafter is not None else None)
 
     def attach_policy(self, policy: SpeculationPolicy, profile: Profile | None = None) -> None:
         """Export ``policy``'s decisions; with ``profile`` also predicted vs measured speedup."""
@@ -342,8 +342,8 @@ class Metrics:
             t.model_time += prof.verify(b, 1 + stats.num_draft_tokens / b) + (
                 prof.d0() if stats.num_draft_tokens else 0.0)
 
-    def attach_drafter(self, drafter: object) -> None:
-        """Export ``drafter.version`` (an online-trained drafter's current version)."""
+    def attach_drafter(self, drafter: Drafter) -> None:
+        """Export ``drafter.version`` (a ``versioned`` drafter's current version)."""
         self.drafter = drafter
 
     def attach_vocab(self, vocab: DynamicVocab) -> None:
@@ -453,7 +453,6 @@ class Metrics:
         self._refresh_vocab()
         if self.trainer is not None:
             self.trainer.refresh()
-        version = getattr(self.drafter, "version", None)
-        if isinstance(version, (int, float)):
-            self.drafter_version.set(version)
+        if self.drafter is not None:
+            self.drafter_version.set(self.drafter.version)
         return generate_latest(self.registry)

@@ -3,6 +3,10 @@
 Why this exists: adding a drafter must never touch the engine loop. A drafter sees a list of
 ``DraftInput`` (one per sequence that should speculate this step) and returns one
 ``DraftProposal``; after verification the engine tells it what was kept through ``observe``.
+Everything else the engine, the policies and the server ask of a drafter is in ``Drafter`` too
+(a single drafter is a set of one: ``members``), with its defaults in ``DrafterBase``, so none of
+them imports or probes a concrete drafter class. How a drafter is found and built:
+``speculative.registry``.
 
 A proposal per sequence is a flattened tree in topological order: ``parents[j]`` is the index
 of token j's parent in the same list, or -1 for a child of the last verified token. A chain is
@@ -14,13 +18,19 @@ Worked example: the tree  last -> a -> b, last -> c  is
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.tree import check_parents, tree_depths
+
+if TYPE_CHECKING:
+    from tidespec.models.eagle3_head import Eagle3Head
+    from tidespec.models.llama import LlamaModel
+    from tidespec.speculative.vocab.dynamic import DynamicVocab
 
 
 @dataclass
@@ -104,7 +114,7 @@ class Observation:
 
 @runtime_checkable
 class Drafter(Protocol):
-    """A speculative drafter.
+    """A speculative drafter: what the engine, the policies, the profiler and the server may ask of it.
 
     The engine calls ``propose`` for the sequences that speculate this step, ``observe`` after every
     step with every sequence that advanced and did not finish (whether it speculated or not), and
@@ -112,13 +122,102 @@ class Drafter(Protocol):
     Taps: a drafter with ``tap_layers`` gets the target's taps in ``observe`` for the steps the
     engine computed them; after a step without taps (speculation was off for a while, so the
     engine ran exactly plain decoding) its observations carry ``taps=None`` and the drafter must
-    cope (EAGLE-3 restarts its context at the next position that has taps)."""
+    cope (EAGLE-3 restarts its context at the next position that has taps).
+
+    Traits (class attributes of each drafter): ``model_free`` — ``propose`` runs no model forward,
+    so a controller may score it on the side for free; ``stateful`` — it keeps per-sequence model
+    state (a KV cache) that must catch up after a pause, a cost the profiler measures.
+    Several drafters behind one (``MultiDrafter``) answer the same protocol; ``members`` names them
+    (a single drafter: itself), ``tapped`` the one that reads taps."""
 
     name: str
     tap_layers: tuple[int, ...]  # target layers whose input hidden states this drafter needs; () = none
+    model_free: bool
+    stateful: bool
+    versioned: bool  # it drafts with published versions that online training swaps (``version``)
+    version: int  # the published version it drafts with (0 = never published; 0 when not ``versioned``)
+    wants_hidden: bool  # whether observations must carry the target's final hidden states
+    vocab: DynamicVocab | None  # its draft vocabulary, when one is attached
+    shadowed: frozenset[str]  # members whose drafts are scored on the side (``drain_shadow``)
+
+    @property
+    def members(self) -> Mapping[str, Drafter]: ...
+
+    @property
+    def tapped(self) -> str | None: ...
 
     def propose(self, inputs: list[DraftInput]) -> DraftProposal: ...
 
     def observe(self, observations: list[Observation]) -> None: ...
 
     def release(self, seq_id: int) -> None: ...
+
+    def drain_shadow(self) -> dict[str, list[tuple[int, int, int]]]: ...
+
+    def warm_up(self, max_gamma: int) -> float: ...
+
+    def cost_signature(self) -> str: ...
+
+
+def network_signature(net: Eagle3Head | LlamaModel, quantization: str = "none") -> str:
+    """A neural drafter's ``cost_signature``: its network's config and dtype, the precision it drafts
+    in, and its device when not the CPU (a ``--drafter-device`` GPU drafter costs otherwise).
+
+    Example: an EAGLE-3 head in float32 drafting in int8 on the CPU -> ``"Eagle3Config(...) torch.float32 int8"``.
+    """
+    device = next(net.parameters()).device
+    return (f"{net.cfg!r} {net.dtype}" + (f" {quantization}" if quantization != "none" else "")
+            + (f" {device}" if device.type != "cpu" else ""))
+
+
+class DrafterBase:
+    """The defaults of ``Drafter`` for a single drafter: a set of one, no taps, no state to release,
+    nothing scored on the side, nothing to warm up, costs that depend on its name alone.
+
+    Example: a drafter that always proposes its last token once::
+
+        class Echo(DrafterBase):
+            name, model_free = "echo", True
+
+            def propose(self, inputs):
+                return DraftProposal({i.seq_id: SeqDraft([i.token_ids[-1]]) for i in inputs})
+
+    ``Echo().members == {"echo": <the Echo>}``, ``Echo().tapped is None``.
+    """
+
+    name: str = ""
+    tap_layers: tuple[int, ...] = ()
+    model_free: bool = False
+    stateful: bool = False
+    versioned: bool = False
+    version: int = 0
+    wants_hidden: bool = False
+    vocab: DynamicVocab | None = None
+    shadowed: frozenset[str] = frozenset()
+
+    @property
+    def members(self) -> Mapping[str, Drafter]:
+        return {self.name: self}  # type: ignore[dict-item]  # a DrafterBase subclass implements propose
+
+    @property
+    def tapped(self) -> str | None:
+        return self.name if self.tap_layers else None
+
+    def observe(self, observations: list[Observation]) -> None:
+        """Nothing to follow (a stateless drafter)."""
+
+    def release(self, seq_id: int) -> None:
+        """Nothing kept per sequence."""
+
+    def drain_shadow(self) -> dict[str, list[tuple[int, int, int]]]:
+        """Outcomes of drafts scored on the side since the last call: only a ``MultiDrafter`` has them."""
+        return {}
+
+    def warm_up(self, max_gamma: int) -> float:
+        """Seconds spent preparing to draft up to ``max_gamma`` tokens (CUDA graphs); nothing by default."""
+        return 0.0
+
+    def cost_signature(self) -> str:
+        """What its drafting cost depends on beyond its name (a network's shape, dtype, device): keys
+        the cached profile, so the profile of one network is never read for another. "" = the name."""
+        return ""

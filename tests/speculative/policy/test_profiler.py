@@ -77,8 +77,7 @@ def test_a_drafter_that_reads_taps_is_fed_them_while_timed() -> None:
     """EAGLE-3 drafts from the target's hidden states: timed without them it proposed nothing and
     its drafting cost came out as ~0.01 ms. The profiler now observes random taps first, so every
     timed step drafts and the catch-up table covers re-ingesting lagging positions."""
-    from tidespec.llm import build_eagle3_drafter
-    from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig
+    from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig, build_eagle3_drafter
 
     model = tiny_llama(64, layers=4, seed=2)
     drafter = build_eagle3_drafter(model, None, cfg=Eagle3DrafterConfig(max_num_seqs=8, max_model_len=512))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tidespec.config import Section, opt, section
+from tidespec.config import ModelConfig, Section, field_of, opt, section
 from tidespec.errors import ConfigError
 from tidespec.models.eagle3_lora import ALL_TARGETS, TARGETS, AdapterError, check_targets
 
@@ -27,28 +27,28 @@ class LoraAlignConfig:
     runs, and a buffer cleared at every update)."""
 
     enabled: bool = opt(False, "between full rounds, align the newest head with LoRA adapters from the newest "
-                               "signals (EvoSpec path B; the signals must carry the target's hidden states: serve "
+                               "signals (the signals must carry the target's hidden states: serve "
                                "with --online-lora)", flag="--lora")
     rank: int = opt(32, "adapter rank")
     targets: str = opt(",".join(TARGETS), "comma-separated linears of every draft layer that get adapters: "
-                       + ", ".join(ALL_TARGETS) + " (default: EvoSpec's query and value)")
+                       + ", ".join(ALL_TARGETS) + " (default: query and value, as EvoSpec)")
     alpha: float = opt(32.0, "adapter scaling numerator (scaling = alpha / rank)")
     beta: float = opt(0.3, "curriculum: unroll step j of a row weighs exp(-beta * L_base * (j - 1))")
     temperature: float = opt(1.0, "distillation temperature of the top-k KL")
     topk: int = opt(20, "target top-k logits the KL runs over")
     kl_threshold: float = opt(0.5, "a row the drafter got right still joins the replay buffer if its draft/target "
                                    "KL exceeds this")
-    buffer_rows: int = opt(32, "eligible rows in the replay buffer that trigger an update (EvoSpec B)")
+    buffer_rows: int = opt(32, "eligible rows in the replay buffer that trigger an update")
     anchor: float = opt(0.0, "rows the head already drafts well replayed beside the eligible ones, per eligible "
-                             "row (0 = EvoSpec's buffer of misses only)")
-    steps: int = opt(16, "optimizer steps per update (docs/benchmarks.md section 42: 16 gains earlier than 8)")
+                             "row (0 = a buffer of misses only)")
+    steps: int = opt(16, "optimizer steps per update (16 gained earlier than 8 after a shift)")
     lr: float = opt(5e-4, "adapter AdamW learning rate")
     min_rows: int = opt(64, "new signal rows the aligner waits for before it reads them")
     judge_rows: int = opt(256, "an update is judged on at least this many rows served after it (then trained on), "
                                "against the head served meanwhile")
     replay_rows: int = opt(2048, "eligible rows of earlier updates kept in a window and replayed beside the new "
-                                 "ones, topping each step up to 8 segments (0 = EvoSpec's buffer, cleared at each "
-                                 "update; docs/benchmarks.md sections 40 and 42)")
+                                 "ones, topping each step up to 8 segments (0 = a buffer cleared at each "
+                                 "update)")
     extra_vocab: int = opt(0, "tokens outside the head's own vocabulary the adapters are trained and judged "
                               "on: the newest distinct ones the target emitted, drafted through calibrated rows "
                               "(a dynamic draft vocabulary's buffer; 0 = the head's own vocabulary only)")
@@ -76,12 +76,24 @@ class LoraAlignConfig:
 @dataclass
 class TargetOptions:
     """The target a training command loads: ``--model``, ``--dtype``, ``--device``, ``--threads``
-    (``train-drafter`` and ``synth-prompts`` both inherit them; the engine's are ``ModelConfig``'s)."""
+    (``train-drafter`` and ``synth-prompts`` both inherit them), declared and checked as the engine's
+    ``ModelConfig`` fields they are: same defaults, same bounds, one error message.
 
-    model: str | None = opt(None, "target checkpoint (HF dir or GGUF); default: embedded SmolLM2-135M-Instruct")
-    dtype: Literal["float32", "bfloat16", "float16", "float64"] = opt("float32", "target weights dtype")
-    device: str = opt("cpu", "torch device of the target (cpu, cuda, cuda:1); train-drafter also trains there")
-    threads: int = opt(0, "torch intra-op threads (0 = torch default)", min=0)
+    Example: ``SynthPromptsConfig(out="q.jsonl", threads=2**64)`` raises ``ConfigError("threads must
+    be <= 4096, got 18446744073709551616")``."""
+
+    model: str | None = field_of(ModelConfig, "model")
+    dtype: Literal["float32", "bfloat16", "float16", "float64"] = field_of(ModelConfig, "dtype")
+    device: str = field_of(ModelConfig, "device", "torch device of the target (cpu, cuda, cuda:1); "
+                                                  "train-drafter also trains there")
+    threads: int = field_of(ModelConfig, "threads")
+
+    def __post_init__(self) -> None:
+        self.model_config()
+
+    def model_config(self) -> ModelConfig:
+        """These options as the engine's section (whose construction checks them)."""
+        return ModelConfig(model=self.model, dtype=self.dtype, device=self.device, threads=self.threads)
 
 
 @dataclass
@@ -109,9 +121,9 @@ class TrainerConfig(TargetOptions):
                                                    "distribution (soft) or its top-1 token (top1)")
     autocast: Literal["none", "bf16"] = opt("none", "training matmuls in bfloat16 (2-3x faster on CPUs with AMX "
                                                      "and on GPUs; weights and optimizer stay float32)")
-    head_layers: int = opt(1, "decoder layers of a fresh head (Dovetail: deeper drafters)")
+    head_layers: int = opt(1, "decoder layers of a fresh head (deeper heads accept more and cost more per draft)")
     fusion: Literal["concat", "gated"] = opt("concat", "how a fresh head fuses the target's hidden with the token "
-                                                        "embedding: concat (EAGLE-3) or gated (Dovetail's DGF)")
+                                                        "embedding: concat (EAGLE-3) or gated (a learned gate mixes the two, as Dovetail)")
     init_from_target: Literal["none", "lm_head", "layer"] = opt(
         "none", "a fresh head starts from the target's weights: lm_head (its LM-head rows and final norm) or layer "
                 "(also its last decoder layer, fc passing the highest tap through); none = random")
@@ -142,6 +154,7 @@ class TrainerConfig(TargetOptions):
     lora: LoraAlignConfig = section(LoraAlignConfig, "lora")
 
     def __post_init__(self) -> None:
+        TargetOptions.__post_init__(self)
         if not self.signal_dir:
             raise TrainerConfigError("--signal-dir is required")
         if not self.publish_root and not self.capture_only:
@@ -210,6 +223,7 @@ class SynthPromptsConfig(PromptSourceConfig, TargetOptions):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        TargetOptions.__post_init__(self)
         if self.temperature <= 0:
             raise TrainerConfigError(f"temperature must be > 0 (greedy writes one query), got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -135,7 +135,7 @@ def widen_head(head: Eagle3Head, draft_vocab: int, train: Sequence[SignalSegment
     token's row is ``head.output_rows`` of it (the target's LM-head row [V, H] carried into the
     head's output space by the fitted row map), so training starts from calibrated rows rather
     than random ones. Why: a pruned head can never propose a token outside its vocabulary (11-14 %
-    of chat answer tokens for the shipped 8,192-token head, docs/benchmarks.md section 32), and
+    of chat answer tokens for the shipped 8,192-token head, docs/benchmarks/drafters.md), and
     retraining a wider head from scratch costs the whole recipe again.
 
     Example: own tokens {3, 7}, counts of train [0, 9, 0, 1, 0, 5, 0, 0], draft_vocab 3 -> vocabulary
@@ -165,7 +165,7 @@ def deepen_head(head: Eagle3Head, num_layers: int, target_layers: Sequence[nn.Mo
     ``head`` computes: its layers are kept, each new block is one of the target's last layers
     (``target_layers``, the target's ``DecoderLayer`` list) with its attention output and MLP down
     projections zeroed, so the block adds nothing to its residual until training moves them (the
-    zero-initialised residual of ReZero / LoRA's B). Why: a deeper head accepts more (section 21:
+    zero-initialised residual of ReZero / LoRA's B). Why: a deeper head accepts more (docs/benchmarks/drafters.md:
     depth 4 served 1.86 against 1.79 on code) but retraining one from scratch costs the whole recipe.
 
     Example: a 1-layer head deepened to 2 -> blocks.0 = the target's last layer with o_proj and

@@ -3,7 +3,7 @@
 Why this exists: on a CPU host the trainer child and the engine share the same cores. With both
 running, a 2-core machine served 0.26x plain decoding's throughput in ``make demo`` part 2, where a
 fixed ``--trainer-nice`` could not help (the engine's threads spin in parallel regions; a niced
-process still takes its share). TIDE's premise (section 3.2) is that training uses resources
+process still takes its share). TIDE's premise (§3.2) is that training uses resources
 serving does not need; on a shared CPU that means: the trainer runs while serving is idle, and is
 stopped (SIGSTOP, ``TrainerSupervisor.pause``) while the engine steps, except for a bounded share
 of the busy time that the operator may grant (``share``: 0 = only while idle, 1 = never paused; a

@@ -32,7 +32,7 @@ process (never the engine) on the same signal store and publish root as the full
 Judging on the rows that arrive next (test, then train: every row first scores the pending update,
 then joins the replay buffer) rather than on a held-out share: after a shift a held-out window
 still holds the old domain, so an adapter fitted to the new one is judged on the traffic it left
-(benchmarks section 19: every adapter but the first refused), and on a few requests per phase a
+(docs/benchmarks/learning.md: every adapter but the first refused), and on a few requests per phase a
 held-out share is a handful of sequences taken from training. Rows that arrive after an update are
 unseen by it and are the traffic the adapter would serve. Example: buffer full at shard 3 -> update;
 shard 4 (>= judge_rows rows) -> judged, published or not, then buffered -> next update.
@@ -144,8 +144,8 @@ def topk_kl(logits: torch.Tensor, top_ids: torch.Tensor, top_logits: torch.Tenso
     drafter's softmax of logits / temperature over its whole vocabulary, read on the support: the
     mass q puts off the support counts as error (sum p log(p/q) >= -log q(support) >= 0). A q
     renormalised on the support would leave the logits off it untouched, and pulling the support's
-    top-1 down towards a flatter p then lets a token off the support overtake it (benchmarks sections
-    15 and 19: updates that lowered their loss lowered held-out acceptance). A row whose support has
+    top-1 down towards a flatter p then lets a token off the support overtake it
+    (docs/benchmarks/learning.md: updates that lowered their loss lowered held-out acceptance). A row whose support has
     no draft-vocabulary token is not kept.
 
     Example: p = (0.7, 0.3) on tokens (a, b), q(a) = 0.7, q(b) = 0.3 -> 0; the same q(a), q(b) halved
@@ -170,7 +170,7 @@ def extra_vocab(head: Eagle3Head, ids: torch.Tensor, rows: torch.Tensor) -> Iter
     head's trained vocabulary through calibrated rows (``Eagle3Head.output_rows``). EvoSpec's path B
     aligns on every verification event whose token was in V_t; judged on the head's own vocabulary
     only, a head after a shift could never learn to propose the new domain's tokens that retrieval
-    put within its reach (benchmarks section 19: coverage 94.6 %, acceptance unchanged).
+    put within its reach (docs/benchmarks/learning.md: coverage 94.6 %, acceptance unchanged).
 
     Example: own vocabulary {5, 9} (d2t [5, 8]), ids [2], rows [[..]] -> inside the block draft ids
     0, 1, 2 stand for target ids 5, 9, 2 and the logits have 3 columns."""
@@ -252,7 +252,7 @@ def anchor_rows(eligible: list[torch.Tensor], usable: list[torch.Tensor], ratio:
     """``eligible`` plus about ``ratio`` times as many of the other usable rows, drawn uniformly.
 
     Why: the replay buffer holds, by construction, the rows the head got wrong; a few steps on those
-    alone move the head towards them and away from the rows it got right (benchmarks section 15: the
+    alone move the head towards them and away from the rows it got right (docs/benchmarks/learning.md: the
     buffer loss fell while held-out acceptance fell). Rows it already drafts well, replayed beside
     the misses, anchor the update to the traffic as a whole. ``ratio`` 0 is EvoSpec's buffer.
     Example: 10 eligible of 100 usable rows, ratio 1.0 -> each of the other 90 kept with p = 10/90:
@@ -472,10 +472,10 @@ class LoraAligner:
         """Simulated acceptance on the rows served after the update of the served head, the adapted one
         and (when an adapter is served) the bare base head; the best by more than ``min_gain`` over the
         served one is published and served from now on. The base head winning means the traffic went
-        back to where the adapters do not help (benchmarks section 20: prose and math adapters cost
+        back to where the adapters do not help (docs/benchmarks/learning.md: prose and math adapters cost
         code 0.17 of acceptance when code returned): a zero adapter, equal to the base head, is
         published, and training goes on from the adapters as they are (restarting them from zero
-        threw away a domain's progress on a noisy judgement, section 20 run B).
+        threw away a domain's progress on a noisy judgement in the same measurements).
 
         Example: served a3 1.90, adapted 1.95, base 2.10 -> a4 = zero adapter (the base) published;
         the next update must beat 2.x of the base head on its own rows."""

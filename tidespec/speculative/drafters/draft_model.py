@@ -40,11 +40,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tidespec.errors import check_at_least
+from tidespec.errors import ConfigError, check_at_least
+from tidespec.models import placement
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.models.loader import load_model
+from tidespec.models.quant import QuantizedLinear
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
-from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft, network_signature
+from tidespec.speculative.registry import BuildContext, DrafterKind
 from tidespec.speculative.tree import tree_depths, tree_mask
 from tidespec.speculative.vocab.dynamic import DynamicVocab, VocabSnapshot
 
@@ -163,7 +167,7 @@ class _TreeJob:
         return SeqDraft(list(self.tokens), list(self.parents), None)
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(DrafterBase):
     """``Drafter`` backed by a small Llama-family model with its own slot KV cache.
 
     ``max_num_seqs`` bounds live sequences (one slot each, allocated on first sight, freed by
@@ -171,7 +175,8 @@ class DraftModelDrafter:
     fit). ``tree_top_k`` is the branching factor of tree proposals (1 = always a chain).
     """
 
-    tap_layers: tuple[int, ...] = ()
+    name = "draft-model"
+    stateful = True  # a KV cache per sequence, caught up after a pause
 
     def __init__(self, model: LlamaModel, max_num_seqs: int, max_model_len: int, tree_top_k: int = 2,
                  name: str = "draft-model", vocab: DynamicVocab | None = None) -> None:
@@ -191,6 +196,9 @@ class DraftModelDrafter:
     def wants_hidden(self) -> bool:
         """A dynamic vocabulary retrieves with the target's final hidden states."""
         return self.vocab is not None and self.vocab.cfg.dynamic
+
+    def cost_signature(self) -> str:
+        return network_signature(self.model)
 
     @property
     def num_live(self) -> int:
@@ -309,3 +317,34 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def truncated_on(target: LlamaModel, num_layers: int, device: torch.device) -> LlamaModel:
+    """The target's first ``num_layers`` layers as a draft model on ``device``: sharing the
+    target's weights on its own device, else a copy of them moved there (``placement.module_copy``;
+    embedding, those layers, final norm and LM head, once at build time)."""
+    draft = target.truncated(num_layers)
+    if not placement.elsewhere(device, target.device):
+        return draft
+    if device.type != "cpu" and any(isinstance(m, QuantizedLinear) for m in draft.modules()):
+        raise ConfigError(f"the draft-model drafter cannot move the quantized target's layers to {device} "
+                          f"(CPU kernels): give it its own --draft-model PATH there")
+    return placement.module_copy(draft, device)
+
+
+def _build(ctx: BuildContext) -> DraftModelDrafter:
+    dm, target = ctx.spec.draft_model, ctx.target
+    if dm.path and not dm.layers:
+        loaded = load_model(dm.path, dtype=target.dtype, device=str(ctx.device))
+        if loaded.model.cfg.vocab_size != target.cfg.vocab_size:
+            raise ConfigError(f"draft model vocab ({loaded.model.cfg.vocab_size}) differs from the target's "
+                              f"({target.cfg.vocab_size}): drafter and target must share a tokenizer")
+        draft = loaded.model
+    else:
+        draft = truncated_on(target, dm.layers or max(1, target.cfg.num_layers // 4), ctx.device)
+    return DraftModelDrafter(draft, max_num_seqs=ctx.max_num_seqs, max_model_len=ctx.max_model_len,
+                             tree_top_k=dm.tree_top_k)
+
+
+DRAFTER = DrafterKind("draft-model", DraftModelDrafter, _build, section="draft_model",
+                      summary="a small model sharing the target's tokenizer (default: the target's first layers)")

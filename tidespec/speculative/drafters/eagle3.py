@@ -31,22 +31,31 @@ then 5 steps without, then taps from position 15 on -> base 15, head position 0 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from tidespec.config import QUANTIZATIONS
+from tidespec.models import placement
+from tidespec.models.eagle3_checkpoint import fresh_head, head_from_published, load_drafter_source, shipped_bootstrap
 from tidespec.models.eagle3_graphs import HeadGraphs
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head, quantized_head
+from tidespec.models.graphs import uses_graphs
 from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout
+from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.models.loader import DTYPES
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
-from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft, network_signature
 from tidespec.speculative.drafters.draft_model import draft_seed
 from tidespec.speculative.drafters.eagle3_state import CatchUp, SeqState, TapStore
 from tidespec.speculative.drafters.eagle3_tree import TreeJob, grow_trees
+from tidespec.speculative.registry import BuildContext, DrafterKind
 from tidespec.speculative.vocab.dynamic import DynamicVocab
+
+log = logging.getLogger(__name__)
 
 
 def _drawn_prob(top: float, probs: torch.Tensor | None, token: int) -> float:
@@ -102,7 +111,7 @@ class _Vocab:
     rows: torch.Tensor | nn.Module | None  # [n, H] output rows or their int8 layer; None = the head's LM head
 
 
-class Eagle3Drafter:
+class Eagle3Drafter(DrafterBase):
     """``Drafter`` running an ``Eagle3Head`` beside the target (name ``"eagle3"``).
 
     The engine must run the target with ``tap_layers=self.tap_layers`` and pass the taps of
@@ -119,7 +128,7 @@ class Eagle3Drafter:
 
     Quantized drafting (``cfg.quantization`` int8/int4): ``head`` keeps the float weights and
     ``served``, an int8/int4 copy rebuilt at every ``load_state``, computes the drafts (about 2.5x
-    cheaper per draft token on a 2-core CPU, docs/benchmarks.md section 22). With "none" they are
+    cheaper per draft token on a 2-core CPU, docs/benchmarks/drafters.md). With "none" they are
     the same module. A dynamic V_t is then drafted over through its snapshot's int8 output layer.
 
     CUDA graphs (``cfg.graphs``, set on a GPU unless --enforce-eager): the catch-up and greedy
@@ -128,6 +137,8 @@ class Eagle3Drafter:
     """
 
     name = "eagle3"
+    stateful = True  # a head KV cache per sequence, caught up after a pause
+    versioned = True  # published heads, swapped in by online training
 
     def __init__(self, head: Eagle3Head, embed: nn.Embedding, cfg: Eagle3DrafterConfig | None = None,
                  version: int = 0, vocab: DynamicVocab | None = None) -> None:
@@ -159,6 +170,9 @@ class Eagle3Drafter:
     def wants_hidden(self) -> bool:
         """A dynamic vocabulary retrieves with the target's final hidden states."""
         return self.vocab is not None and self.vocab.cfg.dynamic
+
+    def cost_signature(self) -> str:
+        return network_signature(self.head, self.cfg.quantization)
 
     def own_ids(self) -> list[int]:
         """The target ids of the head's own draft vocabulary."""
@@ -515,3 +529,55 @@ class Eagle3Drafter:
             drafts.append(SeqDraft(vocab.ids[torch.tensor(ids, device=vocab.ids.device)].tolist(), parents, None))
         return drafts
 
+
+def head_quantization(option: str, device: torch.device) -> str:
+    """``--eagle3-quantization`` resolved for a head on ``device``: "auto" is int8 on a CPU (where
+    drafting is bound by reading the head's weights; docs/benchmarks/drafters.md), none elsewhere.
+
+    Example: ``head_quantization("auto", torch.device("cpu")) == "int8"``; on cuda:0 -> "none".
+    """
+    if option != "auto":
+        return option
+    return "int8" if device.type == "cpu" else "none"
+
+
+def build_eagle3_drafter(target: LlamaModel, source: str | Path | None, draft_vocab_size: int = 0,
+                         cfg: Eagle3DrafterConfig | None = None, dtype: torch.dtype | None = None,
+                         device: torch.device | None = None) -> Eagle3Drafter:
+    """The EAGLE-3 drafter for ``target``, its head in ``dtype`` (None = the target's) on ``device``
+    (None = the target's). On another device than the target's the drafter embeds its draft
+    tokens with its own copy of the target's embedding there (in the head's dtype); only the taps
+    cross devices (``Eagle3Drafter.observe`` moves them).
+
+    ``source``: None -> a fresh random head (version 0; lossless anyway, it learns online);
+    otherwise what ``load_drafter_source`` finds there (an exported checkpoint as version 0, or a
+    publish root's newest valid version), or a fresh head when a publish root has none.
+    ``draft_vocab_size`` (0 = full vocabulary) only shapes a fresh head.
+    """
+    pub = load_drafter_source(source, target.cfg) if source is not None else None
+    if source is None:
+        boot = shipped_bootstrap()
+        log.warning("EAGLE-3 without --eagle3-dir: a fresh random head, whose drafts are rejected until a trained "
+                    "head is published%s", f" (the embedded model's bootstrap head: --eagle3-dir {boot})" if boot else "")
+    dtype = dtype if dtype is not None else target.dtype
+    device = device if device is not None else target.device
+    if pub is None:
+        head, version = fresh_head(target.cfg, draft_vocab_size or None, dtype, device), 0
+    else:
+        head, version = head_from_published(pub, dtype, device), pub.version
+    embed = target.embed_tokens
+    if placement.elsewhere(device, target.device):
+        embed = placement.embedding_copy(embed, device, dtype)
+    return Eagle3Drafter(head, embed, cfg, version=version)
+
+def _build(ctx: BuildContext) -> Eagle3Drafter:
+    o = ctx.spec.eagle3
+    return build_eagle3_drafter(ctx.target, o.dir, o.draft_vocab, Eagle3DrafterConfig(
+        max_num_seqs=ctx.max_num_seqs, max_model_len=ctx.max_model_len, tree_depth=o.tree_depth,
+        tree_top_k=o.tree_top_k, quantization=head_quantization(o.quantization, ctx.device),
+        min_draft_prob=o.min_draft_prob, graphs=uses_graphs(ctx.device, ctx.enforce_eager), compile=ctx.compile),
+        dtype=None if o.dtype == "auto" else DTYPES[o.dtype], device=ctx.device)
+
+
+DRAFTER = DrafterKind("eagle3", Eagle3Drafter, _build, section="eagle3",
+                      summary="an EAGLE-3 head over the target's hidden states (chains or EAGLE-2 trees)")

@@ -3,7 +3,7 @@
 Why this exists: a tree proposes several candidates per position (EAGLE-2, the field guide's
 "tree attention"), so one verification of gamma + 1 rows can accept where a chain's single guess
 missed; on chat, where the target itself is unsure, the shipped head accepts 1.85 with trees of 4
-tokens against 1.68 with chains (docs/benchmarks.md section 39). ``Eagle3Drafter`` owns the
+tokens against 1.68 with chains (docs/benchmarks/drafters.md). ``Eagle3Drafter`` owns the
 per-sequence state and the head; this module owns the growth: which candidates are expanded, how a
 level is laid out against the cached ones, and the global rerank into a tree of ``budget`` tokens.
 

@@ -2,7 +2,7 @@
 
 Why this exists: no drafter wins everywhere — a suffix drafter is nearly free and excellent on
 repetitive text, EAGLE-3 costs a head forward per token and wins on free text, and both lose to
-plain decoding at large batches (TIDE section 4.1, the field guide's operational traps). The
+plain decoding at large batches (TIDE §4.1, the field guide's operational traps). The
 controller (``speculative.policy.analytic``) chooses per step which drafter drafts for which
 sequence; this wrapper makes several drafters look like one to the engine: ``propose`` routes each
 ``DraftInput`` to the member its ``drafter`` field names, ``observe`` and ``release`` reach every
@@ -25,13 +25,15 @@ drafter run — and the next shadow draft starts from t11.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observation
 
-MODEL_FREE = frozenset({"ngram", "suffix"})  # drafters whose propose costs no model forward
+if TYPE_CHECKING:
+    from tidespec.speculative.vocab.dynamic import DynamicVocab
 
 
 @dataclass
@@ -65,6 +67,8 @@ class MultiDrafter:
     read the target's taps. ``shadow_gamma`` > 0 turns on shadow scoring of the model-free members
     (the draft length they are scored at: the engine's largest gamma)."""
 
+    model_free = False  # a member drafts: some of them may run a model
+
     def __init__(self, drafters: Sequence[Drafter], shadow_gamma: int = 0) -> None:
         if len(drafters) < 2:
             raise ValueError("MultiDrafter needs at least two drafters")
@@ -76,31 +80,55 @@ class MultiDrafter:
             raise ValueError(f"at most one drafter may read the target's taps, got {[d.name for d in tapped]}")
         if shadow_gamma < 0:
             raise ValueError(f"shadow_gamma must be >= 0, got {shadow_gamma}")
-        self.members: dict[str, Drafter] = {d.name: d for d in drafters}
+        self._members: dict[str, Drafter] = {d.name: d for d in drafters}
         self.default = names[0]
         self.name = "+".join(names)
         self.tap_layers: tuple[int, ...] = tapped[0].tap_layers if tapped else ()
         self.tapped: str | None = tapped[0].name if tapped else None
         self.shadow_gamma = shadow_gamma
-        self.shadowed = frozenset(n for n in names if n in MODEL_FREE) if shadow_gamma else frozenset()
+        self.shadowed = frozenset(d.name for d in drafters if d.model_free) if shadow_gamma else frozenset()
         self._pending: dict[str, dict[int, _Shadow]] = {n: {} for n in self.shadowed}
         self._running: dict[int, str] = {}  # seq_id -> the member that drafted it in the last propose
         self._scored: dict[str, list[tuple[int, int, int]]] = {}
 
     @property
+    def members(self) -> Mapping[str, Drafter]:
+        return self._members
+
+    @property
+    def stateful(self) -> bool:
+        return any(d.stateful for d in self._members.values())
+
+    @property
+    def versioned(self) -> bool:
+        return any(d.versioned for d in self._members.values())
+
+    @property
     def version(self) -> int:
-        """The version of the member that has one (EAGLE-3's published head), else 0."""
-        return next((int(getattr(d, "version")) for d in self.members.values() if hasattr(d, "version")), 0)
+        """The newest version among the members (an online-trained EAGLE-3 head's; others are 0)."""
+        return max(d.version for d in self._members.values())
 
     @property
     def wants_hidden(self) -> bool:
         """Whether a member asks for the target's final hidden states (a dynamic draft vocabulary)."""
-        return any(bool(getattr(d, "wants_hidden", False)) for d in self.members.values())
+        return any(d.wants_hidden for d in self._members.values())
+
+    @property
+    def vocab(self) -> DynamicVocab | None:
+        """The draft vocabulary of the member that has one."""
+        return next((d.vocab for d in self._members.values() if d.vocab is not None), None)
+
+    def warm_up(self, max_gamma: int) -> float:
+        return sum(d.warm_up(max_gamma) for d in self._members.values())
+
+    def cost_signature(self) -> str:
+        """Each member's own (the profiler keys a profile by every member's)."""
+        return " ".join(f"{n}={s}" for n, d in self._members.items() if (s := d.cost_signature()))
 
     def member_of(self, inp: DraftInput) -> str:
         name = inp.drafter or self.default
-        if name not in self.members:
-            raise ValueError(f"no drafter {name!r} loaded (have {', '.join(self.members)})")
+        if name not in self._members:
+            raise ValueError(f"no drafter {name!r} loaded (have {', '.join(self._members)})")
         return name
 
     def propose(self, inputs: list[DraftInput]) -> DraftProposal:
@@ -110,7 +138,7 @@ class MultiDrafter:
         self._running = {inp.seq_id: name for name, group in groups.items() for inp in group}
         out = DraftProposal()
         for name, group in groups.items():
-            part = self.members[name].propose(group)
+            part = self._members[name].propose(group)
             out.drafts.update(part.drafts)
             out.cold |= part.cold
         return out
@@ -119,13 +147,13 @@ class MultiDrafter:
         untapped = observations  # what the members that never read taps get: no reference to them
         if self.tapped is not None and any(o.taps is not None for o in observations):
             untapped = [Observation(o.seq_id, o.token_ids, o.num_new_cached, None, o.start) for o in observations]
-        for name, member in self.members.items():
+        for name, member in self._members.items():
             member.observe(observations if name == self.tapped else untapped)
         if self.shadowed:
             self._shadow(observations)
 
     def release(self, seq_id: int) -> None:
-        for member in self.members.values():
+        for member in self._members.values():
             member.release(seq_id)
         for pending in self._pending.values():
             pending.pop(seq_id, None)
@@ -155,7 +183,7 @@ class MultiDrafter:
                     continue  # a prompt chunk before the prompt's end: nothing generated yet
                 fresh.append(DraftInput(obs.seq_id, obs.token_ids, self.shadow_gamma, SamplingParams()))
             if fresh:
-                drafts = self.members[name].propose(fresh).drafts
+                drafts = self._members[name].propose(fresh).drafts
                 for inp in fresh:
                     d = drafts.get(inp.seq_id)
                     tokens = list(d.token_ids) if d is not None and not d.is_tree else []
@@ -167,21 +195,9 @@ class MultiDrafter:
                     pending[inp.seq_id] = _Shadow(len(inp.token_ids), self.shadow_gamma, tokens)
 
 
-def members_of(drafter: Drafter | None) -> list[Drafter]:
-    """A ``MultiDrafter``'s members, the drafter alone, or none."""
-    if isinstance(drafter, MultiDrafter):
-        return list(drafter.members.values())
-    return [drafter] if drafter is not None else []
-
-
-def stateful_member(drafter: Drafter | None, stateful: frozenset[str]) -> Drafter | None:
-    """The drafter itself, or the first member of a ``MultiDrafter``, whose name is in ``stateful``."""
-    return next((d for d in members_of(drafter) if d.name in stateful), None)
-
-
 def find_member(drafter: Drafter | None, name: str) -> Drafter | None:
     """The drafter named ``name``: ``drafter`` itself or one of a ``MultiDrafter``'s members."""
-    return stateful_member(drafter, frozenset({name}))
+    return drafter.members.get(name) if drafter is not None else None
 
 
 def _first_path(tokens: list[int], parents: list[int]) -> list[int]:

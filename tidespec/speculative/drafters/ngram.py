@@ -23,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 from tidespec.errors import check_at_least
-from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.registry import BuildContext, DrafterKind
 
 
 def find_ngram_match(tokens: np.ndarray, min_n: int, max_n: int) -> tuple[int, int]:
@@ -66,11 +67,11 @@ def copy_continuation(tokens: np.ndarray, end: int, num: int) -> list[int]:
     return np.tile(period, reps)[:num].tolist()
 
 
-class NgramDrafter:
+class NgramDrafter(DrafterBase):
     """Stateless prompt-lookup drafter (point-mass chains). See the module docstring for the rule."""
 
     name: str = "ngram"
-    tap_layers: tuple[int, ...] = ()
+    model_free = True
 
     def __init__(self, min_n: int = 1, max_n: int = 4, max_proposal: int = 64) -> None:
         if not 1 <= min_n <= max_n:
@@ -101,3 +102,11 @@ class NgramDrafter:
 
     def release(self, seq_id: int) -> None:
         return None
+
+
+def _build(ctx: BuildContext) -> NgramDrafter:
+    return NgramDrafter(min_n=ctx.spec.ngram.min, max_n=ctx.spec.ngram.max)
+
+
+DRAFTER = DrafterKind("ngram", NgramDrafter, _build, section="ngram",
+                      summary="prompt lookup: the continuation of the context's last n-gram")

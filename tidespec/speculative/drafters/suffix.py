@@ -49,7 +49,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from tidespec.speculative.api import DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.registry import BuildContext, DrafterKind
 
 SEP = -1  # document separator in the token buffer; never a vocabulary id
 _SMALL = 256  # occurrence sets up to this size are counted with a dict instead of np.unique
@@ -307,7 +308,7 @@ class _RequestState:
     num_prompt_tokens: int  # context length at first sight minus the first output token
 
 
-class SuffixDrafter:
+class SuffixDrafter(DrafterBase):
     """Suffix decoding over a per-request index and a bounded global index of past outputs.
 
     The per-request index follows the context by diffing: whenever ``propose`` or ``observe``
@@ -317,7 +318,7 @@ class SuffixDrafter:
     """
 
     name: str = "suffix"
-    tap_layers: tuple[int, ...] = ()
+    model_free = True
 
     def __init__(
         self, max_depth: int = 64, max_tree_tokens: int = 20000, min_prob: float = 0.1, factor: float = 1.0
@@ -411,3 +412,12 @@ class SuffixDrafter:
         self.global_index.add_document(output)
         while self.global_index.num_tokens > self.max_tree_tokens:
             self.global_index.evict_oldest()
+
+
+def _build(ctx: BuildContext) -> SuffixDrafter:
+    o = ctx.spec.suffix
+    return SuffixDrafter(max_tree_tokens=o.max_tree_tokens, min_prob=o.min_prob, factor=o.factor)
+
+
+DRAFTER = DrafterKind("suffix", SuffixDrafter, _build, section="suffix",
+                      summary="suffix decoding over this request's context and past outputs")

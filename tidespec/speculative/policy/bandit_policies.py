@@ -10,8 +10,8 @@ gamma of the step (0 when nothing was drafted); bandits credit the step's goodpu
 ``num_emitted_tokens / total_time`` to that arm at batch size ``num_decode_seqs`` — on
 decode-only steps. A step that also prefills a prompt chunk is not credited: its time is mostly
 the chunk's, which no arm controls, and under load such steps are frequent, so crediting them
-buries differences of a few per cent between arms in noise (measured in docs/benchmarks.md
-section 5c: the hybrid kept speculating at batch 16). Acceptance (alpha) is still learned from them.
+buries differences of a few per cent between arms in noise (measured in
+docs/benchmarks/policies.md: the hybrid kept speculating at batch 16). Acceptance (alpha) is still learned from them.
 
 Several drafters (``drafters``): the arms are (drafter, gamma) pairs, flattened by ``DrafterArms``
 (arm 0 = off, then each drafter's gammas 1..gamma_max); the arm a step played is the gamma that

@@ -17,7 +17,6 @@ from tidespec.speculative.policy.analytic import AnalyticPolicy
 from tidespec.speculative.policy.api import SpeculationPolicy, check_gamma_max
 from tidespec.speculative.policy.bandit_policies import BanditPolicy, HybridPolicy
 from tidespec.speculative.policy.guards import GuardConfig, Guards
-from tidespec.speculative.policy.profiler import STATEFUL_DRAFTERS
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.speculative.policy.static import StaticPolicy
 
@@ -36,6 +35,7 @@ class PolicyOptions:
     guards: GuardConfig | None = None  # None: no guards
     drafters: tuple[str, ...] = ()  # several drafters loaded (a MultiDrafter's members); () = one
     shadowed: frozenset[str] = frozenset()  # of those, the ones scored on the side (model-free)
+    stateful: frozenset[str] = frozenset()  # of those, the ones that must catch up after a pause (bandit's cost)
 
     def __post_init__(self) -> None:
         check_gamma_max(self.gamma_max)
@@ -61,13 +61,13 @@ def _analytic(o: PolicyOptions) -> SpeculationPolicy:
 def _bandit(o: PolicyOptions) -> SpeculationPolicy:
     cost = o.profile.catchup_cost if o.profile is not None else None
     return BanditPolicy(o.gamma_max, seed=o.seed, switching_cost=cost, bucketed=o.bucketed, profile=o.profile,
-                        drafters=_several(o), stateful=STATEFUL_DRAFTERS)
+                        drafters=_several(o), stateful=o.stateful)
 
 
 def _hybrid(o: PolicyOptions) -> SpeculationPolicy:
     return HybridPolicy(
         _need_profile(o, "hybrid"), o.gamma_max, seed=o.seed, prior_alpha=o.prior_alpha, ema=o.ema, bucketed=o.bucketed,
-        drafters=_several(o), stateful=STATEFUL_DRAFTERS)
+        drafters=_several(o), stateful=o.stateful)
 
 
 def _several(o: PolicyOptions) -> tuple[str, ...]:

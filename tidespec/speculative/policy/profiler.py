@@ -9,7 +9,7 @@ What is measured (all medians after one warm-up forward; the T(b, q) grid is swe
 each shape's median taken over the samples of every pass, so a slow spell of the machine — a
 few seconds of a noisy neighbour or a frequency drop — lands in one pass's samples of a shape,
 not in all of them: one outlier, T(1, 2) at 1.56x T(1, 1) against 1.21x in a re-measurement,
-once decided a whole benchmark's batch-1 choice, docs/benchmarks.md section 5b):
+once decided a whole benchmark's batch-1 choice, docs/benchmarks/policies.md):
 - ``verify_latency[(b, q)]``: one target forward with q new tokens for each of b sequences on a
   ``context``-token cache (q = gamma + 1 when verifying, 1 for plain decode);
 - ``target_latency[n]``: the same for one sequence and n tokens (TIDE's T(n));
@@ -46,10 +46,7 @@ from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.models.quant import quantization_of
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter, DraftInput, Observation
-from tidespec.speculative.drafters.multi import members_of
 from tidespec.speculative.policy.speedup import Profile
-
-STATEFUL_DRAFTERS = frozenset({"draft-model", "eagle3"})
 
 
 @dataclass
@@ -150,15 +147,8 @@ def drafter_signature(drafter: Drafter | None) -> dict[str, str]:
     Example: a suffix + EAGLE-3 ``MultiDrafter`` -> ``{"eagle3": "Eagle3Config(...) torch.bfloat16"}``;
     with an int8 drafting copy of the head ``"Eagle3Config(...) torch.float32 int8"``.
     """
-    sig: dict[str, str] = {}
-    for d in members_of(drafter):
-        net = getattr(d, "head", None) or getattr(d, "model", None)  # Eagle3Head / LlamaModel: cfg, dtype
-        if isinstance(net, torch.nn.Module):
-            quant = getattr(getattr(d, "cfg", None), "quantization", "none")  # Eagle3DrafterConfig's
-            device = next(net.parameters()).device  # --drafter-device: a GPU drafter costs otherwise
-            sig[d.name] = (f"{net.cfg!r} {net.dtype}" + (f" {quant}" if quant != "none" else "")
-                           + (f" {device}" if device.type != "cpu" else ""))
-    return sig
+    members = drafter.members.values() if drafter is not None else ()
+    return {d.name: s for d in members if (s := d.cost_signature())}
 
 
 def profile_key_for(model: LlamaModel, drafter: Drafter | None, compiled: bool, graphs: bool = False) -> str:
@@ -217,17 +207,17 @@ def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerCon
     single = {n: statistics.median(times) for n, times in single_samples.items()}
     draft_cost = {"default": 0.0}
     catchup: dict[tuple[int, int], float] = {}
-    members = members_of(drafter)
+    members = list(drafter.members.values()) if drafter is not None else []
     for member in members:  # each drafter of a MultiDrafter on its own: the policy prices each choice
         clock = _DraftClock(member, len(member.tap_layers) * model.cfg.hidden_size, gen)
         d0 = _draft_cost(clock, model.cfg.vocab_size, cfg, gen)
-        if clock.drafted == 0 and member.name in STATEFUL_DRAFTERS:  # model-free ones may find no match
+        if clock.drafted == 0 and not member.model_free:  # model-free ones may find no match
             say(f"warning: {member.name} proposed nothing while being timed; D0 is not its drafting cost")
         draft_cost[member.name] = d0
         if member is members[0]:
             draft_cost["default"] = d0
         say(f"D0({member.name}) = {d0 * 1e3:.2f} ms")
-        if member.name in STATEFUL_DRAFTERS and not catchup:  # the catch-up of the (first) stateful one
+        if member.stateful and not catchup:  # the catch-up of the (first) stateful one
             catchup = _catchup(clock, model.cfg.vocab_size, cfg, gen)
             say(f"catch-up table of {member.name} measured")
     key = profile_key_for(model, drafter, compiled, graphs)

@@ -3,7 +3,7 @@
 Why this exists: speculation amortises one weight read over several tokens, which only helps
 while decoding is memory-bound. As the batch grows, verifying ``b * (gamma + 1)`` tokens costs
 visibly more than decoding ``b`` tokens, and a fixed-gamma engine loses throughput (TIDE
-section 4.1, Nightjar Fig. 2). Given a profile measured once per model/device/dtype, this
+§4.1, Nightjar Fig. 2). Given a profile measured once per model/device/dtype, this
 module predicts the speedup of every speculation length so a controller can pick one (or 0).
 
 The model (TIDE eqs. 2-5), with ``T(n)`` the target latency to process ``n`` tokens in one
@@ -355,6 +355,6 @@ def min_alpha_for_gain(
 
 
 def min_accept_length_for_gain(b: int, gamma: int, profile: Profile, drafter: str | None = None) -> float:
-    """TIDE section 5.4's threshold: the acceptance length E[l] needed for any gain at batch b."""
+    """TIDE §5.4's threshold: the acceptance length E[l] needed for any gain at batch b."""
     a = min_alpha_for_gain(b, gamma, profile, drafter)
     return math.inf if math.isinf(a) else expected_accept_length(a, gamma)

@@ -98,8 +98,8 @@ class AlphaTracker:
     batches: at batch 1, gamma 4 and true alpha 0.45,
     a step that rejects the first token says alpha = 0 and one that accepts one token says 0.52
     — their mean is 0.30, below the 0.33 that made eq. 5 speculate at batch 1 on this machine's
-    profile, so the analytic policy switched itself off at batch 1 (docs/benchmarks.md section
-    5b's open question; section 5a re-measures with this estimator).
+    profile, so the analytic policy switched itself off at batch 1 (re-measured with this
+    estimator in docs/benchmarks/policies.md).
 
     Geometric alpha and rho assume every position alike. Suffix and n-gram drafters are not: once
     a match holds it tends to hold, so later positions are accepted more often than alpha**k says,

@@ -150,7 +150,7 @@ class DynamicVocab:
     (``process_pending``), for tests.
 
     The worker's CPU time is taken from the step on a small host (on 2 cores the draft time per
-    token rose about as much as the worker worked: docs/benchmarks.md section 24), so a publish
+    token rose about as much as the worker worked: docs/benchmarks/learning.md), so a publish
     does as little as it can: the core's rows and layer are kept from the first build, and each
     buffer token's row from when it was admitted, until ``refresh`` says the rows source changed;
     only newly admitted tokens' rows are computed, the buffer's layer is rebuilt (<= ``capacity``

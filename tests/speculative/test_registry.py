@@ -1,0 +1,103 @@
+"""The drafter registry: built-in drafters are found, and a drafter in one file outside the package
+(``tests/speculative/toy_drafter.py``) is built, run under a controller and served losslessly with
+no edit anywhere else."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
+from tests.speculative.toy_drafter import BigramDrafter
+from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from tidespec.engine.engine import LLMEngine
+from tidespec.errors import ConfigError
+from tidespec.llm import build_engine
+from tidespec.sampling import SamplingParams
+from tidespec.server.app import ServerConfig, create_app
+from tidespec.speculative.drafters.multi import MultiDrafter
+from tidespec.speculative.registry import build_drafter, drafter_kinds, kinds_for
+
+V = 48
+TOY = "tests.speculative.toy_drafter"
+# prompts that repeat themselves, so a bigram table has something to follow, and some that do not
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14, 15, 16, 12], [3, 3, 3, 3],
+           [20, 21, 20, 22, 20, 21], [30, 31, 32, 33, 34, 35, 36, 37]]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(V, layers=3, seed=2, scale=3.0)  # sharp: it repeats itself, drafts get accepted
+
+
+def test_the_builtin_drafters_are_found_with_their_traits() -> None:
+    kinds = drafter_kinds()
+    assert sorted(kinds) == ["draft-model", "eagle3", "ngram", "suffix"]
+    assert {n for n, k in kinds.items() if k.model_free} == {"ngram", "suffix"}
+    assert {n for n, k in kinds.items() if k.stateful} == {"draft-model", "eagle3"}
+    assert {n: k.section for n, k in kinds.items()} == {"ngram": "ngram", "suffix": "suffix",
+                                                        "draft-model": "draft_model", "eagle3": "eagle3"}
+    assert "bigram" not in kinds and drafter_kinds((TOY,))["bigram"].cls is BigramDrafter
+
+
+def _generate(model, spec: SpecConfig, slots: int) -> tuple[list[list[int]], int, int]:
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=128, max_num_seqs=slots), spec=spec)
+    engine = LLMEngine(model, tiny_tokenizer(V), cfg, drafter=build_drafter(spec, model, slots, 128))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=64, ignore_eos=True)) for p in PROMPTS]
+    done = run_to_completion(engine)
+    return ([done[i].token_ids for i in ids], sum(o.stats.num_draft_tokens for o in done.values()),
+            sum(o.stats.num_accepted_tokens for o in done.values()))
+
+
+@pytest.mark.parametrize("slots", [1, len(PROMPTS)])
+def test_a_drafter_in_one_file_is_lossless_alone_and_batched(model, slots: int) -> None:
+    plain, _, _ = _generate(model, SpecConfig(), slots)
+    spec = SpecConfig(drafter="bigram", drafter_modules=TOY, num_speculative_tokens=4)
+    got, drafted, accepted = _generate(model, spec, slots)
+    assert got == plain
+    assert drafted > 0 and accepted > 0, "the toy never drafted or was never right: nothing was verified"
+
+
+def test_a_drafter_in_one_file_joins_a_multi_drafter_with_its_traits(model) -> None:
+    spec = SpecConfig(drafter="suffix,bigram", drafter_modules=TOY, num_speculative_tokens=3)
+    multi = build_drafter(spec, model, 2, 96)
+    assert isinstance(multi, MultiDrafter) and tuple(multi.members) == ("suffix", "bigram")
+    assert multi.shadowed == {"suffix", "bigram"} and not multi.stateful and not multi.versioned
+    assert multi.tapped is None and multi.vocab is None and multi.version == 0
+
+
+def test_a_drafter_in_one_file_is_served_losslessly(model) -> None:
+    """The toy through the HTTP server: every completion's text equals a plain server's."""
+    tok = tiny_tokenizer(V)
+    prompts = [" ".join(f"t{i}" for i in p) for p in PROMPTS]
+
+    def serve(spec: SpecConfig) -> tuple[list[str], int]:
+        cfg = EngineConfig(cache=CacheConfig(max_model_len=128, max_num_seqs=4),
+                           scheduler=SchedulerConfig(max_waiting=16), spec=spec)
+        engine = build_engine(cfg, model=model, tokenizer=tok)
+        texts, drafted = [], 0
+        with TestClient(create_app(engine, ServerConfig(served_model_name="tiny"))) as client:
+            for prompt in prompts:
+                r = client.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 48,
+                                                         "temperature": 0, "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                texts.append(r.json()["choices"][0]["text"])
+                drafted += r.json()["usage"].get("draft_tokens", 0)
+        return texts, drafted
+
+    plain, _ = serve(SpecConfig())
+    toy, drafted = serve(SpecConfig(drafter="bigram", drafter_modules=TOY, num_speculative_tokens=4))
+    assert toy == plain and drafted > 0
+
+
+@pytest.mark.parametrize("spec,message", [
+    (SpecConfig(drafter="bogus"), "unknown drafter 'bogus': drafter must be one of none, draft-model, eagle3, ngram, "
+                                  "suffix"),
+    (SpecConfig(drafter="ngram", drafter_modules="no_such_module_xyz"), "cannot import 'no_such_module_xyz'"),
+    (SpecConfig(drafter="ngram", drafter_modules="tests.helpers"), "'tests.helpers' defines no DRAFTER"),
+    (SpecConfig(drafter="bigram"), "unknown drafter 'bigram'"),  # defined, but its module not named
+])
+def test_unknown_drafters_and_modules_are_one_line_errors(spec: SpecConfig, message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as exc:
+        kinds_for(spec)
+    assert "\n" not in str(exc.value)
