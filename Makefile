@@ -46,7 +46,7 @@ fuzz: $(STAMP)
 	$(PY) -m pip show -q schemathesis >/dev/null 2>&1 || $(PY) -m pip install -q $(SCHEMATHESIS)
 	$(PY) -m tests.server.schemathesis_run
 
-# the full exactness matrix (issue 48; not part of `make test`, which runs a subset): every CPU path
+# the full exactness matrix (docs/benchmarks/exactness.md; not part of `make test`, which runs a subset): every CPU path
 # (float32, bfloat16, int8, int4, eager and --compile) x every drafter, 24 prompts of four domains x
 # 256 tokens, alone and all at once, against each path's plain decoding alone; exits 1 on any
 # difference. Report in runs/exactness/ (table.md, results.json). Several hours on 2 cores.

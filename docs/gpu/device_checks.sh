@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 21 as one prepared script (docs/benchmarks.md sections 29, 34, 36, 41).
+# The GPU checks as one prepared script (what docs/benchmarks/gpu.md measured on the lent H100 and H200).
 #
 # Why this exists: a lent GPU machine has no package index, carries at most 64 MiB a call and is
 # lent for minutes, so the checks must be ready before it starts. Two halves:

@@ -1,4 +1,4 @@
-"""GPU probe (docs/benchmarks.md section 36): the verification graph's cost per attention variant
+"""GPU probe (docs/benchmarks/gpu.md): the verification graph's cost per attention variant
 inside the compiled layer: cuDNN (SDPA's own choice, ``base``), cuDNN excluded (``notcudnn``), K/V
 expanded to every head for the efficient kernel (``expand``), the math path (``math``). Prints
 back-to-back replay ms / one call with the argmax read, per rows per sequence; saves the q=6 logits

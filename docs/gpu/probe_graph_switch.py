@@ -1,4 +1,4 @@
-"""GPU probe (docs/benchmarks.md section 36): does switching between graphs of different row counts
+"""GPU probe (docs/benchmarks/gpu.md): does switching between graphs of different row counts
 from one forward to the next cost more than replaying one graph? One ``GraphStep`` call with the
 argmax read per forward (random 135M shape, bf16, compiled layer, batch 1), rows per sequence fixed
 or cycling. ``PYTHONPATH=$PWD python3 docs/gpu/probe_graph_switch.py``

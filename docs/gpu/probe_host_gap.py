@@ -1,4 +1,4 @@
-"""GPU probe (docs/benchmarks.md section 36): does host time between forwards slow the next forward?
+"""GPU probe (docs/benchmarks/gpu.md): does host time between forwards slow the next forward?
 One ``GraphStep`` call with the argmax read, after a busy host gap of 0-1 ms, per rows per sequence.
 ``PYTHONPATH=$PWD python3 docs/gpu/probe_host_gap.py``
 """

@@ -1,4 +1,4 @@
-"""GPU probe (docs/benchmarks.md section 36): per engine step, graph replay ms per rows (prompt
+"""GPU probe (docs/benchmarks/gpu.md): per engine step, graph replay ms per rows (prompt
 blocks' too), the prefill steps' forward apart, host time per phase (perf_counter wrappers around the engine's methods) and where the host waits for the GPU
 (torch.cuda.set_sync_debug_mode). Random weights of the 135M shape, bf16, compiled layer, batch 1.
 

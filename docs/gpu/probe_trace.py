@@ -1,4 +1,4 @@
-"""GPU probe (docs/benchmarks.md section 36): torch.profiler traces of 12 engine steps, plain and the
+"""GPU probe (docs/benchmarks/gpu.md): torch.profiler traces of 12 engine steps, plain and the
 suffix drafter (random 135M shape, bf16, compiled), and the graph's replay vs one call with real
 inputs. ``PYTHONPATH=$PWD python3 docs/gpu/probe_trace.py OUT_DIR`` writes OUT_DIR/{plain,suffix5}.json.
 """

@@ -1,6 +1,6 @@
 """Property-based fuzzing of a real ``tidespec serve`` with schemathesis (``make fuzz``).
 
-Why this exists: issue 20 asks for >= 3,000 generated requests against the OpenAPI schema with no
+Why this exists: the reliability work asks for >= 3,000 generated requests against the OpenAPI schema with no
 5xx and no request left without an answer. This is too slow for ``make test`` (the embedded model
 answers every valid request), so it is a command of its own: it starts ``tidespec serve`` on the
 embedded model (suffix drafter, a short context so that valid requests stay short), runs

@@ -1,4 +1,4 @@
-"""The /dashboard page (issue 19 item 4): its time series hand-traced, its data on a live server, its
+"""The /dashboard page: its time series hand-traced, its data on a live server, its
 API-key guard, and the page drawn by a headless Chromium.
 
 The live tests run the tiny model with the n-gram and suffix drafters, chosen per step by the
@@ -191,7 +191,7 @@ def test_dashboard_page_and_data_on_a_live_server() -> None:
                 assert c.get("/" + src).status_code == 200, src
             d = _data(c)
             metrics = c.get("/metrics").text
-    # Prometheus says per drafter what the dashboard shows (issue 49 item 3)
+    # Prometheus says per drafter what the dashboard shows
     drafts = _by_drafter(metrics, "tidespec:spec_decode_drafter_num_drafts_total")
     tokens = _by_drafter(metrics, "tidespec:spec_decode_drafter_num_draft_tokens_total")
     accepted = _by_drafter(metrics, "tidespec:spec_decode_drafter_num_accepted_tokens_total")

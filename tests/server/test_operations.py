@@ -1,4 +1,4 @@
-"""Operations against a live server (issue 49): slow bodies, the drain on SIGTERM, the parameter
+"""Operations against a live server: slow bodies, the drain on SIGTERM, the parameter
 each 400 names, unknown fields, the KV reservation check, and the port bound before the model loads.
 
 Each test drives a real server (uvicorn on a loopback port, or ``tidespec serve`` in a child
@@ -49,7 +49,7 @@ def _partial_body(port: int, key: str | None) -> tuple[bytes, float]:
 
 # ----------------------------------------------------------------------------- 1. body timeout
 def test_a_body_that_does_not_arrive_gets_a_408_and_the_connection_is_closed() -> None:
-    """Issue 49 item 1: headers then a partial body, then silence, held the connection forever
+    """Headers then a partial body, then silence, held the connection forever
     (with or without a valid key); now a 408 after --body-timeout (or the 401, then a close), and the
     engine never saw the request."""
     engine = tiny_engine()
@@ -89,7 +89,7 @@ def test_a_body_that_does_not_arrive_gets_a_408_and_the_connection_is_closed() -
 
 # ----------------------------------------------------------------------------- 2. drain
 def test_sigterm_drains_running_requests_and_refuses_new_ones() -> None:
-    """Issue 49 item 2: during the grace /health said 200 and new requests were served or held.
+    """Before: during the grace /health said 200 and new requests were served or held.
     Now: /health 503 "draining", new requests 503 + Retry-After at once, the running stream and
     non-streaming request finish normally, a request outlasting the grace ends with a 503 / an
     error event naming the shutdown."""
@@ -162,7 +162,7 @@ def test_serve_exits_0_after_a_sigterm_drain(checkpoint: Path, tmp_path: Path) -
 
 # ----------------------------------------------------------------------------- 7. start-up
 def test_the_port_answers_loading_until_the_model_is_ready() -> None:
-    """Issue 49 item 7: the port is bound before the model loads; /health is 503 "loading" (and
+    """The port is bound before the model loads; /health is 503 "loading" (and
     every API request a 503 with Retry-After) until the engine runs, then requests are served."""
     admission = Admission("loading")
     release = threading.Event()
@@ -186,7 +186,7 @@ def test_the_port_answers_loading_until_the_model_is_ready() -> None:
 
 
 def test_a_kv_cache_larger_than_memory_is_refused_unless_overcommitted() -> None:
-    """Issue 49 item 7: --max-num-seqs 3000 --max-model-len 8192 (about 1 TB on the embedded
+    """A server with --max-num-seqs 3000 --max-model-len 8192 (about 1 TB on the embedded
     model) started and died later by the OOM killer; now refused at start-up, naming both flags."""
     cache = CacheConfig(max_model_len=512, max_num_seqs=10**7)  # 2.6 TB in float64
     with pytest.raises(ConfigError, match="--max-num-seqs or --max-model-len.*--kv-overcommit"):
@@ -227,7 +227,7 @@ BAD_FIELDS: list[tuple[dict[str, Any], str]] = [  # (fields merged into the body
 
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 def test_every_400_names_its_parameter(chat: bool) -> None:
-    """Issue 49 item 5: a lone surrogate gave param null, max_tokens 2**63 and a too-long chat
+    """A lone surrogate gave param null, max_tokens 2**63 and a too-long chat
     message gave "prompt" (chat has no prompt); each field's 400 now names that field."""
     base = CHAT if chat else COMPLETION
     path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -253,7 +253,7 @@ def test_every_400_names_its_parameter(chat: bool) -> None:
 
 # ----------------------------------------------------------------------------- 6. unknown fields
 def test_unknown_fields_are_named_in_a_header_and_the_log_or_refused(caplog: pytest.LogCaptureFixture) -> None:
-    """Issue 49 item 6: unknown fields were dropped silently; now ignored (as vLLM) but named in
+    """Unknown fields were dropped silently; now ignored (as vLLM) but named in
     X-Tidespec-Ignored-Fields and logged once per name; --strict-fields makes them a 400."""
     extra = {"repetition_penalty": 1.1, "min_tokens": 2, "guided_json": {"type": "object"}, "reasoning_effort": "low"}
     with LiveServer(create_app(tiny_engine(), ServerConfig(served_model_name=MODEL))) as s, \
@@ -303,7 +303,7 @@ def _for_checkpoint(body: dict[str, Any] | bytes) -> dict[str, Any] | bytes:
 
 
 def test_chaos_with_a_sigterm_in_the_middle(checkpoint: Path, tmp_path: Path) -> None:
-    """Issue 49's chaos run, through ``tidespec serve``: slow-body and slowloris clients, a burst of
+    """The operations chaos run, through ``tidespec serve``: slow-body and slowloris clients, a burst of
     poisoned requests, 60 concurrent streams of which a third disconnect, and a SIGTERM once all are
     under way: every innocent request ends with its quiet-server text, every request after the
     signal gets a 503 naming the shutdown, every poisoned one its 4xx, nothing is left unanswered,

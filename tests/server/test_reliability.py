@@ -1,4 +1,4 @@
-"""Reliability against a live server (issue 20): slow headers, seeded sampling through the API,
+"""Reliability against a live server: slow headers, seeded sampling through the API,
 and a chaos run where poisoned requests arrive among innocent ones under concurrent load.
 
 The chaos test is the property the issue asks for: every innocent request completes with the
@@ -43,7 +43,7 @@ def _read_until_closed(sock: socket.socket, timeout: float) -> bytes:
 
 
 def test_slowly_sent_headers_get_a_408_and_the_connection_is_closed() -> None:
-    """Issue 20 item 8: a client trickling header bytes held its connection forever."""
+    """A client trickling header bytes used to hold its connection forever."""
     with LiveServer(create_app(tiny_engine(), ServerConfig(served_model_name=MODEL)), header_timeout_s=0.6) as s:
         t0 = time.monotonic()
         with socket.create_connection(("127.0.0.1", s.port)) as slow:
@@ -82,7 +82,7 @@ def _seeded_texts(s: LiveServer, body: dict[str, Any], chat: bool, times: int = 
 
 
 def test_seeded_requests_repeat_with_the_suffix_drafter() -> None:
-    """Issue 20 item 5: with the suffix drafter three identical seeded requests gave three texts
+    """With the suffix drafter three identical seeded requests gave three texts
     and streamed differed from non-streamed. Now: one text, streamed or not, 5 times in a row."""
     engine = tiny_engine(drafter=SuffixDrafter())
     with LiveServer(create_app(engine, ServerConfig(served_model_name=MODEL))) as s:

@@ -51,7 +51,7 @@ def test_models_and_health(srv: LiveServer) -> None:
 
 
 def test_models_retrieve(srv: LiveServer) -> None:
-    """Issue 20 item 8: the official client's ``models.retrieve`` (``GET /v1/models/{id}``) was a 404."""
+    """The official client's ``models.retrieve`` (``GET /v1/models/{id}``) used to be a 404."""
     assert srv.client().models.retrieve(MODEL).id == MODEL
     with pytest.raises(openai.NotFoundError) as nf:
         srv.client().models.retrieve("gpt-17")
@@ -168,14 +168,14 @@ def test_errors_are_openai_style(srv: LiveServer) -> None:
                   413)["code"] == "body_too_large"
     chunked = (b"x" * 2**20 for _ in range(5))  # no Content-Length: sent with chunked transfer encoding
     assert _error(httpx.post(url, content=chunked, headers={"content-type": "application/json"}),
-                  413)["code"] == "body_too_large"  # issue 20 item 8: was a 400
+                  413)["code"] == "body_too_large"  # was a 400
     small = (part for part in (b'{"model": "tiny", "prompt": "t5", ', b'"max_tokens": 2}'))
     assert httpx.post(url, content=small, headers={"content-type": "application/json"}).status_code == 200
     assert srv.wait_idle() == (0.0, 0, 0, 0)
 
 
 def test_unsupported_fields_are_refused_and_neutral_values_accepted(srv: LiveServer) -> None:
-    """Issue 20 item 3: an OpenAI feature tidespec does not implement is a 400 naming the field, never
+    """An OpenAI feature tidespec does not implement is a 400 naming the field, never
     a 200 that silently ignores it; the values clients send by default still work."""
     url = f"{srv.url}/v1/chat/completions"
     base = {"model": MODEL, "messages": [{"role": "user", "content": "t5 t6"}], "max_tokens": 2}
@@ -194,7 +194,7 @@ def test_unsupported_fields_are_refused_and_neutral_values_accepted(srv: LiveSer
 
 
 def test_lone_surrogate_is_a_400_error_object(srv: LiveServer) -> None:
-    """Issue 20 item 4: JSON may carry a lone UTF-16 surrogate ("\\ud800") that no tokenizer can
+    """JSON may carry a lone UTF-16 surrogate ("\\ud800") that no tokenizer can
     encode; it is an OpenAI error object naming where it is, not a plain-text 500."""
     for path, body in (("completions", b'{"model": "%s", "prompt": "t5 \\ud800", "max_tokens": 2}'),
                        ("chat/completions", b'{"model": "%s", "max_tokens": 2, "messages": '

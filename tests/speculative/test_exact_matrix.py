@@ -1,4 +1,4 @@
-"""Issue 48's matrix, fast subset: on the embedded model, every path and drafter gives exactly the
+"""The exactness matrix, fast subset: on the embedded model, every path and drafter gives exactly the
 path's plain greedy decoding of each prompt alone, one request at a time and all at once, and
 the target's rows have the same bits in verifications, batches and prompt chunks as decoded alone
 (``tidespec bench exactness``; the full matrix -- 24 prompts x 256 tokens, every path x every

@@ -1,4 +1,4 @@
-"""Seeded sampling is reproducible per request with every drafter (issue 20, item 5).
+"""Seeded sampling is reproducible per request with every drafter.
 
 A seeded request draws each output token by the exponential race of (seed, output position)
 (``sampling.seeded_draw``), so its text depends on the seed alone: not on how drafts went, on
