@@ -61,14 +61,14 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 def cmd_profile(ns: argparse.Namespace) -> int:
     from tidespec.llm import build_engine
-    from tidespec.models.graphs import uses_graphs
+    from tidespec.models.executor import ExecutorOptions
     from tidespec.speculative.policy.profiler import load_or_measure
     config = engine_config_from_args(ns)
     engine = build_engine(config)
     t0 = time.perf_counter()
-    prof, path = load_or_measure(engine.model, engine.drafter, refresh=ns.refresh, compiled=config.model.compile,
+    prof, path = load_or_measure(engine.model, engine.drafter, refresh=ns.refresh,
                                  progress=lambda m: print(m, file=sys.stderr),
-                                 graphs=uses_graphs(engine.model.device, config.model.enforce_eager))
+                                 options=ExecutorOptions.of(config.model, config.scheduler.max_num_batched_tokens))
     print(f"profile {prof.key} ({time.perf_counter() - t0:.1f} s; cached at {path})")
     qs = sorted({q for _, q in prof.verify_latency})
     print("| batch | " + " | ".join(f"T(b, q={q}) ms" for q in qs) + " |")

@@ -115,7 +115,7 @@ def output_dir(text: str) -> Path:
     return path
 
 
-def field_of(cls: type, name: str, help: str | None = None) -> Any:  # noqa: A002 - mirrors argparse
+def field_of(cls: type, name: str, help: str | None = None) -> Any:
     """A new field declared as ``cls``'s field ``name`` (default, help, flag, bounds), its help
     optionally reworded: a command that takes some of a section's flags declares them once.
 

@@ -24,7 +24,7 @@ from tidespec.config import DraftVocabConfig, EngineConfig, ModelConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
 from tidespec.errors import ConfigError
-from tidespec.models.graphs import uses_graphs
+from tidespec.models.executor import ExecutorOptions
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import DTYPES, LoadedModel, load_model
 from tidespec.models.quant import Int8Linear
@@ -125,8 +125,8 @@ def build_policy(config: EngineConfig, model: LlamaModel, drafter: Drafter | Non
     if pc.profile:
         profile = Profile.load(pc.profile)
     elif needs_profile:
-        profile, _ = load_or_measure(model, drafter, progress=progress, compiled=config.model.compile,
-                                     graphs=uses_graphs(model.device, config.model.enforce_eager))
+        profile, _ = load_or_measure(model, drafter, progress=progress, options=ExecutorOptions.of(
+            config.model, config.scheduler.max_num_batched_tokens))
     guards = GuardConfig(kv_threshold=pc.guard_kv_usage, temperature_threshold=pc.guard_temperature,
                          gamma_max=gamma_max)
     several = tuple(drafter.members) if len(drafter.members) > 1 else ()

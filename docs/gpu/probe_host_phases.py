@@ -17,6 +17,7 @@ from tidespec.bench.decode import run_wave
 from tidespec.bench.shapes import SHAPES, random_model, synthetic_tokenizer
 from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from tidespec.engine import engine as engmod
+from tidespec.engine.observer import Hooks
 from tidespec.llm import build_engine
 from tidespec.sampling import SamplingParams
 from tidespec.workloads.loader import Prompt, WorkloadRecord
@@ -53,7 +54,7 @@ for name, spec in (("plain", SpecConfig()), ("suffix5", SpecConfig(drafter="suff
     print(f"== {name}: built in {time.perf_counter() - t0:.1f}s", flush=True)
     p = SamplingParams(max_tokens=128, ignore_eos=True)
     run_wave(e, prompts, [0], p)
-    g = e.runner.graphs if cuda else None
+    g = e.executor.graphs if cuda else None
     if g is not None:
         for key in sorted(g.graphs):
             if key[2] != 256:
@@ -83,9 +84,9 @@ for name, spec in (("plain", SpecConfig()), ("suffix5", SpecConfig(drafter="suff
             acc["emit"] += time.perf_counter() - t
     engmod.emit = emit
     tot, toks, prefill = [], [], []
-    e.step_listeners.append(lambda s, tot=tot, toks=toks, prefill=prefill: (
+    e.add_observer(Hooks(step_end=lambda s, tot=tot, toks=toks, prefill=prefill: (
         tot.append(s.total_time), toks.append(s.num_emitted_tokens),
-        prefill.append(s.verify_time) if s.num_prefill_tokens else None))
+        prefill.append(s.verify_time) if s.num_prefill_tokens else None)))
     t = time.perf_counter()
     for i in range(1, 4):
         run_wave(e, prompts, [i], p)

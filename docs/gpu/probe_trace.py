@@ -25,7 +25,7 @@ prompts = [Prompt(WorkloadRecord(f"r{i}", "random", "completion", ""), (base * 6
 for name, spec in (("plain", SpecConfig()), ("suffix5", SpecConfig(drafter="suffix", num_speculative_tokens=5))):
     e = build_engine(EngineConfig(model=mc, cache=CacheConfig(max_model_len=512, max_num_seqs=1), spec=spec), model, tok)
     run_wave(e, prompts, [0], SamplingParams(max_tokens=64, ignore_eos=True))
-    g = e.runner.graphs
+    g = e.executor.graphs
     for q in ((1,) if name == "plain" else (1, 6)):
         o = g(list(range(5, 5 + q)), [q], [150], [0])  # real inputs, then replay that graph
         gr = g.graphs[(1, q, 256)].graph

@@ -71,7 +71,7 @@ def _generate(model, spec: SpecConfig, graphs: bool = True) -> list[list[int]]:
     ids = [engine.add_request(p, params) for p in PROMPTS]
     done = run_to_completion(engine)
     if graphs:
-        assert engine.runner.graphs is not None and engine.runner.graphs.num_replayed > 0
+        assert engine.executor.graphs is not None and engine.executor.graphs.num_replayed > 0
     return [done[i].token_ids for i in ids]
 
 

@@ -9,6 +9,7 @@ from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, ConfigError, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine import engine as engine_module
 from tidespec.engine.engine import LLMEngine, RequestError
+from tidespec.engine.observer import Hooks
 from tidespec.engine.scheduler import QueueFullError
 from tidespec.engine.sequence import Sequence
 from tidespec.models.kv_cache import KVCache
@@ -308,7 +309,7 @@ def test_a_component_failing_after_commit_does_not_lose_a_finished_request(caplo
             def listener(seq: Sequence) -> None:
                 if seq.request_id == "a":
                     raise RuntimeError("listener broke")
-            e.finish_listeners.append(listener)
+            e.add_observer(Hooks(finish=listener))
         e.add_request([3, 4, 5], SamplingParams(max_tokens=3, ignore_eos=True), request_id="a")
         e.add_request([7, 8], SamplingParams(max_tokens=6, ignore_eos=True), request_id="b")
         tokens: dict[str, list[int]] = {"a": [], "b": []}
@@ -326,7 +327,7 @@ def test_a_component_failing_after_commit_does_not_lose_a_finished_request(caplo
 
     with caplog.at_level("ERROR", logger="tidespec.engine.engine"):
         assert run(flaky=True) == run(flaky=False)
-    assert "drafter observe failed" in caplog.text and "finish listener failed" in caplog.text
+    assert "drafter observe failed" in caplog.text and "finish observer failed" in caplog.text
 
 
 def test_a_drafter_failing_in_propose_costs_its_drafts_not_the_requests(caplog, monkeypatch) -> None:
@@ -358,7 +359,7 @@ def test_a_drafter_failing_in_propose_costs_its_drafts_not_the_requests(caplog, 
         e = LLMEngine(model, tok, EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=2), spec=spec),
                       drafter=drafter)
         steps: list[StepStats] = []
-        e.step_listeners.append(steps.append)
+        e.add_observer(Hooks(step_end=steps.append))
         ids = [e.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
         done = run_to_completion(e)
         return [done[i].token_ids for i in ids], e, steps

@@ -12,6 +12,7 @@ from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.exactness import ExactnessChecker
+from tidespec.engine.observer import Hooks
 from tidespec.engine.sequence import Sequence
 from tidespec.sampling import SamplingParams
 from tidespec.server.app import ServerConfig, create_app
@@ -55,7 +56,7 @@ def test_an_injected_difference_is_reported_with_its_position_and_gap() -> None:
     def corrupt(seq: Sequence) -> None:  # registered before the checker: it sees the changed output
         if seq.request_id == "r1":
             seq.output_ids[4] = (seq.output_ids[4] + 1) % V
-    engine.finish_listeners.append(corrupt)
+    engine.add_observer(Hooks(finish=corrupt))
     seen: list[str] = []
     checker = ExactnessChecker(engine, rate=1.0, on_result=lambda result, _: seen.append(result))
     _serve(engine, SamplingParams(max_tokens=12, ignore_eos=True))
@@ -100,7 +101,7 @@ def test_served_requests_are_checked_in_idle_time_and_counted_in_metrics() -> No
             seq.output_ids[2] = (seq.output_ids[2] + 1) % V
             corrupt.done = True
     corrupt.done = False
-    engine.finish_listeners.append(corrupt)
+    engine.add_observer(Hooks(finish=corrupt))
     with TestClient(create_app(engine, ServerConfig(served_model_name="tiny", exactness_check=1.0))) as client:
         assert 'tidespec:exactness_checks_total{result="mismatch"} 0.0' in client.get("/metrics").text
         for _ in range(2):

@@ -120,7 +120,7 @@ def test_engine_with_compile_gives_the_eager_text_and_compiles_nothing_after_war
     graphs = counters["stats"]["unique_graphs"]
     assert _greedy(engine) == plain
     assert counters["stats"]["unique_graphs"] == graphs  # the warm-up compiled every shape class
-    step = engine.runner.compiled
+    step = engine.executor.compiled
     assert step is not None and step.num_compiled > 0 and engine.compile_seconds > 0
 
 
@@ -134,7 +134,7 @@ def test_a_sequence_that_fills_its_context_compiles_nothing_new() -> None:
     engine.add_request(prompt, SamplingParams(max_tokens=128 - len(prompt), ignore_eos=True), request_id="full")
     out = run_to_completion(engine)["full"]
     assert len(prompt) + len(out.token_ids) == 128
-    step = engine.runner.compiled
+    step = engine.executor.compiled
     assert step is not None and step.num_declined == 0
     assert counters["stats"]["unique_graphs"] == graphs
 
@@ -153,5 +153,5 @@ def test_embedded_float32_compiled_greedy_equals_eager(embedded) -> None:
         done = run_to_completion(engine)
         texts.append([done[f"p{i}"].token_ids for i in range(len(prompts))])
         if compile_:
-            assert engine.runner.compiled is not None and engine.runner.compiled.num_compiled >= 47 * len(prompts)
+            assert engine.executor.compiled is not None and engine.executor.compiled.num_compiled >= 47 * len(prompts)
     assert texts[0] == texts[1]

@@ -14,6 +14,7 @@ from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
+from tidespec.models import executor as executor_module
 from tidespec.models.graphs import GraphStep, batch_buckets, block_rows, key_buckets
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
@@ -144,10 +145,10 @@ def test_engine_over_the_static_block_is_lossless(monkeypatch, drafter, tree):
     spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, tree=tree,
                       draft_model=DraftModelConfig(layers=1, tree_top_k=2))
     plain, _ = _generate(model, SpecConfig())
-    monkeypatch.setattr(LLMEngine, "_wants_graphs", lambda self: True)
+    monkeypatch.setattr(executor_module, "uses_graphs", lambda device, enforce_eager: True)  # as on a GPU
     got, engine = _generate(model, spec)
     assert got == plain
-    graphs = engine.runner.graphs
+    graphs = engine.executor.graphs
     # every forward without a tree went through the block, the prompts' prefills included
     assert graphs is not None and graphs.num_replayed > 0 and graphs.num_declined == 0
 

@@ -65,7 +65,7 @@ def test_governor_hand_traced_on_a_fake_clock() -> None:
     timeline = []
     for k in range(40):  # 4 s of steps every 0.1 s, starting at t = 100.0 (a period boundary)
         clock.now = 100.0 + 0.1 * k
-        gov.on_step(StepStats())
+        gov.on_step_end(StepStats())
         gov.tick()
         timeline.append(gov.should_run(clock.now))
     assert timeline == ([True] * 2 + [False] * 18) * 2
@@ -78,13 +78,13 @@ def test_governor_hand_traced_on_a_fake_clock() -> None:
     long = TrainingGovernor(Switch(), GovernorConfig(share=0.0, idle_s=0.3), clock)
     long.on_step_start()
     assert not long.should_run(clock.now + 2.0)  # a step (a long prefill) still running is busy
-    long.on_step()
+    long.on_step_end()
     assert long.should_run(clock.now + 0.31)
     never = TrainingGovernor(Switch(), GovernorConfig(share=0.0), clock)
-    never.on_step(StepStats())
+    never.on_step_end(StepStats())
     assert not never.should_run(clock.now) and never.should_run(clock.now + 1.0)
     always = TrainingGovernor(Switch(), GovernorConfig(share=1.0), clock)
-    always.on_step(StepStats())
+    always.on_step_end(StepStats())
     assert always.should_run(clock.now)
     for bad in (-0.1, 1.5):
         with pytest.raises(ConfigError):

@@ -16,6 +16,7 @@ import torch
 from tests.helpers import SlowStore, tiny_llama
 from tidespec.config import CacheConfig, CollectionConfig, Eagle3Options, EngineConfig, OnlineTrainingConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
+from tidespec.engine.observer import Hooks
 from tidespec.models.eagle3_checkpoint import (
     CONFIG_NAME,
     LATEST_NAME,
@@ -160,7 +161,6 @@ def test_no_capture_while_collection_is_off(model: LlamaModel, tok) -> None:
     selective = SelectiveCollector(CollectionConfig(n_init=1))  # off until a shift is detected
     collector = SignalCollector(engine, buf, selective)
     collector.hook_into(engine)
-    engine.finish_listeners.append(collector.on_finish)
     run(engine, PROMPTS[:2])
     assert buf.num_captured == 0 and collector.num_skipped_rows > 0
     assert selective.state()["num_requests"] == 2  # both requests drafted and fed their acceptance
@@ -174,7 +174,7 @@ def test_capture_never_blocks_the_engine_with_a_slow_store(model: LlamaModel, to
             buf = CaptureBuffer(SlowStore(tmp_path / "sig", 1 << 30), 48, 16, taps_dim=3 * model.cfg.hidden_size)
             SignalCollector(engine, buf, SelectiveCollector(CollectionConfig(force=True))).hook_into(engine)
         times: list[float] = []
-        engine.step_listeners.append(lambda s: times.append(s.total_time))
+        engine.add_observer(Hooks(step_end=lambda s: times.append(s.total_time)))
         run(engine, PROMPTS * 2)
         return times, buf
 

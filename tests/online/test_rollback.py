@@ -34,24 +34,24 @@ def test_served_check_hand_traced() -> None:
     served speedup at batch 1 falls (eq. 5), so: roll back; a new version as good as the old: keep."""
     check = ServedCheck(PROFILE, RollbackConfig(min_drafts=64, history=512, margin=0.02, gamma_max=4))
     for _ in range(200):
-        check.on_step(_step([(4, 4, 1)]))  # a rejection after 1 accepted
+        check.on_step_end(_step([(4, 4, 1)]))  # a rejection after 1 accepted
     for _ in range(25):
-        check.on_step(_step([(4, 4, 4)]))
-    check.on_step(_step([(4, 0, 0)]))  # no draft: not counted
+        check.on_step_end(_step([(4, 4, 4)]))
+    check.on_step_end(_step([(4, 0, 0)]))  # no draft: not counted
     assert check.verdict() is None  # nothing swapped yet
     check.swapped(1, {}, Eagle3Config.for_target(tiny_target().cfg))
     for _ in range(50):
-        check.on_step(_step([(4, 2, 1)]))
+        check.on_step_end(_step([(4, 2, 1)]))
     assert check.verdict() is None  # 50 < min_drafts
     for _ in range(14):
-        check.on_step(_step([(4, 1, 0)]))
+        check.on_step_end(_step([(4, 1, 0)]))
     assert check.previous is not None
     assert check.previous.record.alpha() == pytest.approx(0.6) and check.current.alpha() == pytest.approx(50 / 114)
     assert check.verdict() == "rollback" and "vs" in str(check.last_verdict)
     assert check.served_speedup(check.current) < check.served_speedup(check.previous.record)
     check.current.drafts.clear()
     for _ in range(64):
-        check.on_step(_step([(4, 4, 1)] * 4 + [(4, 4, 4)]))
+        check.on_step_end(_step([(4, 4, 1)] * 4 + [(4, 4, 4)]))
     assert check.verdict() == "keep"
 
 
@@ -78,8 +78,8 @@ def test_a_worse_published_version_is_swapped_back_out(tmp_path: Path) -> None:
     engine = LLMEngine(target, tiny_tokenizer(64), cfg, drafter=drafter)
     check = ServedCheck(None, RollbackConfig(min_drafts=24, history=128, gamma_max=3))
     updater = DrafterUpdater(drafter, root, target.cfg, check=check)
-    engine.step_listeners.append(check.on_step)
-    engine.between_steps.append(updater.between_steps)
+    engine.add_observer(check)
+    engine.add_observer(updater)
     versions: list[int] = []
     outputs: list[list[int]] = []
     plain = LLMEngine(target, tiny_tokenizer(64), EngineConfig(cache=CacheConfig(max_model_len=64, max_num_seqs=1)))

@@ -110,9 +110,9 @@ def test_series_per_drafter_outcomes_and_bounded_ring() -> None:
 
 
 def test_metrics_feed_the_series() -> None:
-    """One data source: ``Metrics.on_step`` / ``on_request_finished`` fill ``Metrics.series``."""
+    """One data source: ``Metrics.on_step_end`` / ``on_request_finished`` fill ``Metrics.series``."""
     m = Metrics()
-    m.on_step(StepStats(num_decode_seqs=1, num_emitted_tokens=3, total_time=0.1, num_drafts=1,
+    m.on_step_end(StepStats(num_decode_seqs=1, num_emitted_tokens=3, total_time=0.1, num_drafts=1,
                         num_draft_tokens=2, num_accepted_tokens=2, spec_lens={0: 2}))
     assert m.series._open is not None and m.series._open.emitted == 3
     assert m.series._open.drafters == {"drafter": [1, 2]}

@@ -38,10 +38,10 @@ def _output(n_out: int, reason: str, stats: RequestStats) -> RequestOutput:
 
 def test_on_step_hand_traced() -> None:
     m = Metrics()
-    m.on_step(StepStats(num_drafts=2, num_draft_tokens=8, num_accepted_tokens=5, accepted_per_pos=[2, 2, 1],
+    m.on_step_end(StepStats(num_drafts=2, num_draft_tokens=8, num_accepted_tokens=5, accepted_per_pos=[2, 2, 1],
                         spec_lens={0: 4, 1: 4, 2: 0}, num_prefill_tokens=11, num_emitted_tokens=7,
                         num_running=3, num_waiting=1, kv_usage=0.75))
-    m.on_step(StepStats(num_drafts=1, num_draft_tokens=4, num_accepted_tokens=1, accepted_per_pos=[1],
+    m.on_step_end(StepStats(num_drafts=1, num_draft_tokens=4, num_accepted_tokens=1, accepted_per_pos=[1],
                         spec_lens={0: 2}, num_emitted_tokens=2, num_running=1, kv_usage=0.25, num_draft_errors=3))
     assert _value(m, "tidespec:spec_decode_num_drafts_total") == 3
     assert _value(m, "tidespec:spec_decode_draft_errors_total") == 3
@@ -61,9 +61,9 @@ def test_on_step_hand_traced() -> None:
 
 def test_current_spec_is_mean_of_last_step() -> None:
     m = Metrics()
-    m.on_step(StepStats(spec_lens={0: 4, 1: 4, 2: 0}))
+    m.on_step_end(StepStats(spec_lens={0: 4, 1: 4, 2: 0}))
     assert _value(m, "tidespec:spec_decode_current_num_speculative_tokens") == pytest.approx(8 / 3)
-    m.on_step(StepStats())
+    m.on_step_end(StepStats())
     assert _value(m, "tidespec:spec_decode_current_num_speculative_tokens") == 0.0
 
 
@@ -99,7 +99,7 @@ def test_on_request_finished_latencies_and_routes() -> None:
 
 def test_registries_are_independent() -> None:
     a, b = Metrics(), Metrics()
-    a.on_step(StepStats(num_drafts=1))
+    a.on_step_end(StepStats(num_drafts=1))
     assert _value(a, "tidespec:spec_decode_num_drafts_total") == 1
     assert _value(b, "tidespec:spec_decode_num_drafts_total") == 0
 
@@ -161,9 +161,9 @@ def test_policy_metrics_hand_traced() -> None:
     m.attach_policy(StaticPolicy(3), profile)
     step = dict(num_decode_seqs=4, batch_size=4, spec_lens={i: 3 for i in range(4)}, num_emitted_tokens=8,
                 total_time=0.2, num_drafts=4, num_draft_tokens=12, num_accepted_tokens=4)
-    m.on_step(StepStats(**step))
-    m.on_step(StepStats(**step))
-    m.on_step(StepStats(**{**step, "num_prefill_tokens": 30, "total_time": 5.0}))
+    m.on_step_end(StepStats(**step))
+    m.on_step_end(StepStats(**step))
+    m.on_step_end(StepStats(**{**step, "num_prefill_tokens": 30, "total_time": 5.0}))
     m.render()
     assert _value(m, "tidespec:spec_policy_info", policy="static") == 1
     assert _value(m, "tidespec:spec_policy_gamma", bucket="4") == 3
@@ -175,7 +175,7 @@ def test_policy_metrics_hand_traced() -> None:
 
 def test_no_policy_no_policy_metrics() -> None:
     m = Metrics()
-    m.on_step(StepStats(num_decode_seqs=1, batch_size=1, spec_lens={0: 2}, num_emitted_tokens=2, total_time=0.1))
+    m.on_step_end(StepStats(num_decode_seqs=1, batch_size=1, spec_lens={0: 2}, num_emitted_tokens=2, total_time=0.1))
     text = m.render().decode()
     assert "spec_policy_gamma{" not in text and "spec_policy_measured_speedup{" not in text
 
@@ -186,10 +186,10 @@ def test_decode_step_breakdown_counted_without_policy() -> None:
     m = Metrics()
     step = dict(num_decode_seqs=3, batch_size=3, num_emitted_tokens=5, num_draft_tokens=6, total_time=0.3,
                 verify_time=0.2, draft_time=0.04, other_time=0.06)
-    m.on_step(StepStats(**step))
-    m.on_step(StepStats(**step))
-    m.on_step(StepStats(**{**step, "num_decode_seqs": 1, "num_emitted_tokens": 1, "num_draft_tokens": 0}))
-    m.on_step(StepStats(**{**step, "num_prefill_tokens": 30, "total_time": 5.0}))
+    m.on_step_end(StepStats(**step))
+    m.on_step_end(StepStats(**step))
+    m.on_step_end(StepStats(**{**step, "num_decode_seqs": 1, "num_emitted_tokens": 1, "num_draft_tokens": 0}))
+    m.on_step_end(StepStats(**{**step, "num_prefill_tokens": 30, "total_time": 5.0}))
     assert _value(m, "tidespec:decode_steps_total", bucket="4") == 2
     assert _value(m, "tidespec:decode_step_seqs_total", bucket="4") == 6
     assert _value(m, "tidespec:decode_step_seconds_total", bucket="4", part="total") == pytest.approx(0.6)
@@ -279,7 +279,7 @@ def test_server_shutdown_stops_the_draft_vocabulary_worker() -> None:
 def test_per_drafter_counters_hand_traced() -> None:
     """The docstring's example: suffix and eagle3 under one controller, a third sequence at gamma 0."""
     m = Metrics()
-    m.on_step(StepStats(num_decode_seqs=3, spec_lens={1: 3, 2: 4, 3: 0}, seq_drafters={1: "suffix", 2: "eagle3"},
+    m.on_step_end(StepStats(num_decode_seqs=3, spec_lens={1: 3, 2: 4, 3: 0}, seq_drafters={1: "suffix", 2: "eagle3"},
                         drafter_outcomes={"suffix": [(3, 3, 2)], "eagle3": [(4, 4, 1)]}))
     drafts, tokens, accepted, choices = ("tidespec:spec_decode_drafter_num_drafts_total",
                                          "tidespec:spec_decode_drafter_num_draft_tokens_total",
@@ -290,5 +290,5 @@ def test_per_drafter_counters_hand_traced() -> None:
         for drafter, value in want.items():
             assert _value(m, name, drafter=drafter) == value, (name, drafter)
     m.series.default_drafter = "ngram"  # a single drafter: named "" in the step's stats
-    m.on_step(StepStats(num_decode_seqs=1, spec_lens={1: 2}, drafter_outcomes={"": [(2, 2, 2)]}))
+    m.on_step_end(StepStats(num_decode_seqs=1, spec_lens={1: 2}, drafter_outcomes={"": [(2, 2, 2)]}))
     assert _value(m, accepted, drafter="ngram") == 2 and _value(m, choices, drafter="ngram") == 1

@@ -31,6 +31,7 @@ from tests.server.test_reliability import POISON, _disconnect, _innocent, _poiso
 from tidespec.bench.serve import free_port, launch_server, stop_server
 from tidespec.config import CacheConfig, ConfigError, EngineConfig
 from tidespec.engine.engine import LLMEngine
+from tidespec.engine.observer import Hooks
 from tidespec.server.app import IGNORED_FIELDS_HEADER, ServerConfig, create_app
 from tidespec.server.guard import Admission, MemoryTrimmer
 from tidespec.server.loading import DeferredApp
@@ -94,7 +95,7 @@ def test_sigterm_drains_running_requests_and_refuses_new_ones() -> None:
     non-streaming request finish normally, a request outlasting the grace ends with a 503 / an
     error event naming the shutdown."""
     engine = tiny_engine()
-    engine.between_steps.append(lambda _e: time.sleep(0.02))
+    engine.add_observer(Hooks(step_start=lambda _e: time.sleep(0.02)))
     s = LiveServer(create_app(engine, ServerConfig(served_model_name=MODEL)), grace_s=2.5)
     short = {"model": MODEL, "prompt": "t5 t6", "max_tokens": 30, "ignore_eos": True}
     long = {"model": MODEL, "prompt": "t7 t6", "max_tokens": 150, "ignore_eos": True}

@@ -30,6 +30,7 @@ from tidespec.bench import serve as bench_serve
 from tidespec.bench.serve import arrival_times, check_loopback, load_rate_trace
 from tidespec.config import CacheConfig, ConfigError, EngineConfig
 from tidespec.engine.engine import LLMEngine
+from tidespec.engine.observer import Hooks
 from tidespec.llm import build_engine
 from tidespec.models.loader import LoadedModel
 from tidespec.server.app import ServerConfig, create_app
@@ -274,8 +275,9 @@ def _slow_steps(srv: LiveServer, seconds: float) -> Callable[[], None]:
     """Make every engine step take at least ``seconds`` (a step listener); returns the undo."""
     def sleep(_stats: object) -> None:
         time.sleep(seconds)
-    srv.aengine.call(lambda e: e.step_listeners.append(sleep)).result(10)
-    return lambda: srv.aengine.call(lambda e: e.step_listeners.remove(sleep)).result(10)
+    observer = Hooks(step_end=sleep)
+    srv.aengine.call(lambda e: e.add_observer(observer)).result(10)
+    return lambda: srv.aengine.call(lambda e: e.remove_observer(observer)).result(10)
 
 
 def _abort_count(srv: LiveServer) -> float:
@@ -455,7 +457,7 @@ def test_shutdown_ends_a_stream_still_running_with_an_error_event() -> None:
     [DONE] (it used to be cut mid-body, no error, a traceback in the log); a request that finishes
     within the grace period completes normally."""
     engine = tiny_engine()
-    engine.between_steps.append(lambda _e: time.sleep(0.03))  # ~30 tokens/s: 150 tokens outlast the grace
+    engine.add_observer(Hooks(step_start=lambda _e: time.sleep(0.03)))  # ~30 tokens/s: 150 tokens outlast the grace
     server = LiveServer(create_app(engine, ServerConfig(served_model_name=MODEL)), grace_s=0.5)
     with server as s:
         lines: list[str] = []

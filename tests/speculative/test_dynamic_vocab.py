@@ -13,6 +13,7 @@ import torch
 from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, DraftModelConfig, DraftVocabConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
+from tidespec.engine.observer import Hooks
 from tidespec.errors import ConfigError
 from tidespec.llm import attach_draft_vocab
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head, fit_row_map, init_from_target
@@ -281,7 +282,7 @@ def _generate(target: LlamaModel, drafter: Eagle3Drafter | DraftModelDrafter | N
         engine = LLMEngine(target, tiny_tokenizer(V), EngineConfig(
             cache=CacheConfig(max_model_len=96, max_num_seqs=slots), spec=spec), drafter=drafter)
         for hook in between_steps or []:
-            engine.between_steps.append(hook)
+            engine.add_observer(Hooks(step_start=hook))
         params = SamplingParams(max_tokens=24, ignore_eos=True)
         ids = [engine.add_request(p, params) for p in PROMPTS[start:start + slots]]
         done = run_to_completion(engine)

@@ -9,6 +9,7 @@ import torch
 from tests.helpers import ScriptedPolicy, capture, run_to_completion, switching_drafters, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, ConfigError, DraftModelConfig, EngineConfig, PolicyConfig, SpecConfig
 from tidespec.engine.engine import TAP_LINGER_STEPS, LLMEngine
+from tidespec.engine.observer import Hooks
 from tidespec.llm import build_drafter, build_policy
 from tidespec.models.eagle3_checkpoint import fresh_head
 from tidespec.sampling import SamplingParams
@@ -275,7 +276,7 @@ def test_every_drafter_choosing_policy_keeps_greedy_outputs(model, tok, name: st
     cfg = EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=4), spec=spec)
     e = LLMEngine(model, tok, cfg, drafter=drafter, policy=policy)
     seen: list[StepStats] = []
-    e.step_listeners.append(seen.append)
+    e.add_observer(Hooks(step_end=seen.append))
     assert outputs(e, PROMPTS, max_tokens=40) == plain
     assert {n for s in seen for n in s.seq_drafters.values()} >= {"suffix"}
 

@@ -15,7 +15,7 @@ came 5: the draft is [6, 9, 5].
 
 from __future__ import annotations
 
-from tidespec.speculative.api import DraftInput, DrafterBase, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.registry import BuildContext, DrafterKind
 
 

@@ -44,11 +44,11 @@ from tidespec.models.compiled import KV_MARGIN, CompiledStep
 from tidespec.models.graphs import GraphStep, uses_graphs
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.linear import untuned
-from tidespec.models.llama import LlamaModel
+from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.models.loader import LoadedModel
 from tidespec.models.quant import quantization_of
+from tidespec.speculative.policy.profiler import Forward, time_forward
 from tidespec.speculative.policy.profiler import sync_device as _sync
-from tidespec.speculative.policy.profiler import time_forward
 
 
 @dataclass
@@ -148,23 +148,40 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | LlamaModel | str | Non
         step = CompiledStep(model, kv)
         step.warm_up(max(cfg.ns))
         compile_s = time.perf_counter() - t0
+    def eager(tokens: list[int], q_lens: list[int], ctx_lens: list[int], slots: list[int]) -> object:
+        layout = BatchLayout.build(q_lens=q_lens, ctx_lens=ctx_lens, slots=slots, device=model.device)
+        return model(torch.tensor(tokens, device=model.device), layout, kv, logits_rows=None)
+
+    def stepped(tokens: list[int], q_lens: list[int], ctx_lens: list[int], slots: list[int]) -> object:
+        """The compiled step or the CUDA graphs where they take the shape, else eager."""
+        if isinstance(step, GraphStep):
+            out = step(tokens, q_lens, ctx_lens, slots)
+        else:
+            layout = BatchLayout.build(q_lens=q_lens, ctx_lens=ctx_lens, slots=slots, device=model.device)
+            out = step(torch.tensor(tokens, device=model.device), layout) if step is not None else None
+        return out if out is not None else eager(tokens, q_lens, ctx_lens, slots)
+
+    def timed(forward: Forward, b: int, n: int) -> tuple[float, int]:
+        return time_forward(forward, model.device, model.cfg.vocab_size, b, n, cfg.context, cfg.repeats,
+                            cfg.target_s, gen)
+
     rows: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     for b in cfg.batch_sizes:
         t1 = c1 = None
         for n in sorted(cfg.ns):
-            t, reps = time_forward(model, kv, b, n, cfg.context, cfg.repeats, cfg.target_s, gen)
+            t, reps = timed(eager, b, n)
             t1 = t if n == min(cfg.ns) else t1
             row = {"batch_size": b, "n": n, "t_ms": t * 1e3, "repeats": reps,
                    "ratio_to_n1": t / t1 if t1 else float("nan"), "tokens_per_s": b * n / t}
             if step is not None:
-                c, _ = time_forward(model, kv, b, n, cfg.context, cfg.repeats, cfg.target_s, gen, step=step)
+                c, _ = timed(stepped, b, n)
                 c1 = c if n == min(cfg.ns) else c1
                 row.update(t_compiled_ms=c * 1e3, compiled_ratio_to_n1=c / c1 if c1 else float("nan"),
                            compiled_speedup=t / c)
             if cfg.compare_untuned:
                 with untuned(model):
-                    u, _ = time_forward(model, kv, b, n, cfg.context, cfg.repeats, cfg.target_s, gen)
+                    u, _ = timed(eager, b, n)
                 row.update(t_untuned_ms=u * 1e3, kernel_speedup=u / t)
             rows.append(row)
     grid_s = time.perf_counter() - t_start

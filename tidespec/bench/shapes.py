@@ -136,7 +136,7 @@ def run_anchor_bench(cfg: AnchorBenchConfig, model_config: ModelConfig, out_dir:
                 ours[b].append(engine_decode_speed(engines[b], b, cfg.prompt_len, cfg.max_tokens, gen))
                 theirs[b].append(anchors[b].decode_speed(cfg.prompt_len, cfg.max_tokens))
         for b in cfg.batch_sizes:
-            graphs = engines[b].runner.graphs
+            graphs = engines[b].executor.graphs
             row = {"shape": shape, "params": params, "batch": b, "tidespec_tok_s": statistics.median(ours[b]),
                    "anchor_tok_s": statistics.median(theirs[b]), "tidespec_runs": ours[b], "anchor_runs": theirs[b],
                    "engine_setup_s": setup[b], "graphs": len(graphs.graphs) if graphs is not None else 0,

@@ -39,6 +39,7 @@ from tidespec.config import (
     SpecConfig,
 )
 from tidespec.engine.engine import LLMEngine
+from tidespec.engine.observer import Hooks
 from tidespec.llm import build_engine, draft_vocab_of
 from tidespec.models.eagle3_checkpoint import head_from_published, load_drafter_source, publish
 from tidespec.models.eagle3_lora import LORA_DIR
@@ -110,12 +111,13 @@ class TraceLoop:
         def on_step(st: StepStats) -> None:
             self.run.steps.append({"t": clock(), "emitted": st.num_emitted_tokens, "drafts": st.num_drafts,
                                    "accepted": st.num_accepted_tokens,
-                                   "version": float(engine.drafter.version if engine.drafter is not None else 0), "batch": st.batch_size,
+                                   "version": float(engine.drafter.version if engine.drafter is not None else 0),
+                                   "batch": st.batch_size,
                                    "by_drafter": {n: sum(1 for _, d, _ in o if d)
                                                   for n, o in st.drafter_outcomes.items()},
                                    "taps": st.taps, "draft_s": st.draft_time, "draft_tokens": st.num_draft_tokens})
 
-        engine.step_listeners.append(on_step)
+        observer = engine.add_observer(Hooks(step_end=on_step))
         try:
             while (self.pending and self.pending[0][0] < end) or engine.has_unfinished_requests():
                 while self.pending and self.pending[0][0] < end and len(self.live) < self.concurrency:
@@ -126,7 +128,7 @@ class TraceLoop:
                     if out.finished:
                         self._finished(out.request_id, out.token_ids, out.stats, clock())
         finally:
-            engine.step_listeners.remove(on_step)
+            engine.remove_observer(observer)
             self.elapsed = clock()
             self.run.turns.append((t_turn, time.perf_counter()))
 

@@ -11,9 +11,12 @@ The step reads top to bottom (docs/architecture.md)::
     fwd      = runner.forward(batch, proposal) # ONE target forward: [last]+drafts, prefill chunks
     verify + commit the whole batch            # accepted path + bonus/recovered; KV kept or rolled back
     emit                                       # stop checks, detokenization, RequestOutput
-    drafter.observe(...), observation consumers
-    finish                                     # free slots, drafter.release, finish listeners
-    StepStats -> policy.observe, history, step listeners
+    drafter.observe(...), observers' on_observations
+    finish                                     # free slots, drafter.release, observers' on_finish
+    StepStats -> policy.observe, history, observers' on_step_end
+
+Code outside the engine follows the steps as an ``EngineObserver`` (``engine/observer.py``),
+registered with ``add_observer``.
 
 Worked example (``tidespec.llm.build_engine`` wires model, drafter and policy from a config)::
 
@@ -31,22 +34,20 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from tidespec.config import EngineConfig
 from tidespec.engine.detok import IncrementalDetokenizer
+from tidespec.engine.observer import EngineObserver
 from tidespec.engine.output import RequestOutput, emit
 from tidespec.engine.runner import ForwardOutput, ModelRunner, Row
 from tidespec.engine.scheduler import PrefillChunk, Scheduler
 from tidespec.engine.sequence import Sequence
 from tidespec.errors import UserError
-from tidespec.models.compiled import KV_MARGIN, CompiledStep, inductor_cache_dir
-from tidespec.models.graphs import GraphStep, uses_graphs
-from tidespec.models.invariance import InvarianceReport, clear_row_invariance, make_row_invariant
-from tidespec.models.kernels import exact_attention_error
-from tidespec.models.kv_cache import KVCache
+from tidespec.models.executor import ExecutorOptions, ForwardExecutor
 from tidespec.models.llama import LlamaModel
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
 from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observation, SeqDraft
@@ -55,6 +56,8 @@ from tidespec.speculative.verify import VerifyResult, verify_greedy, verify_samp
 from tidespec.stats import StepStats, add_per_position
 
 log = logging.getLogger(__name__)
+
+ObserverT = TypeVar("ObserverT", bound=EngineObserver)
 
 # Steps a drafter that reads the target's taps keeps getting them after it last drafted: a policy
 # probing every few steps keeps it warm, one that parked it for longer gets plain decoding's work
@@ -95,18 +98,15 @@ class LLMEngine:
         self.device = model.device
         cc = config.cache
         self.max_model_len = min(cc.max_model_len, model.cfg.max_position_embeddings)
-        graphs = self._wants_graphs()
-        # the compiled CPU step never reads a slot's full length
-        margin = KV_MARGIN if config.model.compile and not graphs else 0
-        exact = self.device.type == "cpu" and config.model.row_invariant and exact_attention_error() is None
-        self.kv = KVCache.for_model(model.cfg, cc.max_num_seqs, self.max_model_len + margin, model.dtype, self.device,
-                                    spare_slot=graphs, transposed_keys=exact, overcommit=cc.kv_overcommit)
-        self.invariance = self._row_invariance()
-        self.compile_seconds = 0.0  # warm-up of the compiled decode step (--compile) or capture of the CUDA graphs
-        if graphs:
-            self.runner = ModelRunner(model, self.kv, graphs=self._graph_step())
-        else:
-            self.runner = ModelRunner(model, self.kv, self._compiled_step() if config.model.compile else None)
+        gamma = config.spec.num_speculative_tokens if drafter is not None else 0
+        # how forwards run (graphs, compiled, eager) over which KV cache: shared with the profiler
+        self.executor = ForwardExecutor(model, ExecutorOptions.of(config.model, config.scheduler.max_num_batched_tokens),
+                                        cc.max_num_seqs, self.max_model_len, self._tap_layers(), 1 + gamma,
+                                        overcommit=cc.kv_overcommit)
+        self.kv = self.executor.kv
+        self.invariance = self.executor.invariance
+        self.compile_seconds = self.executor.warm_up_seconds  # compiling the decode step or capturing the graphs
+        self.runner = ModelRunner(self.executor)
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_batched_tokens, config.scheduler.max_waiting)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -116,70 +116,14 @@ class LLMEngine:
         self.draft_errors = 0  # steps whose drafter raised in propose (logged; those sequences decoded plainly)
         self.last_stats = StepStats()
         self.history: deque[StepStats] = deque(maxlen=4096)
-        self.step_listeners: list[Callable[[StepStats], None]] = []
-        # called with the step's observations (final tokens + target taps) after the drafter saw
-        # them; training-signal capture hooks in here. Must return quickly (copy, never block).
-        self.observation_consumers: list[Callable[[list[Observation]], None]] = []
-        # called at the start of every step, between steps: the place to swap in a new drafter
-        # version that a background thread already loaded. Must return quickly.
-        self.between_steps: list[Callable[["LLMEngine"], None]] = []
-        # called with each sequence that finished (stopped, hit a limit, or was aborted), after its
-        # slot was freed; e.g. selective collection reads the request's acceptance here.
-        self.finish_listeners: list[Callable[[Sequence], None]] = []
+        self.observers: list[EngineObserver] = []  # add_observer / remove_observer; called in this order
         eos = list(model.cfg.eos_token_ids)
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
             eos.append(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
         self.gamma_max = config.spec.num_speculative_tokens if drafter is not None else 0
         self.use_tree = config.spec.tree
-        # asked each step whether something other than drafting needs the taps (online training's
-        # signal capture while it collects); must return quickly
-        self.tap_demand: list[Callable[[], bool]] = []
-        # observation consumers that want the target's final hidden states with the taps (online
-        # LoRA alignment stores them to recover the target's top-k); fixed once serving starts
-        self.hidden_demand: list[Callable[[], bool]] = []
         self._last_tapped_draft = -(1 << 30)  # step in which a tap-reading drafter last drafted
-
-    def _row_invariance(self) -> InvarianceReport:
-        """Row-invariant kernels for the target (``models/invariance.py``) on the CPU unless
-        --no-row-invariant; the outcome is logged, and it is a warning when it is not exact."""
-        budget = self.config.scheduler.max_num_batched_tokens
-        if self.device.type != "cpu":
-            report = InvarianceReport(budget, f"no row-invariant kernels on {self.device.type} yet (README, Guarantees)")
-            clear_row_invariance(self.model)
-        elif not self.config.model.row_invariant:
-            report = InvarianceReport(budget, "turned off (--no-row-invariant)")
-            clear_row_invariance(self.model)
-        else:
-            report = make_row_invariant(self.model, budget)
-        (log.info if report.exact else log.warning)("%s", report.summary())
-        return report
-
-    def _wants_graphs(self) -> bool:
-        """Decode forwards replay CUDA graphs: on a GPU, unless --enforce-eager."""
-        return uses_graphs(self.device, self.config.model.enforce_eager)
-
-    def _graph_step(self) -> GraphStep:
-        """The CUDA graphs of decode and verification forwards, all captured now (the first requests
-        never wait on a capture); off a GPU the same static layout runs without graphs."""
-        gamma = self.config.spec.num_speculative_tokens if self.drafter is not None else 0
-        step = GraphStep(self.model, self.kv, self._tap_layers(), 1 + gamma, capture=self.device.type == "cuda",
-                         compile=self.config.model.compile,
-                         prompt_rows=self.config.scheduler.max_num_batched_tokens)
-        seconds = step.warm_up()
-        log.info("captured %d CUDA graphs in %.1f s", len(step.graphs), seconds)
-        self.compile_seconds = seconds
-        return step
-
-    def _compiled_step(self) -> CompiledStep:
-        """The compiled decode step, its graphs compiled now (or loaded from the disk cache): the
-        first requests never wait on a compile. The time it took is logged."""
-        step = CompiledStep(self.model, self.kv, self._tap_layers())
-        gamma = self.config.spec.num_speculative_tokens if self.drafter is not None else 0
-        seconds = step.warm_up(1 + gamma)
-        log.info("compiled the decode step in %.1f s (cached in %s)", seconds, inductor_cache_dir())
-        self.compile_seconds = seconds
-        return step
 
     # ----------------------------------------------------------------- requests
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
@@ -228,10 +172,20 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    def add_observer(self, observer: ObserverT) -> ObserverT:
+        """Follow the steps from now on (``EngineObserver``); returns ``observer``. Call it between
+        steps (on the engine's thread when a server runs it)."""
+        self.observers.append(observer)
+        return observer
+
+    def remove_observer(self, observer: EngineObserver) -> None:
+        """Stop calling ``observer`` (nothing when it is not registered)."""
+        self.observers = [o for o in self.observers if o is not observer]
+
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
-        for hook in self.between_steps:
-            hook(self)
+        for observer in self.observers:
+            observer.on_step_start(self)
         t0 = time.perf_counter()
         stats = StepStats(step=self.step_count)
         self.step_count += 1
@@ -257,7 +211,7 @@ class LLMEngine:
         outputs = [emit(a.seq, a.tokens, self.eos_ids, self.max_model_len) for a in advances if a.tokens]
         stats.num_emitted_tokens = sum(len(o.delta_token_ids) for o in outputs)
         # The tokens are committed: from here on the outputs are delivered whatever a component
-        # (drafter, finish listener, policy) does; its failure is logged and counted, never raised
+        # (drafter, finish observer, policy) does; its failure is logged and counted, never raised
         # (losslessness does not depend on them: verification checks every draft).
         self._guarded("drafter observe", self._observe, advances, fwd)
         for o in outputs:
@@ -314,8 +268,8 @@ class LLMEngine:
     def _want_taps(self, chosen: dict[int, str], prefill: bool) -> bool:
         """Whether this step computes and hands out the target's taps: in a step with prompt chunks
         (so a feature drafter always knows the prompt; next to a prefill's compute the copy is
-        small), while a tap-reading drafter drafts (and ``TAP_LINGER_STEPS`` after), or while a
-        ``tap_demand`` hook asks. Otherwise a decode step does exactly plain decoding's work; the
+        small), while a tap-reading drafter drafts (and ``TAP_LINGER_STEPS`` after), or while an
+        observer ``wants_taps``. Otherwise a decode step does exactly plain decoding's work; the
         drafter then restarts its context after the hole (``Drafter`` contract)."""
         if self.drafter is None or not self.drafter.tap_layers:
             return False
@@ -324,7 +278,7 @@ class LLMEngine:
             self._last_tapped_draft = self.step_count
         if prefill or self.step_count - self._last_tapped_draft <= TAP_LINGER_STEPS:
             return True
-        return any(demand() for demand in self.tap_demand)
+        return any(observer.wants_taps() for observer in self.observers)
 
     def _propose(self, decode: list[Sequence], gammas: dict[int, int], chosen: dict[int, str],
                  stats: StepStats) -> DraftProposal:
@@ -440,14 +394,14 @@ class LLMEngine:
         add_per_position(stats.accepted_per_pos, res.num_accepted)
 
     def _observe(self, advances: list[_Advance], fwd: ForwardOutput) -> None:
-        """Tell the drafter (and the observation consumers) which tokens became final, with the
+        """Tell the drafter (and the observers) which tokens became final, with the
         target's taps at those positions when it asked for them. A sequence that finished this step
         is released instead of observed."""
         if self.drafter is None:
             return
         observations = []
         wants_hidden = fwd.hidden is not None and (self.drafter.wants_hidden
-                                                   or any(demand() for demand in self.hidden_demand))
+                                                   or any(observer.wants_hidden() for observer in self.observers))
         for a in advances:
             if a.seq.finish_reason is not None:
                 continue
@@ -459,8 +413,8 @@ class LLMEngine:
                                             hidden, len(a.seq.prompt_ids)))
         if observations:
             self.drafter.observe(observations)
-            for consume in self.observation_consumers:
-                consume(observations)
+            for observer in self.observers:
+                observer.on_observations(observations)
 
     def _rows_of(self, t: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:
         """A copy of rows ``rows`` of a forward output: of a slice when they are consecutive (a
@@ -480,12 +434,12 @@ class LLMEngine:
         self.scheduler.remove(seq)
         if self.drafter is not None:
             self._guarded("drafter release", self.drafter.release, seq.seq_id)
-        for listener in self.finish_listeners:
-            self._guarded("finish listener", listener, seq)
+        for observer in self.observers:
+            self._guarded("finish observer", observer.on_finish, seq)
 
     def _record(self, stats: StepStats, decode: list[Sequence], num_prefill: int, gammas: dict[int, int],
                 t0: float) -> None:
-        """Close the step's record and hand it to the policy, the history and the step listeners."""
+        """Close the step's record and hand it to the policy, the history and the observers."""
         stats.batch_size = len(decode) + num_prefill
         stats.num_decode_seqs = len(decode)
         stats.spec_lens = {s.seq_id: gammas[s.seq_id] for s in decode}
@@ -500,5 +454,5 @@ class LLMEngine:
             self.policy.observe(stats)
         self.last_stats = stats
         self.history.append(stats)
-        for listener in self.step_listeners:
-            listener(stats)
+        for observer in self.observers:
+            observer.on_step_end(stats)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tidespec.engine.engine import LLMEngine
+from tidespec.engine.observer import EngineObserver
 from tidespec.engine.scheduler import PrefillChunk, ScheduledBatch
 from tidespec.engine.sequence import Sequence
 from tidespec.sampling import SamplingParams
@@ -70,7 +71,7 @@ class _Check:
     shadow: Sequence | None = field(default=None, repr=False)
 
 
-class ExactnessChecker:
+class ExactnessChecker(EngineObserver):
     """Re-decodes a sampled ``rate`` of finished greedy requests of ``engine``; see the module docstring."""
 
     def __init__(self, engine: LLMEngine, rate: float, max_pending: int = 64, seed: int = 0,
@@ -86,11 +87,11 @@ class ExactnessChecker:
         self.on_result = on_result  # e.g. the server's metrics
         self._rng = random.Random(seed)
         self._current: _Check | None = None
-        engine.finish_listeners.append(self.on_finished)
+        engine.add_observer(self)
 
     # ------------------------------------------------------------------ sampling finished requests
-    def on_finished(self, seq: Sequence) -> None:
-        """Finish listener: queue a sample of the greedy requests that finished normally."""
+    def on_finish(self, seq: Sequence) -> None:
+        """Queue a sample of the greedy requests that finished normally (an engine observer)."""
         if not seq.params.greedy or seq.finish_reason not in ("stop", "length") or not seq.output_ids:
             return
         if self.rate < 1.0 and self._rng.random() >= self.rate:

@@ -3,8 +3,8 @@
 Why this exists: the step decides *what* runs (which sequences, how many draft tokens); this
 module decides *how* it is laid out for the model — every decode sequence contributes its last
 token plus its draft (a chain or a tree with its mask), every prefill chunk its prompt slice — and
-runs the model once over all of it. It is the seam a compiled or graph-captured forward will
-replace (padded shape buckets), so it knows nothing of requests, sampling or verification.
+runs the model once over all of it through the ``ForwardExecutor`` (``models/executor.py``: a CUDA
+graph, the compiled step or eager). It knows nothing of requests, sampling or verification.
 
 Worked example (two decode sequences, one drafting a 2-token chain, and a 3-token prefill chunk)::
 
@@ -21,10 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tidespec.engine.scheduler import ScheduledBatch
-from tidespec.models.compiled import CompiledStep
-from tidespec.models.graphs import GraphStep
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.models.executor import ForwardExecutor
 from tidespec.speculative.api import DraftProposal, SeqDraft
 from tidespec.speculative.tree import tree_depths, tree_mask
 
@@ -65,42 +62,17 @@ class ForwardPlan:
 class ModelRunner:
     """Lays out and runs the target forward over the engine's KV slots."""
 
-    def __init__(self, model: LlamaModel, kv: KVCache, compiled: CompiledStep | None = None,
-                 graphs: GraphStep | None = None) -> None:
-        self.model = model
-        self.kv = kv
-        self.device = model.device
-        self.compiled = compiled  # the compiled decode step, when --compile on the CPU
-        self.graphs = graphs  # the CUDA graphs of decode batches, on a GPU unless --enforce-eager
+    def __init__(self, executor: ForwardExecutor) -> None:
+        self.executor = executor  # how the forward runs: a CUDA graph, the compiled step or eager
 
     def forward(self, batch: ScheduledBatch, proposal: DraftProposal, tap_layers: tuple[int, ...]) -> ForwardOutput:
-        """ONE target forward for the whole batch; K/V of every row is written into its slot. A
-        batch without trees replays a CUDA graph when one fits it (prompt chunks included); a decode
-        batch of chains runs the compiled step when there is one (every row needs logits), and on a
-        row-invariant target every batch does."""
+        """ONE target forward for the whole batch (``ForwardExecutor`` decides how it runs); K/V of
+        every row is written into its slot."""
         plan = self.plan(batch, proposal)
-        out = None
-        no_trees = all(m is None for m in plan.masks)
-        chains = not batch.prefill and no_trees
-        if self.graphs is not None and no_trees:
-            out = self.graphs(plan.tokens, plan.q_lens, plan.ctx_lens, plan.slots, tap_layers,
-                              plan.logits_rows if batch.prefill else None)
-        if out is None:
-            ids, layout, logits_rows = self.tensors(plan)
-            if self.compiled is not None and self.compiled.exact:  # every forward: models/compiled.py
-                out = self.compiled(ids, layout, tap_layers, logits_rows)
-            elif self.compiled is not None and chains:
-                out = self.compiled(ids, layout, tap_layers)
-            if out is None:
-                out = self.model(ids, layout, self.kv, logits_rows=logits_rows, tap_layers=tap_layers)
+        out = self.executor(plan.tokens, plan.q_lens, plan.ctx_lens, plan.slots, plan.logits_rows, plan.depths,
+                            plan.masks, tap_layers, prefill=bool(batch.prefill))
         argmax = out.logits.argmax(-1).tolist() if out.logits is not None else []
         return ForwardOutput(plan.rows, out.logits, argmax, out.taps if tap_layers else None, out.last_hidden)
-
-    def tensors(self, plan: ForwardPlan) -> tuple[torch.Tensor, BatchLayout, torch.Tensor]:
-        """The eager forward's inputs on the model's device: (ids [T], layout, logits_rows [R])."""
-        layout = BatchLayout.build(plan.q_lens, plan.ctx_lens, plan.slots, plan.depths, plan.masks, device=self.device)
-        ids = torch.tensor(plan.tokens, dtype=torch.int64, device=self.device)
-        return ids, layout, torch.tensor(plan.logits_rows, dtype=torch.int64, device=self.device)
 
     def plan(self, batch: ScheduledBatch, proposal: DraftProposal) -> ForwardPlan:
         """The forward's layout as host lists (no tensor yet)."""

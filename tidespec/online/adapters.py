@@ -5,7 +5,7 @@ Why this exists: the trainer's LoRA path (``trainer.lora``, EvoSpec Algorithm 1 
 small adapters under ``<publish_root>/lora/v{version}/a{N}`` every few dozen requests. Serving
 must take them without ever running an adapter on the step and without waiting on disk: a poller
 thread reads and validates the newest adapter of the version being served, merges it into that
-version's weights (``eagle3_lora.merged_state``) and parks the result; the ``between_steps`` hook
+version's weights (``eagle3_lora.merged_state``) and parks the result; its ``on_step_start`` hook
 only copies the parked weights into the head (``Eagle3Drafter.load_state``, which marks every
 sequence's head KV stale: lossless, like a version swap).
 
@@ -22,7 +22,7 @@ tried again only if its files change.
 Worked example::
 
     root/v3/ (served)   root/lora/v3/a1/, a2/      -> poller parks a2 merged into v3's weights
-    engine.between_steps -> head = v3 + a2; updates.applied == 2; drafter.version stays 3
+    on_step_start -> head = v3 + a2; updates.applied == 2; drafter.version stays 3
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from tidespec.engine.observer import EngineObserver
 from tidespec.files import directory_fingerprint
 from tidespec.models.eagle3_lora import AdapterError, adapter_dir, list_adapters, load_adapter, merged_state
 from tidespec.online.poller import RootPoller
@@ -57,7 +58,7 @@ class _Parked:
     served: Eagle3Head | None = None  # the drafting copy of ``state`` (quantized in the poller, off the step)
 
 
-class AdapterUpdater(RootPoller):
+class AdapterUpdater(RootPoller, EngineObserver):
     """Polls ``root/lora/v{served version}`` in a thread; swaps merged adapters in between steps."""
 
     def __init__(self, drafter: Eagle3Drafter, root: Path | str, poll_s: float = 2.0,
@@ -114,8 +115,8 @@ class AdapterUpdater(RootPoller):
                     version, number, adapter.metrics)
         return number
 
-    def between_steps(self, engine: LLMEngine) -> None:
-        """``engine.between_steps`` entry: note a version change, copy base weights when the poller
+    def on_step_start(self, engine: LLMEngine) -> None:
+        """Between steps (an engine observer): note a version change, copy base weights when the poller
         asked, swap in a parked merged adapter of the served version."""
         version = self.drafter.version
         if version != self._served_version:  # a full-round version (or a rollback) supersedes adapters

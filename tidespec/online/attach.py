@@ -4,16 +4,17 @@ Why this exists: TIDE (Sec. 3, 4.2) reuses the hidden states the target already 
 prefill and verification as training signals, trains an EAGLE-3 head in a separate process, and
 deploys a new head only when it is measurably better. The building blocks live elsewhere
 (``capture``, ``store``, ``collection``, ``checkpoint``, ``eagle3_train``); this module plugs them
-into a running ``LLMEngine`` through its two hooks, without touching the engine loop:
+into a running ``LLMEngine`` as observers of its steps (``engine/observer.py``), without touching
+the engine loop:
 
-* ``SignalCollector`` — an ``engine.observation_consumers`` entry. For every observation (the
+* ``SignalCollector`` — ``on_observations``: for every observation (the
   positions whose target KV became final this step, with their taps) it pushes rows
   ``(position i, token_i, label = token_{i+1}, taps_i)`` into a non-blocking ``CaptureBuffer``,
-  but only while TIDE's ``SelectiveCollector`` says collection is on. Its ``engine.finish_listeners``
-  entry feeds the collector the acceptance rate of every finished request.
+  but only while TIDE's ``SelectiveCollector`` says collection is on. Its ``on_finish``
+  feeds the collector the acceptance rate of every finished request.
 * ``DrafterUpdater`` — a background thread polls the publish root (``checkpoint.publish``) for a
   newer version, loads and validates it off the hot path and parks it in memory; its
-  ``engine.between_steps`` entry swaps the parked weights in with ``Eagle3Drafter.load_state``.
+  ``on_step_start`` swaps the parked weights in with ``Eagle3Drafter.load_state``.
   A version that fails validation (a half-copied or corrupt directory, the wrong target) is
   refused with one log line and serving continues on the current drafter; a refused version is
   tried again when its files change (names, sizes, modification times), so a directory refused
@@ -52,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tidespec.config import CollectionConfig, EngineConfig
+from tidespec.engine.observer import EngineObserver
 from tidespec.errors import ConfigError
 from tidespec.files import directory_fingerprint
 from tidespec.models.eagle3_checkpoint import (
@@ -187,7 +189,7 @@ def speculation_pays(policy: SpeculationPolicy | None) -> bool:
     return value is None or value > 1.0
 
 
-class SignalCollector:
+class SignalCollector(EngineObserver):
     """Observation consumer: turns the engine's observations into capture pushes, gated by
     TIDE's selective collection. Runs on the engine thread; ``push`` never blocks.
 
@@ -209,15 +211,15 @@ class SignalCollector:
         return self.salt | engine_seq_id
 
     def hook_into(self, engine: LLMEngine) -> SignalCollector:
-        """Register as the engine's observation consumer and tap demand (returns self)."""
-        engine.observation_consumers.append(self)
-        engine.tap_demand.append(self.wants_taps)
-        if self.buffer.hidden_dim:
-            engine.hidden_demand.append(self.wants_taps)  # with the taps, the final hidden states
-        return self
+        """Follow ``engine``'s steps as an observer (returns self)."""
+        return engine.add_observer(self)
+
+    def wants_hidden(self) -> bool:
+        """With the taps, the target's final hidden states, when LoRA alignment stores them."""
+        return bool(self.buffer.hidden_dim) and self.wants_taps()
 
     def wants_taps(self) -> bool:
-        """``engine.tap_demand`` entry: the target's taps are wanted while collection is on and the
+        """The target's taps are wanted while collection is on and the
         engine's policy predicts that speculating pays at the current load — also in steps where no
         drafter reads them (the drafter being trained may be parked). Where nothing pays (a large
         batch, a domain where no drafter helps yet) decode steps stay plain decoding's; signals
@@ -225,8 +227,8 @@ class SignalCollector:
         and the steps after them), a bounded share."""
         return self.enabled and self.selective.collection_enabled and speculation_pays(self.engine.policy)
 
-    def __call__(self, observations: list[Observation]) -> None:
-        """``engine.observation_consumers`` entry."""
+    def on_observations(self, observations: list[Observation]) -> None:
+        """Push the observed rows with their taps into the capture buffer while collection is on."""
         if not (self.enabled and self.selective.collection_enabled):
             self.num_skipped_rows += sum(max(0, o.num_new_cached) for o in observations)
             return
@@ -259,7 +261,7 @@ class SignalCollector:
                              obs.taps[lo:n], domain=domain, alpha=alpha, hidden=hidden)
 
     def on_finish(self, seq: Sequence) -> None:
-        """``engine.finish_listeners`` entry: feed Algorithm 1 the acceptance rate of a finished request."""
+        """Feed Algorithm 1 the acceptance rate of a finished request."""
         st = seq.stats
         if st.num_draft_tokens:
             self.selective.observe_request(min(1.0, st.num_accepted_tokens / st.num_draft_tokens))
@@ -280,10 +282,10 @@ def read_trainer_rounds(root: Path | str) -> list[dict[str, Any]]:
     return [r for r in rounds if isinstance(r, dict)] if isinstance(rounds, list) else []
 
 
-class DrafterUpdater(RootPoller):
+class DrafterUpdater(RootPoller, EngineObserver):
     """Polls a publish root in a background thread and swaps new drafter versions in between steps.
 
-    The thread does all I/O, validation and tensor conversion; ``between_steps`` (the engine hook)
+    The thread does all I/O, validation and tensor conversion; ``on_step_start`` (the engine hook)
     only copies already-loaded weights into the head, and does nothing when nothing is pending.
     """
 
@@ -358,8 +360,8 @@ class DrafterUpdater(RootPoller):
             logger.info("trainer round %s: alpha %.3f -> %.3f, %s", r.get("round"), a_train, a_eval, decision.value)
         self._rounds_seen = max(self._rounds_seen, len(rounds))
 
-    def between_steps(self, engine: LLMEngine) -> None:
-        """``engine.between_steps`` entry: act on the served check of the last swap (roll back a
+    def on_step_start(self, engine: LLMEngine) -> None:
+        """Between steps (an engine observer): act on the served check of the last swap (roll back a
         version that loses in service), then swap in a parked version (weights already in memory)."""
         if self.check is not None and self.check.previous is not None:
             self._settle(self.check)
@@ -528,14 +530,13 @@ def attach_online_training(engine: LLMEngine, config: OnlineConfig, *, start: bo
         policy = engine.policy
         check = ServedCheck(policy_profile(policy) if policy is not None else None,
                             RollbackConfig(min_drafts=config.rollback_min_drafts, gamma_max=max(1, engine.gamma_max)))
-        engine.step_listeners.append(check.on_step)
+        engine.add_observer(check)
     updater = DrafterUpdater(drafter, config.publish_root, engine.model.cfg, config.poll_s, selective, capture, check)
     collector.hook_into(engine)
-    engine.finish_listeners.append(collector.on_finish)
-    engine.between_steps.append(updater.between_steps)
+    engine.add_observer(updater)
     adapters = AdapterUpdater(drafter, config.publish_root, config.poll_s, check) if config.lora else None
     if adapters is not None:
-        engine.between_steps.append(adapters.between_steps)
+        engine.add_observer(adapters)
     if start:
         updater.start()
         if adapters is not None:

@@ -8,7 +8,7 @@ on) and stop promptly on close. This is that thread, once.
 Worked example::
 
     class Updater(RootPoller):
-        def poll_once(self) -> int | None: ...       # read, validate, park for between_steps
+        def poll_once(self) -> int | None: ...       # read, validate, park for on_step_start
 
     u = Updater(Path("runs/drafter"), poll_s=2.0, name="tidespec-drafter-updater").start()
     ...

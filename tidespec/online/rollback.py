@@ -32,6 +32,7 @@ from typing import Literal
 
 import torch
 
+from tidespec.engine.observer import EngineObserver
 from tidespec.errors import ConfigError
 from tidespec.models.eagle3_head import Eagle3Config
 from tidespec.speculative.policy.speedup import Profile, expected_accept_length, practical_speedup
@@ -78,7 +79,7 @@ class Kept:
 
 
 @dataclass
-class ServedCheck:
+class ServedCheck(EngineObserver):
     """The check after each swap (module docstring); fed every step, asked between steps."""
 
     profile: Profile | None
@@ -92,8 +93,8 @@ class ServedCheck:
     def __post_init__(self) -> None:
         self.current = _Record(deque(maxlen=self.config.history))
 
-    def on_step(self, stats: StepStats) -> None:
-        """``engine.step_listeners`` entry: the drafts the checked drafter made this step."""
+    def on_step_end(self, stats: StepStats) -> None:
+        """The drafts the checked drafter made this step (an engine observer)."""
         outcomes = stats.drafter_outcomes.get(self.drafter_name)
         if outcomes is None and len(stats.drafter_outcomes) == 1:
             outcomes = next(iter(stats.drafter_outcomes.values()))  # the engine's only drafter

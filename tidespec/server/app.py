@@ -449,7 +449,7 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: M
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.step_listeners.append(metrics.on_step)
+        engine.add_observer(metrics)
         server.aengine.start(asyncio.get_running_loop())
         try:
             yield
@@ -457,8 +457,7 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: M
             await server.aengine.shutdown()
             if vocab is not None:
                 vocab.close()  # its worker thread: nothing records into it once the engine loop stopped
-            if metrics.on_step in engine.step_listeners:
-                engine.step_listeners.remove(metrics.on_step)
+            engine.remove_observer(metrics)
             if on_shutdown is not None:
                 on_shutdown()
 

@@ -1,7 +1,7 @@
 """Prometheus metrics fed from the engine's own statistics.
 
 Why this exists: dashboards and the adaptive controllers must read the same numbers. So there is
-one data source: ``StepStats`` (via ``LLMEngine.step_listeners``) feed the step-level counters and
+one data source: ``StepStats`` (via ``Metrics.on_step_end``, an engine observer) feed the step-level counters and
 gauges, finished ``RequestOutput``s (their ``RequestStats``) feed the latency histograms and the
 per-route counters. Names follow vLLM's with a ``tidespec:`` prefix, so existing vLLM dashboards
 need only a prefix change (prometheus-client appends ``_total`` to counters, as vLLM's do).
@@ -18,7 +18,7 @@ or tests in one process never collide.
 Worked example (hand-traced)::
 
     m = Metrics()
-    m.on_step(StepStats(num_drafts=2, num_draft_tokens=8, num_accepted_tokens=5,
+    m.on_step_end(StepStats(num_drafts=2, num_draft_tokens=8, num_accepted_tokens=5,
                         accepted_per_pos=[2, 2, 1], spec_lens={0: 4, 1: 4, 2: 0}))
     # spec_decode_num_drafts_total 2, _num_draft_tokens_total 8, _num_accepted_tokens_total 5,
     # _num_accepted_tokens_per_pos_total{position="0"} 2, {"1"} 2, {"2"} 1,
@@ -85,6 +85,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from tidespec.engine.observer import EngineObserver
 from tidespec.engine.output import RequestOutput
 from tidespec.server.series import Series
 from tidespec.speculative.api import Drafter
@@ -141,8 +142,8 @@ class _TrainerMetrics:
                     self.exported[key] = now
 
 
-class Metrics:
-    """The server's Prometheus metrics; see the module docstring."""
+class Metrics(EngineObserver):
+    """The server's Prometheus metrics (an observer of the engine's steps); see the module docstring."""
 
     def __init__(self, registry: CollectorRegistry | None = None, max_routes: int = 32) -> None:
         if max_routes < 1:
@@ -259,8 +260,8 @@ class Metrics:
         """``ExactnessChecker`` result hook (the mismatch itself is logged by the checker)."""
         self.exactness_checks.labels(result=result).inc()
 
-    def on_step(self, stats: StepStats) -> None:
-        """Step listener: ``engine.step_listeners.append(metrics.on_step)``."""
+    def on_step_end(self, stats: StepStats) -> None:
+        """The step's counters: ``engine.add_observer(metrics)``."""
         self.num_drafts.inc(stats.num_drafts)
         self.num_draft_tokens.inc(stats.num_draft_tokens)
         self.num_accepted_tokens.inc(stats.num_accepted_tokens)

@@ -6,7 +6,10 @@ import pytest
 import torch
 
 from tests.helpers import tiny_llama
+from tidespec.models import executor as executor_module
 from tidespec.models.eagle3_checkpoint import fresh_head
+from tidespec.models.executor import ExecutorOptions, ForwardExecutor, executor_key, prepare_target
+from tidespec.models.graphs import GraphStep
 from tidespec.speculative.drafters.draft_model import DraftModelDrafter
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
 from tidespec.speculative.drafters.multi import MultiDrafter
@@ -24,7 +27,7 @@ def test_profile_grid_is_swept_in_passes_and_a_slow_pass_does_not_move_the_media
     per_pass = len(grid) + len(cfg.single_seq_tokens)
     calls: list[tuple[int, int]] = []
 
-    def scripted(model, kv, batch, n, context, repeats, target_s, gen, warm_up=True, step=None):
+    def scripted(forward, device, vocab_size, batch, n, context, repeats, target_s, gen, warm_up=True):
         timed = len(calls) - 1  # calls before this one, minus the warm-up
         calls.append((batch, n))
         slow = 10.0 if per_pass <= timed < 2 * per_pass else 1.0
@@ -47,10 +50,11 @@ def test_forward_samples_times_a_real_forward_within_its_budget() -> None:
     prof = measure_profile(model, None, cfg)
     assert set(prof.verify_latency) == {(1, 1), (1, 3)}
     assert all(t > 0 for t in prof.verify_latency.values())
-    kv = profiler.KVCache.for_model(model.cfg, 1, 40, model.dtype, model.device)
-    times = profiler.forward_samples(model, kv, 1, 2, 8, repeats=5, target_s=0.0, gen=torch.Generator())
+    forward = profiler.executor_forward(ForwardExecutor(model, ExecutorOptions(), 1, 40))
+    times = profiler.forward_samples(forward, model.device, 32, 1, 2, 8, repeats=5, target_s=0.0, gen=torch.Generator())
     assert len(times) == 1  # a zero budget still times one forward
-    times = profiler.forward_samples(model, kv, 1, 2, 8, repeats=3, target_s=100.0, gen=torch.Generator())
+    times = profiler.forward_samples(forward, model.device, 32, 1, 2, 8, repeats=3, target_s=100.0,
+                                     gen=torch.Generator())
     assert len(times) == 3 and all(t > 0 for t in times)
 
 
@@ -60,17 +64,39 @@ def test_the_profile_of_an_engine_on_cuda_graphs_times_the_graph_step() -> None:
     model = tiny_llama(32, layers=1, seed=0)
     cfg = ProfilerConfig(batch_sizes=(1, 2), tokens_per_seq=(1, 3), single_seq_tokens=(1,), passes=1)
     replayed: list[int] = []
-    real_call = profiler.GraphStep.__call__
+    real_call = GraphStep.__call__
 
     def counting(self, *args, **kw):
         replayed.append(1)
         return real_call(self, *args, **kw)
 
+    options = ExecutorOptions()
+    eager_key = profile_key_for(model, None, executor_key(model, options, prepare_target(model, options)))
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(profiler.GraphStep, "__call__", counting)
-        prof = measure_profile(model, None, cfg, graphs=True)
+        mp.setattr(GraphStep, "__call__", counting)
+        mp.setattr(executor_module, "uses_graphs", lambda device, enforce_eager: True)  # a GPU's engine
+        prof = measure_profile(model, None, cfg)
+        graphs_key = profile_key_for(model, None, executor_key(model, options, prepare_target(model, options)))
     assert len(replayed) >= 5 and all(t > 0 for t in prof.verify_latency.values())
-    assert prof.key == profile_key_for(model, None, False, graphs=True) != profile_key_for(model, None, False)
+    assert prof.key == graphs_key != eager_key
+
+
+def test_the_profile_times_the_kernels_the_engine_runs() -> None:
+    """The engine makes its target's kernels row-invariant; the profile used to be measured before
+    that, on the other kernels, and cached under a key that did not say which. Now the profiler's
+    executor prepares the target as the engine's does, and the key names the kernels and the mode."""
+    model = tiny_llama(32, layers=1, seed=1)
+    cfg = ProfilerConfig(batch_sizes=(1,), tokens_per_seq=(1,), single_seq_tokens=(1,), passes=1)
+    assert not model.row_invariant
+    prof = measure_profile(model, None, cfg)
+    assert model.row_invariant  # measured on the row-invariant kernels, as the engine will run them
+    exact = executor_key(model, ExecutorOptions(), prepare_target(model, ExecutorOptions()))
+    assert exact["executor"] == "eager" and exact["row_invariance"].startswith("row invariance: exact")
+    assert prof.key == profile_key_for(model, None, exact)
+    loose = ExecutorOptions(row_invariant=False)
+    assert profile_key_for(model, None, executor_key(model, loose, prepare_target(model, loose))) != prof.key
+    compiled = ExecutorOptions(compile=True)
+    assert executor_key(model, compiled, prepare_target(model, compiled))["executor"] == "compiled-every-forward"
 
 
 def test_a_drafter_that_reads_taps_is_fed_them_while_timed() -> None:
@@ -106,8 +132,8 @@ def test_profile_key_tells_eagle3_heads_of_another_shape_dtype_or_quantization_a
                                  (1, torch.float64, "int8"), (1, torch.float64, "int4")]:
         head = fresh_head(model.cfg, None, dtype, num_layers=layers)
         keys.add(profile_key_for(model, Eagle3Drafter(head, model.embed_tokens,
-                                                      Eagle3DrafterConfig(quantization=quant)), False))
-    keys |= {profile_key_for(model, DraftModelDrafter(model.truncated(k), max_num_seqs=1, max_model_len=16), False)
+                                                      Eagle3DrafterConfig(quantization=quant)), {}))
+    keys |= {profile_key_for(model, DraftModelDrafter(model.truncated(k), max_num_seqs=1, max_model_len=16), {})
              for k in (1, 2)}
     assert len(keys) == 7
     multi = MultiDrafter([SuffixDrafter(), Eagle3Drafter(fresh_head(model.cfg, None, torch.float64),
@@ -120,7 +146,7 @@ def test_profile_key_tells_cpus_apart(monkeypatch) -> None:
     measured costs to another: the key holds the CPU's model name."""
     model = tiny_llama(48, layers=2, seed=0)
     monkeypatch.setattr(profiler, "cpu_name", lambda: "AMD EPYC 9R14")
-    amd = profile_key_for(model, SuffixDrafter(), False)
-    assert profile_key_for(model, SuffixDrafter(), False) == amd  # stable on one machine
+    amd = profile_key_for(model, SuffixDrafter(), {})
+    assert profile_key_for(model, SuffixDrafter(), {}) == amd  # stable on one machine
     monkeypatch.setattr(profiler, "cpu_name", lambda: "Intel(R) Xeon(R) Platinum 8488C")
-    assert profile_key_for(model, SuffixDrafter(), False) != amd
+    assert profile_key_for(model, SuffixDrafter(), {}) != amd

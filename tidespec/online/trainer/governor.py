@@ -12,8 +12,8 @@ its place in the round, and goes on where it was when it is continued (SIGCONT),
 round takes as long as a standalone ``train-drafter`` run, and at saturation training costs serving
 nothing but the memory it holds.
 
-Load is measured, not guessed: every engine step reports its start (``on_step_start``, a
-``between_steps`` hook) and its end (``on_step``, a step listener), each recording the time and
+Load is measured, not guessed: every engine step reports its start (``on_step_start``) and its
+end (``on_step_end``: the governor is an engine observer), each recording the time and
 nothing else; serving counts as busy while a step runs or ran within the last ``idle_s`` seconds
 (a long prefill step is busy throughout). ``attach(engine)`` registers both. A daemon thread
 re-decides every ``tick_s`` seconds.
@@ -32,6 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from tidespec.engine.observer import EngineObserver
 from tidespec.errors import ConfigError
 from tidespec.stats import StepStats
 from tidespec.threads import start_helper
@@ -64,7 +65,7 @@ class GovernorConfig:
             raise ConfigError("idle_s, period_s and tick_s must be > 0")
 
 
-class TrainingGovernor:
+class TrainingGovernor(EngineObserver):
     """Pauses and resumes a trainer from the engine's measured load (module docstring)."""
 
     def __init__(self, target: Pausable, config: GovernorConfig | None = None,
@@ -85,18 +86,16 @@ class TrainingGovernor:
         self._thread: threading.Thread | None = None
 
     def attach(self, engine: LLMEngine) -> TrainingGovernor:
-        """Follow ``engine``'s steps (``between_steps`` and ``step_listeners``); returns self."""
-        engine.between_steps.append(self.on_step_start)
-        engine.step_listeners.append(self.on_step)
-        return self
+        """Follow ``engine``'s steps (an observer: their starts and ends); returns self."""
+        return engine.add_observer(self)
 
     def on_step_start(self, engine: object = None) -> None:
-        """``engine.between_steps`` entry: a step begins."""
+        """A step begins."""
         self._in_step = True
         self._last_step = self.clock()
 
-    def on_step(self, stats: StepStats | None = None) -> None:
-        """``engine.step_listeners`` entry: a step ended."""
+    def on_step_end(self, stats: StepStats | None = None) -> None:
+        """A step ended."""
         self._in_step = False
         self._last_step = self.clock()
 

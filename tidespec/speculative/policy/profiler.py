@@ -1,9 +1,13 @@
 """Start-up profiler for the adaptive policies: T(b, q), D0 per drafter, catch-up cost table.
 
 Why this exists: TIDE's analytic model (eq. 5) and Nightjar's switching cost need measured
-costs of *this* model on *this* device and dtype. Measuring takes seconds, so the result is
-cached per (model, device, dtype, drafter) under the tidespec cache directory and reused until
-``refresh`` is asked for.
+costs of *this* model on *this* device and dtype. The forwards are timed through a
+``ForwardExecutor`` built with the engine's options (``models/executor.py``), so they are exactly
+the forwards the engine runs (CUDA graphs, the compiled step or eager, over the same row-invariant
+kernels and KV layout). Measuring takes seconds, so the result is cached under the tidespec cache
+directory, keyed by the model, the drafter's networks, the executor (``executor_key``: its mode,
+the kernels it chose, a digest of the kernel code) and a digest of this module's measuring code,
+and reused until ``refresh`` is asked for.
 
 What is measured (all medians after one warm-up forward; the T(b, q) grid is swept ``passes`` times and
 each shape's median taken over the samples of every pass, so a slow spell of the machine — a
@@ -21,7 +25,7 @@ once decided a whole benchmark's batch-1 choice, docs/benchmarks/policies.md):
 
 Worked example::
 
-    prof = load_or_measure(model, drafter, key_parts={"model": "smollm2-135m"})
+    prof, path = load_or_measure(model, drafter, options=ExecutorOptions(compile=True))
     prof.verify(1, 5) / prof.verify(1, 1)   # beta(1) at gamma = 4
 """
 
@@ -39,10 +43,8 @@ from pathlib import Path
 import torch
 
 from tidespec.files import cache_root, cpu_name
-from tidespec.models.compiled import KV_MARGIN, CompiledStep
-from tidespec.models.graphs import GraphStep
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.models.executor import ExecutorOptions, ForwardExecutor, executor_key, prepare_target
+from tidespec.models.llama import LlamaModel
 from tidespec.models.quant import quantization_of
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter, DraftInput, Observation
@@ -74,51 +76,47 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def forward_samples(model: LlamaModel, kv: KVCache, batch: int, n: int, context: int, repeats: int,
-                    target_s: float, gen: torch.Generator, warm_up: bool = True,
-                    step: CompiledStep | GraphStep | None = None) -> list[float]:
-    """Seconds of each timed forward of ``n`` new tokens for each of ``batch`` sequences on a
+# one forward of tokens [T] for sequences with q_lens new tokens on ctx_lens cached ones in slots
+Forward = Callable[[list[int], list[int], list[int], list[int]], object]
+
+
+def executor_forward(executor: ForwardExecutor) -> Forward:
+    """A decode-shaped forward through ``executor``: logits at every row, as a verification step."""
+    return lambda tokens, q_lens, ctx_lens, slots: executor(tokens, q_lens, ctx_lens, slots, list(range(len(tokens))))
+
+
+def forward_samples(forward: Forward, device: torch.device, vocab_size: int, batch: int, n: int, context: int,
+                    repeats: int, target_s: float, gen: torch.Generator, warm_up: bool = True) -> list[float]:
+    """Seconds of each timed ``forward`` of ``n`` new random tokens for each of ``batch`` sequences on a
     ``context``-token cache: ``repeats`` of them, fewer when the first one shows that they would
-    overrun ``target_s`` (at least one). ``warm_up`` runs one untimed forward first. ``step``: time
-    the compiled decode step or the CUDA graphs instead of the eager forward (where they take the
-    shape). Each forward builds its layout, as an engine step does."""
-    tokens = torch.randint(0, model.cfg.vocab_size, (batch * n,), generator=gen).tolist()  # [B*n]
-    ids = torch.tensor(tokens, device=model.device)
+    overrun ``target_s`` (at least one). ``warm_up`` runs one untimed forward first.
+
+    Example: ``forward_samples(executor_forward(ex), cpu, V, 4, 5, 200, 3, 0.3, gen)`` -> three
+    timings of T(4, 5), or one if the first took over 0.3 s."""
+    tokens = torch.randint(0, vocab_size, (batch * n,), generator=gen).tolist()  # [B*n]
     q_lens, ctx_lens, slots = [n] * batch, [context] * batch, list(range(batch))
-
-    def forward() -> None:
-        if isinstance(step, GraphStep) and step(tokens, q_lens, ctx_lens, slots) is not None:
-            return
-        layout = BatchLayout.build(q_lens=q_lens, ctx_lens=ctx_lens, slots=slots, device=model.device)
-        if not isinstance(step, CompiledStep) or step(ids, layout) is None:
-            model(ids, layout, kv, logits_rows=None)
-
     if warm_up:
-        forward()
+        forward(tokens, q_lens, ctx_lens, slots)
     times: list[float] = []
     while len(times) < repeats and (not times or len(times) * times[0] < target_s):
-        sync_device(model.device)
+        sync_device(device)
         t = time.perf_counter()
-        forward()
-        sync_device(model.device)
+        forward(tokens, q_lens, ctx_lens, slots)
+        sync_device(device)
         times.append(time.perf_counter() - t)
     return times
 
 
-def time_forward(model: LlamaModel, kv: KVCache, batch: int, n: int, context: int, repeats: int, target_s: float,
-                 gen: torch.Generator, step: CompiledStep | GraphStep | None = None) -> tuple[float, int]:
+def time_forward(forward: Forward, device: torch.device, vocab_size: int, batch: int, n: int, context: int,
+                 repeats: int, target_s: float, gen: torch.Generator) -> tuple[float, int]:
     """Median seconds of one forward (``forward_samples``), and the number of timed repeats."""
-    times = forward_samples(model, kv, batch, n, context, repeats, target_s, gen, step=step)
+    times = forward_samples(forward, device, vocab_size, batch, n, context, repeats, target_s, gen)
     return statistics.median(times), len(times)
 
 
-# Bumped whenever the model's kernels or the way of measuring change enough to invalidate measured costs
-# (2: the row-blocked CPU GEMM of models.llama.Linear; 3: W @ x^T for 2..16 rows; 4: medians over interleaved
-# passes; 5: batched attention and matmul kernels measured per machine; 6: each timed forward builds its layout,
-# as an engine step does, and --compile profiles the compiled step; 7: drafters that read taps are fed them while
-# timed; 8: MKL's packed sgemm among the measured kernels; 9: the 1-row "pad2" kernel multiplies a copy; 10: "tall4"
-# among the measured kernels; on CUDA the graphs are what is timed), so an old cached profile is never reused.
-PROFILE_SCHEMA = "10"
+def measuring_digest() -> str:
+    """A digest of this module's code: cached profiles measured another way are never reused."""
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
 
 
 def profile_cache_dir() -> Path:
@@ -130,7 +128,7 @@ def profile_key(model: LlamaModel, drafter_name: str, extra: dict[str, str] | No
     """Stable key of what the costs depend on: architecture, dtype, weight quantization, device (and the
     CPU's model: a cache directory that outlives a machine must not hand one CPU's costs to another),
     drafter, threads."""
-    parts = {"schema": PROFILE_SCHEMA, "cfg": repr(model.cfg), "dtype": str(model.dtype), "device": str(model.device),
+    parts = {"measure": measuring_digest(), "cfg": repr(model.cfg), "dtype": str(model.dtype), "device": str(model.device),
              "cpu": cpu_name(), "drafter": drafter_name, "threads": str(torch.get_num_threads()), **(extra or {})}
     quant = quantization_of(model)
     if quant != "none":  # only then, so the keys of unquantized models (and their cached profiles) stay
@@ -151,20 +149,18 @@ def drafter_signature(drafter: Drafter | None) -> dict[str, str]:
     return {d.name: s for d in members if (s := d.cost_signature())}
 
 
-def profile_key_for(model: LlamaModel, drafter: Drafter | None, compiled: bool, graphs: bool = False) -> str:
-    """``profile_key`` of ``model`` speculating with ``drafter`` (its networks included), eager or
-    compiled, through CUDA graphs or not."""
+def profile_key_for(model: LlamaModel, drafter: Drafter | None, executor: dict[str, str]) -> str:
+    """``profile_key`` of ``model`` speculating with ``drafter`` (its networks included), its forwards
+    run as ``executor`` says (``executor_key``)."""
     return profile_key(model, drafter.name if drafter is not None else "none",
-                       {**({"compiled": "1"} if compiled else {}), **({"graphs": "1"} if graphs else {}),
-                        **drafter_signature(drafter)})
+                       {**executor, **drafter_signature(drafter)})
 
 
 def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerConfig | None = None,
-                    progress: Callable[[str], None] | None = None, compiled: bool = False,
-                    graphs: bool = False) -> Profile:
-    """Measure a ``Profile`` (see the module docstring); ``compiled``: T(b, q) of the compiled
-    decode step (``--compile``), ``graphs``: of the CUDA graphs (over a compiled layer with
-    ``compiled``), which is what decode steps then run."""
+                    progress: Callable[[str], None] | None = None, options: ExecutorOptions | None = None) -> Profile:
+    """Measure a ``Profile`` (see the module docstring): T(b, q) of the forwards an engine with
+    ``options`` runs (default ``ExecutorOptions()``: eager, row-invariant on a CPU)."""
+    options = options or ExecutorOptions()
     cfg = cfg or ProfilerConfig()
     say = progress or (lambda _msg: None)
     gen = torch.Generator().manual_seed(0)
@@ -172,37 +168,30 @@ def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerCon
     max_q = max(cfg.tokens_per_seq + cfg.single_seq_tokens)
     # a model with a short context window (tiny test models) gets a shorter cache, not an error
     context = max(0, min(cfg.context, model.cfg.max_position_embeddings - max_q - 1))
-    kv = KVCache.for_model(model.cfg, max_b, context + max_q + 1 + KV_MARGIN, model.dtype, model.device,
-                           spare_slot=graphs)
-    for k, v in zip(kv.k, kv.v):  # attention cost does not depend on the values; avoid garbage NaNs
+    executor = ForwardExecutor(model, options, max_b, context + max_q + 1, rows_per_seq=max(cfg.tokens_per_seq))
+    for k, v in zip(executor.kv.k, executor.kv.v):  # attention cost does not depend on the values; avoid NaNs
         k.zero_()
         v.zero_()
-    step: CompiledStep | GraphStep | None = None
-    if graphs:  # graphs for every row count of the grid (a verification of 9 rows, say)
-        step = GraphStep(model, kv, (), max(cfg.tokens_per_seq), capture=model.device.type == "cuda",
-                         compile=compiled)
-    elif compiled:
-        step = CompiledStep(model, kv)
+    forward = executor_forward(executor)
+
+    def samples_of(b: int, q: int, warm_up: bool = False) -> list[float]:
+        return forward_samples(forward, model.device, model.cfg.vocab_size, b, q, context, cfg.repeats, cfg.target_s,
+                               gen, warm_up=warm_up)
+
     samples: dict[tuple[int, int], list[float]] = {(b, q): [] for b in cfg.batch_sizes for q in cfg.tokens_per_seq}
     single_samples: dict[int, list[float]] = {n: [] for n in cfg.single_seq_tokens}
     # one untimed forward of the largest shape warms up the kernels and the allocator for all shapes
-    forward_samples(model, kv, max(cfg.batch_sizes), max(cfg.tokens_per_seq), context, 1, 0.0, gen, warm_up=False,
-                    step=step)
-    if isinstance(step, CompiledStep):
-        step.warm_up(max(cfg.tokens_per_seq))
-    elif step is not None:
-        step.warm_up()
+    forward_samples(forward, model.device, model.cfg.vocab_size, max(cfg.batch_sizes), max(cfg.tokens_per_seq),
+                    context, 1, 0.0, gen, warm_up=False)
     for p in range(cfg.passes):
         for b in cfg.batch_sizes:
             for q in cfg.tokens_per_seq:
-                samples[(b, q)] += forward_samples(model, kv, b, q, context, cfg.repeats, cfg.target_s, gen,
-                                                   warm_up=False, step=step)
+                samples[(b, q)] += samples_of(b, q)
             if p == cfg.passes - 1:
                 say(f"T(b={b}, q) = " + ", ".join(f"{statistics.median(samples[(b, q)]) * 1e3:.1f}"
                                                   for q in cfg.tokens_per_seq) + f" ms ({cfg.passes} passes)")
         for n in cfg.single_seq_tokens:
-            single_samples[n] += forward_samples(model, kv, 1, n, context, cfg.repeats, cfg.target_s, gen,
-                                                 warm_up=False, step=step)
+            single_samples[n] += samples_of(1, n)
     verify = {shape: statistics.median(times) for shape, times in samples.items()}
     single = {n: statistics.median(times) for n, times in single_samples.items()}
     draft_cost = {"default": 0.0}
@@ -220,7 +209,7 @@ def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerCon
         if member.stateful and not catchup:  # the catch-up of the (first) stateful one
             catchup = _catchup(clock, model.cfg.vocab_size, cfg, gen)
             say(f"catch-up table of {member.name} measured")
-    key = profile_key_for(model, drafter, compiled, graphs)
+    key = profile_key_for(model, drafter, executor.key())
     return Profile(target_latency=single, draft_cost=draft_cost, catchup=catchup, key=key, verify_latency=verify)
 
 
@@ -294,17 +283,19 @@ def _catchup(clock: _DraftClock, vocab: int, cfg: ProfilerConfig, gen: torch.Gen
 
 def load_or_measure(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerConfig | None = None,
                     refresh: bool = False, progress: Callable[[str], None] | None = None,
-                    compiled: bool = False, graphs: bool = False) -> tuple[Profile, Path]:
-    """The cached profile for this model/device/dtype/drafter (compiled step, CUDA graphs),
-    measured (and cached) when missing."""
-    key = profile_key_for(model, drafter, compiled, graphs)
+                    options: ExecutorOptions | None = None) -> tuple[Profile, Path]:
+    """The cached profile for this model/device/dtype/drafter and forwards run with ``options`` (the
+    target is prepared for them first: its row-invariant kernels chosen), measured (and cached)
+    when missing."""
+    options = options or ExecutorOptions()
+    key = profile_key_for(model, drafter, executor_key(model, options, prepare_target(model, options)))
     path = profile_cache_dir() / f"{key}.json"
     if path.exists() and not refresh:
         try:
             return Profile.load(path), path
         except (ValueError, KeyError, json.JSONDecodeError):
             pass  # stale format or a torn write: measure again below
-    prof = measure_profile(model, drafter, cfg, progress, compiled, graphs)
+    prof = measure_profile(model, drafter, cfg, progress, options)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(prof.to_json())
