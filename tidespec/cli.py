@@ -108,7 +108,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _registrars() -> list[Registrar]:
     """Sub-command groups that live with the code they run (imported when the parser is built)."""
     from tidespec.bench.cli import register as bench
-    from tidespec.online.trainer.cli import register as train_drafter
+    from tidespec.online.training.cli import register as train_drafter
     from tidespec.server.cli import register as serve
 
     return [bench, serve, train_drafter]

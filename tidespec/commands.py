@@ -1,7 +1,7 @@
 """Running a parsed ``tidespec`` sub-command: a user's mistake becomes one line, never a traceback.
 
 Why this exists: ``tidespec`` and the sub-command modules that also run on their own as child
-processes (``python -m tidespec.server.cli serve``, ``python -m tidespec.online.trainer.cli
+processes (``python -m tidespec.server.cli serve``, ``python -m tidespec.online.training.cli
 train-drafter``, what ``bench serve --launch`` and ``serve --online-training`` start) share one
 way to run a command. It lives below all of them, so none imports the top-level ``cli``.
 

@@ -24,9 +24,9 @@ from tidespec.config import ConfigError
 from tidespec.models.eagle3_checkpoint import import_eagle3
 from tidespec.models.eagle3_head import Eagle3Config
 from tidespec.models.loader import LoadedModel
-from tidespec.online.eagle3_train import SignalSegment
-from tidespec.online.trainer.data import heldout_keys
-from tidespec.online.trainer.process import capture_from_workload
+from tidespec.online.training.data import heldout_keys
+from tidespec.online.training.eagle3_train import SignalSegment
+from tidespec.online.training.process import capture_from_workload
 
 V = 48
 

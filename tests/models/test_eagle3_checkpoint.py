@@ -25,7 +25,7 @@ from tidespec.models.eagle3_checkpoint import (
 )
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head
 from tidespec.models.llama import LlamaConfig
-from tidespec.online.eagle3_train import select_draft_vocab
+from tidespec.online.training.eagle3_train import select_draft_vocab
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig, build_eagle3_drafter
 
 TARGET = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=8, num_heads=4,

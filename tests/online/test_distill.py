@@ -15,7 +15,10 @@ from tidespec.engine.engine import LLMEngine
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head, init_from_target
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
-from tidespec.online.eagle3_train import (
+from tidespec.online.store import SignalStore
+from tidespec.online.training.data import deepen_head, segments_by_sequence, split_heldout, token_counts, widen_head
+from tidespec.online.training.distill import generate_continuations, teacher_pass, teacher_rows
+from tidespec.online.training.eagle3_train import (
     Eagle3TrainError,
     SignalBatch,
     SignalSegment,
@@ -27,10 +30,7 @@ from tidespec.online.eagle3_train import (
     unroll,
     walk_chains,
 )
-from tidespec.online.store import SignalStore
-from tidespec.online.trainer.data import deepen_head, segments_by_sequence, split_heldout, token_counts, widen_head
-from tidespec.online.trainer.distill import generate_continuations, teacher_pass, teacher_rows
-from tidespec.online.trainer.rounds import lr_factor
+from tidespec.online.training.rounds import lr_factor
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import DraftInput, DraftProposal
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
@@ -250,8 +250,8 @@ def test_lr_factor_warmup_and_cosine() -> None:
 
 
 def test_bf16_autocast_training_learns_and_keeps_float32_weights(tmp_path: Path) -> None:
-    from tidespec.online.trainer.config import TrainerConfig
-    from tidespec.online.trainer.rounds import DraftTrainer
+    from tidespec.online.training.config import TrainerConfig
+    from tidespec.online.training.rounds import DraftTrainer
 
     target = tiny_target(torch.float32, seed=0, vocab=VOCAB)
     segs = _distill_segments(target, 8, 32, seed=0)

@@ -14,8 +14,8 @@ from tests.helpers import tiny_llama, tiny_tokenizer
 from tests.online.test_supervisor import FAST, SLEEPER, Children
 from tidespec.config import CacheConfig, ConfigError, EngineConfig, OnlineTrainingConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.online.trainer.governor import GovernorConfig, TrainingGovernor
-from tidespec.online.trainer.supervisor import TrainerSupervisor
+from tidespec.online.serving.governor import GovernorConfig, TrainingGovernor
+from tidespec.online.serving.supervisor import TrainerSupervisor
 from tidespec.sampling import SamplingParams
 from tidespec.stats import StepStats
 
@@ -144,9 +144,9 @@ def test_collection_asks_for_taps_only_while_speculation_pays() -> None:
     from types import SimpleNamespace
 
     from tidespec.config import CollectionConfig
-    from tidespec.online.attach import SignalCollector, speculation_pays
     from tidespec.online.capture import CaptureBuffer
     from tidespec.online.collection import SelectiveCollector
+    from tidespec.online.signals import SignalCollector, speculation_pays
 
     class Predicts:
         last_predicted_speedup = 1.3

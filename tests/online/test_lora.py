@@ -42,13 +42,13 @@ from tidespec.models.eagle3_lora import (
     with_lora,
 )
 from tidespec.models.llama import LlamaModel
-from tidespec.online.attach import OnlineConfig, attach_online_training
-from tidespec.online.eagle3_train import SignalBatch as Batch
-from tidespec.online.eagle3_train import SignalSegment, unroll
+from tidespec.online.serving.attach import OnlineConfig, attach_online_training
 from tidespec.online.store import SignalShard, SignalStore
-from tidespec.online.trainer.config import LoraAlignConfig, TrainerConfig, TrainerConfigError
-from tidespec.online.trainer.data import segments_by_sequence
-from tidespec.online.trainer.lora import (
+from tidespec.online.training.config import LoraAlignConfig, TrainerConfig, TrainerConfigError
+from tidespec.online.training.data import segments_by_sequence
+from tidespec.online.training.eagle3_train import SignalBatch as Batch
+from tidespec.online.training.eagle3_train import SignalSegment, unroll
+from tidespec.online.training.lora import (
     LoraAligner,
     anchor_rows,
     curriculum_loss,
@@ -290,7 +290,7 @@ def test_an_update_is_judged_on_the_next_rows_against_the_head_served_meanwhile(
         model: LlamaModel, tok, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Test, then train: the rows that score an update arrived after it, and once an adapter is
     published it (not the base head) is what the next update has to beat."""
-    from tidespec.online.trainer import lora
+    from tidespec.online.training import lora
 
     cfg, shards, live = served_in_turn(model, tok, tmp_path)
     base = random_head(model, 1)
@@ -345,7 +345,7 @@ def test_an_update_is_judged_on_the_next_rows_against_the_head_served_meanwhile(
 
 def test_lora_options_are_validated_and_reach_the_trainer_child(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    import tidespec.online.trainer.process as process
+    import tidespec.online.serving.launch as process
 
     with pytest.raises(TrainerConfigError, match="lora_rank"):
         LoraAlignConfig(rank=0)
@@ -442,7 +442,7 @@ def test_a_corrupt_adapter_is_refused_and_serving_continues(model: LlamaModel, t
     (d / WEIGHTS_NAME).write_bytes(b"not a safetensors file")
     assert ads.poll_once() is None
     engine.step()  # between steps: the base is copied
-    with caplog.at_level(logging.WARNING, logger="tidespec.online.adapters"):
+    with caplog.at_level(logging.WARNING, logger="tidespec.online.serving.adapters"):
         assert ads.poll_once() is None and ads.poll_once() is None  # refused once, not re-read unchanged
     assert len([r for r in caplog.records if "refusing LoRA adapter" in r.getMessage()]) == 1
     assert online.state()["lora"]["refused_adapters"] == ["v1/a1"]
@@ -478,7 +478,7 @@ def test_adapters_follow_the_served_version(model: LlamaModel, tok, tmp_path: Pa
 
 def test_the_trainer_aligns_between_rounds_from_where_its_rounds_stand(model: LlamaModel, tok,
                                                                        tmp_path: Path) -> None:
-    from tidespec.online.trainer.rounds import DraftTrainer
+    from tidespec.online.training.rounds import DraftTrainer
 
     cfg = capture_with_hidden(model, tok, tmp_path, PROMPTS + [[20, 21, 22, 20], [30, 31, 30, 31]])
     lcfg = LoraAlignConfig(enabled=True, rank=4, alpha=8.0, buffer_rows=4, steps=2, min_rows=4, topk=6)
@@ -523,7 +523,7 @@ def test_a_version_rolled_back_to_takes_its_newest_adapter_on_its_clean_weights(
 
 def test_full_rounds_distil_from_the_top_k_of_captured_hidden_states(model: LlamaModel, tok, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    import tidespec.online.trainer.rounds as rounds
+    import tidespec.online.training.rounds as rounds
 
     cfg = capture_with_hidden(model, tok, tmp_path, PROMPTS)
     seen: list[bool] = []

@@ -16,10 +16,10 @@ from tidespec.llm import output_matrix
 from tidespec.models.eagle3_head import Eagle3Head
 from tidespec.models.eagle3_lora import adapter_dir, list_adapters, load_adapter, merged_state
 from tidespec.models.llama import LlamaModel
-from tidespec.online.eagle3_train import SignalBatch, unroll
-from tidespec.online.trainer import lora
-from tidespec.online.trainer.config import LoraAlignConfig
-from tidespec.online.trainer.lora import LoraAligner, eligible_rows, extra_vocab
+from tidespec.online.training import lora
+from tidespec.online.training.config import LoraAlignConfig
+from tidespec.online.training.eagle3_train import SignalBatch, unroll
+from tidespec.online.training.lora import LoraAligner, eligible_rows, extra_vocab
 
 OWN = 24  # the pruned heads' draft vocabulary: target ids 0..23
 

@@ -29,16 +29,10 @@ from tidespec.models.eagle3_checkpoint import (
 from tidespec.models.eagle3_head import Eagle3Head
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
-from tidespec.online.attach import (
-    TRAINER_STATE_NAME,
-    OnlineConfig,
-    OnlineConfigError,
-    SignalCollector,
-    attach_online_training,
-    budget_shortfall,
-)
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
+from tidespec.online.serving.attach import OnlineConfig, OnlineConfigError, attach_online_training, budget_shortfall
+from tidespec.online.signals import TRAINER_STATE_NAME, SignalCollector
 from tidespec.online.store import SignalShard, SignalStore
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig, build_eagle3_drafter
@@ -287,7 +281,7 @@ def test_partial_and_invalid_versions_are_refused_and_serving_continues(
         bad.fc.weight[0, 0] = float("nan")
     export_eagle3(bad, root / "v4")
     (root / LATEST_NAME).write_text("4\n")
-    with caplog.at_level(logging.WARNING, logger="tidespec.online.attach"):
+    with caplog.at_level(logging.WARNING, logger="tidespec.online.serving.attach"):
         for version in (2, 3, 4):
             (root / LATEST_NAME).write_text(f"{version}\n")
             assert up.poll_once() is None
@@ -307,7 +301,7 @@ def test_partial_and_invalid_versions_are_refused_and_serving_continues(
 
     # at start-up: a root whose only versions are invalid -> logged, fresh head; a bad plain dir -> error
     caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="tidespec.online.attach"):
+    with caplog.at_level(logging.WARNING, logger="tidespec.online.serving.attach"):
         shutil.rmtree(root / "v1")
         shutil.rmtree(root / "v5")
         (root / LATEST_NAME).unlink()
@@ -333,7 +327,7 @@ def test_a_version_refused_while_half_copied_is_taken_once_its_files_arrive(
     shutil.copy(full / CONFIG_NAME, root / "v2" / CONFIG_NAME)
     (root / "v2" / WEIGHTS_NAME).write_bytes(weights[:len(weights) // 2])  # the copy is half way
     (root / LATEST_NAME).write_text("2\n")
-    with caplog.at_level(logging.WARNING, logger="tidespec.online.attach"):
+    with caplog.at_level(logging.WARNING, logger="tidespec.online.serving.attach"):
         assert up.poll_once() is None and up.poll_once() is None
     assert sorted(up.refused) == [2] and online.state()["refused_versions"] == [2]
     assert sum("refusing EAGLE-3 drafter version 2" in r.getMessage() for r in caplog.records) == 1
@@ -413,6 +407,6 @@ def test_a_signal_budget_smaller_than_one_round_is_warned_at_start(model: LlamaM
                                collection=CollectionConfig(n_threshold=64))
     engine = make_engine(model, tok, build_eagle3_drafter(model, cfg.publish_root, cfg=drafter_cfg()), gamma=2,
                          tree=False)
-    with caplog.at_level(logging.WARNING, logger="tidespec.online.attach"):
+    with caplog.at_level(logging.WARNING, logger="tidespec.online.serving.attach"):
         attach_online_training(engine, tiny_budget, start=False)
     assert any("training will never run" in r.getMessage() for r in caplog.records)

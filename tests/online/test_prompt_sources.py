@@ -9,9 +9,9 @@ import pytest
 
 from tests.helpers import tiny_llama, tiny_tokenizer
 from tidespec.cli import main as cli_main
-from tidespec.online.trainer.codemine import mine_functions, prompts_from_source, python_files
-from tidespec.online.trainer.config import MinePromptsConfig, SynthPromptsConfig, TrainerConfigError
-from tidespec.online.trainer.selfinstruct import OverlapFilter, pre_query_text, synth_prompts
+from tidespec.online.prompts.codemine import mine_functions, prompts_from_source, python_files
+from tidespec.online.prompts.selfinstruct import OverlapFilter, pre_query_text, synth_prompts
+from tidespec.online.training.config import MinePromptsConfig, SynthPromptsConfig, TrainerConfigError
 from tidespec.workloads.loader import load_workload, write_workload
 
 VOCAB = 64

@@ -14,9 +14,9 @@ from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.models.eagle3_checkpoint import fresh_head, publish
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head
-from tidespec.online.attach import DrafterUpdater
-from tidespec.online.eagle3_train import Eagle3TrainConfig, Eagle3Trainer
-from tidespec.online.rollback import RollbackConfig, ServedCheck
+from tidespec.online.serving.attach import DrafterUpdater
+from tidespec.online.serving.rollback import RollbackConfig, ServedCheck
+from tidespec.online.training.eagle3_train import Eagle3TrainConfig, Eagle3Trainer
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig, build_eagle3_drafter
 from tidespec.speculative.policy.speedup import Profile

@@ -23,12 +23,12 @@ from tests.helpers import tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, CollectionConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.errors import ConfigError
-from tidespec.online.attach import OnlineConfig, OnlineTraining, attach_online_training
-from tidespec.online.trainer.supervisor import RestartPolicy, TrainerSupervisor, describe_exit
+from tidespec.online.serving.attach import OnlineConfig, OnlineTraining, attach_online_training
+from tidespec.online.serving.supervisor import RestartPolicy, TrainerSupervisor, describe_exit
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig, build_eagle3_drafter
 
-LOGGER = "tidespec.online.trainer.supervisor"
+LOGGER = "tidespec.online.serving.supervisor"
 SLEEPER = "import time; time.sleep(60)"
 FAST = RestartPolicy(max_restarts=3, backoff_s=0.05, backoff_max_s=0.2, healthy_s=60.0)
 

@@ -18,21 +18,17 @@ from tidespec.engine.engine import LLMEngine
 from tidespec.models.eagle3_checkpoint import import_eagle3, latest_version, load_version
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import load_model
-from tidespec.online.attach import TRAINER_STATE_NAME, OnlineConfig, SignalCollector
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
-from tidespec.online.eagle3_train import SignalSegment
+from tidespec.online.serving.attach import OnlineConfig
+from tidespec.online.serving.launch import start_trainer_process
+from tidespec.online.signals import TRAINER_STATE_NAME, SignalCollector
 from tidespec.online.store import SignalShard, SignalStore
-from tidespec.online.trainer.config import TrainerConfig, TrainerConfigError
-from tidespec.online.trainer.data import cut_segment, segments_by_sequence, split_heldout
-from tidespec.online.trainer.process import (
-    capture_from_workload,
-    distill_from_workload,
-    export_latest,
-    start_trainer_process,
-    train_drafter,
-)
-from tidespec.online.trainer.rounds import DraftTrainer
+from tidespec.online.training.config import TrainerConfig, TrainerConfigError
+from tidespec.online.training.data import cut_segment, segments_by_sequence, split_heldout
+from tidespec.online.training.eagle3_train import SignalSegment
+from tidespec.online.training.process import capture_from_workload, distill_from_workload, export_latest, train_drafter
+from tidespec.online.training.rounds import DraftTrainer
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig, build_eagle3_drafter
 
@@ -237,7 +233,7 @@ def test_two_process_gloo_ddp_publishes_a_drafter_the_engine_loads(tmp_path: Pat
     assert buf.num_captured > 200
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "-m", "tidespec.online.trainer.cli", "train-drafter", "--model", str(ckpt), "--signal-dir", str(sig),
+           "-m", "tidespec.online.training.cli", "train-drafter", "--model", str(ckpt), "--signal-dir", str(sig),
            "--publish-root", str(root), "--once", "--max-steps", "100", "--batch-segments", "2", "--lr", "3e-3",
            "--gamma", "2", "--heldout-frac", "0.25", "--threads", "1", "--no-progress", "--backend", "gloo"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}

@@ -11,7 +11,7 @@ from tests.helpers import capture
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head, default_tap_layers
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaConfig, LlamaModel
-from tidespec.online.eagle3_train import (
+from tidespec.online.training.eagle3_train import (
     Eagle3TrainConfig,
     Eagle3Trainer,
     SignalBatch,

@@ -16,7 +16,7 @@ from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.models.eagle3_graphs import MAX_CATCH_UP_ROWS, HeadGraphs
 from tidespec.models.kv_cache import KVCache
-from tidespec.online.eagle3_train import select_draft_vocab
+from tidespec.online.training.eagle3_train import select_draft_vocab
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import DraftInput, Observation
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig

@@ -13,7 +13,7 @@ from tidespec.engine.engine import LLMEngine
 from tidespec.models.eagle3_checkpoint import export_eagle3, import_eagle3, state_dict_equal
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head, init_from_target
 from tidespec.models.llama import LlamaModel
-from tidespec.online.eagle3_train import SignalBatch, SignalSegment, ttt_loss, unroll
+from tidespec.online.training.eagle3_train import SignalBatch, SignalSegment, ttt_loss, unroll
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import DraftInput, Observation
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig

@@ -69,10 +69,9 @@ from tidespec.config import ConfigError, opt
 from tidespec.models.eagle3_checkpoint import PublishedDrafter, export_eagle3, head_from_published, load_drafter_source
 from tidespec.models.eagle3_head import FUSIONS, INIT_FROM_TARGET, Eagle3Head, init_from_target
 from tidespec.models.loader import LoadedModel
-from tidespec.online.eagle3_train import SignalSegment
 from tidespec.online.store import SignalStore
-from tidespec.online.trainer.config import TrainerConfig
-from tidespec.online.trainer.data import (
+from tidespec.online.training.config import TrainerConfig
+from tidespec.online.training.data import (
     deepen_head,
     fresh_head_for,
     heldout_acceptance,
@@ -80,7 +79,8 @@ from tidespec.online.trainer.data import (
     segments_by_sequence,
     widen_head,
 )
-from tidespec.online.trainer.rounds import DraftTrainer
+from tidespec.online.training.eagle3_train import SignalSegment
+from tidespec.online.training.rounds import DraftTrainer
 
 
 def parse_fractions(text: str) -> tuple[float, ...]:

@@ -12,14 +12,14 @@ the engine three ways:
   head when none is given);
 * ``online`` — the same starting drafter with online training on: capture into a signal store,
   TIDE's selective collection, ``tidespec train-drafter`` as a child process (paused while its
-  engine decodes beyond ``--trainer-share``, ``online.trainer.governor``), swaps between steps;
+  engine decodes beyond ``--trainer-share``, ``online.serving.governor``), swaps between steps;
 * ``ngram`` / ``suffix`` (optional) — that model-free drafter alone at a static gamma;
 * ``vocab-static`` / ``vocab-dynamic`` / ``vocab-full`` (optional) — the frozen drafter over a draft
   vocabulary (EvoSpec: FR-Spec's frequency core, core + retrieved buffer, every token; the head's
   rows for tokens outside its own vocabulary are the target's, mapped into its space), and
   ``vocab-static:CORE`` / ``vocab-dynamic:CORE:BUFFER`` of chosen sizes (a size sweep in one run);
 * ``vocab-static-lora`` / ``vocab-dynamic-lora`` (optional) — the same, aligned online: capture on,
-  a trainer child that only trains LoRA adapters (EvoSpec path B, ``online.trainer.lora``), adapters
+  a trainer child that only trains LoRA adapters (EvoSpec path B, ``online.training.lora``), adapters
   merged between steps — with the two above, EvoSpec Figure 3's ablation in one run.
 
 ``--drafter suffix,eagle3 --policy analytic`` gives frozen and online the suffix drafter beside

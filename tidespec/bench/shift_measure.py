@@ -33,7 +33,7 @@ from tidespec.models.eagle3_head import Eagle3Config
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.models.loader import LoadedModel
-from tidespec.online.attach import OnlineConfig, OnlineTraining, attach_online_training
+from tidespec.online.serving.attach import OnlineConfig, OnlineTraining, attach_online_training
 from tidespec.online.store import SignalShard, SignalStore
 
 
@@ -89,10 +89,10 @@ def measure_training_sources(target: LoadedModel, signal_dir: Path, cfg: ShiftBe
     the difference is where the hidden states come from.
     """
     from tidespec.models.eagle3_checkpoint import fresh_head
-    from tidespec.online.eagle3_train import SignalSegment
-    from tidespec.online.trainer.config import TrainerConfig
-    from tidespec.online.trainer.data import cut_segment, segments_by_sequence
-    from tidespec.online.trainer.rounds import DraftTrainer
+    from tidespec.online.training.config import TrainerConfig
+    from tidespec.online.training.data import cut_segment, segments_by_sequence
+    from tidespec.online.training.eagle3_train import SignalSegment
+    from tidespec.online.training.rounds import DraftTrainer
 
     store = SignalStore(signal_dir, 1 << 40)
     t0 = time.perf_counter()

@@ -45,8 +45,9 @@ from tidespec.models.eagle3_checkpoint import head_from_published, load_drafter_
 from tidespec.models.eagle3_lora import LORA_DIR
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import LoadedModel
-from tidespec.online.attach import OnlineConfig, OnlineTraining, attach_online_training, read_trainer_rounds
-from tidespec.online.trainer.governor import GovernorConfig
+from tidespec.online.serving.attach import OnlineConfig, OnlineTraining, attach_online_training
+from tidespec.online.serving.governor import GovernorConfig
+from tidespec.online.signals import read_trainer_rounds
 from tidespec.sampling import SamplingParams
 from tidespec.stats import RequestStats, StepStats
 
@@ -277,7 +278,7 @@ def start_online(target: LoadedModel, trace: list[TraceItem], cfg: ShiftBenchCon
     ``online`` trains full rounds; ``vocab-*-lora`` serves over that draft vocabulary and its
     trainer only aligns LoRA adapters (EvoSpec path B; no full round ever runs), from signals
     collected all the time and cut into small shards."""
-    from tidespec.online.trainer.process import start_trainer_process
+    from tidespec.online.serving.launch import start_trainer_process
 
     root, signals = work / "drafter", work / "signals"
     seeded = seed_publish_root(root, cfg.bootstrap, target.model)

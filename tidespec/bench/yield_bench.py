@@ -1,7 +1,7 @@
 """``tidespec bench yield``: what online training costs serving on a shared CPU, and what serving
 costs training when idle.
 
-Why this exists: the trainer child yields to serving (``online.trainer.governor``): stopped while
+Why this exists: the trainer child yields to serving (``online.serving.governor``): stopped while
 the engine steps, running flat out when it is idle. Two claims follow, and this measures both on
 the same signal store:
 
@@ -36,10 +36,10 @@ from tidespec.bench.shift_runs import TraceLoop
 from tidespec.config import CacheConfig, CollectionConfig, ConfigError, EngineConfig, opt
 from tidespec.engine.engine import LLMEngine
 from tidespec.models.loader import LoadedModel
-from tidespec.online.attach import OnlineConfig
-from tidespec.online.trainer.governor import GovernorConfig, TrainingGovernor
-from tidespec.online.trainer.process import start_trainer_process
-from tidespec.online.trainer.supervisor import TrainerSupervisor
+from tidespec.online.serving.attach import OnlineConfig
+from tidespec.online.serving.governor import GovernorConfig, TrainingGovernor
+from tidespec.online.serving.launch import start_trainer_process
+from tidespec.online.serving.supervisor import TrainerSupervisor
 
 MODES = ("none", "governed", "free")
 

@@ -5,7 +5,7 @@ already computes while serving. The head is one decoder layer plus a draft-vocab
 that reads the target's hidden states entering three tap layers (low, middle, high). It is a
 model like the target (``llama.py``), so it lives here; the drafter that proposes with it is
 ``tidespec.speculative.drafters.eagle3``, its training-time-test forward is in
-``tidespec.online.eagle3_train``, and its checkpoint format in ``eagle3_checkpoint``. The module
+``tidespec.online.training.eagle3_train``, and its checkpoint format in ``eagle3_checkpoint``. The module
 layout follows vLLM's / SGLang's ``LlamaForCausalLMEagle3`` so exported checkpoints load there.
 
 One head step at rope position ``i`` (``fused`` is ``fc(taps_i)`` for a real position, or the
@@ -234,7 +234,7 @@ class Eagle3Head(PlacedModule):
         self._row_map: tuple[tuple[int, ...], torch.Tensor] | None = None
 
     def set_vocab_map(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-        """Install a draft vocabulary (see ``tidespec.online.eagle3_train.select_draft_vocab``)."""
+        """Install a draft vocabulary (see ``tidespec.online.training.eagle3_train.select_draft_vocab``)."""
         if tuple(d2t.shape) != tuple(self.d2t.shape) or tuple(t2d.shape) != tuple(self.t2d.shape):
             raise Eagle3ConfigError(f"vocab map shapes {tuple(d2t.shape)}/{tuple(t2d.shape)} do not match the head")
         self.d2t.copy_(d2t)

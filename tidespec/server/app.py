@@ -92,7 +92,7 @@ from tidespec.server.protocol import (
 from tidespec.speculative.policy.factory import policy_profile
 
 if TYPE_CHECKING:
-    from tidespec.online.attach import OnlineTraining
+    from tidespec.online.serving.attach import OnlineTraining
 
 ROUTE_HEADER = "x-tidespec-route"
 IGNORED_FIELDS_HEADER = "X-Tidespec-Ignored-Fields"

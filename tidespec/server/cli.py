@@ -161,10 +161,10 @@ def _load_app(config: EngineConfig, server_config: ServerConfig, admission: Admi
     engine = build_engine(config)
     online = None
     if config.online.enabled:
-        from tidespec.online.attach import OnlineConfig, attach_online_training
-        from tidespec.online.trainer.governor import GovernorConfig
-        from tidespec.online.trainer.process import start_trainer_process, trainer_log_path
-        from tidespec.online.trainer.supervisor import RestartPolicy
+        from tidespec.online.serving.attach import OnlineConfig, attach_online_training
+        from tidespec.online.serving.governor import GovernorConfig
+        from tidespec.online.serving.launch import start_trainer_process, trainer_log_path
+        from tidespec.online.serving.supervisor import RestartPolicy
 
         oc = config.online
         online = attach_online_training(engine, OnlineConfig.from_engine_config(config))

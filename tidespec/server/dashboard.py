@@ -46,7 +46,7 @@ from tidespec.server.metrics import Metrics
 from tidespec.speculative.api import Drafter
 
 if TYPE_CHECKING:
-    from tidespec.online.attach import OnlineTraining
+    from tidespec.online.serving.attach import OnlineTraining
 
 DASHBOARD_PATH = "/dashboard"
 ASSETS = {"uPlot.iife.min.js": "text/javascript", "uPlot.min.css": "text/css"}

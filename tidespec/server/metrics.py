@@ -66,7 +66,7 @@ client takes differences between two scrapes to isolate one run.
 Online training (``attach_online``, servers with ``--online-training`` only), read from
 ``OnlineTraining.state()`` at scrape time: ``trainer_up`` (1 while the trainer child runs, 0 while
 it waits for a restart, after the supervisor gave up, or after it exited), ``trainer_paused`` (1
-while it yields the CPU to serving: ``online.trainer.governor``), and the counters
+while it yields the CPU to serving: ``online.serving.governor``), and the counters
 ``trainer_deaths_total`` (exits nobody asked for) and ``trainer_restarts_total``.
 
 A draft vocabulary (``attach_vocab``, servers run with ``--draft-vocab-mode``): its counters as
@@ -95,7 +95,7 @@ from tidespec.speculative.vocab.dynamic import DynamicVocab
 from tidespec.stats import StepStats
 
 if TYPE_CHECKING:
-    from tidespec.online.attach import OnlineTraining
+    from tidespec.online.serving.attach import OnlineTraining
 
 PREFIX = "tidespec:"
 DEFAULT_ROUTE = "default"

@@ -20,14 +20,14 @@ from torch import nn
 from tidespec.models.eagle3_checkpoint import fresh_head
 from tidespec.models.eagle3_head import Eagle3Head
 from tidespec.models.llama import LlamaConfig
-from tidespec.online.eagle3_train import (
+from tidespec.online.store import SignalShard
+from tidespec.online.training.eagle3_train import (
     Eagle3TrainError,
     SignalSegment,
     acceptance_stats,
     segments_from_rows,
     select_draft_vocab,
 )
-from tidespec.online.store import SignalShard
 
 
 def cut_segment(seg: SignalSegment, max_len: int) -> list[SignalSegment]:

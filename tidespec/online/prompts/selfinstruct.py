@@ -32,7 +32,7 @@ from typing import Any
 from tqdm import tqdm
 
 from tidespec.models.llama import LlamaModel
-from tidespec.online.trainer.config import SynthPromptsConfig, TrainerConfigError
+from tidespec.online.training.config import SynthPromptsConfig, TrainerConfigError
 from tidespec.workloads.loader import Prompt, WorkloadRecord, workload_texts
 
 logger = logging.getLogger(__name__)
@@ -92,7 +92,7 @@ class OverlapFilter:
 def synth_prompts(model: LlamaModel, tokenizer: Any, cfg: SynthPromptsConfig) -> list[WorkloadRecord]:
     """Sample user queries from the target's pre-query template until ``cfg.count`` pass the filters
     (or ``cfg.attempts`` samples were drawn; fewer records are returned then, with a warning)."""
-    from tidespec.online.trainer.distill import bootstrap_engine
+    from tidespec.online.training.distill import bootstrap_engine
     from tidespec.sampling import SamplingParams
 
     pre = pre_query_text(tokenizer, cfg.system)

@@ -76,10 +76,10 @@ from tidespec.models.eagle3_lora import (
     save_adapter,
     with_lora,
 )
-from tidespec.online.eagle3_train import SignalBatch, SignalSegment, unroll
 from tidespec.online.store import ShardGone, ShardInfo, SignalShard, SignalStore
-from tidespec.online.trainer.config import LoraAlignConfig
-from tidespec.online.trainer.data import segments_by_sequence, simulated_acceptance
+from tidespec.online.training.config import LoraAlignConfig
+from tidespec.online.training.data import segments_by_sequence, simulated_acceptance
+from tidespec.online.training.eagle3_train import SignalBatch, SignalSegment, unroll
 
 logger = logging.getLogger(__name__)
 

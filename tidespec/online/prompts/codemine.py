@@ -34,8 +34,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from tidespec.online.trainer.config import MinePromptsConfig, TrainerConfigError
-from tidespec.online.trainer.selfinstruct import OverlapFilter
+from tidespec.online.prompts.selfinstruct import OverlapFilter
+from tidespec.online.training.config import MinePromptsConfig, TrainerConfigError
 from tidespec.workloads.loader import WorkloadRecord, workload_texts
 
 logger = logging.getLogger(__name__)

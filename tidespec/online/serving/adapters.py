@@ -38,8 +38,8 @@ import torch
 from tidespec.engine.observer import EngineObserver
 from tidespec.files import directory_fingerprint
 from tidespec.models.eagle3_lora import AdapterError, adapter_dir, list_adapters, load_adapter, merged_state
-from tidespec.online.poller import RootPoller
-from tidespec.online.rollback import ServedCheck
+from tidespec.online.serving.poller import RootPoller
+from tidespec.online.serving.rollback import ServedCheck
 
 if TYPE_CHECKING:
     from tidespec.engine.engine import LLMEngine

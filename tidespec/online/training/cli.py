@@ -4,7 +4,7 @@ EAGLE-3 trainer and of the training prompts it can make for itself (self-instruc
 Why this exists: the trainer runs as its own process — a child of ``tidespec serve
 --online-training``, a standalone job on another machine sharing the directories, or several
 ranks under ``torchrun`` — so it needs an entry point that works both as a ``tidespec``
-sub-command (``register``) and as ``python -m tidespec.online.trainer.cli train-drafter`` (``main``,
+sub-command (``register``) and as ``python -m tidespec.online.training.cli train-drafter`` (``main``,
 which is what ``torchrun -m`` and ``start_trainer_process`` launch).
 
 Worked examples::
@@ -13,7 +13,7 @@ Worked examples::
     tidespec train-drafter --from-workload code.jsonl --signal-dir runs/sig --publish-root runs/drafter --once
     tidespec synth-prompts --out runs/q.jsonl --count 1000 --exclude-workload chat,code_unseen
     tidespec mine-prompts --out runs/code.jsonl --count 1000 --exclude-workload code_unseen
-    torchrun --nproc_per_node 2 -m tidespec.online.trainer.cli train-drafter --signal-dir ... --publish-root ... --once
+    torchrun --nproc_per_node 2 -m tidespec.online.training.cli train-drafter --signal-dir ... --publish-root ... --once
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from tidespec.config import add_dataclass_args, dataclass_from_args, output_dir
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``train-drafter``, ``synth-prompts`` and ``mine-prompts`` to the top-level parser's sub-parsers."""
-    from tidespec.online.trainer.config import MinePromptsConfig, SynthPromptsConfig, TrainerConfig
+    from tidespec.online.training.config import MinePromptsConfig, SynthPromptsConfig, TrainerConfig
 
     _command(subparsers, "train-drafter", "train and publish EAGLE-3 drafters from captured signals", TrainerConfig,
              cmd_train_drafter)
@@ -58,7 +58,7 @@ def _logging(ns: argparse.Namespace) -> None:
 
 def _prompt_source(cls: type, ns: argparse.Namespace) -> Any:
     """The validated config of a prompt-writing command; refuses to overwrite its ``--out``."""
-    from tidespec.online.trainer.config import TrainerConfigError
+    from tidespec.online.training.config import TrainerConfigError
 
     _logging(ns)
     cfg = dataclass_from_args(cls, ns)
@@ -70,7 +70,7 @@ def _prompt_source(cls: type, ns: argparse.Namespace) -> Any:
 
 def _writable(flag: str, directory: str) -> None:
     """Refuse, before minutes of work, an output the command could not write at the end."""
-    from tidespec.online.trainer.config import TrainerConfigError
+    from tidespec.online.training.config import TrainerConfigError
 
     try:
         output_dir(directory)
@@ -87,8 +87,8 @@ def _write_prompts(records: list[Any], out: str) -> int:
 
 
 def cmd_train_drafter(ns: argparse.Namespace) -> int:
-    from tidespec.online.trainer.config import TrainerConfig
-    from tidespec.online.trainer.process import train_drafter
+    from tidespec.online.training.config import TrainerConfig
+    from tidespec.online.training.process import train_drafter
 
     _logging(ns)
     cfg = dataclass_from_args(TrainerConfig, ns)
@@ -109,8 +109,8 @@ def cmd_synth_prompts(ns: argparse.Namespace) -> int:
     import torch
 
     from tidespec.models.loader import DTYPES, load_model
-    from tidespec.online.trainer.config import SynthPromptsConfig
-    from tidespec.online.trainer.selfinstruct import synth_prompts
+    from tidespec.online.prompts.selfinstruct import synth_prompts
+    from tidespec.online.training.config import SynthPromptsConfig
 
     cfg = _prompt_source(SynthPromptsConfig, ns)
     if cfg.threads:
@@ -120,8 +120,8 @@ def cmd_synth_prompts(ns: argparse.Namespace) -> int:
 
 
 def cmd_mine_prompts(ns: argparse.Namespace) -> int:
-    from tidespec.online.trainer.codemine import mine_functions
-    from tidespec.online.trainer.config import MinePromptsConfig
+    from tidespec.online.prompts.codemine import mine_functions
+    from tidespec.online.training.config import MinePromptsConfig
 
     cfg = _prompt_source(MinePromptsConfig, ns)
     return _write_prompts(mine_functions(cfg), cfg.out)

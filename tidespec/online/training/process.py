@@ -1,27 +1,21 @@
-"""The ``tidespec train-drafter`` process: workload bootstrap, entry point, export, child start.
+"""The ``tidespec train-drafter`` process: workload bootstrap, entry point, export.
 
 Why this exists: training must never stall serving, so it runs in its own process (or on another
 machine sharing the directories, or on another device, or on several ranks with DDP). It watches
 the signal store the engine writes and publishes better heads (``trainer.rounds.DraftTrainer``);
 the serving engine polls the publish root and swaps them in
-(``tidespec.online.attach.DrafterUpdater``). Engine and trainer share only those two directories.
+(``tidespec.online.serving.attach.DrafterUpdater``). Engine and trainer share only those two directories.
 
 ``capture_from_workload`` fills a signal store by generating a workload with the target (the
 offline bootstrap), ``train_drafter`` is the command's entry point, ``export_latest`` writes the
-newest published drafter as one checkpoint, and ``start_trainer_process`` starts the trainer as a
-child of a serving process (which runs it under ``trainer.supervisor.TrainerSupervisor``).
+newest published drafter as one checkpoint. A serving process starts this one as its child with
+``tidespec.online.serving.launch.start_trainer_process``.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
-import os
-import signal
-import subprocess
-import sys
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,18 +26,17 @@ from tidespec.config import CollectionConfig
 from tidespec.models.eagle3_checkpoint import export_eagle3, head_from_published, load_latest_valid
 from tidespec.models.eagle3_head import Eagle3Config
 from tidespec.models.llama import LlamaConfig, LlamaModel
-from tidespec.online.attach import OnlineConfig, SignalCollector, TapCaptureDrafter
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
+from tidespec.online.signals import SignalCollector, TapCaptureDrafter
 from tidespec.online.store import SignalStore
-from tidespec.online.trainer.config import TrainerConfig, TrainerConfigError
-from tidespec.online.trainer.dist import DistContext
-from tidespec.online.trainer.distill import bootstrap_engine, generate_continuations, teacher_pass, training_prompts
-from tidespec.online.trainer.rounds import DraftTrainer, RoundResult
+from tidespec.online.training.config import TrainerConfig, TrainerConfigError
+from tidespec.online.training.dist import DistContext
+from tidespec.online.training.distill import bootstrap_engine, generate_continuations, teacher_pass, training_prompts
+from tidespec.online.training.rounds import DraftTrainer, RoundResult
 
 logger = logging.getLogger(__name__)
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 # ----------------------------------------------------------------------------------------------
@@ -156,57 +149,3 @@ def export_latest(root: str | Path, directory: str | Path, target_cfg: LlamaConf
     export_eagle3(head_from_published(pub, dtype, "cpu"), directory)
     logger.info("exported drafter version %d from %s to %s (%s)", pub.version, root, directory, dtype)
     return pub.version
-
-
-def start_trainer_process(online: OnlineConfig, model: str | None, dtype: str = "float32", device: str = "cpu",
-                          draft_vocab: int = 0, extra_args: Sequence[str] = (),
-                          log_path: Path | str | None = None, nice: int = 0) -> subprocess.Popen[bytes]:
-    """Start ``train-drafter`` as a child process watching ``online``'s store and publish root.
-
-    ``device``: where it trains (another GPU keeps training off the serving device). ``nice``:
-    added to the child's niceness, so on a CPU shared with serving the scheduler runs the
-    engine's threads first and training takes what serving leaves (0 keeps the parent's; Linux's
-    scheduler weighs a nice-10 thread at about a tenth of a nice-0 one).
-    ``draft_vocab`` must equal the engine's fresh-head draft vocabulary. Output goes to
-    ``log_path`` (default: ``trainer_log_path(online)``). Stop it with ``terminate()``.
-    """
-    cmd = [sys.executable, "-m", "tidespec.online.trainer.cli", "train-drafter",
-           "--signal-dir", online.signal_dir, "--publish-root", online.publish_root,
-           "--min-signals", str(online.collection.n_threshold), "--dtype", dtype, "--device", device,
-           "--draft-vocab", str(draft_vocab), "--budget-mb", str(max(1, online.signal_budget_bytes >> 20)),
-           "--no-progress"]
-    if model:
-        cmd += ["--model", model]
-    if online.lora:
-        cmd += ["--lora", "--lora-extra-vocab", str(online.lora_extra_vocab)]
-    cmd += list(extra_args)
-    log = Path(log_path) if log_path is not None else trainer_log_path(online)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with open(log, "ab") as out:  # the child keeps its own descriptor
-        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                preexec_fn=_child_setup(nice))
-
-
-def trainer_log_path(online: OnlineConfig) -> Path:
-    """Where the trainer child's output goes by default: ``<publish_root>/trainer.log``."""
-    return Path(online.publish_root) / "trainer.log"
-
-
-def _child_setup(nice: int) -> Callable[[], None] | None:
-    """A ``preexec_fn`` for the trainer child: raise its niceness by ``nice`` and, on Linux, ask
-    the kernel to SIGTERM it when its parent dies, so a serving process that is killed (SIGKILL,
-    a crash) never leaves its trainer running. ``prctl`` has no wrapper in the standard library;
-    libc's is looked up here, before the fork, so the child only makes the one foreign call."""
-    if nice < 0:
-        raise TrainerConfigError(f"nice must be >= 0 (an unprivileged process cannot lower it), got {nice}")
-    prctl = ctypes.CDLL(None, use_errno=True).prctl if sys.platform == "linux" else None
-    if prctl is None and nice == 0:
-        return None
-
-    def setup() -> None:
-        if nice:
-            os.nice(nice)
-        if prctl is not None:
-            prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
-
-    return setup

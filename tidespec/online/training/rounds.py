@@ -59,13 +59,13 @@ from tidespec.models.eagle3_checkpoint import (
 )
 from tidespec.models.eagle3_head import Eagle3Head, init_from_target
 from tidespec.models.llama import LlamaConfig
-from tidespec.online.attach import TRAINER_STATE_NAME
-from tidespec.online.eagle3_train import SignalSegment, ttt_loss
+from tidespec.online.signals import TRAINER_STATE_NAME
 from tidespec.online.store import ShardGone, ShardInfo, SignalShard, SignalStore
-from tidespec.online.trainer.config import TrainerConfig, TrainerConfigError
-from tidespec.online.trainer.data import fresh_head_for, segments_by_sequence, simulated_acceptance, split_heldout
-from tidespec.online.trainer.dist import DistContext, check_replicas_in_sync
-from tidespec.online.trainer.lora import LoraAligner, with_target_topk
+from tidespec.online.training.config import TrainerConfig, TrainerConfigError
+from tidespec.online.training.data import fresh_head_for, segments_by_sequence, simulated_acceptance, split_heldout
+from tidespec.online.training.dist import DistContext, check_replicas_in_sync
+from tidespec.online.training.eagle3_train import SignalSegment, ttt_loss
+from tidespec.online.training.lora import LoraAligner, with_target_topk
 
 logger = logging.getLogger(__name__)
 

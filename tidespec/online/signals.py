@@ -1,0 +1,146 @@
+"""What the serving process and the trainer child share besides the signal store: the engine
+observer that captures training signals, a drafter that only makes the engine tap, and the
+trainer's round log.
+
+Why this exists: capture runs in the server (signals from served traffic) and in the trainer child
+(``train-drafter --from-workload`` decodes prompts plainly and captures the same rows), and the
+server reads the round log the child writes; neither side may import the other's code
+(``tidespec.online.serving`` / ``tidespec.online.training``), so what both use lives here.
+
+Worked example (rows of one decode step)::
+
+    context t0..t6 (t6 just sampled), obs.start = 4, obs.num_new_cached = 2, taps [2, 3H]
+    -> push positions [4, 5], tokens [t4, t5], labels [t5, t6], taps rows 0..1
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tidespec.engine.observer import EngineObserver
+from tidespec.online.capture import CaptureBuffer
+from tidespec.online.collection import SelectiveCollector
+from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation
+from tidespec.speculative.policy.api import SpeculationPolicy
+from tidespec.speculative.policy.factory import predicted_speedup
+
+if TYPE_CHECKING:
+    from tidespec.engine.engine import LLMEngine
+    from tidespec.engine.sequence import Sequence
+
+TRAINER_STATE_NAME = "trainer_state.json"  # written by the trainer into the publish root
+SEQ_SALT_SHIFT = 40  # store seq id = salt << 40 | engine seq id (engine ids restart per process)
+
+
+class TapCaptureDrafter(DrafterBase):
+    """A drafter that never drafts but makes the engine tap the target's hidden states.
+
+    Used to capture signals from plain decoding (``train-drafter --from-workload``) without
+    running any head: the engine only emits observations when its drafter has ``tap_layers``.
+    """
+
+    name = "taps"
+
+    def __init__(self, tap_layers: tuple[int, ...]) -> None:
+        self.tap_layers = tuple(tap_layers)
+
+    def propose(self, inputs: list[DraftInput]) -> DraftProposal:
+        return DraftProposal()
+
+
+def speculation_pays(policy: SpeculationPolicy | None) -> bool:
+    """Whether ``policy`` last predicted a speedup over plain decoding for some drafter
+    (``factory.predicted_speedup``; a policy that predicts nothing - static - always says yes)."""
+    value = predicted_speedup(policy)
+    return value is None or value > 1.0
+
+
+class SignalCollector(EngineObserver):
+    """Observation consumer: turns the engine's observations into capture pushes, gated by
+    TIDE's selective collection. Runs on the engine thread; ``push`` never blocks.
+
+    Store seq ids are ``salt << 40 | engine seq id`` with a random per-collector salt, so rows of
+    two serving processes (whose engine ids both start at 0) never merge into one segment.
+    """
+
+    def __init__(self, engine: LLMEngine, buffer: CaptureBuffer, selective: SelectiveCollector, *,
+                 capture_prompt: bool = True, salt: int | None = None) -> None:
+        self.engine = engine
+        self.buffer = buffer
+        self.selective = selective
+        self.capture_prompt = capture_prompt
+        self.salt = (random.getrandbits(22) if salt is None else salt) << SEQ_SALT_SHIFT
+        self.enabled = True  # off for good when no trainer will ever read the signals
+        self.num_skipped_rows = 0  # rows seen while collection was off
+
+    def store_seq_id(self, engine_seq_id: int) -> int:
+        return self.salt | engine_seq_id
+
+    def hook_into(self, engine: LLMEngine) -> SignalCollector:
+        """Follow ``engine``'s steps as an observer (returns self)."""
+        return engine.add_observer(self)
+
+    def wants_hidden(self) -> bool:
+        """With the taps, the target's final hidden states, when LoRA alignment stores them."""
+        return bool(self.buffer.hidden_dim) and self.wants_taps()
+
+    def wants_taps(self) -> bool:
+        """The target's taps are wanted while collection is on and the
+        engine's policy predicts that speculating pays at the current load — also in steps where no
+        drafter reads them (the drafter being trained may be parked). Where nothing pays (a large
+        batch, a domain where no drafter helps yet) decode steps stay plain decoding's; signals
+        are then captured only in the steps that compute taps anyway (prefill, a drafter's probes
+        and the steps after them), a bounded share."""
+        return self.enabled and self.selective.collection_enabled and speculation_pays(self.engine.policy)
+
+    def on_observations(self, observations: list[Observation]) -> None:
+        """Push the observed rows with their taps into the capture buffer while collection is on."""
+        if not (self.enabled and self.selective.collection_enabled):
+            self.num_skipped_rows += sum(max(0, o.num_new_cached) for o in observations)
+            return
+        seqs = {s.seq_id: s for s in self.engine.seqs.values()}
+        for obs in observations:
+            if obs.taps is None or obs.num_new_cached <= 0 or obs.start < 0:
+                continue
+            start = obs.start
+            n = min(obs.num_new_cached, len(obs.token_ids) - 1 - start)  # rows whose label is known
+            seq = seqs.get(obs.seq_id)
+            lo = 0
+            if not self.capture_prompt and seq is not None:
+                lo = max(0, len(seq.prompt_ids) - 1 - start)  # the last prompt position's label is generated
+            if n - lo <= 0:
+                continue
+            alpha: float | None = None
+            domain = ""
+            if seq is not None:
+                st = seq.stats
+                alpha = st.num_accepted_tokens / st.num_draft_tokens if st.num_draft_tokens else None
+                domain = seq.label or ""
+            hidden = None
+            if self.buffer.hidden_dim:
+                if obs.hidden is None:
+                    continue  # LoRA alignment needs the target's hidden states with every row
+                hidden = obs.hidden[lo:n]
+            ids = obs.token_ids
+            self.buffer.push(self.store_seq_id(obs.seq_id), list(range(start + lo, start + n)),
+                             ids[start + lo:start + n], ids[start + lo + 1:start + n + 1],
+                             obs.taps[lo:n], domain=domain, alpha=alpha, hidden=hidden)
+
+    def on_finish(self, seq: Sequence) -> None:
+        """Feed Algorithm 1 the acceptance rate of a finished request."""
+        st = seq.stats
+        if st.num_draft_tokens:
+            self.selective.observe_request(min(1.0, st.num_accepted_tokens / st.num_draft_tokens))
+
+
+def read_trainer_rounds(root: Path | str) -> list[dict[str, Any]]:
+    """The trainer's round log (``trainer_state.json`` ``rounds``); [] when absent or unreadable."""
+    try:
+        doc = json.loads((Path(root) / TRAINER_STATE_NAME).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return []
+    rounds = doc.get("rounds") if isinstance(doc, dict) else None
+    return [r for r in rounds if isinstance(r, dict)] if isinstance(rounds, list) else []
