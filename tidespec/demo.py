@@ -38,8 +38,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tidespec.bench.shift import run_shift_bench
-from tidespec.bench.shift_config import ShiftBenchConfig
+from tidespec.bench.shift.config import ShiftBenchConfig
+from tidespec.bench.shift.run import run_shift_bench
 from tidespec.config import CacheConfig, EngineConfig, NgramConfig, PolicyConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter, build_policy

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from tests.helpers import tiny_hf_model, write_tiny_checkpoint
-from tidespec.bench.load import diff_steps, replot, run_load_bench
-from tidespec.bench.load_analysis import averaged, forward_vs_profile, model_check, trace_headroom, verdict
-from tidespec.bench.load_config import ConfigName, LoadBenchConfig, RunResult, server_args
-from tidespec.bench.load_report import policy_state
+from tidespec.bench.load.analysis import averaged, forward_vs_profile, model_check, trace_headroom, verdict
+from tidespec.bench.load.config import ConfigName, LoadBenchConfig, RunResult, server_args
+from tidespec.bench.load.report import policy_state
+from tidespec.bench.load.run import diff_steps, replot, run_load_bench
 from tidespec.config import ConfigError
 from tidespec.speculative.policy.speedup import Profile
 
@@ -210,7 +210,7 @@ def test_load_bench_end_to_end_through_real_servers(tmp_path: Path) -> None:
 
 
 def test_token_times_spread_tokens_over_chunks() -> None:
-    from tidespec.bench.load_report import token_times
+    from tidespec.bench.load.report import token_times
     from tidespec.bench.serve import RequestRecord
 
     recs = [RequestRecord(0, "a", "code", "completion", 0.0, completion_tokens=6, chunk_times_s=[1.0, 2.0]),

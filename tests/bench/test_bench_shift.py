@@ -17,11 +17,11 @@ import torch
 
 from tests.helpers import capture, checkpoint_tokenizer, tiny_hf_model, tiny_llama, write_tiny_checkpoint
 from tidespec.bench.decode import resolve_target
-from tidespec.bench.shift import replot, run_shift_bench
-from tidespec.bench.shift_config import ShiftBenchConfig, build_trace
-from tidespec.bench.shift_measure import recompute_taps
-from tidespec.bench.shift_report import _curves, config_colors
-from tidespec.bench.shift_runs import run_trace, trace_engine_config
+from tidespec.bench.shift.config import ShiftBenchConfig, build_trace
+from tidespec.bench.shift.measure import recompute_taps
+from tidespec.bench.shift.report import _curves, config_colors
+from tidespec.bench.shift.run import replot, run_shift_bench
+from tidespec.bench.shift.runs import run_trace, trace_engine_config
 from tidespec.config import ConfigError, Eagle3Options, EngineConfig, ModelConfig
 from tidespec.llm import build_engine
 
@@ -277,7 +277,7 @@ def test_a_trainer_catches_up_alone_after_its_configurations_turns(monkeypatch: 
     no configuration's loop runs, then is held again before the next configuration's turn."""
     from types import SimpleNamespace
 
-    from tidespec.bench import shift
+    from tidespec.bench.shift import run as shift
 
     events: list[str] = []
 
@@ -312,7 +312,7 @@ def test_a_trainer_catches_up_alone_after_its_configurations_turns(monkeypatch: 
 def test_a_lora_trainer_learns_as_many_extra_tokens_as_the_engines_buffer_holds() -> None:
     from types import SimpleNamespace
 
-    from tidespec.bench.shift_runs import lora_extra_vocab
+    from tidespec.bench.shift.runs import lora_extra_vocab
     from tidespec.speculative.vocab.arc import ArcConfig
     from tidespec.speculative.vocab.dynamic import DynamicVocab, DynamicVocabConfig
 

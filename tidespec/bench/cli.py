@@ -46,9 +46,9 @@ from tidespec.bench.memory import MemoryBenchConfig, run_memory_bench
 from tidespec.bench.profile import ProfileConfig, run_profile
 from tidespec.bench.report import command_line
 from tidespec.bench.shapes import SHAPES, AnchorBenchConfig, run_anchor_bench
-from tidespec.bench.shift import replot as replot_shift
-from tidespec.bench.shift import run_shift_bench
-from tidespec.bench.shift_config import ShiftBenchConfig
+from tidespec.bench.shift.config import ShiftBenchConfig
+from tidespec.bench.shift.run import replot as replot_shift
+from tidespec.bench.shift.run import run_shift_bench
 from tidespec.bench.spec import SpecBenchConfig, run_spec_bench
 from tidespec.bench.yield_bench import YieldBenchConfig, run_yield_bench
 from tidespec.config import (
@@ -205,7 +205,7 @@ def _register_serve(sub: argparse._SubParsersAction) -> None:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_args(sv)
     sv.set_defaults(func=run)
-    from tidespec.bench import load
+    from tidespec.bench.load import run as load
     ld = sub.add_parser("load", help="policies under a rate sweep and a dynamic trace, through the server",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     load.add_args(ld)

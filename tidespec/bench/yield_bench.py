@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from tidespec.bench.report import default_out_dir, finish_run, new_figure, save_figure
-from tidespec.bench.shift_config import ShiftBenchConfig, build_trace
-from tidespec.bench.shift_runs import TraceLoop
+from tidespec.bench.shift.config import ShiftBenchConfig, build_trace
+from tidespec.bench.shift.runs import TraceLoop
 from tidespec.config import CacheConfig, CollectionConfig, ConfigError, EngineConfig, opt
 from tidespec.engine.engine import LLMEngine
 from tidespec.models.loader import LoadedModel

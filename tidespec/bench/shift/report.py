@@ -1,7 +1,7 @@
 """``tidespec bench shift``'s report: README.md tables and ``shift.png`` (acceptance and tokens/s over the trace).
 
 Why this exists: a run's ``bench_shift.json`` holds every step and request, so the rendering
-reads that document alone: ``bench.shift`` renders right after a run, ``--replot`` again from
+reads that document alone: ``bench.shift.run`` renders right after a run, ``--replot`` again from
 an earlier run's JSON, and a change to a table or curve needs no new run.
 
 Worked example: ``_curves`` with window 2 over requests accepting (drafts, accepted) (2, 2),

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tidespec.bench.shift_config import ShiftBenchConfig, TraceItem
-from tidespec.bench.shift_runs import eagle3_engine, run_trace, trace_engine_config
+from tidespec.bench.shift.config import ShiftBenchConfig, TraceItem
+from tidespec.bench.shift.runs import eagle3_engine, run_trace, trace_engine_config
 from tidespec.config import CollectionConfig
 from tidespec.models.eagle3_head import Eagle3Config
 from tidespec.models.kv_cache import KVCache

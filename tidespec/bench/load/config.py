@@ -1,7 +1,7 @@
 """``tidespec bench load``'s configuration: its settings, the server flags of each configuration, one run's result.
 
-Why this exists: the running (``bench.load``), the analysis (``bench.load_analysis``) and the
-report (``bench.load_report``) all read these types; kept below all three, each can import them
+Why this exists: the running (``bench.load.run``), the analysis (``bench.load.analysis``) and the
+report (``bench.load.report``) all read these types; kept below all three, each can import them
 without a cycle. Configuration names: ``plain`` (no drafter), ``static-G`` (the drafter at fixed
 gamma G), ``analytic`` / ``bandit`` / ``hybrid`` (the drafter with gamma_max ``--gamma-max``).
 A name may say its drafters first and ask for online training last: ``eagle3:static-2``,

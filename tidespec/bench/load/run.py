@@ -34,8 +34,8 @@ Outputs in ``--out``: ``bench_load.json`` (every summary and per-request record)
 and latency over time per configuration), ``speedup.png`` (predicted vs measured per bucket).
 
 This module runs the servers, scrapes their metrics and holds the CLI; the settings and a run's
-result are in ``bench.load_config``, the verdict and model check in ``bench.load_analysis``,
-the README and plots in ``bench.load_report``.
+result are in ``bench.load.config``, the verdict and model check in ``bench.load.analysis``,
+the README and plots in ``bench.load.report``.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tidespec.bench.load_analysis import model_check, verdict
-from tidespec.bench.load_config import DYNAMIC_TRACE, ConfigName, LoadBenchConfig, RunResult, server_args
-from tidespec.bench.load_report import plot_run, render_run, report
+from tidespec.bench.load.analysis import model_check, verdict
+from tidespec.bench.load.config import DYNAMIC_TRACE, ConfigName, LoadBenchConfig, RunResult, server_args
+from tidespec.bench.load.report import plot_run, render_run, report
 from tidespec.bench.report import command_line, default_out_dir, finish_run
 from tidespec.bench.serve import arrival_times, free_port, launch_server, run_load, stop_server, summarize
 from tidespec.config import ConfigError, finite_float, output_dir
@@ -175,7 +175,7 @@ def _online_root(cfg: LoadBenchConfig, name: str, root: Path) -> str | None:
         shutil.rmtree(root)
     root.mkdir(parents=True)
     if cfg.eagle3_dir:
-        from tidespec.bench.shift_runs import seed_publish_root
+        from tidespec.bench.shift.runs import seed_publish_root
         from tidespec.config import ModelConfig
         from tidespec.llm import load_target
 

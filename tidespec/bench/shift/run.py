@@ -57,9 +57,9 @@ Worked example (a short run)::
 Outputs in the output directory: ``bench_shift.json`` (every step and request), ``README.md``
 (tables), ``shift.png`` (acceptance and tokens/s over the trace).
 
-This module runs the benchmark; the settings and the trace are in ``bench.shift_config``, the
-closed loop and the engines in ``bench.shift_runs``, the side measurements in
-``bench.shift_measure``, the README and plot in ``bench.shift_report``.
+This module runs the benchmark; the settings and the trace are in ``bench.shift.config``, the
+closed loop and the engines in ``bench.shift.runs``, the side measurements in
+``bench.shift.measure``, the README and plot in ``bench.shift.report``.
 """
 
 from __future__ import annotations
@@ -72,10 +72,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tidespec.bench.report import default_out_dir, finish_run, rerender_run
-from tidespec.bench.shift_config import ONLINE_CONFIGS, ShiftBenchConfig, TraceItem, build_trace
-from tidespec.bench.shift_measure import measure_capture_overhead, measure_training_sources
-from tidespec.bench.shift_report import plot_shift, report
-from tidespec.bench.shift_runs import (
+from tidespec.bench.shift.config import ONLINE_CONFIGS, ShiftBenchConfig, TraceItem, build_trace
+from tidespec.bench.shift.measure import measure_capture_overhead, measure_training_sources
+from tidespec.bench.shift.report import plot_shift, report
+from tidespec.bench.shift.runs import (
     OnlineSetup,
     TraceLoop,
     TraceRun,

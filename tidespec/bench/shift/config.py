@@ -2,8 +2,8 @@
 
 Why this exists: the flags (one ``ShiftBenchConfig`` field = one ``--flag``), their validation
 and which prompts each phase of the trace takes are read by every other part of the benchmark —
-the runs (``bench.shift_runs``), the side measurements (``bench.shift_measure``), the report
-(``bench.shift_report``) and the command (``bench.shift``) — so they sit below all of them. The
+the runs (``bench.shift.runs``), the side measurements (``bench.shift.measure``), the report
+(``bench.shift.report``) and the command (``bench.shift.run``) — so they sit below all of them. The
 online configuration's collection settings take their defaults from serving's
 (``CollectionConfig`` and ``OnlineTrainingConfig`` in ``tidespec.config``), so the two cannot
 drift apart; where the benchmark wants another value for its short trace, the flag's help says why.

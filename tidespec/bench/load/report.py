@@ -1,7 +1,7 @@
 """``tidespec bench load``'s report: README.md tables, and the sweep, trace and speedup plots.
 
 Why this exists: a run is expensive and its ``bench_load.json`` holds everything measured, so
-the rendering is kept apart from the running: ``bench.load`` renders after the runs, and
+the rendering is kept apart from the running: ``bench.load.run`` renders after the runs, and
 ``--replot`` (``render_run``) again from an earlier run's JSON alone.
 
 Outputs: ``README.md`` (per-run table, policy state, verdict per rate, trace margins, model
@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from tidespec.bench.load_analysis import averaged, forward_vs_profile, mean_e2e, throughput
-from tidespec.bench.load_config import LoadBenchConfig, RunResult, is_adaptive
+from tidespec.bench.load.analysis import averaged, forward_vs_profile, mean_e2e, throughput
+from tidespec.bench.load.config import LoadBenchConfig, RunResult, is_adaptive
 from tidespec.bench.report import machine_line, markdown_table, new_figure, save_figure, write_text
 from tidespec.bench.serve import RequestRecord
 from tidespec.speculative.policy.speedup import Profile

@@ -3,7 +3,7 @@
 Why this exists: the numbers the benchmark's claims rest on — best adaptive against best static
 per rate and on the trace, what an oracle could win per batch-size bucket, and the analytic
 model (eq. 5 from the profile) against the measured speedup per bucket (TIDE Figure 8) — are
-pure functions of the runs' results, testable without a server; ``bench.load`` computes them
+pure functions of the runs' results, testable without a server; ``bench.load.run`` computes them
 after the runs and ``--replot`` again from ``bench_load.json``.
 
 Worked example of the verdict: at rate 1.2 req/s plain makes 60 tok/s, static-2 57, hybrid 59:
@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from tidespec.bench.load_config import LoadBenchConfig, RunResult, is_adaptive
+from tidespec.bench.load.config import LoadBenchConfig, RunResult, is_adaptive
 from tidespec.speculative.policy.speedup import Profile
 
 

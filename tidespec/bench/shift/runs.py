@@ -1,7 +1,7 @@
 """Running ``tidespec bench shift``'s trace: the closed loop, and the engine of each configuration.
 
 Why this exists: the configurations (plain, frozen, online, the draft vocabularies) and the capture-overhead runs
-of ``bench.shift_measure`` must drive the engine the same way — the same closed loop, greedy
+of ``bench.shift.measure`` must drive the engine the same way — the same closed loop, greedy
 sampling with EOS ignored, the same record of every step and request — or their tokens/s and
 acceptance would not compare; ``run_trace`` is that one loop, and the engine builders here give
 every configuration the same cache sizing and the same starting drafter (``seed_publish_root``).
@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
-from tidespec.bench.shift_config import ShiftBenchConfig, TraceItem
+from tidespec.bench.shift.config import ShiftBenchConfig, TraceItem
 from tidespec.config import (
     CacheConfig,
     CollectionConfig,
