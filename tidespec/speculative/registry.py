@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -147,8 +147,3 @@ def build_drafter(spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_m
 def stateful_names(drafter: Drafter | None) -> frozenset[str]:
     """The members of ``drafter`` that keep per-sequence model state (their catch-up has a cost)."""
     return frozenset(n for n, d in drafter.members.items() if d.stateful) if drafter is not None else frozenset()
-
-
-def members_of(drafter: Drafter | None) -> Mapping[str, Drafter]:
-    """``drafter.members``, or none for no drafter."""
-    return drafter.members if drafter is not None else {}
