@@ -29,7 +29,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from torch import nn
 from transformers import PreTrainedTokenizerFast
 
-from tidespec.bench.shapes import synthetic_tokenizer
+from tidespec.bench.anchor.run import synthetic_tokenizer
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
 from tidespec.models.kv_cache import KVCache

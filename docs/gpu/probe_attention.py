@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import tidespec.models.graphs as graphs_mod
-from tidespec.bench.shapes import SHAPES, random_model
+from tidespec.bench.anchor.run import SHAPES, random_model
 from tidespec.models.graphs import GraphStep
 from tidespec.models.kv_cache import KVCache
 

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from tidespec.bench.shapes import SHAPES, random_model
+from tidespec.bench.anchor.run import SHAPES, random_model
 from tidespec.models.graphs import GraphStep
 from tidespec.models.kv_cache import KVCache
 

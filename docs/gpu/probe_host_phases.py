@@ -13,8 +13,8 @@ import warnings
 
 import torch
 
-from tidespec.bench.decode import run_wave
-from tidespec.bench.shapes import SHAPES, random_model, synthetic_tokenizer
+from tidespec.bench.anchor.run import SHAPES, random_model, synthetic_tokenizer
+from tidespec.bench.decode.run import run_wave
 from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from tidespec.engine import engine as engmod
 from tidespec.engine.observer import Hooks

@@ -8,8 +8,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from tidespec.bench.decode import run_wave
-from tidespec.bench.shapes import SHAPES, random_model, synthetic_tokenizer
+from tidespec.bench.anchor.run import SHAPES, random_model, synthetic_tokenizer
+from tidespec.bench.decode.run import run_wave
 from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from tidespec.llm import build_engine
 from tidespec.sampling import SamplingParams

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 from tests.helpers import tiny_hf_model, tiny_llama, tiny_tokenizer, write_tiny_checkpoint
-from tidespec.bench import spec as spec_bench
 from tidespec.bench.cli import register
-from tidespec.bench.decode import DecodeBenchConfig, RequestRecord, run_decode_bench, wave_indices
-from tidespec.bench.profile import ProfileConfig, kv_bytes_per_token, run_profile, weight_bytes_per_token
-from tidespec.bench.report import command_line, markdown_table, percentile, summarize
-from tidespec.bench.spec import HeadVariant, SpecBenchConfig, _pooled_tpot, run_spec_bench
+from tidespec.bench.common.report import command_line, markdown_table, percentile, summarize
+from tidespec.bench.decode.run import DecodeBenchConfig, RequestRecord, run_decode_bench, wave_indices
+from tidespec.bench.profile.run import ProfileConfig, kv_bytes_per_token, run_profile, weight_bytes_per_token
+from tidespec.bench.spec import run as spec_bench
+from tidespec.bench.spec.run import HeadVariant, SpecBenchConfig, _pooled_tpot, run_spec_bench
 from tidespec.config import ConfigError, DraftVocabConfig, Eagle3Options, EngineConfig, ModelConfig, SpecConfig
 from tidespec.llm import build_engine
 from tidespec.models.eagle3_checkpoint import export_eagle3, fresh_head
@@ -354,7 +354,7 @@ def test_profile_times_the_compiled_step_next_to_eager(tmp_path: Path) -> None:
 
 def test_profile_on_cuda_graphs_times_the_graph_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the engine replays CUDA graphs the profile times them (here the static block, no capture)."""
-    import tidespec.bench.profile as profile_mod
+    import tidespec.bench.profile.run as profile_mod
     monkeypatch.setattr(profile_mod, "uses_graphs", lambda device, enforce_eager: True)
     cfg = ProfileConfig(ns=(1, 3), batch_sizes=(1, 2), context=16, repeats=2, target_s=0.01, bandwidth_mib=8)
     doc = run_profile(cfg, _tiny_target(), out_dir=tmp_path, command="x", echo=False)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from tests.helpers import run_to_completion, tiny_llama
-from tidespec.bench.anchor import AnchorModel
-from tidespec.bench.shapes import SHAPES, AnchorBenchConfig, run_anchor_bench, synthetic_tokenizer
+from tidespec.bench.anchor.model import AnchorModel
+from tidespec.bench.anchor.run import SHAPES, AnchorBenchConfig, run_anchor_bench, synthetic_tokenizer
 from tidespec.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.models.llama import LlamaConfig

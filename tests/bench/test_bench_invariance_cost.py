@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tidespec.bench.invariance_cost import InvarianceCostConfig, run_invariance_cost, table
+from tidespec.bench.invariance_cost.run import InvarianceCostConfig, run_invariance_cost, table
 from tidespec.errors import UserError
 
 

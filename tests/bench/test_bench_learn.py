@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import tiny_llama, tiny_tokenizer
-from tidespec.bench.learn import (
+from tidespec.bench.learn.run import (
     LearnBenchConfig,
     fit_log2,
     load_sequences,

@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from tests.helpers import tiny_llama, tiny_tokenizer
-from tidespec.bench import decode as decode_mod
-from tidespec.bench import llamacpp as llamacpp_mod
 from tidespec.bench.cli import register
-from tidespec.bench.decode import DecodeBenchConfig, parse_compare, run_decode_bench
-from tidespec.bench.llamacpp import open_llamacpp, target_gguf
-from tidespec.bench.report import identical_prefix
+from tidespec.bench.common.report import identical_prefix
+from tidespec.bench.decode import llamacpp as llamacpp_mod
+from tidespec.bench.decode import run as decode_mod
+from tidespec.bench.decode.llamacpp import open_llamacpp, target_gguf
+from tidespec.bench.decode.run import DecodeBenchConfig, parse_compare, run_decode_bench
 from tidespec.config import ConfigError, ModelConfig
 from tidespec.models.loader import LoadedModel, converted_dir_for, resolve_embedded_gguf
 
@@ -193,7 +193,7 @@ def test_decode_bench_runs_llamacpp_through_its_api(tmp_path: Path, monkeypatch:
 def test_extra_buffer_types_are_off_only_while_constructing() -> None:
     from types import SimpleNamespace
 
-    from tidespec.bench.llamacpp import _without_extra_buffer_types
+    from tidespec.bench.decode.llamacpp import _without_extra_buffer_types
 
     def defaults() -> SimpleNamespace:
         return SimpleNamespace(use_extra_bufts=True, n_gpu_layers=0)
@@ -210,7 +210,7 @@ def test_extra_buffer_types_are_off_only_while_constructing() -> None:
 
 def test_probe_reports_a_failing_load_in_one_line(tmp_path: Path) -> None:
     """The child fails on the fake file (or, without llama-cpp-python, on the import): one line."""
-    from tidespec.bench.llamacpp import probe_default_kernels
+    from tidespec.bench.decode.llamacpp import probe_default_kernels
 
     note = probe_default_kernels(_fake_gguf(tmp_path), [1, 2])
     assert note.startswith("a probe with llama.cpp's default kernels failed: ") and "\n" not in note

@@ -211,7 +211,7 @@ def test_load_bench_end_to_end_through_real_servers(tmp_path: Path) -> None:
 
 def test_token_times_spread_tokens_over_chunks() -> None:
     from tidespec.bench.load.report import token_times
-    from tidespec.bench.serve import RequestRecord
+    from tidespec.bench.serve.run import RequestRecord
 
     recs = [RequestRecord(0, "a", "code", "completion", 0.0, completion_tokens=6, chunk_times_s=[1.0, 2.0]),
             RequestRecord(1, "b", "code", "completion", 0.0, completion_tokens=0)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import tiny_hf_model, write_tiny_checkpoint
-from tidespec.bench.memory import MemoryBenchConfig, run_memory_bench
+from tidespec.bench.memory.run import MemoryBenchConfig, run_memory_bench
 from tidespec.config import ConfigError
 
 

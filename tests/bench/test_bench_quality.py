@@ -13,8 +13,8 @@ import torch
 
 from tests.helpers import tiny_llama, tiny_tokenizer
 from tidespec.bench.cli import register
-from tidespec.bench.profile import weight_bytes_per_token
-from tidespec.bench.quality import QualityBenchConfig, identical_prefix, run_quality_bench
+from tidespec.bench.profile.run import weight_bytes_per_token
+from tidespec.bench.quality.run import QualityBenchConfig, identical_prefix, run_quality_bench
 from tidespec.config import ConfigError
 from tidespec.models.loader import LoadedModel
 from tidespec.models.quant import quantize_model

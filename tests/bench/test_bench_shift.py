@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers import capture, checkpoint_tokenizer, tiny_hf_model, tiny_llama, write_tiny_checkpoint
-from tidespec.bench.decode import resolve_target
+from tidespec.bench.decode.run import resolve_target
 from tidespec.bench.shift.config import ShiftBenchConfig, build_trace
 from tidespec.bench.shift.measure import recompute_taps
 from tidespec.bench.shift.report import _curves, config_colors
@@ -174,7 +174,7 @@ def test_shift_bench_interleaves_a_controller_with_several_drafters(tmp_path: Pa
 
 def test_yield_bench_on_a_shift_runs_store(tmp_path: Path) -> None:
     """bench yield on the store an online run filled: every mode and both idle rounds measured."""
-    from tidespec.bench.yield_bench import YieldBenchConfig, run_yield_bench
+    from tidespec.bench.yield_bench.run import YieldBenchConfig, run_yield_bench
 
     hf, _ = tiny_hf_model("qwen2", torch.float64)
     ckpt = write_tiny_checkpoint(hf, tmp_path / "ckpt")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import full_logits, tiny_llama
-from tidespec.bench import divergence
-from tidespec.bench.divergence import divergence_report, first_divergence, first_index
+from tidespec.bench.common import divergence
+from tidespec.bench.common.divergence import divergence_report, first_divergence, first_index
 
 
 def test_first_index():

@@ -166,7 +166,7 @@ def test_head_graphs_replay_the_eager_drafter_on_cuda(compile):
 def test_bench_profile_and_the_policy_profiler_time_the_cuda_graphs(model, tmp_path):
     """``tidespec bench profile`` and the start-up profiler the analytic policy reads run on CUDA and
     time the captured graphs (each graph captured by its shape's untimed warm-up)."""
-    from tidespec.bench.profile import ProfileConfig, run_profile
+    from tidespec.bench.profile.run import ProfileConfig, run_profile
     from tidespec.speculative.policy.profiler import ProfilerConfig, measure_profile
 
     cfg = ProfileConfig(ns=(1, 3), batch_sizes=(1, 2), context=16, repeats=2, target_s=0.01, bandwidth_mib=8)

@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from tidespec.bench.serve import free_port, launch_server, stop_server
+from tidespec.bench.serve.run import free_port, launch_server, stop_server
 
 DEFAULT_SERVE_ARGS = "--max-model-len 128 --drafter suffix --num-speculative-tokens 4 --max-num-seqs 8"
 

@@ -28,7 +28,7 @@ import torch
 from tests.helpers import tiny_hf_model, tiny_llama, tiny_tokenizer, write_tiny_checkpoint
 from tests.server.live import CHAT_TEMPLATE, MODEL, LiveServer, tiny_engine
 from tests.server.test_reliability import POISON, _disconnect, _innocent, _poisoned, _read_until_closed
-from tidespec.bench.serve import free_port, launch_server, stop_server
+from tidespec.bench.serve.run import free_port, launch_server, stop_server
 from tidespec.config import CacheConfig, ConfigError, EngineConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks

@@ -16,7 +16,7 @@ import httpx
 import torch
 
 from tests.helpers import tiny_hf_model, write_tiny_checkpoint
-from tidespec.bench.serve import free_port, launch_server, stop_server
+from tidespec.bench.serve.run import free_port, launch_server, stop_server
 from tidespec.models.eagle3_checkpoint import latest_version
 from tidespec.online.store import SignalStore
 

@@ -26,8 +26,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.server.live import MODEL, LiveServer, stream_text, tiny_engine
-from tidespec.bench import serve as bench_serve
-from tidespec.bench.serve import arrival_times, check_loopback, load_rate_trace
+from tidespec.bench.serve import run as bench_serve
+from tidespec.bench.serve.run import arrival_times, check_loopback, load_rate_trace
 from tidespec.config import CacheConfig, ConfigError, EngineConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks

@@ -8,8 +8,15 @@ from __future__ import annotations
 
 import pytest
 
-from tidespec.bench.exactness import (ExactnessBenchConfig, exact, parse_path, row_probe, run_exactness_bench, table,
-                                      target_model)
+from tidespec.bench.exactness.run import (
+    ExactnessBenchConfig,
+    exact,
+    parse_path,
+    row_probe,
+    run_exactness_bench,
+    table,
+    target_model,
+)
 from tidespec.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from tidespec.llm import build_engine
 from tidespec.workloads.loader import load_prompts

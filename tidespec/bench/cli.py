@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 
-from tidespec.bench import quality
-from tidespec.bench.decode import (
+from tidespec.bench.anchor.run import SHAPES, AnchorBenchConfig, run_anchor_bench
+from tidespec.bench.common.report import command_line
+from tidespec.bench.decode.run import (
     DecodeBenchConfig,
     parse_compare,
     parse_float_list,
@@ -37,20 +38,19 @@ from tidespec.bench.decode import (
     resolve_target,
     run_decode_bench,
 )
-from tidespec.bench.exactness import ExactnessBenchConfig, exact, run_exactness_bench
-from tidespec.bench.invariance_cost import InvarianceCostConfig, run_invariance_cost
-from tidespec.bench.invariance_cost import table as invariance_cost_table
-from tidespec.bench.learn import LearnBenchConfig, run_learn_bench
-from tidespec.bench.learn import replot as replot_learn
-from tidespec.bench.memory import MemoryBenchConfig, run_memory_bench
-from tidespec.bench.profile import ProfileConfig, run_profile
-from tidespec.bench.report import command_line
-from tidespec.bench.shapes import SHAPES, AnchorBenchConfig, run_anchor_bench
+from tidespec.bench.exactness.run import ExactnessBenchConfig, exact, run_exactness_bench
+from tidespec.bench.invariance_cost.run import InvarianceCostConfig, run_invariance_cost
+from tidespec.bench.invariance_cost.run import table as invariance_cost_table
+from tidespec.bench.learn.run import LearnBenchConfig, run_learn_bench
+from tidespec.bench.learn.run import replot as replot_learn
+from tidespec.bench.memory.run import MemoryBenchConfig, run_memory_bench
+from tidespec.bench.profile.run import ProfileConfig, run_profile
+from tidespec.bench.quality import run as quality
 from tidespec.bench.shift.config import ShiftBenchConfig
 from tidespec.bench.shift.run import replot as replot_shift
 from tidespec.bench.shift.run import run_shift_bench
-from tidespec.bench.spec import SpecBenchConfig, run_spec_bench
-from tidespec.bench.yield_bench import YieldBenchConfig, run_yield_bench
+from tidespec.bench.spec.run import SpecBenchConfig, run_spec_bench
+from tidespec.bench.yield_bench.run import YieldBenchConfig, run_yield_bench
 from tidespec.config import (
     ModelConfig,
     PolicyConfig,
@@ -194,13 +194,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _register_serve(sub: argparse._SubParsersAction) -> None:
-    """``bench serve`` lives in ``tidespec.bench.serve`` (written separately); skipped until it exists."""
-    try:
-        from tidespec.bench.serve import add_args, run
-    except ModuleNotFoundError as exc:
-        if exc.name != "tidespec.bench.serve":
-            raise
-        return
+    """``bench serve`` (a load generator for the server) and ``bench load`` (policies under load)."""
+    from tidespec.bench.serve.run import add_args, run
     sv = sub.add_parser("serve", help="load test of the OpenAI-compatible server",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_args(sv)

@@ -17,10 +17,10 @@ from typing import Any
 
 import numpy as np
 
+from tidespec.bench.common.report import machine_line, markdown_table, new_figure, save_figure, write_text
 from tidespec.bench.load.analysis import averaged, forward_vs_profile, mean_e2e, throughput
 from tidespec.bench.load.config import LoadBenchConfig, RunResult, is_adaptive
-from tidespec.bench.report import machine_line, markdown_table, new_figure, save_figure, write_text
-from tidespec.bench.serve import RequestRecord
+from tidespec.bench.serve.run import RequestRecord
 from tidespec.speculative.policy.speedup import Profile
 
 

@@ -55,11 +55,11 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from tidespec.bench.common.report import command_line, default_out_dir, finish_run
 from tidespec.bench.load.analysis import model_check, verdict
 from tidespec.bench.load.config import DYNAMIC_TRACE, ConfigName, LoadBenchConfig, RunResult, server_args
 from tidespec.bench.load.report import plot_run, render_run, report
-from tidespec.bench.report import command_line, default_out_dir, finish_run
-from tidespec.bench.serve import arrival_times, free_port, launch_server, run_load, stop_server, summarize
+from tidespec.bench.serve.run import arrival_times, free_port, launch_server, run_load, stop_server, summarize
 from tidespec.config import ConfigError, finite_float, output_dir
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.workloads.loader import BUILTIN_WORKLOADS, load_workload
@@ -287,7 +287,7 @@ def replot(out_dir: Path) -> dict[str, Any]:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from tidespec.bench.serve import load_rate_trace
+    from tidespec.bench.serve.run import load_rate_trace
 
     if ns.replot is not None:
         replot(ns.replot)

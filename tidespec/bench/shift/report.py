@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from tidespec.bench.report import eos_words, machine_line, markdown_table, new_figure, save_figure
+from tidespec.bench.common.report import eos_words, machine_line, markdown_table, new_figure, save_figure
 
 COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:orange", "vocab-static": "tab:red",
           "vocab-dynamic": "tab:green", "vocab-full": "tab:purple", "vocab-static-lora": "tab:pink",

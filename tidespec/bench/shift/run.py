@@ -71,7 +71,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
-from tidespec.bench.report import default_out_dir, finish_run, rerender_run
+from tidespec.bench.common.report import default_out_dir, finish_run, rerender_run
 from tidespec.bench.shift.config import ONLINE_CONFIGS, ShiftBenchConfig, TraceItem, build_trace
 from tidespec.bench.shift.measure import measure_capture_overhead, measure_training_sources
 from tidespec.bench.shift.report import plot_shift, report

@@ -26,7 +26,7 @@ The prompts run in waves of ``batch_size``; for each wave every configuration ru
 * ``mismatches``: requests whose tokens differ from plain's (greedy speculation is lossless, so
   this should be 0; a near-tie can flip one: bfloat16 on a GPU, the quantized CPU paths), and
   for each such request where it first differs and how close the target's two tokens were there
-  (``bench/divergence.py``: ``divergence`` of a configuration in results.json).
+  (``bench/common/divergence.py``: ``divergence`` of a configuration in results.json).
 
 Worked example::
 
@@ -48,7 +48,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from tidespec.bench.decode import (
+from tidespec.bench.common.divergence import divergence_report
+from tidespec.bench.common.report import (
+    eos_words,
+    machine_line,
+    markdown_table,
+    new_figure,
+    save_figure,
+    summarize,
+    write_results,
+)
+from tidespec.bench.decode.run import (
     HFRunner,
     RequestRecord,
     bench_engine_config,
@@ -57,16 +67,6 @@ from tidespec.bench.decode import (
     run_wave,
     wave_indices,
     workload_doc,
-)
-from tidespec.bench.divergence import divergence_report
-from tidespec.bench.report import (
-    eos_words,
-    machine_line,
-    markdown_table,
-    new_figure,
-    save_figure,
-    summarize,
-    write_results,
 )
 from tidespec.config import QUANTIZATIONS, ConfigError, ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine

@@ -25,7 +25,7 @@ different numeric path may diverge):
 * ``hf``: ``AutoModelForCausalLM.from_pretrained(<model dir>).generate()``; TTFT from a streamer
   timestamp.
 * ``llamacpp``: llama.cpp through llama-cpp-python on the same GGUF file tidespec loaded (quantized
-  as shipped), same thread count (``tidespec.bench.llamacpp``). When llama-cpp-python is not
+  as shipped), same thread count (``tidespec.bench.decode.llamacpp``). When llama-cpp-python is not
   installed or the target is not a GGUF file, a one-line notice says so (stderr, the report and
   ``results.json["skipped"]``) and the rest of the benchmark runs.
 
@@ -51,8 +51,7 @@ from typing import Any
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from tidespec.bench.llamacpp import LlamaCppRunner, open_llamacpp, target_gguf
-from tidespec.bench.report import (
+from tidespec.bench.common.report import (
     identical_prefix,
     log2_panel,
     machine_line,
@@ -62,6 +61,7 @@ from tidespec.bench.report import (
     summarize,
     write_results,
 )
+from tidespec.bench.decode.llamacpp import LlamaCppRunner, open_llamacpp, target_gguf
 from tidespec.config import (
     CacheConfig,
     ConfigError,

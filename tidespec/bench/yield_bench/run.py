@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from tidespec.bench.report import default_out_dir, finish_run, new_figure, save_figure
+from tidespec.bench.common.report import default_out_dir, finish_run, new_figure, save_figure
 from tidespec.bench.shift.config import ShiftBenchConfig, build_trace
 from tidespec.bench.shift.runs import TraceLoop
 from tidespec.config import CacheConfig, CollectionConfig, ConfigError, EngineConfig, opt

@@ -55,8 +55,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tidespec.bench.decode import parse_float_list
-from tidespec.bench.report import (
+from tidespec.bench.common.report import (
     default_out_dir,
     finish_run,
     machine_line,
@@ -65,6 +64,7 @@ from tidespec.bench.report import (
     rerender_run,
     save_figure,
 )
+from tidespec.bench.decode.run import parse_float_list
 from tidespec.config import ConfigError, opt
 from tidespec.models.eagle3_checkpoint import PublishedDrafter, export_eagle3, head_from_published, load_drafter_source
 from tidespec.models.eagle3_head import FUSIONS, INIT_FROM_TARGET, Eagle3Head, init_from_target

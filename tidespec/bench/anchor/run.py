@@ -3,7 +3,7 @@
 Why this exists: on a GPU the question is how close an engine's decode step comes to what the
 hardware allows for a given model shape. Speed does not depend on the weights' values, so the
 models here have random weights of real shapes (no checkpoint travels); the yardstick is
-``bench/anchor.py`` (gpt-fast's recipe: static cache, ``torch.compile(mode="reduce-overhead")``,
+``bench/anchor/model.py`` (gpt-fast's recipe: static cache, ``torch.compile(mode="reduce-overhead")``,
 no host sync per token) over the same weights, measured in the same run, interleaved round by
 round so drift hits both alike.
 
@@ -33,9 +33,16 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from tidespec.bench.anchor import AnchorModel
-from tidespec.bench.decode import run_wave
-from tidespec.bench.report import log2_panel, machine_line, markdown_table, new_figure, save_figure, write_results
+from tidespec.bench.anchor.model import AnchorModel
+from tidespec.bench.common.report import (
+    log2_panel,
+    machine_line,
+    markdown_table,
+    new_figure,
+    save_figure,
+    write_results,
+)
+from tidespec.bench.decode.run import run_wave
 from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.errors import ConfigError, check_at_least

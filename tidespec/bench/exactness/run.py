@@ -13,7 +13,7 @@ each request's greedy tokens with the same path's plain decoding of that prompt 
   all at once.
 
 Each cell counts identical outputs; every difference is listed with the first differing position
-and the gap between the target's two best logits there (``bench/divergence.py``). Per path it
+and the gap between the target's two best logits there (``bench/common/divergence.py``). Per path it
 also measures row invariance directly (``row_probe``): the logits of rows computed in 8-row
 verifications, in a batch beside another sequence and in one prompt chunk, against the same
 rows decoded one at a time, counting the rows whose logits have exactly the same bits.
@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tidespec.bench.divergence import first_divergence
-from tidespec.bench.report import command_line, machine_info, machine_line
+from tidespec.bench.common.divergence import first_divergence
+from tidespec.bench.common.report import command_line, machine_info, machine_line
 from tidespec.config import (
     CacheConfig,
     ConfigError,

@@ -32,8 +32,8 @@ import httpx
 import psutil
 from tqdm import tqdm
 
-from tidespec.bench.report import command_line, machine_info, machine_line
-from tidespec.bench.serve import free_port, launch_server, stop_server
+from tidespec.bench.common.report import command_line, machine_info, machine_line
+from tidespec.bench.serve.run import free_port, launch_server, stop_server
 from tidespec.config import ConfigError, Section, opt
 
 CONFIGS = {"trim": "--trim-memory", "no-trim": "--no-trim-memory"}

@@ -43,8 +43,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from tidespec.bench.decode import bench_engine_config, resolve_target, run_wave, workload_doc
-from tidespec.bench.report import (
+from tidespec.bench.common.report import (
     command_line,
     identical_prefix,
     machine_line,
@@ -53,6 +52,7 @@ from tidespec.bench.report import (
     save_figure,
     write_results,
 )
+from tidespec.bench.decode.run import bench_engine_config, resolve_target, run_wave, workload_doc
 from tidespec.config import ConfigError, ModelConfig, add_dataclass_args, dataclass_from_args, output_dir
 from tidespec.llm import DTYPES, build_engine
 from tidespec.models.kv_cache import KVCache

@@ -28,9 +28,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tidespec.bench.exactness import parse_path, target_model
-from tidespec.bench.report import command_line, machine_info, machine_line
-from tidespec.bench.decode import parse_int_list
+from tidespec.bench.common.report import command_line, machine_info, machine_line
+from tidespec.bench.decode.run import parse_int_list
+from tidespec.bench.exactness.run import parse_path, target_model
 from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, opt
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine

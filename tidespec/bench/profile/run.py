@@ -36,8 +36,15 @@ from typing import Any
 
 import torch
 
-from tidespec.bench.decode import resolve_target
-from tidespec.bench.report import log2_panel, machine_line, markdown_table, new_figure, save_figure, write_results
+from tidespec.bench.common.report import (
+    log2_panel,
+    machine_line,
+    markdown_table,
+    new_figure,
+    save_figure,
+    write_results,
+)
+from tidespec.bench.decode.run import resolve_target
 from tidespec.config import ConfigError, ModelConfig
 from tidespec.errors import check_at_least
 from tidespec.models.compiled import KV_MARGIN, CompiledStep

@@ -1,0 +1,2 @@
+"""``tidespec bench learn``: how an EAGLE-3 head's acceptance grows with its training signals.
+"""

@@ -1,0 +1,2 @@
+"""``tidespec bench spec``: drafters x gamma against plain decoding on one workload.
+"""
