@@ -34,14 +34,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from tidespec.bench.anchor.model import AnchorModel
-from tidespec.bench.common.report import (
-    log2_panel,
-    machine_line,
-    markdown_table,
-    new_figure,
-    save_figure,
-    write_results,
-)
+from tidespec.bench.common import report
 from tidespec.bench.decode.run import run_wave
 from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from tidespec.engine.engine import LLMEngine
@@ -157,7 +150,7 @@ def run_anchor_bench(cfg: AnchorBenchConfig, model_config: ModelConfig, out_dir:
             torch.cuda.empty_cache()
     doc = {"config": dataclasses.asdict(cfg), "model": dataclasses.asdict(model_config), "rows": rows,
            "device": torch.cuda.get_device_name(0) if model_config.device.startswith("cuda") else "cpu"}
-    return write_results("anchor", doc, out_dir, command, model_config.dtype, _render,
+    return report.write_results("anchor", doc, out_dir, command, model_config.dtype, _render,
                          lambda d: _plot(rows, cfg, d), echo)
 
 
@@ -165,12 +158,12 @@ def _render(doc: dict[str, Any], command: str, info: dict[str, Any]) -> str:
     mc = doc["model"]
     eager = "eager forward" if mc["enforce_eager"] or not mc["device"].startswith("cuda") else "CUDA graphs"
     mode = f"{eager}{' over an inductor-compiled decoder layer' if mc['compile'] else ''}"
-    table = markdown_table(
+    table = report.markdown_table(
         ["shape", "params", "batch", "tidespec tok/s", "anchor tok/s", "tidespec / anchor", "graphs", "setup s"],
         [[r["shape"], f"{r['params'] / 1e6:.0f}M", r["batch"], r["tidespec_tok_s"], r["anchor_tok_s"], r["ratio"],
           r["graphs"], r["engine_setup_s"]] for r in doc["rows"]], digits=2)
     c = doc["config"]
-    machine = f"machine: {machine_line(info)}; device {doc['device']}"
+    machine = f"machine: {report.machine_line(info)}; device {doc['device']}"
     method = (f"Plain greedy decode, random weights, {c['prompt_len']}-token prompts, {c['max_tokens']} tokens each; "
               f"tidespec ({mode}) decode-only tok/s against the compiled static-shape anchor "
               f"(reduce-overhead{'' if c['compile_anchor'] else ', here NOT compiled'}); median of {c['rounds']} "
@@ -179,11 +172,11 @@ def _render(doc: dict[str, Any], command: str, info: dict[str, Any]) -> str:
 
 
 def _plot(rows: list[dict[str, Any]], cfg: AnchorBenchConfig, out_dir: Path) -> Path:
-    fig, axes = new_figure(len(cfg.shapes))
+    fig, axes = report.new_figure(len(cfg.shapes))
     for ax, shape in zip(axes, cfg.shapes):
         mine = [r for r in rows if r["shape"] == shape]
         bs = [r["batch"] for r in mine]
         ax.plot(bs, [r["tidespec_tok_s"] for r in mine], "o-", label="tidespec")
         ax.plot(bs, [r["anchor_tok_s"] for r in mine], "s--", label="compiled static-shape anchor")
-        log2_panel(ax, bs, "batch size", "decode tok/s", shape, log_y=True)
-    return save_figure(fig, out_dir, "plot.png")
+        report.log2_panel(ax, bs, "batch size", "decode tok/s", shape, log_y=True)
+    return report.save_figure(fig, out_dir, "plot.png")

@@ -48,16 +48,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from tidespec.bench.common import report
 from tidespec.bench.common.divergence import divergence_report
-from tidespec.bench.common.report import (
-    eos_words,
-    machine_line,
-    markdown_table,
-    new_figure,
-    save_figure,
-    summarize,
-    write_results,
-)
 from tidespec.bench.decode.run import (
     HFRunner,
     RequestRecord,
@@ -315,7 +307,7 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
         "hf": hf_summary,
         "headline": _spec_headline(configs, hf_summary),
     }
-    return write_results("spec", doc, out_dir, command, mc.precision, format_spec_report,
+    return report.write_results("spec", doc, out_dir, command, mc.precision, format_spec_report,
                          lambda out: _plot_spec(configs, hf_summary, out), echo)
 
 
@@ -345,7 +337,7 @@ def _summarize_run(run: _Run, plain: _Run) -> dict[str, Any]:
                 if r.num_drafts else float("nan")}
                for k, (r, p) in enumerate(zip(run.records, plain.records))]
     speedups = [x["speedup"] for x in per_req]
-    spread = summarize(speedups)
+    spread = report.summarize(speedups)
     return {
         "label": run.label,
         "drafter": run.drafter,
@@ -399,22 +391,22 @@ def _spec_headline(configs: list[dict[str, Any]], hf: list[dict[str, Any]]) -> d
 def format_spec_report(doc: dict[str, Any], command: str, info: dict[str, Any]) -> str:
     """Markdown: command, machine, the configuration table, the spread table, headline, losers."""
     rows = doc["configs"] + doc["hf"]
-    main = markdown_table(
+    main = report.markdown_table(
         ["configuration", "tok/s", "speedup", "TTFT ms", "TPOT ms", "TPOT speedup", "mean acc. len", "acc. rate",
          "draft ms/step", "draft ms/draft token", "forward ms/step", "mismatches"],
         [[c["label"], c["tokens_per_s"], c["speedup"], c.get("mean_ttft_ms"), c.get("tpot_ms"), c.get("tpot_speedup"),
           c["mean_acceptance_length"], c["acceptance_rate"],
           c.get("draft_ms_per_step"), c.get("draft_ms_per_draft_token"), c.get("verify_ms_per_step"),
           c["mismatches"] if c["drafter"] not in ("hf", "hf-pld") else None] for c in rows], digits=2)
-    spread = markdown_table(
+    spread = report.markdown_table(
         ["configuration", "min", "p10", "median", "p90", "max", "prompts slower than plain"],
         [[c["label"], *[c["per_request_speedup"][k] for k in ("min", "p10", "p50", "p90", "max")],
           f"{len(c['losses'])}/{c['requests']}"] for c in rows if c["drafter"] != PLAIN and c["drafter"] != "hf"],
         digits=2)
     cfg = doc["config"]
     lines = [f"### Speculative decoding ({doc['workload']}, {len(doc['prompt_ids'])} prompts, batch "
-             f"{cfg['batch_size']}, {eos_words(cfg.get('ignore_eos', True), cfg['max_tokens'])}, greedy)", "",
-             f"Command: `{command}`", "", f"Machine: {machine_line(info)}", "",
+             f"{cfg['batch_size']}, {report.eos_words(cfg.get('ignore_eos', True), cfg['max_tokens'])}, greedy)", "",
+             f"Command: `{command}`", "", f"Machine: {report.machine_line(info)}", "",
              ("Speedup = tokens/s over the same engine's plain decoding (HF rows: over HF plain generate()); "
               "TPOT speedup = plain's time per output token after the first over this one's (the decode phase "
               "alone, the prompt's prefill left out)."), "",
@@ -445,7 +437,7 @@ def format_spec_report(doc: dict[str, Any], command: str, info: dict[str, Any]) 
 def _plot_spec(configs: list[dict[str, Any]], hf: list[dict[str, Any]], out_dir: Path) -> Path:
     rows = configs + hf
     labels = [c["label"] for c in rows]
-    fig, (ax1, ax2, ax3) = new_figure(3, width_per_col=max(5.0, 0.45 * len(rows)), height=4.5)
+    fig, (ax1, ax2, ax3) = report.new_figure(3, width_per_col=max(5.0, 0.45 * len(rows)), height=4.5)
     colors = ["tab:gray" if c["drafter"] in (PLAIN, "hf") else
               "tab:orange" if c["drafter"] == "hf-pld" else "tab:blue" for c in rows]
     x = np.arange(len(rows))
@@ -473,4 +465,4 @@ def _plot_spec(configs: list[dict[str, Any]], hf: list[dict[str, Any]], out_dir:
     ax1.set_xticks(x, labels, rotation=60, ha="right", fontsize=8)
     for ax in (ax1, ax2, ax3):
         ax.grid(True, axis="y", alpha=0.3)
-    return save_figure(fig, out_dir, "plot.png")
+    return report.save_figure(fig, out_dir, "plot.png")
