@@ -25,13 +25,11 @@ from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
 from tidespec.errors import ConfigError
 from tidespec.models.executor import ExecutorOptions
-from tidespec.models.llama import LlamaModel
+from tidespec.models.llama import LlamaModel, output_matrix
 from tidespec.models.loader import DTYPES, LoadedModel, load_model
 from tidespec.models.quant import Int8Linear
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter
-from tidespec.speculative.drafters.draft_model import DraftModelDrafter
-from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
 from tidespec.speculative.policy.api import SpeculationPolicy
 from tidespec.speculative.policy.factory import PolicyOptions, make_policy
 from tidespec.speculative.policy.guards import GuardConfig
@@ -53,55 +51,36 @@ def load_target(mc: ModelConfig) -> LoadedModel:
                       quant_group_size=mc.quant_group_size)
 
 
-def output_matrix(target: LlamaModel) -> torch.Tensor:
-    """[V, H] the target's LM-head rows as floats (a quantized head of a tied model: the embedding)."""
-    w = getattr(target.lm_head, "weight", None)
-    if isinstance(w, torch.Tensor) and w.is_floating_point():
-        return w.detach()
-    if target.cfg.tie_word_embeddings:
-        return target.embed_tokens.weight.detach()
-    raise ConfigError("a draft vocabulary needs the target's LM head in floating point (run without --quantization)")
-
-
 def attach_draft_vocab(drafter: Drafter | None, vc: DraftVocabConfig, target: LlamaModel,
                        tokenizer: PreTrainedTokenizerBase) -> DynamicVocab | None:
-    """Give the EAGLE-3 drafter, else the draft-model drafter (alone or in a ``MultiDrafter``), the
+    """Give the first member of ``drafter`` whose output layer can draft over a vocabulary
+    (``Drafter.vocab_output``; in a ``MultiDrafter``, the first such member in its order) the
     draft vocabulary ``vc`` asks for (None for mode "off"): the core and the co-occurrence graph
-    from ``vc.corpus``'s tokens (a pruned EAGLE-3 head's own vocabulary first); the output rows of
-    EAGLE-3 from its head (its own rows, the target's LM-head rows mapped into its space for other
-    tokens), of the draft model from its LM head. An EAGLE-3 head that drafts in int8 (or int4)
-    drafts over V_t in int8 as well: each published V_t carries an ``Int8Linear`` of its rows,
-    built on the vocabulary's worker thread."""
+    from ``vc.corpus``'s tokens (the member's own trained tokens first), its output rows as the
+    member says. A member that drafts in int8 (or int4) drafts over V_t in int8 as well: each
+    published V_t carries an ``Int8Linear`` of its rows, built on the vocabulary's worker thread."""
     if vc.mode == "off":
         return None
     members = drafter.members.values() if drafter is not None else ()
-    user = next((d for d in members if isinstance(d, (Eagle3Drafter, DraftModelDrafter))), None)
-    if user is None:
-        raise ConfigError(f"--draft-vocab-mode {vc.mode} needs the eagle3 or the draft-model drafter")
+    lm = output_matrix(target)
+    found = next(((d, out) for d in members if (out := d.vocab_output(lm)) is not None), None)
+    if found is None:
+        raise ConfigError(f"--draft-vocab-mode {vc.mode} needs a drafter whose output layer can draft over it "
+                          f"(eagle3 or draft-model)")
+    user, out = found
     graph = CooccurrenceGraph()
     for name in (c.strip() for c in vc.corpus.split(",")):
         if name:
             for prompt in load_prompts(name, tokenizer):
                 graph.add(prompt.token_ids)
-    lm = output_matrix(target)
-    rows_for: Callable[[torch.Tensor], torch.Tensor]
-    own: list[int] | None = None  # tokens with trained output rows (None: all of them)
-    if isinstance(user, Eagle3Drafter):
-        eagle = user
-        rows_for, own = (lambda ids: eagle.head.output_rows(ids, lm)), eagle.own_ids()
-        own = own if len(own) < target.cfg.vocab_size else None
-    else:
-        draft_lm = output_matrix(user.model)
-        rows_for = lambda ids: draft_lm[ids.to(draft_lm.device)]  # noqa: E731 - the draft model's own LM head
-    cfg = DynamicVocabConfig(core_size=vc.core_size(len(own) if own else target.cfg.vocab_size),
+    cfg = DynamicVocabConfig(core_size=vc.core_size(len(out.own) if out.own else target.cfg.vocab_size),
                              dynamic=vc.mode == "dynamic",
                              buffer=ArcConfig(capacity=vc.buffer, max_insert=vc.max_insert,
                                               min_residency=vc.min_residency))
-    quantized = isinstance(user, Eagle3Drafter) and user.cfg.quantization != "none"  # V_t's rows drafted in int8 too
-    vocab = DynamicVocab.from_graph(cfg, graph, target.cfg.vocab_size, rows_for,
-                                    index_rows=lm if cfg.dynamic else None, own=own, start=cfg.dynamic,
-                                    output_for=Int8Linear.from_weight if quantized else None,
-                                    output_join=Int8Linear.concat if quantized else None)
+    vocab = DynamicVocab.from_graph(cfg, graph, target.cfg.vocab_size, out.rows_for,
+                                    index_rows=lm if cfg.dynamic else None, own=out.own, start=cfg.dynamic,
+                                    output_for=Int8Linear.from_weight if out.quantized else None,
+                                    output_join=Int8Linear.concat if out.quantized else None)
     user.vocab = vocab
     return vocab
 

@@ -25,7 +25,7 @@ from tidespec.config import (
     dataclass_from_args,
 )
 from tidespec.errors import ConfigError
-from tidespec.llm import output_matrix
+from tidespec.models.llama import output_matrix
 from tidespec.models.eagle3_checkpoint import fresh_head, publish
 from tidespec.models.eagle3_head import Eagle3Head
 from tidespec.models.eagle3_lora import (

@@ -12,7 +12,8 @@ import torch
 from tests.helpers import ScriptedPolicy, switching_drafters
 from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.llm import build_drafter, output_matrix
+from tidespec.llm import build_drafter
+from tidespec.models.llama import output_matrix
 from tidespec.models.eagle3_checkpoint import fresh_head, shipped_bootstrap
 from tidespec.models.eagle3_head import init_from_target
 from tidespec.models.eagle3_lora import LoraAdapter, adapter_state, lora_parameters, merged_state, with_lora

@@ -4,15 +4,19 @@ no edit anywhere else."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 from fastapi.testclient import TestClient
 
 from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
 from tests.speculative.toy_drafter import BigramDrafter
-from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
+from tidespec.config import CacheConfig, DraftModelConfig, DraftVocabConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.errors import ConfigError
-from tidespec.llm import build_engine
+from tidespec.llm import attach_draft_vocab, build_engine
+from tidespec.models.llama import output_matrix
 from tidespec.sampling import SamplingParams
 from tidespec.server.app import ServerConfig, create_app
 from tidespec.speculative.drafters.multi import MultiDrafter
@@ -101,3 +105,24 @@ def test_unknown_drafters_and_modules_are_one_line_errors(spec: SpecConfig, mess
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as exc:
         kinds_for(spec)
     assert "\n" not in str(exc.value)
+
+
+def test_a_draft_vocabulary_goes_to_the_member_whose_output_layer_can_take_it(model, tmp_path) -> None:
+    """``Drafter.vocab_output`` decides who drafts over V_t: the toy (no output layer) cannot, so
+    alone it is a one-line error; beside a draft model the draft model gets the vocabulary."""
+    corpus = tmp_path / "corpus.jsonl"
+    corpus.write_text(json.dumps({"id": "c-1", "domain": "toy", "kind": "completion",
+                                  "prompt": "t5 t6 t7 t5 t6 t8 t9 t5"}) + "\n")
+    vc = DraftVocabConfig(mode="static", core=6, corpus=str(corpus))
+    toy = build_drafter(SpecConfig(drafter="bigram", drafter_modules=TOY), model, 1, 128)
+    assert toy.vocab_output(output_matrix(model)) is None
+    with pytest.raises(ConfigError, match="output layer can draft over it"):
+        attach_draft_vocab(toy, vc, model, tiny_tokenizer(V))
+    both = build_drafter(SpecConfig(drafter="bigram,draft-model", drafter_modules=TOY,
+                                    draft_model=DraftModelConfig(layers=1)), model, 1, 128)
+    vocab = attach_draft_vocab(both, vc, model, tiny_tokenizer(V))
+    assert vocab is not None and both.members["draft-model"].vocab is vocab and both.members["bigram"].vocab is None
+    ids = vocab.snapshot.ids.tolist()
+    assert len(ids) == 6 and {5, 6, 7, 8, 9} <= set(ids)  # the corpus's tokens make the core
+    rows = both.members["draft-model"].vocab_output(output_matrix(model)).rows_for(torch.tensor([5, 9]))
+    assert torch.equal(rows, output_matrix(model)[[5, 9]])  # layers=1 shares the target's LM head

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidespec.errors import UserError
+from tidespec.errors import ConfigError, UserError
 from tidespec.models.attention import AttentionPlan, transposed_keys
 from tidespec.models.linear import Linear
 
@@ -490,3 +490,13 @@ class _Getter:
         if name not in self.sd:
             raise ModelConfigError(f"checkpoint is missing tensor {name}")
         return self.sd[name]
+
+
+def output_matrix(target: LlamaModel) -> torch.Tensor:
+    """[V, H] the target's LM-head rows as floats (a quantized head of a tied model: the embedding)."""
+    w = getattr(target.lm_head, "weight", None)
+    if isinstance(w, torch.Tensor) and w.is_floating_point():
+        return w.detach()
+    if target.cfg.tie_word_embeddings:
+        return target.embed_tokens.weight.detach()
+    raise ConfigError("a draft vocabulary needs the target's LM head in floating point (run without --quantization)")

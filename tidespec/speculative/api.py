@@ -18,7 +18,7 @@ Worked example: the tree  last -> a -> b, last -> c  is
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
@@ -158,6 +158,8 @@ class Drafter(Protocol):
 
     def cost_signature(self) -> str: ...
 
+    def vocab_output(self, lm: torch.Tensor) -> VocabOutput | None: ...
+
 
 def network_signature(net: Eagle3Head | LlamaModel, quantization: str = "none") -> str:
     """A neural drafter's ``cost_signature``: its network's config and dtype, the precision it drafts
@@ -168,6 +170,24 @@ def network_signature(net: Eagle3Head | LlamaModel, quantization: str = "none") 
     device = next(net.parameters()).device
     return (f"{net.cfg!r} {net.dtype}" + (f" {quantization}" if quantization != "none" else "")
             + (f" {device}" if device.type != "cpu" else ""))
+
+
+@dataclass(frozen=True)
+class VocabOutput:
+    """How a drafter's output layer drafts over a draft vocabulary (``Drafter.vocab_output``).
+
+    ``rows_for`` maps target token ids [n] to the output rows [n, H] its logits are computed with;
+    ``own`` lists the tokens whose rows it trained itself (None: every token), which the vocabulary's
+    core takes first; ``quantized``: it drafts in int8 or int4, so V_t's rows are drafted in int8.
+
+    Example: a draft model with LM head ``W`` [V, H] answers ``VocabOutput(lambda ids: W[ids], None,
+    False)``; an EAGLE-3 head pruned to 2,048 tokens gives its own rows for those and the target's
+    LM-head rows, mapped into its space, for the others, with ``own`` = its 2,048 ids.
+    """
+
+    rows_for: Callable[[torch.Tensor], torch.Tensor]
+    own: list[int] | None
+    quantized: bool
 
 
 class DrafterBase:
@@ -221,3 +241,8 @@ class DrafterBase:
         """What its drafting cost depends on beyond its name (a network's shape, dtype, device): keys
         the cached profile, so the profile of one network is never read for another. "" = the name."""
         return ""
+
+    def vocab_output(self, lm: torch.Tensor) -> VocabOutput | None:
+        """How its output layer drafts over a draft vocabulary, given the target's LM-head rows ``lm``
+        [V, H]; None (the default): it has no output layer to restrict (n-gram, suffix)."""
+        return None

@@ -219,7 +219,7 @@ class DraftTrainer:
     def _target_rows(self, target: nn.Module) -> torch.Tensor:
         """[V, H] the target's LM-head rows (a target's logits = its final hidden state times these)."""
         if self._out_rows is None:
-            from tidespec.llm import output_matrix
+            from tidespec.models.llama import output_matrix
 
             self._out_rows = output_matrix(target).to(self.device)
         return self._out_rows

@@ -43,11 +43,12 @@ import torch
 from tidespec.errors import ConfigError, check_at_least
 from tidespec.models import placement
 from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.models.llama import BatchLayout, LlamaModel, output_matrix
 from tidespec.models.loader import load_model
 from tidespec.models.quant import QuantizedLinear
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
-from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft, network_signature
+from tidespec.speculative import api
+from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.registry import BuildContext, DrafterKind
 from tidespec.speculative.tree import tree_depths, tree_mask
 from tidespec.speculative.vocab.dynamic import DynamicVocab, VocabSnapshot
@@ -198,7 +199,12 @@ class DraftModelDrafter(DrafterBase):
         return self.vocab is not None and self.vocab.cfg.dynamic
 
     def cost_signature(self) -> str:
-        return network_signature(self.model)
+        return api.network_signature(self.model)
+
+    def vocab_output(self, lm: torch.Tensor) -> api.VocabOutput:
+        """Its own LM head's rows for every token (``lm``, the target's rows, is not needed)."""
+        rows = output_matrix(self.model)  # [V, H]
+        return api.VocabOutput(lambda ids: rows[ids.to(rows.device)], None, False)
 
     @property
     def num_live(self) -> int:

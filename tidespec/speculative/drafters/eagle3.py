@@ -48,7 +48,15 @@ from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.models.loader import DTYPES
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
-from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft, network_signature
+from tidespec.speculative.api import (
+    DrafterBase,
+    DraftInput,
+    DraftProposal,
+    Observation,
+    SeqDraft,
+    VocabOutput,
+    network_signature,
+)
 from tidespec.speculative.drafters.draft_model import draft_seed
 from tidespec.speculative.drafters.eagle3_state import CatchUp, SeqState, TapStore
 from tidespec.speculative.drafters.eagle3_tree import TreeJob, grow_trees
@@ -177,6 +185,13 @@ class Eagle3Drafter(DrafterBase):
     def own_ids(self) -> list[int]:
         """The target ids of the head's own draft vocabulary."""
         return self._own_ids.tolist()
+
+    def vocab_output(self, lm: torch.Tensor) -> VocabOutput:
+        """Its own rows for its own tokens, the target's LM-head rows ``lm`` [V, H] mapped into its
+        space for the others; a head drafting in int8 or int4 drafts over V_t in int8."""
+        own = self.own_ids()
+        return VocabOutput(lambda ids: self.head.output_rows(ids, lm), own if len(own) < lm.shape[0] else None,
+                           self.cfg.quantization != "none")
 
     def _head_ids(self) -> torch.Tensor:
         """[draft_vocab] target id of each of the head's own logits."""
