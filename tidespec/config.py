@@ -428,9 +428,12 @@ class OnlineTrainingConfig:
                                        "before the server gives up on training (serving goes on)")
     trainer_backoff_max_s: float = opt(60.0, "longest wait before a dead trainer child is restarted (the waits "
                                              "double from 1 s)")
-    rollback_min_drafts: int = opt(64, "after a drafter swap, drafts of the new version before its served speedup "
-                                       "(the cost model's prediction from its measured acceptance) is compared with the previous version's; "
-                                       "a loser is swapped back out (0 = never check)")
+    rollback_min_drafts: int = opt(0, "after a drafter swap, drafts of the new version before its served speedup "
+                                      "(the cost model's prediction from its measured acceptance) is compared with the "
+                                      "previous version's over the steps before the swap; a loser is swapped back out. "
+                                      "0 = off: the trainer already judges every version paired, on the rows captured "
+                                      "after it (--served-judge-rows in --trainer-args); this check compares different "
+                                      "requests, so a harder stretch of traffic can pass for a worse drafter")
     capture_prompt: bool = opt(False, "also capture prompt positions (labels are the user's text, not the "
                                       "target's outputs; repeated chat templates then dominate the trainer's "
                                       "held-out score)", flag="--collect-prompt")

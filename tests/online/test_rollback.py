@@ -103,3 +103,15 @@ def test_a_worse_published_version_is_swapped_back_out(tmp_path: Path) -> None:
     assert versions[-1] == 1 and check.rollbacks == 1 and 2 in updater.refused
     assert updater.poll_once() is None  # the refused version is not loaded again
     assert outputs == expected  # lossless throughout
+
+    # a trainer's revert (its own paired judgement, published as a new version) is final: served
+    # past the check's N drafts, even a worse head is not swapped back
+    publish(root, fresh_head(target.cfg, None, torch.float32), {"reverts": 2, "restores": 1})
+    assert updater.poll_once() == 3
+    reverted: list[int] = []
+    for p in prompts * 2:
+        engine.add_request(p, SamplingParams(max_tokens=28, ignore_eos=True))
+        out = run_to_completion(engine)
+        reverted.append(drafter.version)
+        assert out.popitem()[1].token_ids == expected[len(reverted) - 1]
+    assert reverted[-1] == 3 and check.rollbacks == 1 and 3 not in updater.refused

@@ -28,7 +28,7 @@ from tidespec.online.training.config import TrainerConfig, TrainerConfigError
 from tidespec.online.training.data import cut_segment, segments_by_sequence, split_heldout
 from tidespec.online.training.eagle3_train import SignalSegment
 from tidespec.online.training.process import capture_from_workload, distill_from_workload, export_latest, train_drafter
-from tidespec.online.training.rounds import DraftTrainer
+from tidespec.online.training.rounds import DraftTrainer, _Awaiting
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig, build_eagle3_drafter
 
@@ -279,3 +279,49 @@ def test_capture_only_bootstrap_fills_the_store_and_trains_nothing(tmp_path: Pat
     shards = [sh for _, sh in SignalStore(tmp_path / "signals", 1 << 30).iter_shards()]
     assert sum(sh.num_signals for sh in shards) > 0 and all(sh.topk_ids is not None for sh in shards)
     assert sorted({int(s) for sh in shards for s in sh.seq_ids}) == list(range(6))  # 3 prompts x 2 samples
+
+
+def test_a_published_version_is_judged_paired_on_the_rows_captured_after_it(model: LlamaModel,
+                                                                             tmp_path: Path) -> None:
+    """Round 1 publishes v1; no round runs until v1 is judged on rows captured after it (test, then
+    train): v1 against the head it replaced, both on the same rows, kept. Then a version that loses
+    on the rows after it is reverted: the head it replaced is published again."""
+    workload, _ = _workload(tmp_path)
+    lines = workload.read_text().splitlines(keepends=True)
+    first, second = tmp_path / "first.jsonl", tmp_path / "second.jsonl"
+    first.write_text("".join(lines[:16]))
+    second.write_text("".join(lines[16:]))
+    sig, root, tok = tmp_path / "signals", tmp_path / "drafter", tiny_tokenizer(V)
+    capture_from_workload(model, tok, str(first), sig, max_tokens=40, progress=False)
+    cfg = TrainerConfig(signal_dir=str(sig), publish_root=str(root), max_steps=120, batch_segments=8, lr=3e-3,
+                        gamma=4, heldout_frac=0.25, min_signals=1, served_judge_rows=200, progress=False)
+    trainer = DraftTrainer(cfg, model.cfg, model.embed_tokens)
+    fresh = trainer.current
+    r = trainer.run_round()
+    assert r is not None and r.published_version == 1
+    assert trainer.awaiting is not None and trainer.awaiting.parent is fresh
+    round_end = trainer.state.last_shard_id
+    assert trainer.run_round() is None and trainer.state.judgements == []  # no rows after v1 yet
+
+    capture_from_workload(model, tok, str(second), sig, max_tokens=40, progress=False)
+    second_rows = sum(i.num_signals for i in trainer.pending_signals())
+    r2 = trainer.run_round()  # judges v1 first, then trains on the same rows
+    (j,) = trainer.state.judgements
+    assert j["version"] == 1 and j["replaced_version"] == 0 and j["reverted_as"] is None
+    assert j["judged_rows"] == second_rows >= 200 and j["accept_len"] > j["replaced_accept_len"] + 0.3, j
+    assert r2 is not None and r2.parent_version == 1  # the judged rows then trained the next round
+    assert json.loads((root / TRAINER_STATE_NAME).read_text())["judgements"] == [j]
+
+    # a version that loses on the rows after it: say the fresh head had been published in place of
+    # the newest trained one; judged on the rows after round 1, the trained head is published again
+    best, best_version = trainer.current, trainer.current_version
+    newest = latest_version(root)
+    trainer.awaiting = _Awaiting(newest, best, best_version, round_end)
+    trainer.current = fresh
+    j2 = trainer.judge_served()
+    assert j2 is not None and j2["reverted_as"] == newest + 1 == latest_version(root)
+    assert j2["accept_len"] < j2["replaced_accept_len"] and trainer.awaiting is None
+    restored = load_version(root, newest + 1)
+    assert restored.metrics["reverts"] == newest and restored.metrics["restores"] == best_version
+    assert trainer.current is best and trainer.current_version == newest + 1
+    assert all(torch.equal(t, best.state_dict()[k].to(t.dtype)) for k, t in restored.state_dict.items())

@@ -106,7 +106,7 @@ class OnlineConfig:
     capture_prompt: bool = False  # also capture prompt positions (labels = the prompt's next token)
     poll_s: float = 2.0  # seconds between checks of the publish root
     collection: CollectionConfig = field(default_factory=CollectionConfig)
-    rollback_min_drafts: int = 64  # drafts of a new version before the served check decides (0 = no check)
+    rollback_min_drafts: int = 0  # drafts of a new version before the served check decides (0 = no check)
     lora: bool = False  # capture final hidden states and merge the trainer's LoRA adapters (EvoSpec path B)
     # the trainer's adapters also learn this many emitted tokens outside the head's vocabulary
     # (``--lora-extra-vocab``): the dynamic draft vocabulary's buffer, 0 without one
@@ -255,7 +255,11 @@ class DrafterUpdater(RootPoller, EngineObserver):
             served, self._pending_served = self._pending_served, None
         if pub is None:
             return
-        if self.check is not None:  # keep what serves now, to swap it back if the new one loses
+        # keep what serves now, to swap it back if the new one loses; a trainer's revert (a version
+        # that lost the trainer's paired served judgement, published again) is final
+        if self.check is not None and pub.metrics.get("reverts"):
+            self.check.settled()
+        elif self.check is not None:
             head = self.drafter.head
             self.check.swapped(self.drafter.version, {k: v.clone() for k, v in head.state_dict().items()}, head.cfg)
         self._swap(pub.version, pub.state_dict, pub.config, served)

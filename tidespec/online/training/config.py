@@ -130,6 +130,12 @@ class TrainerConfig(TargetOptions):
     ttt_steps: int = opt(3, "training-time-test unroll steps")
     gamma: int = opt(4, "draft length of the simulated-acceptance evaluation")
     min_gain: float = opt(0.0, "publish only if the mean acceptance length improves by more than this")
+    served_judge_rows: int = opt(256, "after publishing, judge the new version against the one it replaced on this "
+                                      "many rows captured after it (both heads' simulated acceptance on the same "
+                                      "rows); a loser is reverted by publishing the replaced head again; no round "
+                                      "trains meanwhile (0 = no served judgement)")
+    served_margin: float = opt(0.02, "the served judgement reverts a version whose acceptance length is below the "
+                                     "replaced one's by more than this fraction")
     poll_s: float = opt(10.0, "seconds between checks of the signal store")
     max_rounds: int = opt(0, "stop after this many training rounds (0 = run until interrupted)")
     once: bool = opt(False, "run one round on the signals available now (at least one row) and exit")
@@ -160,7 +166,7 @@ class TrainerConfig(TargetOptions):
         if not self.publish_root and not self.capture_only:
             raise TrainerConfigError("--publish-root is required")
         for name in ("threads", "draft_vocab", "max_steps", "max_rounds", "workload_limit", "replay_rows", "topk",
-                     "warmup_steps"):
+                     "warmup_steps", "served_judge_rows"):
             if getattr(self, name) < 0:
                 raise TrainerConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("min_signals", "batch_segments", "ttt_steps", "gamma", "max_tokens", "budget_mb", "samples",
@@ -181,6 +187,8 @@ class TrainerConfig(TargetOptions):
             raise TrainerConfigError("--capture-only needs --from-workload")
         if self.samples > 1 and not self.topk:
             raise TrainerConfigError("--samples > 1 needs --topk (sampled continuations are distilled, not imitated)")
+        if not 0.0 <= self.served_margin < 1.0:
+            raise TrainerConfigError(f"served_margin must be in [0, 1), got {self.served_margin}")
         if self.min_gain < 0:
             raise TrainerConfigError(f"min_gain must be >= 0, got {self.min_gain}")
 

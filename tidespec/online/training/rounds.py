@@ -22,6 +22,15 @@ One round::
          vs current; publish(root, candidate) iff candidate > current + min_gain (rank 0 only)
       -> trainer_state.json: consumed shard id, and the round (alpha_train = current's acceptance
          rate, alpha_eval = candidate's) which the engine relays to its selective collector
+      -> served judgement (``judge_served``), before any further round: on the first
+         served_judge_rows rows captured after the round, the published head and the one it
+         replaced are both scored (paired: the same rows, so how hard the traffic is cancels out);
+         a loser by more than served_margin is reverted by publishing the replaced head again
+
+The held-out split judges a candidate on the round's own window of traffic; the served judgement
+judges it on the traffic that came after, which the candidate never saw. Both compare two heads on
+the same rows. (Comparing one version's served acceptance on its requests with another's on
+earlier ones would mistake easier requests for a better head.)
 
 Worked example: 3 sequences of 40 captured positions, heldout_frac 0.34 -> 1 sequence held out;
 current (fresh) head scores 1.02, candidate 1.61 at gamma 4 -> published as v1, round
@@ -112,6 +121,7 @@ class TrainerState:
 
     last_shard_id: str | None = None
     rounds: list[dict[str, Any]] = field(default_factory=list)
+    judgements: list[dict[str, Any]] = field(default_factory=list)  # served judgements of published versions
 
     @staticmethod
     def load(root: Path) -> TrainerState:
@@ -122,7 +132,7 @@ class TrainerState:
         except (OSError, json.JSONDecodeError) as exc:
             logger.warning("ignoring unreadable %s: %s", root / TRAINER_STATE_NAME, exc)
             return TrainerState()
-        return TrainerState(doc.get("last_shard_id"), list(doc.get("rounds") or []))
+        return TrainerState(doc.get("last_shard_id"), list(doc.get("rounds") or []), list(doc.get("judgements") or []))
 
     def save(self, root: Path) -> None:
         """Atomic replace (temp file, fsync, rename): the engine may read it at any time."""
@@ -148,6 +158,19 @@ class RoundResult:
     train_time_s: float
     published_version: int | None
     parent_version: int
+
+
+@dataclass
+class _Awaiting:
+    """A published version waiting for its served judgement: the head it replaced, and the rows
+    captured after the round's last shard (neither head trained on them), read so far."""
+
+    version: int
+    parent: Eagle3Head
+    parent_version: int
+    after: str
+    shards: list[SignalShard] = field(default_factory=list)
+    read: set[str] = field(default_factory=set)
 
 
 class DraftTrainer:
@@ -177,6 +200,7 @@ class DraftTrainer:
         self.current = self._refresh_current()
         self._out_rows: torch.Tensor | None = None  # the target's LM-head rows, once a shard has hidden states
         self.aligner = self._aligner(target) if cfg.lora.enabled else None
+        self.awaiting: _Awaiting | None = None  # a published version before its served judgement
 
     # -- the current drafter ---------------------------------------------------------------------
 
@@ -268,6 +292,10 @@ class DraftTrainer:
         """Train and maybe publish once, if at least ``min_signals`` (default ``cfg.min_signals``)
         new rows arrived; None otherwise (nothing consumed)."""
         need = self.cfg.min_signals if min_signals is None else min_signals
+        if self.awaiting is not None:
+            self.judge_served()
+            if self.awaiting is not None:
+                return None  # test, then train: the rows after a new version judge it before any round uses them
         infos = self.pending_signals()
         if not infos or sum(i.num_signals for i in infos) < max(1, need):
             return None
@@ -316,6 +344,8 @@ class DraftTrainer:
                         f"published v{version}" if version else "not published")
         version, base, cand = self.ctx.broadcast((version, base, cand))
         if version is not None:
+            if self.cfg.served_judge_rows:
+                self.awaiting = _Awaiting(version, parent, parent_version, infos[-1].shard_id)
             self.current, self.current_version = candidate.eval(), version
         result = RoundResult(round_no, sum(s.num_positions for s in train), sum(s.num_positions for s in heldout),
                              base, cand, loss, train_time, version, parent_version)
@@ -328,6 +358,59 @@ class DraftTrainer:
         })
         self._save_state()
         return result
+
+    def judge_served(self) -> dict[str, Any] | None:
+        """Judge the version awaiting its served judgement, once ``served_judge_rows`` rows were captured
+        after its round: the simulated acceptance of the new head and of the head it replaced on the
+        same rows (paired, so the traffic's difficulty cancels). The new one is kept unless it is below
+        the replaced one by more than ``served_margin``; a loser is reverted by publishing the replaced
+        head again as the newest version. Returns the judgement (also in ``trainer_state.json``), or
+        None while rows are missing.
+
+        Example: v2 published; the next 300 captured rows give v2 1.41 and v1 1.52 at gamma 4 ->
+        1.41 < 1.52 x 0.98, so v1's weights are published as v3 (``{"reverts": 2, "restores": 1}``).
+        """
+        a = self.awaiting
+        assert a is not None
+        found = None
+        if self.ctx.is_main:
+            for info in self.store.list_shards(since=a.after):
+                if info.shard_id not in a.read:
+                    a.read.add(info.shard_id)
+                    try:
+                        a.shards.append(self.store.read(info.shard_id))
+                    except ShardGone:
+                        logger.info("shard %s was evicted before it was judged on", info.shard_id)
+            rows = [s for segs in segments_by_sequence(a.shards, self.cfg.max_segment_len).values() for s in segs]
+            n = sum(s.num_positions for s in rows)
+            if n >= self.cfg.served_judge_rows:
+                g = self.cfg.gamma
+                found = (n, simulated_acceptance(self.current, self.embed, rows, g),
+                         simulated_acceptance(a.parent, self.embed, rows, g))
+        found = self.ctx.broadcast(found)
+        if found is None:
+            return None
+        n, new, old = found
+        lost = math.isfinite(old) and (not math.isfinite(new) or new < old * (1.0 - self.cfg.served_margin))
+        judgement: dict[str, Any] = {"time": time.time(), "version": a.version, "replaced_version": a.parent_version,
+                                     "judged_rows": n, "gamma": self.cfg.gamma, "accept_len": _finite_or_none(new),
+                                     "replaced_accept_len": _finite_or_none(old), "reverted_as": None}
+        if lost:
+            version = None
+            if self.ctx.is_main:
+                version = publish(self.root, a.parent, {"reverts": a.version, "restores": a.parent_version,
+                                                        "accept_len": old, "reverted_accept_len": new,
+                                                        "judged_rows": n, "gamma": self.cfg.gamma})
+            version = self.ctx.broadcast(version)
+            self.current, self.current_version = a.parent, version
+            judgement["reverted_as"] = version
+        logger.info("version %d judged on %d rows captured after it: accept len %.3f, v%d's %.3f: %s", a.version, n,
+                    new, a.parent_version, old,
+                    f"reverted (v{a.parent_version} published again as v{judgement['reverted_as']})" if lost else "kept")
+        self.awaiting = None
+        self.state.judgements.append(judgement)
+        self._save_state()
+        return judgement
 
     def _save_state(self) -> None:
         if self.ctx.is_main:
