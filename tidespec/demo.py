@@ -153,6 +153,11 @@ def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bo
         con.print(f"trainer round {r['round']}: {r['num_train_rows']} rows, held-out acceptance length "
                   f"{r['baseline_accept_len'] or float('nan'):.2f} -> {r['candidate_accept_len'] or float('nan'):.2f}"
                   f", {pub}")
+    for j in on.get("judgements", []):
+        verdict = f"reverted (v{j['replaced_version']} again as v{j['reverted_as']})" if j.get("reverted_as") else "kept"
+        con.print(f"v{j['version']} judged on the {j['judged_rows']} rows captured after it: acceptance length "
+                  f"{j['accept_len'] or float('nan'):.2f} vs {j['replaced_accept_len'] or float('nan'):.2f} for "
+                  f"v{j['replaced_version']}, {verdict}")
     con.print(f"signals captured {on['captured']} (dropped {on['dropped']}), drafter swaps {on['swaps']}, "
               f"collection {'on' if on['collection_enabled'] else 'off'} at the end")
     con.print(f"plot: {out / 'shift.png'}  report: {out / 'README.md'}")

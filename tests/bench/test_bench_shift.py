@@ -142,9 +142,16 @@ def test_shift_bench_end_to_end(tmp_path: Path) -> None:
     for name in ("bench_shift.json", "README.md", "shift.png"):
         assert (out / name).stat().st_size > 0, name
     assert (out / "online" / "trainer.log").is_file()
+    assert isinstance(online["judgements"], list)  # the trainer's served judgements, filed with the run
+    saved = json.loads((out / "bench_shift.json").read_text())
+    saved["configs"]["online"]["online"]["judgements"] = [
+        {"version": 2, "replaced_version": 1, "judged_rows": 300, "accept_len": 1.41, "replaced_accept_len": 1.52,
+         "reverted_as": 3}]
+    (out / "bench_shift.json").write_text(json.dumps(saved))
     (out / "README.md").unlink()
     again = replot(out)  # re-rendered from bench_shift.json alone
     assert again["configs"]["online"]["mismatches"] == 0 and (out / "README.md").is_file()
+    assert "| 2 | 1 | 300 | 1.41 | 1.52 | reverted as v3 |" in (out / "README.md").read_text()
 
 
 def test_shift_bench_interleaves_a_controller_with_several_drafters(tmp_path: Path) -> None:

@@ -138,9 +138,16 @@ class SignalCollector(EngineObserver):
 
 def read_trainer_rounds(root: Path | str) -> list[dict[str, Any]]:
     """The trainer's round log (``trainer_state.json`` ``rounds``); [] when absent or unreadable."""
+    return read_trainer_log(root, "rounds")
+
+
+def read_trainer_log(root: Path | str, key: str) -> list[dict[str, Any]]:
+    """One of the trainer's logs in ``trainer_state.json``: ``rounds``, or ``judgements`` (each
+    published version against the head it replaced, on the rows captured after it); [] when absent
+    or unreadable."""
     try:
         doc = json.loads((Path(root) / TRAINER_STATE_NAME).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError):
         return []
-    rounds = doc.get("rounds") if isinstance(doc, dict) else None
-    return [r for r in rounds if isinstance(r, dict)] if isinstance(rounds, list) else []
+    entries = doc.get(key) if isinstance(doc, dict) else None
+    return [r for r in entries if isinstance(r, dict)] if isinstance(entries, list) else []

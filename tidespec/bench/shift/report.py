@@ -77,6 +77,15 @@ def report(doc: dict[str, Any]) -> str:
                                      [[r.get("round"), r.get("num_train_rows"), r.get("num_heldout_rows"),
                                        _fmt(r.get("baseline_accept_len")), _fmt(r.get("candidate_accept_len")),
                                        r.get("published_version") or "-"] for r in rounds]), ""]
+        judged = on.get("judgements", [])
+        if judged:
+            lines += [("Served judgements (each published version against the head it replaced, both scored on "
+                       "the same rows captured after it):"), "",
+                      markdown_table(["version", "replaced", "rows", "accept len", "replaced's", "verdict"],
+                                     [[j.get("version"), j.get("replaced_version"), j.get("judged_rows"),
+                                       _fmt(j.get("accept_len")), _fmt(j.get("replaced_accept_len")),
+                                       f"reverted as v{j['reverted_as']}" if j.get("reverted_as") else "kept"]
+                                      for j in judged]), ""]
     ov = doc.get("capture_overhead")
     if ov:
         lines += [f"Capture overhead (frozen drafter, {ov['requests']} requests, capture forced on vs off, "

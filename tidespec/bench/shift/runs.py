@@ -47,7 +47,7 @@ from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import LoadedModel
 from tidespec.online.serving.attach import OnlineConfig, OnlineTraining, attach_online_training
 from tidespec.online.serving.governor import GovernorConfig
-from tidespec.online.signals import read_trainer_rounds
+from tidespec.online.signals import read_trainer_log, read_trainer_rounds
 from tidespec.sampling import SamplingParams
 from tidespec.stats import RequestStats, StepStats
 
@@ -313,6 +313,7 @@ def finish_online(run: TraceRun, setup: OnlineSetup) -> TraceRun:
     run.online = {k: v for k, v in online.state().items() if k != "collector"}
     run.online["collector"] = online.selective.state()
     run.online["rounds"] = read_trainer_rounds(setup.root)
+    run.online["judgements"] = read_trainer_log(setup.root, "judgements")
     run.online["adapters"] = adapter_records(setup.root)
     run.online["signal_dir"] = str(setup.signals)
     return run

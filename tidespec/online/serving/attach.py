@@ -257,6 +257,9 @@ class DrafterUpdater(RootPoller, EngineObserver):
             return
         # keep what serves now, to swap it back if the new one loses; a trainer's revert (a version
         # that lost the trainer's paired served judgement, published again) is final
+        if pub.metrics.get("reverts"):
+            logger.info("drafter version %d serves: version %s lost the trainer's served judgement, version %s's "
+                        "head is back", pub.version, pub.metrics["reverts"], pub.metrics.get("restores"))
         if self.check is not None and pub.metrics.get("reverts"):
             self.check.settled()
         elif self.check is not None:
