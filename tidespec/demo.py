@@ -18,8 +18,11 @@ training, the two configurations taking turns on slices of the trace: the contro
 step which drafter drafts and how far (or none: then the step is plain decoding's), the engine
 captures the target's hidden states, selective collection switches on at the shift,
 ``tidespec train-drafter`` runs as a child process that yields the CPU to serving (paused while
-requests are decoded, ``--trainer-share``) and the engine swaps each better drafter in between
-steps. A live progress line shows acceptance,
+requests are decoded, ``--trainer-share``), and serving is idle for ``--idle-s`` seconds after every
+turn of 4 requests, as between bursts of real traffic, which is when the trainer gets the CPU.
+A round publishes a head only if it beats the current one on held-out rows, and each published
+head is judged again, paired with the one it replaced, on the rows captured after it; the engine
+swaps each better drafter in between steps. A live progress line shows acceptance,
 drafter version and tokens/s; the demo ends with a per-phase table against plain decoding, a
 plot, and the losslessness check (every output equal to plain's). The starting drafter is the
 bootstrap shipped in ``tidespec/assets`` (trained by our own trainer on prompts disjoint from the
@@ -125,12 +128,14 @@ def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bo
     boot = shipped_bootstrap()
     con.print(f"starting drafter: {boot if boot else 'fresh random head (no shipped bootstrap found)'}; "
               f"drafters suffix + EAGLE-3 under the analytic controller (gamma <= {ns.gamma}); trainer: a child "
-              f"process with 1 thread, running {ns.trainer_share:.0%} of the busy time and whenever serving is idle")
+              f"process with 1 thread, running {ns.trainer_share:.0%} of the busy time and whenever serving is idle "
+              f"({ns.idle_s:g} s after every 4 requests, off the clock), fine-tuning at lr {ns.trainer_lr:g}")
     cfg = ShiftBenchConfig(workloads=f"code_unseen:{ns.code_requests},chat:{ns.chat_requests}",
                            max_tokens=ns.max_tokens, gamma=ns.gamma, concurrency=2, configs="plain,online",
                            drafter="suffix,eagle3", policy="analytic", turn=4, trainer_share=ns.trainer_share,
                            bootstrap=str(boot) if boot else None, min_signals=ns.min_signals, collect_n_init=4,
-                           window=4, bin_s=10.0, overhead_repeats=0, recompute_rows=0)
+                           window=4, bin_s=10.0, overhead_repeats=0, recompute_rows=0,
+                           trainer_catchup_s=ns.idle_s, trainer_epochs=2.0, trainer_args=f"--lr {ns.trainer_lr:g}")
     out = Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     doc = run_shift_bench(cfg, loaded, out, command="make demo", log=lambda _: None)
     plain, online = doc["configs"]["plain"], doc["configs"]["online"]
@@ -177,9 +182,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--min-signals", type=int, default=768, help="part 2: signal rows per training round")
     ap.add_argument("--trainer-share", type=float, default=0.0,
                     help="part 2: fraction of the busy time the trainer may run (it always runs when idle)")
+    ap.add_argument("--idle-s", type=float, default=4.0,
+                    help="part 2: seconds without requests after every turn of 4, as between bursts of real traffic; "
+                         "the trainer runs then (excluded from both configurations' tok/s)")
+    ap.add_argument("--trainer-lr", type=float, default=1e-4,
+                    help="part 2: the trainer's learning rate (a trained head fine-tuned on a few hundred rows)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--part", choices=["all", "drafters", "online"], default="all", help="which part to run")
     ns = ap.parse_args(argv)
+    if not (ns.idle_s >= 0 and ns.trainer_lr > 0):  # also rejects nan
+        ap.error(f"need --idle-s >= 0 and --trainer-lr > 0, got {ns.idle_s:g} and {ns.trainer_lr:g}")
     torch.set_num_threads(ns.threads)
     con = Console(width=max(Console().width, 176))  # the tables need ~170 columns; never wrap them
     con.print("[bold]tidespec demo[/bold] — embedded SmolLM2-135M-Instruct, float32, CPU, greedy")
