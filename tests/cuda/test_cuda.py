@@ -99,6 +99,33 @@ def test_greedy_speculation_equals_plain_on_cuda(model, plain, drafter, tree, ga
     assert _generate(model, spec) == plain
 
 
+def test_fixed_shape_graphs_give_verification_rows_the_decode_rows_bits_in_bfloat16():
+    """Row invariance on CUDA: with fixed-shape graphs a sequence's 5-row verification and a tree
+    give its rows exactly the bits a decode step gives them, in bfloat16 (where the usual graphs,
+    one per row count, round them differently)."""
+    model = tiny_llama(512, layers=2, seed=3, dtype=torch.bfloat16, hidden_size=256, intermediate_size=512,
+                       num_heads=4, num_kv_heads=2, head_dim=64).to("cuda")
+    kv = KVCache.for_model(model.cfg, 4, 400, torch.bfloat16, "cuda", spare_slot=True)
+    step = GraphStep(model, kv, tap_layers=(), max_q=5, fixed_shape=True, prompt_rows=64)
+    step.warm_up()
+    assert {r for _, r, _ in step.graphs} == {8, 16, 32, 64} and {k for _, _, k in step.graphs} == {400}
+    prompt = torch.randint(3, 512, (40,), generator=torch.Generator().manual_seed(4)).tolist()
+    with torch.inference_mode():
+        model(torch.tensor(prompt, device="cuda"), BatchLayout.build([40], [0], [0], device="cuda"), kv)
+    cont = [7, 8, 9, 10, 11]
+    decoded = []
+    for i, t in enumerate(cont):  # plain decoding, one row a forward (K/V at 40 + i rewritten alike below)
+        out = step([t], [1], [40 + i], [0])
+        assert out is not None
+        decoded.append(out.logits[0].clone())
+    ver = step(cont, [5], [40], [0])
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    branch = step(cont[:3], [3], [40], [0], depths=[[0, 1, 1]], masks=[tree])
+    assert ver is not None and branch is not None and step.num_declined == 0
+    assert all(torch.equal(ver.logits[i], decoded[i]) for i in range(5))
+    assert torch.equal(branch.logits[0], decoded[0]) and torch.equal(branch.logits[1], decoded[1])
+
+
 @pytest.mark.parametrize("drafter,tree", [("eagle3", False), ("eagle3", True), ("draft-model", False)])
 def test_dovetail_placement_target_on_cpu_drafter_on_cuda(drafter, tree):
     target = tiny_llama(V, layers=3, seed=2, scale=3.0, dtype=torch.float32)

@@ -173,3 +173,52 @@ def test_block_rows_hand_traced():
     assert b.ids == [7, 0, 0, 0, 8, 9, 0, 0] and b.positions == [5, 0, 0, 0, 3, 4, 0, 0]
     assert b.write_slots == [0, 9, 9, 9, 2, 2, 9, 9] and b.write_offsets == b.positions
     assert b.ctx == [5, 0, 3, 0] and b.kept == [0, 4, 5]
+
+
+def _prefilled(model, slots_ctx: dict[int, int], max_len: int = 300, seed: int = 0):
+    """An eager cache and a block cache holding the same random prompts in ``slots_ctx`` (slot: length)."""
+    eager_kv = KVCache.for_model(model.cfg, 6, max_len, torch.float64)
+    block_kv = KVCache.for_model(model.cfg, 6, max_len, torch.float64, spare_slot=True)
+    gen = torch.Generator().manual_seed(seed)
+    for slot, n in slots_ctx.items():
+        ids = torch.randint(2, 64, (n,), generator=gen)
+        for kv in (eager_kv, block_kv):
+            model(ids, BatchLayout.build([n], [0], [slot]), kv)
+    return eager_kv, block_kv
+
+
+@pytest.mark.parametrize("fixed_shape", [False, True])
+def test_trees_verify_in_the_block(fixed_shape):
+    """A tree (rows 1 and 2 children of row 0, row 3 a child of row 1) beside a chain: the block's
+    in-graph mask (``lim``/``bits``) and depth positions give the eager forward's logits and K/V."""
+    model = tiny_llama(64, layers=2, seed=1)
+    eager_kv, block_kv = _prefilled(model, {0: 12, 2: 7})
+    step = GraphStep(model, block_kv, tap_layers=(), max_q=4, capture=False, fixed_shape=fixed_shape)
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    tokens, q_lens, ctx_lens, slots = [9, 10, 11, 12, 20, 21], [4, 2], [12, 7], [0, 2]
+    depths, masks = [[0, 1, 1, 2], None], [tree, None]
+    layout = BatchLayout.build(q_lens, ctx_lens, slots, depths=depths, tree_masks=masks)
+    want = model(torch.tensor(tokens), layout, eager_kv)
+    got = step(tokens, q_lens, ctx_lens, slots, depths=depths, masks=masks)
+    assert got is not None and step.num_declined == 0
+    torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(block_kv.k[1][0, :, :16], eager_kv.k[1][0, :, :16], rtol=1e-12, atol=1e-12)
+    # a tree over cached levels (mask wider than its new tokens) is not the block's: eager
+    assert step([5], [1], [16], [0], depths=[[-1]], masks=[torch.ones(1, 2, dtype=torch.bool)]) is None
+
+
+def test_fixed_shape_blocks_run_decode_and_verification_alike():
+    """Fixed shapes: one 8-row block per batch size for decode and verification, over the cache's
+    whole length; a decode step and a 4-row verification both give the eager forward's logits."""
+    model = tiny_llama(64, layers=2, seed=1)
+    eager_kv, block_kv = _prefilled(model, {1: 9}, max_len=600)
+    step = GraphStep(model, block_kv, tap_layers=(), max_q=5, capture=False, fixed_shape=True, prompt_rows=64)
+    assert step.row_sizes == [8, 16, 32, 64] and step.key_lens == [600] and step.verify_rows == 8
+    assert {(b, r) for b, r in step.blocks if r == 8} == {(b, 8) for b in step.batches}
+    for tokens, ctx in (([30], 9), ([31, 32, 33, 34], 10)):
+        want = model(torch.tensor(tokens), BatchLayout.build([len(tokens)], [ctx], [1]), eager_kv)
+        got = step(tokens, [len(tokens)], [ctx], [1])
+        assert got is not None
+        torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
+    # more rows than a fixed block: a verification of 9 rows goes to the 16-row prompt block
+    assert step(list(range(2, 11)), [9], [14], [1]) is not None and step.num_declined == 0

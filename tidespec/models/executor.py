@@ -11,7 +11,8 @@ runs (with a digest of the kernel code), and the profile cache is keyed by it.
 
 Dispatch, per forward:
 
-- CUDA graphs (on a GPU unless ``enforce_eager``): every batch without trees, prompt chunks too;
+- CUDA graphs (on a GPU unless ``enforce_eager``): every batch of chains, trees and prompt chunks
+  that fits a block (with row invariance on, of one fixed shape per batch size: ``models/graphs.py``);
 - else the compiled step (``compile``): every forward of a row-invariant target, else the decode
   batches of chains (every row needs logits);
 - else the eager model.
@@ -35,8 +36,8 @@ import torch
 from tidespec.config import ModelConfig
 from tidespec.errors import check_at_least
 from tidespec.models.compiled import KV_MARGIN, CompiledStep, inductor_cache_dir
-from tidespec.models.graphs import GraphStep, uses_graphs
-from tidespec.models.invariance import InvarianceReport, clear_row_invariance, make_row_invariant
+from tidespec.models.graphs import FIXED_ROWS, GraphStep, uses_graphs
+from tidespec.models.invariance import FIXED_SHAPE, InvarianceReport, clear_row_invariance, make_row_invariant
 from tidespec.models.kernels import exact_attention_error
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel, ModelOutput
@@ -84,8 +85,14 @@ def prepare_target(model: LlamaModel, options: ExecutorOptions) -> InvarianceRep
     machine, so preparing a target again costs little."""
     budget = options.budget
     if model.device.type != "cpu":
-        report = InvarianceReport(budget, f"no row-invariant kernels on {model.device.type} yet (README, Guarantees)")
         clear_row_invariance(model)
+        if not options.row_invariant:
+            report = InvarianceReport(budget, "turned off (--no-row-invariant)")
+        elif uses_graphs(model.device, options.enforce_eager):
+            report = InvarianceReport(budget, FIXED_SHAPE)
+        else:
+            report = InvarianceReport(budget, f"eager {model.device.type} forwards (--enforce-eager) choose kernels "
+                                              f"by row count")
     elif not options.row_invariant:
         report = InvarianceReport(budget, "turned off (--no-row-invariant)")
         clear_row_invariance(model)
@@ -140,8 +147,12 @@ class ForwardExecutor:
         self.graphs: GraphStep | None = None
         self.warm_up_seconds = 0.0  # compiling the step or capturing the graphs, once here
         if self.graphed:
+            fixed = self.invariance.attention == FIXED_SHAPE
+            if fixed and rows_per_seq > FIXED_ROWS:
+                log.warning("row invariance on %s holds for 1 + gamma <= %d rows a sequence; %d rows verify in "
+                            "another block than a decode step", self.device.type, FIXED_ROWS, rows_per_seq)
             self.graphs = GraphStep(model, self.kv, tap_layers, rows_per_seq, capture=self.device.type == "cuda",
-                                    compile=options.compile, prompt_rows=options.budget)
+                                    compile=options.compile, prompt_rows=options.budget, fixed_shape=fixed)
             self.warm_up_seconds = self.graphs.warm_up()
             log.info("captured %d CUDA graphs in %.1f s", len(self.graphs.graphs), self.warm_up_seconds)
         elif options.compile:
@@ -165,8 +176,9 @@ class ForwardExecutor:
         masks = masks if masks is not None else [None] * n
         no_trees = all(m is None for m in masks)
         out = None
-        if self.graphs is not None and no_trees:
-            out = self.graphs(tokens, q_lens, ctx_lens, slots, tap_layers, logits_rows if prefill else None)
+        if self.graphs is not None:
+            out = self.graphs(tokens, q_lens, ctx_lens, slots, tap_layers, logits_rows if prefill else None,
+                              None if no_trees else depths, None if no_trees else masks)
         if out is None:
             layout = BatchLayout.build(q_lens, ctx_lens, slots, depths, masks, device=self.device)
             ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)  # [T]

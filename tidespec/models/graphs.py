@@ -16,8 +16,16 @@ in a static block:
 * attention reads the keys ``k[:B, :, :L]`` of the first ``B`` slots (a view: the cache's address
   never changes), ``L`` the smallest key bucket (256, 512, ... the cache's length) that holds
   every sequence's context plus its new tokens; the mask is computed inside the graph from each
-  slot's context length: row ``i`` of slot ``b`` sees keys ``0 .. ctx[b] + i`` (and the sliding
-  window). Padding rows read finite values (a CUDA cache is zero-filled once) and are discarded.
+  slot's context length and each row's ``lim`` and ``bits``: row ``i`` of slot ``b`` sees the keys
+  ``0 .. ctx[b] - 1`` and the new rows ``j <= lim[i]`` whose bit ``j`` is set — ``lim = i`` and
+  every bit for a chain, the ancestors for a tree (so trees of up to 63 tokens verify in the
+  graphs too) — within the sliding window. Padding rows see key 0 (finite: a CUDA cache is
+  zero-filled once) and are discarded.
+* fixed shapes (``fixed_shape=True``, what row invariance is on a GPU): every decode and
+  verification block has ``FIXED_ROWS`` (8) rows per sequence and reads the cache's whole length,
+  so a plain decode step and a verification of up to 7 drafts replay the same graph of a batch
+  size: each row's logits come out of the same kernels at the same shapes, whatever the other
+  rows hold, and speculation cannot change a greedy token.
 * a prompt chunk is such a run of new tokens too (row ``i`` sees the cache and the rows before it):
   blocks of 16, 32, 64, ... rows per sequence, of at most ``prompt_rows`` rows in all (the step's
   token budget), take prompt chunks with the sequences decoding beside them, so a prompt's prefill
@@ -25,7 +33,7 @@ in a static block:
   H200, ``docs/benchmarks/gpu.md``). A block computes every row's logits; only the rows
   asked for (a last chunk's last row, every verification row) are returned.
 * the step's inputs are one int64 buffer the host fills with one copy: ids, positions, write
-  slots, write offsets (``B x q`` each), context lengths (``B``), and the rows to keep (``T``).
+  slots, write offsets, lim, bits (``B x q`` each), context lengths (``B``), and the rows to keep (``T``).
   After the replay the kept rows of logits, taps and hidden states are gathered out of the
   graph's static outputs (the next replay overwrites them). Every graph writes its logits into
   the first ``B x q`` rows of one buffer they share: a graph's own ``[B * q, V]`` float32 output
@@ -34,8 +42,8 @@ in a static block:
   shared, one buffer of the largest block's rows (slots x q, or ``prompt_rows``): 0.25 GB and
   0.1 GB (nano-vllm's graphs share their output buffer the same way).
 
-Trees and batches that fit no graph (a prompt chunk in a block over ``prompt_rows`` rows: one in
-a high slot, or a long one) run the eager forward (the runner falls back
+Batches that fit no graph (a prompt chunk in a block over ``prompt_rows`` rows: one in a high
+slot, or a long one; a tree over cached levels) run the eager forward (the runner falls back
 when ``__call__`` returns None). With ``compile=True`` one decoder layer is compiled by inductor
 (``dynamic=True``: one compile serves every bucket and, the weights being its inputs, every layer:
 the whole model compiled took 70-160 s on the H100 machine) before the graphs capture it, as
@@ -68,6 +76,10 @@ from tidespec.models.llama import DecoderLayer, LlamaModel, ModelOutput
 log = logging.getLogger(__name__)
 
 MIN_KEY_BUCKET = 256  # the shortest key range a graph reads
+# rows per sequence of every decode and verification block when shapes are fixed (row invariance on
+# a GPU): one block shape serves a sequence's decode (1 row) and its verification (1 + gamma <= 8)
+FIXED_ROWS = 8
+CHAIN = -1  # a row's ``bits`` when it sees every new row up to its own (all bits set)
 
 _T = TypeVar("_T")  # what a captured body returns
 
@@ -137,30 +149,52 @@ class BlockRows:
     positions: list[int]  # [B * q] its position (0 on padding)
     write_slots: list[int]  # [B * q] KV slot its K/V is written to (the spare slot on padding)
     write_offsets: list[int]  # [B * q] offset there
+    lim: list[int]  # [B * q] the last of its sequence's new rows a row may see (0 on padding)
+    bits: list[int]  # [B * q] which of those it sees: bit j for new row j (CHAIN: all; a tree's ancestors)
     ctx: list[int]  # [B] tokens in each slot before this forward (0 where no sequence is)
     kept: list[int]  # the block row of each token, in the order of ``tokens``
 
 
 def block_rows(tokens: list[int], q_lens: list[int], ctx_lens: list[int], slots: list[int], batch: int,
-               rows: int, spare: int) -> BlockRows:
+               rows: int, spare: int, depths: list[list[int] | None] | None = None,
+               masks: list[torch.Tensor | None] | None = None) -> BlockRows:
     """Lay the new tokens of sequences (``q_lens[j]`` of them, in ``tokens`` in sequence order, after
     ``ctx_lens[j]`` cached ones, in KV slot ``slots[j]``) into a block of ``batch`` slots x ``rows``.
+    A tree sequence (``depths[j]`` its tokens' depths, ``masks[j]`` [q, q] bool its ancestor mask;
+    ``block_tree`` checks that it fits) gets positions ``c + depth`` and its ancestors as ``bits``.
 
     Example: tokens [7, 8, 9], q_lens [1, 2], ctx_lens [5, 3], slots [0, 2], batch 4, rows 2 ->
     ids [7, 0, 0, 0, 8, 9, 0, 0], positions [5, 0, 0, 0, 3, 4, 0, 0], write slots [0, S, S, S, 2, 2,
-    S, S] (S the spare slot), ctx [5, 0, 3, 0], kept [0, 4, 5].
+    S, S] (S the spare slot), lim [0, 0, 0, 0, 0, 1, 0, 0], bits all CHAIN, ctx [5, 0, 3, 0], kept
+    [0, 4, 5]. A 3-token tree in slot 0 (depths [0, 1, 1], rows 1 and 2 both children of row 0)
+    gets positions c, c + 1, c + 1 and bits 0b1, 0b11, 0b101.
     """
     n = batch * rows
-    out = BlockRows([0] * n, [0] * n, [spare] * n, [0] * n, [0] * batch, [])
+    out = BlockRows([0] * n, [0] * n, [spare] * n, [0] * n, [0] * n, [CHAIN] * n, [0] * batch, [])
     t = 0
-    for q, c, s in zip(q_lens, ctx_lens, slots):
+    for j, (q, c, s) in enumerate(zip(q_lens, ctx_lens, slots)):
         out.ctx[s] = c
+        depth = depths[j] if depths is not None else None
+        mask = masks[j] if masks is not None else None
+        tree = mask.tolist() if mask is not None else None
         for i in range(q):
             r = s * rows + i
-            out.ids[r], out.positions[r], out.write_slots[r], out.write_offsets[r] = tokens[t], c + i, s, c + i
+            out.ids[r], out.write_slots[r], out.write_offsets[r] = tokens[t], s, c + i
+            out.positions[r] = c + (depth[i] if depth is not None else i)
+            out.lim[r] = i if tree is None else q - 1
+            if tree is not None:
+                out.bits[r] = sum(1 << k for k, seen in enumerate(tree[i]) if seen)
             out.kept.append(r)
             t += 1
     return out
+
+
+def block_tree(q: int, depth: list[int] | None, mask: torch.Tensor | None) -> bool:
+    """Whether a sequence's new tokens fit a block's in-graph mask: a chain, or a tree over its new
+    tokens only (mask [q, q], depths >= 0) of at most 63 tokens (its ancestors are bits of an int64)."""
+    if mask is None:
+        return depth is None or all(d == i for i, d in enumerate(depth))
+    return tuple(mask.shape) == (q, q) and q < 64 and depth is not None and min(depth) >= 0
 
 
 @dataclass
@@ -175,16 +209,28 @@ class SlotBlockLayout:
     rows: int
     keys: int
     window: int | None  # the model's sliding window
+    lim: torch.Tensor | None = None  # [B * q] int64 the last new row each row may see (None: row i, row i)
+    bits: torch.Tensor | None = None  # [B * q] int64 which new rows up to ``lim`` it sees (None: all)
     mask: torch.Tensor = field(init=False)  # [B, 1, q, L] bool, built once per forward
 
     def __post_init__(self) -> None:
-        """Row i of slot b sees keys 0 .. ctx[b] + i (and those within the window)."""
+        """Row i of slot b sees the slot's cache (keys 0 .. ctx[b] - 1) and the new rows j <= lim[i]
+        whose bit is set (a chain's row i: j = 0 .. i; a tree's: its ancestors), within the window
+        (a query at offset c + i sees keys at offsets > c + i - window)."""
+        shape = (self.batch, 1, self.rows, 1)
         device = self.ctx.device
-        qpos = self.ctx.view(-1, 1, 1, 1) + torch.arange(self.rows, device=device).view(1, 1, -1, 1)
         kpos = torch.arange(self.keys, device=device).view(1, 1, 1, -1)
-        mask = kpos <= qpos  # [B, 1, q, L]
+        rel = kpos - self.ctx.view(-1, 1, 1, 1)  # [B, 1, 1, L] offset of each key among the new rows
+        if self.lim is None or self.bits is None:  # chains: row i sees new rows 0 .. i
+            row = torch.arange(self.rows, device=device).view(1, 1, -1, 1)
+            mask = rel <= row  # [B, 1, q, L]
+            qoff = self.ctx.view(-1, 1, 1, 1) + row
+        else:
+            bit = torch.bitwise_right_shift(self.bits.view(shape), rel.clamp(0, 63)) & 1  # [B, 1, q, L]
+            mask = (rel < 0) | ((rel <= self.lim.view(shape)) & (bit == 1))
+            qoff = self.write_offsets.view(shape)
         if self.window is not None:
-            mask = mask & (qpos - kpos < self.window)
+            mask = mask & (qoff - kpos < self.window)
         self.mask = mask
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -218,10 +264,14 @@ class GraphStep:
     for a batch no graph fits (the caller then runs the eager forward)."""
 
     def __init__(self, model: LlamaModel, kv: KVCache, tap_layers: tuple[int, ...], max_q: int,
-                 capture: bool = True, compile: bool = False, prompt_rows: int = 0) -> None:
+                 capture: bool = True, compile: bool = False, prompt_rows: int = 0,
+                 fixed_shape: bool = False) -> None:
         """``max_q``: rows per sequence of a verification (1 + gamma); ``prompt_rows``: the most rows
         (batch bucket x rows per sequence) a block holding a prompt chunk may have (0: prompt chunks
-        run the eager forward)."""
+        run the eager forward). ``fixed_shape``: every decode and verification block has
+        ``FIXED_ROWS`` rows per sequence and reads the cache's whole length, so a sequence's
+        verification rows run exactly the kernels, at exactly the shapes, of its decode rows (what
+        row invariance is on a GPU: ``models/executor.py``)."""
         if kv.spare_slot is None:
             raise ValueError("GraphStep needs a KVCache with a spare slot (KVCache(spare_slot=True))")
         self.model = model
@@ -229,16 +279,21 @@ class GraphStep:
         self.tap_layers = tuple(tap_layers)
         self.max_q = max_q
         self.capture = capture
+        self.fixed_shape = fixed_shape
         self.batches = batch_buckets(kv.num_slots)
-        self.key_lens = key_buckets(kv.max_len)
+        self.key_lens = [kv.max_len] if fixed_shape else key_buckets(kv.max_len)
         self.device = model.device
-        self.row_sizes = list(range(1, max_q + 1)) + prompt_row_sizes(max_q, prompt_rows)
+        # rows per sequence of the verification blocks: 1 .. max_q, or the one fixed size
+        verify = [FIXED_ROWS] if fixed_shape and max_q <= FIXED_ROWS else list(range(1, max_q + 1))
+        self.verify_rows = verify[-1]
+        self.row_sizes = verify + prompt_row_sizes(self.verify_rows, prompt_rows)
         self.prompt_rows = prompt_rows
         # the blocks with a graph: every block of verification rows, prompt blocks up to ``prompt_rows``
         self.blocks = [(b, r) for b in self.batches for r in self.row_sizes if self._fits(b, r)]
         n = max(b * r for b, r in self.blocks)
-        # ids, positions, write slots, write offsets (n each), ctx (B), kept rows (<= n), rows of logits (<= n)
-        self.inputs = torch.zeros(6 * n + self.batches[-1], dtype=torch.int64, device=self.device)
+        # ids, positions, write slots, write offsets, lim, bits (n each), ctx (B), kept rows (<= n),
+        # rows of logits (<= n)
+        self.inputs = torch.zeros(8 * n + self.batches[-1], dtype=torch.int64, device=self.device)
         # [n, V] the logits of every graph, in its first B * q rows
         dtype = torch.promote_types(model.embed_tokens.weight.dtype, torch.float32)
         self.logits = torch.zeros(n, model.cfg.vocab_size, dtype=dtype, device=self.device)
@@ -255,23 +310,16 @@ class GraphStep:
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self._layer = torch.compile(_layer_forward, dynamic=True, fullgraph=True)
 
-    def _body(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
-              write_offsets: torch.Tensor, ctx: torch.Tensor, batch: int, rows: int,
-              keys: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-        layout = SlotBlockLayout(positions, write_slots, write_offsets, ctx, batch, rows, keys,
-                                 self.model.cfg.sliding_window)
-        out = self.model.run(ids, layout, self.kv.k, self.kv.v, None, self.tap_layers, self._layer, self.logits)
-        return out.logits, out.taps, out.last_hidden
-
     def _run_static(self, batch: int, rows: int, keys: int) -> _Graph:
         """One forward of the static block over the input buffer's current contents."""
         n = batch * rows
-        b = self.inputs
+        ids, positions, write_slots, write_offsets, lim, bits = self.inputs[:6 * n].view(6, n)
+        layout = SlotBlockLayout(positions, write_slots, write_offsets, self.inputs[6 * n:6 * n + batch], batch, rows,
+                                 keys, self.model.cfg.sliding_window, lim, bits)
         with torch.inference_mode():
-            logits, taps, hidden = self._body(b[:n], b[n:2 * n], b[2 * n:3 * n], b[3 * n:4 * n], b[4 * n:4 * n + batch],
-                                            batch, rows, keys)
-        assert logits is not None
-        return _Graph(None, logits, taps, hidden)
+            out = self.model.run(ids, layout, self.kv.k, self.kv.v, None, self.tap_layers, self._layer, self.logits)
+        assert out.logits is not None
+        return _Graph(None, out.logits, out.taps, out.last_hidden)
 
     def _graph(self, batch: int, rows: int, keys: int) -> _Graph:
         key = (batch, rows, keys)
@@ -289,11 +337,12 @@ class GraphStep:
         n = batch * rows
         self.inputs.zero_()
         self.inputs[2 * n:3 * n] = self.kv.spare_slot
+        self.inputs[5 * n:6 * n] = CHAIN  # padding rows see key 0 (a fully masked row would be NaN)
 
     def _fits(self, batch: int, rows: int) -> bool:
         """Whether a block of ``batch`` slots x ``rows`` has a graph: every verification block, and a
         prompt block of at most ``prompt_rows`` rows."""
-        return rows <= self.max_q or batch * rows <= self.prompt_rows
+        return rows <= self.verify_rows or batch * rows <= self.prompt_rows
 
     def warm_up(self) -> float:
         """Capture every graph (largest block first, so smaller ones reuse its memory). Returns seconds."""
@@ -306,27 +355,32 @@ class GraphStep:
         return time.perf_counter() - t0
 
     def __call__(self, tokens: list[int], q_lens: list[int], ctx_lens: list[int], slots: list[int],
-                 tap_layers: tuple[int, ...] = (), logits_rows: list[int] | None = None) -> ModelOutput | None:
-        """Taps and hidden states at every row of a batch of chains and prompt chunks (rows in the
-        order of ``tokens``), logits at ``logits_rows`` of them (None: every row; []: none), or None
-        when no graph fits the batch."""
+                 tap_layers: tuple[int, ...] = (), logits_rows: list[int] | None = None,
+                 depths: list[list[int] | None] | None = None,
+                 masks: list[torch.Tensor | None] | None = None) -> ModelOutput | None:
+        """Taps and hidden states at every row of a batch of chains, trees (``depths`` / ``masks`` per
+        sequence, as ``BatchLayout.build`` takes them) and prompt chunks (rows in the order of
+        ``tokens``), logits at ``logits_rows`` of them (None: every row; []: none), or None when no
+        graph fits the batch."""
         ri = bisect.bisect_left(self.row_sizes, max(q_lens))
         bi = bisect.bisect_left(self.batches, max(slots) + 1)
         ki = bisect.bisect_left(self.key_lens, max(c + q for c, q in zip(ctx_lens, q_lens)))
+        trees_fit = all(block_tree(q, depths[j] if depths else None, masks[j] if masks else None)
+                        for j, q in enumerate(q_lens))
         if (tap_layers and tuple(tap_layers) != self.tap_layers) or ri == len(self.row_sizes) \
-                or bi == len(self.batches) or ki == len(self.key_lens) \
+                or bi == len(self.batches) or ki == len(self.key_lens) or not trees_fit \
                 or not self._fits(self.batches[bi], self.row_sizes[ri]):
             self.num_declined += 1
             return None
         batch, rows, keys = self.batches[bi], self.row_sizes[ri], self.key_lens[ki]
         n = batch * rows
         assert self.kv.spare_slot is not None
-        blk = block_rows(tokens, q_lens, ctx_lens, slots, batch, rows, self.kv.spare_slot)
+        blk = block_rows(tokens, q_lens, ctx_lens, slots, batch, rows, self.kv.spare_slot, depths, masks)
         kept = blk.kept
         logit_kept = [] if logits_rows is None else [kept[r] for r in logits_rows]  # block rows of the logits asked for
         self.kv.make_readable(list(range(batch)), keys)  # a no-op on a GPU, whose cache starts zeroed
-        values = torch.tensor(blk.ids + blk.positions + blk.write_slots + blk.write_offsets + blk.ctx + kept
-                              + logit_kept, dtype=torch.int64)
+        values = torch.tensor(blk.ids + blk.positions + blk.write_slots + blk.write_offsets + blk.lim + blk.bits
+                              + blk.ctx + kept + logit_kept, dtype=torch.int64)
         self.inputs[:values.numel()].copy_(values, non_blocking=True)
         if self.capture:
             graph = self._graph(batch, rows, keys)
@@ -335,7 +389,7 @@ class GraphStep:
         else:
             graph = self._run_static(batch, rows, keys)
         self.num_replayed += 1
-        start = 4 * n + batch
+        start = 6 * n + batch
         keep = self.inputs[start:start + len(kept)]  # [T] rows of the block to return
         # [R] the logits' rows: every kept row, or those asked for (written after the kept rows)
         logit_keep = keep if logits_rows is None else self.inputs[start + len(kept):start + len(kept) + len(logit_kept)]

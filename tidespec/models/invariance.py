@@ -37,12 +37,17 @@ import torch
 from torch import nn
 
 from tidespec.files import atomic_write, cache_root, cpu_name
+from tidespec.models.graphs import FIXED_ROWS
 from tidespec.models.kernels import exact_attention_error
 from tidespec.models.linear import Linear
 from tidespec.models.quant import Int4Linear, Int8Linear, QuantizedLinear
 from tidespec.models.rows import PROBE_METHOD, frontier
 
 log = logging.getLogger(__name__)
+
+# ``InvarianceReport.attention`` of a GPU target whose forwards replay CUDA graphs of one fixed shape
+# per batch size (``models/graphs.py``): a sequence's decode and verification rows run the same kernels
+FIXED_SHAPE = "fixed-shape CUDA graphs"
 
 @dataclass
 class KernelChoice:
@@ -64,7 +69,13 @@ class InvarianceReport:
 
     @property
     def exact(self) -> bool:
-        """Every part row-invariant: speculation and batching are bit-identical to plain decoding alone."""
+        """Speculation is bit-identical to plain decoding: every part row-invariant (and so batching
+        too), or fixed-shape graphs (a sequence alone; ``batch_invariant`` tells batching apart)."""
+        return self.attention in ("exact", FIXED_SHAPE)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a sequence's greedy output is also the same beside any other sequences."""
         return self.attention == "exact"
 
     def chunked(self) -> list[KernelChoice]:
@@ -73,6 +84,10 @@ class InvarianceReport:
 
     def summary(self) -> str:
         """One line for the start-up log."""
+        if self.attention == FIXED_SHAPE:
+            return (f"row invariance: fixed-shape CUDA graphs ({FIXED_ROWS} rows a sequence, the whole key range): a "
+                    "sequence's verification rows run its decode rows' kernels, so speculation is exact; "
+                    "batches of different sizes run other kernels and may change greedy outputs at near-ties")
         if not self.exact:
             return (f"row invariance: NOT guaranteed ({self.attention}); speculation and batching may change "
                     f"greedy outputs at near-ties")
@@ -84,6 +99,7 @@ class InvarianceReport:
 
     def to_json(self) -> dict[str, object]:
         return {"budget": self.budget, "attention": self.attention, "exact": self.exact,
+                "batch_invariant": self.batch_invariant,
                 "kernels": [asdict(k) for k in self.kernels]}
 
 

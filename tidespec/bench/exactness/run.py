@@ -81,10 +81,14 @@ class ExactnessBenchConfig:
     drafters: str = opt(";".join(DRAFTERS), "semicolon-separated drafter configurations: " + "; ".join(DRAFTERS))
     gamma: int = opt(4, "draft tokens per step", min=1)
     max_num_seqs: int = opt(32, "KV slots (the batched runs put every prompt in flight at once)", min=1)
+    model: str | None = opt(None, "target: HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M)")
+    device: str = opt("cpu", "torch device of the target (cuda: CUDA graphs; int8/int4 paths need cpu)")
 
     def __post_init__(self) -> None:
         for p in self.path_list:
-            parse_path(p)
+            if parse_path(p)[1] != "none" and not self.device.startswith("cpu"):
+                raise ConfigError(f"path {p!r} quantizes with PyTorch's CPU kernels: it needs --device cpu, "
+                                  f"got {self.device!r}")
         bad = [d for d in self.drafter_list if d not in DRAFTERS]
         if bad:
             raise ConfigError(f"unknown drafter configuration(s) {', '.join(bad)}; choose from {'; '.join(DRAFTERS)}")
@@ -134,11 +138,13 @@ def spec_for(name: str, gamma: int) -> tuple[SpecConfig, PolicyConfig]:
     return SpecConfig(drafter=name, num_speculative_tokens=gamma), PolicyConfig()
 
 
-def target_model(dtype: str, quantization: str, cache: dict[tuple[str, str], LoadedModel]) -> LoadedModel:
-    """The embedded model in ``dtype`` with ``quantization`` (one copy per pair, kept for the run)."""
+def target_model(dtype: str, quantization: str, cache: dict[tuple[str, str], LoadedModel], path: str | None = None,
+                 device: str = "cpu") -> LoadedModel:
+    """The model at ``path`` (None: the embedded one) on ``device`` in ``dtype`` with ``quantization``
+    (one copy per pair, kept for the run)."""
     key = (dtype, quantization)
     if key not in cache:
-        base = cache.get((dtype, "none")) or load_model(None, dtype=DTYPES[dtype])
+        base = cache.get((dtype, "none")) or load_model(path, dtype=DTYPES[dtype], device=device)
         if quantization != "none":  # a quantized copy; the float model stays as it is
             base = dataclasses.replace(base, model=copy.deepcopy(base.model))
             quantize_model(base.model, quantization)
@@ -243,7 +249,7 @@ def run_exactness_bench(cfg: ExactnessBenchConfig, row_invariant: bool = True, o
     targets: dict[tuple[str, str], LoadedModel] = {}
     doc: dict[str, Any] = {"config": {**dataclasses.asdict(cfg), "row_invariant": row_invariant}, "paths": [],
                            "machine": machine_info("per path"), "command": command_line()}
-    first = target_model("float32", "none", targets)
+    first = target_model(parse_path(cfg.path_list[0])[0], "none", targets, cfg.model, cfg.device)
     prompts = [p for w in cfg.workload_list for p in load_prompts(w, first.tokenizer, limit=cfg.limit)]
     longest = max(len(p.token_ids) for p in prompts)
     cache = CacheConfig(max_model_len=longest + cfg.max_tokens + cfg.gamma + 2, max_num_seqs=cfg.max_num_seqs)
@@ -251,14 +257,15 @@ def run_exactness_bench(cfg: ExactnessBenchConfig, row_invariant: bool = True, o
     bar = tqdm(total=len(cfg.path_list) * (2 + 2 * len(cfg.drafter_list)), desc="exactness", disable=not progress)
     for path in cfg.path_list:
         dtype, quant, compile_ = parse_path(path)
-        target = target_model(dtype, quant, targets)
+        target = target_model(dtype, quant, targets, cfg.model, cfg.device)
         model_cfg = ModelConfig(dtype=dtype, quantization=quant, compile=compile_, row_invariant=row_invariant,
-                                threads=torch.get_num_threads())
+                                threads=torch.get_num_threads(), device=cfg.device)
         t0 = time.perf_counter()
         plain_engine = build_engine(EngineConfig(model=model_cfg, cache=cache), model=target.model,
                                     tokenizer=target.tokenizer)
         entry: dict[str, Any] = {"path": path, "invariance": plain_engine.invariance.to_json(), "cells": {}}
         entry["row_probe"] = row_probe(plain_engine, ids[:4])
+        doc["paths"].append(entry)
         plain = _generate(plain_engine, ids, cfg.max_tokens, batched=False)
         bar.update()
         entry["cells"]["plain/batched"] = _compare(target, prompts, plain,
@@ -272,11 +279,10 @@ def run_exactness_bench(cfg: ExactnessBenchConfig, row_invariant: bool = True, o
             for batched in (False, True):
                 got = _generate(engine, ids, cfg.max_tokens, batched)
                 entry["cells"][f"{name}/{'batched' if batched else 'alone'}"] = _compare(target, prompts, plain, got)
+                entry["seconds"] = round(time.perf_counter() - t0, 1)
                 bar.update()
-        entry["seconds"] = round(time.perf_counter() - t0, 1)
-        doc["paths"].append(entry)
-        if out_dir is not None:
-            write_report(doc, out_dir)
+                if out_dir is not None:  # after every cell: a run cut short keeps what it measured
+                    write_report(doc, out_dir)
     bar.close()
     return doc
 
@@ -288,13 +294,16 @@ def exact(doc: dict[str, Any]) -> bool:
 
 def table(doc: dict[str, Any]) -> str:
     """Markdown: one row per path, one column per cell (identical/total), the row probe last."""
-    cells = list(doc["paths"][0]["cells"]) if doc["paths"] else []
+    cells = list(dict.fromkeys(c for p in doc["paths"] for c in p["cells"]))  # a cut-short path has fewer
     lines = ["| path | " + " | ".join(cells) + " | rows bit-identical (probe) |",
              "|---|" + "---:|" * (len(cells) + 1)]
     for p in doc["paths"]:
         vals = []
         for c in cells:
-            cell = p["cells"][c]
+            cell = p["cells"].get(c)
+            if cell is None:
+                vals.append("-")
+                continue
             text = f"{cell['identical']}/{cell['total']}"
             vals.append(text if cell["identical"] == cell["total"] else f"**{text}**")
         probe = p["row_probe"]
