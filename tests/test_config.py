@@ -30,7 +30,8 @@ from tidespec.speculative.drafters.eagle3 import head_quantization
 # --draft-vocab-buffer 256 -> 512, after the size sweep in docs/benchmarks/learning.md).
 FLAGS = {
     '--model': None, '--dtype': 'float32', '--device': 'cpu', '--threads': 0, '--quantization': 'none',
-    '--quant-group-size': 32, '--compile': False, '--enforce-eager': False, '--row-invariant': True, '--max-model-len': 2048,
+    '--quant-group-size': 32, '--compile': False, '--enforce-eager': False, '--row-invariant': True,
+    '--cuda-invariance': 'fixed-shape', '--max-model-len': 2048,
     '--max-num-seqs': 32, '--kv-overcommit': False, '--max-num-batched-tokens': 512, '--max-waiting': 0, '--drafter': 'none',
     '--drafter-modules': '',
     '--num-speculative-tokens': 4, '--tree': False, '--drafter-device': '', '--ngram-min': 1, '--ngram-max': 4,

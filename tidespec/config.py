@@ -162,6 +162,10 @@ class ModelConfig(Section):
                                     "batch size (8 rows a sequence, the whole key range), so that speculation "
                                     "does (README, Guarantees). --no-row-invariant: PyTorch's SDPA and the "
                                     "fastest kernel per row count, graphs of every row count and key bucket")
+    cuda_invariance: Literal["fixed-shape", "row-attention"] = opt(
+        "fixed-shape", "how row invariance is made on CUDA: fixed-shape (graphs of one shape per batch size: "
+                       "speculation exact, measured on an H200) or row-attention (a Triton attention kernel with a "
+                       "fixed reduction order and the usual graphs; experimental: not yet measured on a GPU)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -173,6 +177,8 @@ class ModelConfig(Section):
         if self.quantization != "none" and not self.device.startswith("cpu"):
             raise ConfigError(f"--quantization {self.quantization} needs --device cpu (PyTorch's CPU kernels), "
                               f"got {self.device!r}")
+        if self.cuda_invariance not in CUDA_INVARIANCE:
+            raise ConfigError(f"cuda_invariance must be one of {', '.join(CUDA_INVARIANCE)}, got {self.cuda_invariance!r}")
 
     @property
     def precision(self) -> str:
@@ -205,6 +211,7 @@ DEVICE_NAME = re.compile(r"|cpu|cuda(:[0-9]+)?")  # what --drafter-device accept
 GUARD_KV_USAGE = 0.9
 GUARD_TEMPERATURE = 2.0
 POLICIES = ("static", "analytic", "bandit", "hybrid")
+CUDA_INVARIANCE = ("fixed-shape", "row-attention")  # ModelConfig.cuda_invariance
 
 
 @dataclass

@@ -17,6 +17,8 @@
 #       carry [".whlgpu", ".gguf/a"]: docs/gpu/device_checks.sh install a rowprobe
 #       carry [".gguf/b"]:            docs/gpu/device_checks.sh b tests
 #       carry [".gguf/c"]:            docs/gpu/device_checks.sh c exact exactoff specfixed specold
+#   next: the fixed-order attention kernel (not run on a GPU yet), in the same three calls:
+#       install a rowprobe  |  b tests  |  c exactrow specrow specfixed specold
 #
 # Steps run in the order given, logged together into $OUT/checks.log; each benchmark's folder is
 # packed into $OUT/<n>-<step>.tgz (the device tool brings back at most 8 files, two folders deep).
@@ -115,8 +117,15 @@ for step in "$@"; do
                        --drafters none,suffix,eagle3 --gammas 3,5 ;;
         specold) bench spec "$name" "${SPEC_ARGS[@]}" --device cuda --dtype bfloat16 --compile \
                      --drafters none,suffix,eagle3 --gammas 3,5 --no-row-invariant ;;
+        # the fixed-order attention kernel (--cuda-invariance row-attention): the exactness matrix
+        # (bounded by EXACT_S, into $OUT/exactrow) and the speed against the fixed shapes' and the old graphs'
+        exactrow) timeout "${EXACT_S:-300}" python3 -m tidespec.cli bench exactness --model "$MODEL" --device cuda \
+                      --paths bfloat16+compile --workloads code,multilingual --limit 16 --max-tokens 192 \
+                      --cuda-invariance row-attention ${EXACT_ARGS:-} --out "$OUT/exactrow" ;;
+        specrow) bench spec "$name" "${SPEC_ARGS[@]}" --device cuda --dtype bfloat16 --compile \
+                     --drafters none,suffix,eagle3 --gammas 3,5 --cuda-invariance row-attention ;;
         *) echo "unknown step: $step (prepare install a b c tests anchor profile spec dovetail rowprobe exact" \
-                "exactoff specfixed specold)"; false ;;
+                "exactoff specfixed specold exactrow specrow)"; false ;;
     esac 2>&1 | tee -a "$OUT/checks.log"
     rc=${PIPESTATUS[0]}
     [ "$rc" = 0 ] || { echo "!! $name failed ($rc)" | tee -a "$OUT/checks.log"; failures=$((failures + 1)); }

@@ -9,9 +9,10 @@ longer key range whose tail is masked, more sequences. Prints, per case, the row
 match the 1-row call.
 
 Part 2, the graphs (random weights of the 135M shape, bfloat16, compiled layer): one sequence's
-logits at a position from a decode step (1 row) and from a 5-row verification, in the usual graphs
-and in fixed-shape graphs (``GraphStep(fixed_shape=True)``), beside another sequence too, and the
-replay time of a decode step in each. Usage (about a minute): ``PYTHONPATH=$PWD python3
+logits at a position from a decode step (1 row) and from a 5-row verification, in the usual graphs,
+in fixed-shape graphs (``GraphStep(fixed_shape=True)``) and in the usual graphs with the fixed-order
+attention kernel (``row_kernel=True``, ``models/row_attention.py``), beside another sequence too,
+and the replay time of a decode step in each. Usage (about a minute): ``PYTHONPATH=$PWD python3
 docs/gpu/probe_row_invariance.py [cuda]``; on a CPU it runs part 1 only.
 """
 import sys
@@ -83,9 +84,10 @@ def part2() -> None:
     prompt = torch.randint(3, cfg.vocab_size, (300,), generator=gen).tolist()
     cont = torch.randint(3, cfg.vocab_size, (5,), generator=gen).tolist()
     print("-- graphs, random 135M, bfloat16, compiled layer; logits of the row at position 300")
-    for fixed in (False, True):
+    for fixed, row_kernel in ((False, False), (True, False), (False, True)):
         kv = KVCache.for_model(cfg, 4, 1024, torch.bfloat16, DEVICE, spare_slot=True)
-        step = GraphStep(model, kv, (), max_q=5, compile=True, fixed_shape=fixed, prompt_rows=512)
+        step = GraphStep(model, kv, (), max_q=5, compile=True, fixed_shape=fixed, prompt_rows=512,
+                         row_kernel=row_kernel)
         t0 = time.perf_counter()
         step.warm_up()
         warm = time.perf_counter() - t0
@@ -113,7 +115,7 @@ def part2() -> None:
                 step(cont, [5], [300], [0])
             torch.cuda.synchronize()
             vt.append((time.perf_counter() - t0) / 200 * 1e3)
-        print(f"fixed_shape={fixed}: {len(step.graphs)} graphs captured in {warm:.1f} s; verification row 0 "
+        print(f"fixed_shape={fixed} row_kernel={row_kernel}: {len(step.graphs)} graphs captured in {warm:.1f} s; verification row 0 "
               f"{'same' if torch.equal(ver.logits[0], ref) else 'DIFFERS'}, beside another sequence "
               f"{'same' if torch.equal(both.logits[0], ref) else 'DIFFERS'}; decode step "
               f"{min(times):.3f} ms, 5-row verification {min(vt):.3f} ms (best of 3 x 200, host included)")

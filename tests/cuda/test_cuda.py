@@ -126,6 +126,47 @@ def test_fixed_shape_graphs_give_verification_rows_the_decode_rows_bits_in_bfloa
     assert torch.equal(branch.logits[0], decoded[0]) and torch.equal(branch.logits[1], decoded[1])
 
 
+def test_row_attention_kernel_matches_sdpa_and_gives_a_row_the_same_bits_in_any_call():
+    """The fixed-order kernel (``models/row_attention.py``): close to SDPA over the same mask, and a
+    row's output bit for bit the same alone, in a 4-row block, beside another sequence, over more keys."""
+    from tidespec.models.attention import attend_padded
+    from tidespec.models.graphs import CHAIN
+    from tidespec.models.row_attention import block_mask, row_attention
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    k, v = (torch.randn(3, 3, 1024, 64, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    q = torch.randn(8, 9, 64, generator=gen).to("cuda", torch.bfloat16)
+    t = lambda *xs: torch.tensor(xs, device="cuda")
+    ctx, lim, bits, offs = t(300, 40), t(0, 1, 2, 3, 0, 1, 2, 0), t(*[CHAIN] * 4, 0b1, 0b11, 0b101, CHAIN), \
+        t(300, 301, 302, 303, 40, 41, 42, 0)
+    full = row_attention(q, k, v, ctx, lim, bits, offs, rows=4, keys=512)
+    want = attend_padded(q, None, block_mask(ctx, lim, bits, offs, 4, 512, None), k[:2, :, :512], v[:2, :, :512])
+    torch.testing.assert_close(full.float(), want.float(), atol=2e-2, rtol=2e-2)
+    one = row_attention(q[:1].contiguous(), k, v, ctx[:1], lim[:1], bits[:1], offs[:1], rows=1, keys=1024)
+    three = row_attention(q[:3].contiguous(), k, v, ctx[:1], lim[:3], bits[:3], offs[:3], rows=3, keys=512)
+    assert torch.equal(one[0], full[0]) and all(torch.equal(three[i], full[i]) for i in range(3))
+
+
+@pytest.mark.parametrize("drafter,tree", [("suffix", False), ("eagle3", True)])
+def test_row_attention_engines_in_bfloat16_speculate_and_batch_like_plain_alone(drafter, tree):
+    """``--cuda-invariance row-attention``: the usual graphs (row counts, key buckets) with the
+    fixed-order kernel; greedy speculation and batching give plain decoding's tokens alone."""
+    model = tiny_llama(V, layers=3, seed=2, scale=3.0, dtype=torch.bfloat16, hidden_size=128,
+                       intermediate_size=256, head_dim=32).to("cuda")
+    mc = ModelConfig(device="cuda", dtype="bfloat16", cuda_invariance="row-attention")
+
+    def run(spec: SpecConfig, prompts: list[list[int]]) -> list[list[int]]:
+        cfg = EngineConfig(model=mc, cache=CacheConfig(max_model_len=96, max_num_seqs=4), spec=spec)
+        engine = LLMEngine(model, tiny_tokenizer(V), cfg,
+                           drafter=build_drafter(spec, model, 4, 96) if spec.drafter != "none" else None)
+        assert engine.executor.graphs is not None and engine.executor.graphs.row_kernel
+        ids = [engine.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
+        done = run_to_completion(engine)
+        return [done[i].token_ids for i in ids]
+    alone = [run(SpecConfig(), [p])[0] for p in PROMPTS]
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, tree=tree)
+    assert run(SpecConfig(), PROMPTS) == alone and run(spec, PROMPTS) == alone
+
+
 @pytest.mark.parametrize("drafter,tree", [("eagle3", False), ("eagle3", True), ("draft-model", False)])
 def test_dovetail_placement_target_on_cpu_drafter_on_cuda(drafter, tree):
     target = tiny_llama(V, layers=3, seed=2, scale=3.0, dtype=torch.float32)

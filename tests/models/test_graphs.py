@@ -15,9 +15,10 @@ from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SpecCon
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
 from tidespec.models import executor as executor_module
-from tidespec.models.graphs import GraphStep, batch_buckets, block_rows, key_buckets
+from tidespec.models.graphs import CHAIN, GraphStep, batch_buckets, block_rows, key_buckets
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout
+from tidespec.models.row_attention import block_mask
 from tidespec.sampling import SamplingParams
 
 
@@ -187,13 +188,15 @@ def _prefilled(model, slots_ctx: dict[int, int], max_len: int = 300, seed: int =
     return eager_kv, block_kv
 
 
-@pytest.mark.parametrize("fixed_shape", [False, True])
-def test_trees_verify_in_the_block(fixed_shape):
+@pytest.mark.parametrize("fixed_shape,row_kernel", [(False, False), (True, False), (False, True)])
+def test_trees_verify_in_the_block(fixed_shape, row_kernel):
     """A tree (rows 1 and 2 children of row 0, row 3 a child of row 1) beside a chain: the block's
-    in-graph mask (``lim``/``bits``) and depth positions give the eager forward's logits and K/V."""
+    in-graph mask (``lim``/``bits``) and depth positions give the eager forward's logits and K/V —
+    with SDPA, and through the row attention op (on the CPU its SDPA reference over the same mask)."""
     model = tiny_llama(64, layers=2, seed=1)
     eager_kv, block_kv = _prefilled(model, {0: 12, 2: 7})
-    step = GraphStep(model, block_kv, tap_layers=(), max_q=4, capture=False, fixed_shape=fixed_shape)
+    step = GraphStep(model, block_kv, tap_layers=(), max_q=4, capture=False, fixed_shape=fixed_shape,
+                     row_kernel=row_kernel)
     tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
     tokens, q_lens, ctx_lens, slots = [9, 10, 11, 12, 20, 21], [4, 2], [12, 7], [0, 2]
     depths, masks = [[0, 1, 1, 2], None], [tree, None]
@@ -222,3 +225,17 @@ def test_fixed_shape_blocks_run_decode_and_verification_alike():
         torch.testing.assert_close(got.logits, want.logits, rtol=1e-12, atol=1e-12)
     # more rows than a fixed block: a verification of 9 rows goes to the 16-row prompt block
     assert step(list(range(2, 11)), [9], [14], [1]) is not None and step.num_declined == 0
+
+
+def test_block_mask_hand_traced():
+    """Slot 0: 3 cached tokens and a 2-row chain; slot 1: 1 cached token and a 3-token tree (rows 1
+    and 2 children of row 0) in a 3-row block; a window of 4 on the second call."""
+    ctx = torch.tensor([3, 1])
+    lim = torch.tensor([0, 1, 0, 0, 2, 2])
+    bits = torch.tensor([CHAIN, CHAIN, CHAIN, 0b1, 0b11, 0b101])
+    offsets = torch.tensor([3, 4, 0, 1, 2, 3])
+    mask = block_mask(ctx, lim, bits, offsets, rows=3, keys=6, window=None).int()
+    assert mask[0, 0].tolist() == [[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]]  # row 2: padding
+    assert mask[1, 0].tolist() == [[1, 1, 0, 0, 0, 0], [1, 1, 1, 0, 0, 0], [1, 1, 0, 1, 0, 0]]
+    windowed = block_mask(ctx, lim, bits, offsets, rows=3, keys=6, window=4).int()
+    assert windowed[0, 0, 1].tolist() == [0, 1, 1, 1, 1, 0]  # offset 4 sees offsets > 0

@@ -35,9 +35,16 @@ import torch
 
 from tidespec.config import ModelConfig
 from tidespec.errors import check_at_least
+from tidespec.models import row_attention
 from tidespec.models.compiled import KV_MARGIN, CompiledStep, inductor_cache_dir
 from tidespec.models.graphs import FIXED_ROWS, GraphStep, uses_graphs
-from tidespec.models.invariance import FIXED_SHAPE, InvarianceReport, clear_row_invariance, make_row_invariant
+from tidespec.models.invariance import (
+    FIXED_SHAPE,
+    ROW_ATTENTION,
+    InvarianceReport,
+    clear_row_invariance,
+    make_row_invariant,
+)
 from tidespec.models.kernels import exact_attention_error
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel, ModelOutput
@@ -46,7 +53,7 @@ log = logging.getLogger(__name__)
 
 # the code a forward's cost depends on: a change to any of it makes cached costs stale
 KERNEL_SOURCES = ("llama.py", "linear.py", "kernels.py", "attention.py", "quant.py", "invariance.py", "compiled.py",
-                  "graphs.py", "kv_cache.py", "rows.py", "executor.py", "csrc/row_invariant.cpp")
+                  "graphs.py", "kv_cache.py", "rows.py", "executor.py", "row_attention.py", "csrc/row_invariant.cpp")
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class ExecutorOptions:
     enforce_eager: bool = False
     row_invariant: bool = True
     budget: int = 512
+    cuda_invariance: str = "fixed-shape"  # "row-attention": the fixed-order attention kernel instead
 
     def __post_init__(self) -> None:
         check_at_least(1, budget=self.budget)
@@ -66,7 +74,8 @@ class ExecutorOptions:
     @classmethod
     def of(cls, mc: ModelConfig, budget: int) -> ExecutorOptions:
         """The options an engine with model section ``mc`` and token budget ``budget`` runs with."""
-        return cls(compile=mc.compile, enforce_eager=mc.enforce_eager, row_invariant=mc.row_invariant, budget=budget)
+        return cls(compile=mc.compile, enforce_eager=mc.enforce_eager, row_invariant=mc.row_invariant, budget=budget,
+                   cuda_invariance=mc.cuda_invariance)
 
 
 def kernel_digest() -> str:
@@ -88,6 +97,9 @@ def prepare_target(model: LlamaModel, options: ExecutorOptions) -> InvarianceRep
         clear_row_invariance(model)
         if not options.row_invariant:
             report = InvarianceReport(budget, "turned off (--no-row-invariant)")
+        elif uses_graphs(model.device, options.enforce_eager) and options.cuda_invariance == "row-attention":
+            report = InvarianceReport(budget, ROW_ATTENTION if row_attention.available() else
+                                      "--cuda-invariance row-attention needs Triton, which is not installed")
         elif uses_graphs(model.device, options.enforce_eager):
             report = InvarianceReport(budget, FIXED_SHAPE)
         else:
@@ -152,7 +164,8 @@ class ForwardExecutor:
                 log.warning("row invariance on %s holds for 1 + gamma <= %d rows a sequence; %d rows verify in "
                             "another block than a decode step", self.device.type, FIXED_ROWS, rows_per_seq)
             self.graphs = GraphStep(model, self.kv, tap_layers, rows_per_seq, capture=self.device.type == "cuda",
-                                    compile=options.compile, prompt_rows=options.budget, fixed_shape=fixed)
+                                    compile=options.compile, prompt_rows=options.budget, fixed_shape=fixed,
+                                    row_kernel=self.invariance.attention == ROW_ATTENTION)
             self.warm_up_seconds = self.graphs.warm_up()
             log.info("captured %d CUDA graphs in %.1f s", len(self.graphs.graphs), self.warm_up_seconds)
         elif options.compile:

@@ -72,6 +72,7 @@ import torch
 from tidespec.models.attention import attend_padded
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import DecoderLayer, LlamaModel, ModelOutput
+from tidespec.models.row_attention import block_mask
 
 log = logging.getLogger(__name__)
 
@@ -211,24 +212,25 @@ class SlotBlockLayout:
     window: int | None  # the model's sliding window
     lim: torch.Tensor | None = None  # [B * q] int64 the last new row each row may see (None: row i, row i)
     bits: torch.Tensor | None = None  # [B * q] int64 which new rows up to ``lim`` it sees (None: all)
-    mask: torch.Tensor = field(init=False)  # [B, 1, q, L] bool, built once per forward
+    row_kernel: bool = False  # attention by ``models/row_attention.py`` (needs lim and bits), not SDPA
+    mask: torch.Tensor | None = field(init=False)  # [B, 1, q, L] bool, built once per forward for SDPA
 
     def __post_init__(self) -> None:
         """Row i of slot b sees the slot's cache (keys 0 .. ctx[b] - 1) and the new rows j <= lim[i]
         whose bit is set (a chain's row i: j = 0 .. i; a tree's: its ancestors), within the window
         (a query at offset c + i sees keys at offsets > c + i - window)."""
-        shape = (self.batch, 1, self.rows, 1)
-        device = self.ctx.device
-        kpos = torch.arange(self.keys, device=device).view(1, 1, 1, -1)
-        rel = kpos - self.ctx.view(-1, 1, 1, 1)  # [B, 1, 1, L] offset of each key among the new rows
-        if self.lim is None or self.bits is None:  # chains: row i sees new rows 0 .. i
-            row = torch.arange(self.rows, device=device).view(1, 1, -1, 1)
-            mask = rel <= row  # [B, 1, q, L]
-            qoff = self.ctx.view(-1, 1, 1, 1) + row
-        else:
-            bit = torch.bitwise_right_shift(self.bits.view(shape), rel.clamp(0, 63)) & 1  # [B, 1, q, L]
-            mask = (rel < 0) | ((rel <= self.lim.view(shape)) & (bit == 1))
-            qoff = self.write_offsets.view(shape)
+        self.mask = None
+        if self.lim is not None and self.bits is not None:
+            if not self.row_kernel:  # the row kernel applies the mask itself
+                self.mask = block_mask(self.ctx, self.lim, self.bits, self.write_offsets, self.rows, self.keys,
+                                       self.window)
+            return
+        if self.row_kernel:
+            raise ValueError("the row attention kernel needs each row's lim and bits")
+        row = torch.arange(self.rows, device=self.ctx.device).view(1, 1, -1, 1)  # chains: row i sees new rows 0..i
+        kpos = torch.arange(self.keys, device=self.ctx.device).view(1, 1, 1, -1)
+        qoff = self.ctx.view(-1, 1, 1, 1) + row  # [B, 1, q, 1] each row's offset
+        mask = kpos <= qoff  # [B, 1, q, L]
         if self.window is not None:
             mask = mask & (qoff - kpos < self.window)
         self.mask = mask
@@ -240,6 +242,11 @@ class SlotBlockLayout:
 
     def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q [B * q, n_h, hd] -> [B * q, n_h, hd] over the keys of slots 0 .. B-1 (``window`` is in the mask)."""
+        if self.mask is None:  # the row kernel: a row's bits do not depend on the rest of the block
+            assert self.lim is not None and self.bits is not None
+            return torch.ops.tidespec_gpu.row_attention(q, k_cache, v_cache, self.ctx, self.lim, self.bits,
+                                                        self.write_offsets, self.rows, self.keys,
+                                                        -1 if window is None else window)
         keys = k_cache[:self.batch, :, :self.keys]  # [B, n_kv, L, hd], a view
         values = v_cache[:self.batch, :, :self.keys]
         return attend_padded(q, None, self.mask, keys, values)
@@ -265,13 +272,15 @@ class GraphStep:
 
     def __init__(self, model: LlamaModel, kv: KVCache, tap_layers: tuple[int, ...], max_q: int,
                  capture: bool = True, compile: bool = False, prompt_rows: int = 0,
-                 fixed_shape: bool = False) -> None:
+                 fixed_shape: bool = False, row_kernel: bool = False) -> None:
         """``max_q``: rows per sequence of a verification (1 + gamma); ``prompt_rows``: the most rows
         (batch bucket x rows per sequence) a block holding a prompt chunk may have (0: prompt chunks
         run the eager forward). ``fixed_shape``: every decode and verification block has
         ``FIXED_ROWS`` rows per sequence and reads the cache's whole length, so a sequence's
         verification rows run exactly the kernels, at exactly the shapes, of its decode rows (what
-        row invariance is on a GPU: ``models/executor.py``)."""
+        row invariance is on a GPU: ``models/executor.py``). ``row_kernel``: attention by the
+        fixed-order kernel of ``models/row_attention.py`` instead of SDPA (``--cuda-invariance
+        row-attention``), which makes a row's bits independent of the block without fixing shapes."""
         if kv.spare_slot is None:
             raise ValueError("GraphStep needs a KVCache with a spare slot (KVCache(spare_slot=True))")
         self.model = model
@@ -280,6 +289,7 @@ class GraphStep:
         self.max_q = max_q
         self.capture = capture
         self.fixed_shape = fixed_shape
+        self.row_kernel = row_kernel
         self.batches = batch_buckets(kv.num_slots)
         self.key_lens = [kv.max_len] if fixed_shape else key_buckets(kv.max_len)
         self.device = model.device
@@ -315,7 +325,7 @@ class GraphStep:
         n = batch * rows
         ids, positions, write_slots, write_offsets, lim, bits = self.inputs[:6 * n].view(6, n)
         layout = SlotBlockLayout(positions, write_slots, write_offsets, self.inputs[6 * n:6 * n + batch], batch, rows,
-                                 keys, self.model.cfg.sliding_window, lim, bits)
+                                 keys, self.model.cfg.sliding_window, lim, bits, self.row_kernel)
         with torch.inference_mode():
             out = self.model.run(ids, layout, self.kv.k, self.kv.v, None, self.tap_layers, self._layer, self.logits)
         assert out.logits is not None

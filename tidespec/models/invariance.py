@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 # ``InvarianceReport.attention`` of a GPU target whose forwards replay CUDA graphs of one fixed shape
 # per batch size (``models/graphs.py``): a sequence's decode and verification rows run the same kernels
 FIXED_SHAPE = "fixed-shape CUDA graphs"
+# ... whose attention runs the fixed-order kernel of ``models/row_attention.py`` (``--cuda-invariance row-attention``)
+ROW_ATTENTION = "fixed-order attention"
 
 @dataclass
 class KernelChoice:
@@ -71,7 +73,7 @@ class InvarianceReport:
     def exact(self) -> bool:
         """Speculation is bit-identical to plain decoding: every part row-invariant (and so batching
         too), or fixed-shape graphs (a sequence alone; ``batch_invariant`` tells batching apart)."""
-        return self.attention in ("exact", FIXED_SHAPE)
+        return self.attention in ("exact", FIXED_SHAPE, ROW_ATTENTION)
 
     @property
     def batch_invariant(self) -> bool:
@@ -88,6 +90,9 @@ class InvarianceReport:
             return (f"row invariance: fixed-shape CUDA graphs ({FIXED_ROWS} rows a sequence, the whole key range): a "
                     "sequence's verification rows run its decode rows' kernels, so speculation is exact; "
                     "batches of different sizes run other kernels and may change greedy outputs at near-ties")
+        if self.attention == ROW_ATTENTION:
+            return ("row invariance: fixed-order attention on CUDA (--cuda-invariance row-attention, experimental: "
+                    "not yet measured on a GPU): a row's attention does not depend on the rest of the forward")
         if not self.exact:
             return (f"row invariance: NOT guaranteed ({self.attention}); speculation and batching may change "
                     f"greedy outputs at near-ties")

@@ -43,6 +43,7 @@ from tqdm import tqdm
 from tidespec.bench.common.divergence import first_divergence
 from tidespec.bench.common.report import command_line, machine_info, machine_line
 from tidespec.config import (
+    CUDA_INVARIANCE,
     CacheConfig,
     ConfigError,
     DraftModelConfig,
@@ -83,8 +84,11 @@ class ExactnessBenchConfig:
     max_num_seqs: int = opt(32, "KV slots (the batched runs put every prompt in flight at once)", min=1)
     model: str | None = opt(None, "target: HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M)")
     device: str = opt("cpu", "torch device of the target (cuda: CUDA graphs; int8/int4 paths need cpu)")
+    cuda_invariance: str = opt("fixed-shape", "on CUDA: fixed-shape or row-attention (ModelConfig's --cuda-invariance)")
 
     def __post_init__(self) -> None:
+        if self.cuda_invariance not in CUDA_INVARIANCE:
+            raise ConfigError(f"cuda_invariance must be one of {', '.join(CUDA_INVARIANCE)}, got {self.cuda_invariance!r}")
         for p in self.path_list:
             if parse_path(p)[1] != "none" and not self.device.startswith("cpu"):
                 raise ConfigError(f"path {p!r} quantizes with PyTorch's CPU kernels: it needs --device cpu, "
@@ -259,7 +263,7 @@ def run_exactness_bench(cfg: ExactnessBenchConfig, row_invariant: bool = True, o
         dtype, quant, compile_ = parse_path(path)
         target = target_model(dtype, quant, targets, cfg.model, cfg.device)
         model_cfg = ModelConfig(dtype=dtype, quantization=quant, compile=compile_, row_invariant=row_invariant,
-                                threads=torch.get_num_threads(), device=cfg.device)
+                                threads=torch.get_num_threads(), device=cfg.device, cuda_invariance=cfg.cuda_invariance)
         t0 = time.perf_counter()
         plain_engine = build_engine(EngineConfig(model=model_cfg, cache=cache), model=target.model,
                                     tokenizer=target.tokenizer)
