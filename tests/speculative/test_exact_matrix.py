@@ -30,6 +30,7 @@ PROMPTS = {"workloads": "code,multilingual", "limit": 1, "max_tokens": 32, "max_
     ("int8", "draft-model;suffix,eagle3+analytic"),
     ("bfloat16", "ngram;eagle3"),
     ("int4+compile", "suffix"),
+    ("bfloat16+compile", "suffix"),  # its graphs round like eager code (emulate_precision_casts); else probe 0/48
 ])
 def test_path_and_drafters_alone_and_batched_equal_plain_decoding_alone(paths: str, drafters: str,
                                                                          two_threads) -> None:

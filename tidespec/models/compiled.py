@@ -49,6 +49,7 @@ RECOMPILE_LIMIT = 64
 # cache's full length is guarded on it, and reading the whole length would compile it again (the
 # row-invariant padding rounds the key length up by at most 15)
 KV_MARGIN = 16
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 LO_BIAS = 2  # the slot range start enters the graph as lo + 2: never 0 or 1, so never specialized
 
 
@@ -131,7 +132,12 @@ class CompiledStep:
         # dynamo keeps every graph of this code object in one cache whose default limit (8) a
         # process with several engines (a benchmark, the tests) would exceed; 4 graphs per engine
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
-        self._fn = torch.compile(self._body_exact if self.exact else self._body, dynamic=True, fullgraph=True)
+        # a row-invariant target's graphs round low-precision intermediates where eager code does:
+        # otherwise each graph's fusions decide where bfloat16 rounding happens, and the 1-row
+        # graph's differ from the k-row graph's
+        options = {"emulate_precision_casts": True} if self.exact and model.dtype in LOW_PRECISION else None
+        self._fn = torch.compile(self._body_exact if self.exact else self._body, dynamic=True, fullgraph=True,
+                                 options=options)
 
     def _body(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
               write_offsets: torch.Tensor, q_index: torch.Tensor, mask: torch.Tensor,
