@@ -210,7 +210,7 @@ class SlotBlockLayout:
     rows: int
     keys: int
     window: int | None  # the model's sliding window
-    lim: torch.Tensor | None = None  # [B * q] int64 the last new row each row may see (None: row i, row i)
+    lim: torch.Tensor | None = None  # [B * q] int64 the last new row each row may see (None: a chain's, row i)
     bits: torch.Tensor | None = None  # [B * q] int64 which new rows up to ``lim`` it sees (None: all)
     row_kernel: bool = False  # attention by ``models/row_attention.py`` (needs lim and bits), not SDPA
     mask: torch.Tensor | None = field(init=False)  # [B, 1, q, L] bool, built once per forward for SDPA
@@ -218,22 +218,14 @@ class SlotBlockLayout:
     def __post_init__(self) -> None:
         """Row i of slot b sees the slot's cache (keys 0 .. ctx[b] - 1) and the new rows j <= lim[i]
         whose bit is set (a chain's row i: j = 0 .. i; a tree's: its ancestors), within the window
-        (a query at offset c + i sees keys at offsets > c + i - window)."""
-        self.mask = None
-        if self.lim is not None and self.bits is not None:
-            if not self.row_kernel:  # the row kernel applies the mask itself
-                self.mask = block_mask(self.ctx, self.lim, self.bits, self.write_offsets, self.rows, self.keys,
-                                       self.window)
-            return
-        if self.row_kernel:
-            raise ValueError("the row attention kernel needs each row's lim and bits")
-        row = torch.arange(self.rows, device=self.ctx.device).view(1, 1, -1, 1)  # chains: row i sees new rows 0..i
-        kpos = torch.arange(self.keys, device=self.ctx.device).view(1, 1, 1, -1)
-        qoff = self.ctx.view(-1, 1, 1, 1) + row  # [B, 1, q, 1] each row's offset
-        mask = kpos <= qoff  # [B, 1, q, L]
-        if self.window is not None:
-            mask = mask & (qoff - kpos < self.window)
-        self.mask = mask
+        (``row_attention.block_mask``)."""
+        if self.lim is None or self.bits is None:  # chains (the EAGLE-3 head's graphs)
+            if self.row_kernel:
+                raise ValueError("the row attention kernel needs each row's lim and bits")
+            self.lim = torch.arange(self.rows, device=self.ctx.device).repeat(self.batch)  # [B * q]
+            self.bits = torch.full_like(self.lim, CHAIN)
+        self.mask = None if self.row_kernel else block_mask(self.ctx, self.lim, self.bits, self.write_offsets,
+                                                            self.rows, self.keys, self.window)
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # k_cache/v_cache: [S, n_kv, Lmax, hd]; k/v: [B * q, n_kv, hd]
