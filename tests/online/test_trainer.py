@@ -325,3 +325,27 @@ def test_a_published_version_is_judged_paired_on_the_rows_captured_after_it(mode
     assert restored.metrics["reverts"] == newest and restored.metrics["restores"] == best_version
     assert trainer.current is best and trainer.current_version == newest + 1
     assert all(torch.equal(t, best.state_dict()[k].to(t.dtype)) for k, t in restored.state_dict.items())
+
+
+def test_a_round_widens_the_draft_vocabulary_by_the_tokens_its_rows_lack(model: LlamaModel, tmp_path: Path) -> None:
+    """A 16-token head (ids 0..15); the round's rows hold 20 three times, 21 twice, 22 once and 3 (its
+    own) five times -> 20 and 21 join (22 is seen once), most frequent first, within --widen-vocab and
+    --max-draft-vocab; the head's own rows stay as they were."""
+    cfg = TrainerConfig(signal_dir=str(tmp_path / "s"), publish_root=str(tmp_path / "p"), draft_vocab=16,
+                        widen_vocab=8, progress=False)
+    trainer = DraftTrainer(cfg, model.cfg, model.embed_tokens, target=model)
+    head = trainer.current
+    assert head.cfg.draft_vocab_size == 16 and head.t2d[:16].all() and not head.t2d[16:].any()
+    tokens = torch.tensor([20, 20, 20, 21, 21, 22, 3, 3, 3, 3, 3])
+    rows = [SignalSegment(torch.zeros(len(tokens) - 1, head.cfg.tap_size, dtype=torch.float64), tokens, None, 0)]
+    wide = trainer._widened(head, rows)
+    assert wide.cfg.draft_vocab_size == 18
+    assert wide.t2d[[20, 21]].all() and not wide.t2d[22] and wide.t2d[:16].all()
+    own = torch.arange(16)
+    assert torch.equal(wide.output_rows(own, model.lm_head.weight), head.lm_head.weight[own])
+    trainer.cfg.widen_vocab = 1  # room for the most frequent one only
+    assert trainer._widened(head, rows).t2d[20] and trainer._widened(head, rows).cfg.draft_vocab_size == 17
+    trainer.cfg.widen_vocab, trainer.cfg.max_draft_vocab = 8, 16  # no room: the head as it is
+    assert trainer._widened(head, rows) is head
+    trainer.cfg.max_draft_vocab, trainer.cfg.widen_vocab = 64, 0  # off
+    assert trainer._widened(head, rows) is head

@@ -71,12 +71,21 @@ from tidespec.models.llama import LlamaConfig
 from tidespec.online.signals import TRAINER_STATE_NAME
 from tidespec.online.store import ShardGone, ShardInfo, SignalShard, SignalStore
 from tidespec.online.training.config import TrainerConfig, TrainerConfigError
-from tidespec.online.training.data import fresh_head_for, segments_by_sequence, simulated_acceptance, split_heldout
+from tidespec.online.training.data import (
+    fresh_head_for,
+    segments_by_sequence,
+    simulated_acceptance,
+    split_heldout,
+    token_counts,
+    widen_head,
+)
 from tidespec.online.training.dist import DistContext, check_replicas_in_sync
 from tidespec.online.training.eagle3_train import SignalSegment, ttt_loss
 from tidespec.online.training.lora import LoraAligner, with_target_topk
 
 logger = logging.getLogger(__name__)
+
+WIDEN_MIN_COUNT = 2  # a token seen once in a round's rows does not enter the draft vocabulary
 
 
 class _TTTObjective(nn.Module):
@@ -252,15 +261,39 @@ class DraftTrainer:
         pub = load_latest_valid(self.root, self.target_cfg)
         return pub.version if pub is not None else 0
 
-    def _candidate(self, train: list[SignalSegment]) -> Eagle3Head:
-        """A copy of the current head; from a fresh head, a fresh head of ``head_layers`` layers and
-        ``fusion`` (with a reduced draft vocabulary: the most frequent tokens of the training rows)
-        started from the target's weights as ``init_from_target`` says."""
+    def _candidate(self, train: list[SignalSegment], fresh: list[SignalSegment]) -> Eagle3Head:
+        """A copy of the current head, its draft vocabulary widened by ``fresh`` rows' tokens it lacks
+        (``_widened``); from a fresh head, a fresh head of ``head_layers`` layers and ``fusion`` (with
+        a reduced draft vocabulary: the most frequent tokens of the training rows) started from the
+        target's weights as ``init_from_target`` says."""
         if self.current_version > 0 or self.cfg.init_from:
-            return copy.deepcopy(self.current)
+            return self._widened(copy.deepcopy(self.current), fresh)
         head = fresh_head_for(self.target_cfg, self.current.cfg.draft_vocab_size, train, self.dtype, self.device,
                               self.cfg.seed, self.cfg.head_layers, self.cfg.fusion)
         return init_from_target(head, self.target, self.cfg.init_from_target) if self.target is not None else head
+
+    def _widened(self, head: Eagle3Head, fresh: list[SignalSegment]) -> Eagle3Head:
+        """``head`` with up to ``widen_vocab`` more draft tokens (never past ``max_draft_vocab``): the
+        tokens of this round's rows that its vocabulary lacks and that occur at least
+        ``WIDEN_MIN_COUNT`` times, most frequent first, each with a calibrated row
+        (``data.widen_head``); training then moves them like the others. Why: a head can never
+        propose a token outside its vocabulary, so on a new script (39 % of a Chinese answer's tokens
+        were in the shipped head's 8,192) no training of its weights alone brings acceptance back.
+
+        Example: an 8,192-token head, widen_vocab 512, the new rows hold 300 outside tokens of
+        which 120 occur twice or more -> a head of 8,312 tokens; its old rows are unchanged."""
+        cfg = self.cfg
+        size = head.cfg.draft_vocab_size
+        room = min(cfg.widen_vocab, cfg.max_draft_vocab - size, head.cfg.target_vocab_size - size)
+        if room <= 0 or self.target is None:
+            return head
+        counts = token_counts(fresh, head.cfg.target_vocab_size)  # [V]
+        counts[head.t2d.to("cpu")] = 0
+        k = min(room, int((counts >= WIDEN_MIN_COUNT).sum()))
+        if k == 0:
+            return head
+        logger.info("draft vocabulary widened %d -> %d tokens by this round's rows", size, size + k)
+        return widen_head(head, size + k, fresh, self._target_rows(self.target))
 
     # -- rounds ----------------------------------------------------------------------------------
 
@@ -311,6 +344,7 @@ class DraftTrainer:
         old = self._with_target_topk([read[i.shard_id] for i in replay if i.shard_id in common])
         self.state.last_shard_id = infos[-1].shard_id
         train, heldout = split_heldout(segments_by_sequence(shards, self.cfg.max_segment_len), self.cfg.heldout_frac)
+        fresh = list(train)  # this round's own training rows: the draft vocabulary widens by them
         # replayed rows only train (the held-out split measures the traffic of now)
         train += [seg for segs in segments_by_sequence(old, self.cfg.max_segment_len).values() for seg in segs]
         train = [s for s in train if s.num_positions >= 2]  # one position has no label at step 1
@@ -321,7 +355,7 @@ class DraftTrainer:
             logger.warning("round %d: no trainable segments in %d shards", round_no, len(infos))
             self._save_state()
             return None
-        candidate = self._candidate(train)
+        candidate = self._candidate(train, fresh)
         t0 = time.perf_counter()
         loss = self.train_head(candidate, train, seed=self.cfg.seed + round_no)
         train_time = time.perf_counter() - t0
