@@ -446,9 +446,10 @@ class OnlineTrainingConfig:
     capture_prompt: bool = opt(False, "also capture prompt positions (labels are the user's text, not the "
                                       "target's outputs; repeated chat templates then dominate the trainer's "
                                       "held-out score)", flag="--collect-prompt")
-    lora: bool = opt(False, "align the head online with LoRA adapters: also capture the target's final hidden states (full rounds then "
-                            "distil from its top-k), and the trainer child trains adapters between full rounds (merged into the "
-                            "served head between steps)",
+    lora: bool = opt(True, "with --online-training: align the head with LoRA adapters, learning first (every few hundred rows, "
+                           "each update judged on the rows served after it), the whole head later (full rounds); the capture "
+                           "also keeps the target's final hidden states, from which full rounds distil its top-k "
+                           "(--no-online-lora: full rounds only, on the target's tokens)",
                      flag="--online-lora")
     collect: CollectionConfig = section(CollectionConfig, "collect")
 
@@ -485,8 +486,6 @@ class EngineConfig:
             raise ConfigError("--online-training needs the eagle3 drafter (--drafter eagle3, or e.g. suffix,eagle3)")
         if self.online.enabled and not self.spec.eagle3.dir:
             raise ConfigError("--online-training needs --eagle3-dir (the directory drafters are published to)")
-        if self.online.lora and not self.online.enabled:
-            raise ConfigError("--online-lora needs --online-training (the trainer child publishes the adapters)")
         head_device = self.spec.drafter_device or self.model.device  # where the EAGLE-3 head drafts
         if self.spec.eagle3.quantization in ("int8", "int4") and not head_device.startswith("cpu"):
             raise ConfigError(f"--eagle3-quantization {self.spec.eagle3.quantization} needs the drafter on the CPU "

@@ -16,15 +16,19 @@ both under the analytic controller. A request trace that shifts domain — code 
 saw, then chat — runs through the engine with plain decoding and with suffix + EAGLE-3 plus online
 training, the two configurations taking turns on slices of the trace: the controller chooses per
 step which drafter drafts and how far (or none: then the step is plain decoding's), the engine
-captures the target's hidden states, selective collection switches on at the shift,
+captures the target's hidden states (its taps, and its final hidden state, from which the trainer
+recovers the target's top-k distribution), selective collection switches on at the shift,
 ``tidespec train-drafter`` runs as a child process that yields the CPU to serving (paused while
 requests are decoded, ``--trainer-share``), and serving is idle for ``--idle-s`` seconds after every
-turn of 4 requests, as between bursts of real traffic, which is when the trainer gets the CPU.
-A round publishes a head only if it beats the current one on held-out rows, and each published
-head is judged again, paired with the one it replaced, on the rows captured after it; the engine
-swaps each better drafter in between steps. A live progress line shows acceptance,
-drafter version and tokens/s; the demo ends with a per-phase table against plain decoding, a
-plot, and the losslessness check (every output equal to plain's). The starting drafter is the
+turn of 4 requests, as between bursts of real traffic, which is when the trainer gets the CPU (both
+cores: it never runs beside a step). LoRA first (EvoSpec's path B, ``--online-lora``): every few
+hundred new rows the trainer updates small adapters on the head's draft layer and publishes them
+only if they beat the served head on the rows served after the update; a full round retrains the
+whole head once ``--min-signals`` rows arrived, publishes it only if it beats the current one on
+held-out rows, and judges it again, paired with the one it replaced, on the rows captured after it.
+The engine swaps each better drafter (``v2``) or adapter (``v2+a1``) in between steps. A live
+progress line shows acceptance, the drafter served and tokens/s; the demo ends with a per-phase table
+against plain decoding, a plot, and the losslessness check (every output equal to plain's). The starting drafter is the
 bootstrap shipped in ``tidespec/assets`` (trained by our own trainer on prompts disjoint from the
 trace; recipe in its README), or a fresh head when it is missing.
 """
@@ -128,26 +132,28 @@ def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bo
     boot = shipped_bootstrap()
     con.print(f"starting drafter: {boot if boot else 'fresh random head (no shipped bootstrap found)'}; "
               f"drafters suffix + EAGLE-3 under the analytic controller (gamma <= {ns.gamma}); trainer: a child "
-              f"process with 1 thread, running {ns.trainer_share:.0%} of the busy time and whenever serving is idle "
-              f"({ns.idle_s:g} s after every 4 requests, off the clock), fine-tuning at lr {ns.trainer_lr:g}")
+              f"process with {ns.threads} threads, running {ns.trainer_share:.0%} of the busy time and whenever serving "
+              f"is idle ({ns.idle_s:g} s after every 4 requests, off the clock): LoRA adapters every few hundred rows, "
+              f"the whole head every {ns.min_signals} rows (lr {ns.trainer_lr:g})")
     cfg = ShiftBenchConfig(workloads=f"code_unseen:{ns.code_requests},chat:{ns.chat_requests}",
                            max_tokens=ns.max_tokens, gamma=ns.gamma, concurrency=2, configs="plain,online",
                            drafter="suffix,eagle3", policy="analytic", turn=4, trainer_share=ns.trainer_share,
                            bootstrap=str(boot) if boot else None, min_signals=ns.min_signals, collect_n_init=4,
-                           window=4, bin_s=10.0, overhead_repeats=0, recompute_rows=0,
-                           trainer_catchup_s=ns.idle_s, trainer_epochs=2.0, trainer_args=f"--lr {ns.trainer_lr:g}")
+                           window=4, bin_s=10.0, overhead_repeats=0, recompute_rows=0, online_lora=True,
+                           trainer_threads=ns.threads, trainer_catchup_s=ns.idle_s, trainer_epochs=2.0,
+                           trainer_args=f"--lr {ns.trainer_lr:g}")
     out = Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     doc = run_shift_bench(cfg, loaded, out, command="make demo", log=lambda _: None)
     plain, online = doc["configs"]["plain"], doc["configs"]["online"]
     table = Table(title="part 2: suffix + EAGLE-3 learning online under the controller, a domain shift "
                         "(vs plain decoding, 2 in flight, taking turns of 4 requests)")
     for col in ("phase", "requests", "plain tok/s", "online tok/s", "speedup", "accept len (all)",
-                "accept len (2nd half)", "drafter versions"):
+                "accept len (2nd half)", "drafters served (version+adapter)"):
         table.add_column(col, no_wrap=True)
     for pp, po in zip(plain["phases"], online["phases"]):
         table.add_row(f"{po['phase']}: {po['workload']}", str(po["requests"]), f"{pp['tok_s']:.1f}",
                       f"{po['tok_s']:.1f}", f"{po['speedup']:.2f}x", f"{po['mean_acceptance_length']:.2f}",
-                      f"{po['second_half_acceptance_length']:.2f}", ",".join(f"v{v}" for v in po["versions"]))
+                      f"{po['second_half_acceptance_length']:.2f}", ",".join(po["served"]))
     table.add_row("all", str(sum(p["requests"] for p in online["phases"])), f"{plain['tok_s']:.1f}",
                   f"{online['tok_s']:.1f}", f"{online['speedup']:.2f}x", f"{online['mean_acceptance_length']:.2f}",
                   "", "")
@@ -163,8 +169,17 @@ def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bo
         con.print(f"v{j['version']} judged on the {j['judged_rows']} rows captured after it: acceptance length "
                   f"{j['accept_len'] or float('nan'):.2f} vs {j['replaced_accept_len'] or float('nan'):.2f} for "
                   f"v{j['replaced_version']}, {verdict}")
-    con.print(f"signals captured {on['captured']} (dropped {on['dropped']}), drafter swaps {on['swaps']}, "
-              f"collection {'on' if on['collection_enabled'] else 'off'} at the end")
+    lora = on.get("lora") or {}
+    for a in on.get("adapters", []):
+        m = a.get("metrics", {})
+        what = ("the base head published back (it beat the adapters)" if m.get("reset") else
+                f"{m.get('baseline_accept_len', float('nan')):.3f} (served) -> "
+                f"{m.get('adapted_accept_len', float('nan')):.3f} (adapted), published")
+        con.print(f"LoRA adapter v{a.get('base_version')}+a{a.get('adapter')}, judged on the {m.get('judged_rows')} "
+                  f"rows served after its update: acceptance length {what}")
+    con.print(f"signals captured {on['captured']} (dropped {on['dropped']}), drafter swaps {on['swaps']} (full "
+              f"rounds) + {lora.get('adapter_swaps', 0)} (LoRA adapters), collection "
+              f"{'on' if on['collection_enabled'] else 'off'} at the end")
     con.print(f"plot: {out / 'shift.png'}  report: {out / 'README.md'}")
     mismatches = online["mismatches"]
     con.print(f"outputs identical to plain decoding: {len(doc['runs']['online']['requests']) - mismatches}/"

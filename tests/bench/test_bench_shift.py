@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -164,7 +165,7 @@ def test_shift_bench_interleaves_a_controller_with_several_drafters(tmp_path: Pa
     cfg = ShiftBenchConfig(workloads=f"{a},{b}", requests_per_phase=3, max_tokens=10, gamma=3, concurrency=2,
                            configs="plain,online,suffix", drafter="suffix,eagle3", policy="analytic", turn=3,
                            draft_vocab=0, min_signals=16, trainer_epochs=1.0, window=2, bin_s=0.5,
-                           overhead_repeats=0, recompute_rows=0, capture_prompt=True)
+                           overhead_repeats=0, recompute_rows=0, capture_prompt=True, online_lora=True)
     doc = run_shift_bench(cfg, resolve_target(str(ckpt), "float64"), tmp_path / "out", command="test",
                           progress=False, log=lambda _: None)
     assert list(doc["configs"]) == ["plain", "online", "suffix"]
@@ -176,6 +177,9 @@ def test_shift_bench_interleaves_a_controller_with_several_drafters(tmp_path: Pa
     assert [n for _, n in order] == ["plain", "online", "suffix"] * 2  # they took turns
     online = doc["configs"]["online"]["online"]
     assert online["governor"] is not None and online["trainer_running"] is False
+    assert online["lora"] is not None  # --online-lora: adapters between full rounds, merged by the engine
+    served = [label for p in doc["configs"]["online"]["phases"] for label in p["served"]]
+    assert served and all(re.fullmatch(r"v\d+(\+a\d+)?", label) for label in served), served
 
 
 

@@ -24,7 +24,6 @@ from tidespec.config import (
     add_dataclass_args,
     dataclass_from_args,
 )
-from tidespec.errors import ConfigError
 from tidespec.models.llama import output_matrix
 from tidespec.models.eagle3_checkpoint import fresh_head, publish
 from tidespec.models.eagle3_head import Eagle3Head
@@ -356,8 +355,10 @@ def test_lora_options_are_validated_and_reach_the_trainer_child(tmp_path: Path,
     with pytest.raises(TrainerConfigError, match="lora_targets.*got q_proj, fc"):
         LoraAlignConfig(targets="q_proj, fc")
     assert LoraAlignConfig(targets="down_proj,q_proj").target_modules == ("q_proj", "down_proj")
-    with pytest.raises(ConfigError, match="--online-lora needs --online-training"):
-        EngineConfig(online=OnlineTrainingConfig(lora=True))
+    assert OnlineTrainingConfig().lora  # on by default: LoRA first, the whole head later
+    assert not OnlineConfig.from_engine_config(EngineConfig(
+        spec=SpecConfig(drafter="eagle3", eagle3=Eagle3Options(dir=str(tmp_path / "r0"))),
+        online=OnlineTrainingConfig(enabled=True, lora=False))).lora  # --no-online-lora
     spec = SpecConfig(drafter="eagle3", eagle3=Eagle3Options(dir=str(tmp_path / "root")))
     online = OnlineConfig.from_engine_config(EngineConfig(spec=spec, online=OnlineTrainingConfig(enabled=True,
                                                                                                 lora=True)))

@@ -105,6 +105,10 @@ class ShiftBenchConfig:
                               "online: collect all the time, not only after a detected shift")
     capture_prompt: bool = opt(OnlineTrainingConfig.capture_prompt,
                                "online: also capture prompt positions (default: the target's outputs only)")
+    online_lora: bool = opt(OnlineTrainingConfig.lora,
+                            "online: also align the served head with LoRA adapters between full rounds (serving's "
+                            "--online-lora: small updates every few dozen rows, each judged on the rows served after "
+                            "it; the capture then keeps the target's final hidden states)")
     trainer_threads: int = opt(1, "online: torch threads of the trainer child process")
     trainer_epochs: float = opt(4.0, "online: passes over each round's signals")
     trainer_args: str = opt("", "online: extra train-drafter flags")
@@ -219,3 +223,8 @@ def build_trace(cfg: ShiftBenchConfig, tokenizer: Any) -> list[TraceItem]:
         cursor[name] = cursor.get(name, 0) + n
         items += [TraceItem(i, Path(name).stem, p) for p in chunk]
     return items
+
+
+def served_label(version: int, adapter: int = 0) -> str:
+    """The drafter serving: ``v2``, or ``v2+a3`` with its third LoRA adapter merged."""
+    return f"v{version}" + (f"+a{adapter}" if adapter else "")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from tidespec.bench.common.report import eos_words, machine_line, markdown_table, new_figure, save_figure
+from tidespec.bench.shift.config import served_label
 
 COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:orange", "vocab-static": "tab:red",
           "vocab-dynamic": "tab:green", "vocab-full": "tab:purple", "vocab-static-lora": "tab:pink",
@@ -64,7 +65,7 @@ def report(doc: dict[str, Any]) -> str:
     lines += _vocab_lines(doc)
     for name, s in doc["configs"].items():
         ads = s.get("online", {}).get("adapters")
-        if name.endswith("-lora") and ads is not None:
+        if ads:
             lines += _adapter_lines(name, s["online"], ads)
     if "online" in doc["configs"]:
         on = doc["configs"]["online"]["online"]
@@ -179,6 +180,20 @@ def _adapter_lines(name: str, on: dict[str, Any], ads: list[dict[str, Any]]) -> 
             f"{on.get('captured')} signals captured ({on.get('dropped')} dropped).", ""]
 
 
+def _mark_served(ax: Any, requests: list[dict[str, Any]], color: str) -> None:
+    """A dashed line and the drafter's label (``v2``, ``v2+a1``) at the first finished request served by
+    each new drafter version or LoRA adapter (requests in the order they finished, as the curve)."""
+    done = sorted(requests, key=lambda r: r["t_end"])
+    before = served_label(int(done[0]["version"]), done[0].get("adapter", 0)) if done else ""
+    for i, r in enumerate(done):
+        label = served_label(int(r["version"]), r.get("adapter", 0))
+        if label != before:
+            ax.axvline(i + 1, color=color, linestyle="--", linewidth=0.8)
+            ax.annotate(label, (i + 1, 1.0), xycoords=("data", "axes fraction"), xytext=(2, -12),
+                        textcoords="offset points", fontsize=8, color=color)
+        before = label
+
+
 def plot_shift(doc: dict[str, Any], out_dir: Path) -> Path:
     """Acceptance length per window of finished requests, and tokens/s over time."""
     cfg = doc["config"]
@@ -195,10 +210,12 @@ def plot_shift(doc: dict[str, Any], out_dir: Path) -> Path:
             ax_a.plot(xs, ys, marker="o", markersize=3, label=name, color=color)
         ax_t.plot(ts, rates, label=name, color=color)
         if name == "online":
-            swaps = [s["t"] for a, s in zip(run["steps"], run["steps"][1:]) if s["version"] != a["version"]]
+            swaps = [s["t"] for a, s in zip(run["steps"], run["steps"][1:])
+                     if (s["version"], s.get("adapter", 0)) != (a["version"], a.get("adapter", 0))]
             for j, t in enumerate(swaps):
                 ax_t.axvline(t, color=color, linestyle="--", linewidth=0.8,
                              label="online: new drafter" if j == 0 else None)
+            _mark_served(ax_a, run["requests"], color)
     ax_a.set_xlabel(f"requests finished (phases: {' -> '.join(doc['phases'])})")
     ax_a.set_ylabel(f"mean acceptance length (window {cfg['window']})")
     ax_a.set_title("acceptance over the trace")

@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tidespec.bench.common.report import default_out_dir, finish_run, rerender_run
-from tidespec.bench.shift.config import ONLINE_CONFIGS, ShiftBenchConfig, TraceItem, build_trace
+from tidespec.bench.shift.config import ONLINE_CONFIGS, ShiftBenchConfig, TraceItem, build_trace, served_label
 from tidespec.bench.shift.measure import measure_capture_overhead, measure_training_sources
 from tidespec.bench.shift.report import plot_shift, report
 from tidespec.bench.shift.runs import (
@@ -110,6 +110,7 @@ def summarize_run(run: TraceRun, trace: list[TraceItem], plain: TraceRun | None)
                  "tok_s": sum(r["tokens"] for r in reqs) / max(1e-9, t_b - t_a),
                  "mean_acceptance_length": acc(reqs), "second_half_acceptance_length": acc(half),
                  "versions": sorted({r["version"] for r in reqs}),
+                 "served": [served_label(v, a) for v, a in sorted({(r["version"], r.get("adapter", 0)) for r in reqs})],
                  "draft_ms_per_token": 1e3 * sum(s.get("draft_s", 0.0) for s in steps) / draft_tokens
                  if draft_tokens else float("nan")}
         if "vocab_verified" in reqs[-1]:  # requests finish in trace order at concurrency 1; else approximate
@@ -151,13 +152,15 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
     loops: dict[str, TraceLoop] = {}
     onlines: dict[str, OnlineSetup] = {}
     for name in cfg.config_names:
-        status = None
+        status = adapter = None
         if name in ONLINE_CONFIGS:
             work = out_dir / name
             if work.exists():
                 shutil.rmtree(work)
             setup = onlines[name] = start_online(target, trace, cfg, work, name)
             engine, status = setup.engine, functools.partial(online_status, setup.online)
+            adapters = setup.online.adapters
+            adapter = (lambda a=adapters: a.applied) if adapters is not None else None
         elif name.startswith("vocab-"):
             engine = vocab_engine(target.model, target.tokenizer,
                                   trace_engine_config(trace, cfg, target.model, cfg.gamma), frozen_root, cfg, name)
@@ -168,7 +171,8 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
         else:  # plain, or a model-free drafter alone at a static gamma
             gamma = 0 if name == "plain" else cfg.gamma
             engine = static_engine(target, trace_engine_config(trace, cfg, target.model, gamma, name))
-        loops[name] = TraceLoop(engine, trace, cfg.concurrency, cfg.max_tokens, name, progress, status, cfg.ignore_eos)
+        loops[name] = TraceLoop(engine, trace, cfg.concurrency, cfg.max_tokens, name, progress, status, cfg.ignore_eos,
+                                adapter)
     try:
         runs = _take_turns(loops, len(trace), cfg.turn, onlines, cfg.trainer_catchup_s)
     finally:

@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 from tqdm import tqdm
 
-from tidespec.bench.shift.config import ShiftBenchConfig, TraceItem
+from tidespec.bench.shift.config import ShiftBenchConfig, TraceItem, served_label
 from tidespec.config import (
     CacheConfig,
     CollectionConfig,
@@ -82,8 +82,10 @@ class TraceLoop:
     """
 
     def __init__(self, engine: LLMEngine, trace: list[TraceItem], concurrency: int, max_tokens: int, desc: str,
-                 progress: bool = True, status: Callable[[], str] | None = None, ignore_eos: bool = True) -> None:
+                 progress: bool = True, status: Callable[[], str] | None = None, ignore_eos: bool = True,
+                 adapter: Callable[[], int] | None = None) -> None:
         self.engine, self.trace, self.concurrency = engine, trace, concurrency
+        self.adapter = adapter or (lambda: 0)  # the LoRA adapter merged into the served version (0 = none)
         self.params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
         self.run = TraceRun(desc)
         self.status = status
@@ -113,6 +115,7 @@ class TraceLoop:
             self.run.steps.append({"t": clock(), "emitted": st.num_emitted_tokens, "drafts": st.num_drafts,
                                    "accepted": st.num_accepted_tokens,
                                    "version": float(engine.drafter.version if engine.drafter is not None else 0),
+                                   "adapter": self.adapter(),
                                    "batch": st.batch_size,
                                    "by_drafter": {n: sum(1 for _, d, _ in o if d)
                                                   for n, o in st.drafter_outcomes.items()},
@@ -139,7 +142,8 @@ class TraceLoop:
         self.results[idx] = {"index": idx, "phase": item.phase, "workload": item.workload, "id": item.prompt.record.id,
                              "t_start": t_in, "t_end": now, "tokens": len(token_ids), "drafts": st.num_drafts,
                              "draft_tokens": st.num_draft_tokens, "accepted": st.num_accepted_tokens,
-                             "version": int(self.engine.drafter.version if self.engine.drafter is not None else 0)}
+                             "version": int(self.engine.drafter.version if self.engine.drafter is not None else 0),
+                             "adapter": self.adapter()}
         if self.vocab is not None:  # cumulative: a phase's coverage is the difference across it
             self.results[idx].update(vocab_verified=self.vocab.stats.verified, vocab_covered=self.vocab.stats.covered)
         self.outputs[idx] = list(token_ids)
@@ -178,8 +182,8 @@ def _progress_line(run: TraceRun, status: Callable[[], str] | None) -> str:
     tok_s = sum(s["emitted"] for s in recent[1:]) / span if span > 0 else 0.0
     drafts = sum(s["drafts"] for s in recent)
     accept = (sum(s["accepted"] for s in recent) + drafts) / drafts if drafts else float("nan")
-    version = int(recent[-1]["version"]) if recent else 0
-    line = f"accept len {accept:.2f}, drafter v{version}, {tok_s:.1f} tok/s" if drafts else f"{tok_s:.1f} tok/s"
+    served = served_label(int(recent[-1]["version"]), recent[-1].get("adapter", 0)) if recent else "v0"
+    line = f"accept len {accept:.2f}, drafter {served}, {tok_s:.1f} tok/s" if drafts else f"{tok_s:.1f} tok/s"
     return line + (f", {status()}" if status is not None else "")
 
 
@@ -275,27 +279,29 @@ class OnlineSetup:
 def start_online(target: LoadedModel, trace: list[TraceItem], cfg: ShiftBenchConfig, work: Path,
                  name: str = "online") -> OnlineSetup:
     """Build an online configuration and start its trainer child (yielding to its engine):
-    ``online`` trains full rounds; ``vocab-*-lora`` serves over that draft vocabulary and its
-    trainer only aligns LoRA adapters (EvoSpec path B; no full round ever runs), from signals
-    collected all the time and cut into small shards."""
+    ``online`` trains full rounds, and with ``cfg.online_lora`` LoRA adapters between them;
+    ``vocab-*-lora`` serves over that draft vocabulary and its trainer only aligns LoRA adapters
+    (EvoSpec path B; no full round ever runs), from signals collected all the time. A LoRA trainer
+    reads signals cut into small shards."""
     from tidespec.online.serving.launch import start_trainer_process
 
     root, signals = work / "drafter", work / "signals"
     seeded = seed_publish_root(root, cfg.bootstrap, target.model)
     ecfg = trace_engine_config(trace, cfg, target.model, cfg.gamma)
-    lora = name.endswith("-lora")
-    engine = (vocab_engine(target.model, target.tokenizer, ecfg, root, cfg, name.removesuffix("-lora")) if lora
+    lora_only = name.endswith("-lora")
+    lora = lora_only or cfg.online_lora
+    engine = (vocab_engine(target.model, target.tokenizer, ecfg, root, cfg, name.removesuffix("-lora")) if lora_only
               else eagle3_engine(target.model, target.tokenizer, ecfg, root, cfg.draft_vocab))
     online = attach_online_training(engine, OnlineConfig(
         publish_root=str(root), signal_dir=str(signals), poll_s=1.0, capture_prompt=cfg.capture_prompt,
         capture_flush_rows=256 if lora else OnlineConfig.capture_flush_rows, lora=lora,
         lora_extra_vocab=lora_extra_vocab(engine),
         collection=CollectionConfig(n_init=cfg.collect_n_init, epsilon=cfg.collect_epsilon,
-                                    n_threshold=cfg.min_signals, force=cfg.collect_force or lora,
+                                    n_threshold=cfg.min_signals, force=cfg.collect_force or lora_only,
                                     bootstrap=seeded is None)))
     extra = ["--threads", str(cfg.trainer_threads), "--epochs", str(cfg.trainer_epochs), "--poll-s", "2",
              "--seed", str(cfg.seed), "--heldout-frac", "0.2", "--batch-segments", "4"]
-    if lora:
+    if lora_only:
         extra += ["--min-signals", str(1 << 40)]
     extra += shlex.split(cfg.trainer_args)
     dtype = str(target.model.dtype).removeprefix("torch.")
