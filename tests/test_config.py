@@ -44,7 +44,7 @@ FLAGS = {
     '--draft-vocab-max-insert': 32, '--draft-vocab-min-residency': 8,
     '--draft-vocab-corpus': 'drafter_boot,code_extra', '--online-training': False, '--signal-dir': None, '--signal-budget-mb': 2048,
     '--online-poll-s': 2.0, '--trainer-device': None, '--trainer-args': '', '--trainer-nice': 0,
-    '--trainer-share': 0.0, '--rollback-min-drafts': 0, '--online-lora': True,
+    '--trainer-share': 0.02, '--rollback-min-drafts': 0, '--online-lora': True,
     '--trainer-max-restarts': 5, '--trainer-backoff-max-s': 60.0,
     '--collect-force': False, '--collect-prompt': False, '--collect-bootstrap': False, '--collect-epsilon': 0.02,
     '--collect-n-init': 20, '--collect-n-threshold': 16384, '--collect-lambda-short': 0.9,

@@ -197,14 +197,20 @@ def test_yield_bench_on_a_shift_runs_store(tmp_path: Path) -> None:
     run_shift_bench(shift, target, tmp_path / "shift", command="test", progress=False, log=lambda _: None)
     signals = tmp_path / "shift" / "online" / "signals"
     cfg = YieldBenchConfig(signal_dir=str(signals), workload=str(a), requests=2, max_tokens=8, concurrency=2,
-                           repeats=1, epochs=1.0)
+                           repeats=1, epochs=1.0, shares="0.5,0")
+    assert cfg.modes == {"none": None, "governed": 0.0, "share 0.5": 0.5, "free": None}
+    assert list(dataclasses.replace(cfg, free=False).modes) == ["none", "governed", "share 0.5"]
     doc = run_yield_bench(cfg, target, tmp_path / "yield", command="test", log=lambda _: None)
-    assert set(doc["saturation_tok_s"]) == {"none", "governed", "free"}
+    assert list(doc["saturation_tok_s"]) == ["none", "governed", "share 0.5", "free"]
     assert all(v[0] > 0 for v in doc["saturation_tok_s"].values())
     assert all(v[0] > 0 for v in doc["idle_round_s"].values()) and doc["idle_ratio"] > 0
     assert (tmp_path / "yield" / "yield.png").is_file()
     with pytest.raises(ConfigError, match="signal"):
         YieldBenchConfig(signal_dir=str(tmp_path / "none"))
+    with pytest.raises(ConfigError, match="comma-separated numbers"):
+        YieldBenchConfig(signal_dir=str(signals), shares="0.1,a")
+    with pytest.raises(ConfigError, match="every trainer share"):
+        YieldBenchConfig(signal_dir=str(signals), shares="1.5")
 
 
 def test_shift_bench_compares_draft_vocabularies(tmp_path: Path) -> None:

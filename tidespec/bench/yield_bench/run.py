@@ -6,8 +6,9 @@ the engine steps, running flat out when it is idle. Two claims follow, and this 
 the same signal store:
 
 * at saturation (a closed loop keeps the engine busy) training costs no throughput: the loop's
-  tokens/s with no trainer, with a governed trainer (``--trainer-share``, default 0) and with an
-  ungoverned one (the old behaviour), interleaved per repeat;
+  tokens/s with no trainer, with a governed trainer (``--trainer-share``, default 0; ``--shares``
+  adds one governed run per share, the price of training on a server that is never idle) and with
+  an ungoverned one (the old behaviour), interleaved per repeat;
 * at idle a training round takes as long as a standalone ``train-drafter --once`` run: the round's
   wall time as a child of an idle engine under the governor, against the same command alone,
   interleaved per repeat.
@@ -41,8 +42,6 @@ from tidespec.online.serving.governor import GovernorConfig, TrainingGovernor
 from tidespec.online.serving.launch import start_trainer_process
 from tidespec.online.serving.supervisor import TrainerSupervisor
 
-MODES = ("none", "governed", "free")
-
 
 @dataclass
 class YieldBenchConfig:
@@ -57,14 +56,38 @@ class YieldBenchConfig:
     trainer_threads: int = opt(1, "torch threads of the trainer child")
     epochs: float = opt(1.0, "idle part: passes over the store in the timed round")
     trainer_share: float = opt(0.0, "the governed trainer's share of busy time")
+    shares: str = opt("", "saturation: also a governed trainer at each of these comma-separated shares of busy time "
+                          "(e.g. 0.02,0.05,0.1: what a --trainer-share costs a server that is never idle)")
+    free: bool = opt(True, "saturation: also an ungoverned trainer (on a 2-core CPU serving then runs at ~0.07x, so "
+                           "this mode takes most of the time; --no-free leaves it out)")
 
     def __post_init__(self) -> None:
         if self.signal_dir is None or not Path(self.signal_dir).is_dir():
             raise ConfigError(f"--signal-dir must be a signal store directory, got {self.signal_dir}")
         if min(self.requests, self.max_tokens, self.concurrency, self.repeats, self.trainer_threads) < 1:
             raise ConfigError("requests, max_tokens, concurrency, repeats and trainer_threads must be >= 1")
-        if self.epochs <= 0 or not 0.0 <= self.trainer_share <= 1.0:
-            raise ConfigError("epochs must be > 0 and trainer_share in [0, 1]")
+        if self.epochs <= 0 or not all(0.0 <= s <= 1.0 for s in (self.trainer_share, *self.extra_shares)):
+            raise ConfigError("epochs must be > 0 and every trainer share in [0, 1]")
+
+    @property
+    def extra_shares(self) -> list[float]:
+        """``shares`` as numbers, in order, without ``trainer_share`` (the ``governed`` mode's)."""
+        try:
+            values = [float(x) for x in self.shares.split(",") if x.strip()]
+        except ValueError:
+            raise ConfigError(f"shares must be comma-separated numbers, got {self.shares!r}") from None
+        return [v for v in dict.fromkeys(values) if v != self.trainer_share]
+
+    @property
+    def modes(self) -> dict[str, float | None]:
+        """Saturation modes and their trainer share: none (no trainer), governed (``trainer_share``),
+        ``share S`` for each of ``shares``, free (never paused: no governor; unless ``free`` is off).
+
+        Example: trainer_share 0, shares "0.05,0" -> {"none": None, "governed": 0.0, "share 0.05": 0.05,
+        "free": None}."""
+        modes: dict[str, float | None] = {"none": None, "governed": self.trainer_share,
+                                          **{f"share {s:g}": s for s in self.extra_shares}}
+        return modes | ({"free": None} if self.free else {})
 
 
 def _trainer(cfg: YieldBenchConfig, target: LoadedModel, root: Path, epochs: float) -> TrainerSupervisor:
@@ -80,7 +103,7 @@ def _trainer(cfg: YieldBenchConfig, target: LoadedModel, root: Path, epochs: flo
 
 
 def saturation_run(cfg: YieldBenchConfig, target: LoadedModel, mode: str, work: Path) -> float:
-    """Tokens/s of the closed loop with no trainer, a governed one, or a free one."""
+    """Tokens/s of the closed loop with no trainer, a governed one (at the mode's share), or a free one."""
     trace = build_trace(ShiftBenchConfig(workloads=f"{cfg.workload}:{cfg.requests}", max_tokens=cfg.max_tokens),
                         target.tokenizer)
     longest = max(len(t.prompt.token_ids) for t in trace) + cfg.max_tokens + 2
@@ -88,10 +111,11 @@ def saturation_run(cfg: YieldBenchConfig, target: LoadedModel, mode: str, work: 
                        EngineConfig(cache=CacheConfig(max_model_len=longest, max_num_seqs=cfg.concurrency)))
     trainer = governor = None
     if mode != "none":
-        trainer = _trainer(cfg, target, work / f"root-{mode}", epochs=1000.0)  # trains all along
+        trainer = _trainer(cfg, target, work / f"root-{mode.replace(' ', '-')}", epochs=1000.0)  # trains all along
         time.sleep(3.0)  # past its start-up (imports, loading the store)
-        if mode == "governed":
-            governor = TrainingGovernor(trainer, GovernorConfig(share=cfg.trainer_share))
+        share = cfg.modes[mode]
+        if share is not None:
+            governor = TrainingGovernor(trainer, GovernorConfig(share=share))
             governor.attach(engine)
             governor.start()
     try:
@@ -130,10 +154,10 @@ def run_yield_bench(cfg: YieldBenchConfig, target: LoadedModel, out_dir: Path | 
     out_dir = out_dir or default_out_dir("yield")
     work = out_dir / "work"
     work.mkdir(parents=True, exist_ok=True)
-    sat: dict[str, list[float]] = {m: [] for m in MODES}
+    sat: dict[str, list[float]] = {m: [] for m in cfg.modes}
     idle: dict[str, list[float]] = {"alone": [], "governed": []}
     for rep in range(cfg.repeats):
-        for mode in MODES:
+        for mode in cfg.modes:
             sat[mode].append(saturation_run(cfg, target, mode, work))
             log(f"[{rep + 1}/{cfg.repeats}] saturation, trainer {mode}: {sat[mode][-1]:.1f} tok/s")
         for name in ("alone", "governed"):
