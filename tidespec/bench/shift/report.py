@@ -166,7 +166,8 @@ def _curves(run: dict[str, Any], window: int, bin_s: float) -> tuple[list[float]
 
 
 def _adapter_lines(name: str, on: dict[str, Any], ads: list[dict[str, Any]]) -> list[str]:
-    """One line on a ``vocab-*-lora`` run's LoRA path: adapters published, their update cost and scores."""
+    """One line on an online configuration's LoRA path (``vocab-*-lora``, or ``online`` with
+    ``--online-lora``): adapters published, their update cost and scores."""
     lora = on.get("lora") or {}
     ms = sorted(float(a["metrics"].get("update_ms", "nan")) for a in ads)
     median = ms[len(ms) // 2] if ms else float("nan")

@@ -169,8 +169,8 @@ class TrainerConfig(TargetOptions):
             raise TrainerConfigError("--signal-dir is required")
         if not self.publish_root and not self.capture_only:
             raise TrainerConfigError("--publish-root is required")
-        for name in ("threads", "draft_vocab", "widen_vocab", "max_draft_vocab", "max_steps", "max_rounds", "workload_limit", "replay_rows", "topk",
-                     "warmup_steps", "served_judge_rows"):
+        for name in ("threads", "draft_vocab", "widen_vocab", "max_draft_vocab", "max_steps", "max_rounds",
+                     "workload_limit", "replay_rows", "topk", "warmup_steps", "served_judge_rows"):
             if getattr(self, name) < 0:
                 raise TrainerConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("min_signals", "batch_segments", "ttt_steps", "gamma", "max_tokens", "budget_mb", "samples",

@@ -267,13 +267,14 @@ class DraftTrainer:
         a reduced draft vocabulary: the most frequent tokens of the training rows) started from the
         target's weights as ``init_from_target`` says."""
         if self.current_version > 0 or self.cfg.init_from:
-            return self._widened(copy.deepcopy(self.current), fresh)
+            wide = self._widened(self.current, fresh)  # a new head, or the current one itself
+            return wide if wide is not self.current else copy.deepcopy(self.current)
         head = fresh_head_for(self.target_cfg, self.current.cfg.draft_vocab_size, train, self.dtype, self.device,
                               self.cfg.seed, self.cfg.head_layers, self.cfg.fusion)
         return init_from_target(head, self.target, self.cfg.init_from_target) if self.target is not None else head
 
     def _widened(self, head: Eagle3Head, fresh: list[SignalSegment]) -> Eagle3Head:
-        """``head`` with up to ``widen_vocab`` more draft tokens (never past ``max_draft_vocab``): the
+        """A new head: ``head`` with up to ``widen_vocab`` more draft tokens (never past ``max_draft_vocab``): the
         tokens of this round's rows that its vocabulary lacks and that occur at least
         ``WIDEN_MIN_COUNT`` times, most frequent first, each with a calibrated row
         (``data.widen_head``); training then moves them like the others. Why: a head can never
@@ -281,7 +282,8 @@ class DraftTrainer:
         were in the shipped head's 8,192) no training of its weights alone brings acceptance back.
 
         Example: an 8,192-token head, widen_vocab 512, the new rows hold 300 outside tokens of
-        which 120 occur twice or more -> a head of 8,312 tokens; its old rows are unchanged."""
+        which 120 occur twice or more -> a head of 8,312 tokens; its old rows are unchanged. ``head``
+        itself, unchanged, when nothing widens it."""
         cfg = self.cfg
         size = head.cfg.draft_vocab_size
         room = min(cfg.widen_vocab, cfg.max_draft_vocab - size, head.cfg.target_vocab_size - size)
