@@ -11,7 +11,7 @@ The tree::
 
     EngineConfig
       model      ModelConfig       --model --dtype --device --threads --quantization --quant-group-size
-      cache      CacheConfig       --max-model-len --max-num-seqs
+      cache      CacheConfig       --max-model-len --max-num-seqs --enable-prefix-caching --prefix-cache-mb
       scheduler  SchedulerConfig   --max-num-batched-tokens --max-waiting
       spec       SpecConfig        --drafter --num-speculative-tokens --tree --drafter-device
         ngram        NgramConfig        --ngram-min --ngram-max
@@ -196,6 +196,13 @@ class CacheConfig(Section):
     kv_overcommit: bool = opt(False, "on the CPU, reserve a KV cache larger than the memory available (pages are "
                                      "committed only as sequences grow; the OOM killer ends the server if they "
                                      "all grow); by default such a cache is refused at start-up")
+    enable_prefix_caching: bool = opt(True, "reuse the K/V of prompt prefixes computed before (full blocks of "
+                                            "--block-size tokens, least recently used evicted); it stays off on a "
+                                            "target that is not row-invariant, where a reused prefix could change "
+                                            "greedy outputs at near-ties")
+    prefix_cache_mb: int = opt(1024, "memory of the prefix cache's blocks, MiB (on a CPU at most half the memory "
+                                     "available at start-up)", min=1)
+    block_size: int = opt(16, "tokens per prefix-cache block", min=1, max=256)
 
 
 @dataclass

@@ -29,6 +29,8 @@ class StepStats:
     batch_size: int = 0  # sequences in the step (decode + prefill)
     num_decode_seqs: int = 0
     num_prefill_tokens: int = 0
+    num_prefix_query_tokens: int = 0  # prompt tokens of the requests admitted this step (prefix cache on)
+    num_prefix_hit_tokens: int = 0  # of those, reused from the prefix cache instead of computed
     num_drafts: int = 0  # sequences that speculated this step
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -79,6 +81,7 @@ class RequestStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (not computed)
 
     def add_accepted(self, num_draft: int, num_accepted: int) -> None:
         self.num_drafts += 1

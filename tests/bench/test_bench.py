@@ -29,8 +29,10 @@ from tidespec.workloads.loader import (
     WorkloadError,
     load_prompts,
     load_workload,
+    prefix_text,
     prompt_token_ids,
     resolve_workload_path,
+    write_workload,
 )
 
 
@@ -74,6 +76,31 @@ def test_workload_errors_name_the_line(tmp_path: Path, line: str, message: str) 
     assert isinstance(exc.value, ConfigError)  # the CLI prints it as one line
 
 
+def test_a_records_system_text_comes_before_its_prompt(tmp_path: Path) -> None:
+    """``system``: a chat's system message, a completion's leading text; kept by write_workload."""
+    tok = tiny_tokenizer(64)
+    lines = [json.dumps({"id": "c", "domain": "d", "kind": "completion", "prompt": "t5 t6", "system": "t3 t4 "}),
+             json.dumps({"id": "h", "domain": "d", "kind": "chat", "prompt": "hi", "system": "be brief"})]
+    comp, chat = load_workload(_write(tmp_path / "w.jsonl", lines))
+    assert comp.text == "t3 t4 t5 t6" and prompt_token_ids(comp, tok) == tok.encode("t3 t4 t5 t6")
+    assert chat.messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    write_workload([comp, chat], tmp_path / "again.jsonl")
+    assert [r.system for r in load_workload(tmp_path / "again.jsonl")] == ["t3 t4 ", "be brief"]
+    bad = json.dumps({"id": "x", "domain": "d", "kind": "chat", "prompt": "x", "system": 3})
+    with pytest.raises(WorkloadError, match="'system' must be a string"):
+        load_workload(_write(tmp_path / "b.jsonl", [bad]))
+
+
+def test_a_shared_prefix_text_has_the_tokens_asked_for(embedded: LoadedModel) -> None:
+    tok = embedded.tokenizer
+    text = prefix_text("code", tok, 200)
+    assert abs(len(tok.encode(text, add_special_tokens=False)) - 200) <= 8  # cut at 200, re-tokenized
+    with pytest.raises(WorkloadError, match="fewer than"):
+        prefix_text("code", tok, 10**6)
+    recs = load_workload("shared_prefix")
+    assert len({r.system for r in recs if r.kind == "chat"}) == 1 and len({r.system for r in recs}) == 2
+
+
 def test_workload_missing_empty_and_bad_limit(tmp_path: Path) -> None:
     with pytest.raises(WorkloadError, match="not found"):
         load_workload(tmp_path / "nope.jsonl")
@@ -84,7 +111,8 @@ def test_workload_missing_empty_and_bad_limit(tmp_path: Path) -> None:
 
 
 def test_builtin_workloads_ship_with_sources_and_licenses() -> None:
-    sizes = {"code": 16, "chat": 48, "code_unseen": 32, "drafter_boot": 150, "code_extra": 72, "zh_chat": 16}
+    sizes = {"code": 16, "chat": 48, "code_unseen": 32, "drafter_boot": 150, "code_extra": 72, "zh_chat": 16,
+             "shared_prefix": 16}
     for name, size in sizes.items():
         path = resolve_workload_path(name)
         assert path.parent.name == "workloads" and path.name == f"{name}.jsonl"

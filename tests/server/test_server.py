@@ -123,6 +123,23 @@ def test_usage_counts(srv: LiveServer) -> None:
 
 
 # ----------------------------------------------------------------------------- errors
+def test_a_resent_prompt_reports_its_cached_tokens(srv: LiveServer) -> None:
+    """As OpenAI and vLLM: ``usage.prompt_tokens_details.cached_tokens`` counts the prompt tokens
+    served from the prefix cache; /metrics counts lookups and hits; the text does not change."""
+    c = srv.client()
+    prompt = " ".join(f"t{3 + (7 * i) % 59}" for i in range(37))  # 37 tokens: 2 full blocks of 16
+    registry = srv.app.state.metrics.registry
+    hits0 = registry.get_sample_value("tidespec:prefix_cache_hits_total") or 0.0
+    body: dict[str, Any] = {"model": MODEL, "prompt": prompt, "max_tokens": 5, "temperature": 0,
+                            "extra_body": {"ignore_eos": True}}
+    first, second = c.completions.create(**body), c.completions.create(**body)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0  # type: ignore[union-attr]
+    assert second.usage.prompt_tokens_details.cached_tokens == 32  # type: ignore[union-attr]
+    assert second.choices[0].text == first.choices[0].text
+    assert registry.get_sample_value("tidespec:prefix_cache_hits_total") - hits0 == 32
+    assert registry.get_sample_value("tidespec:prefix_cache_queries_total") >= 2 * 37
+
+
 def _error(resp: httpx.Response, status: int) -> dict[str, Any]:
     assert resp.status_code == status, resp.text
     err = resp.json()["error"]

@@ -1,4 +1,4 @@
-"""``tidespec bench {decode,spec,profile,anchor,shift,learn,yield,serve,load,quality}``: the benchmark sub-commands.
+"""``tidespec bench {decode,spec,profile,anchor,shift,learn,yield,serve,load,quality,prefix,...}``: the benchmark sub-commands.
 
 Why this exists: the benchmarks are part of the product (their numbers go into
 docs/benchmarks/), so they are run from the same CLI with the same model flags as
@@ -15,6 +15,7 @@ Worked example::
     tidespec bench shift --workloads code,chat,code --bootstrap runs/boot/drafter --threads 2
     tidespec bench learn --signal-dirs runs/boot/signals --fractions 0.25,0.5,1 --threads 2
     tidespec bench quality --workload code,chat --quantizations int8,int4 --threads 2
+    tidespec bench prefix --path int4 --prefix-tokens 1024 --concurrency 8
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from tidespec.bench.invariance_cost.run import table as invariance_cost_table
 from tidespec.bench.learn.run import LearnBenchConfig, run_learn_bench
 from tidespec.bench.learn.run import replot as replot_learn
 from tidespec.bench.memory.run import MemoryBenchConfig, run_memory_bench
+from tidespec.bench.prefix.run import PrefixBenchConfig, run_prefix_bench
 from tidespec.bench.profile.run import ProfileConfig, run_profile
 from tidespec.bench.quality import run as quality
 from tidespec.bench.shift.config import ShiftBenchConfig
@@ -180,6 +182,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="output directory (default: runs/bench-invariance-cost-<time>)")
     c.set_defaults(func=cmd_invariance_cost)
 
+    pf = sub.add_parser("prefix", help="prefix caching: TTFT on a shared prefix and a chat's next turn, throughput "
+                                       "where nothing is shared; cache on and off interleaved", formatter_class=fmt)
+    add_dataclass_args(pf, PrefixBenchConfig)
+    pf.add_argument("--out", type=output_dir, default=None, help="output directory (default: runs/bench-prefix-<time>)")
+    pf.set_defaults(func=cmd_prefix)
+
     m = sub.add_parser("memory", help="server RSS after a burst of large refused requests, with and without "
                                       "--trim-memory", formatter_class=fmt)
     add_dataclass_args(m, MemoryBenchConfig)
@@ -293,6 +301,13 @@ def cmd_invariance_cost(ns: argparse.Namespace) -> int:
     (out / "table.md").write_text(text + "\n")
     print(text)
     return 0
+
+
+def cmd_prefix(ns: argparse.Namespace) -> int:
+    out = ns.out or Path("runs") / f"bench-prefix-{time.strftime('%Y%m%d-%H%M%S')}"
+    doc = run_prefix_bench(dataclass_from_args(PrefixBenchConfig, ns), out_dir=out)
+    print((out / "table.md").read_text())
+    return 0 if doc["summary"]["identical"] else 1
 
 
 def cmd_memory(ns: argparse.Namespace) -> int:

@@ -43,6 +43,7 @@ from tidespec.config import EngineConfig
 from tidespec.engine.detok import IncrementalDetokenizer
 from tidespec.engine.observer import EngineObserver
 from tidespec.engine.output import RequestOutput, emit
+from tidespec.engine.prefix_cache import build_prefix_cache
 from tidespec.engine.runner import ForwardOutput, ModelRunner, Row
 from tidespec.engine.scheduler import PrefillChunk, Scheduler
 from tidespec.engine.sequence import Sequence
@@ -107,6 +108,8 @@ class LLMEngine:
         self.invariance = self.executor.invariance
         self.compile_seconds = self.executor.warm_up_seconds  # compiling the decode step or capturing the graphs
         self.runner = ModelRunner(self.executor)
+        self.prefix_cache = build_prefix_cache(self.kv, cc, self.invariance, model.cfg.hidden_size,
+                                               len(self._tap_layers()))
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_batched_tokens, config.scheduler.max_waiting)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -189,7 +192,9 @@ class LLMEngine:
         t0 = time.perf_counter()
         stats = StepStats(step=self.step_count)
         self.step_count += 1
-        self.scheduler.admit()
+        admitted = self.scheduler.admit()
+        if self.prefix_cache is not None and admitted:
+            self._reuse_prefixes(admitted, stats)
         gammas, chosen = self._plan(self.scheduler.decoding())
         batch = self.scheduler.schedule(gammas)
         if batch.empty:
@@ -214,6 +219,8 @@ class LLMEngine:
         # (drafter, finish observer, policy) does; its failure is logged and counted, never raised
         # (losslessness does not depend on them: verification checks every draft).
         self._guarded("drafter observe", self._observe, advances, fwd)
+        if self.prefix_cache is not None:
+            self._guarded("prefix cache", self._cache_prompts, batch.prefill)
         for o in outputs:
             if o.finished:
                 self._finish(self.seqs.pop(o.request_id), o.finish_reason)  # type: ignore[arg-type]
@@ -411,10 +418,64 @@ class LLMEngine:
                 hidden = self._rows_of(fwd.hidden, a.kept_rows) if wants_hidden else None
             observations.append(Observation(a.seq.seq_id, list(a.seq.token_ids), len(a.kept_rows), taps, a.start,
                                             hidden, len(a.seq.prompt_ids)))
+            if self.prefix_cache is not None:  # the side rows the blocks saved later carry
+                self.prefix_cache.record(a.seq.seq_id, a.start,
+                                         {name: t for name, t in (("taps", taps), ("hidden", hidden)) if t is not None})
         if observations:
-            self.drafter.observe(observations)
-            for observer in self.observers:
-                observer.on_observations(observations)
+            self._deliver(observations)
+
+    def _deliver(self, observations: list[Observation]) -> None:
+        """Hand observations to the drafter, then to the observers."""
+        assert self.drafter is not None
+        self.drafter.observe(observations)
+        for observer in self.observers:
+            observer.on_observations(observations)
+
+    # ----------------------------------------------------------------- prefix cache
+    def _side_needed(self) -> frozenset[str]:
+        """The side rows a prompt's prefill hands out now, so a reused prefix must bring them too:
+        the taps for a tap-reading drafter, the final hidden states when one wants them."""
+        if self.drafter is None:
+            return frozenset()
+        need = {"taps"} if self.drafter.tap_layers else set()
+        if self.drafter.wants_hidden or any(observer.wants_hidden() for observer in self.observers):
+            need.add("hidden")
+        return frozenset(need)
+
+    def _reuse_prefixes(self, admitted: list[Sequence], stats: StepStats) -> None:
+        """Start each admitted prompt after its longest cached prefix (``engine/prefix_cache.py``);
+        the drafter and the observers get the reused positions as one observation, as a prefill of
+        them would have given. A failure here costs the request its hit, nothing else."""
+        pc = self.prefix_cache
+        assert pc is not None
+        need = self._side_needed()
+        for seq in admitted:
+            stats.num_prefix_query_tokens += len(seq.prompt_ids)
+            assert seq.slot is not None
+            try:
+                hit, side = pc.reuse(seq.seq_id, seq.slot, seq.prompt_ids, need)
+            except Exception:  # the prompt is then computed in full, as without a cache
+                self.component_errors += 1
+                self.kv.set_length(seq.slot, 0)
+                log.exception("prefix cache lookup failed for request %s; its prompt is computed in full",
+                              seq.request_id)
+                continue
+            if not hit:
+                continue
+            seq.num_cached = seq.stats.num_cached_tokens = hit
+            stats.num_prefix_hit_tokens += hit
+            if self.drafter is not None:
+                obs = Observation(seq.seq_id, list(seq.token_ids), hit, side.get("taps"), 0, side.get("hidden"),
+                                  len(seq.prompt_ids))
+                self._guarded("drafter observe", self._deliver, [obs])
+
+    def _cache_prompts(self, chunks: list[PrefillChunk]) -> None:
+        """Save the full blocks of every prompt whose prefill completed this step."""
+        assert self.prefix_cache is not None
+        for chunk in chunks:
+            seq = chunk.seq
+            if chunk.is_last and seq.slot is not None:
+                self.prefix_cache.insert(seq.seq_id, seq.slot, seq.prompt_ids, seq.num_cached)
 
     def _rows_of(self, t: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:
         """A copy of rows ``rows`` of a forward output: of a slice when they are consecutive (a
@@ -431,6 +492,11 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         seq.stats.finish_time = time.perf_counter()
+        if self.prefix_cache is not None:
+            if seq.slot is not None:  # its output too: a chat resends it as history
+                self._guarded("prefix cache", self.prefix_cache.insert, seq.seq_id, seq.slot, seq.token_ids,
+                              seq.num_cached)
+            self.prefix_cache.forget(seq.seq_id)
         self.scheduler.remove(seq)
         if self.drafter is not None:
             self._guarded("drafter release", self.drafter.release, seq.seq_id)

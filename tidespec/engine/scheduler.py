@@ -78,13 +78,16 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def admit(self) -> None:
-        """Move waiting requests into free KV slots, FIFO."""
+    def admit(self) -> list[Sequence]:
+        """Move waiting requests into free KV slots, FIFO; returns those admitted."""
+        admitted = []
         while self.waiting and self.kv.num_free_slots:
             seq = self.waiting.popleft()
             seq.slot = self.kv.allocate()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
+            admitted.append(seq)
+        return admitted
 
     def decoding(self) -> list[Sequence]:
         """Running sequences past their prompt: each decodes (and maybe speculates) this step."""

@@ -158,6 +158,10 @@ class KVCache:
                 v[slot, :, start:end].zero_()
             self.finite[slot] = end
 
+    def mark_written(self, slot: int, upto: int) -> None:
+        """Positions ``[0, upto)`` of ``slot`` were written outside a forward (a prefix copied in)."""
+        self.finite[slot] = max(self.finite[slot], min(upto, self.max_len))
+
     def free(self, slot: int) -> None:
         if slot in self._free:
             raise ValueError(f"slot {slot} freed twice")

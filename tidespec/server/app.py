@@ -87,6 +87,7 @@ from tidespec.server.protocol import (
     ErrorResponse,
     ModelCard,
     ModelList,
+    PromptTokensDetails,
     Usage,
 )
 from tidespec.speculative.policy.factory import policy_profile
@@ -194,7 +195,8 @@ def _sse(obj: BaseModel | dict[str, Any]) -> str:
 def _usage(out: RequestOutput) -> Usage:
     p, c = len(out.prompt_token_ids), len(out.token_ids)
     return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, draft_tokens=out.stats.num_draft_tokens,
-                 accepted_tokens=out.stats.num_accepted_tokens)
+                 accepted_tokens=out.stats.num_accepted_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.stats.num_cached_tokens))
 
 
 ApiRequest = CompletionRequest | ChatCompletionRequest

@@ -181,6 +181,10 @@ class Metrics(EngineObserver):
         self._choice_children: dict[str, Counter] = {}
         self.prompt_tokens = Counter(f"{p}prompt_tokens", "Prompt tokens prefilled.", registry=r)
         self.generation_tokens = Counter(f"{p}generation_tokens", "Tokens generated.", registry=r)
+        self.prefix_queries = Counter(f"{p}prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      registry=r)
+        self.prefix_hits = Counter(f"{p}prefix_cache_hits", "Prompt tokens reused from the prefix cache (not "
+                                   "computed).", registry=r)
         self.running = Gauge(f"{p}num_requests_running", "Requests holding a KV slot.", registry=r)
         self.waiting = Gauge(f"{p}num_requests_waiting", "Requests queued for a KV slot.", registry=r)
         self.kv_usage = Gauge(f"{p}kv_cache_usage_perc", "KV cache usage (fraction of slots, 0..1).", registry=r)
@@ -271,6 +275,8 @@ class Metrics(EngineObserver):
                 self.accepted_per_pos.labels(position=str(pos)).inc(n)
         self.prompt_tokens.inc(stats.num_prefill_tokens)
         self.generation_tokens.inc(stats.num_emitted_tokens)
+        self.prefix_queries.inc(stats.num_prefix_query_tokens)
+        self.prefix_hits.inc(stats.num_prefix_hit_tokens)
         self.set_load(stats.num_running, stats.num_waiting, stats.kv_usage)
         lens = list(stats.spec_lens.values())
         self.current_spec.set(sum(lens) / len(lens) if lens else 0.0)

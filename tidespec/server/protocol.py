@@ -258,10 +258,15 @@ class ChatCompletionRequest(_SamplingRequest):
 
 
 # ----------------------------------------------------------------------------- responses
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
     draft_tokens: int = 0  # tidespec: draft tokens proposed for this request
     accepted_tokens: int = 0  # tidespec: of those, accepted by the target
 

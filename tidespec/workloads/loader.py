@@ -5,14 +5,17 @@ which order and with which template produced it. Every benchmark reads prompts t
 module, which accepts any JSONL of the shape described in ``../shared/workloads/README.md``::
 
     {"id": "code-0001", "domain": "code", "kind": "completion" | "chat", "prompt": "...",
-     "source": "...", "license": "..."}
+     "source": "...", "license": "...", "system": "..." (optional)}
 
 ``completion`` prompts are tokenized as raw text (with the tokenizer's own special tokens,
 e.g. Llama's BOS); ``chat`` prompts become one user message wrapped in the model's chat template
-with the generation prompt appended. Order is the file's order; ``limit`` keeps the first N.
+with the generation prompt appended. ``system`` (optional) is a text every request of a kind sends
+first: a chat's system message, or the text before a completion's prompt (a few-shot block), so a
+workload can share a long prefix between requests. Order is the file's order; ``limit`` keeps the
+first N.
 
-The names ``code``, ``chat``, ``code_unseen``, ``drafter_boot``, ``code_extra``, ``zh_chat`` and
-``multilingual`` resolve to small sets shipped in ``tidespec/workloads/`` (a file of that name in the
+The names ``code``, ``chat``, ``code_unseen``, ``drafter_boot``, ``code_extra``, ``zh_chat``,
+``multilingual`` and ``shared_prefix`` resolve to small sets shipped in ``tidespec/workloads/`` (a file of that name in the
 working directory wins; see its README).
 
 Worked example::
@@ -37,7 +40,8 @@ from tidespec.files import atomic_write
 
 KINDS = ("completion", "chat")
 REQUIRED_KEYS = ("id", "domain", "kind", "prompt")
-BUILTIN_WORKLOADS = ("code", "chat", "code_unseen", "drafter_boot", "code_extra", "zh_chat", "multilingual")
+BUILTIN_WORKLOADS = ("code", "chat", "code_unseen", "drafter_boot", "code_extra", "zh_chat", "multilingual",
+                     "shared_prefix")
 
 
 class WorkloadError(ConfigError):
@@ -53,6 +57,17 @@ class WorkloadRecord:
     source: str = ""
     license: str = ""
     line: int = 0  # 1-based line in the file it came from
+    system: str = ""  # sent before the prompt: a chat's system message, a completion's leading text
+
+    def messages(self) -> list[dict[str, str]]:
+        """A chat record as OpenAI messages: the system message (when set), then the prompt."""
+        head = [{"role": "system", "content": self.system}] if self.system else []
+        return head + [{"role": "user", "content": self.prompt}]
+
+    @property
+    def text(self) -> str:
+        """A completion record's whole prompt text: ``system`` then ``prompt``."""
+        return self.system + self.prompt
 
 
 @dataclass(frozen=True)
@@ -86,7 +101,7 @@ def parse_record(obj: Any, where: str, line: int) -> WorkloadRecord:
     missing = [k for k in REQUIRED_KEYS if k not in obj]
     if missing:
         raise WorkloadError(f"{where}: missing key(s) {', '.join(missing)}")
-    for key in (*REQUIRED_KEYS, "source", "license"):
+    for key in (*REQUIRED_KEYS, "source", "license", "system"):
         if key in obj and not isinstance(obj[key], str):
             raise WorkloadError(f"{where}: {key!r} must be a string, got {type(obj[key]).__name__}")
     if obj["kind"] not in KINDS:
@@ -94,7 +109,8 @@ def parse_record(obj: Any, where: str, line: int) -> WorkloadRecord:
     if not obj["prompt"].strip():
         raise WorkloadError(f"{where}: empty prompt")
     return WorkloadRecord(id=obj["id"], domain=obj["domain"], kind=obj["kind"], prompt=obj["prompt"],
-                          source=obj.get("source", ""), license=obj.get("license", ""), line=line)
+                          source=obj.get("source", ""), license=obj.get("license", ""), line=line,
+                          system=obj.get("system", ""))
 
 
 def load_workload(name_or_path: str | Path, limit: int | None = None) -> list[WorkloadRecord]:
@@ -143,7 +159,8 @@ def write_workload(records: list[WorkloadRecord], path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(path, "".join(json.dumps({"id": r.id, "domain": r.domain, "kind": r.kind, "prompt": r.prompt,
-                                           "source": r.source, "license": r.license}, ensure_ascii=False) + "\n"
+                                           "source": r.source, "license": r.license,
+                                           **({"system": r.system} if r.system else {})}, ensure_ascii=False) + "\n"
                                for r in records).encode("utf-8"))
 
 
@@ -153,10 +170,10 @@ def prompt_token_ids(record: WorkloadRecord, tokenizer: PreTrainedTokenizerBase)
         if not getattr(tokenizer, "chat_template", None):
             raise WorkloadError(f"record {record.id!r} (line {record.line}) is a chat prompt but the "
                                 "tokenizer has no chat template")
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": record.prompt}],
-                                            add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(record.messages(), add_generation_prompt=True, tokenize=True,
+                                            return_dict=False)
         return [int(i) for i in ids]
-    return [int(i) for i in tokenizer.encode(record.prompt)]
+    return [int(i) for i in tokenizer.encode(record.text)]
 
 
 def tokenize_workload(records: list[WorkloadRecord], tokenizer: PreTrainedTokenizerBase) -> list[Prompt]:
@@ -168,3 +185,23 @@ def load_prompts(name_or_path: str | Path, tokenizer: PreTrainedTokenizerBase,
                  limit: int | None = None) -> list[Prompt]:
     """``load_workload`` then ``tokenize_workload``."""
     return tokenize_workload(load_workload(name_or_path, limit), tokenizer)
+
+
+def prefix_text(names: str, tokenizer: PreTrainedTokenizerBase, tokens: int) -> str:
+    """A text of about ``tokens`` tokens made of the prompts of ``names`` (comma-separated workloads)
+    one after another: a long shared system prompt or few-shot block for prefix-caching workloads.
+
+    Example: ``prefix_text("code_extra", tok, 1024)`` -> the first HumanEval prompts of
+    ``code_extra``, blank-line separated, cut at the 1,024th token (re-tokenized: within a few tokens)."""
+    if tokens < 1:
+        raise WorkloadError(f"a shared prefix needs >= 1 token, got {tokens}")
+    text, n = "", 0
+    for body in workload_texts(names):
+        text += body.rstrip() + "\n\n"
+        n = len(tokenizer.encode(text, add_special_tokens=False))
+        if n >= tokens:
+            break
+    if n < tokens:
+        raise WorkloadError(f"workloads {names!r} hold {n} tokens, fewer than the {tokens} asked for")
+    ids = tokenizer.encode(text, add_special_tokens=False)[:tokens]
+    return str(tokenizer.decode(ids)).rstrip() + "\n\n"

@@ -179,6 +179,16 @@ def _compare(target: LoadedModel, prompts: list[Prompt], plain: list[list[int]],
     return {"identical": len(plain) - len(divergences), "total": len(plain), "divergences": divergences}
 
 
+def _cell(target: LoadedModel, prompts: list[Prompt], plain: list[list[int]], engine: LLMEngine, max_tokens: int,
+          batched: bool) -> dict[str, Any]:
+    """One cell: ``engine``'s outputs against ``plain``, and the prompt tokens it reused from its
+    prefix cache (``prefix_hit_tokens``; prompts hit what earlier cells and requests cached)."""
+    pc = engine.prefix_cache
+    before = pc.hit_tokens if pc is not None else 0
+    got = _generate(engine, [p.token_ids for p in prompts], max_tokens, batched)
+    return {**_compare(target, prompts, plain, got), "prefix_hit_tokens": (pc.hit_tokens - before) if pc else 0}
+
+
 def _shadow(engine: LLMEngine, tokens: list[int]) -> Sequence:
     """A sequence outside the scheduler, in a free slot of the engine's cache, with ``tokens``
     prefilled the way the engine prefills a prompt alone (chunks of its token budget)."""
@@ -270,19 +280,25 @@ def run_exactness_bench(cfg: ExactnessBenchConfig, row_invariant: bool = True, o
         entry: dict[str, Any] = {"path": path, "invariance": plain_engine.invariance.to_json(), "cells": {}}
         entry["row_probe"] = row_probe(plain_engine, ids[:4])
         doc["paths"].append(entry)
+        # the reference computes every prompt in full: prefix caching off (the engine's cache, set aside)
+        prefix_cache, plain_engine.prefix_cache = plain_engine.prefix_cache, None
         plain = _generate(plain_engine, ids, cfg.max_tokens, batched=False)
         bar.update()
         entry["cells"]["plain/batched"] = _compare(target, prompts, plain,
                                                    _generate(plain_engine, ids, cfg.max_tokens, batched=True))
         bar.update()
+        if prefix_cache is not None:  # plain decoding again, every prompt after its own first run: prefix hits
+            plain_engine.prefix_cache = prefix_cache
+            _generate(plain_engine, ids, cfg.max_tokens, batched=False)
+            entry["cells"]["plain+prefix/batched"] = _cell(target, prompts, plain, plain_engine, cfg.max_tokens, True)
         for name in cfg.drafter_list:
             spec, policy = spec_for(name, cfg.gamma)
             econf = EngineConfig(model=model_cfg, cache=cache, spec=spec, policy=policy,
                                  scheduler=SchedulerConfig())
             engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
             for batched in (False, True):
-                got = _generate(engine, ids, cfg.max_tokens, batched)
-                entry["cells"][f"{name}/{'batched' if batched else 'alone'}"] = _compare(target, prompts, plain, got)
+                entry["cells"][f"{name}/{'batched' if batched else 'alone'}"] = _cell(target, prompts, plain, engine,
+                                                                                      cfg.max_tokens, batched)
                 entry["seconds"] = round(time.perf_counter() - t0, 1)
                 bar.update()
                 if out_dir is not None:  # after every cell: a run cut short keeps what it measured

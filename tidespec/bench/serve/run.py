@@ -68,6 +68,7 @@ class RequestRecord:
     completion_tokens: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the server reused from its prefix cache
     chunk_times_s: list[float] = field(default_factory=list)  # content chunk arrival, seconds from the start
 
 
@@ -169,10 +170,10 @@ async def _one_request(client: httpx.AsyncClient, rec: RequestRecord, item: Work
         body["tidespec"] = {"enabled": ns.spec_tokens > 0, "num_speculative_tokens": ns.spec_tokens}
     if item.kind == "chat":
         url = "/v1/chat/completions"
-        body["messages"] = [{"role": "user", "content": item.prompt}]
+        body["messages"] = item.messages()
     else:
         url = "/v1/completions"
-        body["prompt"] = item.prompt
+        body["prompt"] = item.text
     headers = {ROUTE_HEADER: _route_label(item.domain)} if ns.route_header else {}
     start = time.perf_counter()
     rec.start_s = start - t0
@@ -207,6 +208,7 @@ async def _one_request(client: httpx.AsyncClient, rec: RequestRecord, item: Work
                     rec.completion_tokens = int(usage.get("completion_tokens", 0))
                     rec.draft_tokens = int(usage.get("draft_tokens", 0))
                     rec.accepted_tokens = int(usage.get("accepted_tokens", 0))
+                    rec.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     except (httpx.HTTPError, json.JSONDecodeError, asyncio.TimeoutError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:300]
         return
@@ -316,7 +318,11 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
         "output_tok_per_s": out_tokens / span,
         "total_output_tokens": out_tokens,
         "total_prompt_tokens": sum(r.prompt_tokens for r in ok),
+        "cached_prompt_tokens": sum(r.cached_tokens for r in ok),
         "ttft_s": _pcts([r.ttft_s for r in ok if r.ttft_s is not None]),
+        # TTFT of the requests whose prompt hit the server's prefix cache, and of the others
+        "ttft_hit_s": _pcts([r.ttft_s for r in ok if r.ttft_s is not None and r.cached_tokens]),
+        "ttft_miss_s": _pcts([r.ttft_s for r in ok if r.ttft_s is not None and not r.cached_tokens]),
         "tpot_s": _pcts([r.tpot_s for r in ok if r.tpot_s is not None]),
         "e2e_s": _pcts([r.e2e_s for r in ok if r.e2e_s is not None]),
         "draft_tokens": drafts,
@@ -341,6 +347,10 @@ def format_summary(s: dict[str, Any]) -> str:
         p = s[key]
         lines.append(f"{name:5s} ms  mean {_fmt(p['mean'])}  p50 {_fmt(p['p50'])}  p90 {_fmt(p['p90'])}  "
                      f"p99 {_fmt(p['p99'])}")
+    if s.get("cached_prompt_tokens"):
+        hit, miss = s["ttft_hit_s"], s["ttft_miss_s"]
+        lines.append(f"prefix cache: {s['cached_prompt_tokens']}/{s['total_prompt_tokens']} prompt tokens reused; "
+                     f"TTFT p50 {_fmt(hit['p50'])} ms on a hit, {_fmt(miss['p50'])} ms on a miss")
     if s["draft_tokens"]:
         lines.append(f"acceptance {s['acceptance_rate']:.1%} ({s['accepted_tokens']}/{s['draft_tokens']} draft tokens)")
     for err in s["error_samples"]:

@@ -1,0 +1,1 @@
+"""``tidespec bench prefix``: what automatic prefix caching saves and costs."""
