@@ -22,7 +22,7 @@ from tidespec.bench.shift.config import ShiftBenchConfig, build_trace
 from tidespec.bench.shift.measure import recompute_taps
 from tidespec.bench.shift.report import _curves, config_colors
 from tidespec.bench.shift.run import replot, run_shift_bench
-from tidespec.bench.shift.runs import run_trace, trace_engine_config
+from tidespec.bench.shift.runs import TraceLoop, run_trace, trace_engine_config
 from tidespec.config import ConfigError, Eagle3Options, EngineConfig, ModelConfig
 from tidespec.llm import build_engine
 
@@ -257,6 +257,26 @@ def test_trace_requests_can_end_at_eos(tmp_path: Path) -> None:
     assert cut[0] == full[0][:full[0].index(stop) + 1]
     again = run_trace(engine, trace, 1, 8, "ignored", progress=False).outputs  # the default ignores it
     assert again == full
+
+
+def test_open_loop_arrivals_leave_the_engine_idle_between_requests(tmp_path: Path) -> None:
+    """``--arrival-rate``: a request is admitted at its arrival on the loop's clock, its latency is
+    counted from there, and nothing steps while nothing has arrived; the outputs are the closed loop's."""
+    a = _workload(tmp_path / "a.jsonl", "a", 3, 10)
+    trace = build_trace(ShiftBenchConfig(workloads=str(a), requests_per_phase=3), checkpoint_tokenizer())
+    engine = build_engine(EngineConfig(model=ModelConfig(dtype="float64")), tiny_llama(dtype=torch.float64),
+                          checkpoint_tokenizer())
+    closed = run_trace(engine, trace, 4, 6, "closed", progress=False)
+    loop = TraceLoop(engine, trace, 4, 6, "open", progress=False, arrivals=[0.0, 0.4, 0.8])
+    loop.run_turn(len(trace))
+    run = loop.finish()
+    assert run.outputs == closed.outputs
+    assert [round(r["t_start"], 1) for r in run.requests] == [0.0, 0.4, 0.8]
+    assert all(r["t_end"] < r["t_start"] + 0.4 for r in run.requests)  # each done before the next arrives
+    gaps = [b["t"] - a["t"] for a, b in zip(run.steps, run.steps[1:])]
+    assert sum(g > 0.2 for g in gaps) == 2 and run.wall_s >= 0.8  # two idle gaps, no step in them
+    with pytest.raises(ConfigError, match="arrival_rate"):
+        ShiftBenchConfig(arrival_rate=float("nan"))
 
 
 def test_trees_reach_every_speculating_configuration_and_stay_lossless(tmp_path: Path) -> None:

@@ -65,7 +65,10 @@ class ShiftBenchConfig:
     tree: bool = opt(False, "every speculating configuration proposes EAGLE-2-style trees of --gamma tokens "
                             "(serving's --tree; EAGLE-3 and suffix: several candidates per position, verified in "
                             "the same --gamma + 1 rows as a chain) instead of chains")
-    concurrency: int = opt(4, "requests in flight (closed loop)")
+    concurrency: int = opt(4, "most requests in flight (closed loop; with --arrival-rate a client's cap)")
+    arrival_rate: float = opt(0.0, "open loop: requests arrive at this mean rate per second (Poisson, seeded by "
+                                   "--seed) on each configuration's own clock, so serving has the gaps real "
+                                   "traffic has and an online trainer gets them; 0 = closed loop")
     configs: str = opt("plain,frozen,online", "comma-separated subset of plain, frozen, online, ngram, suffix (that "
                                              "drafter alone at --gamma, static), vocab-static / vocab-dynamic / "
                                              "vocab-full (draft vocabularies), vocab-static-lora / vocab-dynamic-lora "
@@ -140,6 +143,8 @@ class ShiftBenchConfig:
         for name in ("offset", "draft_vocab", "overhead_repeats", "overhead_requests", "recompute_rows", "vocab_core"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.arrival_rate < float("inf"):  # also refuses nan
+            raise ConfigError(f"arrival_rate must be a finite number >= 0, got {self.arrival_rate}")
         if self.gamma > 16:
             raise ConfigError(f"gamma must be <= 16, got {self.gamma}")
         if self.policy not in POLICIES:

@@ -65,6 +65,7 @@ closed loop and the engines in ``bench.shift.runs``, the side measurements in
 from __future__ import annotations
 
 import functools
+import random
 import shutil
 import time
 from dataclasses import asdict
@@ -72,6 +73,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from tidespec.bench.common.report import default_out_dir, finish_run, rerender_run
+from tidespec.bench.serve.run import arrival_times
 from tidespec.bench.shift.config import ONLINE_CONFIGS, ShiftBenchConfig, TraceItem, build_trace, served_label
 from tidespec.bench.shift.measure import measure_capture_overhead, measure_training_sources
 from tidespec.bench.shift.report import plot_shift, report
@@ -151,6 +153,9 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
     seed_publish_root(frozen_root, cfg.bootstrap, target.model)
     loops: dict[str, TraceLoop] = {}
     onlines: dict[str, OnlineSetup] = {}
+    # open loop: the same seeded Poisson arrival times for every configuration, each on its own clock
+    arrivals = (arrival_times([(0.0, cfg.arrival_rate)], len(trace), None, random.Random(cfg.seed))
+                if cfg.arrival_rate > 0 else None)
     for name in cfg.config_names:
         status = adapter = None
         if name in ONLINE_CONFIGS:
@@ -172,7 +177,7 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
             gamma = 0 if name == "plain" else cfg.gamma
             engine = static_engine(target, trace_engine_config(trace, cfg, target.model, gamma, name))
         loops[name] = TraceLoop(engine, trace, cfg.concurrency, cfg.max_tokens, name, progress, status, cfg.ignore_eos,
-                                adapter)
+                                adapter, arrivals)
     try:
         runs = _take_turns(loops, len(trace), cfg.turn, onlines, cfg.trainer_catchup_s)
     finally:

@@ -65,7 +65,9 @@ class TraceRun:
 
 
 class TraceLoop:
-    """The closed loop over ``trace`` with ``concurrency`` requests in flight, run in turns:
+    """The loop over ``trace`` with at most ``concurrency`` requests in flight -- closed, or open with
+    ``arrivals`` (request i is admitted once the loop's clock reaches ``arrivals[i]``; while nothing
+    has arrived the engine is idle, as a server between requests) -- run in turns:
     ``run_turn(end)`` admits requests up to trace index ``end`` and returns once they all finished,
     so several configurations can take turns on the same slices of the trace. Times are on the
     loop's own clock, which only advances during its turns (so tokens/s of a phase does not count
@@ -83,8 +85,10 @@ class TraceLoop:
 
     def __init__(self, engine: LLMEngine, trace: list[TraceItem], concurrency: int, max_tokens: int, desc: str,
                  progress: bool = True, status: Callable[[], str] | None = None, ignore_eos: bool = True,
-                 adapter: Callable[[], int] | None = None) -> None:
+                 adapter: Callable[[], int] | None = None, arrivals: list[float] | None = None) -> None:
         self.engine, self.trace, self.concurrency = engine, trace, concurrency
+        # open loop: request i arrives at arrivals[i] seconds of the loop's clock (None: closed loop)
+        self.arrivals = arrivals
         self.adapter = adapter or (lambda: 0)  # the LoRA adapter merged into the served version (0 = none)
         self.params = SamplingParams(max_tokens=max_tokens, ignore_eos=ignore_eos)
         self.run = TraceRun(desc)
@@ -121,13 +125,21 @@ class TraceLoop:
                                                   for n, o in st.drafter_outcomes.items()},
                                    "taps": st.taps, "draft_s": st.draft_time, "draft_tokens": st.num_draft_tokens})
 
+        def due(idx: int) -> float:
+            """When request ``idx`` arrives on the loop's clock (closed loop: now)."""
+            return self.arrivals[idx] if self.arrivals is not None else clock()
+
         observer = engine.add_observer(Hooks(step_end=on_step))
         try:
             while (self.pending and self.pending[0][0] < end) or engine.has_unfinished_requests():
-                while self.pending and self.pending[0][0] < end and len(self.live) < self.concurrency:
+                while (self.pending and self.pending[0][0] < end and len(self.live) < self.concurrency
+                       and due(self.pending[0][0]) <= clock()):
                     idx, item = self.pending.popleft()
                     rid = engine.add_request(item.prompt.token_ids, self.params, label=item.prompt.record.domain)
-                    self.live[rid] = (idx, clock())
+                    self.live[rid] = (idx, min(due(idx), clock()))  # open loop: latency from the arrival
+                if not engine.has_unfinished_requests():  # open loop, nothing has arrived: serving is idle
+                    time.sleep(max(0.0, min(0.05, due(self.pending[0][0]) - clock())))
+                    continue
                 for out in engine.step():
                     if out.finished:
                         self._finished(out.request_id, out.token_ids, out.stats, clock())
