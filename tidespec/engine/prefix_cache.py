@@ -143,6 +143,8 @@ class PrefixCache:
         """Side rows of a sequence's positions ``start ..``: kept while they extend what was seen
         from position 0, so the blocks saved later carry them. Example: rows at 0..9, then 10..14,
         then 20..21 (a hole) -> taps for positions 0..14 only."""
+        if not rows and seq_id not in self._coverage:
+            return  # nothing recorded for it, nothing to close (a target without taps: every step)
         cov = self._coverage.setdefault(seq_id, {})
         for name, t in rows.items():
             c = cov.get(name)
