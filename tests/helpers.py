@@ -30,11 +30,15 @@ from torch import nn
 from transformers import PreTrainedTokenizerFast
 
 from tidespec.bench.anchor.run import synthetic_tokenizer
+from tidespec.config import SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
+from tidespec.llm import build_drafter
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaConfig, LlamaModel
 from tidespec.online.store import SignalShard, SignalStore
+from tidespec.speculative.api import Drafter
+from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
 from tidespec.speculative.policy.api import PlanInput
 from tidespec.stats import StepStats
 
@@ -119,6 +123,19 @@ TINY_HF_ARCHS: dict[str, tuple[type, type, dict[str, Any]]] = {
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(num_hidden_layers=3)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=24)),
 }
+
+
+def spec_drafter(spec: SpecConfig, model: LlamaModel, slots: int, max_len: int) -> Drafter | None:
+    """The drafter ``spec`` names for ``model`` (None for "none"); an EAGLE-3 head gets larger random
+    weights, so that its drafts depend visibly on the taps it is given."""
+    drafter = build_drafter(spec, model, slots, max_len) if spec.drafter != "none" else None
+    if isinstance(drafter, Eagle3Drafter):
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for p in drafter.head.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.3)
+    return drafter
 
 
 def randomize_(module: nn.Module, seed: int) -> None:

@@ -33,6 +33,7 @@ FLAGS = {
     '--quant-group-size': 32, '--compile': False, '--enforce-eager': False, '--row-invariant': True,
     '--cuda-invariance': 'fixed-shape', '--max-model-len': 2048,
     '--max-num-seqs': 32, '--kv-overcommit': False, '--enable-prefix-caching': True, '--prefix-cache-mb': 1024,
+    '--kv-cache-memory-mb': 0,
     '--block-size': 16, '--max-num-batched-tokens': 512, '--max-waiting': 0, '--drafter': 'none',
     '--drafter-modules': '',
     '--num-speculative-tokens': 4, '--tree': False, '--drafter-device': '', '--ngram-min': 1, '--ngram-max': 4,

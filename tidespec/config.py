@@ -202,7 +202,13 @@ class CacheConfig(Section):
                                             "greedy outputs at near-ties")
     prefix_cache_mb: int = opt(1024, "memory of the prefix cache's blocks, MiB (on a CPU at most half the memory "
                                      "available at start-up)", min=1)
-    block_size: int = opt(16, "tokens per prefix-cache block", min=1, max=256)
+    kv_cache_memory_mb: int = opt(0, "memory of the paged KV cache of a row-invariant CPU target, MiB: sequences "
+                                     "hold blocks of it as they grow, are admitted while blocks are free and "
+                                     "preempted (recomputed later) when they run out; 0 = room for --max-num-seqs "
+                                     "x --max-model-len, within 90%% of the memory available (other targets "
+                                     "reserve --max-model-len per sequence)", min=0)
+    block_size: int = opt(16, "tokens per prefix-cache block; the paged KV cache's blocks are this rounded up to "
+                              "a multiple of 16", min=1, max=256)
 
 
 @dataclass

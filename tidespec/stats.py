@@ -31,6 +31,7 @@ class StepStats:
     num_prefill_tokens: int = 0
     num_prefix_query_tokens: int = 0  # prompt tokens of the requests admitted this step (prefix cache on)
     num_prefix_hit_tokens: int = 0  # of those, reused from the prefix cache instead of computed
+    num_preempted: int = 0  # sequences preempted this step for lack of KV blocks
     num_drafts: int = 0  # sequences that speculated this step
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
@@ -82,6 +83,7 @@ class RequestStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (not computed)
+    num_preemptions: int = 0  # times its KV blocks were taken back (it was prefilled again)
 
     def add_accepted(self, num_draft: int, num_accepted: int) -> None:
         self.num_drafts += 1

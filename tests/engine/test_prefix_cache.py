@@ -6,17 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.helpers import run_to_completion, tiny_config, tiny_llama, tiny_tokenizer
+from tests.helpers import run_to_completion, spec_drafter, tiny_config, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
 from tidespec.engine.prefix_cache import PrefixCache
-from tidespec.llm import build_drafter
 from tidespec.models.kv_blocks import KVBlockPool
 from tidespec.models.kv_cache import KVCache
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Observation
-from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
 
 V = 48
 MAX_LEN = 192
@@ -128,14 +126,7 @@ def make_engine(model, tok, spec: SpecConfig | None = None, caching: bool = True
                        cache=CacheConfig(max_model_len=MAX_LEN, max_num_seqs=slots, enable_prefix_caching=caching,
                                          block_size=4),
                        scheduler=SchedulerConfig(max_num_batched_tokens=budget), spec=spec)
-    drafter = build_drafter(spec, model, slots, MAX_LEN) if spec.drafter != "none" else None
-    if isinstance(drafter, Eagle3Drafter):  # larger random weights: drafts that depend visibly on the taps
-        torch.manual_seed(1)
-        with torch.no_grad():
-            for p in drafter.head.parameters():
-                if p.dim() == 2:
-                    p.normal_(0.0, 0.3)
-    return LLMEngine(model, tok, cfg, drafter=drafter)
+    return LLMEngine(model, tok, cfg, drafter=spec_drafter(spec, model, slots, MAX_LEN))
 
 
 def prompts() -> list[list[int]]:

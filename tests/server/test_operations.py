@@ -29,9 +29,10 @@ from tests.helpers import tiny_hf_model, tiny_llama, tiny_tokenizer, write_tiny_
 from tests.server.live import CHAT_TEMPLATE, MODEL, LiveServer, tiny_engine
 from tests.server.test_reliability import POISON, _disconnect, _innocent, _poisoned, _read_until_closed
 from tidespec.bench.serve.run import free_port, launch_server, stop_server
-from tidespec.config import CacheConfig, ConfigError, EngineConfig
+from tidespec.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
+from tidespec.models.kv_paged import PagedKVCache
 from tidespec.server.app import IGNORED_FIELDS_HEADER, ServerConfig, create_app
 from tidespec.server.guard import Admission, MemoryTrimmer
 from tidespec.server.loading import DeferredApp
@@ -187,18 +188,25 @@ def test_the_port_answers_loading_until_the_model_is_ready() -> None:
 
 
 def test_a_kv_cache_larger_than_memory_is_refused_unless_overcommitted() -> None:
-    """A server with --max-num-seqs 3000 --max-model-len 8192 (about 1 TB on the embedded
-    model) started and died later by the OOM killer; now refused at start-up, naming both flags."""
+    """A server with --max-num-seqs 3000 --max-model-len 8192 (about 1 TB on the embedded model)
+    started and died later by the OOM killer. Slots of the full length (a target that is not
+    row-invariant) are now refused at start-up, naming both flags; the paged cache of a
+    row-invariant target holds what the memory allows and runs that many tokens at once."""
     cache = CacheConfig(max_model_len=512, max_num_seqs=10**7)  # 2.6 TB in float64
+    slots = ModelConfig(row_invariant=False)
     with pytest.raises(ConfigError, match="--max-num-seqs or --max-model-len.*--kv-overcommit"):
-        LLMEngine(tiny_llama(64), tiny_tokenizer(64), EngineConfig(cache=cache))
-    LLMEngine(tiny_llama(64), tiny_tokenizer(64), EngineConfig(cache=CacheConfig(max_model_len=256, max_num_seqs=4,
-                                                                                   kv_overcommit=True)))
+        LLMEngine(tiny_llama(64), tiny_tokenizer(64), EngineConfig(model=slots, cache=cache))
+    LLMEngine(tiny_llama(64), tiny_tokenizer(64), EngineConfig(model=slots, cache=CacheConfig(
+        max_model_len=256, max_num_seqs=4, kv_overcommit=True)))
+    paged = LLMEngine(tiny_llama(64), tiny_tokenizer(64), EngineConfig(cache=cache))
+    assert isinstance(paged.kv, PagedKVCache)
+    held = paged.kv.num_blocks * paged.kv.block_size
+    assert 0 < held < 10**7 * 512 and paged.kv.num_slots <= paged.kv.num_blocks
 
 
 def test_serve_reports_a_refused_kv_cache_as_one_line(checkpoint: Path, tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "tidespec.server.cli", "serve", "--port", str(free_port()), "--model", str(checkpoint),
-           "--max-num-seqs", str(10**7), "--threads", "1"]
+           "--max-num-seqs", str(10**7), "--threads", "1", "--no-row-invariant"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=180, check=False)
     assert done.returncode == 2, done.stderr[-2000:]
     assert "error: the KV cache of" in done.stderr and "--kv-overcommit" in done.stderr

@@ -16,6 +16,7 @@ Worked example::
     tidespec bench learn --signal-dirs runs/boot/signals --fractions 0.25,0.5,1 --threads 2
     tidespec bench quality --workload code,chat --quantizations int8,int4 --threads 2
     tidespec bench prefix --path int4 --prefix-tokens 1024 --concurrency 8
+    tidespec bench kv --path int4 --slots 4 --max-model-len 2048 --requests 32
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from tidespec.bench.invariance_cost.run import table as invariance_cost_table
 from tidespec.bench.learn.run import LearnBenchConfig, run_learn_bench
 from tidespec.bench.learn.run import replot as replot_learn
 from tidespec.bench.memory.run import MemoryBenchConfig, run_memory_bench
+from tidespec.bench.kv.run import KVBenchConfig, run_kv_bench
 from tidespec.bench.prefix.run import PrefixBenchConfig, run_prefix_bench
 from tidespec.bench.profile.run import ProfileConfig, run_profile
 from tidespec.bench.quality import run as quality
@@ -188,6 +190,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     pf.add_argument("--out", type=output_dir, default=None, help="output directory (default: runs/bench-prefix-<time>)")
     pf.set_defaults(func=cmd_prefix)
 
+    kv = sub.add_parser("kv", help="paged KV cache vs slots of --max-model-len in the same memory: sequences at "
+                                   "once, tokens/s, preemptions; steps interleaved", formatter_class=fmt)
+    add_dataclass_args(kv, KVBenchConfig)
+    kv.add_argument("--out", type=output_dir, default=None, help="output directory (default: runs/bench-kv-<time>)")
+    kv.set_defaults(func=cmd_kv)
+
     m = sub.add_parser("memory", help="server RSS after a burst of large refused requests, with and without "
                                       "--trim-memory", formatter_class=fmt)
     add_dataclass_args(m, MemoryBenchConfig)
@@ -301,6 +309,13 @@ def cmd_invariance_cost(ns: argparse.Namespace) -> int:
     (out / "table.md").write_text(text + "\n")
     print(text)
     return 0
+
+
+def cmd_kv(ns: argparse.Namespace) -> int:
+    out = ns.out or Path("runs") / f"bench-kv-{time.strftime('%Y%m%d-%H%M%S')}"
+    doc = run_kv_bench(dataclass_from_args(KVBenchConfig, ns), out_dir=out)
+    print((out / "table.md").read_text())
+    return 0 if doc["summary"]["identical"] else 1
 
 
 def cmd_prefix(ns: argparse.Namespace) -> int:

@@ -103,14 +103,16 @@ class LLMEngine:
         # how forwards run (graphs, compiled, eager) over which KV cache: shared with the profiler
         self.executor = ForwardExecutor(model, ExecutorOptions.of(config.model, config.scheduler.max_num_batched_tokens),
                                         cc.max_num_seqs, self.max_model_len, self._tap_layers(), 1 + gamma,
-                                        overcommit=cc.kv_overcommit)
+                                        overcommit=cc.kv_overcommit, kv_memory=cc.kv_cache_memory_mb * 2**20,
+                                        block_size=cc.block_size)
         self.kv = self.executor.kv
         self.invariance = self.executor.invariance
         self.compile_seconds = self.executor.warm_up_seconds  # compiling the decode step or capturing the graphs
         self.runner = ModelRunner(self.executor)
         self.prefix_cache = build_prefix_cache(self.kv, cc, self.invariance, model.cfg.hidden_size,
                                                len(self._tap_layers()))
-        self.scheduler = Scheduler(self.kv, config.scheduler.max_num_batched_tokens, config.scheduler.max_waiting)
+        self.scheduler = Scheduler(self.kv, config.scheduler.max_num_batched_tokens, config.scheduler.max_waiting,
+                                   self._preempted)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._req_ids = itertools.count()
@@ -137,11 +139,13 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise RequestError("prompt is empty", param="prompt")
-        if len(ids) + params.max_tokens > self.max_model_len:
+        limit = min(self.max_model_len, getattr(self.kv, "capacity", self.max_model_len))
+        if len(ids) + params.max_tokens > limit:
             # the prompt is at fault when it leaves no room for one token, else max_tokens
+            what = "context length" if limit == self.max_model_len else "KV cache's capacity (--kv-cache-memory-mb)"
             raise RequestError(
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
-                f"length {self.max_model_len}", param="prompt" if len(ids) >= self.max_model_len else "max_tokens")
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the {what} {limit}",
+                param="prompt" if len(ids) >= limit else "max_tokens")
         if spec_tokens is not None and spec_tokens < 0:
             raise RequestError(f"num_speculative_tokens must be >= 0, got {spec_tokens}",
                                param="num_speculative_tokens")
@@ -196,7 +200,9 @@ class LLMEngine:
         if self.prefix_cache is not None and admitted:
             self._reuse_prefixes(admitted, stats)
         gammas, chosen = self._plan(self.scheduler.decoding())
-        batch = self.scheduler.schedule(gammas)
+        batch = self.scheduler.schedule(gammas)  # may lower gammas (KV blocks) and preempt
+        chosen = {sid: name for sid, name in chosen.items() if gammas.get(sid, 0) > 0}
+        stats.num_preempted = len(batch.preempted)
         if batch.empty:
             return []
         stats.taps = self._want_taps(chosen, bool(batch.prefill))  # before propose: a cold sequence needs them
@@ -206,7 +212,7 @@ class LLMEngine:
         # every row verified and every first token sampled before any commit: a row that raises
         # leaves every sequence as it was before the step, so the step can be retried
         verified = [self._verify(seq, fwd) for seq in batch.decode]
-        firsts = [self._sample(c.seq, fwd, fwd.rows[c.seq.seq_id].logits_start) if c.is_last else None
+        firsts = [self._sample(c.seq, fwd, fwd.rows[c.seq.seq_id].logits_start) if c.samples else None
                   for c in batch.prefill]
         advances = [self._commit_decode(seq, gammas[seq.seq_id], chosen.get(seq.seq_id), fwd, res, stats)
                     for seq, res in zip(batch.decode, verified)]
@@ -450,10 +456,10 @@ class LLMEngine:
         assert pc is not None
         need = self._side_needed()
         for seq in admitted:
-            stats.num_prefix_query_tokens += len(seq.prompt_ids)
+            stats.num_prefix_query_tokens += seq.prefill_len
             assert seq.slot is not None
-            try:
-                hit, side = pc.reuse(seq.seq_id, seq.slot, seq.prompt_ids, need)
+            try:  # a preempted sequence's tokens: its prompt and the output before its last token
+                hit, side = pc.reuse(seq.seq_id, seq.slot, seq.prefill_tokens(0, seq.prefill_len), need)
             except Exception:  # the prompt is then computed in full, as without a cache
                 self.component_errors += 1
                 self.kv.set_length(seq.slot, 0)
@@ -488,6 +494,17 @@ class LLMEngine:
         if rows and rows == list(range(rows[0], rows[0] + len(rows))):
             return t[rows[0]:rows[0] + len(rows)].clone()
         return t.index_select(0, torch.tensor(rows, dtype=torch.int64, device=t.device))
+
+    def _preempted(self, seq: Sequence) -> None:
+        """A sequence loses its KV blocks (``Scheduler``): its blocks go to the prefix cache first, so
+        that its recompute is mostly a copy; the drafter forgets it and relearns it from that prefill."""
+        if self.prefix_cache is not None:
+            if seq.slot is not None:
+                self._guarded("prefix cache", self.prefix_cache.insert, seq.seq_id, seq.slot, seq.token_ids,
+                              seq.num_cached)
+            self.prefix_cache.forget(seq.seq_id)
+        if self.drafter is not None:
+            self._guarded("drafter release", self.drafter.release, seq.seq_id)
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason

@@ -103,9 +103,9 @@ class ModelRunner:
             slots.append(seq.slot)  # type: ignore[arg-type]
         for chunk in batch.prefill:
             seq = chunk.seq
-            new = seq.prompt_ids[chunk.start:chunk.start + chunk.num_tokens]
+            new = seq.prefill_tokens(chunk.start, chunk.start + chunk.num_tokens)
             lstart = -1
-            if chunk.is_last:
+            if chunk.samples:
                 lstart = len(logit_rows)
                 logit_rows.append(len(tokens) + len(new) - 1)
             rows[seq.seq_id] = Row(len(tokens), len(new), lstart)

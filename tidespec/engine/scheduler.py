@@ -1,12 +1,19 @@
-"""Continuous-batching scheduler with chunked prefill and worst-case admission.
+"""Continuous-batching scheduler with chunked prefill, admission by free KV blocks and preemption.
 
 Why this exists: requests join and leave between steps; a long prompt must not stall the
 sequences that are decoding. Each step the scheduler (1) admits waiting requests FIFO while a
-KV slot is free (``admit``; a slot holds ``max_model_len`` tokens and a request is only accepted
-if its prompt + max_tokens fits, so an admitted request's worst case always fits), then — once
-the policy has chosen each decoding sequence's gamma — (2) reserves ``1 + gamma`` tokens for
-every decoding sequence and (3) hands the rest of the token budget to prefill chunks, oldest
-first (``schedule``).
+KV slot is free and, over a paged cache (``models/kv_paged.py``), while the free blocks hold the
+request's prompt beyond a watermark (``admit``), then — once the policy has chosen each decoding
+sequence's gamma — (2) reserves ``1 + gamma`` tokens of budget and KV blocks for every decoding
+sequence, oldest first, and (3) hands the rest of the budget to prefill chunks, as far as blocks
+allow (``schedule``).
+
+When a decoding sequence's blocks cannot be had, its draft is dropped first (gamma 0, one
+position); if even that does not fit, the newest running sequence is preempted: its blocks go
+back to the pool, it returns to the head of the waiting queue, and when readmitted it is
+prefilled again over its tokens so far (recompute, as vLLM does; row invariance makes that K/V
+bit-identical) and decodes on. The oldest sequence is never preempted for a newer one, so it
+always finishes: a request is only accepted if its prompt + max_tokens fits the whole pool.
 
 Worked example: budget 64, three decoding sequences with gammas 4, 4, 0 (5 + 5 + 1 = 11
 reserved) and a 100-token prompt waiting -> this step prefills prompt tokens 0..52, the next
@@ -16,11 +23,13 @@ step the rest, while the three keep decoding.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tidespec.engine.sequence import SeqStatus, Sequence
 from tidespec.errors import UserError
 from tidespec.models.kv_cache import KVCache
+from tidespec.models.kv_paged import PagedKVCache
 
 
 class QueueFullError(UserError, RuntimeError):
@@ -35,13 +44,21 @@ class PrefillChunk:
 
     @property
     def is_last(self) -> bool:
-        return self.start + self.num_tokens == len(self.seq.prompt_ids)
+        """Whether this chunk completes the prefill (``Sequence.prefill_len``)."""
+        return self.start + self.num_tokens == self.seq.prefill_len
+
+    @property
+    def samples(self) -> bool:
+        """Whether its last row's logits give the first output token (a recomputed prefill's do not:
+        its next token is already known)."""
+        return self.is_last and not self.seq.output_ids
 
 
 @dataclass
 class ScheduledBatch:
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[PrefillChunk] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)  # back in the waiting queue, cache dropped
 
     @property
     def empty(self) -> bool:
@@ -49,8 +66,11 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, max_num_batched_tokens: int, max_waiting: int = 0) -> None:
+    def __init__(self, kv: KVCache, max_num_batched_tokens: int, max_waiting: int = 0,
+                 on_preempt: Callable[[Sequence], None] | None = None) -> None:
+        """``on_preempt(seq)``: called before a preempted sequence's slot is freed (its K/V still there)."""
         self.kv = kv
+        self.on_preempt = on_preempt
         self.budget = max_num_batched_tokens
         self.max_waiting = max_waiting
         self.waiting: deque[Sequence] = deque()
@@ -79,10 +99,20 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def admit(self) -> list[Sequence]:
-        """Move waiting requests into free KV slots, FIFO; returns those admitted."""
+        """Move waiting requests into free KV slots, FIFO, while the free blocks of a paged cache hold
+        each one's prefill and a watermark (1 %% of the pool) stays free for the running ones to
+        grow; returns those admitted. Nothing waits behind an empty cache: the first request is
+        admitted whenever nothing runs."""
         admitted = []
+        promised = 0  # blocks the requests admitted here will take as their prefills run
         while self.waiting and self.kv.num_free_slots:
-            seq = self.waiting.popleft()
+            seq = self.waiting[0]
+            if isinstance(self.kv, PagedKVCache) and self.running:
+                need = self.kv.blocks_for(seq.prefill_len + 1)
+                if self.kv.num_free_blocks - promised - need < max(1, self.kv.num_blocks // 100):
+                    break
+                promised += need
+            self.waiting.popleft()
             seq.slot = self.kv.allocate()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
@@ -95,16 +125,63 @@ class Scheduler:
 
     def schedule(self, gammas: dict[int, int]) -> ScheduledBatch:
         """The step's batch: every decoding sequence with ``1 + gammas[seq_id]`` tokens reserved
-        (a sequence missing from ``gammas`` decodes plainly), prefill chunks in what is left."""
+        (a sequence missing from ``gammas`` decodes plainly), prefill chunks in what is left. Over a
+        paged cache the blocks are reserved too: a gamma that does not fit is set to 0 in
+        ``gammas``, a sequence that does not fit at all preempts the newest (module docstring)."""
         batch = ScheduledBatch()
         left = self.budget
-        for seq in self.running:
-            if not seq.in_prefill:
-                batch.decode.append(seq)
-                left -= 1 + gammas.get(seq.seq_id, 0)
-        for seq in self.running:
-            if seq.in_prefill and left > 0:
-                n = min(len(seq.prompt_ids) - seq.num_cached, left)
-                batch.prefill.append(PrefillChunk(seq, seq.num_cached, n))
-                left -= n
+        paged = self.kv if isinstance(self.kv, PagedKVCache) else None
+        for seq in [s for s in self.running if not s.in_prefill]:
+            if seq.status is not SeqStatus.RUNNING:  # preempted for an older one in this loop
+                continue
+            if paged is not None and not self._reserve_decode(paged, seq, gammas, batch):
+                continue
+            batch.decode.append(seq)
+            left -= 1 + gammas.get(seq.seq_id, 0)
+        for seq in list(self.running):
+            if not seq.in_prefill or left <= 0 or seq.status is not SeqStatus.RUNNING:
+                continue
+            n = min(seq.prefill_len - seq.num_cached, left)
+            if paged is not None:
+                n = min(n, paged.room(seq.slot) - seq.num_cached)  # type: ignore[arg-type]
+                if n <= 0:  # not one position free: an older prompt waits for blocks, a newer one gives its own up
+                    if seq is self.running[-1] and len(self.running) > 1:
+                        self._preempt(seq, batch)
+                    continue
+                paged.reserve(seq.slot, seq.num_cached + n)  # type: ignore[arg-type]
+            batch.prefill.append(PrefillChunk(seq, seq.num_cached, n))
+            left -= n
         return batch
+
+    def _reserve_decode(self, kv: PagedKVCache, seq: Sequence, gammas: dict[int, int],
+                        batch: ScheduledBatch) -> bool:
+        """Blocks for a decoding sequence's 1 + gamma rows; its draft dropped, then newer sequences
+        preempted, until they fit. False when it was preempted itself."""
+        slot = seq.slot
+        assert slot is not None
+        if kv.reserve(slot, seq.num_cached + 1 + gammas.get(seq.seq_id, 0)):
+            return True
+        if gammas.get(seq.seq_id, 0):
+            gammas[seq.seq_id] = 0
+        while not kv.reserve(slot, seq.num_cached + 1):
+            victim = self.running[-1]
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        """Give a running sequence's blocks back; it waits at the head of the queue to be prefilled again."""
+        self.running.remove(seq)
+        if seq in batch.decode:
+            batch.decode.remove(seq)
+        if self.on_preempt is not None:
+            self.on_preempt(seq)
+        if seq.slot is not None:
+            self.kv.free(seq.slot)
+            seq.slot = None
+        seq.num_cached = 0
+        seq.status = SeqStatus.WAITING
+        seq.stats.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)

@@ -4,7 +4,9 @@ Why this exists: the scheduler, runner and verifier all act on a request; keepin
 one dataclass (and nothing in globals) makes continuous batching and abort easy to reason about.
 
 Token bookkeeping: ``token_ids = prompt_ids + output_ids``; ``num_cached`` tokens have final K/V
-in the target cache. While decoding, exactly one token (the last output) is not yet cached.
+in the target cache. While decoding, exactly one token (the last output) is not yet cached. A
+sequence preempted for lack of KV blocks (``engine/scheduler.py``) loses its cache and is
+prefilled again later: over every token but that last one (``prefill_len``), then decodes on.
 """
 
 from __future__ import annotations
@@ -50,8 +52,17 @@ class Sequence:
             self.token_ids = list(self.prompt_ids)
 
     @property
+    def prefill_len(self) -> int:
+        """Tokens a prefill computes: the prompt, or after a preemption every token but the last output."""
+        return len(self.token_ids) - 1 if self.output_ids else len(self.prompt_ids)
+
+    def prefill_tokens(self, start: int, end: int) -> list[int]:
+        """Tokens ``start .. end - 1`` of its prefill: the prompt's, or after a preemption its tokens so far."""
+        return (self.token_ids if self.output_ids else self.prompt_ids)[start:end]
+
+    @property
     def in_prefill(self) -> bool:
-        return self.num_cached < len(self.prompt_ids)
+        return self.num_cached < self.prefill_len
 
     @property
     def remaining_tokens(self) -> int:

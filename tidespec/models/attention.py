@@ -76,6 +76,7 @@ class AttentionPlan:
     causal: bool  # one sequence, empty cache, causal order, no window: SDPA's own causal mask suffices
     row_slots: torch.Tensor | None = None  # exact: [T] int64 slot of each new token
     row_mask: torch.Tensor | None = None  # exact: [T, kv_len] bool, the keys each new token sees
+    block_table: torch.Tensor | None = None  # exact over a paged cache: [S, nb] int64 blocks of each slot
 
     @property
     def exact(self) -> bool:
@@ -84,15 +85,21 @@ class AttentionPlan:
 
     @staticmethod
     def build(q_lens: list[int], ctx_lens: list[int], slots: list[int], tree_masks: list[torch.Tensor | None],
-              window: int | None, device: torch.device | str, exact: bool = False) -> "AttentionPlan":
+              window: int | None, device: torch.device | str, exact: bool = False,
+              block_table: torch.Tensor | None = None) -> "AttentionPlan":
         """One plan per forward. ``tree_masks[i]``: [q, p + q] bool over sequence i's last ``p``
         cached tokens and its ``q`` new ones (p = 0: among the new tokens only; the cache before
         them is visible to all), or None for causal order. ``p > 0`` lets a tree grow level by
         level, each level's K/V kept in the cache where the next level reads it under the mask.
         ``window``: sliding window over cache offsets, or None. ``exact``: a plan for the
-        row-invariant kernel (one mask row per token, nothing padded; module docstring)."""
+        row-invariant kernel (one mask row per token, nothing padded; module docstring), which
+        reads a paged cache through ``block_table`` ([S, nb] int64; only the exact kernel pages)."""
         if exact:
-            return AttentionPlan._build_exact(q_lens, ctx_lens, slots, tree_masks, window, device)
+            plan = AttentionPlan._build_exact(q_lens, ctx_lens, slots, tree_masks, window, device)
+            plan.block_table = block_table
+            return plan
+        if block_table is not None:
+            raise ValueError("a paged KV cache is read by the exact attention kernel only")
         B = len(q_lens)
         lo, hi = min(slots), max(slots) + 1
         gather = None
@@ -146,7 +153,7 @@ class AttentionPlan:
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q: [T, n_h, hd] (rope applied, K/V of these tokens already in the cache) -> [T, n_h, hd]."""
         if self.row_mask is not None and self.row_slots is not None:
-            return attend_exact(q, k_cache, v_cache, self.row_slots, self.row_mask)
+            return attend_exact(q, k_cache, v_cache, self.row_slots, self.row_mask, self.block_table)
         return attend_padded(q, None if self.identity else self.q_index, self.mask, self.keys(k_cache),
                              self.keys(v_cache), self.causal)
 
@@ -173,12 +180,14 @@ def transposed_keys(k_cache: torch.Tensor) -> bool:
 
 
 def attend_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_slots: torch.Tensor,
-                 row_mask: torch.Tensor) -> torch.Tensor:
+                 row_mask: torch.Tensor, block_table: torch.Tensor | None = None) -> torch.Tensor:
     """Each new token attended on its own by ``tidespec::exact_attention``: q [T, n_h, hd], the whole
-    caches [S, n_kv, L, hd] (keys transposed), row_slots [T], row_mask [T, kv_len] -> [T, n_h, hd]."""
+    caches [S, n_kv, L, hd] (keys transposed), row_slots [T], row_mask [T, kv_len] -> [T, n_h, hd].
+    Paged: the caches are block pools [NB, n_kv, bs, hd] and ``block_table`` [S, nb] maps slots to blocks."""
     if not torch.compiler.is_compiling():  # built (or loaded from the cache) on first use; a graph finds it loaded
         exact_attention_op()
-    return torch.ops.tidespec.exact_attention(q, k_cache, v_cache, row_slots, row_mask, q.shape[-1] ** -0.5)
+    return torch.ops.tidespec.exact_attention(q, k_cache, v_cache, row_slots, row_mask, q.shape[-1] ** -0.5,
+                                              block_table)
 
 
 def attend_padded(q: torch.Tensor, q_index: torch.Tensor | None, mask: torch.Tensor, keys: torch.Tensor,

@@ -42,6 +42,7 @@ import torch
 from tidespec.files import cache_root
 from tidespec.models.attention import AttentionPlan, attend_exact, attend_padded, transposed_keys
 from tidespec.models.kv_cache import KVCache
+from tidespec.models.kv_paged import PagedKVCache
 from tidespec.models.llama import BatchLayout, LlamaModel, ModelOutput
 
 RECOMPILE_LIMIT = 64
@@ -80,21 +81,24 @@ class StepLayout:
 
 @dataclass
 class ExactStepLayout:
-    """The compiled step's layout for the row-invariant attention kernel: no padded block."""
+    """The compiled step's layout for the row-invariant attention kernel: no padded block. Over a
+    paged cache (``block_table`` set) the K/V goes to (block, row) ``write_slots`` / ``write_offsets``."""
 
     positions: torch.Tensor  # [T] int64 rope positions
-    write_slots: torch.Tensor  # [T] int64 slot of each new token (also the slot its query reads)
-    write_offsets: torch.Tensor  # [T] int64 cache offset of each new token
+    write_slots: torch.Tensor  # [T] int64 slot (paged: block) each new token's K/V is written to
+    write_offsets: torch.Tensor  # [T] int64 cache offset (paged: row within the block) of each new token
+    row_slots: torch.Tensor  # [T] int64 slot whose keys each new token's query reads
     row_mask: torch.Tensor  # [T, Lk] bool, the keys each new token sees (window included)
+    block_table: torch.Tensor | None  # [S, nb] int64 of a paged cache, else None
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        # k_cache/v_cache: [S, n_kv, L, hd]; k/v: [T, n_kv, hd]
+        # k_cache/v_cache: [S, n_kv, L, hd] (paged: [NB, n_kv, bs, hd]); k/v: [T, n_kv, hd]
         k_cache[self.write_slots, :, self.write_offsets] = k
         v_cache[self.write_slots, :, self.write_offsets] = v
 
     def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """q [T, n_h, hd] -> [T, n_h, hd]; ``window`` is already in the mask."""
-        return attend_exact(q, k_cache, v_cache, self.write_slots, self.row_mask)
+        return attend_exact(q, k_cache, v_cache, self.row_slots, self.row_mask, self.block_table)
 
 
 def inductor_cache_dir() -> str:
@@ -124,6 +128,8 @@ class CompiledStep:
         self.tap_layers = tuple(tap_layers)
         self._tap_flags = tuple(i in self.tap_layers for i in range(model.cfg.num_layers))
         self.exact = transposed_keys(kv.k[0])  # the row-invariant attention kernel (models/attention.py)
+        if isinstance(kv, PagedKVCache):  # one table for the engine's life: its width must not become a
+            torch._dynamo.mark_static(kv.block_table)  # symbol that a key length of the same size is tied to
         # the rope table is built on first use; built here, the graph only reads it (no guard on
         # its absence, no recompile once it exists)
         model.rope(torch.zeros(1, dtype=torch.int64, device=model.device), model.embed_tokens.weight.dtype)
@@ -148,9 +154,10 @@ class CompiledStep:
         return out.logits, out.taps, out.last_hidden
 
     def _body_exact(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
-                    write_offsets: torch.Tensor, row_mask: torch.Tensor, logits_rows: torch.Tensor
+                    write_offsets: torch.Tensor, row_slots: torch.Tensor, row_mask: torch.Tensor,
+                    logits_rows: torch.Tensor, block_table: torch.Tensor | None
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-        layout = ExactStepLayout(positions, write_slots, write_offsets, row_mask)
+        layout = ExactStepLayout(positions, write_slots, write_offsets, row_slots, row_mask, block_table)
         taps = tuple(i for i, flag in enumerate(self._tap_flags) if flag)
         out = self.model.run(ids, layout, self.kv.k, self.kv.v, logits_rows, taps)
         return out.logits, out.taps, out.last_hidden
@@ -167,14 +174,21 @@ class CompiledStep:
         if tap_layers and tuple(tap_layers) != self.tap_layers:
             self.num_declined += 1
             return None
+        if self.kv.paged and layout.block_table is None:
+            layout.page(self.kv)
         plan = AttentionPlan.build(layout.q_lens, layout.ctx_lens, layout.slots, layout.tree_masks,
-                                   self.model.cfg.sliding_window, ids.device, self.exact)
+                                   self.model.cfg.sliding_window, ids.device, self.exact, layout.block_table)
         if plan.row_mask is not None:  # every batch runs: the exact kernel reads each row's own slot
             rows = logits_rows if logits_rows is not None else torch.arange(ids.shape[0], device=ids.device)
             none = rows.shape[0] == 0  # a prompt chunk without logits: the last row's, dropped (no graph of its own)
+            paged = layout.write_blocks is not None and layout.write_rows is not None
             with torch.inference_mode():
-                logits, taps, last = self._fn(ids, layout.positions, layout.write_slots, layout.write_offsets,
-                                              plan.row_mask, rows if not none else rows.new_full((1,), ids.shape[0] - 1))
+                logits, taps, last = self._fn(ids, layout.positions,
+                                              layout.write_blocks if paged else layout.write_slots,
+                                              layout.write_rows if paged else layout.write_offsets,
+                                              layout.write_slots, plan.row_mask,
+                                              rows if not none else rows.new_full((1,), ids.shape[0] - 1),
+                                              layout.block_table)
             self.num_compiled += 1
             if none and logits is not None:
                 logits = logits[:0]
@@ -207,6 +221,8 @@ class CompiledStep:
                 ids = torch.zeros(q, dtype=torch.int64, device=device)
                 self(ids, layout, self.tap_layers,
                      None if rows is None else torch.tensor(rows, dtype=torch.int64, device=device))
+            if isinstance(self.kv, PagedKVCache):
+                self.kv.release(free[0])  # the blocks the warm-up wrote into go back to the pool
             return time.perf_counter() - t0
         for batch in (1, 2):
             if len(free) < batch:

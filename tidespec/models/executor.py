@@ -47,6 +47,7 @@ from tidespec.models.invariance import (
 )
 from tidespec.models.kernels import exact_attention_error
 from tidespec.models.kv_cache import KVCache
+from tidespec.models.kv_paged import kernel_block_size, paged_kv_cache
 from tidespec.models.llama import BatchLayout, LlamaModel, ModelOutput
 
 log = logging.getLogger(__name__)
@@ -142,10 +143,14 @@ class ForwardExecutor:
     """Runs target forwards over its own KV cache the way serving runs them (module docstring)."""
 
     def __init__(self, model: LlamaModel, options: ExecutorOptions, max_num_seqs: int, max_len: int,
-                 tap_layers: tuple[int, ...] = (), rows_per_seq: int = 1, overcommit: bool = False) -> None:
+                 tap_layers: tuple[int, ...] = (), rows_per_seq: int = 1, overcommit: bool = False,
+                 kv_memory: int = 0, block_size: int = 16) -> None:
         """``max_len``: the longest sequence a slot holds; ``rows_per_seq``: the most rows a decode
         sequence brings (1 + gamma), which the graphs are captured for and the compiled step warmed
-        up with; ``tap_layers``: the taps the graphs and the compiled step return."""
+        up with; ``tap_layers``: the taps the graphs and the compiled step return. A row-invariant
+        CPU target gets a paged cache (``models/kv_paged.py``) of ``kv_memory`` bytes (0: every
+        slot's full length, within the memory available) in blocks of ``block_size`` (rounded up
+        to the kernel's multiple); every other target a slot of ``max_len`` per sequence."""
         self.model = model
         self.options = options
         self.device = model.device
@@ -153,8 +158,13 @@ class ForwardExecutor:
         self.invariance = prepare_target(model, options)
         exact = exact_attention(model, options)
         margin = KV_MARGIN if options.compile and not self.graphed else 0
-        self.kv = KVCache.for_model(model.cfg, max_num_seqs, max_len + margin, model.dtype, self.device,
-                                    spare_slot=self.graphed, transposed_keys=exact, overcommit=overcommit)
+        self.kv: KVCache
+        if exact and not self.graphed:
+            self.kv = paged_kv_cache(model.cfg, max_num_seqs, max_len + margin, model.dtype,
+                                     kernel_block_size(block_size), kv_memory, overcommit)
+        else:
+            self.kv = KVCache.for_model(model.cfg, max_num_seqs, max_len + margin, model.dtype, self.device,
+                                        spare_slot=self.graphed, transposed_keys=exact, overcommit=overcommit)
         self.compiled: CompiledStep | None = None
         self.graphs: GraphStep | None = None
         self.warm_up_seconds = 0.0  # compiling the step or capturing the graphs, once here

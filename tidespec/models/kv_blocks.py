@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from tidespec.models.kv_cache import KVCache
+from tidespec.models.kv_paged import PagedKVCache
 
 
 class KVBlockPool:
@@ -73,9 +74,13 @@ class KVBlockPool:
             raise ValueError(f"positions {first_position}..{end} of slot {slot} are not all final "
                              f"(length {self.kv.lengths[slot]})")
         idx = torch.tensor(blocks, dtype=torch.int64, device=self.k[0].device)
+        where = self.kv.locate(slot, first_position, end) if isinstance(self.kv, PagedKVCache) else None
         for pool, cache in ((self.k, self.kv.k), (self.v, self.kv.v)):
             for p, c in zip(pool, cache):
-                rows = c[slot, :, first_position:end]  # [n_kv, n*b, hd]
+                if where is not None:  # a paged cache: positions gathered from their blocks
+                    rows = c[where[0], :, where[1]].transpose(0, 1)  # [n_kv, n*b, hd]
+                else:
+                    rows = c[slot, :, first_position:end]  # [n_kv, n*b, hd]
                 p.index_copy_(0, idx, rows.reshape(self.num_kv_heads, n, b, self.head_dim).transpose(0, 1))
         self.save_side(blocks, side or {})
 
@@ -86,10 +91,18 @@ class KVBlockPool:
         if not n:
             return {}
         idx = torch.tensor(blocks, dtype=torch.int64, device=self.k[0].device)
+        where = None
+        if isinstance(self.kv, PagedKVCache):  # blocks of the cache's own pool for the positions first
+            if not self.kv.reserve(slot, n * b):
+                raise RuntimeError(f"the KV cache has no free block for {n * b} cached positions")
+            where = self.kv.locate(slot, 0, n * b)
         for pool, cache in ((self.k, self.kv.k), (self.v, self.kv.v)):
             for p, c in zip(pool, cache):
-                c[slot, :, :n * b] = p.index_select(0, idx).transpose(0, 1).reshape(self.num_kv_heads, n * b,
-                                                                                   self.head_dim)
+                rows = p.index_select(0, idx).transpose(0, 1).reshape(self.num_kv_heads, n * b, self.head_dim)
+                if where is not None:
+                    c[where[0], :, where[1]] = rows.transpose(0, 1)  # [n*b, n_kv, hd]
+                else:
+                    c[slot, :, :n * b] = rows
         self.kv.mark_written(slot, n * b)
         self.kv.set_length(slot, n * b)
         out = {}

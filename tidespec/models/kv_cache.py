@@ -120,6 +120,11 @@ class KVCache:
                    transposed_keys, overcommit)
 
     @property
+    def paged(self) -> bool:
+        """Whether sequences hold blocks of a shared pool (``models/kv_paged.py``) rather than slots."""
+        return False
+
+    @property
     def transposed_keys(self) -> bool:
         """Whether the keys are stored transposed (the row-invariant kernel's layout)."""
         return self.k[0].stride(2) == 1 and self.k[0].stride(3) != 1

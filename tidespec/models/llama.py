@@ -146,6 +146,23 @@ class BatchLayout:
     write_offsets: torch.Tensor  # [T] int64 cache offset of each new token (ctx + index)
     tree_masks: list[torch.Tensor | None] = field(default_factory=list)  # per seq [q, p + q] bool or None (causal)
     _plans: dict[int | None, AttentionPlan] = field(default_factory=dict, repr=False)  # per sliding window
+    # a paged cache (``page``): its block table [S, nb] and each new token's block and row in it, [T] each
+    block_table: torch.Tensor | None = None
+    write_blocks: torch.Tensor | None = None
+    write_rows: torch.Tensor | None = None
+
+    def page(self, kv: KVStorage) -> None:
+        """Lay this forward out over a paged cache (``models/kv_paged.py``): blocks for every new
+        position first (raises RuntimeError when the pool cannot give them: the scheduler reserves
+        ahead, so only a caller that did not gets it), then where each new token's K/V goes."""
+        for slot, c, q in zip(self.slots, self.ctx_lens, self.q_lens):
+            if not kv.reserve(slot, c + q):
+                raise RuntimeError(f"the KV cache has no free block for {c + q} positions of slot {slot}")
+        bs = kv.block_size
+        self.block_table = kv.block_table
+        self.write_blocks = kv.block_table[self.write_slots, self.write_offsets // bs]  # [T]
+        self.write_rows = self.write_offsets % bs  # [T]
+        self._plans.clear()
 
     def attention_plan(self, window: int | None, kv: "KVStorage | None" = None, exact: bool = False) -> AttentionPlan:
         """The attention plan of this layout, built on first use and shared by all layers; ``exact``:
@@ -154,15 +171,19 @@ class BatchLayout:
         plan = self._plans.get(window)
         if plan is None:
             plan = AttentionPlan.build(self.q_lens, self.ctx_lens, self.slots, self.tree_masks, window,
-                                       self.positions.device, exact)
+                                       self.positions.device, exact, self.block_table)
             self._plans[window] = plan
         if kv is not None and not plan.exact:
             kv.make_readable(plan.read_slots(self.slots), plan.kv_len)
         return plan
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the new tokens' K/V ([T, n_kv, hd]) into their slots ([S, n_kv, L, hd])."""
-        if len(self.q_lens) <= SLICE_WRITE_MAX_SEQS:  # two slice copies beat two index_put calls
+        """Write the new tokens' K/V ([T, n_kv, hd]) into their slots ([S, n_kv, L, hd]), or their
+        blocks ([NB, n_kv, bs, hd]) when paged."""
+        if self.write_blocks is not None:
+            k_cache[self.write_blocks, :, self.write_rows] = k
+            v_cache[self.write_blocks, :, self.write_rows] = v
+        elif len(self.q_lens) <= SLICE_WRITE_MAX_SEQS:  # two slice copies beat two index_put calls
             start = 0
             for q_len, ctx, slot in zip(self.q_lens, self.ctx_lens, self.slots):
                 k_cache[slot, :, ctx:ctx + q_len] = k[start:start + q_len].transpose(0, 1)
@@ -221,6 +242,7 @@ class KVStorage(Protocol):
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
+    paged: bool  # a paged cache also has block_size, block_table and reserve (``models/kv_paged.py``)
 
     def make_readable(self, slots: list[int], upto: int) -> None: ...
 
@@ -398,6 +420,8 @@ class LlamaModel(PlacedModule):
         """input_ids: [T] int64. ``logits_rows``: [R] rows needing logits (None = all, empty = none).
         ``tap_layers``: layer indices whose *input* hidden state is returned (EAGLE-3 uses
         (2, L//2, L-3))."""
+        if kv.paged and layout.block_table is None:
+            layout.page(kv)
         layout.attention_plan(self.cfg.sliding_window, kv, transposed_keys(kv.k[0]))
         return self.run(input_ids, layout, kv.k, kv.v, logits_rows, tap_layers)
 

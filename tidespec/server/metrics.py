@@ -187,7 +187,10 @@ class Metrics(EngineObserver):
                                    "computed).", registry=r)
         self.running = Gauge(f"{p}num_requests_running", "Requests holding a KV slot.", registry=r)
         self.waiting = Gauge(f"{p}num_requests_waiting", "Requests queued for a KV slot.", registry=r)
-        self.kv_usage = Gauge(f"{p}kv_cache_usage_perc", "KV cache usage (fraction of slots, 0..1).", registry=r)
+        self.preemptions = Counter(f"{p}num_preemptions", "Sequences preempted for lack of KV blocks (prefilled "
+                                   "again later).", registry=r)
+        self.kv_usage = Gauge(f"{p}kv_cache_usage_perc", "KV cache usage (fraction of the positions it holds, 0..1).",
+                              registry=r)
         self.current_spec = Gauge(f"{p}spec_decode_current_num_speculative_tokens",
                                   "Mean speculation length over the decode sequences of the last step.",
                                   registry=r)
@@ -277,6 +280,7 @@ class Metrics(EngineObserver):
         self.generation_tokens.inc(stats.num_emitted_tokens)
         self.prefix_queries.inc(stats.num_prefix_query_tokens)
         self.prefix_hits.inc(stats.num_prefix_hit_tokens)
+        self.preemptions.inc(stats.num_preempted)
         self.set_load(stats.num_running, stats.num_waiting, stats.kv_usage)
         lens = list(stats.spec_lens.values())
         self.current_spec.set(sum(lens) / len(lens) if lens else 0.0)

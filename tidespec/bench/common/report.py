@@ -230,6 +230,15 @@ def save_figure(fig: Figure, out_dir: Path, name: str) -> Path:
     return path
 
 
+def save_report(out_dir: Path, doc: dict[str, Any], text: str, plot: Callable[[dict[str, Any], Path], Any]) -> None:
+    """A benchmark's three files in ``out_dir``: ``results.json`` (``doc``), ``table.md`` (``text``) and
+    ``plot.png`` (``plot(doc, path)``)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
+    write_text(out_dir, "table.md", text)
+    plot(doc, out_dir / "plot.png")
+
+
 def write_text(out_dir: Path, name: str, text: str) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / name

@@ -28,7 +28,6 @@ Worked example::
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -38,7 +37,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from tidespec.bench.common.report import command_line, machine_info, machine_line, markdown_table
+from tidespec.bench.common.report import command_line, machine_info, machine_line, markdown_table, save_report
 from tidespec.bench.exactness.run import parse_path, target_model
 from tidespec.config import CacheConfig, EngineConfig, ModelConfig, Section, opt
 from tidespec.engine.engine import LLMEngine
@@ -212,10 +211,7 @@ def run_prefix_bench(cfg: PrefixBenchConfig, out_dir: Path | None = None, progre
     doc = {"config": asdict(cfg), "command": command_line(), "machine": machine_info(dtype),
            "summary": summarize(shared, turns, thr), "shared_prefix": shared, "next_turn": turns, "throughput": thr}
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "results.json").write_text(json.dumps(doc, indent=1))
-        (out_dir / "table.md").write_text(table(doc) + "\n")
-        _plot(doc, out_dir / "plot.png")
+        save_report(out_dir, doc, table(doc), _plot)
     return doc
 
 

@@ -31,6 +31,13 @@
 // Tiling (which rows and heads share a task, how many keys a tile holds) changes only which
 // independent lanes are computed together, never the order of any row's operations.
 //
+// Paged caches: with a block table ([S, nb] int64), the caches are pools of blocks [NB, n_kv, bs,
+// hd] and position p of slot s lives in block table[s][p / bs] at row p % bs; without one, slot s is
+// one block of the whole length (table [s]). The blocks only change where a key or value is loaded
+// from: every score, exp and sum is the same operation in the same order, so a paged row has the
+// bits of the same row in a contiguous slot. bs is a multiple of VL, so a vector of VL consecutive
+// keys never straddles two blocks.
+//
 // A tree's tokens sit in the cache in breadth-first order, so a token's visible ancestors come in
 // the same rank order as in a chain: a token verified in a tree gets the bits of a chain.
 //
@@ -111,8 +118,18 @@ inline int64_t last_visible(const bool* mrow, int64_t n) {
   return j - 1;
 }
 
+// Where position p of one slot's keys or values lives, in elements from the cache's start (plus the
+// head's offset): block table[p / bs], row p % bs of it.
+struct Pages {
+  const int64_t* table;  // the slot's blocks (a contiguous cache: the slot itself, one block)
+  int64_t bs;            // positions per block
+  int64_t block_stride;  // elements between blocks
+  int64_t pos_stride;    // elements between positions within a block
+  inline int64_t at(int64_t p) const { return table[p / bs] * block_stride + (p % bs) * pos_stride; }
+};
+
 struct Task {
-  int64_t slot;   // KV slot of the task's rows
+  const int64_t* table;  // the slot's block table row (a contiguous cache: the slot)
   int64_t head0;  // first query head
   int64_t heads;  // query heads (all of one KV head's group, or one)
   int64_t row0;   // first row (into q / mask / out)
@@ -124,19 +141,23 @@ struct Task {
 // the cache rows are a page apart, so the next block is prefetched meanwhile), then tiles of VL keys get one fma chain over d per lane; R is a template argument so the
 // accumulators stay in registers.
 template <int64_t R, typename scalar_t>
-void score_tiles(const float* qv, const scalar_t* kb, int64_t kd, int64_t hd, int64_t nk, int64_t kv_pad,
-                 float scale, float* kbuf, float* scores) {
+void score_tiles(const float* qv, const scalar_t* kb, const Pages& kp, int64_t kd, int64_t hd, int64_t nk,
+                 int64_t kv_pad, float scale, float* kbuf, float* scores) {
   const Vec vscale(scale);
+  constexpr int64_t LINE = 64 / static_cast<int64_t>(sizeof(scalar_t));  // keys per cache line
+  int64_t at[KT / VL], ahead[KT / LINE + 1];  // where each VL keys of this tile (each line of the next) start
   for (int64_t b0 = 0; b0 < nk; b0 += KT) {
     const int64_t bw = std::min<int64_t>(KT, nk - b0);
-    const int64_t next = std::min<int64_t>(KT, nk - b0 - KT);  // keys of the next block, if any
+    const int64_t next = std::min<int64_t>(KT, nk - b0 - KT);  // keys of the next tile, if any
+    for (int64_t l0 = 0; l0 < bw; l0 += VL) at[l0 / VL] = kp.at(b0 + l0);
+    for (int64_t l0 = 0; l0 < next; l0 += LINE) ahead[l0 / LINE] = kp.at(b0 + KT + l0);
     for (int64_t d = 0; d < hd; ++d) {
-      // the next block's row of head dim d: a page away from this one, where no hardware prefetcher looks
-      for (int64_t l0 = 0; l0 < next; l0 += 64 / static_cast<int64_t>(sizeof(scalar_t))) {
-        __builtin_prefetch(kb + d * kd + b0 + KT + l0);
+      // the next tile's row of head dim d: a page away from this one, where no hardware prefetcher looks
+      for (int64_t l0 = 0; l0 < next; l0 += LINE) {
+        __builtin_prefetch(kb + d * kd + ahead[l0 / LINE]);
       }
       for (int64_t l0 = 0; l0 < bw; l0 += VL) {
-        load(kb + d * kd + b0 + l0, std::min<int64_t>(VL, bw - l0)).store(kbuf + d * KT + l0);
+        load(kb + d * kd + at[l0 / VL], std::min<int64_t>(VL, bw - l0)).store(kbuf + d * KT + l0);
       }
     }
     for (int64_t t0 = 0; t0 < bw; t0 += VL) {
@@ -153,25 +174,25 @@ void score_tiles(const float* qv, const scalar_t* kb, int64_t kd, int64_t hd, in
 }
 
 template <typename scalar_t>
-void score_dispatch(int64_t R, const float* qv, const scalar_t* kb, int64_t kd, int64_t hd, int64_t nk,
-                    int64_t kv_pad, float scale, float* kbuf, float* scores) {
+void score_dispatch(int64_t R, const float* qv, const scalar_t* kb, const Pages& kp, int64_t kd, int64_t hd,
+                    int64_t nk, int64_t kv_pad, float scale, float* kbuf, float* scores) {
   switch (R) {
-    case 1: score_tiles<1>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 2: score_tiles<2>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 3: score_tiles<3>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 4: score_tiles<4>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 5: score_tiles<5>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 6: score_tiles<6>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 7: score_tiles<7>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 8: score_tiles<8>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 9: score_tiles<9>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 10: score_tiles<10>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 11: score_tiles<11>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 12: score_tiles<12>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 13: score_tiles<13>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 14: score_tiles<14>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 15: score_tiles<15>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    default: score_tiles<16>(qv, kb, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 1: score_tiles<1>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 2: score_tiles<2>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 3: score_tiles<3>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 4: score_tiles<4>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 5: score_tiles<5>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 6: score_tiles<6>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 7: score_tiles<7>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 8: score_tiles<8>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 9: score_tiles<9>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 10: score_tiles<10>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 11: score_tiles<11>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 12: score_tiles<12>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 13: score_tiles<13>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 14: score_tiles<14>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 15: score_tiles<15>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    default: score_tiles<16>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
   }
 }
 
@@ -217,17 +238,18 @@ inline float softmax_weights(const bool* mrow, const float* sc, int64_t nk, int6
 }
 
 // P @ V for R query vectors of one KV head over keys [j0, j1), into the accumulators acc [R, HV * VL]:
-// keys in ascending order (= each vector's rank order); a value row (vt + (j - j0) * vs, float or
-// the cache's dtype) is loaded once for all R, and vector i adds key j only where its mask says visible.
-template <int64_t R, int64_t HV, typename value_t>
+// keys in ascending order (= each vector's rank order); a value row (vrows[j - j0], float: in the
+// cache, else converted in ``vbuf``) is loaded once for all R, and vector i adds key j only where its
+// mask says visible.
+template <int64_t R, int64_t HV>
 void pv_tile(const bool* const* mrows, const float* w, int64_t kv_pad, int64_t j0, int64_t j1,
-             const value_t* vt, int64_t vs, int64_t hd, float* acc) {
+             const float* const* vrows, int64_t hd, float* acc) {
   Vec a[R][HV];
   for (int64_t i = 0; i < R; ++i) {
     for (int64_t k = 0; k < HV; ++k) a[i][k] = Vec::loadu(acc + (i * HV + k) * VL);
   }
   for (int64_t j = j0; j < j1; ++j) {
-    const value_t* vr = vt + (j - j0) * vs;
+    const float* vr = vrows[j - j0];
     Vec v[HV];
     for (int64_t k = 0; k < HV; ++k) v[k] = load(vr + k * VL, std::min<int64_t>(VL, hd - k * VL));
     for (int64_t i = 0; i < R; ++i) {
@@ -247,19 +269,21 @@ void pv_tile(const bool* const* mrows, const float* w, int64_t kv_pad, int64_t j
 // once into ``vbuf`` ([KT, HV * VL]), not once per group.
 template <int64_t HV, typename scalar_t>
 void pv_groups(int64_t R, const bool* const* mrows, const float* w, int64_t kv_pad, const float* inv, int64_t nk,
-               const scalar_t* vb, int64_t vs, int64_t hd, float* acc, float* vbuf, scalar_t* const* orows) {
+               const scalar_t* vb, const Pages& vp, int64_t hd, float* acc, float* vbuf, scalar_t* const* orows) {
   constexpr int64_t G = HV <= 2 ? 8 : (HV <= 4 ? 6 : 2);
   std::fill(acc, acc + R * HV * VL, 0.0f);
+  const float* vrows[KT];
   for (int64_t j0 = 0; j0 < nk; j0 += KT) {
     const int64_t j1 = std::min<int64_t>(nk, j0 + KT);
-    const float* vtf = nullptr;
-    if constexpr (!std::is_same_v<scalar_t, float>) {
-      for (int64_t j = j0; j < j1; ++j) {
-        for (int64_t k = 0; k < HV; ++k) {
-          load(vb + j * vs + k * VL, std::min<int64_t>(VL, hd - k * VL)).store(vbuf + (j - j0) * HV * VL + k * VL);
-        }
+    for (int64_t j = j0; j < j1; ++j) {
+      const scalar_t* src = vb + vp.at(j);
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        vrows[j - j0] = src;
+      } else {
+        float* dst = vbuf + (j - j0) * HV * VL;
+        for (int64_t k = 0; k < HV; ++k) load(src + k * VL, std::min<int64_t>(VL, hd - k * VL)).store(dst + k * VL);
+        vrows[j - j0] = dst;
       }
-      vtf = vbuf;
     }
     for (int64_t i0 = 0; i0 < R; i0 += G) {
       const int64_t r = std::min<int64_t>(G, R - i0);
@@ -268,11 +292,7 @@ void pv_groups(int64_t R, const bool* const* mrows, const float* w, int64_t kv_p
       const bool* const* mi = mrows + i0;
       auto run = [&](auto rows) {
         constexpr int64_t RR = decltype(rows)::value;
-        if constexpr (std::is_same_v<scalar_t, float>) {
-          pv_tile<RR, HV>(mi, wi, kv_pad, j0, j1, vb + j0 * vs, vs, hd, ai);
-        } else {
-          pv_tile<RR, HV>(mi, wi, kv_pad, j0, j1, vtf, HV * VL, hd, ai);
-        }
+        pv_tile<RR, HV>(mi, wi, kv_pad, j0, j1, vrows, hd, ai);
       };
       switch (r) {
         case 1: run(std::integral_constant<int64_t, 1>{}); break;
@@ -299,17 +319,17 @@ void pv_groups(int64_t R, const bool* const* mrows, const float* w, int64_t kv_p
 
 template <typename scalar_t>
 void pv_dispatch(int64_t R, const bool* const* mrows, const float* w, int64_t kv_pad, const float* inv, int64_t nk,
-                 const scalar_t* vb, int64_t vs, int64_t hd, float* acc, float* vbuf, scalar_t* const* orows) {
+                 const scalar_t* vb, const Pages& vp, int64_t hd, float* acc, float* vbuf, scalar_t* const* orows) {
   const int64_t hv = (hd + VL - 1) / VL;
   switch (hv) {
-    case 1: pv_groups<1>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, vbuf, orows); break;
-    case 2: pv_groups<2>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, vbuf, orows); break;
-    case 3: pv_groups<3>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, vbuf, orows); break;
-    case 4: pv_groups<4>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, vbuf, orows); break;
-    case 5: pv_groups<5>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, vbuf, orows); break;
-    case 6: pv_groups<6>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, vbuf, orows); break;
-    case 7: pv_groups<7>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, vbuf, orows); break;
-    case 8: pv_groups<8>(R, mrows, w, kv_pad, inv, nk, vb, vs, hd, acc, vbuf, orows); break;
+    case 1: pv_groups<1>(R, mrows, w, kv_pad, inv, nk, vb, vp, hd, acc, vbuf, orows); break;
+    case 2: pv_groups<2>(R, mrows, w, kv_pad, inv, nk, vb, vp, hd, acc, vbuf, orows); break;
+    case 3: pv_groups<3>(R, mrows, w, kv_pad, inv, nk, vb, vp, hd, acc, vbuf, orows); break;
+    case 4: pv_groups<4>(R, mrows, w, kv_pad, inv, nk, vb, vp, hd, acc, vbuf, orows); break;
+    case 5: pv_groups<5>(R, mrows, w, kv_pad, inv, nk, vb, vp, hd, acc, vbuf, orows); break;
+    case 6: pv_groups<6>(R, mrows, w, kv_pad, inv, nk, vb, vp, hd, acc, vbuf, orows); break;
+    case 7: pv_groups<7>(R, mrows, w, kv_pad, inv, nk, vb, vp, hd, acc, vbuf, orows); break;
+    case 8: pv_groups<8>(R, mrows, w, kv_pad, inv, nk, vb, vp, hd, acc, vbuf, orows); break;
     default: TORCH_CHECK(false, "exact_attention: head size ", hd, " above ", 8 * VL);
   }
 }
@@ -325,9 +345,10 @@ void attend_float(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const scalar_t* vd = v_cache.data_ptr<scalar_t>();
   const bool* md = mask.data_ptr<bool>();
   scalar_t* od = out.data_ptr<scalar_t>();
-  // keys [S, n_kv, L, hd] stored transposed (positions contiguous, the head dim strided by k_d)
+  // keys [S or NB, n_kv, L or bs, hd] stored transposed (positions contiguous, the head dim strided by k_d)
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), k_d = k_cache.stride(3);
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
+  const int64_t bs = k_cache.size(2);
 
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qv(RB * hd), scores(RB * kv_pad), weights(RB * kv_pad), e(kv_pad + VL),
@@ -338,15 +359,16 @@ void attend_float(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       const Task& task = tasks[ti];
       const int64_t R = task.rows * task.heads;  // query vectors, row-major over (row, head)
       const int64_t g = task.head0 / group;
-      const scalar_t* kb = kd + task.slot * ks0 + g * ks1;
-      const scalar_t* vb = vd + task.slot * vs0 + g * vs1;
+      const scalar_t* kb = kd + g * ks1;  // the head's keys in block 0; Pages adds the block and the row
+      const scalar_t* vb = vd + g * vs1;
+      const Pages kp{task.table, bs, ks0, 1}, vp{task.table, bs, vs0, vs2};
       int64_t nk = 0;  // keys up to the last one any row of the task sees
       for (int64_t r = 0; r < task.rows; ++r) nk = std::max(nk, last_visible(md + (task.row0 + r) * kv_len, kv_len) + 1);
       for (int64_t i = 0; i < R; ++i) {
         const int64_t row = task.row0 + i / task.heads, h = task.head0 + i % task.heads;
         for (int64_t d = 0; d < hd; ++d) qv[d * R + i] = static_cast<float>(qd[(row * n_h + h) * hd + d]);
       }
-      score_dispatch(R, qv.data(), kb, k_d, hd, nk, kv_pad, scale, kbuf.data(), scores.data());
+      score_dispatch(R, qv.data(), kb, kp, k_d, hd, nk, kv_pad, scale, kbuf.data(), scores.data());
       const bool* mrows[RB];
       scalar_t* orows[RB];
       float inv[RB];
@@ -357,32 +379,37 @@ void attend_float(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         inv[i] = softmax_weights(mrows[i], scores.data() + i * kv_pad, nk, rank.data(), e.data(),
                                  weights.data() + i * kv_pad);
       }
-      pv_dispatch(R, mrows, weights.data(), kv_pad, inv, nk, vb, vs2, hd, acc.data(), vbuf.data(), orows);
+      pv_dispatch(R, mrows, weights.data(), kv_pad, inv, nk, vb, vp, hd, acc.data(), vbuf.data(), orows);
     }
   });
 }
 
-// float64 (the tests' reference dtype): the same visiting order, plain scalar loops.
+// float64 (the tests' reference dtype): the same visiting order, plain scalar loops; ``tables[t]`` is
+// row t's block table row (a contiguous cache: its slot).
 void attend_double(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& mask,
-                   double scale, at::Tensor& out) {
+                   const std::vector<const int64_t*>& tables, double scale, at::Tensor& out) {
   const int64_t T = q.size(0), n_h = q.size(1), hd = q.size(2);
-  const int64_t group = n_h / k_cache.size(1), kv_len = mask.size(1);
+  const int64_t group = n_h / k_cache.size(1), kv_len = mask.size(1), bs = k_cache.size(2);
   const auto qa = q.accessor<double, 3>();
-  const auto ka = k_cache.accessor<double, 4>();
-  const auto va = v_cache.accessor<double, 4>();
   const auto ma = mask.accessor<bool, 2>();
   auto oa = out.accessor<double, 3>();
+  const double* kd = k_cache.data_ptr<double>();
+  const double* vd = v_cache.data_ptr<double>();
+  const int64_t ks1 = k_cache.stride(1), k_d = k_cache.stride(3), vs1 = v_cache.stride(1), v_d = v_cache.stride(3);
   at::parallel_for(0, T * n_h, 1, [&](int64_t begin, int64_t end) {
     std::vector<double> s(kv_len);
     std::vector<int64_t> rk(kv_len);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t t = task / n_h, h = task % n_h, g = h / group;
+      const Pages kp{tables[t], bs, k_cache.stride(0), k_cache.stride(2)};
+      const Pages vp{tables[t], bs, v_cache.stride(0), v_cache.stride(2)};
       int64_t n = 0;
       double mx = -std::numeric_limits<double>::infinity();
       for (int64_t j = 0; j < kv_len; ++j) {
         if (!ma[t][j]) continue;
+        const double* kj = kd + kp.at(j) + g * ks1;
         double dot = 0;
-        for (int64_t d = 0; d < hd; ++d) dot = std::fma(qa[t][h][d], ka[0][g][j][d], dot);
+        for (int64_t d = 0; d < hd; ++d) dot = std::fma(qa[t][h][d], kj[d * k_d], dot);
         rk[n] = j;
         s[n] = dot * scale;
         mx = std::max(mx, s[n++]);
@@ -391,7 +418,7 @@ void attend_double(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
       for (int64_t m = 0; m < n; ++m) sum += (s[m] = std::exp(s[m] - mx));
       for (int64_t d = 0; d < hd; ++d) {
         double a = 0;
-        for (int64_t m = 0; m < n; ++m) a = std::fma(s[m], va[0][g][rk[m]][d], a);
+        for (int64_t m = 0; m < n; ++m) a = std::fma(s[m], vd[vp.at(rk[m]) + g * vs1 + d * v_d], a);
         oa[t][h][d] = n ? a / sum : 0.0;
       }
     }
@@ -399,30 +426,42 @@ void attend_double(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 }
 
 at::Tensor exact_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& slots, const at::Tensor& mask, double scale) {
+                           const at::Tensor& slots, const at::Tensor& mask, double scale,
+                           const std::optional<at::Tensor>& block_table) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "exact_attention runs on the CPU");
-  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4, "q [T, n_h, hd], caches [S, n_kv, L, hd]");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
+              "q [T, n_h, hd], caches [S, n_kv, L, hd] (paged: [NB, n_kv, bs, hd])");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "q and the caches must share a dtype");
   TORCH_CHECK(q.size(2) == k_cache.size(3) && q.size(2) == v_cache.size(3), "head sizes differ");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "heads must be a multiple of KV heads");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "the key and value caches differ in shape");
   TORCH_CHECK(mask.scalar_type() == at::kBool && mask.dim() == 2 && mask.size(0) == q.size(0), "mask [T, kv_len] bool");
-  TORCH_CHECK(mask.size(1) <= k_cache.size(2), "mask longer than the cache");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.numel() == q.size(0), "slots [T] int64");
+  const bool paged = block_table.has_value();
+  at::Tensor bt;
+  const int64_t bs = k_cache.size(2);
+  if (paged) {
+    bt = block_table->contiguous();
+    TORCH_CHECK(bt.scalar_type() == at::kLong && bt.dim() == 2, "block_table [S, nb] int64");
+    TORCH_CHECK(mask.size(1) <= bt.size(1) * bs, "mask longer than the block table covers");
+    TORCH_CHECK(q.scalar_type() == at::kDouble || bs % VL == 0, "block size ", bs, " is not a multiple of ", VL);
+  } else {
+    TORCH_CHECK(mask.size(1) <= bs, "mask longer than the cache");
+  }
   at::Tensor qc = q.contiguous(), mc = mask.contiguous(), sc = slots.contiguous();
   at::Tensor out = at::empty_like(qc);
   const int64_t T = q.size(0), n_kv = k_cache.size(1), group = q.size(1) / n_kv;
   const int64_t* sd = sc.data_ptr<int64_t>();
-  if (q.scalar_type() == at::kDouble) {  // reference path: one slot at a time
-    for (int64_t t = 0; t < T;) {
-      int64_t n = 1;
-      while (t + n < T && sd[t + n] == sd[t]) ++n;
-      at::Tensor o = out.narrow(0, t, n);
-      attend_double(qc.narrow(0, t, n), k_cache.narrow(0, sd[t], 1), v_cache.narrow(0, sd[t], 1),
-                    mc.narrow(0, t, n), scale, o);
-      t += n;
-    }
+  const int64_t rows = paged ? bt.size(0) : k_cache.size(0);
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(sd[t] >= 0 && sd[t] < rows, "slot ", sd[t], " outside [0, ", rows, ")");
+  // row t's block table row; a contiguous cache's slot s is the one block s of the whole length
+  auto table = [&](int64_t t) { return paged ? bt.data_ptr<int64_t>() + sd[t] * bt.stride(0) : sd + t; };
+  if (q.scalar_type() == at::kDouble) {  // reference path
+    std::vector<const int64_t*> tables(T);
+    for (int64_t t = 0; t < T; ++t) tables[t] = table(t);
+    attend_double(qc, k_cache, v_cache, mc, tables, scale, out);
     return out;
   }
   TORCH_CHECK(k_cache.stride(2) == 1, "the key cache must be stored transposed ([S, n_kv, hd, L] in memory)");
@@ -439,7 +478,7 @@ at::Tensor exact_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   for (int64_t t = 0; t < T;) {
     int64_t n = 1;
     while (t + n < T && n < rows_per_task && sd[t + n] == sd[t]) ++n;
-    for (int64_t h = 0; h < q.size(1); h += heads) tasks.push_back({sd[t], h, heads, t, n});
+    for (int64_t h = 0; h < q.size(1); h += heads) tasks.push_back({table(t), h, heads, t, n});
     t += n;
   }
   switch (q.scalar_type()) {
@@ -462,7 +501,8 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tidespec, m) {
-  m.def("exact_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor mask, float scale) -> Tensor");
+  m.def("exact_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor mask, float scale, "
+        "Tensor? block_table=None) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor w) -> Tensor");
 }
 

@@ -1,0 +1,32 @@
+"""``tidespec bench kv``: the same memory runs more sequences at once paged than in slots, with the
+same outputs, and bad input is a one-line error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tidespec.bench.kv.run import KVBenchConfig, run_kv_bench, table
+from tidespec.errors import UserError
+
+pytestmark = pytest.mark.integration
+
+
+def test_kv_bench_runs_more_sequences_at_once_paged_with_the_same_outputs(tmp_path: Path, two_threads) -> None:
+    cfg = KVBenchConfig(path="float32", slots=1, max_model_len=256, requests=4, seq_tokens=48)
+    doc = run_kv_bench(cfg, out_dir=tmp_path, progress=False)
+    s, rows = doc["summary"], doc["rows"]
+    assert s["identical"] and rows["slots"]["peak_running"] == 1 and rows["paged"]["peak_running"] == 4
+    assert s["capacity_tokens"]["slots"] == 256 and s["capacity_tokens"]["paged"] >= 256
+    assert rows["paged"]["steps"] < rows["slots"]["steps"]
+    for name in ("results.json", "table.md", "plot.png"):
+        assert (tmp_path / name).exists()
+    assert "outputs identical: yes" in table(doc)
+
+
+@pytest.mark.parametrize("kw", [{"path": "float16"}, {"seq_tokens": 4096}, {"requests": 1}])
+def test_kv_bench_rejects_bad_input_in_one_line(kw: dict[str, object]) -> None:
+    with pytest.raises(UserError) as err:
+        KVBenchConfig(**kw)  # type: ignore[arg-type]
+    assert "\n" not in str(err.value)

@@ -1,0 +1,1 @@
+"""``tidespec bench kv``: sequences at once in the same KV memory, paged or in slots."""

@@ -1,0 +1,218 @@
+"""Paged KV cache: a pool of fixed-size blocks shared by all sequences, a block table per sequence.
+
+Why this exists: a slot cache (``models/kv_cache.py``) reserves ``max_model_len`` positions per
+sequence, so ``--max-num-seqs`` multiplies the worst case and the number of sequences in flight is
+bounded by it rather than by the tokens really held. Here a sequence (still named by its slot, now
+a row of the block table) holds only the blocks its positions need, taken from one pool sized by
+the memory given to it; the engine admits by free blocks and preempts when they run out
+(``engine/scheduler.py``). Only the row-invariant CPU target uses it: its attention kernel reads
+keys and values through the block table (``tidespec::exact_attention``, ``models/csrc``) with the
+same arithmetic as over a contiguous slot, so paging changes no bit of any output.
+
+Layout: per layer, keys ``[NB, n_kv, hd, bs]`` in memory (``k[i]`` is the ``[NB, n_kv, bs, hd]``
+view, as the slot cache's transposed keys), values ``[NB, n_kv, bs, hd]``. Block 0 is never handed
+out: a table entry past a sequence's blocks points at it, so a read there stays inside the pool
+(the kernel never reads past a row's visible keys; the entry only has to be a valid index).
+
+Blocks are taken by ``reserve`` before a forward writes positions and given back by ``free``. A
+rollback (rejected drafts) keeps them: the next step writes there again. When the pool runs dry,
+``reserve`` first takes back such slack (blocks wholly past a sequence's length and past what was
+reserved for the coming forward) from every sequence.
+
+Worked example (blocks of 16, a pool of 4 usable blocks)::
+
+    kv = PagedKVCache(num_layers=2, num_slots=3, max_len=64, num_kv_heads=1, head_dim=16,
+                      dtype=torch.float32, block_size=16, num_blocks=4)
+    s = kv.allocate()             # -> 0, no block yet
+    kv.reserve(s, 20)             # True: blocks for positions 0..19 (2 blocks), table row [1, 2, 0, 0]
+    kv.set_length(s, 20)
+    t = kv.allocate(); kv.reserve(t, 40)   # False: 3 blocks needed, 2 free (t keeps the 2 it got)
+    kv.free(s); kv.reserve(t, 40)          # True
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tidespec.errors import ConfigError
+from tidespec.models.kv_cache import KVCache, available_memory
+from tidespec.models.llama import LlamaConfig
+
+log = logging.getLogger(__name__)
+
+KERNEL_BLOCK_MULTIPLE = 16  # the kernel loads VL (8 or 16) consecutive keys at once within one block
+
+
+def kernel_block_size(block_size: int) -> int:
+    """The paged cache's block size for a requested one: rounded up to a multiple of 16, so that
+    no vector of keys straddles two blocks. Example: 4 -> 16, 16 -> 16, 24 -> 32."""
+    return -(-block_size // KERNEL_BLOCK_MULTIPLE) * KERNEL_BLOCK_MULTIPLE
+
+
+class PagedKVCache(KVCache):
+    """A ``KVCache`` whose slots hold blocks of a shared pool (module docstring)."""
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, block_size: int, num_blocks: int) -> None:
+        if block_size % KERNEL_BLOCK_MULTIPLE:
+            raise ValueError(f"block size {block_size} is not a multiple of {KERNEL_BLOCK_MULTIPLE}")
+        if num_blocks < 1:
+            raise ConfigError(f"the KV cache holds no block of {block_size} tokens; raise --kv-cache-memory-mb")
+        from tidespec.models.kernels import exact_attention_error  # the kernel that reads through the table
+
+        error = exact_attention_error()
+        if error is not None:
+            raise RuntimeError(f"a paged KV cache needs tidespec's exact attention kernel: {error}")
+        total = num_blocks + 1  # block 0: what unused table entries point at
+        try:
+            keys = [torch.empty((total, num_kv_heads, head_dim, block_size), dtype=dtype) for _ in range(num_layers)]
+            self.k = [k.transpose(2, 3) for k in keys]  # [NB, n_kv, bs, hd] views, positions contiguous
+            self.v = [torch.empty((total, num_kv_heads, block_size, head_dim), dtype=dtype) for _ in range(num_layers)]
+        except RuntimeError as exc:
+            need = 2 * num_layers * total * num_kv_heads * block_size * head_dim * dtype.itemsize
+            raise ConfigError(f"the KV cache of {num_blocks} blocks x {block_size} tokens needs "
+                              f"{need / 2**30:,.1f} GiB: out of memory; lower --kv-cache-memory-mb") from exc
+        self.num_slots = num_slots
+        self.spare_slot = None
+        self.max_len = max_len
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.lengths = [0] * num_slots
+        self.finite = [max_len] * num_slots  # nothing to zero: the kernel never reads an unwritten value
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.max_blocks = -(-max_len // block_size)
+        self.block_table = torch.zeros(num_slots, self.max_blocks, dtype=torch.int64)  # [S, nb], 0 = none
+        self.blocks: list[list[int]] = [[] for _ in range(num_slots)]
+        self.reserved = [0] * num_slots  # positions reserved for the coming forward
+        self._free_blocks = list(range(num_blocks, 0, -1))  # pop() hands out block 1 first
+
+    @property
+    def paged(self) -> bool:
+        return True
+
+    @property
+    def capacity(self) -> int:
+        """Positions the whole pool holds (the longest sequence it can ever serve, alone)."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no sequence holds, plus the slack ``reserve`` would take back."""
+        return len(self._free_blocks) + sum(len(b) - self._kept(s) for s, b in enumerate(self.blocks))
+
+    def blocks_for(self, positions: int) -> int:
+        """Blocks that ``positions`` positions take. Example (blocks of 16): 33 -> 3."""
+        return -(-positions // self.block_size)
+
+    def _kept(self, slot: int) -> int:
+        """Blocks of ``slot`` in use: its length's, or what was reserved for the coming forward."""
+        return min(len(self.blocks[slot]), self.blocks_for(max(self.lengths[slot], self.reserved[slot])))
+
+    def reserve(self, slot: int, upto: int) -> bool:
+        """Blocks for positions ``[0, upto)`` of ``slot`` (taking back other sequences' slack when the
+        pool is dry); False when the pool cannot give them all (the slot keeps what it got)."""
+        if upto > self.max_len:
+            raise ValueError(f"position {upto} past the longest sequence, {self.max_len}")
+        self.reserved[slot] = max(self.reserved[slot], upto)
+        held = self.blocks[slot]
+        need = self.blocks_for(upto) - len(held)
+        if need > len(self._free_blocks):
+            self._reclaim()
+        while need > 0 and self._free_blocks:
+            block = self._free_blocks.pop()
+            self.block_table[slot, len(held)] = block
+            held.append(block)
+            need -= 1
+        return need <= 0
+
+    def _reclaim(self) -> None:
+        """Take back every sequence's slack: blocks wholly past its length and its reservation."""
+        for slot, held in enumerate(self.blocks):
+            keep = self._kept(slot)
+            if len(held) > keep:
+                self._free_blocks.extend(reversed(held[keep:]))
+                self.block_table[slot, keep:len(held)] = 0
+                del held[keep:]
+
+    def room(self, slot: int) -> int:
+        """Positions ``slot`` could reach now: its blocks and every free or reclaimable one."""
+        return min(self.max_len, (len(self.blocks[slot]) + self.num_free_blocks) * self.block_size)
+
+    def allocate(self) -> int | None:
+        slot = super().allocate()
+        if slot is not None:
+            self.reserved[slot] = 0
+        return slot
+
+    def free(self, slot: int) -> None:
+        super().free(slot)
+        self.release(slot)
+
+    def release(self, slot: int) -> None:
+        """Give back every block of ``slot`` (a freed sequence's, or what a warm-up wrote into a free slot)."""
+        held = self.blocks[slot]
+        self._free_blocks.extend(reversed(held))
+        self.block_table[slot, :len(held)] = 0
+        held.clear()
+        self.reserved[slot] = 0
+        self.lengths[slot] = 0
+
+    def set_length(self, slot: int, length: int) -> None:
+        super().set_length(slot, length)
+        self.reserved[slot] = 0  # the forward ran: from now on the length says what is in use
+
+    def locate(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, row) of positions ``start .. end - 1`` of ``slot``: two [end - start] int64 tensors."""
+        pos = torch.arange(start, end, dtype=torch.int64)
+        return self.block_table[slot, pos // self.block_size], pos % self.block_size
+
+    def make_readable(self, slots: list[int], upto: int) -> None:
+        """Nothing to do: the exact kernel never does arithmetic on a masked key's value."""
+
+    def mark_written(self, slot: int, upto: int) -> None:
+        """Nothing to do (``make_readable``)."""
+
+    def compact(self, slot: int, src: list[int], dst_start: int) -> None:
+        """Move K/V at offsets ``src`` (ascending) to ``dst_start, dst_start+1, ...`` in every layer."""
+        if not src or src == list(range(dst_start, dst_start + len(src))):
+            return
+        idx = torch.tensor(src, dtype=torch.int64)
+        sb, so = self.block_table[slot, idx // self.block_size], idx % self.block_size
+        db, do = self.locate(slot, dst_start, dst_start + len(src))
+        for k, v in zip(self.k, self.v):
+            k[db, :, do] = k[sb, :, so]  # the gather copies first: sources overwritten later are read already
+            v[db, :, do] = v[sb, :, so]
+
+    def usage(self) -> float:
+        """Fraction of the pool's positions holding valid K/V."""
+        return sum(self.lengths) / float(self.capacity)
+
+
+def paged_kv_cache(cfg: LlamaConfig, num_slots: int, max_len: int, dtype: torch.dtype, block_size: int,
+                   memory: int = 0, overcommit: bool = False) -> PagedKVCache:
+    """The paged cache of a target: ``memory`` bytes of blocks (``--kv-cache-memory-mb``), or by default
+    room for every slot's full length, capped at 90 % of the memory available now (then fewer
+    sequences run at once than ``--max-num-seqs`` when they grow long; the scheduler preempts).
+
+    Example: SmolLM2-135M in float32, blocks of 16: 2 x 30 x 3 x 16 x 64 x 4 = 737,280 bytes a block;
+    512 MiB -> 728 blocks = 11,648 tokens, e.g. 45 sequences of 256 (a slot cache of --max-model-len
+    2048 fits 5 sequences in the same memory)."""
+    per_block = 2 * cfg.num_layers * cfg.num_kv_heads * block_size * cfg.head_dim * dtype.itemsize
+    worst = num_slots * -(-max_len // block_size)
+    available = available_memory()
+    if memory:
+        blocks = memory // per_block
+        if not overcommit and blocks * per_block > available:
+            raise ConfigError(f"--kv-cache-memory-mb {memory // 2**20} is more than the {available / 2**30:,.1f} GiB of "
+                              f"memory available; lower it, or pass --kv-overcommit")
+    else:
+        blocks = worst if overcommit else min(worst, int(0.9 * available) // per_block)
+        if blocks < worst:
+            log.info("KV cache: %d blocks of %d tokens (%.1f GiB, 90%% of the memory available) hold %d of the %d "
+                     "tokens --max-num-seqs x --max-model-len would reserve; sequences beyond wait or are preempted",
+                     blocks, block_size, blocks * per_block / 2**30, blocks * block_size, worst * block_size)
+    # a running sequence holds at least one block: more slots than blocks would never all be used
+    return PagedKVCache(cfg.num_layers, min(num_slots, max(1, blocks)), max_len, cfg.num_kv_heads, cfg.head_dim,
+                        dtype, block_size, blocks)
