@@ -208,7 +208,8 @@ class CacheConfig(Section):
                                      "x --max-model-len, within 90%% of the memory available (other targets "
                                      "reserve --max-model-len per sequence)", min=0)
     block_size: int = opt(16, "tokens per prefix-cache block; the paged KV cache's blocks are this rounded up to "
-                              "a multiple of 16", min=1, max=256)
+                              "a multiple of 16 (one of --max-model-len tokens: a slot per sequence)", min=1,
+                          max=65536)
 
 
 @dataclass

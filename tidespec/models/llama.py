@@ -150,6 +150,8 @@ class BatchLayout:
     block_table: torch.Tensor | None = None
     write_blocks: torch.Tensor | None = None
     write_rows: torch.Tensor | None = None
+    # ... and, when they are few, the runs of new tokens within one block: (block, first row, first token, n)
+    write_runs: list[tuple[int, int, int, int]] | None = None
 
     def page(self, kv: KVStorage) -> None:
         """Lay this forward out over a paged cache (``models/kv_paged.py``): blocks for every new
@@ -163,6 +165,16 @@ class BatchLayout:
         self.write_blocks = kv.block_table[self.write_slots, self.write_offsets // bs]  # [T]
         self.write_rows = self.write_offsets % bs  # [T]
         self._plans.clear()
+        runs: list[tuple[int, int, int, int]] = []
+        start = 0
+        for slot, c, q in zip(self.slots, self.ctx_lens, self.q_lens):
+            pos = c
+            while pos < c + q and len(runs) <= SLICE_WRITE_MAX_SEQS:
+                n = min(c + q - pos, bs - pos % bs)
+                runs.append((kv.blocks[slot][pos // bs], pos % bs, start + pos - c, n))
+                pos += n
+            start += q
+        self.write_runs = runs if len(runs) <= SLICE_WRITE_MAX_SEQS else None
 
     def attention_plan(self, window: int | None, kv: "KVStorage | None" = None, exact: bool = False) -> AttentionPlan:
         """The attention plan of this layout, built on first use and shared by all layers; ``exact``:
@@ -180,7 +192,11 @@ class BatchLayout:
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Write the new tokens' K/V ([T, n_kv, hd]) into their slots ([S, n_kv, L, hd]), or their
         blocks ([NB, n_kv, bs, hd]) when paged."""
-        if self.write_blocks is not None:
+        if self.write_runs is not None:  # a decode step's few rows: slice copies into their blocks
+            for block, row, t, n in self.write_runs:
+                k_cache[block, :, row:row + n] = k[t:t + n].transpose(0, 1)
+                v_cache[block, :, row:row + n] = v[t:t + n].transpose(0, 1)
+        elif self.write_blocks is not None:
             k_cache[self.write_blocks, :, self.write_rows] = k
             v_cache[self.write_blocks, :, self.write_rows] = v
         elif len(self.q_lens) <= SLICE_WRITE_MAX_SEQS:  # two slice copies beat two index_put calls
@@ -242,7 +258,7 @@ class KVStorage(Protocol):
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
-    paged: bool  # a paged cache also has block_size, block_table and reserve (``models/kv_paged.py``)
+    paged: bool  # a paged cache also has block_size, block_table, blocks and reserve (``models/kv_paged.py``)
 
     def make_readable(self, slots: list[int], upto: int) -> None: ...
 
