@@ -71,6 +71,7 @@ class Scheduler:
         """``on_preempt(seq)``: called before a preempted sequence's slot is freed (its K/V still there)."""
         self.kv = kv
         self.on_preempt = on_preempt
+        self.num_preemptions = 0  # sequences preempted since start
         self.budget = max_num_batched_tokens
         self.max_waiting = max_waiting
         self.waiting: deque[Sequence] = deque()
@@ -183,5 +184,6 @@ class Scheduler:
         seq.num_cached = 0
         seq.status = SeqStatus.WAITING
         seq.stats.num_preemptions += 1
+        self.num_preemptions += 1
         self.waiting.appendleft(seq)
         batch.preempted.append(seq)

@@ -82,6 +82,8 @@ class ExactnessBenchConfig:
     drafters: str = opt(";".join(DRAFTERS), "semicolon-separated drafter configurations: " + "; ".join(DRAFTERS))
     gamma: int = opt(4, "draft tokens per step", min=1)
     max_num_seqs: int = opt(32, "KV slots (the batched runs put every prompt in flight at once)", min=1)
+    kv_cache_memory_mb: int = opt(0, "KV cache of the drafters' engines, MiB (0: room for every prompt at once; a "
+                                     "small one preempts sequences in the batched cells)", min=0)
     model: str | None = opt(None, "target: HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M)")
     device: str = opt("cpu", "torch device of the target (cuda: CUDA graphs; int8/int4 paths need cpu)")
     cuda_invariance: str = opt("fixed-shape", "on CUDA: fixed-shape or row-attention (ModelConfig's --cuda-invariance)")
@@ -181,12 +183,15 @@ def _compare(target: LoadedModel, prompts: list[Prompt], plain: list[list[int]],
 
 def _cell(target: LoadedModel, prompts: list[Prompt], plain: list[list[int]], engine: LLMEngine, max_tokens: int,
           batched: bool) -> dict[str, Any]:
-    """One cell: ``engine``'s outputs against ``plain``, and the prompt tokens it reused from its
-    prefix cache (``prefix_hit_tokens``; prompts hit what earlier cells and requests cached)."""
+    """One cell: ``engine``'s outputs against ``plain``, the prompt tokens it reused from its prefix
+    cache (``prefix_hit_tokens``; prompts hit what earlier cells and requests cached) and the
+    sequences it preempted for lack of KV blocks (``preempted``)."""
     pc = engine.prefix_cache
     before = pc.hit_tokens if pc is not None else 0
+    preempted = engine.scheduler.num_preemptions
     got = _generate(engine, [p.token_ids for p in prompts], max_tokens, batched)
-    return {**_compare(target, prompts, plain, got), "prefix_hit_tokens": (pc.hit_tokens - before) if pc else 0}
+    return {**_compare(target, prompts, plain, got), "prefix_hit_tokens": (pc.hit_tokens - before) if pc else 0,
+            "preempted": engine.scheduler.num_preemptions - preempted}
 
 
 def _shadow(engine: LLMEngine, tokens: list[int]) -> Sequence:
@@ -293,8 +298,8 @@ def run_exactness_bench(cfg: ExactnessBenchConfig, row_invariant: bool = True, o
             entry["cells"]["plain+prefix/batched"] = _cell(target, prompts, plain, plain_engine, cfg.max_tokens, True)
         for name in cfg.drafter_list:
             spec, policy = spec_for(name, cfg.gamma)
-            econf = EngineConfig(model=model_cfg, cache=cache, spec=spec, policy=policy,
-                                 scheduler=SchedulerConfig())
+            econf = EngineConfig(model=model_cfg, cache=dataclasses.replace(
+                cache, kv_cache_memory_mb=cfg.kv_cache_memory_mb), spec=spec, policy=policy, scheduler=SchedulerConfig())
             engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
             for batched in (False, True):
                 entry["cells"][f"{name}/{'batched' if batched else 'alone'}"] = _cell(target, prompts, plain, engine,
@@ -340,5 +345,8 @@ def write_report(doc: dict[str, Any], out_dir: Path) -> None:
     setting = (f"row invariance: {'on' if c['row_invariant'] else 'off (--no-row-invariant)'}; {c['limit']} prompts "
                f"per workload of {c['workloads']}, {c['max_tokens']} tokens, greedy, EOS ignored, gamma {c['gamma']}; "
                "each cell: outputs identical to the path's plain decoding of the prompt alone")
+    if c.get("kv_cache_memory_mb"):
+        preempted = sum(cell.get("preempted", 0) for p in doc["paths"] for cell in p["cells"].values())
+        setting += f"; drafter cells in a {c['kv_cache_memory_mb']} MiB KV cache: {preempted} preemptions in all"
     head = [f"`{doc.get('command', '')}`", "", machine_line(doc["machine"]), "", setting, ""]
     (out_dir / "table.md").write_text("\n".join(head) + table(doc) + "\n")
