@@ -139,7 +139,7 @@ class LLMEngine:
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise RequestError("prompt is empty", param="prompt")
-        limit = min(self.max_model_len, getattr(self.kv, "capacity", self.max_model_len))
+        limit = min(self.max_model_len, self.kv.capacity)
         if len(ids) + params.max_tokens > limit:
             # the prompt is at fault when it leaves no room for one token, else max_tokens
             what = "context length" if limit == self.max_model_len else "KV cache's capacity (--kv-cache-memory-mb)"
@@ -495,9 +495,9 @@ class LLMEngine:
             return t[rows[0]:rows[0] + len(rows)].clone()
         return t.index_select(0, torch.tensor(rows, dtype=torch.int64, device=t.device))
 
-    def _preempted(self, seq: Sequence) -> None:
-        """A sequence loses its KV blocks (``Scheduler``): its blocks go to the prefix cache first, so
-        that its recompute is mostly a copy; the drafter forgets it and relearns it from that prefill."""
+    def _let_go(self, seq: Sequence) -> None:
+        """Before a sequence's K/V is freed: its full blocks (its output too: a chat resends it as
+        history; a preempted sequence finds them again) into the prefix cache; the drafter releases it."""
         if self.prefix_cache is not None:
             if seq.slot is not None:
                 self._guarded("prefix cache", self.prefix_cache.insert, seq.seq_id, seq.slot, seq.token_ids,
@@ -506,17 +506,16 @@ class LLMEngine:
         if self.drafter is not None:
             self._guarded("drafter release", self.drafter.release, seq.seq_id)
 
+    def _preempted(self, seq: Sequence) -> None:
+        """A sequence loses its KV blocks (``Scheduler``): its recompute is then mostly a prefix hit,
+        and the drafter relearns it from that prefill."""
+        self._let_go(seq)
+
     def _finish(self, seq: Sequence, reason: str) -> None:
         seq.finish_reason = reason
         seq.stats.finish_time = time.perf_counter()
-        if self.prefix_cache is not None:
-            if seq.slot is not None:  # its output too: a chat resends it as history
-                self._guarded("prefix cache", self.prefix_cache.insert, seq.seq_id, seq.slot, seq.token_ids,
-                              seq.num_cached)
-            self.prefix_cache.forget(seq.seq_id)
+        self._let_go(seq)
         self.scheduler.remove(seq)
-        if self.drafter is not None:
-            self._guarded("drafter release", self.drafter.release, seq.seq_id)
         for observer in self.observers:
             self._guarded("finish observer", observer.on_finish, seq)
 

@@ -105,14 +105,15 @@ class Scheduler:
         grow; returns those admitted. Nothing waits behind an empty cache: the first request is
         admitted whenever nothing runs."""
         admitted = []
-        promised = 0  # blocks the requests admitted here will take as their prefills run
+        paged = self.kv if isinstance(self.kv, PagedKVCache) else None
+        free = paged.num_free_blocks if paged is not None and self.waiting else 0  # less what is admitted here
         while self.waiting and self.kv.num_free_slots:
             seq = self.waiting[0]
-            if isinstance(self.kv, PagedKVCache) and self.running:
-                need = self.kv.blocks_for(seq.prefill_len + 1)
-                if self.kv.num_free_blocks - promised - need < max(1, self.kv.num_blocks // 100):
+            if paged is not None and self.running:
+                need = paged.blocks_for(seq.prefill_len + 1)
+                if free - need < max(1, paged.num_blocks // 100):
                     break
-                promised += need
+                free -= need
             self.waiting.popleft()
             seq.slot = self.kv.allocate()
             seq.status = SeqStatus.RUNNING

@@ -181,12 +181,10 @@ class CompiledStep:
         if plan.row_mask is not None:  # every batch runs: the exact kernel reads each row's own slot
             rows = logits_rows if logits_rows is not None else torch.arange(ids.shape[0], device=ids.device)
             none = rows.shape[0] == 0  # a prompt chunk without logits: the last row's, dropped (no graph of its own)
-            paged = layout.write_blocks is not None and layout.write_rows is not None
+            paged = layout.block_table is not None
+            to, at = layout.paged_writes() if paged else (layout.write_slots, layout.write_offsets)
             with torch.inference_mode():
-                logits, taps, last = self._fn(ids, layout.positions,
-                                              layout.write_blocks if paged else layout.write_slots,
-                                              layout.write_rows if paged else layout.write_offsets,
-                                              layout.write_slots, plan.row_mask,
+                logits, taps, last = self._fn(ids, layout.positions, to, at, layout.write_slots, plan.row_mask,
                                               rows if not none else rows.new_full((1,), ids.shape[0] - 1),
                                               layout.block_table)
             self.num_compiled += 1

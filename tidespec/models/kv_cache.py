@@ -120,6 +120,11 @@ class KVCache:
                    transposed_keys, overcommit)
 
     @property
+    def capacity(self) -> int:
+        """The most positions one sequence can hold: its slot's length."""
+        return self.max_len
+
+    @property
     def paged(self) -> bool:
         """Whether sequences hold blocks of a shared pool (``models/kv_paged.py``) rather than slots."""
         return False

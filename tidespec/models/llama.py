@@ -146,35 +146,37 @@ class BatchLayout:
     write_offsets: torch.Tensor  # [T] int64 cache offset of each new token (ctx + index)
     tree_masks: list[torch.Tensor | None] = field(default_factory=list)  # per seq [q, p + q] bool or None (causal)
     _plans: dict[int | None, AttentionPlan] = field(default_factory=dict, repr=False)  # per sliding window
-    # a paged cache (``page``): its block table [S, nb] and each new token's block and row in it, [T] each
+    # a paged cache (``page``): its block table [S, nb] and block size, and, when they are few, the
+    # runs of new tokens within one block: (block, first row, first token, n)
     block_table: torch.Tensor | None = None
-    write_blocks: torch.Tensor | None = None
-    write_rows: torch.Tensor | None = None
-    # ... and, when they are few, the runs of new tokens within one block: (block, first row, first token, n)
+    block_size: int = 0
     write_runs: list[tuple[int, int, int, int]] | None = None
 
     def page(self, kv: KVStorage) -> None:
         """Lay this forward out over a paged cache (``models/kv_paged.py``): blocks for every new
         position first (raises RuntimeError when the pool cannot give them: the scheduler reserves
-        ahead, so only a caller that did not gets it), then where each new token's K/V goes."""
-        for slot, c, q in zip(self.slots, self.ctx_lens, self.q_lens):
-            if not kv.reserve(slot, c + q):
-                raise RuntimeError(f"the KV cache has no free block for {c + q} positions of slot {slot}")
+        ahead, so only a caller that did not gets it), then the runs of new tokens per block."""
         bs = kv.block_size
-        self.block_table = kv.block_table
-        self.write_blocks = kv.block_table[self.write_slots, self.write_offsets // bs]  # [T]
-        self.write_rows = self.write_offsets % bs  # [T]
-        self._plans.clear()
         runs: list[tuple[int, int, int, int]] = []
         start = 0
         for slot, c, q in zip(self.slots, self.ctx_lens, self.q_lens):
+            if not kv.reserve(slot, c + q):
+                raise RuntimeError(f"the KV cache has no free block for {c + q} positions of slot {slot}")
             pos = c
             while pos < c + q and len(runs) <= SLICE_WRITE_MAX_SEQS:
                 n = min(c + q - pos, bs - pos % bs)
                 runs.append((kv.blocks[slot][pos // bs], pos % bs, start + pos - c, n))
                 pos += n
             start += q
+        self.block_table, self.block_size = kv.block_table, bs
         self.write_runs = runs if len(runs) <= SLICE_WRITE_MAX_SEQS else None
+        self._plans.clear()
+
+    def paged_writes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each new token's block and row in a paged cache (after ``page``): two [T] int64 tensors."""
+        assert self.block_table is not None
+        return self.block_table[self.write_slots, self.write_offsets // self.block_size], \
+            self.write_offsets % self.block_size
 
     def attention_plan(self, window: int | None, kv: "KVStorage | None" = None, exact: bool = False) -> AttentionPlan:
         """The attention plan of this layout, built on first use and shared by all layers; ``exact``:
@@ -196,9 +198,10 @@ class BatchLayout:
             for block, row, t, n in self.write_runs:
                 k_cache[block, :, row:row + n] = k[t:t + n].transpose(0, 1)
                 v_cache[block, :, row:row + n] = v[t:t + n].transpose(0, 1)
-        elif self.write_blocks is not None:
-            k_cache[self.write_blocks, :, self.write_rows] = k
-            v_cache[self.write_blocks, :, self.write_rows] = v
+        elif self.block_table is not None:
+            blocks, rows = self.paged_writes()
+            k_cache[blocks, :, rows] = k
+            v_cache[blocks, :, rows] = v
         elif len(self.q_lens) <= SLICE_WRITE_MAX_SEQS:  # two slice copies beat two index_put calls
             start = 0
             for q_len, ctx, slot in zip(self.q_lens, self.ctx_lens, self.slots):
