@@ -13,7 +13,7 @@ PYTEST_ARGS ?= -n 2 --durations=15
 BROWSER_PKG := chromium-headless-shell
 BROWSERS := chromium-headless-shell chromium chromium-browser google-chrome chrome-headless-shell
 
-.PHONY: demo test fuzz exactness venv browser clean
+.PHONY: demo test test-fleet fleet fuzz exactness venv browser clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -38,7 +38,16 @@ browser:
 	else echo "no headless Chromium (and no root apt-get to install it): the dashboard's browser test will be skipped"; fi
 
 test: $(STAMP) browser
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_ARGS) -m "not fleet"
+
+# the fleet extra (Ray Serve; `tidespec fleet`), into .venv; the single-process server never needs it
+fleet: $(STAMP)
+	$(PY) -c "import ray.serve" 2>/dev/null || $(PY) -m pip install -q -e '.[test,fleet]'
+
+# the fleet's tests on a local Ray cluster (2 replicas + the trainer; ~2 min on 2 cores; not part of
+# `make test`, whose set-up does not install Ray)
+test-fleet: fleet
+	$(PY) -m pytest -q -m fleet tests/fleet
 
 # schemathesis against a live `tidespec serve` (~11,000 requests, ~41 min on 2 cores; not part of
 # `make test`): no 5xx, every request answered, the server idle afterwards

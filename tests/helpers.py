@@ -221,3 +221,17 @@ def switching_drafters(step: int, i: int) -> tuple[str, int]:
         return "suffix", 0
     names = ["suffix", "eagle3", "draft-model", "ngram"]
     return names[(step + i) % 4], 1 + (step + 2 * i) % 4
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids whose command line contains ``text`` (Linux /proc): children a test expects gone, or
+    processes it kills on purpose."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(d.name))
+            except OSError:
+                continue
+    return pids

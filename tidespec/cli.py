@@ -108,10 +108,11 @@ def build_parser() -> argparse.ArgumentParser:
 def _registrars() -> list[Registrar]:
     """Sub-command groups that live with the code they run (imported when the parser is built)."""
     from tidespec.bench.cli import register as bench
+    from tidespec.fleet.cli import register as fleet
     from tidespec.online.training.cli import register as train_drafter
     from tidespec.server.cli import register as serve
 
-    return [bench, serve, train_drafter]
+    return [bench, fleet, serve, train_drafter]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from tests.helpers import tiny_hf_model, write_tiny_checkpoint
+from tests.helpers import processes_mentioning, tiny_hf_model, write_tiny_checkpoint
 from tidespec.bench.serve.run import free_port, launch_server, stop_server
 from tidespec.models.eagle3_checkpoint import latest_version
 from tidespec.online.store import SignalStore
@@ -60,19 +60,7 @@ def test_serve_online_training_swaps_in_a_trained_drafter(tmp_path: Path) -> Non
     assert "published v1" in trainer_log
     # the trainer child stops with the server (SIGTERM: app shutdown hook; a killed server: PDEATHSIG)
     deadline = time.monotonic() + 20
-    while _processes_mentioning(str(root)) and time.monotonic() < deadline:
+    while processes_mentioning(str(root)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _processes_mentioning(str(root))
+    assert not processes_mentioning(str(root))
 
-
-def _processes_mentioning(text: str) -> list[int]:
-    """Pids whose command line contains ``text`` (Linux /proc)."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if text in (d / "cmdline").read_bytes().decode(errors="replace"):
-                    pids.append(int(d.name))
-            except OSError:
-                continue
-    return pids

@@ -16,11 +16,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import ipaddress
 import logging
 import os
-import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -52,20 +50,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     g.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    add_api_args(g)
+    g.add_argument("--header-timeout", type=finite_float, default=HEADER_TIMEOUT_S, metavar="S",
+                   help="close a connection whose request headers are not complete S seconds after its "
+                        f"first byte (408; default: {HEADER_TIMEOUT_S:g})")
+    g.add_argument("--shutdown-grace", type=finite_float, default=GRACE_S, metavar="S",
+                   help="on SIGTERM/SIGINT, admit nothing new (503) and give requests in flight S seconds to finish; "
+                        f"the rest end with a 503 or an error event, then the server exits 0 (default: {GRACE_S:g})")
+    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
+                   help="uvicorn and tidespec log level (default: info)")
+    p.set_defaults(func=cmd_serve, max_waiting=DEFAULT_MAX_WAITING)
+
+
+def add_api_args(g: argparse._ActionsContainer) -> None:
+    """The flags of the API an app serves (``ServerConfig``): ``serve`` and ``fleet`` share them."""
     g.add_argument("--api-key", default=None,
                    help="require the key on every route but /health, sent as 'Authorization: Bearer KEY', "
                         f"'X-API-Key: KEY' or HTTP Basic auth with KEY as password (default: env {API_KEY_ENV})")
     g.add_argument("--served-model-name", default=None,
                    help="model name clients must send (default: the checkpoint's name)")
-    g.add_argument("--header-timeout", type=finite_float, default=HEADER_TIMEOUT_S, metavar="S",
-                   help="close a connection whose request headers are not complete S seconds after its "
-                        f"first byte (408; default: {HEADER_TIMEOUT_S:g})")
     g.add_argument("--body-timeout", type=finite_float, default=BODY_TIMEOUT_S, metavar="S",
                    help="answer 408 and close the connection when a request's body is not complete S seconds after "
                         f"its headers (default: {BODY_TIMEOUT_S:g})")
-    g.add_argument("--shutdown-grace", type=finite_float, default=GRACE_S, metavar="S",
-                   help="on SIGTERM/SIGINT, admit nothing new (503) and give requests in flight S seconds to finish; "
-                        f"the rest end with a 503 or an error event, then the server exits 0 (default: {GRACE_S:g})")
     g.add_argument("--trim-memory", action=argparse.BooleanOptionalAction, default=True,
                    help="after a request with a large body, hand the heap pages it freed back to the OS (glibc "
                         "malloc_trim, off the request path): RSS returns to its level before the burst (default: on)")
@@ -76,9 +82,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="re-decode this fraction of finished greedy requests plainly while the engine is idle and "
                         "compare them token by token; a mismatch is logged (request id, position, top-2 logit gap) "
                         "and counted in tidespec:exactness_checks_total{result} (default: 0, off)")
-    g.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
-                   help="uvicorn and tidespec log level (default: info)")
-    p.set_defaults(func=cmd_serve, max_waiting=DEFAULT_MAX_WAITING)
+
+
+def server_config_from_args(ns: argparse.Namespace, config: EngineConfig) -> ServerConfig:
+    """The ``ServerConfig`` of ``add_api_args``' flags (the API key from the flag, else the environment)."""
+    from tidespec.server.app import ServerConfig
+
+    api_key = ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    return ServerConfig(served_model_name=ns.served_model_name or served_name(config), api_key=api_key,
+                        exactness_check=ns.exactness_check, body_timeout_s=ns.body_timeout,
+                        strict_fields=ns.strict_fields, trim_memory=ns.trim_memory)
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> None:
+    """One warning line when ``host`` is reachable from other machines (and more so without a key)."""
+    if not _is_loopback(host):
+        log.warning("binding %s: the server is reachable from other machines%s", host,
+                    "" if api_key else " and has no API key")
 
 
 def served_name(config: EngineConfig) -> str:
@@ -110,7 +130,6 @@ def _is_loopback(host: str) -> bool:
 def cmd_serve(ns: argparse.Namespace) -> int:
     import uvicorn
 
-    from tidespec.server.app import ServerConfig
     from tidespec.server.graceful import GracefulServer
     from tidespec.server.guard import Admission
     from tidespec.server.loading import DeferredApp
@@ -122,14 +141,9 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     if not ns.shutdown_grace >= 0:
         raise ConfigError(f"--shutdown-grace must be >= 0, got {ns.shutdown_grace}")
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    api_key = ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV) or None
     config = server_engine_config(ns)
-    server_config = ServerConfig(served_model_name=ns.served_model_name or served_name(config), api_key=api_key,
-                                 exactness_check=ns.exactness_check, body_timeout_s=ns.body_timeout,
-                                 strict_fields=ns.strict_fields, trim_memory=ns.trim_memory)
-    if not _is_loopback(ns.host):
-        log.warning("binding %s: the server is reachable from other machines%s", ns.host,
-                    "" if api_key else " and has no API key")
+    server_config = server_config_from_args(ns, config)
+    warn_if_exposed(ns.host, server_config.api_key)
     admission = Admission("loading")
     closers: list[Callable[[], None]] = []
     # the port is bound first: /health answers 503 "loading" while the model loads (server/loading.py)
@@ -163,22 +177,16 @@ def _load_app(config: EngineConfig, server_config: ServerConfig, admission: Admi
     if config.online.enabled:
         from tidespec.online.serving.attach import OnlineConfig, attach_online_training
         from tidespec.online.serving.governor import GovernorConfig
-        from tidespec.online.serving.launch import start_trainer_process, trainer_log_path
-        from tidespec.online.serving.supervisor import RestartPolicy
+        from tidespec.online.serving.launch import restart_policy, trainer_log_path, trainer_starter
 
         oc = config.online
         online = attach_online_training(engine, OnlineConfig.from_engine_config(config))
         closers.append(online.close)
-        log_path = trainer_log_path(online.config)
-        start = functools.partial(
-            start_trainer_process, online.config, config.model.model, dtype=config.model.dtype,
-            device=oc.trainer_device or config.model.device, draft_vocab=config.spec.eagle3.draft_vocab,
-            extra_args=shlex.split(oc.trainer_args), log_path=log_path, nice=oc.trainer_nice)
         # a trainer that dies is restarted with backoff; its state is in /health and /metrics
         # on the engine's own device the trainer yields to serving (paused while requests run)
         shared = (oc.trainer_device or config.model.device) == config.model.device
-        online.supervise_trainer(start, RestartPolicy(max_restarts=oc.trainer_max_restarts,
-                                                      backoff_max_s=oc.trainer_backoff_max_s), log_path,
+        online.supervise_trainer(trainer_starter(config, online.config), restart_policy(config),
+                                 trainer_log_path(online.config),
                                  yield_to=GovernorConfig(share=oc.trainer_share) if shared else None)
     app = create_app(engine, server_config, on_shutdown=online.close if online is not None else None, online=online,
                      admission=admission)

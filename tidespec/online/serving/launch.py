@@ -14,15 +14,19 @@ Worked example::
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
+import shlex
 import signal
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from tidespec.config import EngineConfig
 from tidespec.errors import ConfigError
 from tidespec.online.serving.attach import OnlineConfig
+from tidespec.online.serving.supervisor import RestartPolicy
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -79,3 +83,20 @@ def _child_setup(nice: int) -> Callable[[], None] | None:
             prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
     return setup
+
+
+def trainer_starter(config: EngineConfig, online: OnlineConfig) -> Callable[[], subprocess.Popen[bytes]]:
+    """``start_trainer_process`` with the trainer flags of ``config`` bound (``--trainer-device``,
+    ``--trainer-args``, ``--trainer-nice``): what ``TrainerSupervisor`` calls to start, and restart,
+    the child of ``tidespec serve --online-training`` or of a fleet's trainer."""
+    oc = config.online
+    return functools.partial(
+        start_trainer_process, online, config.model.model, dtype=config.model.dtype,
+        device=oc.trainer_device or config.model.device, draft_vocab=config.spec.eagle3.draft_vocab,
+        extra_args=shlex.split(oc.trainer_args), log_path=trainer_log_path(online), nice=oc.trainer_nice)
+
+
+def restart_policy(config: EngineConfig) -> RestartPolicy:
+    """The trainer child's restart policy from ``--trainer-max-restarts`` / ``--trainer-backoff-max-s``."""
+    return RestartPolicy(max_restarts=config.online.trainer_max_restarts,
+                         backoff_max_s=config.online.trainer_backoff_max_s)
