@@ -5,7 +5,8 @@ that shifts between two kinds of prompts runs until both replicas report the sam
 above 0 (the trainer read both replicas' signals from the one store and published it; each
 replica swapped it in); every output equals plain decoding of its prompt alone, before, during and
 after the swaps; then one replica is killed (SIGKILL) mid-trace: no request is lost (the client
-retries), and Ray Serve brings up a new replica, which serves the published version. Needs Ray
+retries), and Ray Serve brings up a new replica, which serves the published version; then the
+trainer is killed, and Ray Serve starts a new one (with a new trainer child). Needs Ray
 (``make test-fleet``); ``make test`` leaves it out.
 """
 
@@ -37,7 +38,13 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.fleet
 
 MAX_TOKENS = 24
-REPLICA_PROC = "ServeReplica:tidespec:FleetReplica"  # Ray's process title of a replica
+REPLICA_PROC = "ServeReplica:tidespec:FleetReplica"  # Ray's process titles of a replica, of the trainer
+TRAINER_PROC = "ServeReplica:tidespec:FleetTrainer"
+
+
+def _trainer_children(root: Path) -> list[int]:
+    """Pids of ``train-drafter`` children publishing into ``root``."""
+    return [p for p in processes_mentioning(str(root)) if p in processes_mentioning("train-drafter")]
 
 
 def _prompt(i: int) -> str:
@@ -105,6 +112,12 @@ def test_fleet_trains_one_drafter_for_both_replicas_and_survives_a_replica_kill(
         assert len(processes_mentioning(REPLICA_PROC)) == 2
         for _ in range(8):
             trace.send()
+        # 3. the trainer dies: Ray Serve starts a new one, with a new trainer child; serving goes on
+        trainers, children = processes_mentioning(TRAINER_PROC), set(_trainer_children(root))
+        assert len(trainers) == 1 and children, (trainers, children)
+        os.kill(trainers[0], signal.SIGKILL)
+        trace.until(lambda: processes_mentioning(TRAINER_PROC) not in ([], trainers)
+                    and bool(set(_trainer_children(root)) - children), 180, "a new trainer after the kill")
     assert latest_version(root) is not None and latest_version(root) >= version
     assert "published v1" in (root / "trainer.log").read_text(encoding="utf-8", errors="replace")
     # both replicas captured into the one store: rows of two serving processes (distinct salts)

@@ -17,6 +17,7 @@ Worked example::
     tidespec bench quality --workload code,chat --quantizations int8,int4 --threads 2
     tidespec bench prefix --path int4 --prefix-tokens 1024 --concurrency 8
     tidespec bench kv --path int4 --slots 4 --max-model-len 2048 --requests 32
+    tidespec bench fleet --engine-args "--drafter eagle3 --threads 1" --workload code_unseen --requests-per-replica 32
 """
 
 from __future__ import annotations
@@ -41,12 +42,13 @@ from tidespec.bench.decode.run import (
     run_decode_bench,
 )
 from tidespec.bench.exactness.run import ExactnessBenchConfig, exact, run_exactness_bench
+from tidespec.bench.fleet.run import FleetBenchConfig, run_fleet_bench
 from tidespec.bench.invariance_cost.run import InvarianceCostConfig, run_invariance_cost
 from tidespec.bench.invariance_cost.run import table as invariance_cost_table
+from tidespec.bench.kv.run import KVBenchConfig, run_kv_bench
 from tidespec.bench.learn.run import LearnBenchConfig, run_learn_bench
 from tidespec.bench.learn.run import replot as replot_learn
 from tidespec.bench.memory.run import MemoryBenchConfig, run_memory_bench
-from tidespec.bench.kv.run import KVBenchConfig, run_kv_bench
 from tidespec.bench.prefix.run import PrefixBenchConfig, run_prefix_bench
 from tidespec.bench.profile.run import ProfileConfig, run_profile
 from tidespec.bench.quality import run as quality
@@ -196,6 +198,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     kv.add_argument("--out", type=output_dir, default=None, help="output directory (default: runs/bench-kv-<time>)")
     kv.set_defaults(func=cmd_kv)
 
+    fl = sub.add_parser("fleet", help="a fleet's one trainer vs one trainer per server, same trainer compute: "
+                                      "acceptance over a trace, requests per replica to the recovered level "
+                                      "(needs the fleet extra)", formatter_class=fmt)
+    add_dataclass_args(fl, FleetBenchConfig)
+    fl.add_argument("--out", type=output_dir, default=None, help="output directory (default: runs/bench-fleet-<time>)")
+    fl.set_defaults(func=cmd_fleet)
+
     m = sub.add_parser("memory", help="server RSS after a burst of large refused requests, with and without "
                                       "--trim-memory", formatter_class=fmt)
     add_dataclass_args(m, MemoryBenchConfig)
@@ -309,6 +318,13 @@ def cmd_invariance_cost(ns: argparse.Namespace) -> int:
     (out / "table.md").write_text(text + "\n")
     print(text)
     return 0
+
+
+def cmd_fleet(ns: argparse.Namespace) -> int:
+    out = ns.out or Path("runs") / f"bench-fleet-{time.strftime('%Y%m%d-%H%M%S')}"
+    doc = run_fleet_bench(dataclass_from_args(FleetBenchConfig, ns), out_dir=out)
+    print((out / "table.md").read_text())
+    return 0 if all(r["errors"] == 0 for r in doc["summary"]["configs"].values()) else 1
 
 
 def cmd_kv(ns: argparse.Namespace) -> int:

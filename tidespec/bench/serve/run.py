@@ -417,6 +417,13 @@ def launch_server(engine_args: str, port: int, api_key: str | None, timeout: flo
     env = dict(os.environ)
     if api_key:
         env["TIDESPEC_API_KEY"] = api_key
+    return launch_process(cmd, port, timeout, log_path, env)
+
+
+def launch_process(cmd: list[str], port: int, timeout: float, log_path: Path | None,
+                   env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start ``cmd`` (a server listening on 127.0.0.1:port: ``serve``, ``fleet``) and wait until its
+    /health answers 200; RuntimeError (naming ``log_path``) if it exits or times out first."""
     if log_path is not None:
         with log_path.open("wb") as out:  # the child keeps its own descriptor
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
