@@ -57,9 +57,14 @@ def test_fleet_without_ray_is_one_clear_line(monkeypatch: pytest.MonkeyPatch, ca
     assert err.startswith("error: tidespec fleet needs Ray") and "tidespec[fleet]" in err and "\n" not in err
 
 
-def test_bad_fleet_flags_are_refused_before_ray_starts(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_fleet_flags_are_refused_before_ray_starts(monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["fleet", "--replicas", "0"]) == 2
     assert "replicas must be >= 1" in capsys.readouterr().err
+    # what every replica would refuse while Ray retries it: one line, before Ray is even imported
+    monkeypatch.setitem(sys.modules, "ray", None)
+    assert main(["fleet", "--drafter", "suffix,eagle3", "--eagle3-dir", "d", "--online-training"]) == 2
+    assert "use --policy analytic" in capsys.readouterr().err
 
 
 def test_the_single_process_server_never_imports_ray() -> None:

@@ -7,7 +7,7 @@ Ray is imported only when the command runs; without it the command says how to i
 
 Worked example::
 
-    tidespec fleet --replicas 2 --threads 1 --drafter suffix,eagle3 --eagle3-dir /shared/drafter \\
+    tidespec fleet --replicas 2 --threads 1 --drafter suffix,eagle3 --policy analytic --eagle3-dir /shared/drafter \\
         --online-training --port 8000
     # on a cluster: `ray start --head` here, `ray start --address HEAD:6379` on the others, then
     tidespec fleet --ray-address auto --replicas 8 --eagle3-dir /nfs/drafter --online-training ...
@@ -29,6 +29,7 @@ from tidespec.config import ConfigError, EngineConfig, add_dataclass_args, datac
 from tidespec.errors import UserError
 from tidespec.fleet.config import FleetConfig, shared_dirs
 from tidespec.server.cli import add_api_args, server_config_from_args, server_engine_config, warn_if_exposed
+from tidespec.speculative.policy.factory import check_policy_drafters
 
 log = logging.getLogger("tidespec.fleet")
 INSTALL_HINT = "pip install 'tidespec[fleet]' (or `make fleet`)"
@@ -36,6 +37,10 @@ INSTALL_HINT = "pip install 'tidespec[fleet]' (or `make fleet`)"
 
 class FleetUnavailableError(UserError):
     """Ray (the ``fleet`` extra) is not installed."""
+
+
+class FleetStartError(UserError):
+    """Ray Serve could not deploy the fleet (a replica or the trainer failed to start)."""
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -59,6 +64,8 @@ def cmd_fleet(ns: argparse.Namespace) -> int:
         raise ConfigError(f"port must be in [1, 65535], got {ns.port}")
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = shared_dirs(server_engine_config(ns))
+    # what the replicas would refuse, refused here in one line, before Ray starts
+    check_policy_drafters(config.policy.name, config.spec.drafter_names)
     server_config = server_config_from_args(ns, config)
     fleet = dataclass_from_args(FleetConfig, ns)
     try:
@@ -83,7 +90,12 @@ def cmd_fleet(ns: argparse.Namespace) -> int:
         serve.start(http_options={"host": ns.host, "port": ns.port})
         log.info("starting %d replica(s)%s; the ingress will be http://%s:%d", fleet.replicas,
                  " and the trainer" if config.online.enabled else "", ns.host, ns.port)
-        serve.run(fleet_application(config, server_config, fleet), name=APP_NAME, route_prefix="/")
+        try:
+            serve.run(fleet_application(config, server_config, fleet), name=APP_NAME, route_prefix="/")
+        except RuntimeError as exc:  # a replica or the trainer could not be built: the cause is logged above
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise FleetStartError(f"the fleet did not start ({first}); the replicas' errors are in the log "
+                                  "above and under /tmp/ray/session_latest/logs/serve/") from None
         log.info("fleet serving %r on http://%s:%d (%d replicas%s)", server_config.served_model_name, ns.host,
                  ns.port, fleet.replicas, ", one trainer" if config.online.enabled else "")
         while not stop.wait(1.0):

@@ -41,6 +41,7 @@ logger = logging.getLogger("tidespec.fleet")
 
 APP_NAME = "tidespec"
 REPLICA_HEADER = "x-tidespec-replica"
+CONSTRUCTOR_RETRIES = 3  # a replica that cannot be built (bad model path on a node) fails the start in minutes
 
 
 class ReplicaHeader:
@@ -140,9 +141,11 @@ def fleet_application(config: EngineConfig, server_config: ServerConfig, fleet: 
     actor = {"num_cpus": fleet.replica_cpus, "num_gpus": fleet.replica_gpus}
     replica = serve.deployment(FleetReplica, name="FleetReplica", num_replicas=fleet.replicas,
                                ray_actor_options=actor, health_check_period_s=fleet.health_check_s,
-                               max_ongoing_requests=config.cache.max_num_seqs + config.scheduler.max_waiting)
+                               max_ongoing_requests=config.cache.max_num_seqs + config.scheduler.max_waiting,
+                               max_constructor_retry_count=CONSTRUCTOR_RETRIES)
     trainer = None
     if config.online.enabled:
         trainer = FleetTrainer.options(ray_actor_options={"num_cpus": fleet.trainer_cpus},
-                                       health_check_period_s=fleet.health_check_s).bind(config)
+                                       health_check_period_s=fleet.health_check_s,
+                                       max_constructor_retry_count=CONSTRUCTOR_RETRIES).bind(config)
     return replica.bind(config, server_config, trainer)

@@ -8,7 +8,7 @@ tests) need not know each constructor, and the server can find the profile a pol
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -81,14 +81,20 @@ POLICIES: Mapping[str, Callable[[PolicyOptions], SpeculationPolicy]] = MappingPr
 )
 
 
+def check_policy_drafters(name: str, drafters: Sequence[str]) -> None:
+    """ConfigError unless policy ``name`` can serve ``drafters``: several need a policy that also
+    picks the drafter (``MULTI_DRAFTER_POLICIES``). Cheap: commands call it before loading anything."""
+    if len(drafters) > 1 and name not in MULTI_DRAFTER_POLICIES:
+        raise ConfigError(f"policy {name!r} chooses gamma for one drafter; with several drafters "
+                          f"({', '.join(drafters)}) use --policy {' or '.join(MULTI_DRAFTER_POLICIES)}")
+
+
 def make_policy(name: str, options: PolicyOptions | None = None) -> SpeculationPolicy:
     """Build policy ``name`` (static, analytic, bandit, hybrid), wrapped in Guards if configured."""
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
     opts = options or PolicyOptions()
-    if len(opts.drafters) > 1 and name not in MULTI_DRAFTER_POLICIES:
-        raise ConfigError(f"policy {name!r} chooses gamma for one drafter; with several drafters "
-                          f"({', '.join(opts.drafters)}) use --policy {' or '.join(MULTI_DRAFTER_POLICIES)}")
+    check_policy_drafters(name, opts.drafters)
     policy = POLICIES[name](opts)
     return Guards(policy, opts.guards) if opts.guards is not None else policy
 
