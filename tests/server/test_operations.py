@@ -7,6 +7,7 @@ process where the exit code or the start-up order is the point) with raw sockets
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import concurrent.futures
 import json
@@ -28,6 +29,7 @@ import torch
 from tests.helpers import tiny_hf_model, tiny_llama, tiny_tokenizer, write_tiny_checkpoint
 from tests.server.live import CHAT_TEMPLATE, MODEL, LiveServer, tiny_engine
 from tests.server.test_reliability import POISON, _disconnect, _innocent, _poisoned, _read_until_closed
+from tidespec.bench.serve import run as bench_serve
 from tidespec.bench.serve.run import free_port, launch_server, stop_server
 from tidespec.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from tidespec.engine.engine import LLMEngine
@@ -160,6 +162,23 @@ def test_serve_exits_0_after_a_sigterm_drain(checkpoint: Path, tmp_path: Path) -
         assert proc.wait(timeout=60) == 0, (tmp_path / "server.log").read_text()[-2000:]
     finally:
         stop_server(proc)
+
+
+def test_bench_serve_launches_another_servers_command(checkpoint: Path, tmp_path: Path) -> None:
+    """``bench serve --launch --launch-cmd``: any OpenAI server's command line (vLLM's in the docs),
+    ``{port}`` filled in, waited for on /health, measured and stopped."""
+    wl = tmp_path / "wl.jsonl"
+    wl.write_text(json.dumps({"id": "a", "domain": "d", "kind": "completion", "prompt": "w5 w6"}) + "\n")
+    cmd = f"{sys.executable} -m tidespec.server.cli serve --model {checkpoint} --threads 1 --port {{port}}"
+    parser = argparse.ArgumentParser()
+    bench_serve.add_args(parser)
+    ns = parser.parse_args(["--launch", "--launch-cmd", cmd, "--workload", str(wl), "--num-requests", "2",
+                            "--max-tokens", "4", "--launch-timeout", "120", "--out", str(tmp_path / "out")])
+    assert bench_serve.run(ns) == 0
+    report = json.loads((tmp_path / "out" / "bench_serve.json").read_text())
+    assert report["summary"]["completed"] == 2 and report["config"]["model"] == "ckpt"
+    with pytest.raises(httpx.TransportError):  # stopped after the run
+        httpx.get(f"{report['config']['base_url']}/health", timeout=5)
 
 
 # ----------------------------------------------------------------------------- 7. start-up

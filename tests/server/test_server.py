@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import logging
 import math
@@ -563,19 +564,24 @@ def test_check_loopback_and_trace_files(tmp_path: Any) -> None:
         load_rate_trace(tmp_path / "bad.csv")
 
 
+def _bench_serve(engine: LLMEngine, workload: Any, out: Any, *args: str) -> dict[str, Any]:
+    """``tidespec bench serve`` with ``args`` against ``engine`` behind a live server; its report."""
+    with LiveServer(create_app(engine, ServerConfig(served_model_name=MODEL))) as s:
+        parser = argparse.ArgumentParser()
+        bench_serve.add_args(parser)
+        ns = parser.parse_args(["--base-url", s.url, "--workload", str(workload), "--out", str(out), *args])
+        assert bench_serve.run(ns) == 0
+    return dict(json.loads((out / "bench_serve.json").read_text()))
+
+
 def test_bench_serve_end_to_end(tmp_path: Any) -> None:
     wl = tmp_path / "wl.jsonl"
     wl.write_text("".join(json.dumps({"id": f"r{i}", "domain": "rep" if i % 2 else "mixed",
                                       "kind": "chat" if i % 3 == 0 else "completion",
                                       "prompt": f"t{i + 2} t5 t{i + 2} t5"}) + "\n" for i in range(6)))
     engine = tiny_engine(max_num_seqs=4, max_waiting=64, drafter=NgramDrafter(1, 3))
-    with LiveServer(create_app(engine, ServerConfig(served_model_name=MODEL))) as s:
-        parser = argparse.ArgumentParser()
-        bench_serve.add_args(parser)
-        ns = parser.parse_args(["--base-url", s.url, "--workload", str(wl), "--rate", "40", "--num-requests", "16",
-                                "--max-tokens", "12", "--max-concurrency", "6", "--out", str(tmp_path / "out")])
-        assert bench_serve.run(ns) == 0
-    report = json.loads((tmp_path / "out" / "bench_serve.json").read_text())
+    report = _bench_serve(engine, wl, tmp_path / "out", "--rate", "40", "--num-requests", "16", "--max-tokens", "12",
+                          "--max-concurrency", "6")
     summ = report["summary"]
     assert summ["completed"] == 16 and summ["errors"] == 0 and summ["rejected_429"] == 0
     assert summ["draft_tokens"] > 0 and 0 <= summ["accepted_tokens"] <= summ["draft_tokens"]
@@ -583,3 +589,41 @@ def test_bench_serve_end_to_end(tmp_path: Any) -> None:
     assert summ["ttft_s"]["p50"] <= summ["ttft_s"]["p99"] and summ["e2e_s"]["p50"] > 0
     assert all(r["completion_tokens"] <= 12 and r["ok"] for r in report["requests"])
     assert (tmp_path / "out" / "bench_serve.png").stat().st_size > 1000
+
+
+def test_bench_serve_conversations_resend_their_history(tmp_path: Any) -> None:
+    """``--turns 3``: each conversation's later turns carry its history, so their prompts grow and
+    the server's prefix cache serves the part it has seen; completions are left out."""
+    wl = tmp_path / "wl.jsonl"
+    system = " ".join(f"t{3 + (5 * i) % 59}" for i in range(40))  # a shared 40-word system message
+    wl.write_text("".join(json.dumps({"id": f"r{i}", "domain": "d", "kind": "chat" if i % 4 else "completion",
+                                      "prompt": f"t{i + 2} t5 t{i + 7}", "system": system}) + "\n"
+                          for i in range(8)))
+    engine = tiny_engine(max_num_seqs=4, max_model_len=160)
+    report = _bench_serve(engine, wl, tmp_path / "out", "--num-requests", "3", "--turns", "3", "--max-tokens", "6",
+                          "--max-concurrency", "2")
+    reqs = report["requests"]
+    assert report["summary"]["completed"] == 9 and report["summary"]["errors"] == 0
+    assert {(r["conversation"], r["turn"]) for r in reqs} == {(c, t) for c in range(3) for t in (1, 2, 3)}
+    assert all(r["kind"] == "chat" for r in reqs)
+    for c in range(3):
+        turns = sorted((r for r in reqs if r["conversation"] == c), key=lambda r: r["turn"])
+        # each later prompt holds the earlier one, its answer and a new question
+        assert all(b["prompt_tokens"] > a["prompt_tokens"] + a["completion_tokens"]
+                   for a, b in itertools.pairwise(turns))
+    by_turn = report["summary"]["by_turn"]
+    assert set(by_turn) == {"1", "2", "3"} and all(t["requests"] == 3 for t in by_turn.values())
+    assert by_turn["3"]["cached_prompt_tokens"] > 0  # the history is served from the prefix cache
+
+
+def test_bench_serve_refuses_turns_without_chats_and_a_launch_cmd_without_port(tmp_path: Any) -> None:
+    wl = tmp_path / "wl.jsonl"
+    wl.write_text(json.dumps({"id": "c", "domain": "d", "kind": "completion", "prompt": "t3 t4"}) + "\n")
+    parser = argparse.ArgumentParser()
+    bench_serve.add_args(parser)
+    with pytest.raises(ConfigError, match="--turns > 1 needs chat records"):
+        bench_serve.run(parser.parse_args(["--workload", str(wl), "--turns", "2"]))
+    with pytest.raises(ConfigError, match="--turns must be >= 1"):
+        bench_serve.run(parser.parse_args(["--workload", str(wl), "--turns", "0"]))
+    with pytest.raises(ConfigError, match="--launch-cmd needs --launch and a {port}"):
+        bench_serve.run(parser.parse_args(["--workload", str(wl), "--launch", "--launch-cmd", "vllm serve m"]))

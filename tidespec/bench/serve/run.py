@@ -16,6 +16,12 @@ during [0, 10), nothing during [10, 20) and 5 req/s from 20 s on. Inter-arrival 
 ``Exp(rate)``; a gap that crosses a segment boundary is redrawn from the boundary with the next
 segment's rate, which is exact for a piecewise-constant Poisson process (memorylessness).
 
+Conversations (``--turns N``, N > 1): each arrival opens a chat of N turns. Turn 1 sends a chat
+record as it is; turn k + 1 is sent as soon as turn k's answer has arrived, with the whole history
+(the system message, every question, every answer) and the next record's question, as an OpenAI
+client resends a chat. What a prefix cache saves shows in the later turns' TTFT and
+``cached_tokens``, reported per turn (``bench_serve.json``'s ``summary.by_turn``).
+
 Outputs: a summary on stdout, ``bench_serve.json`` (config, summary, one record per request) and
 ``bench_serve.png`` (arrival/completion rate, TTFT, output tok/s and acceptance over time) in
 ``--out DIR``.
@@ -44,6 +50,7 @@ from urllib.parse import urlparse
 import httpx
 import numpy as np
 
+from tidespec.bench.serve.turns import Conversation, chat_records, summarize_turns
 from tidespec.config import ConfigError, finite_float, output_dir
 from tidespec.workloads.loader import BUILTIN_WORKLOADS, WorkloadRecord, load_workload
 
@@ -69,6 +76,8 @@ class RequestRecord:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens the server reused from its prefix cache
+    conversation: int = 0  # with --turns N: the conversation this request belongs to
+    turn: int = 1  # its turn in that conversation, from 1
     chunk_times_s: list[float] = field(default_factory=list)  # content chunk arrival, seconds from the start
 
 
@@ -161,16 +170,18 @@ def arrival_times(trace: list[tuple[float, float]], num_requests: int, duration:
 
 # ----------------------------------------------------------------------------- requests
 async def _one_request(client: httpx.AsyncClient, rec: RequestRecord, item: WorkloadRecord, ns: argparse.Namespace,
-                       model: str, t0: float) -> None:
+                       model: str, t0: float, messages: list[dict[str, str]] | None = None) -> str:
+    """Send ``item`` (or, for a later turn, ``messages``) and fill ``rec``; returns the text generated."""
     body: dict[str, Any] = {"model": model, "max_tokens": ns.max_tokens, "temperature": ns.temperature,
                             "stream": True, "stream_options": {"include_usage": True}}
     if ns.seed is not None:
         body["seed"] = ns.seed + rec.index
     if ns.spec_tokens is not None:
         body["tidespec"] = {"enabled": ns.spec_tokens > 0, "num_speculative_tokens": ns.spec_tokens}
+    pieces: list[str] = []
     if item.kind == "chat":
         url = "/v1/chat/completions"
-        body["messages"] = item.messages()
+        body["messages"] = messages if messages is not None else item.messages()
     else:
         url = "/v1/completions"
         body["prompt"] = item.text
@@ -183,7 +194,7 @@ async def _one_request(client: httpx.AsyncClient, rec: RequestRecord, item: Work
             if resp.status_code != 200:
                 raw = await resp.aread()
                 rec.error = _error_message(raw, resp.status_code)
-                return
+                return ""
             async for line in resp.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -202,6 +213,7 @@ async def _one_request(client: httpx.AsyncClient, rec: RequestRecord, item: Work
                         if rec.ttft_s is None:
                             rec.ttft_s = now - start
                         rec.chunk_times_s.append(now - t0)
+                        pieces.append(text)
                 usage = chunk.get("usage")
                 if usage:
                     rec.prompt_tokens = int(usage.get("prompt_tokens", 0))
@@ -211,13 +223,14 @@ async def _one_request(client: httpx.AsyncClient, rec: RequestRecord, item: Work
                     rec.cached_tokens = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
     except (httpx.HTTPError, json.JSONDecodeError, asyncio.TimeoutError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"[:300]
-        return
+        return ""
     end = time.perf_counter()
     rec.e2e_s = end - start
     if not rec.ok and rec.error is None:
         rec.error = "stream ended without [DONE]"
     if rec.ttft_s is not None and rec.completion_tokens > 1:
         rec.tpot_s = (rec.e2e_s - rec.ttft_s) / (rec.completion_tokens - 1)
+    return "".join(pieces)
 
 
 def _route_label(domain: str) -> str:
@@ -256,17 +269,29 @@ async def run_load(ns: argparse.Namespace, base_url: str, items: list[WorkloadRe
         def item(i: int) -> WorkloadRecord:
             return items[order[(offset + i) % len(items)]]
 
-        records = [RequestRecord(i, item(i).id, item(i).domain, item(i).kind, t) for i, t in enumerate(arrivals)]
+        turns = getattr(ns, "turns", 1)
+        # conversation c's turn k asks item c * turns + k's question; with one turn, request i is item i
+        records = [RequestRecord(c * turns + k, item(c * turns + k).id, item(c * turns).domain, "chat" if turns > 1
+                                 else item(c).kind, t, conversation=c, turn=k + 1)
+                   for c, t in enumerate(arrivals) for k in range(turns)]
         t0 = time.perf_counter()
 
-        async def launch(rec: RequestRecord) -> None:
-            delay = rec.scheduled_s - (time.perf_counter() - t0)
+        async def launch(c: int) -> None:
+            first = records[c * turns]
+            delay = first.scheduled_s - (time.perf_counter() - t0)
             if delay > 0:
                 await asyncio.sleep(delay)
-            async with sem:
-                await _one_request(client, rec, item(rec.index), ns, model, t0)
+            chat = Conversation(item(c * turns))
+            for rec in records[c * turns:(c + 1) * turns]:
+                if rec.turn > 1 and not chat.ask(item(rec.index)):
+                    rec.error = "an earlier turn of its conversation failed"
+                    continue
+                async with sem:
+                    answer = await _one_request(client, rec, item(rec.index), ns, model, t0,
+                                                chat.messages if turns > 1 else None)
+                chat.answer(answer if rec.ok else None)
 
-        tasks = [asyncio.create_task(launch(r)) for r in records]
+        tasks = [asyncio.create_task(launch(c)) for c in range(len(arrivals))]
         hard_stop = (arrivals[-1] if arrivals else 0.0) + ns.timeout + 5.0
         done, pending = await asyncio.wait(tasks, timeout=hard_stop)
         for task in pending:
@@ -329,6 +354,7 @@ def summarize(records: list[RequestRecord], wall_s: float) -> dict[str, Any]:
         "accepted_tokens": accepted,
         "acceptance_rate": accepted / drafts if drafts else 0.0,
         "by_domain": by_domain,
+        "by_turn": summarize_turns(records),
         "error_samples": sorted({r.error for r in records if r.error and r.status != 429})[:5],
     }
 
@@ -351,6 +377,9 @@ def format_summary(s: dict[str, Any]) -> str:
         hit, miss = s["ttft_hit_s"], s["ttft_miss_s"]
         lines.append(f"prefix cache: {s['cached_prompt_tokens']}/{s['total_prompt_tokens']} prompt tokens reused; "
                      f"TTFT p50 {_fmt(hit['p50'])} ms on a hit, {_fmt(miss['p50'])} ms on a miss")
+    for turn, t in s.get("by_turn", {}).items():
+        lines.append(f"turn {turn}: {t['requests']} requests, TTFT p50 {_fmt(t['ttft_p50_s'])} ms, "
+                     f"{t['cached_prompt_tokens']}/{t['prompt_tokens']} prompt tokens reused")
     if s["draft_tokens"]:
         lines.append(f"acceptance {s['acceptance_rate']:.1%} ({s['accepted_tokens']}/{s['draft_tokens']} draft tokens)")
     for err in s["error_samples"]:
@@ -470,7 +499,10 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--rate", type=float, default=math.inf, help="Poisson arrival rate, req/s (inf = all at once)")
     g.add_argument("--rate-trace", default=None, help="CSV or JSON lines of (time_s, rate) to replay instead of --rate")
     g.add_argument("--max-concurrency", type=int, default=32, help="most requests in flight from this client")
-    g.add_argument("--num-requests", type=int, default=100, help="requests to send at most")
+    g.add_argument("--num-requests", type=int, default=100,
+                   help="requests to send at most (with --turns N: conversations, of N requests each)")
+    g.add_argument("--turns", type=int, default=1,
+                   help="turns per conversation: turn k+1 resends the history with the next chat record's question")
     g.add_argument("--duration", type=finite_float, default=None, help="stop sending after this many seconds")
     g.add_argument("--timeout", type=finite_float, default=300.0, help="per-request timeout, seconds")
     g.add_argument("--max-tokens", type=int, default=64, help="max_tokens of every request")
@@ -483,6 +515,9 @@ def add_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--out", type=output_dir, default=None, help="directory for bench_serve.json and bench_serve.png")
     g.add_argument("--launch", action="store_true", help="start a server subprocess for the run and stop it after")
     g.add_argument("--launch-args", default="", help="engine flags for --launch, e.g. \"--drafter ngram\"")
+    g.add_argument("--launch-cmd", default=None,
+                   help="with --launch: another server's command line instead of tidespec serve, {port} standing "
+                        "for the port (e.g. \"vllm serve DIR --port {port}\"); it must answer /health")
     g.add_argument("--launch-timeout", type=finite_float, default=600.0, help="seconds to wait for a launched server")
 
 
@@ -499,6 +534,10 @@ def _validate(ns: argparse.Namespace) -> None:
         raise ConfigError(f"--timeout must be > 0, got {ns.timeout}")
     if ns.max_tokens < 1:
         raise ConfigError(f"--max-tokens must be >= 1, got {ns.max_tokens}")
+    if ns.turns < 1:
+        raise ConfigError(f"--turns must be >= 1, got {ns.turns}")
+    if ns.launch_cmd is not None and ("{port}" not in ns.launch_cmd or not ns.launch):
+        raise ConfigError("--launch-cmd needs --launch and a {port} in the command line")
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -507,6 +546,8 @@ def run(ns: argparse.Namespace) -> int:
     if ns.api_key is None:
         ns.api_key = os.environ.get("TIDESPEC_API_KEY") or None
     items = load_workload(ns.workload)
+    if ns.turns > 1:
+        items = chat_records(items, ns.workload)
     trace = load_rate_trace(ns.rate_trace) if ns.rate_trace else [(0.0, ns.rate)]
     arrivals = arrival_times(trace, ns.num_requests, ns.duration, random.Random(ns.seed))
     if not arrivals:
@@ -518,9 +559,14 @@ def run(ns: argparse.Namespace) -> int:
     if ns.launch:
         port = free_port()
         base_url = f"http://127.0.0.1:{port}"
-        print(f"launching server on {base_url} ({ns.launch_args or 'default engine flags'})", file=sys.stderr)
-        proc = launch_server(ns.launch_args, port, ns.api_key, ns.launch_timeout,
-                             out_dir / "server.log" if out_dir is not None else None)
+        log = out_dir / "server.log" if out_dir is not None else None
+        if ns.launch_cmd:
+            print(f"launching {ns.launch_cmd.split()[0]} on {base_url}", file=sys.stderr)
+            proc = launch_process(shlex.split(ns.launch_cmd.replace("{port}", str(port))), port, ns.launch_timeout,
+                                  log)
+        else:
+            print(f"launching server on {base_url} ({ns.launch_args or 'default engine flags'})", file=sys.stderr)
+            proc = launch_server(ns.launch_args, port, ns.api_key, ns.launch_timeout, log)
     else:
         base_url = check_loopback(ns.base_url)
     try:
