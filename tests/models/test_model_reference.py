@@ -141,7 +141,9 @@ def test_embedded_matches_transformers(embedded: LoadedModel,
     for got, ids in zip(out.logits.split(lens), prompts):
         ref = _hf_logits(embedded_hf_reference, ids)
         assert ref.std() > 1.0
-        assert (got - ref).abs().max().item() < 1e-4
+        # logits up to ~30 after 30 float32 layers: the summation order of the projections (one fma
+        # chain per output in exact_linear, blocked sums in MKL) moves them by up to ~1.2e-4
+        assert (got - ref).abs().max().item() < 3e-4
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from tests.helpers import tiny_llama
 from tidespec.models.invariance import make_row_invariant
+from tidespec.models.kernels import exact_attention_error
 from tidespec.models.linear import Linear
 from tidespec.models.quant import quantize_model
 from tidespec.models.rows import PROBE_ROWS, frontier, in_pieces, pieces, probed
@@ -85,3 +86,29 @@ def test_every_invariant_kernel_computes_the_product_and_the_choice_is_the_faste
         assert lin.invariant == report.kernels[0].kernel and report.kernels[0].frontier >= 96
         alone = torch.cat([lin.forward(x[i:i + 1]) for i in range(70)])
         assert torch.equal(lin.forward(x), alone)
+
+
+def test_exact_linear_is_one_fma_chain_per_output_whatever_the_rows_and_compiled_alike() -> None:
+    """float32's own kernel (``csrc/exact_linear.cpp``): the worked example's bits; a row's bits the
+    same in calls of 1 to 70 rows (every tile shape of the kernel) and within rounding of F.linear;
+    panels remade when the weight is written; a compiled graph calls the same kernel."""
+    assert exact_attention_error() is None
+    one = Linear(2, 1, bias=False)
+    with torch.no_grad():
+        one.weight.copy_(torch.tensor([[3.0, 4.0]]))
+    one.set_invariant("exact", 0)
+    assert one.forward(torch.tensor([[1.0, 2.0]])).item() == 11.0  # fma(2, 4, fma(1, 3, 0))
+    lin = Linear(96, 300, bias=True)  # 300 outputs: a partial last panel
+    lin.set_invariant("exact", 0)
+    x = torch.randn(70, 96)
+    with torch.inference_mode():
+        whole = lin.forward(x)
+        for rows in (1, 2, 3, 4, 5, 7, 16, 33):
+            assert torch.equal(torch.cat([lin.forward(x[i:i + rows]) for i in range(0, 70, rows)]), whole)
+        torch.testing.assert_close(whole, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        lin.weight.mul_(2.0)
+    with torch.inference_mode():
+        torch.testing.assert_close(lin.forward(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+        compiled = torch.compile(lin.forward, dynamic=True, fullgraph=True)
+        assert torch.equal(compiled(x[:5]), lin.forward(x[:5])) and torch.equal(compiled(x[:9]), lin.forward(x[:9]))

@@ -54,7 +54,8 @@ log = logging.getLogger(__name__)
 
 # the code a forward's cost depends on: a change to any of it makes cached costs stale
 KERNEL_SOURCES = ("llama.py", "linear.py", "kernels.py", "attention.py", "quant.py", "invariance.py", "compiled.py",
-                  "graphs.py", "kv_cache.py", "rows.py", "executor.py", "row_attention.py", "csrc/row_invariant.cpp")
+                  "graphs.py", "kv_cache.py", "rows.py", "executor.py", "row_attention.py", "csrc/row_invariant.cpp",
+                  "csrc/exact_linear.cpp")
 
 
 @dataclass(frozen=True)

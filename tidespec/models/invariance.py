@@ -7,7 +7,9 @@ gets that from its own kernel (``models/csrc/row_invariant.cpp``). The projectio
 kernels, and whether those are row-invariant depends on the library, the CPU and the shape: on a
 Sapphire Rapids VM (torch 2.13, MKL 2024.2, 2 threads) MKL's packed sgemm and PyTorch's int8/int4
 kernels give a row the same bits at any row count from 1 to 1024, while a plain float32 sgemm
-changes its kernel after 1 row and again after 12, and oneDNN's bfloat16 GEMM after 32 rows.
+changes its kernel after 1 row and again after 12, and oneDNN's bfloat16 GEMM after 32 rows; on
+an AMD EPYC (Zen 4) MKL's packed sgemm changes kernel after 3 rows. For float32 tidespec has a GEMM
+of its own, invariant by construction (``models/csrc/exact_linear.cpp``), among the candidates.
 
 So it is measured, per weight shape and kernel, on this machine, up to the engine's token budget
 (``rows.frontier``): a kernel whose frontier covers the budget runs as it is, one with a smaller
@@ -169,8 +171,9 @@ def choose_float_kernels(groups: list[list[Linear]], probe: int) -> list[tuple[s
     the most rows (run in pieces). One kernel for the whole model, because what makes one faster is
     how it streams the weights from memory in a forward, which one shape's weights alone (cache
     resident) do not show.
-    Example: float32 with MKL -> "mkl" everywhere; bfloat16 on a Sapphire Rapids VM -> "tall64"
-    (``F.linear`` changes kernel above 32 rows; its 16-row tiles cost a 1-row decode 16 rows)."""
+    Example: float32 -> "exact" (tidespec's own GEMM) or "mkl" where MKL's packed sgemm is invariant
+    and faster; bfloat16 on a Sapphire Rapids VM -> "tall64" (``F.linear`` changes kernel above 32
+    rows; its 16-row tiles cost a 1-row decode 16 rows)."""
     frontiers = [_frontiers(layers[0], probe) for layers in groups]
     common = [k for k in frontiers[0] if all(f.get(k, 0) >= probe for f in frontiers)]
     chosen = (common[0] if len(common) == 1 else
@@ -205,9 +208,9 @@ def fastest_kernel(layers: list[Linear], kernels: list[str], repeats: int = 5) -
                 if round_:
                     seconds[kernel] = min(seconds[kernel], time.perf_counter() - t0)
     chosen = min(kernels, key=seconds.__getitem__)
-    if chosen != "mkl":  # packed copies made while timing "mkl" are dropped
-        for layer in layers:
-            layer.set_packing(False)
+    for layer in layers:  # the packed copies made while timing the others are dropped
+        layer.set_invariant(chosen, 0)
+        layer.set_packing(chosen == "mkl")
     _write_cached(ident, {"kernel": chosen, "seconds": seconds})
     log.info("row-invariant projections: %s (%s for %s rows through %d layers)", chosen,
              ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in seconds.items()), "+".join(map(str, TIMED_ROWS)),

@@ -1,7 +1,8 @@
 """tidespec's own CPU kernels (``models/csrc``), compiled on first use and cached per machine.
 
 Why this exists: exact speculative decoding needs an attention whose per-row arithmetic does not
-depend on the other rows of the call (``csrc/exact_attention.cpp`` says why none of PyTorch's does).
+depend on the other rows of the call (``csrc/row_invariant.cpp`` says why none of PyTorch's does),
+and float32 projections that are invariant where no library GEMM is (``csrc/exact_linear.cpp``).
 The kernel is C++ built with PyTorch's own extension builder (``torch.utils.cpp_extension.load``:
 the compiler on PATH and ninja), once per (CPU vector capability, torch version, source), into
 ``cache_root() / "kernels"``; a later process only loads the shared library (~0.1 s). It is built
@@ -31,7 +32,7 @@ from tidespec.files import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "row_invariant.cpp"
+SOURCES = (Path(__file__).parent / "csrc" / "row_invariant.cpp", Path(__file__).parent / "csrc" / "exact_linear.cpp")
 # per vector capability: the flags that make ATen's Vectorized<float> use it (what PyTorch's own
 # kernels are compiled with for that capability)
 CAPABILITY_FLAGS = {
@@ -51,7 +52,8 @@ def _build_name() -> str:
     """Library name keyed by what changes the binary: source, flags, capability, torch version."""
     cap = _capability()
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        key.update(source.read_bytes())
     key.update(" ".join(COMMON_FLAGS + CAPABILITY_FLAGS.get(cap, [])).encode())
     key.update(torch.__version__.encode())
     return f"tidespec_kernels_{cap.lower()}_{key.hexdigest()[:12]}"
@@ -66,10 +68,11 @@ def _load() -> None:
     if not (build_dir / f"{name}.so").exists():
         log.info("building tidespec's row-invariant attention kernel for this CPU (once; cached in %s)", build_dir)
     flags = COMMON_FLAGS + CAPABILITY_FLAGS.get(_capability(), [])
-    cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, build_directory=str(build_dir),
-                       is_python_module=False, verbose=False)
+    cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags,
+                       build_directory=str(build_dir), is_python_module=False, verbose=False)
     torch.library.register_fake("tidespec::exact_attention")(_exact_attention_fake)
     torch.library.register_fake("tidespec::packed_linear")(_packed_linear_fake)
+    torch.library.register_fake("tidespec::exact_linear")(_exact_linear_fake)
 
 
 def _exact_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -81,6 +84,11 @@ def _exact_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 def _packed_linear_fake(x: torch.Tensor, packed: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Shape function for torch.compile: [T, in] x [out, in] -> [T, out]."""
     return x.new_empty(x.shape[0], w.shape[0])
+
+
+def _exact_linear_fake(x: torch.Tensor, wp: torch.Tensor, n_out: int) -> torch.Tensor:
+    """Shape function for torch.compile: [T, in] x [P, in, VL] -> [T, n_out]."""
+    return x.new_empty(x.shape[0], n_out)
 
 
 @functools.cache

@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidespec.files import atomic_write, cache_root, cpu_name
+from tidespec.models.kernels import exact_attention_error
 from tidespec.models.rows import in_pieces
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,18 @@ def mkl_packing_available() -> bool:
 def pack_weight(w: torch.Tensor) -> torch.Tensor:
     """fp32 [out, in] -> MKL's packed copy (an opaque mkldnn tensor, same bytes again)."""
     return torch.ops.mkl._mkl_reorder_linear_weight(w.detach(), MKL_PACK_ROWS)
+
+
+def exact_panels(w: torch.Tensor) -> torch.Tensor:
+    """float32 [out, in] -> the panels ``tidespec::exact_linear`` reads: [P, in, VL], panel p holding
+    outputs p * VL .. p * VL + VL - 1 (the last zero-padded), VL the kernel's vector width.
+
+    Example: VL 16, w [40, 576] -> [3, 576, 16]; panel 2 holds outputs 32..39 and 8 zero columns."""
+    lanes = int(torch.ops.tidespec.exact_linear_lanes())
+    n_out, n_in = w.shape
+    panels = -(-n_out // lanes)
+    padded = F.pad(w.detach(), (0, 0, 0, panels * lanes - n_out))  # [P * VL, in]
+    return padded.view(panels, lanes, n_in).transpose(1, 2).contiguous()
 
 
 def _zero_padded(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -201,7 +214,7 @@ class Linear(nn.Linear):
 
     choice: tuple[str, ...] = ()  # kernel for 1, 2, ... rows; beyond its length: F.linear
     tuned_threads = 0  # the intra-op thread count the choice was measured with
-    # row invariance (models/invariance.py): one kernel for every row count ("mkl" or "linear"),
+    # row invariance (models/invariance.py): one kernel for every row count ("exact", "mkl", ...),
     # run in pieces of at most ``invariant_limit`` rows when that is > 0; replaces ``choice``
     invariant: str = ""
     invariant_limit = 0
@@ -209,6 +222,8 @@ class Linear(nn.Linear):
     _blocks: torch.Tensor | None = None
     _packed_key: tuple[int, int] | None = None
     _packed: torch.Tensor | None = None
+    _panels_key: tuple[int, int] | None = None
+    _panels: torch.Tensor | None = None
 
     def blocks(self, s: int) -> torch.Tensor | None:
         """The weight split in ``s`` output blocks (rebuilt only if the weight moved), or None."""
@@ -232,36 +247,56 @@ class Linear(nn.Linear):
         assert self._packed is not None
         return self._packed
 
+    def panels(self) -> torch.Tensor:
+        """The weight packed for ``tidespec::exact_linear`` (``exact_panels``), remade as ``packed``
+        is when the weight moved or was written."""
+        w = self.weight
+        key = (w.data_ptr(), -1 if w.is_inference() else w._version)
+        if self._panels_key != key:
+            self._panels = exact_panels(w)
+            self._panels_key = key
+        assert self._panels is not None
+        return self._panels
+
     def __getstate__(self) -> dict[str, object]:
-        """Copies and pickles leave the packed weight behind (an opaque tensor that cannot be
-        copied); a copy packs its own on its first "mkl" forward."""
+        """Copies and pickles leave the packed weights behind (MKL's is an opaque tensor that cannot
+        be copied; the panels are the weight again); a copy packs its own on its first forward."""
         state = dict(super().__getstate__())
-        state.pop("_packed", None)
-        state.pop("_packed_key", None)
+        for key in ("_packed", "_packed_key", "_panels", "_panels_key"):
+            state.pop(key, None)
         return state
 
     def set_packing(self, used: bool) -> None:
-        """Pack the weight now if a row count runs "mkl" (not on the first forward), else drop it."""
+        """Pack the weight now if a row count runs "mkl" (not on the first forward), else drop it;
+        the panels of "exact" are dropped unless it runs them."""
         if used:
             self.packed()
         else:
             self._packed_key, self._packed = None, None
+        if self.invariant != "exact":
+            self._panels_key, self._panels = None, None
 
     def invariant_kernels(self) -> tuple[str, ...]:
         """Kernels ``models/invariance.py`` measures for row invariance (it runs the fastest of those
-        invariant at every probed row count): MKL's packed sgemm (float32 on MKL builds),
-        ``tall_tiled_linear``, ``F.linear``, ``F.linear`` on 16-row tiles."""
-        mkl = self.weight.dtype == torch.float32 and mkl_packing_available()
-        return ("mkl", "tall64", "linear", "tile16") if mkl else ("tall64", "linear", "tile16")
+        invariant at every probed row count): tidespec's ``exact_linear`` (float32, where its
+        library builds), MKL's packed sgemm (float32 on MKL builds), ``tall_tiled_linear``,
+        ``F.linear``, ``F.linear`` on 16-row tiles."""
+        fp32 = self.weight.dtype == torch.float32
+        exact = ("exact",) if fp32 and exact_attention_error() is None else ()
+        mkl = ("mkl",) if fp32 and mkl_packing_available() else ()
+        return (*exact, *mkl, "tall64", "linear", "tile16")
 
     def set_invariant(self, kernel: str, limit: int) -> None:
-        """Run ``kernel`` ("mkl": MKL's packed sgemm, "tall64": ``tall_tiled_linear``, "linear":
+        """Run ``kernel`` ("exact": ``tidespec::exact_linear``, "mkl": MKL's packed sgemm, "tall64":
+        ``tall_tiled_linear``, "linear":
         F.linear, "tile16": F.linear on 16-row tiles; "": the measured per-row-count choice) for
         every row count, in pieces of at most ``limit`` rows (0: whole); the packed weight is made
         now."""
         self.invariant, self.invariant_limit = kernel, limit
         if kernel == "mkl":
             self.packed()
+        if kernel == "exact":
+            self.panels()
 
     def _invariant_forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, in] -> [T, out], each row's bits independent of T (models/invariance.py)
@@ -278,6 +313,9 @@ class Linear(nn.Linear):
         """``self.invariant``'s kernel on x [T, in] -> [T, out], no bias: the function in eager code,
         its op in a compiled graph (the functions split rows, which a graph would specialise)."""
         compiling, w = torch.compiler.is_compiling(), self.weight
+        if self.invariant == "exact":
+            assert self._panels is not None  # packed by set_invariant
+            return torch.ops.tidespec.exact_linear(x, self._panels if compiling else self.panels(), w.shape[0])
         if self.invariant == "mkl":
             assert self._packed is not None  # packed by set_invariant (a weight written since: repacked eagerly)
             return torch.ops.tidespec.packed_linear(x, self._packed if compiling else self.packed(), w)
