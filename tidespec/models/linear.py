@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidespec.files import atomic_write, cache_root, cpu_name
-from tidespec.models.kernels import exact_attention_error
+from tidespec.models.kernels import ensure_built
 from tidespec.models.rows import in_pieces
 
 log = logging.getLogger(__name__)
@@ -235,12 +235,17 @@ class Linear(nn.Linear):
             self._blocks_key = key
         return self._blocks
 
-    def packed(self) -> torch.Tensor:
-        """The weight packed for MKL's sgemm (``tune_linears`` packs layers that chose "mkl"; a
-        weight that moved or was written in place, e.g. by ``load_state_dict``, is packed again;
-        an inference-mode weight has no version counter, so only a move is seen there)."""
+    def _weight_key(self) -> tuple[int, int]:
+        """What a packed copy of the weight is valid for: its storage and its version (a weight
+        that moved or was written in place, e.g. by ``load_state_dict``, is packed again; an
+        inference-mode weight has no version counter, so only a move is seen there)."""
         w = self.weight
-        key = (w.data_ptr(), -1 if w.is_inference() else w._version)
+        return w.data_ptr(), -1 if w.is_inference() else w._version
+
+    def packed(self) -> torch.Tensor:
+        """The weight packed for MKL's sgemm (``tune_linears`` packs layers that chose "mkl"),
+        packed again when ``_weight_key`` changes."""
+        key = self._weight_key()
         if self._packed_key != key:
             self._packed = pack_weight(self.weight)
             self._packed_key = key
@@ -249,11 +254,10 @@ class Linear(nn.Linear):
 
     def panels(self) -> torch.Tensor:
         """The weight packed for ``tidespec::exact_linear`` (``exact_panels``), remade as ``packed``
-        is when the weight moved or was written."""
-        w = self.weight
-        key = (w.data_ptr(), -1 if w.is_inference() else w._version)
+        is when ``_weight_key`` changes."""
+        key = self._weight_key()
         if self._panels_key != key:
-            self._panels = exact_panels(w)
+            self._panels = exact_panels(self.weight)
             self._panels_key = key
         assert self._panels is not None
         return self._panels
@@ -282,7 +286,7 @@ class Linear(nn.Linear):
         library builds), MKL's packed sgemm (float32 on MKL builds), ``tall_tiled_linear``,
         ``F.linear``, ``F.linear`` on 16-row tiles."""
         fp32 = self.weight.dtype == torch.float32
-        exact = ("exact",) if fp32 and exact_attention_error() is None else ()
+        exact = ("exact",) if fp32 and ensure_built() is None else ()
         mkl = ("mkl",) if fp32 and mkl_packing_available() else ()
         return (*exact, *mkl, "tall64", "linear", "tile16")
 

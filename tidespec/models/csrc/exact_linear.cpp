@@ -4,7 +4,7 @@
 //
 // Why this exists: the library sgemms choose their kernel by the row count, and where they do it
 // differs by CPU. On a Sapphire Rapids VM MKL's packed sgemm stays row-invariant from 1 to 1,024
-// rows; on an AMD EPYC (Zen 3) it changes kernel after 3 rows and F.linear after 1, so the only
+// rows; on an AMD EPYC (Zen 4) it changes kernel after 3 rows and F.linear after 1, so the only
 // invariant library choice left there was F.linear on 16-row tiles, which makes a 1-row decode pay
 // for 16 rows (3x slower than plain decoding, measured). This kernel costs a decode row one row.
 //
