@@ -17,10 +17,12 @@
 #      one request at a time: TTFT on a prefix-cache hit;
 #   2. turns: shared_prefix's chats as conversations of 3 turns, each resending its history;
 #   3. conc8: chat prompts, 8 in flight, nothing shared but the chat template: throughput.
-# Usage: docs/benchmarks/vllm_cpu.sh [OUT_DIR] [ROUNDS]
+# Usage: [DTYPE=bfloat16] docs/benchmarks/vllm_cpu.sh [OUT_DIR] [ROUNDS]   (DTYPE: both servers' --dtype,
+# float32 by default)
 set -euo pipefail
 OUT=${1:-runs/vs-vllm}
 ROUNDS=${2:-2}
+DTYPE=${DTYPE:-float32}
 VLLM_PY=${VLLM_PY:-/tmp/vllmenv/bin/python}
 TS=${TS:-.venv/bin/tidespec}
 MODEL=$(.venv/bin/python -c "from tidespec.models.loader import hf_checkpoint_dir; print(hf_checkpoint_dir(None))")
@@ -30,10 +32,10 @@ mkdir -p "$OUT"
 start() {  # start() SERVER LOG: launch it on $PORT and wait for /health
   case $1 in
     tidespec) "$TS" serve --model "$MODEL" --host 127.0.0.1 --port "$PORT" --threads 2 --max-model-len 4096 \
-                --kv-cache-memory-mb 2048 --served-model-name smol >"$2" 2>&1 & ;;
+                --dtype "$DTYPE" --kv-cache-memory-mb 2048 --served-model-name smol >"$2" 2>&1 & ;;
     vllm) VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \
             "$VLLM_PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --host 127.0.0.1 --port "$PORT" \
-            --dtype float32 --max-model-len 4096 --enable-prefix-caching --enable-prompt-tokens-details \
+            --dtype "$DTYPE" --max-model-len 4096 --enable-prefix-caching --enable-prompt-tokens-details \
             --served-model-name smol >"$2" 2>&1 & ;;
   esac
   PID=$!

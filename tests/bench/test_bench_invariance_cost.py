@@ -12,7 +12,7 @@ from tidespec.errors import UserError
 
 
 def test_invariance_cost_times_both_engines_on_the_same_steps(tmp_path: Path, two_threads) -> None:
-    cfg = InvarianceCostConfig(paths="float32", batch_sizes="1,2", max_tokens=4, rounds=1)
+    cfg = InvarianceCostConfig(paths="float32", batch_sizes="1,2", max_tokens=4, rounds=1, projection_rows="1,3")
     doc = run_invariance_cost(cfg, out_dir=tmp_path, progress=False)
     assert [(r["path"], r["batch"]) for r in doc["rows"]] == [("float32", 1), ("float32", 2)]
     for r in doc["rows"]:
@@ -20,9 +20,14 @@ def test_invariance_cost_times_both_engines_on_the_same_steps(tmp_path: Path, tw
         assert r["speed_on_vs_off"] == pytest.approx(r["ms_off"] / r["ms_on"])
     assert (tmp_path / "results.json").exists() and (tmp_path / "plot.png").exists()
     assert "| float32 | 2 |" in table(doc)
+    kernels = doc["projections"]["float32"]  # every candidate kernel and the plan, timed at 1 and 3 rows
+    assert "exact" in kernels and "plan" in kernels and "tile16" in kernels
+    assert all(set(ms) == {"1", "3"} and min(ms.values()) > 0 for ms in kernels.values())
+    assert "| 3 | " in table(doc)
 
 
-@pytest.mark.parametrize("kw", [{"paths": "float16"}, {"batch_sizes": "0"}, {"batch_sizes": "x"}])
+@pytest.mark.parametrize("kw", [{"paths": "float16"}, {"batch_sizes": "0"}, {"batch_sizes": "x"},
+                                {"projection_rows": "1,x"}])
 def test_invariance_cost_rejects_bad_input_in_one_line(kw: dict[str, str]) -> None:
     with pytest.raises(UserError) as err:
         InvarianceCostConfig(**kw)

@@ -89,26 +89,43 @@ def test_every_invariant_kernel_computes_the_product_and_the_choice_is_the_faste
 
 
 def test_exact_linear_is_one_fma_chain_per_output_whatever_the_rows_and_compiled_alike() -> None:
-    """float32's own kernel (``csrc/exact_linear.cpp``): the worked example's bits; a row's bits the
-    same in calls of 1 to 70 rows (every tile shape of the kernel) and within rounding of F.linear;
-    panels remade when the weight is written; a compiled graph calls the same kernel."""
+    """tidespec's own kernel (``csrc/exact_linear.cpp``): the worked example's bits; a row's bits the
+    same in calls of 1 to 70 rows (every tile shape of the kernel) and within rounding of F.linear,
+    in float32, bfloat16 and float16; panels remade when the weight is written; a compiled graph
+    calls the same kernel."""
     assert exact_attention_error() is None
-    one = Linear(2, 1, bias=False)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 3e-2), (torch.float16, 3e-3)):
+        one = Linear(2, 1, bias=False).to(dtype)
+        with torch.no_grad():
+            one.weight.copy_(torch.tensor([[3.0, 4.0]]))
+        one.set_invariant("exact", 0)
+        y = one.forward(torch.tensor([[1.0, 2.0]], dtype=dtype))
+        assert y.dtype == dtype and y.item() == 11.0  # fma(2, 4, fma(1, 3, 0))
+        lin = Linear(95, 300, bias=True).to(dtype)  # 300 outputs: a partial last panel; 95 inputs: a padded pair
+        lin.set_invariant("exact", 0)
+        x = torch.randn(70, 95).to(dtype)
+        with torch.inference_mode():
+            whole = lin.forward(x)
+            for rows in (1, 2, 3, 4, 5, 7, 16, 33):
+                assert torch.equal(torch.cat([lin.forward(x[i:i + rows]) for i in range(0, 70, rows)]), whole)
+            torch.testing.assert_close(whole, F.linear(x, lin.weight, lin.bias), rtol=tol, atol=tol)
+        with torch.no_grad():
+            lin.weight.mul_(2.0)
+        with torch.inference_mode():
+            torch.testing.assert_close(lin.forward(x), F.linear(x, lin.weight, lin.bias), rtol=tol, atol=tol)
+            compiled = torch.compile(lin.forward, dynamic=True, fullgraph=True)
+            assert torch.equal(compiled(x[:5]), lin.forward(x[:5])) and torch.equal(compiled(x[:9]), lin.forward(x[:9]))
+
+
+def test_exact_linear_rounds_a_bfloat16_sum_once_to_nearest_even() -> None:
+    """bfloat16: the float32 chain's sum is rounded once to bfloat16, to nearest even, as
+    ``Tensor.to`` does: 1 + 2^-8 (a tie between 1 and 1 + 2^-7) -> 1; 1 + 3 * 2^-8 -> 1 + 2^-6."""
+    lin = Linear(2, 1, bias=False).to(torch.bfloat16)
     with torch.no_grad():
-        one.weight.copy_(torch.tensor([[3.0, 4.0]]))
-    one.set_invariant("exact", 0)
-    assert one.forward(torch.tensor([[1.0, 2.0]])).item() == 11.0  # fma(2, 4, fma(1, 3, 0))
-    lin = Linear(96, 300, bias=True)  # 300 outputs: a partial last panel
+        lin.weight.copy_(torch.tensor([[1.0, 2.0 ** -8]]))
     lin.set_invariant("exact", 0)
-    x = torch.randn(70, 96)
+    x = torch.tensor([[1.0, 1.0], [1.0, 3.0]], dtype=torch.bfloat16)
     with torch.inference_mode():
-        whole = lin.forward(x)
-        for rows in (1, 2, 3, 4, 5, 7, 16, 33):
-            assert torch.equal(torch.cat([lin.forward(x[i:i + rows]) for i in range(0, 70, rows)]), whole)
-        torch.testing.assert_close(whole, F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
-    with torch.no_grad():
-        lin.weight.mul_(2.0)
-    with torch.inference_mode():
-        torch.testing.assert_close(lin.forward(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
-        compiled = torch.compile(lin.forward, dynamic=True, fullgraph=True)
-        assert torch.equal(compiled(x[:5]), lin.forward(x[:5])) and torch.equal(compiled(x[:9]), lin.forward(x[:9]))
+        y = lin.forward(x)[:, 0].float()
+    assert y.tolist() == [1.0, 1.0 + 2.0 ** -6]
+    assert y.tolist() == torch.tensor([1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8]).to(torch.bfloat16).float().tolist()

@@ -8,8 +8,9 @@ kernels, and whether those are row-invariant depends on the library, the CPU and
 Sapphire Rapids VM (torch 2.13, MKL 2024.2, 2 threads) MKL's packed sgemm and PyTorch's int8/int4
 kernels give a row the same bits at any row count from 1 to 1024, while a plain float32 sgemm
 changes its kernel after 1 row and again after 12, and oneDNN's bfloat16 GEMM after 32 rows; on
-an AMD EPYC (Zen 4) MKL's packed sgemm changes kernel after 3 rows. For float32 tidespec has a GEMM
-of its own, invariant by construction (``models/csrc/exact_linear.cpp``), among the candidates.
+an AMD EPYC (Zen 4) MKL's packed sgemm changes kernel after 3 rows. For float32, bfloat16 and
+float16 tidespec has a GEMM of its own, invariant by construction (``models/csrc/exact_linear.cpp``),
+among the candidates.
 
 So it is measured, per weight shape and kernel, on this machine, up to the engine's token budget
 (``rows.frontier``): a kernel whose frontier covers the budget runs as it is, one with a smaller
@@ -172,8 +173,8 @@ def choose_float_kernels(groups: list[list[Linear]], probe: int) -> list[tuple[s
     how it streams the weights from memory in a forward, which one shape's weights alone (cache
     resident) do not show.
     Example: float32 -> "exact" (tidespec's own GEMM) or "mkl" where MKL's packed sgemm is invariant
-    and faster; bfloat16 on a Sapphire Rapids VM -> "tall64" (``F.linear`` changes kernel above 32
-    rows; its 16-row tiles cost a 1-row decode 16 rows)."""
+    and faster; bfloat16 -> "exact" on an AMD EPYC (Zen 4: AVX512-BF16 pairs), "tall64" where that is
+    faster (``F.linear`` changes kernel above 32 rows; its 16-row tiles cost a 1-row decode 16 rows)."""
     frontiers = [_frontiers(layers[0], probe) for layers in groups]
     common = [k for k in frontiers[0] if all(f.get(k, 0) >= probe for f in frontiers)]
     chosen = (common[0] if len(common) == 1 else
@@ -181,32 +182,46 @@ def choose_float_kernels(groups: list[list[Linear]], probe: int) -> list[tuple[s
     return [(chosen, probe) if chosen else max(f.items(), key=lambda kv: kv[1]) for f in frontiers]
 
 
+def time_kernels(layers: list[Linear], kernels: list[str], rows: tuple[int, ...],
+                 repeats: int = 5) -> dict[str, dict[int, float]]:
+    """Seconds each kernel takes to run ``rows`` rows through ``layers`` (in order, so the weights
+    stream from memory as in a forward), per row count: the best of ``repeats`` rounds that
+    interleave the kernels (round 0 warms up: packing, first-call allocations). A kernel is a name
+    of ``Linear.set_invariant``; "" is the per-row-count plan of ``tune_linears`` (not invariant).
+    The layers are left running the last kernel timed.
+    Example: SmolLM2-135M's 121 projections, ["exact", "tall64"], (1, 16) ->
+    {"exact": {1: 0.0094, 16: 0.0164}, "tall64": {1: 0.0314, 16: 0.0333}} (bfloat16, 2 cores)."""
+    g = torch.Generator().manual_seed(0)
+    dtype = layers[0].weight.dtype
+    inputs = {(n, n_in): (torch.randn(n, n_in, generator=g) * 0.5).to(dtype)
+              for n in rows for n_in in {m.in_features for m in layers}}  # [n, in] each
+    seconds = {kernel: dict.fromkeys(rows, float("inf")) for kernel in kernels}
+    with torch.inference_mode():
+        for round_ in range(repeats + 1):
+            for kernel in kernels:
+                for layer in layers:
+                    layer.set_invariant(kernel, 0)
+                for n in rows:
+                    t0 = time.perf_counter()
+                    for layer in layers:
+                        layer.forward(inputs[n, layer.in_features])
+                    if round_:
+                        seconds[kernel][n] = min(seconds[kernel][n], time.perf_counter() - t0)
+    return seconds
+
+
 def fastest_kernel(layers: list[Linear], kernels: list[str], repeats: int = 5) -> str:
     """The kernel of ``kernels`` that runs ``TIMED_ROWS`` rows through ``layers`` (every projection
-    of a model, in order, so the weights stream from memory as in a forward) in the least time, the
-    best of ``repeats`` rounds that interleave the kernels; cached on disk as the frontiers are (a
-    measurement taken on a busy machine is taken again after deleting the cache).
+    of a model, in order) in the least time (``time_kernels``); cached on disk as the frontiers are
+    (a measurement taken on a busy machine is taken again after deleting the cache).
     Example: SmolLM2-135M in bfloat16, ["tall64", "tile16"] -> "tall64"."""
     ident = {**_machine("fastest"), "kernels": kernels, "rows": list(TIMED_ROWS),
              "layers": [f"{tuple(m.weight.shape)}:{m.weight.dtype}" for m in layers]}
     cached = _read_cached(ident, "kernel")
     if cached in kernels:
         return str(cached)
-    g = torch.Generator().manual_seed(0)
-    inputs = {(rows, n_in): (torch.randn(rows, n_in, generator=g) * 0.5).to(layers[0].weight.dtype)
-              for rows in TIMED_ROWS for n_in in {m.in_features for m in layers}}  # [rows, in] each
-    seconds = dict.fromkeys(kernels, float("inf"))
-    with torch.inference_mode():
-        for round_ in range(repeats + 1):  # round 0 warms up (packing, first-call allocations)
-            for kernel in kernels:
-                for layer in layers:
-                    layer.set_invariant(kernel, 0)
-                t0 = time.perf_counter()
-                for rows in TIMED_ROWS:
-                    for layer in layers:
-                        layer.forward(inputs[rows, layer.in_features])
-                if round_:
-                    seconds[kernel] = min(seconds[kernel], time.perf_counter() - t0)
+    seconds = {kernel: sum(per_rows.values()) for kernel, per_rows in time_kernels(layers, kernels, TIMED_ROWS,
+                                                                                  repeats).items()}
     chosen = min(kernels, key=seconds.__getitem__)
     for layer in layers:  # the packed copies made while timing the others are dropped
         layer.set_invariant(chosen, 0)

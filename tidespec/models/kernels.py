@@ -2,12 +2,15 @@
 
 Why this exists: exact speculative decoding needs an attention whose per-row arithmetic does not
 depend on the other rows of the call (``csrc/row_invariant.cpp`` says why none of PyTorch's does),
-and float32 projections that are invariant where no library GEMM is (``csrc/exact_linear.cpp``).
+and projections (float32, bfloat16, float16) invariant by construction where no library GEMM is
+(``csrc/exact_linear.cpp``).
 The kernel is C++ built with PyTorch's own extension builder (``torch.utils.cpp_extension.load``:
 the compiler on PATH and ninja), once per (CPU vector capability, torch version, source), into
 ``cache_root() / "kernels"``; a later process only loads the shared library (~0.1 s). It is built
 for the vector width PyTorch itself dispatches to on this CPU (AVX512, AVX2 or plain C++), with
-``-ffp-contract=off`` so that no multiply-add is fused where the source did not ask for it.
+``-ffp-contract=off`` so that no multiply-add is fused where the source did not ask for it, and with
+OpenMP, so that ATen's ``parallel_for`` in the kernels runs on PyTorch's threads (without it the
+template runs everything on the calling thread: until 2026-11-28 both kernels ran on one core).
 
 When the build cannot run (no C++ compiler, a read-only cache) the engine keeps PyTorch's SDPA and
 says at start-up that speculation is then not guaranteed bit-identical (``exact_attention_error``).
@@ -40,7 +43,11 @@ CAPABILITY_FLAGS = {
                "-DCPU_CAPABILITY=AVX512", "-DCPU_CAPABILITY_AVX512"],
     "AVX2": ["-mavx2", "-mfma", "-mf16c", "-DCPU_CAPABILITY=AVX2", "-DCPU_CAPABILITY_AVX2"],
 }
-COMMON_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math"]
+# -fopenmp: ATen's parallel_for is a template compiled into the kernel; without OpenMP it runs the
+# whole range on the calling thread (ParallelOpenMP.h). The library then uses the libgomp PyTorch
+# has loaded (same soname), so at::set_num_threads governs its threads too.
+COMMON_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fopenmp"]
+LINK_FLAGS = ["-fopenmp"]
 
 
 def _capability() -> str:
@@ -54,7 +61,7 @@ def _build_name() -> str:
     key = hashlib.sha256()
     for source in SOURCES:
         key.update(source.read_bytes())
-    key.update(" ".join(COMMON_FLAGS + CAPABILITY_FLAGS.get(cap, [])).encode())
+    key.update(" ".join(COMMON_FLAGS + CAPABILITY_FLAGS.get(cap, []) + LINK_FLAGS).encode())
     key.update(torch.__version__.encode())
     return f"tidespec_kernels_{cap.lower()}_{key.hexdigest()[:12]}"
 
@@ -68,7 +75,7 @@ def _load() -> None:
     if not (build_dir / f"{name}.so").exists():
         log.info("building tidespec's row-invariant attention kernel for this CPU (once; cached in %s)", build_dir)
     flags = COMMON_FLAGS + CAPABILITY_FLAGS.get(_capability(), [])
-    cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags,
+    cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=LINK_FLAGS,
                        build_directory=str(build_dir), is_python_module=False, verbose=False)
     torch.library.register_fake("tidespec::exact_attention")(_exact_attention_fake)
     torch.library.register_fake("tidespec::packed_linear")(_packed_linear_fake)

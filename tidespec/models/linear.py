@@ -73,6 +73,7 @@ PREFER_MARGIN = 1.1  # another kernel replaces F.linear only when >= 10 % faster
 # uses it whenever its last argument equals the input's rows); packing for 16 was as fast as or
 # faster than packing for 4 at 4..32 rows, and as packing for 1 at 1 row, on the AMX Xeon.
 MKL_PACK_ROWS = 16
+EXACT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what ``tidespec::exact_linear`` multiplies
 
 
 def mkl_packing_available() -> bool:
@@ -86,14 +87,22 @@ def pack_weight(w: torch.Tensor) -> torch.Tensor:
 
 
 def exact_panels(w: torch.Tensor) -> torch.Tensor:
-    """float32 [out, in] -> the panels ``tidespec::exact_linear`` reads: [P, in, VL], panel p holding
-    outputs p * VL .. p * VL + VL - 1 (the last zero-padded), VL the kernel's vector width.
+    """[out, in] (a dtype of ``EXACT_DTYPES``) -> the panels ``tidespec::exact_linear`` reads:
+    [P, in, VL] in w's dtype, panel p holding outputs p * VL .. p * VL + VL - 1 (the last
+    zero-padded), VL the kernel's float32 vector width.
 
     Example: VL 16, w [40, 576] -> [3, 576, 16]; panel 2 holds outputs 32..39 and 8 zero columns."""
+    error = ensure_built()
+    if error is not None:
+        raise RuntimeError(f"tidespec's exact_linear kernel is unavailable: {error}")
     lanes = int(torch.ops.tidespec.exact_linear_lanes())
     n_out, n_in = w.shape
     panels = -(-n_out // lanes)
     padded = F.pad(w.detach(), (0, 0, 0, panels * lanes - n_out))  # [P * VL, in]
+    if w.dtype == torch.bfloat16 and torch.ops.tidespec.exact_linear_bf16_pairs():
+        pairs = -(-n_in // 2)  # AVX512-BF16: feature pairs, an odd count zero-padded -> [P, in/2, VL * 2]
+        padded = F.pad(padded, (0, pairs * 2 - n_in))  # [P * VL, 2 * pairs]
+        return padded.view(panels, lanes, pairs, 2).permute(0, 2, 1, 3).reshape(panels, pairs, lanes * 2)
     return padded.view(panels, lanes, n_in).transpose(1, 2).contiguous()
 
 
@@ -282,11 +291,11 @@ class Linear(nn.Linear):
 
     def invariant_kernels(self) -> tuple[str, ...]:
         """Kernels ``models/invariance.py`` measures for row invariance (it runs the fastest of those
-        invariant at every probed row count): tidespec's ``exact_linear`` (float32, where its
-        library builds), MKL's packed sgemm (float32 on MKL builds), ``tall_tiled_linear``,
-        ``F.linear``, ``F.linear`` on 16-row tiles."""
+        invariant at every probed row count): tidespec's ``exact_linear`` (float32, bfloat16 and
+        float16, where its library builds), MKL's packed sgemm (float32 on MKL builds),
+        ``tall_tiled_linear``, ``F.linear``, ``F.linear`` on 16-row tiles."""
         fp32 = self.weight.dtype == torch.float32
-        exact = ("exact",) if fp32 and ensure_built() is None else ()
+        exact = ("exact",) if self.weight.dtype in EXACT_DTYPES and ensure_built() is None else ()
         mkl = ("mkl",) if fp32 and mkl_packing_available() else ()
         return (*exact, *mkl, "tall64", "linear", "tile16")
 

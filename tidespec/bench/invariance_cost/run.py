@@ -8,13 +8,17 @@ weights, own KV cache): one with row invariance (the default), one with ``--no-r
 (SDPA and the fastest kernel per row count, what the engine ran before), and they decode the same
 prompts **step by step in alternation** (A B, B A, ...), so a burst of load hits both. Only the
 decode steps are timed (prefill runs first, untimed); the figure is the ratio of the total decode
-time per step, off / on (above 1: the invariant path is faster).
+time per step, off / on (above 1: the invariant path is faster). With ``--projection-rows`` it also
+times each kernel the engine may choose for its float projections (``Linear.invariant_kernels``, and
+the per-row-count plan it runs without row invariance) through the target's projections at those
+row counts (``models/invariance.time_kernels``): why a path is as fast as it is.
 
 Worked example::
 
     cfg = InvarianceCostConfig(paths="float32,bfloat16", batch_sizes="1,16", max_tokens=64)
     doc = run_invariance_cost(cfg)
     doc["rows"][0]   # {"path": "float32", "batch": 1, "ms_off": 41.8, "ms_on": 41.6, "speed_on_vs_off": 1.005, ...}
+    # with projection_rows="1,16": doc["projections"]["bfloat16"] == {"exact": {"1": 9.4, "16": 16.4}, ...} (ms)
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ from tidespec.bench.exactness.run import parse_path, target_model
 from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, opt
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine
+from tidespec.models.invariance import time_kernels
+from tidespec.models.linear import Linear
 from tidespec.models.loader import LoadedModel
 from tidespec.sampling import SamplingParams
 from tidespec.workloads.loader import load_prompts
@@ -48,11 +54,15 @@ class InvarianceCostConfig:
     max_tokens: int = opt(64, "tokens decoded per request (EOS ignored)", min=2)
     rounds: int = opt(2, "rounds per path and batch size, each on the next prompts", min=1)
     threads: int = opt(2, "intra-op threads", min=1)
+    projection_rows: str = opt("", "also time every projection kernel through the target's projections at these "
+                               "comma-separated row counts, e.g. 1,5,16,64,256 (float paths; empty: not)")
 
     def __post_init__(self) -> None:
         for p in self.path_list:
             parse_path(p)
         parse_int_list(self.batch_sizes, "--batch-sizes")
+        if self.projection_rows:
+            parse_int_list(self.projection_rows, "--projection-rows")
 
     @property
     def path_list(self) -> list[str]:
@@ -61,6 +71,28 @@ class InvarianceCostConfig:
     @property
     def batch_list(self) -> tuple[int, ...]:
         return parse_int_list(self.batch_sizes, "--batch-sizes")
+
+    @property
+    def projection_row_list(self) -> tuple[int, ...]:
+        return parse_int_list(self.projection_rows, "--projection-rows") if self.projection_rows else ()
+
+
+PLAN = "plan"  # the report's name for the per-row-count kernels of ``tune_linears`` (``set_invariant("")``)
+
+
+def time_projections(target: LoadedModel, rows: tuple[int, ...]) -> dict[str, dict[str, float]]:
+    """ms through every CPU ``Linear`` of the target per kernel and row count (``time_kernels``,
+    best of 7), keys as strings for JSON; {} when it has none (a quantized target). The target's
+    layers are left on the per-row-count plan."""
+    layers = [m for m in target.model.modules() if isinstance(m, Linear) and m.weight.device.type == "cpu"]
+    if not layers:
+        return {}
+    kernels = [*layers[0].invariant_kernels(), ""]
+    seconds = time_kernels(layers, kernels, rows, repeats=7)
+    for layer in layers:
+        layer.set_invariant("", 0)
+        layer.set_packing("mkl" in layer.choice)
+    return {kernel or PLAN: {str(n): 1e3 * t for n, t in per_rows.items()} for kernel, per_rows in seconds.items()}
 
 
 def _engine(target: LoadedModel, dtype: str, quant: str, compile_: bool, row_invariant: bool, batch: int,
@@ -99,12 +131,16 @@ def run_invariance_cost(cfg: InvarianceCostConfig, out_dir: Path | None = None, 
     """Every path x batch size: decode time per step with and without row invariance, interleaved."""
     torch.set_num_threads(cfg.threads)
     rows: list[dict[str, Any]] = []
-    doc = {"config": asdict(cfg), "command": command_line(), "machine": machine_info(), "rows": rows}
+    projections: dict[str, dict[str, dict[str, float]]] = {}
+    doc = {"config": asdict(cfg), "command": command_line(), "machine": machine_info(), "rows": rows,
+           "projections": projections}
     runs = [(p, b) for p in cfg.path_list for b in cfg.batch_list]
     bar = tqdm(total=len(runs) * cfg.rounds, desc="invariance cost", unit="round", disable=not progress)
     for path in cfg.path_list:
         dtype, quant, compile_ = parse_path(path)
         targets = {ri: target_model(dtype, quant, {}) for ri in (False, True)}  # a copy each: own weights
+        if cfg.projection_row_list and quant == "none":
+            projections[path] = time_projections(targets[False], cfg.projection_row_list)
         prompts = [p.token_ids for p in load_prompts(cfg.workload, targets[True].tokenizer)]
         for batch in cfg.batch_list:
             engines = {ri: _engine(targets[ri], dtype, quant, compile_, ri, batch, cfg.threads) for ri in (False, True)}
@@ -145,6 +181,12 @@ def table(doc: dict[str, Any]) -> str:
     for r in doc["rows"]:
         lines.append(f"| {r['path']} | {r['batch']} | {r['steps']} | {r['ms_off']:.1f} | {r['ms_on']:.1f} | "
                      f"{r['speed_on_vs_off']:.3f}x | {'yes' if r['exact'] else 'no'} |")
+    for path, kernels in doc.get("projections", {}).items():
+        counts = list(next(iter(kernels.values())))
+        lines += ["", (f"{path}: ms through the target's projections, per kernel (best of 7, interleaved; "
+                       f"\"{PLAN}\": the per-row-count kernels run without row invariance)"), "",
+                  "| rows | " + " | ".join(kernels) + " |", "|---:|" + "---:|" * len(kernels)]
+        lines += [f"| {n} | " + " | ".join(f"{kernels[k][n]:.1f}" for k in kernels) + " |" for n in counts]
     return "\n".join(lines)
 
 
