@@ -4,7 +4,7 @@
 // bfloat16 and float16 operands; a bfloat16/float16 call widens each operand to float32 exactly,
 // runs the same chain and rounds the sum once to the output dtype (to nearest even), as the
 // library GEMMs do with their float32 accumulators. On CPUs with AVX512-BF16 bfloat16 runs its
-// own chain of pair products instead (``pair_tile`` below), fixed for the process.
+// own chain of pair products instead (``Bf16Pairs`` below), fixed for the process.
 //
 // Why this exists: the library sgemms choose their kernel by the row count, and where they do it
 // differs by CPU. On a Sapphire Rapids VM MKL's packed sgemm stays row-invariant from 1 to 1,024
@@ -71,28 +71,10 @@ void store_sums(const Vec& acc, T* y, int64_t n) {
   }
 }
 
-// R rows of x (float32, row stride ldx) times V panels from ``wp`` (panel v at wp + v * K * VL) into
-// y (row stride ldy), outputs o0 .. o0 + V * VL clipped to n_out.
-template <typename T, int R, int V>
-void tile(const float* x, int64_t ldx, const T* wp, int64_t K, T* y, int64_t ldy, int64_t o0, int64_t n_out) {
-  Vec acc[R][V];
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < V; ++v) {
-      acc[r][v] = Vec(0.f);
-    }
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    Vec w[V];
-    for (int v = 0; v < V; ++v) {
-      w[v] = load_panel(wp + (v * K + k) * VL);
-    }
-    for (int r = 0; r < R; ++r) {
-      const Vec xb(x[r * ldx + k]);
-      for (int v = 0; v < V; ++v) {
-        acc[r][v] = at::vec::fmadd(xb, w[v], acc[r][v]);
-      }
-    }
-  }
+// Stores R x V accumulator vectors of a tile: panel v's VL sums go to outputs o0 + v * VL .. (clipped
+// to n_out) of each of the R rows of y (row stride ldy).
+template <typename Y, int R, int V>
+inline void store_tile(const Vec (&acc)[R][V], Y* y, int64_t ldy, int64_t o0, int64_t n_out) {
   for (int v = 0; v < V; ++v) {
     const int64_t o = o0 + v * VL;
     const int64_t n = std::min<int64_t>(VL, n_out - o);
@@ -105,30 +87,113 @@ void tile(const float* x, int64_t ldx, const T* wp, int64_t K, T* y, int64_t ldy
   }
 }
 
-template <typename T>
-using TileFn = void (*)(const float*, int64_t, const T*, int64_t, T*, int64_t, int64_t, int64_t);
+// A chain is a struct with the operand types X (one step of a row of x), W (the panels' values) and Y
+// (the output), STEP (W values per panel at one step) and ``tile<R, V>``: R rows of x (row stride
+// ldx) times V panels from wp (panel v at wp + v * steps * STEP) into y (row stride ldy), outputs
+// o0 .. o0 + V * VL clipped to n_out. ``pick`` and ``run`` below are shared by every chain.
 
-template <typename T, int R>
-TileFn<T> with_panels(int64_t V) {
+// The widening chain: x in float32, each weight widened exactly to float32, one fma per feature.
+template <typename T>
+struct Widening {
+  using X = float;
+  using W = T;
+  using Y = T;
+  static constexpr int64_t STEP = VL;
+
+  template <int R, int V>
+  static void tile(const X* x, int64_t ldx, const W* wp, int64_t K, Y* y, int64_t ldy, int64_t o0, int64_t n_out) {
+    Vec acc[R][V];
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < V; ++v) {
+        acc[r][v] = Vec(0.f);
+      }
+    }
+    for (int64_t k = 0; k < K; ++k) {
+      Vec w[V];
+      for (int v = 0; v < V; ++v) {
+        w[v] = load_panel(wp + (v * K + k) * STEP);
+      }
+      for (int r = 0; r < R; ++r) {
+        const Vec xb(x[r * ldx + k]);
+        for (int v = 0; v < V; ++v) {
+          acc[r][v] = at::vec::fmadd(xb, w[v], acc[r][v]);
+        }
+      }
+    }
+    store_tile(acc, y, ldy, o0, n_out);
+  }
+};
+
+#if defined(CPU_CAPABILITY_AVX512)
+// bfloat16 on CPUs with AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids and later): vdpbf16ps
+// multiplies 16 pairs of bfloat16 and adds both products to float32 accumulators, each product exact
+// and each addition rounded to nearest even (the odd feature's product first, then the even one's;
+// Intel SDM, VDPBF16PS), so an output is again one fixed chain over the input features, now in the
+// order 1, 0, 3, 2, ..., at twice the multiply-adds per instruction of the widening fma. Panels
+// hold feature pairs: wp [P, K2, VL, 2] (K2 = ceil(K / 2), an odd K zero-padded), and x is read as
+// [rows, K2] pairs (a uint32 each). Subnormal inputs count as zero (the instruction's DAZ), the
+// same in every call.
+struct Bf16Pairs {
+  using X = uint32_t;
+  using W = c10::BFloat16;
+  using Y = c10::BFloat16;
+  static constexpr int64_t STEP = 2 * VL;
+
+  template <int R, int V>
+  __attribute__((target("avx512f,avx512bf16"))) static void tile(const X* x, int64_t ldx, const W* wp, int64_t K2,
+                                                                 Y* y, int64_t ldy, int64_t o0, int64_t n_out) {
+    Vec acc[R][V];
+    for (int r = 0; r < R; ++r) {
+      for (int v = 0; v < V; ++v) {
+        acc[r][v] = Vec(0.f);
+      }
+    }
+    for (int64_t k = 0; k < K2; ++k) {
+      __m512i w[V];
+      for (int v = 0; v < V; ++v) {
+        w[v] = _mm512_loadu_si512(wp + (v * K2 + k) * STEP);
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512i xb = _mm512_set1_epi32(static_cast<int>(x[r * ldx + k]));
+        for (int v = 0; v < V; ++v) {
+          acc[r][v] = Vec(_mm512_dpbf16_ps(acc[r][v], (__m512bh)xb, (__m512bh)w[v]));
+        }
+      }
+    }
+    store_tile(acc, y, ldy, o0, n_out);
+  }
+};
+
+bool has_bf16_pairs() { return __builtin_cpu_supports("avx512bf16"); }
+#else
+bool has_bf16_pairs() { return false; }
+#endif
+
+template <typename C>
+using TileFn = void (*)(const typename C::X*, int64_t, const typename C::W*, int64_t, typename C::Y*, int64_t, int64_t,
+                        int64_t);
+
+template <typename C, int R>
+TileFn<C> with_panels(int64_t V) {
   switch (V) {
-    case 1: return &tile<T, R, 1>;
-    case 2: return &tile<T, R, 2>;
-    case 3: return &tile<T, R, 3>;
-    case 4: return &tile<T, R, 4>;
-    case 5: return &tile<T, R, 5>;
-    case 6: return &tile<T, R, 6>;
-    case 7: return &tile<T, R, 7>;
-    default: return &tile<T, R, 8>;
+    case 1: return &C::template tile<R, 1>;
+    case 2: return &C::template tile<R, 2>;
+    case 3: return &C::template tile<R, 3>;
+    case 4: return &C::template tile<R, 4>;
+    case 5: return &C::template tile<R, 5>;
+    case 6: return &C::template tile<R, 6>;
+    case 7: return &C::template tile<R, 7>;
+    default: return &C::template tile<R, 8>;
   }
 }
 
-template <typename T>
-TileFn<T> pick(int64_t R, int64_t V) {
+template <typename C>
+TileFn<C> pick(int64_t R, int64_t V) {
   switch (R) {
-    case 1: return with_panels<T, 1>(V);
-    case 2: return with_panels<T, 2>(V);
-    case 3: return with_panels<T, 3>(V);
-    default: return with_panels<T, 4>(V);
+    case 1: return with_panels<C, 1>(V);
+    case 2: return with_panels<C, 2>(V);
+    case 3: return with_panels<C, 3>(V);
+    default: return with_panels<C, 4>(V);
   }
 }
 
@@ -148,129 +213,32 @@ int64_t balanced_panels(int64_t P, int64_t most, int64_t threads) {
   return best;
 }
 
-// x float32 [rows, K] (a bfloat16/float16 input widened, exactly, once per call), wp [P, K, VL] T,
-// y [rows, n_out] T. Rows and panels per task: a row alone needs 8 independent chains to hide the
-// fma latency; more rows share each panel load, with R * V accumulators + V panel vectors + 1
-// broadcast in registers. The tiling changes no output's chain, only which chains run together.
+// x [rows, steps] (contiguous, in C::X), wp [P, steps, C::STEP], y [rows, n_out]. Rows and panels
+// per task: a row alone needs 8 independent chains to hide the fma latency; more rows share each
+// panel load, with R * V accumulators + V panel vectors + 1 broadcast in registers. The tiling
+// changes no output's chain, only which chains run together.
+template <typename C>
+void run(const typename C::X* x, int64_t rows, const at::Tensor& wp, typename C::Y* y, int64_t n_out) {
+  const int64_t steps = wp.size(1), P = wp.size(0);
+  const int64_t R = std::min<int64_t>(rows, 4);
+  const int64_t V = balanced_panels(P, std::min<int64_t>(8, (REGS - 1) / (R + 1)), at::get_num_threads());
+  const auto* wpp = static_cast<const typename C::W*>(wp.data_ptr());
+  const int64_t tasks = (P + V - 1) / V;
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p0 = t * V, v = std::min<int64_t>(V, P - p0);
+      for (int64_t r0 = 0; r0 < rows; r0 += R) {
+        const int64_t r = std::min<int64_t>(R, rows - r0);
+        pick<C>(r, v)(x + r0 * steps, steps, wpp + p0 * steps * C::STEP, steps, y + r0 * n_out, n_out, p0 * VL, n_out);
+      }
+    }
+  });
+}
+
 template <typename T>
-void run(const at::Tensor& x, const at::Tensor& wp, at::Tensor& y) {
-  const int64_t rows = x.size(0), K = x.size(1), P = wp.size(0), n_out = y.size(1);
-  const int64_t R = std::min<int64_t>(rows, 4);
-  const int64_t V = balanced_panels(P, std::min<int64_t>(8, (REGS - 1) / (R + 1)), at::get_num_threads());
-  const float* xp = x.data_ptr<float>();
-  const T* wpp = wp.data_ptr<T>();
-  T* yp = y.data_ptr<T>();
-  const int64_t tasks = (P + V - 1) / V;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t p0 = t * V, v = std::min<int64_t>(V, P - p0);
-      for (int64_t r0 = 0; r0 < rows; r0 += R) {
-        const int64_t r = std::min<int64_t>(R, rows - r0);
-        pick<T>(r, v)(xp + r0 * K, K, wpp + p0 * K * VL, K, yp + r0 * n_out, n_out, p0 * VL, n_out);
-      }
-    }
-  });
+void run_widening(const at::Tensor& x, const at::Tensor& wp, at::Tensor& y) {
+  run<Widening<T>>(x.data_ptr<float>(), x.size(0), wp, y.data_ptr<T>(), y.size(1));
 }
-
-#if defined(CPU_CAPABILITY_AVX512)
-// bfloat16 on CPUs with AVX512-BF16 (Zen 4, Cooper Lake, Sapphire Rapids and later): vdpbf16ps
-// multiplies 16 pairs of bfloat16 and adds both products to float32 accumulators, each product exact
-// and each addition rounded to nearest even (the odd feature's product first, then the even one's;
-// Intel SDM, VDPBF16PS), so an output is again one fixed chain over the input features, now in the
-// order 1, 0, 3, 2, ..., at twice the multiply-adds per instruction of the widening fma. Panels
-// hold feature pairs: wp [P, K2, VL, 2] (K2 = ceil(K / 2), an odd K zero-padded), and x is read as
-// [rows, K2] pairs. Subnormal inputs count as zero (the instruction's DAZ), the same in every call.
-constexpr int64_t PAIR_PANEL = 2 * VL;  // bfloat16 values per panel at one feature pair
-
-bool has_bf16_pairs() { return __builtin_cpu_supports("avx512bf16"); }
-
-template <int R, int V>
-__attribute__((target("avx512f,avx512bf16"))) void pair_tile(const uint32_t* x, int64_t ldx, const c10::BFloat16* wp,
-                                                            int64_t K2, c10::BFloat16* y, int64_t ldy, int64_t o0,
-                                                            int64_t n_out) {
-  __m512 acc[R][V];
-  for (int r = 0; r < R; ++r) {
-    for (int v = 0; v < V; ++v) {
-      acc[r][v] = _mm512_setzero_ps();
-    }
-  }
-  for (int64_t k = 0; k < K2; ++k) {
-    __m512i w[V];
-    for (int v = 0; v < V; ++v) {
-      w[v] = _mm512_loadu_si512(wp + (v * K2 + k) * PAIR_PANEL);
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m512i xb = _mm512_set1_epi32(static_cast<int>(x[r * ldx + k]));
-      for (int v = 0; v < V; ++v) {
-        acc[r][v] = _mm512_dpbf16_ps(acc[r][v], (__m512bh)xb, (__m512bh)w[v]);
-      }
-    }
-  }
-  for (int v = 0; v < V; ++v) {
-    const int64_t o = o0 + v * VL;
-    const int64_t n = std::min<int64_t>(VL, n_out - o);
-    if (n <= 0) {
-      break;
-    }
-    for (int r = 0; r < R; ++r) {
-      float sums[VL];
-      _mm512_storeu_ps(sums, acc[r][v]);
-      for (int64_t i = 0; i < n; ++i) {
-        y[r * ldy + o + i] = static_cast<c10::BFloat16>(sums[i]);
-      }
-    }
-  }
-}
-
-using PairFn = void (*)(const uint32_t*, int64_t, const c10::BFloat16*, int64_t, c10::BFloat16*, int64_t, int64_t,
-                        int64_t);
-
-template <int R>
-PairFn pair_panels(int64_t V) {
-  switch (V) {
-    case 1: return &pair_tile<R, 1>;
-    case 2: return &pair_tile<R, 2>;
-    case 3: return &pair_tile<R, 3>;
-    case 4: return &pair_tile<R, 4>;
-    case 5: return &pair_tile<R, 5>;
-    case 6: return &pair_tile<R, 6>;
-    case 7: return &pair_tile<R, 7>;
-    default: return &pair_tile<R, 8>;
-  }
-}
-
-PairFn pick_pairs(int64_t R, int64_t V) {
-  switch (R) {
-    case 1: return pair_panels<1>(V);
-    case 2: return pair_panels<2>(V);
-    case 3: return pair_panels<3>(V);
-    default: return pair_panels<4>(V);
-  }
-}
-
-// x bfloat16 [rows, 2 * K2] (contiguous, an odd K zero-padded), wp [P, K2, 2 * VL], y [rows, n_out].
-void run_pairs(const at::Tensor& x, const at::Tensor& wp, at::Tensor& y) {
-  const int64_t rows = x.size(0), K2 = wp.size(1), P = wp.size(0), n_out = y.size(1);
-  const int64_t R = std::min<int64_t>(rows, 4);
-  const int64_t V = balanced_panels(P, std::min<int64_t>(8, (REGS - 1) / (R + 1)), at::get_num_threads());
-  const auto* xp = reinterpret_cast<const uint32_t*>(x.data_ptr<c10::BFloat16>());
-  const c10::BFloat16* wpp = wp.data_ptr<c10::BFloat16>();
-  c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
-  const int64_t tasks = (P + V - 1) / V;
-  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t p0 = t * V, v = std::min<int64_t>(V, P - p0);
-      for (int64_t r0 = 0; r0 < rows; r0 += R) {
-        const int64_t r = std::min<int64_t>(R, rows - r0);
-        pick_pairs(r, v)(xp + r0 * K2, K2, wpp + p0 * K2 * PAIR_PANEL, K2, yp + r0 * n_out, n_out, p0 * VL, n_out);
-      }
-    }
-  });
-}
-#else
-bool has_bf16_pairs() { return false; }
-void run_pairs(const at::Tensor&, const at::Tensor&, at::Tensor&) { TORCH_CHECK(false, "exact_linear: no bfloat16 pairs"); }
-#endif
 
 // Whether bfloat16 panels hold feature pairs (``run_pairs``): fixed for the process, so every call
 // of a layer, whatever its rows, runs the same chain.
@@ -296,16 +264,20 @@ at::Tensor exact_linear(const at::Tensor& x, const at::Tensor& wp, int64_t n_out
     return y;
   }
   if (pairs) {
-    run_pairs(K % 2 ? at::constant_pad_nd(x, {0, 1}).contiguous() : x.contiguous(), wp, y);
+#if defined(CPU_CAPABILITY_AVX512)
+    const at::Tensor xc = K % 2 ? at::constant_pad_nd(x, {0, 1}).contiguous() : x.contiguous();
+    run<Bf16Pairs>(reinterpret_cast<const uint32_t*>(xc.data_ptr<c10::BFloat16>()), x.size(0), wp,
+                   y.data_ptr<c10::BFloat16>(), n_out);
+#endif
     return y;
   }
   const at::Tensor xc = x.to(at::kFloat).contiguous();  // a float32 x as it is (no copy when contiguous)
   if (dtype == at::kFloat) {
-    run<float>(xc, wp, y);
+    run_widening<float>(xc, wp, y);
   } else if (dtype == at::kBFloat16) {
-    run<c10::BFloat16>(xc, wp, y);
+    run_widening<c10::BFloat16>(xc, wp, y);
   } else {
-    run<c10::Half>(xc, wp, y);
+    run_widening<c10::Half>(xc, wp, y);
   }
   return y;
 }
