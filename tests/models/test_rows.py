@@ -50,9 +50,9 @@ def test_make_row_invariant_on_a_quantized_model_keeps_every_row_bit_exact() -> 
     quantize_model(model, "int8")
     report = make_row_invariant(model, budget=96)
     assert report.exact and model.row_invariant
-    assert {k.kernel for k in report.kernels} == {"int8"}
-    x = torch.randn(70, model.cfg.hidden_size)
     layer = model.layers[0].mlp.gate_up_proj
+    assert {k.kernel for k in report.kernels} == {f"int8-{layer.kernel_name}"}  # tidespec's kernel or ATen's
+    x = torch.randn(70, model.cfg.hidden_size)
     alone = torch.cat([layer.forward(x[i:i + 1]) for i in range(70)])
     assert torch.equal(layer.forward(x), alone)
 

@@ -246,7 +246,7 @@ def make_row_invariant(model: nn.Module, budget: int) -> InvarianceReport:
         if isinstance(module, Linear) and module.weight.device.type == "cpu":
             key = ("float", module.out_features, module.in_features, str(module.weight.dtype))
         elif isinstance(module, (Int8Linear, Int4Linear)):
-            kind = "int8" if isinstance(module, Int8Linear) else f"int4-g{module.group_size}"
+            kind = ("int8" if isinstance(module, Int8Linear) else f"int4-g{module.group_size}") + f"-{module.kernel_name}"
             key = (kind, module.out_features, module.in_features, "bfloat16")
         else:
             continue

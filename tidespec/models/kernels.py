@@ -2,8 +2,9 @@
 
 Why this exists: exact speculative decoding needs an attention whose per-row arithmetic does not
 depend on the other rows of the call (``csrc/row_invariant.cpp`` says why none of PyTorch's does),
-and projections (float32, bfloat16, float16) invariant by construction where no library GEMM is
-(``csrc/exact_linear.cpp``).
+projections (float32, bfloat16, float16) invariant by construction where no library GEMM is
+(``csrc/exact_linear.cpp``), and PyTorch's int4 and int8 GEMVs with the weights converted once
+for a verification's rows, bit for bit (``csrc/quant_linear.cpp``).
 The kernel is C++ built with PyTorch's own extension builder (``torch.utils.cpp_extension.load``:
 the compiler on PATH and ninja), once per (CPU vector capability, torch version, source), into
 ``cache_root() / "kernels"``; a later process only loads the shared library (~0.1 s). It is built
@@ -35,7 +36,8 @@ from tidespec.files import cache_root
 
 log = logging.getLogger(__name__)
 
-SOURCES = (Path(__file__).parent / "csrc" / "row_invariant.cpp", Path(__file__).parent / "csrc" / "exact_linear.cpp")
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("row_invariant.cpp", "exact_linear.cpp",
+                                                                     "quant_linear.cpp"))
 # per vector capability: the flags that make ATen's Vectorized<float> use it (what PyTorch's own
 # kernels are compiled with for that capability)
 CAPABILITY_FLAGS = {
@@ -80,6 +82,8 @@ def _load() -> None:
     torch.library.register_fake("tidespec::exact_attention")(_exact_attention_fake)
     torch.library.register_fake("tidespec::packed_linear")(_packed_linear_fake)
     torch.library.register_fake("tidespec::exact_linear")(_exact_linear_fake)
+    torch.library.register_fake("tidespec::int4_linear")(_int4_linear_fake)
+    torch.library.register_fake("tidespec::int8_linear")(_int8_linear_fake)
 
 
 def _exact_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -98,6 +102,16 @@ def _exact_linear_fake(x: torch.Tensor, wp: torch.Tensor, n_out: int) -> torch.T
     return x.new_empty(x.shape[0], n_out)
 
 
+def _int4_linear_fake(x: torch.Tensor, packed: torch.Tensor, group_size: int, scale_zero: torch.Tensor) -> torch.Tensor:
+    """Shape function for torch.compile: [T, K] x [N, K / 2] -> [T, N]."""
+    return x.new_empty(x.shape[0], packed.shape[0])
+
+
+def _int8_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Shape function for torch.compile: [T, K] x [N, K] -> [T, N]."""
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
 @functools.cache
 def ensure_built() -> str | None:
     """Build or load the kernel library once per process (the result is cached: the library, once
@@ -111,6 +125,13 @@ def ensure_built() -> str | None:
                     "to SDPA and is not guaranteed bit-identical to plain decoding", error)
         return error
     return None
+
+
+@functools.cache
+def quant_linear_available() -> bool:
+    """Whether ``torch.ops.tidespec.int4_linear`` and ``int8_linear`` run here: the library is built and
+    was compiled for AVX512, the vector width whose packing of PyTorch's int4 weights they read."""
+    return ensure_built() is None and bool(torch.ops.tidespec.quant_linear_available())
 
 
 def exact_attention_error() -> str | None:

@@ -35,7 +35,10 @@ for 16; the two casts cost nothing measurable):
   ``zero = min + 8 * scale`` (bfloat16). ``_convert_weight_to_int4pack_for_cpu(q [N, K] int32, 1)
   -> [N, K/2] uint8`` once, then ``_weight_int4pack_mm_for_cpu(x_bf16 [T, K], packed, group_size,
   scale_zero [K/G, N, 2] bf16) -> [T, N]``. The kernel takes group sizes 32/64/128/256 and N a
-  multiple of 16 (rows are zero-padded up to one and the padding sliced off).
+  multiple of 16 (rows are zero-padded up to one and the padding sliced off). On AVX512, layers of a
+  multiple of 64 outputs run tidespec's ``int4_linear`` instead (``csrc/quant_linear.cpp``): the same
+  bits, with the weights dequantized once for up to 8 rows where ATen's kernel does it per 4, so a
+  verification of 5 rows is not charged for 8.
 * The LM head is int8 in both modes (``quantize_model``).
 
 Both kernels are GEMVs: their time grows with the rows (30 layers' projections, 2 threads, ms for
@@ -70,11 +73,14 @@ import torch
 from torch import nn
 
 from tidespec.config import INT4_GROUP_SIZES, QUANTIZATIONS
+from tidespec.models.kernels import quant_linear_available
 from tidespec.models.llama import LlamaModel, ModelConfigError
 from tidespec.models.rows import in_pieces
 
 KERNEL_DTYPE = torch.bfloat16  # the activation dtype both kernels are vectorised for
 INT4_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
+INT4_PANEL = 64  # tidespec::int4_linear reads ATen's AVX512 packing of whole panels of 64 outputs
+INT8_K_MULTIPLE = 16  # tidespec::int8_linear reads 16 input features at a time
 # The projections of a decoder layer that ``quantize_model`` replaces (attribute paths).
 LAYER_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -145,6 +151,7 @@ class QuantizedLinear(nn.Module):
     # rows up to which the kernel was measured row-invariant when that is below the engine's token
     # budget: calls run in pieces within it (models/invariance.py); 0 = whole calls
     row_limit = 0
+    own_kernel = False  # tidespec's kernel (csrc/quant_linear.cpp) instead of PyTorch's: the same bits
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -169,6 +176,11 @@ class QuantizedLinear(nn.Module):
         else:  # eager calls the kernel directly (a custom op's Python dispatch costs ~70 us a call)
             y = in_pieces(self._kernel, xb, self.row_limit)
         return self._finish(y, x.dtype)
+
+    @property
+    def kernel_name(self) -> str:
+        """Which kernel the layer runs: part of the key its measured row frontier is cached under."""
+        return "tidespec" if self.own_kernel else "aten"
 
     def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
         """The kernel on bfloat16 rows: xb [T, K] -> [T, N] bfloat16."""
@@ -202,6 +214,9 @@ class Int8Linear(QuantizedLinear):
         super().__init__(qweight.shape[1], qweight.shape[0], bias)
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scales", scales.to(KERNEL_DTYPE).contiguous())
+        # tidespec's int8_linear (the same bits, csrc/quant_linear.cpp) where it applies; fixed per layer
+        self.own_kernel = (qweight.device.type == "cpu" and qweight.shape[1] % INT8_K_MULTIPLE == 0
+                           and quant_linear_available())
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
@@ -222,19 +237,25 @@ class Int8Linear(QuantizedLinear):
 
     def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
         # xb: [T, K] bfloat16 -> [T, N] bfloat16
-        return torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scales)
+        return int8_mm(xb, self.qweight, self.scales, self.own_kernel)
 
     def _compiled_in_pieces(self, xb: torch.Tensor) -> torch.Tensor:
-        return torch.ops.tidespec.int8_in_pieces(xb, self.qweight, self.scales, self.row_limit)
+        return torch.ops.tidespec.int8_in_pieces(xb, self.qweight, self.scales, self.row_limit, self.own_kernel)
 
     def dequantize(self) -> torch.Tensor:
         """The weight the kernel multiplies by, float32 ``[N, K]``."""
         return dequantize_int8(self.qweight, self.scales)
 
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", kernel={self.kernel_name}"
+
 
 class Int4Linear(QuantizedLinear):
     """int4 weights packed by ``_convert_weight_to_int4pack_for_cpu``, a bfloat16 scale and zero per
-    group of ``group_size`` inputs; ``_weight_int4pack_mm_for_cpu``.
+    group of ``group_size`` inputs; ``_weight_int4pack_mm_for_cpu``, or where it applies (AVX512, a
+    multiple of 64 outputs: ``own_kernel``) tidespec's ``int4_linear``, which computes the same bits
+    with the weights dequantized once for up to 8 rows (``csrc/int4_linear.cpp``: a 5-row verification
+    then costs 1.9x a 1-row call, not 2.8x).
 
     Example: ``Int4Linear.from_weight(torch.randn(960, 576), group_size=32)``: packed ``[960, 288]``
     uint8, scale_zero ``[18, 960, 2]``; ``.forward(x [5, 576]) -> [5, 960]``.
@@ -250,6 +271,9 @@ class Int4Linear(QuantizedLinear):
         self.group_size = group_size
         self.register_buffer("packed", packed)
         self.register_buffer("scale_zero", scale_zero.to(KERNEL_DTYPE).contiguous())
+        # fixed per layer, so every call of it runs one kernel (both give the same bits; the test
+        # tests/models/test_int4_linear.py holds them to it)
+        self.own_kernel = packed.device.type == "cpu" and packed.shape[0] % INT4_PANEL == 0 and quant_linear_available()
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> "Int4Linear":
@@ -266,15 +290,33 @@ class Int4Linear(QuantizedLinear):
 
     def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
         # xb: [T, K] bfloat16 -> [T, N] bfloat16
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, self.group_size, self.scale_zero)
+        y = int4_mm(xb, self.packed, self.group_size, self.scale_zero, self.own_kernel)
         return y[:, :self.out_features].contiguous() if y.shape[1] != self.out_features else y
 
     def _compiled_in_pieces(self, xb: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.tidespec.int4_in_pieces(xb, self.packed, self.group_size, self.scale_zero, self.row_limit)
+        y = torch.ops.tidespec.int4_in_pieces(xb, self.packed, self.group_size, self.scale_zero, self.row_limit,
+                                              self.own_kernel)
         return y[:, :self.out_features].contiguous() if y.shape[1] != self.out_features else y
 
     def extra_repr(self) -> str:
-        return super().extra_repr() + f", group_size={self.group_size}"
+        return super().extra_repr() + f", group_size={self.group_size}, kernel={self.kernel_name}"
+
+
+def int8_mm(xb: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, own: bool) -> torch.Tensor:
+    """xb [T, K] bfloat16 times the int8 weight -> [T, N] bfloat16: tidespec's ``int8_linear`` when
+    ``own``, else ATen's kernel (the same bits where both run)."""
+    if own:
+        return torch.ops.tidespec.int8_linear(xb, qweight, scales)
+    return torch.ops.aten._weight_int8pack_mm(xb, qweight, scales)
+
+
+def int4_mm(xb: torch.Tensor, packed: torch.Tensor, group_size: int, scale_zero: torch.Tensor,
+            own: bool) -> torch.Tensor:
+    """xb [T, K] bfloat16 times the packed int4 weight -> [T, N_pad] bfloat16: tidespec's
+    ``int4_linear`` when ``own``, else ATen's kernel (the same bits where both run)."""
+    if own:
+        return torch.ops.tidespec.int4_linear(xb, packed, group_size, scale_zero)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, packed, group_size, scale_zero)
 
 
 # --------------------------------------------------------------------------- kernels in row pieces
@@ -283,28 +325,29 @@ class Int4Linear(QuantizedLinear):
 
 
 @torch.library.custom_op("tidespec::int8_in_pieces", mutates_args=())
-def int8_in_pieces(xb: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, limit: int) -> torch.Tensor:
-    """``_weight_int8pack_mm`` over xb [T, K] bfloat16 in row pieces of at most ``limit`` -> [T, N]."""
-    return in_pieces(lambda p: torch.ops.aten._weight_int8pack_mm(p, qweight, scales), xb, limit)
+def int8_in_pieces(xb: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, limit: int,
+                   own: bool) -> torch.Tensor:
+    """``int8_mm`` over xb [T, K] bfloat16 in row pieces of at most ``limit`` -> [T, N]."""
+    return in_pieces(lambda p: int8_mm(p, qweight, scales, own), xb, limit)
 
 
 @int8_in_pieces.register_fake
-def _int8_in_pieces_fake(xb: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, limit: int) -> torch.Tensor:
+def _int8_in_pieces_fake(xb: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, limit: int,
+                         own: bool) -> torch.Tensor:
     return xb.new_empty(xb.shape[0], qweight.shape[0])
 
 
 @torch.library.custom_op("tidespec::int4_in_pieces", mutates_args=())
 def int4_in_pieces(xb: torch.Tensor, packed: torch.Tensor, group_size: int, scale_zero: torch.Tensor,
-                   limit: int) -> torch.Tensor:
-    """``_weight_int4pack_mm_for_cpu`` over xb [T, K] bfloat16 in row pieces of at most ``limit`` ->
-    [T, N_pad] (the padded output rows included, as the kernel gives them)."""
-    return in_pieces(lambda p: torch.ops.aten._weight_int4pack_mm_for_cpu(p, packed, group_size, scale_zero), xb,
-                     limit)
+                   limit: int, own: bool) -> torch.Tensor:
+    """``int4_mm`` over xb [T, K] bfloat16 in row pieces of at most ``limit`` -> [T, N_pad] (the
+    padded output rows included, as the kernel gives them)."""
+    return in_pieces(lambda p: int4_mm(p, packed, group_size, scale_zero, own), xb, limit)
 
 
 @int4_in_pieces.register_fake
 def _int4_in_pieces_fake(xb: torch.Tensor, packed: torch.Tensor, group_size: int, scale_zero: torch.Tensor,
-                         limit: int) -> torch.Tensor:
+                         limit: int, own: bool) -> torch.Tensor:
     return xb.new_empty(xb.shape[0], packed.shape[0])
 
 
