@@ -21,7 +21,7 @@ from tidespec.bench.decode.run import resolve_target
 from tidespec.bench.shift.config import ShiftBenchConfig, build_trace
 from tidespec.bench.shift.measure import recompute_taps
 from tidespec.bench.shift.report import _curves, config_colors
-from tidespec.bench.shift.run import replot, run_shift_bench
+from tidespec.bench.shift.run import replot, run_shift_bench, summarize_run
 from tidespec.bench.shift.runs import TraceLoop, run_trace, trace_engine_config
 from tidespec.config import ConfigError, Eagle3Options, EngineConfig, ModelConfig
 from tidespec.llm import build_engine
@@ -152,6 +152,8 @@ def test_shift_bench_end_to_end(tmp_path: Path) -> None:
     (out / "README.md").unlink()
     again = replot(out)  # re-rendered from bench_shift.json alone
     assert again["configs"]["online"]["mismatches"] == 0 and (out / "README.md").is_file()
+    assert "latency speedup" in (out / "README.md").read_text() and "Mean request latency per phase" in (
+        out / "README.md").read_text()
     assert "| 2 | 1 | 300 | 1.41 | 1.52 | reverted as v3 |" in (out / "README.md").read_text()
 
 
@@ -275,6 +277,12 @@ def test_open_loop_arrivals_leave_the_engine_idle_between_requests(tmp_path: Pat
     assert all(r["t_end"] < r["t_start"] + 0.4 for r in run.requests)  # each done before the next arrives
     gaps = [b["t"] - a["t"] for a, b in zip(run.steps, run.steps[1:])]
     assert sum(g > 0.2 for g in gaps) == 2 and run.wall_s >= 0.8  # two idle gaps, no step in them
+    summary = summarize_run(run, trace, closed)  # latency counts from the arrival; its speedup is against plain's
+    mean = sum(r["t_end"] - r["t_start"] for r in run.requests) / 3
+    assert summary["mean_latency_s"] == pytest.approx(mean)
+    assert summary["phases"][0]["mean_latency_s"] == pytest.approx(mean)
+    plain_mean = sum(r["t_end"] - r["t_start"] for r in closed.requests) / 3
+    assert summary["latency_speedup"] == pytest.approx(plain_mean / mean)
     with pytest.raises(ConfigError, match="arrival_rate"):
         ShiftBenchConfig(arrival_rate=float("nan"))
 

@@ -164,6 +164,8 @@ class QuantizedLinear(nn.Module):
             buf = getattr(self, name)
             if buf.is_floating_point() and buf.dtype != KERNEL_DTYPE:
                 setattr(self, name, buf.to(KERNEL_DTYPE))
+            if buf.device.type != "cpu":  # tidespec's kernels are CPU ops
+                self.own_kernel = False
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

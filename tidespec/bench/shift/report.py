@@ -50,17 +50,24 @@ def report(doc: dict[str, Any]) -> str:
                 if cfg.get("trainer_catchup_s") else ""), ""]
     rows = []
     for name, s in doc["configs"].items():
-        rows.append([name, _fmt(s["tok_s"], 1), _fmt(s.get("speedup")), _fmt(s["mean_acceptance_length"]),
-                     str(s.get("mismatches", "-"))]
+        rows.append([name, _fmt(s["tok_s"], 1), _fmt(s.get("speedup")), _fmt(s.get("latency_speedup")),
+                     _fmt(s["mean_acceptance_length"]), str(s.get("mismatches", "-"))]
                     + [f"{_fmt(p['mean_acceptance_length'])} / {_fmt(p['second_half_acceptance_length'])}"
                        for p in s["phases"]])
-    heads = ["config", "tok/s", "speedup", "accept len"] + ["mismatches"] + [
+    heads = ["config", "tok/s", "speedup", "latency speedup", "accept len"] + ["mismatches"] + [
         f"phase {i + 1} {w}: accept len (all / 2nd half)" for i, w in enumerate(doc["phases"])]
     lines += [markdown_table(heads, rows), ""]
     lines += [("Tokens/s per phase (speedup over plain in the same phase; each configuration's own clock, which "
                "stops outside its turns):"), "",
               markdown_table(["config"] + [f"phase {i + 1} {w}" for i, w in enumerate(doc["phases"])],
                              [[name] + [f"{_fmt(p['tok_s'], 1)}" + (f" ({_fmt(p['speedup'])}x)" if "speedup" in p else "")
+                                        for p in s["phases"]] for name, s in doc["configs"].items()]), ""]
+    lines += [("Mean request latency per phase, ms from arrival to the last token (speedup: plain's mean latency "
+               "on the same requests over this one's; under open-loop arrivals tokens/s follows the rate and this "
+               "is the figure that moves):"), "",
+              markdown_table(["config"] + [f"phase {i + 1} {w}" for i, w in enumerate(doc["phases"])],
+                             [[name] + [(_fmt(1e3 * p["mean_latency_s"], 0) if "mean_latency_s" in p else "-")
+                                        + (f" ({_fmt(p['latency_speedup'])}x)" if "latency_speedup" in p else "")
                                         for p in s["phases"]] for name, s in doc["configs"].items()]), ""]
     lines += _vocab_lines(doc)
     for name, s in doc["configs"].items():

@@ -94,11 +94,17 @@ from tidespec.models.loader import LoadedModel
 
 
 def summarize_run(run: TraceRun, trace: list[TraceItem], plain: TraceRun | None) -> dict[str, Any]:
-    """Per phase and overall: tokens/s, mean acceptance length, speedup over plain, mismatches."""
+    """Per phase and overall: tokens/s, mean request latency, mean acceptance length, speedups over plain
+    (tokens/s and latency: under open-loop arrivals tokens/s follows the arrival rate, latency does
+    not), mismatches."""
 
     def acc(reqs: list[dict[str, Any]]) -> float:
         d = sum(r["drafts"] for r in reqs)
         return (sum(r["accepted"] for r in reqs) + d) / d if d else float("nan")
+
+    def latency(reqs: list[dict[str, Any]]) -> float:
+        """Mean seconds from a request's arrival (closed loop: its admission) to its last token."""
+        return sum(r["t_end"] - r["t_start"] for r in reqs) / len(reqs) if reqs else float("nan")
 
     phases = []
     seen = {"vocab_verified": 0, "vocab_covered": 0}  # the vocabulary's cumulative counters before the phase
@@ -109,7 +115,7 @@ def summarize_run(run: TraceRun, trace: list[TraceItem], plain: TraceRun | None)
         steps = [s for s in run.steps if t_a <= s["t"] <= t_b]
         draft_tokens = sum(s.get("draft_tokens", 0) for s in steps)
         phase = {"phase": p + 1, "workload": reqs[0]["workload"], "requests": len(reqs),
-                 "tok_s": sum(r["tokens"] for r in reqs) / max(1e-9, t_b - t_a),
+                 "tok_s": sum(r["tokens"] for r in reqs) / max(1e-9, t_b - t_a), "mean_latency_s": latency(reqs),
                  "mean_acceptance_length": acc(reqs), "second_half_acceptance_length": acc(half),
                  "versions": sorted({r["version"] for r in reqs}),
                  "served": [served_label(v, a) for v, a in sorted({(r["version"], r.get("adapter", 0)) for r in reqs})],
@@ -123,14 +129,17 @@ def summarize_run(run: TraceRun, trace: list[TraceItem], plain: TraceRun | None)
         phases.append(phase)
     tok_s = sum(r["tokens"] for r in run.requests) / run.wall_s
     draft_tokens = sum(s.get("draft_tokens", 0) for s in run.steps)
-    doc: dict[str, Any] = {"wall_s": run.wall_s, "tok_s": tok_s, "mean_acceptance_length": acc(run.requests),
+    doc: dict[str, Any] = {"wall_s": run.wall_s, "tok_s": tok_s, "mean_latency_s": latency(run.requests),
+                           "mean_acceptance_length": acc(run.requests),
                            "draft_ms_per_token": 1e3 * sum(s.get("draft_s", 0.0) for s in run.steps) / draft_tokens
                            if draft_tokens else float("nan"), "phases": phases}
-    if plain is not None:
+    if plain is not None:  # latency speedups: plain's mean latency on the same requests over this one's
         doc["speedup"] = tok_s / (sum(r["tokens"] for r in plain.requests) / plain.wall_s)
+        doc["latency_speedup"] = latency(plain.requests) / doc["mean_latency_s"]
         doc["mismatches"] = sum(a != b for a, b in zip(run.outputs, plain.outputs))
         for ph, base in zip(phases, summarize_run(plain, trace, None)["phases"]):
             ph["speedup"] = ph["tok_s"] / base["tok_s"]
+            ph["latency_speedup"] = base["mean_latency_s"] / ph["mean_latency_s"]
     if run.online:
         doc["online"] = run.online
     if run.vocab:
