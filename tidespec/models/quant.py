@@ -256,7 +256,7 @@ class Int4Linear(QuantizedLinear):
     """int4 weights packed by ``_convert_weight_to_int4pack_for_cpu``, a bfloat16 scale and zero per
     group of ``group_size`` inputs; ``_weight_int4pack_mm_for_cpu``, or where it applies (AVX512, a
     multiple of 64 outputs: ``own_kernel``) tidespec's ``int4_linear``, which computes the same bits
-    with the weights dequantized once for up to 8 rows (``csrc/int4_linear.cpp``: a 5-row verification
+    with the weights dequantized once for up to 8 rows (``csrc/quant_linear.cpp``: a 5-row verification
     then costs 1.9x a 1-row call, not 2.8x).
 
     Example: ``Int4Linear.from_weight(torch.randn(960, 576), group_size=32)``: packed ``[960, 288]``
@@ -274,7 +274,7 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("packed", packed)
         self.register_buffer("scale_zero", scale_zero.to(KERNEL_DTYPE).contiguous())
         # fixed per layer, so every call of it runs one kernel (both give the same bits; the test
-        # tests/models/test_int4_linear.py holds them to it)
+        # tests/models/test_quant_linear.py holds them to it)
         self.own_kernel = packed.device.type == "cpu" and packed.shape[0] % INT4_PANEL == 0 and quant_linear_available()
 
     @classmethod

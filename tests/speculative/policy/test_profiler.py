@@ -10,6 +10,7 @@ from tidespec.models import executor as executor_module
 from tidespec.models.eagle3_checkpoint import fresh_head
 from tidespec.models.executor import ExecutorOptions, ForwardExecutor, executor_key, prepare_target
 from tidespec.models.graphs import GraphStep
+from tidespec.models.quant import QuantizedLinear, quantize_model
 from tidespec.speculative.drafters.draft_model import DraftModelDrafter
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
 from tidespec.speculative.drafters.multi import MultiDrafter
@@ -150,3 +151,17 @@ def test_profile_key_tells_cpus_apart(monkeypatch) -> None:
     assert profile_key_for(model, SuffixDrafter(), {}) == amd  # stable on one machine
     monkeypatch.setattr(profiler, "cpu_name", lambda: "Intel(R) Xeon(R) Platinum 8488C")
     assert profile_key_for(model, SuffixDrafter(), {}) != amd
+
+
+def test_profile_key_tells_the_quantized_kernels_apart() -> None:
+    """tidespec's int4/int8 kernels give PyTorch's bits at another cost per row count: a profile measured
+    with one set of kernels must not be read for the other."""
+    model = tiny_llama(48, layers=2, seed=0, dtype=torch.float32)
+    quantize_model(model, "int8")
+    layers = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    keys = set()
+    for own in (True, False):
+        for layer in layers:
+            layer.own_kernel = own
+        keys.add(profile_key_for(model, SuffixDrafter(), {}))
+    assert len(keys) == 2

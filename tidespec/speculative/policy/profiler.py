@@ -45,7 +45,7 @@ import torch
 from tidespec.files import cache_root, cpu_name
 from tidespec.models.executor import ExecutorOptions, ForwardExecutor, executor_key, prepare_target
 from tidespec.models.llama import LlamaModel
-from tidespec.models.quant import quantization_of
+from tidespec.models.quant import QuantizedLinear, quantization_of
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter, DraftInput, Observation
 from tidespec.speculative.policy.speedup import Profile
@@ -132,7 +132,9 @@ def profile_key(model: LlamaModel, drafter_name: str, extra: dict[str, str] | No
              "cpu": cpu_name(), "drafter": drafter_name, "threads": str(torch.get_num_threads()), **(extra or {})}
     quant = quantization_of(model)
     if quant != "none":  # only then, so the keys of unquantized models (and their cached profiles) stay
-        parts["quantization"] = quant
+        parts["quantization"] = quant  # and which kernels run it: tidespec's verify few rows cheaper than ATen's
+        parts["quant_kernels"] = ",".join(sorted({m.kernel_name for m in model.modules()
+                                                  if isinstance(m, QuantizedLinear)}))
     digest = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:12]
     return f"{model.cfg.architecture}-L{model.cfg.num_layers}-H{model.cfg.hidden_size}-{drafter_name}-{digest}"
 
