@@ -217,8 +217,7 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scales", scales.to(KERNEL_DTYPE).contiguous())
         # tidespec's int8_linear (the same bits, csrc/quant_linear.cpp) where it applies; fixed per layer
-        self.own_kernel = (qweight.device.type == "cpu" and qweight.shape[1] % INT8_K_MULTIPLE == 0
-                           and quant_linear_available())
+        self.own_kernel = own_kernel_applies(qweight, qweight.shape[1] % INT8_K_MULTIPLE == 0)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
@@ -275,7 +274,7 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scale_zero", scale_zero.to(KERNEL_DTYPE).contiguous())
         # fixed per layer, so every call of it runs one kernel (both give the same bits; the test
         # tests/models/test_quant_linear.py holds them to it)
-        self.own_kernel = packed.device.type == "cpu" and packed.shape[0] % INT4_PANEL == 0 and quant_linear_available()
+        self.own_kernel = own_kernel_applies(packed, packed.shape[0] % INT4_PANEL == 0)
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> "Int4Linear":
@@ -302,6 +301,12 @@ class Int4Linear(QuantizedLinear):
 
     def extra_repr(self) -> str:
         return super().extra_repr() + f", group_size={self.group_size}, kernel={self.kernel_name}"
+
+
+def own_kernel_applies(weight: torch.Tensor, shape_fits: bool) -> bool:
+    """Whether a quantized layer runs tidespec's kernel: its weight on the CPU, a shape the kernel
+    reads, and the kernels built for AVX512 here."""
+    return weight.device.type == "cpu" and shape_fits and quant_linear_available()
 
 
 def int8_mm(xb: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, own: bool) -> torch.Tensor:
