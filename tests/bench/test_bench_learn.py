@@ -178,3 +178,25 @@ def test_init_from_a_trained_head_fine_tunes_it_and_widens_its_vocabulary(tmp_pa
     assert import_eagle3(tmp_path / "deep", model.cfg)[0].num_layers == 2
     with pytest.raises(ConfigError, match="no valid EAGLE-3 checkpoint"):
         run("none", steps=1, init_from=str(tmp_path / "empty-root"))
+
+
+def test_domains_select_the_rows_of_a_mixed_store(tmp_path: Path) -> None:
+    """A serving store mixes workloads in one shard: ``--domains`` learns from and scores one of them."""
+    from tidespec.online.store import SignalShard, SignalStore
+
+    store = SignalStore(tmp_path / "s", 1 << 30)
+    pos = torch.tensor([0, 1, 2, 0, 1, 0])
+    shard = SignalShard(taps=torch.arange(6.0)[:, None].repeat(1, 3), token_ids=pos, next_token_ids=pos + 1,
+                        seq_ids=torch.tensor([1, 1, 1, 2, 2, 3]), positions=pos,
+                        domain_ids=torch.tensor([0, 0, 0, 1, 1, 0]), domains=["code", "medical"])
+    store.append(shard)
+    medical = shard.in_domains(frozenset({"medical"}))
+    assert medical.num_signals == 2 and medical.seq_ids.tolist() == [2, 2] and medical.taps[:, 0].tolist() == [3, 4]
+    assert medical.row_domains() == ["medical", "medical"] and medical.domains == ["code", "medical"]
+    assert shard.in_domains(frozenset({"code", "medical"})) is shard
+    by_key, rows, _ = load_sequences([str(tmp_path / "s")], 256, frozenset({"medical"}))
+    assert rows == [2] and [s.num_positions for segs in by_key.values() for s in segs] == [2]
+    by_key, rows, _ = load_sequences([str(tmp_path / "s")], 256)
+    assert rows == [6] and len(by_key) == 3
+    with pytest.raises(ConfigError, match="no signals in .* of domains legal"):
+        load_sequences([str(tmp_path / "s")], 256, frozenset({"legal"}))

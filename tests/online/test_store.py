@@ -215,3 +215,8 @@ def test_views_of_one_tensor_are_stored(tmp_path: Path) -> None:
     back = store.read(store.append(shard))
     assert torch.equal(back.token_ids, seq[:-1]) and torch.equal(back.next_token_ids, seq[1:])
     assert torch.equal(back.taps, big[2:8])
+    pos = torch.arange(6)  # one tensor given for two fields (tokens equal to their positions)
+    same = SignalShard(taps=big[2:8], token_ids=pos, next_token_ids=pos + 1, seq_ids=torch.zeros(6, dtype=torch.long),
+                       positions=pos)
+    back = store.read(store.append(same))
+    assert torch.equal(back.token_ids, pos) and torch.equal(back.positions, pos)

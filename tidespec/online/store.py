@@ -49,7 +49,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -77,6 +77,10 @@ class ShardGone(LookupError):
 
 class StoreError(UserError, RuntimeError):
     """The store directory or a shard file is malformed."""
+
+
+_ROW_FIELDS = ("taps", "token_ids", "next_token_ids", "seq_ids", "positions", "domain_ids", "alphas", "topk_ids",
+               "topk_logits", "hidden")  # SignalShard's per-row tensors (dimension 0 = rows)
 
 
 @dataclass
@@ -145,6 +149,16 @@ class SignalShard:
         if self.domain_ids is None:
             return [self.domains[0]] * self.num_signals
         return [self.domains[i] for i in self.domain_ids.tolist()]
+
+    def in_domains(self, domains: frozenset[str]) -> SignalShard:
+        """The shard's rows whose domain label is one of ``domains`` (the same shard if all are).
+
+        Example: rows of domains [code, medical, medical], domains {medical} -> a 2-row shard."""
+        keep = torch.tensor([d in domains for d in self.row_domains()], dtype=torch.bool)  # [N]
+        if bool(keep.all()):
+            return self
+        rows = {name: getattr(self, name)[keep] for name in _ROW_FIELDS if getattr(self, name) is not None}
+        return replace(self, **rows)
 
 
 @dataclass(frozen=True)
@@ -273,6 +287,12 @@ class SignalStore:
             tensors["topk_logits"] = _owned(shard.topk_logits, torch.float32)
         if shard.hidden is not None:
             tensors["hidden"] = _owned(shard.hidden, self.taps_dtype)
+        storages: set[int] = set()
+        for name, t in tensors.items():  # one tensor passed for two fields (token_ids is positions): copy one
+            ptr = t.untyped_storage().data_ptr()
+            if t.numel() and ptr in storages:
+                tensors[name] = t.clone()
+            storages.add(ptr)
         meta = {"domains": shard.domains, "wall_time": wall_time, "drafter_version": shard.drafter_version,
                 "acceptance": shard.acceptance}
         return st_save(tensors, metadata={"tidespec": json.dumps(meta)})

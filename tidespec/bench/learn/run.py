@@ -132,6 +132,8 @@ class LearnBenchConfig:
     distill: str = opt(TrainerConfig.distill, "with top-k signals: soft or top1 labels", choices=["soft", "top1"])
     ttt_steps: int = opt(TrainerConfig.ttt_steps, "training-time-test unroll steps")
     target_length: float = opt(2.5, "acceptance length whose row count the fit extrapolates to")
+    domains: str = opt("", "comma-separated domain labels: only rows of these domains are learned from and scored "
+                           "(a serving engine's store tags each row with its request's workload; empty = all)")
     eval_dirs: str = opt("", "comma-separated signal stores the largest share's head is scored on but never "
                              "trained on, every sequence of each (e.g. a domain's captured traffic)")
     export_dir: str | None = opt(None, "write the largest share's trained head here as an EAGLE-3 checkpoint "
@@ -173,6 +175,10 @@ class LearnBenchConfig:
         return [d.strip() for d in self.signal_dirs.split(",") if d.strip()]
 
     @property
+    def domain_set(self) -> frozenset[str]:
+        return frozenset(d.strip() for d in self.domains.split(",") if d.strip())
+
+    @property
     def eval_stores(self) -> list[str]:
         return [d.strip() for d in self.eval_dirs.split(",") if d.strip()]
 
@@ -181,14 +187,18 @@ class LearnBenchConfig:
         return parse_fractions(self.fractions)
 
 
-def load_store_sequences(directory: str, max_segment_len: int) -> tuple[list[list[SignalSegment]], int]:
-    """One store's sequences (segments each, in sequence-id order) and its row count."""
+def load_store_sequences(directory: str, max_segment_len: int, domains: frozenset[str] = frozenset()
+                         ) -> tuple[list[list[SignalSegment]], int]:
+    """One store's sequences (segments each, in sequence-id order) and its row count; with
+    ``domains``, only the rows of those domains."""
     shards = [shard for _, shard in SignalStore(directory, 1 << 40).iter_shards()]
+    if domains:
+        shards = [kept for shard in shards if (kept := shard.in_domains(domains)).num_signals]
     by_seq = segments_by_sequence(shards, max_segment_len)
     return [by_seq[sid] for sid in sorted(by_seq)], sum(int(shard.positions.numel()) for shard in shards)
 
 
-def load_sequences(dirs: list[str], max_segment_len: int
+def load_sequences(dirs: list[str], max_segment_len: int, domains: frozenset[str] = frozenset()
                    ) -> tuple[dict[int, list[SignalSegment]], list[int], list[int]]:
     """Every sequence of every store, re-keyed 0, 1, ... store by store (sequence ids of different
     stores may collide). Returns (segments per key, rows per store, the store index of each key)."""
@@ -196,13 +206,14 @@ def load_sequences(dirs: list[str], max_segment_len: int
     rows: list[int] = []
     store_of: list[int] = []
     for i, d in enumerate(dirs):
-        sequences, n = load_store_sequences(d, max_segment_len)
+        sequences, n = load_store_sequences(d, max_segment_len, domains)
         for segs in sequences:
             by_key[len(by_key)] = segs
             store_of.append(i)
         rows.append(n)
     if not by_key:
-        raise ConfigError(f"no signals in {', '.join(dirs)}")
+        raise ConfigError(f"no signals in {', '.join(dirs)}" + (f" of domains {', '.join(sorted(domains))}"
+                                                               if domains else ""))
     return by_key, rows, store_of
 
 
@@ -270,13 +281,13 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
     """Train one fresh head per share and evaluate it on the fixed held-out split (module docstring)."""
     out_dir = out_dir or default_out_dir("learn")
     start = load_start(cfg.init_from, target) if cfg.init_from is not None else None
-    by_key, store_rows, store_of = load_sequences(cfg.dirs, cfg.max_segment_len)
+    by_key, store_rows, store_of = load_sequences(cfg.dirs, cfg.max_segment_len, cfg.domain_set)
     held = heldout_keys(list(by_key), cfg.heldout_frac)
     sources: list[Source] = [(d, "held out", sum(store_of[k] == i for k in held),
                               [s for k in sorted(held) if store_of[k] == i for s in by_key[k]])
                              for i, d in enumerate(cfg.dirs)]
     for d in cfg.eval_stores:
-        sequences = load_store_sequences(d, cfg.max_segment_len)[0]
+        sequences = load_store_sequences(d, cfg.max_segment_len, cfg.domain_set)[0]
         sources.append((d, "scored only", len(sequences), [s for segs in sequences for s in segs]))
     by_source: list[dict[str, Any]] = []
     heldout = [s for k in sorted(held) for s in by_key[k]]
@@ -369,7 +380,7 @@ def replot(out_dir: Path) -> dict[str, Any]:
 def report(doc: dict[str, Any]) -> str:
     """Markdown: the command, the machine, one row per share, the fit."""
     cfg = doc["config"]
-    stores = ", ".join(cfg["signal_dirs"].split(","))
+    stores = ", ".join(cfg["signal_dirs"].split(",")) + (f" (rows of {cfg['domains']})" if cfg.get("domains") else "")
     steps = (f"{cfg['epochs']:g} passes over each share's own segments" if cfg.get("per_share_epochs")
              else "the same count for every share")
     lines = ["# bench learn", "", "```", doc.get("command", ""), "```", "", machine_line(doc["machine"]), "",
@@ -383,11 +394,13 @@ def report(doc: dict[str, Any]) -> str:
         last_gain = p[-1]["heldout_accept_len"] - p[-2]["heldout_accept_len"] if len(p) > 1 else float("nan")
         rows.append([f"{c['fraction']:g}", c["sequences"], f"{c['rows']:,}", c["steps"],
                      f"{p[0]['heldout_accept_len']:.3f}", f"{c['final_accept_len']:.3f}", f"{last_gain:+.3f}",
-                     f"{c['best_accept_len']:.3f} (step {c['best_step']})", _fmt(c.get("final_walk_len")),
+                     f"{c['best_accept_len']:.3f} (step {c['best_step']})", _fmt(p[0].get("heldout_walk_len")),
+                     _fmt(c.get("final_walk_len")),
                      f"{p[-1]['train_loss']:.3f}" if p[-1]["train_loss"] is not None else "-", f"{c['train_s']:.0f}"])
     start = "start (fine-tuned from its checkpoint)" if doc["config"].get("init_from") else "fresh"
     lines.append(markdown_table(["share", "sequences", "train rows", "steps", start, "final",
-                                 "last gain", "best", "final, walked as served", "final train loss", "train s"], rows))
+                                 "last gain", "best", "start, walked as served", "final, walked as served",
+                                 "final train loss", "train s"], rows))
     lines += ["", "(last gain: held-out change over the last evaluation interval; clearly positive means "
               "that share was still learning when its steps ran out, i.e. step-limited there. Walked as served: "
               "the same chains counted as a greedy server meets them, one step per emitted run of tokens instead "
