@@ -17,10 +17,14 @@ So the rule: only the thread that steps an engine has a team. Helper threads sta
 ``start_helper`` (one intra-op thread first thing: their own OpenMP setting and MKL's thread-local
 one; they never create a team and never take a core from the step). PyTorch also keeps the last
 ``set_num_threads`` value as the default of threads that start later, so a thread that steps an
-engine sets its own count when it starts (``pin_threads``, as ``AsyncEngine`` does), and again
-before a step if the count changed under it: the server's main thread's ``release_team`` lowered
-the running engine thread's count to 1 too (measured 2026-11-28: every step on one core, a
-1,551-token prefill through the server 5.3 s instead of 2.9 s). A thread that
+engine sets its own count when it starts (``pin_threads``, as ``AsyncEngine`` does), and
+``LLMEngine.step`` pins the count the engine was built with again whenever it changed under it:
+another thread's call reaches a running thread's count, for a reason we have not found. The
+server's main thread's ``release_team`` lowered the running engine thread's count to 1 (measured
+2026-11-28: every step on one core, a 1,551-token prefill through the server 5.3 s instead of
+2.9 s); in ``bench shift`` the training governor's first ``pin_threads(1)``, on its own helper
+thread, lowered the main thread's to 1 during the first warm-up (2026-11-29: every online run's
+report said "1 threads", and every configuration stepped on one core from then on). A thread that
 handed the stepping to another one (the server's main thread, after loading the model) gives its
 team back with ``release_team`` (OpenMP 5.0's ``omp_pause_resource_all`` on the runtime PyTorch
 loaded).

@@ -388,3 +388,18 @@ def test_observed_rows_are_copies_of_the_kept_rows(model, tok):
         out.add_(100.0)
         assert torch.equal(got, before)
     assert e._rows_of(None, [0, 1]) is None
+
+
+def test_a_step_restores_the_thread_count_the_engine_was_built_with(model, tok):
+    """Another thread's set_num_threads has been seen to reach the thread that steps (tidespec.threads):
+    each step pins the count the engine was built with again."""
+    built = torch.get_num_threads()
+    engine = make_engine(model, tok)
+    other = 1 if built > 1 else 2
+    try:
+        torch.set_num_threads(other)
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+        engine.step()
+        assert torch.get_num_threads() == built == engine.intraop_threads
+    finally:
+        torch.set_num_threads(built)

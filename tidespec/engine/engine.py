@@ -55,6 +55,7 @@ from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observa
 from tidespec.speculative.policy.api import PlanInput, SeqState, SpeculationPolicy, plans_drafters
 from tidespec.speculative.verify import VerifyResult, verify_greedy, verify_sampled, verify_seeded
 from tidespec.stats import StepStats, add_per_position
+from tidespec.threads import pin_threads
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,9 @@ class LLMEngine:
         self._ids = itertools.count()
         self._req_ids = itertools.count()
         self.step_count = 0
+        # the intra-op threads of the thread that built the engine; a step re-pins them if another
+        # thread's set_num_threads reached this one (tidespec.threads: measured in bench shift and serve)
+        self.intraop_threads = torch.get_num_threads()
         self.component_errors = 0  # post-commit component failures (logged; the outputs were delivered)
         self.draft_errors = 0  # steps whose drafter raised in propose (logged; those sequences decoded plainly)
         self.last_stats = StepStats()
@@ -191,6 +195,8 @@ class LLMEngine:
 
     # ----------------------------------------------------------------- the step
     def step(self) -> list[RequestOutput]:
+        if torch.get_num_threads() != self.intraop_threads:
+            pin_threads(self.intraop_threads)
         for observer in self.observers:
             observer.on_step_start(self)
         t0 = time.perf_counter()

@@ -285,8 +285,6 @@ class AsyncEngine:
                     idle_pending = self._idle_work(eng)
                 continue
             idle_pending = self.idle_work is not None  # finished requests may have left idle work
-            if torch.get_num_threads() != self.intraop_threads:  # another thread's count reached this one
-                pin_threads(self.intraop_threads)  # (the main thread's release_team: measured, 1 thread from then on)
             try:
                 outputs = eng.step()
             except Exception as exc:  # noqa: BLE001 - one bad step must not kill the server
