@@ -52,6 +52,7 @@ from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter, build_policy
 from tidespec.models.eagle3_checkpoint import shipped_bootstrap
 from tidespec.models.loader import LoadedModel, load_model
+from tidespec.online.training.judge import gain_interval
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.policy.api import SpeculationPolicy
 from tidespec.workloads.loader import load_prompts
@@ -141,7 +142,7 @@ def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bo
                            bootstrap=str(boot) if boot else None, min_signals=ns.min_signals, collect_n_init=4,
                            window=4, bin_s=10.0, overhead_repeats=0, recompute_rows=0, online_lora=True,
                            trainer_threads=ns.threads, trainer_catchup_s=ns.idle_s, trainer_epochs=2.0,
-                           trainer_args=f"--lr {ns.trainer_lr:g}")
+                           trainer_args=f"--lr {ns.trainer_lr:g} --finetune-lr {ns.trainer_lr:g}")
     out = Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     doc = run_shift_bench(cfg, loaded, out, command="make demo", log=lambda _: None)
     plain, online = doc["configs"]["plain"], doc["configs"]["online"]
@@ -161,14 +162,14 @@ def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bo
     on = online["online"]
     for r in on.get("rounds", []):
         pub = f"published v{r['published_version']}" if r.get("published_version") else "not published"
-        con.print(f"trainer round {r['round']}: {r['num_train_rows']} rows, held-out acceptance length "
+        con.print(f"trainer round {r['round']}: {r['num_train_rows']} rows, held-out acceptance length (walked) "
                   f"{r['baseline_accept_len'] or float('nan'):.2f} -> {r['candidate_accept_len'] or float('nan'):.2f}"
-                  f", {pub}")
+                  f"{gain_interval(r.get('judgement'))}, {pub}")
     for j in on.get("judgements", []):
         verdict = f"reverted (v{j['replaced_version']} again as v{j['reverted_as']})" if j.get("reverted_as") else "kept"
         con.print(f"v{j['version']} judged on the {j['judged_rows']} rows captured after it: acceptance length "
-                  f"{j['accept_len'] or float('nan'):.2f} vs {j['replaced_accept_len'] or float('nan'):.2f} for "
-                  f"v{j['replaced_version']}, {verdict}")
+                  f"(walked) {j['accept_len'] or float('nan'):.2f} vs {j['replaced_accept_len'] or float('nan'):.2f} "
+                  f"for v{j['replaced_version']}{gain_interval(j)}, {verdict}")
     lora = on.get("lora") or {}
     for a in on.get("adapters", []):
         m = a.get("metrics", {})

@@ -147,14 +147,18 @@ def test_shift_bench_end_to_end(tmp_path: Path) -> None:
     saved = json.loads((out / "bench_shift.json").read_text())
     saved["configs"]["online"]["online"]["judgements"] = [
         {"version": 2, "replaced_version": 1, "judged_rows": 300, "accept_len": 1.41, "replaced_accept_len": 1.52,
-         "reverted_as": 3}]
+         "reverted_as": 3},
+        {"version": 4, "replaced_version": 3, "judged_rows": 320, "accept_len": 1.60, "replaced_accept_len": 1.55,
+         "reverted_as": None, "confidence": 0.9, "gain_low": -0.02, "gain_high": 0.12}]
     (out / "bench_shift.json").write_text(json.dumps(saved))
     (out / "README.md").unlink()
     again = replot(out)  # re-rendered from bench_shift.json alone
     assert again["configs"]["online"]["mismatches"] == 0 and (out / "README.md").is_file()
     assert "latency speedup" in (out / "README.md").read_text() and "Mean request latency per phase" in (
         out / "README.md").read_text()
-    assert "| 2 | 1 | 300 | 1.41 | 1.52 | reverted as v3 |" in (out / "README.md").read_text()
+    text = (out / "README.md").read_text()
+    assert "| 2 | 1 | 300 | 1.41 | 1.52 | - | reverted as v3 |" in text  # a record before judgements had intervals
+    assert "| 4 | 3 | 320 | 1.60 | 1.55 | gain -0.02 .. +0.12 at 90 % | kept |" in text
 
 
 def test_shift_bench_interleaves_a_controller_with_several_drafters(tmp_path: Path) -> None:

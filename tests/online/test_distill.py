@@ -266,22 +266,26 @@ def test_bf16_autocast_training_learns_and_keeps_float32_weights(tmp_path: Path)
     assert all(p.dtype == torch.float32 for p in head.parameters())
 
 
+def trained_head(target: torch.nn.Module, head: Eagle3Head, train: list[SignalSegment], steps: int = 80) -> Eagle3Head:
+    """``head`` after ``steps`` AdamW training-time-test steps (3 unrolled) on all of ``train``, in eval mode."""
+    optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3, betas=(0.9, 0.95))
+    for _ in range(steps):
+        loss, _ = ttt_loss(head, target.embed_tokens, train, 3)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return head.eval()
+
+
 def test_walked_acceptance_is_what_the_engine_serves() -> None:
     """``acceptance_stats``' walk steps where a greedy server drafts and emits what it emits: a
     trained head serving one request through the engine (float64, gamma 3) and the walk over the
     teacher-forced rows of the same output give the same steps and tokens; the per-row mean
     differs (easy stretches count at each row there)."""
     target = tiny_target(torch.float64, seed=0, vocab=VOCAB)
-    train = _distill_segments(target, 8, 32, seed=0)
     torch.manual_seed(1)
-    head = Eagle3Head(Eagle3Config.for_target(target.cfg)).to(torch.float64)
-    optimizer = torch.optim.AdamW(head.parameters(), lr=3e-3, betas=(0.9, 0.95))
-    for _ in range(80):
-        loss, _ = ttt_loss(head, target.embed_tokens, train, 3)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    head.eval()
+    head = trained_head(target, Eagle3Head(Eagle3Config.for_target(target.cfg)).to(torch.float64),
+                        _distill_segments(target, 8, 32, seed=0))
     drafter = Eagle3Drafter(head, target.embed_tokens, Eagle3DrafterConfig(max_num_seqs=1, max_model_len=64))
     config = EngineConfig(cache=CacheConfig(max_num_seqs=1, max_model_len=64),
                           spec=SpecConfig(drafter="eagle3", num_speculative_tokens=3))

@@ -16,6 +16,7 @@ from typing import Any
 
 from tidespec.bench.common.report import eos_words, machine_line, markdown_table, new_figure, save_figure
 from tidespec.bench.shift.config import served_label
+from tidespec.online.training.judge import gain_interval
 
 COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:orange", "vocab-static": "tab:red",
           "vocab-dynamic": "tab:green", "vocab-full": "tab:purple", "vocab-static-lora": "tab:pink",
@@ -81,17 +82,24 @@ def report(doc: dict[str, Any]) -> str:
                   f"{on.get('collector', {})}.", ""]
         rounds = on.get("rounds", [])
         if rounds:
-            lines += [markdown_table(["round", "train rows", "held-out rows", "accept len before", "after", "published"],
+            metric = "walked" if any("judgement" in r for r in rounds) else "per row"  # runs before walked judging
+            lines += [markdown_table(["round", "train rows", "held-out rows", f"accept len before ({metric})", "after",
+                                      "gain interval", "published"],
                                      [[r.get("round"), r.get("num_train_rows"), r.get("num_heldout_rows"),
                                        _fmt(r.get("baseline_accept_len")), _fmt(r.get("candidate_accept_len")),
+                                       gain_interval(r.get("judgement")).strip(" ()") or "-",
                                        r.get("published_version") or "-"] for r in rounds]), ""]
         judged = on.get("judgements", [])
         if judged:
             lines += [("Served judgements (each published version against the head it replaced, both scored on "
                        "the same rows captured after it):"), "",
-                      markdown_table(["version", "replaced", "rows", "accept len", "replaced's", "verdict"],
+                      markdown_table(["version", "replaced", "rows",
+                                      f"accept len ({'walked' if any('confidence' in j for j in judged) else 'per row'})",
+                                      "replaced's",
+                                      "gain interval", "verdict"],
                                      [[j.get("version"), j.get("replaced_version"), j.get("judged_rows"),
                                        _fmt(j.get("accept_len")), _fmt(j.get("replaced_accept_len")),
+                                       gain_interval(j).strip(" ()") or "-",
                                        f"reverted as v{j['reverted_as']}" if j.get("reverted_as") else "kept"]
                                       for j in judged]), ""]
     ov = doc.get("capture_overhead")

@@ -116,7 +116,10 @@ class TrainerConfig(TargetOptions):
     max_segment_len: int = opt(256, "positions per training segment (longer runs are cut)")
     replay_rows: int = opt(4096, "also train on up to this many rows of earlier rounds (newest first), so a round "
                                 "on a new domain does not erase the old one; 0 = new rows only")
-    lr: float = opt(1e-3, "AdamW peak learning rate")
+    lr: float = opt(1e-3, "AdamW peak learning rate of a round that trains a fresh head")
+    finetune_lr: float = opt(1e-4, "AdamW peak learning rate of a round that fine-tunes a trained head (a published "
+                                   "version, or --init-from): 1e-3 lowered a shipped head's walked acceptance on "
+                                   "new domains where 1e-4 raised it (docs/benchmarks/learning.md)")
     lr_schedule: Literal["constant", "cosine"] = opt("constant", "learning rate over a round's steps: constant, or "
                                                                   "cosine decay to 10 %% of --lr")
     warmup_steps: int = opt(0, "linear learning-rate warm-up steps at the start of each round")
@@ -133,13 +136,20 @@ class TrainerConfig(TargetOptions):
                 "(also its last decoder layer, fc passing the highest tap through); none = random")
     ttt_steps: int = opt(3, "training-time-test unroll steps")
     gamma: int = opt(4, "draft length of the simulated-acceptance evaluation")
-    min_gain: float = opt(0.0, "publish only if the mean acceptance length improves by more than this")
+    min_gain: float = opt(0.0, "publish only if the walked acceptance length (tokens per drafting step) gains more "
+                               "than this, at the lower end of its --judge-confidence interval")
+    judge_confidence: float = opt(0.9, "both judgements (publish on held-out rows, keep or revert on served rows) "
+                                       "compare two heads' walked acceptance on the same rows with a paired "
+                                       "bootstrap interval of this confidence (0 = the point estimate)")
+    judge_block_rows: int = opt(32, "the judgements walk rows in blocks of this many, the samples the bootstrap "
+                                    "draws")
     served_judge_rows: int = opt(256, "after publishing, judge the new version against the one it replaced on this "
                                       "many rows captured after it (both heads' simulated acceptance on the same "
                                       "rows); a loser is reverted by publishing the replaced head again; no round "
                                       "trains meanwhile (0 = no served judgement)")
-    served_margin: float = opt(0.02, "the served judgement reverts a version whose acceptance length is below the "
-                                     "replaced one's by more than this fraction")
+    served_margin: float = opt(0.02, "the served judgement reverts a version whose walked acceptance length is below "
+                                     "the replaced one's by more than this fraction, at the upper end of its "
+                                     "--judge-confidence interval")
     poll_s: float = opt(10.0, "seconds between checks of the signal store")
     max_rounds: int = opt(0, "stop after this many training rounds (0 = run until interrupted)")
     once: bool = opt(False, "run one round on the signals available now (at least one row) and exit")
@@ -181,8 +191,8 @@ class TrainerConfig(TargetOptions):
             raise TrainerConfigError(f"max_segment_len must be >= 2, got {self.max_segment_len}")
         if not 0.0 < self.heldout_frac < 1.0:
             raise TrainerConfigError(f"heldout_frac must be in (0, 1), got {self.heldout_frac}")
-        if self.epochs <= 0 or self.lr <= 0 or self.poll_s <= 0:
-            raise TrainerConfigError("epochs, lr and poll_s must be > 0")
+        if self.epochs <= 0 or self.lr <= 0 or self.finetune_lr <= 0 or self.poll_s <= 0:
+            raise TrainerConfigError("epochs, lr, finetune_lr and poll_s must be > 0")
         if self.weight_decay < 0:
             raise TrainerConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.temperature < 0:
@@ -195,6 +205,10 @@ class TrainerConfig(TargetOptions):
             raise TrainerConfigError(f"served_margin must be in [0, 1), got {self.served_margin}")
         if self.min_gain < 0:
             raise TrainerConfigError(f"min_gain must be >= 0, got {self.min_gain}")
+        if not 0.0 <= self.judge_confidence < 1.0:
+            raise TrainerConfigError(f"judge_confidence must be in [0, 1), got {self.judge_confidence}")
+        if self.judge_block_rows < 1:
+            raise TrainerConfigError(f"judge_block_rows must be >= 1, got {self.judge_block_rows}")
 
 
 @dataclass

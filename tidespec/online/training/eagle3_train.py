@@ -425,6 +425,7 @@ class AcceptanceStats:
     row_sum: int = 0
     walk_steps: int = 0
     walk_tokens: int = 0
+    blocks: list[tuple[int, int]] = field(default_factory=list)  # (steps, tokens) per block, with block_rows
 
     @property
     def row_mean(self) -> float:
@@ -435,7 +436,7 @@ class AcceptanceStats:
         return self.walk_tokens / self.walk_steps if self.walk_steps else float("nan")
 
 
-def walk_chains(leading: list[int], judged: list[bool]) -> tuple[int, int]:
+def walk_chains(leading: list[int], judged: list[bool], start: int = 0, stop: int | None = None) -> tuple[int, int]:
     """A greedy server's walk over one segment's rows -> (steps, tokens emitted).
 
     ``leading[p]``: drafts of the chain drafted at row p that match the continuation; ``judged[p]``:
@@ -450,10 +451,17 @@ def walk_chains(leading: list[int], judged: list[bool]) -> tuple[int, int]:
     Example: leading [2, 0, 0, 1, 0, 0], rows 0-4 judged (the last row has nothing left to draft)
     -> a step at row 0 (3 tokens), one at row 3 (2 tokens) -> (2, 5). With row 3 not judged as
     well: rows 0 (3 tokens) and 4 (1 token: the text ends) -> (2, 4).
+
+    ``start`` / ``stop``: a walk that begins at row ``start`` and drafts no chain at or past row
+    ``stop`` (its last step's tokens may reach past it), so that blocks of rows can be walked
+    one by one as independent samples (``acceptance_stats(block_rows=...)``). Example: the first
+    leading list above, start 2, stop 4 -> steps at rows 2 and 3 -> (2, 3).
     """
     n = len(leading)
-    steps = tokens = p = 0
-    while p < n:
+    end = n if stop is None else min(stop, n)
+    steps = tokens = 0
+    p = start
+    while p < end:
         if not judged[p]:
             p += 1
             continue
@@ -464,10 +472,12 @@ def walk_chains(leading: list[int], judged: list[bool]) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def acceptance_stats(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], gamma: int
-                     ) -> AcceptanceStats:
+def acceptance_stats(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], gamma: int,
+                     block_rows: int = 0) -> AcceptanceStats:
     """Greedy chains of ``gamma`` drafts from every row of ``segments`` at once (one unroll),
-    counted per row and as a server's walk (``AcceptanceStats``, ``walk_chains``)."""
+    counted per row and as a server's walk (``AcceptanceStats``, ``walk_chains``). With
+    ``block_rows``, each segment is also walked in blocks of that many rows, each block's walk
+    starting at its first row (``AcceptanceStats.blocks``: the samples a paired judgement resamples)."""
     if gamma < 1:
         raise Eagle3TrainError(f"gamma must be >= 1, got {gamma}")
     batch = SignalBatch.collate(segments, head)
@@ -500,6 +510,8 @@ def acceptance_stats(head: Eagle3Head, embed: nn.Embedding, segments: list[Signa
         steps, tokens = walk_chains(lead[i][:m], ok[i][:m])
         stats.walk_steps += steps
         stats.walk_tokens += tokens
+        for a in range(0, m, block_rows or m):
+            stats.blocks.append(walk_chains(lead[i][:m], ok[i][:m], a, a + block_rows) if block_rows else (steps, tokens))
     return stats
 
 

@@ -24,10 +24,12 @@ process (never the engine) on the same signal store and publish root as the full
          eligible rows and no update waits: ``steps`` AdamW steps on the curriculum loss (each on
          one chunk of <= 8 segments, in turn, topped up from a window of earlier buffers of
          ``replay_rows`` eligible rows), buffer moved into that window
-      -> the update waits for ``judge_rows`` rows served after it; simulated acceptance on them,
-         adapted vs the head served now (base, or base + the newest adapter) vs the bare base head;
-         publish the adapter (``lora/v{base}/a{N}``) iff it is the best, or a zero adapter (the base
-         head) iff the base head is (``_judge``); the engine merges it in between steps
+      -> the update waits for ``judge_rows`` rows served after it; on them, the adapted head and
+         the bare base head are each walked against the head served now (base, or base + the newest
+         adapter), paired (``judge``: walked acceptance, a bootstrap interval); publish the adapter
+         (``lora/v{base}/a{N}``) iff it wins beyond the interval and the base head is not better,
+         or a zero adapter (the base head) iff the base head wins so (``_judge``); the engine merges
+         it in between steps
 
 Judging on the rows that arrive next (test, then train: every row first scores the pending update,
 then joins the replay buffer) rather than on a held-out share: after a shift a held-out window
@@ -78,8 +80,9 @@ from tidespec.models.eagle3_lora import (
 )
 from tidespec.online.store import ShardGone, ShardInfo, SignalShard, SignalStore
 from tidespec.online.training.config import LoraAlignConfig
-from tidespec.online.training.data import segments_by_sequence, simulated_acceptance
+from tidespec.online.training.data import segments_by_sequence
 from tidespec.online.training.eagle3_train import SignalBatch, SignalSegment, unroll
+from tidespec.online.training.judge import PairedJudgement, judge_pair
 
 logger = logging.getLogger(__name__)
 
@@ -267,14 +270,17 @@ class LoraAligner:
     """Path B state of one trainer: adapters on the current base version, replay buffer, cursor.
 
     ``out_rows`` [V, H]: the target's LM-head rows (the top-k of a captured hidden state).
-    ``min_gain``: an adapter is published only if its acceptance on the rows served after it beats
-    the served head's by more.
+    ``min_gain``: an adapter is published only if its walked acceptance on the rows served after it
+    beats the served head's by more, at the lower end of a ``judge_confidence`` interval over
+    blocks of ``judge_block_rows`` rows (``judge.judge_pair``).
     """
 
     def __init__(self, cfg: LoraAlignConfig, store: SignalStore, root: Path | str, embed: nn.Embedding,
                  out_rows: torch.Tensor, *, gamma: int, ttt_steps: int, max_segment_len: int,
-                 min_gain: float = 0.0) -> None:
+                 min_gain: float = 0.0, judge_confidence: float = 0.9, judge_block_rows: int = 32) -> None:
         self.cfg = cfg
+        self.judge_confidence = judge_confidence
+        self.judge_block_rows = judge_block_rows
         self.store = store
         self.root = Path(root)
         self.embed = embed
@@ -469,9 +475,10 @@ class LoraAligner:
         return pending
 
     def _judge(self, pending: _Pending) -> AdapterResult:
-        """Simulated acceptance on the rows served after the update of the served head, the adapted one
-        and (when an adapter is served) the bare base head; the best by more than ``min_gain`` over the
-        served one is published and served from now on. The base head winning means the traffic went
+        """Walked acceptance on the rows served after the update of the served head, the adapted one
+        and (when an adapter is served) the bare base head, each paired with the served one
+        (``judge.judge_pair``); the best, when it beats the served one by more than ``min_gain`` at
+        the lower end of its interval, is published and served from now on. The base head winning means the traffic went
         back to where the adapters do not help (docs/benchmarks/learning.md: prose and math adapters cost
         code 0.17 of acceptance when code returned): a zero adapter, equal to the base head, is
         published, and training goes on from the adapters as they are (restarting them from zero
@@ -480,24 +487,23 @@ class LoraAligner:
         Example: served a3 1.90, adapted 1.95, base 2.10 -> a4 = zero adapter (the base) published;
         the next update must beat 2.x of the base head on its own rows."""
         assert self.head is not None and self.served is not None and self.base is not None
-        def score(head: Eagle3Head) -> float:
-            with self._wide(head) as wide:
-                return simulated_acceptance(wide, self.embed, pending.judge, self.gamma)
+        def pair(served: Eagle3Head, other: Eagle3Head) -> PairedJudgement:
+            with self._wide(served) as a, self._wide(other) as b:
+                return judge_pair(a, b, self.embed, pending.judge, self.gamma, self.judge_block_rows,
+                                  self.judge_confidence)
 
-        before = score(self.served)
-        after = score(self.head)
-        bare = before if self.served is self.base else score(self.base)
-
-        def beats(a: float, b: float) -> bool:
-            return math.isfinite(a) and (not math.isfinite(b) or a > b + self.min_gain)
-
-        reset = beats(bare, before) and not after > bare
-        publish = reset or (beats(after, before) and not bare > after)
+        up = pair(self.served, self.head)
+        back = None if self.served is self.base else pair(self.served, self.base)
+        before, after = up.base, up.cand
+        bare = before if back is None else back.cand
+        reset = back is not None and back.better(self.min_gain) and not after > bare
+        publish = reset or (up.better(self.min_gain) and not bare > after)
         judged = sum(s.num_positions for s in pending.judge)
         metrics: dict[str, Any] = {"eligible_rows": pending.eligible_rows, "seen_rows": pending.seen_rows,
                                    "update_ms": round(pending.update_ms, 1), "judged_rows": judged,
                                    "adapted_accept_len": after, "baseline_accept_len": before,
-                                   "base_accept_len": bare, "reset": reset,
+                                   "base_accept_len": bare, "reset": reset, "gain_low": up.low,
+                                   "gain_high": up.high, "confidence": up.confidence,
                                    "loss_before": pending.loss_before, "loss_after": pending.loss_after}
         number = None
         if publish:

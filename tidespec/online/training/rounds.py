@@ -17,24 +17,28 @@ One round::
          round on a new domain does not erase the old one
       -> candidate = current head (or, from a fresh head with a smaller draft vocab, a fresh head
          whose draft vocabulary is the most frequent tokens of the training rows)
-      -> training-time-test AdamW steps (DDP over ranks: each rank takes its slice of every batch)
-      -> simulated mean acceptance length of greedy gamma-chains on the held-out split, candidate
-         vs current; publish(root, candidate) iff candidate > current + min_gain (rank 0 only)
+      -> training-time-test AdamW steps at --lr (a fresh head) or --finetune-lr (a trained one); DDP
+         over ranks: each rank takes its slice of every batch
+      -> both heads walked over the held-out split as a greedy server would (``judge``: accepted
+         tokens per drafting step, paired, a bootstrap interval over blocks of rows); publish(root,
+         candidate) iff the interval's lower end of the gain is above min_gain (rank 0 only)
       -> trainer_state.json: consumed shard id, and the round (alpha_train = current's acceptance
          rate, alpha_eval = candidate's) which the engine relays to its selective collector
       -> served judgement (``judge_served``), before any further round: on the first
          served_judge_rows rows captured after the round, the published head and the one it
-         replaced are both scored (paired: the same rows, so how hard the traffic is cancels out);
-         a loser by more than served_margin is reverted by publishing the replaced head again
+         replaced are both walked (paired: the same rows, so how hard the traffic is cancels out);
+         a loser by more than served_margin (at the interval's upper end) is reverted by
+         publishing the replaced head again
 
 The held-out split judges a candidate on the round's own window of traffic; the served judgement
 judges it on the traffic that came after, which the candidate never saw. Both compare two heads on
 the same rows. (Comparing one version's served acceptance on its requests with another's on
 earlier ones would mistake easier requests for a better head.)
 
-Worked example: 3 sequences of 40 captured positions, heldout_frac 0.34 -> 1 sequence held out;
-current (fresh) head scores 1.02, candidate 1.61 at gamma 4 -> published as v1, round
-{"alpha_train": 0.005, "alpha_eval": 0.15, "published_version": 1}.
+Worked example: 3 sequences of 40 captured positions, heldout_frac 0.34 -> 1 sequence held out,
+2 blocks of 32 rows; the current (fresh) head walks 1.02 tokens per step, the candidate 1.61 at
+gamma 4, the gain's interval (0.4, 0.8) -> published as v1, round {"alpha_train": 0.005,
+"alpha_eval": 0.15, "published_version": 1}.
 """
 
 from __future__ import annotations
@@ -71,16 +75,10 @@ from tidespec.models.llama import LlamaConfig
 from tidespec.online.signals import TRAINER_STATE_NAME
 from tidespec.online.store import ShardGone, ShardInfo, SignalShard, SignalStore
 from tidespec.online.training.config import TrainerConfig, TrainerConfigError
-from tidespec.online.training.data import (
-    fresh_head_for,
-    segments_by_sequence,
-    simulated_acceptance,
-    split_heldout,
-    token_counts,
-    widen_head,
-)
+from tidespec.online.training.data import fresh_head_for, segments_by_sequence, split_heldout, token_counts, widen_head
 from tidespec.online.training.dist import DistContext, check_replicas_in_sync
 from tidespec.online.training.eagle3_train import SignalSegment, ttt_loss
+from tidespec.online.training.judge import PairedJudgement, judge_pair
 from tidespec.online.training.lora import LoraAligner, with_target_topk
 
 logger = logging.getLogger(__name__)
@@ -236,7 +234,8 @@ class DraftTrainer:
         cfg = self.cfg
         aligner = LoraAligner(cfg.lora, self.store, self.root, self.embed, self._target_rows(target),
                               gamma=cfg.gamma, ttt_steps=cfg.ttt_steps, max_segment_len=cfg.max_segment_len,
-                              min_gain=cfg.min_gain)
+                              min_gain=cfg.min_gain, judge_confidence=cfg.judge_confidence,
+                              judge_block_rows=cfg.judge_block_rows)
         aligner.start_cursor(self.state.last_shard_id)
         return aligner
 
@@ -358,27 +357,31 @@ class DraftTrainer:
             self._save_state()
             return None
         candidate = self._candidate(train, fresh)
+        tuning = self.current_version > 0 or bool(self.cfg.init_from)  # _candidate copied a trained head
         t0 = time.perf_counter()
-        loss = self.train_head(candidate, train, seed=self.cfg.seed + round_no)
+        loss = self.train_head(candidate, train, seed=self.cfg.seed + round_no,
+                               lr=self.cfg.finetune_lr if tuning else self.cfg.lr)
         train_time = time.perf_counter() - t0
         version: int | None = None
         base = cand = float("nan")
+        verdict: dict[str, Any] = {}
         if self.ctx.is_main:
             g = self.cfg.gamma
-            base = simulated_acceptance(parent, self.embed, heldout, g)
-            cand = simulated_acceptance(candidate, self.embed, heldout, g)
-            better = math.isfinite(cand) and (not math.isfinite(base) or cand > base + self.cfg.min_gain)
+            judged = self._judge(parent, candidate, heldout)
+            base, cand, verdict = judged.base, judged.cand, judged.to_json()
+            better = judged.better(self.cfg.min_gain)
             metrics = {"heldout_accept_len": cand, "baseline_accept_len": base, "gamma": g, "train_loss": loss,
+                       "heldout_row_accept_len": judged.row_cand, "gain_low": judged.low,
                        "round": round_no, "parent_version": parent_version,
                        "num_train_rows": sum(s.num_positions for s in train),
                        "num_heldout_rows": sum(s.num_positions for s in heldout),
                        "world_size": self.ctx.world_size, "train_time_s": train_time}
             if better:
                 version = publish(self.root, candidate, {k: v for k, v in metrics.items() if _json_number(v)})
-            logger.info("round %d: %d train / %d held-out rows, loss %.3f, accept len %.3f -> %.3f at gamma %d, %s",
-                        round_no, metrics["num_train_rows"], metrics["num_heldout_rows"], loss, base, cand, g,
-                        f"published v{version}" if version else "not published")
-        version, base, cand = self.ctx.broadcast((version, base, cand))
+            logger.info("round %d: %d train / %d held-out rows, loss %.3f, walked accept len %.3f -> %.3f at gamma "
+                        "%d (gain %s), %s", round_no, metrics["num_train_rows"], metrics["num_heldout_rows"], loss,
+                        base, cand, g, _interval(judged), f"published v{version}" if version else "not published")
+        version, base, cand, verdict = self.ctx.broadcast((version, base, cand, verdict))
         if version is not None:
             if self.cfg.served_judge_rows:
                 self.awaiting = _Awaiting(version, parent, parent_version, infos[-1].shard_id)
@@ -391,20 +394,22 @@ class DraftTrainer:
             "baseline_accept_len": _finite_or_none(base), "candidate_accept_len": _finite_or_none(cand),
             "alpha_train": _alpha(base, g), "alpha_eval": _alpha(cand, g), "train_loss": loss,
             "num_train_rows": result.num_train_rows, "num_heldout_rows": result.num_heldout_rows,
+            "judgement": verdict,
         })
         self._save_state()
         return result
 
     def judge_served(self) -> dict[str, Any] | None:
         """Judge the version awaiting its served judgement, once ``served_judge_rows`` rows were captured
-        after its round: the simulated acceptance of the new head and of the head it replaced on the
-        same rows (paired, so the traffic's difficulty cancels). The new one is kept unless it is below
-        the replaced one by more than ``served_margin``; a loser is reverted by publishing the replaced
-        head again as the newest version. Returns the judgement (also in ``trainer_state.json``), or
-        None while rows are missing.
+        after its round: the walked acceptance of the new head and of the head it replaced on the
+        same rows (paired, so the traffic's difficulty cancels: ``judge``). The new one is kept unless
+        it is below the replaced one by more than ``served_margin`` at the upper end of the gain's
+        interval; a loser is reverted by publishing the replaced head again as the newest version.
+        Returns the judgement (also in ``trainer_state.json``), or None while rows are missing.
 
-        Example: v2 published; the next 300 captured rows give v2 1.41 and v1 1.52 at gamma 4 ->
-        1.41 < 1.52 x 0.98, so v1's weights are published as v3 (``{"reverts": 2, "restores": 1}``).
+        Example: v2 published; the next 300 captured rows give v2 1.41 and v1 1.52 at gamma 4 with
+        the gain's interval [-0.17, -0.05] -> -0.05 < -0.02 x 1.52, so v1's weights are published as
+        v3 (``{"reverts": 2, "restores": 1}``).
         """
         a = self.awaiting
         assert a is not None
@@ -420,17 +425,17 @@ class DraftTrainer:
             rows = [s for segs in segments_by_sequence(a.shards, self.cfg.max_segment_len).values() for s in segs]
             n = sum(s.num_positions for s in rows)
             if n >= self.cfg.served_judge_rows:
-                g = self.cfg.gamma
-                found = (n, simulated_acceptance(self.current, self.embed, rows, g),
-                         simulated_acceptance(a.parent, self.embed, rows, g))
+                judged = self._judge(a.parent, self.current, rows)
+                found = (n, judged.cand, judged.base, judged.worse(self.cfg.served_margin), judged.to_json(),
+                         _interval(judged))
         found = self.ctx.broadcast(found)
         if found is None:
             return None
-        n, new, old = found
-        lost = math.isfinite(old) and (not math.isfinite(new) or new < old * (1.0 - self.cfg.served_margin))
-        judgement: dict[str, Any] = {"time": time.time(), "version": a.version, "replaced_version": a.parent_version,
-                                     "judged_rows": n, "gamma": self.cfg.gamma, "accept_len": _finite_or_none(new),
-                                     "replaced_accept_len": _finite_or_none(old), "reverted_as": None}
+        n, new, old, lost, verdict, interval = found
+        judgement: dict[str, Any] = {**verdict, "time": time.time(), "version": a.version,
+                                     "replaced_version": a.parent_version, "judged_rows": n, "gamma": self.cfg.gamma,
+                                     "accept_len": _finite_or_none(new), "replaced_accept_len": _finite_or_none(old),
+                                     "reverted_as": None}
         if lost:
             version = None
             if self.ctx.is_main:
@@ -440,22 +445,29 @@ class DraftTrainer:
             version = self.ctx.broadcast(version)
             self.current, self.current_version = a.parent, version
             judgement["reverted_as"] = version
-        logger.info("version %d judged on %d rows captured after it: accept len %.3f, v%d's %.3f: %s", a.version, n,
-                    new, a.parent_version, old,
+        logger.info("version %d judged on %d rows captured after it: walked accept len %.3f, v%d's %.3f (gain %s): %s",
+                    a.version, n, new, a.parent_version, old, interval,
                     f"reverted (v{a.parent_version} published again as v{judgement['reverted_as']})" if lost else "kept")
         self.awaiting = None
         self.state.judgements.append(judgement)
         self._save_state()
         return judgement
 
+    def _judge(self, base: Eagle3Head, cand: Eagle3Head, rows: list[SignalSegment]) -> PairedJudgement:
+        """Both heads walked over ``rows``, paired (``judge.judge_pair`` with this trainer's settings)."""
+        cfg = self.cfg
+        return judge_pair(base, cand, self.embed, rows, cfg.gamma, cfg.judge_block_rows, cfg.judge_confidence,
+                          seed=cfg.seed)
+
     def _save_state(self) -> None:
         if self.ctx.is_main:
             self.state.save(self.root)
 
     def train_head(self, head: Eagle3Head, train: list[SignalSegment], seed: int,
-                   on_step: Callable[[int, float], None] | None = None) -> float:
+                   on_step: Callable[[int, float], None] | None = None, lr: float | None = None) -> float:
         """Train ``head`` in place: AdamW training-time-test steps (``max_steps``, else ``epochs``
-        passes over ``train``); under DDP each rank takes its slice of every global batch. Returns
+        passes over ``train``) at peak ``lr`` (default ``cfg.lr``); under DDP each rank takes its
+        slice of every global batch. Returns
         the mean loss of the last quarter of the steps. ``on_step(step, loss)`` (1-based) is called
         after every optimizer step (``bench learn`` evaluates there; it must leave the head in
         train mode)."""
@@ -463,7 +475,8 @@ class DraftTrainer:
         objective = _TTTObjective(head, self.embed, cfg.ttt_steps, distill=cfg.distill, autocast=cfg.autocast)
         model: nn.Module = (DistributedDataParallel(objective, broadcast_buffers=False) if ctx.enabled
                             else objective)
-        optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+        optimizer = torch.optim.AdamW(head.parameters(), lr=cfg.lr if lr is None else lr, betas=(0.9, 0.95),
+                                      weight_decay=cfg.weight_decay)
         per_step = cfg.batch_segments * ctx.world_size
         # rank 0's count on every rank: a shard evicted between two ranks' reads must not desync DDP
         steps = ctx.broadcast(cfg.max_steps or max(1, math.ceil(cfg.epochs * len(train) / per_step)))
@@ -528,6 +541,13 @@ def lr_factor(step: int, steps: int, warmup: int, schedule: str, floor: float = 
     span = max(1, steps - 1 - warmup)
     t = min(1.0, (step - warmup) / span)
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
+
+
+def _interval(j: PairedJudgement) -> str:
+    """The gain and its interval for a log line, e.g. ``+0.120 in [+0.031, +0.214] at 90 %``."""
+    if not j.confidence:
+        return f"{j.gain:+.3f}"
+    return f"{j.gain:+.3f} in [{j.low:+.3f}, {j.high:+.3f}] at {100 * j.confidence:.0f} %"
 
 
 def _json_number(v: Any) -> bool:
