@@ -200,3 +200,13 @@ def test_domains_select_the_rows_of_a_mixed_store(tmp_path: Path) -> None:
     assert rows == [6] and len(by_key) == 3
     with pytest.raises(ConfigError, match="no signals in .* of domains legal"):
         load_sequences([str(tmp_path / "s")], 256, frozenset({"legal"}))
+
+
+def test_the_learning_rate_defaults_to_the_trainers_for_what_the_shares_start_from(tmp_path: Path) -> None:
+    from tidespec.online.training.config import TrainerConfig
+
+    assert LearnBenchConfig(signal_dirs=str(tmp_path)).peak_lr == TrainerConfig.lr  # fresh heads
+    assert LearnBenchConfig(signal_dirs=str(tmp_path), init_from="ckpt").peak_lr == TrainerConfig.finetune_lr
+    assert LearnBenchConfig(signal_dirs=str(tmp_path), init_from="ckpt", lr=1e-3).peak_lr == 1e-3
+    with pytest.raises(ConfigError, match="lr must be >= 0"):
+        LearnBenchConfig(signal_dirs=str(tmp_path), lr=-1.0)

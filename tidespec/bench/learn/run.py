@@ -117,7 +117,8 @@ class LearnBenchConfig:
                                       "not apply)")
     batch_segments: int = opt(TrainerConfig.batch_segments, "segments per optimizer step")
     max_segment_len: int = opt(TrainerConfig.max_segment_len, "positions per training segment")
-    lr: float = opt(TrainerConfig.lr, "AdamW peak learning rate")
+    lr: float = opt(0.0, "AdamW peak learning rate (0 = the trainer's: its --lr for fresh heads, its --finetune-lr "
+                         "with --init-from)")
     lr_schedule: str = opt(TrainerConfig.lr_schedule, "constant or cosine (decay to 10 %% of --lr)",
                            choices=["constant", "cosine"])
     warmup_steps: int = opt(TrainerConfig.warmup_steps, "linear learning-rate warm-up steps")
@@ -167,12 +168,17 @@ class LearnBenchConfig:
             raise ConfigError(f"heldout_frac must be in (0, 1), got {self.heldout_frac}")
         if self.init_from is not None and self.init_from_target != "none":
             raise ConfigError("give either init_from (a trained head) or init_from_target, not both")
-        if self.lr <= 0 or self.target_length <= 1.0 or self.weight_decay < 0:
-            raise ConfigError("lr must be > 0, target_length > 1 and weight_decay >= 0")
+        if self.lr < 0 or self.target_length <= 1.0 or self.weight_decay < 0:
+            raise ConfigError("lr must be >= 0, target_length > 1 and weight_decay >= 0")
 
     @property
     def dirs(self) -> list[str]:
         return [d.strip() for d in self.signal_dirs.split(",") if d.strip()]
+
+    @property
+    def peak_lr(self) -> float:
+        """``lr``, or the trainer's rate for what the shares start from (a trained head or a fresh one)."""
+        return self.lr or (TrainerConfig.finetune_lr if self.init_from is not None else TrainerConfig.lr)
 
     @property
     def domain_set(self) -> frozenset[str]:
@@ -307,7 +313,7 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
     embed = target.model.embed_tokens
     with tempfile.TemporaryDirectory(prefix="tidespec-learn-") as tmp:
         base = TrainerConfig(signal_dir=str(Path(tmp) / "s"), publish_root=str(Path(tmp) / "p"),
-                             batch_segments=cfg.batch_segments, max_segment_len=cfg.max_segment_len, lr=cfg.lr,
+                             batch_segments=cfg.batch_segments, max_segment_len=cfg.max_segment_len, lr=cfg.peak_lr,
                              ttt_steps=cfg.ttt_steps, gamma=cfg.gamma, seed=cfg.seed, progress=progress,
                              lr_schedule=cfg.lr_schedule,  # type: ignore[arg-type]
                              warmup_steps=cfg.warmup_steps, weight_decay=cfg.weight_decay,
@@ -365,7 +371,7 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
                            "train_s": time.perf_counter() - t0 - eval_s})
     fit = fit_log2([c["rows"] for c in curves], [c["best_accept_len"] for c in curves], cfg.target_length)
     fit_walk = fit_log2([c["rows"] for c in curves], [c["best_walk_len"] for c in curves], cfg.target_length)
-    doc: dict[str, Any] = {"config": asdict(cfg), "store_rows": store_rows, "sequences": len(by_key),
+    doc: dict[str, Any] = {"config": asdict(cfg), "lr": cfg.peak_lr, "store_rows": store_rows, "sequences": len(by_key),
                            "heldout_sequences": len(held), "heldout_rows": heldout_rows, "curves": curves,
                            "fit": fit, "fit_walk": fit_walk, "sources": by_source}
     return finish_run(out_dir, "learn", doc, command, str(target.model.dtype).removeprefix("torch."), report,
@@ -386,7 +392,8 @@ def report(doc: dict[str, Any]) -> str:
     lines = ["# bench learn", "", "```", doc.get("command", ""), "```", "", machine_line(doc["machine"]), "",
              f"{doc['sequences']} sequences ({sum(doc['store_rows']):,} rows) from {stores}; held out "
              f"{doc['heldout_sequences']} sequences ({doc['heldout_rows']:,} rows), the same for every share; "
-             f"optimizer steps of {cfg['batch_segments']} segments ({steps}); simulated greedy gamma-{cfg['gamma']} "
+             f"optimizer steps of {cfg['batch_segments']} segments ({steps}) at peak lr {doc.get('lr', cfg['lr']):g}; "
+             f"simulated greedy gamma-{cfg['gamma']} "
              "chains, mean acceptance length including the bonus token.", ""]
     rows = []
     for c in doc["curves"]:
