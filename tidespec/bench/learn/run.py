@@ -134,7 +134,8 @@ class LearnBenchConfig:
     ttt_steps: int = opt(TrainerConfig.ttt_steps, "training-time-test unroll steps")
     target_length: float = opt(2.5, "acceptance length whose row count the fit extrapolates to")
     domains: str = opt("", "comma-separated domain labels: only rows of these domains are learned from and scored "
-                           "(a serving engine's store tags each row with its request's workload; empty = all)")
+                           "(a server's store tags each row with its request's X-Tidespec-Route label, bench "
+                           "shift's with its workload; empty = all)")
     eval_dirs: str = opt("", "comma-separated signal stores the largest share's head is scored on but never "
                              "trained on, every sequence of each (e.g. a domain's captured traffic)")
     export_dir: str | None = opt(None, "write the largest share's trained head here as an EAGLE-3 checkpoint "

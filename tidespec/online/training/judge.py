@@ -4,12 +4,12 @@ Why this exists: the trainer decides twice whether a new head is better — on i
 sequences (publish or not) and on the rows served after it (keep or revert) — and both decisions
 were taken on the per-row score (a greedy chain drafted from every row) and on a point estimate.
 Measured on two domains the shipped head never saw (docs/benchmarks/learning.md, "What training
-on a new domain's first requests buys"), both misled: a head fine-tuned on a domain's first
-requests scored up to 3 % more per row on its later ones while the walked acceptance (what a
-greedy server meets: one chain per emitted run of tokens, ``eagle3_train.walk_chains``) did not
-move or fell; and a round's held-out window (about 125 rows at the default 10 % of 512-row rounds)
-is so small that a candidate's win there was as often noise as not, so versions were published,
-swapped in and judged "kept" while served acceptance stayed where the frozen head had it.
+on a new domain's first requests buys"), both misled: on a head fine-tuned on a domain's first
+requests, the per-row score of its later ones rose about twice as much as the walked acceptance
+(what a greedy server meets: one chain per emitted run of tokens, ``eagle3_train.walk_chains``),
+2-6 % against 1-3 %; and a round's held-out window (about 125 rows at the default 10 % of 512-row
+rounds) is so small that a win of that size there is noise, so versions were published, swapped
+in and judged "kept" while served acceptance stayed where the frozen head had it.
 
 So a judgement here is
 
