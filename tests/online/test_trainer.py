@@ -15,7 +15,7 @@ import torch
 from tests.helpers import tiny_hf_model, tiny_llama, tiny_tokenizer, write_tiny_checkpoint
 from tidespec.config import CacheConfig, CollectionConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.models.eagle3_checkpoint import import_eagle3, latest_version, load_version
+from tidespec.models.eagle3_checkpoint import import_eagle3, latest_version, load_version, publish
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import load_model
 from tidespec.online.capture import CaptureBuffer
@@ -349,3 +349,35 @@ def test_a_round_widens_the_draft_vocabulary_by_the_tokens_its_rows_lack(model: 
     assert trainer._widened(head, rows) is head
     trainer.cfg.max_draft_vocab, trainer.cfg.widen_vocab = 64, 0  # off
     assert trainer._widened(head, rows) is head
+
+
+def test_a_lineage_from_a_trained_head_fine_tunes_at_finetune_lr(model: LlamaModel, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rounds whose versions descend from a trained head (published as v1 before the trainer starts, as
+    the server does with the shipped head) train at --finetune-lr; a lineage the trainer started from
+    a fresh head keeps --lr in every round, and remembers that across restarts."""
+    workload, _ = _workload(tmp_path)
+    sig = tmp_path / "signals"
+    capture_from_workload(model, tiny_tokenizer(V), str(workload), sig, max_tokens=20, progress=False)
+    rates: list[float | None] = []
+    monkeypatch.setattr(DraftTrainer, "train_head",
+                        lambda self, head, train, seed, on_step=None, lr=None: rates.append(lr) or 1.0)
+
+    def trainer(root: Path) -> DraftTrainer:
+        cfg = TrainerConfig(signal_dir=str(sig), publish_root=str(root), min_signals=1, lr=3e-3, finetune_lr=2e-4,
+                            served_judge_rows=0, progress=False)
+        return DraftTrainer(cfg, model.cfg, model.embed_tokens)
+
+    fresh = trainer(tmp_path / "fresh")
+    assert fresh.run_round() is not None and fresh.state.fresh_start and rates == [3e-3]
+    publish(tmp_path / "fresh", fresh.current, {})  # v1 of a lineage that started fresh
+    fresh.state.last_shard_id = None  # the same rows again, now from v1
+    assert fresh.run_round() is not None and fresh.current_version == 1 and rates == [3e-3, 3e-3]
+    again = trainer(tmp_path / "fresh")  # a restart reads the lineage from trainer_state.json
+    again.state.last_shard_id = None
+    assert again.state.fresh_start and again.run_round() is not None and rates[-1] == 3e-3
+
+    shipped = tmp_path / "shipped"
+    publish(shipped, fresh.current, {})  # v1: a trained head, before the trainer ever ran
+    tuned = trainer(shipped)
+    assert tuned.run_round() is not None and not tuned.state.fresh_start and rates[-1] == 2e-4

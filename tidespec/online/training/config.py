@@ -117,9 +117,10 @@ class TrainerConfig(TargetOptions):
     replay_rows: int = opt(4096, "also train on up to this many rows of earlier rounds (newest first), so a round "
                                 "on a new domain does not erase the old one; 0 = new rows only")
     lr: float = opt(1e-3, "AdamW peak learning rate of a round that trains a fresh head")
-    finetune_lr: float = opt(1e-4, "AdamW peak learning rate of a round that fine-tunes a trained head (a published "
-                                   "version, or --init-from): 1e-3 lowered a shipped head's walked acceptance on "
-                                   "new domains where 1e-4 raised it (docs/benchmarks/learning.md)")
+    finetune_lr: float = opt(1e-4, "AdamW peak learning rate of rounds whose versions descend from a trained head "
+                                   "(one published before the first round, e.g. the shipped head, or --init-from; a "
+                                   "lineage started from a fresh head keeps --lr): 1e-3 lowered a shipped head's "
+                                   "walked acceptance on new domains where 1e-4 raised it (docs/benchmarks/learning.md)")
     lr_schedule: Literal["constant", "cosine"] = opt("constant", "learning rate over a round's steps: constant, or "
                                                                   "cosine decay to 10 %% of --lr")
     warmup_steps: int = opt(0, "linear learning-rate warm-up steps at the start of each round")

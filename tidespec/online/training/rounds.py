@@ -17,8 +17,9 @@ One round::
          round on a new domain does not erase the old one
       -> candidate = current head (or, from a fresh head with a smaller draft vocab, a fresh head
          whose draft vocabulary is the most frequent tokens of the training rows)
-      -> training-time-test AdamW steps at --lr (a fresh head) or --finetune-lr (a trained one); DDP
-         over ranks: each rank takes its slice of every batch
+      -> training-time-test AdamW steps at --finetune-lr when the versions descend from a trained
+         head (published as v1, or --init-from), else at --lr (a lineage started from a fresh head);
+         DDP over ranks: each rank takes its slice of every batch
       -> both heads walked over the held-out split as a greedy server would (``judge``: accepted
          tokens per drafting step, paired, a bootstrap interval over blocks of rows); publish(root,
          candidate) iff the interval's lower end of the gain is above min_gain (rank 0 only)
@@ -129,6 +130,7 @@ class TrainerState:
     last_shard_id: str | None = None
     rounds: list[dict[str, Any]] = field(default_factory=list)
     judgements: list[dict[str, Any]] = field(default_factory=list)  # served judgements of published versions
+    fresh_start: bool = False  # the first round trained a fresh head: every round keeps --lr (no --finetune-lr)
 
     @staticmethod
     def load(root: Path) -> TrainerState:
@@ -139,7 +141,8 @@ class TrainerState:
         except (OSError, json.JSONDecodeError) as exc:
             logger.warning("ignoring unreadable %s: %s", root / TRAINER_STATE_NAME, exc)
             return TrainerState()
-        return TrainerState(doc.get("last_shard_id"), list(doc.get("rounds") or []), list(doc.get("judgements") or []))
+        return TrainerState(doc.get("last_shard_id"), list(doc.get("rounds") or []), list(doc.get("judgements") or []),
+                            bool(doc.get("fresh_start", False)))
 
     def save(self, root: Path) -> None:
         """Atomic replace (temp file, fsync, rename): the engine may read it at any time."""
@@ -357,7 +360,10 @@ class DraftTrainer:
             self._save_state()
             return None
         candidate = self._candidate(train, fresh)
-        tuning = self.current_version > 0 or bool(self.cfg.init_from)  # _candidate copied a trained head
+        # fine-tuning: the lineage started from a trained head (the shipped one, published as v1 by the
+        # server, or --init-from); a lineage this trainer started from a fresh head keeps --lr
+        self.state.fresh_start |= self.current_version <= 0 and not self.cfg.init_from
+        tuning = not self.state.fresh_start
         t0 = time.perf_counter()
         loss = self.train_head(candidate, train, seed=self.cfg.seed + round_no,
                                lr=self.cfg.finetune_lr if tuning else self.cfg.lr)
