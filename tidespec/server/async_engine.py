@@ -49,8 +49,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any, TypeVar
 
-import torch
-
 from tidespec.engine.engine import LLMEngine, RequestError
 from tidespec.engine.output import RequestOutput
 from tidespec.engine.scheduler import QueueFullError
@@ -149,10 +147,6 @@ class AsyncEngine:
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {max_in_flight}")
         self.engine = engine
-        # the engine thread steps with the intra-op threads of the thread that built the engine:
-        # a thread started later would take PyTorch's last set_num_threads value, which a helper
-        # thread may have lowered to 1 (tidespec.threads)
-        self.intraop_threads = torch.get_num_threads()
         self.max_in_flight = max_in_flight
         self.idle_poll_s = idle_poll_s
         self.on_finished = on_finished  # called in the engine thread for every finished request
@@ -271,7 +265,10 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
-        pin_threads(self.intraop_threads)
+        # the engine thread steps with the intra-op threads of the thread that built the engine
+        # (LLMEngine.intraop_threads): a thread started later would take PyTorch's last
+        # set_num_threads value, which a helper thread may have lowered to 1 (tidespec.threads)
+        pin_threads(self.engine.intraop_threads)
         eng = self.engine
         stop = False
         idle_pending = False  # idle work left over from the last idle call

@@ -425,7 +425,7 @@ class AcceptanceStats:
     row_sum: int = 0
     walk_steps: int = 0
     walk_tokens: int = 0
-    blocks: list[tuple[int, int]] = field(default_factory=list)  # (steps, tokens) per block, with block_rows
+    blocks: list[tuple[int, int]] = field(default_factory=list)  # (steps, tokens) per block (block_rows > 0 only)
 
     @property
     def row_mean(self) -> float:
@@ -507,11 +507,12 @@ def acceptance_stats(head: Eagle3Head, embed: nn.Embedding, segments: list[Signa
     lead, ok = leading.tolist(), judged.tolist()
     for i, seg in enumerate(segments):
         m = seg.num_positions
-        steps, tokens = walk_chains(lead[i][:m], ok[i][:m])
+        lead_i, ok_i = lead[i][:m], ok[i][:m]
+        steps, tokens = walk_chains(lead_i, ok_i)
         stats.walk_steps += steps
         stats.walk_tokens += tokens
-        for a in range(0, m, block_rows or m):
-            stats.blocks.append(walk_chains(lead[i][:m], ok[i][:m], a, a + block_rows) if block_rows else (steps, tokens))
+        if block_rows:
+            stats.blocks += [walk_chains(lead_i, ok_i, a, a + block_rows) for a in range(0, m, block_rows)]
     return stats
 
 

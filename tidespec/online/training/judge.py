@@ -124,31 +124,53 @@ def _ratio(sums: torch.Tensor) -> float:
     return tokens / steps if steps else float("nan")
 
 
-def judge_pair(base: Eagle3Head, cand: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], gamma: int,
-               block_rows: int = 32, confidence: float = 0.9, batch: int = 32, seed: int = 0) -> PairedJudgement:
-    """Walk ``base`` and ``cand`` over every row of ``segments`` in blocks of ``block_rows`` and judge
-    the walked gain with a paired bootstrap (module docstring). ``batch`` segments share an unroll."""
+@dataclass(frozen=True)
+class HeadWalk:
+    """One head walked over a list of rows in blocks (``walk_head``): what ``compare`` pairs."""
+
+    rows: int  # positions of the walked segments
+    blocks: list[tuple[int, int]]  # (steps, tokens) per block, in the segments' order
+    row_sum: int  # the per-row score's sum over the rows whose gamma labels are all known
+    row_count: int
+
+    @property
+    def walk_mean(self) -> float:
+        return _ratio(torch.tensor(self.blocks or [(0, 0)], dtype=torch.float64).sum(0))
+
+    @property
+    def row_mean(self) -> float:
+        return self.row_sum / self.row_count if self.row_count else float("nan")
+
+
+def walk_head(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], gamma: int,
+              block_rows: int = 32, batch: int = 32) -> HeadWalk:
+    """``head``'s walks over every row of ``segments`` (those longer than ``gamma``) in blocks of
+    ``block_rows``; ``batch`` segments share an unroll. Two walks over the same segments pair block by block."""
     usable = [s for s in segments if s.num_positions > gamma]
-    blocks_b: list[tuple[int, int]] = []
-    blocks_c: list[tuple[int, int]] = []
-    row_sums = [0.0, 0.0]
-    rows = 0
+    blocks: list[tuple[int, int]] = []
+    row_sum = row_count = 0
     for i in range(0, len(usable), batch):
-        chunk = usable[i:i + batch]
-        for k, head in enumerate((base, cand)):
-            stats = acceptance_stats(head, embed, chunk, gamma, block_rows=block_rows)
-            (blocks_b if k == 0 else blocks_c).extend(stats.blocks)
-            row_sums[k] += stats.row_sum
-            if k == 0:
-                rows += stats.rows
-    low, high = paired_bootstrap(blocks_b, blocks_c, confidence, seed=seed)
-    b, c = torch.tensor(blocks_b or [(0, 0)], dtype=torch.float64), torch.tensor(blocks_c or [(0, 0)],
-                                                                                  dtype=torch.float64)
-    return PairedJudgement(rows=sum(s.num_positions for s in usable), blocks=len(blocks_b),
-                           base=_ratio(b.sum(0)), cand=_ratio(c.sum(0)),
-                           row_base=row_sums[0] / rows if rows else float("nan"),
-                           row_cand=row_sums[1] / rows if rows else float("nan"),
-                           low=low, high=high, confidence=confidence)
+        stats = acceptance_stats(head, embed, usable[i:i + batch], gamma, block_rows=block_rows)
+        blocks += stats.blocks
+        row_sum += stats.row_sum
+        row_count += stats.rows
+    return HeadWalk(sum(s.num_positions for s in usable), blocks, row_sum, row_count)
+
+
+def compare(base: HeadWalk, cand: HeadWalk, confidence: float = 0.9, seed: int = 0) -> PairedJudgement:
+    """The paired judgement of two walks over the same rows (module docstring)."""
+    low, high = paired_bootstrap(base.blocks, cand.blocks, confidence, seed=seed)
+    return PairedJudgement(rows=base.rows, blocks=len(base.blocks), base=base.walk_mean, cand=cand.walk_mean,
+                           row_base=base.row_mean, row_cand=cand.row_mean, low=low, high=high,
+                           confidence=confidence)
+
+
+def judge_pair(base: Eagle3Head, cand: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], gamma: int,
+               block_rows: int = 32, confidence: float = 0.9, seed: int = 0) -> PairedJudgement:
+    """Walk ``base`` and ``cand`` over every row of ``segments`` in blocks of ``block_rows`` and judge
+    the walked gain with a paired bootstrap (``walk_head``, then ``compare``)."""
+    return compare(walk_head(base, embed, segments, gamma, block_rows),
+                   walk_head(cand, embed, segments, gamma, block_rows), confidence, seed)
 
 
 def gain_interval(doc: Mapping[str, Any] | None) -> str:

@@ -82,7 +82,7 @@ from tidespec.online.store import ShardGone, ShardInfo, SignalShard, SignalStore
 from tidespec.online.training.config import LoraAlignConfig
 from tidespec.online.training.data import segments_by_sequence
 from tidespec.online.training.eagle3_train import SignalBatch, SignalSegment, unroll
-from tidespec.online.training.judge import PairedJudgement, judge_pair
+from tidespec.online.training.judge import HeadWalk, compare, walk_head
 
 logger = logging.getLogger(__name__)
 
@@ -487,13 +487,13 @@ class LoraAligner:
         Example: served a3 1.90, adapted 1.95, base 2.10 -> a4 = zero adapter (the base) published;
         the next update must beat 2.x of the base head on its own rows."""
         assert self.head is not None and self.served is not None and self.base is not None
-        def pair(served: Eagle3Head, other: Eagle3Head) -> PairedJudgement:
-            with self._wide(served) as a, self._wide(other) as b:
-                return judge_pair(a, b, self.embed, pending.judge, self.gamma, self.judge_block_rows,
-                                  self.judge_confidence)
+        def walk(head: Eagle3Head) -> HeadWalk:
+            with self._wide(head) as wide:
+                return walk_head(wide, self.embed, pending.judge, self.gamma, self.judge_block_rows)
 
-        up = pair(self.served, self.head)
-        back = None if self.served is self.base else pair(self.served, self.base)
+        served = walk(self.served)  # walked once, paired with each of the others
+        up = compare(served, walk(self.head), self.judge_confidence)
+        back = None if self.served is self.base else compare(served, walk(self.base), self.judge_confidence)
         before, after = up.base, up.cand
         bare = before if back is None else back.cand
         reset = back is not None and back.better(self.min_gain) and not after > bare

@@ -79,7 +79,7 @@ from tidespec.online.training.config import TrainerConfig, TrainerConfigError
 from tidespec.online.training.data import fresh_head_for, segments_by_sequence, split_heldout, token_counts, widen_head
 from tidespec.online.training.dist import DistContext, check_replicas_in_sync
 from tidespec.online.training.eagle3_train import SignalSegment, ttt_loss
-from tidespec.online.training.judge import PairedJudgement, judge_pair
+from tidespec.online.training.judge import PairedJudgement, gain_interval, judge_pair
 from tidespec.online.training.lora import LoraAligner, with_target_topk
 
 logger = logging.getLogger(__name__)
@@ -385,8 +385,9 @@ class DraftTrainer:
             if better:
                 version = publish(self.root, candidate, {k: v for k, v in metrics.items() if _json_number(v)})
             logger.info("round %d: %d train / %d held-out rows, loss %.3f, walked accept len %.3f -> %.3f at gamma "
-                        "%d (gain %s), %s", round_no, metrics["num_train_rows"], metrics["num_heldout_rows"], loss,
-                        base, cand, g, _interval(judged), f"published v{version}" if version else "not published")
+                        "%d, gain %+.3f%s, %s", round_no, metrics["num_train_rows"], metrics["num_heldout_rows"], loss,
+                        base, cand, g, judged.gain, gain_interval(verdict),
+                        f"published v{version}" if version else "not published")
         version, base, cand, verdict = self.ctx.broadcast((version, base, cand, verdict))
         if version is not None:
             if self.cfg.served_judge_rows:
@@ -432,12 +433,11 @@ class DraftTrainer:
             n = sum(s.num_positions for s in rows)
             if n >= self.cfg.served_judge_rows:
                 judged = self._judge(a.parent, self.current, rows)
-                found = (n, judged.cand, judged.base, judged.worse(self.cfg.served_margin), judged.to_json(),
-                         _interval(judged))
+                found = (n, judged.cand, judged.base, judged.worse(self.cfg.served_margin), judged.to_json())
         found = self.ctx.broadcast(found)
         if found is None:
             return None
-        n, new, old, lost, verdict, interval = found
+        n, new, old, lost, verdict = found
         judgement: dict[str, Any] = {**verdict, "time": time.time(), "version": a.version,
                                      "replaced_version": a.parent_version, "judged_rows": n, "gamma": self.cfg.gamma,
                                      "accept_len": _finite_or_none(new), "replaced_accept_len": _finite_or_none(old),
@@ -451,8 +451,8 @@ class DraftTrainer:
             version = self.ctx.broadcast(version)
             self.current, self.current_version = a.parent, version
             judgement["reverted_as"] = version
-        logger.info("version %d judged on %d rows captured after it: walked accept len %.3f, v%d's %.3f (gain %s): %s",
-                    a.version, n, new, a.parent_version, old, interval,
+        logger.info("version %d judged on %d rows captured after it: walked accept len %.3f, v%d's %.3f%s: %s",
+                    a.version, n, new, a.parent_version, old, gain_interval(verdict),
                     f"reverted (v{a.parent_version} published again as v{judgement['reverted_as']})" if lost else "kept")
         self.awaiting = None
         self.state.judgements.append(judgement)
@@ -547,13 +547,6 @@ def lr_factor(step: int, steps: int, warmup: int, schedule: str, floor: float = 
     span = max(1, steps - 1 - warmup)
     t = min(1.0, (step - warmup) / span)
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * t))
-
-
-def _interval(j: PairedJudgement) -> str:
-    """The gain and its interval for a log line, e.g. ``+0.120 in [+0.031, +0.214] at 90 %``."""
-    if not j.confidence:
-        return f"{j.gain:+.3f}"
-    return f"{j.gain:+.3f} in [{j.low:+.3f}, {j.high:+.3f}] at {100 * j.confidence:.0f} %"
 
 
 def _json_number(v: Any) -> bool:
