@@ -47,10 +47,12 @@ def test_serve_online_training_swaps_in_a_trained_drafter(tmp_path: Path) -> Non
             if i % 8 == 0:
                 time.sleep(2.0)  # serving idle: the trainer, paused while requests run, trains now
         metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        # the engine can swap a version in once its directory is renamed into place, before the trainer
+        # (niced, on a busy CPU) has pointed LATEST at it and logged its round: wait for that log line
+        trainer_log = _wait_for_text(root / "trainer.log", "published v1", 60.0)
     finally:
         stop_server(proc)
     log = (tmp_path / "server.log").read_text(encoding="utf-8", errors="replace")
-    trainer_log = (root / "trainer.log").read_text(encoding="utf-8", errors="replace")
     assert versions[0] == "0" and versions[-1] != "0", (versions, log[-2000:], trainer_log[-2000:])
     version = int(versions[-1])
     assert latest_version(root) is not None and latest_version(root) >= version >= 1
@@ -64,3 +66,13 @@ def test_serve_online_training_swaps_in_a_trained_drafter(tmp_path: Path) -> Non
         time.sleep(0.2)
     assert not processes_mentioning(str(root))
 
+
+
+def _wait_for_text(path: Path, text: str, timeout_s: float) -> str:
+    """``path``'s text once it contains ``text``, or as it stands after ``timeout_s`` seconds."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        found = path.read_text(encoding="utf-8", errors="replace") if path.exists() else ""
+        if text in found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
