@@ -1,9 +1,10 @@
-"""The trainer's paired judgement: walks in blocks (hand-traced), the paired bootstrap's interval, the
-publish / revert rules, and two heads judged on the same rows (a head against itself, a trained head
-against a fresh one, both ways)."""
+"""The trainer's paired judgement: walks in blocks (hand-traced), the paired bootstrap's interval
+(resampled over sequences), the publish / revert rules, and two heads judged on the same rows (a head
+against itself, a trained head against a fresh one, both ways, and on one sequence cut into pieces)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -13,7 +14,14 @@ from tests.online.test_distill import VOCAB, _distill_segments, trained_head
 from tests.speculative.test_eagle3 import tiny_target
 from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head
 from tidespec.online.training.eagle3_train import acceptance_stats, walk_chains
-from tidespec.online.training.judge import PairedJudgement, gain_interval, judge_pair, paired_bootstrap
+from tidespec.online.training.judge import (
+    PairedJudgement,
+    count_sequences,
+    gain_interval,
+    judge_pair,
+    paired_bootstrap,
+    walk_head,
+)
 
 
 def test_walk_chains_in_blocks_hand_traced() -> None:
@@ -35,10 +43,19 @@ def test_paired_bootstrap_worked_example_and_edges() -> None:
     assert paired_bootstrap(base, base, 0.9) == (0.0, 0.0)  # the same walk in every resample
     with pytest.raises(ValueError, match="differ in number"):
         paired_bootstrap(base, cand[:2], 0.9)
+    # blocks of one sequence are one sample: summed before resampling
+    assert paired_bootstrap(base, cand, 0.9, groups=[5, 5, 5]) == (-math.inf, math.inf)
+    two = paired_bootstrap(base, cand, 0.9, groups=[5, 5, 9])  # samples (19, 35) / (16, 35) and (11, 19) / (9, 19)
+    assert two != (low, high) and 0.0 < two[0] < point < two[1]
+    assert paired_bootstrap(base, cand, 0.9, groups=[0, 1, 2], min_groups=4) == (-math.inf, math.inf)
+    assert paired_bootstrap(base, cand, 0.9, groups=[0, 1, 2], min_groups=3) == (low, high)
+    assert paired_bootstrap(base, cand, 0.0, groups=[5, 5, 5]) == pytest.approx((point, point))
+    with pytest.raises(ValueError, match="groups"):
+        paired_bootstrap(base, cand, 0.9, groups=[0, 1])
 
 
 def _judgement(base: float, cand: float, low: float, high: float) -> PairedJudgement:
-    return PairedJudgement(rows=100, blocks=4, base=base, cand=cand, row_base=base, row_cand=cand, low=low,
+    return PairedJudgement(rows=100, blocks=4, sequences=4, base=base, cand=cand, row_base=base, row_cand=cand, low=low,
                            high=high, confidence=0.9)
 
 
@@ -92,7 +109,29 @@ def test_judge_pair_on_the_same_rows(heads) -> None:
     assert down.gain == pytest.approx(-up.gain)
     doc = up.to_json()
     assert doc["walk_accept_len"] == up.cand and doc["judged_blocks"] == 20 and doc["confidence"] == 0.9
+    assert up.sequences == doc["judged_sequences"] == 4  # segments without a seq_id: a sequence each
 
-    assert gain_interval(doc) == f" (gain {up.low:+.2f} .. {up.high:+.2f} at 90 %)"
+    assert gain_interval(doc) == f" (gain {up.low:+.2f} .. {up.high:+.2f} at 90 % over 4 sequences)"
+    assert gain_interval({**doc, "judged_sequences": None}) == f" (gain {up.low:+.2f} .. {up.high:+.2f} at 90 %)"
     assert gain_interval({"confidence": 0.9, "gain_low": None, "gain_high": None}) == " (gain -inf .. +inf at 90 %)"
     assert gain_interval({"accept_len": 1.5}) == gain_interval(None) == ""  # records from before intervals
+
+
+def test_a_judgement_samples_sequences_not_blocks(heads) -> None:
+    """The same rows as four sequences, as one, and as two: one sequence shows no spread, however
+    many blocks it is walked in; below ``min_sequences`` the interval is unbounded."""
+    target, fresh, trained, held = heads
+    four = judge_pair(fresh, trained, target.embed_tokens, held, 3, block_rows=8)
+    assert four.better(0.0)
+    one_seq = [dataclasses.replace(s, seq_id=7) for s in held]
+    assert count_sequences(one_seq) == 1 and count_sequences(held) == 4
+    one = judge_pair(fresh, trained, target.embed_tokens, one_seq, 3, block_rows=8)
+    assert (one.blocks, one.sequences) == (20, 1) and (one.base, one.cand) == (four.base, four.cand)
+    assert (one.low, one.high) == (-math.inf, math.inf) and not one.better(0.0) and not one.worse(0.0)
+    pairs = [dataclasses.replace(s, seq_id=i // 2) for i, s in enumerate(held)]
+    walk = walk_head(trained, target.embed_tokens, pairs, 3, block_rows=8)
+    assert walk.groups == [0] * 10 + [1] * 10 and walk.sequences == 2
+    two = judge_pair(fresh, trained, target.embed_tokens, pairs, 3, block_rows=8)
+    assert two.sequences == 2 and math.isfinite(two.low)
+    assert judge_pair(fresh, trained, target.embed_tokens, pairs, 3, block_rows=8, min_sequences=3).low == -math.inf
+    assert judge_pair(fresh, trained, target.embed_tokens, held, 3, block_rows=8, min_sequences=4).better(0.0)

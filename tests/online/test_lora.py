@@ -307,8 +307,8 @@ def test_an_update_is_judged_on_the_next_rows_against_the_head_served_meanwhile(
 
     def walk(head: Eagle3Head, embed: torch.nn.Module, segments: list[SignalSegment], gamma: int,
              block_rows: int) -> HeadWalk:
-        x = score(head, segments)  # two equal blocks: every resample gives the point gain (a certain judgement)
-        return HeadWalk(rows=1, blocks=[(1, x), (1, x)], row_sum=0, row_count=0)  # type: ignore[list-item]
+        x = score(head, segments)  # two equal sequences: every resample gives the point gain (a certain judgement)
+        return HeadWalk(rows=1, blocks=[(1, x), (1, x)], groups=[0, 1], row_sum=0, row_count=0)  # type: ignore[list-item]
 
     monkeypatch.setattr(lora, "walk_head", walk)
     live.append(shards[0])

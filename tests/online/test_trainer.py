@@ -25,7 +25,7 @@ from tidespec.online.serving.launch import start_trainer_process
 from tidespec.online.signals import TRAINER_STATE_NAME, SignalCollector
 from tidespec.online.store import SignalShard, SignalStore
 from tidespec.online.training.config import TrainerConfig, TrainerConfigError
-from tidespec.online.training.data import cut_segment, segments_by_sequence, split_heldout
+from tidespec.online.training.data import cut_segment, heldout_keys, segments_by_sequence, split_heldout
 from tidespec.online.training.eagle3_train import SignalSegment
 from tidespec.online.training.process import capture_from_workload, distill_from_workload, export_latest, train_drafter
 from tidespec.online.training.rounds import DraftTrainer, _Awaiting
@@ -61,8 +61,15 @@ def test_segments_by_sequence_and_split_hand_traced() -> None:
     assert sorted(by_seq) == [7, 9]
     assert [(s.start_position, s.token_ids.tolist()) for s in by_seq[7]] == [(3, [30, 40, 50, 60])]
     assert [(s.start_position, s.num_positions) for s in by_seq[9]] == [(0, 2), (3, 1)]
+    assert {s.seq_id for s in by_seq[7]} == {7} and {s.seq_id for s in by_seq[9]} == {9}  # a judgement's samples
+    assert [s.seq_id for s in cut_segment(by_seq[7][0], 2)] == [7, 7]
     train, held = split_heldout({3: [seg(0, 4)], 8: [seg(0, 5)], 9: [seg(0, 6)], 12: [seg(0, 7)]}, 0.5)
     assert [s.num_positions for s in train] == [4, 6] and [s.num_positions for s in held] == [5, 7]
+    assert heldout_keys([3, 8, 9, 12, 20], 0.34) == {9}  # every third
+    assert heldout_keys([3, 8, 9, 12, 20], 0.1, min_keys=2) == {8, 20}  # at least two, spread out
+    assert heldout_keys([3, 8, 9, 12, 20], 0.1, min_keys=4) == {8, 20}  # never more than half
+    assert heldout_keys(list(range(20)), 0.1, min_keys=4) == {4, 9, 14, 19}
+    assert heldout_keys(list(range(40)), 0.1, min_keys=4) == {9, 19, 29, 39}  # every tenth is already four
     train, held = split_heldout({3: [seg(0, 10)]}, 0.2)  # one sequence: its tail is held out
     assert [(s.start_position, s.num_positions) for s in train] == [(0, 8)]
     assert [(s.start_position, s.num_positions) for s in held] == [(8, 2)]
@@ -294,7 +301,7 @@ def test_a_published_version_is_judged_paired_on_the_rows_captured_after_it(mode
     sig, root, tok = tmp_path / "signals", tmp_path / "drafter", tiny_tokenizer(V)
     capture_from_workload(model, tok, str(first), sig, max_tokens=40, progress=False)
     cfg = TrainerConfig(signal_dir=str(sig), publish_root=str(root), max_steps=120, batch_segments=8, lr=3e-3,
-                        gamma=4, heldout_frac=0.25, min_signals=1, served_judge_rows=200, progress=False)
+                        gamma=4, heldout_frac=0.5, min_signals=1, served_judge_rows=200, progress=False)
     trainer = DraftTrainer(cfg, model.cfg, model.embed_tokens)
     fresh = trainer.current
     r = trainer.run_round()

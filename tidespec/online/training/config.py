@@ -142,8 +142,12 @@ class TrainerConfig(TargetOptions):
     judge_confidence: float = opt(0.9, "both judgements (publish on held-out rows, keep or revert on served rows) "
                                        "compare two heads' walked acceptance on the same rows with a paired "
                                        "bootstrap interval of this confidence (0 = the point estimate)")
-    judge_block_rows: int = opt(32, "the judgements walk rows in blocks of this many, the samples the bootstrap "
-                                    "draws")
+    judge_block_rows: int = opt(32, "the judgements walk rows in blocks of this many (each walk starts at its "
+                                    "block's first row)")
+    judge_min_sequences: int = opt(4, "the judgements' bootstrap resamples whole sequences (a request's rows are not "
+                                      "independent samples); below this many the interval is unbounded, so nothing "
+                                      "is published or reverted. A round holds out at least this many sequences (at "
+                                      "most half of its own), and the served judgements wait for rows of this many")
     served_judge_rows: int = opt(256, "after publishing, judge the new version against the one it replaced on this "
                                       "many rows captured after it (both heads' simulated acceptance on the same "
                                       "rows); a loser is reverted by publishing the replaced head again; no round "
@@ -210,6 +214,9 @@ class TrainerConfig(TargetOptions):
             raise TrainerConfigError(f"judge_confidence must be in [0, 1), got {self.judge_confidence}")
         if self.judge_block_rows < 1:
             raise TrainerConfigError(f"judge_block_rows must be >= 1, got {self.judge_block_rows}")
+        if self.judge_min_sequences < 2:
+            raise TrainerConfigError(f"judge_min_sequences must be >= 2 (one sample shows no spread), got "
+                                     f"{self.judge_min_sequences}")
 
 
 @dataclass

@@ -70,27 +70,34 @@ def segments_by_sequence(shards: Sequence[SignalShard], max_len: int) -> dict[in
     return out
 
 
-def heldout_keys(keys: Sequence[int], frac: float) -> set[int]:
+def heldout_keys(keys: Sequence[int], frac: float, min_keys: int = 1) -> set[int]:
     """The held-out sequences of ``split_heldout``: every ``round(1/frac)``-th of the sorted keys
-    (at least the last one).
+    (at least the last one) or, when that is fewer than ``min_keys``, ``min_keys`` of them evenly
+    spread (never more than half of the keys).
 
-    Example: keys [3, 8, 9, 12, 20], frac 0.34 -> {9} (every 3rd); frac 0.1 -> {20}.
+    Example: keys [3, 8, 9, 12, 20], frac 0.34 -> {9} (every 3rd); frac 0.1 -> {20}; frac 0.1
+    and min_keys 2 -> {8, 20}; min_keys 4 -> {8, 20} too (half of five keys).
     """
     keys = sorted(keys)
     k = max(2, round(1 / frac))
-    return {keys[i] for i in range(len(keys)) if (i + 1) % k == 0} or ({keys[-1]} if keys else set())
+    held = {keys[i] for i in range(len(keys)) if (i + 1) % k == 0} or ({keys[-1]} if keys else set())
+    want = min(min_keys, len(keys) // 2)
+    if len(held) >= want:
+        return held
+    return {keys[(j + 1) * len(keys) // want - 1] for j in range(want)}
 
 
-def split_heldout(by_seq: dict[int, list[SignalSegment]], frac: float
+def split_heldout(by_seq: dict[int, list[SignalSegment]], frac: float, min_sequences: int = 1
                   ) -> tuple[list[SignalSegment], list[SignalSegment]]:
-    """(train, heldout): every ``round(1/frac)``-th sequence (at least one) is held out; with a
-    single sequence, the last ``frac`` of each of its runs is.
+    """(train, heldout): every ``round(1/frac)``-th sequence (at least one, and at least
+    ``min_sequences`` up to half of them: ``heldout_keys``) is held out; with a single sequence, the
+    last ``frac`` of each of its runs is.
 
     Example: sequences [3, 8, 9, 12], frac 0.5 -> held out 8, 12.
     """
     keys = sorted(by_seq)
     if len(keys) >= 2:
-        held = heldout_keys(keys, frac)
+        held = heldout_keys(keys, frac, min_sequences)
         train = [s for key in keys if key not in held for s in by_seq[key]]
         heldout = [s for key in keys if key in held for s in by_seq[key]]
         return train, heldout

@@ -131,6 +131,7 @@ class SignalSegment:
     start_position: int = 0
     topk_ids: torch.Tensor | None = None  # [N, K] int64 target's top-k next-token ids at each position
     topk_logits: torch.Tensor | None = None  # [N, K] float32 their logits
+    seq_id: int | None = None  # the store's sequence id (a judgement's samples are whole sequences: ``judge``)
 
     def __post_init__(self) -> None:
         n = self.taps.shape[0]
@@ -156,7 +157,7 @@ class SignalSegment:
         """Positions ``a .. b-1`` as a segment of their own (rope positions kept)."""
         top = lambda t: t[a:b] if t is not None else None  # noqa: E731
         return SignalSegment(self.taps[a:b], self.token_ids[a:b + 1], top(self.target_next_ids),
-                             self.start_position + a, top(self.topk_ids), top(self.topk_logits))
+                             self.start_position + a, top(self.topk_ids), top(self.topk_logits), self.seq_id)
 
     def labels(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Target-vocab labels [N] for unroll step ``step`` (1-based) and a validity mask [N].
@@ -206,7 +207,8 @@ def segments_from_rows(taps: torch.Tensor, token_ids: torch.Tensor, next_token_i
             toks = torch.cat([token_ids[idx], next_token_ids[idx[-1:]]])
             top = ((topk_ids[idx], topk_logits[idx]) if topk_ids is not None and topk_logits is not None
                    else (None, None))
-            segments.append(SignalSegment(taps[idx], toks, None, int(positions[run[0]]), *top))
+            segments.append(SignalSegment(taps[idx], toks, None, int(positions[run[0]]), *top,
+                                          seq_id=int(seq_ids[run[0]])))
 
     for i in order:
         if run and (int(seq_ids[i]) != int(seq_ids[run[-1]]) or int(positions[i]) != int(positions[run[-1]]) + 1):

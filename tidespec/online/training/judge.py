@@ -15,19 +15,29 @@ So a judgement here is
 
 * on the walked metric: accepted tokens per drafting step of each head's own walk over the rows;
 * paired: both heads walk the same rows, so how hard the traffic is cancels out;
-* with its uncertainty: the rows are cut into blocks of ``block_rows`` (each walked from its first
-  row, an independent sample of a server's steps), and the gain's ``confidence`` interval comes
-  from a paired bootstrap over blocks (both heads' sums resampled with the same indices, the gain
-  a difference of ratio estimates). ``confidence`` 0 gives the point estimate on both sides.
+* with its uncertainty: the rows are walked in blocks of ``block_rows`` (each walk starting at its
+  block's first row), and the gain's ``confidence`` interval comes from a paired bootstrap over
+  whole sequences (each sequence's blocks summed; both heads' sums resampled with the same
+  indices, the gain a difference of ratio estimates). ``confidence`` 0 gives the point estimate
+  on both sides.
+
+Why sequences and not blocks: the blocks of one request share its topic, its wording and its
+prompt, so they are not independent samples of what the next request will meet. Resampled as if
+they were, a round's held-out window of one or two sequences gave intervals such as +0.10 .. +0.61
+that the served judgement after it did not bear out (learning.md, issue 51). A segment without a
+``seq_id`` counts as a sequence of its own.
 
 Decisions on a judgement (``rounds.DraftTrainer``): publish when ``low > min_gain``; revert a
-served version when ``high < -margin * base``. Fewer than two blocks cannot show a spread: the
-interval is then unbounded (nothing is published, nothing reverted) unless ``confidence`` is 0.
+served version when ``high < -margin * base``. Fewer than ``min_sequences`` sequences (at least
+two) cannot show a spread: the interval is then unbounded (nothing is published, nothing
+reverted) unless ``confidence`` is 0.
 
-Worked example: blocks (steps, tokens) for the base head [(10, 18), (9, 17), (11, 19)] and the
+Worked example: sequences (steps, tokens) for the base head [(10, 18), (9, 17), (11, 19)] and the
 candidate [(8, 18), (8, 17), (9, 19)] -> base 54/30 = 1.80, candidate 54/25 = 2.16, gain +0.36;
-every resample of three blocks gains (the candidate needs fewer steps in each block), so the
-interval lies above 0 and, with min_gain 0, the candidate is published.
+every resample of three sequences gains (the candidate needs fewer steps in each), so the
+interval lies above 0 and, with min_gain 0 and min_sequences at most 3, the candidate is
+published. Had the three pairs been blocks of one sequence, there would be one sample and no
+interval.
 """
 
 from __future__ import annotations
@@ -50,11 +60,13 @@ class PairedJudgement:
 
     ``base`` / ``cand``: walked acceptance length (tokens per step) of each; ``row_base`` /
     ``row_cand``: the per-row score beside it, for the record; ``low`` / ``high``: the
-    ``confidence`` interval of ``cand - base``; ``blocks``: the samples it was resampled from.
+    ``confidence`` interval of ``cand - base``; ``blocks``: the walked blocks; ``sequences``: the
+    samples the interval was resampled from.
     """
 
     rows: int
     blocks: int
+    sequences: int
     base: float
     cand: float
     row_base: float
@@ -85,32 +97,41 @@ class PairedJudgement:
         """The figures for ``trainer_state.json`` (non-finite ones as None)."""
         def num(v: float) -> float | None:
             return v if math.isfinite(v) else None
-        return {"judged_rows": self.rows, "judged_blocks": self.blocks, "walk_accept_len": num(self.cand),
+        return {"judged_rows": self.rows, "judged_blocks": self.blocks, "judged_sequences": self.sequences,
+                "walk_accept_len": num(self.cand),
                 "walk_base_accept_len": num(self.base), "row_accept_len": num(self.row_cand),
                 "row_base_accept_len": num(self.row_base), "gain_low": num(self.low), "gain_high": num(self.high),
                 "confidence": self.confidence}
 
 
 def paired_bootstrap(base: Sequence[tuple[int, int]], cand: Sequence[tuple[int, int]], confidence: float,
-                     resamples: int = 1000, seed: int = 0) -> tuple[float, float]:
+                     resamples: int = 1000, seed: int = 0, groups: Sequence[int] | None = None,
+                     min_groups: int = 2) -> tuple[float, float]:
     """The two-sided ``confidence`` interval of ``tokens/steps`` (cand) minus (base) from blocks of
-    (steps, tokens) paired by index, by resampling blocks with replacement (seeded, so a judgement
-    is reproducible). ``confidence`` 0: the point estimate twice; fewer than 2 blocks: (-inf, inf).
+    (steps, tokens) paired by index, by resampling with replacement (seeded, so a judgement is
+    reproducible) the blocks or, with ``groups`` (a group number per block), the groups' summed
+    blocks. ``confidence`` 0: the point estimate twice; fewer than ``min_groups`` (at least 2)
+    samples: (-inf, inf).
 
     Example: base [(10, 18), (9, 17), (11, 19)], cand [(8, 18), (8, 17), (9, 19)], 0.9 ->
-    an interval inside (0.2, 0.5) around the gain 0.36.
+    an interval inside (0.2, 0.5) around the gain 0.36; with groups [0, 0, 0]: (-inf, inf).
     """
-    if len(base) != len(cand):
-        raise ValueError(f"paired blocks differ in number: {len(base)} vs {len(cand)}")
+    if len(base) != len(cand) or (groups is not None and len(groups) != len(base)):
+        raise ValueError(f"paired blocks differ in number: {len(base)} vs {len(cand)}"
+                         + (f" ({len(groups)} groups)" if groups is not None else ""))
     b = torch.tensor(list(base), dtype=torch.float64).reshape(-1, 2)  # [K, 2] steps, tokens
     c = torch.tensor(list(cand), dtype=torch.float64).reshape(-1, 2)
     point = _ratio(c.sum(0)) - _ratio(b.sum(0))
     if confidence <= 0.0:
         return point, point
-    if len(base) < 2:
+    if groups is not None and len(groups):
+        g = torch.unique(torch.tensor(list(groups)), return_inverse=True)[1]  # [K] 0..G-1
+        b = torch.zeros(int(g.max()) + 1, 2, dtype=torch.float64).index_add_(0, g, b)  # [G, 2]
+        c = torch.zeros_like(b).index_add_(0, g, c)
+    if len(b) < max(2, min_groups):
         return -math.inf, math.inf
     gen = torch.Generator().manual_seed(seed)
-    idx = torch.randint(len(base), (resamples, len(base)), generator=gen)  # [R, K]
+    idx = torch.randint(len(b), (resamples, len(b)), generator=gen)  # [R, G]
     bs, cs = b[idx].sum(1), c[idx].sum(1)  # [R, 2] each
     gains = cs[:, 1] / cs[:, 0].clamp(min=1) - bs[:, 1] / bs[:, 0].clamp(min=1)  # [R]
     tail = (1.0 - confidence) / 2.0
@@ -130,8 +151,13 @@ class HeadWalk:
 
     rows: int  # positions of the walked segments
     blocks: list[tuple[int, int]]  # (steps, tokens) per block, in the segments' order
+    groups: list[int]  # per block, the number (0, 1, ...) of the sequence it belongs to
     row_sum: int  # the per-row score's sum over the rows whose gamma labels are all known
     row_count: int
+
+    @property
+    def sequences(self) -> int:
+        return len(set(self.groups))
 
     @property
     def walk_mean(self) -> float:
@@ -145,7 +171,8 @@ class HeadWalk:
 def walk_head(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], gamma: int,
               block_rows: int = 32, batch: int = 32) -> HeadWalk:
     """``head``'s walks over every row of ``segments`` (those longer than ``gamma``) in blocks of
-    ``block_rows``; ``batch`` segments share an unroll. Two walks over the same segments pair block by block."""
+    ``block_rows``, each block numbered by its segment's sequence; ``batch`` segments share an
+    unroll. Two walks over the same segments pair block by block."""
     usable = [s for s in segments if s.num_positions > gamma]
     blocks: list[tuple[int, int]] = []
     row_sum = row_count = 0
@@ -154,32 +181,50 @@ def walk_head(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegmen
         blocks += stats.blocks
         row_sum += stats.row_sum
         row_count += stats.rows
-    return HeadWalk(sum(s.num_positions for s in usable), blocks, row_sum, row_count)
+    numbers: dict[tuple[str, int], int] = {}
+    groups: list[int] = []
+    for i, seg in enumerate(usable):
+        key = ("seq", seg.seq_id) if seg.seq_id is not None else ("segment", i)
+        groups += [numbers.setdefault(key, len(numbers))] * math.ceil(seg.num_positions / block_rows)
+    assert len(groups) == len(blocks), (len(groups), len(blocks))
+    return HeadWalk(sum(s.num_positions for s in usable), blocks, groups, row_sum, row_count)
 
 
-def compare(base: HeadWalk, cand: HeadWalk, confidence: float = 0.9, seed: int = 0) -> PairedJudgement:
-    """The paired judgement of two walks over the same rows (module docstring)."""
-    low, high = paired_bootstrap(base.blocks, cand.blocks, confidence, seed=seed)
-    return PairedJudgement(rows=base.rows, blocks=len(base.blocks), base=base.walk_mean, cand=cand.walk_mean,
-                           row_base=base.row_mean, row_cand=cand.row_mean, low=low, high=high,
+def count_sequences(segments: Sequence[SignalSegment]) -> int:
+    """How many independent samples ``segments`` give a judgement: their distinct sequences (a
+    segment without a ``seq_id`` counts as one of its own)."""
+    return len({("seq", s.seq_id) if s.seq_id is not None else ("segment", i) for i, s in enumerate(segments)})
+
+
+def compare(base: HeadWalk, cand: HeadWalk, confidence: float = 0.9, seed: int = 0,
+            min_sequences: int = 2) -> PairedJudgement:
+    """The paired judgement of two walks over the same rows, its interval resampled over sequences
+    (unbounded below ``min_sequences`` of them; module docstring)."""
+    low, high = paired_bootstrap(base.blocks, cand.blocks, confidence, seed=seed, groups=base.groups,
+                                 min_groups=min_sequences)
+    return PairedJudgement(rows=base.rows, blocks=len(base.blocks), sequences=base.sequences, base=base.walk_mean,
+                           cand=cand.walk_mean, row_base=base.row_mean, row_cand=cand.row_mean, low=low, high=high,
                            confidence=confidence)
 
 
 def judge_pair(base: Eagle3Head, cand: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegment], gamma: int,
-               block_rows: int = 32, confidence: float = 0.9, seed: int = 0) -> PairedJudgement:
+               block_rows: int = 32, confidence: float = 0.9, seed: int = 0, min_sequences: int = 2) -> PairedJudgement:
     """Walk ``base`` and ``cand`` over every row of ``segments`` in blocks of ``block_rows`` and judge
-    the walked gain with a paired bootstrap (``walk_head``, then ``compare``)."""
+    the walked gain with a paired bootstrap over sequences (``walk_head``, then ``compare``)."""
     return compare(walk_head(base, embed, segments, gamma, block_rows),
-                   walk_head(cand, embed, segments, gamma, block_rows), confidence, seed)
+                   walk_head(cand, embed, segments, gamma, block_rows), confidence, seed, min_sequences)
 
 
 def gain_interval(doc: Mapping[str, Any] | None) -> str:
     """A judgement's interval from its JSON (``PairedJudgement.to_json``, as ``trainer_state.json``
-    records it) for a report: ``" (gain -0.04 .. +0.21 at 90 %)"``; empty for a record without one
-    (a round or judgement written before judgements had intervals, or at confidence 0)."""
+    records it) for a report: ``" (gain -0.04 .. +0.21 at 90 % over 6 sequences)"``; empty for a
+    record without one (a round or judgement written before judgements had intervals, or at
+    confidence 0); a record from before intervals were resampled over sequences has no "over"."""
     if not doc or not doc.get("confidence"):
         return ""
-    low, high = doc.get("gain_low"), doc.get("gain_high")  # None: unbounded (fewer than two blocks)
+    low, high = doc.get("gain_low"), doc.get("gain_high")  # None: unbounded (too few sequences)
     lo = "-inf" if low is None else f"{low:+.2f}"
     hi = "+inf" if high is None else f"{high:+.2f}"
-    return f" (gain {lo} .. {hi} at {100 * doc['confidence']:.0f} %)"
+    seqs = doc.get("judged_sequences")
+    over = f" over {seqs} sequence{'s' if seqs != 1 else ''}" if seqs is not None else ""
+    return f" (gain {lo} .. {hi} at {100 * doc['confidence']:.0f} %{over})"

@@ -24,9 +24,10 @@ process (never the engine) on the same signal store and publish root as the full
          eligible rows and no update waits: ``steps`` AdamW steps on the curriculum loss (each on
          one chunk of <= 8 segments, in turn, topped up from a window of earlier buffers of
          ``replay_rows`` eligible rows), buffer moved into that window
-      -> the update waits for ``judge_rows`` rows served after it; on them, the adapted head and
-         the bare base head are each walked against the head served now (base, or base + the newest
-         adapter), paired (``judge``: walked acceptance, a bootstrap interval); publish the adapter
+      -> the update waits for ``judge_rows`` rows served after it, from at least
+         ``judge_min_sequences`` requests; on them, the adapted head and the bare base head are each
+         walked against the head served now (base, or base + the newest adapter), paired (``judge``:
+         walked acceptance, a bootstrap interval over those requests); publish the adapter
          (``lora/v{base}/a{N}``) iff it wins beyond the interval and the base head is not better,
          or a zero adapter (the base head) iff the base head wins so (``_judge``); the engine merges
          it in between steps
@@ -82,7 +83,7 @@ from tidespec.online.store import ShardGone, ShardInfo, SignalShard, SignalStore
 from tidespec.online.training.config import LoraAlignConfig
 from tidespec.online.training.data import segments_by_sequence
 from tidespec.online.training.eagle3_train import SignalBatch, SignalSegment, unroll
-from tidespec.online.training.judge import HeadWalk, compare, walk_head
+from tidespec.online.training.judge import HeadWalk, compare, count_sequences, walk_head
 
 logger = logging.getLogger(__name__)
 
@@ -271,16 +272,19 @@ class LoraAligner:
 
     ``out_rows`` [V, H]: the target's LM-head rows (the top-k of a captured hidden state).
     ``min_gain``: an adapter is published only if its walked acceptance on the rows served after it
-    beats the served head's by more, at the lower end of a ``judge_confidence`` interval over
-    blocks of ``judge_block_rows`` rows (``judge.judge_pair``).
+    beats the served head's by more, at the lower end of a ``judge_confidence`` interval
+    resampled over the sequences of those rows (walked in blocks of ``judge_block_rows``;
+    ``judge.judge_pair``), which number at least ``judge_min_sequences``.
     """
 
     def __init__(self, cfg: LoraAlignConfig, store: SignalStore, root: Path | str, embed: nn.Embedding,
                  out_rows: torch.Tensor, *, gamma: int, ttt_steps: int, max_segment_len: int,
-                 min_gain: float = 0.0, judge_confidence: float = 0.9, judge_block_rows: int = 32) -> None:
+                 min_gain: float = 0.0, judge_confidence: float = 0.9, judge_block_rows: int = 32,
+                 judge_min_sequences: int = 2) -> None:
         self.cfg = cfg
         self.judge_confidence = judge_confidence
         self.judge_block_rows = judge_block_rows
+        self.judge_min_sequences = judge_min_sequences
         self.store = store
         self.root = Path(root)
         self.embed = embed
@@ -362,7 +366,8 @@ class LoraAligner:
         return shards
 
     def step(self, base: Eagle3Head, version: int) -> AdapterResult | None:
-        """Read the new signals: judge the waiting update on them once there are ``judge_rows``, then
+        """Read the new signals: judge the waiting update on them once there are ``judge_rows`` of at
+        least ``judge_min_sequences`` sequences, then
         grow the replay buffer and update once it is full (and no update waits). Returns the judged
         update, if one was."""
         if self.head is None or version != self.base_version:
@@ -377,7 +382,9 @@ class LoraAligner:
         result = None
         if self.pending is not None:
             self.pending.judge.extend(segments)
-            if sum(s.num_positions for s in self.pending.judge) >= self.cfg.judge_rows:
+            judge = self.pending.judge
+            if (sum(s.num_positions for s in judge) >= self.cfg.judge_rows
+                    and count_sequences(judge) >= self.judge_min_sequences):
                 result = self._judge(self.pending)
                 self.pending = None
         train = [s for s in segments if s.num_positions >= 2]
@@ -492,8 +499,10 @@ class LoraAligner:
                 return walk_head(wide, self.embed, pending.judge, self.gamma, self.judge_block_rows)
 
         served = walk(self.served)  # walked once, paired with each of the others
-        up = compare(served, walk(self.head), self.judge_confidence)
-        back = None if self.served is self.base else compare(served, walk(self.base), self.judge_confidence)
+        least = self.judge_min_sequences
+        up = compare(served, walk(self.head), self.judge_confidence, min_sequences=least)
+        back = (None if self.served is self.base
+                else compare(served, walk(self.base), self.judge_confidence, min_sequences=least))
         before, after = up.base, up.cand
         bare = before if back is None else back.cand
         reset = back is not None and back.better(self.min_gain) and not after > bare

@@ -79,7 +79,7 @@ from tidespec.online.training.config import TrainerConfig, TrainerConfigError
 from tidespec.online.training.data import fresh_head_for, segments_by_sequence, split_heldout, token_counts, widen_head
 from tidespec.online.training.dist import DistContext, check_replicas_in_sync
 from tidespec.online.training.eagle3_train import SignalSegment, ttt_loss
-from tidespec.online.training.judge import PairedJudgement, gain_interval, judge_pair
+from tidespec.online.training.judge import PairedJudgement, count_sequences, gain_interval, judge_pair
 from tidespec.online.training.lora import LoraAligner, with_target_topk
 
 logger = logging.getLogger(__name__)
@@ -238,7 +238,7 @@ class DraftTrainer:
         aligner = LoraAligner(cfg.lora, self.store, self.root, self.embed, self._target_rows(target),
                               gamma=cfg.gamma, ttt_steps=cfg.ttt_steps, max_segment_len=cfg.max_segment_len,
                               min_gain=cfg.min_gain, judge_confidence=cfg.judge_confidence,
-                              judge_block_rows=cfg.judge_block_rows)
+                              judge_block_rows=cfg.judge_block_rows, judge_min_sequences=cfg.judge_min_sequences)
         aligner.start_cursor(self.state.last_shard_id)
         return aligner
 
@@ -347,7 +347,8 @@ class DraftTrainer:
         shards = self._with_target_topk([read[i.shard_id] for i in infos if i.shard_id in common])
         old = self._with_target_topk([read[i.shard_id] for i in replay if i.shard_id in common])
         self.state.last_shard_id = infos[-1].shard_id
-        train, heldout = split_heldout(segments_by_sequence(shards, self.cfg.max_segment_len), self.cfg.heldout_frac)
+        train, heldout = split_heldout(segments_by_sequence(shards, self.cfg.max_segment_len), self.cfg.heldout_frac,
+                                       self.cfg.judge_min_sequences)
         fresh = list(train)  # this round's own training rows: the draft vocabulary widens by them
         # replayed rows only train (the held-out split measures the traffic of now)
         train += [seg for segs in segments_by_sequence(old, self.cfg.max_segment_len).values() for seg in segs]
@@ -407,9 +408,10 @@ class DraftTrainer:
         return result
 
     def judge_served(self) -> dict[str, Any] | None:
-        """Judge the version awaiting its served judgement, once ``served_judge_rows`` rows were captured
-        after its round: the walked acceptance of the new head and of the head it replaced on the
-        same rows (paired, so the traffic's difficulty cancels: ``judge``). The new one is kept unless
+        """Judge the version awaiting its served judgement, once ``served_judge_rows`` rows of at least
+        ``judge_min_sequences`` sequences were captured after its round: the walked acceptance of the
+        new head and of the head it replaced on the same rows (paired, so the traffic's difficulty
+        cancels: ``judge``; its interval resampled over those sequences). The new one is kept unless
         it is below the replaced one by more than ``served_margin`` at the upper end of the gain's
         interval; a loser is reverted by publishing the replaced head again as the newest version.
         Returns the judgement (also in ``trainer_state.json``), or None while rows are missing.
@@ -431,7 +433,7 @@ class DraftTrainer:
                         logger.info("shard %s was evicted before it was judged on", info.shard_id)
             rows = [s for segs in segments_by_sequence(a.shards, self.cfg.max_segment_len).values() for s in segs]
             n = sum(s.num_positions for s in rows)
-            if n >= self.cfg.served_judge_rows:
+            if n >= self.cfg.served_judge_rows and count_sequences(rows) >= self.cfg.judge_min_sequences:
                 judged = self._judge(a.parent, self.current, rows)
                 found = (n, judged.cand, judged.base, judged.worse(self.cfg.served_margin), judged.to_json())
         found = self.ctx.broadcast(found)
@@ -463,7 +465,7 @@ class DraftTrainer:
         """Both heads walked over ``rows``, paired (``judge.judge_pair`` with this trainer's settings)."""
         cfg = self.cfg
         return judge_pair(base, cand, self.embed, rows, cfg.gamma, cfg.judge_block_rows, cfg.judge_confidence,
-                          seed=cfg.seed)
+                          seed=cfg.seed, min_sequences=cfg.judge_min_sequences)
 
     def _save_state(self) -> None:
         if self.ctx.is_main:
