@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import tiny_llama, tiny_tokenizer
+from tidespec.bench.learn.calibration import calibration_report, judge_calibration, parse_windows
 from tidespec.bench.learn.run import (
     LearnBenchConfig,
     fit_log2,
@@ -26,6 +27,7 @@ from tidespec.models.eagle3_head import Eagle3Config
 from tidespec.models.loader import LoadedModel
 from tidespec.online.training.data import heldout_keys
 from tidespec.online.training.eagle3_train import SignalSegment
+from tidespec.online.training.judge import HeadWalk
 from tidespec.online.training.process import capture_from_workload
 
 V = 48
@@ -60,7 +62,8 @@ def test_config_rejects_bad_input(tmp_path: Path) -> None:
         LearnBenchConfig(signal_dirs=str(tmp_path), eval_dirs=str(tmp_path / "missing"))
     for kw, msg in [({"fractions": "0,1"}, "in \\(0, 1\\]"), ({"fractions": "a"}, "comma-separated numbers"),
                     ({"evals": 0}, "evals"), ({"heldout_frac": 1.0}, "heldout_frac"),
-                    ({"steps": 0, "epochs": 0.0}, "epochs"), ({"steps": 5, "per_share_epochs": True}, "not both")]:
+                    ({"steps": 0, "epochs": 0.0}, "epochs"), ({"steps": 5, "per_share_epochs": True}, "not both"),
+                    ({"judge_windows": "0,2"}, "judge_windows"), ({"judge_draws": 0}, "judge_draws")]:
         with pytest.raises(ConfigError, match=msg):
             LearnBenchConfig(signal_dirs=str(tmp_path), **kw)
 
@@ -98,7 +101,7 @@ def test_learning_curve_on_two_stores(tmp_path: Path) -> None:
     # 20 passes over each share's own segments (one segment per sequence here: all are < 256 positions)
     cfg = LearnBenchConfig(signal_dirs=f"{a},{b}", fractions="0.25,1", epochs=20, per_share_epochs=True, evals=2,
                            heldout_frac=0.25, draft_vocab=0, lr=3e-3, batch_segments=8, export_dir=str(tmp_path / "x"),
-                           eval_dirs=str(scored))
+                           eval_dirs=str(scored), judge_windows="1,2,3,64", judge_draws=20)
     doc = run_learn_bench(cfg, target, tmp_path / "out", command="test", progress=False, log=lambda _: None)
     exported = import_eagle3(tmp_path / "x", model.cfg)[0]  # the full share's head, as a checkpoint
     assert exported == Eagle3Config.for_target(model.cfg)
@@ -139,6 +142,17 @@ def test_learning_curve_on_two_stores(tmp_path: Path) -> None:
     readme = tmp_path / "out" / "README.md"
     assert "per doubling" in readme.read_text() and "walked as served" in readme.read_text()
     assert "scored only" in readme.read_text() and "100.0 %" in readme.read_text()
+    # the judgement check: windows of held-out requests against the gain over all of them
+    judge = doc["judge"]
+    assert judge["requests"] == held and judge["truth_gain"] > 0.1 and judge["confidence"] == 0.9
+    assert [w["window"] for w in judge["windows"]] == [1, 2, 3]  # 64 is more than half the requests
+    one = judge["windows"][0]
+    assert one["requests"]["unbounded"] == 1.0 and one["requests"]["median_width"] is None  # one request: no spread
+    assert one["blocks"]["unbounded"] < 1.0  # its blocks resampled as if independent give an interval
+    assert one["both"]["unbounded"] == 1.0  # the trainer's: none
+    assert all(0.0 <= w[way][k] <= 1.0 for w in judge["windows"] for way in ("blocks", "requests")
+               for k in ("covered", "published", "unbounded"))
+    assert "Judgement check" in readme.read_text()
     readme.unlink()
     again = replot(tmp_path / "out")  # re-rendered from bench_learn.json alone
     assert again["curves"][1]["rows"] == full["rows"] and "per doubling" in readme.read_text()
@@ -210,3 +224,34 @@ def test_the_learning_rate_defaults_to_the_trainers_for_what_the_shares_start_fr
     assert LearnBenchConfig(signal_dirs=str(tmp_path), init_from="ckpt", lr=1e-3).peak_lr == 1e-3
     with pytest.raises(ConfigError, match="lr must be >= 0"):
         LearnBenchConfig(signal_dirs=str(tmp_path), lr=-1.0)
+
+
+def test_judge_calibration_hand_built() -> None:
+    """Eight requests of three blocks each; the trained head gains one token in each block of the
+    even requests and none in the odd ones: over all requests the gain is 12 / 24 = +0.5 tokens per
+    step. Windows of one request show no spread when requests are resampled; windows of two to
+    four do; five is more than half the requests and is skipped."""
+    blocks = [(1, 1)] * 24
+    gains = [(1, 2) if (i // 3) % 2 == 0 else (1, 1) for i in range(24)]
+    groups = [i // 3 for i in range(24)]
+    base = HeadWalk(rows=96, blocks=blocks, groups=groups, row_sum=0, row_count=0)
+    cand = HeadWalk(rows=96, blocks=gains, groups=groups, row_sum=0, row_count=0)
+    cal = judge_calibration(base, cand, parse_windows("5,1,2,4"), 50, 0.9, seed=3)
+    assert cal["requests"] == 8 and cal["truth_gain"] == pytest.approx(0.5)
+    assert [w["window"] for w in cal["windows"]] == [1, 2, 4]
+    one, two, four = cal["windows"]
+    assert one["mean_blocks"] == 3.0 and one["requests"]["unbounded"] == 1.0
+    # one request's blocks agree with each other: over blocks the interval is a point (+1 or 0), never the truth
+    assert one["blocks"]["covered"] == 0.0 and one["blocks"]["unbounded"] == 0.0
+    assert 0.0 < one["blocks"]["published"] < 1.0  # the even requests "publish"
+    assert four["requests"]["unbounded"] == 0.0 and four["requests"]["covered"] > one["blocks"]["covered"]
+    assert two["requests"]["median_width"] is not None
+    # the trainer's interval spans both: no interval where requests give none, else covered whenever either is
+    assert one["both"]["unbounded"] == 1.0
+    for w in (two, four):
+        assert w["both"]["covered"] >= max(w["blocks"]["covered"], w["requests"]["covered"])
+        assert w["both"]["published"] <= min(w["blocks"]["published"], w["requests"]["published"])
+    lines = calibration_report(cal)
+    assert "gain +0.500" in lines[0] and lines[-1].count("\n") == 4  # header, rule, three windows
+    with pytest.raises(ValueError, match=">= 1"):
+        parse_windows("0,2")

@@ -1,5 +1,5 @@
 """The trainer's paired judgement: walks in blocks (hand-traced), the paired bootstrap's interval
-(resampled over sequences), the publish / revert rules, and two heads judged on the same rows (a head
+(over blocks and over sequences), the publish / revert rules, and two heads judged on the same rows (a head
 against itself, a trained head against a fresh one, both ways, and on one sequence cut into pieces)."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head
 from tidespec.online.training.eagle3_train import acceptance_stats, walk_chains
 from tidespec.online.training.judge import (
     PairedJudgement,
+    bootstrap_interval,
     count_sequences,
     gain_interval,
     judge_pair,
@@ -43,10 +44,13 @@ def test_paired_bootstrap_worked_example_and_edges() -> None:
     assert paired_bootstrap(base, base, 0.9) == (0.0, 0.0)  # the same walk in every resample
     with pytest.raises(ValueError, match="differ in number"):
         paired_bootstrap(base, cand[:2], 0.9)
-    # blocks of one sequence are one sample: summed before resampling
+    # with sequences: blocks of one sequence are one sample; no interval from one sequence, else the
+    # interval spans the one over blocks and the one over sequences
     assert paired_bootstrap(base, cand, 0.9, groups=[5, 5, 5]) == (-math.inf, math.inf)
-    two = paired_bootstrap(base, cand, 0.9, groups=[5, 5, 9])  # samples (19, 35) / (16, 35) and (11, 19) / (9, 19)
-    assert two != (low, high) and 0.0 < two[0] < point < two[1]
+    two = paired_bootstrap(base, cand, 0.9, groups=[5, 5, 9])  # sequences (19, 35) / (16, 35) and (11, 19) / (9, 19)
+    seqs = bootstrap_interval(torch.tensor([[19.0, 35.0], [11.0, 19.0]], dtype=torch.float64),
+                              torch.tensor([[16.0, 35.0], [9.0, 19.0]], dtype=torch.float64), 0.9)
+    assert two == (min(low, seqs[0]), max(high, seqs[1])) and 0.0 < two[0] < point < two[1]
     assert paired_bootstrap(base, cand, 0.9, groups=[0, 1, 2], min_groups=4) == (-math.inf, math.inf)
     assert paired_bootstrap(base, cand, 0.9, groups=[0, 1, 2], min_groups=3) == (low, high)
     assert paired_bootstrap(base, cand, 0.0, groups=[5, 5, 5]) == pytest.approx((point, point))

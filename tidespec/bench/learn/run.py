@@ -65,6 +65,7 @@ from tidespec.bench.common.report import (
     save_figure,
 )
 from tidespec.bench.decode.run import parse_float_list
+from tidespec.bench.learn.calibration import calibration_report, judge_calibration, parse_windows, plot_calibration
 from tidespec.config import ConfigError, opt
 from tidespec.models.eagle3_checkpoint import PublishedDrafter, export_eagle3, head_from_published, load_drafter_source
 from tidespec.models.eagle3_head import FUSIONS, INIT_FROM_TARGET, Eagle3Head, init_from_target
@@ -80,6 +81,7 @@ from tidespec.online.training.data import (
     widen_head,
 )
 from tidespec.online.training.eagle3_train import SignalSegment
+from tidespec.online.training.judge import walk_head
 from tidespec.online.training.rounds import DraftTrainer
 
 
@@ -138,6 +140,10 @@ class LearnBenchConfig:
                            "shift's with its workload; empty = all)")
     eval_dirs: str = opt("", "comma-separated signal stores the largest share's head is scored on but never "
                              "trained on, every sequence of each (e.g. a domain's captured traffic)")
+    judge_windows: str = opt("", "comma-separated window sizes (held-out requests): check the trainer's judgement "
+                                 "on random windows of that many held-out requests against the gain over all of "
+                                 "them, resampling blocks vs requests (bench/learn/calibration.py; empty = no check)")
+    judge_draws: int = opt(200, "random windows per --judge-windows size")
     export_dir: str | None = opt(None, "write the largest share's trained head here as an EAGLE-3 checkpoint "
                                        "(serve it with --eagle3-dir; bench shift --bootstrap)")
     seed: int = opt(TrainerConfig.seed, "seed of the shuffle, the heads and the batches")
@@ -155,7 +161,11 @@ class LearnBenchConfig:
             raise ConfigError(f"lr_schedule must be constant or cosine, distill soft or top1, autocast none or "
                               f"bf16, fusion one of "
                               f"{', '.join(FUSIONS)} and init_from_target one of {', '.join(INIT_FROM_TARGET)}")
-        for name in ("evals", "gamma", "batch_segments", "max_segment_len", "ttt_steps", "head_layers"):
+        try:
+            parse_windows(self.judge_windows)
+        except ValueError as exc:
+            raise ConfigError(f"judge_windows: {exc}") from None
+        for name in ("evals", "gamma", "batch_segments", "max_segment_len", "ttt_steps", "head_layers", "judge_draws"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("steps", "draft_vocab", "warmup_steps"):
@@ -297,7 +307,10 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
         sequences = load_store_sequences(d, cfg.max_segment_len, cfg.domain_set)[0]
         sources.append((d, "scored only", len(sequences), [s for segs in sequences for s in segs]))
     by_source: list[dict[str, Any]] = []
-    heldout = [s for k in sorted(held) for s in by_key[k]]
+    calibration: dict[str, Any] | None = None
+    # seq_id = the key: ids of different stores may collide, and a judgement's samples are whole sequences
+    heldout = [dataclasses.replace(s, seq_id=k) for k in sorted(held) for s in by_key[k]]
+    windows = parse_windows(cfg.judge_windows)
     train_keys = [k for k in sorted(by_key) if k not in held]
     order = [train_keys[int(i)] for i in torch.randperm(len(train_keys),
                                                         generator=torch.Generator().manual_seed(cfg.seed))]
@@ -334,6 +347,8 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
                                       cfg.head_layers, cfg.fusion)
                 init_from_target(head, target.model, cfg.init_from_target)
             acc0, walk0 = heldout_acceptance(head, embed, heldout, cfg.gamma)
+            last = share == cfg.shares[-1]
+            start_walk = walk_head(head, embed, heldout, cfg.gamma, base.judge_block_rows) if last and windows else None
             points = [{"step": 0, "heldout_accept_len": acc0, "heldout_walk_len": walk0, "train_loss": None}]
             window: list[float] = []
             t0 = time.perf_counter()
@@ -356,11 +371,15 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
                     f"  held-out accept len {acc:.3f} (walked as served: {walk:.3f})")
 
             trainer.train_head(head, segs, seed=cfg.seed, on_step=on_step)
-            if share == cfg.shares[-1]:
+            if last:
                 if cfg.export_dir:
                     export_eagle3(head, cfg.export_dir)
                 head.eval()
                 by_source = score_sources(head, embed, sources, cfg.gamma)
+                if start_walk is not None:
+                    calibration = judge_calibration(start_walk, walk_head(head, embed, heldout, cfg.gamma,
+                                                                          base.judge_block_rows),
+                                                    windows, cfg.judge_draws, base.judge_confidence, cfg.seed)
             best = max(points, key=lambda p: p["heldout_accept_len"])
             best_walk = max((p["heldout_walk_len"] for p in points if math.isfinite(p["heldout_walk_len"])),
                             default=float("nan"))
@@ -374,7 +393,7 @@ def run_learn_bench(cfg: LearnBenchConfig, target: LoadedModel, out_dir: Path | 
     fit_walk = fit_log2([c["rows"] for c in curves], [c["best_walk_len"] for c in curves], cfg.target_length)
     doc: dict[str, Any] = {"config": asdict(cfg), "lr": cfg.peak_lr, "store_rows": store_rows, "sequences": len(by_key),
                            "heldout_sequences": len(held), "heldout_rows": heldout_rows, "curves": curves,
-                           "fit": fit, "fit_walk": fit_walk, "sources": by_source}
+                           "fit": fit, "fit_walk": fit_walk, "sources": by_source, "judge": calibration}
     return finish_run(out_dir, "learn", doc, command, str(target.model.dtype).removeprefix("torch."), report,
                       plot_learn, log)
 
@@ -428,6 +447,8 @@ def report(doc: dict[str, Any]) -> str:
             continue
         lines.append("")
         lines.append(_fit_line(name, fit, max(c["rows"] for c in doc["curves"])))
+    if doc.get("judge"):
+        lines += [""] + calibration_report(doc["judge"])
     lines.append("")
     return "\n".join(lines)
 
@@ -452,8 +473,12 @@ def _fmt(x: float | None) -> str:
 def plot_learn(doc: dict[str, Any], out_dir: Path) -> Path:
     """Left: held-out acceptance over optimizer steps, one line per share (dashed: the same chains walked
     as a server meets them). Right: best held-out acceptance against training rows (log2 axis) with
-    the fit, extended to the target length."""
-    fig, (ax_s, ax_r) = new_figure(2)
+    the fit, extended to the target length. With ``--judge-windows``, a third panel: how often the
+    judgement's interval covers the gain on windows of each size (``calibration.plot_calibration``)."""
+    fig, axes = new_figure(3 if doc.get("judge") else 2)
+    ax_s, ax_r = axes[0], axes[1]
+    if doc.get("judge"):
+        plot_calibration(axes[2], doc["judge"])
     for c in doc["curves"]:
         line, = ax_s.plot([p["step"] for p in c["points"]], [p["heldout_accept_len"] for p in c["points"]],
                           marker="o", label=f"{c['fraction']:g} ({c['rows']:,} rows)")

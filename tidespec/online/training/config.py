@@ -144,10 +144,11 @@ class TrainerConfig(TargetOptions):
                                        "bootstrap interval of this confidence (0 = the point estimate)")
     judge_block_rows: int = opt(32, "the judgements walk rows in blocks of this many (each walk starts at its "
                                     "block's first row)")
-    judge_min_sequences: int = opt(4, "the judgements' bootstrap resamples whole sequences (a request's rows are not "
-                                      "independent samples); below this many the interval is unbounded, so nothing "
-                                      "is published or reverted. A round holds out at least this many sequences (at "
-                                      "most half of its own), and the served judgements wait for rows of this many")
+    judge_min_sequences: int = opt(4, "a round holds out at least this many of its sequences (at most half of them), "
+                                      "and the served and LoRA judgements wait for rows of this many: an interval "
+                                      "needs two sequences at least (the bootstrap resamples whole sequences as "
+                                      "well as blocks), and four judged the sign of a gain far more often than two "
+                                      "(docs/benchmarks/learning.md)")
     served_judge_rows: int = opt(256, "after publishing, judge the new version against the one it replaced on this "
                                       "many rows captured after it (both heads' simulated acceptance on the same "
                                       "rows); a loser is reverted by publishing the replaced head again; no round "

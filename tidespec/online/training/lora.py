@@ -499,10 +499,8 @@ class LoraAligner:
                 return walk_head(wide, self.embed, pending.judge, self.gamma, self.judge_block_rows)
 
         served = walk(self.served)  # walked once, paired with each of the others
-        least = self.judge_min_sequences
-        up = compare(served, walk(self.head), self.judge_confidence, min_sequences=least)
-        back = (None if self.served is self.base
-                else compare(served, walk(self.base), self.judge_confidence, min_sequences=least))
+        up = compare(served, walk(self.head), self.judge_confidence)
+        back = None if self.served is self.base else compare(served, walk(self.base), self.judge_confidence)
         before, after = up.base, up.cand
         bare = before if back is None else back.cand
         reset = back is not None and back.better(self.min_gain) and not after > bare

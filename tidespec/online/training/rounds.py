@@ -465,7 +465,7 @@ class DraftTrainer:
         """Both heads walked over ``rows``, paired (``judge.judge_pair`` with this trainer's settings)."""
         cfg = self.cfg
         return judge_pair(base, cand, self.embed, rows, cfg.gamma, cfg.judge_block_rows, cfg.judge_confidence,
-                          seed=cfg.seed, min_sequences=cfg.judge_min_sequences)
+                          seed=cfg.seed)
 
     def _save_state(self) -> None:
         if self.ctx.is_main:
