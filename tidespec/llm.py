@@ -167,3 +167,7 @@ class LLM:
                     if progress is not None:
                         progress(o)
         return [final[i] for i in ids]
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix block, as vLLM's ``LLM.reset_prefix_cache``; returns how many."""
+        return self.engine.reset_prefix_cache()

@@ -5,6 +5,7 @@ the files and the structure of the results (never wall-clock numbers)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -455,3 +456,53 @@ def test_spec_bench_can_end_requests_at_eos(tmp_path: Path) -> None:
     assert all(h["output_tokens"] < 2 * 8 for h in doc["hf"])  # HF's generate() stopped at the EOS too
     assert "ending at EOS" in (out / "table.md").read_text()
     assert doc["config"]["ignore_eos"] is False
+
+
+def test_spec_bench_turns_resend_the_chat_and_stay_lossless_on_prefix_hits(tmp_path: Path) -> None:
+    """--turns 3: two conversations of three chat records; turn k+1 resends turn k's prompt, plain's
+    answer and the next question, so its prompt is longer and the prefix cache serves part of it;
+    every speculating configuration emits plain's tokens in every turn."""
+    target = _hf_target(tmp_path, torch.float64)
+    target.tokenizer.chat_template = ("{% for m in messages %}w3 {{ m['content'] }} w4 {% endfor %}"
+                                      "{% if add_generation_prompt %}w5{% endif %}")
+    questions = [" ".join(f"w{20 + (i * 7 + j) % 30}" for j in range(14)) for i in range(6)]
+    wl = _write(tmp_path / "chat.jsonl", [_rec(i, q, "chat") for i, q in enumerate(questions)])
+    cfg = SpecBenchConfig(workload=str(wl), limit=2, turns=3, drafters=("none", "ngram", "suffix"), gammas=(3,),
+                          max_tokens=6)
+    out = tmp_path / "out"
+    doc = run_spec_bench(cfg, target, model_config=ModelConfig(dtype="float64"), out_dir=out, echo=False)
+    assert doc["prompt_ids"] == ["r0", "r3", "r1", "r4", "r2", "r5"]  # conversation c asks records 3c .. 3c+2
+    for c in doc["configs"]:
+        assert c["mismatches"] == 0 and c["requests"] == 6, c["label"]
+        turns = c["by_turn"]
+        assert [t["turn"] for t in turns] == [1, 2, 3] and all(t["requests"] == 2 for t in turns)
+        assert turns[0]["prompt_tokens"] < turns[1]["prompt_tokens"] < turns[2]["prompt_tokens"]
+        assert turns[0]["cached_tokens"] == 0 and turns[2]["cached_tokens"] > 0, turns  # the resent history
+        assert all(t["mismatches"] == 0 for t in turns)
+    table = (out / "table.md").read_text()
+    assert "in 3-turn chats" in table and "Per turn" in table
+    completions = _write(tmp_path / "comp.jsonl", [_rec(0, "w20 w21")])
+    with pytest.raises(ConfigError, match="needs chat records"):
+        run_spec_bench(dataclasses.replace(cfg, workload=str(completions)), target,
+                       model_config=ModelConfig(dtype="float64"), out_dir=tmp_path / "x", echo=False)
+    with pytest.raises(ConfigError, match="turns"):
+        SpecBenchConfig(turns=0)
+
+
+def test_decode_bench_prefills_every_batch_size_from_a_cold_prefix_cache(tmp_path: Path) -> None:
+    """Every batch size runs the same prompts (after a warm-up on the first): without resetting the
+    prefix cache, batch 2 would reuse the blocks batch 1 saved and skip most of its prefill."""
+    prompts = [" ".join(f"t{20 + (i * 7 + j) % 30}" for j in range(40)) for i in range(3)]
+    wl = _write(tmp_path / "long.jsonl", [_rec(i, p) for i, p in enumerate(prompts)])
+    target = _tiny_target()
+    cfg = DecodeBenchConfig(workload=str(wl), limit=3, batch_sizes=(1, 2), max_tokens=4)
+    doc = run_decode_bench(cfg, target, out_dir=tmp_path / "out", echo=False)
+    assert [r["cached_tokens"] for b in ("1", "2") for r in doc["requests"][b]] == [0] * 7
+    engine = build_engine(EngineConfig(), target.model, target.tokenizer)  # the same prompts, no reset
+    assert engine.prefix_cache is not None
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for _ in range(2):
+        rid = engine.add_request(load_prompts(str(wl), target.tokenizer)[0].token_ids, params)
+        while engine.has_unfinished_requests():
+            out = {o.request_id: o for o in engine.step()}
+    assert out[rid].stats.num_cached_tokens >= 32  # what the benchmark would have timed

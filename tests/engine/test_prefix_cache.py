@@ -174,6 +174,22 @@ def test_a_chat_turn_reuses_the_previous_turns_output(model, tok) -> None:
     assert out.token_ids == outputs(make_engine(model, tok, caching=False), [second], False, 16)[0]
 
 
+def test_reset_prefix_cache_drops_every_block(model, tok) -> None:
+    """As vLLM's ``reset_prefix_cache``: after it, a repeated prompt is computed in full (same
+    tokens); the pool is whole again; an engine without a cache has nothing to drop."""
+    e = make_engine(model, tok)
+    first = prompts()[0]
+    before = outputs(e, [first], batched=False)[0]
+    assert e.prefix_cache is not None and e.prefix_cache.num_cached_blocks > 0
+    assert e.reset_prefix_cache() == (len(first) + 23) // 4  # prompt and output, full blocks
+    assert e.prefix_cache.num_cached_blocks == 0 and len(e.prefix_cache._free) == e.prefix_cache.pool.num_blocks
+    rid = e.add_request(first, SamplingParams(max_tokens=24, ignore_eos=True))
+    out = run_to_completion(e)[rid]
+    assert out.stats.num_cached_tokens == 0 and out.token_ids == before
+    assert e.reset_prefix_cache() > 0 and e.reset_prefix_cache() == 0
+    assert make_engine(model, tok, caching=False).reset_prefix_cache() == 0
+
+
 DRAFTERS = [SpecConfig(drafter="ngram", num_speculative_tokens=3),
             SpecConfig(drafter="suffix", num_speculative_tokens=4),
             SpecConfig(drafter="draft-model", num_speculative_tokens=3),

@@ -115,6 +115,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="EAGLE-3 proposal shapes compared in one interleaved run, comma-separated chain,tree (tree: "
                         "EAGLE-2's dynamic tree of gamma tokens, --eagle3-tree-depth/--eagle3-tree-top-k): one eagle3 "
                         "configuration per shape (and head, quantization, floor) and gamma (default: --tree or not)")
+    s.add_argument("--turns", type=int, default=1,
+                   help="turns per conversation (chat records): turn k+1 resends the history with plain decoding's "
+                        "answer and the next record's question, so later turns hit the prefix cache; --limit then "
+                        "counts conversations")
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="every request generates --max-tokens tokens; --no-ignore-eos ends each at its EOS as a "
                         "server does (acceptance then leaves out text past EOS, which serving never drafts)")
@@ -262,7 +266,7 @@ def cmd_spec(ns: argparse.Namespace) -> int:
                           eagle3_min_draft_probs=parse_float_list(ns.eagle3_min_draft_probs, "--eagle3-min-draft-probs")
                           if ns.eagle3_min_draft_probs else (),
                           eagle3_shapes=parse_str_list(ns.eagle3_shapes, "--eagle3-shapes") if ns.eagle3_shapes else (),
-                          ignore_eos=ns.ignore_eos)
+                          ignore_eos=ns.ignore_eos, turns=ns.turns)
     run_spec_bench(cfg, model_config=dataclass_from_args(ModelConfig, ns),
                    scheduler=dataclass_from_args(SchedulerConfig, ns), spec_base=dataclass_from_args(SpecConfig, ns),
                    policy=dataclass_from_args(PolicyConfig, ns), out_dir=ns.out, command=command_line())

@@ -175,6 +175,11 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work()
 
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached prefix block (as vLLM's ``LLM.reset_prefix_cache``); returns how many
+        (0 without a prefix cache)."""
+        return self.prefix_cache.reset() if self.prefix_cache is not None else 0
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)

@@ -218,6 +218,16 @@ class PrefixCache:
             rows = {name: cov[name].take((first + len(run)) * b)[first * b:] for name in side}
             self.pool.save(slot, first * b, [blk.index for _, blk in run], rows)
 
+    def reset(self) -> int:
+        """Drop every cached block (vLLM's ``reset_prefix_cache``), e.g. so that a benchmark times
+        each prompt's prefill from a cold cache; returns how many. A hit copies its blocks into the
+        sequence's own slot, so sequences in flight keep what they loaded."""
+        dropped = len(self.blocks)
+        self.blocks.clear()
+        self.index.clear()
+        self._free = list(range(self.pool.num_blocks - 1, -1, -1))
+        return dropped
+
     # ----------------------------------------------------------------- eviction
     def _touch(self, chain: list[CachedBlock]) -> None:
         """Mark a prefix used, its first block most recently (leaves are evicted before roots)."""

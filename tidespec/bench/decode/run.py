@@ -132,11 +132,13 @@ def parse_float_list(text: str, name: str) -> tuple[float, ...]:
 
 def bench_engine_config(prompts: list[Prompt], max_tokens: int, max_batch: int, max_position: int,
                         model: ModelConfig | None = None, scheduler: SchedulerConfig | None = None,
-                        spec: SpecConfig | None = None, policy: PolicyConfig | None = None) -> EngineConfig:
+                        spec: SpecConfig | None = None, policy: PolicyConfig | None = None,
+                        longest: int | None = None) -> EngineConfig:
     """An engine config sized for the workload: ``max_batch`` KV slots just long enough for the
-    longest prompt plus ``max_tokens`` (plus speculation slack), capped by the model's context."""
+    longest prompt (``longest`` when the prompts are not all known yet: later turns of a chat) plus
+    ``max_tokens`` (plus speculation slack), capped by the model's context."""
     spec = spec or SpecConfig()
-    longest = max(len(p.token_ids) for p in prompts)
+    longest = max(len(p.token_ids) for p in prompts) if longest is None else longest
     need = longest + max_tokens + spec.num_speculative_tokens + 1
     if need > max_position:
         raise ConfigError(f"longest prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's "
@@ -159,6 +161,7 @@ class RequestRecord:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache served (not computed)
 
     @property
     def tpot(self) -> float:
@@ -219,7 +222,7 @@ def run_wave(engine: LLMEngine, prompts: list[Prompt], indices: list[int], param
         finish = s.finish_time if s.finish_time is not None else first
         records.append(RequestRecord(i, prompts[i].record.id, len(prompts[i].token_ids), len(o.token_ids),
                                      first - s.arrival_time, finish - s.arrival_time, list(o.token_ids),
-                                     s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens))
+                                     s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.num_cached_tokens))
     return WaveResult(records, wall, decode_tokens, decode_time, draft_time, verify_time, steps)
 
 
@@ -365,6 +368,9 @@ def run_decode_bench(cfg: DecodeBenchConfig, target: LoadedModel | str | None = 
         waves: list[WaveResult] = []
         records: list[RequestRecord] = []
         for idx in wave_indices(len(prompts), b):
+            # every wave prefills from a cold prefix cache, as the reference engines do: the warm-up,
+            # the batch sizes before and a last wave's cycled prompts ran the same prompts
+            engine.reset_prefix_cache()
             waves.append(run_wave(engine, prompts, idx, params))
             records.extend(waves[-1].requests)
             if b == 1:  # reference engines interleaved with ours, prompt by prompt

@@ -60,6 +60,7 @@ from tidespec.bench.decode.run import (
     wave_indices,
     workload_doc,
 )
+from tidespec.bench.spec.turns import by_turn, conversations, longest_prompt, turn_prompts
 from tidespec.config import QUANTIZATIONS, ConfigError, ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine
@@ -68,7 +69,7 @@ from tidespec.models.loader import LoadedModel
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import head_quantization
 from tidespec.speculative.registry import kinds_for
-from tidespec.workloads.loader import load_prompts
+from tidespec.workloads.loader import load_prompts, load_workload
 
 PLAIN = "plain"
 SHAPES = ("chain", "tree")  # EAGLE-3 proposal shapes --eagle3-shapes compares
@@ -99,6 +100,9 @@ class SpecBenchConfig:
     # one configuration per head x quantization x floor x shape x gamma (empty: --tree or not)
     eagle3_shapes: tuple[str, ...] = ()
     ignore_eos: bool = True  # every request generates max_tokens; False: a request ends at its EOS
+    # turns per conversation (``bench/spec/turns.py``): turn k+1 resends the history with plain's
+    # answer and the next chat record's question; ``limit`` then counts conversations
+    turns: int = 1
 
     def __post_init__(self) -> None:
         if not self.drafters:
@@ -109,6 +113,8 @@ class SpecBenchConfig:
             raise ConfigError(f"batch_size must be >= 1, got {self.batch_size}")
         if self.limit < 1:
             raise ConfigError(f"limit must be >= 1, got {self.limit}")
+        if self.turns < 1:
+            raise ConfigError(f"turns must be >= 1, got {self.turns}")
         if self.max_tokens < 2:
             raise ConfigError(f"max_tokens must be >= 2, got {self.max_tokens}")
         if any(k < 1 for k in self.hf_pld_tokens):
@@ -231,7 +237,11 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
     kinds_for(dataclasses.replace(base, drafter=",".join(d for d in cfg.drafters if d != "none") or "none"))
     target = resolve_target(target if target is not None else mc.model, mc.dtype, mc.device, mc.quantization,
                             mc.quant_group_size)
-    prompts = load_prompts(cfg.workload, target.tokenizer, cfg.limit)
+    chats = (conversations(load_workload(cfg.workload), cfg.workload, cfg.limit, cfg.turns) if cfg.turns > 1
+             else None)
+    prompts = (turn_prompts(chats, [None] * len(chats), 0, target.tokenizer) if chats is not None
+               else load_prompts(cfg.workload, target.tokenizer, cfg.limit))
+    longest = longest_prompt(chats, cfg.max_tokens, target.tokenizer) if chats is not None else None
     runs: list[_Run] = []
     for drafter, gamma, head in cfg.grid():
         spec = dataclasses.replace(base, drafter="none" if drafter == PLAIN else drafter,
@@ -244,7 +254,7 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
                 min_draft_prob=base.eagle3.min_draft_prob if head.min_draft_prob is None else head.min_draft_prob),
                 tree=base.tree if head.tree is None else head.tree)
         econf = bench_engine_config(prompts, cfg.max_tokens, cfg.batch_size,
-                                    target.model.cfg.max_position_embeddings, mc, scheduler, spec, policy)
+                                    target.model.cfg.max_position_embeddings, mc, scheduler, spec, policy, longest)
         engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
         runs.append(_Run(config_label(drafter, gamma, head.label if head else None), drafter, gamma, engine=engine,
                          head=head.directory if head else None,
@@ -263,31 +273,47 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
         for r in runs:
             assert r.engine is not None
             run_wave(r.engine, prompts, [0], warm)
+            r.engine.reset_prefix_cache()  # the first measured prompt is prefilled from a cold cache
         if hf is not None:
             hf.generate(prompts[0], 0, min(8, cfg.max_tokens))
 
-    waves = wave_indices(len(prompts), cfg.batch_size)
-    total = len(waves) * (len(runs) + len(hf_runs) * cfg.batch_size)
+    per_turn = len(prompts)
+    waves = wave_indices(per_turn, cfg.batch_size)
+    turn_of = [1] * per_turn  # the 1-based turn of every prompt run, in order
+    total = cfg.turns * len(waves) * (len(runs) + len(hf_runs) * cfg.batch_size)
     with tqdm(total=total, desc="bench spec", unit="run", disable=not echo, file=sys.stderr) as bar:
-        for wi, idx in enumerate(waves):  # round-robin: every configuration runs this wave before the next wave
-            for r in runs:
-                assert r.engine is not None
-                bar.set_postfix_str(f"wave {wi + 1}/{len(waves)} {r.label}")
-                w = run_wave(r.engine, prompts, idx, params)
-                r.records.extend(w.requests)
-                r.wall += w.wall_time
-                r.draft_time += w.draft_time
-                r.verify_time += w.verify_time
-                r.steps += w.steps
-                bar.update()
-            if hf is not None:
-                for i in idx:
-                    for h in hf_runs:
-                        bar.set_postfix_str(f"wave {wi + 1}/{len(waves)} {h.label}")
-                        rec = hf.generate(prompts[i], i, cfg.max_tokens, h.pld, cfg.ignore_eos)
-                        h.records.append(rec)
-                        h.wall += rec.latency
-                        bar.update()
+        for turn in range(cfg.turns):
+            if turn:  # the next turn: plain's answers and the next questions appended to every chat
+                assert chats is not None
+                last = {rec.prompt_index: rec for rec in runs[0].records}  # a cycled last wave repeats one
+                answers = [target.tokenizer.decode(last[(turn - 1) * per_turn + c].token_ids, skip_special_tokens=True)
+                           for c in range(per_turn)]
+                prompts += turn_prompts(chats, answers, turn, target.tokenizer)
+                turn_of += [turn + 1] * per_turn
+            start = turn * per_turn
+            for wi, wave in enumerate(waves):  # round-robin: every configuration runs this wave before the next
+                idx = [start + i for i in wave]
+                where = f"turn {turn + 1}/{cfg.turns} " if cfg.turns > 1 else ""
+                for r in runs:
+                    assert r.engine is not None
+                    bar.set_postfix_str(f"{where}wave {wi + 1}/{len(waves)} {r.label}")
+                    if cfg.turns == 1:  # a cold prefix cache: the warm-up and a cycled last wave repeat prompts
+                        r.engine.reset_prefix_cache()
+                    w = run_wave(r.engine, prompts, idx, params)
+                    r.records.extend(w.requests)
+                    r.wall += w.wall_time
+                    r.draft_time += w.draft_time
+                    r.verify_time += w.verify_time
+                    r.steps += w.steps
+                    bar.update()
+                if hf is not None:
+                    for i in idx:
+                        for h in hf_runs:
+                            bar.set_postfix_str(f"{where}wave {wi + 1}/{len(waves)} {h.label}")
+                            rec = hf.generate(prompts[i], i, cfg.max_tokens, h.pld, cfg.ignore_eos)
+                            h.records.append(rec)
+                            h.wall += rec.latency
+                            bar.update()
 
     plain = runs[0]
     configs = [_summarize_run(r, plain) for r in runs]
@@ -297,6 +323,9 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
                 target.model, [prompts[x.prompt_index].token_ids for x in r.records],
                 [x.token_ids for x in plain.records], [x.token_ids for x in r.records],
                 [x.prompt_id for x in r.records])
+    if cfg.turns > 1:
+        for c, r in zip(configs, runs):
+            c["by_turn"] = by_turn(turn_of, r.records, plain.records)
     hf_summary = [_summarize_run(h, hf_runs[0]) for h in hf_runs]
     for h in hf_summary:  # HF figures relative to our plain decoding too
         h["tokens_per_s_vs_tidespec_plain"] = h["tokens_per_s"] / configs[0]["tokens_per_s"]
@@ -404,13 +433,18 @@ def format_spec_report(doc: dict[str, Any], command: str, info: dict[str, Any]) 
           f"{len(c['losses'])}/{c['requests']}"] for c in rows if c["drafter"] != PLAIN and c["drafter"] != "hf"],
         digits=2)
     cfg = doc["config"]
-    lines = [f"### Speculative decoding ({doc['workload']}, {len(doc['prompt_ids'])} prompts, batch "
+    turns = f" in {cfg['turns']}-turn chats" if cfg.get("turns", 1) > 1 else ""
+    lines = [f"### Speculative decoding ({doc['workload']}, {len(doc['prompt_ids'])} prompts{turns}, batch "
              f"{cfg['batch_size']}, {report.eos_words(cfg.get('ignore_eos', True), cfg['max_tokens'])}, greedy)", "",
              f"Command: `{command}`", "", f"Machine: {report.machine_line(info)}", "",
              ("Speedup = tokens/s over the same engine's plain decoding (HF rows: over HF plain generate()); "
               "TPOT speedup = plain's time per output token after the first over this one's (the decode phase "
               "alone, the prompt's prefill left out)."), "",
              main, "", "Per-prompt speedup (plain latency / configuration latency, same prompt):", "", spread, ""]
+    if doc["configs"][0].get("by_turn"):
+        lines += [("Per turn (each turn resends the chat so far; prompt tokens and the prefix cache's share of "
+                   "them in plain decoding's engine; median TTFT per configuration; outputs differing from plain's, "
+                   "all speculating configurations together):"), "", _turn_table(doc["configs"]), ""]
     h = doc["headline"]
     if "best_config" in h:
         lines.append(f"- best: {h['best_config']} at {h['best_speedup']:.2f}x plain, mean acceptance length "
@@ -432,6 +466,19 @@ def format_spec_report(doc: dict[str, Any], command: str, info: dict[str, Any]) 
                                                                  for x in worst)
                          + (" ..." if len(c["losses"]) > 5 else ""))
     return "\n".join(lines)
+
+
+def _turn_table(configs: list[dict[str, Any]]) -> str:
+    """One row per turn: prompt tokens per request, the prefix cache's share, each configuration's
+    median TTFT, and the outputs differing from plain's."""
+    rows = []
+    for k, t in enumerate(configs[0]["by_turn"]):
+        cached = t["cached_tokens"] / t["prompt_tokens"] if t["prompt_tokens"] else float("nan")
+        rows.append([t["turn"], t["prompt_tokens"] / max(1, t["requests"]), f"{100 * cached:.0f} %",
+                     *[c["by_turn"][k]["ttft_p50_ms"] for c in configs],
+                     sum(c["by_turn"][k]["mismatches"] for c in configs[1:])])
+    return report.markdown_table(["turn", "prompt tokens / request", "cached"]
+                                 + [f"{c['label']} TTFT ms" for c in configs] + ["differing outputs"], rows)
 
 
 def _plot_spec(configs: list[dict[str, Any]], hf: list[dict[str, Any]], out_dir: Path) -> Path:
