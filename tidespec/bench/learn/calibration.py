@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from tidespec.bench.common.report import markdown_table
-from tidespec.online.training.judge import HeadWalk, bootstrap_interval, paired_bootstrap
+from tidespec.online.training.judge import HeadWalk, bootstrap_interval, group_sums, paired_bootstrap
 
 WAYS = ("blocks", "requests", "both")  # what a window's interval resamples; "both": the trainer's
 
@@ -68,9 +68,7 @@ def judge_calibration(base: HeadWalk, cand: HeadWalk, windows: tuple[int, ...], 
             blocks_per_window.append(len(keep))
             bt = torch.tensor(b, dtype=torch.float64).reshape(-1, 2)  # [k, 2] steps, tokens
             ct = torch.tensor(c, dtype=torch.float64).reshape(-1, 2)
-            inv = torch.unique(torch.tensor(g, dtype=torch.int64), return_inverse=True)[1]  # [k] 0..w-1
-            gb = torch.zeros(w, 2, dtype=torch.float64).index_add_(0, inv, bt)  # [w, 2] per request
-            gc = torch.zeros_like(gb).index_add_(0, inv, ct)
+            gb, gc = group_sums(bt, ct, g)  # [w, 2] per request
             intervals = {"blocks": bootstrap_interval(bt, ct, confidence, seed=seed + r),
                          "requests": bootstrap_interval(gb, gc, confidence, seed=seed + r),
                          "both": paired_bootstrap(b, c, confidence, seed=seed + r, groups=g)}

@@ -132,14 +132,20 @@ def paired_bootstrap(base: Sequence[tuple[int, int]], cand: Sequence[tuple[int, 
     low, high = bootstrap_interval(b, c, confidence, resamples, seed)
     if groups is None:
         return low, high
-    g = torch.unique(torch.tensor(list(groups), dtype=torch.int64), return_inverse=True)[1]  # [K] 0..G-1
-    num = int(g.max()) + 1 if len(g) else 0
-    if num < max(2, min_groups):
+    gb, gc = group_sums(b, c, groups)
+    if len(gb) < max(2, min_groups):
         return -math.inf, math.inf
-    gb = torch.zeros(num, 2, dtype=torch.float64).index_add_(0, g, b)  # [G, 2] per group
-    gc = torch.zeros_like(gb).index_add_(0, g, c)
     g_low, g_high = bootstrap_interval(gb, gc, confidence, resamples, seed)
     return min(low, g_low), max(high, g_high)
+
+
+def group_sums(base: torch.Tensor, cand: torch.Tensor, groups: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Paired blocks ``[K, 2]`` (steps, tokens) summed per group -> ``[G, 2]`` each, groups in
+    ascending order of their numbers. Example: groups [5, 5, 9] -> rows (block 0 + block 1, block 2)."""
+    g = torch.unique(torch.tensor(list(groups), dtype=torch.int64), return_inverse=True)[1]  # [K] 0..G-1
+    num = int(g.max()) + 1 if len(g) else 0
+    gb = torch.zeros(num, 2, dtype=torch.float64).index_add_(0, g, base)  # [G, 2]
+    return gb, torch.zeros_like(gb).index_add_(0, g, cand)
 
 
 def bootstrap_interval(base: torch.Tensor, cand: torch.Tensor, confidence: float, resamples: int = 1000,
@@ -202,8 +208,7 @@ def walk_head(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegmen
     numbers: dict[tuple[str, int], int] = {}
     groups: list[int] = []
     for i, seg in enumerate(usable):
-        key = ("seq", seg.seq_id) if seg.seq_id is not None else ("segment", i)
-        groups += [numbers.setdefault(key, len(numbers))] * math.ceil(seg.num_positions / block_rows)
+        groups += [numbers.setdefault(_sequence_key(i, seg), len(numbers))] * math.ceil(seg.num_positions / block_rows)
     assert len(groups) == len(blocks), (len(groups), len(blocks))
     return HeadWalk(sum(s.num_positions for s in usable), blocks, groups, row_sum, row_count)
 
@@ -211,7 +216,12 @@ def walk_head(head: Eagle3Head, embed: nn.Embedding, segments: list[SignalSegmen
 def count_sequences(segments: Sequence[SignalSegment]) -> int:
     """How many independent samples ``segments`` give a judgement: their distinct sequences (a
     segment without a ``seq_id`` counts as one of its own)."""
-    return len({("seq", s.seq_id) if s.seq_id is not None else ("segment", i) for i, s in enumerate(segments)})
+    return len({_sequence_key(i, s) for i, s in enumerate(segments)})
+
+
+def _sequence_key(index: int, seg: SignalSegment) -> tuple[str, int]:
+    """The sequence a segment belongs to: its ``seq_id``, or (without one) the segment itself."""
+    return ("seq", seg.seq_id) if seg.seq_id is not None else ("segment", index)
 
 
 def compare(base: HeadWalk, cand: HeadWalk, confidence: float = 0.9, seed: int = 0,
