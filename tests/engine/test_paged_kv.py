@@ -81,6 +81,32 @@ def test_blocks_are_reserved_reclaimed_and_freed() -> None:
     assert kernel_block_size(4) == 16 and kernel_block_size(24) == 32
 
 
+def test_the_free_block_count_follows_every_change_without_a_sweep() -> None:
+    """``num_free_blocks`` is kept up to date per slot (the scheduler asks for it once per prompt
+    chunk): after random reserves, lengths, rollbacks, reclaims and frees it equals the count over
+    every slot."""
+    kv = PagedKVCache(1, 6, 96, 1, 16, torch.float32, block_size=16, num_blocks=12)
+    rng = random.Random(0)
+    owned: list[int] = []
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.2 and kv.num_free_slots:
+            slot = kv.allocate()
+            assert slot is not None
+            owned.append(slot)
+        elif op < 0.3 and owned:
+            kv.free(owned.pop(rng.randrange(len(owned))))
+        elif owned:
+            slot = rng.choice(owned)
+            upto = rng.randint(1, 96)
+            if op < 0.7 and kv.reserve(slot, upto):
+                kv.set_length(slot, upto)
+            elif op >= 0.7:
+                kv.set_length(slot, min(kv.lengths[slot], rng.randint(0, 96)))  # a rollback
+        swept = len(kv._free_blocks) + sum(len(b) - kv._kept(s) for s, b in enumerate(kv.blocks))
+        assert kv.num_free_blocks == swept
+
+
 def test_compact_moves_a_tree_path_across_blocks() -> None:
     kv = PagedKVCache(1, 1, 64, 1, 16, torch.float64, block_size=16, num_blocks=4)
     s = kv.allocate()

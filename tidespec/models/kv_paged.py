@@ -87,6 +87,11 @@ class PagedKVCache(KVCache):
         self.blocks: list[list[int]] = [[] for _ in range(num_slots)]
         self.reserved = [0] * num_slots  # positions reserved for the coming forward
         self._free_blocks = list(range(num_blocks, 0, -1))  # pop() hands out block 1 first
+        # each slot's slack (blocks past what it keeps: ``_kept``) and their sum, kept up to date at
+        # every change of a slot's blocks, length or reservation: the scheduler asks for the free
+        # blocks once per prompt chunk, and summing over every slot then made admission quadratic
+        self._slack = [0] * num_slots
+        self._total_slack = 0
 
     @property
     def paged(self) -> bool:
@@ -100,7 +105,7 @@ class PagedKVCache(KVCache):
     @property
     def num_free_blocks(self) -> int:
         """Blocks no sequence holds, plus the slack ``reserve`` would take back."""
-        return len(self._free_blocks) + sum(len(b) - self._kept(s) for s, b in enumerate(self.blocks))
+        return len(self._free_blocks) + self._total_slack
 
     def blocks_for(self, positions: int) -> int:
         """Blocks that ``positions`` positions take. Example (blocks of 16): 33 -> 3."""
@@ -109,6 +114,12 @@ class PagedKVCache(KVCache):
     def _kept(self, slot: int) -> int:
         """Blocks of ``slot`` in use: its length's, or what was reserved for the coming forward."""
         return min(len(self.blocks[slot]), self.blocks_for(max(self.lengths[slot], self.reserved[slot])))
+
+    def _recount(self, slot: int) -> None:
+        """Bring ``slot``'s slack and the total up to date after its blocks, length or reservation changed."""
+        slack = len(self.blocks[slot]) - self._kept(slot)
+        self._total_slack += slack - self._slack[slot]
+        self._slack[slot] = slack
 
     def reserve(self, slot: int, upto: int) -> bool:
         """Blocks for positions ``[0, upto)`` of ``slot`` (taking back other sequences' slack when the
@@ -125,6 +136,7 @@ class PagedKVCache(KVCache):
             self.block_table[slot, len(held)] = block
             held.append(block)
             need -= 1
+        self._recount(slot)
         return need <= 0
 
     def _reclaim(self) -> None:
@@ -135,6 +147,7 @@ class PagedKVCache(KVCache):
                 self._free_blocks.extend(reversed(held[keep:]))
                 self.block_table[slot, keep:len(held)] = 0
                 del held[keep:]
+            self._recount(slot)
 
     def room(self, slot: int) -> int:
         """Positions ``slot`` could reach now: its blocks and every free or reclaimable one."""
@@ -144,6 +157,7 @@ class PagedKVCache(KVCache):
         slot = super().allocate()
         if slot is not None:
             self.reserved[slot] = 0
+            self._recount(slot)
         return slot
 
     def free(self, slot: int) -> None:
@@ -158,10 +172,12 @@ class PagedKVCache(KVCache):
         held.clear()
         self.reserved[slot] = 0
         self.lengths[slot] = 0
+        self._recount(slot)
 
     def set_length(self, slot: int, length: int) -> None:
         super().set_length(slot, length)
         self.reserved[slot] = 0  # the forward ran: from now on the length says what is in use
+        self._recount(slot)
 
     def locate(self, slot: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(block, row) of positions ``start .. end - 1`` of ``slot``: two [end - start] int64 tensors."""
