@@ -500,6 +500,24 @@ def test_the_trainer_aligns_between_rounds_from_where_its_rounds_stand(model: Ll
     assert trainer.aligner.pending is not None and not trainer.aligner.results  # updated; judged on later rows
 
 
+
+def test_the_aligner_waits_for_a_trained_head(model: LlamaModel, tok, tmp_path: Path) -> None:
+    """Nothing published and no --init-from: the head is random and adapters on it cannot make it
+    draft; alignment starts on the first published version, with the rows it finds then."""
+    from tidespec.online.training.rounds import DraftTrainer
+
+    cfg = capture_with_hidden(model, tok, tmp_path, PROMPTS)
+    empty = tmp_path / "empty"
+    lcfg = LoraAlignConfig(enabled=True, rank=4, alpha=8.0, buffer_rows=4, steps=2, min_rows=4, topk=6)
+    tcfg = TrainerConfig(signal_dir=cfg.signal_dir, publish_root=str(empty), min_signals=1 << 20,
+                         heldout_frac=0.25, lora=lcfg, progress=False)
+    trainer = DraftTrainer(tcfg, model.cfg, model.embed_tokens, target=model)
+    assert trainer.run_round() is None and not trainer.align()
+    assert trainer.aligner is not None and trainer.aligner.head is None and trainer.aligner.cursor is None
+    publish(empty, random_head(model, 1), {})
+    assert trainer.align() and trainer.aligner.base_version == 1
+
+
 def test_a_version_rolled_back_to_takes_its_newest_adapter_on_its_clean_weights(model: LlamaModel, tok,
                                                                                 tmp_path: Path) -> None:
     """v1 + a1 served, v2 swapped in, then v1's weights (with a1 merged, as a rollback restores them)

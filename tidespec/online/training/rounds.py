@@ -528,11 +528,17 @@ class DraftTrainer:
                 time.sleep(self.cfg.poll_s)
 
     def align(self) -> bool:
-        """One step of the LoRA path on the current head, if it is on; True if it read new signals."""
+        """One step of the LoRA path on the current head, if it is on; True if it read new signals.
+        Not on a fresh random head (nothing published, no ``--init-from``): rank-r adapters on its
+        attention cannot make it draft, so the first full round trains it and the adapters start
+        on that version (from the newest rows: ``LoraAligner`` reads a backlog's tail only)."""
         if self.aligner is None:
             return False
+        head = self._refresh_current()
+        if self.current_version <= 0 and not self.cfg.init_from:
+            return False
         before = self.aligner.cursor
-        self.aligner.step(self._refresh_current(), self.current_version)
+        self.aligner.step(head, self.current_version)
         return self.aligner.cursor != before
 
 
