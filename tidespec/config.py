@@ -268,7 +268,8 @@ class DraftModelConfig:
 @dataclass
 class Eagle3Options:
     dir: str | None = opt(None, "EAGLE-3: publish root (v1/, v2/, LATEST: the newest valid version is served) "
-                                "or one exported checkpoint dir; none = a fresh random head (still lossless)")
+                                "or one exported checkpoint dir; none = the shipped head on the embedded model "
+                                "(no --model), a fresh random head on any other (still lossless)")
     draft_vocab: int = opt(0, "EAGLE-3: draft vocabulary of a fresh head (0 = the target's vocabulary)")
     tree_depth: int = opt(5, "EAGLE-3 trees (--tree): expansion depth")
     tree_top_k: int = opt(4, "EAGLE-3 trees (--tree): children per expanded node and frontier width")

@@ -14,18 +14,20 @@ Worked example::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterable
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from tidespec.config import DraftVocabConfig, EngineConfig, ModelConfig
+from tidespec.config import DraftVocabConfig, EngineConfig, ModelConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
 from tidespec.errors import ConfigError
+from tidespec.models.eagle3_checkpoint import shipped_head_for
 from tidespec.models.executor import ExecutorOptions
-from tidespec.models.llama import LlamaModel, output_matrix
+from tidespec.models.llama import LlamaConfig, LlamaModel, output_matrix
 from tidespec.models.loader import DTYPES, LoadedModel, load_model
 from tidespec.models.quant import Int8Linear
 from tidespec.sampling import SamplingParams
@@ -114,6 +116,20 @@ def build_policy(config: EngineConfig, model: LlamaModel, drafter: Drafter | Non
         stateful=stateful_names(drafter)))
 
 
+def with_shipped_head(spec: SpecConfig, target_cfg: LlamaConfig) -> SpecConfig:
+    """``spec`` with ``--eagle3-dir`` at the shipped head when EAGLE-3 is among its drafters, no
+    directory was given and the head fits the target (the embedded model): what ``--drafter eagle3``
+    on the embedded model should mean, since a fresh random head drafts nothing that is accepted
+    until a trained one is published. Otherwise ``spec`` unchanged."""
+    if "eagle3" not in spec.drafter_names or spec.eagle3.dir is not None:
+        return spec
+    boot = shipped_head_for(target_cfg)
+    if boot is None:
+        return spec
+    log.info("EAGLE-3: the embedded model's shipped head (%s); --eagle3-dir chooses another", boot)
+    return dataclasses.replace(spec, eagle3=dataclasses.replace(spec.eagle3, dir=str(boot)))
+
+
 def build_engine(config: EngineConfig, model: LlamaModel | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None, drafter: Drafter | None = None) -> LLMEngine:
     """Load (unless given) the model and tokenizer and wire the configured drafter and policy."""
@@ -124,6 +140,8 @@ def build_engine(config: EngineConfig, model: LlamaModel | None = None,
         loaded = load_target(mc)
         model, tokenizer = loaded.model, loaded.tokenizer
     max_len = min(config.cache.max_model_len, model.cfg.max_position_embeddings)
+    if drafter is None and mc.model is None:
+        config = dataclasses.replace(config, spec=with_shipped_head(config.spec, model.cfg))
     if drafter is None:
         drafter = build_drafter(config.spec, model, config.cache.max_num_seqs, max_len, config.model.enforce_eager,
                                 config.model.compile)

@@ -4,6 +4,7 @@ no edit anywhere else."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,10 +13,19 @@ from fastapi.testclient import TestClient
 
 from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
 from tests.speculative.toy_drafter import BigramDrafter
-from tidespec.config import CacheConfig, DraftModelConfig, DraftVocabConfig, EngineConfig, SchedulerConfig, SpecConfig
+from tidespec.config import (
+    CacheConfig,
+    DraftModelConfig,
+    DraftVocabConfig,
+    Eagle3Options,
+    EngineConfig,
+    SchedulerConfig,
+    SpecConfig,
+)
 from tidespec.engine.engine import LLMEngine
 from tidespec.errors import ConfigError
-from tidespec.llm import attach_draft_vocab, build_engine
+from tidespec.llm import attach_draft_vocab, build_engine, with_shipped_head
+from tidespec.models.eagle3_checkpoint import shipped_bootstrap
 from tidespec.models.llama import output_matrix
 from tidespec.sampling import SamplingParams
 from tidespec.server.app import ServerConfig, create_app
@@ -126,3 +136,23 @@ def test_a_draft_vocabulary_goes_to_the_member_whose_output_layer_can_take_it(mo
     assert len(ids) == 6 and {5, 6, 7, 8, 9} <= set(ids)  # the corpus's tokens make the core
     rows = both.members["draft-model"].vocab_output(output_matrix(model)).rows_for(torch.tensor([5, 9]))
     assert torch.equal(rows, output_matrix(model)[[5, 9]])  # layers=1 shares the target's LM head
+
+
+
+@pytest.mark.integration
+def test_eagle3_without_a_dir_is_the_shipped_head_only_where_it_fits(model, embedded) -> None:
+    """``--drafter eagle3`` on the embedded model drafts with the shipped head (a fresh random one
+    would draft nothing accepted); a target it does not fit keeps a fresh head; a given directory
+    and a spec without EAGLE-3 stay as they are."""
+    spec = SpecConfig(drafter="eagle3", num_speculative_tokens=3)
+    boot = shipped_bootstrap()
+    assert boot is not None
+    assert with_shipped_head(spec, embedded.model.cfg).eagle3.dir == str(boot)
+    assert with_shipped_head(spec, model.cfg) is spec  # a tiny target: the head does not fit
+    mine = dataclasses.replace(spec, eagle3=Eagle3Options(dir="/somewhere/else"))
+    assert with_shipped_head(mine, embedded.model.cfg) is mine
+    plain = SpecConfig(drafter="suffix")
+    assert with_shipped_head(plain, embedded.model.cfg) is plain
+    engine = build_engine(EngineConfig(spec=spec, cache=CacheConfig(max_model_len=128, max_num_seqs=1)),
+                          model=embedded.model, tokenizer=embedded.tokenizer)
+    assert engine.config.spec.eagle3.dir == str(boot)

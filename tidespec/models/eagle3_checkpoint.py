@@ -83,6 +83,22 @@ class DrafterCheckpointError(UserError, ValueError):
     """A drafter checkpoint directory is missing, malformed or does not fit the target (one line)."""
 
 
+def shipped_head_for(target_cfg: LlamaConfig) -> Path | None:
+    """The shipped bootstrap head when it fits ``target_cfg`` (the embedded SmolLM2-135M-Instruct's
+    width, vocabulary and layers), else None.
+
+    Example: the embedded model's config -> ``.../tidespec/assets/eagle3-smollm2-135m-instruct``;
+    a tiny random Llama's -> None."""
+    boot = shipped_bootstrap()
+    if boot is None:
+        return None
+    try:
+        validate_eagle3_dir(boot, target_cfg)
+    except DrafterCheckpointError:
+        return None
+    return boot
+
+
 @dataclass
 class PublishedDrafter:
     version: int
