@@ -140,9 +140,9 @@ def build_engine(config: EngineConfig, model: LlamaModel | None = None,
         loaded = load_target(mc)
         model, tokenizer = loaded.model, loaded.tokenizer
     max_len = min(config.cache.max_model_len, model.cfg.max_position_embeddings)
-    if drafter is None and mc.model is None:
-        config = dataclasses.replace(config, spec=with_shipped_head(config.spec, model.cfg))
     if drafter is None:
+        if mc.model is None:  # the embedded model: its shipped EAGLE-3 head unless --eagle3-dir names one
+            config = dataclasses.replace(config, spec=with_shipped_head(config.spec, model.cfg))
         drafter = build_drafter(config.spec, model, config.cache.max_num_seqs, max_len, config.model.enforce_eager,
                                 config.model.compile)
         attach_draft_vocab(drafter, config.spec.vocab, model, tokenizer)

@@ -84,8 +84,9 @@ class DrafterCheckpointError(UserError, ValueError):
 
 
 def shipped_head_for(target_cfg: LlamaConfig) -> Path | None:
-    """The shipped bootstrap head when it fits ``target_cfg`` (the embedded SmolLM2-135M-Instruct's
-    width, vocabulary and layers), else None.
+    """The shipped bootstrap head when its config fits ``target_cfg`` (the embedded
+    SmolLM2-135M-Instruct's width, vocabulary and layers), else None. Reads the config only: the
+    drafter that loads the head validates its tensors (``load_drafter_source``).
 
     Example: the embedded model's config -> ``.../tidespec/assets/eagle3-smollm2-135m-instruct``;
     a tiny random Llama's -> None."""
@@ -93,8 +94,8 @@ def shipped_head_for(target_cfg: LlamaConfig) -> Path | None:
     if boot is None:
         return None
     try:
-        validate_eagle3_dir(boot, target_cfg)
-    except DrafterCheckpointError:
+        _check_fit(config_from_hf(_read_config(boot), target_cfg), target_cfg)
+    except (DrafterCheckpointError, Eagle3ConfigError):
         return None
     return boot
 
@@ -362,6 +363,12 @@ def validate_eagle3_dir(directory: Path | str, target_cfg: LlamaConfig) -> None:
         cfg, _ = import_eagle3(directory, target_cfg)
     except Eagle3ConfigError as exc:
         raise DrafterCheckpointError(f"bad EAGLE-3 config: {exc}") from None
+    _check_fit(cfg, target_cfg)
+
+
+def _check_fit(cfg: Eagle3Config, target_cfg: LlamaConfig) -> None:
+    """Raise ``DrafterCheckpointError`` unless a head of ``cfg`` reads ``target_cfg``'s hidden
+    states and vocabulary."""
     if cfg.hidden_size != target_cfg.hidden_size:
         raise DrafterCheckpointError(f"hidden_size {cfg.hidden_size} != target hidden_size {target_cfg.hidden_size}")
     if cfg.target_vocab_size != target_cfg.vocab_size:
