@@ -200,8 +200,9 @@ class CacheConfig(Section):
                                             "--block-size tokens, least recently used evicted); it stays off on a "
                                             "target that is not row-invariant, where a reused prefix could change "
                                             "greedy outputs at near-ties")
-    prefix_cache_mb: int = opt(1024, "memory of the prefix cache's blocks, MiB (on a CPU at most half the memory "
-                                     "available at start-up)", min=1)
+    prefix_cache_mb: int = opt(1024, "memory of the prefix cache's blocks beside a slot cache, MiB (on a CPU at "
+                                     "most half the memory available at start-up); over the paged cache the "
+                                     "cached blocks are the cache's own, shared", min=1)
     kv_cache_memory_mb: int = opt(0, "memory of the paged KV cache of a row-invariant CPU target, MiB: sequences "
                                      "hold blocks of it as they grow, are admitted while blocks are free and "
                                      "preempted (recomputed later) when they run out; 0 = room for --max-num-seqs "

@@ -107,6 +107,49 @@ def test_the_free_block_count_follows_every_change_without_a_sweep() -> None:
         assert kv.num_free_blocks == swept
 
 
+def test_shared_and_held_blocks_are_counted_once_and_freed_by_their_last_holder() -> None:
+    """Random reserves, rollbacks, frees, prefix-cache holds and shares: every block's count equals
+    its holders (table entries and the cache's hold); the free count equals the free list, the
+    slack and the blocks only the cache holds; a block is on the free list exactly when unheld."""
+    kv = PagedKVCache(1, 6, 96, 1, 16, torch.float32, block_size=16, num_blocks=14)
+    rng = random.Random(1)
+    owned: list[int] = []
+    for _ in range(800):
+        op = rng.random()
+        if op < 0.15 and kv.num_free_slots:
+            slot = kv.allocate()
+            assert slot is not None
+            held = [b for b in range(1, 15) if kv._held[b]]
+            if held and rng.random() < 0.5:  # start it with some cached blocks, as a prefix hit does
+                kv.share(slot, rng.sample(held, rng.randint(1, min(3, len(held)))))
+            owned.append(slot)
+        elif op < 0.25 and owned:
+            kv.free(owned.pop(rng.randrange(len(owned))))
+        elif op < 0.35 and owned:  # the cache keeps a sequence's full block
+            slot = rng.choice(owned)
+            full = [b for b in kv.blocks[slot][:kv.lengths[slot] // 16] if not kv._held[b]]
+            if full:
+                kv.hold(rng.choice(full))
+        elif op < 0.42:  # the cache lets go of one
+            held = [b for b in range(1, 15) if kv._held[b]]
+            if held:
+                kv.unhold(rng.choice(held))
+        elif owned:
+            slot = rng.choice(owned)
+            floor = 16 * sum(kv._held[b] or kv.refs(b) > 1 for b in kv.blocks[slot])  # never below shared blocks
+            upto = rng.randint(max(1, floor), 96)
+            if op < 0.75 and kv.reserve(slot, upto):
+                kv.set_length(slot, max(upto, kv.lengths[slot]))
+            elif op >= 0.75:
+                kv.set_length(slot, max(floor, min(kv.lengths[slot], upto)))  # a rollback
+        holders = [sum(t.count(b) for t in kv.blocks) + kv._held[b] for b in range(15)]
+        assert [kv.refs(b) for b in range(1, 15)] == holders[1:]
+        assert sorted(kv._free_blocks) == [b for b in range(1, 15) if holders[b] == 0]
+        idle = sum(kv._held[b] and holders[b] == 1 for b in range(1, 15))
+        swept = len(kv._free_blocks) + sum(len(b) - kv._kept(s) for s, b in enumerate(kv.blocks)) + idle
+        assert kv.num_free_blocks == swept and kv.num_idle_blocks == idle
+
+
 def test_compact_moves_a_tree_path_across_blocks() -> None:
     kv = PagedKVCache(1, 1, 64, 1, 16, torch.float64, block_size=16, num_blocks=4)
     s = kv.allocate()

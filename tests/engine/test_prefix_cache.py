@@ -11,8 +11,9 @@ from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCon
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
 from tidespec.engine.prefix_cache import PrefixCache
-from tidespec.models.kv_blocks import KVBlockPool
+from tidespec.models.kv_blocks import KVBlockPool, SharedBlocks
 from tidespec.models.kv_cache import KVCache
+from tidespec.models.kv_paged import PagedKVCache
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Observation
 
@@ -116,7 +117,50 @@ def test_a_failed_copy_registers_no_block(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(pc.pool, "save", broken)
     with pytest.raises(RuntimeError):
         pc.insert(0, 0, list(range(8)), 8)
-    assert pc.num_cached_blocks == 0 and pc.match(list(range(9))) == [] and len(pc._free) == 16
+    assert pc.num_cached_blocks == 0 and pc.match(list(range(9))) == [] and pc.pool.num_free == 16
+
+
+def paged_cache(num_blocks: int = 8) -> tuple[PagedKVCache, PrefixCache]:
+    """A paged cache of 4 slots of 128 positions in blocks of 16, and a prefix cache sharing its blocks."""
+    kv = PagedKVCache(2, 4, 128, 1, 16, torch.float64, block_size=16, num_blocks=num_blocks)
+    return kv, PrefixCache(SharedBlocks(kv))
+
+
+def test_over_a_paged_cache_a_hit_shares_the_blocks_and_idle_ones_are_evicted_when_needed() -> None:
+    kv, pc = paged_cache()
+    s = kv.allocate()
+    assert s is not None and kv.reserve(s, 40)
+    kv.set_length(s, 40)
+    tokens = list(range(40))
+    assert pc.insert(0, s, tokens, 40) == 2  # the 2 full blocks, kept as they are
+    assert [kv.refs(b) for b in kv.blocks[s]] == [2, 2, 1]
+    t = kv.allocate()
+    assert t is not None
+    hit, _ = pc.reuse(1, t, tokens + [99], frozenset())
+    assert hit == 32 and kv.blocks[t] == kv.blocks[s][:2] and kv.lengths[t] == 32
+    assert kv.block_table[t, :2].tolist() == kv.block_table[s, :2].tolist()
+    assert [kv.refs(b) for b in kv.blocks[t]] == [3, 3] and kv.num_free_blocks == 5
+    kv.free(s)
+    kv.free(t)
+    assert kv.num_idle_blocks == 2 and kv.num_free_blocks == 8 and kv.usage() == 0.0
+    u = kv.allocate()  # needs every block: the free list has 6, the cache lets go of its 2
+    assert u is not None and kv.reserve(u, 128) and pc.num_cached_blocks == 0 and pc.num_evicted == 2
+    assert pc.match(tokens + [99]) == [] and kv.num_idle_blocks == 0
+
+
+def test_a_cached_block_a_sequence_holds_is_not_evicted_and_frees_nothing() -> None:
+    kv, pc = paged_cache(num_blocks=4)
+    s = kv.allocate()
+    assert s is not None and kv.reserve(s, 32)
+    kv.set_length(s, 32)
+    pc.insert(0, s, list(range(32)), 32)
+    t = kv.allocate()
+    assert t is not None and not kv.reserve(t, 64)  # 2 free blocks; the cached 2 are s's
+    assert pc.num_cached_blocks == 2 and len(kv.blocks[t]) == 2
+    pc.reset()  # the cache lets go: s keeps its blocks
+    assert kv.refs(kv.blocks[s][0]) == 1 and kv.num_free_blocks == 0
+    kv.free(s)
+    assert kv.reserve(t, 64)
 
 
 def make_engine(model, tok, spec: SpecConfig | None = None, caching: bool = True, slots: int = 4,
@@ -130,9 +174,9 @@ def make_engine(model, tok, spec: SpecConfig | None = None, caching: bool = True
 
 
 def prompts() -> list[list[int]]:
-    """Three groups sharing a 30-token system prompt, two-by-two sharing more, and one stranger."""
+    """Three groups sharing a 40-token system prompt, two-by-two sharing more, and one stranger."""
     g = torch.Generator().manual_seed(3)
-    system = torch.randint(1, V, (30,), generator=g).tolist()
+    system = torch.randint(1, V, (40,), generator=g).tolist()
     few_shot = system + torch.randint(1, V, (13,), generator=g).tolist()
     tails = [torch.randint(1, V, (n,), generator=g).tolist() for n in (5, 9, 2, 7, 11)]
     return ([system + tails[0], system + tails[1], few_shot + tails[2], few_shot + tails[3]]
@@ -154,10 +198,10 @@ def test_prompts_that_reuse_a_prefix_decode_exactly_as_computed_in_full(model, t
     e = make_engine(model, tok, budget=budget)
     assert e.prefix_cache is not None
     assert outputs(e, prompts(), batched=False) == plain  # each prompt after the others: shared prefixes hit
-    first = e.prefix_cache.hit_tokens
-    assert first >= 28 * 3  # prompts 2-4 reuse at least the system prompt's 7 blocks
+    first, b = e.prefix_cache.hit_tokens, e.prefix_cache.block_size  # b: the paged cache's block, 16
+    assert first >= 40 // b * b * 3  # prompts 2-4 reuse at least the system prompt's full blocks
     assert outputs(e, prompts(), batched=True) == plain  # all at once, every prompt cached whole
-    assert e.prefix_cache.hit_tokens - first >= sum(len(p) - 4 for p in prompts())
+    assert e.prefix_cache.hit_tokens - first >= sum(len(p) - b for p in prompts())
     hits = sum(s.num_prefix_hit_tokens for s in e.history)
     assert hits == e.prefix_cache.hit_tokens and e.component_errors == 0
 
@@ -170,8 +214,51 @@ def test_a_chat_turn_reuses_the_previous_turns_output(model, tok) -> None:
     second = first + answer + [3, 4, 5]
     rid = e.add_request(second, SamplingParams(max_tokens=16, ignore_eos=True))
     out = run_to_completion(e)[rid]
-    assert out.stats.num_cached_tokens == 4 * ((len(first) + 19) // 4)  # up to the answer's last cached token
+    b = e.prefix_cache.block_size if e.prefix_cache is not None else 0
+    assert out.stats.num_cached_tokens == b * ((len(first) + 19) // b)  # up to the answer's last cached token
     assert out.token_ids == outputs(make_engine(model, tok, caching=False), [second], False, 16)[0]
+
+
+def test_requests_that_share_a_cached_prefix_hold_its_blocks_once(model, tok) -> None:
+    """Three requests after the one that cached their system prompt: its blocks sit in all four
+    block tables (the cache's and three sequences'), not copied."""
+    e = make_engine(model, tok)
+    first, *rest = prompts()[:4]
+    outputs(e, [first], batched=False, max_tokens=4)
+    for p in rest:
+        e.add_request(p, SamplingParams(max_tokens=8, ignore_eos=True))
+    e.step()
+    tables = [e.kv.blocks[seq.slot] for seq in e.seqs.values() if seq.slot is not None]
+    shared = tables[0][:40 // e.kv.block_size]
+    assert len(tables) == 3 and shared and all(t[:len(shared)] == shared for t in tables)
+    assert all(e.kv.refs(b) == 4 for b in shared)
+    run_to_completion(e)
+    assert all(e.kv.refs(b) == 1 for b in shared) and e.kv.usage() == 0.0  # only the cache holds them
+
+
+def test_a_failed_hit_gives_the_shared_blocks_back_and_the_prompt_is_computed_in_full(model, tok,
+                                                                                     monkeypatch) -> None:
+    """The blocks are shared, then reading their side rows fails: the request's prompt is computed
+    in full into blocks of its own (none written over), its tokens are plain decoding's, and the
+    cached blocks end with the cache as their only holder."""
+    e = make_engine(model, tok, SpecConfig(drafter="eagle3", num_speculative_tokens=3))
+    first, second = prompts()[:2]
+    outputs(e, [first], batched=False, max_tokens=4)
+    assert e.prefix_cache is not None and isinstance(e.prefix_cache.pool, SharedBlocks)
+    cached = [blk.index for blk in e.prefix_cache.match(second)]
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("side rows lost")
+
+    monkeypatch.setattr(e.prefix_cache.pool.side, "load", broken)
+    rid = e.add_request(second, SamplingParams(max_tokens=24, ignore_eos=True))
+    e.step()
+    slot = e.seqs[rid].slot
+    assert slot is not None and not set(e.kv.blocks[slot]) & set(cached)  # its prefill writes its own blocks
+    got = run_to_completion(e)[rid].token_ids
+    plain = outputs(make_engine(model, tok, caching=False), [second], batched=False)[0]
+    assert got == plain and e.component_errors == 1 and cached
+    assert all(e.kv.refs(b) == 1 for b in cached) and e.kv.usage() == 0.0
 
 
 def test_reset_prefix_cache_drops_every_block(model, tok) -> None:
@@ -181,8 +268,8 @@ def test_reset_prefix_cache_drops_every_block(model, tok) -> None:
     first = prompts()[0]
     before = outputs(e, [first], batched=False)[0]
     assert e.prefix_cache is not None and e.prefix_cache.num_cached_blocks > 0
-    assert e.reset_prefix_cache() == (len(first) + 23) // 4  # prompt and output, full blocks
-    assert e.prefix_cache.num_cached_blocks == 0 and len(e.prefix_cache._free) == e.prefix_cache.pool.num_blocks
+    assert e.reset_prefix_cache() == (len(first) + 23) // e.prefix_cache.block_size  # prompt and output, full blocks
+    assert e.prefix_cache.num_cached_blocks == 0 and e.kv.num_free_blocks == e.kv.num_blocks  # paged: shared blocks
     rid = e.add_request(first, SamplingParams(max_tokens=24, ignore_eos=True))
     out = run_to_completion(e)[rid]
     assert out.stats.num_cached_tokens == 0 and out.token_ids == before
@@ -260,4 +347,4 @@ def test_a_reused_prefix_hands_the_drafter_and_observers_the_taps_and_hidden_sta
         assert [c[0] for c in got] == [0] + [sum(c[1] for c in got[:i]) for i in range(1, len(got))]
         assert torch.equal(torch.cat([c[2] for c in got]), ref_taps)
         assert torch.equal(torch.cat([c[3] for c in got]), ref_hidden)
-    assert any(len(seen[True][i]) == 2 and seen[True][i][0][1] >= 28 for i in seen[True])  # hits happened
+    assert any(len(seen[True][i]) == 2 and seen[True][i][0][1] >= 32 for i in seen[True])  # hits happened

@@ -113,7 +113,7 @@ class LLMEngine:
         self.prefix_cache = build_prefix_cache(self.kv, cc, self.invariance, model.cfg.hidden_size,
                                                len(self._tap_layers()))
         self.scheduler = Scheduler(self.kv, config.scheduler.max_num_batched_tokens, config.scheduler.max_waiting,
-                                   self._preempted)
+                                   self._preempted, self._reused_blocks if self.kv.paged else None)
         self.seqs: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._req_ids = itertools.count()
@@ -473,7 +473,7 @@ class LLMEngine:
                 hit, side = pc.reuse(seq.seq_id, seq.slot, seq.prefill_tokens(0, seq.prefill_len), need)
             except Exception:  # the prompt is then computed in full, as without a cache
                 self.component_errors += 1
-                self.kv.set_length(seq.slot, 0)
+                self.kv.release(seq.slot)  # never written over: blocks it may have shared go back
                 log.exception("prefix cache lookup failed for request %s; its prompt is computed in full",
                               seq.request_id)
                 continue
@@ -485,6 +485,13 @@ class LLMEngine:
                 obs = Observation(seq.seq_id, list(seq.token_ids), hit, side.get("taps"), 0, side.get("hidden"),
                                   len(seq.prompt_ids))
                 self._guarded("drafter observe", self._deliver, [obs])
+
+    def _reused_blocks(self, seq: Sequence) -> list[int]:
+        """The paged cache's blocks that ``seq``'s prompt will share from the prefix cache (admission)."""
+        if self.prefix_cache is None:
+            return []
+        blocks = self.prefix_cache.match(seq.prefill_tokens(0, seq.prefill_len), self._side_needed())
+        return [blk.index for blk in blocks]
 
     def _cache_prompts(self, chunks: list[PrefillChunk]) -> None:
         """Save the full blocks of every prompt whose prefill completed this step."""

@@ -4,7 +4,10 @@ Why this exists: users of an OpenAI-compatible server resend the same system pro
 block or chat history with every request, and recomputing it is most of their time to first
 token. As in vLLM, a prompt is cut into full blocks of ``block_size`` tokens and a block is named
 by its tokens *and* the block before it (here: the cached parent's id), so one lookup per block
-walks the longest cached prefix; the K/V lives in a ``KVBlockPool`` (``models/kv_blocks.py``).
+walks the longest cached prefix. The K/V stays where it is (``models/kv_blocks.py``): over the
+paged cache a cached block *is* the sequence's block, kept past it and shared with every prompt
+that hits it (``SharedBlocks``: no copy, one copy of a shared system prompt in memory however many
+requests use it); beside a slot cache it is copied into a pool of its own (``KVBlockPool``).
 Blocks are saved when a prompt's prefill completes and when a request finishes (its output too:
 a multi-turn chat resends it as history), and evicted least recently used; a match touches its
 blocks last-first, so a shared root outlives the leaves that hang from it, and evicting a block
@@ -23,7 +26,7 @@ so the drafter's state is what a full prefill would have left.
 
 Worked example (blocks of 4 tokens)::
 
-    pc = PrefixCache(pool)                       # pool: KVBlockPool(kv, num_blocks=64, block_size=4)
+    pc = PrefixCache(pool)                       # e.g. KVBlockPool(kv, num_blocks=64, block_size=4)
     pc.match([1, 2, 3, 4, 5, 6, 7, 8, 9])        # [] (nothing cached yet)
     # a sequence with that prompt is prefilled in slot 0, then:
     pc.insert(seq_id=7, slot=0, tokens=[1, 2, 3, 4, 5, 6, 7, 8, 9], num_final=9)   # 2 blocks saved
@@ -43,8 +46,9 @@ import torch
 
 from tidespec.config import CacheConfig
 from tidespec.models.invariance import InvarianceReport
-from tidespec.models.kv_blocks import KVBlockPool
+from tidespec.models.kv_blocks import KVBlockPool, SharedBlocks
 from tidespec.models.kv_cache import KVCache, available_memory
+from tidespec.models.kv_paged import PagedKVCache
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +62,7 @@ class CachedBlock:
     uid: int
     parent: int  # uid of the block before it, ROOT for a prompt's first block
     tokens: tuple[int, ...]
-    index: int  # its row in the pool
+    index: int  # its block in the store (the paged cache's block id, or a row of the pool)
     side: frozenset[str]  # side rows it holds ("taps", "hidden")
     children: set[int] = field(default_factory=set)
 
@@ -79,14 +83,15 @@ class _Coverage:
 
 
 class PrefixCache:
-    """The hash chain over a ``KVBlockPool``'s blocks; see the module docstring."""
+    """The hash chain over a block store's blocks; see the module docstring."""
 
-    def __init__(self, pool: KVBlockPool) -> None:
+    def __init__(self, pool: KVBlockPool | SharedBlocks) -> None:
         self.pool = pool
         self.block_size = pool.block_size
         self.blocks: OrderedDict[int, CachedBlock] = OrderedDict()  # uid -> block, least recently used first
         self.index: dict[tuple[int, tuple[int, ...]], CachedBlock] = {}  # (parent uid, tokens) -> block
-        self._free: list[int] = list(range(pool.num_blocks - 1, -1, -1))
+        if isinstance(pool, SharedBlocks):  # the paged cache asks for its idle blocks when it runs dry
+            pool.kv.evict_idle = self._evict_idle
         self._uids = itertools.count(ROOT + 1)
         self._coverage: dict[int, dict[str, _Coverage]] = {}  # seq_id -> side rows seen from position 0
         self.num_evicted = 0  # blocks evicted so far
@@ -128,8 +133,8 @@ class PrefixCache:
 
     def load(self, seq_id: int, slot: int, blocks: list[CachedBlock],
              need: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
-        """Copy ``blocks`` (a ``match``) into the start of ``slot`` (its length becomes theirs) and
-        return their side rows ``need`` names, ``[n * block_size, width]`` each; the sequence's side
+        """Put ``blocks`` (a ``match``) at the start of ``slot`` (shared, or copied; its length becomes
+        theirs) and return their side rows ``need`` names, ``[n * block_size, width]`` each; the sequence's side
         rows are recorded from there on (``record``)."""
         side = self.pool.load(slot, [blk.index for blk in blocks], tuple(sorted(need)))
         self._touch(blocks)
@@ -176,26 +181,27 @@ class PrefixCache:
         parent, chain = ROOT, []
         new: list[tuple[int, CachedBlock]] = []  # (block number, block) to copy, ascending
         upgrades: list[tuple[int, CachedBlock, frozenset[str]]] = []
-        for i in range(min(num_final, len(tokens)) // b):
-            have = frozenset(name for name, c in cov.items() if c.end >= (i + 1) * b)
-            toks = tuple(tokens[i * b:(i + 1) * b])
-            block = self.index.get((parent, toks)) if not new else None  # after a new block all are new
-            if block is None:
-                index = self._take({blk.uid for blk in chain})
-                if index is None:
-                    break
-                block = CachedBlock(next(self._uids), parent, toks, index, have)
-                new.append((i, block))
-            else:
-                if have - block.side:
-                    upgrades.append((i, block, have | block.side))
-                self.blocks.move_to_end(block.uid)
-            chain.append(block)
-            parent = block.uid
-        try:
+        try:  # until the new blocks are registered, a failure gives back every one claimed
+            for i in range(min(num_final, len(tokens)) // b):
+                have = frozenset(name for name, c in cov.items() if c.end >= (i + 1) * b)
+                toks = tuple(tokens[i * b:(i + 1) * b])
+                block = self.index.get((parent, toks)) if not new else None  # after a new block all are new
+                if block is None:
+                    index = self._take({blk.uid for blk in chain}, slot, i)
+                    if index is None:
+                        break
+                    block = CachedBlock(next(self._uids), parent, toks, index, have)
+                    new.append((i, block))
+                else:
+                    if have - block.side:
+                        upgrades.append((i, block, have | block.side))
+                    self.blocks.move_to_end(block.uid)
+                chain.append(block)
+                parent = block.uid
             self._save(slot, new, cov)
         except Exception:
-            self._free.extend(block.index for _, block in new)  # nothing was registered: no block half-saved
+            for _, block in new:  # nothing was registered: no block half-saved
+                self.pool.release(block.index)
             raise
         for _, block in new:  # registered only once their K/V is in the pool
             self.blocks[block.uid] = block
@@ -203,7 +209,7 @@ class PrefixCache:
             if block.parent in self.blocks:
                 self.blocks[block.parent].children.add(block.uid)
         for i, block, side in upgrades:
-            self.pool.save_side([block.index], {name: cov[name].take((i + 1) * b)[i * b:] for name in side - block.side})
+            self.pool.side.save([block.index], {name: cov[name].take((i + 1) * b)[i * b:] for name in side - block.side})
             block.side = side
         self._touch(chain)
         return len(new)
@@ -220,12 +226,13 @@ class PrefixCache:
 
     def reset(self) -> int:
         """Drop every cached block (vLLM's ``reset_prefix_cache``), e.g. so that a benchmark times
-        each prompt's prefill from a cold cache; returns how many. A hit copies its blocks into the
-        sequence's own slot, so sequences in flight keep what they loaded."""
+        each prompt's prefill from a cold cache; returns how many. Sequences in flight keep what
+        they loaded (a shared block stays theirs until they finish; a copied one is in their slot)."""
         dropped = len(self.blocks)
+        for block in self.blocks.values():
+            self.pool.release(block.index)
         self.blocks.clear()
         self.index.clear()
-        self._free = list(range(self.pool.num_blocks - 1, -1, -1))
         return dropped
 
     # ----------------------------------------------------------------- eviction
@@ -235,46 +242,78 @@ class PrefixCache:
             if block.uid in self.blocks:
                 self.blocks.move_to_end(block.uid)
 
-    def _take(self, keep: set[int]) -> int | None:
-        """A free pool row, evicting the least recently used block (and what hangs from it) when
-        none is free; None when only blocks of ``keep`` are left."""
-        while not self._free:
+    def _take(self, keep: set[int], slot: int, number: int) -> int | None:
+        """The store's block for block ``number`` of ``slot``: the slot's own (shared), or a free pool
+        row, evicting the least recently used block (and what hangs from it) when none is free;
+        None when only blocks of ``keep`` are left."""
+        index = self.pool.claim(slot, number)
+        while index is None:
             victim = next((blk for blk in self.blocks.values() if blk.uid not in keep), None)
             if victim is None:
                 return None
             self._evict(victim)
-        return self._free.pop()
+            index = self.pool.claim(slot, number)
+        return index
 
-    def _evict(self, block: CachedBlock) -> None:
+    def _evict_idle(self, n: int) -> None:
+        """Shared blocks, the paged cache ran dry: evict least recently used blocks that only the
+        cache holds until ``n`` are free again, or none is left. A block some sequence holds frees
+        nothing: the scan moves it to the back (it is in use, so recently used)."""
+        freed = 0
+        while freed < n and self.blocks:
+            busy, victim = [], None
+            for blk in self.blocks.values():
+                if self.pool.idle(blk.index):
+                    victim = blk
+                    break
+                busy.append(blk)
+            for blk in busy:
+                self.blocks.move_to_end(blk.uid)
+            if victim is None:
+                return
+            freed += self._evict(victim)
+
+    def _evict(self, block: CachedBlock) -> int:
         """Drop ``block`` and every block reachable only through it (iteratively: a chain may be
-        thousands of blocks long)."""
+        thousands of blocks long); returns how many blocks that freed (shared blocks that a
+        sequence still holds stay its own)."""
         if block.parent in self.blocks:
             self.blocks[block.parent].children.discard(block.uid)
-        stack = [block]
+        stack, freed = [block], 0
         while stack:
             blk = stack.pop()
             stack.extend(self.blocks[child] for child in blk.children)
             del self.blocks[blk.uid]
             del self.index[(blk.parent, blk.tokens)]
-            self._free.append(blk.index)
+            freed += self.pool.release(blk.index)
             self.num_evicted += 1
+        return freed
 
 
 def build_prefix_cache(kv: KVCache, cfg: CacheConfig, invariance: InvarianceReport, hidden_size: int,
                        num_taps: int) -> PrefixCache | None:
     """The engine's prefix cache, or None when it is turned off or would not be lossless: only a
-    row-invariant target computes a prompt's K/V bit for bit the same in chunks as whole. Its
-    blocks fill ``--prefix-cache-mb`` (counting room for the side rows: ``num_taps`` taps and the
-    final hidden state per position); on a CPU at most half the memory available now.
+    row-invariant target computes a prompt's K/V bit for bit the same in chunks as whole.
 
-    Example: SmolLM2-135M in float32 with EAGLE-3 (3 taps of 576), 1,024 MiB -> blocks of 16 at
-    (2 x 30 x 3 x 64 + 4 x 576) x 16 x 4 bytes = 884,736 bytes: 1,213 blocks, 19,408 tokens."""
+    Over a paged cache it keeps the cache's own blocks (``SharedBlocks``): as many as the cache
+    holds, evicted when sequences need the blocks. A cached block's side rows (``num_taps`` taps
+    and the final hidden state per position, for the drafters) take memory beyond the cache's.
+    Beside a slot cache its blocks fill ``--prefix-cache-mb`` (side rows counted); on a CPU at
+    most half the memory available now.
+
+    Example: SmolLM2-135M in float32 with EAGLE-3 (3 taps of 576) beside a slot cache, 1,024 MiB ->
+    blocks of 16 at (2 x 30 x 3 x 64 + 4 x 576) x 16 x 4 bytes = 884,736 bytes: 1,213 blocks,
+    19,408 tokens."""
     if not cfg.enable_prefix_caching:
         return None
     if not invariance.batch_invariant:
         log.info("prefix caching off: the target is not row-invariant (%s), so a reused prefix could change "
                  "greedy outputs at near-ties", invariance.attention)
         return None
+    if isinstance(kv, PagedKVCache):
+        log.info("prefix cache: the KV cache's own blocks, shared (side rows up to %.0f KiB a cached block)",
+                 SharedBlocks.side_bytes(kv, hidden_size * (num_taps + 1)) / 1024)
+        return PrefixCache(SharedBlocks(kv))
     per_block = KVBlockPool.block_bytes(kv, cfg.block_size, hidden_size * (num_taps + 1))
     budget = cfg.prefix_cache_mb * 2**20
     if kv.k[0].device.type == "cpu":

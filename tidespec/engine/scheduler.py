@@ -3,7 +3,8 @@
 Why this exists: requests join and leave between steps; a long prompt must not stall the
 sequences that are decoding. Each step the scheduler (1) admits waiting requests FIFO while a
 KV slot is free and, over a paged cache (``models/kv_paged.py``), while the free blocks hold the
-request's prompt beyond a watermark (``admit``), then — once the policy has chosen each decoding
+request's prompt beyond a watermark (``admit``; the blocks of a cached prefix it will share and
+that sequences already hold cost nothing), then — once the policy has chosen each decoding
 sequence's gamma — (2) reserves ``1 + gamma`` tokens of budget and KV blocks for every decoding
 sequence, oldest first, and (3) hands the rest of the budget to prefill chunks, as far as blocks
 allow (``schedule``).
@@ -67,10 +68,14 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, kv: KVCache, max_num_batched_tokens: int, max_waiting: int = 0,
-                 on_preempt: Callable[[Sequence], None] | None = None) -> None:
-        """``on_preempt(seq)``: called before a preempted sequence's slot is freed (its K/V still there)."""
+                 on_preempt: Callable[[Sequence], None] | None = None,
+                 reused_blocks: Callable[[Sequence], list[int]] | None = None) -> None:
+        """``on_preempt(seq)``: called before a preempted sequence's slot is freed (its K/V still there);
+        ``reused_blocks(seq)``: the paged cache's blocks a waiting sequence will share (a cached
+        prefix, ``engine/prefix_cache.py``), for admission."""
         self.kv = kv
         self.on_preempt = on_preempt
+        self.reused_blocks = reused_blocks
         self.num_preemptions = 0  # sequences preempted since start
         self.budget = max_num_batched_tokens
         self.max_waiting = max_waiting
@@ -102,15 +107,30 @@ class Scheduler:
     def admit(self) -> list[Sequence]:
         """Move waiting requests into free KV slots, FIFO, while the free blocks of a paged cache hold
         each one's prefill and a watermark (1 %% of the pool) stays free for the running ones to
-        grow; returns those admitted. Nothing waits behind an empty cache: the first request is
-        admitted whenever nothing runs."""
+        grow, counting the blocks that prompts admitted earlier and still in prefill will take (else a
+        burst is admitted whole while the first prompts are still in their first chunks, and then
+        preempted as they fill); returns those admitted. A block of a cached prefix that a running sequence holds
+        already is not counted (shared, it costs nothing more); one only the prefix cache holds is,
+        once (it is counted free). Nothing waits behind an empty cache: the first request is
+        admitted whenever nothing runs.
+
+        Example (blocks of 16): a 1,100-token prompt whose first 1,024 tokens are cached and in
+        use by running sequences needs 5 blocks, not 69."""
         admitted = []
         paged = self.kv if isinstance(self.kv, PagedKVCache) else None
-        free = paged.num_free_blocks if paged is not None and self.waiting else 0  # less what is admitted here
+        free = 0  # the free blocks, less what prompts admitted before (and here) will still take
+        if paged is not None and self.waiting:
+            free = paged.num_free_blocks - sum(max(0, paged.blocks_for(s.prefill_len + 1) - len(paged.blocks[s.slot]))
+                                               for s in self.running if s.in_prefill and s.slot is not None)
+        taken: set[int] = set()  # reused blocks that admissions here make busy
         while self.waiting and self.kv.num_free_slots:
             seq = self.waiting[0]
             if paged is not None and self.running:
                 need = paged.blocks_for(seq.prefill_len + 1)
+                if self.reused_blocks is not None:
+                    reused = self.reused_blocks(seq)
+                    need -= sum(1 for b in reused if b in taken or paged.refs(b) > 1)
+                    taken.update(reused)
                 if free - need < max(1, paged.num_blocks // 100):
                     break
                 free -= need

@@ -178,6 +178,11 @@ class KVCache:
         self.lengths[slot] = 0
         self._free.append(slot)
 
+    def release(self, slot: int) -> None:
+        """Drop what ``slot`` holds and keep it owned: its length becomes 0 (a paged cache also gives
+        its blocks back, shared ones to their other holders)."""
+        self.set_length(slot, 0)
+
     def set_length(self, slot: int, length: int) -> None:
         """Mark the first ``length`` positions valid (append after a forward, or roll back)."""
         if not 0 <= length <= self.max_len:

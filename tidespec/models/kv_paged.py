@@ -17,7 +17,16 @@ out: a table entry past a sequence's blocks points at it, so a read there stays 
 Blocks are taken by ``reserve`` before a forward writes positions and given back by ``free``. A
 rollback (rejected drafts) keeps them: the next step writes there again. When the pool runs dry,
 ``reserve`` first takes back such slack (blocks wholly past a sequence's length and past what was
-reserved for the coming forward) from every sequence.
+reserved for the coming forward) from every sequence, then asks the prefix cache to let go of
+blocks only it holds (``evict_idle``).
+
+Shared blocks (automatic prefix caching, ``engine/prefix_cache.py``): a full block whose K/V is
+final never changes again (a sequence writes only past its length, and its length never falls
+below its prompt), so several holders may point at it, as in vLLM: the prefix cache ``hold``s a
+sequence's full blocks, and a later prompt that starts with the same tokens gets them in its
+table (``share``) instead of computing or copying them. A block is counted per holder and goes
+back to the free list when its last holder lets go; a block only the prefix cache holds is
+"idle": counted as free for admission and evicted when the free list runs dry.
 
 Worked example (blocks of 16, a pool of 4 usable blocks)::
 
@@ -28,11 +37,14 @@ Worked example (blocks of 16, a pool of 4 usable blocks)::
     kv.set_length(s, 20)
     t = kv.allocate(); kv.reserve(t, 40)   # False: 3 blocks needed, 2 free (t keeps the 2 it got)
     kv.free(s); kv.reserve(t, 40)          # True
+    kv.set_length(t, 40); kv.hold(kv.blocks[t][0])   # the prefix cache keeps t's first block
+    u = kv.allocate(); kv.share(u, [kv.blocks[t][0]])  # u starts with it: length 16, nothing copied
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -92,6 +104,12 @@ class PagedKVCache(KVCache):
         # blocks once per prompt chunk, and summing over every slot then made admission quadratic
         self._slack = [0] * num_slots
         self._total_slack = 0
+        self._refs = [0] * total  # holders of each block: sequences' tables and the prefix cache
+        self._held = [False] * total  # the prefix cache holds it
+        self._idle = 0  # blocks only the prefix cache holds (free for admission, evicted on demand)
+        # set by the prefix cache: let go of idle blocks, least recently used first, until this
+        # many more are on the free list (or none is left)
+        self.evict_idle: Callable[[int], None] | None = None
 
     @property
     def paged(self) -> bool:
@@ -104,8 +122,67 @@ class PagedKVCache(KVCache):
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks no sequence holds, plus the slack ``reserve`` would take back."""
-        return len(self._free_blocks) + self._total_slack
+        """Blocks no sequence holds (free, or idle in the prefix cache), plus the slack ``reserve``
+        would take back."""
+        return len(self._free_blocks) + self._total_slack + self._idle
+
+    @property
+    def num_idle_blocks(self) -> int:
+        """Blocks only the prefix cache holds."""
+        return self._idle
+
+    def refs(self, block: int) -> int:
+        """How many holders ``block`` has (sequences and the prefix cache)."""
+        return self._refs[block]
+
+    def _acquire(self, block: int) -> None:
+        """One more holder of ``block``."""
+        self._refs[block] += 1
+        if self._held[block] and self._refs[block] == 2:
+            self._idle -= 1
+
+    def _drop(self, block: int) -> None:
+        """One holder fewer; the last one gives the block back to the free list."""
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._free_blocks.append(block)
+        elif self._held[block] and self._refs[block] == 1:
+            self._idle += 1
+
+    def hold(self, block: int) -> None:
+        """The prefix cache keeps ``block`` (a sequence's full block, final K/V) past its sequence."""
+        if self._held[block] or self._refs[block] < 1:
+            raise ValueError(f"block {block} is {'held already' if self._held[block] else 'free'}")
+        self._held[block] = True
+        self._refs[block] += 1
+
+    def unhold(self, block: int) -> None:
+        """The prefix cache lets go of ``block``; free again when no sequence holds it."""
+        if not self._held[block]:
+            raise ValueError(f"block {block} is not held")
+        if self._refs[block] == 1:
+            self._idle -= 1
+        self._held[block] = False
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            self._free_blocks.append(block)
+
+    def share(self, slot: int, blocks: list[int]) -> None:
+        """Start the empty ``slot`` with ``blocks`` (each holding final K/V of a full block, e.g. a
+        cached prefix): its first ``len(blocks) * block_size`` positions, written and final."""
+        if self.blocks[slot] or self.lengths[slot]:
+            raise ValueError(f"slot {slot} is not empty: it cannot start with shared blocks")
+        n = len(blocks) * self.block_size
+        if n > self.max_len:
+            raise ValueError(f"{n} shared positions past the longest sequence, {self.max_len}")
+        free = [block for block in blocks if self._refs[block] < 1]
+        if free:  # checked before anything changes: a refused share leaves the slot empty
+            raise ValueError(f"blocks {free} are free: only a held block can be shared")
+        for i, block in enumerate(blocks):
+            self._acquire(block)
+            self.block_table[slot, i] = block
+        self.blocks[slot].extend(blocks)
+        self.set_length(slot, n)
 
     def blocks_for(self, positions: int) -> int:
         """Blocks that ``positions`` positions take. Example (blocks of 16): 33 -> 3."""
@@ -131,8 +208,11 @@ class PagedKVCache(KVCache):
         need = self.blocks_for(upto) - len(held)
         if need > len(self._free_blocks):
             self._reclaim()
+        if need > len(self._free_blocks) and self._idle and self.evict_idle is not None:
+            self.evict_idle(need - len(self._free_blocks))
         while need > 0 and self._free_blocks:
             block = self._free_blocks.pop()
+            self._acquire(block)
             self.block_table[slot, len(held)] = block
             held.append(block)
             need -= 1
@@ -144,7 +224,8 @@ class PagedKVCache(KVCache):
         for slot, held in enumerate(self.blocks):
             keep = self._kept(slot)
             if len(held) > keep:
-                self._free_blocks.extend(reversed(held[keep:]))
+                for block in reversed(held[keep:]):
+                    self._drop(block)
                 self.block_table[slot, keep:len(held)] = 0
                 del held[keep:]
             self._recount(slot)
@@ -167,7 +248,8 @@ class PagedKVCache(KVCache):
     def release(self, slot: int) -> None:
         """Give back every block of ``slot`` (a freed sequence's, or what a warm-up wrote into a free slot)."""
         held = self.blocks[slot]
-        self._free_blocks.extend(reversed(held))
+        for block in reversed(held):
+            self._drop(block)
         self.block_table[slot, :len(held)] = 0
         held.clear()
         self.reserved[slot] = 0
@@ -202,8 +284,9 @@ class PagedKVCache(KVCache):
             v[db, :, do] = v[sb, :, so]
 
     def usage(self) -> float:
-        """Fraction of the pool's positions holding valid K/V."""
-        return sum(self.lengths) / float(self.capacity)
+        """Fraction of the pool's blocks in use by sequences, as vLLM's ``kv_cache_usage``: a block
+        several share counts once; free, idle (only the prefix cache holds it) and slack do not."""
+        return (self.num_blocks - self.num_free_blocks) / float(self.num_blocks)
 
 
 def paged_kv_cache(cfg: LlamaConfig, num_slots: int, max_len: int, dtype: torch.dtype, block_size: int,

@@ -189,8 +189,8 @@ class Metrics(EngineObserver):
         self.waiting = Gauge(f"{p}num_requests_waiting", "Requests queued for a KV slot.", registry=r)
         self.preemptions = Counter(f"{p}num_preemptions", "Sequences preempted for lack of KV blocks (prefilled "
                                    "again later).", registry=r)
-        self.kv_usage = Gauge(f"{p}kv_cache_usage_perc", "KV cache usage (fraction of the positions it holds, 0..1).",
-                              registry=r)
+        self.kv_usage = Gauge(f"{p}kv_cache_usage_perc", "KV cache usage, 0..1 (paged: fraction of the blocks in use "
+                              "by sequences; slots: of the positions).", registry=r)
         self.current_spec = Gauge(f"{p}spec_decode_current_num_speculative_tokens",
                                   "Mean speculation length over the decode sequences of the last step.",
                                   registry=r)
