@@ -12,10 +12,19 @@ and arithmetic, so the two differ by the block size alone. Both engines live in 
 and their steps alternate, so a burst of load on a shared machine hits both; greedy outputs are
 compared (``identical``).
 
+With ``--shared-prefix-tokens N`` every prompt starts with the same N-token few-shot block
+(``--prefix-from``'s prompts) and both engines are paged: prefix caching off ("paged": each
+sequence computes and holds the block itself) against on ("paged+prefix": its KV blocks are
+cached once and sit in every sequence's block table, ``models/kv_blocks.py``). A
+request before the burst puts the block in the cache, as earlier traffic would have; both engines
+serve it. Each sequence then holds ``N + --seq-tokens`` positions.
+
 Worked example::
 
     doc = run_kv_bench(KVBenchConfig(path="int4", requests=32), out_dir=Path("runs/kv"))
     doc["summary"]["concurrency_ratio"]   # e.g. 7.5: peak sequences at once, paged over slots
+    doc = run_kv_bench(KVBenchConfig(path="int4", shared_prefix_tokens=1024, workload="code_unseen"))
+    doc["summary"]["concurrency_ratio"]   # sharing the cached block over holding it per sequence
 """
 
 from __future__ import annotations
@@ -36,9 +45,10 @@ from tidespec.config import CacheConfig, ConfigError, EngineConfig, ModelConfig,
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine
 from tidespec.sampling import SamplingParams
-from tidespec.workloads.loader import load_workload, prompt_token_ids
+from tidespec.workloads.loader import load_workload, prefix_text, prompt_token_ids
 
-LAYOUTS = ("slots", "paged")
+LAYOUTS = ("slots", "paged")  # what is compared, the baseline first
+SHARING = ("paged", "paged+prefix")  # with --shared-prefix-tokens
 
 
 @dataclass
@@ -50,31 +60,42 @@ class KVBenchConfig(Section):
     seq_tokens: int = opt(256, "tokens per sequence, prompt + output", min=32)
     block_size: int = opt(16, "the paged layout's block size", min=16)
     workload: str = opt("chat", "workload whose prompts start the sequences")
+    shared_prefix_tokens: int = opt(0, "when > 0: every prompt starts with the same block of this many tokens, "
+                                       "and prefix caching (shared blocks) is compared with none, both paged", min=0)
+    prefix_from: str = opt("code_extra", "workloads whose prompts make the shared block")
     threads: int = opt(2, "intra-op threads", min=1)
 
     def __post_init__(self) -> None:
         super().__post_init__()
         parse_path(self.path)
-        if self.seq_tokens > self.max_model_len:
-            raise ConfigError(f"seq_tokens {self.seq_tokens} exceeds max_model_len {self.max_model_len}")
+        if self.shared_prefix_tokens + self.seq_tokens > self.max_model_len:
+            raise ConfigError(f"shared_prefix_tokens + seq_tokens ({self.shared_prefix_tokens} + {self.seq_tokens}) "
+                              f"exceeds max_model_len {self.max_model_len}")
+
+    @property
+    def layouts(self) -> tuple[str, str]:
+        return SHARING if self.shared_prefix_tokens else LAYOUTS
 
 
-def _engine(target: Any, cfg: KVBenchConfig, memory_mb: int, block_size: int) -> LLMEngine:
+def _engine(target: Any, cfg: KVBenchConfig, memory_mb: int, layout: str) -> LLMEngine:
     dtype, quant, compile_ = parse_path(cfg.path)
     mc = ModelConfig(dtype=dtype, quantization=quant, compile=compile_, threads=cfg.threads)
     cache = CacheConfig(max_model_len=cfg.max_model_len, max_num_seqs=cfg.requests, kv_cache_memory_mb=memory_mb,
-                        block_size=block_size, enable_prefix_caching=False)
+                        block_size=cfg.max_model_len if layout == "slots" else cfg.block_size,
+                        enable_prefix_caching=layout == "paged+prefix")
     return build_engine(EngineConfig(model=mc, cache=cache), model=target.model, tokenizer=target.tokenizer)
 
 
-def _burst(engines: dict[str, LLMEngine], prompts: list[list[int]], cfg: KVBenchConfig,
-           bar: tqdm) -> dict[str, dict[str, Any]]:
-    """Every request at once on both engines, their steps alternating until both are done."""
+def _burst(engines: dict[str, LLMEngine], prompts: list[list[int]], cfg: KVBenchConfig, bar: tqdm,
+           shared: int = 0) -> dict[str, dict[str, Any]]:
+    """Every request at once on both engines, their steps alternating until both are done; each
+    generates to ``--seq-tokens`` tokens past the ``shared`` first ones."""
     state: dict[str, dict[str, Any]] = {}
     for name, e in engines.items():
-        ids = [e.add_request(p, SamplingParams(max_tokens=cfg.seq_tokens - len(p), ignore_eos=True)) for p in prompts]
+        ids = [e.add_request(p, SamplingParams(max_tokens=shared + cfg.seq_tokens - len(p), ignore_eos=True))
+               for p in prompts]
         state[name] = {"ids": ids, "spent": 0.0, "running": [], "out": {}, "preempted": 0}
-    order = list(LAYOUTS)
+    order = list(cfg.layouts)
     while any(e.has_unfinished_requests() for e in engines.values()):
         for name in order:
             e, st = engines[name], state[name]
@@ -109,22 +130,32 @@ def run_kv_bench(cfg: KVBenchConfig, out_dir: Path | None = None, progress: bool
     per_position = 2 * mcfg.num_layers * mcfg.num_kv_heads * mcfg.head_dim * target.model.dtype.itemsize
     memory_mb = math.ceil(cfg.slots * cfg.max_model_len * per_position / 2**20)
     records = load_workload(cfg.workload)
+    shared: list[int] = []
+    if cfg.shared_prefix_tokens:
+        text = prefix_text(cfg.prefix_from, target.tokenizer, cfg.shared_prefix_tokens)
+        shared = target.tokenizer.encode(text, add_special_tokens=False)
     prompts = []
-    for i in range(cfg.requests):
+    for i in range(cfg.requests + 1):  # the last one: the request before the burst
         ids = prompt_token_ids(records[i % len(records)], target.tokenizer)
-        prompts.append(ids[:cfg.seq_tokens // 2])  # at most half the sequence: every request generates
-    engines = {"slots": _engine(target, cfg, memory_mb, cfg.max_model_len),
-               "paged": _engine(target, cfg, memory_mb, cfg.block_size)}
+        prompts.append(shared + ids[:cfg.seq_tokens // 2])  # at most half the sequence: every request generates
+    base, new = cfg.layouts
+    engines = {name: _engine(target, cfg, memory_mb, name) for name in cfg.layouts}
+    earlier = prompts.pop()
+    if shared:  # earlier traffic: the shared block is in the cache before the burst
+        for e in engines.values():
+            e.add_request(earlier, SamplingParams(max_tokens=1))
+            while e.has_unfinished_requests():
+                e.step()
     bar = tqdm(total=2 * cfg.requests, desc="kv", unit="req", disable=not progress)
-    rows = _burst(engines, prompts, cfg, bar)
+    rows = _burst(engines, prompts, cfg, bar, len(shared))
     bar.close()
-    identical = rows["slots"]["outputs"] == rows["paged"]["outputs"]
+    identical = rows[base]["outputs"] == rows[new]["outputs"]
     for row in rows.values():
         del row["outputs"]
     capacity = {name: e.kv.num_blocks * e.kv.block_size for name, e in engines.items()}  # type: ignore[attr-defined]
-    summary = {"memory_mb": memory_mb, "capacity_tokens": capacity,
-               "concurrency_ratio": rows["paged"]["peak_running"] / rows["slots"]["peak_running"],
-               "throughput_ratio": rows["paged"]["tok_s"] / rows["slots"]["tok_s"], "identical": identical}
+    summary = {"memory_mb": memory_mb, "capacity_tokens": capacity, "layouts": [base, new],
+               "concurrency_ratio": rows[new]["peak_running"] / rows[base]["peak_running"],
+               "throughput_ratio": rows[new]["tok_s"] / rows[base]["tok_s"], "identical": identical}
     doc = {"config": asdict(cfg), "command": command_line(), "machine": machine_info(dtype), "summary": summary,
            "rows": rows}
     if out_dir is not None:
@@ -136,10 +167,12 @@ def table(doc: dict[str, Any]) -> str:
     """The markdown report."""
     c, s, r = doc["config"], doc["summary"], doc["rows"]
     rows = [[name, f"{s['capacity_tokens'][name]:,}", r[name]["peak_running"], f"{r[name]['mean_running']:.1f}",
-             r[name]["preemptions"], r[name]["steps"], f"{r[name]['tok_s']:.1f}"] for name in LAYOUTS]
+             r[name]["preemptions"], r[name]["steps"], f"{r[name]['tok_s']:.1f}"] for name in s["layouts"]]
+    shared = c.get("shared_prefix_tokens", 0)
     title = (f"### KV layout on `{c['path']}`: {s['memory_mb']} MiB (= {c['slots']} slots of {c['max_model_len']}), "
-             f"{c['requests']} requests of {c['seq_tokens']} tokens at once")
-    notes = (f"Paged over slots: **{s['concurrency_ratio']:.1f}x** the sequences at once, "
+             f"{c['requests']} requests of {c['seq_tokens']} tokens at once"
+             + (f", each after the same {shared}-token block" if shared else ""))
+    notes = (f"{s['layouts'][1]} over {s['layouts'][0]}: **{s['concurrency_ratio']:.1f}x** the sequences at once, "
              f"{s['throughput_ratio']:.2f}x the output tokens/s; outputs identical: "
              f"{'yes' if s['identical'] else '**NO**'}.")
     return "\n".join([title, "", f"Command: `{doc['command']}`", "", f"Machine: {machine_line(doc['machine'])}", "",
@@ -153,14 +186,16 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    r = doc["rows"]
+    r, names = doc["rows"], doc["summary"]["layouts"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
     colors = ["tab:gray", "tab:blue"]
-    ax1.bar(list(LAYOUTS), [r[n]["peak_running"] for n in LAYOUTS], color=colors)
+    ax1.bar(names, [r[n]["peak_running"] for n in names], color=colors)
     ax1.set_ylabel("peak sequences at once")
-    ax2.bar(list(LAYOUTS), [r[n]["tok_s"] for n in LAYOUTS], color=colors)
+    ax2.bar(names, [r[n]["tok_s"] for n in names], color=colors)
     ax2.set_ylabel("output tok/s")
-    fig.suptitle(f"same KV memory ({doc['summary']['memory_mb']} MiB), {doc['config']['requests']} requests at once")
+    shared = doc["config"].get("shared_prefix_tokens", 0)
+    fig.suptitle(f"same KV memory ({doc['summary']['memory_mb']} MiB), {doc['config']['requests']} requests at once"
+                 + (f", each after the same {shared}-token block" if shared else ""))
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
