@@ -159,10 +159,6 @@ class KVBlockPool:
         self.kv.set_length(slot, n * b)
         return self.side.load(blocks, side)
 
-    def reset(self) -> None:
-        """Every row free."""
-        self._free = list(range(self.num_blocks - 1, -1, -1))
-
 
 class SharedBlocks:
     """A paged cache's own blocks, kept by the prefix cache and shared with the prompts that hit them."""
@@ -215,6 +211,3 @@ class SharedBlocks:
             return {}
         self.kv.share(slot, blocks)
         return self.side.load(blocks, side)
-
-    def reset(self) -> None:
-        """Nothing: the cache has let go of each block already (``release``)."""
