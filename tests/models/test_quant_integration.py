@@ -17,6 +17,7 @@ from tidespec.config import DraftModelConfig, ModelConfig, SpecConfig
 from tidespec.llm import load_target
 from tidespec.models.loader import LoadedModel
 from tidespec.models.quant import Int8Linear, quantization_of, quantize_model
+from tidespec.models.quant_a8 import quantize_q4_1, quantize_q8_0
 from tidespec.workloads.loader import load_prompts
 
 
@@ -70,3 +71,19 @@ def test_embedded_quantized_speculation_equals_its_plain_decoding(embedded, dtyp
         assert [run(target, spec, [p], slots=1)[0] for p in prompts] == plain, spec.drafter
         assert run(target, spec, prompts, slots=2) == plain, spec.drafter  # batched: still each alone's
     assert model.row_invariant  # the engine chose row-invariant kernels
+
+
+@pytest.mark.integration
+def test_w4a8_takes_the_embedded_gguf_blocks_back_exactly(embedded: LoadedModel) -> None:
+    """The embedded model ships Q4_1 projections and a Q8_0 output matrix: re-quantized from the
+    dequantized weights, every block comes back as the file holds it (so w4a8 multiplies by exactly
+    the GGUF's weights, as llama.cpp does)."""
+    for layer in embedded.model.layers[:6]:
+        for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            w = linear.weight.detach()
+            q, d, m = quantize_q4_1(w)
+            blocks = q.float().reshape(w.shape[0], -1, 32) * d.float().unsqueeze(2) + m.float().unsqueeze(2)
+            assert torch.equal(blocks.reshape(w.shape), w)
+    head = embedded.model.embed_tokens.weight.detach()  # tied: the output matrix
+    q8, d8 = quantize_q8_0(head)
+    assert torch.equal((q8.float().reshape(head.shape[0], -1, 32) * d8.float().unsqueeze(2)).reshape(head.shape), head)

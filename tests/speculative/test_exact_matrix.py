@@ -19,6 +19,7 @@ from tidespec.bench.exactness.run import (
 )
 from tidespec.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from tidespec.llm import build_engine
+from tidespec.models.quant_a8 import a8_error
 from tidespec.workloads.loader import load_prompts
 
 pytestmark = pytest.mark.integration
@@ -31,13 +32,16 @@ PROMPTS = {"workloads": "code,multilingual", "limit": 1, "max_tokens": 32, "max_
     ("bfloat16", "ngram;eagle3"),
     ("int4+compile", "suffix"),
     ("bfloat16+compile", "suffix"),  # its graphs round like eager code (emulate_precision_casts); else probe 0/48
+    pytest.param("w4a8+compile", "suffix;eagle3-tree",
+                 marks=pytest.mark.skipif(a8_error() is not None, reason=f"no w4a8 kernels: {a8_error()}")),
 ])
 def test_path_and_drafters_alone_and_batched_equal_plain_decoding_alone(paths: str, drafters: str,
                                                                          two_threads) -> None:
     doc = run_exactness_bench(ExactnessBenchConfig(paths=paths, drafters=drafters, **PROMPTS), progress=False)
     assert exact(doc), table(doc)
-    probe = doc["paths"][0]["row_probe"]
-    assert doc["paths"][0]["invariance"]["exact"] and probe["identical"] == probe["rows"], probe
+    for path in doc["paths"]:
+        probe = path["row_probe"]
+        assert path["invariance"]["exact"] and probe["identical"] == probe["rows"], probe
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
@@ -57,6 +61,7 @@ def test_paths_name_dtype_quantization_and_compile() -> None:
     assert parse_path("int4+compile") == ("float32", "int4", True)
     assert parse_path("bfloat16+int4") == ("bfloat16", "int4", False)
     assert parse_path("bfloat16+compile") == ("bfloat16", "none", True)
+    assert parse_path("w4a8+compile") == ("float32", "w4a8", True)
     for bad in ("int5", "compile", "int4+x", "float16", "bfloat16+compile+compile"):
         with pytest.raises(ConfigError, match="unknown path"):
             ExactnessBenchConfig(paths=f"float32,{bad}")

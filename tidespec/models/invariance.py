@@ -44,6 +44,7 @@ from tidespec.models.graphs import FIXED_ROWS
 from tidespec.models.kernels import exact_attention_error
 from tidespec.models.linear import Linear
 from tidespec.models.quant import Int4Linear, Int8Linear, QuantizedLinear
+from tidespec.models.quant_a8 import A8Linear
 from tidespec.models.rows import PROBE_METHOD, frontier
 
 log = logging.getLogger(__name__)
@@ -248,6 +249,9 @@ def make_row_invariant(model: nn.Module, budget: int) -> InvarianceReport:
         elif isinstance(module, (Int8Linear, Int4Linear)):
             kind = ("int8" if isinstance(module, Int8Linear) else f"int4-g{module.group_size}") + f"-{module.kernel_name}"
             key = (kind, module.out_features, module.in_features, "bfloat16")
+        elif isinstance(module, A8Linear):  # invariant by construction; measured like the others all the same
+            kind = f"{module.scheme}-{module.kernel_name}"
+            key = (kind, module.out_features, module.in_features, "float32")
         else:
             continue
         groups.setdefault(key, []).append(module)
@@ -264,7 +268,9 @@ def make_row_invariant(model: nn.Module, budget: int) -> InvarianceReport:
         first = layers[0]
         if isinstance(first, QuantizedLinear):
             first.row_limit = 0
-            value = cached_frontier(kind, (n_out, n_in), torch.bfloat16, probe, first._kernel)
+            a8 = isinstance(first, A8Linear)  # takes float32 rows (it quantizes them itself)
+            value = cached_frontier(kind, (n_out, n_in), torch.float32 if a8 else torch.bfloat16, probe,
+                                    first.forward if a8 else first._kernel)
         else:
             kind, value = chosen[key]
         for layer in layers:

@@ -3,8 +3,9 @@
 Why this exists: exact speculative decoding needs an attention whose per-row arithmetic does not
 depend on the other rows of the call (``csrc/row_invariant.cpp`` says why none of PyTorch's does),
 projections (float32, bfloat16, float16) invariant by construction where no library GEMM is
-(``csrc/exact_linear.cpp``), and PyTorch's int4 and int8 GEMVs with the weights converted once
-for a verification's rows, bit for bit (``csrc/quant_linear.cpp``).
+(``csrc/exact_linear.cpp``), PyTorch's int4 and int8 GEMVs with the weights converted once
+for a verification's rows, bit for bit (``csrc/quant_linear.cpp``), and llama.cpp-style block-quantized
+weights times int8 activations with integer dot products (``csrc/a8_linear.cpp``).
 The kernel is C++ built with PyTorch's own extension builder (``torch.utils.cpp_extension.load``:
 the compiler on PATH and ninja), once per (CPU vector capability, torch version, source), into
 ``cache_root() / "kernels"``; a later process only loads the shared library (~0.1 s). It is built
@@ -37,7 +38,7 @@ from tidespec.files import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("row_invariant.cpp", "exact_linear.cpp",
-                                                                     "quant_linear.cpp"))
+                                                                     "quant_linear.cpp", "a8_linear.cpp"))
 # per vector capability: the flags that make ATen's Vectorized<float> use it (what PyTorch's own
 # kernels are compiled with for that capability)
 CAPABILITY_FLAGS = {
@@ -84,6 +85,8 @@ def _load() -> None:
     torch.library.register_fake("tidespec::exact_linear")(_exact_linear_fake)
     torch.library.register_fake("tidespec::int4_linear")(_int4_linear_fake)
     torch.library.register_fake("tidespec::int8_linear")(_int8_linear_fake)
+    torch.library.register_fake("tidespec::w4a8_linear")(_w4a8_linear_fake)
+    torch.library.register_fake("tidespec::w8a8_linear")(_w8a8_linear_fake)
 
 
 def _exact_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -110,6 +113,16 @@ def _int4_linear_fake(x: torch.Tensor, packed: torch.Tensor, group_size: int, sc
 def _int8_linear_fake(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Shape function for torch.compile: [T, K] x [N, K] -> [T, N]."""
     return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+def _w4a8_linear_fake(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """Shape function for torch.compile: [T, K] x [N / 16, K / 8, 64] -> [T, N] float32."""
+    return x.new_empty(x.shape[0], packed.shape[0] * 16)
+
+
+def _w8a8_linear_fake(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, corr: torch.Tensor) -> torch.Tensor:
+    """Shape function for torch.compile: [T, K] x [N / 16, K / 4, 64] -> [T, N] float32."""
+    return x.new_empty(x.shape[0], packed.shape[0] * 16)
 
 
 @functools.cache

@@ -40,6 +40,9 @@ for 16; the two casts cost nothing measurable):
   bits, with the weights dequantized once for up to 8 rows where ATen's kernel does it per 4, so a
   verification of 5 rows is not charged for 8.
 * The LM head is int8 in both modes (``quantize_model``).
+* **w4a8** / **w8a8** (``models/quant_a8.py``): not weight-only. GGUF Q4_1 / Q8_0 weights times
+  activations quantized to int8 per block inside tidespec's kernel, integer dot products
+  (llama.cpp's arithmetic; 1.6x int4's decode speed on a 2-core Xeon).
 
 Both kernels are GEMVs: their time grows with the rows (30 layers' projections, 2 threads, ms for
 1 / 5 / 16 / 64 / 256 rows: int8 9 / 17 / 33 / 100 / 360, int4-g32 5 / 13 / 25 / 85 / 340,
@@ -152,6 +155,8 @@ class QuantizedLinear(nn.Module):
     # budget: calls run in pieces within it (models/invariance.py); 0 = whole calls
     row_limit = 0
     own_kernel = False  # tidespec's kernel (csrc/quant_linear.cpp) instead of PyTorch's: the same bits
+    kernel_dtype = KERNEL_DTYPE  # the dtype of the kernel's floating-point buffers (scales)
+    scheme = ""  # w4a8 / w8a8 layers (models/quant_a8.py) name their scheme; quantization_of reads it
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -162,8 +167,8 @@ class QuantizedLinear(nn.Module):
         super()._apply(fn, recurse)
         for name in self._kernel_buffers:  # a model-wide .to(float64) must not touch the kernel's scales
             buf = getattr(self, name)
-            if buf.is_floating_point() and buf.dtype != KERNEL_DTYPE:
-                setattr(self, name, buf.to(KERNEL_DTYPE))
+            if buf.is_floating_point() and buf.dtype != self.kernel_dtype:
+                setattr(self, name, buf.to(self.kernel_dtype))
             if buf.device.type != "cpu":  # tidespec's kernels are CPU ops
                 self.own_kernel = False
         return self
@@ -361,12 +366,24 @@ def _int4_in_pieces_fake(xb: torch.Tensor, packed: torch.Tensor, group_size: int
 # --------------------------------------------------------------------------- the model
 
 
+def _a8():  # type: ignore[no-untyped-def]
+    """``models.quant_a8`` (w4a8, w8a8), imported on use: it builds on this module's base class."""
+    from tidespec.models import quant_a8
+
+    return quant_a8
+
+
 def quantized_linear(linear: nn.Module, mode: str, group_size: int) -> QuantizedLinear:
-    """The quantized replacement of one ``nn.Linear``-like module (``weight [out, in]``, ``bias``)."""
+    """The quantized replacement of one ``nn.Linear``-like module (``weight [out, in]``, ``bias``);
+    ``mode`` int8, int4, w4a8 or w8a8."""
     weight: torch.Tensor = linear.weight  # type: ignore[assignment]
     bias: torch.Tensor | None = linear.bias  # type: ignore[assignment]
     if mode == "int8":
         return Int8Linear.from_weight(weight, bias)
+    if mode == "w4a8":
+        return _a8().W4A8Linear.from_weight(weight, bias)
+    if mode == "w8a8":
+        return _a8().W8A8Linear.from_weight(weight, bias)
     return Int4Linear.from_weight(weight, group_size, bias)
 
 
@@ -383,6 +400,9 @@ def check_quantizable(model: LlamaModel, mode: str, group_size: int) -> None:
     if model.device.type != "cpu":
         raise QuantizationError(f"--quantization {mode} needs --device cpu (PyTorch's CPU kernels), "
                                 f"the model is on {model.device}")
+    if mode in ("w4a8", "w8a8"):
+        _a8().check_a8(mode, [model.cfg.hidden_size, model.cfg.num_heads * model.cfg.head_dim,
+                              model.cfg.intermediate_size])
     if mode == "int4":
         if group_size not in INT4_GROUP_SIZES:
             raise QuantizationError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
@@ -399,7 +419,8 @@ def quantize_model(model: LlamaModel, mode: str, group_size: int = 32, lm_head: 
     """Replace, in place, the four projections of every decoder layer (``LAYER_PROJECTIONS``) with
     ``Int8Linear`` / ``Int4Linear`` (``mode`` "int8" / "int4"; "none" does nothing) and, when
     ``lm_head``, the LM head with an ``Int8Linear`` in both modes. ``group_size`` is int4's group
-    of inputs per scale.
+    of inputs per scale. "w4a8" / "w8a8" (``models/quant_a8.py``): Q4_1 / Q8_0 projections and a
+    Q8_0 LM head, times int8 activations.
 
     Why the head is int8 under int4 too: it writes the logits directly. On the embedded model an
     int4 head drops teacher-forced top-1 agreement with float32 from 97.0 % to 89.2 % (code + chat,
@@ -421,7 +442,8 @@ def quantize_model(model: LlamaModel, mode: str, group_size: int = 32, lm_head: 
                 parent = getattr(layer, parent_name)
                 setattr(parent, name, quantized_linear(getattr(parent, name), mode, group_size))
         if lm_head and not isinstance(model.lm_head, QuantizedLinear):
-            model.lm_head = quantized_linear(model.lm_head, "int8", group_size)
+            model.lm_head = quantized_linear(model.lm_head, "w8a8" if mode in ("w4a8", "w8a8") else "int8",
+                                             group_size)
 
 
 def quantize_linears(module: nn.Module, mode: str, group_size: int = 32, int8_names: tuple[str, ...] = ()) -> int:
@@ -454,12 +476,14 @@ def quantize_linears(module: nn.Module, mode: str, group_size: int = 32, int8_na
 
 
 def quantization_of(model: nn.Module) -> str:
-    """What ``quantize_model`` did to ``model``: "none", "int8", or "int4-g<group size>" (read from
-    its first decoder layer's down projection; used to key cached cost profiles)."""
+    """What ``quantize_model`` did to ``model``: "none", "int8", "int4-g<group size>", "w4a8" or "w8a8"
+    (read from its first decoder layer's down projection; used to key cached cost profiles)."""
     layers = getattr(model, "layers", None)
     proj = getattr(getattr(layers[0], "mlp", None), "down_proj", None) if layers else None
     if isinstance(proj, Int8Linear):
         return "int8"
     if isinstance(proj, Int4Linear):
         return f"int4-g{proj.group_size}"
+    if isinstance(proj, QuantizedLinear) and proj.scheme:
+        return proj.scheme
     return "none"

@@ -62,13 +62,13 @@ from tidespec.models.quant import quantize_model
 from tidespec.sampling import SamplingParams
 from tidespec.workloads.loader import Prompt, load_prompts
 
-VARIANT_QUANTIZATIONS = ("int8", "int4")
+VARIANT_QUANTIZATIONS = ("int8", "int4", "w4a8", "w8a8")
 
 
 @dataclass
 class QualityBenchConfig:
     workloads: tuple[str, ...] = ("code", "chat")
-    quantizations: tuple[str, ...] = VARIANT_QUANTIZATIONS
+    quantizations: tuple[str, ...] = ("int8", "int4")  # the CLI default; w4a8, w8a8 on request
     limit: int = 8  # prompts per workload
     max_tokens: int = 64  # reference continuation length (fewer when EOS comes first)
     bf16_reference: bool = True  # also score the unquantized model in bfloat16
@@ -266,7 +266,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     """``tidespec bench quality`` flags: workloads, variants, sizes, output, and the model flags
     (without ``--quantization``: the variants are chosen with ``--quantizations``)."""
     p.add_argument("--workload", default="code,chat", help="comma-separated JSONL paths or built-in names")
-    p.add_argument("--quantizations", default="int8,int4", help="comma-separated variants: int8, int4")
+    p.add_argument("--quantizations", default="int8,int4", help="comma-separated variants: int8, int4, w4a8, w8a8")
     p.add_argument("--limit", type=int, default=8, help="prompts per workload (the first N records)")
     p.add_argument("--max-tokens", type=int, default=64, help="reference greedy continuation length (EOS stops it)")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,

@@ -61,7 +61,7 @@ from tidespec.bench.decode.run import (
     workload_doc,
 )
 from tidespec.bench.spec.turns import by_turn, conversations, longest_prompt, turn_prompts
-from tidespec.config import QUANTIZATIONS, ConfigError, ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig
+from tidespec.config import HEAD_QUANTIZATIONS, ConfigError, ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine
 from tidespec.models import placement
@@ -129,9 +129,9 @@ class SpecBenchConfig:
                 len(set(self.eagle3_min_draft_probs)) != len(self.eagle3_min_draft_probs):
             raise ConfigError(f"--eagle3-min-draft-probs: distinct values in [0, 1), got "
                               f"{','.join(map(str, self.eagle3_min_draft_probs))}")
-        bad_q = [q for q in self.eagle3_quantizations if q not in QUANTIZATIONS]
+        bad_q = [q for q in self.eagle3_quantizations if q not in HEAD_QUANTIZATIONS]
         if bad_q or len(set(self.eagle3_quantizations)) != len(self.eagle3_quantizations):
-            raise ConfigError(f"--eagle3-quantizations: distinct values of {', '.join(QUANTIZATIONS)}, "
+            raise ConfigError(f"--eagle3-quantizations: distinct values of {', '.join(HEAD_QUANTIZATIONS)}, "
                               f"got {','.join(self.eagle3_quantizations)}")
         heads = self.heads()
         names = [name for name, _ in heads]

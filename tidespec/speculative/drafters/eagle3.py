@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tidespec.config import QUANTIZATIONS
+from tidespec.config import HEAD_QUANTIZATIONS
 from tidespec.models import placement
 from tidespec.models.eagle3_checkpoint import fresh_head, head_from_published, load_drafter_source, shipped_bootstrap
 from tidespec.models.eagle3_graphs import HeadGraphs
@@ -95,8 +95,8 @@ class Eagle3DrafterConfig:
     compile: bool = False  # with graphs: inductor-compile the head's step before capturing it (--compile)
 
     def __post_init__(self) -> None:
-        if self.quantization not in QUANTIZATIONS:
-            raise Eagle3ConfigError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, "
+        if self.quantization not in HEAD_QUANTIZATIONS:
+            raise Eagle3ConfigError(f"quantization must be one of {', '.join(HEAD_QUANTIZATIONS)}, "
                                     f"got {self.quantization!r}")
         if self.max_num_seqs < 1:
             raise Eagle3ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
