@@ -76,9 +76,11 @@ def _load() -> None:
     build_dir = cache_root() / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     if not (build_dir / f"{name}.so").exists():
-        log.info("building tidespec's row-invariant attention kernel for this CPU (once; cached in %s)", build_dir)
+        log.info("building tidespec's CPU kernels for this CPU (once; cached in %s)", build_dir)
     flags = COMMON_FLAGS + CAPABILITY_FLAGS.get(_capability(), [])
-    cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=LINK_FLAGS,
+    # A copy: cpp_extension.load appends torch's libraries to the list it is given, and LINK_FLAGS is
+    # part of the library's name (_build_name), so mutating it would name a second library.
+    cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=list(LINK_FLAGS),
                        build_directory=str(build_dir), is_python_module=False, verbose=False)
     torch.library.register_fake("tidespec::exact_attention")(_exact_attention_fake)
     torch.library.register_fake("tidespec::packed_linear")(_packed_linear_fake)

@@ -84,6 +84,7 @@ KERNEL_DTYPE = torch.bfloat16  # the activation dtype both kernels are vectorise
 INT4_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
 INT4_PANEL = 64  # tidespec::int4_linear reads ATen's AVX512 packing of whole panels of 64 outputs
 INT8_K_MULTIPLE = 16  # tidespec::int8_linear reads 16 input features at a time
+A8_QUANTIZATIONS = ("w4a8", "w8a8")  # int8 activations on integer dot products (models/quant_a8.py)
 # The projections of a decoder layer that ``quantize_model`` replaces (attribute paths).
 LAYER_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -400,7 +401,7 @@ def check_quantizable(model: LlamaModel, mode: str, group_size: int) -> None:
     if model.device.type != "cpu":
         raise QuantizationError(f"--quantization {mode} needs --device cpu (PyTorch's CPU kernels), "
                                 f"the model is on {model.device}")
-    if mode in ("w4a8", "w8a8"):
+    if mode in A8_QUANTIZATIONS:
         _a8().check_a8(mode, [model.cfg.hidden_size, model.cfg.num_heads * model.cfg.head_dim,
                               model.cfg.intermediate_size])
     if mode == "int4":
@@ -442,7 +443,7 @@ def quantize_model(model: LlamaModel, mode: str, group_size: int = 32, lm_head: 
                 parent = getattr(layer, parent_name)
                 setattr(parent, name, quantized_linear(getattr(parent, name), mode, group_size))
         if lm_head and not isinstance(model.lm_head, QuantizedLinear):
-            model.lm_head = quantized_linear(model.lm_head, "w8a8" if mode in ("w4a8", "w8a8") else "int8",
+            model.lm_head = quantized_linear(model.lm_head, "w8a8" if mode in A8_QUANTIZATIONS else "int8",
                                              group_size)
 
 

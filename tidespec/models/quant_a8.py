@@ -40,7 +40,6 @@ from tidespec.models.rows import in_pieces
 
 A8_BLOCK = 32  # inputs per weight and activation block (GGUF's Q4_1 / Q8_0)
 A8_PANEL = 16  # outputs per packed panel (one vector of 16 int32 sums)
-A8_MODES = ("w4a8", "w8a8")
 SCALE_DTYPE = torch.float16  # GGUF's block scales
 
 

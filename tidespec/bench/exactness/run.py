@@ -44,6 +44,7 @@ from tidespec.bench.common.divergence import first_divergence
 from tidespec.bench.common.report import command_line, machine_info, machine_line
 from tidespec.config import (
     CUDA_INVARIANCE,
+    QUANTIZATIONS,
     CacheConfig,
     ConfigError,
     DraftModelConfig,
@@ -68,7 +69,7 @@ from tidespec.workloads.loader import Prompt, load_prompts
 
 PATHS = ("float32", "float32+compile", "bfloat16", "bfloat16+compile", "int8", "int8+compile", "int4", "int4+compile",
          "bfloat16+int4", "w4a8", "w4a8+compile", "w8a8", "w8a8+compile")
-QUANT_PATHS = ("int8", "int4", "w4a8", "w8a8")
+QUANT_PATHS = tuple(q for q in QUANTIZATIONS if q != "none")
 DRAFTERS = ("ngram", "suffix", "draft-model", "eagle3", "eagle3-tree", "suffix,eagle3+analytic")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

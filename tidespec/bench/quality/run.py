@@ -53,7 +53,7 @@ from tidespec.bench.common.report import (
     write_results,
 )
 from tidespec.bench.decode.run import bench_engine_config, resolve_target, run_wave, workload_doc
-from tidespec.config import ConfigError, ModelConfig, add_dataclass_args, dataclass_from_args, output_dir
+from tidespec.config import QUANTIZATIONS, ConfigError, ModelConfig, add_dataclass_args, dataclass_from_args, output_dir
 from tidespec.llm import DTYPES, build_engine
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
@@ -62,7 +62,7 @@ from tidespec.models.quant import quantize_model
 from tidespec.sampling import SamplingParams
 from tidespec.workloads.loader import Prompt, load_prompts
 
-VARIANT_QUANTIZATIONS = ("int8", "int4", "w4a8", "w8a8")
+VARIANT_QUANTIZATIONS = tuple(q for q in QUANTIZATIONS if q != "none")
 
 
 @dataclass
