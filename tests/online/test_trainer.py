@@ -388,3 +388,27 @@ def test_a_lineage_from_a_trained_head_fine_tunes_at_finetune_lr(model: LlamaMod
     publish(shipped, fresh.current, {})  # v1: a trained head, before the trainer ever ran
     tuned = trainer(shipped)
     assert tuned.run_round() is not None and not tuned.state.fresh_start and rates[-1] == 2e-4
+
+
+def test_a_round_on_few_rows_trains_at_least_min_steps(model: LlamaModel, tmp_path: Path) -> None:
+    """Three short segments, batch 8, 2 epochs: the passes alone make 1 step; --min-steps 5 makes 5;
+    --max-steps still sets the count exactly (below --min-steps too)."""
+    cfg = TrainerConfig(signal_dir=str(tmp_path / "s"), publish_root=str(tmp_path / "p"), draft_vocab=16,
+                        batch_segments=8, epochs=2.0, min_steps=5, progress=False)
+    trainer = DraftTrainer(cfg, model.cfg, model.embed_tokens, target=model)
+    width = trainer.current.cfg.tap_size
+    rows = [SignalSegment(torch.randn(6, width, dtype=torch.float64), torch.randint(0, 16, (7,)), None, 0)
+            for _ in range(3)]
+
+    def steps_of(**changes: int) -> int:
+        for name, value in changes.items():
+            setattr(trainer.cfg, name, value)
+        seen: list[int] = []
+        trainer.train_head(trainer.current.train(), rows, seed=0, on_step=lambda step, loss: seen.append(step))
+        return len(seen)
+
+    assert steps_of() == 5
+    assert steps_of(min_steps=0) == 1
+    assert steps_of(max_steps=3, min_steps=5) == 3
+    with pytest.raises(TrainerConfigError, match="min_steps must be >= 0"):
+        TrainerConfig(signal_dir="s", publish_root="p", min_steps=-1)

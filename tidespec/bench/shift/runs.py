@@ -312,7 +312,7 @@ def start_online(target: LoadedModel, trace: list[TraceItem], cfg: ShiftBenchCon
                                     n_threshold=cfg.min_signals, force=cfg.collect_force or lora_only,
                                     bootstrap=seeded is None)))
     extra = ["--threads", str(cfg.trainer_threads), "--epochs", str(cfg.trainer_epochs), "--poll-s", "2",
-             "--seed", str(cfg.seed), "--heldout-frac", "0.2", "--batch-segments", "4"]
+             "--seed", str(cfg.seed), "--heldout-frac", "0.2", "--batch-segments", "2"]
     if lora_only:
         extra += ["--min-signals", str(1 << 40)]
     extra += shlex.split(cfg.trainer_args)

@@ -104,14 +104,18 @@ class TrainerConfig(TargetOptions):
     publish_root: str = opt("", "drafter publish root (v1/, v2/, LATEST); the engine's --eagle3-dir")
     draft_vocab: int = opt(0, "draft vocabulary of a fresh head, most frequent captured tokens (0 = full vocab)")
     init_from: str | None = opt(None, "exported EAGLE-3 checkpoint to start from when nothing is published")
-    widen_vocab: int = opt(0, "a round adds up to this many tokens of its new rows that the head's draft vocabulary "
-                              "lacks (seen at least twice), with calibrated rows, before it trains (0 = the "
-                              "vocabulary stays)")
+    widen_vocab: int = opt(1024, "a round adds up to this many tokens of its new rows that the head's draft "
+                                 "vocabulary lacks (seen at least twice), with calibrated rows, before it trains (0 = "
+                                 "the vocabulary stays): a new script's answers are half outside a pruned head's "
+                                 "vocabulary (docs/benchmarks/learning.md)")
     max_draft_vocab: int = opt(16384, "--widen-vocab never grows the draft vocabulary past this")
     min_signals: int = opt(16384, "new signal rows (positions) that trigger a training round")
     heldout_frac: float = opt(0.1, "fraction of sequences held out to compare candidate and current drafter")
     epochs: float = opt(2.0, "passes over the round's training segments")
     max_steps: int = opt(0, "optimizer steps per round (0 = from --epochs)")
+    min_steps: int = opt(32, "with --max-steps 0, a round trains at least this many optimizer steps: a new domain's "
+                             "first rounds hold a few hundred rows, which --epochs passes make 1-5 steps that "
+                             "teach a head next to nothing (docs/benchmarks/learning.md)")
     batch_segments: int = opt(8, "segments per optimizer step (per rank)")
     max_segment_len: int = opt(256, "positions per training segment (longer runs are cut)")
     replay_rows: int = opt(4096, "also train on up to this many rows of earlier rounds (newest first), so a round "
@@ -185,8 +189,8 @@ class TrainerConfig(TargetOptions):
             raise TrainerConfigError("--signal-dir is required")
         if not self.publish_root and not self.capture_only:
             raise TrainerConfigError("--publish-root is required")
-        for name in ("threads", "draft_vocab", "widen_vocab", "max_draft_vocab", "max_steps", "max_rounds",
-                     "workload_limit", "replay_rows", "topk", "warmup_steps", "served_judge_rows"):
+        for name in ("threads", "draft_vocab", "widen_vocab", "max_draft_vocab", "max_steps", "min_steps",
+                     "max_rounds", "workload_limit", "replay_rows", "topk", "warmup_steps", "served_judge_rows"):
             if getattr(self, name) < 0:
                 raise TrainerConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("min_signals", "batch_segments", "ttt_steps", "gamma", "max_tokens", "budget_mb", "samples",

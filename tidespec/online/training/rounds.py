@@ -474,8 +474,8 @@ class DraftTrainer:
     def train_head(self, head: Eagle3Head, train: list[SignalSegment], seed: int,
                    on_step: Callable[[int, float], None] | None = None, lr: float | None = None) -> float:
         """Train ``head`` in place: AdamW training-time-test steps (``max_steps``, else ``epochs``
-        passes over ``train``) at peak ``lr`` (default ``cfg.lr``); under DDP each rank takes its
-        slice of every global batch. Returns
+        passes over ``train`` but at least ``min_steps``) at peak ``lr`` (default ``cfg.lr``); under
+        DDP each rank takes its slice of every global batch. Returns
         the mean loss of the last quarter of the steps. ``on_step(step, loss)`` (1-based) is called
         after every optimizer step (``bench learn`` evaluates there; it must leave the head in
         train mode)."""
@@ -487,7 +487,7 @@ class DraftTrainer:
                                       weight_decay=cfg.weight_decay)
         per_step = cfg.batch_segments * ctx.world_size
         # rank 0's count on every rank: a shard evicted between two ranks' reads must not desync DDP
-        steps = ctx.broadcast(cfg.max_steps or max(1, math.ceil(cfg.epochs * len(train) / per_step)))
+        steps = ctx.broadcast(cfg.max_steps or max(1, cfg.min_steps, math.ceil(cfg.epochs * len(train) / per_step)))
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, lambda i: lr_factor(i, steps, cfg.warmup_steps, cfg.lr_schedule))
         batches = _batches(len(train), per_step, seed)
