@@ -13,7 +13,8 @@ policy decided.
 
 Part 2 — everything on: an EAGLE-3 drafter learning online (TIDE) beside the suffix drafter,
 both under the analytic controller. A request trace that shifts domain — code the drafter never
-saw, then chat — runs through the engine with plain decoding and with suffix + EAGLE-3 plus online
+saw, then everyday questions in Russian, a script the shipped head never drafted (``ru_topics``;
+on English chat a round has little to teach it, docs/benchmarks/learning.md) — runs through the engine with plain decoding and with suffix + EAGLE-3 plus online
 training, the two configurations taking turns on slices of the trace: the controller chooses per
 step which drafter drafts and how far (or none: then the step is plain decoding's), the engine
 captures the target's hidden states (its taps, and its final hidden state, from which the trainer
@@ -28,7 +29,9 @@ whole head once ``--min-signals`` rows arrived, publishes it only if it beats th
 held-out rows, and judges it again, paired with the one it replaced, on the rows captured after it.
 The engine swaps each better drafter (``v2``) or adapter (``v2+a1``) in between steps. A live
 progress line shows acceptance, the drafter served and tokens/s; the demo ends with a per-phase table
-against plain decoding, a plot, and the losslessness check (every output equal to plain's). The starting drafter is the
+against plain decoding, the shifted phase by quarter (the drafter version served; acceptance served
+and per drafter: under the controller suffix carries most drafts on a new script, so the learning
+head's own acceptance is the one to watch), a plot, and the losslessness check (every output equal to plain's). The starting drafter is the
 bootstrap shipped in ``tidespec/assets`` (trained by our own trainer on prompts disjoint from the
 trace; recipe in its README), or a fresh head when it is missing.
 """
@@ -45,7 +48,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from tidespec.bench.shift.config import ShiftBenchConfig
+from tidespec.bench.shift.config import ShiftBenchConfig, served_label
 from tidespec.bench.shift.run import run_shift_bench
 from tidespec.config import CacheConfig, EngineConfig, NgramConfig, PolicyConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
@@ -136,7 +139,7 @@ def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bo
               f"process with {ns.threads} threads, running {ns.trainer_share:.0%} of the busy time and whenever serving "
               f"is idle ({ns.idle_s:g} s after every 4 requests, off the clock): LoRA adapters every few hundred rows, "
               f"the whole head every {ns.min_signals} rows (lr {ns.trainer_lr:g})")
-    cfg = ShiftBenchConfig(workloads=f"code_unseen:{ns.code_requests},chat:{ns.chat_requests}",
+    cfg = ShiftBenchConfig(workloads=f"code_unseen:{ns.code_requests},{ns.shift_workload}:{ns.shift_requests}",
                            max_tokens=ns.max_tokens, gamma=ns.gamma, concurrency=2, configs="plain,online",
                            drafter="suffix,eagle3", policy="analytic", turn=4, trainer_share=ns.trainer_share,
                            bootstrap=str(boot) if boot else None, min_signals=ns.min_signals, collect_n_init=4,
@@ -159,6 +162,14 @@ def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bo
                   f"{online['tok_s']:.1f}", f"{online['speedup']:.2f}x", f"{online['mean_acceptance_length']:.2f}",
                   "", "")
     con.print(table)
+    reqs = doc["runs"]["online"]["requests"]
+    for po in online["phases"][1:]:
+        mine = [r for r in reqs if r["phase"] == po["phase"] - 1]
+        served = [",".join(sorted({served_label(r["version"], r.get("adapter", 0))
+                                   for r in mine[len(mine) * q // 4:len(mine) * (q + 1) // 4]})) for q in range(4)]
+        con.print(f"phase {po['phase']} ({po['workload']}) by quarter of its requests: drafter served "
+                  + " / ".join(served) + "; acceptance length "
+                  + "; ".join(f"{who} " + " / ".join(f"{q:.2f}" for q in v) for who, v in po.get("quarters", {}).items()))
     on = online["online"]
     for r in on.get("rounds", []):
         pub = f"published v{r['published_version']}" if r.get("published_version") else "not published"
@@ -194,8 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request")
     ap.add_argument("--gamma", type=int, default=4, help="speculation length (gamma_max for hybrid)")
     ap.add_argument("--code-requests", type=int, default=8, help="part 2: requests of the code phase")
-    ap.add_argument("--chat-requests", type=int, default=32, help="part 2: requests of the chat phase")
-    ap.add_argument("--min-signals", type=int, default=768, help="part 2: signal rows per training round")
+    ap.add_argument("--shift-workload", default="ru_topics", help="part 2: the workload the trace shifts to")
+    ap.add_argument("--shift-requests", type=int, default=32, help="part 2: requests of the shifted phase")
+    ap.add_argument("--min-signals", type=int, default=512, help="part 2: signal rows per training round")
     ap.add_argument("--trainer-share", type=float, default=0.0,
                     help="part 2: fraction of the busy time the trainer may run (it always runs when idle)")
     ap.add_argument("--idle-s", type=float, default=4.0,
@@ -221,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         lossless &= part_drafters(con, loaded, ns)
     if ns.part in ("all", "online"):
         con.print("[bold]part 2[/bold]: everything on (suffix + EAGLE-3 learning online, one controller) — code "
-                  "the drafter never saw, then chat")
+                  f"the drafter never saw, then {ns.shift_workload}")
         lossless &= part_online(con, loaded, ns)
     con.print(f"demo took {time.perf_counter() - t_start:.0f} s; outputs identical to plain decoding: "
               + ("[green]yes[/green]" if lossless else "[red]NO[/red]"))

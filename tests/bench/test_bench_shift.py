@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 from pathlib import Path
 
@@ -21,7 +22,7 @@ from tidespec.bench.decode.run import resolve_target
 from tidespec.bench.shift.config import ShiftBenchConfig, build_trace
 from tidespec.bench.shift.measure import recompute_taps
 from tidespec.bench.shift.report import _curves, config_colors
-from tidespec.bench.shift.run import replot, run_shift_bench, summarize_run
+from tidespec.bench.shift.run import quarter_acceptance, replot, run_shift_bench, summarize_run
 from tidespec.bench.shift.runs import TraceLoop, run_trace, trace_engine_config
 from tidespec.config import ConfigError, Eagle3Options, EngineConfig, ModelConfig
 from tidespec.llm import build_engine
@@ -186,6 +187,20 @@ def test_shift_bench_interleaves_a_controller_with_several_drafters(tmp_path: Pa
     assert online["lora"] is not None  # --online-lora: adapters between full rounds, merged by the engine
     served = [label for p in doc["configs"]["online"]["phases"] for label in p["served"]]
     assert served and all(re.fullmatch(r"v\d+(\+a\d+)?", label) for label in served), served
+    quarters = doc["configs"]["online"]["phases"][0]["quarters"]
+    assert len(quarters["served"]) == 4 and set(quarters) <= {"served", "suffix", "eagle3"}
+
+
+def test_quarters_split_acceptance_by_requests_and_by_drafter() -> None:
+    """Served acceptance per quarter of a phase's requests; each drafter's from the steps in that quarter."""
+    reqs = [{"t_start": float(i), "t_end": i + 1.0, "drafts": 2, "accepted": i} for i in range(8)]
+    steps = [{"t": i + 0.5, "by_drafter": {"suffix": 2, "eagle3": 1}, "accepted_by_drafter": {"suffix": 3, "eagle3": 0}}
+             for i in range(8)]
+    q = quarter_acceptance(reqs, steps)
+    assert q["served"] == [(0 + 1 + 4) / 4, (2 + 3 + 4) / 4, (4 + 5 + 4) / 4, (6 + 7 + 4) / 4]
+    assert q["suffix"] == [2.5] * 4 and q["eagle3"] == [1.0] * 4
+    short = quarter_acceptance(reqs[:2], steps[:2])  # quarters without requests are nan, not errors
+    assert math.isnan(short["served"][0]) and short["served"][1] == 1.0 and short["suffix"][3] == 2.5
 
 
 

@@ -39,6 +39,24 @@ def _fmt(v: Any, digits: int = 2) -> str:
     return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.{digits}f}"
 
 
+def _quarter_lines(doc: dict[str, Any]) -> list[str]:
+    """Acceptance length per quarter of each phase: served, and per drafter where several drafted."""
+    rows = []
+    for name, s in doc["configs"].items():
+        for p in s["phases"]:
+            for who, qs in (p.get("quarters") or {}).items():
+                if who == "served" and len(p["quarters"]) == 2:
+                    continue  # one drafter: its own row says the same
+                if all(q is None or not math.isfinite(q) for q in qs):  # nan, or null once saved as JSON
+                    continue
+                rows.append([name, f"{p['phase']}: {p['workload']}", who, *(_fmt(q) for q in qs)])
+    if not rows:
+        return []
+    return [("Acceptance length per quarter of each phase's requests (served: every draft; per drafter: the "
+             "drafts it made in that quarter's steps):"), "",
+            markdown_table(["config", "phase", "drafts", "1st quarter", "2nd", "3rd", "4th"], rows), ""]
+
+
 def report(doc: dict[str, Any]) -> str:
     cfg = doc["config"]
     lines = ["# bench shift", "", f"Command: `{doc.get('command', '')}`", "",
@@ -70,6 +88,7 @@ def report(doc: dict[str, Any]) -> str:
                              [[name] + [(_fmt(1e3 * p["mean_latency_s"], 0) if "mean_latency_s" in p else "-")
                                         + (f" ({_fmt(p['latency_speedup'])}x)" if "latency_speedup" in p else "")
                                         for p in s["phases"]] for name, s in doc["configs"].items()]), ""]
+    lines += _quarter_lines(doc)
     lines += _vocab_lines(doc)
     for name, s in doc["configs"].items():
         ads = s.get("online", {}).get("adapters")
@@ -210,6 +229,40 @@ def _mark_served(ax: Any, requests: list[dict[str, Any]], color: str) -> None:
         before = label
 
 
+def drafter_acceptance(steps: list[dict[str, Any]], names: list[str]) -> dict[str, float]:
+    """Each of ``names``' mean acceptance length over the drafts it made in ``steps`` (nan: none).
+
+    Example: steps where suffix drafted 2 + 2 sequences with 3 + 1 tokens accepted -> {"suffix": 2.0}."""
+    out = {}
+    for n in names:
+        k = sum(s.get("by_drafter", {}).get(n, 0) for s in steps)
+        out[n] = (sum(s.get("accepted_by_drafter", {}).get(n, 0) for s in steps) + k) / k if k else float("nan")
+    return out
+
+
+def _drafter_curves(run: dict[str, Any], window: int) -> dict[str, tuple[list[float], list[float]]]:
+    """Each drafter's own acceptance length per window of finished requests (the steps between the
+    window's first and last finish), when several drafted under one controller; else nothing.
+
+    Example: windows of 4; suffix drafted 10 sequences with 12 tokens accepted in the steps of the
+    first window -> suffix's curve starts at (4, 2.2)."""
+    steps = run["steps"]
+    names = sorted({d for s in steps for d in s.get("accepted_by_drafter", {})})
+    if len(names) < 2:
+        return {}
+    ends = sorted(r["t_end"] for r in run["requests"])
+    out: dict[str, tuple[list[float], list[float]]] = {n: ([], []) for n in names}
+    lo = float("-inf")
+    for i in range(0, len(ends), window):
+        hi = ends[min(i + window, len(ends)) - 1]
+        for n, acc in drafter_acceptance([s for s in steps if lo < s["t"] <= hi], names).items():
+            if math.isfinite(acc):
+                out[n][0].append(min(i + window, len(ends)))
+                out[n][1].append(acc)
+        lo = hi
+    return out
+
+
 def plot_shift(doc: dict[str, Any], out_dir: Path) -> Path:
     """Acceptance length per window of finished requests, and tokens/s over time."""
     cfg = doc["config"]
@@ -224,6 +277,8 @@ def plot_shift(doc: dict[str, Any], out_dir: Path) -> Path:
         color = colors[name]
         if xs:
             ax_a.plot(xs, ys, marker="o", markersize=3, label=name, color=color)
+        for (drafter, (dx, dy)), style in zip(_drafter_curves(run, cfg["window"]).items(), ("--", ":", "-.")):
+            ax_a.plot(dx, dy, linestyle=style, linewidth=1, label=f"{name}: {drafter}'s drafts", color=color)
         ax_t.plot(ts, rates, label=name, color=color)
         if name == "online":
             swaps = [s["t"] for a, s in zip(run["steps"], run["steps"][1:])

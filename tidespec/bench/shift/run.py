@@ -65,6 +65,7 @@ closed loop and the engines in ``bench.shift.runs``, the side measurements in
 from __future__ import annotations
 
 import functools
+import math
 import random
 import shutil
 import time
@@ -76,7 +77,7 @@ from tidespec.bench.common.report import default_out_dir, finish_run, rerender_r
 from tidespec.bench.serve.run import arrival_times
 from tidespec.bench.shift.config import ONLINE_CONFIGS, ShiftBenchConfig, TraceItem, build_trace, served_label
 from tidespec.bench.shift.measure import measure_capture_overhead, measure_training_sources
-from tidespec.bench.shift.report import plot_shift, report
+from tidespec.bench.shift.report import drafter_acceptance, plot_shift, report
 from tidespec.bench.shift.runs import (
     OnlineSetup,
     TraceLoop,
@@ -91,6 +92,32 @@ from tidespec.bench.shift.runs import (
     vocab_engine,
 )
 from tidespec.models.loader import LoadedModel
+
+
+def quarter_acceptance(reqs: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Mean acceptance length per quarter of a phase's requests (in trace order): ``served`` over all
+    its drafts, and each drafter's over the drafts it made in the steps of that quarter (from the
+    first request's start to the next quarter's). Why: under a controller the served figure mixes
+    drafters, so a learning drafter's own trend shows only per drafter.
+
+    Example: 8 requests -> quarters of requests 0-1, 2-3, 4-5, 6-7; a quarter's steps in which suffix
+    drafted 10 sequences and had 15 tokens accepted -> suffix 2.5 there.
+    """
+    n = len(reqs)
+    bounds = [reqs[n * q // 4:n * (q + 1) // 4] for q in range(4)]
+    edges = [min((r["t_start"] for r in b), default=float("nan")) for b in bounds]
+    edges.append(max((r["t_end"] for r in reqs), default=float("nan")) + 1e-9)  # the phase's end closes the last
+    for q in reversed(range(4)):  # an empty quarter (a phase of < 4 requests) ends where the next one starts
+        edges[q] = edges[q + 1] if math.isnan(edges[q]) else edges[q]
+    names = sorted({d for s in steps for d in s.get("accepted_by_drafter", {})})
+    out: dict[str, list[float]] = {name: [] for name in ["served", *names]}
+    for q, b in enumerate(bounds):
+        drafts = sum(r["drafts"] for r in b)
+        out["served"].append((sum(r["accepted"] for r in b) + drafts) / drafts if drafts else float("nan"))
+        in_q = [s for s in steps if edges[q] <= s["t"] < edges[q + 1]] if b else []
+        for name, acc in drafter_acceptance(in_q, names).items():
+            out[name].append(acc)
+    return out
 
 
 def summarize_run(run: TraceRun, trace: list[TraceItem], plain: TraceRun | None) -> dict[str, Any]:
@@ -117,6 +144,7 @@ def summarize_run(run: TraceRun, trace: list[TraceItem], plain: TraceRun | None)
         phase = {"phase": p + 1, "workload": reqs[0]["workload"], "requests": len(reqs),
                  "tok_s": sum(r["tokens"] for r in reqs) / max(1e-9, t_b - t_a), "mean_latency_s": latency(reqs),
                  "mean_acceptance_length": acc(reqs), "second_half_acceptance_length": acc(half),
+                 "quarters": quarter_acceptance(reqs, run.steps),
                  "versions": sorted({r["version"] for r in reqs}),
                  "served": [served_label(v, a) for v, a in sorted({(r["version"], r.get("adapter", 0)) for r in reqs})],
                  "draft_ms_per_token": 1e3 * sum(s.get("draft_s", 0.0) for s in steps) / draft_tokens

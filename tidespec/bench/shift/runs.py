@@ -56,7 +56,7 @@ from tidespec.stats import RequestStats, StepStats
 class TraceRun:
     config: str
     wall_s: float = 0.0
-    steps: list[dict[str, Any]] = field(default_factory=list)  # t, emitted, drafts, accepted, version, by_drafter, taps
+    steps: list[dict[str, Any]] = field(default_factory=list)  # t, emitted, drafts, accepted, version, by_drafter (+ accepted), taps
     requests: list[dict[str, Any]] = field(default_factory=list)  # in trace order
     outputs: list[list[int]] = field(default_factory=list)  # in trace order
     turns: list[tuple[float, float]] = field(default_factory=list)  # wall-clock (perf_counter) span of each turn
@@ -123,6 +123,8 @@ class TraceLoop:
                                    "batch": st.batch_size,
                                    "by_drafter": {n: sum(1 for _, d, _ in o if d)
                                                   for n, o in st.drafter_outcomes.items()},
+                                   "accepted_by_drafter": {n: sum(a for _, d, a in o if d)
+                                                           for n, o in st.drafter_outcomes.items()},
                                    "taps": st.taps, "draft_s": st.draft_time, "draft_tokens": st.num_draft_tokens})
 
         def due(idx: int) -> float:
