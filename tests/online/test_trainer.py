@@ -27,6 +27,7 @@ from tidespec.online.store import SignalShard, SignalStore
 from tidespec.online.training.config import TrainerConfig, TrainerConfigError
 from tidespec.online.training.data import cut_segment, heldout_keys, segments_by_sequence, split_heldout
 from tidespec.online.training.eagle3_train import SignalSegment
+from tidespec.online.training.judge import PairedJudgement
 from tidespec.online.training.process import capture_from_workload, distill_from_workload, export_latest, train_drafter
 from tidespec.online.training.rounds import DraftTrainer, _Awaiting
 from tidespec.sampling import SamplingParams
@@ -412,3 +413,55 @@ def test_a_round_on_few_rows_trains_at_least_min_steps(model: LlamaModel, tmp_pa
     assert steps_of(max_steps=3, min_steps=5) == 3
     with pytest.raises(TrainerConfigError, match="min_steps must be >= 0"):
         TrainerConfig(signal_dir="s", publish_root="p", min_steps=-1)
+
+
+def test_an_unpublished_round_that_gained_is_where_the_next_round_trains_on_from(
+        model: LlamaModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Round 1 gains on average but not beyond its interval: not published, carried; round 2 trains on
+    from that candidate. A round that lost on average is not carried; a publication ends the carry;
+    --no-carry-unpublished starts every round from the published head."""
+    workload, _ = _workload(tmp_path)
+    sig, root = tmp_path / "signals", tmp_path / "drafter"
+    capture_from_workload(model, tiny_tokenizer(V), str(workload), sig, max_tokens=20, progress=False)
+    starts: list[object] = []  # the head each round trained, and its output weights before training
+
+    def train(self: DraftTrainer, head: object, train: object, seed: int, on_step: object = None,
+              lr: object = None) -> float:
+        starts.append((head, head.lm_head.weight.detach().clone()))
+        with torch.no_grad():
+            head.lm_head.weight += 1.0  # "training": each round moves its head by 1
+        return 1.0
+
+    monkeypatch.setattr(DraftTrainer, "train_head", train)
+    gains = iter([(1.0, 1.2, -0.1), (1.0, 0.9, -0.3), (1.0, 1.1, -0.1), (1.0, 1.5, 0.2)])  # base, cand, low
+
+    def judge(self: DraftTrainer, base: object, cand: object, rows: object) -> PairedJudgement:
+        b, c, low = next(gains)
+        return PairedJudgement(10, 1, 2, b, c, b, c, low, c - b + 0.1, 0.9)
+
+    monkeypatch.setattr(DraftTrainer, "_judge", judge)
+    publish(root, DraftTrainer(TrainerConfig(signal_dir=str(sig), publish_root=str(tmp_path / "x"), progress=False),
+                               model.cfg, model.embed_tokens).current, {})  # v1: a trained head
+    cfg = TrainerConfig(signal_dir=str(sig), publish_root=str(root), min_signals=1, widen_vocab=0,
+                        served_judge_rows=0, progress=False)
+    trainer = DraftTrainer(cfg, model.cfg, model.embed_tokens)
+
+    def again() -> None:
+        trainer.state.last_shard_id = None  # the same rows once more
+        assert trainer.run_round() is not None
+
+    v1 = trainer.current.lm_head.weight.detach().clone()
+    again()  # gained 0.2 on average, interval below 0: carried
+    assert trainer.current_version == 1 and trainer.carry is starts[0][0]
+    again()  # trains on from round 1's candidate (v1 + 1); lost on average: nothing carried
+    assert starts[1][0] is not starts[0][0] and torch.equal(starts[1][1], v1 + 1.0)
+    assert trainer.carry is None
+    again()  # from v1 again; gained: carried
+    assert torch.equal(starts[2][1], v1)
+    again()  # trains on from it, and is published: the carry ends there
+    assert torch.equal(starts[3][1], v1 + 1.0)
+    assert trainer.current_version == 2 and trainer.carry is None
+    trainer.cfg.carry_unpublished = False
+    gains = iter([(1.0, 1.2, -0.1)])
+    again()
+    assert trainer.carry is None

@@ -109,6 +109,10 @@ class TrainerConfig(TargetOptions):
                                  "the vocabulary stays): a new script's answers are half outside a pruned head's "
                                  "vocabulary (docs/benchmarks/learning.md)")
     max_draft_vocab: int = opt(16384, "--widen-vocab never grows the draft vocabulary past this")
+    carry_unpublished: bool = opt(True, "a round that was not published but beat the current head on average on its "
+                                        "held-out rows is where the next round trains on from (its widened "
+                                        "vocabulary too); --no-carry-unpublished: every round starts from the "
+                                        "published head")
     min_signals: int = opt(16384, "new signal rows (positions) that trigger a training round")
     heldout_frac: float = opt(0.1, "fraction of sequences held out to compare candidate and current drafter")
     epochs: float = opt(2.0, "passes over the round's training segments")

@@ -211,6 +211,7 @@ class DraftTrainer:
         self._out_rows: torch.Tensor | None = None  # the target's LM-head rows, once a shard has hidden states
         self.aligner = self._aligner(target) if cfg.lora.enabled else None
         self.awaiting: _Awaiting | None = None  # a published version before its served judgement
+        self.carry: Eagle3Head | None = None  # an unpublished candidate the next round trains on from
 
     # -- the current drafter ---------------------------------------------------------------------
 
@@ -219,6 +220,7 @@ class DraftTrainer:
         version = self.ctx.broadcast(self._newest_valid() if self.ctx.is_main else None)
         if version == self.current_version:
             return self.current
+        self.carry = None  # it descends from the head that is no longer current
         if version > 0:
             head = head_from_published(load_version(self.root, version, self.target_cfg), self.dtype, self.device)
         elif self.cfg.init_from:
@@ -264,13 +266,15 @@ class DraftTrainer:
         return pub.version if pub is not None else 0
 
     def _candidate(self, train: list[SignalSegment], fresh: list[SignalSegment]) -> Eagle3Head:
-        """A copy of the current head, its draft vocabulary widened by ``fresh`` rows' tokens it lacks
-        (``_widened``); from a fresh head, a fresh head of ``head_layers`` layers and ``fusion`` (with
-        a reduced draft vocabulary: the most frequent tokens of the training rows) started from the
-        target's weights as ``init_from_target`` says."""
+        """A copy of the current head (or of the carried candidate of an unpublished round that gained
+        on average: ``carry_unpublished``), its draft vocabulary widened by ``fresh`` rows' tokens it
+        lacks (``_widened``); from a fresh head, a fresh head of ``head_layers`` layers and ``fusion``
+        (with a reduced draft vocabulary: the most frequent tokens of the training rows) started from
+        the target's weights as ``init_from_target`` says."""
         if self.current_version > 0 or self.cfg.init_from:
-            wide = self._widened(self.current, fresh)  # a new head, or the current one itself
-            return wide if wide is not self.current else copy.deepcopy(self.current)
+            start = self.carry if self.carry is not None else self.current
+            wide = self._widened(start, fresh)  # a new head, or ``start`` itself
+            return wide if wide is not start else copy.deepcopy(start)
         head = fresh_head_for(self.target_cfg, self.current.cfg.draft_vocab_size, train, self.dtype, self.device,
                               self.cfg.seed, self.cfg.head_layers, self.cfg.fusion)
         return init_from_target(head, self.target, self.cfg.init_from_target) if self.target is not None else head
@@ -390,6 +394,11 @@ class DraftTrainer:
                         base, cand, g, judged.gain, gain_interval(verdict),
                         f"published v{version}" if version else "not published")
         version, base, cand, verdict = self.ctx.broadcast((version, base, cand, verdict))
+        # Why carry: an unpublished round's gain (its interval reaching below 0 on a few held-out
+        # requests) and its widened vocabulary were thrown away, and the next round started again
+        # from the published head (docs/benchmarks/learning.md); every publication is still judged
+        # against the served head
+        self.carry = candidate.eval() if self.cfg.carry_unpublished and version is None and cand > base else None
         if version is not None:
             if self.cfg.served_judge_rows:
                 self.awaiting = _Awaiting(version, parent, parent_version, infos[-1].shard_id)
