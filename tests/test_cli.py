@@ -9,6 +9,7 @@ import torch
 
 from tests.helpers import tiny_hf_model, write_tiny_checkpoint
 from tidespec.cli import main
+from tidespec.demo import main as demo_main
 
 
 @pytest.mark.parametrize("argv,needle", [
@@ -129,3 +130,16 @@ def test_generate_with_compile_prints_the_warm_up_time(capsys, tmp_path: Path) -
                  "--max-model-len", "64", "--max-num-seqs", "1"]) == 0
     cap = capsys.readouterr()
     assert cap.out.strip() and "[compiled the decode step in " in cap.err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shift-workload", "nosuch"], "workload nosuch not found"),
+    (["--shift-requests", "81"], "asks 81 requests of workload ru_topics, which has 80"),
+    (["--shift-requests", "0"], "--shift-requests >= 1"),
+])
+def test_the_demo_checks_part_2s_trace_before_it_starts(args: list[str], message: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad trace for part 2 is a one-line error at once, not a traceback after part 1's minute."""
+    with pytest.raises(SystemExit) as exc:
+        demo_main(["--part", "online", *args])
+    assert exc.value.code == 2 and message in capsys.readouterr().err

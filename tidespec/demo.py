@@ -14,11 +14,12 @@ policy decided.
 Part 2 — everything on: an EAGLE-3 drafter learning online (TIDE) beside the suffix drafter,
 both under the analytic controller. A request trace that shifts domain — code the drafter never
 saw, then everyday questions in Russian, a script the shipped head never drafted (``ru_topics``;
-on English chat a round has little to teach it, docs/benchmarks/learning.md) — runs through the engine with plain decoding and with suffix + EAGLE-3 plus online
-training, the two configurations taking turns on slices of the trace: the controller chooses per
-step which drafter drafts and how far (or none: then the step is plain decoding's), the engine
-captures the target's hidden states (its taps, and its final hidden state, from which the trainer
-recovers the target's top-k distribution), selective collection switches on at the shift,
+on English chat a round has little to teach it, docs/benchmarks/learning.md) — runs through the
+engine with plain decoding and with suffix + EAGLE-3 plus online training, the two configurations
+taking turns on slices of the trace: the controller chooses per step which drafter drafts and how
+far (or none: then the step is plain decoding's), the engine captures the target's hidden states
+(its taps, and its final hidden state, from which the trainer recovers the target's top-k
+distribution), selective collection switches on at the shift,
 ``tidespec train-drafter`` runs as a child process that yields the CPU to serving (paused while
 requests are decoded, ``--trainer-share``), and serving is idle for ``--idle-s`` seconds after every
 turn of 4 requests, as between bursts of real traffic, which is when the trainer gets the CPU (both
@@ -31,9 +32,10 @@ The engine swaps each better drafter (``v2``) or adapter (``v2+a1``) in between 
 progress line shows acceptance, the drafter served and tokens/s; the demo ends with a per-phase table
 against plain decoding, the shifted phase by quarter (the drafter version served; acceptance served
 and per drafter: under the controller suffix carries most drafts on a new script, so the learning
-head's own acceptance is the one to watch), a plot, and the losslessness check (every output equal to plain's). The starting drafter is the
-bootstrap shipped in ``tidespec/assets`` (trained by our own trainer on prompts disjoint from the
-trace; recipe in its README), or a fresh head when it is missing.
+head's own acceptance is the one to watch), a plot, and the losslessness check (every output equal
+to plain's). The starting drafter is the bootstrap shipped in ``tidespec/assets`` (trained by our
+own trainer on prompts disjoint from the trace; recipe in its README), or a fresh head when it is
+missing.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,13 +55,14 @@ from tidespec.bench.shift.config import ShiftBenchConfig, served_label
 from tidespec.bench.shift.run import run_shift_bench
 from tidespec.config import CacheConfig, EngineConfig, NgramConfig, PolicyConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
+from tidespec.errors import UserError
 from tidespec.llm import build_drafter, build_policy
 from tidespec.models.eagle3_checkpoint import shipped_bootstrap
 from tidespec.models.loader import LoadedModel, load_model
 from tidespec.online.training.judge import gain_interval
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.policy.api import SpeculationPolicy
-from tidespec.workloads.loader import load_prompts
+from tidespec.workloads.loader import load_prompts, load_workload
 
 
 @dataclass
@@ -220,6 +224,18 @@ def main(argv: list[str] | None = None) -> int:
     ns = ap.parse_args(argv)
     if not (ns.idle_s >= 0 and ns.trainer_lr > 0):  # also rejects nan
         ap.error(f"need --idle-s >= 0 and --trainer-lr > 0, got {ns.idle_s:g} and {ns.trainer_lr:g}")
+    if ns.part in ("all", "online"):  # part 2's trace is checked before part 1 runs, not a minute later
+        if min(ns.code_requests, ns.shift_requests) < 1:
+            ap.error(f"need --code-requests and --shift-requests >= 1, got {ns.code_requests} and {ns.shift_requests}")
+        want = Counter({"code_unseen": ns.code_requests})
+        want[ns.shift_workload] += ns.shift_requests
+        for name, n in want.items():
+            try:
+                have = len(load_workload(name))
+            except UserError as exc:
+                ap.error(str(exc))
+            if n > have:
+                ap.error(f"part 2 asks {n} requests of workload {name}, which has {have}")
     torch.set_num_threads(ns.threads)
     con = Console(width=max(Console().width, 176))  # the tables need ~170 columns; never wrap them
     con.print("[bold]tidespec demo[/bold] — embedded SmolLM2-135M-Instruct, float32, CPU, greedy")
