@@ -52,7 +52,7 @@ from rich.console import Console
 from rich.table import Table
 
 from tidespec.bench.shift.config import ShiftBenchConfig, served_label
-from tidespec.bench.shift.run import run_shift_bench
+from tidespec.bench.shift.run import quarters_of, run_shift_bench
 from tidespec.config import CacheConfig, EngineConfig, NgramConfig, PolicyConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.errors import UserError
@@ -169,8 +169,8 @@ def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bo
     reqs = doc["runs"]["online"]["requests"]
     for po in online["phases"][1:]:
         mine = [r for r in reqs if r["phase"] == po["phase"] - 1]
-        served = [",".join(sorted({served_label(r["version"], r.get("adapter", 0))
-                                   for r in mine[len(mine) * q // 4:len(mine) * (q + 1) // 4]})) for q in range(4)]
+        served = [",".join(sorted({served_label(r["version"], r.get("adapter", 0)) for r in quarter}))
+                  for quarter in quarters_of(mine)]
         con.print(f"phase {po['phase']} ({po['workload']}) by quarter of its requests: drafter served "
                   + " / ".join(served) + "; acceptance length "
                   + "; ".join(f"{who} " + " / ".join(f"{q:.2f}" for q in v) for who, v in po.get("quarters", {}).items()))

@@ -94,6 +94,12 @@ from tidespec.bench.shift.runs import (
 from tidespec.models.loader import LoadedModel
 
 
+def quarters_of(reqs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """A phase's requests in four consecutive slices: 8 requests -> 0-1, 2-3, 4-5, 6-7; 2 -> [], [0], [], [1]."""
+    n = len(reqs)
+    return [reqs[n * q // 4:n * (q + 1) // 4] for q in range(4)]
+
+
 def quarter_acceptance(reqs: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[str, list[float]]:
     """Mean acceptance length per quarter of a phase's requests (in trace order): ``served`` over all
     its drafts, and each drafter's over the drafts it made in the steps of that quarter (from the
@@ -103,8 +109,7 @@ def quarter_acceptance(reqs: list[dict[str, Any]], steps: list[dict[str, Any]]) 
     Example: 8 requests -> quarters of requests 0-1, 2-3, 4-5, 6-7; a quarter's steps in which suffix
     drafted 10 sequences and had 15 tokens accepted -> suffix 2.5 there.
     """
-    n = len(reqs)
-    bounds = [reqs[n * q // 4:n * (q + 1) // 4] for q in range(4)]
+    bounds = quarters_of(reqs)
     edges = [min((r["t_start"] for r in b), default=float("nan")) for b in bounds]
     edges.append(max((r["t_end"] for r in reqs), default=float("nan")) + 1e-9)  # the phase's end closes the last
     for q in reversed(range(4)):  # an empty quarter (a phase of < 4 requests) ends where the next one starts
