@@ -15,8 +15,11 @@ Part 2 — everything on: an EAGLE-3 drafter learning online (TIDE) beside the s
 both under the analytic controller. A request trace that shifts domain — code the drafter never
 saw, then everyday questions in Russian, a script the shipped head never drafted (``ru_topics``;
 on English chat a round has little to teach it, docs/benchmarks/learning.md) — runs through the
-engine with plain decoding and with suffix + EAGLE-3 plus online training, the two configurations
-taking turns on slices of the trace: the controller chooses per step which drafter drafts and how
+engine three ways, taking turns on slices of the trace: plain decoding, suffix + EAGLE-3 plus online
+training, and the same drafters with nothing learning across requests (``no-learning``: the shipped
+head, and suffix over each request's own tokens, without its tree of past outputs) — the control
+that tells learning from the prompts' own difficulty, which moves a phase's acceptance from quarter
+to quarter as much as learning does. The controller chooses per step which drafter drafts and how
 far (or none: then the step is plain decoding's), the engine captures the target's hidden states
 (its taps, and its final hidden state, from which the trainer recovers the target's top-k
 distribution), selective collection switches on at the shift,
@@ -31,9 +34,8 @@ held-out rows, and judges it again, paired with the one it replaced, on the rows
 The engine swaps each better drafter (``v2``) or adapter (``v2+a1``) in between steps. A live
 progress line shows acceptance, the drafter served and tokens/s; the demo ends with a per-phase table
 against plain decoding, the shifted phase by quarter (the drafter version served; acceptance served
-and per drafter: under the controller suffix carries most drafts on a new script, so the learning
-head's own acceptance is the one to watch), a plot, and the losslessness check (every output equal
-to plain's). The starting drafter is the bootstrap shipped in ``tidespec/assets`` (trained by our
+and per drafter; tokens per target step against the same requests without learning, and what
+learning gained), a plot, and the losslessness check (every output equal to plain's). The starting drafter is the bootstrap shipped in ``tidespec/assets`` (trained by our
 own trainer on prompts disjoint from the trace; recipe in its README), or a fresh head when it is
 missing.
 """
@@ -144,7 +146,7 @@ def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bo
               f"is idle ({ns.idle_s:g} s after every 4 requests, off the clock): LoRA adapters every few hundred rows, "
               f"the whole head every {ns.min_signals} rows (lr {ns.trainer_lr:g})")
     cfg = ShiftBenchConfig(workloads=f"code_unseen:{ns.code_requests},{ns.shift_workload}:{ns.shift_requests}",
-                           max_tokens=ns.max_tokens, gamma=ns.gamma, concurrency=2, configs="plain,online",
+                           max_tokens=ns.max_tokens, gamma=ns.gamma, concurrency=2, configs="plain,no-learning,online",
                            drafter="suffix,eagle3", policy="analytic", turn=4, trainer_share=ns.trainer_share,
                            bootstrap=str(boot) if boot else None, min_signals=ns.min_signals, collect_n_init=4,
                            window=4, bin_s=10.0, overhead_repeats=0, recompute_rows=0, online_lora=True,
@@ -152,28 +154,35 @@ def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bo
                            trainer_args=f"--lr {ns.trainer_lr:g} --finetune-lr {ns.trainer_lr:g}")
     out = Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     doc = run_shift_bench(cfg, loaded, out, command="make demo", log=lambda _: None)
-    plain, online = doc["configs"]["plain"], doc["configs"]["online"]
+    plain, online, still = doc["configs"]["plain"], doc["configs"]["online"], doc["configs"]["no-learning"]
     table = Table(title="part 2: suffix + EAGLE-3 learning online under the controller, a domain shift "
                         "(vs plain decoding, 2 in flight, taking turns of 4 requests)")
-    for col in ("phase", "requests", "plain tok/s", "online tok/s", "speedup", "accept len (all)",
-                "accept len (2nd half)", "drafters served (version+adapter)"):
+    for col in ("phase", "requests", "plain tok/s", "online tok/s", "speedup", "accept len",
+                "no-learning: speedup, accept len", "drafters served (version+adapter)"):
         table.add_column(col, no_wrap=True)
-    for pp, po in zip(plain["phases"], online["phases"]):
+    for pp, po, ps in zip(plain["phases"], online["phases"], still["phases"]):
         table.add_row(f"{po['phase']}: {po['workload']}", str(po["requests"]), f"{pp['tok_s']:.1f}",
                       f"{po['tok_s']:.1f}", f"{po['speedup']:.2f}x", f"{po['mean_acceptance_length']:.2f}",
-                      f"{po['second_half_acceptance_length']:.2f}", ",".join(po["served"]))
+                      f"{ps['speedup']:.2f}x, {ps['mean_acceptance_length']:.2f}", ",".join(po["served"]))
     table.add_row("all", str(sum(p["requests"] for p in online["phases"])), f"{plain['tok_s']:.1f}",
                   f"{online['tok_s']:.1f}", f"{online['speedup']:.2f}x", f"{online['mean_acceptance_length']:.2f}",
-                  "", "")
+                  f"{still['speedup']:.2f}x, {still['mean_acceptance_length']:.2f}", "")
     con.print(table)
     reqs = doc["runs"]["online"]["requests"]
-    for po in online["phases"][1:]:
+    for po, ps in zip(online["phases"][1:], still["phases"][1:]):
         mine = [r for r in reqs if r["phase"] == po["phase"] - 1]
         served = [",".join(sorted({served_label(r["version"], r.get("adapter", 0)) for r in quarter}))
                   for quarter in quarters_of(mine)]
+        quarters = po.get("quarters", {})
         con.print(f"phase {po['phase']} ({po['workload']}) by quarter of its requests: drafter served "
                   + " / ".join(served) + "; acceptance length "
-                  + "; ".join(f"{who} " + " / ".join(f"{q:.2f}" for q in v) for who, v in po.get("quarters", {}).items()))
+                  + "; ".join(f"{who} " + " / ".join(f"{q:.2f}" for q in v) for who, v in quarters.items()))
+        mine_steps, still_steps = po["quarter_tokens_per_step"], ps["quarter_tokens_per_step"]
+        con.print("  tokens per target step (every step, drafted or not) by quarter: online "
+                  + " / ".join(f"{q:.2f}" for q in mine_steps) + "; the same requests with nothing learning "
+                  "across them (no-learning: the shipped head, suffix without its tree of past outputs) "
+                  + " / ".join(f"{q:.2f}" for q in still_steps) + "; what learning gained "
+                  + " / ".join(f"{a / b:.2f}x" for a, b in zip(mine_steps, still_steps)))
     on = online["online"]
     for r in on.get("rounds", []):
         pub = f"published v{r['published_version']}" if r.get("published_version") else "not published"

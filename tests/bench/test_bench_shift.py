@@ -22,10 +22,11 @@ from tidespec.bench.decode.run import resolve_target
 from tidespec.bench.shift.config import ShiftBenchConfig, build_trace
 from tidespec.bench.shift.measure import recompute_taps
 from tidespec.bench.shift.report import _curves, config_colors
-from tidespec.bench.shift.run import quarter_acceptance, replot, run_shift_bench, summarize_run
-from tidespec.bench.shift.runs import TraceLoop, run_trace, trace_engine_config
+from tidespec.bench.shift.run import quarter_acceptance, replot, run_shift_bench, summarize_run, tokens_per_step
+from tidespec.bench.shift.runs import TraceLoop, no_learning_config, run_trace, trace_engine_config
 from tidespec.config import ConfigError, Eagle3Options, EngineConfig, ModelConfig
 from tidespec.llm import build_engine
+from tidespec.speculative.drafters.multi import find_member
 
 
 def _workload(path: Path, domain: str, n: int, base: int) -> Path:
@@ -327,10 +328,42 @@ def test_trees_reach_every_speculating_configuration_and_stay_lossless(tmp_path:
     assert "gamma 3 (trees)" in (out / "README.md").read_text()
 
 
+def test_no_learning_keeps_frozen_drafters_but_no_suffix_tree_of_past_outputs(tmp_path: Path) -> None:
+    """``no-learning`` is frozen's controller over suffix + EAGLE-3 with nothing carried across
+    requests: its suffix drafter keeps no global tree (frozen's does), and it serves losslessly."""
+    hf, _ = tiny_hf_model("qwen2", torch.float64)
+    ckpt = write_tiny_checkpoint(hf, tmp_path / "ckpt")
+    a = _workload(tmp_path / "a.jsonl", "a", 4, 10)
+    cfg = ShiftBenchConfig(workloads=str(a), requests_per_phase=4, max_tokens=10, gamma=3, concurrency=2,
+                           configs="plain,frozen,no-learning", drafter="suffix,eagle3", policy="analytic", turn=2,
+                           draft_vocab=0, window=2, bin_s=0.5, overhead_repeats=0, recompute_rows=0)
+    target = resolve_target(str(ckpt), "float64")
+    ecfg = trace_engine_config(build_trace(cfg, target.tokenizer), cfg, target.model, cfg.gamma)
+    trees = {name: find_member(build_engine(c, target.model, target.tokenizer).drafter, "suffix").max_tree_tokens
+             for name, c in (("frozen", ecfg), ("no-learning", no_learning_config(ecfg)))}
+    assert trees == {"frozen": ecfg.spec.suffix.max_tree_tokens, "no-learning": 0} and trees["frozen"] > 0
+    doc = run_shift_bench(cfg, target, tmp_path / "out", command="test", progress=False, log=lambda _: None)
+    assert list(doc["configs"]) == ["plain", "frozen", "no-learning"]
+    assert doc["configs"]["no-learning"]["mismatches"] == 0
+    steps = doc["configs"]["frozen"]["phases"][0]["quarter_tokens_per_step"]
+    assert len(steps) == 4 and all(q >= 1.0 for q in steps)  # plain decoding's 1.0 or more
+    text = (tmp_path / "out" / "README.md").read_text()
+    assert "Tokens per target step" in text and "ratio to no-learning" in text
+    assert re.search(r"\| frozen \| 1: a \| [0-9.]+ \([0-9.]+x\) \|", text)
+
+
+def test_tokens_per_step_counts_every_step_drafted_or_not() -> None:
+    """64 tokens with 43 accepted drafts took 21 steps; plain decoding is 1.0; nothing is nan."""
+    assert tokens_per_step([{"tokens": 64, "accepted": 43}]) == pytest.approx(64 / 21)
+    assert tokens_per_step([{"tokens": 10, "accepted": 0}, {"tokens": 6, "accepted": 2}]) == pytest.approx(16 / 14)
+    assert math.isnan(tokens_per_step([]))
+
+
 def test_every_configuration_gets_its_own_colour() -> None:
     """Both panels of shift.png tell configurations apart: no two share a colour (suffix once drew
     in frozen's blue), sized vocabularies included."""
-    names = ["plain", "frozen", "online", "suffix", "ngram", "vocab-static", "vocab-static:6", "vocab-dynamic:6:2"]
+    names = ["plain", "frozen", "online", "no-learning", "suffix", "ngram", "vocab-static", "vocab-dynamic-lora",
+             "vocab-static:6", "vocab-dynamic:6:2"]
     colors = config_colors(names)
     assert list(colors) == names and len(set(colors.values())) == len(names)
     assert colors["frozen"] == "tab:blue" and colors["plain"] == "tab:gray"

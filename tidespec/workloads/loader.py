@@ -41,7 +41,7 @@ from tidespec.files import atomic_write
 KINDS = ("completion", "chat")
 REQUIRED_KEYS = ("id", "domain", "kind", "prompt")
 BUILTIN_WORKLOADS = ("code", "chat", "code_unseen", "drafter_boot", "code_extra", "zh_chat", "multilingual",
-                     "shared_prefix", "zh_topics", "ru_topics")
+                     "shared_prefix", "zh_topics", "ru_topics", "es_topics", "ar_topics")
 
 
 class WorkloadError(ConfigError):

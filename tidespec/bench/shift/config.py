@@ -40,9 +40,11 @@ from tidespec.workloads.loader import Prompt, load_prompts
 # ngram, suffix: that drafter alone at a static gamma; vocab-*: the frozen EAGLE-3 drafter over a
 # draft vocabulary (EvoSpec): a static frequency core of the dynamic one's full size (FR-Spec), the
 # dynamic core + buffer, or the whole target vocabulary; vocab-*-lora: the same, aligned online by
-# LoRA adapters (EvoSpec path B)
-CONFIGS = ("plain", "frozen", "online", "ngram", "suffix", "vocab-static", "vocab-dynamic", "vocab-full",
-           "vocab-static-lora", "vocab-dynamic-lora")
+# LoRA adapters (EvoSpec path B); no-learning: frozen's drafters with nothing carried across requests
+# (the frozen head, and suffix over the request's own tokens: no tree of past outputs), the control
+# that tells the learning a run shows from the prompts' own difficulty
+CONFIGS = ("plain", "frozen", "online", "no-learning", "ngram", "suffix", "vocab-static", "vocab-dynamic",
+           "vocab-full", "vocab-static-lora", "vocab-dynamic-lora")
 ONLINE_CONFIGS = ("online", "vocab-static-lora", "vocab-dynamic-lora")  # each with its own trainer child
 # a draft vocabulary of chosen sizes, for a size sweep in one run: vocab-static:CORE, vocab-dynamic:CORE:BUFFER
 SIZED_VOCAB = re.compile(r"vocab-static:[1-9]\d*|vocab-dynamic:[1-9]\d*:[1-9]\d*")
@@ -69,7 +71,9 @@ class ShiftBenchConfig:
     arrival_rate: float = opt(0.0, "open loop: requests arrive at this mean rate per second (Poisson, seeded by "
                                    "--seed) on each configuration's own clock, so serving has the gaps real "
                                    "traffic has and an online trainer gets them; 0 = closed loop")
-    configs: str = opt("plain,frozen,online", "comma-separated subset of plain, frozen, online, ngram, suffix (that "
+    configs: str = opt("plain,frozen,online", "comma-separated subset of plain, frozen, online, no-learning (frozen "
+                                             "with nothing carried across requests: suffix without its tree of "
+                                             "past outputs), ngram, suffix (that "
                                              "drafter alone at --gamma, static), vocab-static / vocab-dynamic / "
                                              "vocab-full (draft vocabularies), vocab-static-lora / vocab-dynamic-lora "
                                              "(the same with online LoRA alignment), vocab-static:CORE / "

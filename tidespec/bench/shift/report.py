@@ -20,7 +20,8 @@ from tidespec.online.training.judge import gain_interval
 
 COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:orange", "vocab-static": "tab:red",
           "vocab-dynamic": "tab:green", "vocab-full": "tab:purple", "vocab-static-lora": "tab:pink",
-          "vocab-dynamic-lora": "tab:olive", "suffix": "tab:cyan", "ngram": "tab:brown"}  # same in both panels
+          "vocab-dynamic-lora": "darkkhaki", "suffix": "tab:cyan", "ngram": "tab:brown",
+          "no-learning": "tab:olive"}  # same in both panels
 SPARE_COLORS = ("black", "gold", "navy", "lime", "maroon", "teal", "darkviolet", "salmon")
 
 
@@ -37,6 +38,35 @@ def config_colors(names: list[str]) -> dict[str, str]:
 
 def _fmt(v: Any, digits: int = 2) -> str:
     return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.{digits}f}"
+
+
+def _step_lines(doc: dict[str, Any]) -> list[str]:
+    """Tokens per target step per quarter of each phase (every step, drafted or not), with the ratio
+    to ``no-learning`` on the same requests where that control ran."""
+    control = doc["configs"].get("no-learning")
+    rows = []
+    for name, s in doc["configs"].items():
+        if name == "plain":
+            continue
+        for i, p in enumerate(s["phases"]):
+            qs = p.get("quarter_tokens_per_step")
+            if not qs:
+                continue  # a report saved before this figure existed
+            base = control["phases"][i].get("quarter_tokens_per_step") if control and name != "no-learning" else None
+            rows.append([name, f"{p['phase']}: {p['workload']}"]
+                        + [_fmt(q) + (f" ({_fmt(q / b)}x)" if _positive(q) and _positive(b) else "")
+                           for q, b in zip(qs, base or [None] * len(qs))])
+    if not rows:
+        return []
+    return [("Tokens per target step per quarter of each phase's requests (every step, drafted or not: served "
+             "acceptance counts drafted steps only" + ("; in brackets the ratio to no-learning on the same "
+                                                        "requests" if control else "") + "):"), "",
+            markdown_table(["config", "phase", "1st quarter", "2nd", "3rd", "4th"], rows), ""]
+
+
+def _positive(v: Any) -> bool:
+    """A figure to divide by: a finite number above 0 (not nan, nor the null a saved nan becomes)."""
+    return isinstance(v, (int, float)) and math.isfinite(v) and v > 0
 
 
 def _quarter_lines(doc: dict[str, Any]) -> list[str]:
@@ -88,7 +118,7 @@ def report(doc: dict[str, Any]) -> str:
                              [[name] + [(_fmt(1e3 * p["mean_latency_s"], 0) if "mean_latency_s" in p else "-")
                                         + (f" ({_fmt(p['latency_speedup'])}x)" if "latency_speedup" in p else "")
                                         for p in s["phases"]] for name, s in doc["configs"].items()]), ""]
-    lines += _quarter_lines(doc)
+    lines += _quarter_lines(doc) + _step_lines(doc)
     lines += _vocab_lines(doc)
     for name, s in doc["configs"].items():
         ads = s.get("online", {}).get("adapters")
@@ -240,6 +270,18 @@ def drafter_acceptance(steps: list[dict[str, Any]], names: list[str]) -> dict[st
     return out
 
 
+def tokens_per_step(reqs: list[dict[str, Any]]) -> float:
+    """Output tokens per target step the requests took part in, drafted or not: a step emits its
+    accepted drafts plus one token, so the steps are ``tokens - accepted``. Why: served acceptance
+    counts drafted steps only, so a configuration that drafts less often but surer reads higher
+    though it is slower; this counts every step (plain decoding: 1.0).
+
+    Example: a request of 64 tokens with 43 accepted drafts took 21 steps -> 64 / 21 = 3.05.
+    """
+    steps = sum(r["tokens"] - r["accepted"] for r in reqs)
+    return sum(r["tokens"] for r in reqs) / steps if steps else float("nan")
+
+
 def _drafter_curves(run: dict[str, Any], window: int) -> dict[str, tuple[list[float], list[float]]]:
     """Each drafter's own acceptance length per window of finished requests (the steps between the
     window's first and last finish), when several drafted under one controller; else nothing.
@@ -263,20 +305,37 @@ def _drafter_curves(run: dict[str, Any], window: int) -> dict[str, tuple[list[fl
     return out
 
 
+def _step_curve(run: dict[str, Any], window: int) -> tuple[list[int], list[float]]:
+    """Tokens per target step (``tokens_per_step``) per window of finished requests, in finish order.
+
+    Example: windows of 2; requests finished (64 tokens, 43 accepted), (64, 0) -> (2, 128 / 85 = 1.51)."""
+    done = sorted(run["requests"], key=lambda r: r["t_end"])
+    xs, ys = [], []
+    for i in range(0, len(done), window):
+        part = done[i:i + window]
+        xs.append(i + len(part))
+        ys.append(tokens_per_step(part))
+    return xs, ys
+
+
 def plot_shift(doc: dict[str, Any], out_dir: Path) -> Path:
-    """Acceptance length per window of finished requests, and tokens/s over time."""
+    """Acceptance length per window of finished requests, tokens per target step per window (every
+    step: learning shows against ``no-learning`` there), and tokens/s over time."""
     cfg = doc["config"]
-    fig, (ax_a, ax_t) = new_figure(2, width_per_col=6.5)
+    fig, (ax_a, ax_s, ax_t) = new_figure(3, width_per_col=6.0)
     edge = 0
     for _, n in doc["phase_sizes"][:-1]:
         edge += n
         ax_a.axvline(edge, color="grey", linestyle=":", linewidth=1)
+        ax_s.axvline(edge, color="grey", linestyle=":", linewidth=1)
     colors = config_colors(list(doc["runs"]))
     for name, run in doc["runs"].items():
         xs, ys, ts, rates = _curves(run, cfg["window"], cfg["bin_s"])
         color = colors[name]
         if xs:
             ax_a.plot(xs, ys, marker="o", markersize=3, label=name, color=color)
+        if name != "plain" and run["requests"]:
+            ax_s.plot(*_step_curve(run, cfg["window"]), marker="o", markersize=3, label=name, color=color)
         for (drafter, (dx, dy)), style in zip(_drafter_curves(run, cfg["window"]).items(), ("--", ":", "-.")):
             ax_a.plot(dx, dy, linestyle=style, linewidth=1, label=f"{name}: {drafter}'s drafts", color=color)
         ax_t.plot(ts, rates, label=name, color=color)
@@ -287,10 +346,16 @@ def plot_shift(doc: dict[str, Any], out_dir: Path) -> Path:
                 ax_t.axvline(t, color=color, linestyle="--", linewidth=0.8,
                              label="online: new drafter" if j == 0 else None)
             _mark_served(ax_a, run["requests"], color)
+            _mark_served(ax_s, run["requests"], color)
     ax_a.set_xlabel(f"requests finished (phases: {' -> '.join(doc['phases'])})")
     ax_a.set_ylabel(f"mean acceptance length (window {cfg['window']})")
     ax_a.set_title("acceptance over the trace")
     ax_a.legend()
+    ax_s.set_xlabel(f"requests finished (phases: {' -> '.join(doc['phases'])})")
+    ax_s.set_ylabel(f"output tokens per target step (window {cfg['window']})")
+    ax_s.set_title("tokens per target step, drafted or not (plain: 1)")
+    if ax_s.get_legend_handles_labels()[0]:
+        ax_s.legend()
     ax_t.set_xlabel("seconds")
     ax_t.set_ylabel(f"output tokens/s ({cfg['bin_s']:g} s bins)")
     ax_t.set_title("throughput over time")

@@ -13,6 +13,10 @@ the engine three ways:
 * ``online`` — the same starting drafter with online training on: capture into a signal store,
   TIDE's selective collection, ``tidespec train-drafter`` as a child process (paused while its
   engine decodes beyond ``--trainer-share``, ``online.serving.governor``), swaps between steps;
+* ``no-learning`` (optional) — frozen's drafters with nothing carried from one request to the next:
+  the frozen head, and a suffix drafter over the request's own tokens only (no tree of past
+  outputs, ``--suffix-max-tree-tokens 0``). Why: a phase's acceptance by quarter follows its prompts
+  (some are easier), so a rise is learning only against the same requests served without it;
 * ``ngram`` / ``suffix`` (optional) — that model-free drafter alone at a static gamma;
 * ``vocab-static`` / ``vocab-dynamic`` / ``vocab-full`` (optional) — the frozen drafter over a draft
   vocabulary (EvoSpec: FR-Spec's frequency core, core + retrieved buffer, every token; the head's
@@ -77,13 +81,14 @@ from tidespec.bench.common.report import default_out_dir, finish_run, rerender_r
 from tidespec.bench.serve.run import arrival_times
 from tidespec.bench.shift.config import ONLINE_CONFIGS, ShiftBenchConfig, TraceItem, build_trace, served_label
 from tidespec.bench.shift.measure import measure_capture_overhead, measure_training_sources
-from tidespec.bench.shift.report import drafter_acceptance, plot_shift, report
+from tidespec.bench.shift.report import drafter_acceptance, plot_shift, report, tokens_per_step
 from tidespec.bench.shift.runs import (
     OnlineSetup,
     TraceLoop,
     TraceRun,
     eagle3_engine,
     finish_online,
+    no_learning_config,
     online_status,
     seed_publish_root,
     start_online,
@@ -149,7 +154,8 @@ def summarize_run(run: TraceRun, trace: list[TraceItem], plain: TraceRun | None)
         phase = {"phase": p + 1, "workload": reqs[0]["workload"], "requests": len(reqs),
                  "tok_s": sum(r["tokens"] for r in reqs) / max(1e-9, t_b - t_a), "mean_latency_s": latency(reqs),
                  "mean_acceptance_length": acc(reqs), "second_half_acceptance_length": acc(half),
-                 "quarters": quarter_acceptance(reqs, run.steps),
+                 "quarters": quarter_acceptance(reqs, run.steps), "tokens_per_step": tokens_per_step(reqs),
+                 "quarter_tokens_per_step": [tokens_per_step(q) for q in quarters_of(reqs)],
                  "versions": sorted({r["version"] for r in reqs}),
                  "served": [served_label(v, a) for v, a in sorted({(r["version"], r.get("adapter", 0)) for r in reqs})],
                  "draft_ms_per_token": 1e3 * sum(s.get("draft_s", 0.0) for s in steps) / draft_tokens
@@ -211,10 +217,10 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
         elif name.startswith("vocab-"):
             engine = vocab_engine(target.model, target.tokenizer,
                                   trace_engine_config(trace, cfg, target.model, cfg.gamma), frozen_root, cfg, name)
-        elif name == "frozen":
-            engine = eagle3_engine(target.model, target.tokenizer, trace_engine_config(trace, cfg, target.model,
-                                                                                          cfg.gamma),
-                                   frozen_root, cfg.draft_vocab)
+        elif name in ("frozen", "no-learning"):
+            ecfg = trace_engine_config(trace, cfg, target.model, cfg.gamma)
+            ecfg = no_learning_config(ecfg) if name == "no-learning" else ecfg
+            engine = eagle3_engine(target.model, target.tokenizer, ecfg, frozen_root, cfg.draft_vocab)
         else:  # plain, or a model-free drafter alone at a static gamma
             gamma = 0 if name == "plain" else cfg.gamma
             engine = static_engine(target, trace_engine_config(trace, cfg, target.model, gamma, name))

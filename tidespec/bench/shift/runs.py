@@ -37,6 +37,7 @@ from tidespec.config import (
     EngineConfig,
     PolicyConfig,
     SpecConfig,
+    SuffixConfig,
 )
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
@@ -220,6 +221,13 @@ def trace_engine_config(trace: list[TraceItem], cfg: ShiftBenchConfig, model: Ll
                                         eagle3=Eagle3Options(min_draft_prob=cfg.eagle3_min_draft_prob)),
                         policy=PolicyConfig(name=cfg.policy, profile=cfg.profile)
                         if name == cfg.drafter else PolicyConfig(name="static"))
+
+
+def no_learning_config(ecfg: EngineConfig) -> EngineConfig:
+    """The ``no-learning`` configuration's engine settings: ``ecfg`` with a suffix drafter that keeps
+    no tree of past outputs (it matches the request's own tokens only); its EAGLE-3 head is the frozen
+    one. Example: ``ecfg.spec.suffix.max_tree_tokens`` 20000 -> 0, everything else unchanged."""
+    return dataclasses.replace(ecfg, spec=dataclasses.replace(ecfg.spec, suffix=SuffixConfig(max_tree_tokens=0)))
 
 
 def static_engine(target: LoadedModel, ecfg: EngineConfig) -> LLMEngine:
