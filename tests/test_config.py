@@ -49,7 +49,7 @@ FLAGS = {
     '--trainer-share': 0.02, '--rollback-min-drafts': 0, '--online-lora': True,
     '--trainer-max-restarts': 5, '--trainer-backoff-max-s': 60.0,
     '--collect-force': False, '--collect-prompt': False, '--collect-bootstrap': False, '--collect-epsilon': 0.02,
-    '--collect-n-init': 20, '--collect-n-threshold': 16384, '--collect-lambda-short': 0.9,
+    '--collect-n-init': 20, '--collect-n-threshold': 512, '--collect-lambda-short': 0.9,
     '--collect-lambda-long': 0.99,
 }
 

@@ -421,7 +421,7 @@ class CollectionConfig:
     bootstrap: bool = opt(False, "collect from the start (automatic while nothing is published)")
     epsilon: float = opt(0.02, "selective collection: short-vs-long EMA acceptance drop that means a shift")
     n_init: int = opt(20, "selective collection: requests averaged before shift detection starts")
-    n_threshold: int = opt(16384, "selective collection: new signal rows that trigger a training round")
+    n_threshold: int = opt(512, "selective collection: new signal rows that trigger a full training round")
     lambda_short: float = opt(0.9, "selective collection: short EMA decay")
     lambda_long: float = opt(0.99, "selective collection: long EMA decay")
 

@@ -25,7 +25,7 @@ from tidespec.config import DraftVocabConfig, EngineConfig, ModelConfig, SpecCon
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
 from tidespec.errors import ConfigError
-from tidespec.models.eagle3_checkpoint import shipped_head_for
+from tidespec.models.eagle3_checkpoint import is_checkpoint_dir, seed_root, shipped_head_for
 from tidespec.models.executor import ExecutorOptions
 from tidespec.models.llama import LlamaConfig, LlamaModel, output_matrix
 from tidespec.models.loader import DTYPES, LoadedModel, load_model
@@ -116,18 +116,27 @@ def build_policy(config: EngineConfig, model: LlamaModel, drafter: Drafter | Non
         stateful=stateful_names(drafter)))
 
 
-def with_shipped_head(spec: SpecConfig, target_cfg: LlamaConfig) -> SpecConfig:
+def with_shipped_head(spec: SpecConfig, target_cfg: LlamaConfig, online: bool = False) -> SpecConfig:
     """``spec`` with ``--eagle3-dir`` at the shipped head when EAGLE-3 is among its drafters, no
     directory was given and the head fits the target (the embedded model): what ``--drafter eagle3``
     on the embedded model should mean, since a fresh random head drafts nothing that is accepted
-    until a trained one is published. Otherwise ``spec`` unchanged."""
-    if "eagle3" not in spec.drafter_names or spec.eagle3.dir is not None:
+    until a trained one is published. With ``online`` (``--online-training``) and an ``--eagle3-dir``
+    publish root that holds no drafter yet, the shipped head is published there as v1
+    (``seed_root``), so training fine-tunes it rather than a random head. Otherwise ``spec`` unchanged."""
+    if "eagle3" not in spec.drafter_names:
         return spec
     boot = shipped_head_for(target_cfg)
     if boot is None:
         return spec
-    log.info("EAGLE-3: the embedded model's shipped head (%s); --eagle3-dir chooses another", boot)
-    return dataclasses.replace(spec, eagle3=dataclasses.replace(spec.eagle3, dir=str(boot)))
+    if spec.eagle3.dir is None:
+        log.info("EAGLE-3: the embedded model's shipped head (%s); --eagle3-dir chooses another", boot)
+        return dataclasses.replace(spec, eagle3=dataclasses.replace(spec.eagle3, dir=str(boot)))
+    if online and not is_checkpoint_dir(spec.eagle3.dir):
+        version = seed_root(spec.eagle3.dir, boot, target_cfg)
+        if version is not None:
+            log.info("online training: %s held no drafter; published the embedded model's shipped head there as "
+                     "v%d, which training fine-tunes", spec.eagle3.dir, version)
+    return spec
 
 
 def build_engine(config: EngineConfig, model: LlamaModel | None = None,
@@ -142,7 +151,7 @@ def build_engine(config: EngineConfig, model: LlamaModel | None = None,
     max_len = min(config.cache.max_model_len, model.cfg.max_position_embeddings)
     if drafter is None:
         if mc.model is None:  # the embedded model: its shipped EAGLE-3 head unless --eagle3-dir names one
-            config = dataclasses.replace(config, spec=with_shipped_head(config.spec, model.cfg))
+            config = dataclasses.replace(config, spec=with_shipped_head(config.spec, model.cfg, config.online.enabled))
         drafter = build_drafter(config.spec, model, config.cache.max_num_seqs, max_len, config.model.enforce_eager,
                                 config.model.compile)
         attach_draft_vocab(drafter, config.spec.vocab, model, tokenizer)

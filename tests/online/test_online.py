@@ -24,7 +24,11 @@ from tidespec.models.eagle3_checkpoint import (
     DrafterCheckpointError,
     export_eagle3,
     fresh_head,
+    is_seed,
+    latest_version,
+    load_version,
     publish,
+    seed_root,
 )
 from tidespec.models.eagle3_head import Eagle3Head
 from tidespec.models.kv_cache import KVCache
@@ -392,14 +396,43 @@ def test_online_config_from_engine_config(tmp_path: Path) -> None:
         OnlineConfig(publish_root="a", signal_dir="b", capture_capacity_rows=4, capture_flush_rows=8)
 
 
+def test_online_training_on_the_embedded_model_starts_from_its_shipped_head(model: LlamaModel, tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """An empty ``--eagle3-dir`` publish root with ``--online-training``: the shipped head is published
+    there as v1 (once; never over a version), the engine drafts with it, and collection starts on
+    (the head never saw this traffic); a version trained on that root ends the bootstrap."""
+    from tidespec import llm
+
+    shipped = tmp_path / "shipped"
+    export_eagle3(random_head(model, 3), shipped)
+    monkeypatch.setattr(llm, "shipped_head_for", lambda cfg: shipped)
+    root = tmp_path / "root"
+    spec = SpecConfig(drafter="suffix,eagle3", eagle3=Eagle3Options(dir=str(root)))
+    assert llm.with_shipped_head(spec, model.cfg, online=False) == spec and not root.exists()  # serving only
+    assert llm.with_shipped_head(spec, model.cfg, online=True) == spec
+    assert latest_version(root) == 1 and is_seed(root)
+    assert load_version(root, 1).metrics["bootstrap"] == str(shipped)
+    assert seed_root(root, shipped, model.cfg) is None and latest_version(root) == 1  # never over a version
+    online = OnlineConfig.from_engine_config(EngineConfig(spec=spec, online=OnlineTrainingConfig(enabled=True)))
+    assert online.collection.bootstrap  # collection starts on: nothing here was trained on this traffic
+    publish(root, random_head(model, 4), {"heldout_accept_len": 1.5})
+    assert not is_seed(root)
+    assert not OnlineConfig.from_engine_config(EngineConfig(spec=spec, online=OnlineTrainingConfig(
+        enabled=True))).collection.bootstrap
+    with pytest.raises(DrafterCheckpointError, match="holds no valid EAGLE-3 drafter"):
+        seed_root(tmp_path / "other", tmp_path / "empty-root", model.cfg)
+
+
 def test_a_signal_budget_smaller_than_one_round_is_warned_at_start(model: LlamaModel, tok, tmp_path: Path,
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     """SmolLM2-135M's 3 x 576 bfloat16 taps need ~54 MiB for a 16,384-row round: 32 MiB cannot hold
     it (training would silently never run), 64 MiB can. Attaching with too small a budget logs it."""
-    small = OnlineConfig(publish_root="p", signal_dir="s", signal_budget_bytes=32 << 20)
+    big = CollectionConfig(n_threshold=16384)
+    small = OnlineConfig(publish_root="p", signal_dir="s", signal_budget_bytes=32 << 20, collection=big)
     msg = budget_shortfall(small, taps_dim=3 * 576)
     assert msg is not None and "32 MiB" in msg and "16384 rows" in msg and "--signal-budget-mb" in msg
-    assert budget_shortfall(OnlineConfig(publish_root="p", signal_dir="s", signal_budget_bytes=64 << 20), 3 * 576) is None
+    assert budget_shortfall(OnlineConfig(publish_root="p", signal_dir="s", signal_budget_bytes=64 << 20,
+                                         collection=big), 3 * 576) is None
 
     cfg = online_cfg(tmp_path)
     assert publish(cfg.publish_root, random_head(model, 1), {"note": "v1"}) == 1

@@ -66,6 +66,7 @@ WEIGHTS_NAME = "model.safetensors"
 METRICS_NAME = "metrics.json"
 LATEST_NAME = "LATEST"
 LOCK_NAME = ".lock"
+SEED_LOCK_NAME = ".seed.lock"  # held while a root's first version is seeded (``seed_root``)
 _VERSION_DIR = re.compile(r"^v(\d+)$")
 FRESH_HEAD_SEED = 0  # engine and trainer build the same random head when nothing was published
 BOOTSTRAP_DRAFTER = "eagle3-smollm2-135m-instruct"  # the embedded model's head, a directory under tidespec/assets
@@ -442,6 +443,42 @@ def publish(root: Path | str, head: Eagle3Head, metrics: dict[str, Any],
             os.replace(tmp_latest, r / LATEST_NAME)
             fsync_path(r)
     return n
+
+
+def seed_root(root: Path | str, source: Path | str, target_cfg: LlamaConfig, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu") -> int | None:
+    """Publish the drafter ``source`` holds (``load_drafter_source``) as the first version of ``root``
+    when ``root`` holds no valid version, so that online training fine-tunes it rather than a random
+    head; returns that version, or None when ``root`` already had one (nothing written). Its metrics
+    name the source (``bootstrap``): a head that never trained on the traffic it is about to serve
+    (``is_seed``). Processes seeding one root at once (a fleet's replicas) publish it once.
+
+    Example: an empty ``runs/drafter`` and the shipped head -> 1 (``runs/drafter/v1``); again -> None.
+    """
+    r = Path(root)
+    r.mkdir(parents=True, exist_ok=True)
+    with open(r / SEED_LOCK_NAME, "a+", encoding="utf-8") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        if load_latest_valid(r, target_cfg) is not None:
+            return None
+        pub = load_drafter_source(source, target_cfg)
+        if pub is None:
+            raise DrafterCheckpointError(f"{source} holds no valid EAGLE-3 drafter for this target")
+        head = head_from_published(pub, dtype, device)
+        return publish(r, head, {"bootstrap": str(source), "bootstrap_version": pub.version})
+
+
+def is_seed(root: Path | str) -> bool:
+    """Whether ``root``'s newest version is a head ``seed_root`` published (its metrics name a
+    ``bootstrap``), not one trained on this root's traffic; False without a readable version."""
+    n = latest_version(root)
+    if n is None:
+        return False
+    try:
+        metrics = json.loads((Path(root) / f"v{n}" / METRICS_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(metrics, dict) and "bootstrap" in metrics
 
 
 def load_version(root: Path | str, version: int, target_cfg: LlamaConfig | None = None) -> PublishedDrafter:

@@ -31,7 +31,6 @@ from tidespec.bench.shift.config import ShiftBenchConfig, TraceItem, served_labe
 from tidespec.config import (
     CacheConfig,
     CollectionConfig,
-    ConfigError,
     DraftVocabConfig,
     Eagle3Options,
     EngineConfig,
@@ -42,7 +41,7 @@ from tidespec.config import (
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
 from tidespec.llm import build_engine, draft_vocab_of
-from tidespec.models.eagle3_checkpoint import head_from_published, load_drafter_source, publish
+from tidespec.models.eagle3_checkpoint import seed_root
 from tidespec.models.eagle3_lora import LORA_DIR
 from tidespec.models.llama import LlamaModel
 from tidespec.models.loader import LoadedModel
@@ -240,11 +239,7 @@ def seed_publish_root(root: Path, bootstrap: str | None, target: LlamaModel) -> 
     start from the same weights); None without a bootstrap. Returns the version published."""
     if bootstrap is None:
         return None
-    pub = load_drafter_source(bootstrap, target.cfg)
-    if pub is None:
-        raise ConfigError(f"bootstrap {bootstrap} holds no valid EAGLE-3 drafter for this target")
-    head = head_from_published(pub, target.dtype, target.device)
-    return publish(root, head, {"bootstrap": str(bootstrap), "bootstrap_version": pub.version})
+    return seed_root(root, bootstrap, target.cfg, target.dtype, target.device)
 
 
 def eagle3_engine(model: LlamaModel, tokenizer: Any, ecfg: EngineConfig, root: Path, draft_vocab: int) -> LLMEngine:

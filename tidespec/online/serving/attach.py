@@ -58,6 +58,7 @@ from tidespec.models.eagle3_checkpoint import (
     DrafterCheckpointError,
     PublishedDrafter,
     is_checkpoint_dir,
+    is_seed,
     latest_version,
     load_version,
 )
@@ -132,8 +133,10 @@ class OnlineConfig:
     def from_engine_config(cls, config: EngineConfig) -> OnlineConfig:
         """From the ``--eagle3-dir`` / ``--signal-dir`` / ``--collect-*`` flags (``config.online``).
 
-        Collection starts on (``bootstrap``) when nothing is published yet: with no trained
-        drafter there is no acceptance level to detect a shift against.
+        Collection starts on (``bootstrap``) when nothing is published yet, or only a seeded head
+        (``is_seed``: the embedded model's shipped head, published by ``llm.with_shipped_head``): with
+        no drafter trained on this traffic there is no acceptance level to detect a shift against,
+        and a server whose traffic is new from its first request would otherwise never collect.
         """
         root, oc = config.spec.eagle3.dir, config.online
         if not root:
@@ -141,7 +144,7 @@ class OnlineConfig:
         if is_checkpoint_dir(root):
             raise OnlineConfigError(f"--eagle3-dir {root} is one exported checkpoint; online training "
                                     "needs a publish root (a directory of v1/, v2/, ...)")
-        bootstrap = oc.collect.bootstrap or latest_version(root) is None
+        bootstrap = oc.collect.bootstrap or latest_version(root) is None or is_seed(root)
         return cls(
             publish_root=str(root),
             signal_dir=oc.signal_dir or str(Path(root) / "signals"),
