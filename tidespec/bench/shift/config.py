@@ -101,8 +101,8 @@ class ShiftBenchConfig:
                                        "EAGLE-3 chains of frozen and online stop once their drafts' product of head "
                                        "probabilities is below this (serving's --eagle3-min-draft-prob); 0 = every "
                                        "chain --gamma long, what an acceptance length 'at gamma N' means")
-    min_signals: int = opt(4096, "online: new signal rows that trigger a training round (serving's default, "
-                                 f"{CollectionConfig.n_threshold}, is more than the default trace captures)")
+    min_signals: int = opt(4096, "online: new signal rows that trigger a training round (serving's default: "
+                                 f"{CollectionConfig.n_threshold})")
     collect_n_init: int = opt(8, "online: requests averaged before shift detection starts (serving's default, "
                                  f"{CollectionConfig.n_init}, would start it after the first shift of the default "
                                  "trace, whose phases are 16 requests)")
