@@ -418,7 +418,7 @@ class CollectionConfig:
     """
 
     force: bool = opt(False, "collect training signals all the time, not only after an acceptance drop")
-    bootstrap: bool = opt(False, "collect from the start (automatic while nothing is published)")
+    bootstrap: bool = opt(False, "collect from the start (automatic while nothing, or only a seeded head, is published)")
     epsilon: float = opt(0.02, "selective collection: short-vs-long EMA acceptance drop that means a shift")
     n_init: int = opt(20, "selective collection: requests averaged before shift detection starts")
     n_threshold: int = opt(512, "selective collection: new signal rows that trigger a full training round")

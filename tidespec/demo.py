@@ -35,9 +35,9 @@ The engine swaps each better drafter (``v2``) or adapter (``v2+a1``) in between 
 progress line shows acceptance, the drafter served and tokens/s; the demo ends with a per-phase table
 against plain decoding, the shifted phase by quarter (the drafter version served; acceptance served
 and per drafter; tokens per target step against the same requests without learning, and what
-learning gained), a plot, and the losslessness check (every output equal to plain's). The starting drafter is the bootstrap shipped in ``tidespec/assets`` (trained by our
-own trainer on prompts disjoint from the trace; recipe in its README), or a fresh head when it is
-missing.
+learning gained), a plot, and the losslessness check (every output equal to plain's). The starting
+drafter is the bootstrap shipped in ``tidespec/assets`` (trained by our own trainer on prompts
+disjoint from the trace; recipe in its README), or a fresh head when it is missing.
 """
 
 from __future__ import annotations

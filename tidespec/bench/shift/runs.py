@@ -36,7 +36,6 @@ from tidespec.config import (
     EngineConfig,
     PolicyConfig,
     SpecConfig,
-    SuffixConfig,
 )
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
@@ -226,7 +225,8 @@ def no_learning_config(ecfg: EngineConfig) -> EngineConfig:
     """The ``no-learning`` configuration's engine settings: ``ecfg`` with a suffix drafter that keeps
     no tree of past outputs (it matches the request's own tokens only); its EAGLE-3 head is the frozen
     one. Example: ``ecfg.spec.suffix.max_tree_tokens`` 20000 -> 0, everything else unchanged."""
-    return dataclasses.replace(ecfg, spec=dataclasses.replace(ecfg.spec, suffix=SuffixConfig(max_tree_tokens=0)))
+    suffix = dataclasses.replace(ecfg.spec.suffix, max_tree_tokens=0)
+    return dataclasses.replace(ecfg, spec=dataclasses.replace(ecfg.spec, suffix=suffix))
 
 
 def static_engine(target: LoadedModel, ecfg: EngineConfig) -> LLMEngine:
