@@ -475,10 +475,21 @@ def is_seed(root: Path | str) -> bool:
     if n is None:
         return False
     try:
-        metrics = json.loads((Path(root) / f"v{n}" / METRICS_NAME).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        metrics = _version_metrics(Path(root) / f"v{n}")
+    except (DrafterCheckpointError, ValueError):  # unreadable, or not text
         return False
     return isinstance(metrics, dict) and "bootstrap" in metrics
+
+
+def _version_metrics(d: Path) -> Any:
+    """A version directory's ``metrics.json``, parsed ({} when it has none)."""
+    try:
+        metrics = json.loads((d / METRICS_NAME).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    except (OSError, json.JSONDecodeError) as exc:
+        raise DrafterCheckpointError(f"{d / METRICS_NAME} is unreadable: {str(exc).splitlines()[0]}") from None
+    return metrics
 
 
 def load_version(root: Path | str, version: int, target_cfg: LlamaConfig | None = None) -> PublishedDrafter:
@@ -489,13 +500,7 @@ def load_version(root: Path | str, version: int, target_cfg: LlamaConfig | None 
     if target_cfg is not None:
         validate_eagle3_dir(d, target_cfg)
     cfg, sd = import_eagle3(d, target_cfg)
-    try:
-        metrics = json.loads((d / METRICS_NAME).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        metrics = {}
-    except (OSError, json.JSONDecodeError) as exc:
-        raise DrafterCheckpointError(f"{d / METRICS_NAME} is unreadable: {str(exc).splitlines()[0]}") from None
-    return PublishedDrafter(version=version, config=cfg, state_dict=sd, metrics=metrics)
+    return PublishedDrafter(version=version, config=cfg, state_dict=sd, metrics=_version_metrics(d))
 
 
 def state_dict_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:

@@ -201,14 +201,19 @@ def _vocab_lines(doc: dict[str, Any]) -> list[str]:
     return out + [""]
 
 
-def _curves(run: dict[str, Any], window: int, bin_s: float) -> tuple[list[float], list[float], list[float], list[float]]:
+def _finished_windows(run: dict[str, Any], window: int) -> list[tuple[int, list[dict[str, Any]]]]:
+    """A run's requests in finish order, cut into windows of ``window``: (requests finished by the
+    window's end, the window's requests). Example: 5 requests, window 2 -> (2, r0-r1), (4, r2-r3), (5, r4)."""
     reqs = sorted(run["requests"], key=lambda r: r["t_end"])
+    return [(min(i + window, len(reqs)), reqs[i:i + window]) for i in range(0, len(reqs), window)]
+
+
+def _curves(run: dict[str, Any], window: int, bin_s: float) -> tuple[list[float], list[float], list[float], list[float]]:
     xs, ys = [], []
-    for i in range(0, len(reqs), window):
-        chunk = reqs[i:i + window]
+    for x, chunk in _finished_windows(run, window):
         d = sum(r["drafts"] for r in chunk)
         if d:
-            xs.append(i + len(chunk))
+            xs.append(x)
             ys.append((sum(r["accepted"] for r in chunk) + d) / d)
     steps = run["steps"]
     ts, rates = [], []
@@ -309,13 +314,8 @@ def _step_curve(run: dict[str, Any], window: int) -> tuple[list[int], list[float
     """Tokens per target step (``tokens_per_step``) per window of finished requests, in finish order.
 
     Example: windows of 2; requests finished (64 tokens, 43 accepted), (64, 0) -> (2, 128 / 85 = 1.51)."""
-    done = sorted(run["requests"], key=lambda r: r["t_end"])
-    xs, ys = [], []
-    for i in range(0, len(done), window):
-        part = done[i:i + window]
-        xs.append(i + len(part))
-        ys.append(tokens_per_step(part))
-    return xs, ys
+    windows = _finished_windows(run, window)
+    return [x for x, _ in windows], [tokens_per_step(part) for _, part in windows]
 
 
 def plot_shift(doc: dict[str, Any], out_dir: Path) -> Path:
