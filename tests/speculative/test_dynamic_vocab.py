@@ -447,6 +447,11 @@ def _sampling_vocab_drafter(monkeypatch: pytest.MonkeyPatch, model: LlamaModel) 
     return made
 
 
+# the deviation of the broken draft probabilities below, measured at 20,000 samples: w^2 = 0.0066
+# (w = 0.081); every case samples what catches it with power 0.99 (``sampling.sample_size``: 14,000)
+W_UNNORMALISED = 0.081
+
+
 @pytest.mark.parametrize("drafter,broken", [("eagle3", False), ("eagle3", True), ("draft-model", False)])
 def test_sampling_with_a_dynamic_v_t_has_the_targets_distribution(drafter: str, broken: bool,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
@@ -469,12 +474,14 @@ def test_sampling_with_a_dynamic_v_t_has_the_targets_distribution(drafter: str, 
 
         monkeypatch.setattr(Eagle3Drafter, "_draw", unnormalised)
     params = SamplingParams(temperature=1.0, top_p=1.0)
+    dist = sampling.exact_distribution(model, list(sampling.PROMPT), params)
+    n = sampling.sample_size(dist, W_UNNORMALISED)
     spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, draft_model=DraftModelConfig(layers=1))
     samples, accepted, _ = sampling.sample_first3(model, sampling.tiny_tokenizer(sampling.V), list(sampling.PROMPT),
-                                                  spec, params, monkeypatch, seeded=False)
-    assert accepted > 1000 and made[0].stats.published > 0 and made[0].stats.oov_events > 0
-    p = sampling.chi2_pvalue(samples, sampling.exact_distribution(model, list(sampling.PROMPT), params))
-    assert (p < 0.01) if broken else (p > 0.01), f"chi2 p={p:.2e}"
+                                                  spec, params, monkeypatch, seeded=False, n=n)
+    assert accepted > n // 20 and made[0].stats.published > 0 and made[0].stats.oov_events > 0
+    p = sampling.chi2_pvalue(samples, dist)
+    assert (p < sampling.ALPHA) if broken else (p > sampling.ALPHA), f"chi2 p={p:.2e} ({n} samples)"
 
 
 def test_draft_vocab_options_are_validated_and_need_eagle3(target: LlamaModel) -> None:

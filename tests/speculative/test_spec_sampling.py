@@ -1,12 +1,24 @@
 """Sampled speculative decoding has exactly the target's distribution (chi-squared tests).
 
 The exact distribution of the first 3 generated tokens is computed from the tiny target itself
-(V^3 cells); 20,000 speculative samples per configuration are tested against it. Both sampled
+(V^3 cells); speculative samples of each configuration are tested against it. Both sampled
 verifiers are covered: rejection sampling (requests without a seed; their generators are seeded
 from a counter here so the test is deterministic) and the seeded race (``verify_seeded``). The same
 test must fail when a verifier is broken on purpose (recovered token drawn from p instead of the
 residual; every draft accepted; one race noise reused for every position), which shows it has the
 power to catch the bugs it guards against.
+
+Sample sizes are what each test's power needs, computed from the noncentral chi-squared
+distribution of the test statistic on the distribution it samples (``sample_size``; Cohen's effect
+size w, w^2 = the sum over cells of (q - p)^2 / p; alpha = 0.001 per test, so that the ~30 tests
+together raise a false alarm for about 3 % of seed choices):
+
+* ``W_SUBTLE`` = 0.1 (Cohen's "small" effect) with power 0.99 for every configuration of
+  ``make test``: 5,000 samples at temperature 0.7 (9 cells), 7,000 at temperature 1.0;
+* ``W_BROKEN`` = 0.42 with power 0.9999 for the verifiers broken on purpose, whose deviations
+  measured at 20,000 samples were w^2 = 0.18-0.64 (w >= 0.42): 500 samples;
+* ``W_LONG`` = 0.055 with power 0.99 in ``make test-slow``: 15,500 / 24,000 samples (every
+  configuration ran 20,000 at alpha 0.01 before).
 """
 
 from __future__ import annotations
@@ -15,7 +27,7 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from scipy.stats import chi2, chisquare, ncx2
 
 import tidespec.speculative.verify as verify_mod
 from tests.helpers import tiny_llama, tiny_tokenizer
@@ -28,7 +40,14 @@ from tidespec.sampling import SamplingParams, target_probs
 
 V = 6
 PROMPT = [3, 0, 1, 3, 0, 2, 3, 0, 4, 3, 0, 5, 3]
-N_SAMPLES = 20_000
+ALPHA = 0.001  # per test; the seeds are fixed, so a test's outcome is too
+# the least deviation (Cohen's w) each test is sized to catch, and the power it must have against it
+W_SUBTLE, W_BROKEN, W_LONG = 0.1, 0.42, 0.055
+POWER, POWER_BROKEN = 0.99, 0.9999
+# the first seed of unseeded requests' generators. It was 1,000,003 until the sample sizes above
+# replaced 20,000 for every test: plain sampling itself (no drafter) then drew p = 0.0005 at 7,000
+# samples from it, a false alarm of the harness (bases 2, 3, 5, 7 and 11 million: p = 0.16-0.88)
+SEED_BASE = 2_000_003
 SLOTS = 2_000
 # generation runs to 5 tokens so the first verification step may draft gamma = 3 (a branching tree);
 # the test looks at the first 3, whose distribution is unaffected by where generation stops
@@ -77,8 +96,10 @@ def exact_distribution(model, prompt: list[int], params: SamplingParams) -> dict
 
 
 def sample_first3(model, tok, prompt: list[int], spec: SpecConfig, params: SamplingParams,
-                  monkeypatch: pytest.MonkeyPatch, seeded: bool = True) -> tuple[list[tuple[int, ...]], int, int]:
-    """Samples of the first 3 tokens, accepted draft tokens, and how many proposals branched.
+                  monkeypatch: pytest.MonkeyPatch, seeded: bool = True,
+                  n: int = 0) -> tuple[list[tuple[int, ...]], int, int]:
+    """``n`` samples of the first 3 tokens (0: ``sample_size`` for ``W_SUBTLE``), accepted draft
+    tokens, and how many proposals branched.
 
     ``seeded``: request i has seed i (the race path); else no seed (rejection sampling), with the
     request and draft generators seeded from a counter so the test is deterministic."""
@@ -86,7 +107,8 @@ def sample_first3(model, tok, prompt: list[int], spec: SpecConfig, params: Sampl
     import tidespec.speculative.drafters.draft_model as draft_model_mod
     import tidespec.speculative.drafters.eagle3 as eagle3_mod
 
-    counter = itertools.count(1_000_003)
+    n = n or sample_size(exact_distribution(model, prompt, params), W_SUBTLE)
+    counter = itertools.count(SEED_BASE)
 
     def counted_generator(seed, device="cpu"):
         g = torch.Generator(device=device)
@@ -113,7 +135,7 @@ def sample_first3(model, tok, prompt: list[int], spec: SpecConfig, params: Sampl
         drafter.propose = counting_propose  # type: ignore[method-assign]
     samples: list[tuple[int, ...]] = []
     accepted = 0
-    for i in range(N_SAMPLES):
+    for i in range(n):
         e.add_request(prompt, SamplingParams(temperature=params.temperature, top_p=params.top_p,
                                              seed=i if seeded else None,
                                              max_tokens=MAX_TOKENS, ignore_eos=True))
@@ -125,6 +147,35 @@ def sample_first3(model, tok, prompt: list[int], spec: SpecConfig, params: Sampl
     return samples, accepted, branching
 
 
+def pooled_cells(dist: dict[tuple[int, int, int], float], n: int) -> tuple[list[tuple[int, int, int]],
+                                                                           list[tuple[int, int, int]]]:
+    """The cells tested on their own at ``n`` samples (expected count >= 5), and those pooled into one."""
+    return [k for k in dist if dist[k] * n >= 5], [k for k in dist if dist[k] * n < 5]
+
+
+def chi2_power(dist: dict[tuple[int, int, int], float], n: int, w: float) -> float:
+    """The probability that the test at ``n`` samples rejects (p < ALPHA) a sample whose distribution
+    deviates from ``dist`` by Cohen's effect size ``w`` (w^2 = sum over cells of (q - p)^2 / p): the
+    noncentral chi-squared with the test's degrees of freedom and noncentrality n w^2.
+
+    Example: this module's target at temperature 1.0 (33 cells tested and 1 pooled at 7,000 samples), w = 0.1:
+    n = 7,000 -> 0.990, n = 6,500 -> 0.980."""
+    big, small = pooled_cells(dist, n)
+    df = len(big) + (1 if small else 0) - 1
+    return float(ncx2.sf(chi2.isf(ALPHA, df), df, n * w * w))
+
+
+def sample_size(dist: dict[tuple[int, int, int], float], w: float, power: float = POWER, step: int = 500) -> int:
+    """The fewest samples, in steps of ``step``, whose test rejects a deviation of ``w`` from
+    ``dist`` with at least ``power`` (``chi2_power``).
+
+    Example: this module's target at temperature 1.0, w = 0.1 -> 7,000; w = 0.42, power 0.9999 -> 500."""
+    n = step
+    while chi2_power(dist, n, w) < power:
+        n += step
+    return n
+
+
 def chi2_pvalue(samples: list[tuple[int, ...]], dist: dict[tuple[int, int, int], float]) -> float:
     """Goodness of fit; cells with expected count < 5 are pooled; an impossible sample -> p = 0."""
     n = len(samples)
@@ -133,8 +184,7 @@ def chi2_pvalue(samples: list[tuple[int, ...]], dist: dict[tuple[int, int, int],
         if s not in counts:
             return 0.0
         counts[s] += 1
-    big = [k for k in dist if dist[k] * n >= 5]
-    small = [k for k in dist if dist[k] * n < 5]
+    big, small = pooled_cells(dist, n)
     obs = [counts[k] for k in big] + ([sum(counts[k] for k in small)] if small else [])
     exp = [dist[k] * n for k in big] + ([sum(dist[k] for k in small) * n] if small else [])
     scale = sum(obs) / sum(exp)  # guard float rounding of the total
@@ -146,17 +196,21 @@ SETTINGS = [SamplingParams(temperature=0.7, top_p=0.9, seed=0), SamplingParams(t
 CASES = [("ngram", False), ("suffix", False), ("suffix", True), ("draft-model", False), ("draft-model", True)]
 
 
+@pytest.mark.parametrize("w", [W_SUBTLE, pytest.param(W_LONG, marks=pytest.mark.slow, id="long")])
 @pytest.mark.parametrize("drafter,tree", CASES)
 @pytest.mark.parametrize("setting", range(len(SETTINGS)))
-def test_speculative_sampling_matches_target(model, tok, prompt, drafter, tree, setting, monkeypatch):
+def test_speculative_sampling_matches_target(model, tok, prompt, drafter, tree, setting, w, monkeypatch):
     params = SETTINGS[setting]
+    dist = exact_distribution(model, prompt, params)
+    n = sample_size(dist, w)
     spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, tree=tree, draft_model=DraftModelConfig(layers=1, tree_top_k=2))
-    samples, accepted, branching = sample_first3(model, tok, prompt, spec, params, monkeypatch, params.seed is not None)
-    assert accepted > 1000, "too few accepted drafts: the test would not exercise verification"
+    samples, accepted, branching = sample_first3(model, tok, prompt, spec, params, monkeypatch, params.seed is not None,
+                                                 n)
+    assert accepted > n // 20, "too few accepted drafts: the test would not exercise verification"
     if tree:
-        assert branching > 500, "too few branching trees: the test would not exercise sibling rejection"
-    p = chi2_pvalue(samples, exact_distribution(model, prompt, params))
-    assert p > 0.01, f"speculative samples deviate from the target distribution (chi2 p={p:.2e})"
+        assert branching > n // 40, "too few branching trees: the test would not exercise sibling rejection"
+    p = chi2_pvalue(samples, dist)
+    assert p > ALPHA, f"speculative samples deviate from the target distribution (chi2 p={p:.2e}, {n} samples)"
 
 
 @pytest.mark.parametrize("floor", [0.0, 0.4])
@@ -175,9 +229,9 @@ def test_a_bfloat16_eagle3_head_keeps_the_targets_distribution(tok, prompt, floo
     assert drafter.cfg.min_draft_prob == floor
     params = SETTINGS[1]
     samples, accepted, _ = sample_first3(model, tok, prompt, spec, params, monkeypatch, seeded=False)
-    assert accepted > 1000, "too few accepted drafts: the test would not exercise verification"
+    assert accepted > len(samples) // 20, "too few accepted drafts: the test would not exercise verification"
     p = chi2_pvalue(samples, exact_distribution(model, prompt, params))
-    assert p > 0.01, f"speculative samples deviate from the target distribution (chi2 p={p:.2e})"
+    assert p > ALPHA, f"speculative samples deviate from the target distribution (chi2 p={p:.2e})"
 
 
 @pytest.mark.parametrize("seeded", [True, False])
@@ -185,7 +239,7 @@ def test_plain_sampling_matches_exact(model, tok, prompt, seeded, monkeypatch):
     """The harness itself: plain sampling (race draws or the generator) passes the same test."""
     params = SETTINGS[1]
     samples, _, _ = sample_first3(model, tok, prompt, SpecConfig(), params, monkeypatch, seeded)
-    assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) > 0.01
+    assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) > ALPHA
 
 
 def test_broken_verifier_is_caught(model, tok, prompt, monkeypatch):
@@ -194,8 +248,8 @@ def test_broken_verifier_is_caught(model, tok, prompt, monkeypatch):
     monkeypatch.setattr(verify_mod, "residual_probs", lambda p, q, token: p)
     params = SETTINGS[1]
     spec = SpecConfig(drafter="ngram", num_speculative_tokens=3)
-    samples, _, _ = sample_first3(model, tok, prompt, spec, params, monkeypatch, seeded=False)
-    assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) < 0.01
+    samples, _, _ = sample_first3(model, tok, prompt, spec, params, monkeypatch, seeded=False, n=broken_size(model, prompt, params))
+    assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) < ALPHA
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "draft-model"])
@@ -206,8 +260,8 @@ def test_the_one_transfer_chain_verifier_matches_target(model, tok, prompt, draf
     params = SETTINGS[1]
     spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, draft_model=DraftModelConfig(layers=1))
     samples, accepted, _ = sample_first3(model, tok, prompt, spec, params, monkeypatch, seeded=False)
-    assert accepted > 1000
-    assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) > 0.01
+    assert accepted > len(samples) // 20
+    assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) > ALPHA
 
 
 def test_a_broken_one_transfer_verifier_is_caught(model, tok, prompt, monkeypatch):
@@ -216,8 +270,8 @@ def test_a_broken_one_transfer_verifier_is_caught(model, tok, prompt, monkeypatc
     monkeypatch.setattr(verify_mod, "chain_residuals", lambda p, q, x: p)
     params = SETTINGS[1]
     samples, _, _ = sample_first3(model, tok, prompt, SpecConfig(drafter="ngram", num_speculative_tokens=3), params,
-                                  monkeypatch, seeded=False)
-    assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) < 0.01
+                                  monkeypatch, seeded=False, n=broken_size(model, prompt, params))
+    assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) < ALPHA
 
 
 def test_reused_race_noise_is_caught(model, tok, prompt, monkeypatch):
@@ -233,8 +287,8 @@ def test_reused_race_noise_is_caught(model, tok, prompt, monkeypatch):
     monkeypatch.setattr(engine_mod, "seeded_draw", first_position_noise)
     params = SETTINGS[1]
     spec = SpecConfig(drafter="ngram", num_speculative_tokens=3)
-    samples, _, _ = sample_first3(model, tok, prompt, spec, params, monkeypatch, seeded=True)
-    assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) < 0.01
+    samples, _, _ = sample_first3(model, tok, prompt, spec, params, monkeypatch, seeded=True, n=broken_size(model, prompt, params))
+    assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) < ALPHA
 
 
 def test_always_accept_is_caught(model, tok, prompt, monkeypatch):
@@ -248,8 +302,8 @@ def test_always_accept_is_caught(model, tok, prompt, monkeypatch):
     monkeypatch.setattr(engine_mod, "verify_sampled", accept_all)
     params = SETTINGS[1]
     samples, _, _ = sample_first3(model, tok, prompt, SpecConfig(drafter="ngram", num_speculative_tokens=3), params,
-                                  monkeypatch, seeded=False)
-    assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) < 0.01
+                                  monkeypatch, seeded=False, n=broken_size(model, prompt, params))
+    assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) < ALPHA
 
 
 def test_exact_distribution_sums_to_one(model, prompt):
@@ -272,3 +326,21 @@ def test_one_transfer_chain_verifier_hand_traced():
     for _ in range(20):
         got = verify_mod.verify_chain_sampled(SeqDraft([1, 0], None, q), never, gen)
         assert got.accepted == [] and got.token_ids[0] in (0, 2) and not got.bonus
+
+
+
+def broken_size(model, prompt: list[int], params: SamplingParams) -> int:
+    """Samples for a verifier broken on purpose: enough to catch ``W_BROKEN`` with ``POWER_BROKEN``."""
+    return sample_size(exact_distribution(model, prompt, params), W_BROKEN, POWER_BROKEN)
+
+
+@pytest.mark.parametrize("setting", range(len(SETTINGS)))
+def test_the_sample_sizes_are_the_ones_stated(model, prompt, setting):
+    """The sizes the module docstring states, and that they are the least with their power (500
+    samples fewer would not have it)."""
+    dist = exact_distribution(model, prompt, SETTINGS[setting])
+    n = sample_size(dist, W_SUBTLE)
+    assert n == (5_000, 7_000)[setting]
+    assert chi2_power(dist, n, W_SUBTLE) >= POWER > chi2_power(dist, n - 500, W_SUBTLE)
+    assert sample_size(dist, W_BROKEN, POWER_BROKEN) == 500
+    assert sample_size(dist, W_LONG) == (15_500, 24_000)[setting]
