@@ -53,9 +53,9 @@ from tidespec.models.llama import BatchLayout, LlamaModel, ModelOutput
 log = logging.getLogger(__name__)
 
 # the code a forward's cost depends on: a change to any of it makes cached costs stale
-KERNEL_SOURCES = ("llama.py", "linear.py", "kernels.py", "attention.py", "quant.py", "invariance.py", "compiled.py",
-                  "graphs.py", "kv_cache.py", "rows.py", "executor.py", "row_attention.py", "csrc/row_invariant.cpp",
-                  "csrc/exact_linear.cpp")
+KERNEL_SOURCES = ("llama.py", "linear.py", "kernels.py", "attention.py", "quant.py", "quant_base.py", "invariance.py",
+                  "compiled.py", "graphs.py", "kv_cache.py", "rows.py", "executor.py", "row_attention.py",
+                  "csrc/row_invariant.cpp", "csrc/exact_linear.cpp")
 
 
 @dataclass(frozen=True)

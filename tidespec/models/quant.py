@@ -43,6 +43,8 @@ for 16; the two casts cost nothing measurable):
 * **w4a8** / **w8a8** (``models/quant_a8.py``): not weight-only. GGUF Q4_1 / Q8_0 weights times
   activations quantized to int8 per block inside tidespec's kernel, integer dot products
   (llama.cpp's arithmetic; 1.6x int4's decode speed on a 2-core Xeon).
+* Every scheme's layer derives from ``QuantizedLinear`` (``models/quant_base.py``, re-exported here
+  with ``QuantizationError``), so ``quant_a8`` does not import this module.
 
 Both kernels are GEMVs: their time grows with the rows (30 layers' projections, 2 threads, ms for
 1 / 5 / 16 / 64 / 256 rows: int8 9 / 17 / 33 / 100 / 360, int4-g32 5 / 13 / 25 / 85 / 340,
@@ -77,20 +79,17 @@ from torch import nn
 
 from tidespec.config import INT4_GROUP_SIZES, QUANTIZATIONS
 from tidespec.models.kernels import quant_linear_available
-from tidespec.models.llama import LlamaModel, ModelConfigError
+from tidespec.models.llama import LlamaModel
+from tidespec.models.quant_a8 import W4A8Linear, W8A8Linear, check_a8
+from tidespec.models.quant_base import KERNEL_DTYPE, QuantizationError, QuantizedLinear
 from tidespec.models.rows import in_pieces
 
-KERNEL_DTYPE = torch.bfloat16  # the activation dtype both kernels are vectorised for
 INT4_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
 INT4_PANEL = 64  # tidespec::int4_linear reads ATen's AVX512 packing of whole panels of 64 outputs
 INT8_K_MULTIPLE = 16  # tidespec::int8_linear reads 16 input features at a time
 A8_QUANTIZATIONS = ("w4a8", "w8a8")  # int8 activations on integer dot products (models/quant_a8.py)
 # The projections of a decoder layer that ``quantize_model`` replaces (attribute paths).
 LAYER_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
-
-
-class QuantizationError(ModelConfigError):
-    """This model cannot be quantized as asked (group size, device); the message is one line."""
 
 
 # --------------------------------------------------------------------------- the schemes (pure functions)
@@ -144,70 +143,6 @@ def dequantize_int4(q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, 
 # --------------------------------------------------------------------------- the modules
 
 
-class QuantizedLinear(nn.Module):
-    """Base of the quantized replacements of ``llama.Linear``: ``forward(x [T, in]) -> [T, out]`` in
-    ``x``'s dtype. The kernel's tensors are buffers (int8/uint8 weights, bfloat16 scales): they move
-    with ``.to(device)``, and ``.to(dtype)`` leaves the scales in bfloat16 (the kernels need it).
-    An optional ``bias [out]`` is kept in the dtype it came in and added after the cast back."""
-
-    bias: torch.Tensor | None
-    _kernel_buffers: tuple[str, ...] = ()
-    # rows up to which the kernel was measured row-invariant when that is below the engine's token
-    # budget: calls run in pieces within it (models/invariance.py); 0 = whole calls
-    row_limit = 0
-    own_kernel = False  # tidespec's kernel (csrc/quant_linear.cpp) instead of PyTorch's: the same bits
-    kernel_dtype = KERNEL_DTYPE  # the dtype of the kernel's floating-point buffers (scales)
-    scheme = ""  # w4a8 / w8a8 layers (models/quant_a8.py) name their scheme; quantization_of reads it
-
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
-
-    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]  # nn.Module's signature
-        super()._apply(fn, recurse)
-        for name in self._kernel_buffers:  # a model-wide .to(float64) must not touch the kernel's scales
-            buf = getattr(self, name)
-            if buf.is_floating_point() and buf.dtype != self.kernel_dtype:
-                setattr(self, name, buf.to(self.kernel_dtype))
-            if buf.device.type != "cpu":  # tidespec's kernels are CPU ops
-                self.own_kernel = False
-        return self
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, K] -> [T, N] in x's dtype
-        xb = x.to(KERNEL_DTYPE).contiguous()
-        if not self.row_limit:
-            y = self._kernel(xb)
-        elif torch.compiler.is_compiling():  # an op of its own keeps the graph's row count symbolic
-            y = self._compiled_in_pieces(xb)
-        else:  # eager calls the kernel directly (a custom op's Python dispatch costs ~70 us a call)
-            y = in_pieces(self._kernel, xb, self.row_limit)
-        return self._finish(y, x.dtype)
-
-    @property
-    def kernel_name(self) -> str:
-        """Which kernel the layer runs: part of the key its measured row frontier is cached under."""
-        return "tidespec" if self.own_kernel else "aten"
-
-    def _kernel(self, xb: torch.Tensor) -> torch.Tensor:
-        """The kernel on bfloat16 rows: xb [T, K] -> [T, N] bfloat16."""
-        raise NotImplementedError
-
-    def _compiled_in_pieces(self, xb: torch.Tensor) -> torch.Tensor:
-        """``_kernel`` in row pieces within its measured frontier (``row_limit``), as the op a
-        compiled graph calls: xb [T, K] -> [T, N] bfloat16."""
-        raise NotImplementedError
-
-    def _finish(self, y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Kernel output ``[T, out]`` bfloat16 -> ``dtype``, plus the bias."""
-        y = y.to(dtype)
-        return y if self.bias is None else y + self.bias
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
-
-
 class Int8Linear(QuantizedLinear):
     """int8 weights, one bfloat16 scale per output channel; ``_weight_int8pack_mm``.
 
@@ -226,12 +161,12 @@ class Int8Linear(QuantizedLinear):
         self.own_kernel = own_kernel_applies(qweight, qweight.shape[1] % INT8_K_MULTIPLE == 0)
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
         q, s = quantize_int8(weight)
         return cls(q.to(weight.device), s.to(weight.device), bias)
 
     @classmethod
-    def concat(cls, layers: Sequence["Int8Linear"]) -> "Int8Linear":
+    def concat(cls, layers: Sequence[Int8Linear]) -> Int8Linear:
         """One layer whose outputs are ``layers``' outputs side by side: the rows stacked. Exact
         (each output channel has its own scale), so a layer over rows ``[a; b]`` can be built from
         the quantized ``a`` kept from before and a newly quantized ``b``: a copy, no requantizing.
@@ -283,7 +218,7 @@ class Int4Linear(QuantizedLinear):
         self.own_kernel = own_kernel_applies(packed, packed.shape[0] % INT4_PANEL == 0)
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> "Int4Linear":
+    def from_weight(cls, weight: torch.Tensor, group_size: int, bias: torch.Tensor | None = None) -> Int4Linear:
         n, k = weight.shape
         q, scales, zeros = quantize_int4(weight.cpu(), group_size)  # [N, K], [N, K/G], [N, K/G]
         pad = -n % INT4_ROW_MULTIPLE
@@ -367,13 +302,6 @@ def _int4_in_pieces_fake(xb: torch.Tensor, packed: torch.Tensor, group_size: int
 # --------------------------------------------------------------------------- the model
 
 
-def _a8():  # type: ignore[no-untyped-def]
-    """``models.quant_a8`` (w4a8, w8a8), imported on use: it builds on this module's base class."""
-    from tidespec.models import quant_a8
-
-    return quant_a8
-
-
 def quantized_linear(linear: nn.Module, mode: str, group_size: int) -> QuantizedLinear:
     """The quantized replacement of one ``nn.Linear``-like module (``weight [out, in]``, ``bias``);
     ``mode`` int8, int4, w4a8 or w8a8."""
@@ -382,9 +310,9 @@ def quantized_linear(linear: nn.Module, mode: str, group_size: int) -> Quantized
     if mode == "int8":
         return Int8Linear.from_weight(weight, bias)
     if mode == "w4a8":
-        return _a8().W4A8Linear.from_weight(weight, bias)
+        return W4A8Linear.from_weight(weight, bias)
     if mode == "w8a8":
-        return _a8().W8A8Linear.from_weight(weight, bias)
+        return W8A8Linear.from_weight(weight, bias)
     return Int4Linear.from_weight(weight, group_size, bias)
 
 
@@ -402,8 +330,7 @@ def check_quantizable(model: LlamaModel, mode: str, group_size: int) -> None:
         raise QuantizationError(f"--quantization {mode} needs --device cpu (PyTorch's CPU kernels), "
                                 f"the model is on {model.device}")
     if mode in A8_QUANTIZATIONS:
-        _a8().check_a8(mode, [model.cfg.hidden_size, model.cfg.num_heads * model.cfg.head_dim,
-                              model.cfg.intermediate_size])
+        check_a8(mode, [model.cfg.hidden_size, model.cfg.num_heads * model.cfg.head_dim, model.cfg.intermediate_size])
     if mode == "int4":
         if group_size not in INT4_GROUP_SIZES:
             raise QuantizationError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "

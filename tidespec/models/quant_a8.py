@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 
 from tidespec.models.kernels import ensure_built
-from tidespec.models.quant import QuantizationError, QuantizedLinear
+from tidespec.models.quant_base import QuantizationError, QuantizedLinear
 from tidespec.models.rows import in_pieces
 
 A8_BLOCK = 32  # inputs per weight and activation block (GGUF's Q4_1 / Q8_0)

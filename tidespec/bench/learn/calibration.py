@@ -6,7 +6,8 @@ its walked gain is above 0 (``online.training.judge``). A round holds out a hand
 so whether that interval means 90 % depends on what it resamples. Resampling blocks of 32 rows as
 if they were independent ignores that a request's rows share its topic and wording; in a recovery
 run, intervals such as +0.10 .. +0.61 on one or two held-out requests were not borne out by the
-rows served next (docs/benchmarks/learning.md, issue 51). This measures it: two heads (the one
+rows served next (round 4 in docs/benchmarks/learning.md, "What training on a new domain's first
+requests buys"). This measures it: two heads (the one
 ``bench learn`` started from and the one it trained) are walked over every held-out request once;
 their gain over all of them stands for the truth, and many random windows of ``w`` requests each
 play a round's held-out split. Each window's interval is computed three ways: resampling its
