@@ -7,18 +7,28 @@ profiles) must land under one root that honours the same environment variables, 
 CPU it was measured on where it is a measurement (``cpu_name``). Each writer used to carry its own
 fsync helper and its own idea of the cache root.
 
+Measurements are taken under ``exclusive`` on their cache entry: processes starting together on one
+machine (a fleet's replicas, test workers) measure once, in turn, instead of all at once on the same
+cores, which is slower for each and makes timed choices wrong.
+
 Worked example::
 
     atomic_write(root / "manifest.json", b"{...}")   # readers see the old or the whole new file
     cache_root()                                      # $TIDESPEC_CACHE, else $XDG_CACHE_HOME/tidespec,
                                                       # else ~/.cache/tidespec
+    with exclusive(entry):                            # one process at a time measures this entry
+        value = read(entry) or measure_and_write(entry)
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import os
 import platform
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 TMP_PREFIX = ".tmp-"  # temporary names start with this; readers skip them, cleaners may delete them
@@ -83,6 +93,24 @@ def atomic_write(path: Path, data: bytes) -> None:
     finally:
         tmp.unlink(missing_ok=True)
     fsync_path(path.parent)
+
+
+@contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """Hold an exclusive lock named after ``path`` for the block: other processes that ask for the same
+    one wait. Read the entry again inside the block, since another process may have written it while
+    this one waited. The lock files live apart, in ``cache_root()/locks`` (never deleted: deleting a
+    lock file others may hold breaks the lock), so a failed measurement leaves its folder as it was."""
+    path.parent.mkdir(parents=True, exist_ok=True)  # the entry's folder, for the writer inside the block
+    locks = cache_root() / "locks"
+    locks.mkdir(parents=True, exist_ok=True)
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    with open(locks / f"{path.name}-{key}.lock", "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 
 def directory_fingerprint(directory: Path) -> tuple[tuple[str, int, int], ...]:

@@ -10,8 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import tiny_llama
-from tidespec.models import linear
+from tests.helpers import tiny_llama, tiny_tokenizer
+from tidespec.config import CacheConfig, EngineConfig, ModelConfig
+from tidespec.llm import build_engine
+from tidespec.models import invariance, linear
 from tidespec.models.linear import STRATEGIES, TUNED_ROWS, Linear, tune_linears
 
 
@@ -86,3 +88,28 @@ def test_the_mkl_packed_kernel_tracks_the_weight(rows: int, two_threads: None) -
         torch.testing.assert_close(lin.forward(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
         copied = copy.deepcopy(lin)  # the opaque packed weight stays behind; the copy packs its own
         torch.testing.assert_close(copied.forward(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("row_invariant", [True, False])
+def test_only_engines_without_row_invariance_measure_the_plan(row_invariant: bool, tmp_path: Path, two_threads: None,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-row-count plan serves forwards that are not row-invariant (``--no-row-invariant``, GPU
+    engines, a separate draft model): a row-invariant engine does not measure it (20 s for
+    SmolLM2-135M on 2 cores from a cold cache, for nothing), one without row invariance measures it at
+    the thread count it runs."""
+    calls: list[int] = []
+
+    def spy(root: torch.nn.Module) -> dict[str, list[str]]:
+        calls.append(torch.get_num_threads())
+        return tune_linears(root, repeats=1, cache_dir=tmp_path)
+
+    monkeypatch.setattr(invariance, "tune_linears", spy)
+    model = tiny_llama(vocab_size=64, layers=2, dtype=torch.float32)
+    config = EngineConfig(model=ModelConfig(row_invariant=row_invariant, threads=2),
+                          cache=CacheConfig(max_model_len=64, max_num_seqs=2))
+    build_engine(config, model=model, tokenizer=tiny_tokenizer(64))
+    qkv = model.layers[0].self_attn.qkv_proj
+    if row_invariant:
+        assert calls == [] and qkv.choice == () and qkv.invariant
+    else:
+        assert calls == [2] and len(qkv.choice) == TUNED_ROWS[-1] and qkv.tuned_threads == 2 and not qkv.invariant

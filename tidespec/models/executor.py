@@ -156,16 +156,16 @@ class ForwardExecutor:
         self.options = options
         self.device = model.device
         self.graphed = uses_graphs(self.device, options.enforce_eager)
-        self.invariance = prepare_target(model, options)
         exact = exact_attention(model, options)
         margin = KV_MARGIN if options.compile and not self.graphed else 0
-        self.kv: KVCache
+        self.kv: KVCache  # first: a cache that does not fit fails at once, not after the kernels were measured
         if exact and not self.graphed:
             self.kv = paged_kv_cache(model.cfg, max_num_seqs, max_len + margin, model.dtype,
                                      kernel_block_size(block_size), kv_memory, overcommit)
         else:
             self.kv = KVCache.for_model(model.cfg, max_num_seqs, max_len + margin, model.dtype, self.device,
                                         spare_slot=self.graphed, transposed_keys=exact, overcommit=overcommit)
+        self.invariance = prepare_target(model, options)
         self.compiled: CompiledStep | None = None
         self.graphs: GraphStep | None = None
         self.warm_up_seconds = 0.0  # compiling the step or capturing the graphs, once here

@@ -39,10 +39,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tidespec.files import atomic_write, cache_root, cpu_name
+from tidespec.files import atomic_write, cache_root, cpu_name, exclusive
 from tidespec.models.graphs import FIXED_ROWS
 from tidespec.models.kernels import exact_attention_error
-from tidespec.models.linear import Linear
+from tidespec.models.linear import Linear, tune_linears
 from tidespec.models.quant import Int4Linear, Int8Linear, QuantizedLinear
 from tidespec.models.quant_a8 import A8Linear
 from tidespec.models.rows import PROBE_METHOD, frontier
@@ -141,17 +141,31 @@ def cached_frontier(kind: str, shape: tuple[int, int], dtype: torch.dtype, rows:
                     fn: Callable[[torch.Tensor], torch.Tensor]) -> int:
     """``frontier`` of a kernel on a weight shape up to ``rows``, read from the disk cache when
     measured before on this CPU with this torch and thread count (it does not depend on the weight's
-    values)."""
-    ident = {**_machine(kind), "shape": list(shape), "dtype": str(dtype), "rows": rows}
-    cached = _read_cached(ident, "frontier")
-    if isinstance(cached, int):
-        return cached
-    value = frontier(fn, shape[1], dtype, rows)
-    _write_cached(ident, {"frontier": value})
+    values). A measurement up to more rows serves fewer, and one that found the kernel's frontier
+    below its rows serves any: only a larger budget than any measured probes again.
+
+    Example: measured up to 512 rows -> 512 (invariant throughout): asked for 128 rows, 512 from the
+    cache; asked for 1,024, probed again. Measured up to 512 -> 32: 32 whatever is asked."""
+    ident = {**_machine(kind), "shape": list(shape), "dtype": str(dtype)}
+
+    def cached() -> int | None:
+        probed, value = _read_cached(ident, "rows"), _read_cached(ident, "frontier")
+        if isinstance(probed, int) and isinstance(value, int) and (value < probed or probed >= rows):
+            return value
+        return None
+
+    value = cached()
+    if value is not None:
+        return value
+    with exclusive(_cache_path(ident)):  # another process measuring it: wait, then read its value
+        value = cached()
+        if value is None:
+            value = frontier(fn, shape[1], dtype, rows)
+            _write_cached(ident, {"rows": rows, "frontier": value})
     return value
 
 
-MAX_PROBE_ROWS = 1024  # rows probed, whatever the budget: a larger budget runs bigger calls in pieces within this
+MAX_PROBE_ROWS = 1024  # rows probed at most: a larger budget runs bigger calls in pieces within this
 
 
 TIMED_ROWS = (1, 5, 16)  # what decoding runs most: a decode row, a gamma-4 verification, 16 sequences' decodes
@@ -221,13 +235,17 @@ def fastest_kernel(layers: list[Linear], kernels: list[str], repeats: int = 5) -
     cached = _read_cached(ident, "kernel")
     if cached in kernels:
         return str(cached)
-    seconds = {kernel: sum(per_rows.values()) for kernel, per_rows in time_kernels(layers, kernels, TIMED_ROWS,
-                                                                                  repeats).items()}
-    chosen = min(kernels, key=seconds.__getitem__)
-    for layer in layers:  # the packed copies made while timing the others are dropped
-        layer.set_invariant(chosen, 0)
-        layer.set_packing(chosen == "mkl")
-    _write_cached(ident, {"kernel": chosen, "seconds": seconds})
+    with exclusive(_cache_path(ident)):  # timed alone: another process timing the same kernels waits
+        cached = _read_cached(ident, "kernel")
+        if cached in kernels:
+            return str(cached)
+        seconds = {kernel: sum(per_rows.values()) for kernel, per_rows in time_kernels(layers, kernels, TIMED_ROWS,
+                                                                                      repeats).items()}
+        chosen = min(kernels, key=seconds.__getitem__)
+        for layer in layers:  # the packed copies made while timing the others are dropped
+            layer.set_invariant(chosen, 0)
+            layer.set_packing(chosen == "mkl")
+        _write_cached(ident, {"kernel": chosen, "seconds": seconds})
     log.info("row-invariant projections: %s (%s for %s rows through %d layers)", chosen,
              ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in seconds.items()), "+".join(map(str, TIMED_ROWS)),
              len(layers))
@@ -241,7 +259,7 @@ def make_row_invariant(model: nn.Module, budget: int) -> InvarianceReport:
     shape share one measurement. Returns the report (``summary()`` for the log)."""
     error = exact_attention_error()
     report = InvarianceReport(budget, "exact" if error is None else f"no exact attention kernel: {error}")
-    probe = MAX_PROBE_ROWS  # one measurement per shape serves every budget (cached)
+    probe = min(budget, MAX_PROBE_ROWS)  # no forward holds more rows than the budget (a cached larger one serves)
     groups: dict[tuple[str, int, int, str], list[nn.Module]] = {}
     for module in model.modules():
         if isinstance(module, Linear) and module.weight.device.type == "cpu":
@@ -287,11 +305,14 @@ def make_row_invariant(model: nn.Module, budget: int) -> InvarianceReport:
 
 
 def clear_row_invariance(model: nn.Module) -> None:
-    """Undo ``make_row_invariant``: every projection back to its fastest kernel per row count, the
-    model's caches in the usual layout (SDPA). What ``--no-row-invariant`` and GPU engines run."""
+    """Undo ``make_row_invariant``: every projection back to its fastest kernel per row count (the
+    plan of ``tune_linears`` at the current thread count, measured here once per machine: only these
+    engines run it, so a row-invariant engine never pays for measuring it), the model's caches in the
+    usual layout (SDPA). What ``--no-row-invariant`` and GPU engines run."""
     for module in model.modules():
         if isinstance(module, Linear):
             module.set_invariant("", 0)
         elif isinstance(module, QuantizedLinear):
             module.row_limit = 0
+    tune_linears(model)  # CPU layers only: a GPU model has none
     model.row_invariant = False  # type: ignore[assignment]

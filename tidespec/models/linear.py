@@ -30,7 +30,10 @@ So the choice is measured, not guessed: ``tune_linears`` times each candidate on
 (all layers' matrices of one shape in turn, so the weights stream from memory as in a forward)
 for row counts 1..``max_rows`` and stores the fastest per row count in each ``Linear``. The
 result is cached on disk per (CPU, torch version, threads, dtype, shapes), so a process pays the
-few seconds of measuring once per machine. Untuned layers (tiny test models, CUDA, another
+few seconds of measuring once per machine. Only forwards that are not row-invariant run the plan:
+``models.invariance.clear_row_invariance`` (``--no-row-invariant``, GPU engines) tunes, as do a
+separate draft model, the trainer and ``bench profile``; a row-invariant engine never measures it.
+Untuned layers (tiny test models, CUDA, another
 thread count than the one tuned for) use ``F.linear``.
 
 Every candidate computes each output element as one dot product over the full input dimension,
@@ -52,7 +55,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -60,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidespec.files import atomic_write, cache_root, cpu_name
+from tidespec.files import atomic_write, cache_root, cpu_name, exclusive
 from tidespec.models.kernels import ensure_built
 from tidespec.models.rows import in_pieces
 
@@ -403,25 +406,36 @@ def tune_linears(root: nn.Module, repeats: int = 5, cache_dir: Path | None = Non
         return {}
     threads = torch.get_num_threads()
     path = (cache_dir or cache_root() / "matmul-plans") / f"{_plan_key(groups, max_rows, threads)}.json"
-    plan: dict[str, list[str]] = {}
-    if path.exists():
-        try:
-            plan = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError):
-            plan = {}
+    plan = _read_plan(path)
     names = {key: f"{key[0]}x{key[1]}:{key[2]}" for key in groups}
-    if not all(isinstance(plan.get(n), list) and len(plan[n]) == max_rows and set(plan[n]) <= set(STRATEGIES)
-               for n in names.values()):
-        log.info("measuring matmul kernels for this CPU (once; cached in %s)", path.parent)
-        plan = {names[key]: _measure(mods, repeats, threads) for key, mods in groups.items()}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, json.dumps(plan, indent=1).encode())
+    if not _complete(plan, names.values(), max_rows):
+        with exclusive(path):  # timed alone: another process measuring the same plan waits, then reads it
+            plan = _read_plan(path)
+            if not _complete(plan, names.values(), max_rows):
+                log.info("measuring matmul kernels for this CPU (once; cached in %s)", path.parent)
+                plan = {names[key]: _measure(mods, repeats, threads) for key, mods in groups.items()}
+                atomic_write(path, json.dumps(plan, indent=1).encode())
     for key, mods in groups.items():
         for m in mods:
             m.choice = tuple(plan[names[key]])
             m.tuned_threads = threads
             m.set_packing("mkl" in m.choice)
     return plan
+
+
+def _read_plan(path: Path) -> dict[str, list[str]]:
+    """The plan cached at ``path``, {} when there is none or it cannot be read."""
+    try:
+        plan = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return plan if isinstance(plan, dict) else {}
+
+
+def _complete(plan: dict[str, list[str]], names: Iterable[str], max_rows: int) -> bool:
+    """Whether ``plan`` has a kernel for every row count of every shape in ``names``."""
+    return all(isinstance(plan.get(n), list) and len(plan[n]) == max_rows and set(plan[n]) <= set(STRATEGIES)
+               for n in names)
 
 
 @torch.inference_mode()

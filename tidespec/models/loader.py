@@ -45,8 +45,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tidespec.errors import UserError
-from tidespec.files import cache_root
-from tidespec.models.linear import tune_linears
+from tidespec.files import cache_root, exclusive
 from tidespec.models.llama import LlamaConfig, LlamaModel, ModelConfigError
 from tidespec.models.quant import quantize_model
 
@@ -152,8 +151,6 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str
         quantize_model(model, quantization, quant_group_size)
     except ModelConfigError as exc:
         raise ModelLoadError(f"{hf_dir}: {exc}") from None
-    if target.type == "cpu":
-        tune_linears(model)  # the fastest matmul kernel per row count on this CPU (measured once, cached)
     return LoadedModel(model=model.eval(), tokenizer=tokenizer, config=cfg, path=str(hf_dir))
 
 
@@ -255,7 +252,11 @@ def _cached_conversion(gguf_path: Path) -> Path:
     out = converted_dir_for(gguf_path)
     if (out / "config.json").is_file():
         return out
-    return convert_gguf(gguf_path, out)
+    try:
+        with exclusive(out):  # processes starting together convert once: the others wait, then read it
+            return out if (out / "config.json").is_file() else convert_gguf(gguf_path, out)
+    except OSError as exc:
+        raise ModelLoadError(f"cannot create cache directory {out.parent}: {_one_line(exc)}") from None
 
 
 def _gguf_metadata(gguf_path: Path) -> tuple[str, str | None]:

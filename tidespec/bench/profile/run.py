@@ -50,7 +50,7 @@ from tidespec.errors import check_at_least
 from tidespec.models.compiled import KV_MARGIN, CompiledStep
 from tidespec.models.graphs import GraphStep, uses_graphs
 from tidespec.models.kv_cache import KVCache
-from tidespec.models.linear import untuned
+from tidespec.models.linear import tune_linears, untuned
 from tidespec.models.llama import BatchLayout, LlamaModel
 from tidespec.models.loader import LoadedModel
 from tidespec.models.quant import quantization_of
@@ -132,6 +132,7 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | LlamaModel | str | Non
         loaded = resolve_target(target if target is not None else mc.model, mc.dtype, mc.device, mc.quantization,
                                 mc.quant_group_size)
         model, name = loaded.model, loaded.path or type(loaded.model).__name__
+        tune_linears(model)  # its eager forwards: the fastest kernel per row count (CPU; measured once per machine)
     if cfg.context + max(cfg.ns) > model.cfg.max_position_embeddings:
         raise ConfigError(f"context + largest n ({cfg.context + max(cfg.ns)}) exceeds the model's context "
                           f"({model.cfg.max_position_embeddings})")

@@ -99,6 +99,7 @@ def distill_from_workload(model: LlamaModel, tokenizer: Any, cfg: TrainerConfig)
 
 def train_drafter(cfg: TrainerConfig) -> list[RoundResult]:
     """``tidespec train-drafter``: join torchrun's group if any, load the target, (bootstrap,) train."""
+    from tidespec.models.linear import tune_linears
     from tidespec.models.loader import DTYPES, load_model
 
     if cfg.threads:
@@ -109,6 +110,7 @@ def train_drafter(cfg: TrainerConfig) -> list[RoundResult]:
         if ctx.enabled and device == "cuda":
             device = f"cuda:{ctx.local_rank}"
         loaded = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
+        tune_linears(loaded.model)  # capture and distillation forwards: the fastest kernel per row count (CPU)
         if cfg.from_workload:
             if ctx.is_main and cfg.topk:
                 distill_from_workload(loaded.model, loaded.tokenizer, cfg)

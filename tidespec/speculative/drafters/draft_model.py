@@ -43,6 +43,7 @@ import torch
 from tidespec.errors import ConfigError, check_at_least
 from tidespec.models import placement
 from tidespec.models.kv_cache import KVCache
+from tidespec.models.linear import tune_linears
 from tidespec.models.llama import BatchLayout, LlamaModel, output_matrix
 from tidespec.models.loader import load_model
 from tidespec.models.quant import QuantizedLinear
@@ -346,6 +347,7 @@ def _build(ctx: BuildContext) -> DraftModelDrafter:
             raise ConfigError(f"draft model vocab ({loaded.model.cfg.vocab_size}) differs from the target's "
                               f"({target.cfg.vocab_size}): drafter and target must share a tokenizer")
         draft = loaded.model
+        tune_linears(draft)  # its own projections run the fastest kernel per row count (CPU; cached per machine)
     else:
         draft = truncated_on(target, dm.layers or max(1, target.cfg.num_layers // 4), ctx.device)
     return DraftModelDrafter(draft, max_num_seqs=ctx.max_num_seqs, max_model_len=ctx.max_model_len,

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -42,7 +41,8 @@ from pathlib import Path
 
 import torch
 
-from tidespec.files import cache_root, cpu_name
+from tidespec.errors import ConfigError
+from tidespec.files import atomic_write, cache_root, cpu_name, exclusive
 from tidespec.models.executor import ExecutorOptions, ForwardExecutor, executor_key, prepare_target
 from tidespec.models.llama import LlamaModel
 from tidespec.models.quant import QuantizedLinear, quantization_of
@@ -292,14 +292,23 @@ def load_or_measure(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerCon
     options = options or ExecutorOptions()
     key = profile_key_for(model, drafter, executor_key(model, options, prepare_target(model, options)))
     path = profile_cache_dir() / f"{key}.json"
-    if path.exists() and not refresh:
-        try:
-            return Profile.load(path), path
-        except (ValueError, KeyError, json.JSONDecodeError):
-            pass  # stale format or a torn write: measure again below
-    prof = measure_profile(model, drafter, cfg, progress, options)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(prof.to_json())
-    os.replace(tmp, path)
+    cached = None if refresh else _cached_profile(path)
+    if cached is not None:
+        return cached, path
+    with exclusive(path):  # timed alone: another process profiling the same target waits, then reads it
+        cached = None if refresh else _cached_profile(path)
+        if cached is not None:
+            return cached, path
+        prof = measure_profile(model, drafter, cfg, progress, options)
+        atomic_write(path, prof.to_json().encode())
     return prof, path
+
+
+def _cached_profile(path: Path) -> Profile | None:
+    """The profile cached at ``path``; None when there is none, or it is stale or torn (measured again)."""
+    if not path.exists():
+        return None
+    try:
+        return Profile.load(path)
+    except ConfigError:  # unreadable, or JSON of another shape
+        return None
