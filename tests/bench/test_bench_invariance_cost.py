@@ -3,16 +3,28 @@ has a row per path and batch size, and bad input is a one-line error."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from tests.helpers import tiny_hf_model, write_tiny_checkpoint
 from tidespec.bench.invariance_cost.run import InvarianceCostConfig, run_invariance_cost, table
 from tidespec.errors import UserError
 
 
 def test_invariance_cost_times_both_engines_on_the_same_steps(tmp_path: Path, two_threads) -> None:
-    cfg = InvarianceCostConfig(paths="float32", batch_sizes="1,2", max_tokens=4, rounds=1, projection_rows="1,3")
+    """On a tiny checkpoint (the embedded model's two loads and kernel measurements took minutes on a
+    cold cache and measure nothing this test checks)."""
+    hf, _ = tiny_hf_model("llama", torch.float32)
+    ckpt = write_tiny_checkpoint(hf, tmp_path / "ckpt")
+    words = [" ".join(f"w{3 + (i * 7 + j) % 60}" for j in range(8)) for i in range(4)]
+    workload = tmp_path / "wl.jsonl"
+    workload.write_text("".join(json.dumps({"id": f"p{i}", "domain": "t", "kind": "completion", "prompt": w}) + "\n"
+                                for i, w in enumerate(words)))
+    cfg = InvarianceCostConfig(paths="float32", batch_sizes="1,2", max_tokens=4, rounds=1, projection_rows="1,3",
+                               model=str(ckpt), workload=str(workload))
     doc = run_invariance_cost(cfg, out_dir=tmp_path, progress=False)
     assert [(r["path"], r["batch"]) for r in doc["rows"]] == [("float32", 1), ("float32", 2)]
     for r in doc["rows"]:

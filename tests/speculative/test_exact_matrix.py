@@ -1,53 +1,199 @@
-"""The exactness matrix, fast subset: on the embedded model, every path and drafter gives exactly the
-path's plain greedy decoding of each prompt alone, one request at a time and all at once, and
-the target's rows have the same bits in verifications, batches and prompt chunks as decoded alone
-(``tidespec bench exactness``; the full matrix -- 24 prompts x 256 tokens, every path x every
-drafter -- is ``make exactness``). Without row-invariant kernels the row probe fails."""
+"""The exactness matrix, fast subset: every CPU path (float32, bfloat16, int8, int4, w4a8, w8a8; eager
+and ``--compile``) and every drafter (each on at least one path) give exactly the path's plain greedy
+decoding of each prompt alone, one request at a time and all at once, plain decoding batched and on
+prefix hits gives it too, and the target's rows have the same bits in verifications, batches and
+prompt chunks as decoded alone (``tidespec bench exactness``'s cells and row probe; the full
+matrix -- 24 prompts x 256 tokens, every path x every drafter -- is ``make exactness``).
+
+What keeps it cheap without checking less:
+
+* one ``PathRun`` per path (its target, plain engine, row probe and references), built once and
+  shared by that path's cells; ``--dist loadgroup`` sends a path's cells to one worker;
+* the prompts are where plain decoding comes closest to a tie (``near_ties.py``, stored in
+  ``near_ties.json``): 4 prompts x 32 tokens a path reach the places where 256 tokens found
+  differences before;
+* the compiled paths run the embedded model's first ``LAYERS_COMPILED`` layers (its real weights:
+  every kernel, fusion and graph a layer runs, at a sixth of the whole model's compile time on a
+  cold cache); ``make test-slow`` runs them on the whole model (``test_compiled_paths_on_the_whole_model``).
+
+Its teeth: ``--break-row-invariance MODE`` builds every engine of the subset with one half of row
+invariance removed, and the subset must then fail (``make test-slow`` checks that it does):
+``library-gemm`` as ``--no-row-invariant`` (projections on the library GEMM chosen per row count,
+attention on SDPA), ``attention`` (the exact attention kernel removed: SDPA over the padded block,
+which the old row padding of queries and keys guarded; projections still invariant) and
+``projections`` (projections on the library kernels, attention still exact). Without row-invariant
+kernels the row probe alone also fails (``test_without_row_invariant_kernels_rows_depend_on_the_batch``).
+"""
 
 from __future__ import annotations
 
-import pytest
+import subprocess
+import sys
 
+import pytest
+import torch
+
+from tests.speculative.near_ties import stored_prompts
 from tidespec.bench.exactness.run import (
+    DRAFTERS,
+    QUANT_PATHS,
     ExactnessBenchConfig,
+    PathRun,
     exact,
     parse_path,
     row_probe,
-    run_exactness_bench,
     table,
     target_model,
 )
 from tidespec.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from tidespec.llm import build_engine
+from tidespec.models import executor, invariance
+from tidespec.models.linear import Linear
+from tidespec.models.loader import LoadedModel, load_model
+from tidespec.models.quant import QuantizedLinear
 from tidespec.models.quant_a8 import a8_error
 from tidespec.workloads.loader import load_prompts
 
 pytestmark = pytest.mark.integration
-PROMPTS = {"workloads": "code,multilingual", "limit": 1, "max_tokens": 32, "max_num_seqs": 4}
+LAYERS_COMPILED = 4
+MAX_TOKENS = 32
+# path -> the drafter configurations checked on it; every configuration of bench exactness's DRAFTERS
+# is on at least one path (on a compiled path EAGLE-3 drafts with a fresh head: the shipped one reads
+# layers the truncated target lacks)
+PATHS: dict[str, tuple[str, ...]] = {
+    "float32": ("suffix", "eagle3-tree"),
+    "bfloat16": ("ngram", "eagle3"),
+    "int8": ("suffix,eagle3+analytic",),
+    "int4": ("suffix",),
+    "w4a8": ("suffix", "eagle3-tree"),
+    "w8a8": ("ngram",),
+    "float32+compile": ("suffix", "eagle3-tree"),
+    "bfloat16+compile": ("suffix",),  # its graphs round like eager code (emulate_precision_casts); else probe 0/48
+    "int8+compile": ("ngram",),
+    "int4+compile": ("suffix",),
+    "w4a8+compile": ("suffix", "draft-model"),
+    "w8a8+compile": ("ngram",),
+}
+BREAKS = ("library-gemm", "attention", "projections")
+PROBE_WORKLOADS = ("code", "chat", "zh_chat", "multilingual")  # the row probe's prompts: the first of each
 
 
-@pytest.mark.parametrize("paths,drafters", [
-    ("float32", "suffix;eagle3-tree"),
-    ("int8", "draft-model;suffix,eagle3+analytic"),
-    ("bfloat16", "ngram;eagle3"),
-    ("int4+compile", "suffix"),
-    ("bfloat16+compile", "suffix"),  # its graphs round like eager code (emulate_precision_casts); else probe 0/48
-    pytest.param("w4a8+compile", "suffix;eagle3-tree",
-                 marks=pytest.mark.skipif(a8_error() is not None, reason=f"no w4a8 kernels: {a8_error()}")),
-])
-def test_path_and_drafters_alone_and_batched_equal_plain_decoding_alone(paths: str, drafters: str,
-                                                                         two_threads) -> None:
-    doc = run_exactness_bench(ExactnessBenchConfig(paths=paths, drafters=drafters, **PROMPTS), progress=False)
+def _marks(path: str) -> list[pytest.MarkDecorator]:
+    marks = [pytest.mark.xdist_group(f"exact-{path}")]
+    if parse_path(path)[1] in ("w4a8", "w8a8"):
+        marks.append(pytest.mark.skipif(a8_error() is not None, reason=f"no w4a8/w8a8 kernels: {a8_error()}"))
+    return marks
+
+
+def config(path: str, whole: bool = False) -> ExactnessBenchConfig:
+    """The subset's settings for ``path`` (``whole``: a compiled path on the whole model too)."""
+    layers = LAYERS_COMPILED if parse_path(path)[2] and not whole else 0
+    return ExactnessBenchConfig(max_tokens=MAX_TOKENS, max_num_seqs=4, paths=path, drafters=";".join(PATHS[path]),
+                                layers=layers)
+
+
+@pytest.fixture(scope="session")
+def bases(embedded) -> dict[str, LoadedModel]:
+    """The float models quantized copies are made from: the embedded float32 one, bfloat16 on demand."""
+    return {"float32": embedded}
+
+
+def _broken(mode: str | None, mp: pytest.MonkeyPatch) -> None:
+    """Remove one half of row invariance from every engine built while ``mp`` holds (``BREAKS``)."""
+    if mode == "attention":
+        def gone() -> str:
+            return "removed by --break-row-invariance attention"
+        mp.setattr(executor, "exact_attention_error", gone)
+        mp.setattr(invariance, "exact_attention_error", gone)
+    elif mode == "projections":
+        real = executor.make_row_invariant
+
+        def library_projections(model: torch.nn.Module, budget: int) -> invariance.InvarianceReport:
+            report = real(model, budget)
+            for m in model.modules():
+                if isinstance(m, Linear):
+                    m.set_invariant("", 0)  # the kernel measured fastest per row count, whole calls
+                elif isinstance(m, QuantizedLinear):
+                    m.own_kernel, m.row_limit = False, 0  # PyTorch's kernel, whole calls
+            return report
+        mp.setattr(executor, "make_row_invariant", library_projections)
+
+
+@pytest.fixture(scope="module")
+def built() -> dict[str, PathRun]:
+    """The ``PathRun`` of the path whose tests run now: one path at a time, since a path's tests run
+    one after another (its ``xdist_group``; ``tests/conftest.py`` keeps a group's tests together)."""
+    return {}
+
+
+@pytest.fixture
+def path_run(path: str, built: dict[str, PathRun], bases: dict[str, LoadedModel], request: pytest.FixtureRequest,
+             monkeypatch: pytest.MonkeyPatch) -> PathRun:
+    """``path``'s ``PathRun`` on its near-tie prompts, built on two threads as served by the first of
+    its tests and shared by the rest (``--break-row-invariance``: every engine they build is broken)."""
+    mode = request.config.getoption("--break-row-invariance")
+    _broken(mode, monkeypatch)
+    if path not in built:
+        built.clear()  # the previous path's engines and quantized target go
+        dtype = parse_path(path)[0]
+        if dtype not in bases:
+            bases[dtype] = load_model(None, dtype=getattr(torch, dtype))
+        short = [p for w in PROBE_WORKLOADS for p in load_prompts(w, bases[dtype].tokenizer, limit=1)]
+        before = torch.get_num_threads()
+        torch.set_num_threads(2)
+        try:
+            built[path] = PathRun(config(path), path, stored_prompts(path) or short,
+                                  {(d, "none"): m for d, m in bases.items()}, row_invariant=mode != "library-gemm",
+                                  probe_prompts=[p.token_ids for p in short])
+        finally:
+            torch.set_num_threads(before)
+    return built[path]
+
+
+@pytest.mark.parametrize("path", [pytest.param(p, marks=_marks(p)) for p in PATHS])
+def test_plain_decoding_batched_and_on_prefix_hits_equals_alone_with_rows_of_the_same_bits(path_run: PathRun,
+                                                                                        two_threads) -> None:
+    cells = path_run.plain_cells()
+    doc = {"paths": [path_run.entry]}
     assert exact(doc), table(doc)
-    for path in doc["paths"]:
-        probe = path["row_probe"]
-        assert path["invariance"]["exact"] and probe["identical"] == probe["rows"], probe
+    assert "plain+prefix/batched" in cells, "prefix caching was off: the path is not row-invariant"
+    probe = path_run.entry["row_probe"]
+    assert probe["identical"] == probe["rows"], table(doc)
+    assert path_run.entry["invariance"]["exact"], path_run.entry["invariance"]
+
+
+@pytest.mark.parametrize("path,drafter", [pytest.param(p, d, marks=_marks(p)) for p, ds in PATHS.items() for d in ds])
+def test_drafter_alone_and_batched_equals_plain_decoding_alone(path_run: PathRun, drafter: str, two_threads) -> None:
+    cells = path_run.drafter_cells(drafter)
+    doc = {"paths": [{**path_run.entry, "cells": cells}]}
+    assert exact(doc), table(doc)
+    assert path_run.entry["invariance"]["exact"], path_run.entry["invariance"]
+
+
+@pytest.mark.parametrize("path", [pytest.param("float32+compile", marks=_marks("float32+compile"))])
+def test_compiled_graphs_give_the_eager_text(path_run: PathRun, two_threads) -> None:
+    """float32 + compile: the graphs give eager code's greedy text, each near-tie prompt alone, on the
+    embedded model's first layers (``tests/models/test_compiled.py`` checks all 30 in ``make test-slow``)."""
+    cell = path_run.eager_cell()
+    assert cell["identical"] == cell["total"], cell["divergences"]
+
+
+def test_every_path_and_drafter_is_in_the_subset() -> None:
+    """float32 and bfloat16, and each weight quantization, eager and compiled; every drafter configuration."""
+    expected = {("float32", "none"), ("bfloat16", "none")} | {("float32", q) for q in QUANT_PATHS}
+    for compiled in (False, True):
+        assert {parse_path(p)[:2] for p in PATHS if parse_path(p)[2] == compiled} == expected
+    assert {d for ds in PATHS.values() for d in ds} == set(DRAFTERS)
 
 
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_without_row_invariant_kernels_rows_depend_on_the_batch(embedded, quantization: str, two_threads) -> None:
-    """The control: the same probe on the engine without row-invariant kernels (SDPA, the fastest
-    kernel per row count) finds rows whose bits depend on what else the forward holds."""
+def test_without_row_invariant_kernels_rows_depend_on_the_batch(embedded, quantization: str, two_threads,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: the same probe on the engine without row-invariant kernels (SDPA, the library's
+    kernels) finds rows whose bits depend on what else the forward holds. The projections run
+    ``F.linear``, not the per-row-count plan ``--no-row-invariant`` measures (20 s on a cold cache):
+    F.linear is one of the plan's kernels, and the control is about what the library kernels do."""
+    monkeypatch.setattr(invariance, "tune_linears", lambda model: {})
     target = target_model("float32", quantization, {("float32", "none"): embedded})
     prompts = [p.token_ids for p in load_prompts("code", target.tokenizer, limit=2)]
     config = EngineConfig(model=ModelConfig(quantization=quantization, row_invariant=False),
@@ -65,3 +211,39 @@ def test_paths_name_dtype_quantization_and_compile() -> None:
     for bad in ("int5", "compile", "int4+x", "float16", "bfloat16+compile+compile"):
         with pytest.raises(ConfigError, match="unknown path"):
             ExactnessBenchConfig(paths=f"float32,{bad}")
+    with pytest.raises(ConfigError, match="layers"):
+        ExactnessBenchConfig(paths="int8", drafters="suffix,eagle3+analytic", layers=4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", [pytest.param(p, marks=_marks(p)) for p in PATHS if parse_path(p)[2]])
+def test_compiled_paths_on_the_whole_model(path: str, bases: dict[str, LoadedModel], two_threads) -> None:
+    """The compiled paths' cells on all 30 layers (the shipped EAGLE-3 head on them), the near-tie
+    prompts of the truncated target's selection."""
+    dtype = parse_path(path)[0]
+    if dtype not in bases:
+        bases[dtype] = load_model(None, dtype=getattr(torch, dtype))
+    short = [p for w in PROBE_WORKLOADS for p in load_prompts(w, bases[dtype].tokenizer, limit=1)]
+    run = PathRun(config(path, whole=True), path, stored_prompts(path) or short,
+                  {(d, "none"): m for d, m in bases.items()}, probe_prompts=[p.token_ids for p in short])
+    run.plain_cells()
+    for drafter in PATHS[path]:
+        run.drafter_cells(drafter)
+    doc = {"paths": [run.entry]}
+    assert exact(doc) and run.entry["row_probe"]["identical"] == run.entry["row_probe"]["rows"], table(doc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", BREAKS)
+def test_the_subset_fails_when_row_invariance_is_broken(mode: str) -> None:
+    """The subset's teeth: with half of row invariance removed, its cells (not only the row probe
+    and the invariance report) find outputs that differ from plain decoding alone."""
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", "--dist",
+                          "loadgroup", __file__, "-k", "plain_decoding or drafter_alone", "--break-row-invariance",
+                          mode], check=False, capture_output=True, text=True, timeout=3600)
+    assert run.returncode == 1, run.stdout[-4000:]
+    lines = run.stdout.splitlines()
+    failed_on_outputs = [line for line in lines if line.startswith("E ") and "**" in line]
+    assert failed_on_outputs, run.stdout[-4000:]  # a cell of the table in bold: an output that differs
+    print("\n".join(dict.fromkeys(failed_on_outputs)), *(line for line in lines if line.startswith("FAILED")
+                                                          or " passed" in line or " failed" in line), sep="\n")

@@ -87,6 +87,9 @@ class ExactnessBenchConfig:
     kv_cache_memory_mb: int = opt(0, "KV cache of the drafters' engines, MiB (0: room for every prompt at once; a "
                                      "small one preempts sequences in the batched cells)", min=0)
     model: str | None = opt(None, "target: HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M)")
+    layers: int = opt(0, "run the target truncated to its first N layers (0: all of them): every kernel and compiled "
+                         "graph a layer runs, at a fraction of the compile time; EAGLE-3 then drafts with a fresh head "
+                         "(the trained one reads layers the truncated target lacks)", min=0)
     device: str = opt("cpu", "torch device of the target (cuda: CUDA graphs; int8/int4 paths need cpu)")
     cuda_invariance: str = opt("fixed-shape", "on CUDA: fixed-shape or row-attention (ModelConfig's --cuda-invariance)")
 
@@ -100,6 +103,9 @@ class ExactnessBenchConfig:
         bad = [d for d in self.drafter_list if d not in DRAFTERS]
         if bad:
             raise ConfigError(f"unknown drafter configuration(s) {', '.join(bad)}; choose from {'; '.join(DRAFTERS)}")
+        if self.layers and "suffix,eagle3+analytic" in self.drafter_list:
+            raise ConfigError("--layers: the suffix,eagle3+analytic configuration needs the whole target (its "
+                              "profiled costs and the trained head); leave it out or drop --layers")
 
     @property
     def workload_list(self) -> list[str]:
@@ -131,12 +137,14 @@ def parse_path(path: str) -> tuple[str, str, bool]:
     return dtype, quant, compile_
 
 
-def spec_for(name: str, gamma: int) -> tuple[SpecConfig, PolicyConfig]:
-    """The engine sections of a drafter configuration of ``DRAFTERS``."""
-    eagle = Eagle3Options(dir=str(shipped_bootstrap()))
+def spec_for(name: str, gamma: int, layers: int = 0) -> tuple[SpecConfig, PolicyConfig]:
+    """The engine sections of a drafter configuration of ``DRAFTERS`` for a target of ``layers`` layers
+    (0: the whole embedded model, whose EAGLE-3 drafts with the shipped head and draft model is its
+    first 6 layers; else a fresh head and the first half of the layers)."""
+    eagle = Eagle3Options(dir=None if layers else str(shipped_bootstrap()))
     if name == "draft-model":
         return SpecConfig(drafter="draft-model", num_speculative_tokens=gamma,
-                          draft_model=DraftModelConfig(layers=6)), PolicyConfig()
+                          draft_model=DraftModelConfig(layers=max(1, layers // 2) if layers else 6)), PolicyConfig()
     if name in ("eagle3", "eagle3-tree"):
         return SpecConfig(drafter="eagle3", num_speculative_tokens=gamma, tree=name == "eagle3-tree",
                           eagle3=eagle), PolicyConfig()
@@ -147,12 +155,16 @@ def spec_for(name: str, gamma: int) -> tuple[SpecConfig, PolicyConfig]:
 
 
 def target_model(dtype: str, quantization: str, cache: dict[tuple[str, str], LoadedModel], path: str | None = None,
-                 device: str = "cpu") -> LoadedModel:
-    """The model at ``path`` (None: the embedded one) on ``device`` in ``dtype`` with ``quantization``
-    (one copy per pair, kept for the run)."""
-    key = (dtype, quantization)
+                 device: str = "cpu", layers: int = 0) -> LoadedModel:
+    """The model at ``path`` (None: the embedded one) on ``device`` in ``dtype`` with ``quantization``,
+    truncated to its first ``layers`` layers (0: all; sharing the whole model's weights) (one copy per
+    pair, kept for the run)."""
+    key = (dtype, quantization) if not layers else (dtype, f"{quantization}:{layers}")
     if key not in cache:
         base = cache.get((dtype, "none")) or load_model(path, dtype=DTYPES[dtype], device=device)
+        cache.setdefault((dtype, "none"), base)
+        if layers:
+            base = dataclasses.replace(base, model=base.model.truncated(min(layers, base.model.cfg.num_layers)))
         if quantization != "none":  # a quantized copy; the float model stays as it is
             base = dataclasses.replace(base, model=copy.deepcopy(base.model))
             quantize_model(base.model, quantization)
@@ -263,6 +275,85 @@ def row_probe(engine: LLMEngine, prompts: list[list[int]], k: int = 8) -> dict[s
     return counts
 
 
+class PathRun:
+    """One path of the matrix: its target, its plain engine, the row probe, plain decoding of every
+    prompt alone (the reference) and the cells, each drafter's on an engine of its own over the same
+    target. Built once per path and shared by its cells (``make test``'s subset builds one per path
+    and runs its cells as separate tests). ``batched_reference``: the reference decodes every prompt
+    at once (faster; the same outputs when the path is exact, which the cells then do not test).
+    ``probe_prompts``: the row probe's prompts (default: the first four; it prefills each five times,
+    so short ones keep it cheap).
+
+    Example::
+
+        run = PathRun(ExactnessBenchConfig(limit=1, max_tokens=32), "int8", prompts, targets={})
+        run.plain_cells()                 # entry["cells"]["plain/batched"], ["plain+prefix/batched"]
+        run.drafter_cells("suffix")       # {"suffix/alone": {...}, "suffix/batched": {...}}
+        run.entry["row_probe"]            # {"rows": 48, "identical": 48}
+    """
+
+    def __init__(self, cfg: ExactnessBenchConfig, path: str, prompts: list[Prompt],
+                 targets: dict[tuple[str, str], LoadedModel], row_invariant: bool = True,
+                 batched_reference: bool = False, probe_prompts: list[list[int]] | None = None) -> None:
+        dtype, quant, compile_ = parse_path(path)
+        self.cfg = cfg
+        self.prompts = prompts
+        self.target = target_model(dtype, quant, targets, cfg.model, cfg.device, cfg.layers)
+        self.model_cfg = ModelConfig(dtype=dtype, quantization=quant, compile=compile_, row_invariant=row_invariant,
+                                     threads=torch.get_num_threads(), device=cfg.device,
+                                     cuda_invariance=cfg.cuda_invariance)
+        longest = max([len(p.token_ids) for p in prompts] + [len(p) for p in probe_prompts or []])
+        self.cache = CacheConfig(max_model_len=longest + cfg.max_tokens + cfg.gamma + 2, max_num_seqs=cfg.max_num_seqs)
+        self.t0 = time.perf_counter()
+        self.engine = build_engine(EngineConfig(model=self.model_cfg, cache=self.cache), model=self.target.model,
+                                   tokenizer=self.target.tokenizer)
+        self.ids = [p.token_ids for p in prompts]
+        self.entry: dict[str, Any] = {"path": path, "invariance": self.engine.invariance.to_json(), "cells": {}}
+        self.entry["row_probe"] = row_probe(self.engine, probe_prompts or self.ids[:4])
+        # the reference computes every prompt in full: prefix caching off (the engine's cache, set aside)
+        self._prefix_cache, self.engine.prefix_cache = self.engine.prefix_cache, None
+        self.plain = _generate(self.engine, self.ids, cfg.max_tokens, batched=batched_reference)
+
+    def plain_cells(self) -> dict[str, Any]:
+        """Plain decoding of every prompt at once, and (where prefix caching is on) again after each
+        prompt's own run, so that every prompt starts on prefix hits."""
+        cells = self.entry["cells"]
+        cells["plain/batched"] = _compare(self.target, self.prompts, self.plain,
+                                          _generate(self.engine, self.ids, self.cfg.max_tokens, batched=True))
+        if self._prefix_cache is not None:
+            self.engine.prefix_cache = self._prefix_cache
+            _generate(self.engine, self.ids, self.cfg.max_tokens, batched=False)
+            cells["plain+prefix/batched"] = _cell(self.target, self.prompts, self.plain, self.engine,
+                                                  self.cfg.max_tokens, True)
+        self.entry["seconds"] = round(time.perf_counter() - self.t0, 1)
+        return cells
+
+    def drafter_cells(self, name: str) -> dict[str, Any]:
+        """Drafter configuration ``name`` on an engine of its own, one prompt at a time and all at
+        once (prompts hit what earlier cells cached)."""
+        spec, policy = spec_for(name, self.cfg.gamma, self.target.model.cfg.num_layers if self.cfg.layers else 0)
+        econf = EngineConfig(model=self.model_cfg, cache=dataclasses.replace(
+            self.cache, kv_cache_memory_mb=self.cfg.kv_cache_memory_mb), spec=spec, policy=policy,
+                             scheduler=SchedulerConfig())
+        engine = build_engine(econf, model=self.target.model, tokenizer=self.target.tokenizer)
+        out = {}
+        for batched in (False, True):
+            out[f"{name}/{'batched' if batched else 'alone'}"] = _cell(self.target, self.prompts, self.plain, engine,
+                                                                       self.cfg.max_tokens, batched)
+        self.entry["cells"].update(out)
+        self.entry["seconds"] = round(time.perf_counter() - self.t0, 1)
+        return out
+
+    def eager_cell(self) -> dict[str, Any]:
+        """A compiled path's plain decoding against eager code's: every prompt alone on an eager engine
+        over the same target (cell ``eager/alone``; the graphs change no greedy token)."""
+        econf = EngineConfig(model=dataclasses.replace(self.model_cfg, compile=False), cache=self.cache)
+        engine = build_engine(econf, model=self.target.model, tokenizer=self.target.tokenizer)
+        cell = _compare(self.target, self.prompts, self.plain, _generate(engine, self.ids, self.cfg.max_tokens, False))
+        self.entry["cells"]["eager/alone"] = cell
+        return cell
+
+
 def run_exactness_bench(cfg: ExactnessBenchConfig, row_invariant: bool = True, out_dir: Path | None = None,
                         progress: bool = True) -> dict[str, Any]:
     """Every path x cell of ``cfg``; writes ``results.json`` and ``table.md`` into ``out_dir``.
@@ -272,45 +363,21 @@ def run_exactness_bench(cfg: ExactnessBenchConfig, row_invariant: bool = True, o
                            "machine": machine_info("per path"), "command": command_line()}
     first = target_model(parse_path(cfg.path_list[0])[0], "none", targets, cfg.model, cfg.device)
     prompts = [p for w in cfg.workload_list for p in load_prompts(w, first.tokenizer, limit=cfg.limit)]
-    longest = max(len(p.token_ids) for p in prompts)
-    cache = CacheConfig(max_model_len=longest + cfg.max_tokens + cfg.gamma + 2, max_num_seqs=cfg.max_num_seqs)
-    ids = [p.token_ids for p in prompts]
     bar = tqdm(total=len(cfg.path_list) * (2 + 2 * len(cfg.drafter_list)), desc="exactness", disable=not progress)
     for path in cfg.path_list:
-        dtype, quant, compile_ = parse_path(path)
-        target = target_model(dtype, quant, targets, cfg.model, cfg.device)
-        model_cfg = ModelConfig(dtype=dtype, quantization=quant, compile=compile_, row_invariant=row_invariant,
-                                threads=torch.get_num_threads(), device=cfg.device, cuda_invariance=cfg.cuda_invariance)
-        t0 = time.perf_counter()
-        plain_engine = build_engine(EngineConfig(model=model_cfg, cache=cache), model=target.model,
-                                    tokenizer=target.tokenizer)
-        entry: dict[str, Any] = {"path": path, "invariance": plain_engine.invariance.to_json(), "cells": {}}
-        entry["row_probe"] = row_probe(plain_engine, ids[:4])
-        doc["paths"].append(entry)
-        # the reference computes every prompt in full: prefix caching off (the engine's cache, set aside)
-        prefix_cache, plain_engine.prefix_cache = plain_engine.prefix_cache, None
-        plain = _generate(plain_engine, ids, cfg.max_tokens, batched=False)
+        run = PathRun(cfg, path, prompts, targets, row_invariant)
+        doc["paths"].append(run.entry)
         bar.update()
-        entry["cells"]["plain/batched"] = _compare(target, prompts, plain,
-                                                   _generate(plain_engine, ids, cfg.max_tokens, batched=True))
+        run.plain_cells()
         bar.update()
-        if prefix_cache is not None:  # plain decoding again, every prompt after its own first run: prefix hits
-            plain_engine.prefix_cache = prefix_cache
-            _generate(plain_engine, ids, cfg.max_tokens, batched=False)
-            entry["cells"]["plain+prefix/batched"] = _cell(target, prompts, plain, plain_engine, cfg.max_tokens, True)
         for name in cfg.drafter_list:
-            spec, policy = spec_for(name, cfg.gamma)
-            econf = EngineConfig(model=model_cfg, cache=dataclasses.replace(
-                cache, kv_cache_memory_mb=cfg.kv_cache_memory_mb), spec=spec, policy=policy, scheduler=SchedulerConfig())
-            engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
-            for batched in (False, True):
-                entry["cells"][f"{name}/{'batched' if batched else 'alone'}"] = _cell(target, prompts, plain, engine,
-                                                                                      cfg.max_tokens, batched)
-                entry["seconds"] = round(time.perf_counter() - t0, 1)
-                bar.update()
-                if out_dir is not None:  # after every cell: a run cut short keeps what it measured
-                    write_report(doc, out_dir)
+            run.drafter_cells(name)
+            bar.update(2)
+            if out_dir is not None:  # after every configuration: a run cut short keeps what it measured
+                write_report(doc, out_dir)
     bar.close()
+    if out_dir is not None:
+        write_report(doc, out_dir)
     return doc
 
 

@@ -39,7 +39,7 @@ from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCon
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine
 from tidespec.models.invariance import time_kernels
-from tidespec.models.linear import Linear
+from tidespec.models.linear import Linear, tune_linears
 from tidespec.models.loader import LoadedModel
 from tidespec.sampling import SamplingParams
 from tidespec.workloads.loader import load_prompts
@@ -56,6 +56,7 @@ class InvarianceCostConfig:
     threads: int = opt(2, "intra-op threads", min=1)
     projection_rows: str = opt("", "also time every projection kernel through the target's projections at these "
                                "comma-separated row counts, e.g. 1,5,16,64,256 (float paths; empty: not)")
+    model: str | None = opt(None, "target: HF checkpoint directory or .gguf file (default: the embedded SmolLM2-135M)")
 
     def __post_init__(self) -> None:
         for p in self.path_list:
@@ -87,6 +88,7 @@ def time_projections(target: LoadedModel, rows: tuple[int, ...]) -> dict[str, di
     layers = [m for m in target.model.modules() if isinstance(m, Linear) and m.weight.device.type == "cpu"]
     if not layers:
         return {}
+    tune_linears(target.model)  # the plan ("") to time beside the invariant kernels (measured once per machine)
     kernels = [*layers[0].invariant_kernels(), ""]
     seconds = time_kernels(layers, kernels, rows, repeats=7)
     for layer in layers:
@@ -138,7 +140,7 @@ def run_invariance_cost(cfg: InvarianceCostConfig, out_dir: Path | None = None, 
     bar = tqdm(total=len(runs) * cfg.rounds, desc="invariance cost", unit="round", disable=not progress)
     for path in cfg.path_list:
         dtype, quant, compile_ = parse_path(path)
-        targets = {ri: target_model(dtype, quant, {}) for ri in (False, True)}  # a copy each: own weights
+        targets = {ri: target_model(dtype, quant, {}, cfg.model) for ri in (False, True)}  # a copy each: own weights
         if cfg.projection_row_list and quant == "none":
             projections[path] = time_projections(targets[False], cfg.projection_row_list)
         prompts = [p.token_ids for p in load_prompts(cfg.workload, targets[True].tokenizer)]
