@@ -157,6 +157,7 @@ def test_plain_decoding_batched_and_on_prefix_hits_equals_alone_with_rows_of_the
     doc = {"paths": [path_run.entry]}
     assert exact(doc), table(doc)
     assert "plain+prefix/batched" in cells, "prefix caching was off: the path is not row-invariant"
+    assert cells["plain+prefix/batched"]["prefix_hit_tokens"] > 0, cells["plain+prefix/batched"]
     probe = path_run.entry["row_probe"]
     assert probe["identical"] == probe["rows"], table(doc)
     assert path_run.entry["invariance"]["exact"], path_run.entry["invariance"]

@@ -316,13 +316,13 @@ class PathRun:
 
     def plain_cells(self) -> dict[str, Any]:
         """Plain decoding of every prompt at once, and (where prefix caching is on) again after each
-        prompt's own run, so that every prompt starts on prefix hits."""
+        prompt was prefilled alone, so that every prompt starts on prefix hits."""
         cells = self.entry["cells"]
         cells["plain/batched"] = _compare(self.target, self.prompts, self.plain,
                                           _generate(self.engine, self.ids, self.cfg.max_tokens, batched=True))
         if self._prefix_cache is not None:
             self.engine.prefix_cache = self._prefix_cache
-            _generate(self.engine, self.ids, self.cfg.max_tokens, batched=False)
+            _generate(self.engine, self.ids, 1, batched=False)  # caches each prompt's blocks: all a later one hits
             cells["plain+prefix/batched"] = _cell(self.target, self.prompts, self.plain, self.engine,
                                                   self.cfg.max_tokens, True)
         self.entry["seconds"] = round(time.perf_counter() - self.t0, 1)
