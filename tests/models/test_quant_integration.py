@@ -51,12 +51,12 @@ def test_generate_cli_runs_quantized_and_rejects_a_bad_group_size(ckpt: Path, ca
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("dtype,mode", [pytest.param(torch.float32, "int8", marks=pytest.mark.slow),
-                                        (torch.bfloat16, "int4")])
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype,mode", [(torch.float32, "int8"), (torch.bfloat16, "int4")])
 def test_embedded_quantized_speculation_equals_its_plain_decoding(embedded, dtype: torch.dtype, mode: str) -> None:
     """The embedded model with quantized weights: speculation and batching reproduce the quantized
-    model's plain greedy decoding alone exactly (float32 + int8 in ``make test-slow``: ``make test``
-    checks that path in the exactness subset, ``tests/speculative/test_exact_matrix.py``). The engine runs row-invariant kernels
+    model's plain greedy decoding alone exactly (``make test-slow``: ``make test`` checks the int8 and
+    int4 paths in the exactness subset, ``tests/speculative/test_exact_matrix.py``). The engine runs row-invariant kernels
     (``models/invariance.py``): the quantized matmuls were measured row-invariant, attention runs
     tidespec's exact kernel, so a verification row, and a row batched with other sequences, has the
     bits of a decode row alone."""

@@ -67,13 +67,15 @@ PATHS: dict[str, tuple[str, ...]] = {
     "int4": ("suffix",),
     "w4a8": ("suffix", "eagle3-tree"),
     "w8a8": ("ngram",),
-    "float32+compile": ("suffix", "eagle3-tree"),
+    "float32+compile": ("suffix",),
     "bfloat16+compile": ("suffix",),  # its graphs round like eager code (emulate_precision_casts); else probe 0/48
     "int8+compile": ("ngram",),
     "int4+compile": ("suffix",),
     "w4a8+compile": ("suffix", "draft-model"),
     "w8a8+compile": ("ngram",),
 }
+WHOLE_MODEL_EXTRA = {"float32+compile": ("eagle3-tree",)}  # make test-slow's compiled paths: the shipped head over
+# the compiled step's taps (make test covers EAGLE-3 over compiled taps in tests/models/test_compiled.py)
 BREAKS = ("library-gemm", "attention", "projections")
 PROBE_WORKLOADS = ("code", "chat", "zh_chat", "multilingual")  # the row probe's prompts: the first of each
 
@@ -228,7 +230,7 @@ def test_compiled_paths_on_the_whole_model(path: str, bases: dict[str, LoadedMod
     run = PathRun(config(path, whole=True), path, stored_prompts(path) or short,
                   {(d, "none"): m for d, m in bases.items()}, probe_prompts=[p.token_ids for p in short])
     run.plain_cells()
-    for drafter in PATHS[path]:
+    for drafter in PATHS[path] + WHOLE_MODEL_EXTRA.get(path, ()):
         run.drafter_cells(drafter)
     doc = {"paths": [run.entry]}
     assert exact(doc) and run.entry["row_probe"]["identical"] == run.entry["row_probe"]["rows"], table(doc)
