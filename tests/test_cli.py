@@ -121,6 +121,7 @@ def test_generate_prints_text_and_acceptance(capsys):
     assert "tok/s" in cap.err and "drafter ngram" in cap.err
 
 
+@pytest.mark.slow  # 13 s of cold compile; --compile through the engine is checked in tests/models/test_compiled.py
 def test_generate_with_compile_prints_the_warm_up_time(capsys, tmp_path: Path) -> None:
     """On a tiny checkpoint: what is tested is the CLI's report; compiling the embedded model takes
     minutes on 2 cores, and the exactness matrix's compiled cells pay that already."""

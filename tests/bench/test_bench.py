@@ -372,6 +372,7 @@ def test_profile_smoke(tmp_path: Path) -> None:
     assert doc["weight_bytes_per_token"] == 82688
 
 
+@pytest.mark.slow  # 18-36 s of cold compile; the compiled step itself is checked in tests/models/test_compiled.py
 def test_profile_times_the_compiled_step_next_to_eager(tmp_path: Path) -> None:
     cfg = ProfileConfig(ns=(1, 3), batch_sizes=(1, 2), context=16, repeats=2, target_s=0.01, bandwidth_mib=8)
     doc = run_profile(cfg, _tiny_target(), model_config=ModelConfig(compile=True), out_dir=tmp_path, command="x",
