@@ -4,11 +4,13 @@ and on a real model every projection is chosen row-invariant up to the engine's 
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from tests.helpers import tiny_llama
-from tidespec.models.invariance import make_row_invariant
+from tidespec.models import invariance
+from tidespec.models.invariance import choose_float_kernels, make_row_invariant
 from tidespec.models.kernels import exact_attention_error
 from tidespec.models.linear import Linear
 from tidespec.models.quant import quantize_model
@@ -86,6 +88,35 @@ def test_every_invariant_kernel_computes_the_product_and_the_choice_is_the_faste
         assert lin.invariant == report.kernels[0].kernel and report.kernels[0].frontier >= 96
         alone = torch.cat([lin.forward(x[i:i + 1]) for i in range(70)])
         assert torch.equal(lin.forward(x), alone)
+
+
+@pytest.mark.parametrize("frontiers,expected,probes", [
+    # fastest first: "linear" stops at 32 rows on the second shape, "tall64" holds on both: chosen,
+    # and "tile16", slower, is never probed
+    ({"linear": (512, 32), "tall64": (512, 512), "tile16": (512, 512)}, [("tall64", 512)] * 2,
+     [("linear", 0), ("linear", 1), ("tall64", 0), ("tall64", 1)]),
+    # none holds on every shape: each shape runs in pieces within the kernel invariant up to the most rows
+    ({"linear": (512, 32), "tall64": (64, 512), "tile16": (16, 16)}, [("linear", 512), ("tall64", 512)],
+     [("linear", 0), ("linear", 1), ("tall64", 0)] + [(k, i) for i in (0, 1) for k in ("linear", "tall64", "tile16")]),
+])
+def test_kernels_are_probed_fastest_first_and_the_first_invariant_on_every_shape_is_chosen(
+        monkeypatch: pytest.MonkeyPatch, frontiers: dict[str, tuple[int, int]], expected: list[tuple[str, int]],
+        probes: list[tuple[str, int]]) -> None:
+    """``choose_float_kernels`` probes no kernel slower than the one it chooses (a probe runs
+    thousands of rows through every shape), and chooses what probing all of them would."""
+    groups = [[Linear(8, 4, bias=False)], [Linear(8, 6, bias=False)]]
+    monkeypatch.setattr(Linear, "invariant_kernels", lambda self: ("tile16", "tall64", "linear"))
+    monkeypatch.setattr(invariance, "ranked_kernels", lambda layers, kernels: ["linear", "tall64", "tile16"])
+    seen: list[tuple[str, int]] = []
+
+    def probe(kind: str, shape: tuple[int, int], dtype: torch.dtype, rows: int, fn) -> int:
+        i = [tuple(g[0].weight.shape) for g in groups].index(shape)
+        seen.append((kind, i))
+        return min(rows, frontiers[kind][i])
+
+    monkeypatch.setattr(invariance, "cached_frontier", probe)
+    assert choose_float_kernels(groups, 512) == expected
+    assert sorted(set(seen)) == sorted(set(probes)) and seen[:len(probes[:3])] == probes[:3]
 
 
 def test_exact_linear_is_one_fma_chain_per_output_whatever_the_rows_and_compiled_alike() -> None:

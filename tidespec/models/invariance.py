@@ -173,28 +173,37 @@ TIMED_ROWS = (1, 5, 16)  # what decoding runs most: a decode row, a gamma-4 veri
 
 def _frontiers(layer: Linear, probe: int) -> dict[str, int]:
     """Each kernel of ``layer.invariant_kernels()`` -> its measured frontier on the layer's shape."""
-    out: dict[str, int] = {}
-    for kernel in layer.invariant_kernels():
-        layer.set_invariant(kernel, 0)
-        out[kernel] = cached_frontier(kernel, tuple(layer.weight.shape), layer.weight.dtype, probe, layer.forward)
-    return out
+    return {kernel: _frontier(layer, kernel, probe) for kernel in layer.invariant_kernels()}
+
+
+def _frontier(layer: Linear, kernel: str, probe: int) -> int:
+    """``kernel``'s measured (or cached) frontier on ``layer``'s weight shape, up to ``probe`` rows."""
+    layer.set_invariant(kernel, 0)
+    return cached_frontier(kernel, tuple(layer.weight.shape), layer.weight.dtype, probe, layer.forward)
 
 
 def choose_float_kernels(groups: list[list[Linear]], probe: int) -> list[tuple[str, int]]:
     """A kernel and its frontier for each group of ``Linear`` layers (one weight shape a group, all
-    of one dtype): the fastest (``fastest_kernel``) of the kernels measured row-invariant over every
-    probed row count on every shape; for a shape where none of those is, the kernel invariant up to
-    the most rows (run in pieces). One kernel for the whole model, because what makes one faster is
+    of one dtype): the fastest (``ranked_kernels``) of the kernels row-invariant over every probed
+    row count on every shape; for a shape where none of those is, the kernel invariant up to the
+    most rows (run in pieces). One kernel for the whole model, because what makes one faster is
     how it streams the weights from memory in a forward, which one shape's weights alone (cache
     resident) do not show.
+
+    The kernels are probed fastest first, each until a shape shows it is not invariant, and the
+    first invariant on every shape is the choice: the same kernel as probing them all and then
+    taking the fastest of those invariant, without probing slower ones (a frontier probe runs
+    thousands of rows through every shape, the LM head's included: probing all five float32
+    kernels took 65 s on one core of a 2-core Xeon, the fastest alone 10-15 s).
     Example: float32 -> "exact" (tidespec's own GEMM) or "mkl" where MKL's packed sgemm is invariant
     and faster; bfloat16 -> "exact" on an AMD EPYC (Zen 4: AVX512-BF16 pairs), "tall64" where that is
-    faster (``F.linear`` changes kernel above 32 rows; its 16-row tiles cost a 1-row decode 16 rows)."""
-    frontiers = [_frontiers(layers[0], probe) for layers in groups]
-    common = [k for k in frontiers[0] if all(f.get(k, 0) >= probe for f in frontiers)]
-    chosen = (common[0] if len(common) == 1 else
-              fastest_kernel([layer for layers in groups for layer in layers], common) if common else "")
-    return [(chosen, probe) if chosen else max(f.items(), key=lambda kv: kv[1]) for f in frontiers]
+    faster (``F.linear`` changes kernel after 32 rows: probed up to 33 rows, then "tall64")."""
+    firsts = [layers[0] for layers in groups]
+    ranked = ranked_kernels([layer for layers in groups for layer in layers], list(firsts[0].invariant_kernels()))
+    for kernel in ranked:
+        if all(_frontier(layer, kernel, probe) >= probe for layer in firsts):  # stops at the first shape short of it
+            return [(kernel, probe)] * len(groups)
+    return [max(_frontiers(layer, probe).items(), key=lambda kv: kv[1]) for layer in firsts]
 
 
 def time_kernels(layers: list[Linear], kernels: list[str], rows: tuple[int, ...],
@@ -225,31 +234,33 @@ def time_kernels(layers: list[Linear], kernels: list[str], rows: tuple[int, ...]
     return seconds
 
 
-def fastest_kernel(layers: list[Linear], kernels: list[str], repeats: int = 5) -> str:
-    """The kernel of ``kernels`` that runs ``TIMED_ROWS`` rows through ``layers`` (every projection
-    of a model, in order) in the least time (``time_kernels``); cached on disk as the frontiers are
+def ranked_kernels(layers: list[Linear], kernels: list[str], repeats: int = 5) -> list[str]:
+    """``kernels`` fastest first: by the time each takes to run ``TIMED_ROWS`` rows through ``layers``
+    (every projection of a model, in order; ``time_kernels``), cached on disk as the frontiers are
     (a measurement taken on a busy machine is taken again after deleting the cache).
-    Example: SmolLM2-135M in bfloat16, ["tall64", "tile16"] -> "tall64"."""
-    ident = {**_machine("fastest"), "kernels": kernels, "rows": list(TIMED_ROWS),
+    Example: SmolLM2-135M in bfloat16, ["exact", "tall64", "linear", "tile16"] ->
+    ["linear", "exact", "tall64", "tile16"]."""
+    ident = {**_machine("ranked"), "kernels": kernels, "rows": list(TIMED_ROWS),
              "layers": [f"{tuple(m.weight.shape)}:{m.weight.dtype}" for m in layers]}
-    cached = _read_cached(ident, "kernel")
-    if cached in kernels:
-        return str(cached)
+
+    def cached() -> list[str] | None:
+        ranking = _read_cached(ident, "ranking")
+        return list(ranking) if isinstance(ranking, list) and sorted(ranking) == sorted(kernels) else None
+
+    ranking = cached()
+    if ranking is not None:
+        return ranking
     with exclusive(_cache_path(ident)):  # timed alone: another process timing the same kernels waits
-        cached = _read_cached(ident, "kernel")
-        if cached in kernels:
-            return str(cached)
+        ranking = cached()
+        if ranking is not None:
+            return ranking
         seconds = {kernel: sum(per_rows.values()) for kernel, per_rows in time_kernels(layers, kernels, TIMED_ROWS,
                                                                                       repeats).items()}
-        chosen = min(kernels, key=seconds.__getitem__)
-        for layer in layers:  # the packed copies made while timing the others are dropped
-            layer.set_invariant(chosen, 0)
-            layer.set_packing(chosen == "mkl")
-        _write_cached(ident, {"kernel": chosen, "seconds": seconds})
-    log.info("row-invariant projections: %s (%s for %s rows through %d layers)", chosen,
-             ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in seconds.items()), "+".join(map(str, TIMED_ROWS)),
-             len(layers))
-    return chosen
+        ranking = sorted(kernels, key=seconds.__getitem__)
+        _write_cached(ident, {"ranking": ranking, "seconds": seconds})
+    log.info("projection kernels, fastest first: %s (for %s rows through %d layers)",
+             ", ".join(f"{k} {seconds[k] * 1e3:.1f} ms" for k in ranking), "+".join(map(str, TIMED_ROWS)), len(layers))
+    return ranking
 
 
 def make_row_invariant(model: nn.Module, budget: int) -> InvarianceReport:
@@ -298,6 +309,7 @@ def make_row_invariant(model: nn.Module, budget: int) -> InvarianceReport:
             else:
                 assert isinstance(layer, Linear)
                 layer.set_invariant(kind, limit)
+                layer.set_packing(kind == "mkl")  # the packed copies made while timing or probing "mkl" go
         report.kernels.append(KernelChoice(f"{n_out}x{n_in}:{dtype_name.removeprefix('torch.')}", kind, value,
                                            len(layers)))
     model.row_invariant = report.exact  # type: ignore[assignment]  # LlamaModel's flag: caches transposed
