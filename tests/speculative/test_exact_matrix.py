@@ -13,8 +13,9 @@ What keeps it cheap without checking less:
   ``near_ties.json``): 4 prompts x 32 tokens a path reach the places where 256 tokens found
   differences before;
 * the compiled paths run the embedded model's first ``LAYERS_COMPILED`` layers (its real weights:
-  every kernel, fusion and graph a layer runs, at a sixth of the whole model's compile time on a
-  cold cache); ``make test-slow`` runs them on the whole model (``test_compiled_paths_on_the_whole_model``).
+  every kernel, fusion and graph a layer runs, a layer's output feeding the next; a cold compile of
+  the three graphs took 25 s on 2 layers, 34 s on 4, minutes on all 30); ``make test-slow`` runs
+  them on the whole model (``test_compiled_paths_on_the_whole_model``).
 
 Its teeth: ``--break-row-invariance MODE`` builds every engine of the subset with one half of row
 invariance removed, and the subset must then fail (``make test-slow`` checks that it does):
@@ -55,7 +56,7 @@ from tidespec.models.quant_a8 import a8_error
 from tidespec.workloads.loader import load_prompts
 
 pytestmark = pytest.mark.integration
-LAYERS_COMPILED = 4
+LAYERS_COMPILED = 2
 MAX_TOKENS = 32
 # path -> the drafter configurations checked on it; every configuration of bench exactness's DRAFTERS
 # is on at least one path (on a compiled path EAGLE-3 drafts with a fresh head: the shipped one reads
