@@ -1,10 +1,15 @@
-"""The CPU name that keys cached measurements (``tidespec.files.cpu_name``)."""
+"""The CPU name that keys cached measurements (``tidespec.files.cpu_name``), and measurements taken
+once by one process at a time (``measure_once``)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
-from tidespec.files import cpu_name
+import pytest
+
+from tidespec.files import cpu_name, measure_once
 
 ZEN = """processor\t: 0
 vendor_id\t: AuthenticAMD
@@ -31,3 +36,33 @@ def test_cpu_name_tells_hosts_with_one_marketing_name_apart(tmp_path: Path) -> N
     bare.write_text("model name\t: Some CPU\n", encoding="utf-8")
     assert cpu_name(bare) == "Some CPU"
     assert cpu_name(tmp_path / "missing")  # no cpuinfo: the platform's name, never empty
+
+
+def test_a_measurement_is_taken_once_by_one_of_two_asking_at_once(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two callers (threads here: each takes the lock through its own open file, as processes do)
+    ask for one entry at once: one measures, the other waits and reads what it wrote; later callers
+    read it; an unreadable entry is measured again."""
+    monkeypatch.setenv("TIDESPEC_CACHE", str(tmp_path / "cache"))
+    entry = tmp_path / "entry.txt"
+    measured: list[int] = []
+
+    def read() -> str | None:
+        return entry.read_text() if entry.exists() and entry.read_text() else None
+
+    def measure() -> str:
+        measured.append(1)
+        time.sleep(0.3)  # the other caller arrives while this one measures
+        entry.write_text("42")
+        return "42"
+
+    got: list[str] = []
+    callers = [threading.Thread(target=lambda: got.append(measure_once(entry, read, measure))) for _ in range(2)]
+    for t in callers:
+        t.start()
+    for t in callers:
+        t.join()
+    assert got == ["42", "42"] and len(measured) == 1
+    assert measure_once(entry, read, measure) == "42" and len(measured) == 1
+    entry.write_text("")  # torn or stale: read() says None
+    assert measure_once(entry, read, measure) == "42" and len(measured) == 2

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tidespec.files import atomic_write, cache_root, cpu_name, exclusive
+from tidespec.files import atomic_write, cache_root, cpu_name, measure_once
 from tidespec.models.graphs import FIXED_ROWS
 from tidespec.models.kernels import exact_attention_error
 from tidespec.models.linear import Linear, tune_linears
@@ -154,15 +154,12 @@ def cached_frontier(kind: str, shape: tuple[int, int], dtype: torch.dtype, rows:
             return value
         return None
 
-    value = cached()
-    if value is not None:
+    def measure() -> int:
+        value = frontier(fn, shape[1], dtype, rows)
+        _write_cached(ident, {"rows": rows, "frontier": value})
         return value
-    with exclusive(_cache_path(ident)):  # another process measuring it: wait, then read its value
-        value = cached()
-        if value is None:
-            value = frontier(fn, shape[1], dtype, rows)
-            _write_cached(ident, {"rows": rows, "frontier": value})
-    return value
+
+    return measure_once(_cache_path(ident), cached, measure)
 
 
 MAX_PROBE_ROWS = 1024  # rows probed at most: a larger budget runs bigger calls in pieces within this
@@ -247,20 +244,17 @@ def ranked_kernels(layers: list[Linear], kernels: list[str], repeats: int = 5) -
         ranking = _read_cached(ident, "ranking")
         return list(ranking) if isinstance(ranking, list) and sorted(ranking) == sorted(kernels) else None
 
-    ranking = cached()
-    if ranking is not None:
-        return ranking
-    with exclusive(_cache_path(ident)):  # timed alone: another process timing the same kernels waits
-        ranking = cached()
-        if ranking is not None:
-            return ranking
-        seconds = {kernel: sum(per_rows.values()) for kernel, per_rows in time_kernels(layers, kernels, TIMED_ROWS,
-                                                                                      repeats).items()}
+    def measure() -> list[str]:
+        seconds = {kernel: sum(per_rows.values())
+                   for kernel, per_rows in time_kernels(layers, kernels, TIMED_ROWS, repeats).items()}
         ranking = sorted(kernels, key=seconds.__getitem__)
         _write_cached(ident, {"ranking": ranking, "seconds": seconds})
-    log.info("projection kernels, fastest first: %s (for %s rows through %d layers)",
-             ", ".join(f"{k} {seconds[k] * 1e3:.1f} ms" for k in ranking), "+".join(map(str, TIMED_ROWS)), len(layers))
-    return ranking
+        log.info("projection kernels, fastest first: %s (for %s rows through %d layers)",
+                 ", ".join(f"{k} {seconds[k] * 1e3:.1f} ms" for k in ranking), "+".join(map(str, TIMED_ROWS)),
+                 len(layers))
+        return ranking
+
+    return measure_once(_cache_path(ident), cached, measure)  # timed alone: another process timing them waits
 
 
 def make_row_invariant(model: nn.Module, budget: int) -> InvarianceReport:

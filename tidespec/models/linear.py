@@ -63,7 +63,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidespec.files import atomic_write, cache_root, cpu_name, exclusive
+from tidespec.files import atomic_write, cache_root, cpu_name, measure_once
 from tidespec.models.kernels import ensure_built
 from tidespec.models.rows import in_pieces
 
@@ -406,15 +406,19 @@ def tune_linears(root: nn.Module, repeats: int = 5, cache_dir: Path | None = Non
         return {}
     threads = torch.get_num_threads()
     path = (cache_dir or cache_root() / "matmul-plans") / f"{_plan_key(groups, max_rows, threads)}.json"
-    plan = _read_plan(path)
     names = {key: f"{key[0]}x{key[1]}:{key[2]}" for key in groups}
-    if not _complete(plan, names.values(), max_rows):
-        with exclusive(path):  # timed alone: another process measuring the same plan waits, then reads it
-            plan = _read_plan(path)
-            if not _complete(plan, names.values(), max_rows):
-                log.info("measuring matmul kernels for this CPU (once; cached in %s)", path.parent)
-                plan = {names[key]: _measure(mods, repeats, threads) for key, mods in groups.items()}
-                atomic_write(path, json.dumps(plan, indent=1).encode())
+
+    def cached() -> dict[str, list[str]] | None:
+        plan = _read_plan(path)
+        return plan if _complete(plan, names.values(), max_rows) else None
+
+    def measure() -> dict[str, list[str]]:
+        log.info("measuring matmul kernels for this CPU (once; cached in %s)", path.parent)
+        plan = {names[key]: _measure(mods, repeats, threads) for key, mods in groups.items()}
+        atomic_write(path, json.dumps(plan, indent=1).encode())
+        return plan
+
+    plan = measure_once(path, cached, measure)  # timed alone: another process measuring the same plan waits
     for key, mods in groups.items():
         for m in mods:
             m.choice = tuple(plan[names[key]])

@@ -45,7 +45,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tidespec.errors import UserError
-from tidespec.files import cache_root, exclusive
+from tidespec.files import cache_root, measure_once
 from tidespec.models.llama import LlamaConfig, LlamaModel, ModelConfigError
 from tidespec.models.quant import quantize_model
 
@@ -250,11 +250,9 @@ def _has_gguf_magic(path: Path) -> bool:
 
 def _cached_conversion(gguf_path: Path) -> Path:
     out = converted_dir_for(gguf_path)
-    if (out / "config.json").is_file():
-        return out
-    try:
-        with exclusive(out):  # processes starting together convert once: the others wait, then read it
-            return out if (out / "config.json").is_file() else convert_gguf(gguf_path, out)
+    try:  # processes starting together convert once: the others wait, then read it
+        return measure_once(out, lambda: out if (out / "config.json").is_file() else None,
+                            lambda: convert_gguf(gguf_path, out))
     except OSError as exc:
         raise ModelLoadError(f"cannot create cache directory {out.parent}: {_one_line(exc)}") from None
 

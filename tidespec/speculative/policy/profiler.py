@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 
 from tidespec.errors import ConfigError
-from tidespec.files import atomic_write, cache_root, cpu_name, exclusive
+from tidespec.files import atomic_write, cache_root, cpu_name, measure_once
 from tidespec.models.executor import ExecutorOptions, ForwardExecutor, executor_key, prepare_target
 from tidespec.models.llama import LlamaModel
 from tidespec.models.quant import QuantizedLinear, quantization_of
@@ -292,16 +292,13 @@ def load_or_measure(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerCon
     options = options or ExecutorOptions()
     key = profile_key_for(model, drafter, executor_key(model, options, prepare_target(model, options)))
     path = profile_cache_dir() / f"{key}.json"
-    cached = None if refresh else _cached_profile(path)
-    if cached is not None:
-        return cached, path
-    with exclusive(path):  # timed alone: another process profiling the same target waits, then reads it
-        cached = None if refresh else _cached_profile(path)
-        if cached is not None:
-            return cached, path
+    def measure() -> Profile:
         prof = measure_profile(model, drafter, cfg, progress, options)
         atomic_write(path, prof.to_json().encode())
-    return prof, path
+        return prof
+
+    # timed alone: another process profiling the same target waits, then reads it
+    return measure_once(path, lambda: None if refresh else _cached_profile(path), measure), path
 
 
 def _cached_profile(path: Path) -> Profile | None:
