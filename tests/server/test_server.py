@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import itertools
 import json
 import logging
 import math
+import pkgutil
 import random
 import threading
 import time
@@ -34,6 +36,7 @@ from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
 from tidespec.llm import build_engine
 from tidespec.models.loader import LoadedModel
+from tidespec.server import routes
 from tidespec.server.app import ServerConfig, create_app
 from tidespec.speculative.drafters.ngram import NgramDrafter
 
@@ -492,6 +495,24 @@ def test_shutdown_ends_a_stream_still_running_with_an_error_event() -> None:
     last = json.loads(data[-2])
     assert "error" in last and "shutting down" in last["error"]["message"], last
     assert 1 < len(data) - 2 < 150  # some tokens arrived, not all
+
+
+def test_every_route_module_is_assembled_and_answers_openapi(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A route is one module of ``tidespec.server.routes`` (plus its test): ``create_app`` builds
+    each module's router, and the OpenAPI schema (what schemathesis fuzzes) lists their paths."""
+    built: set[str] = set()
+    names = [m.name for m in pkgutil.iter_modules(routes.__path__)]
+    for name in names:
+        module = importlib.import_module(f"{routes.__name__}.{name}")
+
+        def recording(*args: Any, _real: Callable[..., Any] = module.router, _name: str = name, **kwargs: Any) -> Any:
+            built.add(_name)
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(module, "router", recording)
+    app = create_app(tiny_engine(), ServerConfig(served_model_name=MODEL))
+    assert names and built == set(names)
+    assert {"/health", "/metrics", "/v1/models", "/v1/models/{model_id}", "/v1/completions",
+            "/v1/chat/completions"} <= set(app.openapi()["paths"])
 
 
 # ----------------------------------------------------------------------------- embedded model

@@ -22,7 +22,8 @@ engine, numbers in ``tidespec.server.metrics`` — and guarantees the contract a
 * every 400 names in ``param`` the field at fault, as the request spelled it (``messages`` for a
   chat prompt that fills the context, ``max_completion_tokens`` when that was sent).
 
-Routes: ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health``,
+Routes (one ``APIRouter`` module per concern in ``tidespec.server.routes``, which ``create_app``
+assembles): ``GET /v1/models``, ``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health``,
 ``GET /metrics``, ``GET /dashboard`` (a live page, ``tidespec.server.dashboard``). Header
 ``X-Tidespec-Route: <label>`` buckets a request in the per-route metrics.
 ``/health`` is 200 while the engine loop runs (503 ``{"status": "loading" | "draining"}`` while the
@@ -46,17 +47,15 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
-import jinja2
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -70,26 +69,12 @@ from tidespec.llm import draft_vocab_of
 from tidespec.sampling import SamplingParams, SamplingParamsError
 from tidespec.server.api_errors import ApiError, error_body, error_response
 from tidespec.server.async_engine import AsyncEngine, EngineRequestError, EngineStoppedError, RequestStream
-from tidespec.server.dashboard import register_dashboard
+from tidespec.server.dashboard import dashboard_router
 from tidespec.server.guard import RETRY_AFTER_S, Admission, AdmissionGate, RequestGuard
 from tidespec.server.metrics import Metrics
-from tidespec.server.protocol import (
-    AssistantMessage,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    DeltaMessage,
-    ErrorResponse,
-    ModelCard,
-    ModelList,
-    PromptTokensDetails,
-    Usage,
-)
+from tidespec.server.protocol import SamplingRequest
+from tidespec.server.routes import chat, completions, health, models
+from tidespec.server.sse import EventStream, sse
 from tidespec.speculative.policy.factory import policy_profile
 
 if TYPE_CHECKING:
@@ -166,43 +151,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return text, param
 
 
-class _EventStream(StreamingResponse):
-    """SSE response that runs ``on_close`` however it ends (done, client gone, cancelled)."""
-
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None], headers: dict[str, str]) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **headers})
-        self._on_close = on_close
-
-    async def __call__(self, scope: MutableMapping[str, Any], receive: Callable[[], Awaitable[Any]],
-                       send: Callable[[Any], Awaitable[None]]) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self._on_close()
-
-
 def _stopped(exc: EngineStoppedError) -> ApiError:
     """The 503 of a request the server's shutdown ended (or that arrived once the engine stopped)."""
     return ApiError(503, str(exc), code=SHUTDOWN_CODE, headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-def _sse(obj: BaseModel | dict[str, Any]) -> str:
-    data = obj.model_dump(exclude_none=False) if isinstance(obj, BaseModel) else obj
-    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-
-def _usage(out: RequestOutput) -> Usage:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
-    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, draft_tokens=out.stats.num_draft_tokens,
-                 accepted_tokens=out.stats.num_accepted_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.stats.num_cached_tokens))
-
-
-ApiRequest = CompletionRequest | ChatCompletionRequest
-
-
-class _Server:
+class Server:
     """Request handling state shared by the routes of one app."""
 
     def __init__(self, engine: LLMEngine, config: ServerConfig, metrics: Metrics) -> None:
@@ -250,7 +204,7 @@ class _Server:
                            param="X-Tidespec-Route")
         return label
 
-    def ignored_fields(self, body: ApiRequest, request_id_prefix: str) -> dict[str, str]:
+    def ignored_fields(self, body: SamplingRequest, request_id_prefix: str) -> dict[str, str]:
         """The response header naming the request's unknown fields (ignored, as vLLM does; each new
         name is logged once), or a 400 for the first of them under ``strict_fields``."""
         unknown = body.unknown_fields()
@@ -268,18 +222,17 @@ class _Server:
         return {IGNORED_FIELDS_HEADER: ",".join(quote(f, safe="[]._-:/@$") for f in unknown)[:MAX_HEADER_CHARS]}
 
     @staticmethod
-    def params(build: Callable[[], SamplingParams], body: ApiRequest) -> SamplingParams:
+    def params(build: Callable[[], SamplingParams], body: SamplingRequest) -> SamplingParams:
         try:
             return build()
         except SamplingParamsError as exc:
             raise ApiError(400, str(exc).splitlines()[0], param=body.api_param(exc.param)) from exc
 
-    async def submit(self, prompt: str | list[int], params: SamplingParams, body: ApiRequest,
+    async def submit(self, prompt: str | list[int], params: SamplingParams, body: SamplingRequest,
                      label: str | None, prefix: str) -> RequestStream:
-        fit = isinstance(body, ChatCompletionRequest) and not body.max_tokens_given
         try:
             return await self.aengine.add_request(prompt, params, spec_tokens=body.spec_tokens(), label=label,
-                                                  fit_max_tokens=fit, prefix=prefix)
+                                                  fit_max_tokens=body.fills_context, prefix=prefix)
         except QueueFullError as exc:
             self.metrics.on_rejected("queue_full")
             raise ApiError(429, str(exc).splitlines()[0], code="rate_limit_exceeded") from exc
@@ -313,47 +266,17 @@ class _Server:
             if not stream.finished:
                 self.aengine.abort(stream.request_id)
 
-    # ------------------------------------------------------------------ completions
-    async def completions(self, body: CompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
-        label = self.route_label(request)
-        prompt = body.prompt_input()
-        if isinstance(prompt, list) and max(prompt) >= self.vocab_size:
-            raise ApiError(400, f"prompt token ids must be < vocab size {self.vocab_size}", param="prompt")
-        headers = self.ignored_fields(body, "completion")
-        params = self.params(lambda: body.sampling_params(self.config.default_completion_max_tokens), body)
-        stream = await self.submit(prompt, params, body, label, "cmpl")
-        model = self.config.served_model_name
+    async def respond(self, body: SamplingRequest, stream: RequestStream, request: Request, headers: dict[str, str],
+                      events: Callable[[], AsyncIterator[str]],
+                      whole: Callable[[RequestOutput], BaseModel]) -> Response:
+        """The answer to a submitted request: its event stream (``events()``) when ``body.stream``, else
+        ``whole`` of its final output once it finished (aborted if the client goes away first)."""
         if body.stream:
-            return _EventStream(self._stream_completion(stream, model, body.include_usage),
-                                lambda: self.aengine.abort(stream.request_id), headers)
+            return EventStream(events(), lambda: self.aengine.abort(stream.request_id), headers)
         out = await self.collect(stream, request)
-        resp = CompletionResponse(id=stream.request_id, created=int(time.time()), model=model,
-                                  choices=[CompletionChoice(text=out.text, finish_reason=out.finish_reason)],
-                                  usage=_usage(out), drafter_version=self.drafter_version)
-        return JSONResponse(resp.model_dump(), headers=headers)
+        return JSONResponse(whole(out).model_dump(), headers=headers)
 
-    def _stream_completion(self, stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:
-        created = int(time.time())
-
-        def chunk(text: str, finish: str | None, usage: Usage | None = None,
-                  choices: bool = True) -> str:
-            return _sse(CompletionResponse(
-                id=stream.request_id, created=created, model=model,
-                choices=[CompletionChoice(text=text, finish_reason=finish)] if choices else [], usage=usage,
-                drafter_version=self.drafter_version))
-
-        def render(out: RequestOutput) -> list[str]:
-            chunks = []
-            if out.delta_text or out.finished:
-                chunks.append(chunk(out.delta_text, out.finish_reason if out.finished else None))
-            if out.finished and include_usage:
-                chunks.append(chunk("", None, _usage(out), choices=False))
-            return chunks
-
-        return self._sse_events(stream, [], render)
-
-    async def _sse_events(self, stream: RequestStream, first: list[str],
+    async def sse_events(self, stream: RequestStream, first: list[str],
                           render: Callable[[RequestOutput], list[str]]) -> AsyncIterator[str]:
         """The event stream of one request: ``first``, each engine output rendered into chunks, then
         ``[DONE]``; an engine failure becomes an error event before ``[DONE]``; a request the client
@@ -366,63 +289,14 @@ class _Server:
                     yield event
             yield "data: [DONE]\n\n"
         except EngineRequestError as exc:
-            yield _sse(error_body(500, str(exc), code="engine_error"))
+            yield sse(error_body(500, str(exc), code="engine_error"))
             yield "data: [DONE]\n\n"
         except EngineStoppedError as exc:
-            yield _sse(error_body(503, str(exc), code=SHUTDOWN_CODE))
+            yield sse(error_body(503, str(exc), code=SHUTDOWN_CODE))
             yield "data: [DONE]\n\n"
         finally:
             if not stream.finished:
                 self.aengine.abort(stream.request_id)
-
-    # ------------------------------------------------------------------ chat
-    def chat_prompt(self, body: ChatCompletionRequest) -> str:
-        try:
-            rendered = self.engine.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True,
-                                                                 tokenize=False)
-        except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
-            raise ApiError(400, f"cannot apply the chat template: {str(exc).splitlines()[0] if str(exc) else exc!r}",
-                           param="messages") from exc
-        if not isinstance(rendered, str):
-            raise ApiError(400, "the chat template did not render to text", param="messages")
-        return rendered
-
-    async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
-        label = self.route_label(request)
-        headers = self.ignored_fields(body, "chat completion")
-        params = self.params(lambda: body.sampling_params(1), body)
-        prompt = await self.aengine.prepare(self.chat_prompt, body)  # a template can be slow: off the event loop
-        stream = await self.submit(prompt, params, body, label, "chatcmpl")
-        model = self.config.served_model_name
-        if body.stream:
-            return _EventStream(self._stream_chat(stream, model, body.include_usage),
-                                lambda: self.aengine.abort(stream.request_id), headers)
-        out = await self.collect(stream, request)
-        resp = ChatCompletionResponse(
-            id=stream.request_id, created=int(time.time()), model=model,
-            choices=[ChatChoice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)],
-            usage=_usage(out), drafter_version=self.drafter_version)
-        return JSONResponse(resp.model_dump(), headers=headers)
-
-    def _stream_chat(self, stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:
-        created = int(time.time())
-
-        def chunk(delta: DeltaMessage | None, finish: str | None, usage: Usage | None = None) -> str:
-            choices = [ChatChunkChoice(delta=delta, finish_reason=finish)] if delta is not None else []
-            return _sse(ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=choices,
-                                            usage=usage, drafter_version=self.drafter_version))
-
-        def render(out: RequestOutput) -> list[str]:
-            chunks = []
-            if out.delta_text or out.finished:
-                delta = DeltaMessage(content=out.delta_text) if out.delta_text else DeltaMessage()
-                chunks.append(chunk(delta, out.finish_reason if out.finished else None))
-            if out.finished and include_usage:
-                chunks.append(chunk(None, None, _usage(out)))
-            return chunks
-
-        return self._sse_events(stream, [chunk(DeltaMessage(role="assistant", content=""), None)], render)
 
 
 def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: Metrics | None = None,
@@ -447,7 +321,7 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: M
     vocab = draft_vocab_of(engine)
     if vocab is not None and metrics.vocab is None:
         metrics.attach_vocab(vocab)
-    server = _Server(engine, config, metrics)
+    server = Server(engine, config, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -491,42 +365,9 @@ def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: M
             message = f"no route {request.method} {request.url.path}"
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
 
-    @app.get("/health")
-    async def health() -> Response:
-        if not server.aengine.running:
-            return error_response(503, "engine loop is not running")
-        if online is None:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "ok", "online": online.health()})
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
-
-    def card() -> ModelCard:
-        return ModelCard(id=config.served_model_name, created=server.created, max_model_len=engine.max_model_len)
-
-    @app.get("/v1/models", response_model=ModelList)
-    async def models() -> ModelList:
-        return ModelList(data=[card()])
-
-    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses={404: {"model": ErrorResponse}})
-    async def model(model_id: str) -> ModelCard:
-        """The OpenAI client's ``models.retrieve``; model ids may contain ``/`` (HF names)."""
-        server.check_model(model_id)
-        return card()
-
-    @app.post("/v1/completions", response_model=CompletionResponse,
-              responses={400: {"model": ErrorResponse}, 429: {"model": ErrorResponse}})
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await server.completions(body, request)
-
-    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse,
-              responses={400: {"model": ErrorResponse}, 429: {"model": ErrorResponse}})
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await server.chat(body, request)
-
-    register_dashboard(app, engine, config.served_model_name, metrics, online)
+    for routes in (health.router(server, metrics, online), models.router(server), completions.router(server),
+                   chat.router(server), dashboard_router(engine, config.served_model_name, metrics, online)):
+        app.include_router(routes)
     app.add_middleware(RequestGuard, api_key=config.api_key, max_body_bytes=config.max_body_bytes,
                        body_timeout_s=config.body_timeout_s, on_reject=metrics.on_rejected,
                        trim_memory=config.trim_memory)

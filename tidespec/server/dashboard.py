@@ -38,7 +38,7 @@ from collections.abc import Awaitable, Callable
 from importlib import resources
 from typing import TYPE_CHECKING, Any
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 from fastapi.responses import Response
 
 from tidespec.engine.engine import LLMEngine
@@ -102,28 +102,29 @@ def dashboard_data(engine: LLMEngine, model: str, metrics: Metrics, online: Onli
     return data
 
 
-def register_dashboard(app: FastAPI, engine: LLMEngine, model: str, metrics: Metrics,
-                       online: OnlineTraining | None = None) -> None:
-    """Add the dashboard routes to ``app`` (the API-key guard is the app's middleware)."""
+def dashboard_router(engine: LLMEngine, model: str, metrics: Metrics, online: OnlineTraining | None = None) -> APIRouter:
+    """The dashboard's routes (the API-key guard is the app's middleware)."""
     if engine.drafter is not None:
         metrics.series.default_drafter = engine.drafter.name
     page = _static("dashboard.html")
     assets = {name: (_static(name), media) for name, media in ASSETS.items()}
     no_store = {"Cache-Control": "no-store"}
+    routes = APIRouter()
 
-    @app.get(DASHBOARD_PATH, include_in_schema=False)
+    @routes.get(DASHBOARD_PATH, include_in_schema=False)
     async def dashboard() -> Response:
         return Response(page, media_type="text/html; charset=utf-8", headers=no_store)
 
-    @app.get(f"{DASHBOARD_PATH}/data", include_in_schema=False)
+    @routes.get(f"{DASHBOARD_PATH}/data", include_in_schema=False)
     async def dashboard_json(smooth: int = 5) -> Response:
         body = dashboard_data(engine, model, metrics, online, min(max(smooth, 1), MAX_SMOOTH_S))
         return Response(json.dumps(_json_ready(body), allow_nan=False), media_type="application/json",
                         headers=no_store)
 
     for name, (content, media) in assets.items():
-        app.add_api_route(f"{DASHBOARD_PATH}/{name}", _asset_route(content, media), methods=["GET"],
-                          include_in_schema=False)
+        routes.add_api_route(f"{DASHBOARD_PATH}/{name}", _asset_route(content, media), methods=["GET"],
+                             include_in_schema=False)
+    return routes
 
 
 def _asset_route(content: bytes, media: str) -> Callable[[], Awaitable[Response]]:

@@ -1,4 +1,6 @@
-"""OpenAI wire format: request and response models for ``/v1/completions`` and ``/v1/chat/completions``.
+"""OpenAI wire format shared by the routes: the sampling fields of ``/v1/completions`` and
+``/v1/chat/completions``, usage, errors, models (each route's own request and response models are
+beside it, in ``tidespec.server.routes``).
 
 Why this exists: the HTTP layer must reject malformed input *before* it reaches the engine, with a
 message a client can act on, and must answer in exactly the shape the official ``openai`` client
@@ -16,6 +18,7 @@ Extensions beyond OpenAI (all optional):
 
 Worked example::
 
+    # CompletionRequest (tidespec.server.routes.completions) is a SamplingRequest
     req = CompletionRequest.model_validate({"model": "m", "prompt": "Hi", "max_tokens": 8,
                                             "stop": "\\n", "tidespec": {"enabled": False}})
     req.sampling_params(default_max_tokens=16)   # SamplingParams(max_tokens=8, stop=["\\n"], ...)
@@ -72,7 +75,7 @@ def first_invalid_text(value: Any, where: str = "") -> str | None:
     return None
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
     """Strict types (no ``"1"`` -> 1 coercion), no NaN/inf. Unknown fields are kept aside
     (``extra="allow"``) and ignored, as vLLM and OpenAI's server do for forward compatibility;
     ``unknown_fields`` names them so that the server can say so (or refuse them)."""
@@ -90,23 +93,23 @@ class _Strict(BaseModel):
             value = getattr(self, name)
             items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
             for i, item in items:
-                if isinstance(item, _Strict):
+                if isinstance(item, StrictModel):
                     found += item.unknown_fields(f"{where}{name}{'' if i is None else f'[{i}]'}.")
         return found
 
 
-class StreamOptions(_Strict):
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class TidespecOptions(_Strict):
+class TidespecOptions(StrictModel):
     """Per-request speculation control (a tidespec extension)."""
 
     enabled: bool = True
     num_speculative_tokens: Annotated[int, Field(ge=0, le=64)] | None = None
 
 
-class _SamplingRequest(_Strict):
+class SamplingRequest(StrictModel):
     """Fields shared by completions and chat completions."""
 
     model: str | None = None
@@ -197,64 +200,10 @@ class _SamplingRequest(_Strict):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-
-class CompletionRequest(_SamplingRequest):
-    # a string, a one-element list of strings (n=1 batches only), or token ids
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[
-        list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
-    suffix: Literal[""] | None = None
-
-    def prompt_input(self) -> str | list[int]:
-        p = self.prompt
-        if isinstance(p, str):
-            return p
-        if isinstance(p[0], str):
-            return p[0]  # type: ignore[return-value]
-        return list(p)  # type: ignore[arg-type]
-
-
-class TextPart(_Strict):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
-    name: Annotated[str, Field(max_length=256)] | None = None
-
-    def text(self) -> str:
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "".join(p.text for p in self.content)
-
-
-class ChatCompletionRequest(_SamplingRequest):
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
-
-    def _max_tokens(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-
     @property
-    def max_tokens_given(self) -> bool:
-        return self._max_tokens() is not None
-
-    def api_param(self, name: str | None) -> str | None:
-        if name == "prompt":
-            return "messages"
-        if name == "max_tokens" and self.max_completion_tokens is not None:
-            return "max_completion_tokens"
-        if name == "max_tokens" and self.max_tokens is None:  # the server filled it to the end of the context
-            return "messages"
-        return super().api_param(name)
-
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the tokenizer's chat template expects them (``developer`` -> ``system``)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def fills_context(self) -> bool:
+        """Whether the engine sets ``max_tokens`` to what the context leaves (a chat request without one)."""
+        return False
 
 
 # ----------------------------------------------------------------------------- responses
@@ -271,13 +220,13 @@ class Usage(BaseModel):
     accepted_tokens: int = 0  # tidespec: of those, accepted by the target
 
 
-class _Choice(BaseModel):
+class Choice(BaseModel):
     index: int = 0
     finish_reason: str | None = None
     logprobs: None = None
 
 
-class _Response(BaseModel):
+class ResponseBase(BaseModel):
     """Fields every completion, chat completion and chat chunk response carries (after ``object``
     and ``choices``, which each subclass declares)."""
 
@@ -287,43 +236,6 @@ class _Response(BaseModel):
     usage: Usage | None = None
     system_fingerprint: str | None = None
     drafter_version: str | None = None  # tidespec: the drafter version that served the request
-
-
-class CompletionChoice(_Choice):
-    text: str
-
-
-class CompletionResponse(_Response):
-    object: Literal["text_completion"] = "text_completion"
-    choices: list[CompletionChoice]
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-
-
-class ChatChoice(_Choice):
-    message: AssistantMessage
-
-
-class ChatCompletionResponse(_Response):
-    object: Literal["chat.completion"] = "chat.completion"
-    choices: list[ChatChoice]
-
-
-class DeltaMessage(BaseModel):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-
-
-class ChatChunkChoice(_Choice):
-    delta: DeltaMessage
-
-
-class ChatCompletionChunk(_Response):
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    choices: list[ChatChunkChoice]
 
 
 class ModelCard(BaseModel):
