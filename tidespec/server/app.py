@@ -1,8 +1,9 @@
 """The OpenAI-compatible HTTP API (FastAPI): a thin translation between HTTP and ``AsyncEngine``.
 
 Why this exists: users reach an inference engine through the OpenAI API and watch it through
-Prometheus. This module only translates — validation lives in ``protocol``, scheduling in the
-engine, numbers in ``tidespec.server.metrics`` — and guarantees the contract a server owes its clients:
+Prometheus. This module only translates — validation lives in the request models (``protocol``,
+and each route's in ``routes``), scheduling in the engine, numbers in ``tidespec.server.metrics`` —
+and guarantees the contract a server owes its clients:
 
 * every error is an OpenAI error object ``{"error": {"message", "type", "param", "code"}}`` with a
   4xx status when the client can fix it (malformed JSON, wrong types/ranges, unknown model,
