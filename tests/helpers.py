@@ -19,13 +19,14 @@ Worked example::
 
 from __future__ import annotations
 
+import itertools
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch import nn
 from transformers import PreTrainedTokenizerFast
 
@@ -57,6 +58,25 @@ def checkpoint_tokenizer(vocab: int = 96) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
+# merges of the byte tokenizer: JSON's punctuation gets more than one tokenization (`{"` or `{` `"`)
+BYTE_MERGES = [("Ġ", '"'), ('"', ":"), ('"', ","), ("{", '"'), ("Ġ", "Ġ"), ("t", "r"), ("tr", "u"), ("n", "u")]
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer (GPT-2's byte alphabet, as SmolLM2, Llama 3 and Qwen use) of 265
+    tokens: ``<eos>`` (id 0), the 256 bytes, and ``BYTE_MERGES``. Unlike the word-level tokenizers
+    above, any text has a tokenization, which a grammar library needs (structured outputs)."""
+    vocab = {"<eos>": 0}
+    for c in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[c] = len(vocab)
+    for a, b in BYTE_MERGES:
+        vocab[a + b] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab, BYTE_MERGES))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
+
+
 def tiny_config(vocab_size: int = 64, layers: int = 2, eos: int = 0, **kw: object) -> LlamaConfig:
     base = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_layers=layers, num_heads=4,
                 num_kv_heads=2, head_dim=8, max_position_embeddings=512, rope_theta=10000.0,
@@ -75,6 +95,24 @@ def tiny_llama(vocab_size: int = 64, layers: int = 2, seed: int = 0, dtype: torc
             if p.dim() == 2:
                 p.normal_(0.0, 0.2 * scale)
     return m.to(dtype).eval()
+
+
+def seed_generators_from_counter(monkeypatch: Any, start: int) -> None:
+    """Unseeded requests' generators (the engine's, the draft model's, EAGLE-3's) seeded from a counter
+    from ``start``, so that a sampling test is deterministic; seeded requests keep their seed."""
+    import tidespec.engine.engine as engine_mod
+    import tidespec.speculative.drafters.draft_model as draft_model_mod
+    import tidespec.speculative.drafters.eagle3 as eagle3_mod
+
+    counter = itertools.count(start)
+
+    def counted_generator(seed: int | None, device: Any = "cpu") -> torch.Generator:
+        g = torch.Generator(device=device)
+        g.manual_seed(next(counter) if seed is None else seed)
+        return g
+
+    for mod in (engine_mod, draft_model_mod, eagle3_mod):
+        monkeypatch.setattr(mod, "make_generator", counted_generator)
 
 
 def run_to_completion(engine: LLMEngine) -> dict[str, RequestOutput]:

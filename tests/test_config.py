@@ -8,18 +8,9 @@ import pytest
 import torch
 
 from tidespec.cli import build_parser
-from tidespec.config import (
-    Eagle3Options,
-    EngineConfig,
-    ModelConfig,
-    NgramConfig,
-    OnlineTrainingConfig,
-    SpecConfig,
-    add_engine_args,
-    engine_config_from_args,
-    flag_defaults,
-)
+from tidespec.config import Eagle3Options, EngineConfig, ModelConfig, NgramConfig, OnlineTrainingConfig, SpecConfig
 from tidespec.errors import ConfigError
+from tidespec.flags import add_engine_args, engine_config_from_args, flag_defaults
 from tidespec.server.cli import register as register_serve
 from tidespec.speculative.drafters.eagle3 import head_quantization
 
@@ -36,7 +27,7 @@ FLAGS = {
     '--kv-cache-memory-mb': 0,
     '--block-size': 16, '--max-num-batched-tokens': 512, '--max-waiting': 0, '--drafter': 'none',
     '--drafter-modules': '',
-    '--num-speculative-tokens': 4, '--tree': False, '--drafter-device': '', '--ngram-min': 1, '--ngram-max': 4,
+    '--num-speculative-tokens': 4, '--tree': False, '--grammar-drafts': True, '--drafter-device': '', '--ngram-min': 1, '--ngram-max': 4,
     '--suffix-max-tree-tokens': 20000, '--suffix-min-prob': 0.1, '--suffix-factor': 1.0, '--draft-model': None,
     '--draft-layers': 0, '--tree-top-k': 2, '--policy': 'static', '--profile': None, '--guard-kv-usage': 0.9,
     '--guard-temperature': 2.0, '--eagle3-dir': None, '--eagle3-draft-vocab': 0, '--eagle3-tree-depth': 5,
@@ -50,7 +41,7 @@ FLAGS = {
     '--trainer-max-restarts': 5, '--trainer-backoff-max-s': 60.0,
     '--collect-force': False, '--collect-prompt': False, '--collect-bootstrap': False, '--collect-epsilon': 0.02,
     '--collect-n-init': 20, '--collect-n-threshold': 512, '--collect-lambda-short': 0.9,
-    '--collect-lambda-long': 0.99,
+    '--collect-lambda-long': 0.99, '--json-whitespace': 'compact',
 }
 
 

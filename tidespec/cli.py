@@ -1,7 +1,7 @@
 """``tidespec`` command line: generate, serve, bench, profile, train-drafter.
 
 Why this exists: one entry point whose flags come from the config dataclasses
-(``tidespec.config.add_engine_args``), so every flag and default lives in one place. Errors a
+(``tidespec.flags.add_engine_args``), so every flag and default lives in one place. Errors a
 user can fix (bad path, bad parameter) print one line ``error: ...`` and exit 2 — no traceback.
 """
 
@@ -12,7 +12,7 @@ import sys
 import time
 
 from tidespec.commands import Registrar, run_command
-from tidespec.config import add_engine_args, engine_config_from_args
+from tidespec.flags import add_engine_args, engine_config_from_args
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:

@@ -1,10 +1,10 @@
-"""The configuration tree: dataclasses validated on construction, and the CLI flags derived from them.
+"""The configuration tree: dataclasses validated on construction, from which ``tidespec.flags`` derives the CLI.
 
 Why this exists: flags, defaults and validation live in one place. Every field of a config
 dataclass becomes a ``--flag`` whose help text is the field's ``metadata["help"]``; a field
 that holds another config dataclass (``section``) contributes that section's flags, prefixed by
 the section's ``prefix``; a field may name its flag outright (``opt(..., flag="--policy")``), so
-nesting the tree never renamed a flag. ``dataclass_from_args`` builds the tree back from parsed
+nesting the tree never renamed a flag. ``flags.dataclass_from_args`` builds the tree back from parsed
 flags and so re-runs every section's validation.
 
 The tree::
@@ -13,7 +13,7 @@ The tree::
       model      ModelConfig       --model --dtype --device --threads --quantization --quant-group-size
       cache      CacheConfig       --max-model-len --max-num-seqs --enable-prefix-caching --prefix-cache-mb
       scheduler  SchedulerConfig   --max-num-batched-tokens --max-waiting
-      spec       SpecConfig        --drafter --num-speculative-tokens --tree --drafter-device
+      spec       SpecConfig        --drafter --num-speculative-tokens --tree --grammar-drafts --drafter-device
         ngram        NgramConfig        --ngram-min --ngram-max
         suffix       SuffixConfig       --suffix-max-tree-tokens --suffix-min-prob --suffix-factor
         draft_model  DraftModelConfig   --draft-model --draft-layers --tree-top-k
@@ -21,8 +21,9 @@ The tree::
       policy     PolicyConfig      --policy --profile --guard-kv-usage --guard-temperature
       online     OnlineTrainingConfig  --online-training --signal-dir ... --trainer-* --collect-prompt
         collect      CollectionConfig   --collect-force --collect-epsilon --collect-n-init ...
+      structured StructuredConfig  --json-whitespace
 
-Worked example::
+Worked example (``tidespec.flags``)::
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)                      # every flag above
@@ -38,16 +39,14 @@ import math
 import os
 import re
 import shlex
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
 from tidespec.errors import ConfigError, check_at_least
 
 
-def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
+def opt(default: Any, help: str, **kw: Any) -> Any:
     """A dataclass field that ``add_dataclass_args`` turns into a ``--flag`` with this help.
 
     ``choices=`` restricts the values; ``flag="--name"`` names the flag outright (otherwise it is
@@ -223,6 +222,23 @@ class SchedulerConfig(Section):
                               "0 = unbounded (the server sets a bound)", min=0)
 
 
+JSON_WHITESPACE = ("compact", "flexible")  # StructuredConfig.json_whitespace
+
+
+@dataclass
+class StructuredConfig(Section):
+    json_whitespace: str = opt("compact", "whitespace a JSON constraint (response_format, guided_json) allows: compact "
+                                          "= one line, ', ' and ': ' between items, as json.dumps writes it (the grammar "
+                                          "then forces keys and separators: free drafts; no runaway whitespace on small "
+                                          "models); flexible = any whitespace (indented JSON)",
+                               choices=JSON_WHITESPACE, flag="--json-whitespace")
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.json_whitespace not in JSON_WHITESPACE:
+            raise ConfigError(f"json_whitespace must be one of {', '.join(JSON_WHITESPACE)}, got {self.json_whitespace!r}")
+
+
 DRAFTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a drafter's name (which exist: speculative.registry)
 DEVICE_NAME = re.compile(r"|cpu|cuda(:[0-9]+)?")  # what --drafter-device accepts ("" = the target's device)
 # guard defaults, shared with ``speculative.policy.guards.GuardConfig`` (defined once, here)
@@ -352,6 +368,9 @@ class SpecConfig:
                                    "--drafter", flag="--drafter-modules")
     num_speculative_tokens: int = opt(4, "draft tokens per step (gamma)")
     tree: bool = opt(False, "allow tree-shaped proposals (drafters that support them)")
+    grammar_drafts: bool = opt(True, "a constrained request's draft starts with the tokens its grammar forces (JSON "
+                                     "keys, brackets, enum tails), then the drafter's own (--no-grammar-drafts: the "
+                                     "drafter's alone)")
     drafter_device: str = opt("", "device the drafter runs on: cpu, cuda or cuda:N (empty = the target's --device). "
                                   "Only token ids and the target's taps cross devices; "
                                   "EAGLE-3 and the draft model get their own copies of the target weights they read "
@@ -500,6 +519,7 @@ class EngineConfig:
     spec: SpecConfig = section(SpecConfig)
     policy: PolicyConfig = section(PolicyConfig)
     online: OnlineTrainingConfig = section(OnlineTrainingConfig)
+    structured: StructuredConfig = section(StructuredConfig)
 
     def __post_init__(self) -> None:
         if self.online.enabled and "eagle3" not in self.spec.drafter_names:
@@ -515,86 +535,3 @@ class EngineConfig:
             # every running sequence must fit its verification tokens in one step, with room left
             # for prefill chunks so a full batch of decoders cannot starve new requests
             self.scheduler.max_num_batched_tokens = need
-
-
-def _base_type(tp: Any) -> Any:
-    origin = get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in get_args(tp) if a is not type(None)]
-        return _base_type(args[0])
-    return tp
-
-
-def _flag(f: dataclasses.Field, prefix: str) -> str:
-    """``--flag`` of a leaf field: its own ``flag=`` or the prefixed field name."""
-    if "flag" in f.metadata:
-        return str(f.metadata["flag"])
-    return "--" + "-".join(p for p in (prefix, f.name.replace("_", "-")) if p)
-
-
-def _sub_prefix(f: dataclasses.Field, prefix: str) -> str:
-    return "-".join(p for p in (prefix, f.metadata.get("prefix", "")) if p)
-
-
-def _is_section(f: dataclasses.Field) -> bool:
-    return bool(f.metadata.get("section"))
-
-
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str = "",
-                       skip: tuple[str, ...] = ()) -> None:
-    """Add one ``--flag`` per leaf field of dataclass ``cls`` (sections recursively, one help group
-    each), except the top-level fields named in ``skip``. A flag's ``dest`` is the flag name with
-    underscores, so ``ns.ngram_min`` is ``--ngram-min``."""
-    hints = typing.get_type_hints(cls)
-    group = parser.add_argument_group(cls.__name__)
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        if _is_section(f):
-            add_dataclass_args(parser, _base_type(hints[f.name]), _sub_prefix(f, prefix))
-            continue
-        tp = _base_type(hints[f.name])
-        flag = _flag(f, prefix)
-        dest = flag[2:].replace("-", "_")
-        help_ = f.metadata.get("help", "")
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if tp is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_, dest=dest)
-        elif get_origin(tp) is Literal:
-            group.add_argument(flag, choices=list(get_args(tp)), default=default, help=help_, dest=dest)
-        elif tp in (int, float, str):
-            group.add_argument(flag, type=finite_float if tp is float else tp, default=default, help=help_,
-                               choices=f.metadata.get("choices"), dest=dest)
-        else:
-            raise TypeError(f"unsupported config field type {tp!r} for {cls.__name__}.{f.name}")
-
-
-def dataclass_from_args(cls: type, ns: argparse.Namespace, prefix: str = "") -> Any:
-    """Build ``cls`` (sections recursively) from parsed flags; fields without a flag in ``ns`` keep
-    their defaults. Construction re-runs every ``__post_init__`` validation."""
-    hints = typing.get_type_hints(cls)
-    kw: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if _is_section(f):
-            kw[f.name] = dataclass_from_args(_base_type(hints[f.name]), ns, _sub_prefix(f, prefix))
-            continue
-        dest = _flag(f, prefix)[2:].replace("-", "_")
-        if hasattr(ns, dest):
-            kw[f.name] = getattr(ns, dest)
-    return cls(**kw)
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    add_dataclass_args(parser, EngineConfig)
-
-
-def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
-    return dataclass_from_args(EngineConfig, ns)
-
-
-def flag_defaults(cls: type, prefix: str = "") -> dict[str, Any]:
-    """``{--flag: default}`` of every leaf field of ``cls``, as the generated CLI has them; e.g.
-    ``flag_defaults(EngineConfig)["--policy"]`` is ``"static"`` (``tests/test_config.py`` pins them)."""
-    parser = argparse.ArgumentParser(add_help=False)
-    add_dataclass_args(parser, cls, prefix)
-    return {a.option_strings[0]: a.default for a in parser._actions if a.option_strings}

@@ -20,6 +20,7 @@ Worked example (top-p)::
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import torch
@@ -38,9 +39,70 @@ class SamplingParamsError(UserError, ValueError):
         self.param = param
 
 
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """What a constrained request's output must match: exactly one of a JSON schema (``json``, a
+    dict or its text), any JSON object (``json_object``), a regular expression, a list of choices,
+    or a grammar (Lark, or llama.cpp's GBNF), as vLLM's ``StructuredOutputsParams``. ``field``: the
+    request field it came from (``response_format``, ``structured_outputs.json``, ``guided_regex``,
+    ...), which an error names. Compiled by ``tidespec.structured`` (llguidance).
+
+    Example: ``StructuredOutputs(choice=("yes", "no")).source == ("choice", '["yes", "no"]')``.
+    """
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+    field: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        if len(given) != 1:
+            raise SamplingParamsError(f"{self.field} must name exactly one of json, json_object, regex, choice, "
+                                      f"grammar; got {', '.join(given) or 'none'}", param=self.field)
+        if isinstance(self.json, str):
+            try:
+                schema = json.loads(self.json)
+            except ValueError as exc:
+                raise SamplingParamsError(f"{self.field}: the JSON schema is not valid JSON ({exc})",
+                                          param=self.field) from None
+            object.__setattr__(self, "json", schema)
+        if self.json is not None and not isinstance(self.json, (dict, bool)):
+            raise SamplingParamsError(f"{self.field}: a JSON schema must be an object", param=self.field)
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            if not self.choice or any(not isinstance(c, str) or not c for c in self.choice):
+                raise SamplingParamsError(f"{self.field}: choice must be a non-empty list of non-empty strings",
+                                          param=self.field)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SamplingParamsError(f"{self.field}: {name} must be a non-empty string", param=self.field)
+
+    @property
+    def source(self) -> tuple[str, str]:
+        """(llguidance's format name, the grammar's text): what compiles, and the cache key."""
+        if self.json_object:
+            return "json_schema", '{"type": "object"}'
+        if self.json is not None:
+            return "json_schema", json.dumps(self.json)  # key order kept: properties are emitted in it
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        if self.regex is not None:
+            return "regex", self.regex
+        assert self.grammar is not None
+        return "grammar", self.grammar
+
+    def __hash__(self) -> int:
+        return hash(self.source)
+
+
 @dataclass
 class SamplingParams:
-    """Per-request decoding parameters (OpenAI/vLLM names)."""
+    """Per-request decoding parameters (OpenAI/vLLM names); ``structured``: the output's constraint."""
 
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
@@ -50,6 +112,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    structured: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

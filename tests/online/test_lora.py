@@ -21,10 +21,8 @@ from tidespec.config import (
     EngineConfig,
     OnlineTrainingConfig,
     SpecConfig,
-    add_dataclass_args,
-    dataclass_from_args,
 )
-from tidespec.models.llama import output_matrix
+from tidespec.flags import add_dataclass_args, dataclass_from_args
 from tidespec.models.eagle3_checkpoint import fresh_head, publish
 from tidespec.models.eagle3_head import Eagle3Head
 from tidespec.models.eagle3_lora import (
@@ -40,7 +38,7 @@ from tidespec.models.eagle3_lora import (
     save_adapter,
     with_lora,
 )
-from tidespec.models.llama import LlamaModel
+from tidespec.models.llama import LlamaModel, output_matrix
 from tidespec.online.serving.attach import OnlineConfig, attach_online_training
 from tidespec.online.store import SignalShard, SignalStore
 from tidespec.online.training.config import LoraAlignConfig, TrainerConfig, TrainerConfigError
@@ -548,7 +546,7 @@ def test_a_version_rolled_back_to_takes_its_newest_adapter_on_its_clean_weights(
 
 def test_full_rounds_distil_from_the_top_k_of_captured_hidden_states(model: LlamaModel, tok, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    import tidespec.online.training.rounds as rounds
+    from tidespec.online.training import rounds
 
     cfg = capture_with_hidden(model, tok, tmp_path, PROMPTS)
     seen: list[bool] = []

@@ -283,7 +283,8 @@ def test_every_400_names_its_parameter(chat: bool) -> None:
 def test_unknown_fields_are_named_in_a_header_and_the_log_or_refused(caplog: pytest.LogCaptureFixture) -> None:
     """Unknown fields were dropped silently; now ignored (as vLLM) but named in
     X-Tidespec-Ignored-Fields and logged once per name; --strict-fields makes them a 400."""
-    extra = {"repetition_penalty": 1.1, "min_tokens": 2, "guided_json": {"type": "object"}, "reasoning_effort": "low"}
+    extra = {"repetition_penalty": 1.1, "min_tokens": 2, "guided_decoding_backend": "xgrammar",
+             "reasoning_effort": "low"}
     with LiveServer(create_app(tiny_engine(), ServerConfig(served_model_name=MODEL))) as s, \
             httpx.Client(base_url=s.url, timeout=30) as c, caplog.at_level(logging.WARNING, "tidespec.server"):
         r = c.post("/v1/completions", json={**COMPLETION, **extra})

@@ -14,18 +14,10 @@ import pytest
 import torch
 
 from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
-from tidespec.config import (
-    CacheConfig,
-    DraftModelConfig,
-    Eagle3Options,
-    EngineConfig,
-    ModelConfig,
-    SpecConfig,
-    add_engine_args,
-    engine_config_from_args,
-)
+from tidespec.config import CacheConfig, DraftModelConfig, Eagle3Options, EngineConfig, ModelConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.errors import ConfigError
+from tidespec.flags import add_engine_args, engine_config_from_args
 from tidespec.llm import build_drafter
 from tidespec.models import placement
 from tidespec.models.linear import Linear

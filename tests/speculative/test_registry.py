@@ -46,10 +46,10 @@ def model():
 
 def test_the_builtin_drafters_are_found_with_their_traits() -> None:
     kinds = drafter_kinds()
-    assert sorted(kinds) == ["draft-model", "eagle3", "ngram", "suffix"]
-    assert {n for n, k in kinds.items() if k.model_free} == {"ngram", "suffix"}
+    assert sorted(kinds) == ["draft-model", "eagle3", "grammar", "ngram", "suffix"]
+    assert {n for n, k in kinds.items() if k.model_free} == {"grammar", "ngram", "suffix"}
     assert {n for n, k in kinds.items() if k.stateful} == {"draft-model", "eagle3"}
-    assert {n: k.section for n, k in kinds.items()} == {"ngram": "ngram", "suffix": "suffix",
+    assert {n: k.section for n, k in kinds.items()} == {"ngram": "ngram", "suffix": "suffix", "grammar": None,
                                                         "draft-model": "draft_model", "eagle3": "eagle3"}
     assert "bigram" not in kinds and drafter_kinds((TOY,))["bigram"].cls is BigramDrafter
 
@@ -105,8 +105,8 @@ def test_a_drafter_in_one_file_is_served_losslessly(model) -> None:
 
 
 @pytest.mark.parametrize("spec,message", [
-    (SpecConfig(drafter="bogus"), "unknown drafter 'bogus': drafter must be one of none, draft-model, eagle3, ngram, "
-                                  "suffix"),
+    (SpecConfig(drafter="bogus"), "unknown drafter 'bogus': drafter must be one of none, draft-model, eagle3, grammar, "
+                                  "ngram, suffix"),
     (SpecConfig(drafter="ngram", drafter_modules="no_such_module_xyz"), "cannot import 'no_such_module_xyz'"),
     (SpecConfig(drafter="ngram", drafter_modules="tests.helpers"), "'tests.helpers' defines no DRAFTER"),
     (SpecConfig(drafter="bigram"), "unknown drafter 'bigram'"),  # defined, but its module not named

@@ -23,14 +23,12 @@ together raise a false alarm for about 3 % of seed choices):
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
 from scipy.stats import chi2, chisquare, ncx2
 
 import tidespec.speculative.verify as verify_mod
-from tests.helpers import tiny_llama, tiny_tokenizer
+from tests.helpers import seed_generators_from_counter, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, DraftModelConfig, Eagle3Options, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
@@ -103,21 +101,8 @@ def sample_first3(model, tok, prompt: list[int], spec: SpecConfig, params: Sampl
 
     ``seeded``: request i has seed i (the race path); else no seed (rejection sampling), with the
     request and draft generators seeded from a counter so the test is deterministic."""
-    import tidespec.engine.engine as engine_mod
-    import tidespec.speculative.drafters.draft_model as draft_model_mod
-    import tidespec.speculative.drafters.eagle3 as eagle3_mod
-
     n = n or sample_size(exact_distribution(model, prompt, params), W_SUBTLE)
-    counter = itertools.count(SEED_BASE)
-
-    def counted_generator(seed, device="cpu"):
-        g = torch.Generator(device=device)
-        g.manual_seed(next(counter) if seed is None else seed)
-        return g
-
-    monkeypatch.setattr(engine_mod, "make_generator", counted_generator)
-    monkeypatch.setattr(draft_model_mod, "make_generator", counted_generator)
-    monkeypatch.setattr(eagle3_mod, "make_generator", counted_generator)
+    seed_generators_from_counter(monkeypatch, SEED_BASE)
     cfg = EngineConfig(cache=CacheConfig(max_model_len=32, max_num_seqs=SLOTS), spec=spec,
                        scheduler=SchedulerConfig(max_num_batched_tokens=SLOTS * 12))
     drafter = build_drafter(spec, model, SLOTS, 32)

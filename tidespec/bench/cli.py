@@ -57,16 +57,8 @@ from tidespec.bench.shift.run import replot as replot_shift
 from tidespec.bench.shift.run import run_shift_bench
 from tidespec.bench.spec.run import SpecBenchConfig, run_spec_bench
 from tidespec.bench.yield_bench.run import YieldBenchConfig, run_yield_bench
-from tidespec.config import (
-    ModelConfig,
-    PolicyConfig,
-    SchedulerConfig,
-    SpecConfig,
-    add_dataclass_args,
-    dataclass_from_args,
-    finite_float,
-    output_dir,
-)
+from tidespec.config import ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig, finite_float, output_dir
+from tidespec.flags import add_dataclass_args, dataclass_from_args
 from tidespec.workloads.loader import BUILTIN_WORKLOADS
 
 # SpecConfig fields the spec bench sweeps itself (so they are not flags there).

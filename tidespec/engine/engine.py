@@ -52,9 +52,11 @@ from tidespec.models.executor import ExecutorOptions, ForwardExecutor
 from tidespec.models.llama import LlamaModel
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
 from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.forced import compose
 from tidespec.speculative.policy.api import PlanInput, SeqState, SpeculationPolicy, plans_drafters
 from tidespec.speculative.verify import VerifyResult, verify_greedy, verify_sampled, verify_seeded
 from tidespec.stats import StepStats, add_per_position
+from tidespec.structured.grammar import GrammarCompiler
 from tidespec.threads import pin_threads
 
 log = logging.getLogger(__name__)
@@ -130,6 +132,8 @@ class LLMEngine:
         if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in eos:
             eos.append(tokenizer.eos_token_id)
         self.eos_ids = frozenset(eos)
+        # constrained requests' grammars, compiled once per constraint (the server compiles ahead, off this thread)
+        self.grammars = GrammarCompiler(tokenizer, model.cfg.vocab_size, self.eos_ids, config.structured.json_whitespace)
         self.gamma_max = config.spec.num_speculative_tokens if drafter is not None else 0
         self.use_tree = config.spec.tree
         self._last_tapped_draft = -(1 << 30)  # step in which a tap-reading drafter last drafted
@@ -138,7 +142,8 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, spec_tokens: int | None = None,
                     label: str | None = None) -> str:
-        """Queue a request; raises ``RequestError`` or ``QueueFullError`` (nothing is queued then)."""
+        """Queue a request; raises ``RequestError``, ``GrammarError`` (a constraint that does not compile) or
+        ``QueueFullError`` (nothing is queued then)."""
         params = params or SamplingParams()
         ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
         if not ids:
@@ -156,9 +161,11 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
         if rid in self.seqs:
             raise RequestError(f"duplicate request id {rid}")
+        grammar = self.grammars.matcher(params.structured) if params.structured is not None else None
         seq = Sequence(seq_id=next(self._ids), request_id=rid, prompt_ids=ids, params=params,
                        generator=make_generator(params.seed, self.device),
-                       detok=IncrementalDetokenizer(self.tokenizer, ids), spec_override=spec_tokens, label=label)
+                       detok=IncrementalDetokenizer(self.tokenizer, ids), spec_override=spec_tokens, label=label,
+                       grammar=grammar)
         seq.stats.arrival_time = time.perf_counter()
         self.scheduler.add(seq)
         self.seqs[rid] = seq
@@ -248,7 +255,7 @@ class LLMEngine:
         """Run a post-commit component call; an exception is logged and counted, not raised."""
         try:
             fn(*args)
-        except Exception:  # noqa: BLE001 - the step's tokens are committed; its outputs must still be delivered
+        except Exception:
             self.component_errors += 1
             log.exception("%s failed in step %d; the step's outputs are delivered", what, self.step_count - 1)
 
@@ -306,15 +313,19 @@ class LLMEngine:
 
     def _propose(self, decode: list[Sequence], gammas: dict[int, int], chosen: dict[int, str],
                  stats: StepStats) -> DraftProposal:
-        """Drafts of the sequences with gamma > 0 from their chosen drafters. A sequence its drafter
-        could not draft for yet (cold: no context after a step without taps) runs as gamma 0."""
+        """Drafts of the sequences with gamma > 0 from their chosen drafters, after the tokens a constrained
+        sequence's grammar forces (``speculative/forced.py``). A sequence its drafter could not draft
+        for yet (cold: no context after a step without taps) runs as gamma 0."""
         inputs = [DraftInput(s.seq_id, s.token_ids, gammas[s.seq_id], s.params, self.use_tree, len(s.prompt_ids),
                              chosen.get(s.seq_id)) for s in decode if gammas[s.seq_id] > 0]
         if not inputs or self.drafter is None:
             return DraftProposal()
         t = time.perf_counter()
         try:
-            proposal = self.drafter.propose(inputs)
+            forced = {s.seq_id: s.grammar.forced(gammas[s.seq_id]) for s in decode
+                      if s.grammar is not None and gammas[s.seq_id] > 0 and self.config.spec.grammar_drafts}
+            forced = {sid: f for sid, f in forced.items() if f}
+            proposal = compose(self.drafter, inputs, forced) if forced else self.drafter.propose(inputs)
             for inp in inputs:  # a drafter may not exceed the gamma it was given (its KV rows were reserved)
                 d = proposal.drafts.get(inp.seq_id)
                 if d is not None and d.num_tokens > inp.num_speculative_tokens:
@@ -346,21 +357,36 @@ class LLMEngine:
         """A decode sequence's draft checked against the target (or its next token sampled when it
         did not draft); changes nothing but the request's random stream."""
         row = fwd.rows[seq.seq_id]
-        lo, n = row.logits_start, row.num
         if row.draft is None:
-            return VerifyResult([], [self._sample(seq, fwd, lo)], True)
+            return VerifyResult([], [self._sample(seq, fwd, row.logits_start)], True)
+        logits, argmax = self._target(seq, fwd, row.logits_start, row.num, row.draft)
         if seq.params.greedy:
-            return verify_greedy(row.draft, fwd.argmax[lo:lo + n])
-        assert fwd.logits is not None
+            return verify_greedy(row.draft, argmax)
+        assert logits is not None
         if seq.params.seed is not None:
-            return verify_seeded(row.draft, fwd.logits[lo:lo + n], seq.params, seq.params.seed, len(seq.output_ids))
-        return verify_sampled(row.draft, fwd.logits[lo:lo + n], seq.params, seq.generator)
+            return verify_seeded(row.draft, logits, seq.params, seq.params.seed, len(seq.output_ids))
+        return verify_sampled(row.draft, logits, seq.params, seq.generator)
+
+    @staticmethod
+    def _target(seq: Sequence, fwd: ForwardOutput, lo: int, n: int,
+                draft: SeqDraft | None) -> tuple[torch.Tensor | None, list[int]]:
+        """A sequence's ``n`` logits rows from ``lo`` [n, V] and their argmax; for a constrained request
+        under its grammar's mask at each row (the argmax then only when greedy), exactly as plain
+        constrained decoding sees each position, so verification stays lossless."""
+        if seq.grammar is None:
+            return (fwd.logits[lo:lo + n] if fwd.logits is not None else None), fwd.argmax[lo:lo + n]
+        assert fwd.logits is not None
+        tokens, parents = (draft.token_ids, draft.parent_indices) if draft is not None else ([], None)
+        logits = seq.grammar.constrain(fwd.logits[lo:lo + n], tokens, parents)  # [n, V]
+        return logits, logits.argmax(-1).tolist() if seq.params.greedy else []
 
     def _commit_decode(self, seq: Sequence, gamma: int, drafter: str | None, fwd: ForwardOutput, res: VerifyResult,
                        stats: StepStats) -> _Advance:
         """Keep the K/V of a decode sequence's root and accepted path; count its draft."""
         row = fwd.rows[seq.seq_id]
         self._count_draft(stats, seq, gamma, drafter, row.draft, res)
+        if seq.grammar is not None:  # the grammar moves over the emitted tokens only: the rest was never consumed
+            seq.grammar.advance(res.token_ids)
         start = seq.num_cached
         kept = [0] + [j + 1 for j in res.accepted]  # offsets within this seq's rows: root + accepted path
         self._commit_kv(seq, kept, tree=row.draft is not None and row.draft.is_tree)
@@ -371,6 +397,8 @@ class LLMEngine:
         (``first``, sampled before any commit)."""
         seq = chunk.seq
         self._commit_kv(seq, list(range(chunk.num_tokens)), tree=False)
+        if first is not None and seq.grammar is not None:
+            seq.grammar.advance([first])
         stats.num_prefill_tokens += chunk.num_tokens
         return _Advance(seq, [first] if first is not None else [], list(range(row.start, row.start + row.num)),
                         chunk.start)
@@ -388,12 +416,13 @@ class LLMEngine:
         self.kv.set_length(seq.slot, seq.num_cached)  # type: ignore[arg-type]
 
     def _sample(self, seq: Sequence, fwd: ForwardOutput, row: int) -> int:
-        """The next token at logits row ``row``: argmax, the seeded race draw of the sequence's next
+        """The next token at logits row ``row`` (under its grammar's mask): argmax, the seeded race draw of the sequence's next
         output position (reproducible per seed), or a draw from the request's generator."""
+        logits, argmax = self._target(seq, fwd, row, 1, None)
         if seq.params.greedy:
-            return fwd.argmax[row]
-        assert fwd.logits is not None
-        probs = target_probs(fwd.logits[row].unsqueeze(0), seq.params)[0]  # [V]
+            return argmax[0]
+        assert logits is not None
+        probs = target_probs(logits, seq.params)[0]  # [V]
         if seq.params.seed is not None:
             return seeded_draw(probs, seq.params.seed, len(seq.output_ids))
         return sample_from(probs, seq.generator)

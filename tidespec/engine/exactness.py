@@ -38,8 +38,9 @@ from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import EngineObserver
 from tidespec.engine.scheduler import PrefillChunk, ScheduledBatch
 from tidespec.engine.sequence import Sequence
-from tidespec.sampling import SamplingParams
+from tidespec.sampling import SamplingParams, StructuredOutputs
 from tidespec.speculative.api import DraftProposal
+from tidespec.structured.grammar import GrammarMatcher
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class _Check:
     position: int = 0  # generated tokens compared so far
     logits: torch.Tensor | None = None  # [V] the logits that predict output_ids[position]
     shadow: Sequence | None = field(default=None, repr=False)
+    structured: StructuredOutputs | None = None  # a constrained request's constraint: plain decoding masks too
+    grammar: GrammarMatcher | None = field(default=None, repr=False)
 
 
 class ExactnessChecker(EngineObserver):
@@ -99,7 +102,8 @@ class ExactnessChecker(EngineObserver):
         if len(self.pending) >= self.max_pending:
             self._count("dropped", None)
             return
-        self.pending.append(_Check(seq.request_id, list(seq.prompt_ids), list(seq.output_ids)))
+        self.pending.append(_Check(seq.request_id, list(seq.prompt_ids), list(seq.output_ids),
+                                   structured=seq.params.structured))
 
     # ------------------------------------------------------------------ idle work
     def tick(self, budget_s: float = 0.02) -> bool:
@@ -134,6 +138,7 @@ class ExactnessChecker(EngineObserver):
             chk.shadow = Sequence(-1, f"exactness-check:{chk.request_id}", chk.prompt_ids, SamplingParams(),
                                   torch.Generator(), None)  # type: ignore[arg-type]  # no detokenizer needed
             chk.shadow.slot = chk.slot
+            chk.grammar = eng.grammars.matcher(chk.structured) if chk.structured is not None else None
         seq = chk.shadow
         assert seq is not None
         if chk.prefilled < len(chk.prompt_ids):  # a prompt chunk, as a plain engine schedules one alone
@@ -147,13 +152,16 @@ class ExactnessChecker(EngineObserver):
                 chk.logits = fwd.logits[-1]
             return True
         assert chk.logits is not None
-        plain = int(chk.logits.argmax())
+        logits = chk.logits if chk.grammar is None else chk.grammar.constrain(chk.logits.unsqueeze(0), [], None)[0]
+        plain = int(logits.argmax())
         served = chk.output_ids[chk.position]
         if plain != served:
-            top2 = torch.topk(chk.logits.float(), 2).values
+            top2 = torch.topk(logits.float(), 2).values
             self._decide(chk, Mismatch(chk.request_id, chk.position, served, plain, float(top2[0] - top2[1])))
             return False
         chk.position += 1
+        if chk.grammar is not None:
+            chk.grammar.advance([served])
         if chk.position == len(chk.output_ids):
             self._decide(chk, None)
             return False

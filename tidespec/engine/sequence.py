@@ -19,6 +19,7 @@ import torch
 from tidespec.engine.detok import IncrementalDetokenizer
 from tidespec.sampling import SamplingParams
 from tidespec.stats import RequestStats
+from tidespec.structured.grammar import GrammarMatcher
 
 
 class SeqStatus(enum.Enum):
@@ -37,6 +38,7 @@ class Sequence:
     detok: IncrementalDetokenizer
     spec_override: int | None = None  # per-request gamma (0 = opt out), None = policy decides
     label: str | None = None  # route/domain label for bucketed metrics
+    grammar: GrammarMatcher | None = None  # a constrained request's position in its grammar (committed tokens)
     output_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in sync
     num_cached: int = 0

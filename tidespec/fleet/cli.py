@@ -25,8 +25,9 @@ import threading
 from types import FrameType
 
 from tidespec.commands import standalone_main
-from tidespec.config import ConfigError, EngineConfig, add_dataclass_args, dataclass_from_args
+from tidespec.config import ConfigError, EngineConfig
 from tidespec.errors import UserError
+from tidespec.flags import add_dataclass_args, dataclass_from_args
 from tidespec.fleet.config import FleetConfig, shared_dirs
 from tidespec.server.cli import add_api_args, server_config_from_args, server_engine_config, warn_if_exposed
 from tidespec.speculative.policy.factory import check_policy_drafters
@@ -45,7 +46,7 @@ class FleetStartError(UserError):
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``fleet`` sub-command to the ``tidespec`` CLI."""
-    from tidespec.config import add_engine_args
+    from tidespec.flags import add_engine_args
 
     p = subparsers.add_parser("fleet", help="serve with N replicas and one trainer on Ray (needs the fleet extra)")
     add_engine_args(p)

@@ -77,6 +77,7 @@ from tidespec.server.protocol import SamplingRequest
 from tidespec.server.routes import chat, completions, health, models
 from tidespec.server.sse import EventStream, sse
 from tidespec.speculative.policy.factory import policy_profile
+from tidespec.structured.grammar import GrammarError
 
 if TYPE_CHECKING:
     from tidespec.online.serving.attach import OnlineTraining
@@ -237,7 +238,7 @@ class Server:
         except QueueFullError as exc:
             self.metrics.on_rejected("queue_full")
             raise ApiError(429, str(exc).splitlines()[0], code="rate_limit_exceeded") from exc
-        except (RequestError, SamplingParamsError) as exc:
+        except (RequestError, SamplingParamsError, GrammarError) as exc:
             raise ApiError(400, str(exc).splitlines()[0], param=body.api_param(exc.param)) from exc
         except EngineStoppedError as exc:
             raise _stopped(exc) from exc

@@ -201,8 +201,10 @@ class AsyncEngine:
                           fit_max_tokens: bool = False, prefix: str = "req") -> RequestStream:
         """Queue a request and return its stream once the engine accepted it.
 
-        Raises ``QueueFullError`` (too many in flight), ``RequestError`` / ``SamplingParamsError``
-        (the engine refused it) or ``EngineStoppedError``. With ``fit_max_tokens`` the request may
+        Raises ``QueueFullError`` (too many in flight), ``RequestError`` / ``SamplingParamsError`` /
+        ``GrammarError`` (the engine refused it) or ``EngineStoppedError``. A constrained request's
+        grammar is compiled on the preparation worker first (the request waits, other requests' steps
+        go on). With ``fit_max_tokens`` the request may
         generate up to the end of the context (``params.max_tokens`` is replaced).
         """
         if not self.running:
@@ -216,6 +218,8 @@ class AsyncEngine:
         try:
             ids = (await self.prepare(self.engine.tokenizer.encode, prompt, add_special_tokens=False)
                    if isinstance(prompt, str) else list(prompt))
+            if params.structured is not None:  # compiled here (cached), so the engine's thread never compiles
+                await self.prepare(self.engine.grammars.compile, params.structured)
         except BaseException:
             self._streams.pop(rid, None)
             raise
@@ -340,7 +344,7 @@ class AsyncEngine:
         seq = self.engine.seqs.get(request_id)
         try:
             aborted = self.engine.abort_request(request_id)
-        except Exception:  # noqa: BLE001 - keep the loop alive; log for the operator
+        except Exception:
             log.exception("aborting request %s failed", request_id)
             return
         if aborted and seq is not None:
@@ -391,7 +395,7 @@ class AsyncEngine:
         assert self.idle_work is not None
         try:
             return bool(self.idle_work(eng))
-        except Exception:  # noqa: BLE001 - idle work must not stop the engine
+        except Exception:
             log.exception("idle work %r failed", self.idle_work)
             return False
 
@@ -399,7 +403,7 @@ class AsyncEngine:
     def _safe(fn: Callable[..., Any], *args: Any) -> None:
         try:
             fn(*args)
-        except Exception:  # noqa: BLE001 - a metrics hook must not stop the engine
+        except Exception:
             log.exception("engine hook %r failed", fn)
 
 

@@ -1,6 +1,6 @@
 """``tidespec serve``: the OpenAI-compatible server from the command line.
 
-Why this exists: engine flags come from the config dataclasses (``tidespec.config.add_engine_args``)
+Why this exists: engine flags come from the config dataclasses (``tidespec.flags.add_engine_args``)
 so ``serve``, ``generate`` and ``bench`` share every flag and default; this module adds only the
 HTTP ones. The server always runs with a bounded waiting queue: the engine flag ``--max-waiting``
 defaults to ``DEFAULT_MAX_WAITING`` here, and 0 ("unbounded") is replaced by it.
@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from tidespec.commands import standalone_main
-from tidespec.config import ConfigError, EngineConfig, add_engine_args, engine_config_from_args, finite_float
+from tidespec.config import ConfigError, EngineConfig, finite_float
+from tidespec.flags import add_engine_args, engine_config_from_args
 from tidespec.server.graceful import HEADER_TIMEOUT_S
 from tidespec.speculative.registry import kinds_for
 

@@ -29,73 +29,17 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from tidespec.sampling import GREEDY_TEMPERATURE, SamplingParams
+from tidespec.sampling import GREEDY_TEMPERATURE, SamplingParams, StructuredOutputs
+from tidespec.server.formats import GUIDED_FIELDS, ResponseFormat, StructuredOutputsRequest, constraint
+from tidespec.server.strict import UNSUPPORTED_FIELDS, StrictModel, first_invalid_text
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_LEN = 256
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 # temperatures below this are greedy (as vLLM's _SAMPLING_EPS): logits / 1e-163 overflow to inf
-
-
-# OpenAI request fields tidespec does not implement, with the values that mean "not used" (accepted,
-# since clients send them by default); any other value is refused with a 400 naming the field.
-UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
-    "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
-    "parallel_tool_calls": (), "response_format": ({"type": "text"},), "logit_bias": ({},),
-    "modalities": (["text"],), "audio": (), "top_logprobs": (0,), "prediction": (),
-    "service_tier": ("auto", "default"),
-}
-
-
-def first_invalid_text(value: Any, where: str = "") -> str | None:
-    """Where in a parsed JSON body the first string is not valid Unicode text (a lone UTF-16
-    surrogate such as ``"\\ud800"``, which JSON allows and no tokenizer can encode), else None.
-
-    Example: ``first_invalid_text({"messages": [{"content": "\\ud800"}]})`` -> ``"messages[0].content"``.
-    """
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return where or "body"
-        return None
-    items: list[tuple[str, Any]] = []
-    if isinstance(value, dict):
-        items = [(f"{where}.{k}" if where else str(k), v) for k, v in value.items()]
-        items = [(where or "body", k) for k in value] + items
-    elif isinstance(value, list):
-        items = [(f"{where}[{i}]", v) for i, v in enumerate(value)]
-    for at, v in items:
-        hit = first_invalid_text(v, at)
-        if hit is not None:
-            return hit
-    return None
-
-
-class StrictModel(BaseModel):
-    """Strict types (no ``"1"`` -> 1 coercion), no NaN/inf. Unknown fields are kept aside
-    (``extra="allow"``) and ignored, as vLLM and OpenAI's server do for forward compatibility;
-    ``unknown_fields`` names them so that the server can say so (or refuse them)."""
-
-    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="allow")
-
-    def unknown_fields(self, where: str = "") -> list[str]:
-        """Dotted paths of the fields this model and the models inside it do not know, except the
-        OpenAI features screened by ``UNSUPPORTED_FIELDS`` (known, accepted at "not used").
-
-        Example: ``ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi",
-        "x": 1}], "min_tokens": 2}).unknown_fields()`` -> ``["min_tokens", "messages[0].x"]``."""
-        found = [f"{where}{k}" for k in (self.model_extra or {}) if not (not where and k in UNSUPPORTED_FIELDS)]
-        for name in type(self).model_fields:
-            value = getattr(self, name)
-            items = list(enumerate(value)) if isinstance(value, list) else [(None, value)]
-            for i, item in items:
-                if isinstance(item, StrictModel):
-                    found += item.unknown_fields(f"{where}{name}{'' if i is None else f'[{i}]'}.")
-        return found
 
 
 class StreamOptions(StrictModel):
@@ -132,6 +76,15 @@ class SamplingRequest(StrictModel):
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
     presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
     frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
+    # structured outputs (tidespec.server.formats): OpenAI's, vLLM's current object and its legacy fields
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: Annotated[str, Field(min_length=1)] | None = None
+    guided_choice: Annotated[list[Annotated[str, Field(min_length=1)]], Field(min_length=1)] | None = None
+    guided_grammar: Annotated[str, Field(min_length=1)] | None = None
+    _constraint: StructuredOutputs | None = PrivateAttr(None)
+
     @model_validator(mode="before")
     @classmethod
     def _screen(cls, data: Any) -> Any:
@@ -148,6 +101,13 @@ class SamplingRequest(StrictModel):
                     raise PydanticCustomError("unsupported", "not supported by this server",
                                               {"param": name})
         return data
+
+    @model_validator(mode="after")
+    def _one_constraint(self) -> SamplingRequest:
+        """At most one output constraint (``formats.constraint`` refuses two, naming them)."""
+        self._constraint = constraint(self.response_format, self.structured_outputs,
+                                      {n: getattr(self, n) for n in GUIDED_FIELDS if getattr(self, n) is not None})
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -179,6 +139,7 @@ class SamplingRequest(StrictModel):
             max_tokens=default_max_tokens if max_tokens is None else max_tokens,
             stop=stop,
             ignore_eos=self.ignore_eos,
+            structured=self._constraint,
         )
 
     def api_param(self, name: str | None) -> str | None:

@@ -44,6 +44,8 @@ class DraftInput:
     tree: bool = False  # whether a tree-shaped proposal is allowed
     num_prompt_tokens: int = 0  # where the prompt ends in token_ids (0 = unknown)
     drafter: str | None = None  # which drafter of a ``MultiDrafter`` drafts it (None = its first)
+    # a model-free drafter may see token_ids end in tokens a constrained request's grammar forces, not
+    # yet verified (``speculative/forced.py``): it drafts past them, and the engine puts them first
 
 
 @dataclass
@@ -208,6 +210,7 @@ class DrafterBase:
     name: str = ""
     tap_layers: tuple[int, ...] = ()
     model_free: bool = False
+    side_scored: bool = True  # a model-free drafter a controller may score on the side (not ``grammar``: no grammar there)
     stateful: bool = False
     versioned: bool = False
     version: int = 0

@@ -53,7 +53,8 @@ from tidespec.bench.common.report import (
     write_results,
 )
 from tidespec.bench.decode.run import bench_engine_config, resolve_target, run_wave, workload_doc
-from tidespec.config import QUANTIZATIONS, ConfigError, ModelConfig, add_dataclass_args, dataclass_from_args, output_dir
+from tidespec.config import QUANTIZATIONS, ConfigError, ModelConfig, output_dir
+from tidespec.flags import add_dataclass_args, dataclass_from_args
 from tidespec.llm import DTYPES, build_engine
 from tidespec.models.kv_cache import KVCache
 from tidespec.models.llama import BatchLayout, LlamaModel
@@ -154,7 +155,7 @@ class _Tally:
         self.agree += int((lp[cont].argmax(dim=-1) == target[cont]).sum())
         self.cont += len(ids) - prompt_len
 
-    def row(self, ref: "_Tally") -> dict[str, Any]:
+    def row(self, ref: _Tally) -> dict[str, Any]:
         ppl, ref_ppl = math.exp(self.nll / self.scored), math.exp(ref.nll / ref.scored)
         return {"tokens_scored": self.scored, "continuation_tokens": self.cont,
                 "top1_agreement": self.agree / self.cont if self.cont else float("nan"),

@@ -26,7 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tidespec.commands import standalone_main
-from tidespec.config import add_dataclass_args, dataclass_from_args, output_dir
+from tidespec.config import output_dir
+from tidespec.flags import add_dataclass_args, dataclass_from_args
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -86,7 +86,8 @@ class MultiDrafter:
         self.tap_layers: tuple[int, ...] = tapped[0].tap_layers if tapped else ()
         self.tapped: str | None = tapped[0].name if tapped else None
         self.shadow_gamma = shadow_gamma
-        self.shadowed = frozenset(d.name for d in drafters if d.model_free) if shadow_gamma else frozenset()
+        self.shadowed = (frozenset(d.name for d in drafters if d.model_free and getattr(d, "side_scored", True))
+                         if shadow_gamma else frozenset())
         self._pending: dict[str, dict[int, _Shadow]] = {n: {} for n in self.shadowed}
         self._running: dict[int, str] = {}  # seq_id -> the member that drafted it in the last propose
         self._scored: dict[str, list[tuple[int, int, int]]] = {}
