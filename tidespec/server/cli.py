@@ -28,6 +28,7 @@ from tidespec.commands import standalone_main
 from tidespec.config import ConfigError, EngineConfig, finite_float
 from tidespec.flags import add_engine_args, engine_config_from_args
 from tidespec.server.graceful import HEADER_TIMEOUT_S
+from tidespec.server.tools.parsers import REGISTRY as TOOL_PARSERS
 from tidespec.speculative.registry import kinds_for
 
 if TYPE_CHECKING:
@@ -79,6 +80,12 @@ def add_api_args(g: argparse._ActionsContainer) -> None:
     g.add_argument("--strict-fields", action="store_true",
                    help="refuse requests with fields the server does not know (400); by default they are ignored, "
                         "named in the X-Tidespec-Ignored-Fields response header and logged")
+    g.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template that replaces the model's (e.g. one that renders tools, for a model "
+                        "whose own does not; the embedded model's renders them already)")
+    g.add_argument("--tool-call-parser", default="auto", choices=["auto", *TOOL_PARSERS],
+                   help="how the model writes tool calls: hermes (<tool_call>: Qwen2.5/3, SmolLM2), llama3_json, "
+                        "mistral ([TOOL_CALLS]); auto: the one the chat template writes (default: auto)")
     g.add_argument("--exactness-check", type=finite_float, default=0.0, metavar="RATE",
                    help="re-decode this fraction of finished greedy requests plainly while the engine is idle and "
                         "compare them token by token; a mismatch is logged (request id, position, top-2 logit gap) "
@@ -90,9 +97,16 @@ def server_config_from_args(ns: argparse.Namespace, config: EngineConfig) -> Ser
     from tidespec.server.app import ServerConfig
 
     api_key = ns.api_key if ns.api_key is not None else os.environ.get(API_KEY_ENV) or None
+    template = None
+    if ns.chat_template is not None:
+        try:
+            template = Path(ns.chat_template).expanduser().read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--chat-template {ns.chat_template}: cannot be read ({exc.__class__.__name__})") from None
     return ServerConfig(served_model_name=ns.served_model_name or served_name(config), api_key=api_key,
                         exactness_check=ns.exactness_check, body_timeout_s=ns.body_timeout,
-                        strict_fields=ns.strict_fields, trim_memory=ns.trim_memory)
+                        strict_fields=ns.strict_fields, trim_memory=ns.trim_memory, chat_template=template,
+                        tool_call_parser=ns.tool_call_parser)
 
 
 def warn_if_exposed(host: str, api_key: str | None) -> None:

@@ -97,6 +97,8 @@ class SamplingRequest(StrictModel):
                                       {"where": where, "param": where})
         if isinstance(data, dict):
             for name, neutral in UNSUPPORTED_FIELDS.items():
+                if name in cls.model_fields:  # served by this route (chat: tools)
+                    continue
                 if data.get(name) is not None and data[name] not in neutral:
                     raise PydanticCustomError("unsupported", "not supported by this server",
                                               {"param": name})

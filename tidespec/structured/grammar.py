@@ -160,7 +160,7 @@ class GrammarCompiler:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab: int, eos_ids: Iterable[int],
                  json_whitespace: str = "compact") -> None:
         self._hf = tokenizer
-        self._json_options = JSON_OPTIONS[json_whitespace]
+        self.json_options = JSON_OPTIONS[json_whitespace]  # llguidance's JSON options, for %json in grammars too
         self.vocab = vocab
         self.eos_ids = tuple(sorted(eos_ids))
         self._lock = threading.Lock()
@@ -196,7 +196,7 @@ class GrammarCompiler:
             tok = self._ll_tokenizer(spec)
         try:
             if key[0] == "json_schema":
-                grammar = llguidance.LLMatcher.grammar_from_json_schema(key[1], defaults=self._json_options)
+                grammar = llguidance.LLMatcher.grammar_from_json_schema(key[1], defaults=self.json_options)
             else:
                 grammar = llguidance.grammar_from(*key)
         except ValueError as exc:

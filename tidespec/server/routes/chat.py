@@ -3,9 +3,10 @@ streamed; its request and response models (OpenAI's, with tidespec's extensions 
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Annotated, Literal
+from collections.abc import AsyncIterator, Callable
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import jinja2
 from fastapi import APIRouter, Request
@@ -13,10 +14,25 @@ from fastapi.responses import Response
 from pydantic import BaseModel, Field
 
 from tidespec.engine.output import RequestOutput
+from tidespec.sampling import SamplingParams
 from tidespec.server.api_errors import ApiError
 from tidespec.server.async_engine import RequestStream
 from tidespec.server.protocol import Choice, ErrorResponse, ResponseBase, SamplingRequest, StrictModel, Usage
 from tidespec.server.sse import sse, usage_of
+from tidespec.server.tools.protocol import (
+    DeltaToolCall,
+    ToolCall,
+    ToolCallOut,
+    ToolChoice,
+    ToolList,
+    ToolPlan,
+    ToolRequestError,
+    call_id,
+    calls_out,
+    plan_tools,
+    template_message_calls,
+)
+from tidespec.server.tools.stream import ToolStream
 
 if TYPE_CHECKING:
     from tidespec.server.app import Server
@@ -28,9 +44,11 @@ class TextPart(StrictModel):
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | Annotated[list[TextPart], Field(min_length=1)] | None = None
     name: Annotated[str, Field(max_length=256)] | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's calls (the history a tool loop sends back)
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     def text(self) -> str:
         if self.content is None:
@@ -43,6 +61,9 @@ class ChatMessage(StrictModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    tools: ToolList | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -60,15 +81,24 @@ class ChatCompletionRequest(SamplingRequest):
             return "messages"
         return super().api_param(name)
 
-    def template_messages(self) -> list[dict[str, str]]:
-        """Messages as the tokenizer's chat template expects them (``developer`` -> ``system``)."""
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()}
-                for m in self.messages]
+    def template_messages(self) -> list[dict[str, Any]]:
+        """Messages as the tokenizer's chat template expects them (``developer`` -> ``system``; an
+        assistant's calls with their arguments as objects; a tool result with the call it answers)."""
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            msg: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            if m.tool_calls:
+                msg["tool_calls"] = template_message_calls(m.tool_calls)
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
+        return out
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(Choice):
@@ -83,6 +113,7 @@ class ChatCompletionResponse(ResponseBase):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatChunkChoice(Choice):
@@ -106,11 +137,19 @@ def router(server: Server) -> APIRouter:
     return routes
 
 
-def chat_prompt(server: Server, body: ChatCompletionRequest) -> str:
-    """``body``'s messages rendered by the model's chat template, or a 400 naming ``messages``."""
+def chat_prompt(server: Server, body: ChatCompletionRequest, plan: ToolPlan) -> str:
+    """``body``'s messages (and its tools) rendered by the chat template, or a 400 naming ``messages``
+    (or ``tools``, when the template ignores the tools a request needs it to show)."""
+    tokenizer = server.engine.tokenizer
+    extra = {"chat_template": server.chat_template} if server.chat_template else {}
+    messages = body.template_messages()
     try:
-        rendered = server.engine.tokenizer.apply_chat_template(body.template_messages(), add_generation_prompt=True,
-                                                               tokenize=False)
+        rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                                 tools=plan.template_tools, **extra)
+        if plan.parser is not None and rendered == tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False, **extra):
+            raise ApiError(400, "this model's chat template does not render tools; serve it with --chat-template FILE "
+                                "(one that does) and --tool-call-parser NAME", param="tools")
     except (ValueError, TypeError, KeyError, jinja2.TemplateError) as exc:
         raise ApiError(400, f"cannot apply the chat template: {str(exc).splitlines()[0] if str(exc) else exc!r}",
                        param="messages") from exc
@@ -119,28 +158,57 @@ def chat_prompt(server: Server, body: ChatCompletionRequest) -> str:
     return rendered
 
 
+def tool_plan(server: Server, body: ChatCompletionRequest, params: SamplingParams) -> tuple[ToolPlan, SamplingParams]:
+    """The request's tool plan and its sampling parameters with the plan's grammar, or a 400 naming the field."""
+    try:
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, server.tool_parser,
+                          server.engine.grammars.json_options, server.tool_special_token)
+    except ToolRequestError as exc:
+        raise ApiError(400, str(exc), param=exc.param) from exc
+    if plan.constraint is None:
+        return plan, params
+    if params.structured is not None:
+        what = body.tool_choice if isinstance(body.tool_choice, str) else "naming a function"
+        raise ApiError(400, f"tool_choice {what} makes the output a tool call; it cannot also follow "
+                            f"{params.structured.field}", param="tool_choice")
+    return plan, dataclasses.replace(params, structured=plan.constraint)
+
+
+def _answer(out: RequestOutput, plan: ToolPlan) -> tuple[AssistantMessage, str | None]:
+    """The assistant message of a finished output: its calls read back when the request offered tools."""
+    if plan.parser is not None:
+        parsed = plan.parser.parse(out.text)
+        if parsed.calls:
+            finish = "tool_calls" if out.finish_reason == "stop" else out.finish_reason
+            return AssistantMessage(content=parsed.content, tool_calls=calls_out(parsed)), finish
+    return AssistantMessage(content=out.text), out.finish_reason
+
+
 async def chat(server: Server, body: ChatCompletionRequest, request: Request) -> Response:
     """One chat request: checked, its prompt rendered, submitted, then answered whole or as an event stream."""
     server.check_model(body.model)
     label = server.route_label(request)
     headers = server.ignored_fields(body, "chat completion")
-    params = server.params(lambda: body.sampling_params(1), body)
-    prompt = await server.aengine.prepare(lambda b: chat_prompt(server, b), body)  # a template can be slow: off the loop
+    plan, params = tool_plan(server, body, server.params(lambda: body.sampling_params(1), body))
+    prompt = await server.aengine.prepare(lambda b: chat_prompt(server, b, plan), body)  # a template can be slow
     stream = await server.submit(prompt, params, body, label, "chatcmpl")
     model = server.config.served_model_name
 
     def whole(out: RequestOutput) -> ChatCompletionResponse:
+        message, finish = _answer(out, plan)
         return ChatCompletionResponse(
             id=stream.request_id, created=int(time.time()), model=model,
-            choices=[ChatChoice(message=AssistantMessage(content=out.text), finish_reason=out.finish_reason)],
+            choices=[ChatChoice(message=message, finish_reason=finish)],
             usage=usage_of(out), drafter_version=server.drafter_version)
 
     return await server.respond(body, stream, request, headers,
-                                lambda: _stream(server, stream, model, body.include_usage), whole)
+                                lambda: _stream(server, stream, model, body.include_usage, plan), whole)
 
 
-def _stream(server: Server, stream: RequestStream, model: str, include_usage: bool) -> AsyncIterator[str]:
+def _stream(server: Server, stream: RequestStream, model: str, include_usage: bool,
+            plan: ToolPlan) -> AsyncIterator[str]:
     created = int(time.time())
+    calls = ToolStream(plan.parser) if plan.parser is not None else None
 
     def chunk(delta: DeltaMessage | None, finish: str | None, usage: Usage | None = None) -> str:
         choices = [ChatChunkChoice(delta=delta, finish_reason=finish)] if delta is not None else []
@@ -149,11 +217,36 @@ def _stream(server: Server, stream: RequestStream, model: str, include_usage: bo
 
     def render(out: RequestOutput) -> list[str]:
         chunks = []
-        if out.delta_text or out.finished:
-            delta = DeltaMessage(content=out.delta_text) if out.delta_text else DeltaMessage()
-            chunks.append(chunk(delta, out.finish_reason if out.finished else None))
+        if calls is None:
+            if out.delta_text or out.finished:
+                delta = DeltaMessage(content=out.delta_text) if out.delta_text else DeltaMessage()
+                chunks.append(chunk(delta, out.finish_reason if out.finished else None))
+        else:
+            chunks += _tool_chunks(calls, out, chunk)
         if out.finished and include_usage:
             chunks.append(chunk(None, None, usage_of(out)))
         return chunks
 
     return server.sse_events(stream, [chunk(DeltaMessage(role="assistant", content=""), None)], render)
+
+
+def _tool_chunks(calls: ToolStream, out: RequestOutput,
+                 chunk: Callable[[DeltaMessage | None, str | None], str]) -> list[str]:
+    """The chunks of one output of a request that offered tools: the text that cannot be a call yet;
+    at the end the rest, or each call as OpenAI streams it (its name, then its arguments), and the
+    finish reason."""
+    chunks = []
+    text = calls.feed(out.delta_text)
+    if not out.finished:
+        return [chunk(DeltaMessage(content=text), None)] if text else []
+    rest, parsed = calls.finish()
+    if text + rest:
+        chunks.append(chunk(DeltaMessage(content=text + rest), None))
+    for i, c in enumerate(parsed.calls):
+        chunks.append(chunk(DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=call_id(), type="function",
+                                                                   function={"name": c.name, "arguments": ""})]), None))
+        chunks.append(chunk(DeltaMessage(tool_calls=[DeltaToolCall(index=i, function={"arguments": c.arguments})]),
+                            None))
+    finish = "tool_calls" if parsed.calls and out.finish_reason == "stop" else out.finish_reason
+    chunks.append(chunk(DeltaMessage(), finish))
+    return chunks
