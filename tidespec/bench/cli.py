@@ -56,6 +56,7 @@ from tidespec.bench.shift.config import ShiftBenchConfig
 from tidespec.bench.shift.run import replot as replot_shift
 from tidespec.bench.shift.run import run_shift_bench
 from tidespec.bench.spec.run import SpecBenchConfig, run_spec_bench
+from tidespec.bench.spec.structured import StructuredBenchConfig, run_structured_bench
 from tidespec.bench.yield_bench.run import YieldBenchConfig, run_yield_bench
 from tidespec.config import ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig, finite_float, output_dir
 from tidespec.flags import add_dataclass_args, dataclass_from_args
@@ -111,6 +112,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="turns per conversation (chat records): turn k+1 resends the history with plain decoding's "
                         "answer and the next record's question, so later turns hit the prefix cache; --limit then "
                         "counts conversations")
+    s.add_argument("--structured", action="store_true",
+                   help="constrained decoding instead: every request's answer follows its record's schema (default "
+                        "workload: extraction); constrained plain vs the grammar's forced tokens vs suffix without and "
+                        "with them vs the controller (--policy, default analytic) over grammar and suffix, at each of "
+                        "--batch-sizes, gamma = the largest of --gammas; reports the mask's share of a step")
+    s.add_argument("--batch-sizes", default="1,8", help="--structured: requests per wave, comma-separated")
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="every request generates --max-tokens tokens; --no-ignore-eos ends each at its EOS as a "
                         "server does (acceptance then leaves out text past EOS, which serving never drafts)")
@@ -247,6 +254,15 @@ def cmd_decode(ns: argparse.Namespace) -> int:
 
 
 def cmd_spec(ns: argparse.Namespace) -> int:
+    if ns.structured:
+        scfg = StructuredBenchConfig(workload="extraction" if ns.workload == "code" else ns.workload, limit=ns.limit,
+                                     batch_sizes=parse_int_list(ns.batch_sizes, "--batch-sizes"),
+                                     gamma=max(parse_int_list(ns.gammas, "--gammas")), max_tokens=ns.max_tokens)
+        run_structured_bench(scfg, model_config=dataclass_from_args(ModelConfig, ns),
+                             scheduler=dataclass_from_args(SchedulerConfig, ns),
+                             spec_base=dataclass_from_args(SpecConfig, ns), policy=dataclass_from_args(PolicyConfig, ns),
+                             out_dir=ns.out, command=command_line())
+        return 0
     cfg = SpecBenchConfig(workload=ns.workload, limit=ns.limit, drafters=parse_str_list(ns.drafters, "--drafters"),
                           gammas=parse_int_list(ns.gammas, "--gammas"), batch_size=ns.batch_size,
                           max_tokens=ns.max_tokens, compare_hf=ns.compare == "hf",

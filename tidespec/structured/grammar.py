@@ -32,8 +32,10 @@ Worked example (choice ``["yes", "no"]``; ``y``, ``es``, ``no`` single tokens, d
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import llguidance
 import llguidance.hf
@@ -72,11 +74,22 @@ def _unpack(bits: torch.Tensor, vocab: int) -> torch.Tensor:
     return ((bits.unsqueeze(-1) >> shifts) & 1).view(bits.shape[0], -1)[:, :vocab].bool()
 
 
+@dataclass
+class MaskClock:
+    """Seconds spent computing masks, over every matcher of one compiler (``bench spec --structured``
+    reports them as a share of the steps)."""
+
+    seconds: float = 0.0
+    rows: int = 0
+
+
 class GrammarMatcher:
     """One sequence's position in its grammar: masks for verification rows, advanced over emitted tokens."""
 
-    def __init__(self, matcher: llguidance.LLMatcher, width: int, vocab: int, eos_ids: tuple[int, ...]) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, width: int, vocab: int, eos_ids: tuple[int, ...],
+                 clock: MaskClock | None = None) -> None:
         self._m = matcher
+        self._clock = clock if clock is not None else MaskClock()
         self._width = width  # the tokenizer's size in llguidance (>= vocab)
         self.vocab = vocab  # the target's logits width
         self._eos = list(eos_ids)
@@ -88,6 +101,7 @@ class GrammarMatcher:
         """[n + 1, vocab] bool: row 0 the tokens allowed now, row j + 1 those allowed after the path
         to draft token j (``parents`` as ``SeqDraft.parent_indices``; None = a chain). The matcher is
         left as it was."""
+        t0 = time.perf_counter()
         n = len(tokens)
         parents = parents if parents is not None else list(range(-1, n - 1))
         kids: list[list[int]] = [[] for _ in range(n + 1)]
@@ -124,6 +138,8 @@ class GrammarMatcher:
         empty = ~allowed.any(-1)  # a matcher in error allows nothing: the request may still end
         if bool(empty.any()):
             allowed[empty.nonzero().flatten().unsqueeze(1), torch.tensor(self._eos)] = True
+        self._clock.seconds += time.perf_counter() - t0
+        self._clock.rows += n + 1
         return allowed
 
     def constrain(self, logits: torch.Tensor, tokens: list[int], parents: list[int] | None) -> torch.Tensor:
@@ -168,6 +184,7 @@ class GrammarCompiler:
         self._tokenizer_error: str | None = None  # why llguidance cannot read the tokenizer, once it failed
         self._cache: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
         self.compiles = 0  # grammars compiled (cache misses)
+        self.clock = MaskClock()  # mask time of every matcher it made
 
     def _ll_tokenizer(self, spec: StructuredOutputs) -> llguidance.LLTokenizer:
         """The tokenizer as llguidance sees it, built once; raises ``GrammarError`` for a tokenizer it
@@ -219,7 +236,7 @@ class GrammarCompiler:
         template = self.compile(spec)
         with self._lock:
             copy = template.deep_copy()
-        return GrammarMatcher(copy, max(self.vocab, len(self._hf)), self.vocab, self.eos_ids)
+        return GrammarMatcher(copy, max(self.vocab, len(self._hf)), self.vocab, self.eos_ids, self.clock)
 
     @staticmethod
     def _reason(spec: StructuredOutputs, error: str) -> str:

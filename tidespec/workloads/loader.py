@@ -5,17 +5,18 @@ which order and with which template produced it. Every benchmark reads prompts t
 module, which accepts any JSONL of the shape described in ``../shared/workloads/README.md``::
 
     {"id": "code-0001", "domain": "code", "kind": "completion" | "chat", "prompt": "...",
-     "source": "...", "license": "...", "system": "..." (optional)}
+     "source": "...", "license": "...", "system": "..." (optional), "schema": {...} (optional)}
 
 ``completion`` prompts are tokenized as raw text (with the tokenizer's own special tokens,
 e.g. Llama's BOS); ``chat`` prompts become one user message wrapped in the model's chat template
 with the generation prompt appended. ``system`` (optional) is a text every request of a kind sends
 first: a chat's system message, or the text before a completion's prompt (a few-shot block), so a
-workload can share a long prefix between requests. Order is the file's order; ``limit`` keeps the
-first N.
+workload can share a long prefix between requests. ``schema`` (optional) is the JSON schema the
+answer must follow (``extraction``: ``bench spec --structured``). Order is the file's order;
+``limit`` keeps the first N.
 
 The names ``code``, ``chat``, ``code_unseen``, ``drafter_boot``, ``code_extra``, ``zh_chat``,
-``multilingual`` and ``shared_prefix`` resolve to small sets shipped in ``tidespec/workloads/`` (a file of that name in the
+``multilingual``, ``shared_prefix`` and ``extraction`` resolve to small sets shipped in ``tidespec/workloads/`` (a file of that name in the
 working directory wins; see its README).
 
 Worked example::
@@ -28,7 +29,7 @@ Worked example::
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from tidespec.files import atomic_write
 KINDS = ("completion", "chat")
 REQUIRED_KEYS = ("id", "domain", "kind", "prompt")
 BUILTIN_WORKLOADS = ("code", "chat", "code_unseen", "drafter_boot", "code_extra", "zh_chat", "multilingual",
-                     "shared_prefix", "zh_topics", "ru_topics", "es_topics", "ar_topics")
+                     "shared_prefix", "zh_topics", "ru_topics", "es_topics", "ar_topics", "extraction")
 
 
 class WorkloadError(ConfigError):
@@ -58,6 +59,8 @@ class WorkloadRecord:
     license: str = ""
     line: int = 0  # 1-based line in the file it came from
     system: str = ""  # sent before the prompt: a chat's system message, a completion's leading text
+    # the JSON schema the answer must follow (a structured-output record: bench spec --structured)
+    schema: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
     def messages(self) -> list[dict[str, str]]:
         """A chat record as OpenAI messages: the system message (when set), then the prompt."""
@@ -108,9 +111,11 @@ def parse_record(obj: Any, where: str, line: int) -> WorkloadRecord:
         raise WorkloadError(f"{where}: unknown kind {obj['kind']!r} (expected completion or chat)")
     if not obj["prompt"].strip():
         raise WorkloadError(f"{where}: empty prompt")
+    if "schema" in obj and not isinstance(obj["schema"], dict):
+        raise WorkloadError(f"{where}: 'schema' must be a JSON schema object, got {type(obj['schema']).__name__}")
     return WorkloadRecord(id=obj["id"], domain=obj["domain"], kind=obj["kind"], prompt=obj["prompt"],
                           source=obj.get("source", ""), license=obj.get("license", ""), line=line,
-                          system=obj.get("system", ""))
+                          system=obj.get("system", ""), schema=obj.get("schema"))
 
 
 def load_workload(name_or_path: str | Path, limit: int | None = None) -> list[WorkloadRecord]:
