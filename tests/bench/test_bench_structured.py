@@ -11,7 +11,7 @@ import pytest
 from tests.helpers import byte_tokenizer, tiny_llama
 from tidespec.bench.spec.structured import CONFIGS, StructuredBenchConfig, run_structured_bench
 from tidespec.config import ConfigError, ModelConfig, PolicyConfig
-from tidespec.models.loader import LoadedModel
+from tidespec.models.loader import EMBEDDED_CHAT_TEMPLATE, LoadedModel
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "ok": {"type": "boolean"}, "tag": {"enum": ["red", "blue"]}},
@@ -44,10 +44,28 @@ def test_structured_bench_smoke_lossless(tmp_path: Path) -> None:
     assert forced["tokens_per_step"] > 1.0  # the keys the schema forces were drafted and accepted
 
 
+def test_tool_use_records_force_one_call_of_their_tools(tmp_path: Path) -> None:
+    """A record with tools: the chat template shows them, one call in the template's format is forced,
+    and it is valid when it is a call of one of them with arguments that fit its parameters."""
+    tok = byte_tokenizer()
+    tok.chat_template = EMBEDDED_CHAT_TEMPLATE.read_text()  # renders tools in the hermes format
+    model = tiny_llama(len(tok), layers=2, seed=3, scale=3.0, eos=0, max_position_embeddings=1024)
+    target = LoadedModel(model=model, tokenizer=tok, config=model.cfg, path="")
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"enum": ["UTC", "CET"]}}, "required": ["tz"], "additionalProperties": False}}}]
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"id": "t0", "domain": "x", "kind": "chat", "prompt": "time?", "tools": tools}) + "\n")
+    doc = run_structured_bench(StructuredBenchConfig(workload=str(path), limit=1, batch_sizes=(1,), gamma=4,
+                                                     max_tokens=96), target, model_config=ModelConfig(dtype="float64"),
+                               policy=PolicyConfig(name="bandit"), out_dir=tmp_path / "out", echo=False)
+    for c in doc["configs"]:
+        assert c["mismatches"] == 0 and c["schema_valid"] == 1, c  # the enum leaves nothing to run away
+
+
 def test_a_workload_without_schemas_is_refused(tmp_path: Path) -> None:
     tok = byte_tokenizer()
     model = tiny_llama(len(tok), layers=1, eos=0)
     target = LoadedModel(model=model, tokenizer=tok, config=model.cfg, path="")
     cfg = StructuredBenchConfig(workload=str(_workload(tmp_path, None)), limit=1, batch_sizes=(1,), max_tokens=4)
-    with pytest.raises(ConfigError, match="has no schema"):
+    with pytest.raises(ConfigError, match="has no schema and no tools"):
         run_structured_bench(cfg, target, policy=PolicyConfig(name="bandit"), out_dir=tmp_path / "o", echo=False)

@@ -2,7 +2,8 @@
 
 Greedy constrained output equals plain constrained decoding for every drafter (n-gram, suffix chain
 and tree, draft model, EAGLE-3 chain and tree, the controller switching between them), alone,
-batched and on prefix hits, for a JSON schema, a regex, a choice and any JSON object; sampled
+batched and on prefix hits, for a JSON schema, a regex, a choice, any JSON object and a forced tool
+call (``tool_choice: required``); sampled
 constrained output has the masked target's distribution (chi-squared, the harness of
 ``tests/speculative/test_spec_sampling.py``); and the grammar state rolls back over rejected drafts:
 with the rollback broken on purpose the same comparison fails.
@@ -30,21 +31,30 @@ from tests.speculative.test_spec_sampling import ALPHA, W_SUBTLE, chi2_pvalue, s
 from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.sampling import SamplingParams, StructuredOutputs, target_probs
-from tidespec.structured.grammar import GrammarCompiler, GrammarError, GrammarMatcher
+from tidespec.structured.grammar import JSON_OPTIONS, GrammarCompiler, GrammarError, GrammarMatcher
+from tidespec.structured.tool_calls import HermesParser, ToolSpec
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}, "n": {"type": "integer"},
                                            "ok": {"type": "boolean"}, "tag": {"enum": ["red", "green", "blue"]}},
           "required": ["name", "n", "ok", "tag"], "additionalProperties": False}
 REGEX = r"(ab|cd)+-[0-9]{2,6}x"
 CHOICES = ("alpha beta", "alpha gamma", "delta")
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+# tool_choice required: a call of either tool in the hermes format, as the chat route forces it
+TOOL_CALL = StructuredOutputs(grammar=HermesParser().grammar([ToolSpec("get_weather", WEATHER), ToolSpec(
+    "get_time", {"type": "object", "properties": {"tz": {"type": "string", "maxLength": 8}}, "required": ["tz"]})],
+    True, JSON_OPTIONS["compact"]), field="tool_choice")
 CONSTRAINTS = [StructuredOutputs(json=SCHEMA), StructuredOutputs(regex=REGEX), StructuredOutputs(choice=CHOICES),
-               StructuredOutputs(json_object=True)]
+               StructuredOutputs(json_object=True), TOOL_CALL]
 TEXTS = ['Record: {"name": "Ann", "n": 5, "ok": true, "tag": "red"} and again {"name": "Ann", "n": 5, ',
          "abab-123x cdcd-4567x abab-123x cdab-99x abab-12",
          "alpha beta, alpha gamma, delta, alpha beta, alpha",
-         '{"k": [1, 2, 3], "k": [1, 2, 3], "k": [1, 2, 3], "k": [1, 2,']
+         '{"k": [1, 2, 3], "k": [1, 2, 3], "k": [1, 2, 3], "k": [1, 2,',
+         ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call> '
+          '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call> <tool_call>')]
 MAX_TOKENS = 40
-MAX_LEN = 160
+MAX_LEN = 256
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +109,9 @@ def test_plain_constrained_output_matches_its_constraint(tok, plain) -> None:
             assert isinstance(json.loads(texts[i]), dict)
         else:
             assert texts[i].lstrip().startswith("{")
+    assert texts[4].startswith('<tool_call>\n{"name": "get_')
+    if ended[4]:
+        assert HermesParser().parse(texts[4]).calls
 
 
 CASES = {

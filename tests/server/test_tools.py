@@ -19,10 +19,10 @@ from tidespec.llm import build_engine
 from tidespec.models.loader import LoadedModel
 from tidespec.sampling import StructuredOutputs
 from tidespec.server.app import ServerConfig, create_app
-from tidespec.server.tools.parsers import REGISTRY, HermesParser, Llama3JsonParser, MistralParser, ToolSpec, parser_for
 from tidespec.server.tools.protocol import NamedToolChoice, Tool, ToolRequestError, plan_tools
 from tidespec.server.tools.stream import ToolStream
 from tidespec.structured.grammar import JSON_OPTIONS, GrammarCompiler
+from tidespec.structured.tool_calls import REGISTRY, HermesParser, Llama3JsonParser, MistralParser, ToolSpec, parser_for
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},

@@ -114,7 +114,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "counts conversations")
     s.add_argument("--structured", action="store_true",
                    help="constrained decoding instead: every request's answer follows its record's schema (default "
-                        "workload: extraction); constrained plain vs the grammar's forced tokens vs suffix without and "
+                        "workload: extraction) or calls one of its tools (workload tool_use: tool_choice required); constrained plain vs the grammar's forced tokens vs suffix without and "
                         "with them vs the controller (--policy, default analytic) over grammar and suffix, at each of "
                         "--batch-sizes, gamma = the largest of --gammas; reports the mask's share of a step")
     s.add_argument("--batch-sizes", default="1,8", help="--structured: requests per wave, comma-separated")

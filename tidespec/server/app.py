@@ -76,9 +76,9 @@ from tidespec.server.metrics import Metrics
 from tidespec.server.protocol import SamplingRequest
 from tidespec.server.routes import chat, completions, health, models
 from tidespec.server.sse import EventStream, sse
-from tidespec.server.tools.parsers import parser_for
 from tidespec.speculative.policy.factory import policy_profile
 from tidespec.structured.grammar import GrammarError
+from tidespec.structured.tool_calls import parser_for
 
 if TYPE_CHECKING:
     from tidespec.online.serving.attach import OnlineTraining

@@ -28,8 +28,8 @@ from tidespec.commands import standalone_main
 from tidespec.config import ConfigError, EngineConfig, finite_float
 from tidespec.flags import add_engine_args, engine_config_from_args
 from tidespec.server.graceful import HEADER_TIMEOUT_S
-from tidespec.server.tools.parsers import REGISTRY as TOOL_PARSERS
 from tidespec.speculative.registry import kinds_for
+from tidespec.structured.tool_calls import REGISTRY as TOOL_PARSERS
 
 if TYPE_CHECKING:
     from fastapi import FastAPI

@@ -5,18 +5,20 @@ which order and with which template produced it. Every benchmark reads prompts t
 module, which accepts any JSONL of the shape described in ``../shared/workloads/README.md``::
 
     {"id": "code-0001", "domain": "code", "kind": "completion" | "chat", "prompt": "...",
-     "source": "...", "license": "...", "system": "..." (optional), "schema": {...} (optional)}
+     "source": "...", "license": "...", "system": "..." (optional), "schema": {...} (optional),
+     "tools": [...] (optional)}
 
 ``completion`` prompts are tokenized as raw text (with the tokenizer's own special tokens,
 e.g. Llama's BOS); ``chat`` prompts become one user message wrapped in the model's chat template
 with the generation prompt appended. ``system`` (optional) is a text every request of a kind sends
 first: a chat's system message, or the text before a completion's prompt (a few-shot block), so a
 workload can share a long prefix between requests. ``schema`` (optional) is the JSON schema the
-answer must follow (``extraction``: ``bench spec --structured``). Order is the file's order;
+answer must follow (``extraction``: ``bench spec --structured``); ``tools`` (optional, chat) are
+OpenAI function tools the chat template shows, whose call the answer is (``tool_use``). Order is the file's order;
 ``limit`` keeps the first N.
 
 The names ``code``, ``chat``, ``code_unseen``, ``drafter_boot``, ``code_extra``, ``zh_chat``,
-``multilingual``, ``shared_prefix`` and ``extraction`` resolve to small sets shipped in ``tidespec/workloads/`` (a file of that name in the
+``multilingual``, ``shared_prefix``, ``extraction`` and ``tool_use`` resolve to small sets shipped in ``tidespec/workloads/`` (a file of that name in the
 working directory wins; see its README).
 
 Worked example::
@@ -42,7 +44,7 @@ from tidespec.files import atomic_write
 KINDS = ("completion", "chat")
 REQUIRED_KEYS = ("id", "domain", "kind", "prompt")
 BUILTIN_WORKLOADS = ("code", "chat", "code_unseen", "drafter_boot", "code_extra", "zh_chat", "multilingual",
-                     "shared_prefix", "zh_topics", "ru_topics", "es_topics", "ar_topics", "extraction")
+                     "shared_prefix", "zh_topics", "ru_topics", "es_topics", "ar_topics", "extraction", "tool_use")
 
 
 class WorkloadError(ConfigError):
@@ -61,6 +63,8 @@ class WorkloadRecord:
     system: str = ""  # sent before the prompt: a chat's system message, a completion's leading text
     # the JSON schema the answer must follow (a structured-output record: bench spec --structured)
     schema: dict[str, Any] | None = field(default=None, compare=False, hash=False)
+    # OpenAI tools the chat template shows (a tool-use record: its answer is a call of one of them)
+    tools: list[dict[str, Any]] | None = field(default=None, compare=False, hash=False)
 
     def messages(self) -> list[dict[str, str]]:
         """A chat record as OpenAI messages: the system message (when set), then the prompt."""
@@ -113,9 +117,13 @@ def parse_record(obj: Any, where: str, line: int) -> WorkloadRecord:
         raise WorkloadError(f"{where}: empty prompt")
     if "schema" in obj and not isinstance(obj["schema"], dict):
         raise WorkloadError(f"{where}: 'schema' must be a JSON schema object, got {type(obj['schema']).__name__}")
+    tools = obj.get("tools")
+    if tools is not None and (obj["kind"] != "chat" or not isinstance(tools, list) or not tools or not all(
+            isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)):
+        raise WorkloadError(f"{where}: 'tools' must be a non-empty list of OpenAI function tools, on a chat record")
     return WorkloadRecord(id=obj["id"], domain=obj["domain"], kind=obj["kind"], prompt=obj["prompt"],
                           source=obj.get("source", ""), license=obj.get("license", ""), line=line,
-                          system=obj.get("system", ""), schema=obj.get("schema"))
+                          system=obj.get("system", ""), schema=obj.get("schema"), tools=tools)
 
 
 def load_workload(name_or_path: str | Path, limit: int | None = None) -> list[WorkloadRecord]:
@@ -176,7 +184,7 @@ def prompt_token_ids(record: WorkloadRecord, tokenizer: PreTrainedTokenizerBase)
             raise WorkloadError(f"record {record.id!r} (line {record.line}) is a chat prompt but the "
                                 "tokenizer has no chat template")
         ids = tokenizer.apply_chat_template(record.messages(), add_generation_prompt=True, tokenize=True,
-                                            return_dict=False)
+                                            return_dict=False, tools=record.tools)
         return [int(i) for i in ids]
     return [int(i) for i in tokenizer.encode(record.text)]
 

@@ -8,8 +8,10 @@ next to constrained plain decoding *of the same engine* on the same prompts and 
 costs and gains.
 
 Method. Every request is a chat prompt of the workload with its record's ``schema`` as the
-constraint (``response_format`` json_schema), greedy, ending at the grammar's EOS (or
-``max_tokens``). Configurations (``CONFIGS``): ``plain`` (constrained, no drafter), ``grammar`` (the
+constraint (``response_format`` json_schema; the ``extraction`` workload) or, for a record with
+``tools`` (the ``tool_use`` workload), its tools shown by the chat template and a call of one of them
+forced (``tool_choice: required``, one call, in the template's format), greedy, ending at the
+grammar's EOS (or ``max_tokens``). Configurations (``CONFIGS``): ``plain`` (constrained, no drafter), ``grammar`` (the
 forced tokens alone), ``suffix`` without and with the forced tokens first, and the controller
 (``--policy``, analytic by default) choosing per step between grammar and suffix. One engine per
 configuration and batch size, sharing the target; the prompts run in waves of the batch size,
@@ -17,7 +19,7 @@ every configuration in turn on each wave (round-robin), after one warm-up wave e
 configuration: tokens/s and the speedup over constrained plain, tokens per target step per sequence
 (emitted tokens / sequences decoded, over the steps without a prompt chunk), the mask's time as a share of the steps' time, the outputs that
 differ from plain's (0: greedy constrained speculation is lossless) and the answers that validate
-against their schema (``jsonschema``).
+(``jsonschema``: against the record's schema, or the called tool's parameters).
 
 Worked example::
 
@@ -46,6 +48,8 @@ from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine
 from tidespec.models.loader import LoadedModel
 from tidespec.sampling import SamplingParams, StructuredOutputs
+from tidespec.structured.grammar import JSON_OPTIONS
+from tidespec.structured.tool_calls import ToolCallParser, ToolSpec, parser_for
 from tidespec.workloads.loader import Prompt, load_prompts
 
 # label -> (drafters, forced tokens first, under the policy)
@@ -89,19 +93,58 @@ class _Run:
     mask_seconds: float = 0.0
 
 
-def _params(prompt: Prompt, max_tokens: int) -> SamplingParams:
-    if prompt.record.schema is None:
-        raise ConfigError(f"workload record {prompt.record.id} has no schema: --structured needs records with one")
-    return SamplingParams(max_tokens=max_tokens, structured=StructuredOutputs(json=prompt.record.schema,
-                                                                              field="response_format"))
+@dataclass(frozen=True)
+class _Constraints:
+    """How a record's answer is constrained: its ``schema`` (response_format), or a call of one of its
+    ``tools`` in the chat template's format (tool_choice required, one call)."""
+
+    parser: ToolCallParser | None
+    json_options: dict[str, Any]
+
+    def of(self, prompt: Prompt) -> StructuredOutputs:
+        rec = prompt.record
+        if rec.schema is not None:
+            return StructuredOutputs(json=rec.schema, field="response_format")
+        if rec.tools is None:
+            raise ConfigError(f"workload record {rec.id} has no schema and no tools: --structured needs one of them")
+        if self.parser is None:
+            raise ConfigError(f"record {rec.id} offers tools, but the model's chat template writes no tool-call "
+                              "format tidespec knows")
+        return StructuredOutputs(grammar=self.parser.grammar(_specs(rec.tools), False, self.json_options),
+                                 field="tool_choice")
+
+    def valid(self, prompt: Prompt, text: str) -> bool:
+        """Whether ``text`` follows the record's schema, or is one call of its tools with valid arguments."""
+        rec = prompt.record
+        try:
+            if rec.schema is not None:
+                jsonschema.validate(json.loads(text), rec.schema)
+                return True
+            assert self.parser is not None
+            calls = self.parser.parse(text).calls
+            schemas = {t.name: t.parameters for t in _specs(rec.tools or [])}
+            if len(calls) != 1 or calls[0].name not in schemas:
+                return False
+            jsonschema.validate(json.loads(calls[0].arguments), schemas[calls[0].name])
+            return True
+        except (ValueError, jsonschema.ValidationError):
+            return False
 
 
-def _wave(run: _Run, prompts: list[Prompt], idx: list[int], max_tokens: int) -> None:
+def _specs(tools: list[dict[str, Any]]) -> list[ToolSpec]:
+    return [ToolSpec(t["function"]["name"], t["function"].get("parameters") or {"type": "object"}) for t in tools]
+
+
+def _params(prompt: Prompt, max_tokens: int, constraints: _Constraints) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, structured=constraints.of(prompt))
+
+
+def _wave(run: _Run, prompts: list[Prompt], idx: list[int], max_tokens: int, constraints: _Constraints) -> None:
     """Run prompts ``idx`` at once on ``run``'s engine to the end, adding to its counters."""
     e = run.engine
     clock0 = e.grammars.clock.seconds
     t0 = time.perf_counter()
-    rids = {e.add_request(prompts[i].token_ids, _params(prompts[i], max_tokens)): i for i in idx}
+    rids = {e.add_request(prompts[i].token_ids, _params(prompts[i], max_tokens, constraints)): i for i in idx}
     while e.has_unfinished_requests():
         before = e.last_stats
         outs = e.step()
@@ -132,6 +175,10 @@ def run_structured_bench(cfg: StructuredBenchConfig, target: LoadedModel | str |
     target = resolve_target(target if target is not None else mc.model, mc.dtype, mc.device, mc.quantization,
                             mc.quant_group_size)
     prompts = load_prompts(cfg.workload, target.tokenizer, cfg.limit)
+    constraints = _Constraints(parser_for("auto", target.tokenizer.chat_template),
+                               JSON_OPTIONS["compact"])
+    for p in prompts:  # every record constrained, or a one-line error before any engine is built
+        constraints.of(p)
     base = spec_base or SpecConfig()
     controller = policy if policy is not None and policy.name != "static" else PolicyConfig(name="analytic")
     runs: list[_Run] = []
@@ -143,14 +190,11 @@ def run_structured_bench(cfg: StructuredBenchConfig, target: LoadedModel | str |
                                         mc, scheduler, spec, controller if policed else PolicyConfig())
             engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
             runs.append(_Run(label, batch, engine))
-    for r in runs:  # warm-up: compiles each schema once, the first kernels run
-        for i in range(min(len(prompts), r.batch)):
-            r.engine.grammars.compile(_params(prompts[i], 8).structured)  # type: ignore[arg-type]
-        _wave(dataclasses.replace(r, outputs={}, texts={}), prompts, [0], 8)
-        r.engine.reset_prefix_cache()
-    for r in runs:  # every schema compiled before timing
+    for r in runs:  # warm-up: every constraint compiled before timing, the first kernels run
         for p in prompts:
-            r.engine.grammars.compile(_params(p, 8).structured)  # type: ignore[arg-type]
+            r.engine.grammars.compile(constraints.of(p))
+        _wave(dataclasses.replace(r, outputs={}, texts={}), prompts, [0], 8, constraints)
+        r.engine.reset_prefix_cache()
     total = sum(len(wave_indices(len(prompts), b)) for b in cfg.batch_sizes) * len(CONFIGS)
     with tqdm(total=total, desc="bench spec --structured", unit="run", disable=not echo, file=sys.stderr) as bar:
         for batch in cfg.batch_sizes:
@@ -159,9 +203,9 @@ def run_structured_bench(cfg: StructuredBenchConfig, target: LoadedModel | str |
                 for r in group:
                     bar.set_postfix_str(f"batch {batch} {r.label}")
                     r.engine.reset_prefix_cache()
-                    _wave(r, prompts, wave, cfg.max_tokens)
+                    _wave(r, prompts, wave, cfg.max_tokens, constraints)
                     bar.update()
-    configs = [_summary(r, next(p for p in runs if p.batch == r.batch), prompts) for r in runs]
+    configs = [_summary(r, next(p for p in runs if p.batch == r.batch), prompts, constraints) for r in runs]
     doc = {"workload": cfg.workload, "prompts": len(prompts), "model": str(target.path), "gamma": cfg.gamma,
            "max_tokens": cfg.max_tokens, "batch_sizes": list(cfg.batch_sizes), "policy": controller.name,
            "configs": configs, "headline": _headline(configs)}
@@ -169,16 +213,10 @@ def run_structured_bench(cfg: StructuredBenchConfig, target: LoadedModel | str |
                                 lambda out: _plot(configs, out), echo)
 
 
-def _summary(run: _Run, plain: _Run, prompts: list[Prompt]) -> dict[str, Any]:
+def _summary(run: _Run, plain: _Run, prompts: list[Prompt], constraints: _Constraints) -> dict[str, Any]:
     tps = run.tokens / run.wall if run.wall > 0 else float("nan")
     plain_tps = plain.tokens / plain.wall if plain.wall > 0 else float("nan")
-    valid = 0
-    for i, text in run.texts.items():
-        try:
-            jsonschema.validate(json.loads(text), prompts[i].record.schema)  # type: ignore[arg-type]
-            valid += 1
-        except (ValueError, jsonschema.ValidationError):
-            pass
+    valid = sum(constraints.valid(prompts[i], text) for i, text in run.texts.items())
     return {"config": run.label, "batch_size": run.batch, "tokens": run.tokens, "tokens_per_s": tps,
             "speedup": tps / plain_tps, "tokens_per_step": run.decode_tokens / max(run.decode_rows, 1),
             "mask_share": run.mask_seconds / run.step_time if run.step_time > 0 else 0.0,
@@ -198,7 +236,7 @@ def format_report(doc: dict[str, Any], command: str, machine: dict[str, Any]) ->
     where = (f"machine: {machine.get('cpu', '')}, {machine.get('usable_cores', '')} cores, "
              f"{machine.get('torch_threads', '')} torch threads, torch {machine.get('torch', '')}")
     header = ("| batch | configuration | tok/s | x constrained plain | tokens / step | mask share of step | "
-              "outputs = plain | schema-valid |")
+              "outputs = plain | valid (schema / tool call) |")
     lines = [title, "", f"`{command}`", "", where, "", header, "|---|---|---|---|---|---|---|---|"]
     for c in doc["configs"]:
         lines.append(f"| {c['batch_size']} | {c['config']} | {c['tokens_per_s']:.1f} | {c['speedup']:.2f}x | "

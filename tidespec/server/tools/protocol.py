@@ -23,9 +23,10 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
+from tidespec.errors import UserError
 from tidespec.sampling import StructuredOutputs
 from tidespec.server.strict import StrictModel
-from tidespec.server.tools.parsers import Parsed, ToolCallParser, ToolSpec
+from tidespec.structured.tool_calls import Parsed, ToolCallParser, ToolSpec
 
 MAX_TOOLS = 128
 
@@ -81,7 +82,7 @@ class DeltaToolCall(BaseModel):
     function: dict[str, str]  # {"name", "arguments"} in the first chunk of a call, {"arguments"} after
 
 
-class ToolRequestError(ValueError):
+class ToolRequestError(UserError, ValueError):
     """A tool field the server cannot serve as given; ``param`` names it (a 400)."""
 
     def __init__(self, message: str, param: str) -> None:

@@ -18,7 +18,7 @@ Worked example (hermes; deltas ``"Let me check. <tool"``, ``"_call>\\n{...}\\n</
 
 from __future__ import annotations
 
-from tidespec.server.tools.parsers import Parsed, ToolCallParser
+from tidespec.structured.tool_calls import Parsed, ToolCallParser
 
 
 def _partial_marker(text: str, markers: tuple[str, ...]) -> int:

@@ -2,7 +2,9 @@
 text, and write the grammar that makes it call (``tool_choice`` required or a named function).
 
 Why this exists: a model calls tools in the format its chat template taught it, not in OpenAI's
-``tool_calls`` objects; the server turns one into the other (vLLM's ``--tool-call-parser``). Each
+``tool_calls`` objects; the server turns one into the other (vLLM's ``--tool-call-parser``), and
+``bench spec --structured`` forces calls with the same grammars (so it sits with the constraints,
+below both). Each
 parser knows its format both ways, so a call the grammar forces is one the parser reads back. A
 parser is chosen by name (``--tool-call-parser``) or from the chat template (``detect``).
 
