@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +81,7 @@ def _call_of(obj: Any, arguments_keys: tuple[str, ...]) -> ParsedCall | None:
     return ParsedCall(obj["name"], "{}")
 
 
-class ToolCallParser:
+class ToolCallParser(ABC):
     """A family's tool-call format. ``markers``: texts that start a call in the output (the server
     holds streamed text back while it could be one); ``at_start``: a call only counts at the start
     of the output."""
@@ -89,16 +90,18 @@ class ToolCallParser:
     markers: tuple[str, ...] = ()
     at_start = False
 
+    @abstractmethod
     def detects(self, template: str) -> bool:
-        raise NotImplementedError
+        """Whether a chat template writes this format."""
 
+    @abstractmethod
     def parse(self, text: str) -> Parsed:
-        raise NotImplementedError
+        """The calls in a model's answer, and the text that is not a call."""
 
+    @abstractmethod
     def grammar(self, tools: list[ToolSpec], parallel: bool, json_options: dict[str, Any],
                 special_token: int | None = None) -> str:
         """A Lark grammar (llguidance) of one call of any of ``tools`` (several when ``parallel``)."""
-        raise NotImplementedError
 
 
 class HermesParser(ToolCallParser):
