@@ -46,7 +46,7 @@ from typing import Any, Literal
 from tidespec.errors import ConfigError, check_at_least
 
 
-def opt(default: Any, help: str, **kw: Any) -> Any:
+def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
     """A dataclass field that ``add_dataclass_args`` turns into a ``--flag`` with this help.
 
     ``choices=`` restricts the values; ``flag="--name"`` names the flag outright (otherwise it is

@@ -344,7 +344,7 @@ class AsyncEngine:
         seq = self.engine.seqs.get(request_id)
         try:
             aborted = self.engine.abort_request(request_id)
-        except Exception:
+        except Exception:  # noqa: BLE001 - keep the loop alive; log for the operator
             log.exception("aborting request %s failed", request_id)
             return
         if aborted and seq is not None:
@@ -395,7 +395,7 @@ class AsyncEngine:
         assert self.idle_work is not None
         try:
             return bool(self.idle_work(eng))
-        except Exception:
+        except Exception:  # noqa: BLE001 - idle work must not stop the engine
             log.exception("idle work %r failed", self.idle_work)
             return False
 
@@ -403,7 +403,7 @@ class AsyncEngine:
     def _safe(fn: Callable[..., Any], *args: Any) -> None:
         try:
             fn(*args)
-        except Exception:
+        except Exception:  # noqa: BLE001 - a metrics hook must not stop the engine
             log.exception("engine hook %r failed", fn)
 
 
