@@ -31,7 +31,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerFast
 
 from tidespec.bench.anchor.run import synthetic_tokenizer
-from tidespec.config import SpecConfig
+from tidespec.config import DraftModelConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
 from tidespec.llm import build_drafter
@@ -42,6 +42,17 @@ from tidespec.speculative.api import Drafter
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
 from tidespec.speculative.policy.api import PlanInput
 from tidespec.stats import StepStats
+
+# every drafter once, chain and tree, on a tiny target of >= 3 layers (the exactness tests of
+# structured outputs, logprobs and penalties run each; EAGLE-3's head is fresh and random)
+EVERY_DRAFTER: dict[str, SpecConfig] = {
+    "ngram": SpecConfig(drafter="ngram", num_speculative_tokens=4),
+    "suffix": SpecConfig(drafter="suffix", num_speculative_tokens=4),
+    "suffix-tree": SpecConfig(drafter="suffix", num_speculative_tokens=4, tree=True),
+    "draft-model": SpecConfig(drafter="draft-model", num_speculative_tokens=3, draft_model=DraftModelConfig(layers=1)),
+    "eagle3": SpecConfig(drafter="eagle3", num_speculative_tokens=3),
+    "eagle3-tree": SpecConfig(drafter="eagle3", num_speculative_tokens=3, tree=True),
+}
 
 
 def tiny_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:

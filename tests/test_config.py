@@ -27,7 +27,7 @@ FLAGS = {
     '--kv-cache-memory-mb': 0,
     '--block-size': 16, '--max-num-batched-tokens': 512, '--max-waiting': 0, '--drafter': 'none',
     '--drafter-modules': '',
-    '--num-speculative-tokens': 4, '--tree': False, '--grammar-drafts': True, '--drafter-device': '', '--ngram-min': 1, '--ngram-max': 4,
+    '--num-speculative-tokens': 4, '--tree': False, '--grammar-drafts': True, '--prediction-tokens': 16, '--drafter-device': '', '--ngram-min': 1, '--ngram-max': 4,
     '--suffix-max-tree-tokens': 20000, '--suffix-min-prob': 0.1, '--suffix-factor': 1.0, '--draft-model': None,
     '--draft-layers': 0, '--tree-top-k': 2, '--policy': 'static', '--profile': None, '--guard-kv-usage': 0.9,
     '--guard-temperature': 2.0, '--eagle3-dir': None, '--eagle3-draft-vocab': 0, '--eagle3-tree-depth': 5,

@@ -371,6 +371,9 @@ class SpecConfig:
     grammar_drafts: bool = opt(True, "a constrained request's draft starts with the tokens its grammar forces (JSON "
                                      "keys, brackets, enum tails), then the drafter's own (--no-grammar-drafts: the "
                                      "drafter's alone)")
+    prediction_tokens: int = opt(16, "most draft tokens per step from a request's predicted output (OpenAI's "
+                                     "prediction: the text it expects back, drafted where the output follows it); "
+                                     "0 = predictions are not drafted", min=0)
     drafter_device: str = opt("", "device the drafter runs on: cpu, cuda or cuda:N (empty = the target's --device). "
                                   "Only token ids and the target's taps cross devices; "
                                   "EAGLE-3 and the draft model get their own copies of the target weights they read "
@@ -391,6 +394,8 @@ class SpecConfig:
             raise ConfigError(f"drafter names a drafter twice: {self.drafter!r}")
         if not 0 <= self.num_speculative_tokens <= 64:
             raise ConfigError(f"num_speculative_tokens must be in [0, 64], got {self.num_speculative_tokens}")
+        if not 0 <= self.prediction_tokens <= 64:
+            raise ConfigError(f"prediction_tokens must be in [0, 64], got {self.prediction_tokens}")
         if not DEVICE_NAME.fullmatch(self.drafter_device):
             raise ConfigError(f"drafter_device must be empty (the target's device), cpu, cuda or cuda:N, "
                               f"got {self.drafter_device!r}")

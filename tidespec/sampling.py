@@ -100,9 +100,25 @@ class StructuredOutputs:
         return hash(self.source)
 
 
+MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per position (OpenAI's limit)
+MAX_LOGIT_BIAS = 100.0  # |bias| OpenAI accepts
+
+
 @dataclass
 class SamplingParams:
-    """Per-request decoding parameters (OpenAI/vLLM names); ``structured``: the output's constraint."""
+    """Per-request decoding parameters (OpenAI/vLLM names); ``structured``: the output's constraint.
+
+    Penalties and bias change the target's logits before a token is chosen, in plain decoding and in
+    verification alike (``tidespec.engine.logits``), as vLLM applies them: ``logit_bias`` (token id ->
+    added value) and ``min_tokens`` (the stop tokens masked until that many tokens were generated),
+    then ``repetition_penalty`` (prompt and output tokens: positive logits divided, others
+    multiplied), ``frequency_penalty`` (times each token's count in the output) and
+    ``presence_penalty`` (once per token present in the output), subtracted. ``logprobs``: how many
+    of the most likely tokens to report beside each generated one (0: the generated token's
+    alone; None: no log-probabilities); ``prompt_logprobs`` the same for the prompt's tokens.
+    ``prediction``: the output a client expects (OpenAI's Predicted Outputs), drafted where the output
+    follows it (``speculative/prediction.py``); it never changes what is generated.
+    """
 
     temperature: float = 0.0  # 0 = greedy
     top_k: int = 0  # 0 = off
@@ -113,6 +129,14 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     structured: StructuredOutputs | None = None
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    repetition_penalty: float = 1.0  # > 0; 1 = off
+    min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    logprobs: int | None = None  # [0, MAX_LOGPROBS]
+    prompt_logprobs: int | None = None  # [0, MAX_LOGPROBS]
+    prediction: list[int] | None = None  # token ids of the output the client expects (Predicted Outputs)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -129,6 +153,30 @@ class SamplingParams:
             raise SamplingParamsError(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty strings", param="stop")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise SamplingParamsError(f"{name} must be in [-2, 2], got {getattr(self, name)}", param=name)
+        if not self.repetition_penalty > 0 or self.repetition_penalty == float("inf"):
+            raise SamplingParamsError(f"repetition_penalty must be > 0 and finite, got {self.repetition_penalty}",
+                                      param="repetition_penalty")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingParamsError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got "
+                                      f"{self.min_tokens}", param="min_tokens")
+        self.logit_bias = {int(t): float(b) for t, b in self.logit_bias.items()}
+        bad = next(((t, b) for t, b in self.logit_bias.items() if t < 0 or not abs(b) <= MAX_LOGIT_BIAS), None)
+        if bad is not None:
+            raise SamplingParamsError(f"logit_bias: token {bad[0]} -> {bad[1]}: ids must be >= 0 and biases in "
+                                      f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]", param="logit_bias")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise SamplingParamsError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", param=name)
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether a penalty, a bias or ``min_tokens`` changes the target's logits (``engine.logits``)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias)
 
     @property
     def greedy(self) -> bool:
@@ -236,6 +284,15 @@ def seeded_draw(probs: torch.Tensor, seed: int, position: int, ids: torch.Tensor
             raise ValueError("seeded_draw over a subset needs the full vocabulary size")
         noise = race_noise(seed, position, vocab, probs.device)[ids]  # [vocab] -> [n]
     return int((probs.to(torch.float64) / noise).argmax().item())
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a request for ``n`` choices seeded ``seed``: choice 0 is the
+    request's own seed (``n=1`` gives the same text), the others keyed by (seed, index).
+
+    Example: ``choice_seed(7, 0) == 7``; ``choice_seed(7, 1) != choice_seed(7, 2)``, both fixed by (7, i).
+    """
+    return seed if index == 0 else _fmix64((seed + index * 0x9E3779B97F4A7C15) & _MASK64)
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator:

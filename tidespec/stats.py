@@ -50,6 +50,8 @@ class StepStats:
     # outcomes of drafts a model-free drafter proposed on the side and that were scored against the
     # tokens the target then produced (``speculative.drafters.multi``), per drafter name
     shadow_outcomes: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    num_prediction_tokens: int = 0  # draft tokens from requests' predicted outputs (counted apart from the drafters')
+    num_accepted_prediction_tokens: int = 0
     num_cold_drafts: int = 0  # sequences asked to draft whose drafter had no context to draft from yet
     num_draft_errors: int = 0  # sequences asked to draft whose drafter raised: they decoded without drafts
     taps: bool = False  # whether the target's hidden-state taps were computed and handed out this step
@@ -84,6 +86,8 @@ class RequestStats:
     accepted_per_pos: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0  # prompt tokens reused from the prefix cache (not computed)
     num_preemptions: int = 0  # times its KV blocks were taken back (it was prefilled again)
+    num_accepted_prediction_tokens: int = 0  # of its predicted output's drafts, kept (also in num_accepted_tokens)
+    num_rejected_prediction_tokens: int = 0  # ... and refused by the target
 
     def add_accepted(self, num_draft: int, num_accepted: int) -> None:
         self.num_drafts += 1

@@ -10,6 +10,7 @@ from tidespec.config import CacheConfig, ConfigError, EngineConfig, SchedulerCon
 from tidespec.engine import engine as engine_module
 from tidespec.engine.engine import LLMEngine, RequestError
 from tidespec.engine.observer import Hooks
+from tidespec.engine.runner import rows_of
 from tidespec.engine.scheduler import QueueFullError
 from tidespec.engine.sequence import Sequence
 from tidespec.models.kv_cache import KVCache
@@ -228,7 +229,7 @@ def test_a_row_that_fails_verification_leaves_every_sequence_as_it_was(monkeypat
     """The whole batch is verified before any sequence is committed: when one row raises, no other
     sequence has advanced its KV without its tokens, so stepping again gives exactly the outputs of
     an undisturbed run."""
-    import tidespec.engine.engine as engine_mod
+    import tidespec.engine.decide as decide_mod
 
     class RepeatDrafter(DrafterBase):
         """Drafts the last token repeated for every sequence (lossless: verification decides)."""
@@ -256,7 +257,7 @@ def test_a_row_that_fails_verification_leaves_every_sequence_as_it_was(monkeypat
         e.step()  # prefill both
         if fail_once:
             calls = []
-            real = engine_mod.verify_greedy
+            real = decide_mod.verify_greedy
 
             def flaky(draft, argmax):  # the second row of the next step raises (both rows draft)
                 calls.append(1)
@@ -264,11 +265,11 @@ def test_a_row_that_fails_verification_leaves_every_sequence_as_it_was(monkeypat
                     raise RuntimeError("row failed")
                 return real(draft, argmax)
 
-            monkeypatch.setattr(engine_mod, "verify_greedy", flaky)
+            monkeypatch.setattr(decide_mod, "verify_greedy", flaky)
             with pytest.raises(RuntimeError, match="row failed"):
                 while True:
                     e.step()
-            monkeypatch.setattr(engine_mod, "verify_greedy", real)
+            monkeypatch.setattr(decide_mod, "verify_greedy", real)
         return {rid: o.token_ids for rid, o in run_to_completion(e).items()}
 
     assert run(fail_once=True) == run(fail_once=False)
@@ -376,18 +377,17 @@ def test_a_drafter_failing_in_propose_costs_its_drafts_not_the_requests(caplog, 
     assert "drafter ngram failed" in caplog.text and "proposed 4 > 3 tokens" in caplog.text
 
 
-def test_observed_rows_are_copies_of_the_kept_rows(model, tok):
+def test_observed_rows_are_copies_of_the_kept_rows():
     """The rows handed to observers: a chain's consecutive rows by slice, a tree's path by gather,
     either way a copy that later writes to the forward's output do not reach."""
-    e = make_engine(model, tok, slots=1)
     out = torch.arange(24, dtype=torch.float64).view(6, 4)  # [T, H] a forward output
     for rows in ([2, 3, 4], [0, 2, 5], [5]):
-        got = e._rows_of(out, rows)
+        got = rows_of(out, rows)
         assert torch.equal(got, out.index_select(0, torch.tensor(rows)))
         before = got.clone()
         out.add_(100.0)
         assert torch.equal(got, before)
-    assert e._rows_of(None, [0, 1]) is None
+    assert rows_of(None, [0, 1]) is None
 
 
 def test_a_step_restores_the_thread_count_the_engine_was_built_with(model, tok):

@@ -18,14 +18,13 @@ import pytest
 import torch
 
 from tests.helpers import (
+    EVERY_DRAFTER,
     ScriptedPolicy,
-    byte_tokenizer,
     full_logits,
     run_to_completion,
     seed_generators_from_counter,
     spec_drafter,
     switching_drafters,
-    tiny_llama,
 )
 from tests.speculative.test_spec_sampling import ALPHA, W_SUBTLE, chi2_pvalue, sample_size
 from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SchedulerConfig, SpecConfig
@@ -55,17 +54,6 @@ TEXTS = ['Record: {"name": "Ann", "n": 5, "ok": true, "tag": "red"} and again {"
           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "c"}}\n</tool_call> <tool_call>')]
 MAX_TOKENS = 40
 MAX_LEN = 256
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return byte_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tok):
-    # sharp: the model repeats itself, so the model-free drafters find matches
-    return tiny_llama(len(tok), layers=3, seed=2, scale=3.0, eos=0)
 
 
 @pytest.fixture(scope="module")
@@ -115,12 +103,7 @@ def test_plain_constrained_output_matches_its_constraint(tok, plain) -> None:
 
 
 CASES = {
-    "ngram": SpecConfig(drafter="ngram", num_speculative_tokens=4),
-    "suffix": SpecConfig(drafter="suffix", num_speculative_tokens=4),
-    "suffix-tree": SpecConfig(drafter="suffix", num_speculative_tokens=4, tree=True),
-    "draft-model": SpecConfig(drafter="draft-model", num_speculative_tokens=3, draft_model=DraftModelConfig(layers=1)),
-    "eagle3": SpecConfig(drafter="eagle3", num_speculative_tokens=3),
-    "eagle3-tree": SpecConfig(drafter="eagle3", num_speculative_tokens=3, tree=True),
+    **EVERY_DRAFTER,
     "grammar": SpecConfig(drafter="grammar", num_speculative_tokens=6),
     "suffix-without-grammar-drafts": SpecConfig(drafter="suffix", num_speculative_tokens=4, grammar_drafts=False),
 }

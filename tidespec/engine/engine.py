@@ -40,22 +40,24 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tidespec.config import EngineConfig
+from tidespec.engine.decide import Decision, count_draft, count_prediction, decide, prompt_logprobs
 from tidespec.engine.detok import IncrementalDetokenizer
+from tidespec.engine.logits import LogitsProcessing, TokenLogprob
 from tidespec.engine.observer import EngineObserver
 from tidespec.engine.output import RequestOutput, emit
 from tidespec.engine.prefix_cache import build_prefix_cache
-from tidespec.engine.runner import ForwardOutput, ModelRunner, Row
+from tidespec.engine.runner import ForwardOutput, ModelRunner, Row, rows_of
 from tidespec.engine.scheduler import PrefillChunk, Scheduler
 from tidespec.engine.sequence import Sequence
 from tidespec.errors import UserError
 from tidespec.models.executor import ExecutorOptions, ForwardExecutor
 from tidespec.models.llama import LlamaModel
-from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
+from tidespec.sampling import SamplingParams, make_generator
 from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.forced import compose
 from tidespec.speculative.policy.api import PlanInput, SeqState, SpeculationPolicy, plans_drafters
-from tidespec.speculative.verify import VerifyResult, verify_greedy, verify_sampled, verify_seeded
-from tidespec.stats import StepStats, add_per_position
+from tidespec.speculative.prediction import PredictionDraft
+from tidespec.stats import StepStats
 from tidespec.structured.grammar import GrammarCompiler
 from tidespec.threads import pin_threads
 
@@ -87,6 +89,7 @@ class _Advance:
     tokens: list[int]  # tokens to emit: accepted drafts + bonus/recovered, or a prompt's first token
     kept_rows: list[int]  # forward rows whose K/V is now final, in cache order
     start: int  # cache position of the first of them
+    logprobs: list[TokenLogprob] | None = None  # of ``tokens``, when the request asked for them
 
 
 class LLMEngine:
@@ -161,11 +164,19 @@ class LLMEngine:
         rid = request_id if request_id is not None else f"req-{next(self._req_ids)}"
         if rid in self.seqs:
             raise RequestError(f"duplicate request id {rid}")
+        vocab = self.model.cfg.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise RequestError(f"logit_bias: token id {max(params.logit_bias)} is not below the vocabulary size "
+                               f"{vocab}", param="logit_bias")
         grammar = self.grammars.matcher(params.structured) if params.structured is not None else None
+        stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        processing = (LogitsProcessing(params, ids, vocab, stops, self.device) if params.processes_logits else None)
+        prediction = (PredictionDraft(params.prediction, self.config.spec.prediction_tokens)
+                      if params.prediction else None)
         seq = Sequence(seq_id=next(self._ids), request_id=rid, prompt_ids=ids, params=params,
                        generator=make_generator(params.seed, self.device),
                        detok=IncrementalDetokenizer(self.tokenizer, ids), spec_override=spec_tokens, label=label,
-                       grammar=grammar)
+                       grammar=grammar, processing=processing, prediction=prediction)
         seq.stats.arrival_time = time.perf_counter()
         self.scheduler.add(seq)
         self.seqs[rid] = seq
@@ -218,26 +229,26 @@ class LLMEngine:
         if self.prefix_cache is not None and admitted:
             self._reuse_prefixes(admitted, stats)
         gammas, chosen = self._plan(self.scheduler.decoding())
+        predicted = self._predicted(self.scheduler.decoding(), gammas, chosen)
         batch = self.scheduler.schedule(gammas)  # may lower gammas (KV blocks) and preempt
         chosen = {sid: name for sid, name in chosen.items() if gammas.get(sid, 0) > 0}
         stats.num_preempted = len(batch.preempted)
         if batch.empty:
             return []
         stats.taps = self._want_taps(chosen, bool(batch.prefill))  # before propose: a cold sequence needs them
-        proposal = self._propose(batch.decode, gammas, chosen, stats)
+        proposal = self._propose(batch.decode, gammas, chosen, predicted, stats)
         t_verify = time.perf_counter()
         fwd = self.runner.forward(batch, proposal, self._tap_layers() if stats.taps else ())
         # every row verified and every first token sampled before any commit: a row that raises
         # leaves every sequence as it was before the step, so the step can be retried
         verified = [self._verify(seq, fwd) for seq in batch.decode]
-        firsts = [self._sample(c.seq, fwd, fwd.rows[c.seq.seq_id].logits_start) if c.samples else None
-                  for c in batch.prefill]
-        advances = [self._commit_decode(seq, gammas[seq.seq_id], chosen.get(seq.seq_id), fwd, res, stats)
-                    for seq, res in zip(batch.decode, verified)]
+        firsts = [self._first(c, fwd) for c in batch.prefill]
+        advances = [self._commit_decode(seq, gammas[seq.seq_id], chosen.get(seq.seq_id), fwd, res, stats,
+                                        seq.seq_id in predicted) for seq, res in zip(batch.decode, verified)]
         advances += [self._commit_prefill(chunk, first, fwd.rows[chunk.seq.seq_id], stats)
                      for chunk, first in zip(batch.prefill, firsts)]
         stats.verify_time = time.perf_counter() - t_verify  # target forward + verification + KV commit
-        outputs = [emit(a.seq, a.tokens, self.eos_ids, self.max_model_len) for a in advances if a.tokens]
+        outputs = [emit(a.seq, a.tokens, self.eos_ids, self.max_model_len, a.logprobs) for a in advances if a.tokens]
         stats.num_emitted_tokens = sum(len(o.delta_token_ids) for o in outputs)
         # The tokens are committed: from here on the outputs are delivered whatever a component
         # (drafter, finish observer, policy) does; its failure is logged and counted, never raised
@@ -293,6 +304,25 @@ class LLMEngine:
                 chosen[s.seq_id] = name
         return gammas, chosen
 
+    def _predicted(self, decode: list[Sequence], gammas: dict[int, int], chosen: dict[int, str]) -> dict[int, list[int]]:
+        """The drafts of the sequences whose predicted output (``speculative/prediction.py``) offers some this
+        step, up to ``--prediction-tokens`` and never past max_tokens or the context: they replace the planned
+        drafter's where they are at least as long (``gammas`` and ``chosen`` are updated); a request that
+        opted out of speculation has none."""
+        cap = self.config.spec.prediction_tokens
+        out: dict[int, list[int]] = {}
+        for s in decode:
+            if s.prediction is None or s.spec_override == 0 or not cap:
+                continue
+            room = min(s.remaining_tokens, self.max_model_len - len(s.token_ids)) - 1
+            draft = s.prediction.draft(min(cap, room))
+            # a drafter planned for as many tokens or more keeps the step (it may match longer)
+            if draft and len(draft) >= gammas.get(s.seq_id, 0):
+                out[s.seq_id] = draft
+                gammas[s.seq_id] = len(draft)
+                chosen.pop(s.seq_id, None)
+        return out
+
     def _tap_layers(self) -> tuple[int, ...]:
         return self.drafter.tap_layers if self.drafter is not None else ()
 
@@ -312,12 +342,22 @@ class LLMEngine:
         return any(observer.wants_taps() for observer in self.observers)
 
     def _propose(self, decode: list[Sequence], gammas: dict[int, int], chosen: dict[int, str],
-                 stats: StepStats) -> DraftProposal:
-        """Drafts of the sequences with gamma > 0 from their chosen drafters, after the tokens a constrained
-        sequence's grammar forces (``speculative/forced.py``). A sequence its drafter could not draft
-        for yet (cold: no context after a step without taps) runs as gamma 0."""
+                 predicted: dict[int, list[int]], stats: StepStats) -> DraftProposal:
+        """Drafts of the sequences with gamma > 0: a predicted output's (``predicted``), else from their
+        chosen drafters, after the tokens a constrained sequence's grammar forces (``speculative/forced.py``).
+        A sequence its drafter could not draft for yet (cold: no context after a step without taps) runs
+        as gamma 0."""
+        proposal = self._drafted(decode, gammas, chosen, predicted, stats)
+        for sid, tokens in predicted.items():
+            if gammas.get(sid, 0) > 0:  # the scheduler may have lowered it (KV blocks)
+                proposal.drafts[sid] = SeqDraft(tokens[:gammas[sid]])
+        return proposal
+
+    def _drafted(self, decode: list[Sequence], gammas: dict[int, int], chosen: dict[int, str],
+                 predicted: dict[int, list[int]], stats: StepStats) -> DraftProposal:
+        """The drafters' drafts (``_propose``), of the sequences no prediction drafts for."""
         inputs = [DraftInput(s.seq_id, s.token_ids, gammas[s.seq_id], s.params, self.use_tree, len(s.prompt_ids),
-                             chosen.get(s.seq_id)) for s in decode if gammas[s.seq_id] > 0]
+                             chosen.get(s.seq_id)) for s in decode if gammas[s.seq_id] > 0 and s.seq_id not in predicted]
         if not inputs or self.drafter is None:
             return DraftProposal()
         t = time.perf_counter()
@@ -353,55 +393,54 @@ class LLMEngine:
         stats.seq_drafters = dict(chosen)
         return proposal
 
-    def _verify(self, seq: Sequence, fwd: ForwardOutput) -> VerifyResult:
+    @staticmethod
+    def _verify(seq: Sequence, fwd: ForwardOutput) -> Decision:
         """A decode sequence's draft checked against the target (or its next token sampled when it
         did not draft); changes nothing but the request's random stream."""
         row = fwd.rows[seq.seq_id]
-        if row.draft is None:
-            return VerifyResult([], [self._sample(seq, fwd, row.logits_start)], True)
-        logits, argmax = self._target(seq, fwd, row.logits_start, row.num, row.draft)
-        if seq.params.greedy:
-            return verify_greedy(row.draft, argmax)
-        assert logits is not None
-        if seq.params.seed is not None:
-            return verify_seeded(row.draft, logits, seq.params, seq.params.seed, len(seq.output_ids))
-        return verify_sampled(row.draft, logits, seq.params, seq.generator)
+        return decide(seq, fwd, row.logits_start, row.num, row.draft)
 
     @staticmethod
-    def _target(seq: Sequence, fwd: ForwardOutput, lo: int, n: int,
-                draft: SeqDraft | None) -> tuple[torch.Tensor | None, list[int]]:
-        """A sequence's ``n`` logits rows from ``lo`` [n, V] and their argmax; for a constrained request
-        under its grammar's mask at each row (the argmax then only when greedy), exactly as plain
-        constrained decoding sees each position, so verification stays lossless."""
-        if seq.grammar is None:
-            return (fwd.logits[lo:lo + n] if fwd.logits is not None else None), fwd.argmax[lo:lo + n]
-        assert fwd.logits is not None
-        tokens, parents = (draft.token_ids, draft.parent_indices) if draft is not None else ([], None)
-        logits = seq.grammar.constrain(fwd.logits[lo:lo + n], tokens, parents)  # [n, V]
-        return logits, logits.argmax(-1).tolist() if seq.params.greedy else []
+    def _first(chunk: PrefillChunk, fwd: ForwardOutput) -> Decision | None:
+        """A prompt chunk's share of the step: the prompt's log-probabilities its rows give (when asked),
+        and after the prompt's last chunk its first output token."""
+        seq, row = chunk.seq, fwd.rows[chunk.seq.seq_id]
+        if seq.wants_prompt_logprobs:
+            prompt_logprobs(seq, fwd, row.logits_start, chunk.start, chunk.num_tokens)
+        return decide(seq, fwd, row.last_logits, 1, None) if chunk.samples else None
 
-    def _commit_decode(self, seq: Sequence, gamma: int, drafter: str | None, fwd: ForwardOutput, res: VerifyResult,
-                       stats: StepStats) -> _Advance:
-        """Keep the K/V of a decode sequence's root and accepted path; count its draft."""
+    def _commit_decode(self, seq: Sequence, gamma: int, drafter: str | None, fwd: ForwardOutput, decision: Decision,
+                       stats: StepStats, predicted: bool) -> _Advance:
+        """Keep the K/V of a decode sequence's root and accepted path; count its draft (a prediction's
+        apart: the policy prices its drafters from the others)."""
         row = fwd.rows[seq.seq_id]
-        self._count_draft(stats, seq, gamma, drafter, row.draft, res)
+        res = decision.result
+        if predicted and row.draft is not None:
+            count_prediction(stats, seq, row.draft.num_tokens, res.num_accepted)
+        else:
+            count_draft(stats, seq, gamma, drafter, row.draft, res)
+        if seq.prediction is not None:
+            seq.prediction.advance(res.token_ids)
         if seq.grammar is not None:  # the grammar moves over the emitted tokens only: the rest was never consumed
             seq.grammar.advance(res.token_ids)
         start = seq.num_cached
         kept = [0] + [j + 1 for j in res.accepted]  # offsets within this seq's rows: root + accepted path
         self._commit_kv(seq, kept, tree=row.draft is not None and row.draft.is_tree)
-        return _Advance(seq, res.token_ids, [row.start + k for k in kept], start)
+        return _Advance(seq, res.token_ids, [row.start + k for k in kept], start, decision.logprobs)
 
-    def _commit_prefill(self, chunk: PrefillChunk, first: int | None, row: Row, stats: StepStats) -> _Advance:
+    def _commit_prefill(self, chunk: PrefillChunk, first: Decision | None, row: Row, stats: StepStats) -> _Advance:
         """A prompt chunk's K/V is final as computed; its last chunk brings the first output token
         (``first``, sampled before any commit)."""
         seq = chunk.seq
         self._commit_kv(seq, list(range(chunk.num_tokens)), tree=False)
-        if first is not None and seq.grammar is not None:
-            seq.grammar.advance([first])
+        tokens = first.result.token_ids if first is not None else []
+        if tokens and seq.grammar is not None:
+            seq.grammar.advance(tokens)
+        if tokens and seq.prediction is not None:
+            seq.prediction.advance(tokens)
         stats.num_prefill_tokens += chunk.num_tokens
-        return _Advance(seq, [first] if first is not None else [], list(range(row.start, row.start + row.num)),
-                        chunk.start)
+        return _Advance(seq, tokens, list(range(row.start, row.start + row.num)), chunk.start,
+                        first.logprobs if first is not None else None)
 
     def _commit_kv(self, seq: Sequence, kept: list[int], tree: bool) -> None:
         """Keep the K/V at offsets ``kept`` of this step's new positions, in order; drop the rest.
@@ -414,37 +453,6 @@ class LLMEngine:
             self.kv.compact(seq.slot, [ctx + k for k in kept], ctx)  # type: ignore[arg-type]
         seq.num_cached = ctx + len(kept)
         self.kv.set_length(seq.slot, seq.num_cached)  # type: ignore[arg-type]
-
-    def _sample(self, seq: Sequence, fwd: ForwardOutput, row: int) -> int:
-        """The next token at logits row ``row`` (under its grammar's mask): argmax, the seeded race draw of the sequence's next
-        output position (reproducible per seed), or a draw from the request's generator."""
-        logits, argmax = self._target(seq, fwd, row, 1, None)
-        if seq.params.greedy:
-            return argmax[0]
-        assert logits is not None
-        probs = target_probs(logits, seq.params)[0]  # [V]
-        if seq.params.seed is not None:
-            return seeded_draw(probs, seq.params.seed, len(seq.output_ids))
-        return sample_from(probs, seq.generator)
-
-    @staticmethod
-    def _count_draft(stats: StepStats, seq: Sequence, gamma: int, drafter: str | None, draft: SeqDraft | None,
-                     res: VerifyResult) -> None:
-        depth = draft.depth if draft is not None else 0
-        stats.num_short_drafts += int(0 < gamma and depth < gamma)
-        if gamma > 0:
-            outcome = (gamma, depth, res.num_accepted if depth else 0)
-            stats.seq_outcomes.append(outcome)
-            stats.drafter_outcomes.setdefault(drafter or "", []).append(outcome)
-        if draft is None or not draft.num_tokens:
-            return
-        seq.stats.add_accepted(draft.num_tokens, res.num_accepted)
-        stats.num_drafts += 1
-        stats.num_draft_tokens += draft.num_tokens
-        stats.num_accepted_tokens += res.num_accepted
-        stats.num_draft_depth += depth
-        stats.num_rejected += int(res.num_accepted < depth)
-        add_per_position(stats.accepted_per_pos, res.num_accepted)
 
     def _observe(self, advances: list[_Advance], fwd: ForwardOutput) -> None:
         """Tell the drafter (and the observers) which tokens became final, with the
@@ -460,8 +468,8 @@ class LLMEngine:
                 continue
             taps = hidden = None
             if fwd.taps is not None or wants_hidden:
-                taps = self._rows_of(fwd.taps, a.kept_rows)
-                hidden = self._rows_of(fwd.hidden, a.kept_rows) if wants_hidden else None
+                taps = rows_of(fwd.taps, a.kept_rows)
+                hidden = rows_of(fwd.hidden, a.kept_rows) if wants_hidden else None
             observations.append(Observation(a.seq.seq_id, list(a.seq.token_ids), len(a.kept_rows), taps, a.start,
                                             hidden, len(a.seq.prompt_ids)))
             if self.prefix_cache is not None:  # the side rows the blocks saved later carry
@@ -496,6 +504,8 @@ class LLMEngine:
         assert pc is not None
         need = self._side_needed()
         for seq in admitted:
+            if seq.wants_prompt_logprobs:  # every prompt row's logits are needed: its prefill computes them all
+                continue
             stats.num_prefix_query_tokens += seq.prefill_len
             assert seq.slot is not None
             try:  # a preempted sequence's tokens: its prompt and the output before its last token
@@ -517,7 +527,7 @@ class LLMEngine:
 
     def _reused_blocks(self, seq: Sequence) -> list[int]:
         """The paged cache's blocks that ``seq``'s prompt will share from the prefix cache (admission)."""
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or seq.wants_prompt_logprobs:
             return []
         blocks = self.prefix_cache.match(seq.prefill_tokens(0, seq.prefill_len), self._side_needed())
         return [blk.index for blk in blocks]
@@ -529,18 +539,6 @@ class LLMEngine:
             seq = chunk.seq
             if chunk.is_last and seq.slot is not None:
                 self.prefix_cache.insert(seq.seq_id, seq.slot, seq.prompt_ids, seq.num_cached)
-
-    def _rows_of(self, t: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:
-        """A copy of rows ``rows`` of a forward output: of a slice when they are consecutive (a
-        chain's accepted path, a prompt chunk), else a gather. The slice spares the host-to-device
-        copy of an index, which from pageable memory waits for the GPU's queue to drain (measured
-        once per sequence a step on an H200). A copy, not a view: an observer may keep it, and a
-        view would keep the whole batch's rows alive."""
-        if t is None:
-            return None
-        if rows and rows == list(range(rows[0], rows[0] + len(rows))):
-            return t[rows[0]:rows[0] + len(rows)].clone()
-        return t.index_select(0, torch.tensor(rows, dtype=torch.int64, device=t.device))
 
     def _let_go(self, seq: Sequence) -> None:
         """Before a sequence's K/V is freed: its full blocks (its output too: a chat resends it as

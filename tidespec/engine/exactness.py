@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tidespec.engine.engine import LLMEngine
+from tidespec.engine.logits import LogitsProcessing
 from tidespec.engine.observer import EngineObserver
 from tidespec.engine.scheduler import PrefillChunk, ScheduledBatch
 from tidespec.engine.sequence import Sequence
@@ -72,6 +73,7 @@ class _Check:
     shadow: Sequence | None = field(default=None, repr=False)
     structured: StructuredOutputs | None = None  # a constrained request's constraint: plain decoding masks too
     grammar: GrammarMatcher | None = field(default=None, repr=False)
+    processing: LogitsProcessing | None = field(default=None, repr=False)  # its bias and penalties, as served
 
 
 class ExactnessChecker(EngineObserver):
@@ -103,7 +105,7 @@ class ExactnessChecker(EngineObserver):
             self._count("dropped", None)
             return
         self.pending.append(_Check(seq.request_id, list(seq.prompt_ids), list(seq.output_ids),
-                                   structured=seq.params.structured))
+                                   structured=seq.params.structured, processing=seq.processing))
 
     # ------------------------------------------------------------------ idle work
     def tick(self, budget_s: float = 0.02) -> bool:
@@ -153,6 +155,8 @@ class ExactnessChecker(EngineObserver):
             return True
         assert chk.logits is not None
         logits = chk.logits if chk.grammar is None else chk.grammar.constrain(chk.logits.unsqueeze(0), [], None)[0]
+        if chk.processing is not None:  # the served request's bias and penalties at this position
+            logits = chk.processing.apply(logits.unsqueeze(0), chk.output_ids[:chk.position], [[]])[0]
         plain = int(logits.argmax())
         served = chk.output_ids[chk.position]
         if plain != served:

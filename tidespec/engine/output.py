@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from tidespec.engine.logits import TokenLogprob
 from tidespec.engine.sequence import Sequence
 from tidespec.stats import RequestStats
 
@@ -31,14 +32,19 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop", "length", "abort"
     stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None  # per output token so far, when the request asked
+    delta_logprobs: list[TokenLogprob] | None = None  # those of delta_token_ids
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None), when asked
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
 
-def emit(seq: Sequence, new_tokens: list[int], eos_ids: frozenset[int], max_model_len: int) -> RequestOutput:
-    """Append ``new_tokens`` to ``seq`` up to the first stop, detokenize, and return the output.
+def emit(seq: Sequence, new_tokens: list[int], eos_ids: frozenset[int], max_model_len: int,
+         logprobs: list[TokenLogprob] | None = None) -> RequestOutput:
+    """Append ``new_tokens`` to ``seq`` up to the first stop, detokenize, and return the output
+    (with the log-probabilities of the appended tokens, ``logprobs`` [len(new_tokens)], when given).
 
     Sets ``seq.finish_reason`` when the sequence stops; freeing its slot is the caller's job.
     """
@@ -75,8 +81,13 @@ def emit(seq: Sequence, new_tokens: list[int], eos_ids: frozenset[int], max_mode
         delta, seq.pending_text = seq.pending_text[:cut], seq.pending_text[cut:]
     seq.emitted_text += delta
     seq.finish_reason = reason
+    delta_logprobs = None
+    if logprobs is not None:
+        delta_logprobs = logprobs[:len(appended)]
+        seq.logprobs.extend(delta_logprobs)
     return RequestOutput(seq.request_id, seq.prompt_ids, list(seq.output_ids), seq.emitted_text, delta,
-                         appended, reason is not None, reason, seq.stats)
+                         appended, reason is not None, reason, seq.stats,
+                         list(seq.logprobs) if logprobs is not None else None, delta_logprobs, seq.prompt_logprobs)
 
 
 def find_stop(text: str, stops: list[str]) -> int | None:

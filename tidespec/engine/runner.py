@@ -10,7 +10,8 @@ Worked example (two decode sequences, one drafting a 2-token chain, and a 3-toke
 
     decode A: last token a5, draft [d1, d2]  -> rows 0..2, logits rows 0..2, ctx = A.num_cached
     decode B: last token b9, no draft        -> row 3,     logits row 3
-    prefill C: prompt[4:7], last chunk       -> rows 4..6, logits row 6 (its first output token)
+    prefill C: prompt[4:7], last chunk       -> rows 4..6, logits row 6 (its first output token;
+                                                 rows 4..6 when it asked for the prompt's logprobs)
     ids = [a5, d1, d2, b9, c4, c5, c6]; q_lens = [3, 1, 3]; logits_rows = [0, 1, 2, 3, 6]
 """
 
@@ -34,6 +35,12 @@ class Row:
     num: int  # rows it contributes
     logits_start: int  # its first row in the logits tensor (-1 if it needs none)
     draft: SeqDraft | None = None  # the draft verified in these rows (decode sequences only)
+    num_logits: int = 0  # its logits rows (a decode sequence: ``num``; a prompt chunk: 0, 1 or all its rows)
+
+    @property
+    def last_logits(self) -> int:
+        """Its last logits row: where a prompt's last chunk samples the first output token."""
+        return self.logits_start + self.num_logits - 1
 
 
 @dataclass
@@ -88,7 +95,7 @@ class ModelRunner:
             draft = proposal.drafts.get(seq.seq_id)
             draft = draft if draft is not None and draft.num_tokens else None
             new = [seq.token_ids[-1]] + (draft.token_ids if draft is not None else [])
-            rows[seq.seq_id] = Row(len(tokens), len(new), len(logit_rows), draft)
+            rows[seq.seq_id] = Row(len(tokens), len(new), len(logit_rows), draft, len(new))
             logit_rows.extend(range(len(tokens), len(tokens) + len(new)))
             if draft is not None and draft.is_tree:
                 assert draft.parent_indices is not None
@@ -104,11 +111,14 @@ class ModelRunner:
         for chunk in batch.prefill:
             seq = chunk.seq
             new = seq.prefill_tokens(chunk.start, chunk.start + chunk.num_tokens)
-            lstart = -1
-            if chunk.samples:
-                lstart = len(logit_rows)
+            lstart, nlog = -1, 0
+            if seq.wants_prompt_logprobs:  # every row: each predicts the prompt's next token
+                lstart, nlog = len(logit_rows), len(new)
+                logit_rows.extend(range(len(tokens), len(tokens) + len(new)))
+            elif chunk.samples:
+                lstart, nlog = len(logit_rows), 1
                 logit_rows.append(len(tokens) + len(new) - 1)
-            rows[seq.seq_id] = Row(len(tokens), len(new), lstart)
+            rows[seq.seq_id] = Row(len(tokens), len(new), lstart, num_logits=nlog)
             tokens.extend(new)
             q_lens.append(len(new))
             ctx_lens.append(chunk.start)
@@ -116,3 +126,16 @@ class ModelRunner:
             depths.append(None)
             masks.append(None)
         return ForwardPlan(tokens, rows, q_lens, ctx_lens, slots, depths, masks, logit_rows)
+
+
+def rows_of(t: torch.Tensor | None, rows: list[int]) -> torch.Tensor | None:
+    """A copy of rows ``rows`` of a forward output: of a slice when they are consecutive (a
+    chain's accepted path, a prompt chunk), else a gather. The slice spares the host-to-device
+    copy of an index, which from pageable memory waits for the GPU's queue to drain (measured
+    once per sequence a step on an H200). A copy, not a view: an observer may keep it, and a
+    view would keep the whole batch's rows alive."""
+    if t is None:
+        return None
+    if rows and rows == list(range(rows[0], rows[0] + len(rows))):
+        return t[rows[0]:rows[0] + len(rows)].clone()
+    return t.index_select(0, torch.tensor(rows, dtype=torch.int64, device=t.device))

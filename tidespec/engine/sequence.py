@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tidespec.engine.detok import IncrementalDetokenizer
+from tidespec.engine.logits import LogitsProcessing, TokenLogprob
 from tidespec.sampling import SamplingParams
+from tidespec.speculative.prediction import PredictionDraft
 from tidespec.stats import RequestStats
 from tidespec.structured.grammar import GrammarMatcher
 
@@ -39,6 +41,8 @@ class Sequence:
     spec_override: int | None = None  # per-request gamma (0 = opt out), None = policy decides
     label: str | None = None  # route/domain label for bucketed metrics
     grammar: GrammarMatcher | None = None  # a constrained request's position in its grammar (committed tokens)
+    processing: LogitsProcessing | None = None  # its bias, min_tokens and penalties (None: the logits as they are)
+    prediction: PredictionDraft | None = None  # where its output stands in its predicted output (Predicted Outputs)
     output_ids: list[int] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)  # prompt + output, kept in sync
     num_cached: int = 0
@@ -48,10 +52,20 @@ class Sequence:
     stats: RequestStats = field(default_factory=RequestStats)
     pending_text: str = ""  # detokenized text held back while it could start a stop string
     emitted_text: str = ""  # text already given to the client
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # per output token, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (the first: None), when asked
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None] * len(self.prompt_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether its prefill computes the logits of every prompt row: the first prefill of a request
+        that asked for the prompt's log-probabilities (after a preemption they are known)."""
+        return self.params.prompt_logprobs is not None and not self.output_ids
 
     @property
     def prefill_len(self) -> int:

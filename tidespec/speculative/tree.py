@@ -95,6 +95,21 @@ def path_to(parents: list[int], node: int) -> list[int]:
     return path
 
 
+def row_paths(tokens: list[int], parents: list[int] | None) -> list[list[int]]:
+    """The draft tokens before each verification row of a draft (``tokens`` with ``parents``, None for
+    a chain): row 0 follows the root alone, row ``j + 1`` follows the path down to draft ``j``.
+
+    Example: tokens [5, 7, 9], parents [-1, 0, 0] -> ``[[], [5], [5, 7], [5, 9]]``; a chain [5, 7] ->
+    ``[[], [5], [5, 7]]``.
+    """
+    if parents is None:
+        return [list(tokens[:j]) for j in range(len(tokens) + 1)]
+    out: list[list[int]] = [[]]
+    for j, p in enumerate(parents):
+        out.append(out[p + 1] + [tokens[j]])
+    return out
+
+
 def build_tree_from_paths(paths: list[list[int]]) -> tuple[list[int], list[int]]:
     """Merge candidate token paths (each starting below the root) into a prefix tree.
 
