@@ -241,12 +241,19 @@ BAD_FIELDS: list[tuple[dict[str, Any], str]] = [  # (fields merged into the body
     ({"temperature": "hot"}, "temperature"),
     ({"top_p": 0.0}, "top_p"),
     ({"top_k": -2}, "top_k"),
-    ({"n": 2}, "n"),
+    ({"n": 65}, "n"),
     ({"seed": 2**64}, "seed"),
     ({"stop": ["x"] * 17}, "stop"),
     ({"stream": "yes"}, "stream"),
-    ({"logit_bias": {"5": 100}}, "logit_bias"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+    ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_tokens": 5}, "min_tokens"),
+    ({"best_of": 2}, "best_of"),
+    ({"prediction": {"type": "text", "content": "x"}}, "prediction.type"),
     ({"user": "u" * 300}, "user"),
     ({"tidespec": {"num_speculative_tokens": 100}}, "tidespec.num_speculative_tokens"),
     ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
@@ -283,8 +290,7 @@ def test_every_400_names_its_parameter(chat: bool) -> None:
 def test_unknown_fields_are_named_in_a_header_and_the_log_or_refused(caplog: pytest.LogCaptureFixture) -> None:
     """Unknown fields were dropped silently; now ignored (as vLLM) but named in
     X-Tidespec-Ignored-Fields and logged once per name; --strict-fields makes them a 400."""
-    extra = {"repetition_penalty": 1.1, "min_tokens": 2, "guided_decoding_backend": "xgrammar",
-             "reasoning_effort": "low"}
+    extra = {"guided_decoding_backend": "xgrammar", "reasoning_effort": "low", "top_a": 0.5}
     with LiveServer(create_app(tiny_engine(), ServerConfig(served_model_name=MODEL))) as s, \
             httpx.Client(base_url=s.url, timeout=30) as c, caplog.at_level(logging.WARNING, "tidespec.server"):
         r = c.post("/v1/completions", json={**COMPLETION, **extra})
@@ -303,8 +309,8 @@ def test_unknown_fields_are_named_in_a_header_and_the_log_or_refused(caplog: pyt
     assert len(warned) == 3 and all(name in warned[0] for name in extra), warned
     strict = create_app(tiny_engine(), ServerConfig(served_model_name=MODEL, strict_fields=True))
     with LiveServer(strict) as s:
-        r = httpx.post(f"{s.url}/v1/chat/completions", json={**CHAT, "min_tokens": 2}, timeout=30)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens"
+        r = httpx.post(f"{s.url}/v1/chat/completions", json={**CHAT, "reasoning_effort": "low"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
         assert r.json()["error"]["code"] == "unknown_field"
         # OpenAI fields sent at their "not used" values are known, not unknown
         assert httpx.post(f"{s.url}/v1/chat/completions", json={**CHAT, "tools": []}, timeout=30).status_code == 200

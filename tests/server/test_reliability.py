@@ -133,7 +133,9 @@ POISON: list[tuple[dict[str, Any] | bytes, int]] = [
     ({**_BASE, "temperature": -1.0}, 4),
     ({**_BASE, "max_tokens": 10**9}, 4),
     ({**_BASE, "seed": 2**64}, 4),
-    ({**_BASE, "logit_bias": {"5": 100}}, 4),
+    ({**_BASE, "logit_bias": {"5": 100}}, 2),
+    ({**_BASE, "logit_bias": {"5": 100.5}}, 4),
+    ({**_BASE, "logit_bias": {"99999999": 1}}, 4),  # not a token of the vocabulary
     ({**_BASE, "tools": [{"type": "function", "function": {"name": "f"}}]}, 4),
     ({**_BASE, "prompt": "t5 \ud800 t6"}, 4),  # lone surrogate (json.dumps writes it escaped)
     (b'{"model": "tiny", "prompt": "t5", "temperature": NaN}', 4),

@@ -68,7 +68,7 @@ BAD_COMMON: dict[str, st.SearchStrategy[Any]] = {
     "temperature": st.floats(max_value=-1e-6) | st.floats(min_value=2.000001) | not_num,
     "top_p": st.floats(max_value=0.0) | st.floats(min_value=1.000001) | not_num,
     "top_k": st.integers(max_value=-2) | not_int,
-    "n": st.integers().filter(lambda n: n != 1) | not_int,
+    "n": st.integers(max_value=0) | st.integers(min_value=65) | not_int,
     "stop": st.just("") | st.lists(st.text(min_size=1, max_size=3), min_size=17, max_size=20)
     | st.lists(st.just(""), min_size=1, max_size=2) | not_int.filter(lambda v: not isinstance(v, (str, list)))
     | st.lists(st.integers(), min_size=1, max_size=2),
@@ -79,20 +79,27 @@ BAD_COMMON: dict[str, st.SearchStrategy[Any]] = {
     | st.fixed_dictionaries({"enabled": not_bool})
     | st.fixed_dictionaries({"num_speculative_tokens": st.integers(max_value=-1) | st.integers(min_value=65) | not_int}),
     "user": not_str.filter(lambda v: v is not None) | st.text(min_size=257, max_size=300),
-    "logprobs": st.just(True) | st.integers(min_value=1, max_value=20),
-    "echo": st.just(True),
     "best_of": st.integers(min_value=2, max_value=5),
-    "presence_penalty": st.floats(min_value=0.1, max_value=2.0),
+    "presence_penalty": st.floats(min_value=2.000001) | st.floats(max_value=-2.000001) | not_num,
+    "frequency_penalty": st.floats(min_value=2.000001) | st.floats(max_value=-2.000001) | not_num,
+    "repetition_penalty": st.floats(max_value=0.0) | not_num,
+    "logit_bias": st.dictionaries(st.text(max_size=3).filter(lambda k: not k.isdigit()), st.floats(-1, 1),
+                                  min_size=1, max_size=2)
+    | st.dictionaries(st.integers(0, 63).map(str), st.floats(min_value=100.001), min_size=1, max_size=2)
+    | st.dictionaries(st.integers(min_value=64).map(str), st.floats(-1, 1), min_size=1, max_size=2)
+    | st.integers() | st.text(max_size=4) | st.just([]),
     "ignore_eos": not_bool,
 }
 BAD_COMPLETION = {
     **BAD_COMMON,
-    "prompt": st.just("") | st.just([]) | st.lists(st.text(max_size=4), min_size=2, max_size=3)
+    "prompt": st.just("") | st.just([]) | st.lists(st.just(""), min_size=2, max_size=3)
     | st.lists(st.integers(min_value=64), min_size=1, max_size=3)
     | st.lists(st.integers(max_value=-1), min_size=1, max_size=3)
     | st.text(min_size=1, max_size=3).map(lambda w: " ".join(["t5"] * (CONTEXT + 1)))
     | st.none() | st.integers() | st.floats() | st.dictionaries(st.text(max_size=3), scalars, max_size=2),
     "suffix": st.text(min_size=1, max_size=5),
+    "logprobs": st.integers(min_value=21) | st.integers(max_value=-1) | st.just(True) | not_num,
+    "echo": not_bool,
 }
 BAD_CHAT = {
     **BAD_COMMON,
@@ -106,6 +113,8 @@ BAD_CHAT = {
                min_size=1, max_size=2)
     | st.just([{"role": "user", "content": " ".join(["t5"] * CONTEXT)}]),
     "max_completion_tokens": st.integers(max_value=0) | not_int,
+    "logprobs": not_bool,
+    "top_logprobs": st.integers(min_value=21) | st.integers(max_value=-1) | not_int,
 }
 
 
@@ -192,23 +201,29 @@ def test_valid_requests_mixed_in_succeed(client: TestClient) -> None:
     @given(chat=st.booleans(), max_tokens=st.integers(1, 2), temperature=st.floats(0.0, 2.0),
            top_p=st.floats(0.01, 1.0), top_k=st.integers(-1, 70), seed=st.none() | st.integers(0, 2**40),
            stop=st.none() | st.text(min_size=1, max_size=4) | st.lists(st.text(min_size=1, max_size=3), max_size=3),
-           stream=st.booleans(), words=st.lists(st.integers(0, 63), min_size=1, max_size=8))
+           stream=st.booleans(), words=st.lists(st.integers(0, 63), min_size=1, max_size=8),
+           n=st.integers(1, 3), logprobs=st.none() | st.integers(0, 20), penalty=st.floats(-2.0, 2.0),
+           bias=st.dictionaries(st.integers(0, 63).map(str), st.floats(-100.0, 100.0), max_size=3))
     def run(chat: bool, max_tokens: int, temperature: float, top_p: float, top_k: int, seed: int | None,
-            stop: str | list[str] | None, stream: bool, words: list[int]) -> None:
+            stop: str | list[str] | None, stream: bool, words: list[int], n: int, logprobs: int | None,
+            penalty: float, bias: dict[str, float]) -> None:
         text = " ".join(f"t{w}" for w in words)
         body: dict[str, Any] = {"model": MODEL, "max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
-                                "top_k": top_k, "seed": seed, "stop": stop, "stream": stream}
+                                "top_k": top_k, "seed": seed, "stop": stop, "stream": stream, "n": n,
+                                "frequency_penalty": penalty, "logit_bias": bias}
         if chat:
             body["messages"] = [{"role": "user", "content": text}]
+            body.update({"logprobs": logprobs is not None, "top_logprobs": logprobs})
         else:
-            body["prompt"] = text
+            body.update({"prompt": text, "logprobs": logprobs, "echo": bool(logprobs and logprobs % 2)})
         r = client.post("/v1/chat/completions" if chat else "/v1/completions", json=body)
         sent.append(r.status_code)
         assert r.status_code == 200, r.text
         if stream:
             assert r.text.endswith("data: [DONE]\n\n")
         else:
-            assert r.json()["usage"]["completion_tokens"] <= max_tokens
+            assert r.json()["usage"]["completion_tokens"] <= max_tokens * n
+            assert len(r.json()["choices"]) == n
 
     run()
     assert len(sent) >= 30

@@ -44,6 +44,7 @@ Worked example::
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import re
@@ -67,15 +68,16 @@ from tidespec.engine.output import RequestOutput
 from tidespec.engine.scheduler import QueueFullError
 from tidespec.errors import check_at_least
 from tidespec.llm import draft_vocab_of
-from tidespec.sampling import SamplingParams, SamplingParamsError
+from tidespec.sampling import SamplingParams, SamplingParamsError, choice_seed
 from tidespec.server.api_errors import ApiError, error_body, error_response
 from tidespec.server.async_engine import AsyncEngine, EngineRequestError, EngineStoppedError, RequestStream
 from tidespec.server.dashboard import dashboard_router
 from tidespec.server.guard import RETRY_AFTER_S, Admission, AdmissionGate, RequestGuard
+from tidespec.server.logprobs import LogprobText
 from tidespec.server.metrics import Metrics
 from tidespec.server.protocol import SamplingRequest
 from tidespec.server.routes import chat, completions, health, models
-from tidespec.server.sse import EventStream, sse
+from tidespec.server.sse import EventStream, merged, sse
 from tidespec.speculative.policy.factory import policy_profile
 from tidespec.structured.grammar import GrammarError
 from tidespec.structured.tool_calls import parser_for
@@ -189,6 +191,7 @@ class Server:
         self.chat_template = config.chat_template
         self.tool_parser = parser_for(config.tool_call_parser, config.chat_template or engine.tokenizer.chat_template)
         self.tool_special_token = special_token_id(engine.tokenizer, "[TOOL_CALLS]")  # Mistral's call marker
+        self.logprob_text = LogprobText(engine.tokenizer)  # token texts of log-probabilities, decoded once per id
 
     @property
     def drafter_version(self) -> str | None:
@@ -257,6 +260,30 @@ class Server:
         except EngineStoppedError as exc:
             raise _stopped(exc) from exc
 
+    async def submit_choices(self, prompts: list[str | list[int]], params: SamplingParams, body: SamplingRequest,
+                             label: str | None, prefix: str) -> list[RequestStream]:
+        """One stream per choice: ``body.n`` per prompt, in OpenAI's order (prompt-major). Choice ``i`` of
+        a seeded request is seeded ``choice_seed(seed, i)``. Where the prefix cache can share a prompt,
+        a prompt's first choice goes first and the others once it was prefilled, so that they reuse its
+        blocks instead of computing the prompt n times. Nothing stays queued when one is refused."""
+        if body.prediction is not None and body.prediction.text():
+            ids = await self.aengine.prepare(self.engine.tokenizer.encode, body.prediction.text(), add_special_tokens=False)
+            params = dataclasses.replace(params, prediction=ids)
+        streams: list[RequestStream] = []
+        try:
+            for prompt in prompts:
+                for i in range(body.n):
+                    p = params if i == 0 or params.seed is None else dataclasses.replace(
+                        params, seed=choice_seed(params.seed, i))
+                    streams.append(await self.submit(prompt, p, body, label, prefix))
+                    if i == 0 and body.n > 1 and self.engine.prefix_cache is not None and p.prompt_logprobs is None:
+                        await streams[-1].moved.wait()
+        except BaseException:
+            for stream in streams:
+                self.aengine.abort(stream.request_id)
+            raise
+        return streams
+
     async def collect(self, stream: RequestStream, request: Request) -> RequestOutput:
         """Wait for the final output; abort if the client goes away."""
         poll = self.config.disconnect_poll_s
@@ -282,27 +309,38 @@ class Server:
             if not stream.finished:
                 self.aengine.abort(stream.request_id)
 
-    async def respond(self, body: SamplingRequest, stream: RequestStream, request: Request, headers: dict[str, str],
-                      events: Callable[[], AsyncIterator[str]],
-                      whole: Callable[[RequestOutput], BaseModel]) -> Response:
-        """The answer to a submitted request: its event stream (``events()``) when ``body.stream``, else
-        ``whole`` of its final output once it finished (aborted if the client goes away first)."""
-        if body.stream:
-            return EventStream(events(), lambda: self.aengine.abort(stream.request_id), headers)
-        out = await self.collect(stream, request)
-        return JSONResponse(whole(out).model_dump(), headers=headers)
+    def abort_all(self, streams: list[RequestStream]) -> None:
+        for stream in streams:
+            if not stream.finished:
+                self.aengine.abort(stream.request_id)
 
-    async def sse_events(self, stream: RequestStream, first: list[str],
-                          render: Callable[[RequestOutput], list[str]]) -> AsyncIterator[str]:
-        """The event stream of one request: ``first``, each engine output rendered into chunks, then
-        ``[DONE]``; an engine failure becomes an error event before ``[DONE]``; a request the client
-        left unfinished is aborted."""
+    async def respond(self, body: SamplingRequest, streams: list[RequestStream], request: Request,
+                      headers: dict[str, str], events: Callable[[], AsyncIterator[str]],
+                      whole: Callable[[list[RequestOutput]], BaseModel]) -> Response:
+        """The answer to submitted choices: their event stream (``events()``) when ``body.stream``, else
+        ``whole`` of their final outputs once all finished (all aborted if the client goes away or one fails)."""
+        if body.stream:
+            return EventStream(events(), lambda: self.abort_all(streams), headers)
+        try:
+            outs = await asyncio.gather(*(self.collect(stream, request) for stream in streams))
+        finally:
+            self.abort_all(streams)
+        return JSONResponse(whole(list(outs)).model_dump(), headers=headers)
+
+    async def sse_events(self, streams: list[RequestStream], first: list[str],
+                         render: Callable[[int, RequestOutput], list[str]],
+                         last: Callable[[list[RequestOutput]], list[str]]) -> AsyncIterator[str]:
+        """The event stream of submitted choices: ``first``, each engine output of choice ``i`` rendered
+        into chunks as it comes, ``last`` of the final outputs, then ``[DONE]``; an engine failure
+        becomes an error event before ``[DONE]``; choices the client left unfinished are aborted."""
         try:
             for event in first:
                 yield event
-            async for out in stream:
-                for event in render(out):
+            async for i, out in merged(streams):
+                for event in render(i, out):
                     yield event
+            for event in last([stream.last for stream in streams if stream.last is not None]):
+                yield event
             yield "data: [DONE]\n\n"
         except EngineRequestError as exc:
             yield sse(error_body(500, str(exc), code="engine_error"))
@@ -311,8 +349,7 @@ class Server:
             yield sse(error_body(503, str(exc), code=SHUTDOWN_CODE))
             yield "data: [DONE]\n\n"
         finally:
-            if not stream.finished:
-                self.aengine.abort(stream.request_id)
+            self.abort_all(streams)
 
 
 def create_app(engine: LLMEngine, config: ServerConfig | None = None, metrics: Metrics | None = None,

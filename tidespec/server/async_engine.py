@@ -80,6 +80,12 @@ class RequestStream:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self.finished = False
         self.last: RequestOutput | None = None
+        self.moved = asyncio.Event()  # set by its first output or failure (its prompt was then prefilled)
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Hand it an output or its failure (on the event loop)."""
+        self.queue.put_nowait(item)
+        self.moved.set()
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self
@@ -188,7 +194,7 @@ class AsyncEngine:
         await asyncio.get_running_loop().run_in_executor(None, thread.join, timeout)
         self.prep.shutdown(wait=False, cancel_futures=True)
         for stream in list(self._streams.values()):
-            stream.queue.put_nowait(EngineStoppedError("the server is shutting down"))
+            stream.put(EngineStoppedError("the server is shutting down"))
         self._streams.clear()
 
     # ------------------------------------------------------------------ event-loop API
@@ -259,13 +265,13 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted by the client meanwhile
-            stream.queue.put_nowait(out)
+            stream.put(out)
             if out.finished:
                 del self._streams[out.request_id]
         for rid, exc in errors.items():
             stream = self._streams.pop(rid, None)
             if stream is not None:
-                stream.queue.put_nowait(exc)
+                stream.put(exc)
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:

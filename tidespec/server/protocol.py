@@ -13,6 +13,7 @@ Extensions beyond OpenAI (all optional):
 * ``top_k`` (as vLLM; ``-1`` and ``0`` mean off),
 * ``tidespec: {"enabled": bool, "num_speculative_tokens": int}`` — per-request speculation
   (``enabled: false`` -> 0 draft tokens; no ``num_speculative_tokens`` -> the engine's default),
+* vLLM's ``repetition_penalty`` and ``min_tokens``,
 * ``usage.draft_tokens`` / ``usage.accepted_tokens`` in every response,
 * ``drafter_version`` on responses when the engine's drafter exposes a ``version``.
 
@@ -32,11 +33,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, PrivateAttr, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from tidespec.sampling import GREEDY_TEMPERATURE, SamplingParams, StructuredOutputs
+from tidespec.sampling import GREEDY_TEMPERATURE, MAX_LOGIT_BIAS, SamplingParams, StructuredOutputs
 from tidespec.server.formats import GUIDED_FIELDS, ResponseFormat, StructuredOutputsRequest, constraint
 from tidespec.server.strict import UNSUPPORTED_FIELDS, StrictModel, first_invalid_text
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 64  # sequences one request may ask for: n, times the prompts of a batched completion
 MAX_STOP_LEN = 256
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed accepts
 # temperatures below this are greedy (as vLLM's _SAMPLING_EPS): logits / 1e-163 overflow to inf
@@ -44,6 +46,22 @@ SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed acc
 
 class StreamOptions(StrictModel):
     include_usage: bool = False
+
+
+class PredictionPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(StrictModel):
+    """OpenAI's Predicted Outputs: the output the client expects (a file before an edit), drafted where
+    the output follows it; it never changes what is generated."""
+
+    type: Literal["content"]
+    content: str | Annotated[list[PredictionPart], Field(min_length=1)]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class TidespecOptions(StrictModel):
@@ -64,18 +82,20 @@ class SamplingRequest(StrictModel):
     stop: str | Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_LEN)]],
                           Field(max_length=MAX_STOP_STRINGS)] | None = None
     seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
-    n: Annotated[int, Field(ge=1, le=1)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: Annotated[str, Field(max_length=256)] | None = None
     ignore_eos: bool = False  # vLLM extension
     tidespec: TidespecOptions | None = None
-    # OpenAI features tidespec does not implement: accepted only at their neutral values.
-    logprobs: bool | Annotated[int, Field(ge=0, le=0)] | None = None
-    echo: Literal[False] | None = None
+    # best_of > 1 is not served (as in vLLM v1): n choices, each sampled, are
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
-    presence_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=0.0, le=0.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None  # vLLM extension
+    min_tokens: Annotated[int, Field(ge=0)] | None = None  # vLLM extension
+    logit_bias: dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]] | None = None
+    prediction: Prediction | None = None  # OpenAI's Predicted Outputs
     # structured outputs (tidespec.server.formats): OpenAI's, vLLM's current object and its legacy fields
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -118,12 +138,17 @@ class SamplingRequest(StrictModel):
             raise ValueError(f"a stop string must have 1 to {MAX_STOP_LEN} characters")
         return v
 
-    @field_validator("logprobs")
+    @field_validator("logit_bias")
     @classmethod
-    def _no_logprobs(cls, v: bool | int | None) -> bool | int | None:
-        if v is True:
-            raise ValueError("logprobs are not supported")
+    def _bias_keys(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        bad = next((k for k in v or {} if not k.isdigit()), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias keys must be token ids (decimal integers), got {bad!r}")
         return v
+
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        """(top log-probabilities per generated token, per prompt token): None where not asked."""
+        return None, None
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -133,6 +158,7 @@ class SamplingRequest(StrictModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         max_tokens = self._max_tokens()
         temperature = 1.0 if self.temperature is None else float(self.temperature)
+        logprobs, prompt_logprobs = self._logprobs()
         return SamplingParams(
             temperature=0.0 if temperature < GREEDY_TEMPERATURE else temperature,
             top_p=1.0 if self.top_p is None else float(self.top_p),
@@ -142,6 +168,13 @@ class SamplingRequest(StrictModel):
             stop=stop,
             ignore_eos=self.ignore_eos,
             structured=self._constraint,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_tokens=self.min_tokens or 0,
+            logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def api_param(self, name: str | None) -> str | None:
@@ -174,11 +207,20 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    """Of a Predicted Output's tokens (``prediction``): drafted and kept, drafted and refused."""
+
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails = PromptTokensDetails()
+    completion_tokens_details: CompletionTokensDetails | None = None
     draft_tokens: int = 0  # tidespec: draft tokens proposed for this request
     accepted_tokens: int = 0  # tidespec: of those, accepted by the target
 
@@ -186,7 +228,6 @@ class Usage(BaseModel):
 class Choice(BaseModel):
     index: int = 0
     finish_reason: str | None = None
-    logprobs: None = None
 
 
 class ResponseBase(BaseModel):

@@ -10,6 +10,7 @@ Example: ``sse({"a": 1}) == 'data: {"a":1}\\n\\n'``.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from typing import Any
@@ -18,7 +19,8 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from tidespec.engine.output import RequestOutput
-from tidespec.server.protocol import PromptTokensDetails, Usage
+from tidespec.server.async_engine import RequestStream
+from tidespec.server.protocol import CompletionTokensDetails, PromptTokensDetails, Usage
 
 
 class EventStream(StreamingResponse):
@@ -42,8 +44,54 @@ def sse(obj: BaseModel | dict[str, Any]) -> str:
     return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
 
 
-def usage_of(out: RequestOutput) -> Usage:
-    p, c = len(out.prompt_token_ids), len(out.token_ids)
-    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, draft_tokens=out.stats.num_draft_tokens,
-                 accepted_tokens=out.stats.num_accepted_tokens,
-                 prompt_tokens_details=PromptTokensDetails(cached_tokens=out.stats.num_cached_tokens))
+def usage_of(outs: list[RequestOutput], n: int = 1) -> Usage:
+    """The usage of a request's choices (``n`` per prompt, prompt-major): each prompt counted once, as
+    its first choice computed it (the others share its blocks), and every choice's generated tokens.
+
+    Example: 2 choices of a 5-token prompt, 3 and 4 tokens generated -> prompt 5, completion 7."""
+    prompts = outs[::n]
+    p = sum(len(o.prompt_token_ids) for o in prompts)
+    c = sum(len(o.token_ids) for o in outs)
+    details = None
+    if any(o.stats.num_accepted_prediction_tokens or o.stats.num_rejected_prediction_tokens for o in outs):
+        details = CompletionTokensDetails(
+            accepted_prediction_tokens=sum(o.stats.num_accepted_prediction_tokens for o in outs),
+            rejected_prediction_tokens=sum(o.stats.num_rejected_prediction_tokens for o in outs))
+    return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=p + c, completion_tokens_details=details,
+                 draft_tokens=sum(o.stats.num_draft_tokens for o in outs),
+                 accepted_tokens=sum(o.stats.num_accepted_tokens for o in outs),
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(o.stats.num_cached_tokens
+                                                                             for o in prompts)))
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(choice index, output) of several request streams as they come; ends when all have ended; a
+    stream's failure is raised (the caller aborts the others)."""
+    if len(streams) == 1:
+        async for out in streams[0]:
+            yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for out in stream:
+                queue.put_nowait((i, out))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((i, exc))
+        queue.put_nowait((i, None))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(streams)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()

@@ -18,8 +18,8 @@ from pydantic import BaseModel, ConfigDict
 # since clients send them by default); any other value is refused with a 400 naming the field.
 UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
     "tools": ([],), "functions": ([],), "tool_choice": ("none", "auto"), "function_call": ("none", "auto"),
-    "parallel_tool_calls": (), "logit_bias": ({},),
-    "modalities": (["text"],), "audio": (), "top_logprobs": (0,), "prediction": (),
+    "parallel_tool_calls": (),
+    "modalities": (["text"],), "audio": (), "top_logprobs": (0,),
     "service_tier": ("auto", "default"),
 }
 

@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import jinja2
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
+from pydantic_core import PydanticCustomError
 
 from tidespec.engine.output import RequestOutput
-from tidespec.sampling import SamplingParams
+from tidespec.sampling import MAX_LOGPROBS, SamplingParams
 from tidespec.server.api_errors import ApiError
 from tidespec.server.async_engine import RequestStream
+from tidespec.server.logprobs import ChatLogprobs
 from tidespec.server.protocol import Choice, ErrorResponse, ResponseBase, SamplingRequest, StrictModel, Usage
 from tidespec.server.sse import sse, usage_of
 from tidespec.server.tools.protocol import (
@@ -64,6 +66,17 @@ class ChatCompletionRequest(SamplingRequest):
     tools: ToolList | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise PydanticCustomError("top_logprobs", "top_logprobs needs logprobs: true", {"param": "top_logprobs"})
+        return self
+
+    def _logprobs(self) -> tuple[int | None, int | None]:
+        return (self.top_logprobs or 0) if self.logprobs else None, None
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -103,6 +116,7 @@ class AssistantMessage(BaseModel):
 
 class ChatChoice(Choice):
     message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionResponse(ResponseBase):
@@ -118,6 +132,7 @@ class DeltaMessage(BaseModel):
 
 class ChatChunkChoice(Choice):
     delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(ResponseBase):
@@ -185,49 +200,67 @@ def _answer(out: RequestOutput, plan: ToolPlan) -> tuple[AssistantMessage, str |
 
 
 async def chat(server: Server, body: ChatCompletionRequest, request: Request) -> Response:
-    """One chat request: checked, its prompt rendered, submitted, then answered whole or as an event stream."""
+    """One chat request: checked, its prompt rendered, its choices submitted, then answered whole or as an
+    event stream."""
     server.check_model(body.model)
     label = server.route_label(request)
     headers = server.ignored_fields(body, "chat completion")
     plan, params = tool_plan(server, body, server.params(lambda: body.sampling_params(1), body))
     prompt = await server.aengine.prepare(lambda b: chat_prompt(server, b, plan), body)  # a template can be slow
-    stream = await server.submit(prompt, params, body, label, "chatcmpl")
+    streams = await server.submit_choices([prompt], params, body, label, "chatcmpl")
     model = server.config.served_model_name
+    texts = server.logprob_text if body.logprobs else None
 
-    def whole(out: RequestOutput) -> ChatCompletionResponse:
-        message, finish = _answer(out, plan)
-        return ChatCompletionResponse(
-            id=stream.request_id, created=int(time.time()), model=model,
-            choices=[ChatChoice(message=message, finish_reason=finish)],
-            usage=usage_of(out), drafter_version=server.drafter_version)
+    def whole(outs: list[RequestOutput]) -> ChatCompletionResponse:
+        choices = []
+        for i, out in enumerate(outs):
+            message, finish = _answer(out, plan)
+            choices.append(ChatChoice(index=i, message=message, finish_reason=finish,
+                                      logprobs=texts.chat(out.logprobs or []) if texts is not None else None))
+        return ChatCompletionResponse(id=streams[0].request_id, created=int(time.time()), model=model,
+                                      choices=choices, usage=usage_of(outs, body.n),
+                                      drafter_version=server.drafter_version)
 
-    return await server.respond(body, stream, request, headers,
-                                lambda: _stream(server, stream, model, body.include_usage, plan), whole)
+    return await server.respond(body, streams, request, headers,
+                                lambda: _stream(server, streams, model, body, plan), whole)
 
 
-def _stream(server: Server, stream: RequestStream, model: str, include_usage: bool,
+def _stream(server: Server, streams: list[RequestStream], model: str, body: ChatCompletionRequest,
             plan: ToolPlan) -> AsyncIterator[str]:
     created = int(time.time())
-    calls = ToolStream(plan.parser) if plan.parser is not None else None
+    calls = [ToolStream(plan.parser) if plan.parser is not None else None for _ in streams]
+    texts = server.logprob_text if body.logprobs else None
 
-    def chunk(delta: DeltaMessage | None, finish: str | None, usage: Usage | None = None) -> str:
-        choices = [ChatChunkChoice(delta=delta, finish_reason=finish)] if delta is not None else []
-        return sse(ChatCompletionChunk(id=stream.request_id, created=created, model=model, choices=choices,
+    def chunk(i: int, delta: DeltaMessage | None, finish: str | None, usage: Usage | None = None,
+              logprobs: ChatLogprobs | None = None) -> str:
+        choices = [ChatChunkChoice(index=i, delta=delta, finish_reason=finish, logprobs=logprobs)] \
+            if delta is not None else []
+        return sse(ChatCompletionChunk(id=streams[0].request_id, created=created, model=model, choices=choices,
                                        usage=usage, drafter_version=server.drafter_version))
 
-    def render(out: RequestOutput) -> list[str]:
-        chunks = []
-        if calls is None:
-            if out.delta_text or out.finished:
-                delta = DeltaMessage(content=out.delta_text) if out.delta_text else DeltaMessage()
-                chunks.append(chunk(delta, out.finish_reason if out.finished else None))
-        else:
-            chunks += _tool_chunks(calls, out, chunk)
-        if out.finished and include_usage:
-            chunks.append(chunk(None, None, usage_of(out)))
-        return chunks
+    def render(i: int, out: RequestOutput) -> list[str]:
+        lp = texts.chat(out.delta_logprobs) if texts is not None and out.delta_logprobs else None
+        tool_calls = calls[i]
+        if tool_calls is not None:  # the step's log-probabilities ride on its first chunk
+            pending = [lp]
 
-    return server.sse_events(stream, [chunk(DeltaMessage(role="assistant", content=""), None)], render)
+            def first_with_logprobs(delta: DeltaMessage | None, finish: str | None) -> str:
+                return chunk(i, delta, finish, logprobs=pending.pop() if pending else None)
+
+            chunks = _tool_chunks(tool_calls, out, first_with_logprobs)
+            if pending and lp is not None:  # text held back (it may become a call): the numbers go out anyway
+                chunks.append(chunk(i, DeltaMessage(), None, logprobs=lp))
+            return chunks
+        if out.delta_text or out.finished or lp is not None:
+            delta = DeltaMessage(content=out.delta_text) if out.delta_text else DeltaMessage()
+            return [chunk(i, delta, out.finish_reason if out.finished else None, logprobs=lp)]
+        return []
+
+    def last(outs: list[RequestOutput]) -> list[str]:
+        return [chunk(0, None, None, usage_of(outs, body.n))] if body.include_usage else []
+
+    first = [chunk(i, DeltaMessage(role="assistant", content=""), None) for i in range(len(streams))]
+    return server.sse_events(streams, first, render, last)
 
 
 def _tool_chunks(calls: ToolStream, out: RequestOutput,
