@@ -168,6 +168,7 @@ def test_trace_headroom_hand_traced() -> None:
     assert trace_headroom([plain], []) == []
 
 
+@pytest.mark.slow  # two real servers and a rate sweep: 33-72 s on 2 cores, make test-slow
 def test_load_bench_end_to_end_through_real_servers(tmp_path: Path) -> None:
     hf, _ = tiny_hf_model("llama", torch.float32)
     ckpt = write_tiny_checkpoint(hf, tmp_path / "ckpt")

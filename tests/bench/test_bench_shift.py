@@ -205,6 +205,7 @@ def test_quarters_split_acceptance_by_requests_and_by_drafter() -> None:
 
 
 
+@pytest.mark.slow  # an online run, then every yield mode: 23-28 s on 2 cores, make test-slow
 def test_yield_bench_on_a_shift_runs_store(tmp_path: Path) -> None:
     """bench yield on the store an online run filled: every mode and both idle rounds measured."""
     from tidespec.bench.yield_bench.run import YieldBenchConfig, run_yield_bench

@@ -49,7 +49,8 @@ CASES = [  # (q_lens, slots): ctx = what the prefill left in each slot
 ]
 
 
-@pytest.mark.parametrize("window", [None, 6])
+# the sliding-window graph (Mistral's) in make test-slow: the same code path with a window mask
+@pytest.mark.parametrize("window", [None, pytest.param(6, marks=pytest.mark.slow, id="6")])
 def test_compiled_step_equals_eager(window: int | None) -> None:
     model = tiny_llama(V, layers=3, seed=5, sliding_window=window)
     eager_kv, comp_kv = _caches(model)

@@ -12,10 +12,9 @@ import torch
 
 from tests.online.test_lora import segment, served_in_turn
 from tests.online.test_online import random_head
-from tidespec.models.llama import output_matrix
 from tidespec.models.eagle3_head import Eagle3Head
 from tidespec.models.eagle3_lora import adapter_dir, list_adapters, load_adapter, merged_state
-from tidespec.models.llama import LlamaModel
+from tidespec.models.llama import LlamaModel, output_matrix
 from tidespec.online.training import lora
 from tidespec.online.training.config import LoraAlignConfig
 from tidespec.online.training.eagle3_train import SignalBatch, unroll
