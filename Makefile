@@ -9,11 +9,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.tidespec-installed
 TORCH := torch==2.13.0
 SCHEMATHESIS := schemathesis==4.32.5
+LM_EVAL := lm-eval==0.4.13
 PYTEST_ARGS ?= -n 2 --dist loadgroup --durations=15
 BROWSER_PKG := chromium-headless-shell
 BROWSERS := chromium-headless-shell chromium chromium-browser google-chrome chrome-headless-shell
 
-.PHONY: demo test test-slow test-fleet fleet fuzz exactness venv browser clean
+.PHONY: demo test test-slow test-fleet fleet fuzz lm-eval exactness venv browser clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +63,13 @@ test-fleet: fleet
 fuzz: $(STAMP)
 	$(PY) -m pip show -q schemathesis >/dev/null 2>&1 || $(PY) -m pip install -q $(SCHEMATHESIS)
 	$(PY) -m tests.server.schemathesis_run
+
+# lm-evaluation-harness's local-completions model against a live `tidespec serve` (echo + logprobs) on a
+# 50-question loglikelihood task, against the same task in-process with transformers on the same weights
+# (tests/server/lm_eval_run.py; not part of `make test`: installs lm-eval, a few minutes)
+lm-eval: $(STAMP)
+	$(PY) -c "import lm_eval" 2>/dev/null || $(PY) -m pip install -q $(LM_EVAL)
+	$(PY) -m tests.server.lm_eval_run
 
 # the full exactness matrix (docs/benchmarks/exactness.md; not part of `make test`, which runs a subset): every CPU path
 # (float32, bfloat16, int8, int4, eager and --compile) x every drafter, 24 prompts of four domains x

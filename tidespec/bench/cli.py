@@ -55,6 +55,7 @@ from tidespec.bench.quality import run as quality
 from tidespec.bench.shift.config import ShiftBenchConfig
 from tidespec.bench.shift.run import replot as replot_shift
 from tidespec.bench.shift.run import run_shift_bench
+from tidespec.bench.spec.predicted import PredictedBenchConfig, run_predicted_bench
 from tidespec.bench.spec.run import SpecBenchConfig, run_spec_bench
 from tidespec.bench.spec.structured import StructuredBenchConfig, run_structured_bench
 from tidespec.bench.yield_bench.run import YieldBenchConfig, run_yield_bench
@@ -117,7 +118,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "workload: extraction) or calls one of its tools (workload tool_use: tool_choice required); constrained plain vs the grammar's forced tokens vs suffix without and "
                         "with them vs the controller (--policy, default analytic) over grammar and suffix, at each of "
                         "--batch-sizes, gamma = the largest of --gammas; reports the mask's share of a step")
-    s.add_argument("--batch-sizes", default="1,8", help="--structured: requests per wave, comma-separated")
+    s.add_argument("--predicted", action="store_true",
+                   help="Predicted Outputs instead: every request sends its record's prediction (default workload: "
+                        "code_edit, the file an edit starts from); plain vs suffix vs the prediction vs the prediction "
+                        "beside the controller (--policy, default analytic) over suffix and EAGLE-3, at each of "
+                        "--batch-sizes, the drafters' gamma = the largest of --gammas, the prediction's cap "
+                        "--prediction-tokens")
+    s.add_argument("--logprobs", type=int, default=None,
+                   help="--predicted: also run plain and the prediction with each token's top-K log-probabilities "
+                        "(what they cost per step)")
+    s.add_argument("--batch-sizes", default="1,8", help="--structured, --predicted: requests per wave, comma-separated")
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="every request generates --max-tokens tokens; --no-ignore-eos ends each at its EOS as a "
                         "server does (acceptance then leaves out text past EOS, which serving never drafts)")
@@ -254,6 +264,16 @@ def cmd_decode(ns: argparse.Namespace) -> int:
 
 
 def cmd_spec(ns: argparse.Namespace) -> int:
+    if ns.predicted:
+        pcfg = PredictedBenchConfig(workload="code_edit" if ns.workload == "code" else ns.workload, limit=ns.limit,
+                                    batch_sizes=parse_int_list(ns.batch_sizes, "--batch-sizes"),
+                                    gamma=max(parse_int_list(ns.gammas, "--gammas")), max_tokens=ns.max_tokens,
+                                    logprobs=ns.logprobs)
+        run_predicted_bench(pcfg, model_config=dataclass_from_args(ModelConfig, ns),
+                            scheduler=dataclass_from_args(SchedulerConfig, ns),
+                            spec_base=dataclass_from_args(SpecConfig, ns), policy=dataclass_from_args(PolicyConfig, ns),
+                            out_dir=ns.out, command=command_line())
+        return 0
     if ns.structured:
         scfg = StructuredBenchConfig(workload="extraction" if ns.workload == "code" else ns.workload, limit=ns.limit,
                                      batch_sizes=parse_int_list(ns.batch_sizes, "--batch-sizes"),

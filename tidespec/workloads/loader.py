@@ -6,7 +6,7 @@ module, which accepts any JSONL of the shape described in ``../shared/workloads/
 
     {"id": "code-0001", "domain": "code", "kind": "completion" | "chat", "prompt": "...",
      "source": "...", "license": "...", "system": "..." (optional), "schema": {...} (optional),
-     "tools": [...] (optional)}
+     "tools": [...] (optional), "prediction": "..." (optional)}
 
 ``completion`` prompts are tokenized as raw text (with the tokenizer's own special tokens,
 e.g. Llama's BOS); ``chat`` prompts become one user message wrapped in the model's chat template
@@ -14,7 +14,9 @@ with the generation prompt appended. ``system`` (optional) is a text every reque
 first: a chat's system message, or the text before a completion's prompt (a few-shot block), so a
 workload can share a long prefix between requests. ``schema`` (optional) is the JSON schema the
 answer must follow (``extraction``: ``bench spec --structured``); ``tools`` (optional, chat) are
-OpenAI function tools the chat template shows, whose call the answer is (``tool_use``). Order is the file's order;
+OpenAI function tools the chat template shows, whose call the answer is (``tool_use``); ``prediction``
+(optional) is the output a client expects, sent as a Predicted Output (``code_edit``: ``bench spec
+--predicted``). Order is the file's order;
 ``limit`` keeps the first N.
 
 The names ``code``, ``chat``, ``code_unseen``, ``drafter_boot``, ``code_extra``, ``zh_chat``,
@@ -44,7 +46,8 @@ from tidespec.files import atomic_write
 KINDS = ("completion", "chat")
 REQUIRED_KEYS = ("id", "domain", "kind", "prompt")
 BUILTIN_WORKLOADS = ("code", "chat", "code_unseen", "drafter_boot", "code_extra", "zh_chat", "multilingual",
-                     "shared_prefix", "zh_topics", "ru_topics", "es_topics", "ar_topics", "extraction", "tool_use")
+                     "shared_prefix", "zh_topics", "ru_topics", "es_topics", "ar_topics", "extraction", "tool_use",
+                     "code_edit")
 
 
 class WorkloadError(ConfigError):
@@ -65,6 +68,8 @@ class WorkloadRecord:
     schema: dict[str, Any] | None = field(default=None, compare=False, hash=False)
     # OpenAI tools the chat template shows (a tool-use record: its answer is a call of one of them)
     tools: list[dict[str, Any]] | None = field(default=None, compare=False, hash=False)
+    # the output a client expects back (a Predicted Output: an edit's original file)
+    prediction: str | None = None
 
     def messages(self) -> list[dict[str, str]]:
         """A chat record as OpenAI messages: the system message (when set), then the prompt."""
@@ -117,13 +122,16 @@ def parse_record(obj: Any, where: str, line: int) -> WorkloadRecord:
         raise WorkloadError(f"{where}: empty prompt")
     if "schema" in obj and not isinstance(obj["schema"], dict):
         raise WorkloadError(f"{where}: 'schema' must be a JSON schema object, got {type(obj['schema']).__name__}")
+    if not isinstance(obj.get("prediction", ""), str):
+        raise WorkloadError(f"{where}: 'prediction' must be text, got {type(obj['prediction']).__name__}")
     tools = obj.get("tools")
     if tools is not None and (obj["kind"] != "chat" or not isinstance(tools, list) or not tools or not all(
             isinstance(t, dict) and isinstance(t.get("function"), dict) for t in tools)):
         raise WorkloadError(f"{where}: 'tools' must be a non-empty list of OpenAI function tools, on a chat record")
     return WorkloadRecord(id=obj["id"], domain=obj["domain"], kind=obj["kind"], prompt=obj["prompt"],
                           source=obj.get("source", ""), license=obj.get("license", ""), line=line,
-                          system=obj.get("system", ""), schema=obj.get("schema"), tools=tools)
+                          system=obj.get("system", ""), schema=obj.get("schema"), tools=tools,
+                          prediction=obj.get("prediction"))
 
 
 def load_workload(name_or_path: str | Path, limit: int | None = None) -> list[WorkloadRecord]:

@@ -31,26 +31,32 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import jsonschema
-import torch
-from tqdm import tqdm
 
 from tidespec.bench.common import report
-from tidespec.bench.decode.run import bench_engine_config, resolve_target, wave_indices
+from tidespec.bench.decode.run import bench_engine_config
+from tidespec.bench.spec.waves import (
+    WaveBenchConfig,
+    WaveRun,
+    controller_policy,
+    plot_speedups,
+    run_rounds,
+    run_wave,
+    speed_summary,
+    warm_up,
+    wave_target,
+)
 from tidespec.config import ConfigError, ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig
-from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine
 from tidespec.models.loader import LoadedModel
 from tidespec.sampling import SamplingParams, StructuredOutputs
 from tidespec.structured.grammar import JSON_OPTIONS
 from tidespec.structured.tool_calls import ToolCallParser, ToolSpec, parser_for
-from tidespec.workloads.loader import Prompt, load_prompts
+from tidespec.workloads.loader import Prompt
 
 # label -> (drafters, forced tokens first, under the policy)
 CONFIGS: dict[str, tuple[str, bool, bool]] = {
@@ -63,34 +69,10 @@ CONFIGS: dict[str, tuple[str, bool, bool]] = {
 
 
 @dataclass
-class StructuredBenchConfig:
+class StructuredBenchConfig(WaveBenchConfig):
     workload: str = "extraction"
     limit: int = 48
     batch_sizes: tuple[int, ...] = (1, 8)
-    gamma: int = 8
-    max_tokens: int = 192
-
-    def __post_init__(self) -> None:
-        if self.limit < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
-            raise ConfigError(f"need limit >= 1 and batch sizes >= 1, got {self.limit}, {self.batch_sizes}")
-        if not 1 <= self.gamma <= 64 or self.max_tokens < 2:
-            raise ConfigError(f"need gamma in [1, 64] and max_tokens >= 2, got {self.gamma}, {self.max_tokens}")
-
-
-@dataclass
-class _Run:
-    label: str
-    batch: int
-    engine: LLMEngine
-    outputs: dict[int, list[int]] = dataclasses.field(default_factory=dict)
-    texts: dict[int, str] = dataclasses.field(default_factory=dict)
-    tokens: int = 0
-    wall: float = 0.0
-    step_time: float = 0.0
-    decode_steps: int = 0  # steps that decoded (no prompt chunk)
-    decode_rows: int = 0  # sequences decoded over those steps
-    decode_tokens: int = 0
-    mask_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -135,53 +117,20 @@ def _specs(tools: list[dict[str, Any]]) -> list[ToolSpec]:
     return [ToolSpec(t["function"]["name"], t["function"].get("parameters") or {"type": "object"}) for t in tools]
 
 
-def _params(prompt: Prompt, max_tokens: int, constraints: _Constraints) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, structured=constraints.of(prompt))
-
-
-def _wave(run: _Run, prompts: list[Prompt], idx: list[int], max_tokens: int, constraints: _Constraints) -> None:
-    """Run prompts ``idx`` at once on ``run``'s engine to the end, adding to its counters."""
-    e = run.engine
-    clock0 = e.grammars.clock.seconds
-    t0 = time.perf_counter()
-    rids = {e.add_request(prompts[i].token_ids, _params(prompts[i], max_tokens, constraints)): i for i in idx}
-    while e.has_unfinished_requests():
-        before = e.last_stats
-        outs = e.step()
-        s = e.last_stats
-        if s is not before:
-            run.step_time += s.total_time
-            if s.num_prefill_tokens == 0:
-                run.decode_steps += 1
-                run.decode_rows += s.num_decode_seqs
-                run.decode_tokens += s.num_emitted_tokens
-        for o in outs:
-            if o.finished:
-                i = rids[o.request_id]
-                run.outputs[i], run.texts[i] = list(o.token_ids), o.text
-                run.tokens += len(o.token_ids)
-    run.wall += time.perf_counter() - t0
-    run.mask_seconds += e.grammars.clock.seconds - clock0
-
-
 def run_structured_bench(cfg: StructuredBenchConfig, target: LoadedModel | str | None = None, *,
                          model_config: ModelConfig | None = None, scheduler: SchedulerConfig | None = None,
                          spec_base: SpecConfig | None = None, policy: PolicyConfig | None = None,
                          out_dir: Path | None = None, command: str = "", echo: bool = True) -> dict[str, Any]:
     """Run every configuration at every batch size; write ``results.json``, ``table.md``, ``plot.png``."""
     mc = model_config or ModelConfig()
-    if mc.threads:
-        torch.set_num_threads(mc.threads)
-    target = resolve_target(target if target is not None else mc.model, mc.dtype, mc.device, mc.quantization,
-                            mc.quant_group_size)
-    prompts = load_prompts(cfg.workload, target.tokenizer, cfg.limit)
+    target, prompts = wave_target(mc, target, cfg.workload, cfg.limit)
     constraints = _Constraints(parser_for("auto", target.tokenizer.chat_template),
                                JSON_OPTIONS["compact"])
     for p in prompts:  # every record constrained, or a one-line error before any engine is built
         constraints.of(p)
     base = spec_base or SpecConfig()
-    controller = policy if policy is not None and policy.name != "static" else PolicyConfig(name="analytic")
-    runs: list[_Run] = []
+    controller = controller_policy(policy)
+    runs: list[WaveRun] = []
     for batch in cfg.batch_sizes:
         for label, (drafter, forced, policed) in CONFIGS.items():
             spec = dataclasses.replace(base, drafter=drafter, num_speculative_tokens=cfg.gamma if drafter != "none" else 0,
@@ -189,39 +138,29 @@ def run_structured_bench(cfg: StructuredBenchConfig, target: LoadedModel | str |
             econf = bench_engine_config(prompts, cfg.max_tokens, batch, target.model.cfg.max_position_embeddings,
                                         mc, scheduler, spec, controller if policed else PolicyConfig())
             engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
-            runs.append(_Run(label, batch, engine))
+            runs.append(WaveRun(label, batch, engine))
     for r in runs:  # warm-up: every constraint compiled before timing, the first kernels run
         for p in prompts:
             r.engine.grammars.compile(constraints.of(p))
-        _wave(dataclasses.replace(r, outputs={}, texts={}), prompts, [0], 8, constraints)
-        r.engine.reset_prefix_cache()
-    total = sum(len(wave_indices(len(prompts), b)) for b in cfg.batch_sizes) * len(CONFIGS)
-    with tqdm(total=total, desc="bench spec --structured", unit="run", disable=not echo, file=sys.stderr) as bar:
-        for batch in cfg.batch_sizes:
-            group = [r for r in runs if r.batch == batch]
-            for wave in wave_indices(len(prompts), batch):
-                for r in group:
-                    bar.set_postfix_str(f"batch {batch} {r.label}")
-                    r.engine.reset_prefix_cache()
-                    _wave(r, prompts, wave, cfg.max_tokens, constraints)
-                    bar.update()
+        warm_up(r, prompts, lambda p: SamplingParams(max_tokens=8, structured=constraints.of(p)))
+    run_rounds(runs, len(prompts), cfg.batch_sizes, "bench spec --structured",
+               lambda r, wave: run_wave(r, prompts, wave, lambda p: SamplingParams(max_tokens=cfg.max_tokens,
+                                                                                  structured=constraints.of(p))),
+               echo)
     configs = [_summary(r, next(p for p in runs if p.batch == r.batch), prompts, constraints) for r in runs]
     doc = {"workload": cfg.workload, "prompts": len(prompts), "model": str(target.path), "gamma": cfg.gamma,
            "max_tokens": cfg.max_tokens, "batch_sizes": list(cfg.batch_sizes), "policy": controller.name,
            "configs": configs, "headline": _headline(configs)}
     return report.write_results("spec-structured", doc, out_dir, command, mc.precision, format_report,
-                                lambda out: _plot(configs, out), echo)
+                                lambda out: plot_speedups(configs, list(CONFIGS), "constrained decoding on the "
+                                                          "extraction workload", "tokens/s vs constrained plain", out),
+                                echo)
 
 
-def _summary(run: _Run, plain: _Run, prompts: list[Prompt], constraints: _Constraints) -> dict[str, Any]:
-    tps = run.tokens / run.wall if run.wall > 0 else float("nan")
-    plain_tps = plain.tokens / plain.wall if plain.wall > 0 else float("nan")
+def _summary(run: WaveRun, plain: WaveRun, prompts: list[Prompt], constraints: _Constraints) -> dict[str, Any]:
     valid = sum(constraints.valid(prompts[i], text) for i, text in run.texts.items())
-    return {"config": run.label, "batch_size": run.batch, "tokens": run.tokens, "tokens_per_s": tps,
-            "speedup": tps / plain_tps, "tokens_per_step": run.decode_tokens / max(run.decode_rows, 1),
-            "mask_share": run.mask_seconds / run.step_time if run.step_time > 0 else 0.0,
-            "mismatches": sum(run.outputs[i] != plain.outputs[i] for i in plain.outputs),
-            "schema_valid": valid, "requests": len(run.texts)}
+    return {**speed_summary(run, plain), "schema_valid": valid,
+            "mask_share": run.mask_seconds / run.step_time if run.step_time > 0 else 0.0}
 
 
 def _headline(configs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -243,26 +182,3 @@ def format_report(doc: dict[str, Any], command: str, machine: dict[str, Any]) ->
                      f"{c['tokens_per_step']:.2f} | {100 * c['mask_share']:.1f} % | "
                      f"{c['requests'] - c['mismatches']}/{c['requests']} | {c['schema_valid']}/{c['requests']} |")
     return "\n".join(lines) + "\n"
-
-
-def _plot(configs: list[dict[str, Any]], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    batches = sorted({c["batch_size"] for c in configs})
-    labels = list(CONFIGS)
-    fig, ax = plt.subplots(figsize=(8, 4))
-    width = 0.8 / len(batches)
-    for k, b in enumerate(batches):
-        ys = [next(c["speedup"] for c in configs if c["batch_size"] == b and c["config"] == lab) for lab in labels]
-        ax.bar([i + k * width for i in range(len(labels))], ys, width, label=f"batch {b}")
-    ax.axhline(1.0, color="gray", lw=0.8)
-    ax.set_xticks([i + width * (len(batches) - 1) / 2 for i in range(len(labels))], labels, rotation=15, fontsize=8)
-    ax.set_ylabel("tokens/s vs constrained plain")
-    ax.set_title("constrained decoding on the extraction workload")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out / "plot.png", dpi=120)
-    plt.close(fig)
