@@ -262,14 +262,14 @@ def test_a_broken_one_transfer_verifier_is_caught(model, tok, prompt, monkeypatc
 def test_reused_race_noise_is_caught(model, tok, prompt, monkeypatch):
     """Seeded draws that reuse the first position's noise at every position (a counter that does
     not advance) keep each marginal exact but couple the tokens; the test must see it."""
-    import tidespec.engine.engine as engine_mod
+    import tidespec.engine.decide as decide_mod
     real = verify_mod.seeded_draw
 
     def first_position_noise(probs, seed, position, *args):
         return real(probs, seed, 0, *args)
 
     monkeypatch.setattr(verify_mod, "seeded_draw", first_position_noise)
-    monkeypatch.setattr(engine_mod, "seeded_draw", first_position_noise)
+    monkeypatch.setattr(decide_mod, "seeded_draw", first_position_noise)
     params = SETTINGS[1]
     spec = SpecConfig(drafter="ngram", num_speculative_tokens=3)
     samples, _, _ = sample_first3(model, tok, prompt, spec, params, monkeypatch, seeded=True, n=broken_size(model, prompt, params))
@@ -283,8 +283,8 @@ def test_always_accept_is_caught(model, tok, prompt, monkeypatch):
         last = torch.multinomial(probs[draft.num_tokens], 1, generator=generator).item()
         return verify_mod.VerifyResult(list(range(draft.num_tokens)), list(draft.token_ids) + [int(last)], True)
 
-    import tidespec.engine.engine as engine_mod
-    monkeypatch.setattr(engine_mod, "verify_sampled", accept_all)
+    import tidespec.engine.decide as decide_mod
+    monkeypatch.setattr(decide_mod, "verify_sampled", accept_all)
     params = SETTINGS[1]
     samples, _, _ = sample_first3(model, tok, prompt, SpecConfig(drafter="ngram", num_speculative_tokens=3), params,
                                   monkeypatch, seeded=False, n=broken_size(model, prompt, params))
