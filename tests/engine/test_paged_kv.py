@@ -185,7 +185,11 @@ DRAFTERS = [SpecConfig(),
             SpecConfig(drafter="eagle3", num_speculative_tokens=4, tree=True)]
 
 
-@pytest.mark.parametrize("spec", DRAFTERS, ids=lambda s: s.drafter + ("-tree" if s.tree else ""))
+# make test: plain, n-gram and EAGLE-3 trees (a tree path compacted across blocks); the chains of the
+# draft model and EAGLE-3 in make test-slow
+@pytest.mark.parametrize("spec", [pytest.param(s, marks=pytest.mark.slow) if s.drafter in ("draft-model", "eagle3")
+                                  and not s.tree else s for s in DRAFTERS],
+                         ids=lambda s: s.drafter + ("-tree" if s.tree else ""))
 def test_preempted_sequences_decode_exactly_as_with_room_for_all(model, tok, spec: SpecConfig) -> None:
     """12 sequences of up to 180 tokens in a cache of 256 positions: sequences are preempted and
     prefilled again, and every greedy output is plain decoding's with room for all of them."""

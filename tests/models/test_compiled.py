@@ -49,14 +49,21 @@ CASES = [  # (q_lens, slots): ctx = what the prefill left in each slot
 ]
 
 
-# the sliding-window graph (Mistral's) in make test-slow: the same code path with a window mask
-@pytest.mark.parametrize("window", [None, pytest.param(6, marks=pytest.mark.slow, id="6")])
-def test_compiled_step_equals_eager(window: int | None) -> None:
+# make test: the verification shapes (one and several sequences of several rows, ragged, slots not
+# at 0), two of the four graphs (each a 10-15 s cold compile); make test-slow: every case, and the
+# sliding-window graph (Mistral's: the same code path with a window mask)
+VERIFY_CASES = [CASES[1], CASES[3]]
+
+
+@pytest.mark.parametrize("window,cases", [(None, VERIFY_CASES),
+                                          pytest.param(None, CASES, marks=pytest.mark.slow, id="all"),
+                                          pytest.param(6, CASES, marks=pytest.mark.slow, id="6")])
+def test_compiled_step_equals_eager(window: int | None, cases: list[tuple[list[int], list[int]]]) -> None:
     model = tiny_llama(V, layers=3, seed=5, sliding_window=window)
     eager_kv, comp_kv = _caches(model)
     step = CompiledStep(model, comp_kv, tap_layers=(0, 2))
     gen = torch.Generator().manual_seed(0)
-    for q_lens, slots in CASES:
+    for q_lens, slots in cases:
         ctx = [9 + 3 * s for s in slots]
         ids = torch.randint(0, V, (sum(q_lens),), generator=gen)
         eager = model(ids, BatchLayout.build(q_lens, ctx, slots), eager_kv, tap_layers=(0, 2))
@@ -69,7 +76,7 @@ def test_compiled_step_equals_eager(window: int | None) -> None:
             for s, c, q in zip(slots, ctx, q_lens):
                 for a, b in ((eager_kv.k, comp_kv.k), (eager_kv.v, comp_kv.v)):
                     assert (a[layer][s, :, :c + q] - b[layer][s, :, :c + q]).abs().max() < TOL
-    assert step.num_compiled == len(CASES)
+    assert step.num_compiled == len(cases)
     assert step(ids, BatchLayout.build(q_lens, ctx, slots), tap_layers=(1,)) is None  # other taps: eager
     plain = step(ids, BatchLayout.build(q_lens, ctx, slots))  # no taps asked: the same graph, taps dropped
     assert plain is not None and plain.taps is None and torch.equal(plain.logits, comp.logits)
@@ -114,7 +121,10 @@ def _greedy(engine: LLMEngine) -> list[list[int]]:
     return [done[f"r{i}"].token_ids for i in range(len(PROMPTS))]
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram", "suffix", "draft-model", "eagle3"])
+# make test: plain, a model-free drafter and EAGLE-3 (the step with taps); n-gram and the draft model (its own
+# compiled forward) in make test-slow
+@pytest.mark.parametrize("drafter", ["none", pytest.param("ngram", marks=pytest.mark.slow), "suffix",
+                                     pytest.param("draft-model", marks=pytest.mark.slow), "eagle3"])
 def test_engine_with_compile_gives_the_eager_text_and_compiles_nothing_after_warm_up(drafter: str) -> None:
     plain = _greedy(_engine(False, "none"))
     engine = _engine(True, drafter)

@@ -213,6 +213,7 @@ def test_once_round_from_workload_learns_and_publishes(model: LlamaModel, tmp_pa
         export_latest(tmp_path / "empty", tmp_path / "x", model.cfg, torch.float32)
 
 
+@pytest.mark.slow  # two trainer processes (24 s); make test trains, judges and publishes in one
 def test_two_process_gloo_ddp_publishes_a_drafter_the_engine_loads(tmp_path: Path) -> None:
     hf, _ = tiny_hf_model("llama", torch.float32, seed=3, num_hidden_layers=LAYERS)
     with torch.no_grad():  # halved weights: greedy text the head can learn from a few hundred rows

@@ -337,6 +337,9 @@ def _for_checkpoint(body: dict[str, Any] | bytes) -> dict[str, Any] | bytes:
     return out
 
 
+# make test-slow: make test keeps the drain (test_sigterm_drains_running_requests_and_refuses_new_ones) and the
+# clean exit (test_serve_exits_0_after_a_sigterm_drain); this is their 18 s union under hostile clients
+@pytest.mark.slow
 def test_chaos_with_a_sigterm_in_the_middle(checkpoint: Path, tmp_path: Path) -> None:
     """The operations chaos run, through ``tidespec serve``: slow-body and slowloris clients, a burst of
     poisoned requests, 60 concurrent streams of which a third disconnect, and a SIGTERM once all are

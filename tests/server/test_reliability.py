@@ -96,6 +96,7 @@ def test_seeded_requests_repeat_with_the_suffix_drafter() -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # make test: test_seeded_requests_repeat_with_the_suffix_drafter (a tiny model, the same server path)
 def test_embedded_seeded_chat_repeats_with_the_suffix_drafter(embedded: LoadedModel) -> None:
     """The README's serve example (suffix drafter), seeded chat: 5 identical texts, streamed or not,
     and the same text with speculation off."""

@@ -88,8 +88,15 @@ def test_batched_staggered_equals_alone(embedded, prompts, plain_alone):
         assert_same_or_near_tie(embedded, p, ref, g)
 
 
-@pytest.mark.parametrize("drafter,tree", [("ngram", False), ("suffix", False), ("suffix", True),
-                                          ("draft-model", False), ("draft-model", True)])
+# the chains in make test-slow: make test's exactness subset checks n-gram, suffix and draft-model
+# chains on this model bit for bit (tests/speculative/test_exact_matrix.py); the trees stay
+SUBSET_COVERS = pytest.mark.slow
+
+
+@pytest.mark.parametrize("drafter,tree", [pytest.param("ngram", False, marks=SUBSET_COVERS),
+                                          pytest.param("suffix", False, marks=SUBSET_COVERS), ("suffix", True),
+                                          pytest.param("draft-model", False, marks=SUBSET_COVERS),
+                                          ("draft-model", True)])
 def test_speculative_greedy_equals_plain(embedded, prompts, plain_alone, drafter, tree):
     spec = SpecConfig(drafter=drafter, num_speculative_tokens=4, tree=tree, draft_model=DraftModelConfig(layers=6, tree_top_k=2))
     got = run(embedded, spec, prompts, slots=4)
@@ -97,7 +104,9 @@ def test_speculative_greedy_equals_plain(embedded, prompts, plain_alone, drafter
         assert_same_or_near_tie(embedded, p, ref, g)
 
 
-@pytest.mark.parametrize("tree,slots", [(False, 1), (False, 4), (True, 4)])
+# alone and batched chains in make test-slow; make test: the batched tree (every code path of the head)
+@pytest.mark.parametrize("tree,slots", [pytest.param(False, 1, marks=pytest.mark.slow),
+                                        pytest.param(False, 4, marks=pytest.mark.slow), (True, 4)])
 def test_deeper_gated_eagle3_head_greedy_equals_plain(embedded, prompts, plain_alone, tree, slots):
     """Dovetail's head shape (2 layers, gated fusion), started from the target's last layers."""
     target = embedded.model
@@ -123,6 +132,7 @@ def test_controller_switching_drafters_mid_request_equals_plain(embedded, prompt
     assert any(not s.taps for s in policy.seen)
 
 
+@SUBSET_COVERS  # the exactness subset runs every path on two threads, batched and speculating
 def test_two_threads_batched_and_speculative_equal_plain_alone(embedded, prompts, plain_alone, two_threads):
     """Plain decoding alone on one thread is the reference; batched plain decoding and suffix
     speculation (chain and tree), both on two threads, must reproduce it (or hit a logged near-tie)."""
@@ -133,7 +143,8 @@ def test_two_threads_batched_and_speculative_equal_plain_alone(embedded, prompts
             assert_same_or_near_tie(embedded, p, ref, g)
 
 
-@pytest.mark.parametrize("tree,slots", [(False, 1), (False, 4), (True, 4)])
+@pytest.mark.parametrize("tree,slots", [pytest.param(False, 1, marks=pytest.mark.slow),
+                                        pytest.param(False, 4, marks=pytest.mark.slow), (True, 4)])
 def test_eagle3_over_a_changing_draft_vocabulary_greedy_equals_plain(embedded, prompts, plain_alone, tree, slots):
     """The shipped head drafting over a 512-token core + a 64-token ARC buffer refilled between
     steps (the worker's work run synchronously before each ``propose``; graph retrieval only), with

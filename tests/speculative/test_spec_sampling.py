@@ -15,6 +15,9 @@ together raise a false alarm for about 3 % of seed choices):
 
 * ``W_SUBTLE`` = 0.1 (Cohen's "small" effect) with power 0.99 for every configuration of
   ``make test``: 5,000 samples at temperature 0.7 (9 cells), 7,000 at temperature 1.0;
+  ``make test`` samples four of the ten pairs (``FAST_CASES``), the other six at the same size and
+  every pair at ``W_LONG`` are in ``make test-slow`` (each pair costs 12-24 s of pure engine steps:
+  all ten took a sixth of ``make test``);
 * ``W_BROKEN`` = 0.42 with power 0.9999 for the verifiers broken on purpose, whose deviations
   measured at 20,000 samples were w^2 = 0.18-0.64 (w >= 0.42): 500 samples;
 * ``W_LONG`` = 0.055 with power 0.99 in ``make test-slow``: 15,500 / 24,000 samples (every
@@ -179,11 +182,27 @@ def chi2_pvalue(samples: list[tuple[int, ...]], dist: dict[tuple[int, int, int],
 # setting 0 runs seeded requests (race verification), setting 1 unseeded ones (rejection sampling)
 SETTINGS = [SamplingParams(temperature=0.7, top_p=0.9, seed=0), SamplingParams(temperature=1.0, top_p=0.9)]
 CASES = [("ngram", False), ("suffix", False), ("suffix", True), ("draft-model", False), ("draft-model", True)]
+# (setting, drafter, tree) of make test: the seeded race on a branching tree (a race never reads the
+# draft probabilities, so one drafter shows it), rejection sampling on point-mass drafts and on drafts
+# with probabilities, chained and branching; the other pairs repeat one of these code paths with another
+# drafter (make test-slow)
+FAST_CASES = {(0, "suffix", True), (1, "ngram", False), (1, "draft-model", False), (1, "draft-model", True)}
 
 
-@pytest.mark.parametrize("w", [W_SUBTLE, pytest.param(W_LONG, marks=pytest.mark.slow, id="long")])
-@pytest.mark.parametrize("drafter,tree", CASES)
-@pytest.mark.parametrize("setting", range(len(SETTINGS)))
+def _sampling_cases() -> list:
+    """``(setting, drafter, tree, w)`` for every setting x configuration x sample size, ids as
+    ``1-suffix-True-0.1``; ``W_LONG`` and the pairs outside ``FAST_CASES`` marked slow."""
+    out = []
+    for setting in range(len(SETTINGS)):
+        for drafter, tree in CASES:
+            for w in (W_SUBTLE, W_LONG):
+                slow = w == W_LONG or (setting, drafter, tree) not in FAST_CASES
+                out.append(pytest.param(setting, drafter, tree, w, marks=[pytest.mark.slow] if slow else [],
+                                        id=f"{setting}-{drafter}-{tree}-{'long' if w == W_LONG else w}"))
+    return out
+
+
+@pytest.mark.parametrize("setting,drafter,tree,w", _sampling_cases())
 def test_speculative_sampling_matches_target(model, tok, prompt, drafter, tree, setting, w, monkeypatch):
     params = SETTINGS[setting]
     dist = exact_distribution(model, prompt, params)
@@ -198,6 +217,9 @@ def test_speculative_sampling_matches_target(model, tok, prompt, drafter, tree, 
     assert p > ALPHA, f"speculative samples deviate from the target distribution (chi2 p={p:.2e}, {n} samples)"
 
 
+# make test-slow (17 s each): make test samples an EAGLE-3 head's drafts in float32 over a changing draft
+# vocabulary (tests/speculative/test_dynamic_vocab.py); here its bfloat16 + int8 copy, with and without a floor
+@pytest.mark.slow
 @pytest.mark.parametrize("floor", [0.0, 0.4])
 def test_a_bfloat16_eagle3_head_keeps_the_targets_distribution(tok, prompt, floor, monkeypatch):
     """``--eagle3-dtype bfloat16`` on a float64 target, drafting with int8 weights (the CPU default,
@@ -219,6 +241,9 @@ def test_a_bfloat16_eagle3_head_keeps_the_targets_distribution(tok, prompt, floo
     assert p > ALPHA, f"speculative samples deviate from the target distribution (chi2 p={p:.2e})"
 
 
+# make test-slow: the harness's own null check (a harness that rejected the target's own samples would
+# fail every speculative case of make test too)
+@pytest.mark.slow
 @pytest.mark.parametrize("seeded", [True, False])
 def test_plain_sampling_matches_exact(model, tok, prompt, seeded, monkeypatch):
     """The harness itself: plain sampling (race draws or the generator) passes the same test."""
@@ -237,6 +262,9 @@ def test_broken_verifier_is_caught(model, tok, prompt, monkeypatch):
     assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) < ALPHA
 
 
+# make test-slow: the GPU's chain verifier forced on a CPU run (its broken variant below stays in make test,
+# at 500 samples, and shows the path is taken)
+@pytest.mark.slow
 @pytest.mark.parametrize("drafter", ["ngram", "draft-model"])
 def test_the_one_transfer_chain_verifier_matches_target(model, tok, prompt, drafter, monkeypatch):
     """The GPU's chain verifier (``verify_chain_sampled``: every row's draws up front, one host
