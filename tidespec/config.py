@@ -371,8 +371,9 @@ class SpecConfig:
     grammar_drafts: bool = opt(True, "a constrained request's draft starts with the tokens its grammar forces (JSON "
                                      "keys, brackets, enum tails), then the drafter's own (--no-grammar-drafts: the "
                                      "drafter's alone)")
-    prediction_tokens: int = opt(16, "most draft tokens per step from a request's predicted output (OpenAI's "
-                                     "prediction: the text it expects back, drafted where the output follows it); "
+    prediction_tokens: int = opt(16, "most draft tokens per step of a request with a predicted output (OpenAI's "
+                                     "prediction: the text it expects back; drafted with the request's prompt and "
+                                     "output where the output's last tokens occur in them); "
                                      "0 = predictions are not drafted", min=0)
     drafter_device: str = opt("", "device the drafter runs on: cpu, cuda or cuda:N (empty = the target's --device). "
                                   "Only token ids and the target's taps cross devices; "

@@ -2,7 +2,8 @@
 
 The output with any prediction (the output itself, an edit of it, a shuffled or unrelated one) is
 plain decoding's, greedy and seeded, alone, batched and beside a drafter; an edit is found again
-after an insertion or a deletion; a prediction that matches nothing wastes at most one draft a step.
+after an insertion or a deletion; a prediction that matches nothing wastes at most one draft a step
+(it is never drafted from); drafts from the request's prompt and output are not prediction tokens.
 """
 
 from __future__ import annotations
@@ -104,16 +105,32 @@ def test_predictions_beside_a_drafter_and_seeded_sampling_stay_exact(model, tok,
     assert predicted(got)[0] > 0
 
 
-def test_the_alignment_follows_skips_and_insertions() -> None:
-    pd = PredictionDraft([1, 2, 3, 4, 5, 6, 7, 8, 9], cap=8)
-    assert pd.draft(16) == [1]  # nothing matched yet: one token
+def test_the_longest_match_drafts_and_only_the_predictions_drafts_count() -> None:
+    """The module's worked example; then the output repeating itself and the prompt: drafted (twice the
+    match, never past its text), and not counted as prediction tokens."""
+    pd = PredictionDraft([1, 2, 3, 4, 5, 6], cap=8, prompt=[7, 8, 10, 11])
+    assert pd.draft(16) == []  # no output yet
+    pd.advance([1])
+    assert pd.draft(16) == [2, 3] and pd.from_prediction  # the output is the prediction's start
+    pd.advance([2, 9])
+    assert pd.draft(16) == []  # (2, 9) occurs nowhere before
+    pd.advance([4, 5])
+    assert pd.draft(16) == [6] and pd.from_prediction  # (4, 5) in the prediction, to its end
+    assert pd.count(1, 1) == (1, 1) and (pd.accepted, pd.rejected) == (1, 0)
+    pd.advance([6, 30, 31, 32, 33, 30, 31])
+    assert pd.draft(16) == [32, 33, 30, 31] and not pd.from_prediction  # the output's own (30, 31), twice 2
+    assert pd.draft(2) == [32, 33]  # the limit
+    assert pd.count(4, 2) == (0, 0) and (pd.accepted, pd.rejected) == (1, 0)
+    pd.advance([40, 7, 8])
+    assert pd.draft(16) == [10, 11] and not pd.from_prediction  # the prompt's (7, 8), up to its end
     pd.advance([1, 2])
-    assert pd.draft(16) == [3, 4, 5, 6]  # twice the run: 2
-    pd.advance([3, 99])  # 3 followed, 99 is an insertion: lost
-    assert pd.draft(16) == []
-    pd.advance([98, 5, 6])  # the output rejoins the prediction past a deletion of 4
-    assert pd.pos == 6 and pd.draft(16) == [7, 8, 9]  # twice the run (2), to the end
-    pd.advance([7, 8, 9])
-    assert pd.draft(16) == []  # the end of the prediction
-    pd.count(5, 3)
-    assert (pd.accepted, pd.rejected) == (3, 2)
+    assert pd.draft(16) == [3, 4, 5, 6] and pd.from_prediction  # (1, 2): the output's own and the prediction's
+
+
+def test_a_long_match_in_the_prediction_drafts_up_to_the_cap() -> None:
+    pred = list(range(100, 140))
+    pd = PredictionDraft(pred, cap=16)
+    pd.advance(pred[:3])
+    assert pd.draft(64) == pred[3:9]  # twice the match of 3
+    pd.advance(pred[3:20])
+    assert pd.draft(64) == pred[20:36] and pd.draft(5) == pred[20:25]  # the cap, then the limit

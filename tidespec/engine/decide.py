@@ -103,14 +103,16 @@ def prompt_logprobs(seq: Sequence, fwd: ForwardOutput, lo: int, start: int, num:
 
 
 def count_prediction(stats: StepStats, seq: Sequence, drafted: int, accepted: int) -> None:
-    """A predicted output's draft of ``drafted`` tokens, ``accepted`` kept: the request's and the step's counts."""
+    """A predicted output's draft of ``drafted`` tokens, ``accepted`` kept: the request's and the step's
+    counts; prediction tokens only where it came from the prediction (not from the request's prompt or
+    output, ``speculative/prediction.py``)."""
     assert seq.prediction is not None
-    seq.prediction.count(drafted, accepted)
     seq.stats.add_accepted(drafted, accepted)
-    seq.stats.num_accepted_prediction_tokens += accepted
-    seq.stats.num_rejected_prediction_tokens += drafted - accepted
-    stats.num_prediction_tokens += drafted
-    stats.num_accepted_prediction_tokens += accepted
+    pred_drafted, pred_accepted = seq.prediction.count(drafted, accepted)
+    seq.stats.num_accepted_prediction_tokens += pred_accepted
+    seq.stats.num_rejected_prediction_tokens += pred_drafted - pred_accepted
+    stats.num_prediction_tokens += pred_drafted
+    stats.num_accepted_prediction_tokens += pred_accepted
 
 
 def count_draft(stats: StepStats, seq: Sequence, gamma: int, drafter: str | None, draft: SeqDraft | None,

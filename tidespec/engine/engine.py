@@ -171,7 +171,7 @@ class LLMEngine:
         grammar = self.grammars.matcher(params.structured) if params.structured is not None else None
         stops = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         processing = (LogitsProcessing(params, ids, vocab, stops, self.device) if params.processes_logits else None)
-        prediction = (PredictionDraft(params.prediction, self.config.spec.prediction_tokens)
+        prediction = (PredictionDraft(params.prediction, self.config.spec.prediction_tokens, ids)
                       if params.prediction else None)
         seq = Sequence(seq_id=next(self._ids), request_id=rid, prompt_ids=ids, params=params,
                        generator=make_generator(params.seed, self.device),

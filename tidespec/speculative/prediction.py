@@ -2,86 +2,124 @@
 
 Why this exists: a code editor that asks for a file with one change already has almost every token of
 the answer. Verification makes drafting it lossless, so the prediction's tokens are drafts that cost
-nothing to propose: after each step the request's ``PredictionDraft`` finds where the output stands in
-the prediction and offers the tokens that follow. An edit skips or inserts text, so the position is
-found again from the output's last tokens whenever the next token is not the expected one; while the
-output matches nothing in the prediction (an insertion), it drafts nothing.
+nothing to propose. After each step the request's ``PredictionDraft`` finds where the output's last
+tokens occur in the request's own text and offers what follows them there: in the prediction, where
+the output follows it (an edit skips or inserts text, so the place is found again from the output's
+last tokens, not kept as a position), and in the prompt and the output itself, which the output also
+copies (the file as the prompt shows it; a block the output repeats, as small models do).
 
-How much to draft: twice as many tokens as the output has matched the prediction in a row (at least
-one, at most the cap): a long run of agreement is drafted many tokens at once, an alignment found
-again from two tokens four at a time, the start of the output (nothing matched yet) one token; a
-prediction that matches nothing is lost after its first token and drafts nothing, so it wastes at
-most one draft per step.
+Rule (suffix decoding's, arXiv 2411.04975, over one request's text; hand-written because it is a few
+lines over a bigram index, where a suffix-tree library would have to be rebuilt as the output grows):
 
-Worked example (prediction ``a b c d e f``, output so far ``a b``)::
+1. match: the longest suffix of the output (at least ``MIN_MATCH`` tokens, at most ``MAX_MATCH``)
+   that occurs earlier in ``prompt | prediction | output`` with a token after it; while the whole
+   output so far is the prediction's beginning, that match counts whatever its length (so an output
+   that starts as the prediction is drafted from its first token);
+2. ties: the prediction before the output before the prompt (the prediction is what the client
+   said the output is), the latest occurrence within one;
+3. length: twice the match (at least 1, at most the cap), never across the end of its text.
 
-    pd = PredictionDraft([a, b, c, d, e, f], cap=8)
-    pd.advance([a, b])      # both expected: position 2, run 2
-    pd.draft(16)            # -> [c, d, e, f] (twice the run, to the end)
-    pd.advance([c, X])      # c expected, X not: lost; X's bigram (c, X) is nowhere -> no drafts
-    pd.advance([e])         # (X, e) nowhere either; then the model writes `e f`...
-    pd.advance([f])         # (e, f) ends at index 5: position 6 (the end) -> drafts nothing more
+A prediction that matches nothing is never drafted from (no match reaches it), so it wastes nothing;
+only drafts taken from the prediction count as prediction tokens (OpenAI's
+``accepted_prediction_tokens`` / ``rejected_prediction_tokens``), those from the prompt and output
+as the request's other drafts.
+
+Worked example (prompt ``[7, 8]``, prediction ``[1, 2, 3, 4, 5, 6]``, cap 8)::
+
+    pd = PredictionDraft([1, 2, 3, 4, 5, 6], cap=8, prompt=[7, 8])
+    pd.advance([1])        # the output is the prediction's start, matched 1 token
+    pd.draft(16)           # -> [2, 3] (twice the match), from the prediction
+    pd.advance([2, 9])     # 9 is an edit: (2, 9) occurs nowhere before
+    pd.draft(16)           # -> []
+    pd.advance([4])        # (9, 4): nowhere either; then the model writes 5 ...
+    pd.advance([5])        # (4, 5) ends at the prediction's index 4: match 2
+    pd.draft(16)           # -> [6] (the prediction's end)
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+SEP = -1  # between the prompt, the prediction and the output: no match spans two of them
+MIN_MATCH = 2  # a single token matches too often to draft from (the output's start excepted)
+MAX_MATCH = 64  # match lengths are compared up to this (a longer one drafts the cap anyway)
+# occurrences of the output's last two tokens looked at, the latest first: a step's lookup stays under a
+# millisecond however repetitive the request's text (a prompt of one repeated token would otherwise
+# compare thousands of places, MAX_MATCH tokens each, on the engine's thread every step)
+MAX_CANDIDATES = 256
+PROMPT, PREDICTION, OUTPUT = 0, 2, 1  # tie priority of a match's text (higher first)
+
 
 class PredictionDraft:
-    """Where a request's output stands in its prediction (token ids), and the drafts that follow.
+    """A request's drafts from its prediction, prompt and output (token ids).
 
     ``accepted`` / ``rejected``: prediction tokens drafted and kept / drafted and refused by the target
-    (OpenAI's ``accepted_prediction_tokens`` / ``rejected_prediction_tokens``)."""
+    (OpenAI's ``accepted_prediction_tokens`` / ``rejected_prediction_tokens``); ``from_prediction``:
+    whether the last draft came from the prediction."""
 
-    def __init__(self, prediction: list[int], cap: int) -> None:
-        self.pred = list(prediction)
+    def __init__(self, prediction: list[int], cap: int, prompt: list[int] | None = None) -> None:
         self.cap = cap
-        self.pos: int | None = 0  # the prediction's index the next output token is expected at; None: lost
-        self.run = 0  # output tokens that matched the prediction in a row at this alignment
+        self.text: list[int] = [*(prompt or []), SEP]
+        self.pred_start = len(self.text)
+        self.text += [*prediction, SEP]
+        self.out_start = len(self.text)
         self.accepted = 0
         self.rejected = 0
-        self._bigrams: dict[tuple[int, int], list[int]] = defaultdict(list)  # (t, u) -> indices of u
-        for i in range(1, len(self.pred)):
-            self._bigrams[(self.pred[i - 1], self.pred[i])].append(i)
-        self._out: list[int] = []
+        self.from_prediction = False
+        self._prefix = True  # whether the output so far is the prediction's beginning
+        self._ends: dict[tuple[int, int], list[int]] = defaultdict(list)  # (t, u) -> indices of u in text
+        for i in range(1, len(self.text)):
+            self._ends[(self.text[i - 1], self.text[i])].append(i)
+
+    def _kind(self, i: int) -> int:
+        return PROMPT if i < self.pred_start else PREDICTION if i < self.out_start else OUTPUT
+
+    def _match(self) -> tuple[int, int] | None:
+        """(match length, index in ``text`` of the match's last token) of rule 1-2, or None."""
+        text, n = self.text, len(self.text)
+        out = n - self.out_start
+        best: tuple[int, int, int] | None = None  # (length, kind priority, index)
+        if out and self._prefix:
+            best = (min(out, MAX_MATCH), PREDICTION, self.pred_start + out - 1)
+        if out >= MIN_MATCH:
+            for i in self._ends.get((text[-2], text[-1]), [])[-MAX_CANDIDATES - 1:]:
+                if i == n - 1 or text[i + 1] == SEP:  # the output's own end; the prompt's or prediction's end
+                    continue
+                k = 2
+                while k < MAX_MATCH and i - k >= 0 and text[i - k] == text[n - 1 - k] and text[i - k] != SEP:
+                    k += 1
+                key = (k, self._kind(i), i)
+                if best is None or key > best:
+                    best = key
+        return (best[0], best[2]) if best is not None else None
 
     def draft(self, limit: int) -> list[int]:
-        """Up to ``limit`` prediction tokens after the output: twice the ``run`` (at least one), none when lost."""
-        if self.pos is None or limit <= 0:
+        """Up to ``limit`` tokens that follow the output's longest match (rule 3); none without one."""
+        self.from_prediction = False
+        found = self._match() if limit > 0 else None
+        if found is None:
             return []
-        return self.pred[self.pos:self.pos + min(limit, self.cap, max(1, 2 * self.run))]
+        k, end = found
+        draft = self.text[end + 1:end + 1 + min(limit, self.cap, max(1, 2 * k))]
+        if SEP in draft:  # the end of the prompt or the prediction
+            draft = draft[:draft.index(SEP)]
+        self.from_prediction = bool(draft) and self._kind(end) == PREDICTION
+        return draft
 
-    def count(self, drafted: int, accepted: int) -> None:
-        """A step verified ``drafted`` prediction tokens and kept ``accepted`` of them."""
+    def count(self, drafted: int, accepted: int) -> tuple[int, int]:
+        """A step verified ``drafted`` of the last draft's tokens and kept ``accepted``: returns the
+        (drafted, accepted) of them that were prediction tokens (all or none)."""
+        if not self.from_prediction:
+            return 0, 0
         self.accepted += accepted
         self.rejected += drafted - accepted
+        return drafted, accepted
 
     def advance(self, tokens: list[int]) -> None:
-        """The output grew by ``tokens`` (emitted this step): follow the prediction, or find the place again."""
+        """The output grew by ``tokens`` (emitted this step)."""
         for t in tokens:
-            self._out.append(t)
-            if self.pos is not None and self.pos < len(self.pred) and self.pred[self.pos] == t:
-                self.pos += 1
-                self.run += 1
-            else:
-                self._resync()
-
-    def _resync(self) -> None:
-        """Align on the output's last two tokens: of the places they occur in the prediction, the one the
-        output agrees with longest backwards (the first such at or after the old position on a tie)."""
-        out = self._out
-        old = self.pos or 0
-        self.pos, self.run = None, 0
-        if len(out) < 2:
-            return
-        best: tuple[int, int, int] | None = None  # (match length, after the old position, -index)
-        for i in self._bigrams.get((out[-2], out[-1]), []):
-            k = 2
-            while k < len(out) and i - k >= 0 and self.pred[i - k] == out[-1 - k]:
-                k += 1
-            key = (k, int(i >= old), -i)
-            if best is None or key > best:
-                best = key
-        if best is not None:
-            self.pos, self.run = -best[2] + 1, best[0]
+            i = len(self.text) - self.out_start  # the output's index of t
+            at = self.pred_start + i  # where t stands in the prediction if the output still follows it
+            self._prefix = self._prefix and at < self.out_start - 1 and self.text[at] == t
+            self.text.append(t)
+            self._ends[(self.text[-2], self.text[-1])].append(len(self.text) - 1)
