@@ -49,13 +49,13 @@ CASES = [  # (q_lens, slots): ctx = what the prefill left in each slot
 ]
 
 
-# make test: the verification shapes (one and several sequences of several rows, ragged, slots not
-# at 0), two of the four graphs (each a 10-15 s cold compile); make test-slow: every case, and the
-# sliding-window graph (Mistral's: the same code path with a window mask)
+# make test-slow (48 s on CI's empty cache): the verification shapes (one and several sequences of several
+# rows, ragged, slots not at 0), every case, and the sliding-window graph (Mistral's: the same code path with
+# a window mask); make test compiles the engine's step (below) and a compiled path of the exactness subset
 VERIFY_CASES = [CASES[1], CASES[3]]
 
 
-@pytest.mark.parametrize("window,cases", [(None, VERIFY_CASES),
+@pytest.mark.parametrize("window,cases", [pytest.param(None, VERIFY_CASES, marks=pytest.mark.slow),
                                           pytest.param(None, CASES, marks=pytest.mark.slow, id="all"),
                                           pytest.param(6, CASES, marks=pytest.mark.slow, id="6")])
 def test_compiled_step_equals_eager(window: int | None, cases: list[tuple[list[int], list[int]]]) -> None:
@@ -121,9 +121,10 @@ def _greedy(engine: LLMEngine) -> list[list[int]]:
     return [done[f"r{i}"].token_ids for i in range(len(PROMPTS))]
 
 
-# make test: plain, a model-free drafter and EAGLE-3 (the step with taps); n-gram and the draft model (its own
-# compiled forward) in make test-slow
-@pytest.mark.parametrize("drafter", ["none", pytest.param("ngram", marks=pytest.mark.slow), "suffix",
+# make test: plain and EAGLE-3 (the step with taps); the model-free drafters and the draft model (its own
+# compiled forward) in make test-slow (each compile is 10-30 s on CI's empty cache)
+@pytest.mark.parametrize("drafter", ["none", pytest.param("ngram", marks=pytest.mark.slow),
+                                     pytest.param("suffix", marks=pytest.mark.slow),
                                      pytest.param("draft-model", marks=pytest.mark.slow), "eagle3"])
 def test_engine_with_compile_gives_the_eager_text_and_compiles_nothing_after_warm_up(drafter: str) -> None:
     plain = _greedy(_engine(False, "none"))
