@@ -14,6 +14,7 @@ from tidespec.bench.memory.run import MemoryBenchConfig, run_memory_bench
 from tidespec.config import ConfigError
 
 
+@pytest.mark.slow  # two servers started and measured (19-24 s); make test checks the config
 def test_memory_bench_on_a_tiny_checkpoint(tmp_path: Path) -> None:
     hf, _ = tiny_hf_model("qwen2", torch.float32)
     ckpt = write_tiny_checkpoint(hf, tmp_path / "ckpt")

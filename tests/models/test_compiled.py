@@ -82,6 +82,7 @@ def test_compiled_step_equals_eager(window: int | None, cases: list[tuple[list[i
     assert plain is not None and plain.taps is None and torch.equal(plain.logits, comp.logits)
 
 
+@pytest.mark.slow  # its own graphs: 31 s of g++ on CI's empty cache
 def test_another_model_reuses_the_graphs_with_its_own_weights() -> None:
     """Weights and caches are graph inputs: a second model of the same shape compiles nothing and
     gets its own results."""
@@ -121,11 +122,12 @@ def _greedy(engine: LLMEngine) -> list[list[int]]:
     return [done[f"r{i}"].token_ids for i in range(len(PROMPTS))]
 
 
-# make test: plain and EAGLE-3 (the step with taps); the model-free drafters and the draft model (its own
-# compiled forward) in make test-slow (each compile is 10-30 s on CI's empty cache)
+# make test compiles one engine, plain (40 s of g++ on CI's empty cache); every drafter, EAGLE-3's taps
+# (another graph, 60 s) included, in make test-slow
 @pytest.mark.parametrize("drafter", ["none", pytest.param("ngram", marks=pytest.mark.slow),
                                      pytest.param("suffix", marks=pytest.mark.slow),
-                                     pytest.param("draft-model", marks=pytest.mark.slow), "eagle3"])
+                                     pytest.param("draft-model", marks=pytest.mark.slow),
+                                     pytest.param("eagle3", marks=pytest.mark.slow)])
 def test_engine_with_compile_gives_the_eager_text_and_compiles_nothing_after_warm_up(drafter: str) -> None:
     plain = _greedy(_engine(False, "none"))
     engine = _engine(True, drafter)
@@ -136,6 +138,7 @@ def test_engine_with_compile_gives_the_eager_text_and_compiles_nothing_after_war
     assert step is not None and step.num_compiled > 0 and engine.compile_seconds > 0
 
 
+@pytest.mark.slow  # another engine's compile: 22 s on CI's empty cache
 def test_a_sequence_that_fills_its_context_compiles_nothing_new() -> None:
     """A key length equal to the cache's full length would need a graph of its own (a guard of the
     traced ones); the engine's cache has KV_MARGIN spare positions, so a sequence that runs to

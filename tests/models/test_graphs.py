@@ -154,6 +154,7 @@ def test_engine_over_the_static_block_is_lossless(monkeypatch, drafter, tree):
     assert graphs is not None and graphs.num_replayed > 0 and graphs.num_declined == 0
 
 
+@pytest.mark.slow  # a compile: 22 s of g++ on CI's empty cache
 def test_compiled_layer_in_the_static_block_equals_eager_forward():
     model = tiny_llama(64, layers=2, seed=1, dtype=torch.float32)
     eager_kv = KVCache.for_model(model.cfg, 3, 64, torch.float32)
