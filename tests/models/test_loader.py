@@ -21,6 +21,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tests.helpers import full_logits, tiny_hf_model, write_tiny_checkpoint
 from tidespec.models import loader
+from tidespec.models.gguf_convert import convert_gguf
 from tidespec.models.loader import LoadedModel, ModelLoadError, cache_dir, hf_checkpoint_dir, load_model
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -34,9 +35,10 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(hf: transformers.PreTrainedModel, path: Path, arch: str = "llama") -> Path:
-    """A float32 GGUF of a tiny tied-embedding HF Llama with a byte-level BPE vocabulary of
-    256 bytes + 2 merges + 3 control tokens (261 ids)."""
+def write_tiny_gguf(hf: transformers.PreTrainedModel, path: Path, arch: str = "llama",
+                    qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
+    """A GGUF of a tiny tied-embedding HF Llama with a byte-level BPE vocabulary of 256 bytes + 2
+    merges + 3 control tokens (261 ids); matrices float32 or quantized to ``qtype`` by gguf-py."""
     cfg = hf.config
     tokens = list(bytes_to_unicode().values()) + ["Ġt", "he"] + SPECIALS
     assert cfg.vocab_size == len(tokens) and cfg.tie_word_embeddings
@@ -61,7 +63,13 @@ def write_tiny_gguf(hf: transformers.PreTrainedModel, path: Path, arch: str = "l
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
     sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}
-    w.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+
+    def add(name: str, t: np.ndarray) -> None:
+        if t.ndim == 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, gguf.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, t)
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
     w.add_tensor("output_norm.weight", sd["model.norm.weight"])
     names = dict(input_layernorm="attn_norm", post_attention_layernorm="ffn_norm", **{
         "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
@@ -74,7 +82,7 @@ def write_tiny_gguf(hf: transformers.PreTrainedModel, path: Path, arch: str = "l
                 t = _llama_cpp_permute(t, cfg.num_attention_heads)
             elif hf_name == "self_attn.k_proj":
                 t = _llama_cpp_permute(t, cfg.num_key_value_heads)
-            w.add_tensor(f"blk.{i}.{gg_name}.weight", t)
+            add(f"blk.{i}.{gg_name}.weight", t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -128,6 +136,31 @@ def test_gguf_conversion_reproduces_hf_model(tiny_gguf: tuple[transformers.PreTr
     assert tok(text)["input_ids"][0] != tok.bos_token_id  # add_bos_token = false carried over
     leftovers = [p.name for p in private_cache.iterdir() if p.name.startswith(".")]
     assert leftovers == []  # the temp dir was renamed into place, nothing left behind
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0])
+def test_conversion_gives_transformers_own_conversion_bit_for_bit(
+        tiny_gguf: tuple[transformers.PreTrainedModel, Path], qtype: gguf.GGMLQuantizationType, tmp_path: Path) -> None:
+    """tidespec's one-read converter (``models/gguf_convert.py``) gives the tensors, the config and the
+    tokenizer that transformers' own GGUF loading gives (tidespec's converter until 2026-12-03)."""
+    hf, _ = tiny_gguf
+    path = write_tiny_gguf(hf, tmp_path / f"tiny-{qtype.name}.gguf", qtype=qtype)
+    out = convert_gguf(path, tmp_path / "ours")
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    ours, theirs = load_file(str(out / "model.safetensors")), ref.state_dict()
+    assert sorted(ours) == sorted(k for k in theirs if k != "lm_head.weight")  # tied: HF re-ties it
+    assert all(torch.equal(ours[k], theirs[k]) for k in ours), [k for k in ours if not torch.equal(ours[k], theirs[k])]
+    cfg, ref_cfg = json.loads((out / "config.json").read_text()), json.loads(json.dumps(ref.config.to_dict()))
+    assert cfg["architectures"] == [type(ref).__name__]
+    assert {k: v for k, v in cfg.items() if k not in ("architectures", "dtype", "transformers_version")} == {
+        k: v for k, v in ref_cfg.items() if k not in ("architectures", "dtype", "transformers_version",
+                                                      "_name_or_path", "quantization_config")}
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    ref_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    for text in ("the tiny test", "  two  spaces\n\nand lines", "<|im_start|>user\nhé<|im_end|>"):
+        assert tok(text)["input_ids"] == ref_tok(text)["input_ids"], text
+    assert tok.chat_template == ref_tok.chat_template == CHAT_TEMPLATE
+    assert (tok.bos_token, tok.eos_token) == (ref_tok.bos_token, ref_tok.eos_token)
 
 
 def test_second_load_reuses_conversion(tiny_gguf: tuple[transformers.PreTrainedModel, Path],

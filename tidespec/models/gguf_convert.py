@@ -1,0 +1,167 @@
+"""Convert a llama.cpp GGUF file into an HF directory (float32 safetensors, config, tokenizer), reading it once.
+
+Why this exists: transformers loads a GGUF itself (``from_pretrained(gguf_file=...)``), and tidespec
+converted with it until 2026-12-03, but for the llama family that path parses the file's metadata
+with gguf-py's reader three times (the tokenizer's config, the model's config, the weights: ~6 s
+each for a 49k-token vocabulary on the 2-core machine) and rebuilds gguf-py's name map once per
+module (~8 s): 45 s for the embedded 135M model, paid at every first start and every CI run. Here
+the file is parsed once with gguf-py (``gguf.GGUFReader``), the config comes from transformers'
+own GGUF config mapping (``AutoConfig.from_pretrained(gguf_file=...)``, one more parse: the
+mapping of metadata keys per family is transformers' to keep), names are mapped with one gguf-py
+``TensorNameMap``, weights are dequantized by gguf-py, llama.cpp's q/k row permutation is undone
+as transformers does, and the tokenizer is transformers' GGUF tokenizer converter. The result is
+the same directory, bit for bit in every tensor, as transformers' conversion
+(``tests/models/test_loader.py``): ~14 s for the embedded model.
+
+Worked example::
+
+    convert_gguf(Path("SmolLM2-135M-Instruct.Q4_1.gguf"), Path("/tmp/smol"))
+    # /tmp/smol: config.json (LlamaForCausalLM), model.safetensors (float32, no lm_head: tied),
+    #            tokenizer.json, tokenizer_config.json, chat_template.jinja, generation_config.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import gguf
+import numpy as np
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from tidespec.errors import UserError
+
+# GGUF ``general.architecture`` -> the gguf-py architecture whose tensor names it uses. A "mistral"
+# GGUF names its tensors as llama does (llama.cpp has no architecture of that name).
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+# the architectures whose q/k rows llama.cpp's converter permuted for its rope (convert_hf_to_gguf's
+# LlamaModel.permute), undone here as transformers' LlamaTensorProcessor does
+PERMUTED_QK = ("llama",)
+# weights, parsing errors, I/O: what a bad file raises from gguf-py, numpy, transformers or torch
+_READ_ERRORS = (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError, RuntimeError, TypeError)
+
+
+class GgufConversionError(UserError):
+    """A GGUF file could not be converted; the message is one line naming the file and the problem."""
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> object | None:
+    field = reader.fields.get(key)
+    return field.contents() if field is not None else None
+
+
+def read_gguf(gguf_path: Path) -> tuple[gguf.GGUFReader, str, str | None]:
+    """``(reader, general.architecture, tokenizer.chat_template or None)``, validating the file."""
+    try:
+        reader = gguf.GGUFReader(str(gguf_path))
+        arch, template = _field(reader, "general.architecture"), _field(reader, "tokenizer.chat_template")
+    except _READ_ERRORS as exc:
+        raise GgufConversionError(f"corrupt GGUF file {gguf_path}: {_one_line(exc)}") from None
+    if not isinstance(arch, str):
+        raise GgufConversionError(f"GGUF file {gguf_path} has no general.architecture")
+    return reader, arch, template if isinstance(template, str) else None
+
+
+def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's rope permutation of q/k rows: per head, rows ``[0, 2, 4, .., 1, 3, ..]`` of
+    the interleaved layout go back to HF's half-split layout. ``w [heads * head_dim, ...]``.
+
+    Example (one head of 4 rows): GGUF rows ``[a0, b0, a1, b1]`` -> HF rows ``[a0, a1, b0, b1]``."""
+    half = w.shape[0] // heads // 2
+    return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+
+
+def gguf_state_dict(reader: gguf.GGUFReader, arch: str, config: transformers.PretrainedConfig,
+                    hf_names: list[str]) -> dict[str, torch.Tensor]:
+    """The file's tensors as float32 under HF names (``hf_names``: the model class's state-dict keys);
+    tensors the model has no place for (llama 3's ``rope_freqs``) are left out, as transformers does."""
+    arch_ids = {name: arch_id for arch_id, name in gguf.MODEL_ARCH_NAMES.items()}
+    name_map = gguf.get_tensor_name_map(arch_ids[GGUF_ARCHITECTURES[arch]], config.num_hidden_layers)
+    to_hf: dict[str, str] = {}
+    for hf_name in hf_names:
+        base, dot, suffix = hf_name.rpartition(".")
+        gguf_name = name_map.get_name(base) if suffix in ("weight", "bias") else None
+        if gguf_name is not None:
+            to_hf[f"{gguf_name}{dot}{suffix}"] = hf_name
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        if t.name not in to_hf:
+            continue
+        w = gguf.dequantize(t.data, t.tensor_type)  # numpy, HF's [out, in] order
+        if arch in PERMUTED_QK and ".attn_q." in t.name:
+            w = unpermute_qk(w, heads)
+        elif arch in PERMUTED_QK and ".attn_k." in t.name:
+            w = unpermute_qk(w, kv_heads)
+        tensors[to_hf[t.name]] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+    return tensors
+
+
+def convert_gguf(gguf_path: Path, out: Path) -> Path:
+    """Dequantize ``gguf_path`` into HF directory ``out`` (config.json, float32 model.safetensors,
+    tokenizer, generation_config.json). Written to a temporary sibling and renamed into place,
+    so a crash never leaves a half-written cache entry."""
+    reader, arch, template = read_gguf(gguf_path)
+    if arch not in GGUF_ARCHITECTURES:
+        raise GgufConversionError(
+            f"unknown GGUF architecture {arch!r} in {gguf_path}; supported: {', '.join(GGUF_ARCHITECTURES)}")
+    parent, name = str(gguf_path.parent), gguf_path.name
+    try:
+        hf_config = transformers.AutoConfig.from_pretrained(parent, gguf_file=name)
+        # the tokenizer class directly: AutoTokenizer would parse the file's config once more
+        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(parent, gguf_file=name)
+        with torch.device("meta"):  # the class and its tensor names, no memory
+            skeleton = transformers.AutoModelForCausalLM.from_config(hf_config)
+        tensors = gguf_state_dict(reader, arch, hf_config, list(skeleton.state_dict()))
+    except _READ_ERRORS + (NotImplementedError,) as exc:
+        raise GgufConversionError(f"cannot convert GGUF file {gguf_path}: {_one_line(exc)}") from None
+    if tokenizer.chat_template is None and template is not None:
+        tokenizer.chat_template = template
+    config = hf_config.to_dict()
+    config.pop("quantization_config", None)  # the saved weights are plain float32
+    config.pop("_name_or_path", None)
+    config["architectures"] = [type(skeleton).__name__]
+    config["dtype"] = "float32"
+    tied = bool(config.get("tie_word_embeddings", False))
+    if tied:
+        tensors.pop("lm_head.weight", None)  # HF loaders re-tie it
+    missing = sorted(set(skeleton.state_dict()) - set(tensors) - ({"lm_head.weight"} if tied else set()))
+    if missing:
+        raise GgufConversionError(f"GGUF file {gguf_path} lacks {len(missing)} tensors, e.g. {missing[0]}")
+    _write(out, tensors, config, tokenizer, transformers.GenerationConfig.from_model_config(hf_config))
+    return out
+
+
+def _write(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, object],
+           tokenizer: transformers.PreTrainedTokenizerBase, generation: transformers.GenerationConfig) -> None:
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    except OSError as exc:
+        raise GgufConversionError(f"cannot create cache directory {out.parent}: {_one_line(exc)}") from None
+    tmp.chmod(0o755)  # mkdtemp makes it private; the cache entry is an ordinary directory
+    try:
+        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
+        tokenizer.save_pretrained(str(tmp))
+        generation.save_pretrained(str(tmp))
+        try:
+            os.replace(tmp, out)
+        except OSError:
+            if not (out / "config.json").is_file():  # not a concurrent converter winning the race
+                raise
+    except OSError as exc:
+        raise GgufConversionError(f"cannot write converted model to {out}: {_one_line(exc)}") from None
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
