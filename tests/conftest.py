@@ -27,7 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 import torch
 
-from tidespec.models.loader import LoadedModel, load_model
+from tidespec.models.loading.loader import LoadedModel, load_model
 
 _STARTED = pytest.StashKey[float]()
 

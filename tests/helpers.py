@@ -35,8 +35,10 @@ from tidespec.config import DraftModelConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
 from tidespec.llm import build_drafter
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaConfig, LlamaModel
+from tidespec.models.families.llama import LlamaModel
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
+from tidespec.models.target import TargetConfig
 from tidespec.online.store import SignalShard, SignalStore
 from tidespec.speculative.api import Drafter
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
@@ -88,12 +90,12 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>")
 
 
-def tiny_config(vocab_size: int = 64, layers: int = 2, eos: int = 0, **kw: object) -> LlamaConfig:
+def tiny_config(vocab_size: int = 64, layers: int = 2, eos: int = 0, **kw: object) -> TargetConfig:
     base = dict(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_layers=layers, num_heads=4,
                 num_kv_heads=2, head_dim=8, max_position_embeddings=512, rope_theta=10000.0,
                 eos_token_ids=(eos,))
     base.update(kw)
-    return LlamaConfig(**base)  # type: ignore[arg-type]
+    return TargetConfig(**base)  # type: ignore[arg-type]
 
 
 def tiny_llama(vocab_size: int = 64, layers: int = 2, seed: int = 0, dtype: torch.dtype = torch.float64,
@@ -215,7 +217,7 @@ def tiny_hf_model(arch: str, dtype: torch.dtype, seed: int = 0,
     hf = model_cls._from_config(hf_cfg, attn_implementation="sdpa", dtype=torch.float32)
     randomize_(hf, seed)
     hf = hf.to(dtype).eval()
-    ours = LlamaModel(LlamaConfig.from_hf(hf_cfg.to_dict()))
+    ours = LlamaModel(TargetConfig.from_hf(hf_cfg.to_dict()))
     ours.load_hf_state_dict(hf.state_dict())
     return hf, ours.to(dtype).eval()
 

@@ -174,7 +174,7 @@ def named_somewhere(name: str) -> bool:
 
 def test_architecture_source_paths_exist() -> None:
     """docs/architecture.md is the map of the code: every source path it names (`online/signals.py`,
-    `models/csrc/`, `kv_paged.py`) is a file or folder of the repository."""
+    `models/kernels/csrc/`, `kv_paged.py`) is a file or folder of the repository."""
     named: list[tuple[Line, str]] = []
     for line in lines_of(ARCHITECTURE):
         names = {m.group(1) for m in SOURCE_PATH.finditer(line.text)}
@@ -261,7 +261,7 @@ class Class:
 class Index:
     """The package's source as ``ast`` sees it, built once."""
 
-    modules: dict[str, Module]  # by dotted name, ``tidespec.models.quant``
+    modules: dict[str, Module]  # by dotted name, ``tidespec.models.quant.quantize``
     classes: dict[str, list[Class]]  # by class name (two modules may define one name)
     names: frozenset[str]  # every top-level name, class attribute and C++ op (``exact_linear``) of the package
 

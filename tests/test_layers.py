@@ -16,12 +16,21 @@ ROOT = PACKAGE.parent
 
 def test_layers_contract_holds() -> None:
     """pyproject's import-linter contracts, every one kept: no module imports a layer above its own, no
-    circles; the serving process's online code and the trainer child's never import each other."""
+    circles; models/'s sub-packages in their own layers; the serving process's online code and the
+    trainer child's never import each other."""
     proc = subprocess.run([str(Path(sys.executable).parent / "lint-imports"), "--no-cache"], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     contracts = (ROOT / "pyproject.toml").read_text().count("[[tool.importlinter.contracts]]")
-    assert contracts == 3 and f"{contracts} kept, 0 broken" in proc.stdout
+    assert contracts == 4 and f"{contracts} kept, 0 broken" in proc.stdout
+
+
+def test_no_layer_above_models_names_a_model_family() -> None:
+    """The engine, the drafters, online learning, the server and the benchmarks see a ``TargetModel``
+    (``models/target.py``), never the llama family's ``LlamaModel``: a family is one module below."""
+    named = [str(path.relative_to(PACKAGE)) for path in sorted(PACKAGE.rglob("*.py"))
+             if path.parent.relative_to(PACKAGE).parts[:1] != ("models",) and "LlamaModel" in path.read_text()]
+    assert named == []
 
 
 def test_import_tidespec_loads_no_online_server_or_plotting() -> None:

@@ -61,7 +61,7 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 def cmd_profile(ns: argparse.Namespace) -> int:
     from tidespec.llm import build_engine
-    from tidespec.models.executor import ExecutorOptions
+    from tidespec.models.execution.executor import ExecutorOptions
     from tidespec.speculative.policy.profiler import load_or_measure
     config = engine_config_from_args(ns)
     engine = build_engine(config)

@@ -59,8 +59,8 @@ from tidespec.config import CacheConfig, EngineConfig, NgramConfig, PolicyConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.errors import UserError
 from tidespec.llm import build_drafter, build_policy
-from tidespec.models.eagle3_checkpoint import shipped_bootstrap
-from tidespec.models.loader import LoadedModel, load_model
+from tidespec.models.eagle3.checkpoint import shipped_bootstrap
+from tidespec.models.loading.loader import LoadedModel, load_model
 from tidespec.online.training.judge import gain_interval
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.policy.api import SpeculationPolicy

@@ -25,11 +25,11 @@ from tidespec.config import DraftVocabConfig, EngineConfig, ModelConfig, SpecCon
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
 from tidespec.errors import ConfigError
-from tidespec.models.eagle3_checkpoint import is_checkpoint_dir, seed_root, shipped_head_for
-from tidespec.models.executor import ExecutorOptions
-from tidespec.models.llama import LlamaConfig, LlamaModel, output_matrix
-from tidespec.models.loader import DTYPES, LoadedModel, load_model
-from tidespec.models.quant import Int8Linear
+from tidespec.models.eagle3.checkpoint import is_checkpoint_dir, seed_root, shipped_head_for
+from tidespec.models.execution.executor import ExecutorOptions
+from tidespec.models.loading.loader import DTYPES, LoadedModel, load_model
+from tidespec.models.quant.quantize import Int8Linear
+from tidespec.models.target import TargetConfig, TargetModel, output_matrix
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter
 from tidespec.speculative.policy.api import SpeculationPolicy
@@ -53,7 +53,7 @@ def load_target(mc: ModelConfig) -> LoadedModel:
                       quant_group_size=mc.quant_group_size)
 
 
-def attach_draft_vocab(drafter: Drafter | None, vc: DraftVocabConfig, target: LlamaModel,
+def attach_draft_vocab(drafter: Drafter | None, vc: DraftVocabConfig, target: TargetModel,
                        tokenizer: PreTrainedTokenizerBase) -> DynamicVocab | None:
     """Give the first member of ``drafter`` whose output layer can draft over a vocabulary
     (``Drafter.vocab_output``; in a ``MultiDrafter``, the first such member in its order) the
@@ -92,7 +92,7 @@ def draft_vocab_of(engine: LLMEngine) -> DynamicVocab | None:
     return engine.drafter.vocab if engine.drafter is not None else None
 
 
-def build_policy(config: EngineConfig, model: LlamaModel, drafter: Drafter | None,
+def build_policy(config: EngineConfig, model: TargetModel, drafter: Drafter | None,
                  progress: Callable[[str], None] | None = None) -> SpeculationPolicy | None:
     """The speculation-length policy with guards (``config.policy``, gamma_max from ``config.spec``);
     profiles the model first when the policy needs costs (analytic, hybrid; bandit for the
@@ -116,7 +116,7 @@ def build_policy(config: EngineConfig, model: LlamaModel, drafter: Drafter | Non
         stateful=stateful_names(drafter)))
 
 
-def with_shipped_head(spec: SpecConfig, target_cfg: LlamaConfig, online: bool = False) -> SpecConfig:
+def with_shipped_head(spec: SpecConfig, target_cfg: TargetConfig, online: bool = False) -> SpecConfig:
     """``spec`` with ``--eagle3-dir`` at the shipped head when EAGLE-3 is among its drafters, no
     directory was given and the head fits the target (the embedded model): what ``--drafter eagle3``
     on the embedded model should mean, since a fresh random head drafts nothing that is accepted
@@ -139,7 +139,7 @@ def with_shipped_head(spec: SpecConfig, target_cfg: LlamaConfig, online: bool = 
     return spec
 
 
-def build_engine(config: EngineConfig, model: LlamaModel | None = None,
+def build_engine(config: EngineConfig, model: TargetModel | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None, drafter: Drafter | None = None) -> LLMEngine:
     """Load (unless given) the model and tokenizer and wire the configured drafter and policy."""
     mc = config.model
@@ -166,7 +166,7 @@ def build_engine(config: EngineConfig, model: LlamaModel | None = None,
 class LLM:
     """Offline facade: ``LLM(config).generate(prompts, params)`` like vLLM's."""
 
-    def __init__(self, config: EngineConfig | None = None, *, model: LlamaModel | None = None,
+    def __init__(self, config: EngineConfig | None = None, *, model: TargetModel | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None, drafter: Drafter | None = None) -> None:
         from tidespec.llm import build_engine  # late import: runtime imports this module
 

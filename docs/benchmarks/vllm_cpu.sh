@@ -25,7 +25,7 @@ ROUNDS=${2:-2}
 DTYPE=${DTYPE:-float32}
 VLLM_PY=${VLLM_PY:-/tmp/vllmenv/bin/python}
 TS=${TS:-.venv/bin/tidespec}
-MODEL=$(.venv/bin/python -c "from tidespec.models.loader import hf_checkpoint_dir; print(hf_checkpoint_dir(None))")
+MODEL=$(.venv/bin/python -c "from tidespec.models.loading.loader import hf_checkpoint_dir; print(hf_checkpoint_dir(None))")
 PORT=${PORT:-8311}
 mkdir -p "$OUT"
 

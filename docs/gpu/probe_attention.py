@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import tidespec.models.graphs as graphs_mod
+import tidespec.models.execution.graphs as graphs_mod
 from tidespec.bench.anchor.run import SHAPES, random_model
-from tidespec.models.graphs import GraphStep
-from tidespec.models.kv_cache import KVCache
+from tidespec.models.execution.graphs import GraphStep
+from tidespec.models.kv.cache import KVCache
 
 variant = sys.argv[1]
 

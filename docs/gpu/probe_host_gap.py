@@ -7,8 +7,8 @@ import time
 import torch
 
 from tidespec.bench.anchor.run import SHAPES, random_model
-from tidespec.models.graphs import GraphStep
-from tidespec.models.kv_cache import KVCache
+from tidespec.models.execution.graphs import GraphStep
+from tidespec.models.kv.cache import KVCache
 
 model = random_model(SHAPES["smollm2-135m"], torch.bfloat16, "cuda", 0)
 cfg = model.cfg

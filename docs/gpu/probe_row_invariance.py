@@ -11,7 +11,7 @@ match the 1-row call.
 Part 2, the graphs (random weights of the 135M shape, bfloat16, compiled layer): one sequence's
 logits at a position from a decode step (1 row) and from a 5-row verification, in the usual graphs,
 in fixed-shape graphs (``GraphStep(fixed_shape=True)``) and in the usual graphs with the fixed-order
-attention kernel (``row_kernel=True``, ``models/row_attention.py``), beside another sequence too,
+attention kernel (``row_kernel=True``, ``models/kernels/row_attention.py``), beside another sequence too,
 and the replay time of a decode step in each. Usage (about a minute): ``PYTHONPATH=$PWD python3
 docs/gpu/probe_row_invariance.py [cuda]``; on a CPU it runs part 1 only.
 """
@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tidespec.bench.anchor.run import SHAPES, random_model
-from tidespec.models.attention import NOT_CUDNN
-from tidespec.models.graphs import GraphStep
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout
+from tidespec.models.execution.graphs import GraphStep
+from tidespec.models.kernels.attention import NOT_CUDNN
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
 
 DEVICE = sys.argv[1] if len(sys.argv) > 1 else "cuda"
 ROWS = (1, 2, 3, 4, 5, 8, 16, 32, 40, 64, 80, 128, 256, 512)

@@ -23,8 +23,8 @@ from tidespec.bench.spec import run as spec_bench
 from tidespec.bench.spec.run import HeadVariant, SpecBenchConfig, _pooled_tpot, run_spec_bench
 from tidespec.config import ConfigError, DraftVocabConfig, Eagle3Options, EngineConfig, ModelConfig, SpecConfig
 from tidespec.llm import build_engine
-from tidespec.models.eagle3_checkpoint import export_eagle3, fresh_head
-from tidespec.models.loader import LoadedModel, load_model
+from tidespec.models.eagle3.checkpoint import export_eagle3, fresh_head
+from tidespec.models.loading.loader import LoadedModel, load_model
 from tidespec.sampling import SamplingParams
 from tidespec.workloads.loader import (
     WorkloadError,

@@ -12,7 +12,7 @@ from tidespec.bench.anchor.model import AnchorModel
 from tidespec.bench.anchor.run import SHAPES, AnchorBenchConfig, run_anchor_bench, synthetic_tokenizer
 from tidespec.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.models.llama import LlamaConfig
+from tidespec.models.target import TargetConfig
 from tidespec.sampling import SamplingParams
 
 
@@ -32,7 +32,7 @@ def test_anchor_decodes_what_the_engine_decodes():
 
 
 def test_anchor_bench_runs_and_rejects_unknown_shapes(tmp_path, monkeypatch):
-    tiny = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+    tiny = TargetConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=8, max_position_embeddings=256)
     monkeypatch.setitem(SHAPES, "tiny", tiny)
     cfg = AnchorBenchConfig(shapes=("tiny",), batch_sizes=(1, 2), prompt_len=4, max_tokens=6, rounds=2,

@@ -22,9 +22,9 @@ from tidespec.bench.learn.run import (
     vocab_coverage,
 )
 from tidespec.config import ConfigError
-from tidespec.models.eagle3_checkpoint import import_eagle3
-from tidespec.models.eagle3_head import Eagle3Config
-from tidespec.models.loader import LoadedModel
+from tidespec.models.eagle3.checkpoint import import_eagle3
+from tidespec.models.eagle3.head import Eagle3Config
+from tidespec.models.loading.loader import LoadedModel
 from tidespec.online.training.data import heldout_keys
 from tidespec.online.training.eagle3_train import SignalSegment
 from tidespec.online.training.judge import HeadWalk

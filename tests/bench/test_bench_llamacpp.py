@@ -23,7 +23,7 @@ from tidespec.bench.decode import run as decode_mod
 from tidespec.bench.decode.llamacpp import open_llamacpp, target_gguf
 from tidespec.bench.decode.run import DecodeBenchConfig, parse_compare, run_decode_bench
 from tidespec.config import ConfigError, ModelConfig
-from tidespec.models.loader import LoadedModel, converted_dir_for, resolve_embedded_gguf
+from tidespec.models.loading.loader import LoadedModel, converted_dir_for, resolve_embedded_gguf
 
 
 def _tiny_target() -> LoadedModel:

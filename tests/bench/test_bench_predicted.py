@@ -13,7 +13,7 @@ from tests.helpers import byte_tokenizer, run_to_completion, tiny_llama
 from tidespec.bench.spec.predicted import CONFIGS, LOGPROB_CONFIGS, PredictedBenchConfig, run_predicted_bench
 from tidespec.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, PolicyConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.models.loader import LoadedModel
+from tidespec.models.loading.loader import LoadedModel
 from tidespec.sampling import SamplingParams
 
 MAX_TOKENS = 24

@@ -16,8 +16,8 @@ from tidespec.bench.cli import register
 from tidespec.bench.profile.run import weight_bytes_per_token
 from tidespec.bench.quality.run import QualityBenchConfig, identical_prefix, run_quality_bench
 from tidespec.config import ConfigError
-from tidespec.models.loader import LoadedModel
-from tidespec.models.quant import quantize_model
+from tidespec.models.loading.loader import LoadedModel
+from tidespec.models.quant.quantize import quantize_model
 
 
 def _workload(path: Path, n: int = 3) -> Path:

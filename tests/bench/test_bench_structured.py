@@ -11,7 +11,7 @@ import pytest
 from tests.helpers import byte_tokenizer, tiny_llama
 from tidespec.bench.spec.structured import CONFIGS, StructuredBenchConfig, run_structured_bench
 from tidespec.config import ConfigError, ModelConfig, PolicyConfig
-from tidespec.models.loader import EMBEDDED_CHAT_TEMPLATE, LoadedModel
+from tidespec.models.loading.loader import EMBEDDED_CHAT_TEMPLATE, LoadedModel
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
                                            "ok": {"type": "boolean"}, "tag": {"enum": ["red", "blue"]}},

@@ -14,9 +14,9 @@ from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, ModelConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
-from tidespec.models.graphs import GraphStep
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout
+from tidespec.models.execution.graphs import GraphStep
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
 from tidespec.sampling import SamplingParams
 
 pytestmark = [pytest.mark.cuda,
@@ -127,11 +127,11 @@ def test_fixed_shape_graphs_give_verification_rows_the_decode_rows_bits_in_bfloa
 
 
 def test_row_attention_kernel_matches_sdpa_and_gives_a_row_the_same_bits_in_any_call():
-    """The fixed-order kernel (``models/row_attention.py``): close to SDPA over the same mask, and a
+    """The fixed-order kernel (``models/kernels/row_attention.py``): close to SDPA over the same mask, and a
     row's output bit for bit the same alone, in a 4-row block, beside another sequence, over more keys."""
-    from tidespec.models.attention import attend_padded
-    from tidespec.models.graphs import CHAIN
-    from tidespec.models.row_attention import block_mask, row_attention
+    from tidespec.models.execution.graphs import CHAIN
+    from tidespec.models.kernels.attention import attend_padded
+    from tidespec.models.kernels.row_attention import block_mask, row_attention
     gen = torch.Generator(device="cpu").manual_seed(0)
     k, v = (torch.randn(3, 3, 1024, 64, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
     q = torch.randn(8, 9, 64, generator=gen).to("cuda", torch.bfloat16)

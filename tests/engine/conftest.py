@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import byte_tokenizer, tiny_llama
-from tidespec.models.llama import LlamaModel
+from tidespec.models.families.llama import LlamaModel
 
 
 @pytest.fixture(scope="module")

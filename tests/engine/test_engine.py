@@ -13,8 +13,8 @@ from tidespec.engine.observer import Hooks
 from tidespec.engine.runner import rows_of
 from tidespec.engine.scheduler import QueueFullError
 from tidespec.engine.sequence import Sequence
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
 from tidespec.sampling import SamplingParams, SamplingParamsError
 from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.drafters.ngram import NgramDrafter

@@ -11,8 +11,8 @@ import torch
 from tests.helpers import run_to_completion, spec_drafter, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine, RequestError
-from tidespec.models.kernels import exact_attention_op
-from tidespec.models.kv_paged import PagedKVCache, kernel_block_size
+from tidespec.models.kernels.ops import exact_attention_op
+from tidespec.models.kv.paged import PagedKVCache, kernel_block_size
 from tidespec.sampling import SamplingParams
 
 V = 64

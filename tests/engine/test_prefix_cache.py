@@ -11,9 +11,9 @@ from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCon
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
 from tidespec.engine.prefix_cache import PrefixCache
-from tidespec.models.kv_blocks import KVBlockPool, SharedBlocks
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.kv_paged import PagedKVCache
+from tidespec.models.kv.blocks import KVBlockPool, SharedBlocks
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.kv.paged import PagedKVCache
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Observation
 

@@ -29,7 +29,7 @@ from tests.helpers import processes_mentioning, tiny_hf_model, write_tiny_checkp
 from tidespec.bench.serve.run import free_port
 from tidespec.config import EngineConfig, ModelConfig
 from tidespec.llm import LLM
-from tidespec.models.eagle3_checkpoint import latest_version
+from tidespec.models.eagle3.checkpoint import latest_version
 from tidespec.online.store import SignalStore
 from tidespec.sampling import SamplingParams
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidespec.models.llama import LlamaConfig, LlamaModel
-from tidespec.models.quant import QuantizationError, quantization_of, quantize_model
-from tidespec.models.quant_a8 import W4A8Linear, W8A8Linear, a8_error, pack_w4, pack_w8, quantize_q4_1, quantize_q8_0
+from tidespec.models.families.llama import LlamaModel
+from tidespec.models.quant.a8 import W4A8Linear, W8A8Linear, a8_error, pack_w4, pack_w8, quantize_q4_1, quantize_q8_0
+from tidespec.models.quant.quantize import QuantizationError, quantization_of, quantize_model
+from tidespec.models.target import TargetConfig
 
 pytestmark = pytest.mark.skipif(a8_error() is not None, reason=f"w4a8 kernels unavailable: {a8_error()}")
 
@@ -86,7 +87,7 @@ def test_close_to_the_float_product() -> None:
 
 def tiny(hidden: int = 64) -> LlamaModel:
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=2, num_heads=4,
+    cfg = TargetConfig(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=hidden // 4, max_position_embeddings=256)
     return LlamaModel(cfg)
 

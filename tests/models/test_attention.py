@@ -16,9 +16,10 @@ import pytest
 import torch
 
 from tests.helpers import tiny_llama
-from tidespec.models.attention import AttentionPlan
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.models.families.llama import LlamaModel
+from tidespec.models.kernels.attention import AttentionPlan
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
 from tidespec.speculative.tree import tree_depths, tree_mask
 
 PARENTS = [-1, 0, 0, 1]  # a 4-token draft tree below the verified token (index 0 = root)

@@ -17,9 +17,10 @@ from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
-from tidespec.models.compiled import CompiledStep
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.models.execution.compiled import CompiledStep
+from tidespec.models.families.llama import LlamaModel
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
 from tidespec.sampling import SamplingParams
 
 V = 64

@@ -11,8 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import tiny_llama
-from tidespec.models import eagle3_checkpoint as ckpt
-from tidespec.models.eagle3_checkpoint import (
+from tidespec.models.eagle3 import checkpoint as ckpt
+from tidespec.models.eagle3.checkpoint import (
     DrafterCheckpointError,
     export_eagle3,
     import_eagle3,
@@ -23,12 +23,12 @@ from tidespec.models.eagle3_checkpoint import (
     state_dict_equal,
     validate_eagle3_dir,
 )
-from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head
-from tidespec.models.llama import LlamaConfig
+from tidespec.models.eagle3.head import Eagle3Config, Eagle3Head
+from tidespec.models.target import TargetConfig
 from tidespec.online.training.eagle3_train import select_draft_vocab
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig, build_eagle3_drafter
 
-TARGET = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=8, num_heads=4,
+TARGET = TargetConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=8, num_heads=4,
                      num_kv_heads=2, head_dim=4)
 
 
@@ -144,11 +144,11 @@ def test_validate_refuses_broken_checkpoints(tmp_path: Path, edit: str, message:
 def test_validate_refuses_a_checkpoint_for_another_target(tmp_path: Path) -> None:
     export_eagle3(make_head(), tmp_path)
     validate_eagle3_dir(tmp_path, TARGET)
-    other = LlamaConfig(vocab_size=41, hidden_size=16, intermediate_size=24, num_layers=8, num_heads=4,
+    other = TargetConfig(vocab_size=41, hidden_size=16, intermediate_size=24, num_layers=8, num_heads=4,
                         num_kv_heads=2, head_dim=4)
     with pytest.raises(DrafterCheckpointError, match="vocab_size"):
         validate_eagle3_dir(tmp_path, other)
-    shallow = LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=5, num_heads=4,
+    shallow = TargetConfig(vocab_size=40, hidden_size=16, intermediate_size=24, num_layers=5, num_heads=4,
                           num_kv_heads=2, head_dim=4)
     with pytest.raises(DrafterCheckpointError, match="tap layers"):
         validate_eagle3_dir(tmp_path, shallow)

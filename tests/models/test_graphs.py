@@ -14,11 +14,11 @@ from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
-from tidespec.models import executor as executor_module
-from tidespec.models.graphs import CHAIN, GraphStep, batch_buckets, block_rows, key_buckets
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout
-from tidespec.models.row_attention import block_mask
+from tidespec.models.execution import executor as executor_module
+from tidespec.models.execution.graphs import CHAIN, GraphStep, batch_buckets, block_rows, key_buckets
+from tidespec.models.kernels.row_attention import block_mask
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
 from tidespec.sampling import SamplingParams
 
 

@@ -13,8 +13,9 @@ import torch.nn.functional as F
 from tests.helpers import tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, EngineConfig, ModelConfig
 from tidespec.llm import build_engine
-from tidespec.models import invariance, linear
-from tidespec.models.linear import STRATEGIES, TUNED_ROWS, Linear, tune_linears
+from tidespec.models.execution import invariance
+from tidespec.models.kernels import linear
+from tidespec.models.kernels.linear import STRATEGIES, TUNED_ROWS, Linear, tune_linears
 
 
 @pytest.mark.parametrize("name", STRATEGIES)

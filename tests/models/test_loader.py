@@ -20,9 +20,9 @@ from safetensors.torch import load_file, save_file
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tests.helpers import full_logits, tiny_hf_model, write_tiny_checkpoint
-from tidespec.models import loader
-from tidespec.models.gguf_convert import convert_gguf
-from tidespec.models.loader import LoadedModel, ModelLoadError, cache_dir, hf_checkpoint_dir, load_model
+from tidespec.models.loading import loader
+from tidespec.models.loading.gguf_convert import convert_gguf
+from tidespec.models.loading.loader import LoadedModel, ModelLoadError, cache_dir, hf_checkpoint_dir, load_model
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -141,7 +141,7 @@ def test_gguf_conversion_reproduces_hf_model(tiny_gguf: tuple[transformers.PreTr
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0])
 def test_conversion_gives_transformers_own_conversion_bit_for_bit(
         tiny_gguf: tuple[transformers.PreTrainedModel, Path], qtype: gguf.GGMLQuantizationType, tmp_path: Path) -> None:
-    """tidespec's one-read converter (``models/gguf_convert.py``) gives the tensors, the config and the
+    """tidespec's one-read converter (``models/loading/gguf_convert.py``) gives the tensors, the config and the
     tokenizer that transformers' own GGUF loading gives (tidespec's converter until 2026-12-03)."""
     hf, _ = tiny_gguf
     path = write_tiny_gguf(hf, tmp_path / f"tiny-{qtype.name}.gguf", qtype=qtype)

@@ -19,9 +19,10 @@ from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
 from tests.helpers import TINY_HF_ARCHS, full_logits, tiny_hf_model
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaModel
-from tidespec.models.loader import LoadedModel
+from tidespec.models.families.llama import LlamaModel
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
+from tidespec.models.loading.loader import LoadedModel
 
 ARCHS = sorted(TINY_HF_ARCHS)
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10}

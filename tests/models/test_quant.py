@@ -1,4 +1,4 @@
-"""Weight-only quantization (``tidespec/models/quant.py``): the schemes' error bounds, the kernels
+"""Weight-only quantization (``tidespec/models/quant/quantize.py``): the schemes' error bounds, the kernels
 against a dequantized reference, row independence (what losslessness rests on), a quantized
 model against float, the errors, and speculative decoding lossless w.r.t. the quantized target."""
 
@@ -12,8 +12,7 @@ import torch
 from tests.helpers import full_logits, tiny_llama, tiny_tokenizer
 from tests.speculative.test_spec_lossless import PROMPTS, V, generate, generate_in_batches
 from tidespec.config import ConfigError, DraftModelConfig, EngineConfig, ModelConfig, SpecConfig
-from tidespec.models.llama import ModelConfigError
-from tidespec.models.quant import (
+from tidespec.models.quant.quantize import (
     LAYER_PROJECTIONS,
     Int4Linear,
     Int8Linear,
@@ -26,6 +25,7 @@ from tidespec.models.quant import (
     quantize_linears,
     quantize_model,
 )
+from tidespec.models.target import ModelConfigError
 
 
 def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -184,7 +184,7 @@ def test_quantize_linears_reaches_every_linear_of_another_network() -> None:
     """The EAGLE-3 head's int8/int4 drafting copy: every nn.Linear at any depth, the output layer
     int8 under int4; a group that does not divide an input size or a non-CPU weight is refused
     before anything changes."""
-    from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head
+    from tidespec.models.eagle3.head import Eagle3Config, Eagle3Head
     target = tiny_llama(V, layers=4)
     head = Eagle3Head(Eagle3Config.for_target(target.cfg, num_layers=2, fusion="gated")).double()
     linears = sum(isinstance(m, torch.nn.Linear) for m in head.modules())

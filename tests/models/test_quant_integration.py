@@ -15,9 +15,9 @@ from tests.speculative.test_embedded_lossless import run
 from tidespec.cli import main
 from tidespec.config import DraftModelConfig, ModelConfig, SpecConfig
 from tidespec.llm import load_target
-from tidespec.models.loader import LoadedModel
-from tidespec.models.quant import Int8Linear, quantization_of, quantize_model
-from tidespec.models.quant_a8 import quantize_q4_1, quantize_q8_0
+from tidespec.models.loading.loader import LoadedModel
+from tidespec.models.quant.a8 import quantize_q4_1, quantize_q8_0
+from tidespec.models.quant.quantize import Int8Linear, quantization_of, quantize_model
 from tidespec.workloads.loader import load_prompts
 
 
@@ -57,7 +57,7 @@ def test_embedded_quantized_speculation_equals_its_plain_decoding(embedded, dtyp
     """The embedded model with quantized weights: speculation and batching reproduce the quantized
     model's plain greedy decoding alone exactly (``make test-slow``: ``make test`` checks the int8 and
     int4 paths in the exactness subset, ``tests/speculative/test_exact_matrix.py``). The engine runs row-invariant kernels
-    (``models/invariance.py``): the quantized matmuls were measured row-invariant, attention runs
+    (``models/execution/invariance.py``): the quantized matmuls were measured row-invariant, attention runs
     tidespec's exact kernel, so a verification row, and a row batched with other sequences, has the
     bits of a decode row alone."""
     model = copy.deepcopy(embedded.model).to(dtype)

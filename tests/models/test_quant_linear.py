@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidespec.models.kernels import quant_linear_available
-from tidespec.models.quant import Int4Linear, Int8Linear, quantize_int8
+from tidespec.models.kernels.ops import quant_linear_available
+from tidespec.models.quant.quantize import Int4Linear, Int8Linear, quantize_int8
 
 pytestmark = pytest.mark.skipif(not quant_linear_available(), reason="tidespec's quantized kernels need AVX512 here")
 ROW_COUNTS = (1, 2, 4, 5, 6, 7, 8, 9, 13, 16, 19)

@@ -1,4 +1,4 @@
-"""Row invariance of the projections (``models/rows.py``, ``models/invariance.py``): the frontier
+"""Row invariance of the projections (``models/kernels/rows.py``, ``models/execution/invariance.py``): the frontier
 probe finds where a kernel stops being row-invariant, calls within it split into probed pieces,
 and on a real model every projection is chosen row-invariant up to the engine's budget."""
 
@@ -9,12 +9,12 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import tiny_llama
-from tidespec.models import invariance
-from tidespec.models.invariance import choose_float_kernels, make_row_invariant
-from tidespec.models.kernels import exact_attention_error
-from tidespec.models.linear import Linear
-from tidespec.models.quant import quantize_model
-from tidespec.models.rows import PROBE_ROWS, frontier, in_pieces, pieces, probed
+from tidespec.models.execution import invariance
+from tidespec.models.execution.invariance import choose_float_kernels, make_row_invariant
+from tidespec.models.kernels.linear import Linear
+from tidespec.models.kernels.ops import exact_attention_error
+from tidespec.models.kernels.rows import PROBE_ROWS, frontier, in_pieces, pieces, probed
+from tidespec.models.quant.quantize import quantize_model
 
 
 def test_probed_and_pieces_worked_examples() -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import tiny_llama, tiny_tokenizer
-from tidespec.models.llama import LlamaModel
+from tidespec.models.families.llama import LlamaModel
 
 V = 48
 LAYERS = 8  # EAGLE-3 taps (2, 4, 5): distinct without the tiny-model fallback

@@ -12,9 +12,9 @@ from tests.helpers import full_logits, run_to_completion, tiny_llama, tiny_token
 from tests.speculative.test_eagle3 import tiny_target
 from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head, init_from_target
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout
+from tidespec.models.eagle3.head import Eagle3Config, Eagle3ConfigError, Eagle3Head, init_from_target
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
 from tidespec.online.store import SignalStore
 from tidespec.online.training.data import deepen_head, segments_by_sequence, split_heldout, token_counts, widen_head
 from tidespec.online.training.distill import generate_continuations, teacher_pass, teacher_rows

@@ -12,7 +12,7 @@ import torch
 
 from tests.online.test_distill import VOCAB, _distill_segments, trained_head
 from tests.speculative.test_eagle3 import tiny_target
-from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head
+from tidespec.models.eagle3.head import Eagle3Config, Eagle3Head
 from tidespec.online.training.eagle3_train import acceptance_stats, walk_chains
 from tidespec.online.training.judge import (
     PairedJudgement,

@@ -23,9 +23,9 @@ from tidespec.config import (
     SpecConfig,
 )
 from tidespec.flags import add_dataclass_args, dataclass_from_args
-from tidespec.models.eagle3_checkpoint import fresh_head, publish
-from tidespec.models.eagle3_head import Eagle3Head
-from tidespec.models.eagle3_lora import (
+from tidespec.models.eagle3.checkpoint import fresh_head, publish
+from tidespec.models.eagle3.head import Eagle3Head
+from tidespec.models.eagle3.lora import (
     ALL_TARGETS,
     TARGETS,
     WEIGHTS_NAME,
@@ -38,7 +38,8 @@ from tidespec.models.eagle3_lora import (
     save_adapter,
     with_lora,
 )
-from tidespec.models.llama import LlamaModel, output_matrix
+from tidespec.models.families.llama import LlamaModel
+from tidespec.models.target import output_matrix
 from tidespec.online.serving.attach import OnlineConfig, attach_online_training
 from tidespec.online.store import SignalShard, SignalStore
 from tidespec.online.training.config import LoraAlignConfig, TrainerConfig, TrainerConfigError
@@ -72,8 +73,8 @@ def segment(model: LlamaModel, head: Eagle3Head, prompt: list[int], n: int = 12,
     """A segment of ``prompt`` continued greedily to ``n`` tokens, with the target's taps and its
     exact top-k at every position (so every label is the target's greedy choice)."""
     from tests.online.test_online import full_taps
-    from tidespec.models.kv_cache import KVCache
-    from tidespec.models.llama import BatchLayout
+    from tidespec.models.kv.cache import KVCache
+    from tidespec.models.layout import BatchLayout
 
     ids = list(prompt)
     while True:

@@ -12,9 +12,10 @@ import torch
 
 from tests.online.test_lora import segment, served_in_turn
 from tests.online.test_online import random_head
-from tidespec.models.eagle3_head import Eagle3Head
-from tidespec.models.eagle3_lora import adapter_dir, list_adapters, load_adapter, merged_state
-from tidespec.models.llama import LlamaModel, output_matrix
+from tidespec.models.eagle3.head import Eagle3Head
+from tidespec.models.eagle3.lora import adapter_dir, list_adapters, load_adapter, merged_state
+from tidespec.models.families.llama import LlamaModel
+from tidespec.models.target import output_matrix
 from tidespec.online.training import lora
 from tidespec.online.training.config import LoraAlignConfig
 from tidespec.online.training.eagle3_train import SignalBatch, unroll

@@ -17,7 +17,7 @@ from tests.helpers import SlowStore, tiny_llama
 from tidespec.config import CacheConfig, CollectionConfig, Eagle3Options, EngineConfig, OnlineTrainingConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
-from tidespec.models.eagle3_checkpoint import (
+from tidespec.models.eagle3.checkpoint import (
     CONFIG_NAME,
     LATEST_NAME,
     WEIGHTS_NAME,
@@ -30,9 +30,10 @@ from tidespec.models.eagle3_checkpoint import (
     publish,
     seed_root,
 )
-from tidespec.models.eagle3_head import Eagle3Head
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.models.eagle3.head import Eagle3Head
+from tidespec.models.families.llama import LlamaModel
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
 from tidespec.online.serving.attach import OnlineConfig, OnlineConfigError, attach_online_training, budget_shortfall

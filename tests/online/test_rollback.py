@@ -12,8 +12,8 @@ from tests.helpers import run_to_completion, tiny_tokenizer
 from tests.speculative.test_eagle3 import _greedy_generations, tiny_target
 from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.models.eagle3_checkpoint import fresh_head, publish
-from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head
+from tidespec.models.eagle3.checkpoint import fresh_head, publish
+from tidespec.models.eagle3.head import Eagle3Config, Eagle3Head
 from tidespec.online.serving.attach import DrafterUpdater
 from tidespec.online.serving.rollback import RollbackConfig, ServedCheck
 from tidespec.online.training.eagle3_train import Eagle3TrainConfig, Eagle3Trainer

@@ -15,9 +15,9 @@ import torch
 from tests.helpers import tiny_hf_model, tiny_llama, tiny_tokenizer, write_tiny_checkpoint
 from tidespec.config import CacheConfig, CollectionConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.models.eagle3_checkpoint import import_eagle3, latest_version, load_version, publish
-from tidespec.models.llama import LlamaModel
-from tidespec.models.loader import load_model
+from tidespec.models.eagle3.checkpoint import import_eagle3, latest_version, load_version, publish
+from tidespec.models.families.llama import LlamaModel
+from tidespec.models.loading.loader import load_model
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
 from tidespec.online.serving.attach import OnlineConfig

@@ -135,7 +135,7 @@ def main() -> int:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    from tidespec.models.loader import hf_checkpoint_dir
+    from tidespec.models.loading.loader import hf_checkpoint_dir
 
     hf_dir = hf_checkpoint_dir(None)  # the embedded GGUF dequantized to float32, as tidespec loads it
     with tempfile.TemporaryDirectory() as tmp:

@@ -34,7 +34,7 @@ from tidespec.bench.serve.run import free_port, launch_server, stop_server
 from tidespec.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
-from tidespec.models.kv_paged import PagedKVCache
+from tidespec.models.kv.paged import PagedKVCache
 from tidespec.server.app import IGNORED_FIELDS_HEADER, ServerConfig, create_app
 from tidespec.server.guard import Admission, MemoryTrimmer
 from tidespec.server.loading import DeferredApp

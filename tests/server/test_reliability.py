@@ -22,7 +22,7 @@ import pytest
 from tests.server.live import MODEL, LiveServer, stream_text, tiny_engine
 from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.llm import build_engine
-from tidespec.models.loader import LoadedModel
+from tidespec.models.loading.loader import LoadedModel
 from tidespec.server.app import ServerConfig, create_app
 from tidespec.speculative.drafters.suffix import SuffixDrafter
 

@@ -35,7 +35,7 @@ from tidespec.config import CacheConfig, ConfigError, EngineConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
 from tidespec.llm import build_engine
-from tidespec.models.loader import LoadedModel
+from tidespec.models.loading.loader import LoadedModel
 from tidespec.server import routes
 from tidespec.server.app import ServerConfig, create_app
 from tidespec.speculative.drafters.ngram import NgramDrafter

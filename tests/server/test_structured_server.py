@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from tests.server.live import LiveServer, stream_text
 from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.llm import build_engine
-from tidespec.models.loader import LoadedModel
+from tidespec.models.loading.loader import LoadedModel
 from tidespec.server.app import ServerConfig, create_app
 
 MODEL = "smollm2"

@@ -16,7 +16,7 @@ from tests.helpers import byte_tokenizer
 from tests.server.live import MODEL, LiveServer, tiny_engine
 from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.llm import build_engine
-from tidespec.models.loader import LoadedModel
+from tidespec.models.loading.loader import LoadedModel
 from tidespec.sampling import StructuredOutputs
 from tidespec.server.app import ServerConfig, create_app
 from tidespec.server.tools.protocol import NamedToolChoice, Tool, ToolRequestError, plan_tools

@@ -37,9 +37,10 @@ from tqdm import tqdm
 
 from tidespec.bench.common.report import machine_info
 from tidespec.bench.exactness.run import ExactnessBenchConfig, PathRun, parse_path, target_model
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaModel
-from tidespec.models.loader import LoadedModel
+from tidespec.models.families.llama import LlamaModel
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
+from tidespec.models.loading.loader import LoadedModel
 from tidespec.workloads.loader import Prompt, WorkloadRecord, load_prompts
 
 STORE = Path(__file__).with_name("near_ties.json")

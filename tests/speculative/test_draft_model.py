@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaConfig, LlamaModel
+from tidespec.models.families.llama import LlamaModel
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
+from tidespec.models.target import TargetConfig
 from tidespec.sampling import SamplingParams, target_probs
 from tidespec.speculative.api import Drafter, DraftInput
 from tidespec.speculative.drafters.draft_model import DraftModelDrafter, draft_seed
@@ -22,7 +24,7 @@ GREEDY = SamplingParams()
 
 def make_target(seed: int = 0, num_layers: int = 2) -> LlamaModel:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=num_layers,
+    cfg = TargetConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=num_layers,
                       num_heads=4, num_kv_heads=2, head_dim=8)
     model = LlamaModel(cfg).double()
     with torch.no_grad():

@@ -16,9 +16,9 @@ from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
 from tidespec.errors import ConfigError
 from tidespec.llm import attach_draft_vocab
-from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head, fit_row_map, init_from_target
-from tidespec.models.llama import LlamaModel
-from tidespec.models.quant import Int8Linear
+from tidespec.models.eagle3.head import Eagle3Config, Eagle3Head, fit_row_map, init_from_target
+from tidespec.models.families.llama import LlamaModel
+from tidespec.models.quant.quantize import Int8Linear
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.draft_model import DraftModelDrafter
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig

@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from tests.helpers import capture
-from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head, default_tap_layers
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaConfig, LlamaModel
+from tidespec.models.eagle3.head import Eagle3Config, Eagle3ConfigError, Eagle3Head, default_tap_layers
+from tidespec.models.families.llama import LlamaModel
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
+from tidespec.models.target import TargetConfig
 from tidespec.online.training.eagle3_train import (
     Eagle3TrainConfig,
     Eagle3Trainer,
@@ -32,7 +34,7 @@ VOCAB = 48
 
 def tiny_target(dtype: torch.dtype = torch.float64, seed: int = 0, vocab: int = VOCAB) -> LlamaModel:
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
+    cfg = TargetConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
                       num_kv_heads=2, head_dim=8)
     return LlamaModel(cfg).to(dtype)
 

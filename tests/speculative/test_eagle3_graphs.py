@@ -1,4 +1,4 @@
-"""The EAGLE-3 head's graph bodies (``models/eagle3_graphs.py``) draft exactly what the eager drafter drafts.
+"""The EAGLE-3 head's graph bodies (``models/eagle3/graphs.py``) draft exactly what the eager drafter drafts.
 
 On a CPU the bodies run uncaptured (``capture=False``): the static block, its padding rows and
 spare slot, the in-body argmax / d2t / embedding chain and the one host read are the same code a
@@ -14,8 +14,8 @@ from tests.helpers import capture, run_to_completion, tiny_llama, tiny_tokenizer
 from tests.speculative.test_eagle3 import VOCAB, tiny_head, tiny_target
 from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.models.eagle3_graphs import MAX_CATCH_UP_ROWS, HeadGraphs
-from tidespec.models.kv_cache import KVCache
+from tidespec.models.eagle3.graphs import MAX_CATCH_UP_ROWS, HeadGraphs
+from tidespec.models.kv.cache import KVCache
 from tidespec.online.training.eagle3_train import select_draft_vocab
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import DraftInput, Observation

@@ -10,9 +10,9 @@ import torch
 from tests.helpers import capture, run_to_completion, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, ConfigError, Eagle3Options, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.models.eagle3_checkpoint import export_eagle3, import_eagle3, state_dict_equal
-from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head, init_from_target
-from tidespec.models.llama import LlamaModel
+from tidespec.models.eagle3.checkpoint import export_eagle3, import_eagle3, state_dict_equal
+from tidespec.models.eagle3.head import Eagle3Config, Eagle3ConfigError, Eagle3Head, init_from_target
+from tidespec.models.families.llama import LlamaModel
 from tidespec.online.training.eagle3_train import SignalBatch, SignalSegment, ttt_loss, unroll
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import DraftInput, Observation
@@ -158,7 +158,7 @@ def test_confident_chains_stop_early_and_stay_lossless(target: LlamaModel, batch
 def test_quantized_drafting_copy_follows_every_weight_swap(target: LlamaModel) -> None:
     """The float head stays the drafter's ``head`` (swaps, rollbacks and adapters read it); the int8
     copy that drafts is rebuilt from it at every ``load_state`` and drafts what the float head does."""
-    from tidespec.models.quant import Int8Linear
+    from tidespec.models.quant.quantize import Int8Linear
     head = init_from_target(shaped_head(target, 1, "concat"), target, "layer")
     drafter = drafter_for(head, target, 1, "int8")
     assert drafter.head is head and isinstance(head.lm_head, torch.nn.Linear)

@@ -13,11 +13,12 @@ from tests.helpers import ScriptedPolicy, switching_drafters
 from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
-from tidespec.models.eagle3_checkpoint import fresh_head, shipped_bootstrap
-from tidespec.models.eagle3_head import init_from_target
-from tidespec.models.eagle3_lora import LoraAdapter, adapter_state, lora_parameters, merged_state, with_lora
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, output_matrix
+from tidespec.models.eagle3.checkpoint import fresh_head, shipped_bootstrap
+from tidespec.models.eagle3.head import init_from_target
+from tidespec.models.eagle3.lora import LoraAdapter, adapter_state, lora_parameters, merged_state, with_lora
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
+from tidespec.models.target import output_matrix
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig, build_eagle3_drafter

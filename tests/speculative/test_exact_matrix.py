@@ -53,11 +53,11 @@ from tidespec.bench.exactness.run import (
 )
 from tidespec.config import CacheConfig, ConfigError, EngineConfig, ModelConfig
 from tidespec.llm import build_engine
-from tidespec.models import executor, invariance
-from tidespec.models.linear import Linear
-from tidespec.models.loader import LoadedModel, load_model
-from tidespec.models.quant import QuantizedLinear
-from tidespec.models.quant_a8 import a8_error
+from tidespec.models.execution import executor, invariance
+from tidespec.models.kernels.linear import Linear
+from tidespec.models.loading.loader import LoadedModel, load_model
+from tidespec.models.quant.a8 import a8_error
+from tidespec.models.quant.quantize import QuantizedLinear
 from tidespec.workloads.loader import load_prompts
 
 pytestmark = pytest.mark.integration

@@ -11,7 +11,7 @@ from tidespec.config import CacheConfig, ConfigError, DraftModelConfig, EngineCo
 from tidespec.engine.engine import TAP_LINGER_STEPS, LLMEngine
 from tidespec.engine.observer import Hooks
 from tidespec.llm import build_drafter, build_policy
-from tidespec.models.eagle3_checkpoint import fresh_head
+from tidespec.models.eagle3.checkpoint import fresh_head
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig

@@ -19,8 +19,8 @@ from tidespec.engine.engine import LLMEngine
 from tidespec.errors import ConfigError
 from tidespec.flags import add_engine_args, engine_config_from_args
 from tidespec.llm import build_drafter
-from tidespec.models import placement
-from tidespec.models.linear import Linear
+from tidespec.models.execution import placement
+from tidespec.models.kernels.linear import Linear
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.draft_model import DraftModelDrafter
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter

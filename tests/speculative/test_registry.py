@@ -25,8 +25,8 @@ from tidespec.config import (
 from tidespec.engine.engine import LLMEngine
 from tidespec.errors import ConfigError
 from tidespec.llm import attach_draft_vocab, build_engine, with_shipped_head
-from tidespec.models.eagle3_checkpoint import shipped_bootstrap
-from tidespec.models.llama import output_matrix
+from tidespec.models.eagle3.checkpoint import shipped_bootstrap
+from tidespec.models.target import output_matrix
 from tidespec.sampling import SamplingParams
 from tidespec.server.app import ServerConfig, create_app
 from tidespec.speculative.drafters.multi import MultiDrafter

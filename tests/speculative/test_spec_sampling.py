@@ -35,8 +35,8 @@ from tests.helpers import seed_generators_from_counter, tiny_llama, tiny_tokeniz
 from tidespec.config import CacheConfig, DraftModelConfig, Eagle3Options, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
 from tidespec.sampling import SamplingParams, target_probs
 
 V = 6

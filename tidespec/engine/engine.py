@@ -50,8 +50,8 @@ from tidespec.engine.runner import ForwardOutput, ModelRunner, Row, rows_of
 from tidespec.engine.scheduler import PrefillChunk, Scheduler
 from tidespec.engine.sequence import Sequence
 from tidespec.errors import UserError
-from tidespec.models.executor import ExecutorOptions, ForwardExecutor
-from tidespec.models.llama import LlamaModel
+from tidespec.models.execution.executor import ExecutorOptions, ForwardExecutor
+from tidespec.models.target import TargetModel
 from tidespec.sampling import SamplingParams, make_generator
 from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.forced import compose
@@ -95,7 +95,7 @@ class _Advance:
 class LLMEngine:
     """Continuous-batching engine over one target model, optional drafter and planner."""
 
-    def __init__(self, model: LlamaModel, tokenizer: PreTrainedTokenizerBase, config: EngineConfig,
+    def __init__(self, model: TargetModel, tokenizer: PreTrainedTokenizerBase, config: EngineConfig,
                  drafter: Drafter | None = None, policy: SpeculationPolicy | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer

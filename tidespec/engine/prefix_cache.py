@@ -4,7 +4,7 @@ Why this exists: users of an OpenAI-compatible server resend the same system pro
 block or chat history with every request, and recomputing it is most of their time to first
 token. As in vLLM, a prompt is cut into full blocks of ``block_size`` tokens and a block is named
 by its tokens *and* the block before it (here: the cached parent's id), so one lookup per block
-walks the longest cached prefix. The K/V stays where it is (``models/kv_blocks.py``): over the
+walks the longest cached prefix. The K/V stays where it is (``models/kv/blocks.py``): over the
 paged cache a cached block *is* the sequence's block, kept past it and shared with every prompt
 that hits it (``SharedBlocks``: no copy, one copy of a shared system prompt in memory however many
 requests use it); beside a slot cache it is copied into a pool of its own (``KVBlockPool``).
@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 import torch
 
 from tidespec.config import CacheConfig
-from tidespec.models.invariance import InvarianceReport
-from tidespec.models.kv_blocks import KVBlockPool, SharedBlocks
-from tidespec.models.kv_cache import KVCache, available_memory
-from tidespec.models.kv_paged import PagedKVCache
+from tidespec.models.execution.invariance import InvarianceReport
+from tidespec.models.kv.blocks import KVBlockPool, SharedBlocks
+from tidespec.models.kv.cache import KVCache, available_memory
+from tidespec.models.kv.paged import PagedKVCache
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Why this exists: the step decides *what* runs (which sequences, how many draft tokens); this
 module decides *how* it is laid out for the model — every decode sequence contributes its last
 token plus its draft (a chain or a tree with its mask), every prefill chunk its prompt slice — and
-runs the model once over all of it through the ``ForwardExecutor`` (``models/executor.py``: a CUDA
+runs the model once over all of it through the ``ForwardExecutor`` (``models/execution/executor.py``: a CUDA
 graph, the compiled step or eager). It knows nothing of requests, sampling or verification.
 
 Worked example (two decode sequences, one drafting a 2-token chain, and a 3-token prefill chunk)::
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from tidespec.engine.scheduler import ScheduledBatch
-from tidespec.models.executor import ForwardExecutor
+from tidespec.models.execution.executor import ForwardExecutor
 from tidespec.speculative.api import DraftProposal, SeqDraft
 from tidespec.speculative.tree import tree_depths, tree_mask
 

@@ -2,7 +2,7 @@
 
 Why this exists: requests join and leave between steps; a long prompt must not stall the
 sequences that are decoding. Each step the scheduler (1) admits waiting requests FIFO while a
-KV slot is free and, over a paged cache (``models/kv_paged.py``), while the free blocks hold the
+KV slot is free and, over a paged cache (``models/kv/paged.py``), while the free blocks hold the
 request's prompt beyond a watermark (``admit``; the blocks of a cached prefix it will share and
 that sequences already hold cost nothing), then — once the policy has chosen each decoding
 sequence's gamma — (2) reserves ``1 + gamma`` tokens of budget and KV blocks for every decoding
@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 
 from tidespec.engine.sequence import SeqStatus, Sequence
 from tidespec.errors import UserError
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.kv_paged import PagedKVCache
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.kv.paged import PagedKVCache
 
 
 class QueueFullError(UserError, RuntimeError):

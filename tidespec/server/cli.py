@@ -120,7 +120,7 @@ def served_name(config: EngineConfig) -> str:
     """The default served model name: the checkpoint's file/dir name, or the embedded model's."""
     if config.model.model:
         return Path(config.model.model.rstrip("/")).name.removesuffix(".gguf") or "tidespec"
-    from tidespec.models.loader import EMBEDDED_GGUF_NAME
+    from tidespec.models.loading.loader import EMBEDDED_GGUF_NAME
     return EMBEDDED_GGUF_NAME.split(".")[0]
 
 

@@ -28,8 +28,8 @@ from tidespec.sampling import SamplingParams
 from tidespec.speculative.tree import check_parents, tree_depths
 
 if TYPE_CHECKING:
-    from tidespec.models.eagle3_head import Eagle3Head
-    from tidespec.models.llama import LlamaModel
+    from tidespec.models.eagle3.head import Eagle3Head
+    from tidespec.models.target import TargetModel
     from tidespec.speculative.vocab.dynamic import DynamicVocab
 
 
@@ -163,7 +163,7 @@ class Drafter(Protocol):
     def vocab_output(self, lm: torch.Tensor) -> VocabOutput | None: ...
 
 
-def network_signature(net: Eagle3Head | LlamaModel, quantization: str = "none") -> str:
+def network_signature(net: Eagle3Head | TargetModel, quantization: str = "none") -> str:
     """A neural drafter's ``cost_signature``: its network's config and dtype, the precision it drafts
     in, and its device when not the CPU (a ``--drafter-device`` GPU drafter costs otherwise).
 

@@ -27,8 +27,8 @@ import torch
 
 from tidespec.config import SpecConfig
 from tidespec.errors import ConfigError
-from tidespec.models import placement
-from tidespec.models.llama import LlamaModel
+from tidespec.models.execution import placement
+from tidespec.models.target import TargetModel
 from tidespec.speculative.api import Drafter
 from tidespec.speculative.drafters.multi import MultiDrafter
 
@@ -41,7 +41,7 @@ class BuildContext:
     where a model drafter runs, and the engine's bounds (its KV slots and their length)."""
 
     spec: SpecConfig
-    target: LlamaModel
+    target: TargetModel
     device: torch.device  # --drafter-device resolved ("" = the target's device)
     max_num_seqs: int
     max_model_len: int
@@ -127,7 +127,7 @@ def kinds_for(spec: SpecConfig) -> dict[str, DrafterKind]:
     return {n: known[n] for n in names}
 
 
-def build_drafter(spec: SpecConfig, target: LlamaModel, max_num_seqs: int, max_model_len: int,
+def build_drafter(spec: SpecConfig, target: TargetModel, max_num_seqs: int, max_model_len: int,
                   enforce_eager: bool = False, compile: bool = False) -> Drafter | None:
     """The drafter ``spec.drafter`` names (None for "none"); several names give a ``MultiDrafter``
     whose model-free members are scored on the side at gamma = ``num_speculative_tokens``. Model

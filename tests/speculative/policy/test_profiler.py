@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from tests.helpers import tiny_llama
-from tidespec.models import executor as executor_module
-from tidespec.models.eagle3_checkpoint import fresh_head
-from tidespec.models.executor import ExecutorOptions, ForwardExecutor, executor_key, prepare_target
-from tidespec.models.graphs import GraphStep
-from tidespec.models.quant import QuantizedLinear, quantize_model
+from tidespec.models.eagle3.checkpoint import fresh_head
+from tidespec.models.execution import executor as executor_module
+from tidespec.models.execution.executor import ExecutorOptions, ForwardExecutor, executor_key, prepare_target
+from tidespec.models.execution.graphs import GraphStep
+from tidespec.models.quant.quantize import QuantizedLinear, quantize_model
 from tidespec.speculative.drafters.draft_model import DraftModelDrafter
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
 from tidespec.speculative.drafters.multi import MultiDrafter

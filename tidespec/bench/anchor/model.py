@@ -7,11 +7,11 @@ whole under a causal mask), the step compiled with ``torch.compile(mode="reduce-
 (inductor fuses the small ops and replays the step as a CUDA graph), and no host sync per token.
 It runs one batch of equal-length sequences and nothing else (no requests, no speculation), so
 it bounds what an engine's plain decode step can reach. It shares the weights of a tidespec
-``LlamaModel`` (fused q|k|v and gate|up, as ours), so its tokens can be compared too.
+``TargetModel`` (fused q|k|v and gate|up, as ours), so its tokens can be compared too.
 
 Worked example::
 
-    anchor = AnchorModel(model, batch=16, max_len=256)        # model: a tidespec LlamaModel on cuda
+    anchor = AnchorModel(model, batch=16, max_len=256)        # model: a tidespec TargetModel on cuda
     tok_s = anchor.decode_speed(start=64, steps=128)            # tokens/s over 16 x 128 tokens
 """
 
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidespec.models.llama import LlamaModel
+from tidespec.models.target import TargetModel
 from tidespec.speculative.policy.profiler import sync_device
 
 
@@ -65,7 +65,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class AnchorModel(nn.Module):
     """One decode step of ``batch`` sequences at a shared position over a static cache."""
 
-    def __init__(self, model: LlamaModel, batch: int, max_len: int, compile: bool = True) -> None:
+    def __init__(self, model: TargetModel, batch: int, max_len: int, compile: bool = True) -> None:
         super().__init__()
         self.batch, self.max_len = batch, max_len
         self.embed, self.norm, self.lm_head = model.embed_tokens, model.norm, model.lm_head.weight

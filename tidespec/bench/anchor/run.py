@@ -40,17 +40,18 @@ from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SchedulerCon
 from tidespec.engine.engine import LLMEngine
 from tidespec.errors import ConfigError, check_at_least
 from tidespec.llm import DTYPES
-from tidespec.models.llama import LlamaConfig, LlamaModel
-from tidespec.models.loader import check_device
+from tidespec.models.families import build_target
+from tidespec.models.loading.loader import check_device
+from tidespec.models.target import TargetConfig, TargetModel
 from tidespec.sampling import SamplingParams
 from tidespec.workloads.loader import Prompt, WorkloadRecord
 
 # Real model shapes (architecture fields of their config.json), served with random weights.
-SHAPES: dict[str, LlamaConfig] = {
-    "smollm2-135m": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+SHAPES: dict[str, TargetConfig] = {
+    "smollm2-135m": TargetConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                                 num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0,
                                 max_position_embeddings=8192, tie_word_embeddings=True, eos_token_ids=(2,)),
-    "tinyllama-1.1b": LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22,
+    "tinyllama-1.1b": TargetConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_layers=22,
                                   num_heads=32, num_kv_heads=4, head_dim=64, max_position_embeddings=2048,
                                   eos_token_ids=(2,)),
 }
@@ -85,11 +86,11 @@ def synthetic_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="t0", unk_token="t1")
 
 
-def random_model(cfg: LlamaConfig, dtype: torch.dtype, device: str, seed: int) -> LlamaModel:
-    """A ``LlamaModel`` of shape ``cfg`` built on ``device``, matrices N(0, 0.02), norms 1."""
+def random_model(cfg: TargetConfig, dtype: torch.dtype, device: str, seed: int) -> TargetModel:
+    """A ``TargetModel`` of shape ``cfg`` built on ``device``, matrices N(0, 0.02), norms 1."""
     torch.manual_seed(seed)
     with torch.device(device):
-        model = LlamaModel(cfg)
+        model = build_target(cfg)
     model = model.to(dtype)
     with torch.no_grad():
         for p in model.parameters():

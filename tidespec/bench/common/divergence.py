@@ -24,8 +24,9 @@ from typing import Any
 
 import torch
 
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
+from tidespec.models.target import TargetModel
 
 # relative gap, in machine epsilons of the model's dtype, within which a flip counts as a near-tie
 # (bfloat16: 4 x 2^-7 = 3 % of the largest logit; float32: 4.8e-7)
@@ -54,7 +55,7 @@ def first_index(a: list[int], b: list[int]) -> int | None:
 
 
 @torch.inference_mode()
-def first_divergence(model: LlamaModel, prompt: list[int], plain: list[int], spec: list[int],
+def first_divergence(model: TargetModel, prompt: list[int], plain: list[int], spec: list[int],
                      prompt_id: str = "") -> Divergence | None:
     """The first position where ``spec`` leaves ``plain`` and the target's logits there (None when
     they agree, or when one output merely stops earlier)."""
@@ -74,7 +75,7 @@ def first_divergence(model: LlamaModel, prompt: list[int], plain: list[int], spe
     return Divergence(prompt_id, i, plain[i], spec[i], gap, relative, relative <= tol)
 
 
-def divergence_report(model: LlamaModel, prompts: list[list[int]], plain: list[list[int]], spec: list[list[int]],
+def divergence_report(model: TargetModel, prompts: list[list[int]], plain: list[list[int]], spec: list[list[int]],
                       prompt_ids: list[str]) -> dict[str, Any]:
     """Every differing output's first divergence, and a summary: how many, how many at near-ties,
     the largest relative gap."""

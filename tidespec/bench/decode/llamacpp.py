@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tidespec.models.loader import ModelLoadError, converted_dir_for, resolve_embedded_gguf
+from tidespec.models.loading.loader import ModelLoadError, converted_dir_for, resolve_embedded_gguf
 
 LLAMACPP_VERSION = "0.3.36"
 INSTALL_HINT = f".venv/bin/pip install llama-cpp-python=={LLAMACPP_VERSION} (builds llama.cpp from source, ~15 min)"

@@ -73,7 +73,7 @@ from tidespec.config import (
 )
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import DTYPES, build_engine
-from tidespec.models.loader import LoadedModel, load_model
+from tidespec.models.loading.loader import LoadedModel, load_model
 from tidespec.sampling import SamplingParams
 from tidespec.workloads.loader import Prompt, load_prompts
 

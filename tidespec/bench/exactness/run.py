@@ -2,7 +2,7 @@
 
 Why this exists: the engine's first promise is that speculation and batching never change what
 the model would have said (README, Guarantees). It holds only if every forward computes a row's
-logits bit for bit the same whatever else the forward holds (``models/invariance.py``), which
+logits bit for bit the same whatever else the forward holds (``models/execution/invariance.py``), which
 depends on the kernels, the dtype, the CPU and torch.compile. This benchmark checks the promise
 where a user would: for every path it is asked for (dtype x weight quantization x ``--compile``)
 and every drafter, on prompts of several domains and languages, with long outputs, it compares
@@ -60,9 +60,9 @@ from tidespec.engine.engine import LLMEngine
 from tidespec.engine.scheduler import PrefillChunk, ScheduledBatch
 from tidespec.engine.sequence import Sequence
 from tidespec.llm import build_engine
-from tidespec.models.eagle3_checkpoint import shipped_bootstrap
-from tidespec.models.loader import LoadedModel, load_model
-from tidespec.models.quant import quantize_model
+from tidespec.models.eagle3.checkpoint import shipped_bootstrap
+from tidespec.models.loading.loader import LoadedModel, load_model
+from tidespec.models.quant.quantize import quantize_model
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import DraftProposal, SeqDraft
 from tidespec.workloads.loader import Prompt, load_prompts

@@ -162,7 +162,7 @@ def _seed(root: Path, bootstrap: str, model: str | None) -> None:
     if not bootstrap:
         return
     from tidespec.bench.shift.runs import seed_publish_root
-    from tidespec.models.loader import load_model
+    from tidespec.models.loading.loader import load_model
 
     seed_publish_root(root, bootstrap, load_model(model).model)
 
@@ -223,7 +223,7 @@ def run_config(name: str, cfg: FleetBenchConfig, work: Path) -> Run:
 
 def _published(root: Path, seeded: bool) -> int:
     """Versions in ``root`` that training published (a seeded bootstrap's v1 excluded)."""
-    from tidespec.models.eagle3_checkpoint import list_versions
+    from tidespec.models.eagle3.checkpoint import list_versions
 
     return len([v for v in list_versions(root) if v > int(seeded)]) if root.exists() else 0
 

@@ -1,6 +1,6 @@
 """``tidespec bench invariance-cost``: what the row-invariant kernels cost plain decoding, per path.
 
-Why this exists: exactness (``models/invariance.py``) must not cost speed, and the machines we
+Why this exists: exactness (``models/execution/invariance.py``) must not cost speed, and the machines we
 measure on are shared: the same engine's tok/s moves by 20-40 % between two runs a few minutes
 apart (memory bandwidth taken by neighbours), so two benchmark runs, one per engine, cannot show a
 5 % difference. Here both engines live in one process, each on its own copy of the target (own
@@ -38,9 +38,9 @@ from tidespec.bench.exactness.run import parse_path, target_model
 from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, opt
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine
-from tidespec.models.invariance import time_kernels
-from tidespec.models.linear import Linear, tune_linears
-from tidespec.models.loader import LoadedModel
+from tidespec.models.execution.invariance import time_kernels
+from tidespec.models.kernels.linear import Linear, tune_linears
+from tidespec.models.loading.loader import LoadedModel
 from tidespec.sampling import SamplingParams
 from tidespec.workloads.loader import load_prompts
 

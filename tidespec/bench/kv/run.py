@@ -2,7 +2,7 @@
 
 Why this exists: a slot cache reserves ``--max-model-len`` positions per sequence, so the memory
 given to the cache bounds the sequences in flight by the worst case; the paged cache
-(``models/kv_paged.py``) bounds them by the tokens really held. This benchmark gives both the
+(``models/kv/paged.py``) bounds them by the tokens really held. This benchmark gives both the
 same memory -- ``--slots`` sequences of ``--max-model-len`` positions -- and the same burst of
 ``--requests`` requests of ``--seq-tokens`` tokens each (a chat prompt, then output to that length,
 EOS ignored), and records the sequences running each step, output tokens/s (over each engine's
@@ -15,7 +15,7 @@ compared (``identical``).
 With ``--shared-prefix-tokens N`` every prompt starts with the same N-token few-shot block
 (``--prefix-from``'s prompts) and both engines are paged: prefix caching off ("paged": each
 sequence computes and holds the block itself) against on ("paged+prefix": its KV blocks are
-cached once and sit in every sequence's block table, ``models/kv_blocks.py``). A
+cached once and sit in every sequence's block table, ``models/kv/blocks.py``). A
 request before the burst puts the block in the cache, as earlier traffic would have; both engines
 serve it. Each sequence then holds ``N + --seq-tokens`` positions.
 

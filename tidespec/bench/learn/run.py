@@ -67,9 +67,9 @@ from tidespec.bench.common.report import (
 from tidespec.bench.decode.run import parse_float_list
 from tidespec.bench.learn.calibration import calibration_report, judge_calibration, parse_windows, plot_calibration
 from tidespec.config import ConfigError, opt
-from tidespec.models.eagle3_checkpoint import PublishedDrafter, export_eagle3, head_from_published, load_drafter_source
-from tidespec.models.eagle3_head import FUSIONS, INIT_FROM_TARGET, Eagle3Head, init_from_target
-from tidespec.models.loader import LoadedModel
+from tidespec.models.eagle3.checkpoint import PublishedDrafter, export_eagle3, head_from_published, load_drafter_source
+from tidespec.models.eagle3.head import FUSIONS, INIT_FROM_TARGET, Eagle3Head, init_from_target
+from tidespec.models.loading.loader import LoadedModel
 from tidespec.online.store import SignalStore
 from tidespec.online.training.config import TrainerConfig
 from tidespec.online.training.data import (

@@ -42,7 +42,7 @@ from tidespec.bench.exactness.run import parse_path, target_model
 from tidespec.config import CacheConfig, EngineConfig, ModelConfig, Section, opt
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine
-from tidespec.models.loader import LoadedModel
+from tidespec.models.loading.loader import LoadedModel
 from tidespec.sampling import SamplingParams
 from tidespec.workloads.loader import WorkloadRecord, load_workload, prefix_text, prompt_token_ids
 

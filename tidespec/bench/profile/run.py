@@ -9,7 +9,7 @@ batch-1 decoding is from the hardware limit (every weight byte read once per tok
 
 Method. T(n, B) = wall time of one target forward of n new tokens for each of B sequences on a
 ``context``-token KV cache (default 200), logits for every new row (as verification needs),
-driving ``LlamaModel.forward`` directly with a ``KVCache`` whose context is filled with random
+driving ``TargetModel.forward`` directly with a ``KVCache`` whose context is filled with random
 values (the contents do not change the cost). One warm-up forward per shape, then
 ``repeats`` timed forwards — fewer on big shapes, so each shape costs about ``target_s`` — and
 the median is kept. Bandwidth = 2 x bytes / time of a large ``Tensor.copy_`` (read + write),
@@ -47,13 +47,14 @@ from tidespec.bench.common.report import (
 from tidespec.bench.decode.run import resolve_target
 from tidespec.config import ConfigError, ModelConfig
 from tidespec.errors import check_at_least
-from tidespec.models.compiled import KV_MARGIN, CompiledStep
-from tidespec.models.graphs import GraphStep, uses_graphs
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.linear import tune_linears, untuned
-from tidespec.models.llama import BatchLayout, LlamaModel
-from tidespec.models.loader import LoadedModel
-from tidespec.models.quant import quantization_of
+from tidespec.models.execution.compiled import KV_MARGIN, CompiledStep
+from tidespec.models.execution.graphs import GraphStep, uses_graphs
+from tidespec.models.kernels.linear import tune_linears, untuned
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
+from tidespec.models.loading.loader import LoadedModel
+from tidespec.models.quant.quantize import quantization_of
+from tidespec.models.target import TargetModel
 from tidespec.speculative.policy.profiler import Forward, time_forward
 from tidespec.speculative.policy.profiler import sync_device as _sync
 
@@ -80,7 +81,7 @@ class ProfileConfig:
         check_at_least(1, bandwidth_mib=self.bandwidth_mib)
 
 
-def weight_bytes_per_token(model: LlamaModel) -> int:
+def weight_bytes_per_token(model: TargetModel) -> int:
     """Bytes of parameters one batch-1 decode step reads: every unique parameter once, except an
     untied input-embedding table, of which only one row is read.
 
@@ -94,7 +95,7 @@ def weight_bytes_per_token(model: LlamaModel) -> int:
     return total
 
 
-def kv_bytes_per_token(model: LlamaModel, context: int) -> int:
+def kv_bytes_per_token(model: TargetModel, context: int) -> int:
     """Bytes of K and V read by one decode step over a ``context``-token cache."""
     c = model.cfg
     return 2 * c.num_layers * c.num_kv_heads * c.head_dim * context * model.embed_tokens.weight.element_size()
@@ -118,7 +119,7 @@ def memory_bandwidth(mib: int = 256, repeats: int = 5, device: torch.device | st
     return 2 * n * 4 / statistics.median(times) / 1e9
 
 
-def run_profile(cfg: ProfileConfig, target: LoadedModel | LlamaModel | str | None = None, *,
+def run_profile(cfg: ProfileConfig, target: LoadedModel | TargetModel | str | None = None, *,
                 model_config: ModelConfig | None = None, out_dir: Path | None = None, command: str = "",
                 echo: bool = True) -> dict[str, Any]:
     """Measure T(n) over the grid plus bandwidth; write ``results.json``, ``plot.png``,
@@ -126,7 +127,7 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | LlamaModel | str | Non
     mc = model_config or ModelConfig()
     if mc.threads:
         torch.set_num_threads(mc.threads)
-    if isinstance(target, LlamaModel):
+    if isinstance(target, torch.nn.Module):  # a TargetModel already built
         model, name = target, type(target).__name__
     else:
         loaded = resolve_target(target if target is not None else mc.model, mc.dtype, mc.device, mc.quantization,

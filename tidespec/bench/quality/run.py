@@ -56,10 +56,11 @@ from tidespec.bench.decode.run import bench_engine_config, resolve_target, run_w
 from tidespec.config import QUANTIZATIONS, ConfigError, ModelConfig, output_dir
 from tidespec.flags import add_dataclass_args, dataclass_from_args
 from tidespec.llm import DTYPES, build_engine
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaModel
-from tidespec.models.loader import LoadedModel
-from tidespec.models.quant import quantize_model
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
+from tidespec.models.loading.loader import LoadedModel
+from tidespec.models.quant.quantize import quantize_model
+from tidespec.models.target import TargetModel
 from tidespec.sampling import SamplingParams
 from tidespec.workloads.loader import Prompt, load_prompts
 
@@ -91,11 +92,11 @@ def variant_label(variant: str, group_size: int) -> str:
     return f"int4-g{group_size}" if variant == "int4" else variant
 
 
-def build_variants(ref: LlamaModel, cfg: QualityBenchConfig, ref_dtype: str) -> dict[str, LlamaModel]:
+def build_variants(ref: TargetModel, cfg: QualityBenchConfig, ref_dtype: str) -> dict[str, TargetModel]:
     """Label -> model: the quantized copies of ``ref`` (activations keep ``ref``'s dtype, as
     ``--quantization`` serves them) and, when asked and ``ref`` is not bfloat16 already, ``ref``
     in bfloat16. ``ref`` itself is not changed."""
-    out: dict[str, LlamaModel] = {}
+    out: dict[str, TargetModel] = {}
     for q in cfg.quantizations:
         model = copy.deepcopy(ref)
         quantize_model(model, q, cfg.group_size)
@@ -105,14 +106,14 @@ def build_variants(ref: LlamaModel, cfg: QualityBenchConfig, ref_dtype: str) -> 
     return out
 
 
-def weight_bytes(model: LlamaModel) -> int:
+def weight_bytes(model: TargetModel) -> int:
     """Bytes of every unique parameter and buffer (quantized weights, scales, the embedding)."""
     tensors = {t.data_ptr(): t for t in list(model.parameters()) + list(model.buffers())}
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 @torch.inference_mode()
-def sequence_logprobs(model: LlamaModel, ids: list[int]) -> torch.Tensor:
+def sequence_logprobs(model: TargetModel, ids: list[int]) -> torch.Tensor:
     """Next-token log-probabilities ``[L, V]`` float32 of one sequence, one prefill forward."""
     ids_t = torch.tensor(ids, dtype=torch.int64, device=model.device)
     kv = KVCache.for_model(model.cfg, 1, len(ids), model.dtype, model.device)
@@ -121,7 +122,7 @@ def sequence_logprobs(model: LlamaModel, ids: list[int]) -> torch.Tensor:
     return F.log_softmax(out.logits.float(), dim=-1).cpu()
 
 
-def greedy_continuations(model: LlamaModel, tokenizer: Any, prompts: list[Prompt], max_tokens: int,
+def greedy_continuations(model: TargetModel, tokenizer: Any, prompts: list[Prompt], max_tokens: int,
                          mc: ModelConfig) -> list[list[int]]:
     """Each prompt's greedy continuation (up to ``max_tokens``, EOS included when it comes), all
     prompts in one engine batch."""
@@ -165,7 +166,7 @@ class _Tally:
                 "kl_mean": self.kl / self.scored}
 
 
-def _score_workload(ref: LlamaModel, variants: dict[str, LlamaModel], tokenizer: Any, prompts: list[Prompt],
+def _score_workload(ref: TargetModel, variants: dict[str, TargetModel], tokenizer: Any, prompts: list[Prompt],
                     cfg: QualityBenchConfig, mc: ModelConfig, bar: Any) -> dict[str, _Tally]:
     refs = greedy_continuations(ref, tokenizer, prompts, cfg.max_tokens, mc)
     tallies = {label: _Tally() for label in [mc.dtype, *variants]}

@@ -29,10 +29,11 @@ from tqdm import tqdm
 from tidespec.bench.shift.config import ShiftBenchConfig, TraceItem
 from tidespec.bench.shift.runs import eagle3_engine, run_trace, trace_engine_config
 from tidespec.config import CollectionConfig
-from tidespec.models.eagle3_head import Eagle3Config
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaModel
-from tidespec.models.loader import LoadedModel
+from tidespec.models.eagle3.head import Eagle3Config
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
+from tidespec.models.loading.loader import LoadedModel
+from tidespec.models.target import TargetModel
 from tidespec.online.serving.attach import OnlineConfig, OnlineTraining, attach_online_training
 from tidespec.online.store import SignalShard, SignalStore
 
@@ -68,7 +69,7 @@ def measure_capture_overhead(target: LoadedModel, trace: list[TraceItem], cfg: S
             "requests": len(items), "dropped_rows": dropped}
 
 
-def recompute_taps(model: LlamaModel, token_ids: list[int], tap_layers: tuple[int, ...]) -> torch.Tensor:
+def recompute_taps(model: TargetModel, token_ids: list[int], tap_layers: tuple[int, ...]) -> torch.Tensor:
     """[len, 3H] the target's taps over one whole sequence, by one prefill (what a trainer without a
     signal store recomputes)."""
     kv = KVCache.for_model(model.cfg, 1, len(token_ids), model.dtype, model.device)
@@ -88,7 +89,7 @@ def measure_training_sources(target: LoadedModel, signal_dir: Path, cfg: ShiftBe
     Both sides train a copy of the same fresh head with the same segments, batches and seed, so
     the difference is where the hidden states come from.
     """
-    from tidespec.models.eagle3_checkpoint import fresh_head
+    from tidespec.models.eagle3.checkpoint import fresh_head
     from tidespec.online.training.config import TrainerConfig
     from tidespec.online.training.data import cut_segment, segments_by_sequence
     from tidespec.online.training.eagle3_train import SignalSegment

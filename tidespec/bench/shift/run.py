@@ -96,7 +96,7 @@ from tidespec.bench.shift.runs import (
     trace_engine_config,
     vocab_engine,
 )
-from tidespec.models.loader import LoadedModel
+from tidespec.models.loading.loader import LoadedModel
 
 
 def quarters_of(reqs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:

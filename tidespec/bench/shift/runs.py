@@ -40,10 +40,10 @@ from tidespec.config import (
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
 from tidespec.llm import build_engine, draft_vocab_of
-from tidespec.models.eagle3_checkpoint import seed_root
-from tidespec.models.eagle3_lora import LORA_DIR
-from tidespec.models.llama import LlamaModel
-from tidespec.models.loader import LoadedModel
+from tidespec.models.eagle3.checkpoint import seed_root
+from tidespec.models.eagle3.lora import LORA_DIR
+from tidespec.models.loading.loader import LoadedModel
+from tidespec.models.target import TargetModel
 from tidespec.online.serving.attach import OnlineConfig, OnlineTraining, attach_online_training
 from tidespec.online.serving.governor import GovernorConfig
 from tidespec.online.signals import read_trainer_log, read_trainer_rounds
@@ -205,7 +205,7 @@ def _progress_line(run: TraceRun, status: Callable[[], str] | None) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def trace_engine_config(trace: list[TraceItem], cfg: ShiftBenchConfig, model: LlamaModel, gamma: int,
+def trace_engine_config(trace: list[TraceItem], cfg: ShiftBenchConfig, model: TargetModel, gamma: int,
                         drafter: str | None = None) -> EngineConfig:
     """The engine settings of every configuration: ``concurrency`` KV slots just long enough for
     the trace's longest prompt plus ``max_tokens`` and speculation slack; ``drafter`` (default: the
@@ -234,7 +234,7 @@ def static_engine(target: LoadedModel, ecfg: EngineConfig) -> LLMEngine:
     return build_engine(ecfg, target.model, target.tokenizer)
 
 
-def seed_publish_root(root: Path, bootstrap: str | None, target: LlamaModel) -> int | None:
+def seed_publish_root(root: Path, bootstrap: str | None, target: TargetModel) -> int | None:
     """Publish the bootstrap drafter as the first version of a new root (so frozen and online
     start from the same weights); None without a bootstrap. Returns the version published."""
     if bootstrap is None:
@@ -242,7 +242,7 @@ def seed_publish_root(root: Path, bootstrap: str | None, target: LlamaModel) -> 
     return seed_root(root, bootstrap, target.cfg, target.dtype, target.device)
 
 
-def eagle3_engine(model: LlamaModel, tokenizer: Any, ecfg: EngineConfig, root: Path, draft_vocab: int) -> LLMEngine:
+def eagle3_engine(model: TargetModel, tokenizer: Any, ecfg: EngineConfig, root: Path, draft_vocab: int) -> LLMEngine:
     """An engine with the EAGLE-3 drafter of publish root ``root`` (its newest published version,
     or a fresh head of ``draft_vocab`` tokens, 0 = the target's, when there is none), beside the
     other drafters ``ecfg.spec.drafter`` names, under ``ecfg.policy`` (``llm.build_engine``)."""
@@ -250,7 +250,7 @@ def eagle3_engine(model: LlamaModel, tokenizer: Any, ecfg: EngineConfig, root: P
     return build_engine(dataclasses.replace(ecfg, spec=dataclasses.replace(ecfg.spec, eagle3=eagle3)), model, tokenizer)
 
 
-def vocab_engine(model: LlamaModel, tokenizer: Any, ecfg: EngineConfig, root: Path, cfg: ShiftBenchConfig,
+def vocab_engine(model: TargetModel, tokenizer: Any, ecfg: EngineConfig, root: Path, cfg: ShiftBenchConfig,
                  config: str) -> LLMEngine:
     """The frozen EAGLE-3 engine of ``root`` over the draft vocabulary ``config`` names (vocab-static:
     a frequency core as large as vocab-dynamic's core + buffer, or as its auto |V_t| bound;

@@ -47,7 +47,7 @@ from tidespec.bench.spec.waves import (
 )
 from tidespec.config import ConfigError, ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig
 from tidespec.llm import build_engine
-from tidespec.models.loader import LoadedModel
+from tidespec.models.loading.loader import LoadedModel
 from tidespec.sampling import MAX_LOGPROBS, SamplingParams
 from tidespec.workloads.loader import Prompt
 

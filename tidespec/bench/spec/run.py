@@ -64,8 +64,8 @@ from tidespec.bench.spec.turns import by_turn, conversations, longest_prompt, tu
 from tidespec.config import HEAD_QUANTIZATIONS, ConfigError, ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_engine
-from tidespec.models import placement
-from tidespec.models.loader import LoadedModel
+from tidespec.models.execution import placement
+from tidespec.models.loading.loader import LoadedModel
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import head_quantization
 from tidespec.speculative.registry import kinds_for

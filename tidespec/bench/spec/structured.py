@@ -52,7 +52,7 @@ from tidespec.bench.spec.waves import (
 )
 from tidespec.config import ConfigError, ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig
 from tidespec.llm import build_engine
-from tidespec.models.loader import LoadedModel
+from tidespec.models.loading.loader import LoadedModel
 from tidespec.sampling import SamplingParams, StructuredOutputs
 from tidespec.structured.grammar import JSON_OPTIONS
 from tidespec.structured.tool_calls import ToolCallParser, ToolSpec, parser_for

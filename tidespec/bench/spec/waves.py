@@ -32,7 +32,7 @@ from tqdm import tqdm
 from tidespec.bench.decode.run import resolve_target, wave_indices
 from tidespec.config import ConfigError, ModelConfig, PolicyConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.models.loader import LoadedModel
+from tidespec.models.loading.loader import LoadedModel
 from tidespec.sampling import SamplingParams
 from tidespec.workloads.loader import Prompt, load_prompts
 

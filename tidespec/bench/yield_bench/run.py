@@ -36,7 +36,7 @@ from tidespec.bench.shift.config import ShiftBenchConfig, build_trace
 from tidespec.bench.shift.runs import TraceLoop
 from tidespec.config import CacheConfig, CollectionConfig, ConfigError, EngineConfig, opt
 from tidespec.engine.engine import LLMEngine
-from tidespec.models.loader import LoadedModel
+from tidespec.models.loading.loader import LoadedModel
 from tidespec.online.serving.attach import OnlineConfig
 from tidespec.online.serving.governor import GovernorConfig, TrainingGovernor
 from tidespec.online.serving.launch import start_trainer_process

@@ -31,7 +31,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from tidespec.models.llama import LlamaModel
+from tidespec.models.target import TargetModel
 from tidespec.online.training.config import SynthPromptsConfig, TrainerConfigError
 from tidespec.workloads.loader import Prompt, WorkloadRecord, workload_texts
 
@@ -89,7 +89,7 @@ class OverlapFilter:
         return True
 
 
-def synth_prompts(model: LlamaModel, tokenizer: Any, cfg: SynthPromptsConfig) -> list[WorkloadRecord]:
+def synth_prompts(model: TargetModel, tokenizer: Any, cfg: SynthPromptsConfig) -> list[WorkloadRecord]:
     """Sample user queries from the target's pre-query template until ``cfg.count`` pass the filters
     (or ``cfg.attempts`` samples were drawn; fewer records are returned then, with a warning)."""
     from tidespec.online.training.distill import bootstrap_engine

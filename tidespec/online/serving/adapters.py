@@ -37,13 +37,13 @@ import torch
 
 from tidespec.engine.observer import EngineObserver
 from tidespec.files import directory_fingerprint
-from tidespec.models.eagle3_lora import AdapterError, adapter_dir, list_adapters, load_adapter, merged_state
+from tidespec.models.eagle3.lora import AdapterError, adapter_dir, list_adapters, load_adapter, merged_state
 from tidespec.online.serving.poller import RootPoller
 from tidespec.online.serving.rollback import ServedCheck
 
 if TYPE_CHECKING:
     from tidespec.engine.engine import LLMEngine
-    from tidespec.models.eagle3_head import Eagle3Head
+    from tidespec.models.eagle3.head import Eagle3Head
     from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
 
 logger = logging.getLogger(__name__)

@@ -54,7 +54,7 @@ from tidespec.config import CollectionConfig, EngineConfig
 from tidespec.engine.observer import EngineObserver
 from tidespec.errors import ConfigError
 from tidespec.files import directory_fingerprint
-from tidespec.models.eagle3_checkpoint import (
+from tidespec.models.eagle3.checkpoint import (
     DrafterCheckpointError,
     PublishedDrafter,
     is_checkpoint_dir,
@@ -62,8 +62,8 @@ from tidespec.models.eagle3_checkpoint import (
     latest_version,
     load_version,
 )
-from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head
-from tidespec.models.llama import LlamaConfig
+from tidespec.models.eagle3.head import Eagle3Config, Eagle3ConfigError, Eagle3Head
+from tidespec.models.target import TargetConfig
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
 from tidespec.online.serving.adapters import AdapterUpdater
@@ -175,7 +175,7 @@ class DrafterUpdater(RootPoller, EngineObserver):
     only copies already-loaded weights into the head, and does nothing when nothing is pending.
     """
 
-    def __init__(self, drafter: Eagle3Drafter, root: Path | str, target_cfg: LlamaConfig, poll_s: float = 2.0,
+    def __init__(self, drafter: Eagle3Drafter, root: Path | str, target_cfg: TargetConfig, poll_s: float = 2.0,
                  selective: SelectiveCollector | None = None, capture: CaptureBuffer | None = None,
                  check: ServedCheck | None = None) -> None:
         if poll_s <= 0:

@@ -34,7 +34,7 @@ import torch
 
 from tidespec.engine.observer import EngineObserver
 from tidespec.errors import ConfigError
-from tidespec.models.eagle3_head import Eagle3Config
+from tidespec.models.eagle3.head import Eagle3Config
 from tidespec.speculative.policy.speedup import Profile, expected_accept_length, practical_speedup
 from tidespec.stats import StepStats
 

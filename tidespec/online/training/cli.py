@@ -109,7 +109,7 @@ def cmd_train_drafter(ns: argparse.Namespace) -> int:
 def cmd_synth_prompts(ns: argparse.Namespace) -> int:
     import torch
 
-    from tidespec.models.loader import DTYPES, load_model
+    from tidespec.models.loading.loader import DTYPES, load_model
     from tidespec.online.prompts.selfinstruct import synth_prompts
     from tidespec.online.training.config import SynthPromptsConfig
 

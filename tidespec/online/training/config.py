@@ -13,7 +13,7 @@ from typing import Literal
 
 from tidespec.config import ModelConfig, Section, field_of, opt, section
 from tidespec.errors import ConfigError
-from tidespec.models.eagle3_lora import ALL_TARGETS, TARGETS, AdapterError, check_targets
+from tidespec.models.eagle3.lora import ALL_TARGETS, TARGETS, AdapterError, check_targets
 
 
 class TrainerConfigError(ConfigError):

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from tidespec.models.eagle3_checkpoint import fresh_head
-from tidespec.models.eagle3_head import Eagle3Head
-from tidespec.models.llama import LlamaConfig
+from tidespec.models.eagle3.checkpoint import fresh_head
+from tidespec.models.eagle3.head import Eagle3Head
+from tidespec.models.target import TargetConfig
 from tidespec.online.store import SignalShard
 from tidespec.online.training.eagle3_train import (
     Eagle3TrainError,
@@ -112,7 +112,7 @@ def split_heldout(by_seq: dict[int, list[SignalSegment]], frac: float, min_seque
     return train, heldout
 
 
-def fresh_head_for(target_cfg: LlamaConfig, draft_vocab: int, train: Sequence[SignalSegment], dtype: torch.dtype,
+def fresh_head_for(target_cfg: TargetConfig, draft_vocab: int, train: Sequence[SignalSegment], dtype: torch.dtype,
                    device: torch.device | str, seed: int, num_layers: int = 1, fusion: str = "concat") -> Eagle3Head:
     """A fresh head of ``num_layers`` layers and ``fusion`` whose draft vocabulary is the
     ``draft_vocab`` most frequent tokens of ``train`` (the whole target vocabulary when

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tidespec.models.eagle3_head import Eagle3Head
+from tidespec.models.eagle3.head import Eagle3Head
 
 
 @dataclass

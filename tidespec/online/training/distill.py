@@ -35,8 +35,9 @@ import torch
 from tqdm import tqdm
 
 from tidespec.engine.engine import LLMEngine
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaModel
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
+from tidespec.models.target import TargetModel
 from tidespec.online.store import ShardSink, SignalShard
 from tidespec.speculative.api import Drafter
 from tidespec.workloads.loader import Prompt
@@ -55,7 +56,7 @@ class Continuation:
     prompt_len: int = 0
 
 
-def generate_continuations(model: LlamaModel, tokenizer: object, prompts: Sequence[Prompt], *, samples: int = 1,
+def generate_continuations(model: TargetModel, tokenizer: object, prompts: Sequence[Prompt], *, samples: int = 1,
                            temperature: float = 0.8, max_tokens: int = 128, max_num_seqs: int = 16, seed: int = 0,
                            progress: bool = True) -> list[Continuation]:
     """Generate ``samples`` continuations of every prompt with the target (plain decoding, no drafter)."""
@@ -88,7 +89,7 @@ def generate_continuations(model: LlamaModel, tokenizer: object, prompts: Sequen
     return out
 
 
-def bootstrap_engine(model: LlamaModel, tokenizer: object, prompts: Sequence[Prompt], max_tokens: int,
+def bootstrap_engine(model: TargetModel, tokenizer: object, prompts: Sequence[Prompt], max_tokens: int,
                      max_num_seqs: int, drafter: Drafter | None = None) -> LLMEngine:
     """A plain-decoding engine whose context fits the longest prompt plus ``max_tokens`` (what the
     offline bootstrap generates with; ``drafter`` only to tap hidden states, it never drafts)."""
@@ -102,7 +103,7 @@ def bootstrap_engine(model: LlamaModel, tokenizer: object, prompts: Sequence[Pro
 
 
 @torch.inference_mode()
-def teacher_rows(model: LlamaModel, token_ids: list[int], tap_layers: tuple[int, ...], topk: int
+def teacher_rows(model: TargetModel, token_ids: list[int], tap_layers: tuple[int, ...], topk: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One prefill over a whole sequence -> (taps [N-1, 3H], topk_ids [N-1, K], topk_logits [N-1, K])
     for positions 0..N-2 (those with a next token)."""
@@ -117,7 +118,7 @@ def teacher_rows(model: LlamaModel, token_ids: list[int], tap_layers: tuple[int,
     return out.taps[: n - 1], top.indices, top.values.float()
 
 
-def teacher_pass(model: LlamaModel, sequences: Sequence[Continuation], tap_layers: tuple[int, ...], topk: int,
+def teacher_pass(model: TargetModel, sequences: Sequence[Continuation], tap_layers: tuple[int, ...], topk: int,
                  store: ShardSink, *, shard_rows: int = 4096, first_seq_id: int = 0, progress: bool = True) -> int:
     """Teacher-force every sequence and append its rows to ``store`` (shards of about ``shard_rows``).
     Returns the number of rows written.

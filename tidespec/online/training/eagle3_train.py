@@ -39,8 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidespec.errors import UserError
-from tidespec.models.eagle3_head import Eagle3Head
-from tidespec.models.llama import rotate_half
+from tidespec.models.eagle3.head import Eagle3Head
+from tidespec.models.families.llama import rotate_half
 
 
 @dataclass
@@ -220,7 +220,7 @@ def segments_from_rows(taps: torch.Tensor, token_ids: torch.Tensor, next_token_i
 
 
 def _as_trainable(t: torch.Tensor, head: Eagle3Head) -> torch.Tensor:
-    """Inference tensors (from ``LlamaModel.forward``) cannot be saved for backward: copy them."""
+    """Inference tensors (from ``TargetModel.forward``) cannot be saved for backward: copy them."""
     t = t.to(dtype=head.dtype, device=head.device)
     return t.clone() if t.is_inference() else t
 

@@ -54,7 +54,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tidespec.models.eagle3_head import Eagle3Head
+from tidespec.models.eagle3.head import Eagle3Head
 from tidespec.online.training.eagle3_train import SignalSegment, acceptance_stats
 
 

@@ -68,8 +68,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidespec.models.eagle3_head import Eagle3Head
-from tidespec.models.eagle3_lora import (
+from tidespec.models.eagle3.head import Eagle3Head
+from tidespec.models.eagle3.lora import (
     AdapterError,
     adapter_dir,
     list_adapters,

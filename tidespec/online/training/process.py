@@ -23,9 +23,9 @@ import torch
 from tqdm import tqdm
 
 from tidespec.config import CollectionConfig
-from tidespec.models.eagle3_checkpoint import export_eagle3, head_from_published, load_latest_valid
-from tidespec.models.eagle3_head import Eagle3Config
-from tidespec.models.llama import LlamaConfig, LlamaModel
+from tidespec.models.eagle3.checkpoint import export_eagle3, head_from_published, load_latest_valid
+from tidespec.models.eagle3.head import Eagle3Config
+from tidespec.models.target import TargetConfig, TargetModel
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
 from tidespec.online.signals import SignalCollector, TapCaptureDrafter
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 # ----------------------------------------------------------------------------------------------
 
 
-def capture_from_workload(model: LlamaModel, tokenizer: Any, workload: str, signal_dir: str | Path, *,
+def capture_from_workload(model: TargetModel, tokenizer: Any, workload: str, signal_dir: str | Path, *,
                           max_tokens: int = 128, limit: int = 0, budget_bytes: int = 2 << 30,
                           max_num_seqs: int = 8, progress: bool = True, exclude: str = "") -> dict[str, int]:
     """Greedy-generate every prompt of the comma-separated workloads with the target, capturing the
@@ -78,7 +78,7 @@ def capture_from_workload(model: LlamaModel, tokenizer: Any, workload: str, sign
     return stats
 
 
-def distill_from_workload(model: LlamaModel, tokenizer: Any, cfg: TrainerConfig) -> int:
+def distill_from_workload(model: TargetModel, tokenizer: Any, cfg: TrainerConfig) -> int:
     """``--from-workload`` with ``--topk``: sampled continuations, then a teacher pass storing the
     target's top-k logits of every position (``trainer.distill``). Returns the rows written."""
     prompts = training_prompts(cfg.from_workload or "", tokenizer, exclude=cfg.exclude_workload,
@@ -99,8 +99,8 @@ def distill_from_workload(model: LlamaModel, tokenizer: Any, cfg: TrainerConfig)
 
 def train_drafter(cfg: TrainerConfig) -> list[RoundResult]:
     """``tidespec train-drafter``: join torchrun's group if any, load the target, (bootstrap,) train."""
-    from tidespec.models.linear import tune_linears
-    from tidespec.models.loader import DTYPES, load_model
+    from tidespec.models.kernels.linear import tune_linears
+    from tidespec.models.loading.loader import DTYPES, load_model
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
@@ -141,7 +141,7 @@ def train_drafter(cfg: TrainerConfig) -> list[RoundResult]:
         ctx.close()
 
 
-def export_latest(root: str | Path, directory: str | Path, target_cfg: LlamaConfig, dtype: torch.dtype) -> int:
+def export_latest(root: str | Path, directory: str | Path, target_cfg: TargetConfig, dtype: torch.dtype) -> int:
     """Write the newest valid published version under ``root`` as one exported checkpoint in
     ``dtype`` (a bfloat16 copy halves the size; the engine casts to the target's dtype on load).
     Returns the version exported; ``TrainerConfigError`` when nothing valid is published."""

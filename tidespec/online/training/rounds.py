@@ -61,7 +61,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from tidespec.models.eagle3_checkpoint import (
+from tidespec.models.eagle3.checkpoint import (
     PublishedDrafter,
     fresh_head,
     head_from_published,
@@ -71,8 +71,8 @@ from tidespec.models.eagle3_checkpoint import (
     publish,
     validate_eagle3_dir,
 )
-from tidespec.models.eagle3_head import Eagle3Head, init_from_target
-from tidespec.models.llama import LlamaConfig
+from tidespec.models.eagle3.head import Eagle3Head, init_from_target
+from tidespec.models.target import TargetConfig
 from tidespec.online.signals import TRAINER_STATE_NAME
 from tidespec.online.store import ShardGone, ShardInfo, SignalShard, SignalStore
 from tidespec.online.training.config import TrainerConfig, TrainerConfigError
@@ -187,11 +187,11 @@ class DraftTrainer:
     """Watches a signal store and publishes better EAGLE-3 heads (see the module docstring).
 
     ``embed`` is the target's token embedding (read-only). The head trains in float32 (float64
-    for a float64 target, as in the tests) on ``cfg.device``. ``target`` (the ``LlamaModel``) is
+    for a float64 target, as in the tests) on ``cfg.device``. ``target`` (the ``TargetModel``) is
     needed only when ``cfg.init_from_target`` starts fresh heads from its weights.
     """
 
-    def __init__(self, cfg: TrainerConfig, target_cfg: LlamaConfig, embed: nn.Embedding,
+    def __init__(self, cfg: TrainerConfig, target_cfg: TargetConfig, embed: nn.Embedding,
                  ctx: DistContext | None = None, target: nn.Module | None = None) -> None:
         if cfg.init_from_target != "none" and target is None:
             raise TrainerConfigError(f"--init-from-target {cfg.init_from_target} needs the target model")
@@ -256,7 +256,7 @@ class DraftTrainer:
     def _target_rows(self, target: nn.Module) -> torch.Tensor:
         """[V, H] the target's LM-head rows (a target's logits = its final hidden state times these)."""
         if self._out_rows is None:
-            from tidespec.models.llama import output_matrix
+            from tidespec.models.target import output_matrix
 
             self._out_rows = output_matrix(target).to(self.device)
         return self._out_rows

@@ -2,7 +2,7 @@
 
 Why this exists: the classic speculative-decoding drafter (Leviathan et al., 2023) is a cheaper
 autoregressive model sharing the target's tokenizer — a separate small checkpoint or the target
-itself truncated to its first k layers (``LlamaModel.truncated(k)``). It keeps its own KV cache,
+itself truncated to its first k layers (``TargetModel.truncated(k)``). It keeps its own KV cache,
 so it must stay in step with the target's context under continuous batching: a sequence may
 skip speculation for several steps, drafts may be rejected, or a sequence may be seen for the
 first time mid-generation.
@@ -41,12 +41,13 @@ from dataclasses import dataclass, field
 import torch
 
 from tidespec.errors import ConfigError, check_at_least
-from tidespec.models import placement
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.linear import tune_linears
-from tidespec.models.llama import BatchLayout, LlamaModel, output_matrix
-from tidespec.models.loader import load_model
-from tidespec.models.quant import QuantizedLinear
+from tidespec.models.execution import placement
+from tidespec.models.kernels.linear import tune_linears
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
+from tidespec.models.loading.loader import load_model
+from tidespec.models.quant.quantize import QuantizedLinear
+from tidespec.models.target import TargetModel, output_matrix
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
 from tidespec.speculative import api
 from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
@@ -180,7 +181,7 @@ class DraftModelDrafter(DrafterBase):
     name = "draft-model"
     stateful = True  # a KV cache per sequence, caught up after a pause
 
-    def __init__(self, model: LlamaModel, max_num_seqs: int, max_model_len: int, tree_top_k: int = 2,
+    def __init__(self, model: TargetModel, max_num_seqs: int, max_model_len: int, tree_top_k: int = 2,
                  name: str = "draft-model", vocab: DynamicVocab | None = None) -> None:
         check_at_least(1, max_num_seqs=max_num_seqs, max_model_len=max_model_len, tree_top_k=tree_top_k)
         self.model = model
@@ -326,7 +327,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return i
 
 
-def truncated_on(target: LlamaModel, num_layers: int, device: torch.device) -> LlamaModel:
+def truncated_on(target: TargetModel, num_layers: int, device: torch.device) -> TargetModel:
     """The target's first ``num_layers`` layers as a draft model on ``device``: sharing the
     target's weights on its own device, else a copy of them moved there (``placement.module_copy``;
     embedding, those layers, final norm and LM head, once at build time)."""

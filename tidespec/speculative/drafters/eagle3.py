@@ -3,7 +3,7 @@
 Why this exists: TIDE (Sec. 3.2) drafts with an EAGLE-3 head that reads the target's own hidden
 states (taps), and a head the trainer process publishes can be swapped in between engine steps
 (``load_state``). The head's computation (one step, the token/tap pairing, the d2t map) is
-described in ``tidespec.models.eagle3_head``; this module owns the per-sequence drafting state
+described in ``tidespec.models.eagle3.head``; this module owns the per-sequence drafting state
 (trees grow in ``eagle3_tree``).
 
 Drafter state per sequence: the taps ``observe`` handed over, the head's own K/V for every
@@ -39,14 +39,15 @@ import torch
 from torch import nn
 
 from tidespec.config import HEAD_QUANTIZATIONS
-from tidespec.models import placement
-from tidespec.models.eagle3_checkpoint import fresh_head, head_from_published, load_drafter_source, shipped_bootstrap
-from tidespec.models.eagle3_graphs import HeadGraphs
-from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head, quantized_head
-from tidespec.models.graphs import uses_graphs
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import BatchLayout, LlamaModel
-from tidespec.models.loader import DTYPES
+from tidespec.models.eagle3.checkpoint import fresh_head, head_from_published, load_drafter_source, shipped_bootstrap
+from tidespec.models.eagle3.graphs import HeadGraphs
+from tidespec.models.eagle3.head import Eagle3Config, Eagle3ConfigError, Eagle3Head, quantized_head
+from tidespec.models.execution import placement
+from tidespec.models.execution.graphs import uses_graphs
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import BatchLayout
+from tidespec.models.loading.loader import DTYPES
+from tidespec.models.target import TargetModel
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
 from tidespec.speculative.api import (
     DrafterBase,
@@ -556,7 +557,7 @@ def head_quantization(option: str, device: torch.device) -> str:
     return "int8" if device.type == "cpu" else "none"
 
 
-def build_eagle3_drafter(target: LlamaModel, source: str | Path | None, draft_vocab_size: int = 0,
+def build_eagle3_drafter(target: TargetModel, source: str | Path | None, draft_vocab_size: int = 0,
                          cfg: Eagle3DrafterConfig | None = None, dtype: torch.dtype | None = None,
                          device: torch.device | None = None) -> Eagle3Drafter:
     """The EAGLE-3 drafter for ``target``, its head in ``dtype`` (None = the target's) on ``device``

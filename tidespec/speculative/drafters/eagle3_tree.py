@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tidespec.models.llama import BatchLayout
+from tidespec.models.layout import BatchLayout
 from tidespec.speculative.drafters.eagle3_state import SeqState
 from tidespec.speculative.tree import rerank_tree, tree_depths, tree_mask
 

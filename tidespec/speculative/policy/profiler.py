@@ -2,7 +2,7 @@
 
 Why this exists: TIDE's analytic model (eq. 5) and Nightjar's switching cost need measured
 costs of *this* model on *this* device and dtype. The forwards are timed through a
-``ForwardExecutor`` built with the engine's options (``models/executor.py``), so they are exactly
+``ForwardExecutor`` built with the engine's options (``models/execution/executor.py``), so they are exactly
 the forwards the engine runs (CUDA graphs, the compiled step or eager, over the same row-invariant
 kernels and KV layout). Measuring takes seconds, so the result is cached under the tidespec cache
 directory, keyed by the model, the drafter's networks, the executor (``executor_key``: its mode,
@@ -43,9 +43,9 @@ import torch
 
 from tidespec.errors import ConfigError
 from tidespec.files import atomic_write, cache_root, cpu_name, measure_once
-from tidespec.models.executor import ExecutorOptions, ForwardExecutor, executor_key, prepare_target
-from tidespec.models.llama import LlamaModel
-from tidespec.models.quant import QuantizedLinear, quantization_of
+from tidespec.models.execution.executor import ExecutorOptions, ForwardExecutor, executor_key, prepare_target
+from tidespec.models.quant.quantize import QuantizedLinear, quantization_of
+from tidespec.models.target import TargetModel
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter, DraftInput, Observation
 from tidespec.speculative.policy.speedup import Profile
@@ -124,7 +124,7 @@ def profile_cache_dir() -> Path:
     return cache_root() / "profiles"
 
 
-def profile_key(model: LlamaModel, drafter_name: str, extra: dict[str, str] | None = None) -> str:
+def profile_key(model: TargetModel, drafter_name: str, extra: dict[str, str] | None = None) -> str:
     """Stable key of what the costs depend on: architecture, dtype, weight quantization, device (and the
     CPU's model: a cache directory that outlives a machine must not hand one CPU's costs to another),
     drafter, threads."""
@@ -151,14 +151,14 @@ def drafter_signature(drafter: Drafter | None) -> dict[str, str]:
     return {d.name: s for d in members if (s := d.cost_signature())}
 
 
-def profile_key_for(model: LlamaModel, drafter: Drafter | None, executor: dict[str, str]) -> str:
+def profile_key_for(model: TargetModel, drafter: Drafter | None, executor: dict[str, str]) -> str:
     """``profile_key`` of ``model`` speculating with ``drafter`` (its networks included), its forwards
     run as ``executor`` says (``executor_key``)."""
     return profile_key(model, drafter.name if drafter is not None else "none",
                        {**executor, **drafter_signature(drafter)})
 
 
-def measure_profile(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerConfig | None = None,
+def measure_profile(model: TargetModel, drafter: Drafter | None, cfg: ProfilerConfig | None = None,
                     progress: Callable[[str], None] | None = None, options: ExecutorOptions | None = None) -> Profile:
     """Measure a ``Profile`` (see the module docstring): T(b, q) of the forwards an engine with
     ``options`` runs (default ``ExecutorOptions()``: eager, row-invariant on a CPU)."""
@@ -283,7 +283,7 @@ def _catchup(clock: _DraftClock, vocab: int, cfg: ProfilerConfig, gen: torch.Gen
     return table
 
 
-def load_or_measure(model: LlamaModel, drafter: Drafter | None, cfg: ProfilerConfig | None = None,
+def load_or_measure(model: TargetModel, drafter: Drafter | None, cfg: ProfilerConfig | None = None,
                     refresh: bool = False, progress: Callable[[str], None] | None = None,
                     options: ExecutorOptions | None = None) -> tuple[Profile, Path]:
     """The cached profile for this model/device/dtype/drafter and forwards run with ``options`` (the

@@ -7,7 +7,7 @@ and again; its K/V at those positions is the same every time (the target is caus
 however the prompt was chunked. Which block holds which prefix is the engine's bookkeeping
 (``engine/prefix_cache.py``); the two stores here hold the K/V and know nothing of tokens:
 
-- ``SharedBlocks`` over a paged cache (``models/kv_paged.py``, every row-invariant CPU target):
+- ``SharedBlocks`` over a paged cache (``models/kv/paged.py``, every row-invariant CPU target):
   a sequence's full blocks are kept as they are (``claim``: the cache holds them past their
   sequence), and a prompt that starts with the same tokens gets them in its block table
   (``load``: ``PagedKVCache.share``). Nothing is copied, and N requests that share a 1,024-token
@@ -34,8 +34,8 @@ from __future__ import annotations
 
 import torch
 
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.kv_paged import PagedKVCache
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.kv.paged import PagedKVCache
 
 
 class SideRows:

@@ -57,8 +57,8 @@ from safetensors.torch import save_file
 
 from tidespec.errors import UserError
 from tidespec.files import TMP_PREFIX, fsync_path, write_synced
-from tidespec.models.eagle3_head import Eagle3Config, Eagle3ConfigError, Eagle3Head
-from tidespec.models.llama import LlamaConfig
+from tidespec.models.eagle3.head import Eagle3Config, Eagle3ConfigError, Eagle3Head
+from tidespec.models.target import TargetConfig
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_NAME = "config.json"
@@ -84,7 +84,7 @@ class DrafterCheckpointError(UserError, ValueError):
     """A drafter checkpoint directory is missing, malformed or does not fit the target (one line)."""
 
 
-def shipped_head_for(target_cfg: LlamaConfig) -> Path | None:
+def shipped_head_for(target_cfg: TargetConfig) -> Path | None:
     """The shipped bootstrap head when its config fits ``target_cfg`` (the embedded
     SmolLM2-135M-Instruct's width, vocabulary and layers), else None. Reads the config only: the
     drafter that loads the head validates its tensors (``load_drafter_source``).
@@ -145,7 +145,7 @@ def config_to_hf(cfg: Eagle3Config, dtype: torch.dtype) -> dict[str, Any]:
     return out
 
 
-def config_from_hf(d: dict[str, Any], target_cfg: LlamaConfig | None = None) -> Eagle3Config:
+def config_from_hf(d: dict[str, Any], target_cfg: TargetConfig | None = None) -> Eagle3Config:
     """Parse an EAGLE-3 ``config.json``; tap layers default to the target's EAGLE-3 layers."""
     try:
         archs = d.get("architectures") or []
@@ -340,7 +340,7 @@ def _check_tensors(cfg: Eagle3Config, tensors: dict[str, torch.Tensor]) -> None:
         raise DrafterCheckpointError("t2d does not mark exactly the target ids d2t maps to")
 
 
-def import_eagle3(directory: Path | str, target_cfg: LlamaConfig | None = None
+def import_eagle3(directory: Path | str, target_cfg: TargetConfig | None = None
                   ) -> tuple[Eagle3Config, dict[str, torch.Tensor]]:
     """Read a checkpoint dir -> (config, ``Eagle3Head.state_dict()``-named tensors).
 
@@ -357,7 +357,7 @@ def import_eagle3(directory: Path | str, target_cfg: LlamaConfig | None = None
     return cfg, checkpoint_to_head(tensors)
 
 
-def validate_eagle3_dir(directory: Path | str, target_cfg: LlamaConfig) -> None:
+def validate_eagle3_dir(directory: Path | str, target_cfg: TargetConfig) -> None:
     """Raise ``DrafterCheckpointError`` unless the dir is a complete, finite EAGLE-3 checkpoint for
     ``target_cfg`` (names, shapes, vocab maps, width, vocabulary, tap layers)."""
     try:
@@ -367,7 +367,7 @@ def validate_eagle3_dir(directory: Path | str, target_cfg: LlamaConfig) -> None:
     _check_fit(cfg, target_cfg)
 
 
-def _check_fit(cfg: Eagle3Config, target_cfg: LlamaConfig) -> None:
+def _check_fit(cfg: Eagle3Config, target_cfg: TargetConfig) -> None:
     """Raise ``DrafterCheckpointError`` unless a head of ``cfg`` reads ``target_cfg``'s hidden
     states and vocabulary."""
     if cfg.hidden_size != target_cfg.hidden_size:
@@ -445,7 +445,7 @@ def publish(root: Path | str, head: Eagle3Head, metrics: dict[str, Any],
     return n
 
 
-def seed_root(root: Path | str, source: Path | str, target_cfg: LlamaConfig, dtype: torch.dtype = torch.float32,
+def seed_root(root: Path | str, source: Path | str, target_cfg: TargetConfig, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu") -> int | None:
     """Publish the drafter ``source`` holds (``load_drafter_source``) as the first version of ``root``
     when ``root`` holds no valid version, so that online training fine-tunes it rather than a random
@@ -492,7 +492,7 @@ def _version_metrics(d: Path) -> Any:
     return metrics
 
 
-def load_version(root: Path | str, version: int, target_cfg: LlamaConfig | None = None) -> PublishedDrafter:
+def load_version(root: Path | str, version: int, target_cfg: TargetConfig | None = None) -> PublishedDrafter:
     """Read ``root/v{version}``; with ``target_cfg`` it is validated against the target first."""
     d = Path(root) / f"v{version}"
     if not d.is_dir():
@@ -515,7 +515,7 @@ def state_dict_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
 # ----------------------------------------------------------------------------------------------
 
 
-def fresh_head(target_cfg: LlamaConfig, draft_vocab_size: int | None = None, dtype: torch.dtype = torch.float32,
+def fresh_head(target_cfg: TargetConfig, draft_vocab_size: int | None = None, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu", seed: int = FRESH_HEAD_SEED, num_layers: int = 1,
                fusion: str = "concat") -> Eagle3Head:
     """A randomly initialised head, identical for equal arguments (the global RNG is untouched).
@@ -542,7 +542,7 @@ def is_checkpoint_dir(path: Path | str) -> bool:
     return (Path(path) / CONFIG_NAME).is_file()
 
 
-def load_latest_valid(root: Path | str, target_cfg: LlamaConfig) -> PublishedDrafter | None:
+def load_latest_valid(root: Path | str, target_cfg: TargetConfig) -> PublishedDrafter | None:
     """The newest version under ``root`` that validates against the target, newest first; each
     refused version is logged. None when the root holds no valid version."""
     newest = latest_version(root)
@@ -555,7 +555,7 @@ def load_latest_valid(root: Path | str, target_cfg: LlamaConfig) -> PublishedDra
     return None
 
 
-def load_drafter_source(source: str | Path, target_cfg: LlamaConfig) -> PublishedDrafter | None:
+def load_drafter_source(source: str | Path, target_cfg: TargetConfig) -> PublishedDrafter | None:
     """What ``source`` holds: a directory with ``config.json`` -> that exported checkpoint
     (validated; a bad one raises ``DrafterCheckpointError``) as version 0; otherwise a publish
     root -> its newest valid version, or None when it has none."""

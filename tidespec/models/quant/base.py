@@ -1,11 +1,11 @@
 """The base of tidespec's quantized linear layers: ``QuantizedLinear``, ``QuantizationError``, ``KERNEL_DTYPE``.
 
-Why this exists: two modules build quantized layers on this base: ``models/quant.py`` (int8 / int4
+Why this exists: two modules build quantized layers on this base: ``models/quant/quantize.py`` (int8 / int4
 weight-only layers on PyTorch's kernels, and ``quantize_model``, which swaps a model's projections
-for any scheme's layers) and ``models/quant_a8.py`` (w4a8 / w8a8 layers on tidespec's integer
+for any scheme's layers) and ``models/quant/a8.py`` (w4a8 / w8a8 layers on tidespec's integer
 kernels). Since ``quant.py`` builds ``quant_a8.py``'s layers, the base lives here and the imports run
 one way: ``quant`` -> ``quant_a8`` -> ``quant_base``. ``quant.py`` re-exports these names, so
-``from tidespec.models.quant import QuantizedLinear`` keeps working.
+``from tidespec.models.quant.quantize import QuantizedLinear`` keeps working.
 
 Worked example (a subclass supplies ``_kernel``; the base casts, pieces and adds the bias)::
 
@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidespec.models.llama import ModelConfigError
-from tidespec.models.rows import in_pieces
+from tidespec.models.kernels.rows import in_pieces
+from tidespec.models.target import ModelConfigError
 
 KERNEL_DTYPE = torch.bfloat16  # the activation dtype both weight-only kernels are vectorised for
 
@@ -42,11 +42,11 @@ class QuantizedLinear(nn.Module):
     bias: torch.Tensor | None
     _kernel_buffers: tuple[str, ...] = ()
     # rows up to which the kernel was measured row-invariant when that is below the engine's token
-    # budget: calls run in pieces within it (models/invariance.py); 0 = whole calls
+    # budget: calls run in pieces within it (models/execution/invariance.py); 0 = whole calls
     row_limit = 0
     own_kernel = False  # tidespec's kernel (csrc/quant_linear.cpp) instead of PyTorch's: the same bits
     kernel_dtype = KERNEL_DTYPE  # the dtype of the kernel's floating-point buffers (scales)
-    scheme = ""  # w4a8 / w8a8 layers (models/quant_a8.py) name their scheme; quantization_of reads it
+    scheme = ""  # w4a8 / w8a8 layers (models/quant/a8.py) name their scheme; quantization_of reads it
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
         super().__init__()

@@ -8,7 +8,7 @@ the only model code in tidespec; it knows nothing of requests, only of a ``Batch
 Layout of a forward: the new tokens of all sequences are flattened into one row dimension ``T``
 (sequence 0's tokens, then sequence 1's, ...). Projections and MLPs run once over ``[T, H]``;
 attention runs once for the whole ragged batch over the sequences' KV slots, padded and masked
-(``models/attention.py``; like varlen flash-attention).
+(``models/kernels/attention.py``; like varlen flash-attention).
 
 Worked example: two sequences, one decoding a verified token plus 2 draft tokens on a 10-token
 cache, one prefilling a 4-token chunk from scratch::
@@ -24,253 +24,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tidespec.errors import ConfigError, UserError
-from tidespec.models.attention import AttentionPlan, transposed_keys
-from tidespec.models.linear import Linear
-
-SLICE_WRITE_MAX_SEQS = 2  # K/V writes of up to this many sequences use slice copies, else one index_put
-
-SUPPORTED_ARCHITECTURES = (
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-)
-
-
-class ModelConfigError(UserError, ValueError):
-    """A checkpoint's config cannot be served by this model (unknown architecture, bad field)."""
-
-
-@dataclass(frozen=True)
-class LlamaConfig:
-    """Architecture hyper-parameters, parsed from an HF ``config.json`` dict by ``from_hf``."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict[str, Any] | None = None
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False  # Qwen2: bias on q/k/v
-    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
-    sliding_window: int | None = None
-    architecture: str = "LlamaForCausalLM"
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                     "num_kv_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise ModelConfigError(f"config field {name} must be positive, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ModelConfigError(
-                f"num_attention_heads ({self.num_heads}) not divisible by num_key_value_heads ({self.num_kv_heads})")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if kind not in ("default", "llama3", "linear"):
-                raise ModelConfigError(f"unsupported rope_scaling type {kind!r} (supported: default, llama3, linear)")
-
-    @classmethod
-    def from_hf(cls, cfg: dict[str, Any]) -> "LlamaConfig":
-        """Parse an HF config dict; raises ``ModelConfigError`` with a one-line reason."""
-        archs = cfg.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelConfigError(
-                f"unknown architecture {arch!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
-        try:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            eos = cfg.get("eos_token_id")
-            eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            rope_scaling = cfg.get("rope_scaling")
-            rope_theta = cfg.get("rope_theta")
-            rope_params = cfg.get("rope_parameters")  # transformers >= 5 folds theta/scaling in here
-            if isinstance(rope_params, dict):
-                rope_theta = rope_params.get("rope_theta", rope_theta)
-                if rope_params.get("rope_type", "default") != "default":
-                    rope_scaling = rope_params
-            return cls(
-                vocab_size=int(cfg["vocab_size"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-                rope_scaling=rope_scaling,
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                attention_bias=bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM")),
-                qk_norm=arch == "Qwen3ForCausalLM",
-                sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
-                architecture=arch,
-                bos_token_id=cfg.get("bos_token_id"),
-                eos_token_ids=eos_ids,
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            if isinstance(exc, ModelConfigError):
-                raise
-            raise ModelConfigError(f"config.json is missing or has a bad field: {exc}") from None
-
-
-@dataclass
-class BatchLayout:
-    """Where each sequence's new tokens sit in the flattened batch and in the KV cache.
-
-    All per-sequence lists have length ``B``; ``T = sum(q_lens)``.
-    """
-
-    q_lens: list[int]  # new tokens per sequence
-    ctx_lens: list[int]  # tokens already in the KV cache per sequence (write offset)
-    slots: list[int]  # KV-cache slot owned by each sequence
-    positions: torch.Tensor  # [T] int64 rope positions (ctx + depth for tree tokens)
-    write_slots: torch.Tensor  # [T] int64 slot index of each new token
-    write_offsets: torch.Tensor  # [T] int64 cache offset of each new token (ctx + index)
-    tree_masks: list[torch.Tensor | None] = field(default_factory=list)  # per seq [q, p + q] bool or None (causal)
-    _plans: dict[int | None, AttentionPlan] = field(default_factory=dict, repr=False)  # per sliding window
-    # a paged cache (``page``): its block table [S, nb] and block size, and, when they are few, the
-    # runs of new tokens within one block: (block, first row, first token, n)
-    block_table: torch.Tensor | None = None
-    block_size: int = 0
-    write_runs: list[tuple[int, int, int, int]] | None = None
-
-    def page(self, kv: KVStorage) -> None:
-        """Lay this forward out over a paged cache (``models/kv_paged.py``): blocks for every new
-        position first (raises RuntimeError when the pool cannot give them: the scheduler reserves
-        ahead, so only a caller that did not gets it), then the runs of new tokens per block."""
-        bs = kv.block_size
-        runs: list[tuple[int, int, int, int]] = []
-        start = 0
-        for slot, c, q in zip(self.slots, self.ctx_lens, self.q_lens):
-            if not kv.reserve(slot, c + q):
-                raise RuntimeError(f"the KV cache has no free block for {c + q} positions of slot {slot}")
-            pos = c
-            while pos < c + q and len(runs) <= SLICE_WRITE_MAX_SEQS:
-                n = min(c + q - pos, bs - pos % bs)
-                runs.append((kv.blocks[slot][pos // bs], pos % bs, start + pos - c, n))
-                pos += n
-            start += q
-        self.block_table, self.block_size = kv.block_table, bs
-        self.write_runs = runs if len(runs) <= SLICE_WRITE_MAX_SEQS else None
-        self._plans.clear()
-
-    def paged_writes(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each new token's block and row in a paged cache (after ``page``): two [T] int64 tensors."""
-        assert self.block_table is not None
-        return self.block_table[self.write_slots, self.write_offsets // self.block_size], \
-            self.write_offsets % self.block_size
-
-    def attention_plan(self, window: int | None, kv: "KVStorage | None" = None, exact: bool = False) -> AttentionPlan:
-        """The attention plan of this layout, built on first use and shared by all layers; ``exact``:
-        for the row-invariant kernel (``AttentionPlan.build``). With ``kv``, the key range the
-        padded plan reads is made safe to read first (the exact kernel reads only visible keys)."""
-        plan = self._plans.get(window)
-        if plan is None:
-            plan = AttentionPlan.build(self.q_lens, self.ctx_lens, self.slots, self.tree_masks, window,
-                                       self.positions.device, exact, self.block_table)
-            self._plans[window] = plan
-        if kv is not None and not plan.exact:
-            kv.make_readable(plan.read_slots(self.slots), plan.kv_len)
-        return plan
-
-    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write the new tokens' K/V ([T, n_kv, hd]) into their slots ([S, n_kv, L, hd]), or their
-        blocks ([NB, n_kv, bs, hd]) when paged."""
-        if self.write_runs is not None:  # a decode step's few rows: slice copies into their blocks
-            for block, row, t, n in self.write_runs:
-                k_cache[block, :, row:row + n] = k[t:t + n].transpose(0, 1)
-                v_cache[block, :, row:row + n] = v[t:t + n].transpose(0, 1)
-        elif self.block_table is not None:
-            blocks, rows = self.paged_writes()
-            k_cache[blocks, :, rows] = k
-            v_cache[blocks, :, rows] = v
-        elif len(self.q_lens) <= SLICE_WRITE_MAX_SEQS:  # two slice copies beat two index_put calls
-            start = 0
-            for q_len, ctx, slot in zip(self.q_lens, self.ctx_lens, self.slots):
-                k_cache[slot, :, ctx:ctx + q_len] = k[start:start + q_len].transpose(0, 1)
-                v_cache[slot, :, ctx:ctx + q_len] = v[start:start + q_len].transpose(0, 1)
-                start += q_len
-        else:  # scatter the new K/V into each sequence's slot: cache[slot_t, :, off_t] = k[t]
-            k_cache[self.write_slots, :, self.write_offsets] = k
-            v_cache[self.write_slots, :, self.write_offsets] = v
-
-    def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q [T, n_h, hd] (its K/V already written) -> attention output [T, n_h, hd]."""
-        return self.attention_plan(window).attend(q, k_cache, v_cache)
-
-    @property
-    def num_tokens(self) -> int:
-        return int(sum(self.q_lens))
-
-    @staticmethod
-    def build(q_lens: list[int], ctx_lens: list[int], slots: list[int],
-              depths: list[list[int] | None] | None = None,
-              tree_masks: list[torch.Tensor | None] | None = None,
-              device: torch.device | str = "cpu") -> "BatchLayout":
-        """Derive positions and write offsets. ``depths[i]`` (tree sequences) gives each new
-        token's position offset from ``ctx_lens[i]``, its depth below the context when the tree is
-        fed whole (negative for a level fed above earlier levels kept in the cache, whose
-        ``tree_masks[i]`` then covers them too); ``None`` means a chain (depth = index)."""
-        pos: list[int] = []
-        wslots: list[int] = []
-        woffs: list[int] = []
-        for i, (q, c, s) in enumerate(zip(q_lens, ctx_lens, slots)):
-            d = depths[i] if depths is not None else None
-            pos.extend([c + x for x in d] if d is not None else range(c, c + q))
-            wslots.extend([s] * q)
-            woffs.extend(range(c, c + q))
-        as_t = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-        return BatchLayout(list(q_lens), list(ctx_lens), list(slots), as_t(pos), as_t(wslots), as_t(woffs),
-                           list(tree_masks) if tree_masks is not None else [None] * len(q_lens))
-
-
-class ForwardLayout(Protocol):
-    """What the layers need from a forward's layout: rope positions, where the new tokens' K/V go,
-    and attention over the slots. ``BatchLayout`` is the eager one; ``models/compiled.py`` has a
-    tensor-only one for the compiled step."""
-
-    positions: torch.Tensor  # [T] int64
-
-    def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
-
-    def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor) -> torch.Tensor: ...
-
-
-class KVStorage(Protocol):
-    """What the model needs from a KV cache: per-layer tensors ``[num_slots, n_kv, max_len, hd]``
-    and a way to make unwritten positions safe to read (``KVCache.make_readable``)."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    paged: bool  # a paged cache also has block_size, block_table, blocks and reserve (``models/kv_paged.py``)
-
-    def make_readable(self, slots: list[int], upto: int) -> None: ...
-
-
-@dataclass
-class ModelOutput:
-    logits: torch.Tensor | None  # [R, V] float32, rows chosen by ``logits_rows``
-    taps: torch.Tensor | None  # [T, num_taps * H] hidden states entering the tap layers
-    last_hidden: torch.Tensor  # [T, H] after the final norm
+from tidespec.models.kernels.attention import transposed_keys
+from tidespec.models.kernels.linear import Linear
+from tidespec.models.layout import BatchLayout, ForwardLayout, KVStorage, ModelOutput
+from tidespec.models.target import ModelConfigError, TargetConfig
 
 
 class RMSNorm(nn.Module):
@@ -289,7 +51,7 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope_inv_freq(cfg: LlamaConfig) -> torch.Tensor:
+def rope_inv_freq(cfg: TargetConfig) -> torch.Tensor:
     """Inverse frequencies [head_dim/2] in float32, as HF computes them (incl. llama3 scaling)."""
     dim = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -330,7 +92,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: TargetConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.n_h, self.n_kv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -359,7 +121,7 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: TargetConfig) -> None:
         super().__init__()
         self.inter = cfg.intermediate_size
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # fused gate|up
@@ -371,7 +133,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: TargetConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
@@ -401,7 +163,7 @@ class PlacedModule(nn.Module):
 class LlamaModel(PlacedModule):
     """Token ids + layout + KV storage -> logits at chosen rows, hidden taps, final hidden."""
 
-    def __init__(self, cfg: LlamaConfig) -> None:
+    def __init__(self, cfg: TargetConfig) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
@@ -533,13 +295,3 @@ class _Getter:
         if name not in self.sd:
             raise ModelConfigError(f"checkpoint is missing tensor {name}")
         return self.sd[name]
-
-
-def output_matrix(target: LlamaModel) -> torch.Tensor:
-    """[V, H] the target's LM-head rows as floats (a quantized head of a tied model: the embedding)."""
-    w = getattr(target.lm_head, "weight", None)
-    if isinstance(w, torch.Tensor) and w.is_floating_point():
-        return w.detach()
-    if target.cfg.tie_word_embeddings:
-        return target.embed_tokens.weight.detach()
-    raise ConfigError("a draft vocabulary needs the target's LM head in floating point (run without --quantization)")

@@ -40,21 +40,19 @@ import torch
 from torch import nn
 
 from tidespec.errors import ConfigError
-from tidespec.models.llama import (
+from tidespec.models.families.llama import (
     MLP,
     Attention,
-    BatchLayout,
     DecoderLayer,
-    ForwardLayout,
-    KVStorage,
-    LlamaConfig,
     ModelConfigError,
     PlacedModule,
     RMSNorm,
+    TargetConfig,
     rope_cos_sin,
     rope_inv_freq,
 )
-from tidespec.models.quant import quantize_linears
+from tidespec.models.layout import BatchLayout, ForwardLayout, KVStorage
+from tidespec.models.quant.quantize import quantize_linears
 
 
 class Eagle3ConfigError(ConfigError):
@@ -115,7 +113,7 @@ class Eagle3Config:
             raise Eagle3ConfigError("rms_norm_eps and rope_theta must be positive")
 
     @classmethod
-    def for_target(cls, target_cfg: LlamaConfig, draft_vocab_size: int | None = None, num_layers: int = 1,
+    def for_target(cls, target_cfg: TargetConfig, draft_vocab_size: int | None = None, num_layers: int = 1,
                    fusion: str = "concat") -> "Eagle3Config":
         """Head matching the target's width, heads and rope; ``draft_vocab_size=None`` = full vocab."""
         return cls(
@@ -138,9 +136,9 @@ class Eagle3Config:
     def tap_size(self) -> int:
         return len(self.tap_layers) * self.hidden_size
 
-    def layer_config(self) -> LlamaConfig:
+    def layer_config(self) -> TargetConfig:
         """The Llama config each of the head's layers (attention, MLP, rope) is built from."""
-        return LlamaConfig(
+        return TargetConfig(
             vocab_size=self.draft_vocab_size, hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size, num_layers=1, num_heads=self.num_heads,
             num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
@@ -321,7 +319,7 @@ class Eagle3Head(PlacedModule):
     def run(self, fused: torch.Tensor, embeds: torch.Tensor, layout: ForwardLayout, k: list[torch.Tensor],
             v: list[torch.Tensor]) -> torch.Tensor:
         """``step``'s body over any ``ForwardLayout`` (eager or a CUDA graph's static block,
-        ``models/eagle3_graphs.py``) and the per-layer K/V ``k[i]``, ``v[i]`` [S, n_kv, L, hd]:
+        ``models/eagle3/graphs.py``) and the per-layer K/V ``k[i]``, ``v[i]`` [S, n_kv, L, hd]:
         fused, embeds [T, H] -> pre-norm output [T, H]."""
         layer = self.midlayer
         cos, sin = self.rope(layout.positions, fused.dtype)

@@ -4,7 +4,7 @@ Why this exists: on a GPU an eager head step is ~30 small kernels plus a host re
 token, so a chain of gamma drafts cost ~70 ms on an H100 where its arithmetic takes microseconds
 (docs/benchmarks/gpu.md: EAGLE-3 at 0.06x plain decoding, drafting launch-bound). Here the
 two forwards a greedy proposal needs are replayed from CUDA graphs, laid out like the target's
-(``models/graphs.py``: a static block of ``B`` KV slots x ``q`` rows, padding rows writing into the
+(``models/execution/graphs.py``: a static block of ``B`` KV slots x ``q`` rows, padding rows writing into the
 head cache's spare slot, keys ``[0, L)`` of the first ``B`` slots):
 
 * ``catch_up``: the head's forward over the tap rows that became final since the last proposal
@@ -41,9 +41,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from tidespec.models.eagle3_head import Eagle3Head
-from tidespec.models.graphs import SlotBlockLayout, batch_buckets, block_rows, capture_graph, key_buckets
-from tidespec.models.kv_cache import KVCache
+from tidespec.models.eagle3.head import Eagle3Head
+from tidespec.models.execution.graphs import SlotBlockLayout, batch_buckets, block_rows, capture_graph, key_buckets
+from tidespec.models.kv.cache import KVCache
 
 MAX_CATCH_UP_ROWS = 16  # rows per sequence a catch-up graph takes (more: the eager forward)
 MAX_CHAIN = 16  # the longest chain a graph drafts

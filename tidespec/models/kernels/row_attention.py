@@ -3,10 +3,10 @@
 Why this exists: on an H200 in bfloat16 the projections, the LM head and the norms give a row the
 same bits at any row count, but SDPA does not: its kernels split the work by the number of query
 rows, keys and sequences (``docs/gpu/probe_row_invariance.py``). Fixed-shape graphs
-(``models/graphs.py``) work around it by running every decode and verification at one shape, which
+(``models/execution/graphs.py``) work around it by running every decode and verification at one shape, which
 makes speculation exact but costs plain decoding about 13 % (the whole key range and 8 rows every
 step) and leaves batching inexact. This kernel is the CUDA counterpart of ``tidespec::exact_attention``
-(``models/csrc/row_invariant.cpp``): one program per (new token, query head) reads its slot's keys in
+(``models/kernels/csrc/row_invariant.cpp``): one program per (new token, query head) reads its slot's keys in
 blocks of ``BLOCK_N`` in order, with an online softmax in float32; keys it may not see add exactly
 nothing. What a row computes depends on its query, its slot's cache and its own mask, never on
 how many rows, sequences or keys the call holds, so graphs can keep their row counts and key
@@ -37,7 +37,7 @@ import importlib.util
 
 import torch
 
-from tidespec.models.attention import attend_padded
+from tidespec.models.kernels.attention import attend_padded
 
 BLOCK_N = 64  # keys per block: part of the reduction order, so a constant, never tuned per shape
 

@@ -1,12 +1,12 @@
 """Paged KV cache: a pool of fixed-size blocks shared by all sequences, a block table per sequence.
 
-Why this exists: a slot cache (``models/kv_cache.py``) reserves ``max_model_len`` positions per
+Why this exists: a slot cache (``models/kv/cache.py``) reserves ``max_model_len`` positions per
 sequence, so ``--max-num-seqs`` multiplies the worst case and the number of sequences in flight is
 bounded by it rather than by the tokens really held. Here a sequence (still named by its slot, now
 a row of the block table) holds only the blocks its positions need, taken from one pool sized by
 the memory given to it; the engine admits by free blocks and preempts when they run out
 (``engine/scheduler.py``). Only the row-invariant CPU target uses it: its attention kernel reads
-keys and values through the block table (``tidespec::exact_attention``, ``models/csrc``) with the
+keys and values through the block table (``tidespec::exact_attention``, ``models/kernels/csrc``) with the
 same arithmetic as over a contiguous slot, so paging changes no bit of any output.
 
 Layout: per layer, keys ``[NB, n_kv, hd, bs]`` in memory (``k[i]`` is the ``[NB, n_kv, bs, hd]``
@@ -49,8 +49,8 @@ from collections.abc import Callable
 import torch
 
 from tidespec.errors import ConfigError
-from tidespec.models.kv_cache import KVCache, available_memory
-from tidespec.models.llama import LlamaConfig
+from tidespec.models.kv.cache import KVCache, available_memory
+from tidespec.models.target import TargetConfig
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class PagedKVCache(KVCache):
             raise ValueError(f"block size {block_size} is not a multiple of {KERNEL_BLOCK_MULTIPLE}")
         if num_blocks < 1:
             raise ConfigError(f"the KV cache holds no block of {block_size} tokens; raise --kv-cache-memory-mb")
-        from tidespec.models.kernels import exact_attention_error  # the kernel that reads through the table
+        from tidespec.models.kernels.ops import exact_attention_error  # the kernel that reads through the table
 
         error = exact_attention_error()
         if error is not None:
@@ -289,7 +289,7 @@ class PagedKVCache(KVCache):
         return (self.num_blocks - self.num_free_blocks) / float(self.num_blocks)
 
 
-def paged_kv_cache(cfg: LlamaConfig, num_slots: int, max_len: int, dtype: torch.dtype, block_size: int,
+def paged_kv_cache(cfg: TargetConfig, num_slots: int, max_len: int, dtype: torch.dtype, block_size: int,
                    memory: int = 0, overcommit: bool = False) -> PagedKVCache:
     """The paged cache of a target: ``memory`` bytes of blocks (``--kv-cache-memory-mb``), or by default
     room for every slot's full length, capped at 90 % of the memory available now (then fewer

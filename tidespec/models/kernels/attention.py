@@ -24,7 +24,7 @@ makes the range readable first (``KVCache.make_readable``: zero-fill of never-wr
 
 Two kernels run the plan. On the CPU, when the key cache is stored transposed (``KVCache(...,
 transposed_keys=True)``, what the engine allocates for a row-invariant target), every new token
-is attended on its own by ``tidespec::exact_attention`` (``models/csrc/row_invariant.cpp``): its
+is attended on its own by ``tidespec::exact_attention`` (``models/kernels/csrc/row_invariant.cpp``): its
 output has the same bits whatever else the call holds, which is what makes a verification row
 equal its decode row and a batched row equal the row run alone. The plan then carries one mask row
 per token (``row_mask``) and its slot (``row_slots``) and pads nothing. Elsewhere (a GPU, a cache
@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tidespec.models.kernels import exact_attention_op
+from tidespec.models.kernels.ops import exact_attention_op
 
 # On CUDA, SDPA may pick cuDNN's attention, which builds an execution plan for every new shape: an
 # eager forward's key length changes every step, and the EAGLE-3 head's attention then took 9 ms a

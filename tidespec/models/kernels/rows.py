@@ -1,7 +1,7 @@
 """Row counts: the probe of a kernel's row invariance, and calls split into pieces within it.
 
 Why this exists: a kernel is row-invariant when a row's result has the same bits whatever the
-number of rows in the call (what exact speculative decoding rests on; ``models/invariance.py``).
+number of rows in the call (what exact speculative decoding rests on; ``models/execution/invariance.py``).
 This module measures a kernel's **frontier** -- the largest row count M such that every probed
 count up to M (all of 1..16, then the counts around each power of two) gives each row exactly
 the bits of that row computed alone -- and runs a call whose rows exceed a frontier in pieces of

@@ -69,10 +69,11 @@ from typing import TypeVar
 
 import torch
 
-from tidespec.models.attention import attend_padded
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.llama import DecoderLayer, LlamaModel, ModelOutput
-from tidespec.models.row_attention import block_mask
+from tidespec.models.families.llama import DecoderLayer, LlamaModel
+from tidespec.models.kernels.attention import attend_padded
+from tidespec.models.kernels.row_attention import block_mask
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.layout import ModelOutput
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +213,7 @@ class SlotBlockLayout:
     window: int | None  # the model's sliding window
     lim: torch.Tensor | None = None  # [B * q] int64 the last new row each row may see (None: a chain's, row i)
     bits: torch.Tensor | None = None  # [B * q] int64 which new rows up to ``lim`` it sees (None: all)
-    row_kernel: bool = False  # attention by ``models/row_attention.py`` (needs lim and bits), not SDPA
+    row_kernel: bool = False  # attention by ``models/kernels/row_attention.py`` (needs lim and bits), not SDPA
     mask: torch.Tensor | None = field(init=False)  # [B, 1, q, L] bool, built once per forward for SDPA
 
     def __post_init__(self) -> None:
@@ -270,8 +271,8 @@ class GraphStep:
         run the eager forward). ``fixed_shape``: every decode and verification block has
         ``FIXED_ROWS`` rows per sequence and reads the cache's whole length, so a sequence's
         verification rows run exactly the kernels, at exactly the shapes, of its decode rows (what
-        row invariance is on a GPU: ``models/executor.py``). ``row_kernel``: attention by the
-        fixed-order kernel of ``models/row_attention.py`` instead of SDPA (``--cuda-invariance
+        row invariance is on a GPU: ``models/execution/executor.py``). ``row_kernel``: attention by the
+        fixed-order kernel of ``models/kernels/row_attention.py`` instead of SDPA (``--cuda-invariance
         row-attention``), which makes a row's bits independent of the block without fixing shapes."""
         if kv.spare_slot is None:
             raise ValueError("GraphStep needs a KVCache with a spare slot (KVCache(spare_slot=True))")

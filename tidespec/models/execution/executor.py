@@ -12,7 +12,7 @@ runs (with a digest of the kernel code), and the profile cache is keyed by it.
 Dispatch, per forward:
 
 - CUDA graphs (on a GPU unless ``enforce_eager``): every batch of chains, trees and prompt chunks
-  that fits a block (with row invariance on, of one fixed shape per batch size: ``models/graphs.py``);
+  that fits a block (with row invariance on, of one fixed shape per batch size: ``models/execution/graphs.py``);
 - else the compiled step (``compile``): every forward of a row-invariant target, else the decode
   batches of chains (every row needs logits);
 - else the eager model.
@@ -35,27 +35,30 @@ import torch
 
 from tidespec.config import ModelConfig
 from tidespec.errors import check_at_least
-from tidespec.models import row_attention
-from tidespec.models.compiled import KV_MARGIN, CompiledStep, inductor_cache_dir
-from tidespec.models.graphs import FIXED_ROWS, GraphStep, uses_graphs
-from tidespec.models.invariance import (
+from tidespec.models.execution.compiled import KV_MARGIN, CompiledStep, inductor_cache_dir
+from tidespec.models.execution.graphs import FIXED_ROWS, GraphStep, uses_graphs
+from tidespec.models.execution.invariance import (
     FIXED_SHAPE,
     ROW_ATTENTION,
     InvarianceReport,
     clear_row_invariance,
     make_row_invariant,
 )
-from tidespec.models.kernels import exact_attention_error
-from tidespec.models.kv_cache import KVCache
-from tidespec.models.kv_paged import kernel_block_size, paged_kv_cache
-from tidespec.models.llama import BatchLayout, LlamaModel, ModelOutput
+from tidespec.models.target import TargetModel
+from tidespec.models.kernels import row_attention
+from tidespec.models.kernels.ops import exact_attention_error
+from tidespec.models.kv.cache import KVCache
+from tidespec.models.kv.paged import kernel_block_size, paged_kv_cache
+from tidespec.models.layout import BatchLayout, ModelOutput
 
 log = logging.getLogger(__name__)
 
 # the code a forward's cost depends on: a change to any of it makes cached costs stale
-KERNEL_SOURCES = ("llama.py", "linear.py", "kernels.py", "attention.py", "quant.py", "quant_base.py", "invariance.py",
-                  "compiled.py", "graphs.py", "kv_cache.py", "rows.py", "executor.py", "row_attention.py",
-                  "csrc/row_invariant.cpp", "csrc/exact_linear.cpp")
+# (paths under tidespec/models)
+KERNEL_SOURCES = ("families/llama.py", "kernels/linear.py", "kernels/ops.py", "kernels/attention.py",
+                  "quant/quantize.py", "quant/base.py", "execution/invariance.py", "execution/compiled.py", "execution/graphs.py",
+                  "kv/cache.py", "kernels/rows.py", "execution/executor.py", "kernels/row_attention.py",
+                  "kernels/csrc/row_invariant.cpp", "kernels/csrc/exact_linear.cpp")
 
 
 @dataclass(frozen=True)
@@ -82,7 +85,7 @@ class ExecutorOptions:
 
 def kernel_digest() -> str:
     """A digest of the kernel code (``KERNEL_SOURCES``): 12 hex characters."""
-    root = Path(__file__).parent
+    root = Path(__file__).parent.parent
     h = hashlib.sha256()
     for name in KERNEL_SOURCES:
         h.update(name.encode())
@@ -90,8 +93,8 @@ def kernel_digest() -> str:
     return h.hexdigest()[:12]
 
 
-def prepare_target(model: LlamaModel, options: ExecutorOptions) -> InvarianceReport:
-    """Row-invariant kernels for the target (``models/invariance.py``) on the CPU unless turned off;
+def prepare_target(model: TargetModel, options: ExecutorOptions) -> InvarianceReport:
+    """Row-invariant kernels for the target (``models/execution/invariance.py``) on the CPU unless turned off;
     the outcome is logged, and it is a warning when it is not exact. Measurements are cached per
     machine, so preparing a target again costs little."""
     budget = options.budget
@@ -116,12 +119,12 @@ def prepare_target(model: LlamaModel, options: ExecutorOptions) -> InvarianceRep
     return report
 
 
-def exact_attention(model: LlamaModel, options: ExecutorOptions) -> bool:
+def exact_attention(model: TargetModel, options: ExecutorOptions) -> bool:
     """Whether attention runs tidespec's row-invariant kernel (over transposed keys)."""
     return model.device.type == "cpu" and options.row_invariant and exact_attention_error() is None
 
 
-def execution_mode(model: LlamaModel, options: ExecutorOptions) -> str:
+def execution_mode(model: TargetModel, options: ExecutorOptions) -> str:
     """What runs a decode batch: "graphs", "graphs+compiled", "compiled-every-forward", "compiled" or "eager"."""
     if uses_graphs(model.device, options.enforce_eager):
         return "graphs+compiled" if options.compile else "graphs"
@@ -130,7 +133,7 @@ def execution_mode(model: LlamaModel, options: ExecutorOptions) -> str:
     return "eager"
 
 
-def executor_key(model: LlamaModel, options: ExecutorOptions, report: InvarianceReport) -> dict[str, str]:
+def executor_key(model: TargetModel, options: ExecutorOptions, report: InvarianceReport) -> dict[str, str]:
     """What a forward's cost depends on, as strings (the profile cache key reads them): the mode,
     the row-invariant kernels chosen and a digest of the kernel code. Cheap: builds no executor.
 
@@ -143,13 +146,13 @@ def executor_key(model: LlamaModel, options: ExecutorOptions, report: Invariance
 class ForwardExecutor:
     """Runs target forwards over its own KV cache the way serving runs them (module docstring)."""
 
-    def __init__(self, model: LlamaModel, options: ExecutorOptions, max_num_seqs: int, max_len: int,
+    def __init__(self, model: TargetModel, options: ExecutorOptions, max_num_seqs: int, max_len: int,
                  tap_layers: tuple[int, ...] = (), rows_per_seq: int = 1, overcommit: bool = False,
                  kv_memory: int = 0, block_size: int = 16) -> None:
         """``max_len``: the longest sequence a slot holds; ``rows_per_seq``: the most rows a decode
         sequence brings (1 + gamma), which the graphs are captured for and the compiled step warmed
         up with; ``tap_layers``: the taps the graphs and the compiled step return. A row-invariant
-        CPU target gets a paged cache (``models/kv_paged.py``) of ``kv_memory`` bytes (0: every
+        CPU target gets a paged cache (``models/kv/paged.py``) of ``kv_memory`` bytes (0: every
         slot's full length, within the memory available) in blocks of ``block_size`` (rounded up
         to the kernel's multiple); every other target a slot of ``max_len`` per sequence."""
         self.model = model
@@ -207,7 +210,7 @@ class ForwardExecutor:
             layout = BatchLayout.build(q_lens, ctx_lens, slots, depths, masks, device=self.device)
             ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)  # [T]
             rows = torch.tensor(logits_rows, dtype=torch.int64, device=self.device)  # [R]
-            if self.compiled is not None and self.compiled.exact:  # every forward: models/compiled.py
+            if self.compiled is not None and self.compiled.exact:  # every forward: models/execution/compiled.py
                 out = self.compiled(ids, layout, tap_layers, rows)
             elif self.compiled is not None and not prefill and no_trees:
                 out = self.compiled(ids, layout, tap_layers)

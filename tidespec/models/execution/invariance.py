@@ -3,13 +3,13 @@
 Why this exists: greedy speculative decoding is bit-identical to plain decoding only if the target
 computes each row's logits bit for bit the same in a verification forward (1 + gamma rows per
 sequence), in a decode forward (1 row) and beside any other sequences or prompt chunks. Attention
-gets that from its own kernel (``models/csrc/row_invariant.cpp``). The projections run library
+gets that from its own kernel (``models/kernels/csrc/row_invariant.cpp``). The projections run library
 kernels, and whether those are row-invariant depends on the library, the CPU and the shape: on a
 Sapphire Rapids VM (torch 2.13, MKL 2024.2, 2 threads) MKL's packed sgemm and PyTorch's int8/int4
 kernels give a row the same bits at any row count from 1 to 1024, while a plain float32 sgemm
 changes its kernel after 1 row and again after 12, and oneDNN's bfloat16 GEMM after 32 rows; on
 an AMD EPYC (Zen 4) MKL's packed sgemm changes kernel after 3 rows. For float32, bfloat16 and
-float16 tidespec has a GEMM of its own, invariant by construction (``models/csrc/exact_linear.cpp``),
+float16 tidespec has a GEMM of its own, invariant by construction (``models/kernels/csrc/exact_linear.cpp``),
 among the candidates.
 
 So it is measured, per weight shape and kernel, on this machine, up to the engine's token budget
@@ -40,19 +40,20 @@ import torch
 from torch import nn
 
 from tidespec.files import atomic_write, cache_root, cpu_name, measure_once
-from tidespec.models.graphs import FIXED_ROWS
-from tidespec.models.kernels import exact_attention_error
-from tidespec.models.linear import Linear, tune_linears
-from tidespec.models.quant import Int4Linear, Int8Linear, QuantizedLinear
-from tidespec.models.quant_a8 import A8Linear
-from tidespec.models.rows import PROBE_METHOD, frontier
+from tidespec.models.execution.graphs import FIXED_ROWS
+from tidespec.models.kernels.linear import Linear, tune_linears
+from tidespec.models.kernels.ops import exact_attention_error
+from tidespec.models.kernels.rows import PROBE_METHOD, frontier
+from tidespec.models.quant.a8 import A8Linear
+from tidespec.models.quant.quantize import Int4Linear, Int8Linear, QuantizedLinear
 
 log = logging.getLogger(__name__)
 
 # ``InvarianceReport.attention`` of a GPU target whose forwards replay CUDA graphs of one fixed shape
-# per batch size (``models/graphs.py``): a sequence's decode and verification rows run the same kernels
+# per batch size (``models/execution/graphs.py``): a sequence's decode and verification rows run the same kernels
 FIXED_SHAPE = "fixed-shape CUDA graphs"
-# ... whose attention runs the fixed-order kernel of ``models/row_attention.py`` (``--cuda-invariance row-attention``)
+# ... whose attention runs the fixed-order kernel of ``models/kernels/row_attention.py``
+# (``--cuda-invariance row-attention``)
 ROW_ATTENTION = "fixed-order attention"
 
 @dataclass

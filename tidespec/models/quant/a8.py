@@ -34,9 +34,9 @@ from __future__ import annotations
 
 import torch
 
-from tidespec.models.kernels import ensure_built
-from tidespec.models.quant_base import QuantizationError, QuantizedLinear
-from tidespec.models.rows import in_pieces
+from tidespec.models.kernels.ops import ensure_built
+from tidespec.models.kernels.rows import in_pieces
+from tidespec.models.quant.base import QuantizationError, QuantizedLinear
 
 A8_BLOCK = 32  # inputs per weight and activation block (GGUF's Q4_1 / Q8_0)
 A8_PANEL = 16  # outputs per packed panel (one vector of 16 int32 sums)

@@ -1,4 +1,4 @@
-"""Weight-only quantization of a ``LlamaModel``: int8 per output channel, int4 per group of inputs.
+"""Weight-only quantization of a ``TargetModel``: int8 per output channel, int4 per group of inputs.
 
 Why this exists: on a CPU, a decode step is bound by reading the weights (SmolLM2-135M in float32
 is ~0.5 GB per token), and the embedded model even ships 4-bit — dequantized to float32 on load.
@@ -40,10 +40,10 @@ for 16; the two casts cost nothing measurable):
   bits, with the weights dequantized once for up to 8 rows where ATen's kernel does it per 4, so a
   verification of 5 rows is not charged for 8.
 * The LM head is int8 in both modes (``quantize_model``).
-* **w4a8** / **w8a8** (``models/quant_a8.py``): not weight-only. GGUF Q4_1 / Q8_0 weights times
+* **w4a8** / **w8a8** (``models/quant/a8.py``): not weight-only. GGUF Q4_1 / Q8_0 weights times
   activations quantized to int8 per block inside tidespec's kernel, integer dot products
   (llama.cpp's arithmetic; 1.6x int4's decode speed on a 2-core Xeon).
-* Every scheme's layer derives from ``QuantizedLinear`` (``models/quant_base.py``, re-exported here
+* Every scheme's layer derives from ``QuantizedLinear`` (``models/quant/base.py``, re-exported here
   with ``QuantizationError``), so ``quant_a8`` does not import this module.
 
 Both kernels are GEMVs: their time grows with the rows (30 layers' projections, 2 threads, ms for
@@ -78,16 +78,16 @@ import torch
 from torch import nn
 
 from tidespec.config import INT4_GROUP_SIZES, QUANTIZATIONS
-from tidespec.models.kernels import quant_linear_available
-from tidespec.models.llama import LlamaModel
-from tidespec.models.quant_a8 import W4A8Linear, W8A8Linear, check_a8
-from tidespec.models.quant_base import KERNEL_DTYPE, QuantizationError, QuantizedLinear
-from tidespec.models.rows import in_pieces
+from tidespec.models.target import TargetModel
+from tidespec.models.kernels.ops import quant_linear_available
+from tidespec.models.kernels.rows import in_pieces
+from tidespec.models.quant.a8 import W4A8Linear, W8A8Linear, check_a8
+from tidespec.models.quant.base import KERNEL_DTYPE, QuantizationError, QuantizedLinear
 
 INT4_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
 INT4_PANEL = 64  # tidespec::int4_linear reads ATen's AVX512 packing of whole panels of 64 outputs
 INT8_K_MULTIPLE = 16  # tidespec::int8_linear reads 16 input features at a time
-A8_QUANTIZATIONS = ("w4a8", "w8a8")  # int8 activations on integer dot products (models/quant_a8.py)
+A8_QUANTIZATIONS = ("w4a8", "w8a8")  # int8 activations on integer dot products (models/quant/a8.py)
 # The projections of a decoder layer that ``quantize_model`` replaces (attribute paths).
 LAYER_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -269,7 +269,7 @@ def int4_mm(xb: torch.Tensor, packed: torch.Tensor, group_size: int, scale_zero:
 
 # --------------------------------------------------------------------------- kernels in row pieces
 # Ops of their own so that a compiled graph keeps the row count symbolic (splitting the rows in the
-# graph would specialise every count) and calls the kernel as it is (models/invariance.py).
+# graph would specialise every count) and calls the kernel as it is (models/execution/invariance.py).
 
 
 @torch.library.custom_op("tidespec::int8_in_pieces", mutates_args=())
@@ -316,7 +316,7 @@ def quantized_linear(linear: nn.Module, mode: str, group_size: int) -> Quantized
     return Int4Linear.from_weight(weight, group_size, bias)
 
 
-def check_quantizable(model: LlamaModel, mode: str, group_size: int) -> None:
+def check_quantizable(model: TargetModel, mode: str, group_size: int) -> None:
     """Raise ``QuantizationError`` (one line) if ``model`` cannot be quantized as asked: an unknown
     mode, a model quantized already, a device without the CPU kernels, an int4 group size that does
     not divide some layer's input size (the message lists the sizes that would)."""
@@ -343,11 +343,11 @@ def check_quantizable(model: LlamaModel, mode: str, group_size: int) -> None:
                 + (f"use --quant-group-size {' or '.join(map(str, fits))}" if fits else "use --quantization int8"))
 
 
-def quantize_model(model: LlamaModel, mode: str, group_size: int = 32, lm_head: bool = True) -> None:
+def quantize_model(model: TargetModel, mode: str, group_size: int = 32, lm_head: bool = True) -> None:
     """Replace, in place, the four projections of every decoder layer (``LAYER_PROJECTIONS``) with
     ``Int8Linear`` / ``Int4Linear`` (``mode`` "int8" / "int4"; "none" does nothing) and, when
     ``lm_head``, the LM head with an ``Int8Linear`` in both modes. ``group_size`` is int4's group
-    of inputs per scale. "w4a8" / "w8a8" (``models/quant_a8.py``): Q4_1 / Q8_0 projections and a
+    of inputs per scale. "w4a8" / "w8a8" (``models/quant/a8.py``): Q4_1 / Q8_0 projections and a
     Q8_0 LM head, times int8 activations.
 
     Why the head is int8 under int4 too: it writes the logits directly. On the embedded model an
@@ -379,7 +379,7 @@ def quantize_linears(module: nn.Module, mode: str, group_size: int = 32, int8_na
     ("int8" / "int4") quantized twin; children whose attribute name is in ``int8_names`` get int8
     whatever the mode (an output layer: see ``quantize_model``). Returns how many were replaced.
 
-    For networks that are not a ``LlamaModel`` (the EAGLE-3 head). Raises ``QuantizationError``
+    For networks that are not a ``TargetModel`` (the EAGLE-3 head). Raises ``QuantizationError``
     before touching anything: a mode other than int8/int4, a weight not on a CPU, an int4 group
     size that does not divide some layer's input size.
 

@@ -1,4 +1,4 @@
-"""tidespec's own CPU kernels (``models/csrc``), compiled on first use and cached per machine.
+"""tidespec's own CPU kernels (``models/kernels/csrc``), compiled on first use and cached per machine.
 
 Why this exists: exact speculative decoding needs an attention whose per-row arithmetic does not
 depend on the other rows of the call (``csrc/row_invariant.cpp`` says why none of PyTorch's does),

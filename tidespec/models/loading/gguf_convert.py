@@ -35,13 +35,8 @@ import transformers
 from safetensors.torch import save_file
 
 from tidespec.errors import UserError
+from tidespec.models.architectures import GGUF_ARCHITECTURES
 
-# GGUF ``general.architecture`` -> the gguf-py architecture whose tensor names it uses. A "mistral"
-# GGUF names its tensors as llama does (llama.cpp has no architecture of that name).
-GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-# the architectures whose q/k rows llama.cpp's converter permuted for its rope (convert_hf_to_gguf's
-# LlamaModel.permute), undone here as transformers' LlamaTensorProcessor does
-PERMUTED_QK = ("llama",)
 # weights, parsing errors, I/O: what a bad file raises from gguf-py, numpy, transformers or torch
 _READ_ERRORS = (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError, RuntimeError, TypeError)
 
@@ -86,7 +81,8 @@ def gguf_state_dict(reader: gguf.GGUFReader, arch: str, config: transformers.Pre
     """The file's tensors as float32 under HF names (``hf_names``: the model class's state-dict keys);
     tensors the model has no place for (llama 3's ``rope_freqs``) are left out, as transformers does."""
     arch_ids = {name: arch_id for arch_id, name in gguf.MODEL_ARCH_NAMES.items()}
-    name_map = gguf.get_tensor_name_map(arch_ids[GGUF_ARCHITECTURES[arch]], config.num_hidden_layers)
+    row = GGUF_ARCHITECTURES[arch]
+    name_map = gguf.get_tensor_name_map(arch_ids[row.gguf_tensor_names], config.num_hidden_layers)
     to_hf: dict[str, str] = {}
     for hf_name in hf_names:
         base, dot, suffix = hf_name.rpartition(".")
@@ -99,9 +95,9 @@ def gguf_state_dict(reader: gguf.GGUFReader, arch: str, config: transformers.Pre
         if t.name not in to_hf:
             continue
         w = gguf.dequantize(t.data, t.tensor_type)  # numpy, HF's [out, in] order
-        if arch in PERMUTED_QK and ".attn_q." in t.name:
+        if row.gguf_permuted_qk and ".attn_q." in t.name:  # llama.cpp's permute, undone as transformers does
             w = unpermute_qk(w, heads)
-        elif arch in PERMUTED_QK and ".attn_k." in t.name:
+        elif row.gguf_permuted_qk and ".attn_k." in t.name:
             w = unpermute_qk(w, kv_heads)
         tensors[to_hf[t.name]] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
     return tensors

@@ -14,7 +14,7 @@ kernel's OOM killer; so a CPU cache larger than the memory available is refused 
 (``overcommit=False``, the engine's default; ``--kv-overcommit`` lifts it, for sequences known to
 stay short).
 
-A row-invariant CPU target (``models/attention.py``) stores its keys transposed,
+A row-invariant CPU target (``models/kernels/attention.py``) stores its keys transposed,
 ``transposed_keys=True``: memory [S, n_kv, hd, L], so that a run of consecutive positions of one
 head dim is one vector load for the exact attention kernel; ``k[i]`` is still the [S, n_kv, L, hd]
 view, so every reader and writer indexes it as before.
@@ -37,7 +37,7 @@ import psutil
 import torch
 
 from tidespec.errors import ConfigError
-from tidespec.models.llama import LlamaConfig
+from tidespec.models.target import TargetConfig
 
 MAX_NUMEL = 2**62  # torch sizes are C int64: a larger tensor is not even attempted
 CGROUP = Path("/sys/fs/cgroup")
@@ -65,14 +65,14 @@ class KVCache:
                  dtype: torch.dtype, device: torch.device | str = "cpu", spare_slot: bool = False,
                  transposed_keys: bool = False, overcommit: bool = True) -> None:
         # ``spare_slot``: one more slot, ``num_slots``, that no sequence is ever given: the CUDA
-        # graphs write their padding rows' K/V there (``models/graphs.py``). ``transposed_keys``:
+        # graphs write their padding rows' K/V there (``models/execution/graphs.py``). ``transposed_keys``:
         # keys stored [S, n_kv, hd, L] for the row-invariant kernel (module docstring), CPU only
         total = num_slots + int(spare_slot)
         shape = (total, num_kv_heads, max_len, head_dim)
         if transposed_keys:
             if torch.device(device).type != "cpu":
                 raise ValueError("transposed keys are the CPU's row-invariant layout")
-            from tidespec.models.kernels import exact_attention_error  # the kernel that reads them
+            from tidespec.models.kernels.ops import exact_attention_error  # the kernel that reads them
 
             error = exact_attention_error()
             if error is not None:
@@ -113,7 +113,7 @@ class KVCache:
                            f"{why}; lower --max-num-seqs or --max-model-len{more}")
 
     @classmethod
-    def for_model(cls, cfg: LlamaConfig, num_slots: int, max_len: int, dtype: torch.dtype,
+    def for_model(cls, cfg: TargetConfig, num_slots: int, max_len: int, dtype: torch.dtype,
                   device: torch.device | str = "cpu", spare_slot: bool = False,
                   transposed_keys: bool = False, overcommit: bool = True) -> "KVCache":
         return cls(cfg.num_layers, num_slots, max_len, cfg.num_kv_heads, cfg.head_dim, dtype, device, spare_slot,
@@ -126,7 +126,7 @@ class KVCache:
 
     @property
     def paged(self) -> bool:
-        """Whether sequences hold blocks of a shared pool (``models/kv_paged.py``) rather than slots."""
+        """Whether sequences hold blocks of a shared pool (``models/kv/paged.py``) rather than slots."""
         return False
 
     @property

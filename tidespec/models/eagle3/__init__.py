@@ -1,0 +1,1 @@
+"""The EAGLE-3 draft head: model, graphs, LoRA adapters, checkpoints."""

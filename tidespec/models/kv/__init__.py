@@ -1,0 +1,1 @@
+"""The KV caches: slot cache, paged cache, prefix-cache block storage."""

@@ -1,0 +1,1 @@
+"""Checkpoints in: HF directories, GGUF files (converted once), the embedded model."""
