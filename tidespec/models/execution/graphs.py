@@ -68,12 +68,13 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 import torch
+from torch import nn
 
-from tidespec.models.families.llama import DecoderLayer, LlamaModel
 from tidespec.models.kernels.attention import attend_padded
 from tidespec.models.kernels.row_attention import block_mask
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.layout import ModelOutput
+from tidespec.models.target import TargetModel
 
 log = logging.getLogger(__name__)
 
@@ -245,7 +246,7 @@ class SlotBlockLayout:
         return attend_padded(q, None, self.mask, keys, values)
 
 
-def _layer_forward(layer: DecoderLayer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def _layer_forward(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                    layout: SlotBlockLayout, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """One decoder layer over the static block (what ``compile=True`` compiles)."""
     return layer.forward(h, cos, sin, layout, k_cache, v_cache)
@@ -263,7 +264,7 @@ class GraphStep:
     """Decode/verification forwards of chains replayed from CUDA graphs; ``__call__`` returns None
     for a batch no graph fits (the caller then runs the eager forward)."""
 
-    def __init__(self, model: LlamaModel, kv: KVCache, tap_layers: tuple[int, ...], max_q: int,
+    def __init__(self, model: TargetModel, kv: KVCache, tap_layers: tuple[int, ...], max_q: int,
                  capture: bool = True, compile: bool = False, prompt_rows: int = 0,
                  fixed_shape: bool = False, row_kernel: bool = False) -> None:
         """``max_q``: rows per sequence of a verification (1 + gamma); ``prompt_rows``: the most rows
