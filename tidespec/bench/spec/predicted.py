@@ -11,7 +11,8 @@ Configurations (``CONFIGS``): ``plain`` (no drafter, no prediction), ``suffix`` 
 prediction), ``prediction`` (the prediction alone) and ``prediction + controller`` (the prediction, and
 where it drafts nothing the controller (``--policy``, analytic by default) over suffix and EAGLE-3).
 One engine per configuration and batch size sharing the target; the prompts run in waves of the
-batch size, every configuration in turn on each wave (round-robin), after one warm-up wave each.
+batch size, every configuration in turn on each wave (round-robin), after a warm-up of one wave each
+(compiled: every wave, at 8 tokens, so that no compile of a new prompt length lands in a timed wave).
 Per configuration: tokens/s and the speedup over plain, tokens per target step per sequence
 (emitted tokens / sequences decoded, over the steps without a prompt chunk), the share of output
 tokens that were accepted prediction tokens, a decode step's time, and the outputs that differ from
@@ -33,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from tidespec.bench.common import report
-from tidespec.bench.decode.run import bench_engine_config
+from tidespec.bench.decode.run import bench_engine_config, wave_indices
 from tidespec.bench.spec.waves import (
     WaveBenchConfig,
     WaveRun,
@@ -115,8 +116,10 @@ def run_predicted_bench(cfg: PredictedBenchConfig, target: LoadedModel | str | N
         return lambda p: SamplingParams(max_tokens=max_tokens, logprobs=r.logprobs,
                                         prediction=predictions[p.record.id] if r.predicted else None)
 
-    for r in runs:  # warm-up: the first kernels run, nothing counted
-        warm_up(r.run, prompts, params(r, 8))
+    for r in runs:  # warm-up, nothing counted: the first kernels run; compiled, every wave's prompt lengths
+        # (measured 2026-12-03: with the first prompt alone, w4a8 + compile's plain runs, first in each
+        # wave, paid ~55 s of compiles inside their timed waves and every ratio over plain read 1.5x high)
+        warm_up(r.run, prompts, params(r, 8), wave_indices(len(prompts), r.run.batch) if mc.compile else ([0],))
 
     def each(r: _Predicted, wave: list[int]) -> None:
         before = _accepted(r)

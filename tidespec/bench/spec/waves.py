@@ -114,10 +114,14 @@ def run_wave(run: WaveRun, prompts: list[Prompt], idx: list[int], params: Callab
     run.mask_seconds += e.grammars.clock.seconds - clock0
 
 
-def warm_up(run: WaveRun, prompts: list[Prompt], params: Callable[[Prompt], SamplingParams]) -> None:
-    """One uncounted wave of the first prompt (the first kernels run), then an empty prefix cache."""
-    run_wave(dataclasses.replace(run, outputs={}, texts={}), prompts, [0], params)
-    run.engine.reset_prefix_cache()
+def warm_up(run: WaveRun, prompts: list[Prompt], params: Callable[[Prompt], SamplingParams],
+            waves: Sequence[list[int]] = ([0],)) -> None:
+    """Uncounted ``waves`` (by default one of the first prompt: the first kernels run), then an empty
+    prefix cache. A compiled engine meets a new prompt length with a new compile: given every wave of
+    the timed schedule, those compiles happen here, not inside the first configuration's timed waves."""
+    for wave in waves:
+        run_wave(dataclasses.replace(run, outputs={}, texts={}), prompts, wave, params)
+        run.engine.reset_prefix_cache()
 
 
 def run_rounds(runs: Sequence[WaveRun], num_prompts: int, batch_sizes: Sequence[int], desc: str,
