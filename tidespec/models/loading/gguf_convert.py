@@ -37,7 +37,8 @@ from safetensors.torch import save_file
 from tidespec.errors import UserError
 from tidespec.models.architectures import GGUF_ARCHITECTURES
 
-# weights, parsing errors, I/O: what a bad file raises from gguf-py, numpy, transformers or torch
+# what a bad file raises from gguf-py, numpy, transformers or torch (RuntimeError's subclasses include the
+# error of an architecture gguf-py or transformers does not map)
 _READ_ERRORS = (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError, RuntimeError, TypeError)
 
 
@@ -45,7 +46,8 @@ class GgufConversionError(UserError):
     """A GGUF file could not be converted; the message is one line naming the file and the problem."""
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """An exception's first line (its class name when it has no text): the loading errors' messages."""
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 
@@ -61,7 +63,7 @@ def read_gguf(gguf_path: Path) -> tuple[gguf.GGUFReader, str, str | None]:
         reader = gguf.GGUFReader(str(gguf_path))
         arch, template = _field(reader, "general.architecture"), _field(reader, "tokenizer.chat_template")
     except _READ_ERRORS as exc:
-        raise GgufConversionError(f"corrupt GGUF file {gguf_path}: {_one_line(exc)}") from None
+        raise GgufConversionError(f"corrupt GGUF file {gguf_path}: {one_line(exc)}") from None
     if not isinstance(arch, str):
         raise GgufConversionError(f"GGUF file {gguf_path} has no general.architecture")
     return reader, arch, template if isinstance(template, str) else None
@@ -118,9 +120,10 @@ def convert_gguf(gguf_path: Path, out: Path) -> Path:
         tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(parent, gguf_file=name)
         with torch.device("meta"):  # the class and its tensor names, no memory
             skeleton = transformers.AutoModelForCausalLM.from_config(hf_config)
-        tensors = gguf_state_dict(reader, arch, hf_config, list(skeleton.state_dict()))
-    except _READ_ERRORS + (NotImplementedError,) as exc:
-        raise GgufConversionError(f"cannot convert GGUF file {gguf_path}: {_one_line(exc)}") from None
+        hf_names = list(skeleton.state_dict())
+        tensors = gguf_state_dict(reader, arch, hf_config, hf_names)
+    except _READ_ERRORS as exc:
+        raise GgufConversionError(f"cannot convert GGUF file {gguf_path}: {one_line(exc)}") from None
     if tokenizer.chat_template is None and template is not None:
         tokenizer.chat_template = template
     config = hf_config.to_dict()
@@ -131,7 +134,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> Path:
     tied = bool(config.get("tie_word_embeddings", False))
     if tied:
         tensors.pop("lm_head.weight", None)  # HF loaders re-tie it
-    missing = sorted(set(skeleton.state_dict()) - set(tensors) - ({"lm_head.weight"} if tied else set()))
+    missing = sorted(set(hf_names) - set(tensors) - ({"lm_head.weight"} if tied else set()))
     if missing:
         raise GgufConversionError(f"GGUF file {gguf_path} lacks {len(missing)} tensors, e.g. {missing[0]}")
     _write(out, tensors, config, tokenizer, transformers.GenerationConfig.from_model_config(hf_config))
@@ -144,7 +147,7 @@ def _write(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, object
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     except OSError as exc:
-        raise GgufConversionError(f"cannot create cache directory {out.parent}: {_one_line(exc)}") from None
+        raise GgufConversionError(f"cannot create cache directory {out.parent}: {one_line(exc)}") from None
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache entry is an ordinary directory
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
@@ -157,7 +160,7 @@ def _write(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, object
             if not (out / "config.json").is_file():  # not a concurrent converter winning the race
                 raise
     except OSError as exc:
-        raise GgufConversionError(f"cannot write converted model to {out}: {_one_line(exc)}") from None
+        raise GgufConversionError(f"cannot write converted model to {out}: {one_line(exc)}") from None
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

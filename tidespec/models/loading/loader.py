@@ -44,7 +44,7 @@ from safetensors.torch import load_file
 from tidespec.errors import UserError
 from tidespec.files import cache_root, measure_once
 from tidespec.models.families import build_target
-from tidespec.models.loading.gguf_convert import GgufConversionError, convert_gguf
+from tidespec.models.loading.gguf_convert import GgufConversionError, convert_gguf, one_line
 from tidespec.models.quant.quantize import quantize_model
 from tidespec.models.target import ModelConfigError, TargetConfig, TargetModel
 
@@ -162,7 +162,7 @@ def check_device(device: str | torch.device) -> torch.device:
     try:
         target = torch.device(device)
     except RuntimeError as exc:
-        raise ModelLoadError(f"bad device {device!r}: {_one_line(exc)}") from None
+        raise ModelLoadError(f"bad device {device!r}: {one_line(exc)}") from None
     if target.type == "cuda" and not torch.cuda.is_available():
         raise ModelLoadError(f"device {device!r} requested but CUDA is not available")
     return target
@@ -188,7 +188,7 @@ def read_config(hf_dir: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise ModelLoadError(f"{hf_dir} is not a model directory (no config.json)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelLoadError(f"cannot read {cfg_path}: {_one_line(exc)}") from None
+        raise ModelLoadError(f"cannot read {cfg_path}: {one_line(exc)}") from None
     if not isinstance(cfg, dict):
         raise ModelLoadError(f"{cfg_path} is not a JSON object")
     return cfg
@@ -203,7 +203,7 @@ def read_state_dict(hf_dir: Path) -> dict[str, torch.Tensor]:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             files = sorted({hf_dir / name for name in weight_map.values()})
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
-            raise ModelLoadError(f"bad shard index {index}: {_one_line(exc)}") from None
+            raise ModelLoadError(f"bad shard index {index}: {one_line(exc)}") from None
     else:
         files = sorted(hf_dir.glob("*.safetensors"))
     if not files:
@@ -215,7 +215,7 @@ def read_state_dict(hf_dir: Path) -> dict[str, torch.Tensor]:
         try:
             state.update(load_file(str(file)))
         except (SafetensorError, OSError) as exc:
-            raise ModelLoadError(f"corrupt safetensors file {file}: {_one_line(exc)}") from None
+            raise ModelLoadError(f"corrupt safetensors file {file}: {one_line(exc)}") from None
     return state
 
 
@@ -231,7 +231,7 @@ def load_tokenizer(hf_dir: Path) -> transformers.PreTrainedTokenizerBase:
             return transformers.PreTrainedTokenizerFast.from_pretrained(str(hf_dir))
         return transformers.AutoTokenizer.from_pretrained(str(hf_dir))
     except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelLoadError(f"no usable tokenizer in {hf_dir}: {_one_line(exc)}") from None
+        raise ModelLoadError(f"no usable tokenizer in {hf_dir}: {one_line(exc)}") from None
 
 
 def _tokenizer_class(hf_dir: Path) -> str | None:
@@ -247,7 +247,7 @@ def _has_gguf_magic(path: Path) -> bool:
         with path.open("rb") as fh:
             return fh.read(4) == GGUF_MAGIC
     except OSError as exc:
-        raise ModelLoadError(f"cannot read {path}: {_one_line(exc)}") from None
+        raise ModelLoadError(f"cannot read {path}: {one_line(exc)}") from None
 
 
 def _cached_conversion(gguf_path: Path) -> Path:
@@ -256,11 +256,6 @@ def _cached_conversion(gguf_path: Path) -> Path:
         return measure_once(out, lambda: out if (out / "config.json").is_file() else None,
                             lambda: convert_gguf(gguf_path, out))
     except OSError as exc:
-        raise ModelLoadError(f"cannot create cache directory {out.parent}: {_one_line(exc)}") from None
+        raise ModelLoadError(f"cannot create cache directory {out.parent}: {one_line(exc)}") from None
     except GgufConversionError as exc:
         raise ModelLoadError(str(exc)) from None
-
-
-def _one_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
