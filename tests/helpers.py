@@ -35,7 +35,7 @@ from tidespec.config import DraftModelConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
 from tidespec.llm import build_drafter
-from tidespec.models.families.llama import LlamaModel
+from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.layout import BatchLayout
 from tidespec.models.target import TargetConfig
@@ -99,10 +99,10 @@ def tiny_config(vocab_size: int = 64, layers: int = 2, eos: int = 0, **kw: objec
 
 
 def tiny_llama(vocab_size: int = 64, layers: int = 2, seed: int = 0, dtype: torch.dtype = torch.float64,
-               scale: float = 1.0, **kw: object) -> LlamaModel:
+               scale: float = 1.0, **kw: object) -> DecoderModel:
     """Random tiny model; ``scale`` > 1 sharpens its distributions (more repetitive text)."""
     torch.manual_seed(seed)
-    m = LlamaModel(tiny_config(vocab_size, layers, **kw))
+    m = DecoderModel(tiny_config(vocab_size, layers, **kw))
     with torch.no_grad():
         for p in m.parameters():
             if p.dim() == 2:
@@ -138,7 +138,7 @@ def run_to_completion(engine: LLMEngine) -> dict[str, RequestOutput]:
     return done
 
 
-def capture(target: LlamaModel, token_ids: list[int], taps: tuple[int, ...]) -> torch.Tensor:
+def capture(target: DecoderModel, token_ids: list[int], taps: tuple[int, ...]) -> torch.Tensor:
     """[len, 3H] target taps over a whole sequence (one prefill): the reference the engine's
     captured taps are compared with."""
     kv = KVCache.for_model(target.cfg, 1, 256, target.dtype)
@@ -160,7 +160,7 @@ class SlowStore(SignalStore):
 # Tiny HF configs per architecture key: (config class, model class, config kwargs).
 # Each exercises what distinguishes its family: llama3 rope scaling (with a short original
 # context so scaled/smoothed/unscaled frequency bands all occur), Mistral's sliding window,
-# Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm with an explicit head_dim.
+# Qwen2's q/k/v bias, Qwen3's per-head q/k RMSNorm with an explicit head_dim, and the rest below.
 _COMMON: dict[str, Any] = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                                rms_norm_eps=1e-6, tie_word_embeddings=False)
@@ -173,10 +173,41 @@ TINY_HF_ARCHS: dict[str, tuple[type, type, dict[str, Any]]] = {
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=6)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(num_hidden_layers=3)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=24)),
+    # NoPE in the middle layer, tied head
+    "smollm3": (transformers.SmolLM3Config, transformers.SmolLM3ForCausalLM, dict(
+        num_hidden_layers=3, no_rope_layer_interval=2, tie_word_embeddings=True, pad_token_id=None)),
+    # norms after each block only, q/k norms over the whole projection
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, dict(pad_token_id=None, eos_token_id=2)),
+    # multipliers on the embedding, the residual, the attention scale and the logits
+    "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM, dict(
+        embedding_multiplier=12.0, residual_multiplier=0.22, attention_multiplier=0.11, logits_scaling=1.5,
+        bos_token_id=1, eos_token_id=2)),
+    # rope over 3/4 of each head
+    "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
+        partial_rotary_factor=0.75, pad_token_id=None, bos_token_id=1, eos_token_id=2)),
+    # LongRoPE (prompts stay within its original length, where HF and tidespec both use the short factors)
+    "phi3-longrope": (transformers.Phi3Config, transformers.Phi3ForCausalLM, dict(
+        pad_token_id=None, bos_token_id=1, eos_token_id=2, max_position_embeddings=256,
+        original_max_position_embeddings=32, rope_parameters=dict(
+            rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=32,
+            short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8], long_factor=[1.0, 2.0, 4.0, 6.0, 8.0, 10.0, 14.0, 16.0]))),
+    # 4 experts, top 2 renormalized, the middle layer dense; Mixtral: every layer sparse, experts as wide as the MLP
+    "qwen3-moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        num_hidden_layers=3, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, norm_topk_prob=True,
+        mlp_only_layers=[1])),
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
+        num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+    # sliding (window 5) and global layers with their own ropes, sandwich norms with Gemma's offset
+    # weights, q/k norms, sqrt(H) embedding scale, query_pre_attn_scalar, gelu-tanh, tied head
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=5, tie_word_embeddings=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], pad_token_id=None,
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                         "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1000000.0)})),
 }
 
 
-def spec_drafter(spec: SpecConfig, model: LlamaModel, slots: int, max_len: int) -> Drafter | None:
+def spec_drafter(spec: SpecConfig, model: DecoderModel, slots: int, max_len: int) -> Drafter | None:
     """The drafter ``spec`` names for ``model`` (None for "none"); an EAGLE-3 head gets larger random
     weights, so that its drafts depend visibly on the taps it is given."""
     drafter = build_drafter(spec, model, slots, max_len) if spec.drafter != "none" else None
@@ -206,23 +237,24 @@ def randomize_(module: nn.Module, seed: int) -> None:
 
 
 def tiny_hf_model(arch: str, dtype: torch.dtype, seed: int = 0,
-                  **overrides: Any) -> tuple[transformers.PreTrainedModel, LlamaModel]:
+                  **overrides: Any) -> tuple[transformers.PreTrainedModel, DecoderModel]:
     """A random tiny HF model (key of ``TINY_HF_ARCHS``; sdpa attention, eval mode) and our
-    ``LlamaModel`` holding the same weights, both in ``dtype``. ``overrides`` patch the HF config."""
+    ``DecoderModel`` holding the same weights, both in ``dtype``. ``overrides`` patch the HF config."""
     if arch not in TINY_HF_ARCHS:
         raise KeyError(f"unknown tiny arch {arch!r}; choose from {sorted(TINY_HF_ARCHS)}")
     cfg_cls, model_cls, extra = TINY_HF_ARCHS[arch]
     hf_cfg = cfg_cls(**{**_COMMON, **extra, **overrides})
     hf_cfg.architectures = [model_cls.__name__]
-    hf = model_cls._from_config(hf_cfg, attn_implementation="sdpa", dtype=torch.float32)
+    # experts looped one by one (transformers' reference; its grouped GEMM takes no float64)
+    hf = model_cls._from_config(hf_cfg, attn_implementation="sdpa", experts_implementation="eager", dtype=torch.float32)
     randomize_(hf, seed)
     hf = hf.to(dtype).eval()
-    ours = LlamaModel(TargetConfig.from_hf(hf_cfg.to_dict()))
+    ours = DecoderModel(TargetConfig.from_hf(hf_cfg.to_dict()))
     ours.load_hf_state_dict(hf.state_dict())
     return hf, ours.to(dtype).eval()
 
 
-def full_logits(model: LlamaModel, ids: list[int] | torch.Tensor) -> torch.Tensor:
+def full_logits(model: DecoderModel, ids: list[int] | torch.Tensor) -> torch.Tensor:
     """Logits [T, V] (float32 as ``ModelOutput`` gives them) of one sequence prefilled in one
     forward into a fresh single-slot KV cache."""
     ids_t = torch.as_tensor(ids, dtype=torch.int64)

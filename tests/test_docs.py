@@ -382,7 +382,8 @@ def check_code(code: str) -> str | None | bool:
 
 # a class name outside backticks (in the diagrams, in prose): two capitalised humps, `SignalStore`
 CLASS_WORD = re.compile(r"(?<![\w.-])[A-Z][a-z0-9]+(?:[A-Z][a-z0-9]*)+(?![\w-])(?!\.\w)")
-PROPER_NAMES = frozenset({"EvoSpec", "FastAPI", "LoRA", "OpenAI", "OpenMP", "PyTorch", "SmolLM", "SmolLM2"})
+PROPER_NAMES = frozenset({"EvoSpec", "FastAPI", "LoRA", "LongRoPE", "NoPE", "OpenAI", "OpenMP", "PyTorch", "SmolLM",
+                          "SmolLM2", "SmolLM3"})
 # the diagrams call objects by their role: `scheduler.admit()`, `engine._plan`, `drafter.propose`
 INSTANCES = {"engine": "LLMEngine", "scheduler": "Scheduler", "runner": "ModelRunner", "drafter": "Drafter",
              "policy": "SpeculationPolicy"}

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import byte_tokenizer, tiny_llama
-from tidespec.models.families.llama import LlamaModel
+from tidespec.models.families.decoder import DecoderModel
 
 
 @pytest.fixture(scope="module")
@@ -17,5 +17,5 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def model(tok) -> LlamaModel:
+def model(tok) -> DecoderModel:
     return tiny_llama(len(tok), layers=3, seed=2, scale=3.0, eos=0)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidespec.models.families.llama import LlamaModel
+from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.quant.a8 import W4A8Linear, W8A8Linear, a8_error, pack_w4, pack_w8, quantize_q4_1, quantize_q8_0
 from tidespec.models.quant.quantize import QuantizationError, quantization_of, quantize_model
 from tidespec.models.target import TargetConfig
@@ -85,11 +85,11 @@ def test_close_to_the_float_product() -> None:
         assert err < tol, (type(layer).__name__, err)
 
 
-def tiny(hidden: int = 64) -> LlamaModel:
+def tiny(hidden: int = 64) -> DecoderModel:
     torch.manual_seed(0)
     cfg = TargetConfig(vocab_size=128, hidden_size=hidden, intermediate_size=2 * hidden, num_layers=2, num_heads=4,
                       num_kv_heads=2, head_dim=hidden // 4, max_position_embeddings=256)
-    return LlamaModel(cfg)
+    return DecoderModel(cfg)
 
 
 def test_quantize_model_w4a8_and_w8a8() -> None:

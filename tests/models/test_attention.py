@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from tests.helpers import tiny_llama
-from tidespec.models.families.llama import LlamaModel
+from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.kernels.attention import AttentionPlan
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.layout import BatchLayout
@@ -25,7 +25,7 @@ from tidespec.speculative.tree import tree_depths, tree_mask
 PARENTS = [-1, 0, 0, 1]  # a 4-token draft tree below the verified token (index 0 = root)
 
 
-def _fill_contexts(model: LlamaModel, kv: KVCache, contexts: dict[int, list[int]]) -> None:
+def _fill_contexts(model: DecoderModel, kv: KVCache, contexts: dict[int, list[int]]) -> None:
     for slot, ids in contexts.items():  # each context prefilled alone
         model(torch.tensor(ids), BatchLayout.build([len(ids)], [0], [slot]), kv)
 

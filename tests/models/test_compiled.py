@@ -18,7 +18,7 @@ from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
 from tidespec.models.execution.compiled import CompiledStep
-from tidespec.models.families.llama import LlamaModel
+from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.layout import BatchLayout
 from tidespec.sampling import SamplingParams
@@ -27,7 +27,7 @@ V = 64
 TOL = 1e-12
 
 
-def _caches(model: LlamaModel, slots: int = 6, length: int = 96) -> tuple[KVCache, KVCache]:
+def _caches(model: DecoderModel, slots: int = 6, length: int = 96) -> tuple[KVCache, KVCache]:
     """Two caches with the same prompts prefilled (eagerly) in slots 0..3."""
     caches = []
     for _ in range(2):

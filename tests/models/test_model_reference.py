@@ -1,7 +1,8 @@
-"""Our ``LlamaModel`` must compute what transformers' reference models compute.
+"""Our ``DecoderModel`` must compute what transformers' reference models compute.
 
 Random tiny configs of every supported family (Llama, Llama 3 rope scaling, Mistral sliding
-window, Qwen2 q/k/v bias, Qwen3 q/k norm) are compared position by position: a full prefill, and
+window, Qwen2 q/k/v bias, Qwen3 q/k norm, SmolLM3 NoPE, OLMo 2, Granite, Phi-3 partial rotary
+and LongRoPE, Gemma 3; ``tests/helpers.py``'s ``TINY_HF_ARCHS``) are compared position by position: a full prefill, and
 a ragged batch where one sequence prefills while another continues from its KV cache. float32
 must agree to 1e-4, float64 to 1e-10. The embedded SmolLM2-135M is compared with transformers
 loading the same converted checkpoint.
@@ -12,50 +13,25 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from torch import nn
-from transformers.models.llama import modeling_llama
-from transformers.models.mistral import modeling_mistral
-from transformers.models.qwen2 import modeling_qwen2
-from transformers.models.qwen3 import modeling_qwen3
 
 from tests.helpers import TINY_HF_ARCHS, full_logits, tiny_hf_model
-from tidespec.models.families.llama import LlamaModel
+from tidespec.models.families.decoder import DecoderModel, scale_logits
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.layout import BatchLayout
 from tidespec.models.loading.loader import LoadedModel
 
 ARCHS = sorted(TINY_HF_ARCHS)
 TOL = {torch.float32: 1e-4, torch.float64: 1e-10}
-HF_RMSNORMS = (modeling_llama.LlamaRMSNorm, modeling_mistral.MistralRMSNorm, modeling_qwen2.Qwen2RMSNorm,
-               modeling_qwen3.Qwen3RMSNorm)
-
-
-def _rmsnorm_in_input_dtype(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
-
-
-@pytest.fixture
-def honest_hf_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
-    """HF's RMSNorm forwards cast to float32 internally (``hidden_states.to(torch.float32)``), so an
-    unpatched float64 HF model is only float32-accurate and could never meet a 1e-10 bound. Patch
-    them to compute in the input dtype (what our RMSNorm does for float64). Attention uses sdpa,
-    which stays in float64 (eager softmax would also downcast); rope cos/sin are computed in
-    float32 by both HF and us, so they need no patch."""
-    for cls in HF_RMSNORMS:
-        monkeypatch.setattr(cls, "forward", _rmsnorm_in_input_dtype)
-
-
 def _hf_logits(hf: transformers.PreTrainedModel, ids: list[int]) -> torch.Tensor:
     with torch.no_grad():
         return hf(torch.tensor([ids])).logits[0]  # [T, V] in the model dtype
 
 
-def _logits_in_model_dtype(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
+def _logits_in_model_dtype(model: DecoderModel, hidden: torch.Tensor) -> torch.Tensor:
     """``ModelOutput.logits`` are float32 by contract; the float64 check projects the (float64)
     final hidden state itself so float32 rounding cannot mask a 1e-10 discrepancy."""
     with torch.no_grad():
-        return model.lm_head(hidden)
+        return scale_logits(model.cfg, model.lm_head(hidden))
 
 
 def _prompt(n: int, vocab: int, seed: int) -> list[int]:

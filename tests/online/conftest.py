@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import tiny_llama, tiny_tokenizer
-from tidespec.models.families.llama import LlamaModel
+from tidespec.models.families.decoder import DecoderModel
 
 V = 48
 LAYERS = 8  # EAGLE-3 taps (2, 4, 5): distinct without the tiny-model fallback
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaModel:
+def model() -> DecoderModel:
     return tiny_llama(V, layers=LAYERS, seed=2, scale=3.0)
 
 

@@ -167,8 +167,8 @@ def test_init_from_target_copies_lm_head_rows_and_last_layer() -> None:
     kv = KVCache(1, 1, 4, target.cfg.num_kv_heads, target.cfg.head_dim, torch.float64)
     layout = BatchLayout.build([1], [0], [0])
     layout.attention_plan(None, kv)
-    cos, sin = target.rope(layout.positions, torch.float64)
-    out = target.layers[-1].forward(h, cos, sin, layout, kv.k[0], kv.v[0])  # [1, H]
+    rope = target.rope(layout.positions, torch.float64)
+    out = target.layers[-1].forward(h, rope, layout, kv.k[0], kv.v[0])  # [1, H]
     assert torch.allclose(prenorm_logits[0], head.logits(out), atol=1e-10)
     with pytest.raises(Eagle3ConfigError, match="init-from-target"):
         init_from_target(head, target, "everything")

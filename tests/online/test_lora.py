@@ -38,7 +38,7 @@ from tidespec.models.eagle3.lora import (
     save_adapter,
     with_lora,
 )
-from tidespec.models.families.llama import LlamaModel
+from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.target import output_matrix
 from tidespec.online.serving.attach import OnlineConfig, attach_online_training
 from tidespec.online.store import SignalShard, SignalStore
@@ -69,7 +69,7 @@ def adapted(head: Eagle3Head, seed: int, rank: int = 4, targets: tuple[str, ...]
     return train.eval()
 
 
-def segment(model: LlamaModel, head: Eagle3Head, prompt: list[int], n: int = 12, topk: int = 6) -> SignalSegment:
+def segment(model: DecoderModel, head: Eagle3Head, prompt: list[int], n: int = 12, topk: int = 6) -> SignalSegment:
     """A segment of ``prompt`` continued greedily to ``n`` tokens, with the target's taps and its
     exact top-k at every position (so every label is the target's greedy choice)."""
     from tests.online.test_online import full_taps
@@ -95,7 +95,7 @@ def segment(model: LlamaModel, head: Eagle3Head, prompt: list[int], n: int = 12,
 
 @pytest.mark.parametrize("layers,fusion,targets", [(1, "concat", TARGETS), (2, "gated", TARGETS),
                                                     (2, "concat", ALL_TARGETS), (1, "gated", ("k_proj", "down_proj"))])
-def test_merged_adapter_computes_what_the_peft_head_computes(model: LlamaModel, layers: int, fusion: str,
+def test_merged_adapter_computes_what_the_peft_head_computes(model: DecoderModel, layers: int, fusion: str,
                                                              targets: tuple[str, ...], tmp_path: Path) -> None:
     head = fresh_head(model.cfg, None, model.dtype, seed=3, num_layers=layers, fusion=fusion)
     fresh = with_lora(copy.deepcopy(head), rank=4, alpha=8.0, targets=targets)
@@ -120,7 +120,7 @@ def test_merged_adapter_computes_what_the_peft_head_computes(model: LlamaModel, 
         torch.testing.assert_close(a, b)
 
 
-def test_adapters_are_numbered_and_bad_ones_refused(model: LlamaModel, tmp_path: Path) -> None:
+def test_adapters_are_numbered_and_bad_ones_refused(model: DecoderModel, tmp_path: Path) -> None:
     head = fresh_head(model.cfg, None, model.dtype, seed=3)
     assert [save_adapter(tmp_path, adapted(head, s), base_version=2, metrics={"x": s}) for s in (1, 2)] == [1, 2]
     assert list_adapters(tmp_path, 2) == [1, 2] and list_adapters(tmp_path, 5) == []
@@ -173,7 +173,7 @@ def test_topk_kl_is_zero_on_agreement_and_drops_tokens_outside_the_draft_vocabul
     assert not bool(keep.any())
 
 
-def test_curriculum_weights_follow_eq_4(model: LlamaModel) -> None:
+def test_curriculum_weights_follow_eq_4(model: DecoderModel) -> None:
     """beta 0 weighs every unroll step 1; a huge beta keeps only step 1 (the rows' L_base > 0);
     in between the loss lies between the two."""
     head = adapted(fresh_head(model.cfg, None, model.dtype, seed=3), 5)
@@ -192,7 +192,7 @@ def test_curriculum_weights_follow_eq_4(model: LlamaModel) -> None:
     assert zero_rows == 0 and float(none) == 0.0
 
 
-def test_the_replay_gate_keeps_misses_and_divergent_rows_only(model: LlamaModel) -> None:
+def test_the_replay_gate_keeps_misses_and_divergent_rows_only(model: DecoderModel) -> None:
     head = fresh_head(model.cfg, None, model.dtype, seed=3)
     seg = segment(model, head, [5, 6, 7])
     embed = model.embed_tokens
@@ -221,7 +221,7 @@ def test_anchor_rows_add_about_ratio_times_the_eligible_rows_from_the_usable_one
     assert 0.7 * n_elig < added < 1.3 * n_elig
 
 
-def capture_with_hidden(model: LlamaModel, tok, tmp_path: Path, prompts: list[list[int]]) -> OnlineConfig:
+def capture_with_hidden(model: DecoderModel, tok, tmp_path: Path, prompts: list[list[int]]) -> OnlineConfig:
     cfg = OnlineConfig(publish_root=str(tmp_path / "drafter"), signal_dir=str(tmp_path / "signals"),
                        capture_capacity_rows=4096, capture_flush_rows=32, lora=True,
                        collection=CollectionConfig(force=True))
@@ -233,7 +233,7 @@ def capture_with_hidden(model: LlamaModel, tok, tmp_path: Path, prompts: list[li
     return cfg
 
 
-def test_captured_hidden_states_give_the_targets_exact_top_k(model: LlamaModel, tok, tmp_path: Path) -> None:
+def test_captured_hidden_states_give_the_targets_exact_top_k(model: DecoderModel, tok, tmp_path: Path) -> None:
     cfg = capture_with_hidden(model, tok, tmp_path, PROMPTS[:2])
     shards = [SignalStore(cfg.signal_dir, 1 << 30).read(i.shard_id) for i in
               SignalStore(cfg.signal_dir, 1 << 30).list_shards()]
@@ -244,7 +244,7 @@ def test_captured_hidden_states_give_the_targets_exact_top_k(model: LlamaModel, 
     assert torch.equal(shard.topk_ids[:, 0], shard.next_token_ids)
 
 
-def served_in_turn(model: LlamaModel, tok, tmp_path: Path) -> tuple[OnlineConfig, list[SignalShard], SignalStore]:
+def served_in_turn(model: DecoderModel, tok, tmp_path: Path) -> tuple[OnlineConfig, list[SignalShard], SignalStore]:
     """Shards captured from a few prompts, and an empty store to append them to one at a time (the
     rows as a serving engine would deliver them)."""
     prompts = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11, 9, 10], [12, 13, 14, 15, 16, 12, 13, 14], [3, 4, 5, 3, 4],
@@ -257,7 +257,7 @@ def served_in_turn(model: LlamaModel, tok, tmp_path: Path) -> tuple[OnlineConfig
 
 
 def test_the_aligner_learns_from_served_signals_and_publishes_only_a_better_adapter(
-        model: LlamaModel, tok, tmp_path: Path) -> None:
+        model: DecoderModel, tok, tmp_path: Path) -> None:
     cfg, shards, live = served_in_turn(model, tok, tmp_path)
     base = random_head(model, 1)
     lcfg = LoraAlignConfig(enabled=True, rank=4, alpha=8.0, buffer_rows=8, steps=6, lr=5e-3, min_rows=8, topk=6,
@@ -286,7 +286,7 @@ def test_the_aligner_learns_from_served_signals_and_publishes_only_a_better_adap
 
 
 def test_an_update_is_judged_on_the_next_rows_against_the_head_served_meanwhile(
-        model: LlamaModel, tok, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        model: DecoderModel, tok, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Test, then train: the rows that score an update arrived after it, and once an adapter is
     published it (not the base head) is what the next update has to beat."""
     from tidespec.online.training import lora
@@ -388,11 +388,11 @@ def test_lora_options_are_validated_and_reach_the_trainer_child(tmp_path: Path,
 
 
 @pytest.fixture(scope="module")
-def plain(model: LlamaModel, tok) -> list[list[int]]:
+def plain(model: DecoderModel, tok) -> list[list[int]]:
     return run(make_engine(model, tok), PROMPTS)[0]
 
 
-def serving_with_lora(model: LlamaModel, tok, tmp_path: Path, tree: bool = False, rollback_min_drafts: int = 64,
+def serving_with_lora(model: DecoderModel, tok, tmp_path: Path, tree: bool = False, rollback_min_drafts: int = 64,
                       quantization: str = "none"):
     """(config, base head, drafter, engine, OnlineTraining): serving version 1 with --online-lora, no pollers."""
     cfg = OnlineConfig(publish_root=str(tmp_path / "drafter"), signal_dir=str(tmp_path / "signals"), lora=True,
@@ -407,7 +407,7 @@ def serving_with_lora(model: LlamaModel, tok, tmp_path: Path, tree: bool = False
 
 
 @pytest.mark.parametrize("tree,batch,quantization", [(False, 4, "none"), (True, 4, "none"), (False, 1, "int8")])
-def test_greedy_equals_plain_across_adapter_swaps(model: LlamaModel, tok, plain: list[list[int]], tmp_path: Path,
+def test_greedy_equals_plain_across_adapter_swaps(model: DecoderModel, tok, plain: list[list[int]], tmp_path: Path,
                                                   tree: bool, batch: int, quantization: str) -> None:
     """int8: the poller quantizes each merged adapter's drafting copy; the engine thread only installs it."""
     cfg, base, drafter, engine, online = serving_with_lora(model, tok, tmp_path, tree, quantization=quantization)
@@ -439,7 +439,7 @@ def test_greedy_equals_plain_across_adapter_swaps(model: LlamaModel, tok, plain:
     online.close()
 
 
-def test_a_corrupt_adapter_is_refused_and_serving_continues(model: LlamaModel, tok, plain: list[list[int]],
+def test_a_corrupt_adapter_is_refused_and_serving_continues(model: DecoderModel, tok, plain: list[list[int]],
                                                             tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     cfg, base, drafter, engine, online = serving_with_lora(model, tok, tmp_path)
     ads = online.adapters
@@ -457,7 +457,7 @@ def test_a_corrupt_adapter_is_refused_and_serving_continues(model: LlamaModel, t
     online.close()
 
 
-def test_adapters_follow_the_served_version(model: LlamaModel, tok, tmp_path: Path) -> None:
+def test_adapters_follow_the_served_version(model: DecoderModel, tok, tmp_path: Path) -> None:
     """An adapter of another version is never applied; a new version starts without adapters."""
     cfg, base, drafter, engine, online = serving_with_lora(model, tok, tmp_path)
     ads = online.adapters
@@ -482,7 +482,7 @@ def test_adapters_follow_the_served_version(model: LlamaModel, tok, tmp_path: Pa
     online.close()
 
 
-def test_the_trainer_aligns_between_rounds_from_where_its_rounds_stand(model: LlamaModel, tok,
+def test_the_trainer_aligns_between_rounds_from_where_its_rounds_stand(model: DecoderModel, tok,
                                                                        tmp_path: Path) -> None:
     from tidespec.online.training.rounds import DraftTrainer
 
@@ -500,7 +500,7 @@ def test_the_trainer_aligns_between_rounds_from_where_its_rounds_stand(model: Ll
 
 
 
-def test_the_aligner_waits_for_a_trained_head(model: LlamaModel, tok, tmp_path: Path) -> None:
+def test_the_aligner_waits_for_a_trained_head(model: DecoderModel, tok, tmp_path: Path) -> None:
     """Nothing published and no --init-from: the head is random and adapters on it cannot make it
     draft; alignment starts on the first published version, with the rows it finds then."""
     from tidespec.online.training.rounds import DraftTrainer
@@ -517,7 +517,7 @@ def test_the_aligner_waits_for_a_trained_head(model: LlamaModel, tok, tmp_path: 
     assert trainer.align() and trainer.aligner.base_version == 1
 
 
-def test_a_version_rolled_back_to_takes_its_newest_adapter_on_its_clean_weights(model: LlamaModel, tok,
+def test_a_version_rolled_back_to_takes_its_newest_adapter_on_its_clean_weights(model: DecoderModel, tok,
                                                                                 tmp_path: Path) -> None:
     """v1 + a1 served, v2 swapped in, then v1's weights (with a1 merged, as a rollback restores them)
     come back: a1 is merged again into v1's kept clean copy, never on top of itself."""
@@ -545,7 +545,7 @@ def test_a_version_rolled_back_to_takes_its_newest_adapter_on_its_clean_weights(
     online.close()
 
 
-def test_full_rounds_distil_from_the_top_k_of_captured_hidden_states(model: LlamaModel, tok, tmp_path: Path,
+def test_full_rounds_distil_from_the_top_k_of_captured_hidden_states(model: DecoderModel, tok, tmp_path: Path,
                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from tidespec.online.training import rounds
 

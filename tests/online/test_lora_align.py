@@ -14,7 +14,7 @@ from tests.online.test_lora import segment, served_in_turn
 from tests.online.test_online import random_head
 from tidespec.models.eagle3.head import Eagle3Head
 from tidespec.models.eagle3.lora import adapter_dir, list_adapters, load_adapter, merged_state
-from tidespec.models.families.llama import LlamaModel
+from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.target import output_matrix
 from tidespec.online.training import lora
 from tidespec.online.training.config import LoraAlignConfig
@@ -24,11 +24,11 @@ from tidespec.online.training.lora import LoraAligner, eligible_rows, extra_voca
 OWN = 24  # the pruned heads' draft vocabulary: target ids 0..23
 
 
-def pruned_head(model: LlamaModel, seed: int = 3) -> Eagle3Head:
+def pruned_head(model: DecoderModel, seed: int = 3) -> Eagle3Head:
     return random_head(model, seed, OWN)
 
 
-def test_the_widened_vocabulary_holds_inside_the_block_only(model: LlamaModel) -> None:
+def test_the_widened_vocabulary_holds_inside_the_block_only(model: DecoderModel) -> None:
     head = pruned_head(model)
     embed, rows_of = model.embed_tokens, output_matrix(model)
     seg = segment(model, head, [30, 31, 32])
@@ -58,7 +58,7 @@ def test_the_widened_vocabulary_holds_inside_the_block_only(model: LlamaModel) -
 
 
 def test_the_aligner_learns_emitted_tokens_outside_the_head_and_publishes_narrow_adapters(
-        model: LlamaModel, tok, tmp_path: Path) -> None:
+        model: DecoderModel, tok, tmp_path: Path) -> None:
     _, shards, live = served_in_turn(model, tok, tmp_path)
     base = pruned_head(model, 1)
     common = {"enabled": True, "rank": 4, "alpha": 8.0, "buffer_rows": 8, "steps": 6, "lr": 5e-3, "min_rows": 8,
@@ -88,7 +88,7 @@ def test_the_aligner_learns_emitted_tokens_outside_the_head_and_publishes_narrow
     assert pending[512].eligible_rows > pending[0].eligible_rows  # rows labelled outside the head now count
 
 
-def test_the_replay_window_keeps_earlier_rows_in_training(model: LlamaModel, tok, tmp_path: Path,
+def test_the_replay_window_keeps_earlier_rows_in_training(model: DecoderModel, tok, tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     _, shards, live = served_in_turn(model, tok, tmp_path)
     base = pruned_head(model, 1)
@@ -129,7 +129,7 @@ def test_the_replay_window_keeps_earlier_rows_in_training(model: LlamaModel, tok
     assert not any(windows[0])  # EvoSpec's buffer: each update trains on its own rows only
 
 
-def test_a_new_base_version_drops_remembered_tokens_it_owns(model: LlamaModel, tok, tmp_path: Path) -> None:
+def test_a_new_base_version_drops_remembered_tokens_it_owns(model: DecoderModel, tok, tmp_path: Path) -> None:
     _, shards, live = served_in_turn(model, tok, tmp_path)
     cfg = LoraAlignConfig(enabled=True, rank=4, alpha=8.0, buffer_rows=8, min_rows=8, topk=6, extra_vocab=512)
     aligner = LoraAligner(cfg, live, tmp_path / "root", model.embed_tokens, output_matrix(model), gamma=3,

@@ -31,7 +31,7 @@ from tidespec.models.eagle3.checkpoint import (
     seed_root,
 )
 from tidespec.models.eagle3.head import Eagle3Head
-from tidespec.models.families.llama import LlamaModel
+from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.layout import BatchLayout
 from tidespec.online.capture import CaptureBuffer
@@ -49,7 +49,7 @@ MAX_TOKENS = 20
 SLEEP_S = SlowStore.sleep_s
 
 
-def make_engine(model: LlamaModel, tok, drafter=None, gamma: int = 3, tree: bool = False,
+def make_engine(model: DecoderModel, tok, drafter=None, gamma: int = 3, tree: bool = False,
                 slots: int = 4) -> LLMEngine:
     cfg = EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=slots),
                        spec=SpecConfig(num_speculative_tokens=gamma if drafter is not None else 0, tree=tree))
@@ -82,11 +82,11 @@ def run(engine: LLMEngine, prompts: list[list[int]], labels: list[str | None] | 
 
 
 @pytest.fixture(scope="module")
-def plain(model: LlamaModel, tok) -> list[list[int]]:
+def plain(model: DecoderModel, tok) -> list[list[int]]:
     return run(make_engine(model, tok), PROMPTS)[0]
 
 
-def random_head(model: LlamaModel, seed: int, draft_vocab: int | None = None) -> Eagle3Head:
+def random_head(model: DecoderModel, seed: int, draft_vocab: int | None = None) -> Eagle3Head:
     head = fresh_head(model.cfg, draft_vocab, model.dtype, seed=seed)
     with torch.no_grad():  # larger weights: drafts depend visibly on the inputs
         for p in head.parameters():
@@ -95,7 +95,7 @@ def random_head(model: LlamaModel, seed: int, draft_vocab: int | None = None) ->
     return head
 
 
-def full_taps(model: LlamaModel, ids: list[int], layers: tuple[int, ...]) -> torch.Tensor:
+def full_taps(model: DecoderModel, ids: list[int], layers: tuple[int, ...]) -> torch.Tensor:
     """[len, 3H] target taps of a whole sequence in one prefill."""
     kv = KVCache.for_model(model.cfg, 1, 128, model.dtype)
     out = model(torch.tensor(ids), BatchLayout.build([len(ids)], [0], [0]), kv, tap_layers=layers)
@@ -114,7 +114,7 @@ def rows_of(shards: list[SignalShard]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("capture_prompt", [True, False])
-def test_capture_pushes_position_token_label_and_taps(model: LlamaModel, tok, capture_prompt: bool) -> None:
+def test_capture_pushes_position_token_label_and_taps(model: DecoderModel, tok, capture_prompt: bool) -> None:
     drafter = build_eagle3_drafter(model, None, cfg=drafter_cfg())
     engine = make_engine(model, tok, drafter)
     buf = CaptureBuffer(None, 4096, 64, taps_dtype=torch.float64)
@@ -154,7 +154,7 @@ def test_capture_pushes_position_token_label_and_taps(model: LlamaModel, tok, ca
         assert 2 not in by_pos and by_pos[3] == (8, o0)
 
 
-def test_no_capture_while_collection_is_off(model: LlamaModel, tok) -> None:
+def test_no_capture_while_collection_is_off(model: DecoderModel, tok) -> None:
     engine = make_engine(model, tok, build_eagle3_drafter(model, None, cfg=drafter_cfg()))
     buf = CaptureBuffer(None, 1024, 64)
     selective = SelectiveCollector(CollectionConfig(n_init=1))  # off until a shift is detected
@@ -165,7 +165,7 @@ def test_no_capture_while_collection_is_off(model: LlamaModel, tok) -> None:
     assert selective.state()["num_requests"] == 2  # both requests drafted and fed their acceptance
 
 
-def test_capture_never_blocks_the_engine_with_a_slow_store(model: LlamaModel, tok, tmp_path: Path) -> None:
+def test_capture_never_blocks_the_engine_with_a_slow_store(model: DecoderModel, tok, tmp_path: Path) -> None:
     def step_times(with_capture: bool) -> tuple[list[float], CaptureBuffer | None]:
         engine = make_engine(model, tok, build_eagle3_drafter(model, None, cfg=drafter_cfg()))
         buf = None
@@ -202,7 +202,7 @@ def online_cfg(tmp_path: Path) -> OnlineConfig:
 
 
 @pytest.mark.parametrize("tree,quantization", [(False, "none"), (True, "none"), (False, "int8")])
-def test_greedy_equals_plain_across_a_drafter_swap(model: LlamaModel, tok, plain: list[list[int]],
+def test_greedy_equals_plain_across_a_drafter_swap(model: DecoderModel, tok, plain: list[list[int]],
                                                    tmp_path: Path, tree: bool, quantization: str) -> None:
     """int8: the poller builds the new version's drafting copy; the swap installs that very copy."""
     cfg = online_cfg(tmp_path)
@@ -238,7 +238,7 @@ def test_greedy_equals_plain_across_a_drafter_swap(model: LlamaModel, tok, plain
     assert {i.drafter_version for i in store.list_shards()} == {1, 2}  # shards never mix versions
 
 
-def test_background_poller_swaps_without_help(model: LlamaModel, tok, tmp_path: Path) -> None:
+def test_background_poller_swaps_without_help(model: DecoderModel, tok, tmp_path: Path) -> None:
     cfg = online_cfg(tmp_path)
     cfg.poll_s = 0.02
     engine = make_engine(model, tok, build_eagle3_drafter(model, cfg.publish_root, cfg=drafter_cfg()))
@@ -253,7 +253,7 @@ def test_background_poller_swaps_without_help(model: LlamaModel, tok, tmp_path: 
     online.close()
 
 
-def serving_version_1(model: LlamaModel, tok, tmp_path: Path):  # -> (root, drafter, engine, OnlineTraining)
+def serving_version_1(model: DecoderModel, tok, tmp_path: Path):  # -> (root, drafter, engine, OnlineTraining)
     """An engine serving drafter version 1 from a fresh publish root, its updater not polling by itself."""
     cfg = online_cfg(tmp_path)
     root = Path(cfg.publish_root)
@@ -264,7 +264,7 @@ def serving_version_1(model: LlamaModel, tok, tmp_path: Path):  # -> (root, draf
 
 
 def test_partial_and_invalid_versions_are_refused_and_serving_continues(
-        model: LlamaModel, tok, plain: list[list[int]], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        model: DecoderModel, tok, plain: list[list[int]], tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     root, drafter, engine, online = serving_version_1(model, tok, tmp_path)
     up = online.updater
 
@@ -318,7 +318,7 @@ def test_partial_and_invalid_versions_are_refused_and_serving_continues(
 
 
 def test_a_version_refused_while_half_copied_is_taken_once_its_files_arrive(
-        model: LlamaModel, tok, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        model: DecoderModel, tok, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A v2 copied by hand (or over a slow network) is polled before its weights are complete: it is
     refused once, not re-logged while nothing changes, and loaded once the rest of the weights lands.
     A newer valid version supersedes a refused one for good."""
@@ -358,7 +358,7 @@ def test_a_version_refused_while_half_copied_is_taken_once_its_files_arrive(
     online.close()
 
 
-def test_trainer_rounds_drive_selective_collection(model: LlamaModel, tok, tmp_path: Path) -> None:
+def test_trainer_rounds_drive_selective_collection(model: DecoderModel, tok, tmp_path: Path) -> None:
     cfg = online_cfg(tmp_path)
     cfg.collection = CollectionConfig(bootstrap=True)
     engine = make_engine(model, tok, build_eagle3_drafter(model, None, cfg=drafter_cfg()))
@@ -397,7 +397,7 @@ def test_online_config_from_engine_config(tmp_path: Path) -> None:
         OnlineConfig(publish_root="a", signal_dir="b", capture_capacity_rows=4, capture_flush_rows=8)
 
 
-def test_online_training_on_the_embedded_model_starts_from_its_shipped_head(model: LlamaModel, tmp_path: Path,
+def test_online_training_on_the_embedded_model_starts_from_its_shipped_head(model: DecoderModel, tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """An empty ``--eagle3-dir`` publish root with ``--online-training``: the shipped head is published
     there as v1 (once; never over a version), the engine drafts with it, and collection starts on
@@ -424,7 +424,7 @@ def test_online_training_on_the_embedded_model_starts_from_its_shipped_head(mode
         seed_root(tmp_path / "other", tmp_path / "empty-root", model.cfg)
 
 
-def test_a_signal_budget_smaller_than_one_round_is_warned_at_start(model: LlamaModel, tok, tmp_path: Path,
+def test_a_signal_budget_smaller_than_one_round_is_warned_at_start(model: DecoderModel, tok, tmp_path: Path,
                                                                     caplog: pytest.LogCaptureFixture) -> None:
     """SmolLM2-135M's 3 x 576 bfloat16 taps need ~54 MiB for a 16,384-row round: 32 MiB cannot hold
     it (training would silently never run), 64 MiB can. Attaching with too small a budget logs it."""

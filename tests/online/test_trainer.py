@@ -16,7 +16,7 @@ from tests.helpers import tiny_hf_model, tiny_llama, tiny_tokenizer, write_tiny_
 from tidespec.config import CacheConfig, CollectionConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.models.eagle3.checkpoint import import_eagle3, latest_version, load_version, publish
-from tidespec.models.families.llama import LlamaModel
+from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.loading.loader import load_model
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
@@ -77,7 +77,7 @@ def test_segments_by_sequence_and_split_hand_traced() -> None:
     assert held[0].token_ids.tolist() == [8, 9, 10]
 
 
-def test_replay_takes_newest_consumed_shards_within_budget(tmp_path: Path, model: LlamaModel) -> None:
+def test_replay_takes_newest_consumed_shards_within_budget(tmp_path: Path, model: DecoderModel) -> None:
     """Consumed shards of 3, 5 and 4 rows (oldest first), replay_rows 9 -> the 4- and 5-row shards;
     the pending shard is never replayed."""
     store = SignalStore(tmp_path / "s", 1 << 30)
@@ -113,12 +113,12 @@ def test_trainer_config_validation(tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def model() -> LlamaModel:
+def model() -> DecoderModel:
     # unit-scale weights: the target's greedy text is learnable from a few hundred positions
     return tiny_llama(V, layers=LAYERS, seed=2, scale=1.0)
 
 
-def engine_acceptance(model: LlamaModel, drafter, prompts: list[list[int]]) -> tuple[list[list[int]], float]:
+def engine_acceptance(model: DecoderModel, drafter, prompts: list[list[int]]) -> tuple[list[list[int]], float]:
     cfg = EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=4),
                        spec=SpecConfig(num_speculative_tokens=4 if drafter is not None else 0))
     engine = LLMEngine(model, tiny_tokenizer(V), cfg, drafter=drafter)
@@ -149,7 +149,7 @@ def _workload(tmp_path: Path) -> tuple[Path, list[list[int]]]:
     return workload, prompts
 
 
-def test_distilled_round_from_workload_with_target_init_learns(model: LlamaModel, tmp_path: Path) -> None:
+def test_distilled_round_from_workload_with_target_init_learns(model: DecoderModel, tmp_path: Path) -> None:
     workload, prompts = _workload(tmp_path)
     sig, root = tmp_path / "signals", tmp_path / "drafter"
     cfg = TrainerConfig(signal_dir=str(sig), publish_root=str(root), from_workload=str(workload), samples=2, topk=8,
@@ -167,7 +167,7 @@ def test_distilled_round_from_workload_with_target_init_learns(model: LlamaModel
     assert engine_acceptance(model, build_eagle3_drafter(model, root, cfg=dcfg), prompts[:4])[0] == plain
 
 
-def test_once_round_from_workload_learns_and_publishes(model: LlamaModel, tmp_path: Path) -> None:
+def test_once_round_from_workload_learns_and_publishes(model: DecoderModel, tmp_path: Path) -> None:
     workload, prompts = _workload(tmp_path)
     sig, root = tmp_path / "signals", tmp_path / "drafter"
     stats = capture_from_workload(model, tiny_tokenizer(V), str(workload), sig, max_tokens=40, progress=False)
@@ -290,7 +290,7 @@ def test_capture_only_bootstrap_fills_the_store_and_trains_nothing(tmp_path: Pat
     assert sorted({int(s) for sh in shards for s in sh.seq_ids}) == list(range(6))  # 3 prompts x 2 samples
 
 
-def test_a_published_version_is_judged_paired_on_the_rows_captured_after_it(model: LlamaModel,
+def test_a_published_version_is_judged_paired_on_the_rows_captured_after_it(model: DecoderModel,
                                                                              tmp_path: Path) -> None:
     """Round 1 publishes v1; no round runs until v1 is judged on rows captured after it (test, then
     train): v1 against the head it replaced, both on the same rows, kept. Then a version that loses
@@ -336,7 +336,7 @@ def test_a_published_version_is_judged_paired_on_the_rows_captured_after_it(mode
     assert all(torch.equal(t, best.state_dict()[k].to(t.dtype)) for k, t in restored.state_dict.items())
 
 
-def test_a_round_widens_the_draft_vocabulary_by_the_tokens_its_rows_lack(model: LlamaModel, tmp_path: Path) -> None:
+def test_a_round_widens_the_draft_vocabulary_by_the_tokens_its_rows_lack(model: DecoderModel, tmp_path: Path) -> None:
     """A 16-token head (ids 0..15); the round's rows hold 20 three times, 21 twice, 22 once and 3 (its
     own) five times -> 20 and 21 join (22 is seen once), most frequent first, within --widen-vocab and
     --max-draft-vocab; the head's own rows stay as they were."""
@@ -360,7 +360,7 @@ def test_a_round_widens_the_draft_vocabulary_by_the_tokens_its_rows_lack(model: 
     assert trainer._widened(head, rows) is head
 
 
-def test_a_lineage_from_a_trained_head_fine_tunes_at_finetune_lr(model: LlamaModel, tmp_path: Path,
+def test_a_lineage_from_a_trained_head_fine_tunes_at_finetune_lr(model: DecoderModel, tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """Rounds whose versions descend from a trained head (published as v1 before the trainer starts, as
     the server does with the shipped head) train at --finetune-lr; a lineage the trainer started from
@@ -392,7 +392,7 @@ def test_a_lineage_from_a_trained_head_fine_tunes_at_finetune_lr(model: LlamaMod
     assert tuned.run_round() is not None and not tuned.state.fresh_start and rates[-1] == 2e-4
 
 
-def test_a_round_on_few_rows_trains_at_least_min_steps(model: LlamaModel, tmp_path: Path) -> None:
+def test_a_round_on_few_rows_trains_at_least_min_steps(model: DecoderModel, tmp_path: Path) -> None:
     """Three short segments, batch 8, 2 epochs: the passes alone make 1 step; --min-steps 5 makes 5;
     --max-steps still sets the count exactly (below --min-steps too)."""
     cfg = TrainerConfig(signal_dir=str(tmp_path / "s"), publish_root=str(tmp_path / "p"), draft_vocab=16,
@@ -417,7 +417,7 @@ def test_a_round_on_few_rows_trains_at_least_min_steps(model: LlamaModel, tmp_pa
 
 
 def test_an_unpublished_round_that_gained_is_where_the_next_round_trains_on_from(
-        model: LlamaModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        model: DecoderModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Round 1 gains on average but not beyond its interval: not published, carried; round 2 trains on
     from that candidate. A round that lost on average is not carried; a publication ends the carry;
     --no-carry-unpublished starts every round from the published head."""

@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from tidespec.bench.common.report import machine_info
 from tidespec.bench.exactness.run import ExactnessBenchConfig, PathRun, parse_path, target_model
-from tidespec.models.families.llama import LlamaModel
+from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.layout import BatchLayout
 from tidespec.models.loading.loader import LoadedModel
@@ -50,7 +50,7 @@ CANDIDATES = 6  # prompts per workload
 TOKENS = 256  # generated per candidate
 
 
-def top2_gaps(model: LlamaModel, prompt: list[int], continuation: list[int]) -> list[float]:
+def top2_gaps(model: DecoderModel, prompt: list[int], continuation: list[int]) -> list[float]:
     """The gap between the two best logits at each generated position: [len(continuation)] from one
     eager forward over ``prompt + continuation[:-1]``.
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tidespec.models.families.llama import LlamaModel
+from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.layout import BatchLayout
 from tidespec.models.target import TargetConfig
@@ -22,18 +22,18 @@ VOCAB = 48
 GREEDY = SamplingParams()
 
 
-def make_target(seed: int = 0, num_layers: int = 2) -> LlamaModel:
+def make_target(seed: int = 0, num_layers: int = 2) -> DecoderModel:
     torch.manual_seed(seed)
     cfg = TargetConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=num_layers,
                       num_heads=4, num_kv_heads=2, head_dim=8)
-    model = LlamaModel(cfg).double()
+    model = DecoderModel(cfg).double()
     with torch.no_grad():
         model.lm_head.weight.mul_(4.0)  # sharper distributions: fewer near-ties, more varied greedy text
     return model.eval()
 
 
 @pytest.fixture(scope="module")
-def target() -> LlamaModel:
+def target() -> DecoderModel:
     return make_target()
 
 
@@ -42,7 +42,7 @@ def prompt(seed: int, n: int) -> list[int]:
     return torch.randint(0, VOCAB, (n,), generator=g).tolist()
 
 
-def logits_after(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
+def logits_after(model: DecoderModel, tokens: list[int]) -> torch.Tensor:
     """[V] logits of a plain single-sequence forward over ``tokens`` from an empty cache."""
     kv = KVCache.for_model(model.cfg, 1, 128, torch.float64)
     layout = BatchLayout.build([len(tokens)], [0], [0])
@@ -51,7 +51,7 @@ def logits_after(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
     return out.logits[0]
 
 
-def greedy_continuation(model: LlamaModel, ctx: list[int], n: int) -> list[int]:
+def greedy_continuation(model: DecoderModel, ctx: list[int], n: int) -> list[int]:
     """The model's own greedy continuation by a plain prefill-then-decode loop."""
     kv = KVCache.for_model(model.cfg, 1, 128, torch.float64)
     slot = kv.allocate()
@@ -75,13 +75,13 @@ def propose_one(drafter: DraftModelDrafter, seq_id: int, ctx: list[int], gamma: 
     return drafter.propose([DraftInput(seq_id, list(ctx), gamma, params, tree)]).drafts[seq_id]
 
 
-def test_satisfies_drafter_protocol(target: LlamaModel) -> None:
+def test_satisfies_drafter_protocol(target: DecoderModel) -> None:
     d = DraftModelDrafter(target, 2, 64)
     assert isinstance(d, Drafter)
     assert d.tap_layers == () and d.name == "draft-model"
 
 
-def test_draft_is_target_greedy_chain_matches_target(target: LlamaModel) -> None:
+def test_draft_is_target_greedy_chain_matches_target(target: DecoderModel) -> None:
     """Self-drafting proposes exactly the target's greedy continuation, step after step (100%
     acceptance), including when the drafter reuses the K/V of its accepted drafts."""
     drafter = DraftModelDrafter(target, 2, 96)
@@ -95,7 +95,7 @@ def test_draft_is_target_greedy_chain_matches_target(target: LlamaModel) -> None
     assert len(set(ctx[7:])) > 1  # the check is not vacuous (random text, not one repeated token)
 
 
-def test_catch_up_matches_every_step_and_fresh(target: LlamaModel) -> None:
+def test_catch_up_matches_every_step_and_fresh(target: DecoderModel) -> None:
     """A drafter that skipped speculation for several steps, one that proposed every step (with
     mostly rejected drafts), and a fresh one all propose the same for the final context."""
     draft = target.truncated(1)
@@ -115,7 +115,7 @@ def test_catch_up_matches_every_step_and_fresh(target: LlamaModel) -> None:
     assert propose_one(skip, 0, shorter, 3).token_ids == greedy_continuation(draft, shorter, 3)
 
 
-def test_catch_up_feeds_only_missing_tokens(target: LlamaModel) -> None:
+def test_catch_up_feeds_only_missing_tokens(target: DecoderModel) -> None:
     """Hand-traced token counts per forward: prefill 6; drafts re-use accepted K/V."""
     drafter = DraftModelDrafter(target, 2, 64)
     fed: list[int] = []
@@ -140,7 +140,7 @@ def test_catch_up_feeds_only_missing_tokens(target: LlamaModel) -> None:
         handle.remove()
 
 
-def test_batched_gammas_equal_alone(target: LlamaModel) -> None:
+def test_batched_gammas_equal_alone(target: DecoderModel) -> None:
     draft = target.truncated(1)
     ctxs = [prompt(10, 4), prompt(11, 9), prompt(12, 6)]
     gammas = [1, 3, 5]
@@ -158,7 +158,7 @@ def test_batched_gammas_equal_alone(target: LlamaModel) -> None:
         assert batch2.drafts[i].token_ids == greedy_continuation(draft, c, [2, 4][i])
 
 
-def test_batched_sampled_equal_alone(target: LlamaModel) -> None:
+def test_batched_sampled_equal_alone(target: DecoderModel) -> None:
     """Per-sequence seeded generators: batching does not change what is drawn."""
     params = [SamplingParams(temperature=0.9, seed=s) for s in (1, 2)]
     ctxs = [prompt(20, 5), prompt(21, 8)]
@@ -171,7 +171,7 @@ def test_batched_sampled_equal_alone(target: LlamaModel) -> None:
         torch.testing.assert_close(batch.drafts[i].draft_probs, alone.draft_probs)
 
 
-def test_tree_full_levels(target: LlamaModel) -> None:
+def test_tree_full_levels(target: DecoderModel) -> None:
     """gamma=6, top_k=2: levels of 2 and 4 nodes; every node's children are the top-2 of the
     target's own distribution after context + path (checks the tree attention mask)."""
     drafter = DraftModelDrafter(target, 2, 64, tree_top_k=2)
@@ -191,7 +191,7 @@ def test_tree_full_levels(target: LlamaModel) -> None:
 
 
 @pytest.mark.parametrize("gamma,top_k", [(5, 2), (7, 3), (4, 1), (1, 2)])
-def test_tree_contains_greedy_chain(target: LlamaModel, gamma: int, top_k: int) -> None:
+def test_tree_contains_greedy_chain(target: DecoderModel, gamma: int, top_k: int) -> None:
     drafter = DraftModelDrafter(target, 2, 64, tree_top_k=top_k)
     ctx = prompt(31, 5)
     d = propose_one(drafter, 0, ctx, gamma, tree=True)
@@ -212,7 +212,7 @@ def test_tree_contains_greedy_chain(target: LlamaModel, gamma: int, top_k: int) 
         node = matches[0]
 
 
-def test_mixed_chain_and_tree_batch(target: LlamaModel) -> None:
+def test_mixed_chain_and_tree_batch(target: DecoderModel) -> None:
     draft = target.truncated(1)
     ctxs = [prompt(40, 5), prompt(41, 3)]
     batch = DraftModelDrafter(draft, 2, 64, tree_top_k=2).propose(
@@ -223,7 +223,7 @@ def test_mixed_chain_and_tree_batch(target: LlamaModel) -> None:
     assert batch.drafts[1].parent_indices == alone_tree.parent_indices
 
 
-def test_sampled_draft_probs(target: LlamaModel) -> None:
+def test_sampled_draft_probs(target: DecoderModel) -> None:
     params = SamplingParams(temperature=0.8, top_p=0.9, seed=5)
     ctx = prompt(50, 6)
     d = propose_one(DraftModelDrafter(target, 1, 64), 0, ctx, 5, params)
@@ -238,7 +238,7 @@ def test_sampled_draft_probs(target: LlamaModel) -> None:
     assert again.token_ids == d.token_ids  # seeded
 
 
-def test_sampled_probs_exact_across_steps(target: LlamaModel) -> None:
+def test_sampled_probs_exact_across_steps(target: DecoderModel) -> None:
     """Every draft_probs row equals the target-processed distribution of a plain forward over
     context + earlier drafts, also after accepted drafts' K/V was reused (stale K/V would show)."""
     params = SamplingParams(temperature=1.0, seed=9)
@@ -260,7 +260,7 @@ def test_draft_seed_differs_from_request_seed() -> None:
     assert len({draft_seed(s) for s in range(100)}) == 100
 
 
-def test_release_recycles_slots(target: LlamaModel) -> None:
+def test_release_recycles_slots(target: DecoderModel) -> None:
     draft = target.truncated(1)
     drafter = DraftModelDrafter(draft, 2, 64)
     for seq in range(6):  # 6 sequences over time through 2 slots
@@ -274,21 +274,21 @@ def test_release_recycles_slots(target: LlamaModel) -> None:
     assert drafter.kv.num_free_slots == 2 and drafter.num_live == 0
 
 
-def test_full_cache_raises(target: LlamaModel) -> None:
+def test_full_cache_raises(target: DecoderModel) -> None:
     drafter = DraftModelDrafter(target, 1, 64)
     propose_one(drafter, 0, prompt(70, 3), 1)
     with pytest.raises(RuntimeError, match="draft KV cache is full"):
         propose_one(drafter, 1, prompt(71, 3), 1)
 
 
-def test_gamma_clamped_to_max_model_len(target: LlamaModel) -> None:
+def test_gamma_clamped_to_max_model_len(target: DecoderModel) -> None:
     drafter = DraftModelDrafter(target, 2, 10)
     assert propose_one(drafter, 0, prompt(80, 9), 5).num_tokens == 2  # 9 + 2 - 1 == 10 positions
     out = drafter.propose([DraftInput(1, prompt(81, 12), 3, GREEDY)])
     assert 1 not in out.drafts
 
 
-def test_input_validation(target: LlamaModel) -> None:
+def test_input_validation(target: DecoderModel) -> None:
     drafter = DraftModelDrafter(target, 2, 16)
     with pytest.raises(ValueError, match="twice"):
         drafter.propose([DraftInput(0, [1, 2], 1, GREEDY), DraftInput(0, [1, 2], 1, GREEDY)])
@@ -299,7 +299,7 @@ def test_input_validation(target: LlamaModel) -> None:
     assert drafter.propose([]).drafts == {}
 
 
-def test_truncated_target_proposals(target: LlamaModel) -> None:
+def test_truncated_target_proposals(target: DecoderModel) -> None:
     small = target.truncated(1)
     drafter = DraftModelDrafter(small, 2, 64, tree_top_k=2)
     ctx = prompt(90, 7)

@@ -17,7 +17,7 @@ from tidespec.engine.observer import Hooks
 from tidespec.errors import ConfigError
 from tidespec.llm import attach_draft_vocab
 from tidespec.models.eagle3.head import Eagle3Config, Eagle3Head, fit_row_map, init_from_target
-from tidespec.models.families.llama import LlamaModel
+from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.quant.quantize import Int8Linear
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.draft_model import DraftModelDrafter
@@ -227,7 +227,7 @@ class _BlockingIndex(MipsIndex):
         return [9]
 
 
-def test_the_step_never_waits_on_retrieval(target: LlamaModel) -> None:
+def test_the_step_never_waits_on_retrieval(target: DecoderModel) -> None:
     """While the worker is stuck in a query, the engine keeps stepping (and finishes requests)
     with the V_t it had; once the query returns, V_t grows."""
     index = _BlockingIndex()
@@ -255,11 +255,11 @@ def test_the_step_never_waits_on_retrieval(target: LlamaModel) -> None:
 
 
 @pytest.fixture(scope="module")
-def target() -> LlamaModel:
+def target() -> DecoderModel:
     return tiny_llama(V, layers=4, seed=2, scale=3.0)
 
 
-def _head(target: LlamaModel, seed: int = 1, draft_vocab: int | None = None) -> Eagle3Head:
+def _head(target: DecoderModel, seed: int = 1, draft_vocab: int | None = None) -> Eagle3Head:
     torch.manual_seed(seed)
     head = Eagle3Head(Eagle3Config.for_target(target.cfg, draft_vocab)).to(target.dtype)
     with torch.no_grad():
@@ -269,13 +269,13 @@ def _head(target: LlamaModel, seed: int = 1, draft_vocab: int | None = None) -> 
     return head
 
 
-def _drafter(head: Eagle3Head, target: LlamaModel, slots: int, quantization: str = "none") -> Eagle3Drafter:
+def _drafter(head: Eagle3Head, target: DecoderModel, slots: int, quantization: str = "none") -> Eagle3Drafter:
     return Eagle3Drafter(head, target.embed_tokens, Eagle3DrafterConfig(max_num_seqs=slots, max_model_len=128,
                                                                         tree_depth=3, tree_top_k=2,
                                                                         quantization=quantization))
 
 
-def _generate(target: LlamaModel, drafter: Eagle3Drafter | DraftModelDrafter | None, spec: SpecConfig, slots: int,
+def _generate(target: DecoderModel, drafter: Eagle3Drafter | DraftModelDrafter | None, spec: SpecConfig, slots: int,
               between_steps: list[Callable[[LLMEngine], None]] | None = None) -> list[list[int]]:
     out: list[list[int]] = []
     for start in range(0, len(PROMPTS), slots):
@@ -293,7 +293,7 @@ def _generate(target: LlamaModel, drafter: Eagle3Drafter | DraftModelDrafter | N
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("quantization", ["none", "int8"])
-def test_greedy_equals_plain_while_v_t_changes(target: LlamaModel, tree: bool, batch: int, quantization: str) -> None:
+def test_greedy_equals_plain_while_v_t_changes(target: DecoderModel, tree: bool, batch: int, quantization: str) -> None:
     """A head with a 24-token draft vocabulary drafting over a 6-token core + 6-token buffer that
     the worker refills between steps (synchronously here, so every run is the same); swapped
     head weights mid-run republish V_t's rows. int8: the head drafts in int8, V_t through an
@@ -325,7 +325,7 @@ def test_greedy_equals_plain_while_v_t_changes(target: LlamaModel, tree: bool, b
 
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_draft_model_greedy_equals_plain_while_v_t_changes(target: LlamaModel, tree: bool, batch: int) -> None:
+def test_draft_model_greedy_equals_plain_while_v_t_changes(target: DecoderModel, tree: bool, batch: int) -> None:
     """The independent-draft case (EvoSpec Table 8): a 2-layer truncation of the target drafting
     over a 6-token core + 6-token buffer that the worker refills between steps."""
     plain = _generate(target, None, SpecConfig(), 4)
@@ -343,7 +343,7 @@ def test_draft_model_greedy_equals_plain_while_v_t_changes(target: LlamaModel, t
     assert vocab.stats.oov_events > 0 and vocab.stats.published > 0
 
 
-def test_an_int8_v_t_scores_the_heads_own_tokens_as_its_int8_lm_head_does(target: LlamaModel) -> None:
+def test_an_int8_v_t_scores_the_heads_own_tokens_as_its_int8_lm_head_does(target: DecoderModel) -> None:
     """V_t's int8 layer is built from the float head's rows by the same per-row scheme as the
     drafting copy's LM head, so over the head's own tokens both give the same logits."""
     head = _head(target, draft_vocab=24)
@@ -355,7 +355,7 @@ def test_an_int8_v_t_scores_the_heads_own_tokens_as_its_int8_lm_head_does(target
     torch.testing.assert_close(drafter.served.logits(prenorm, layer), full[:, own], rtol=0, atol=0)
 
 
-def test_v_t_rows_are_the_heads_own_or_the_targets_mapped(target: LlamaModel) -> None:
+def test_v_t_rows_are_the_heads_own_or_the_targets_mapped(target: DecoderModel) -> None:
     head = _head(target, draft_vocab=24)
     lm = target.lm_head.weight.detach()
     ids = torch.tensor([3, 30, 0])  # 30 is outside the head's 24-token vocabulary
@@ -366,7 +366,7 @@ def test_v_t_rows_are_the_heads_own_or_the_targets_mapped(target: LlamaModel) ->
     torch.testing.assert_close(head.logits(h, rows)[:, [0, 2]], full[:, [3, 0]])
 
 
-def test_rows_outside_the_heads_vocabulary_follow_how_its_rows_moved(target: LlamaModel) -> None:
+def test_rows_outside_the_heads_vocabulary_follow_how_its_rows_moved(target: DecoderModel) -> None:
     """A head whose trained rows are the target's rotated and halved gets the same for the rest;
     new weights (a version swap) refit the map."""
     head = _head(target, draft_vocab=40)
@@ -412,7 +412,7 @@ def test_auto_core_keeps_v_t_within_the_drafters_own_rows() -> None:
 # -- sampling: the target's distribution with a dynamic V_t ----------------------------------------
 
 
-def _sampling_vocab_drafter(monkeypatch: pytest.MonkeyPatch, model: LlamaModel) -> list[DynamicVocab]:
+def _sampling_vocab_drafter(monkeypatch: pytest.MonkeyPatch, model: DecoderModel) -> list[DynamicVocab]:
     """Make ``test_spec_sampling``'s engine draft with EAGLE-3 over a 3-token core + 2-token buffer,
     refilled between steps (the worker's work run at the start of each ``propose``)."""
     import tests.speculative.test_spec_sampling as sampling
@@ -420,7 +420,7 @@ def _sampling_vocab_drafter(monkeypatch: pytest.MonkeyPatch, model: LlamaModel) 
     made: list[DynamicVocab] = []
     inner_build = sampling.build_drafter
 
-    def build(spec: SpecConfig, target: LlamaModel, slots: int, max_len: int) -> Eagle3Drafter | DraftModelDrafter:
+    def build(spec: SpecConfig, target: DecoderModel, slots: int, max_len: int) -> Eagle3Drafter | DraftModelDrafter:
         drafter = inner_build(spec, target, slots, max_len)
         assert isinstance(drafter, (Eagle3Drafter, DraftModelDrafter))
         lm = target.lm_head.weight.detach()
@@ -489,7 +489,7 @@ def test_sampling_with_a_dynamic_v_t_has_the_targets_distribution(drafter: str, 
     assert (p < sampling.ALPHA) if broken else (p > sampling.ALPHA), f"chi2 p={p:.2e} ({n} samples)"
 
 
-def test_draft_vocab_options_are_validated_and_need_eagle3(target: LlamaModel) -> None:
+def test_draft_vocab_options_are_validated_and_need_eagle3(target: DecoderModel) -> None:
     with pytest.raises(ConfigError, match="mode"):
         DraftVocabConfig(mode="huge")
     with pytest.raises(ConfigError, match="corpus"):

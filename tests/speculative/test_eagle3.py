@@ -9,7 +9,7 @@ import torch
 
 from tests.helpers import capture
 from tidespec.models.eagle3.head import Eagle3Config, Eagle3ConfigError, Eagle3Head, default_tap_layers
-from tidespec.models.families.llama import LlamaModel
+from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.layout import BatchLayout
 from tidespec.models.target import TargetConfig
@@ -32,14 +32,14 @@ from tidespec.speculative.tree import rerank_tree
 VOCAB = 48
 
 
-def tiny_target(dtype: torch.dtype = torch.float64, seed: int = 0, vocab: int = VOCAB) -> LlamaModel:
+def tiny_target(dtype: torch.dtype = torch.float64, seed: int = 0, vocab: int = VOCAB) -> DecoderModel:
     torch.manual_seed(seed)
     cfg = TargetConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4,
                       num_kv_heads=2, head_dim=8)
-    return LlamaModel(cfg).to(dtype)
+    return DecoderModel(cfg).to(dtype)
 
 
-def tiny_head(target: LlamaModel, seed: int = 1, draft_vocab: int | None = None) -> Eagle3Head:
+def tiny_head(target: DecoderModel, seed: int = 1, draft_vocab: int | None = None) -> Eagle3Head:
     torch.manual_seed(seed)
     head = Eagle3Head(Eagle3Config.for_target(target.cfg, draft_vocab)).to(target.dtype)
     with torch.no_grad():  # larger random weights so drafts depend visibly on the inputs
@@ -49,7 +49,7 @@ def tiny_head(target: LlamaModel, seed: int = 1, draft_vocab: int | None = None)
     return head
 
 
-def drafter_for(head: Eagle3Head, target: LlamaModel, **kw: int | bool) -> Eagle3Drafter:
+def drafter_for(head: Eagle3Head, target: DecoderModel, **kw: int | bool) -> Eagle3Drafter:
     return Eagle3Drafter(head, target.embed_tokens, Eagle3DrafterConfig(max_num_seqs=4, max_model_len=128, **kw))
 
 
@@ -294,7 +294,7 @@ def test_ttt_loss_masks_labels_outside_the_draft_vocab() -> None:
     assert float(loss.detach()) > 0.0 and loss.requires_grad
 
 
-def _greedy_generations(target: LlamaModel, prompts: list[list[int]], new_tokens: int) -> list[SignalSegment]:
+def _greedy_generations(target: DecoderModel, prompts: list[list[int]], new_tokens: int) -> list[SignalSegment]:
     """Batched greedy decoding, then one capture pass per sequence: signals from the target's own output."""
     taps_layers = Eagle3Config.for_target(target.cfg).tap_layers
     kv = KVCache.for_model(target.cfg, len(prompts), 64, target.dtype)

@@ -12,7 +12,7 @@ from tidespec.config import CacheConfig, ConfigError, Eagle3Options, EngineConfi
 from tidespec.engine.engine import LLMEngine
 from tidespec.models.eagle3.checkpoint import export_eagle3, import_eagle3, state_dict_equal
 from tidespec.models.eagle3.head import Eagle3Config, Eagle3ConfigError, Eagle3Head, init_from_target
-from tidespec.models.families.llama import LlamaModel
+from tidespec.models.families.decoder import DecoderModel
 from tidespec.online.training.eagle3_train import SignalBatch, SignalSegment, ttt_loss, unroll
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import DraftInput, Observation
@@ -24,11 +24,11 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14, 
 
 
 @pytest.fixture(scope="module")
-def target() -> LlamaModel:
+def target() -> DecoderModel:
     return tiny_llama(V, layers=4, seed=2, scale=3.0)
 
 
-def shaped_head(target: LlamaModel, layers: int, fusion: str, seed: int = 1) -> Eagle3Head:
+def shaped_head(target: DecoderModel, layers: int, fusion: str, seed: int = 1) -> Eagle3Head:
     """A head of the given depth and fusion whose random weights are large enough to vary drafts."""
     torch.manual_seed(seed)
     head = Eagle3Head(Eagle3Config.for_target(target.cfg, num_layers=layers, fusion=fusion)).to(target.dtype)
@@ -39,7 +39,7 @@ def shaped_head(target: LlamaModel, layers: int, fusion: str, seed: int = 1) -> 
     return head
 
 
-def drafter_for(head: Eagle3Head, target: LlamaModel, slots: int = 4, quantization: str = "none",
+def drafter_for(head: Eagle3Head, target: DecoderModel, slots: int = 4, quantization: str = "none",
                 min_draft_prob: float = 0.0) -> Eagle3Drafter:
     return Eagle3Drafter(head, target.embed_tokens, Eagle3DrafterConfig(max_num_seqs=slots, max_model_len=128,
                                                                         tree_depth=3, tree_top_k=2,
@@ -57,7 +57,7 @@ def test_config_validation() -> None:
 
 @pytest.mark.parametrize("layers,fusion", SHAPES)
 @pytest.mark.parametrize("gamma", [1, 4])
-def test_inference_chain_equals_training_time_test_unroll(target: LlamaModel, layers: int, fusion: str,
+def test_inference_chain_equals_training_time_test_unroll(target: DecoderModel, layers: int, fusion: str,
                                                           gamma: int) -> None:
     head = shaped_head(target, layers, fusion)
     drafter = drafter_for(head, target)
@@ -75,11 +75,11 @@ def test_inference_chain_equals_training_time_test_unroll(target: LlamaModel, la
     assert all(p.grad is not None for p in head.parameters())  # every block and the gate learn
 
 
-def plain_outputs(target: LlamaModel, prompts: list[list[int]]) -> list[list[int]]:
+def plain_outputs(target: DecoderModel, prompts: list[list[int]]) -> list[list[int]]:
     return generate(target, None, prompts, SpecConfig(), 4)[0]
 
 
-def generate(target: LlamaModel, head: Eagle3Head | None, prompts: list[list[int]], spec: SpecConfig,
+def generate(target: DecoderModel, head: Eagle3Head | None, prompts: list[list[int]], spec: SpecConfig,
              slots: int, quantization: str = "none", min_draft_prob: float = 0.0,
              drafted: list[int] | None = None) -> tuple[list[list[int]], int]:
     """Outputs in prompt order and the number of draft tokens accepted (``drafted`` gets the
@@ -104,7 +104,7 @@ def generate(target: LlamaModel, head: Eagle3Head | None, prompts: list[list[int
 @pytest.mark.parametrize("layers,fusion", SHAPES)
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_equals_plain_for_every_head_shape(target: LlamaModel, layers: int, fusion: str, tree: bool,
+def test_greedy_equals_plain_for_every_head_shape(target: DecoderModel, layers: int, fusion: str, tree: bool,
                                                   batch: int) -> None:
     head = init_from_target(shaped_head(target, layers, fusion), target, "layer")  # drafts the target agrees with
     spec = SpecConfig(drafter="eagle3", num_speculative_tokens=4, tree=tree)
@@ -115,7 +115,7 @@ def test_greedy_equals_plain_for_every_head_shape(target: LlamaModel, layers: in
 
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_equals_plain_with_a_bfloat16_head_on_a_float64_target(target: LlamaModel, tree: bool,
+def test_greedy_equals_plain_with_a_bfloat16_head_on_a_float64_target(target: DecoderModel, tree: bool,
                                                                       batch: int) -> None:
     """``--eagle3-dtype``: the head drafts in its own precision; the target's output does not move."""
     head = init_from_target(shaped_head(target, 2, "gated"), target, "layer").to(torch.bfloat16)
@@ -128,7 +128,7 @@ def test_greedy_equals_plain_with_a_bfloat16_head_on_a_float64_target(target: Ll
 @pytest.mark.parametrize("quantization", ["int8", "int4"])
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("batch", [1, 4])
-def test_greedy_equals_plain_with_a_quantized_head(target: LlamaModel, quantization: str, tree: bool,
+def test_greedy_equals_plain_with_a_quantized_head(target: DecoderModel, quantization: str, tree: bool,
                                                    batch: int) -> None:
     """``--eagle3-quantization``: the head drafts with int8/int4 weights; the target's output does not move."""
     head = init_from_target(shaped_head(target, 2, "gated"), target, "layer")
@@ -139,7 +139,7 @@ def test_greedy_equals_plain_with_a_quantized_head(target: LlamaModel, quantizat
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-def test_confident_chains_stop_early_and_stay_lossless(target: LlamaModel, batch: int) -> None:
+def test_confident_chains_stop_early_and_stay_lossless(target: DecoderModel, batch: int) -> None:
     """``--eagle3-min-draft-prob``: a chain ends once its drafts' probability product falls below
     the floor (fewer draft tokens than the policy asked), and greedy output does not move."""
     head = init_from_target(shaped_head(target, 1, "concat"), target, "layer")
@@ -155,7 +155,7 @@ def test_confident_chains_stop_early_and_stay_lossless(target: LlamaModel, batch
         Eagle3Options(min_draft_prob=-0.1)
 
 
-def test_quantized_drafting_copy_follows_every_weight_swap(target: LlamaModel) -> None:
+def test_quantized_drafting_copy_follows_every_weight_swap(target: DecoderModel) -> None:
     """The float head stays the drafter's ``head`` (swaps, rollbacks and adapters read it); the int8
     copy that drafts is rebuilt from it at every ``load_state`` and drafts what the float head does."""
     from tidespec.models.quant.quantize import Int8Linear
@@ -182,7 +182,7 @@ def test_quantized_drafting_copy_follows_every_weight_swap(target: LlamaModel) -
 
 
 @pytest.mark.parametrize("layers,fusion", SHAPES)
-def test_checkpoint_round_trip_and_layer_names(tmp_path: Path, target: LlamaModel, layers: int, fusion: str) -> None:
+def test_checkpoint_round_trip_and_layer_names(tmp_path: Path, target: DecoderModel, layers: int, fusion: str) -> None:
     head = shaped_head(target, layers, fusion)
     export_eagle3(head, tmp_path)
     cfg, sd = import_eagle3(tmp_path, target.cfg)
@@ -195,7 +195,7 @@ def test_checkpoint_round_trip_and_layer_names(tmp_path: Path, target: LlamaMode
     assert ("midlayer.input_layernorm.weight" in names) == (fusion == "concat")
 
 
-def test_init_from_target_copies_the_last_layers_in_order(target: LlamaModel) -> None:
+def test_init_from_target_copies_the_last_layers_in_order(target: DecoderModel) -> None:
     head = init_from_target(shaped_head(target, 3, "gated"), target, "layer")
     blocks = list(target.layers)[-3:]
     assert torch.equal(head.midlayer.self_attn.qkv_proj.weight, blocks[0].self_attn.qkv_proj.weight)
@@ -204,7 +204,7 @@ def test_init_from_target_copies_the_last_layers_in_order(target: LlamaModel) ->
 
 
 @pytest.mark.parametrize("tree", [False, True])
-def test_requests_that_run_to_the_context_limit_stay_lossless(target: LlamaModel, tree: bool) -> None:
+def test_requests_that_run_to_the_context_limit_stay_lossless(target: DecoderModel, tree: bool) -> None:
     """Near the end of the context a tree has fewer cache rows to grow into than its levels would
     fill (top-k rows per level): it grows shallower instead of writing past the head's cache (a
     tree of 4 then raised in the step and failed every request in it)."""

@@ -11,6 +11,7 @@ an existing family is one row here; a new family is a row plus its module (docs/
 Worked example::
 
     ARCHITECTURES["Qwen2ForCausalLM"].attention_bias     # True: q/k/v biases by default
+    ARCHITECTURES["Olmo2ForCausalLM"].norm_placement     # "post": norms on each block's output only
     GGUF_ARCHITECTURES["llama"].gguf_permuted_qk         # True: llama.cpp permuted q/k rows for its rope
 """
 
@@ -18,15 +19,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+QK_NORMS = ("none", "head", "proj")  # no q/k norm; RMSNorm per head (Qwen3, Gemma 3); over the whole projection (OLMo 2)
+NORM_PLACEMENTS = ("pre", "sandwich", "post")  # Llama; Gemma 2/3 (pre and post each block); OLMo 2 (post only)
+
 
 @dataclass(frozen=True)
 class Architecture:
-    """One HF architecture: the family module that runs it and its differences within the family."""
+    """One HF architecture: the family module that runs it and its differences within the family
+    that its config.json does not spell out (what it does spell out, ``TargetConfig.from_hf`` reads)."""
 
     hf_class: str  # config.json's architectures[0]
-    family: str = "llama"  # the module under models/families/ that builds it
+    family: str = "decoder"  # the module under models/families/ that builds it
     attention_bias: bool = False  # q/k/v projections carry biases unless config.json says otherwise
-    qk_norm: bool = False  # RMSNorm on q and k per head
+    qk_norm: str = "none"  # one of QK_NORMS
+    norm_placement: str = "pre"  # one of NORM_PLACEMENTS (families/decoder.py's DecoderLayer)
+    norm_offset: bool = False  # Gemma's RMSNorm scales by (1 + weight), in float32 before the cast
+    embed_scale_sqrt: bool = False  # Gemma: embeddings times sqrt(hidden_size) (rounded to float32, as HF does)
     gguf: tuple[str, ...] = ()  # GGUF general.architecture values converted to it
     gguf_tensor_names: str = "llama"  # the gguf-py architecture whose tensor names its GGUF files use
     gguf_permuted_qk: bool = False  # llama.cpp's converter permuted q/k rows (undone on conversion)
@@ -37,6 +45,19 @@ ARCHITECTURES: dict[str, Architecture] = {a.hf_class: a for a in (
     # llama.cpp writes Mistral models as "llama"; a "mistral" file names its tensors as llama does
     Architecture("MistralForCausalLM", gguf=("mistral",)),
     Architecture("Qwen2ForCausalLM", attention_bias=True, gguf=("qwen2",), gguf_tensor_names="qwen2"),
-    Architecture("Qwen3ForCausalLM", qk_norm=True, gguf=("qwen3",), gguf_tensor_names="qwen3"),
+    Architecture("Qwen3ForCausalLM", qk_norm="head", gguf=("qwen3",), gguf_tensor_names="qwen3"),
+    # NoPE layers (config.json's no_rope_layers)
+    Architecture("SmolLM3ForCausalLM"),
+    Architecture("Olmo2ForCausalLM", qk_norm="proj", norm_placement="post"),
+    # embedding, residual, attention and logits multipliers (config.json)
+    Architecture("GraniteForCausalLM"),
+    # fused qkv_proj / gate_up_proj in the checkpoint, partial rotary, LongRoPE
+    Architecture("Phi3ForCausalLM"),
+    # sliding and global layers (config.json's layer_types), each with its own rope; gelu-tanh MLP
+    # a mixture of experts in place of the MLP (config.json's num_experts, decoder_sparse_step, ...)
+    Architecture("Qwen3MoeForCausalLM", qk_norm="head"),
+    Architecture("MixtralForCausalLM"),
+    Architecture("Gemma3ForCausalLM", qk_norm="head", norm_placement="sandwich", norm_offset=True,
+                 embed_scale_sqrt=True),
 )}
 GGUF_ARCHITECTURES: dict[str, Architecture] = {g: a for a in ARCHITECTURES.values() for g in a.gguf}

@@ -107,9 +107,11 @@ class BatchLayout:
             k_cache[self.write_slots, :, self.write_offsets] = k
             v_cache[self.write_slots, :, self.write_offsets] = v
 
-    def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q [T, n_h, hd] (its K/V already written) -> attention output [T, n_h, hd]."""
-        return self.attention_plan(window).attend(q, k_cache, v_cache)
+    def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
+        """q [T, n_h, hd] (its K/V already written) -> attention output [T, n_h, hd]; ``scale``: the
+        softmax scale (None: hd ** -0.5)."""
+        return self.attention_plan(window).attend(q, k_cache, v_cache, scale)
 
     @property
     def num_tokens(self) -> int:
@@ -147,7 +149,7 @@ class ForwardLayout(Protocol):
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
     def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor) -> torch.Tensor: ...
+               v_cache: torch.Tensor, scale: float | None = None) -> torch.Tensor: ...
 
 
 class KVStorage(Protocol):

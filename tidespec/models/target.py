@@ -1,7 +1,7 @@
 """What the engine, the drafters, capture and the profiler need of a target model, whatever its family.
 
 Why this exists: the layers above ``models/`` (engine, speculative, online, bench) depended on
-``LlamaModel`` itself; they now depend on ``TargetModel`` (a protocol: a forward over a
+``DecoderModel`` itself; they now depend on ``TargetModel`` (a protocol: a forward over a
 ``BatchLayout`` with taps, the embedding, the LM head, the layers the EAGLE-3 head reads, its
 ``TargetConfig``), and a model family (``models/families/``) is one module that satisfies it.
 ``TargetConfig`` is the one hyper-parameter record of every family (the optional fields of a
@@ -10,7 +10,7 @@ family's differences default to off), parsed from an HF ``config.json``.
 Worked example::
 
     cfg = TargetConfig.from_hf(json.loads(Path("Qwen3-0.6B/config.json").read_text()))
-    cfg.qk_norm, cfg.attention_bias        # (True, False): Qwen3's row of ARCHITECTURES
+    cfg.qk_norm, cfg.attention_bias        # ("head", False): Qwen3's row of ARCHITECTURES
     model = build_target(cfg)              # models/families: the family's module builds it
     out = model(ids, BatchLayout.build([3], [0], [0]), kv)   # ModelOutput: logits [3, V], taps, last hidden
 """
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from tidespec.errors import ConfigError, UserError
-from tidespec.models.architectures import ARCHITECTURES
+from tidespec.models.architectures import ARCHITECTURES, NORM_PLACEMENTS, QK_NORMS
 from tidespec.models.layout import BatchLayout, KVStorage, ModelOutput
 
 
@@ -51,11 +51,32 @@ class TargetConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v
-    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    qk_norm: str = "none"  # architectures.QK_NORMS: Qwen3/Gemma 3 per head, OLMo 2 over the projection
     sliding_window: int | None = None
     architecture: str = "LlamaForCausalLM"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # the family differences (models/architectures.py, config.json); the defaults are Llama's
+    norm_placement: str = "pre"  # architectures.NORM_PLACEMENTS
+    norm_offset: bool = False  # Gemma: RMSNorm scales by (1 + weight)
+    hidden_act: str = "silu"  # the gated MLP's activation: one of ACTIVATIONS
+    attention_scale: float | None = None  # softmax scale; None = head_dim ** -0.5 (Gemma, Granite set it)
+    embedding_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden) in float32; Granite)
+    residual_scale: float = 1.0  # each block's output times this before the residual add (Granite)
+    logits_divisor: float = 1.0  # logits divided by this (Granite's logits_scaling)
+    final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    # per layer: True = sliding window, False = global; None = every layer as ``sliding_window`` says
+    sliding_layers: tuple[bool, ...] | None = None
+    local_rope_theta: float | None = None  # sliding layers' own rope (Gemma 3); None = the global rope
+    local_rope_scaling: dict[str, Any] | None = None
+    rope_layers: tuple[bool, ...] | None = None  # per layer: False = no rope (SmolLM3's NoPE); None = all
+    partial_rotary_factor: float = 1.0  # rope over the first head_dim * factor dims of each head (Phi-4)
+    # a mixture of experts in place of the MLP (families/moe.py); 0 experts: dense everywhere
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalize the top k routing weights to sum to 1
+    moe_layers: tuple[bool, ...] | None = None  # per layer: True = the mixture; None = every layer (if experts)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -65,10 +86,64 @@ class TargetConfig:
         if self.num_heads % self.num_kv_heads:
             raise ModelConfigError(
                 f"num_attention_heads ({self.num_heads}) not divisible by num_key_value_heads ({self.num_kv_heads})")
-        if self.rope_scaling is not None:
-            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if kind not in ("default", "llama3", "linear"):
-                raise ModelConfigError(f"unsupported rope_scaling type {kind!r} (supported: default, llama3, linear)")
+        for scaling in (self.rope_scaling, self.local_rope_scaling):
+            kind = rope_kind(scaling)
+            if kind not in ROPE_KINDS:
+                raise ModelConfigError(f"unsupported rope_scaling type {kind!r} (supported: {', '.join(ROPE_KINDS)})")
+        if self.qk_norm not in QK_NORMS:
+            raise ModelConfigError(f"qk_norm must be one of {', '.join(QK_NORMS)}, got {self.qk_norm!r}")
+        if self.norm_placement not in NORM_PLACEMENTS:
+            raise ModelConfigError(f"norm_placement must be one of {', '.join(NORM_PLACEMENTS)}, got {self.norm_placement!r}")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelConfigError(f"unsupported hidden activation {self.hidden_act!r} (supported: {', '.join(ACTIVATIONS)})")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ModelConfigError(f"num_experts_per_tok must be in 1..{self.num_experts}, got {self.num_experts_per_tok}")
+        if self.num_experts and self.moe_intermediate_size <= 0:
+            raise ModelConfigError(f"moe_intermediate_size must be positive, got {self.moe_intermediate_size}")
+        for name in ("sliding_layers", "rope_layers", "moe_layers"):
+            per_layer = getattr(self, name)
+            if per_layer is not None and len(per_layer) != self.num_layers:
+                raise ModelConfigError(f"{name} has {len(per_layer)} entries for {self.num_layers} layers")
+        rotary = self.head_dim * self.partial_rotary_factor
+        if not 0 < self.partial_rotary_factor <= 1 or int(rotary) % 2:
+            raise ModelConfigError(f"partial_rotary_factor {self.partial_rotary_factor} leaves an odd or empty "
+                                   f"rotary width of a {self.head_dim}-dim head")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dims of each head that rope rotates (the rest pass through)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``'s attention, or None (global)."""
+        if self.sliding_layers is None or self.sliding_layers[layer]:
+            return self.sliding_window
+        return None
+
+    def layer_rope(self, layer: int) -> str | None:
+        """Which rope ``layer`` applies: "global", "local" (a sliding layer's own rope), None (NoPE)."""
+        if self.rope_layers is not None and not self.rope_layers[layer]:
+            return None
+        if self.local_rope_theta is not None and self.layer_window(layer) is not None:
+            return "local"
+        return "global"
+
+    def layer_moe(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is the mixture of experts."""
+        return self.num_experts > 0 and (self.moe_layers is None or self.moe_layers[layer])
+
+    @property
+    def llama_layers(self) -> bool:
+        """Whether the decoder layers are Llama's (what an EAGLE-3 head's layers are, and can copy)."""
+        return (self.norm_placement == "pre" and not self.norm_offset and self.qk_norm == "none"
+                and self.hidden_act == "silu" and self.residual_scale == 1.0 and self.attention_scale is None
+                and self.rope_layers is None and self.partial_rotary_factor == 1.0 and self.num_experts == 0)
+
+    @property
+    def uniform_attention(self) -> bool:
+        """Every layer attends over the same window (what the compiled step and graphs assume: one
+        mask serves every layer)."""
+        return len({self.layer_window(i) for i in range(self.num_layers)}) == 1
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> TargetConfig:
@@ -78,29 +153,27 @@ class TargetConfig:
         if arch not in ARCHITECTURES:
             raise ModelConfigError(f"unknown architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
         family = ARCHITECTURES[arch]
+        for field in ("attn_logit_softcapping",):
+            if cfg.get(field) is not None:
+                raise ModelConfigError(f"{arch}: {field} is not supported yet")
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
+            layers = int(cfg["num_hidden_layers"])
             eos = cfg.get("eos_token_id")
             eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-            rope_scaling = cfg.get("rope_scaling")
-            rope_theta = cfg.get("rope_theta")
-            rope_params = cfg.get("rope_parameters")  # transformers >= 5 folds theta/scaling in here
-            if isinstance(rope_params, dict):
-                rope_theta = rope_params.get("rope_theta", rope_theta)
-                if rope_params.get("rope_type", "default") != "default":
-                    rope_scaling = rope_params
+            rope = _RopeFields.parse(cfg)
             return cls(
                 vocab_size=int(cfg["vocab_size"]),
                 hidden_size=hidden,
                 intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]),
+                num_layers=layers,
                 num_heads=heads,
                 num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-                rope_theta=float(rope_theta if rope_theta is not None else 10000.0),
-                rope_scaling=rope_scaling,
+                rope_theta=rope.theta,
+                rope_scaling=rope.scaling,
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", family.attention_bias)),
@@ -109,6 +182,20 @@ class TargetConfig:
                 architecture=arch,
                 bos_token_id=cfg.get("bos_token_id"),
                 eos_token_ids=eos_ids,
+                norm_placement=family.norm_placement,
+                norm_offset=family.norm_offset,
+                hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
+                attention_scale=_attention_scale(cfg),
+                embedding_scale=_embedding_scale(cfg, family.embed_scale_sqrt, hidden),
+                residual_scale=float(cfg.get("residual_multiplier") or 1.0),
+                logits_divisor=float(cfg.get("logits_scaling") or 1.0),
+                final_logit_softcap=_optional_float(cfg.get("final_logit_softcapping")),
+                sliding_layers=_sliding_layers(cfg, layers),
+                local_rope_theta=rope.local_theta,
+                local_rope_scaling=rope.local_scaling,
+                rope_layers=tuple(bool(x) for x in cfg["no_rope_layers"]) if cfg.get("no_rope_layers") else None,
+                partial_rotary_factor=rope.partial_rotary_factor,
+                **_moe_fields(cfg, layers),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ModelConfigError):
@@ -116,8 +203,89 @@ class TargetConfig:
             raise ModelConfigError(f"config.json is missing or has a bad field: {exc}") from None
 
 
+ROPE_KINDS = ("default", "llama3", "linear", "longrope")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+
+
+def rope_kind(scaling: dict[str, Any] | None) -> str:
+    """The rope type of a ``rope_scaling`` dict (None: "default")."""
+    if scaling is None:
+        return "default"
+    return str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+@dataclass(frozen=True)
+class _RopeFields:
+    """Rope as config.json spells it, in either transformers' 4.x layout (``rope_theta``,
+    ``rope_scaling``, ``rope_local_base_freq``, ``partial_rotary_factor`` at the top) or its 5.x
+    one (``rope_parameters``, per layer type for Gemma 3)."""
+
+    theta: float
+    scaling: dict[str, Any] | None
+    local_theta: float | None
+    local_scaling: dict[str, Any] | None
+    partial_rotary_factor: float
+
+    @staticmethod
+    def parse(cfg: dict[str, Any]) -> _RopeFields:
+        params = cfg.get("rope_parameters")
+        glob, local = params, None
+        if isinstance(params, dict) and "full_attention" in params:  # per layer type
+            glob, local = params.get("full_attention"), params.get("sliding_attention")
+        glob = glob if isinstance(glob, dict) else {}
+        theta = glob.get("rope_theta", cfg.get("rope_theta"))
+        scaling = glob if rope_kind(glob) != "default" else cfg.get("rope_scaling")
+        local_theta = (local or {}).get("rope_theta", cfg.get("rope_local_base_freq"))
+        local_scaling = local if local is not None and rope_kind(local) != "default" else None
+        partial = glob.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+        return _RopeFields(float(theta if theta is not None else 10000.0), scaling,
+                           None if local_theta is None else float(local_theta), local_scaling,
+                           float(partial if partial is not None else 1.0))
+
+
+def _optional_float(x: Any) -> float | None:
+    return None if x is None else float(x)
+
+
+def _attention_scale(cfg: dict[str, Any]) -> float | None:
+    if cfg.get("query_pre_attn_scalar") is not None:  # Gemma
+        return float(cfg["query_pre_attn_scalar"]) ** -0.5
+    return _optional_float(cfg.get("attention_multiplier"))  # Granite
+
+
+def _embedding_scale(cfg: dict[str, Any], sqrt_hidden: bool, hidden: int) -> float:
+    if sqrt_hidden:  # HF keeps it in a float32 buffer, so float64 models see the float32 value too
+        return float(torch.tensor(hidden ** 0.5, dtype=torch.float32))
+    return float(cfg.get("embedding_multiplier") or 1.0)
+
+
+def _moe_fields(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+    """A mixture's fields: Qwen3-MoE's (``num_experts``, ``moe_intermediate_size``, sparse every
+    ``decoder_sparse_step`` layers but ``mlp_only_layers``) or Mixtral's (``num_local_experts``, the
+    experts as wide as ``intermediate_size``, top k always renormalized)."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
+    if not experts:
+        return {}
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    return {"num_experts": experts, "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
+            "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", "num_local_experts" in cfg)),
+            "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))}
+
+
+def _sliding_layers(cfg: dict[str, Any], layers: int) -> tuple[bool, ...] | None:
+    """Per layer whether it slides, from ``layer_types`` (None: every layer as ``sliding_window`` says)."""
+    types = cfg.get("layer_types")
+    if not types:
+        return None
+    if len(types) != layers:
+        raise ModelConfigError(f"layer_types has {len(types)} entries for {layers} layers")
+    return tuple(t == "sliding_attention" for t in types)
+
+
 class TargetModel(Protocol):
-    """A target model as the layers above ``models/`` use it (``families/llama.py``'s ``LlamaModel`` is
+    """A target model as the layers above ``models/`` use it (``families/llama.py``'s ``DecoderModel`` is
     one): ``model(ids [T], layout, kv, logits_rows, tap_layers) -> ModelOutput``, its weights on one
     ``device`` and ``dtype``, the token embedding and LM head (drafters share them), its decoder
     ``layers`` (EAGLE-3 taps their inputs; a draft model keeps the first few), and ``row_invariant``
@@ -140,6 +308,11 @@ class TargetModel(Protocol):
                  logits_rows: torch.Tensor | None = None, tap_layers: tuple[int, ...] = ()) -> ModelOutput: ...
 
     def truncated(self, num_layers: int) -> TargetModel: ...
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype,
+             variant: str = "global") -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def warm_rope(self, device: torch.device, dtype: torch.dtype) -> None: ...
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor], strict: bool = True) -> None: ...
 

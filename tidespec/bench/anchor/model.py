@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tidespec.errors import ConfigError
 from tidespec.models.target import TargetModel
 from tidespec.speculative.policy.profiler import sync_device
 
@@ -67,6 +68,8 @@ class AnchorModel(nn.Module):
 
     def __init__(self, model: TargetModel, batch: int, max_len: int, compile: bool = True) -> None:
         super().__init__()
+        if not model.cfg.llama_layers or model.cfg.sliding_window is not None:
+            raise ConfigError(f"the anchor runs Llama's decoder layers (no window); {model.cfg.architecture}'s differ")
         self.batch, self.max_len = batch, max_len
         self.embed, self.norm, self.lm_head = model.embed_tokens, model.norm, model.lm_head.weight
         self.layers = nn.ModuleList(_Layer(layer, batch, max_len) for layer in model.layers)

@@ -40,19 +40,14 @@ import torch
 from torch import nn
 
 from tidespec.errors import ConfigError
-from tidespec.models.families.llama import (
-    MLP,
-    Attention,
-    DecoderLayer,
-    ModelConfigError,
-    PlacedModule,
-    RMSNorm,
-    TargetConfig,
-    rope_cos_sin,
-    rope_inv_freq,
-)
+from tidespec.models.families.attention import Attention
+from tidespec.models.families.decoder import DecoderLayer, PlacedModule
+from tidespec.models.families.mlp import MLP
+from tidespec.models.families.norms import RMSNorm
+from tidespec.models.families.rope import rope_cos_sin, rope_inv_freq
 from tidespec.models.layout import BatchLayout, ForwardLayout, KVStorage
 from tidespec.models.quant.quantize import quantize_linears
+from tidespec.models.target import ModelConfigError, TargetConfig
 
 
 class Eagle3ConfigError(ConfigError):
@@ -114,7 +109,7 @@ class Eagle3Config:
 
     @classmethod
     def for_target(cls, target_cfg: TargetConfig, draft_vocab_size: int | None = None, num_layers: int = 1,
-                   fusion: str = "concat") -> "Eagle3Config":
+                   fusion: str = "concat") -> Eagle3Config:
         """Head matching the target's width, heads and rope; ``draft_vocab_size=None`` = full vocab."""
         return cls(
             num_layers=num_layers, fusion=fusion,
@@ -226,7 +221,9 @@ class Eagle3Head(PlacedModule):
         t2d[: cfg.draft_vocab_size] = True
         self.register_buffer("d2t", d2t)
         self.register_buffer("t2d", t2d)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.layer_config()), persistent=False)
+        lcfg = cfg.layer_config()
+        self.register_buffer("inv_freq", rope_inv_freq(lcfg.head_dim, lcfg.rope_theta, lcfg.rope_scaling),
+                             persistent=False)
         # (key of the weights it was fitted to, [H, H] map): ``output_rows``' calibration, refitted
         # whenever the LM head or the fallback rows change (a new version, a merged adapter)
         self._row_map: tuple[tuple[int, ...], torch.Tensor] | None = None
@@ -322,11 +319,11 @@ class Eagle3Head(PlacedModule):
         ``models/eagle3/graphs.py``) and the per-layer K/V ``k[i]``, ``v[i]`` [S, n_kv, L, hd]:
         fused, embeds [T, H] -> pre-norm output [T, H]."""
         layer = self.midlayer
-        cos, sin = self.rope(layout.positions, fused.dtype)
+        rope = self.rope(layout.positions, fused.dtype)
         x, residual = layer.attn_input(fused, embeds)
-        out = layer.finish(residual, layer.self_attn(x, cos, sin, layout, k[0], v[0]))
+        out = layer.finish(residual, layer.self_attn(x, rope, layout, k[0], v[0]))
         for i, block in enumerate(self.blocks, start=1):
-            out = block.forward(out, cos, sin, layout, k[i], v[i])
+            out = block.forward(out, rope, layout, k[i], v[i])
         return out
 
 
@@ -382,7 +379,7 @@ def init_from_target(head: Eagle3Head, target: nn.Module, what: str = "layer") -
     of the ``2H`` concat input, the embedding half starting at zero) and ``fc`` passing the highest
     tap through (the fused hidden starts as the target's hidden state entering layer
     ``tap_layers[-1]``). ``"none"`` changes nothing.
-    ``target`` is a ``LlamaModel`` with the head's width and vocabulary.
+    ``target`` is a ``DecoderModel`` with the head's width and vocabulary.
 
     Example: draft vocab {5, 9} (d2t [5, 8]) -> lm_head rows = target lm_head rows 5 and 9.
     """
@@ -397,6 +394,10 @@ def init_from_target(head: Eagle3Head, target: nn.Module, what: str = "layer") -
     head.norm.weight.copy_(target.norm.weight.to(head.norm.weight))
     if what == "lm_head":
         return head
+    if target.cfg.norm_placement != "pre" or (cfg.num_layers > 1 and not target.cfg.llama_layers):
+        # the first layer's projections and pre-norms are copied into the head's; further layers whole
+        raise Eagle3ConfigError(f"init-from-target 'layer' copies Llama-style decoder layers; {target.cfg.architecture}'s "
+                                "differ (use 'lm_head')")
     blocks = list(target.layers)[-cfg.num_layers:]  # the target's last num_layers layers, in order
     src = blocks[0]
     layer = head.midlayer

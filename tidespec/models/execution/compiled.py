@@ -5,7 +5,7 @@ SiLU x up, residual adds, casts, views), each paying dispatch overhead that on a
 large share of the step. Inductor fuses them into a few generated C++ loops around the matmul and
 attention kernels. Only decode batches are compiled (every sequence feeds its last token, plus a
 chain of drafts when it speculates): prefill chunks, trees and batches whose KV slots lie far apart
-run the eager forward, which shares every line of model code with this one (``LlamaModel.run``
+run the eager forward, which shares every line of model code with this one (``DecoderModel.run``
 over a ``ForwardLayout``).
 
 Shapes: the graph is compiled with ``dynamic=True``, so one graph serves every batch size, draft
@@ -71,13 +71,14 @@ class StepLayout:
         k_cache[self.write_slots, :, self.write_offsets] = k
         v_cache[self.write_slots, :, self.write_offsets] = v
 
-    def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
         """q [T, n_h, hd] -> [T, n_h, hd]; ``window`` is already in the mask."""
         rows, kv_len = self.mask.shape[0], self.mask.shape[3]
         lo = self.lo_biased - LO_BIAS
         keys = k_cache.narrow(0, lo, rows)[:, :, :kv_len]  # [Sb, n_kv, Lk, hd], a view
         values = v_cache.narrow(0, lo, rows)[:, :, :kv_len]
-        return attend_padded(q, self.q_index, self.mask, keys, values)
+        return attend_padded(q, self.q_index, self.mask, keys, values, scale=scale)
 
 
 @dataclass
@@ -97,9 +98,10 @@ class ExactStepLayout:
         k_cache[self.write_slots, :, self.write_offsets] = k
         v_cache[self.write_slots, :, self.write_offsets] = v
 
-    def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
         """q [T, n_h, hd] -> [T, n_h, hd]; ``window`` is already in the mask."""
-        return attend_exact(q, k_cache, v_cache, self.row_slots, self.row_mask, self.block_table)
+        return attend_exact(q, k_cache, v_cache, self.row_slots, self.row_mask, self.block_table, scale)
 
 
 def inductor_cache_dir() -> str:
@@ -133,7 +135,7 @@ class CompiledStep:
             torch._dynamo.mark_static(kv.block_table)  # symbol that a key length of the same size is tied to
         # the rope table is built on first use; built here, the graph only reads it (no guard on
         # its absence, no recompile once it exists)
-        model.rope(torch.zeros(1, dtype=torch.int64, device=model.device), model.embed_tokens.weight.dtype)
+        model.warm_rope(model.device, model.embed_tokens.weight.dtype)
         self.num_compiled = 0  # forwards run compiled
         self.num_declined = 0  # decode forwards handed back to eager (slots far apart, other taps)
         # dynamo keeps every graph of this code object in one cache whose default limit (8) a

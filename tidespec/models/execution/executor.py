@@ -44,7 +44,7 @@ from tidespec.models.execution.invariance import (
     clear_row_invariance,
     make_row_invariant,
 )
-from tidespec.models.target import TargetModel
+from tidespec.models.target import ModelConfigError, TargetConfig, TargetModel
 from tidespec.models.kernels import row_attention
 from tidespec.models.kernels.ops import exact_attention_error
 from tidespec.models.kv.cache import KVCache
@@ -55,10 +55,28 @@ log = logging.getLogger(__name__)
 
 # the code a forward's cost depends on: a change to any of it makes cached costs stale
 # (paths under tidespec/models)
-KERNEL_SOURCES = ("families/llama.py", "kernels/linear.py", "kernels/ops.py", "kernels/attention.py",
+KERNEL_SOURCES = ("families/decoder.py", "families/attention.py", "families/mlp.py", "families/norms.py",
+                  "families/rope.py", "kernels/linear.py", "kernels/ops.py", "kernels/attention.py",
                   "quant/quantize.py", "quant/base.py", "execution/invariance.py", "execution/compiled.py", "execution/graphs.py",
                   "kv/cache.py", "kernels/rows.py", "execution/executor.py", "kernels/row_attention.py",
                   "kernels/csrc/row_invariant.cpp", "kernels/csrc/exact_linear.cpp")
+
+
+def check_compilable(cfg: TargetConfig, graphed: bool, compiled: bool) -> None:
+    """The graphs and the compiled step build one attention mask for every layer and take no
+    data-dependent shape (and the CUDA row kernel assumes the default softmax scale): a model whose
+    layers attend over different windows (Gemma 3's sliding and global layers) or route rows to
+    experts (``families/moe.py``) runs eager, and says so here rather than compute something else."""
+    what = "CUDA graphs" if graphed else "--compile"
+    fix = "--enforce-eager" if graphed else "without --compile"
+    if (graphed or compiled) and not cfg.uniform_attention:
+        raise ModelConfigError(f"{cfg.architecture}: {what} does not yet run layers with different sliding "
+                               f"windows; run {fix}")
+    if (graphed or compiled) and cfg.num_experts:
+        raise ModelConfigError(f"{cfg.architecture}: {what} does not yet run a mixture of experts; run {fix}")
+    if graphed and cfg.attention_scale is not None:
+        raise ModelConfigError(f"{cfg.architecture}: CUDA graphs do not yet take a non-default attention "
+                               "scale; run --enforce-eager")
 
 
 @dataclass(frozen=True)
@@ -159,6 +177,7 @@ class ForwardExecutor:
         self.options = options
         self.device = model.device
         self.graphed = uses_graphs(self.device, options.enforce_eager)
+        check_compilable(model.cfg, self.graphed, options.compile)
         exact = exact_attention(model, options)
         margin = KV_MARGIN if options.compile and not self.graphed else 0
         self.kv: KVCache  # first: a cache that does not fit fails at once, not after the kernels were measured

@@ -234,8 +234,10 @@ class SlotBlockLayout:
         k_cache[self.write_slots, :, self.write_offsets] = k
         v_cache[self.write_slots, :, self.write_offsets] = v
 
-    def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        """q [B * q, n_h, hd] -> [B * q, n_h, hd] over the keys of slots 0 .. B-1 (``window`` is in the mask)."""
+    def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               scale: float | None = None) -> torch.Tensor:
+        """q [B * q, n_h, hd] -> [B * q, n_h, hd] over the keys of slots 0 .. B-1 (``window`` is in the
+        mask; ``scale`` is hd ** -0.5: the graphs take only models whose layers all attend alike)."""
         if self.mask is None:  # the row kernel: a row's bits do not depend on the rest of the block
             assert self.lim is not None and self.bits is not None
             return torch.ops.tidespec_gpu.row_attention(q, k_cache, v_cache, self.ctx, self.lim, self.bits,
@@ -246,10 +248,10 @@ class SlotBlockLayout:
         return attend_padded(q, None, self.mask, keys, values)
 
 
-def _layer_forward(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+def _layer_forward(layer: nn.Module, h: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                    layout: SlotBlockLayout, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
     """One decoder layer over the static block (what ``compile=True`` compiles)."""
-    return layer.forward(h, cos, sin, layout, k_cache, v_cache)
+    return layer.forward(h, rope, layout, k_cache, v_cache)
 
 
 @dataclass
@@ -306,7 +308,7 @@ class GraphStep:
         self.num_replayed = 0  # forwards served by a graph
         self.num_declined = 0  # decode forwards handed back to eager (too many rows, slot or keys)
         # the rope table is built before any capture: a graph only reads it
-        model.rope(torch.zeros(1, dtype=torch.int64, device=self.device), model.embed_tokens.weight.dtype)
+        model.warm_rope(self.device, model.embed_tokens.weight.dtype)
         # compiled: one decoder layer, which serves all of them (their weights are the graph's
         # inputs), so the compile costs one layer's, not the model's; the graphs capture it
         self._layer: Callable[..., torch.Tensor] | None = None

@@ -307,7 +307,7 @@ def make_row_invariant(model: nn.Module, budget: int) -> InvarianceReport:
                 layer.set_packing(kind == "mkl")  # the packed copies made while timing or probing "mkl" go
         report.kernels.append(KernelChoice(f"{n_out}x{n_in}:{dtype_name.removeprefix('torch.')}", kind, value,
                                            len(layers)))
-    model.row_invariant = report.exact  # type: ignore[assignment]  # LlamaModel's flag: caches transposed
+    model.row_invariant = report.exact  # type: ignore[assignment]  # DecoderModel's flag: caches transposed
     return report
 
 

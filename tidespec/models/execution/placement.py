@@ -4,7 +4,7 @@ Why this exists: Dovetail (``--drafter-device``) keeps the target on one device 
 and runs the drafter on another (e.g. a GPU); only token ids and the target's hidden-state taps
 cross between them. Two drafters read weights of the target itself: EAGLE-3 embeds its draft
 tokens with the target's ``embed_tokens``, and the draft-model drafter may run the target's first
-layers (``LlamaModel.truncated``, which shares them). On another device each needs its own copy
+layers (``DecoderModel.truncated``, which shares them). On another device each needs its own copy
 there, made once at build time, so that no per-token lookup or layer crosses devices.
 
 Worked example::

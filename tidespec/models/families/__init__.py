@@ -1,17 +1,21 @@
-"""The model families: one module each, chosen by ``models/architectures.py``'s ``family`` column.
+"""The model families: the modules that build a target, chosen by ``models/architectures.py``'s ``family`` column.
+
+Every architecture tidespec runs today is a decoder-only transformer built by ``decoder.py`` from
+the parts beside it (norms, rope, attention, MLP); a family whose blocks are not those (a
+state-space hybrid, say) would be one more module here and one more entry in ``FAMILIES``.
 
 Worked example::
 
-    model = build_target(TargetConfig.from_hf(config_dict))   # a LlamaModel for Llama, Mistral, Qwen2/3
+    model = build_target(TargetConfig.from_hf(config_dict))   # a DecoderModel for Llama, Qwen3, Gemma 3, ...
 """
 
 from __future__ import annotations
 
 from tidespec.models.architectures import ARCHITECTURES
-from tidespec.models.families.llama import LlamaModel
+from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.target import ModelConfigError, TargetConfig, TargetModel
 
-FAMILIES: dict[str, type[LlamaModel]] = {"llama": LlamaModel}
+FAMILIES: dict[str, type[DecoderModel]] = {"decoder": DecoderModel}
 
 
 def build_target(cfg: TargetConfig) -> TargetModel:

