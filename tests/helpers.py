@@ -197,6 +197,12 @@ TINY_HF_ARCHS: dict[str, tuple[type, type, dict[str, Any]]] = {
         mlp_only_layers=[1])),
     "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(
         num_local_experts=4, num_experts_per_tok=2, intermediate_size=48)),
+    # Gemma 2: soft caps on the attention scores and the logits (small, so that they bite), sliding and
+    # global layers, sandwich norms with Gemma's offset weights, sqrt(H) embedding scale, gelu-tanh
+    "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM, dict(
+        num_hidden_layers=3, head_dim=16, query_pre_attn_scalar=24, sliding_window=5, tie_word_embeddings=True,
+        attn_logit_softcapping=2.0, final_logit_softcapping=3.0, pad_token_id=None,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
     # sliding (window 5) and global layers with their own ropes, sandwich norms with Gemma's offset
     # weights, q/k norms, sqrt(H) embedding scale, query_pre_attn_scalar, gelu-tanh, tied head
     "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
@@ -245,8 +251,10 @@ def tiny_hf_model(arch: str, dtype: torch.dtype, seed: int = 0,
     cfg_cls, model_cls, extra = TINY_HF_ARCHS[arch]
     hf_cfg = cfg_cls(**{**_COMMON, **extra, **overrides})
     hf_cfg.architectures = [model_cls.__name__]
-    # experts looped one by one (transformers' reference; its grouped GEMM takes no float64)
-    hf = model_cls._from_config(hf_cfg, attn_implementation="sdpa", experts_implementation="eager", dtype=torch.float32)
+    # experts looped one by one (transformers' reference; its grouped GEMM takes no float64); eager
+    # attention where the scores are soft-capped (SDPA has no place for the cap)
+    attn = "eager" if getattr(hf_cfg, "attn_logit_softcapping", None) else "sdpa"
+    hf = model_cls._from_config(hf_cfg, attn_implementation=attn, experts_implementation="eager", dtype=torch.float32)
     randomize_(hf, seed)
     hf = hf.to(dtype).eval()
     ours = DecoderModel(TargetConfig.from_hf(hf_cfg.to_dict()))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from transformers.models.gemma2 import modeling_gemma2
 from transformers.models.gemma3 import modeling_gemma3
 from transformers.models.granite import modeling_granite
 from transformers.models.llama import modeling_llama
@@ -37,6 +38,22 @@ def _route_in_input_dtype(self: nn.Module, hidden_states: torch.Tensor) -> tuple
     return logits, top.to(logits.dtype), index
 
 
+def _eager_attention_in_input_dtype(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                    attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                                    scaling: float | None = None, softcap: float | None = None,
+                                    **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers' eager Gemma 2 attention with its softmax in the input dtype (it upcasts to float32 only)."""
+    key = modeling_gemma2.repeat_kv(key, module.num_key_value_groups)
+    value = modeling_gemma2.repeat_kv(value, module.num_key_value_groups)
+    weights = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else module.head_dim ** -0.5)
+    if softcap is not None:
+        weights = torch.tanh(weights / softcap) * softcap
+    if attention_mask is not None:
+        weights = weights + attention_mask
+    weights = torch.softmax(weights, dim=-1)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
 def _gemma_rmsnorm_in_input_dtype(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
@@ -46,11 +63,13 @@ def honest_hf_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     """HF's RMSNorm forwards cast to float32 internally (``hidden_states.to(torch.float32)``), so an
     unpatched float64 HF model is only float32-accurate and could never meet a 1e-10 bound. Patch
     them to compute in the input dtype (what our RMSNorm does for float64), and the routers of the
-    mixtures of experts likewise. Attention uses sdpa,
+    mixtures of experts and Gemma 2's eager attention (soft-capped scores) likewise. Attention uses sdpa,
     which stays in float64 (eager softmax would also downcast); rope cos/sin are computed in
     float32 by both HF and us, so they need no patch."""
     for cls in HF_RMSNORMS:
         monkeypatch.setattr(cls, "forward", _rmsnorm_in_input_dtype)
-    monkeypatch.setattr(modeling_gemma3.Gemma3RMSNorm, "forward", _gemma_rmsnorm_in_input_dtype)
+    for cls in (modeling_gemma2.Gemma2RMSNorm, modeling_gemma3.Gemma3RMSNorm):
+        monkeypatch.setattr(cls, "forward", _gemma_rmsnorm_in_input_dtype)
+    monkeypatch.setattr(modeling_gemma2, "eager_attention_forward", _eager_attention_in_input_dtype)
     for cls in HF_ROUTERS:  # their softmax is float32 whatever the input: float64 in float64
         monkeypatch.setattr(cls, "forward", _route_in_input_dtype)

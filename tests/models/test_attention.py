@@ -150,6 +150,29 @@ def test_exact_kernel_matches_textbook_attention(dtype: torch.dtype, window: int
         start += n
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_exact_kernel_soft_caps_scores_as_the_padded_path_does(dtype: torch.dtype) -> None:
+    """Gemma 2's soft cap (scores -> cap * tanh(score / cap)) in the row-invariant kernel equals the
+    padded path's (transformers' eager formula, itself checked against transformers in
+    test_model_reference.py), with a non-default scale, and changes the output."""
+    torch.manual_seed(2)
+    slots = [2, 0, 3, 1]
+    new, ctx, _, masks = _batch(slots)
+    q_lens = [len(n) for n in new]
+    k = torch.randn(16, 2, 32, 8, dtype=dtype) * 2  # scores of a few units: the cap of 1.5 bends them
+    v = torch.randn_like(k)
+    q = torch.randn(sum(q_lens), 4, 8, dtype=dtype)
+
+    def attend(exact: bool, softcap: float | None) -> torch.Tensor:
+        plan = AttentionPlan.build(q_lens, ctx, slots, masks, 6, "cpu", exact=exact)
+        return plan.attend(q, _transposed(k) if exact else k, v, scale=0.3, softcap=softcap)
+
+    capped = attend(True, 1.5)
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    torch.testing.assert_close(capped, attend(False, 1.5), rtol=0, atol=tol)
+    assert (capped - attend(True, None)).abs().max() > 0.1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_exact_kernel_row_has_the_same_bits_whatever_the_call_holds(dtype: torch.dtype) -> None:
     """A token's output from the row-invariant kernel is bit for bit its output decoded alone, when

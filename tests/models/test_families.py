@@ -120,11 +120,11 @@ def test_smollm3_nope_layers_and_truncation_keep_per_layer_fields() -> None:
 
 
 def test_unsupported_family_features_are_one_line_errors() -> None:
-    gemma2 = transformers.Gemma2Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16).to_dict()
-    gemma2["architectures"] = ["Gemma2ForCausalLM"]
-    with pytest.raises(ModelConfigError, match="unknown architecture 'Gemma2ForCausalLM'"):
-        TargetConfig.from_hf(gemma2)
+    gemma3 = transformers.Gemma3Config(text_config=dict(vocab_size=96, hidden_size=64, intermediate_size=128,
+                                                        num_hidden_layers=2, num_attention_heads=4)).to_dict()
+    gemma3["architectures"] = ["Gemma3ForConditionalGeneration"]  # the multimodal checkpoints (4B and up)
+    with pytest.raises(ModelConfigError, match="unknown architecture 'Gemma3ForConditionalGeneration'"):
+        TargetConfig.from_hf(gemma3)
     phi3 = transformers.Phi3Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, pad_token_id=None).to_dict()
     phi3["architectures"] = ["Phi3ForCausalLM"]

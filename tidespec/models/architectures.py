@@ -57,6 +57,8 @@ ARCHITECTURES: dict[str, Architecture] = {a.hf_class: a for a in (
     # a mixture of experts in place of the MLP (config.json's num_experts, decoder_sparse_step, ...)
     Architecture("Qwen3MoeForCausalLM", qk_norm="head"),
     Architecture("MixtralForCausalLM"),
+    # Gemma 3 without q/k norms, with soft caps on the attention scores and the logits (config.json)
+    Architecture("Gemma2ForCausalLM", norm_placement="sandwich", norm_offset=True, embed_scale_sqrt=True),
     Architecture("Gemma3ForCausalLM", qk_norm="head", norm_placement="sandwich", norm_offset=True,
                  embed_scale_sqrt=True),
 )}

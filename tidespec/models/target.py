@@ -65,6 +65,7 @@ class TargetConfig:
     residual_scale: float = 1.0  # each block's output times this before the residual add (Granite)
     logits_divisor: float = 1.0  # logits divided by this (Granite's logits_scaling)
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    attn_logit_softcap: float | None = None  # attention scores -> cap * tanh(score / cap) (Gemma 2)
     # per layer: True = sliding window, False = global; None = every layer as ``sliding_window`` says
     sliding_layers: tuple[bool, ...] | None = None
     local_rope_theta: float | None = None  # sliding layers' own rope (Gemma 3); None = the global rope
@@ -137,7 +138,8 @@ class TargetConfig:
         """Whether the decoder layers are Llama's (what an EAGLE-3 head's layers are, and can copy)."""
         return (self.norm_placement == "pre" and not self.norm_offset and self.qk_norm == "none"
                 and self.hidden_act == "silu" and self.residual_scale == 1.0 and self.attention_scale is None
-                and self.rope_layers is None and self.partial_rotary_factor == 1.0 and self.num_experts == 0)
+                and self.rope_layers is None and self.partial_rotary_factor == 1.0 and self.num_experts == 0
+                and self.attn_logit_softcap is None and self.final_logit_softcap is None)
 
     @property
     def uniform_attention(self) -> bool:
@@ -153,9 +155,6 @@ class TargetConfig:
         if arch not in ARCHITECTURES:
             raise ModelConfigError(f"unknown architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
         family = ARCHITECTURES[arch]
-        for field in ("attn_logit_softcapping",):
-            if cfg.get(field) is not None:
-                raise ModelConfigError(f"{arch}: {field} is not supported yet")
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -190,6 +189,7 @@ class TargetConfig:
                 residual_scale=float(cfg.get("residual_multiplier") or 1.0),
                 logits_divisor=float(cfg.get("logits_scaling") or 1.0),
                 final_logit_softcap=_optional_float(cfg.get("final_logit_softcapping")),
+                attn_logit_softcap=_optional_float(cfg.get("attn_logit_softcapping")),
                 sliding_layers=_sliding_layers(cfg, layers),
                 local_rope_theta=rope.local_theta,
                 local_rope_scaling=rope.local_scaling,

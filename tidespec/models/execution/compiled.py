@@ -72,13 +72,13 @@ class StepLayout:
         v_cache[self.write_slots, :, self.write_offsets] = v
 
     def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
         """q [T, n_h, hd] -> [T, n_h, hd]; ``window`` is already in the mask."""
         rows, kv_len = self.mask.shape[0], self.mask.shape[3]
         lo = self.lo_biased - LO_BIAS
         keys = k_cache.narrow(0, lo, rows)[:, :, :kv_len]  # [Sb, n_kv, Lk, hd], a view
         values = v_cache.narrow(0, lo, rows)[:, :, :kv_len]
-        return attend_padded(q, self.q_index, self.mask, keys, values, scale=scale)
+        return attend_padded(q, self.q_index, self.mask, keys, values, scale=scale, softcap=softcap)
 
 
 @dataclass
@@ -99,9 +99,9 @@ class ExactStepLayout:
         v_cache[self.write_slots, :, self.write_offsets] = v
 
     def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float | None = None) -> torch.Tensor:
+               scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
         """q [T, n_h, hd] -> [T, n_h, hd]; ``window`` is already in the mask."""
-        return attend_exact(q, k_cache, v_cache, self.row_slots, self.row_mask, self.block_table, scale)
+        return attend_exact(q, k_cache, v_cache, self.row_slots, self.row_mask, self.block_table, scale, softcap)
 
 
 def inductor_cache_dir() -> str:

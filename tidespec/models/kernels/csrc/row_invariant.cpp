@@ -41,6 +41,8 @@
 // A tree's tokens sit in the cache in breadth-first order, so a token's visible ancestors come in
 // the same rank order as in a chain: a token verified in a tree gets the bits of a chain.
 //
+// softcap > 0 (Gemma 2): each scaled score s becomes softcap * tanh(s / softcap) before the softmax.
+//
 // Worked example (one head, hd = 2, two visible keys, scale 1):
 //   q = [1, 0], keys [[1, 0], [0, 1]], values [[2, 0], [0, 4]]
 //   scores [1, 0] -> max 1 -> e = [1, exp(-1)] -> sum 1.3679 -> out = (1*[2,0] + 0.3679*[0,4]) / 1.3679
@@ -142,8 +144,8 @@ struct Task {
 // accumulators stay in registers.
 template <int64_t R, typename scalar_t>
 void score_tiles(const float* qv, const scalar_t* kb, const Pages& kp, int64_t kd, int64_t hd, int64_t nk,
-                 int64_t kv_pad, float scale, float* kbuf, float* scores) {
-  const Vec vscale(scale);
+                 int64_t kv_pad, float scale, float softcap, float* kbuf, float* scores) {
+  const Vec vscale(scale), vcap(softcap);
   constexpr int64_t LINE = 64 / static_cast<int64_t>(sizeof(scalar_t));  // keys per cache line
   int64_t at[KT / VL], ahead[KT / LINE + 1];  // where each VL keys of this tile (each line of the next) start
   for (int64_t b0 = 0; b0 < nk; b0 += KT) {
@@ -168,31 +170,35 @@ void score_tiles(const float* qv, const scalar_t* kb, const Pages& kp, int64_t k
         const float* qd = qv + d * R;  // the R vectors' element d, adjacent: one base pointer for all R
         for (int64_t i = 0; i < R; ++i) s[i] = at::vec::fmadd(Vec(qd[i]), kt, s[i]);
       }
-      for (int64_t i = 0; i < R; ++i) (s[i] * vscale).store(scores + i * kv_pad + b0 + t0);
+      for (int64_t i = 0; i < R; ++i) {
+        const Vec scaled = s[i] * vscale;
+        // Gemma 2's soft cap, as transformers writes it: cap * tanh(score / cap), lane by lane
+        (softcap > 0.0f ? vcap * (scaled / vcap).tanh() : scaled).store(scores + i * kv_pad + b0 + t0);
+      }
     }
   }
 }
 
 template <typename scalar_t>
 void score_dispatch(int64_t R, const float* qv, const scalar_t* kb, const Pages& kp, int64_t kd, int64_t hd,
-                    int64_t nk, int64_t kv_pad, float scale, float* kbuf, float* scores) {
+                    int64_t nk, int64_t kv_pad, float scale, float softcap, float* kbuf, float* scores) {
   switch (R) {
-    case 1: score_tiles<1>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 2: score_tiles<2>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 3: score_tiles<3>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 4: score_tiles<4>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 5: score_tiles<5>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 6: score_tiles<6>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 7: score_tiles<7>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 8: score_tiles<8>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 9: score_tiles<9>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 10: score_tiles<10>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 11: score_tiles<11>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 12: score_tiles<12>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 13: score_tiles<13>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 14: score_tiles<14>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    case 15: score_tiles<15>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
-    default: score_tiles<16>(qv, kb, kp, kd, hd, nk, kv_pad, scale, kbuf, scores); break;
+    case 1: score_tiles<1>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
+    case 2: score_tiles<2>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
+    case 3: score_tiles<3>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
+    case 4: score_tiles<4>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
+    case 5: score_tiles<5>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
+    case 6: score_tiles<6>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
+    case 7: score_tiles<7>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
+    case 8: score_tiles<8>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
+    case 9: score_tiles<9>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
+    case 10: score_tiles<10>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
+    case 11: score_tiles<11>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
+    case 12: score_tiles<12>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
+    case 13: score_tiles<13>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
+    case 14: score_tiles<14>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
+    case 15: score_tiles<15>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
+    default: score_tiles<16>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
   }
 }
 
@@ -336,7 +342,7 @@ void pv_dispatch(int64_t R, const bool* const* mrows, const float* w, int64_t kv
 
 template <typename scalar_t>
 void attend_float(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& mask,
-                  const std::vector<Task>& tasks, float scale, at::Tensor& out) {
+                  const std::vector<Task>& tasks, float scale, float softcap, at::Tensor& out) {
   const int64_t n_h = q.size(1), hd = q.size(2);
   const int64_t group = n_h / k_cache.size(1), kv_len = mask.size(1);
   const int64_t kv_pad = (kv_len + VL - 1) / VL * VL;
@@ -368,7 +374,7 @@ void attend_float(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         const int64_t row = task.row0 + i / task.heads, h = task.head0 + i % task.heads;
         for (int64_t d = 0; d < hd; ++d) qv[d * R + i] = static_cast<float>(qd[(row * n_h + h) * hd + d]);
       }
-      score_dispatch(R, qv.data(), kb, kp, k_d, hd, nk, kv_pad, scale, kbuf.data(), scores.data());
+      score_dispatch(R, qv.data(), kb, kp, k_d, hd, nk, kv_pad, scale, softcap, kbuf.data(), scores.data());
       const bool* mrows[RB];
       scalar_t* orows[RB];
       float inv[RB];
@@ -387,7 +393,7 @@ void attend_float(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 // float64 (the tests' reference dtype): the same visiting order, plain scalar loops; ``tables[t]`` is
 // row t's block table row (a contiguous cache: its slot).
 void attend_double(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& mask,
-                   const std::vector<const int64_t*>& tables, double scale, at::Tensor& out) {
+                   const std::vector<const int64_t*>& tables, double scale, double softcap, at::Tensor& out) {
   const int64_t T = q.size(0), n_h = q.size(1), hd = q.size(2);
   const int64_t group = n_h / k_cache.size(1), kv_len = mask.size(1), bs = k_cache.size(2);
   const auto qa = q.accessor<double, 3>();
@@ -411,7 +417,7 @@ void attend_double(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         double dot = 0;
         for (int64_t d = 0; d < hd; ++d) dot = std::fma(qa[t][h][d], kj[d * k_d], dot);
         rk[n] = j;
-        s[n] = dot * scale;
+        s[n] = softcap > 0.0 ? softcap * std::tanh(dot * scale / softcap) : dot * scale;
         mx = std::max(mx, s[n++]);
       }
       double sum = 0;
@@ -427,7 +433,7 @@ void attend_double(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 
 at::Tensor exact_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& slots, const at::Tensor& mask, double scale,
-                           const std::optional<at::Tensor>& block_table) {
+                           const std::optional<at::Tensor>& block_table, double softcap) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "exact_attention runs on the CPU");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
@@ -461,7 +467,7 @@ at::Tensor exact_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   if (q.scalar_type() == at::kDouble) {  // reference path
     std::vector<const int64_t*> tables(T);
     for (int64_t t = 0; t < T; ++t) tables[t] = table(t);
-    attend_double(qc, k_cache, v_cache, mc, tables, scale, out);
+    attend_double(qc, k_cache, v_cache, mc, tables, scale, softcap, out);
     return out;
   }
   TORCH_CHECK(k_cache.stride(2) == 1, "the key cache must be stored transposed ([S, n_kv, hd, L] in memory)");
@@ -482,9 +488,12 @@ at::Tensor exact_attention(const at::Tensor& q, const at::Tensor& k_cache, const
     t += n;
   }
   switch (q.scalar_type()) {
-    case at::kFloat: attend_float<float>(qc, k_cache, v_cache, mc, tasks, static_cast<float>(scale), out); break;
-    case at::kBFloat16: attend_float<at::BFloat16>(qc, k_cache, v_cache, mc, tasks, static_cast<float>(scale), out); break;
-    case at::kHalf: attend_float<at::Half>(qc, k_cache, v_cache, mc, tasks, static_cast<float>(scale), out); break;
+    case at::kFloat: attend_float<float>(qc, k_cache, v_cache, mc, tasks, static_cast<float>(scale),
+                                         static_cast<float>(softcap), out); break;
+    case at::kBFloat16: attend_float<at::BFloat16>(qc, k_cache, v_cache, mc, tasks, static_cast<float>(scale),
+                                                   static_cast<float>(softcap), out); break;
+    case at::kHalf: attend_float<at::Half>(qc, k_cache, v_cache, mc, tasks, static_cast<float>(scale),
+                                           static_cast<float>(softcap), out); break;
     default: TORCH_CHECK(false, "exact_attention: unsupported dtype ", q.scalar_type());
   }
   return out;
@@ -502,7 +511,7 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at
 
 TORCH_LIBRARY_FRAGMENT(tidespec, m) {
   m.def("exact_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor mask, float scale, "
-        "Tensor? block_table=None) -> Tensor");
+        "Tensor? block_table=None, float softcap=0.0) -> Tensor");
   m.def("packed_linear(Tensor x, Tensor packed, Tensor w) -> Tensor");
 }
 
