@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
+from tests.helpers import run_to_completion, tiny_hf_model, tiny_llama, tiny_tokenizer
 from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
@@ -137,6 +137,21 @@ def test_engine_with_compile_gives_the_eager_text_and_compiles_nothing_after_war
     assert counters["stats"]["unique_graphs"] == graphs  # the warm-up compiled every shape class
     step = engine.executor.compiled
     assert step is not None and step.num_compiled > 0 and engine.compile_seconds > 0
+
+
+@pytest.mark.slow  # another model's compile
+def test_sliding_and_global_layers_compile_with_a_mask_per_window() -> None:
+    """Gemma 3's layers alternate a 5-token window and global attention: the compiled step builds one
+    mask per window and gives the eager text, plain and speculating."""
+    _, model = tiny_hf_model("gemma3", torch.float64, seed=8)
+    cfg = EngineConfig(model=ModelConfig(compile=False), cache=CacheConfig(max_model_len=128, max_num_seqs=4))
+    plain = _greedy(LLMEngine(model, tiny_tokenizer(model.cfg.vocab_size), cfg))
+    spec = SpecConfig(drafter="suffix", num_speculative_tokens=4)
+    cfg = EngineConfig(model=ModelConfig(compile=True), cache=CacheConfig(max_model_len=128, max_num_seqs=4), spec=spec)
+    engine = LLMEngine(model, tiny_tokenizer(model.cfg.vocab_size), cfg, drafter=build_drafter(spec, model, 4, 128))
+    assert engine.executor.compiled is not None and engine.executor.compiled.windows == (5, None)
+    assert _greedy(engine) == plain
+    assert engine.executor.compiled.num_compiled > 0
 
 
 @pytest.mark.slow  # another engine's compile: 22 s on CI's empty cache

@@ -17,7 +17,8 @@ is passed as ``lo + LO_BIAS`` so that it is never 0 or 1 and never specialized (
 batch would otherwise compile twice).
 
 Inside the graph the layout is tensors only (``StepLayout``): rope positions, the K/V write
-slots and offsets, each token's row in the padded attention block, and the block's mask, built by
+slots and offsets, each token's row in the padded attention block, and the block's mask per layer
+window (one; Gemma 2/3's sliding and global layers: two), built by
 the same ``AttentionPlan`` the eager forward uses. A row-invariant target (keys stored transposed,
 ``models/kernels/attention.py``) gets one mask row per token instead and calls the exact attention kernel,
 an op inductor leaves as it is. No host sync and no data-dependent shape in the compiled region: the same
@@ -63,8 +64,9 @@ class StepLayout:
     write_slots: torch.Tensor  # [T] int64 slot of each new token
     write_offsets: torch.Tensor  # [T] int64 cache offset of each new token
     q_index: torch.Tensor  # [T] int64 row of each new token in the padded [Sb * q, ...] block
-    mask: torch.Tensor  # [Sb, 1, q, Lk] bool, True = attend (slots lo .. lo + Sb - 1)
+    masks: tuple[torch.Tensor, ...]  # per window of ``windows``: [Sb, 1, q, Lk] bool, True = attend (slots lo ..)
     lo_biased: int  # first slot of the key range + LO_BIAS
+    windows: tuple[int | None, ...]  # the model's distinct layer windows (a constant of the graph)
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # k_cache/v_cache: [S, n_kv, L, hd]; k/v: [T, n_kv, hd]
@@ -73,12 +75,13 @@ class StepLayout:
 
     def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
-        """q [T, n_h, hd] -> [T, n_h, hd]; ``window`` is already in the mask."""
-        rows, kv_len = self.mask.shape[0], self.mask.shape[3]
+        """q [T, n_h, hd] -> [T, n_h, hd] under the mask of the layer's ``window``."""
+        mask = self.masks[self.windows.index(window)]
+        rows, kv_len = mask.shape[0], mask.shape[3]
         lo = self.lo_biased - LO_BIAS
         keys = k_cache.narrow(0, lo, rows)[:, :, :kv_len]  # [Sb, n_kv, Lk, hd], a view
         values = v_cache.narrow(0, lo, rows)[:, :, :kv_len]
-        return attend_padded(q, self.q_index, self.mask, keys, values, scale=scale, softcap=softcap)
+        return attend_padded(q, self.q_index, mask, keys, values, scale=scale, softcap=softcap)
 
 
 @dataclass
@@ -90,8 +93,9 @@ class ExactStepLayout:
     write_slots: torch.Tensor  # [T] int64 slot (paged: block) each new token's K/V is written to
     write_offsets: torch.Tensor  # [T] int64 cache offset (paged: row within the block) of each new token
     row_slots: torch.Tensor  # [T] int64 slot whose keys each new token's query reads
-    row_mask: torch.Tensor  # [T, Lk] bool, the keys each new token sees (window included)
+    row_masks: tuple[torch.Tensor, ...]  # per window of ``windows``: [T, Lk] bool, the keys each new token sees
     block_table: torch.Tensor | None  # [S, nb] int64 of a paged cache, else None
+    windows: tuple[int | None, ...]  # the model's distinct layer windows (a constant of the graph)
 
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # k_cache/v_cache: [S, n_kv, L, hd] (paged: [NB, n_kv, bs, hd]); k/v: [T, n_kv, hd]
@@ -100,8 +104,9 @@ class ExactStepLayout:
 
     def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
-        """q [T, n_h, hd] -> [T, n_h, hd]; ``window`` is already in the mask."""
-        return attend_exact(q, k_cache, v_cache, self.row_slots, self.row_mask, self.block_table, scale, softcap)
+        """q [T, n_h, hd] -> [T, n_h, hd] under the row mask of the layer's ``window``."""
+        row_mask = self.row_masks[self.windows.index(window)]
+        return attend_exact(q, k_cache, v_cache, self.row_slots, row_mask, self.block_table, scale, softcap)
 
 
 def inductor_cache_dir() -> str:
@@ -131,6 +136,8 @@ class CompiledStep:
         self.tap_layers = tuple(tap_layers)
         self._tap_flags = tuple(i in self.tap_layers for i in range(model.cfg.num_layers))
         self.exact = transposed_keys(kv.k[0])  # the row-invariant attention kernel (models/kernels/attention.py)
+        # one mask per distinct layer window (Gemma's sliding and global layers: two), built per forward
+        self.windows = tuple(dict.fromkeys(model.cfg.layer_window(i) for i in range(model.cfg.num_layers)))
         if isinstance(kv, PagedKVCache):  # one table for the engine's life: its width must not become a
             torch._dynamo.mark_static(kv.block_table)  # symbol that a key length of the same size is tied to
         # the rope table is built on first use; built here, the graph only reads it (no guard on
@@ -149,18 +156,19 @@ class CompiledStep:
                                  options=options)
 
     def _body(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
-              write_offsets: torch.Tensor, q_index: torch.Tensor, mask: torch.Tensor,
+              write_offsets: torch.Tensor, q_index: torch.Tensor, masks: tuple[torch.Tensor, ...],
               lo_biased: int) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-        layout = StepLayout(positions, write_slots, write_offsets, q_index, mask, lo_biased)
+        layout = StepLayout(positions, write_slots, write_offsets, q_index, masks, lo_biased, self.windows)
         taps = tuple(i for i, flag in enumerate(self._tap_flags) if flag)
         out = self.model.run(ids, layout, self.kv.k, self.kv.v, None, taps)
         return out.logits, out.taps, out.last_hidden
 
     def _body_exact(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
-                    write_offsets: torch.Tensor, row_slots: torch.Tensor, row_mask: torch.Tensor,
+                    write_offsets: torch.Tensor, row_slots: torch.Tensor, row_masks: tuple[torch.Tensor, ...],
                     logits_rows: torch.Tensor, block_table: torch.Tensor | None
                     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
-        layout = ExactStepLayout(positions, write_slots, write_offsets, row_slots, row_mask, block_table)
+        layout = ExactStepLayout(positions, write_slots, write_offsets, row_slots, row_masks, block_table,
+                                 self.windows)
         taps = tuple(i for i, flag in enumerate(self._tap_flags) if flag)
         out = self.model.run(ids, layout, self.kv.k, self.kv.v, logits_rows, taps)
         return out.logits, out.taps, out.last_hidden
@@ -179,15 +187,17 @@ class CompiledStep:
             return None
         if self.kv.paged and layout.block_table is None:
             layout.page(self.kv)
-        plan = AttentionPlan.build(layout.q_lens, layout.ctx_lens, layout.slots, layout.tree_masks,
-                                   self.model.cfg.sliding_window, ids.device, self.exact, layout.block_table)
+        plans = [AttentionPlan.build(layout.q_lens, layout.ctx_lens, layout.slots, layout.tree_masks, window,
+                                     ids.device, self.exact, layout.block_table) for window in self.windows]
+        plan = plans[0]  # the windows' plans differ in their masks only
         if plan.row_mask is not None:  # every batch runs: the exact kernel reads each row's own slot
             rows = logits_rows if logits_rows is not None else torch.arange(ids.shape[0], device=ids.device)
             none = rows.shape[0] == 0  # a prompt chunk without logits: the last row's, dropped (no graph of its own)
             paged = layout.block_table is not None
             to, at = layout.paged_writes() if paged else (layout.write_slots, layout.write_offsets)
             with torch.inference_mode():
-                logits, taps, last = self._fn(ids, layout.positions, to, at, layout.write_slots, plan.row_mask,
+                logits, taps, last = self._fn(ids, layout.positions, to, at, layout.write_slots,
+                                              tuple(p.row_mask for p in plans),
                                               rows if not none else rows.new_full((1,), ids.shape[0] - 1),
                                               layout.block_table)
             self.num_compiled += 1
@@ -202,7 +212,7 @@ class CompiledStep:
         self.kv.make_readable(plan.read_slots(layout.slots), plan.kv_len)
         with torch.inference_mode():
             logits, taps, last = self._fn(ids, layout.positions, layout.write_slots, layout.write_offsets, plan.q_index,
-                                    plan.mask, plan.lo + LO_BIAS)
+                                          tuple(p.mask for p in plans), plan.lo + LO_BIAS)
         self.num_compiled += 1
         return ModelOutput(logits=logits, taps=taps if tap_layers else None, last_hidden=last)
 

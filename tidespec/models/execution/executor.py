@@ -63,14 +63,15 @@ KERNEL_SOURCES = ("families/decoder.py", "families/attention.py", "families/mlp.
 
 
 def check_compilable(cfg: TargetConfig, graphed: bool, compiled: bool) -> None:
-    """The graphs and the compiled step build one attention mask for every layer and take no
-    data-dependent shape (and the CUDA row kernel assumes the default softmax scale): a model whose
-    layers attend over different windows (Gemma 3's sliding and global layers) or route rows to
-    experts (``families/moe.py``) runs eager, and says so here rather than compute something else."""
+    """The CUDA graphs build one attention mask for every layer (and their row kernel assumes the
+    default softmax scale and no cap); the graphs and the compiled step take no data-dependent shape.
+    A model whose layers attend over different windows (Gemma 2/3's sliding and global layers) runs
+    compiled (one mask per window) or eager, one that routes rows to experts (``families/moe.py``)
+    eager: said here rather than computed otherwise."""
     what = "CUDA graphs" if graphed else "--compile"
     fix = "--enforce-eager" if graphed else "without --compile"
-    if (graphed or compiled) and not cfg.uniform_attention:
-        raise ModelConfigError(f"{cfg.architecture}: {what} does not yet run layers with different sliding "
+    if graphed and not cfg.uniform_attention:
+        raise ModelConfigError(f"{cfg.architecture}: {what} do not yet run layers with different sliding "
                                f"windows; run {fix}")
     if (graphed or compiled) and cfg.num_experts:
         raise ModelConfigError(f"{cfg.architecture}: {what} does not yet run a mixture of experts; run {fix}")

@@ -208,8 +208,9 @@ class DecoderModel(PlacedModule):
             if self.cfg.qk_norm != "none":
                 own[ours + "self_attn.q_norm.weight"] = get(a + "q_norm.weight")
                 own[ours + "self_attn.k_norm.weight"] = get(a + "k_norm.weight")
-            if self.cfg.layer_moe(i):
-                own.update(get.experts(p + "mlp.", ours + "mlp.", self.cfg.num_experts))
+            if self.cfg.layer_moe(i):  # Mixtral's checkpoints name the mixture block_sparse_moe
+                moe = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in sd else "mlp.")
+                own.update(get.experts(moe, ours + "mlp.", self.cfg.num_experts))
             else:
                 m = p + "mlp."
                 own[ours + "mlp.gate_up_proj.weight"] = get.fused(m + "gate_up_proj.weight", m, ("gate_proj", "up_proj"))
