@@ -147,11 +147,18 @@ def test_unsupported_family_features_are_one_line_errors() -> None:
     gemma3["architectures"] = ["Gemma3ForConditionalGeneration"]  # the multimodal checkpoints (4B and up)
     with pytest.raises(ModelConfigError, match="unknown architecture 'Gemma3ForConditionalGeneration'"):
         TargetConfig.from_hf(gemma3)
+    llama = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4).to_dict()
+    llama["architectures"] = ["LlamaForCausalLM"]
+    llama["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
+    with pytest.raises(ModelConfigError, match="unsupported rope_scaling type 'yarn'"):
+        TargetConfig.from_hf(llama)
     phi3 = transformers.Phi3Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, pad_token_id=None).to_dict()
     phi3["architectures"] = ["Phi3ForCausalLM"]
-    phi3["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
-    with pytest.raises(ModelConfigError, match="unsupported rope_scaling type 'yarn'"):
+    phi3["rope_parameters"] = {"rope_type": "longrope", "factor": 4.0, "rope_theta": 10000.0,
+                               "original_max_position_embeddings": 64, "short_factor": [1.0] * 8}
+    with pytest.raises(ModelConfigError, match="longrope needs long_factor: a list of 8 numbers"):
         TargetConfig.from_hf(phi3)
     phi3.pop("rope_parameters")
     phi3["partial_rotary_factor"] = 0.1  # int(16 * 0.1) = 1 dim: rope rotates pairs
@@ -176,3 +183,22 @@ def test_a_tokens_expert_mixture_does_not_depend_on_the_other_rows() -> None:
         assert torch.equal(moe(x[2:7:2]), together[2:7:2])
     with pytest.raises(ModelConfigError, match="mixture of experts"):
         check_compilable(ours.cfg, graphed=False, compiled=True)
+
+
+def test_an_older_config_json_gets_transformers_defaults() -> None:
+    """A Gemma 3 config.json of transformers 4.x names its sliding layers by ``sliding_window_pattern``
+    and its ropes by ``rope_theta`` / ``rope_local_base_freq`` / ``rope_scaling``; a Qwen2 one slides
+    only when ``use_sliding_window`` says so: read through transformers' config classes."""
+    gemma3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64,
+              "intermediate_size": 128, "num_hidden_layers": 7, "num_attention_heads": 4, "num_key_value_heads": 1,
+              "head_dim": 16, "vocab_size": 96, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+              "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 512,
+              "sliding_window_pattern": 6, "query_pre_attn_scalar": 16}
+    cfg = TargetConfig.from_hf(gemma3)
+    assert [cfg.layer_window(i) for i in range(7)] == [512] * 5 + [None, 512]
+    assert (cfg.rope_theta, cfg.local_rope_theta, cfg.rope_scaling["factor"]) == (1000000.0, 10000.0, 8.0)
+    assert cfg.local_rope_scaling is None and cfg.attention_scale == 0.25
+    qwen2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96, "use_sliding_window": False,
+             "sliding_window": 4096, "max_window_layers": 2}
+    assert TargetConfig.from_hf(qwen2).uniform_attention and TargetConfig.from_hf(qwen2).layer_window(3) is None

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+import transformers
 from torch import nn
 
 from tidespec.errors import ConfigError, UserError
@@ -109,6 +110,12 @@ class TargetConfig:
         if not 0 < self.partial_rotary_factor <= 1 or int(rotary) % 2:
             raise ModelConfigError(f"partial_rotary_factor {self.partial_rotary_factor} leaves an odd or empty "
                                    f"rotary width of a {self.head_dim}-dim head")
+        if rope_kind(self.rope_scaling) == "longrope":
+            assert self.rope_scaling is not None
+            for name in ("short_factor", "long_factor"):
+                factors = self.rope_scaling.get(name)
+                if not isinstance(factors, list) or len(factors) != int(rotary) // 2:
+                    raise ModelConfigError(f"longrope needs {name}: a list of {int(rotary) // 2} numbers")
 
     @property
     def rotary_dim(self) -> int:
@@ -155,6 +162,7 @@ class TargetConfig:
         if arch not in ARCHITECTURES:
             raise ModelConfigError(f"unknown architecture {arch!r}; supported: {', '.join(ARCHITECTURES)}")
         family = ARCHITECTURES[arch]
+        cfg = _through_transformers(cfg)
         try:
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
@@ -241,6 +249,21 @@ class _RopeFields:
         return _RopeFields(float(theta if theta is not None else 10000.0), scaling,
                            None if local_theta is None else float(local_theta), local_scaling,
                            float(partial if partial is not None else 1.0))
+
+
+def _through_transformers(cfg: dict[str, Any]) -> dict[str, Any]:
+    """``cfg`` as transformers' config class of its ``model_type`` completes it: the defaults a
+    checkpoint leaves out and what older config.json files spell differently (Gemma 3's
+    ``sliding_window_pattern`` becomes ``layer_types``, Qwen2's ``max_window_layers`` and
+    ``use_sliding_window`` decide which layers slide). A dict transformers cannot read is taken as it is."""
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str):
+        return cfg
+    try:
+        done = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in cfg.items() if k != "model_type"})
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return cfg
+    return {**cfg, **done.to_dict()}
 
 
 def _optional_float(x: Any) -> float | None:
