@@ -170,6 +170,8 @@ TINY_HF_ARCHS: dict[str, tuple[type, type, dict[str, Any]]] = {
         num_hidden_layers=3, tie_word_embeddings=True,
         rope_parameters=dict(rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                              high_freq_factor=4.0, original_max_position_embeddings=64))),
+    # biases on every projection (attention_bias puts one on o_proj too, unlike Qwen2's)
+    "llama-bias": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(attention_bias=True, mlp_bias=True)),
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=6)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(num_hidden_layers=3)),
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(head_dim=24)),

@@ -202,3 +202,14 @@ def test_an_older_config_json_gets_transformers_defaults() -> None:
              "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 96, "use_sliding_window": False,
              "sliding_window": 4096, "max_window_layers": 2}
     assert TargetConfig.from_hf(qwen2).uniform_attention and TargetConfig.from_hf(qwen2).layer_window(3) is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "olmo2", "gemma3"])
+def test_the_norm_rounds_bfloat16_where_the_family_does(arch: str) -> None:
+    """Llama multiplies by the norm's weight after the cast to bfloat16, OLMo 2 and Gemma before it:
+    the bits of a bfloat16 model's norm are transformers' for each."""
+    hf, ours = tiny_hf_model(arch, torch.bfloat16, seed=2)
+    x = torch.randn(5, hf.config.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    theirs, mine = hf.model.layers[0].post_attention_layernorm, ours.layers[0].post_attention_layernorm
+    with torch.no_grad():
+        assert torch.equal(mine(x), theirs(x))

@@ -31,9 +31,11 @@ class Architecture:
     hf_class: str  # config.json's architectures[0]
     family: str = "decoder"  # the module under models/families/ that builds it
     attention_bias: bool = False  # q/k/v projections carry biases unless config.json says otherwise
+    o_proj_bias: bool = True  # the output projection carries a bias too when attention_bias says so
     qk_norm: str = "none"  # one of QK_NORMS
     norm_placement: str = "pre"  # one of NORM_PLACEMENTS (families/decoder.py's DecoderLayer)
     norm_offset: bool = False  # Gemma's RMSNorm scales by (1 + weight), in float32 before the cast
+    norm_cast_after: bool = False  # OLMo 2's RMSNorm multiplies by its weight in float32, then casts
     embed_scale_sqrt: bool = False  # Gemma: embeddings times sqrt(hidden_size) (rounded to float32, as HF does)
     gguf: tuple[str, ...] = ()  # GGUF general.architecture values converted to it
     gguf_tensor_names: str = "llama"  # the gguf-py architecture whose tensor names its GGUF files use
@@ -43,20 +45,20 @@ class Architecture:
 ARCHITECTURES: dict[str, Architecture] = {a.hf_class: a for a in (
     Architecture("LlamaForCausalLM", gguf=("llama",), gguf_permuted_qk=True),
     # llama.cpp writes Mistral models as "llama"; a "mistral" file names its tensors as llama does
-    Architecture("MistralForCausalLM", gguf=("mistral",)),
-    Architecture("Qwen2ForCausalLM", attention_bias=True, gguf=("qwen2",), gguf_tensor_names="qwen2"),
+    Architecture("MistralForCausalLM", o_proj_bias=False, gguf=("mistral",)),
+    Architecture("Qwen2ForCausalLM", attention_bias=True, o_proj_bias=False, gguf=("qwen2",), gguf_tensor_names="qwen2"),
     Architecture("Qwen3ForCausalLM", qk_norm="head", gguf=("qwen3",), gguf_tensor_names="qwen3"),
     # NoPE layers (config.json's no_rope_layers)
     Architecture("SmolLM3ForCausalLM"),
-    Architecture("Olmo2ForCausalLM", qk_norm="proj", norm_placement="post"),
+    Architecture("Olmo2ForCausalLM", qk_norm="proj", norm_placement="post", norm_cast_after=True),
     # embedding, residual, attention and logits multipliers (config.json)
     Architecture("GraniteForCausalLM"),
     # fused qkv_proj / gate_up_proj in the checkpoint, partial rotary, LongRoPE
-    Architecture("Phi3ForCausalLM"),
+    Architecture("Phi3ForCausalLM", o_proj_bias=False),
     # sliding and global layers (config.json's layer_types), each with its own rope; gelu-tanh MLP
     # a mixture of experts in place of the MLP (config.json's num_experts, decoder_sparse_step, ...)
     Architecture("Qwen3MoeForCausalLM", qk_norm="head"),
-    Architecture("MixtralForCausalLM"),
+    Architecture("MixtralForCausalLM", o_proj_bias=False),
     # Gemma 3 without q/k norms, with soft caps on the attention scores and the logits (config.json)
     Architecture("Gemma2ForCausalLM", norm_placement="sandwich", norm_offset=True, embed_scale_sqrt=True),
     Architecture("Gemma3ForCausalLM", qk_norm="head", norm_placement="sandwich", norm_offset=True,

@@ -52,6 +52,8 @@ class TargetConfig:
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2: bias on q/k/v
+    o_proj_bias: bool = False  # bias on the attention's output projection (Llama with attention_bias)
+    mlp_bias: bool = False  # biases on the MLP's projections (Llama, Granite, SmolLM3 with mlp_bias)
     qk_norm: str = "none"  # architectures.QK_NORMS: Qwen3/Gemma 3 per head, OLMo 2 over the projection
     sliding_window: int | None = None
     architecture: str = "LlamaForCausalLM"
@@ -60,6 +62,7 @@ class TargetConfig:
     # the family differences (models/architectures.py, config.json); the defaults are Llama's
     norm_placement: str = "pre"  # architectures.NORM_PLACEMENTS
     norm_offset: bool = False  # Gemma: RMSNorm scales by (1 + weight)
+    norm_cast_after: bool = False  # OLMo 2: RMSNorm's product with its weight in float32, then the cast
     hidden_act: str = "silu"  # the gated MLP's activation: one of ACTIVATIONS
     attention_scale: float | None = None  # softmax scale; None = head_dim ** -0.5 (Gemma, Granite set it)
     embedding_scale: float = 1.0  # embeddings times this (Gemma: sqrt(hidden) in float32; Granite)
@@ -184,6 +187,8 @@ class TargetConfig:
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", family.attention_bias)),
+                o_proj_bias=bool(cfg.get("attention_bias", family.attention_bias)) and family.o_proj_bias,
+                mlp_bias=bool(cfg.get("mlp_bias", False)),
                 qk_norm=family.qk_norm,
                 sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
                 architecture=arch,
@@ -191,6 +196,7 @@ class TargetConfig:
                 eos_token_ids=eos_ids,
                 norm_placement=family.norm_placement,
                 norm_offset=family.norm_offset,
+                norm_cast_after=family.norm_cast_after,
                 hidden_act=str(cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"),
                 attention_scale=_attention_scale(cfg),
                 embedding_scale=_embedding_scale(cfg, family.embed_scale_sqrt, hidden),

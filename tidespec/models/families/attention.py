@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tidespec.models.families.norms import RMSNorm
+from tidespec.models.families.norms import family_norm
 from tidespec.models.families.rope import apply_rope
 from tidespec.models.kernels.linear import Linear
 from tidespec.models.layout import ForwardLayout
@@ -36,11 +36,11 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.n_h * self.hd, self.n_kv * self.hd
         # fused q|k|v projection: one matmul instead of three on the decode hot path
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.qk_norm = cfg.qk_norm
         norm_dims = {"head": (self.hd, self.hd), "proj": (self.q_size, self.kv_size)}.get(cfg.qk_norm)
-        self.q_norm = RMSNorm(norm_dims[0], cfg.rms_norm_eps, cfg.norm_offset) if norm_dims else None
-        self.k_norm = RMSNorm(norm_dims[1], cfg.rms_norm_eps, cfg.norm_offset) if norm_dims else None
+        self.q_norm = family_norm(cfg, norm_dims[0]) if norm_dims else None
+        self.k_norm = family_norm(cfg, norm_dims[1]) if norm_dims else None
         self.window = cfg.layer_window(layer)
         self.rope_variant = cfg.layer_rope(layer)  # "global", "local" or None (no rope)
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else self.hd ** -0.5

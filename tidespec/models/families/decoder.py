@@ -36,7 +36,7 @@ from torch import nn
 from tidespec.models.families.attention import Attention, Rope
 from tidespec.models.families.mlp import MLP
 from tidespec.models.families.moe import SparseMoE
-from tidespec.models.families.norms import RMSNorm
+from tidespec.models.families.norms import family_norm
 from tidespec.models.families.rope import rope_table
 from tidespec.models.kernels.attention import transposed_keys
 from tidespec.models.kernels.linear import Linear
@@ -60,7 +60,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.placement = cfg.norm_placement
         for name in LAYER_NORMS[self.placement]:
-            setattr(self, name, RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset))
+            setattr(self, name, family_norm(cfg, cfg.hidden_size))
         self.self_attn = Attention(cfg, layer)
         self.mlp: MLP | SparseMoE = SparseMoE(cfg) if cfg.layer_moe(layer) else MLP(cfg)
         self.residual_scale = cfg.residual_scale
@@ -105,7 +105,7 @@ class DecoderModel(PlacedModule):
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)
+        self.norm = family_norm(cfg, cfg.hidden_size)
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_weights()
         # True once ``models.invariance.make_row_invariant`` chose row-invariant kernels for every
@@ -205,6 +205,8 @@ class DecoderModel(PlacedModule):
                 own[ours + "self_attn.qkv_proj.bias"] = torch.cat(
                     [get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
             own[ours + "self_attn.o_proj.weight"] = get(a + "o_proj.weight")
+            if self.cfg.o_proj_bias:
+                own[ours + "self_attn.o_proj.bias"] = get(a + "o_proj.bias")
             if self.cfg.qk_norm != "none":
                 own[ours + "self_attn.q_norm.weight"] = get(a + "q_norm.weight")
                 own[ours + "self_attn.k_norm.weight"] = get(a + "k_norm.weight")
@@ -215,6 +217,10 @@ class DecoderModel(PlacedModule):
                 m = p + "mlp."
                 own[ours + "mlp.gate_up_proj.weight"] = get.fused(m + "gate_up_proj.weight", m, ("gate_proj", "up_proj"))
                 own[ours + "mlp.down_proj.weight"] = get(m + "down_proj.weight")
+                if self.cfg.mlp_bias:
+                    own[ours + "mlp.gate_up_proj.bias"] = get.fused(m + "gate_up_proj.bias", m, ("gate_proj", "up_proj"),
+                                                                    "bias")
+                    own[ours + "mlp.down_proj.bias"] = get(m + "down_proj.bias")
         params = dict(self.named_parameters())
         for name, t in own.items():
             if params[name].shape != t.shape:
@@ -261,11 +267,12 @@ class _Getter:
             raise ModelConfigError(f"checkpoint is missing tensor {name}")
         return self.sd[name]
 
-    def fused(self, name: str, prefix: str, parts: tuple[str, ...]) -> torch.Tensor:
-        """The fused weight ``name`` if the checkpoint has it, else its ``parts`` concatenated by rows."""
+    def fused(self, name: str, prefix: str, parts: tuple[str, ...], kind: str = "weight") -> torch.Tensor:
+        """The fused tensor ``name`` if the checkpoint has it, else its ``parts``' ``kind`` ("weight",
+        "bias") concatenated by rows."""
         if name in self.sd:
             return self.sd[name]
-        return torch.cat([self(f"{prefix}{part}.weight") for part in parts])
+        return torch.cat([self(f"{prefix}{part}.{kind}") for part in parts])
 
     def experts(self, hf: str, ours: str, num: int) -> dict[str, torch.Tensor]:
         """A mixture's router and experts under our names (``ours`` + ``gate.weight``,

@@ -33,8 +33,8 @@ class MLP(nn.Module):
     def __init__(self, cfg: TargetConfig, inter: int | None = None) -> None:
         super().__init__()
         self.inter = inter or cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=False)  # fused gate|up
-        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=False)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.inter, bias=cfg.mlp_bias)  # fused gate|up
+        self.down_proj = Linear(self.inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.act = ACTIVATION_FNS[cfg.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
