@@ -24,11 +24,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import gguf
 import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from torch import nn
 from transformers import PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tidespec.bench.anchor.run import synthetic_tokenizer
 from tidespec.config import DraftModelConfig, SpecConfig
@@ -213,6 +215,35 @@ TINY_HF_ARCHS: dict[str, tuple[type, type, dict[str, Any]]] = {
         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
                          "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1000000.0)})),
 }
+
+
+GGUF_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def tiny_gguf_writer(hf: transformers.PreTrainedModel, path: Path, arch: str) -> gguf.GGUFWriter:
+    """A ``gguf.GGUFWriter`` for ``arch`` with the metadata every tiny test GGUF shares: the shape of
+    ``hf``'s config and a byte-level BPE vocabulary of 256 bytes + 2 merges + 3 control tokens (261
+    ids; BOS and EOS the last two). The caller adds its family's keys and the tensors."""
+    cfg = hf.config
+    tokens = list(bytes_to_unicode().values()) + ["Ġt", "he"] + GGUF_SPECIALS
+    assert cfg.vocab_size == len(tokens)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name("tiny-test")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_vocab_size(cfg.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - len(GGUF_SPECIALS)) + [3] * len(GGUF_SPECIALS))
+    w.add_token_merges(["Ġ t", "h e"])
+    w.add_bos_token_id(len(tokens) - 2)
+    w.add_eos_token_id(len(tokens) - 1)
+    return w
 
 
 def spec_drafter(spec: SpecConfig, model: DecoderModel, slots: int, max_len: int) -> Drafter | None:

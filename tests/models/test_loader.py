@@ -17,16 +17,14 @@ import pytest
 import torch
 import transformers
 from safetensors.torch import load_file, save_file
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from tests.helpers import full_logits, tiny_hf_model, write_tiny_checkpoint
+from tests.helpers import full_logits, tiny_gguf_writer, tiny_hf_model, write_tiny_checkpoint
 from tidespec.models.loading import loader
 from tidespec.models.loading.gguf_convert import convert_gguf
 from tidespec.models.loading.loader import LoadedModel, ModelLoadError, cache_dir, hf_checkpoint_dir, load_model
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -40,26 +38,10 @@ def write_tiny_gguf(hf: transformers.PreTrainedModel, path: Path, arch: str = "l
     """A GGUF of a tiny tied-embedding HF Llama with a byte-level BPE vocabulary of 256 bytes + 2
     merges + 3 control tokens (261 ids); matrices float32 or quantized to ``qtype`` by gguf-py."""
     cfg = hf.config
-    tokens = list(bytes_to_unicode().values()) + ["Ġt", "he"] + SPECIALS
-    assert cfg.vocab_size == len(tokens) and cfg.tie_word_embeddings
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_name("tiny-test")
-    w.add_block_count(cfg.num_hidden_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_attention_heads)
-    w.add_head_count_kv(cfg.num_key_value_heads)
+    assert cfg.tie_word_embeddings
+    w = tiny_gguf_writer(hf, path, arch)
     w.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
     w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_vocab_size(cfg.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * (len(tokens) - len(SPECIALS)) + [3] * len(SPECIALS))
-    w.add_token_merges(["Ġ t", "h e"])
-    w.add_bos_token_id(len(tokens) - 2)
-    w.add_eos_token_id(len(tokens) - 1)
     w.add_add_bos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
     sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}

@@ -40,6 +40,7 @@ class Architecture:
     gguf: tuple[str, ...] = ()  # GGUF general.architecture values converted to it
     gguf_tensor_names: str = "llama"  # the gguf-py architecture whose tensor names its GGUF files use
     gguf_permuted_qk: bool = False  # llama.cpp's converter permuted q/k rows (undone on conversion)
+    gguf_norm_shift: float = 0.0  # llama.cpp stored every norm weight plus this (Gemma: 1; undone on conversion)
 
 
 ARCHITECTURES: dict[str, Architecture] = {a.hf_class: a for a in (
@@ -54,14 +55,15 @@ ARCHITECTURES: dict[str, Architecture] = {a.hf_class: a for a in (
     # embedding, residual, attention and logits multipliers (config.json)
     Architecture("GraniteForCausalLM"),
     # fused qkv_proj / gate_up_proj in the checkpoint, partial rotary, LongRoPE
-    Architecture("Phi3ForCausalLM", o_proj_bias=False),
+    Architecture("Phi3ForCausalLM", o_proj_bias=False, gguf=("phi3",), gguf_tensor_names="phi3"),
     # sliding and global layers (config.json's layer_types), each with its own rope; gelu-tanh MLP
     # a mixture of experts in place of the MLP (config.json's num_experts, decoder_sparse_step, ...)
-    Architecture("Qwen3MoeForCausalLM", qk_norm="head"),
+    Architecture("Qwen3MoeForCausalLM", qk_norm="head", gguf=("qwen3moe",), gguf_tensor_names="qwen3moe"),
     Architecture("MixtralForCausalLM", o_proj_bias=False),
     # Gemma 3 without q/k norms, with soft caps on the attention scores and the logits (config.json)
-    Architecture("Gemma2ForCausalLM", norm_placement="sandwich", norm_offset=True, embed_scale_sqrt=True),
+    Architecture("Gemma2ForCausalLM", norm_placement="sandwich", norm_offset=True, embed_scale_sqrt=True,
+                 gguf=("gemma2",), gguf_tensor_names="gemma2", gguf_norm_shift=1.0),
     Architecture("Gemma3ForCausalLM", qk_norm="head", norm_placement="sandwich", norm_offset=True,
-                 embed_scale_sqrt=True),
+                 embed_scale_sqrt=True, gguf=("gemma3",), gguf_tensor_names="gemma3", gguf_norm_shift=1.0),
 )}
 GGUF_ARCHITECTURES: dict[str, Architecture] = {g: a for a in ARCHITECTURES.values() for g in a.gguf}

@@ -81,7 +81,9 @@ def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
 def gguf_state_dict(reader: gguf.GGUFReader, arch: str, config: transformers.PretrainedConfig,
                     hf_names: list[str]) -> dict[str, torch.Tensor]:
     """The file's tensors as float32 under HF names (``hf_names``: the model class's state-dict keys);
-    tensors the model has no place for (llama 3's ``rope_freqs``) are left out, as transformers does."""
+    tensors the model has no place for (llama 3's ``rope_freqs``) are left out, as transformers does.
+    A mixture's experts (``blk.N.ffn_{gate,up,down}_exps``, [E, out, in] each) become transformers'
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I]."""
     arch_ids = {name: arch_id for arch_id, name in gguf.MODEL_ARCH_NAMES.items()}
     row = GGUF_ARCHITECTURES[arch]
     name_map = gguf.get_tensor_name_map(arch_ids[row.gguf_tensor_names], config.num_hidden_layers)
@@ -93,7 +95,11 @@ def gguf_state_dict(reader: gguf.GGUFReader, arch: str, config: transformers.Pre
             to_hf[f"{gguf_name}{dot}{suffix}"] = hf_name
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
     tensors: dict[str, torch.Tensor] = {}
+    experts: dict[str, np.ndarray] = {}  # gguf name -> [E, out, in]
     for t in reader.tensors:
+        if t.name.endswith(("_exps.weight",)):
+            experts[t.name] = gguf.dequantize(t.data, t.tensor_type)
+            continue
         if t.name not in to_hf:
             continue
         w = gguf.dequantize(t.data, t.tensor_type)  # numpy, HF's [out, in] order
@@ -101,8 +107,45 @@ def gguf_state_dict(reader: gguf.GGUFReader, arch: str, config: transformers.Pre
             w = unpermute_qk(w, heads)
         elif row.gguf_permuted_qk and ".attn_k." in t.name:
             w = unpermute_qk(w, kv_heads)
+        if row.gguf_norm_shift and t.name.endswith("norm.weight"):  # llama.cpp stored Gemma's norms + 1
+            w = w - row.gguf_norm_shift
         tensors[to_hf[t.name]] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+    for name in hf_names:
+        layer, _, rest = name.removeprefix("model.layers.").partition(".")
+        blk = f"blk.{layer}.ffn_{{}}_exps.weight"
+        if rest == "mlp.experts.gate_up_proj" and blk.format("gate") in experts:
+            both = np.concatenate([experts[blk.format("gate")], experts[blk.format("up")]], axis=1)
+            tensors[name] = torch.from_numpy(np.array(both, dtype=np.float32, copy=True))
+        elif rest == "mlp.experts.down_proj" and blk.format("down") in experts:
+            tensors[name] = torch.from_numpy(np.array(experts[blk.format("down")], dtype=np.float32, copy=True))
     return tensors
+
+
+# the layers count of the 27B Gemma 2 / Gemma 3, whose attention llama.cpp scales by 1/sqrt(hidden / heads)
+# (every other size by 1/sqrt(head_dim)); a GGUF carries no query_pre_attn_scalar
+_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def llama_cpp_conventions(config: transformers.PretrainedConfig, reader: gguf.GGUFReader, arch: str) -> None:
+    """Set what a GGUF file says (or llama.cpp assumes) but transformers' GGUF config mapping leaves at
+    its class's defaults: a Qwen3-MoE's expert width and its renormalized top k (llama.cpp's graph
+    always renormalizes), Gemma 2's soft caps, Gemma 3's scaled global rope, both Gemmas' query scale."""
+    if arch == "qwen3moe":
+        width = _field(reader, f"{arch}.expert_feed_forward_length")
+        if width is not None:
+            config.moe_intermediate_size = int(width)  # type: ignore[attr-defined]
+        config.norm_topk_prob = True  # type: ignore[attr-defined]
+    if arch in _GEMMA_27B_LAYERS:
+        large = config.num_hidden_layers == _GEMMA_27B_LAYERS[arch]  # type: ignore[attr-defined]
+        config.query_pre_attn_scalar = (config.hidden_size // config.num_attention_heads  # type: ignore[attr-defined]
+                                        if large else config.head_dim)  # type: ignore[attr-defined]
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        cap = _field(reader, f"{arch}.{key}")
+        if arch == "gemma2" and cap is not None:
+            setattr(config, key, float(cap))  # type: ignore[arg-type]
+    kind, factor = _field(reader, f"{arch}.rope.scaling.type"), _field(reader, f"{arch}.rope.scaling.factor")
+    if arch == "gemma3" and kind == "linear" and factor is not None:
+        config.rope_parameters["full_attention"].update(rope_type="linear", factor=float(factor))  # type: ignore[attr-defined, arg-type]
 
 
 def convert_gguf(gguf_path: Path, out: Path) -> Path:
@@ -116,6 +159,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> Path:
     parent, name = str(gguf_path.parent), gguf_path.name
     try:
         hf_config = transformers.AutoConfig.from_pretrained(parent, gguf_file=name)
+        llama_cpp_conventions(hf_config, reader, arch)
         # the tokenizer class directly: AutoTokenizer would parse the file's config once more
         tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(parent, gguf_file=name)
         with torch.device("meta"):  # the class and its tensor names, no memory

@@ -1,0 +1,122 @@
+"""GGUF files of the families beyond Llama load as the model they were written from.
+
+Each file is written with gguf-py as llama.cpp's converter lays it out (its metadata keys, its
+tensor names, Gemma's norm weights stored plus one, a mixture's experts as [E, out, in] tensors,
+Phi-3's fused q|k|v and gate|up), from a tiny transformers model whose config follows what llama.cpp
+assumes where a GGUF says nothing (Gemma's query scale, Gemma 3's sliding pattern of 6, Qwen3-MoE's
+renormalized top k); an F32 file is lossless, so the converted model's logits equal the original's
+to float32 rounding; a Q8_0 file's weights are its blocks dequantized.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from tests.helpers import full_logits, tiny_gguf_writer, tiny_hf_model
+from tidespec.models.loading.loader import load_model
+
+VOCAB = 261  # 256 bytes, 2 merges, 3 control tokens
+GGUF_ARCH = {"gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "qwen3-moe": "qwen3moe"}
+# tiny configs in llama.cpp's conventions: a GGUF has no query_pre_attn_scalar (llama.cpp: head_dim
+# below 27B), no layer types (Gemma 2 alternates, Gemma 3 slides 5 of every 6), Gemma 3's global
+# rope scaled linearly as its metadata says; Qwen3-MoE's top k renormalized
+CONFIGS: dict[str, dict[str, Any]] = {
+    "gemma2": dict(num_hidden_layers=3, query_pre_attn_scalar=16, layer_types=None, attn_logit_softcapping=2.0,
+                   final_logit_softcapping=3.0),
+    "gemma3": dict(num_hidden_layers=7, query_pre_attn_scalar=16, layer_types=None, sliding_window=5,
+                   rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                                    "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1000000.0)}),
+    "phi3": dict(partial_rotary_factor=1.0),
+    "qwen3-moe": dict(mlp_only_layers=[], moe_intermediate_size=64),  # Q8_0 rows: multiples of 32
+}
+
+
+def write_family_gguf(hf: transformers.PreTrainedModel, arch: str, path: Path,
+                      qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
+    cfg, g = hf.config, GGUF_ARCH[arch]
+    w = tiny_gguf_writer(hf, path, g)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_rope_dimension_count(head_dim)
+    if arch.startswith("gemma"):
+        w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch == "gemma3":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    if arch == "qwen3-moe":
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    w.add_pad_token_id(VOCAB - 3)
+
+    def add(name: str, t: np.ndarray) -> None:
+        if t.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32:
+            w.add_tensor(name, gguf.quantize(t, qtype), raw_dtype=qtype)
+        else:
+            w.add_tensor(name, t)
+
+    ids = {n: a for a, n in gguf.MODEL_ARCH_NAMES.items()}
+    names = gguf.get_tensor_name_map(ids[g], cfg.num_hidden_layers)
+    for key, value in hf.state_dict().items():
+        t = value.detach().float().numpy()
+        if key == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if key.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H] -> ffn_gate_exps, ffn_up_exps [E, I, H]
+            blk = "blk." + key.split(".")[2]
+            gate, up = np.split(t, 2, axis=1)
+            add(f"{blk}.ffn_gate_exps.weight", np.ascontiguousarray(gate))
+            add(f"{blk}.ffn_up_exps.weight", np.ascontiguousarray(up))
+            continue
+        if key.endswith("mlp.experts.down_proj"):
+            add(f"blk.{key.split('.')[2]}.ffn_down_exps.weight", t)
+            continue
+        base, _, suffix = key.rpartition(".")
+        name = names.get_name(base)
+        assert name is not None, key
+        if arch.startswith("gemma") and key.endswith("norm.weight"):
+            t = t + 1.0  # llama.cpp's Gemma converter stores 1 + w
+        add(f"{name}.{suffix}", t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture
+def private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("TIDESPEC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0], ids=["F32", "Q8_0"])
+@pytest.mark.parametrize("arch", sorted(GGUF_ARCH))
+def test_a_family_gguf_loads_as_the_model_it_was_written_from(arch: str, qtype: gguf.GGMLQuantizationType,
+                                                             tmp_path: Path, private_cache: Path) -> None:
+    hf, ours = tiny_hf_model(arch, torch.float32, seed=9, vocab_size=VOCAB, **CONFIGS[arch])
+    path = write_family_gguf(hf, arch, tmp_path / f"tiny-{arch}.{qtype.name}.gguf", qtype)
+    loaded = load_model(str(path))
+    assert loaded.config.architecture == ours.cfg.architecture
+    for field in ("sliding_layers", "attention_scale", "attn_logit_softcap", "final_logit_softcap", "rope_scaling",
+                  "num_experts", "moe_intermediate_size", "norm_topk_prob", "tie_word_embeddings"):
+        assert getattr(loaded.config, field) == getattr(ours.cfg, field), field
+    if qtype == gguf.GGMLQuantizationType.F32:  # lossless: the same model
+        ids = list(range(5, 25))
+        assert (full_logits(loaded.model, ids) - full_logits(ours, ids)).abs().max().item() < 1e-4
+    else:  # the file's blocks, dequantized as gguf-py does
+        embed = hf.model.embed_tokens.weight.detach().numpy()
+        want = torch.from_numpy(gguf.dequantize(gguf.quantize(embed, qtype), qtype))
+        assert torch.equal(loaded.model.embed_tokens.weight, want)
