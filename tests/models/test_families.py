@@ -33,7 +33,10 @@ from tidespec.models.execution.invariance import make_row_invariant
 from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.families.moe import SparseMoE
 from tidespec.models.families.rope import rope_table
+from tidespec.models.kernels.linear import Linear
 from tidespec.models.loading.loader import load_model
+from tidespec.models.quant.base import QuantizedLinear
+from tidespec.models.quant.quantize import quantize_model
 from tidespec.models.target import ModelConfigError, TargetConfig
 from tidespec.sampling import SamplingParams
 
@@ -213,3 +216,19 @@ def test_the_norm_rounds_bfloat16_where_the_family_does(arch: str) -> None:
     theirs, mine = hf.model.layers[0].post_attention_layernorm, ours.layers[0].post_attention_layernorm
     with torch.no_grad():
         assert torch.equal(mine(x), theirs(x))
+
+
+@pytest.mark.parametrize("mode", ["int8", "w4a8"])
+def test_a_quantized_mixture_keeps_its_router_and_speculates_exactly(mode: str) -> None:
+    """Quantization replaces the attention's and every expert's projections, not the router (it picks
+    the experts, as llama.cpp keeps it float); suffix speculation then gives the plain tokens."""
+    _, model = tiny_hf_model("qwen3-moe", torch.float32, seed=14, moe_intermediate_size=64)
+    quantize_model(model, mode)
+    moe = model.layers[0].mlp
+    assert isinstance(moe, SparseMoE) and type(moe.gate) is Linear
+    assert isinstance(model.layers[1].mlp.down_proj, QuantizedLinear)  # the dense layer
+    assert all(isinstance(e.down_proj, QuantizedLinear) for e in moe.experts)
+    prompts = _prompts(model.cfg.vocab_size)
+    plain, _ = _decode(model, SpecConfig(), prompts, slots=1)
+    got, engine = _decode(model, EVERY_DRAFTER["suffix"], prompts, slots=4)
+    assert got == plain and sum(s.num_draft_tokens for s in engine.history) > 0

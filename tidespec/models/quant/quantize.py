@@ -92,6 +92,14 @@ A8_QUANTIZATIONS = ("w4a8", "w8a8")  # int8 activations on integer dot products 
 LAYER_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
+def layer_projections(layer: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(parent, attribute) of every projection of a decoder layer that quantization replaces: a dense
+    layer's four (``LAYER_PROJECTIONS``), a mixture's attention and every expert's. A mixture's router
+    (``gate`` beside ``experts``) stays in floating point, as llama.cpp keeps it: it picks the experts."""
+    return [(parent, name) for parent in layer.modules() for name, child in parent.named_children()
+            if isinstance(child, nn.Linear) and not (name == "gate" and hasattr(parent, "experts"))]
+
+
 # --------------------------------------------------------------------------- the schemes (pure functions)
 
 
@@ -329,13 +337,16 @@ def check_quantizable(model: TargetModel, mode: str, group_size: int) -> None:
     if model.device.type != "cpu":
         raise QuantizationError(f"--quantization {mode} needs --device cpu (PyTorch's CPU kernels), "
                                 f"the model is on {model.device}")
+    inputs = [model.cfg.hidden_size, model.cfg.num_heads * model.cfg.head_dim, model.cfg.intermediate_size]
+    if model.cfg.num_experts:
+        inputs.append(model.cfg.moe_intermediate_size)
     if mode in A8_QUANTIZATIONS:
-        check_a8(mode, [model.cfg.hidden_size, model.cfg.num_heads * model.cfg.head_dim, model.cfg.intermediate_size])
+        check_a8(mode, inputs)
     if mode == "int4":
         if group_size not in INT4_GROUP_SIZES:
             raise QuantizationError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
                                     f"got {group_size}")
-        sizes = {model.cfg.hidden_size, model.cfg.num_heads * model.cfg.head_dim, model.cfg.intermediate_size}
+        sizes = set(inputs)
         if any(s % group_size for s in sizes):
             fits = [g for g in INT4_GROUP_SIZES if all(s % g == 0 for s in sizes)]
             raise QuantizationError(
@@ -344,7 +355,7 @@ def check_quantizable(model: TargetModel, mode: str, group_size: int) -> None:
 
 
 def quantize_model(model: TargetModel, mode: str, group_size: int = 32, lm_head: bool = True) -> None:
-    """Replace, in place, the four projections of every decoder layer (``LAYER_PROJECTIONS``) with
+    """Replace, in place, the projections of every decoder layer (``layer_projections``) with
     ``Int8Linear`` / ``Int4Linear`` (``mode`` "int8" / "int4"; "none" does nothing) and, when
     ``lm_head``, the LM head with an ``Int8Linear`` in both modes. ``group_size`` is int4's group
     of inputs per scale. "w4a8" / "w8a8" (``models/quant/a8.py``): Q4_1 / Q8_0 projections and a
@@ -365,9 +376,7 @@ def quantize_model(model: TargetModel, mode: str, group_size: int = 32, lm_head:
         return
     with torch.no_grad():
         for layer in model.layers:
-            for path in LAYER_PROJECTIONS:
-                parent_name, name = path.split(".")
-                parent = getattr(layer, parent_name)
+            for parent, name in layer_projections(layer):
                 setattr(parent, name, quantized_linear(getattr(parent, name), mode, group_size))
         if lm_head and not isinstance(model.lm_head, QuantizedLinear):
             model.lm_head = quantized_linear(model.lm_head, "w8a8" if mode in A8_QUANTIZATIONS else "int8",
@@ -405,9 +414,9 @@ def quantize_linears(module: nn.Module, mode: str, group_size: int = 32, int8_na
 
 def quantization_of(model: nn.Module) -> str:
     """What ``quantize_model`` did to ``model``: "none", "int8", "int4-g<group size>", "w4a8" or "w8a8"
-    (read from its first decoder layer's down projection; used to key cached cost profiles)."""
+    (read from its first decoder layer's output projection; used to key cached cost profiles)."""
     layers = getattr(model, "layers", None)
-    proj = getattr(getattr(layers[0], "mlp", None), "down_proj", None) if layers else None
+    proj = getattr(getattr(layers[0], "self_attn", None), "o_proj", None) if layers else None
     if isinstance(proj, Int8Linear):
         return "int8"
     if isinstance(proj, Int4Linear):
