@@ -23,7 +23,8 @@ from tests.helpers import full_logits, tiny_gguf_writer, tiny_hf_model
 from tidespec.models.loading.loader import load_model
 
 VOCAB = 261  # 256 bytes, 2 merges, 3 control tokens
-GGUF_ARCH = {"gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "qwen3-moe": "qwen3moe"}
+# llama.cpp writes a Mixtral as "llama" with experts (and q/k permuted as for any llama)
+GGUF_ARCH = {"gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "qwen3-moe": "qwen3moe", "mixtral": "llama"}
 # tiny configs in llama.cpp's conventions: a GGUF has no query_pre_attn_scalar (llama.cpp: head_dim
 # below 27B), no layer types (Gemma 2 alternates, Gemma 3 slides 5 of every 6), Gemma 3's global
 # rope scaled linearly as its metadata says; Qwen3-MoE's top k renormalized
@@ -35,6 +36,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
                                     "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1000000.0)}),
     "phi3": dict(partial_rotary_factor=1.0),
     "qwen3-moe": dict(mlp_only_layers=[], moe_intermediate_size=64),  # Q8_0 rows: multiples of 32
+    "mixtral": dict(intermediate_size=64),
 }
 
 
@@ -60,6 +62,9 @@ def write_family_gguf(hf: transformers.PreTrainedModel, arch: str, path: Path,
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if arch == "mixtral":
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_pad_token_id(VOCAB - 3)
 
     def add(name: str, t: np.ndarray) -> None:
@@ -88,6 +93,9 @@ def write_family_gguf(hf: transformers.PreTrainedModel, arch: str, path: Path,
         assert name is not None, key
         if arch.startswith("gemma") and key.endswith("norm.weight"):
             t = t + 1.0  # llama.cpp's Gemma converter stores 1 + w
+        if g == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):  # its rope's row order
+            heads = cfg.num_attention_heads if key.endswith("q_proj.weight") else cfg.num_key_value_heads
+            t = t.reshape(heads, 2, t.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(t.shape)
         add(f"{name}.{suffix}", t)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -111,7 +119,8 @@ def test_a_family_gguf_loads_as_the_model_it_was_written_from(arch: str, qtype: 
     loaded = load_model(str(path))
     assert loaded.config.architecture == ours.cfg.architecture
     for field in ("sliding_layers", "attention_scale", "attn_logit_softcap", "final_logit_softcap", "rope_scaling",
-                  "num_experts", "moe_intermediate_size", "norm_topk_prob", "tie_word_embeddings"):
+                  "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                  "tie_word_embeddings"):
         assert getattr(loaded.config, field) == getattr(ours.cfg, field), field
     if qtype == gguf.GGMLQuantizationType.F32:  # lossless: the same model
         ids = list(range(5, 25))

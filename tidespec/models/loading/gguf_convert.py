@@ -126,10 +126,17 @@ def gguf_state_dict(reader: gguf.GGUFReader, arch: str, config: transformers.Pre
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
-def llama_cpp_conventions(config: transformers.PretrainedConfig, reader: gguf.GGUFReader, arch: str) -> None:
-    """Set what a GGUF file says (or llama.cpp assumes) but transformers' GGUF config mapping leaves at
-    its class's defaults: a Qwen3-MoE's expert width and its renormalized top k (llama.cpp's graph
-    always renormalizes), Gemma 2's soft caps, Gemma 3's scaled global rope, both Gemmas' query scale."""
+def llama_cpp_conventions(config: transformers.PretrainedConfig, reader: gguf.GGUFReader,
+                          arch: str) -> transformers.PretrainedConfig:
+    """The config with what a GGUF file says (or llama.cpp assumes) but transformers' GGUF config
+    mapping leaves at its class's defaults: a Mixtral (llama.cpp writes it as ``llama`` with experts)
+    as a Mixtral, a Qwen3-MoE's expert width and its renormalized top k (llama.cpp's graph always
+    renormalizes), Gemma 2's soft caps, Gemma 3's scaled global rope, both Gemmas' query scale."""
+    experts = _field(reader, f"{arch}.expert_count")
+    if arch in ("llama", "mistral") and experts:
+        fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
+        return transformers.MixtralConfig(**fields, num_local_experts=int(experts),  # type: ignore[arg-type]
+                                          num_experts_per_tok=int(_field(reader, f"{arch}.expert_used_count") or 2))  # type: ignore[arg-type]
     if arch == "qwen3moe":
         width = _field(reader, f"{arch}.expert_feed_forward_length")
         if width is not None:
@@ -146,6 +153,7 @@ def llama_cpp_conventions(config: transformers.PretrainedConfig, reader: gguf.GG
     kind, factor = _field(reader, f"{arch}.rope.scaling.type"), _field(reader, f"{arch}.rope.scaling.factor")
     if arch == "gemma3" and kind == "linear" and factor is not None:
         config.rope_parameters["full_attention"].update(rope_type="linear", factor=float(factor))  # type: ignore[attr-defined, arg-type]
+    return config
 
 
 def convert_gguf(gguf_path: Path, out: Path) -> Path:
@@ -159,7 +167,7 @@ def convert_gguf(gguf_path: Path, out: Path) -> Path:
     parent, name = str(gguf_path.parent), gguf_path.name
     try:
         hf_config = transformers.AutoConfig.from_pretrained(parent, gguf_file=name)
-        llama_cpp_conventions(hf_config, reader, arch)
+        hf_config = llama_cpp_conventions(hf_config, reader, arch)
         # the tokenizer class directly: AutoTokenizer would parse the file's config once more
         tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(parent, gguf_file=name)
         with torch.device("meta"):  # the class and its tensor names, no memory
