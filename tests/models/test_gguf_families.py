@@ -24,7 +24,9 @@ from tidespec.models.loading.loader import load_model
 
 VOCAB = 261  # 256 bytes, 2 merges, 3 control tokens
 # llama.cpp writes a Mixtral as "llama" with experts (and q/k permuted as for any llama)
-GGUF_ARCH = {"gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "qwen3-moe": "qwen3moe", "mixtral": "llama"}
+GGUF_ARCH = {"gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "qwen3-moe": "qwen3moe", "mixtral": "llama",
+             "olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3"}
+PERMUTED_QK = ("llama", "granite", "smollm3")  # llama.cpp's LlamaModel and its subclasses reorder q/k rows
 # tiny configs in llama.cpp's conventions: a GGUF has no query_pre_attn_scalar (llama.cpp: head_dim
 # below 27B), no layer types (Gemma 2 alternates, Gemma 3 slides 5 of every 6), Gemma 3's global
 # rope scaled linearly as its metadata says; Qwen3-MoE's top k renormalized
@@ -37,6 +39,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "phi3": dict(partial_rotary_factor=1.0),
     "qwen3-moe": dict(mlp_only_layers=[], moe_intermediate_size=64),  # Q8_0 rows: multiples of 32
     "mixtral": dict(intermediate_size=64),
+    "olmo2": {},
+    "granite": {},
+    "smollm3": dict(num_hidden_layers=5, no_rope_layer_interval=4),  # llama.cpp: a NoPE layer every 4th
 }
 
 
@@ -65,6 +70,11 @@ def write_family_gguf(hf: transformers.PreTrainedModel, arch: str, path: Path,
     if arch == "mixtral":
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch == "granite":
+        w.add_embedding_scale(cfg.embedding_multiplier)
+        w.add_residual_scale(cfg.residual_multiplier)
+        w.add_attention_scale(cfg.attention_multiplier)
+        w.add_logit_scale(cfg.logits_scaling)
     w.add_pad_token_id(VOCAB - 3)
 
     def add(name: str, t: np.ndarray) -> None:
@@ -93,7 +103,7 @@ def write_family_gguf(hf: transformers.PreTrainedModel, arch: str, path: Path,
         assert name is not None, key
         if arch.startswith("gemma") and key.endswith("norm.weight"):
             t = t + 1.0  # llama.cpp's Gemma converter stores 1 + w
-        if g == "llama" and key.endswith(("q_proj.weight", "k_proj.weight")):  # its rope's row order
+        if g in PERMUTED_QK and key.endswith(("q_proj.weight", "k_proj.weight")):  # its rope's row order
             heads = cfg.num_attention_heads if key.endswith("q_proj.weight") else cfg.num_key_value_heads
             t = t.reshape(heads, 2, t.shape[0] // heads // 2, -1).swapaxes(1, 2).reshape(t.shape)
         add(f"{name}.{suffix}", t)
@@ -118,10 +128,13 @@ def test_a_family_gguf_loads_as_the_model_it_was_written_from(arch: str, qtype: 
     path = write_family_gguf(hf, arch, tmp_path / f"tiny-{arch}.{qtype.name}.gguf", qtype)
     loaded = load_model(str(path))
     assert loaded.config.architecture == ours.cfg.architecture
-    for field in ("sliding_layers", "attention_scale", "attn_logit_softcap", "final_logit_softcap", "rope_scaling",
-                  "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-                  "tie_word_embeddings"):
+    for field in ("sliding_layers", "attn_logit_softcap", "final_logit_softcap", "rope_scaling", "num_experts",
+                  "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "tie_word_embeddings",
+                  "rope_layers", "qk_norm", "norm_placement"):
         assert getattr(loaded.config, field) == getattr(ours.cfg, field), field
+    for field in ("rms_norm_eps", "rope_theta", "attention_scale", "embedding_scale", "residual_scale",
+                  "logits_divisor"):  # a GGUF holds its floats in float32
+        assert getattr(loaded.config, field) == pytest.approx(getattr(ours.cfg, field), rel=1e-6), field
     if qtype == gguf.GGMLQuantizationType.F32:  # lossless: the same model
         ids = list(range(5, 25))
         assert (full_logits(loaded.model, ids) - full_logits(ours, ids)).abs().max().item() < 1e-4

@@ -50,10 +50,11 @@ ARCHITECTURES: dict[str, Architecture] = {a.hf_class: a for a in (
     Architecture("Qwen2ForCausalLM", attention_bias=True, o_proj_bias=False, gguf=("qwen2",), gguf_tensor_names="qwen2"),
     Architecture("Qwen3ForCausalLM", qk_norm="head", gguf=("qwen3",), gguf_tensor_names="qwen3"),
     # NoPE layers (config.json's no_rope_layers)
-    Architecture("SmolLM3ForCausalLM"),
-    Architecture("Olmo2ForCausalLM", qk_norm="proj", norm_placement="post", norm_cast_after=True),
+    Architecture("SmolLM3ForCausalLM", gguf=("smollm3",), gguf_tensor_names="smollm3", gguf_permuted_qk=True),
+    Architecture("Olmo2ForCausalLM", qk_norm="proj", norm_placement="post", norm_cast_after=True,
+                 gguf=("olmo2",), gguf_tensor_names="olmo2"),
     # embedding, residual, attention and logits multipliers (config.json)
-    Architecture("GraniteForCausalLM"),
+    Architecture("GraniteForCausalLM", gguf=("granite",), gguf_tensor_names="granite", gguf_permuted_qk=True),
     # fused qkv_proj / gate_up_proj in the checkpoint, partial rotary, LongRoPE
     Architecture("Phi3ForCausalLM", o_proj_bias=False, gguf=("phi3",), gguf_tensor_names="phi3"),
     # sliding and global layers (config.json's layer_types), each with its own rope; gelu-tanh MLP

@@ -121,6 +121,49 @@ def gguf_state_dict(reader: gguf.GGUFReader, arch: str, config: transformers.Pre
     return tensors
 
 
+# GGUF architectures whose config transformers' GGUF loader does not read: their HF model types
+# (``config_from_metadata`` reads them with transformers' llama key mapping and their own keys)
+OWN_CONFIGS = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3"}
+# Granite's multipliers: GGUF key (after the architecture) -> HF config field
+_GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
+                   "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}
+
+
+def config_from_metadata(reader: gguf.GGUFReader, arch: str) -> transformers.PretrainedConfig:
+    """The HF config of a GGUF of an ``OWN_CONFIGS`` architecture: the shape under the keys
+    transformers maps for llama (block count, widths, heads, rope base, norm epsilon), the head width,
+    the vocabulary's size and special ids, a tied head when the file has no ``output`` tensor, and
+    the family's own: Granite's four multipliers, SmolLM3's rope-less layer every 4th (llama.cpp's
+    ``n_no_rope_layer_step``)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING  # the mapping transformers reads llama with
+
+    fields: dict[str, object] = {}
+    for key, name in GGUF_CONFIG_MAPPING["llama"].items():
+        value = _field(reader, f"{arch}.{key}")
+        if name is not None and value is not None:
+            fields[name] = value
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    fields.setdefault("vocab_size", len(tokens) if isinstance(tokens, list) else None)
+    head_dim = _field(reader, f"{arch}.attention.key_length")
+    if head_dim is not None:
+        fields["head_dim"] = head_dim
+    for key, name in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
+                      ("padding_token_id", "pad_token_id")):
+        fields[name] = _field(reader, f"tokenizer.ggml.{key}")
+    fields["tie_word_embeddings"] = not any(t.name == "output.weight" for t in reader.tensors)
+    if arch == "granite":
+        for key, name in _GRANITE_SCALES.items():
+            value = _field(reader, f"{arch}.{key}")
+            if value is not None:
+                fields[name] = value
+    if arch == "smollm3":
+        fields["no_rope_layer_interval"] = 4
+    theta = fields.pop("rope_theta", None)
+    if theta is not None:
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    return transformers.AutoConfig.for_model(OWN_CONFIGS[arch], **fields)
+
+
 # the layers count of the 27B Gemma 2 / Gemma 3, whose attention llama.cpp scales by 1/sqrt(hidden / heads)
 # (every other size by 1/sqrt(head_dim)); a GGUF carries no query_pre_attn_scalar
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -166,7 +209,8 @@ def convert_gguf(gguf_path: Path, out: Path) -> Path:
             f"unknown GGUF architecture {arch!r} in {gguf_path}; supported: {', '.join(GGUF_ARCHITECTURES)}")
     parent, name = str(gguf_path.parent), gguf_path.name
     try:
-        hf_config = transformers.AutoConfig.from_pretrained(parent, gguf_file=name)
+        hf_config = (config_from_metadata(reader, arch) if arch in OWN_CONFIGS
+                     else transformers.AutoConfig.from_pretrained(parent, gguf_file=name))
         hf_config = llama_cpp_conventions(hf_config, reader, arch)
         # the tokenizer class directly: AutoTokenizer would parse the file's config once more
         tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(parent, gguf_file=name)
