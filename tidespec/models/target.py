@@ -17,6 +17,7 @@ Worked example::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -151,11 +152,17 @@ class TargetConfig:
                 and self.rope_layers is None and self.partial_rotary_factor == 1.0 and self.num_experts == 0
                 and self.attn_logit_softcap is None and self.final_logit_softcap is None)
 
+    @functools.cached_property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """The distinct windows of the layers' attention, in layer order (one attention plan or
+        compiled mask each): ``(None,)`` for Llama, ``(5, None)`` for a Gemma with window 5."""
+        return tuple(dict.fromkeys(self.layer_window(i) for i in range(self.num_layers)))
+
     @property
     def uniform_attention(self) -> bool:
-        """Every layer attends over the same window (what the compiled step and graphs assume: one
-        mask serves every layer)."""
-        return len({self.layer_window(i) for i in range(self.num_layers)}) == 1
+        """Every layer attends over the same window (what the CUDA graphs assume: one mask serves
+        every layer)."""
+        return len(self.layer_windows) == 1
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any]) -> TargetConfig:

@@ -137,7 +137,7 @@ class CompiledStep:
         self._tap_flags = tuple(i in self.tap_layers for i in range(model.cfg.num_layers))
         self.exact = transposed_keys(kv.k[0])  # the row-invariant attention kernel (models/kernels/attention.py)
         # one mask per distinct layer window (Gemma's sliding and global layers: two), built per forward
-        self.windows = tuple(dict.fromkeys(model.cfg.layer_window(i) for i in range(model.cfg.num_layers)))
+        self.windows = model.cfg.layer_windows
         if isinstance(kv, PagedKVCache):  # one table for the engine's life: its width must not become a
             torch._dynamo.mark_static(kv.block_table)  # symbol that a key length of the same size is tied to
         # the rope table is built on first use; built here, the graph only reads it (no guard on

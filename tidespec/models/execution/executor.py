@@ -55,8 +55,8 @@ log = logging.getLogger(__name__)
 
 # the code a forward's cost depends on: a change to any of it makes cached costs stale
 # (paths under tidespec/models)
-KERNEL_SOURCES = ("families/decoder.py", "families/attention.py", "families/mlp.py", "families/norms.py",
-                  "families/rope.py", "kernels/linear.py", "kernels/ops.py", "kernels/attention.py",
+KERNEL_SOURCES = ("families/decoder.py", "families/attention.py", "families/mlp.py", "families/moe.py",
+                  "families/norms.py", "families/rope.py", "kernels/linear.py", "kernels/ops.py", "kernels/attention.py",
                   "quant/quantize.py", "quant/base.py", "execution/invariance.py", "execution/compiled.py", "execution/graphs.py",
                   "kv/cache.py", "kernels/rows.py", "execution/executor.py", "kernels/row_attention.py",
                   "kernels/csrc/row_invariant.cpp", "kernels/csrc/exact_linear.cpp")

@@ -144,7 +144,7 @@ class DecoderModel(PlacedModule):
         (2, L//2, L-3))."""
         if kv.paged and layout.block_table is None:
             layout.page(kv)
-        for window in {layer.self_attn.window for layer in self.layers}:
+        for window in self.cfg.layer_windows:
             layout.attention_plan(window, kv, transposed_keys(kv.k[0]))
         return self.run(input_ids, layout, kv.k, kv.v, logits_rows, tap_layers)
 
@@ -229,7 +229,7 @@ class DecoderModel(PlacedModule):
             for name, t in own.items():
                 params[name].copy_(t)
 
-    def truncated(self, num_layers: int) -> "DecoderModel":
+    def truncated(self, num_layers: int) -> DecoderModel:
         """A model sharing this one's weights but running only its first ``num_layers`` layers
         (the cheapest same-tokenizer draft model)."""
         if not 0 < num_layers <= self.cfg.num_layers:

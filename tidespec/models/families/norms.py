@@ -34,7 +34,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., dim]
-        if self.cast_after and x.dtype not in (torch.float32, torch.float64) or self.offset:
+        if self.offset or (self.cast_after and x.dtype not in (torch.float32, torch.float64)):
             xf = x.to(torch.promote_types(x.dtype, torch.float32))
             xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
             w = self.weight.to(xf.dtype)

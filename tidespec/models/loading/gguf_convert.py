@@ -97,7 +97,7 @@ def gguf_state_dict(reader: gguf.GGUFReader, arch: str, config: transformers.Pre
     tensors: dict[str, torch.Tensor] = {}
     experts: dict[str, np.ndarray] = {}  # gguf name -> [E, out, in]
     for t in reader.tensors:
-        if t.name.endswith(("_exps.weight",)):
+        if t.name.endswith("_exps.weight"):
             experts[t.name] = gguf.dequantize(t.data, t.tensor_type)
             continue
         if t.name not in to_hf:
@@ -189,9 +189,9 @@ def llama_cpp_conventions(config: transformers.PretrainedConfig, reader: gguf.GG
         large = config.num_hidden_layers == _GEMMA_27B_LAYERS[arch]  # type: ignore[attr-defined]
         config.query_pre_attn_scalar = (config.hidden_size // config.num_attention_heads  # type: ignore[attr-defined]
                                         if large else config.head_dim)  # type: ignore[attr-defined]
-    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+    for key in ("attn_logit_softcapping", "final_logit_softcapping") if arch == "gemma2" else ():
         cap = _field(reader, f"{arch}.{key}")
-        if arch == "gemma2" and cap is not None:
+        if cap is not None:
             setattr(config, key, float(cap))  # type: ignore[arg-type]
     kind, factor = _field(reader, f"{arch}.rope.scaling.type"), _field(reader, f"{arch}.rope.scaling.factor")
     if arch == "gemma3" and kind == "linear" and factor is not None:
