@@ -130,7 +130,7 @@ def section(cls: type, prefix: str = "") -> Any:
     return field(default_factory=cls, metadata={"section": True, "prefix": prefix})
 
 
-QUANTIZATIONS = ("none", "int8", "int4", "w4a8", "w8a8")
+QUANTIZATIONS = ("none", "int8", "int4", "w4a8", "w8a8", "gguf")
 HEAD_QUANTIZATIONS = ("none", "int8", "int4")  # what an EAGLE-3 head can draft in (models.eagle3_head)
 MAX_THREADS = 4096  # more than any CPU has; torch.set_num_threads overflows past a C int
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU int4 kernel accepts
@@ -142,11 +142,13 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16", "float16", "float64"] = opt("float32", "weights and activations dtype")
     device: str = opt("cpu", "torch device (cpu, cuda, cuda:1)")
     threads: int = opt(0, "torch intra-op threads (0 = torch default)", min=0, max=MAX_THREADS)
-    quantization: Literal["none", "int8", "int4", "w4a8", "w8a8"] = opt(
+    quantization: Literal["none", "int8", "int4", "w4a8", "w8a8", "gguf"] = opt(
         "none", "quantization of the layers' projections and the LM head, CPU only. int8 (per output channel) / "
                 "int4 (per group): weight-only, PyTorch's kernels' arithmetic on bfloat16 activations, LM head "
                 "int8. w4a8 / w8a8: GGUF Q4_1 / Q8_0 blocks of 32 (LM head Q8_0) times activations quantized to "
-                "int8 per block, integer dot products as llama.cpp does (AVX512-VNNI; the fastest on a CPU). The "
+                "int8 per block, integer dot products as llama.cpp does (AVX512-VNNI; the fastest on a CPU). "
+                "gguf: a GGUF model's own blocks (Q4_0/1, Q5_0/1, Q8_0, Q3_K-Q6_K) on those kernels, as the file "
+                "holds them (other types converted to Q8_0, said at start-up). The "
                 "rest of the model keeps --dtype. Greedy speculation gives exactly the quantized model's plain "
                 "decoding (README, Guarantees)")
     quant_group_size: int = opt(32, "int4: input weights per scale/zero group (32, 64, 128 or 256; 32 = GGUF Q4_1)")

@@ -206,8 +206,9 @@ def test_compiled_graphs_give_the_eager_text(path_run: PathRun, two_threads) -> 
 def test_every_path_and_drafter_is_in_the_subset() -> None:
     """float32 and bfloat16, and each weight quantization, eager and compiled (make test: every eager
     path and ``COMPILED_IN_MAKE_TEST``; make test-slow: every compiled one on the whole model); every
-    drafter configuration in make test."""
-    expected = {("float32", "none"), ("bfloat16", "none")} | {("float32", q) for q in QUANT_PATHS}
+    drafter configuration in make test. gguf is not among them: on the embedded Q4_1 file it is w4a8's
+    weights bit for bit, and on K-quants it speculates exactly in tests/models/test_gguf_blocks.py."""
+    expected = {("float32", "none"), ("bfloat16", "none")} | {("float32", q) for q in QUANT_PATHS if q != "gguf"}
     for compiled in (False, True):
         assert {parse_path(p)[:2] for p in PATHS if parse_path(p)[2] == compiled} == expected
     assert {p for p in PATHS if not parse_path(p)[2]} <= set(SUBSET)

@@ -68,7 +68,7 @@ from tidespec.speculative.api import DraftProposal, SeqDraft
 from tidespec.workloads.loader import Prompt, load_prompts
 
 PATHS = ("float32", "float32+compile", "bfloat16", "bfloat16+compile", "int8", "int8+compile", "int4", "int4+compile",
-         "bfloat16+int4", "w4a8", "w4a8+compile", "w8a8", "w8a8+compile")
+         "bfloat16+int4", "w4a8", "w4a8+compile", "w8a8", "w8a8+compile", "gguf", "gguf+compile")
 QUANT_PATHS = tuple(q for q in QUANTIZATIONS if q != "none")
 DRAFTERS = ("ngram", "suffix", "draft-model", "eagle3", "eagle3-tree", "suffix,eagle3+analytic")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -79,7 +79,7 @@ class ExactnessBenchConfig:
     workloads: str = opt("code,chat,zh_chat,multilingual", "comma-separated workloads (built-in names or JSONL paths)")
     limit: int = opt(6, "prompts per workload", min=1)
     max_tokens: int = opt(256, "tokens generated per request (EOS ignored)", min=1)
-    paths: str = opt(",".join(PATHS), "comma-separated target paths: [float32|bfloat16+][int8|int4|w4a8|w8a8][+compile] "
+    paths: str = opt(",".join(PATHS), "comma-separated target paths: [float32|bfloat16+][int8|int4|w4a8|w8a8|gguf][+compile] "
                                       "(float32, bfloat16+compile, int4+compile, bfloat16+int4, ...)")
     drafters: str = opt(";".join(DRAFTERS), "semicolon-separated drafter configurations: " + "; ".join(DRAFTERS))
     gamma: int = opt(4, "draft tokens per step", min=1)
@@ -121,7 +121,7 @@ class ExactnessBenchConfig:
 
 
 def parse_path(path: str) -> tuple[str, str, bool]:
-    """A target path, ``[dtype+][int8|int4|w4a8|w8a8][+compile]`` -> (dtype, quantization, compile); a
+    """A target path, ``[dtype+][int8|int4|w4a8|w8a8|gguf][+compile]`` -> (dtype, quantization, compile); a
     one-line error else.
 
     Examples: ``parse_path("int4+compile") == ("float32", "int4", True)``,
@@ -132,7 +132,7 @@ def parse_path(path: str) -> tuple[str, str, bool]:
     quant = parts.pop(0) if parts and parts[0] in QUANT_PATHS else "none"
     compile_ = parts == ["compile"]
     if (parts and not compile_) or (dtype == "float32" and quant == "none" and not path.startswith("float32")):
-        raise ConfigError(f"unknown path {path!r}: [float32|bfloat16+][int8|int4|w4a8|w8a8][+compile], e.g. int4+compile, "
+        raise ConfigError(f"unknown path {path!r}: [float32|bfloat16+][int8|int4|w4a8|w8a8|gguf][+compile], e.g. int4+compile, "
                           f"bfloat16+int4")
     return dtype, quant, compile_
 
@@ -167,7 +167,7 @@ def target_model(dtype: str, quantization: str, cache: dict[tuple[str, str], Loa
             base = dataclasses.replace(base, model=base.model.truncated(min(layers, base.model.cfg.num_layers)))
         if quantization != "none":  # a quantized copy; the float model stays as it is
             base = dataclasses.replace(base, model=copy.deepcopy(base.model))
-            quantize_model(base.model, quantization)
+            quantize_model(base.model, quantization, checkpoint=Path(base.path))
         cache[key] = base
     return cache[key]
 

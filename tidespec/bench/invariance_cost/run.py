@@ -48,7 +48,7 @@ from tidespec.workloads.loader import load_prompts
 @dataclass
 class InvarianceCostConfig:
     paths: str = opt("float32,bfloat16,int8,int4,int4+compile", "comma-separated target paths: "
-                     "[float32|bfloat16+][int8|int4|w4a8|w8a8][+compile]")
+                     "[float32|bfloat16+][int8|int4|w4a8|w8a8|gguf][+compile]")
     batch_sizes: str = opt("1,16", "comma-separated numbers of sequences decoding together")
     workload: str = opt("code", "prompts (a built-in workload or a JSONL path)")
     max_tokens: int = opt(64, "tokens decoded per request (EOS ignored)", min=2)

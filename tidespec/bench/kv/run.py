@@ -53,7 +53,7 @@ SHARING = ("paged", "paged+prefix")  # with --shared-prefix-tokens
 
 @dataclass
 class KVBenchConfig(Section):
-    path: str = opt("int4", "target path: [float32|bfloat16+][int8|int4|w4a8|w8a8][+compile]")
+    path: str = opt("int4", "target path: [float32|bfloat16+][int8|int4|w4a8|w8a8|gguf][+compile]")
     slots: int = opt(4, "the memory given to both caches: this many sequences of --max-model-len", min=1)
     max_model_len: int = opt(2048, "context per sequence (the slot layout's block)", min=64)
     requests: int = opt(32, "requests in the burst, all sent at once", min=2)

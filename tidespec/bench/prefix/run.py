@@ -49,7 +49,7 @@ from tidespec.workloads.loader import WorkloadRecord, load_workload, prefix_text
 
 @dataclass
 class PrefixBenchConfig(Section):
-    path: str = opt("float32", "target path: [float32|bfloat16+][int8|int4|w4a8|w8a8][+compile]")
+    path: str = opt("float32", "target path: [float32|bfloat16+][int8|int4|w4a8|w8a8|gguf][+compile]")
     workload: str = opt("code_unseen,chat", "comma-separated workloads whose records follow the shared prefix")
     limit: int = opt(8, "records of each workload", min=2)
     prefix_from: str = opt("code_extra", "workloads whose prompts make the shared prefix")

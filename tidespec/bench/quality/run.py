@@ -92,14 +92,15 @@ def variant_label(variant: str, group_size: int) -> str:
     return f"int4-g{group_size}" if variant == "int4" else variant
 
 
-def build_variants(ref: TargetModel, cfg: QualityBenchConfig, ref_dtype: str) -> dict[str, TargetModel]:
+def build_variants(ref: TargetModel, cfg: QualityBenchConfig, ref_dtype: str,
+                   checkpoint: Path | None = None) -> dict[str, TargetModel]:
     """Label -> model: the quantized copies of ``ref`` (activations keep ``ref``'s dtype, as
     ``--quantization`` serves them) and, when asked and ``ref`` is not bfloat16 already, ``ref``
     in bfloat16. ``ref`` itself is not changed."""
     out: dict[str, TargetModel] = {}
     for q in cfg.quantizations:
         model = copy.deepcopy(ref)
-        quantize_model(model, q, cfg.group_size)
+        quantize_model(model, q, cfg.group_size, checkpoint=checkpoint)  # gguf: the blocks of the file it came from
         out[variant_label(q, cfg.group_size)] = model
     if cfg.bf16_reference and ref_dtype != "bfloat16":
         out["bfloat16"] = copy.deepcopy(ref).to(torch.bfloat16)
@@ -204,7 +205,7 @@ def run_quality_bench(cfg: QualityBenchConfig, target: LoadedModel | str | None 
     target = resolve_target(target if target is not None else mc.model, mc.dtype, mc.device)
     ref_dtype = str(target.model.dtype).removeprefix("torch.")
     mc = dataclasses.replace(mc, dtype=ref_dtype if ref_dtype in DTYPES else mc.dtype)
-    variants = build_variants(target.model, cfg, mc.dtype)
+    variants = build_variants(target.model, cfg, mc.dtype, Path(target.path))
     sets = {w: load_prompts(w, target.tokenizer, cfg.limit) for w in cfg.workloads}
     rows: list[dict[str, Any]] = []
     with tqdm(total=sum(len(p) for p in sets.values()), desc="bench quality", unit="prompt", disable=not echo,
@@ -268,7 +269,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     """``tidespec bench quality`` flags: workloads, variants, sizes, output, and the model flags
     (without ``--quantization``: the variants are chosen with ``--quantizations``)."""
     p.add_argument("--workload", default="code,chat", help="comma-separated JSONL paths or built-in names")
-    p.add_argument("--quantizations", default="int8,int4", help="comma-separated variants: int8, int4, w4a8, w8a8")
+    p.add_argument("--quantizations", default="int8,int4", help="comma-separated variants: int8, int4, w4a8, w8a8, gguf "
+                                                              "(a GGUF model's own blocks)")
     p.add_argument("--limit", type=int, default=8, help="prompts per workload (the first N records)")
     p.add_argument("--max-tokens", type=int, default=64, help="reference greedy continuation length (EOS stops it)")
     p.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=True,

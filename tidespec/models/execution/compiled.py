@@ -43,6 +43,7 @@ import torch
 from tidespec.files import cache_root
 from tidespec.models.target import TargetModel
 from tidespec.models.kernels.attention import AttentionPlan, attend_exact, attend_padded, transposed_keys
+from tidespec.models.kernels.ops import library_name
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.kv.paged import PagedKVCache
 from tidespec.models.layout import BatchLayout, ModelOutput
@@ -113,12 +114,16 @@ def inductor_cache_dir() -> str:
     """Inductor's on-disk cache: ``$TORCHINDUCTOR_CACHE_DIR``, pointed into tidespec's cache root
     unless the user chose a place. Inductor writes its own default (``/tmp/torchinductor_<user>``)
     into the variable the first time anything asks for the directory (loading a model does), so
-    that default counts as not chosen; inductor reads the variable again at every cache access."""
+    that default counts as not chosen; inductor reads the variable again at every cache access.
+
+    One directory per build of tidespec's kernels (``kernels.ops.library_name()``): inductor's keys do
+    not cover a custom op's schema, and a graph compiled against an older ``tidespec::`` op (one more
+    argument) was loaded and failed at its first call."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir  # private, but the one source
 
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     if current is None or current == default_cache_dir():
-        current = os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor")
+        current = os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache_root() / "inductor" / library_name())
     return current
 
 

@@ -57,9 +57,10 @@ log = logging.getLogger(__name__)
 # (paths under tidespec/models)
 KERNEL_SOURCES = ("families/decoder.py", "families/attention.py", "families/mlp.py", "families/moe.py",
                   "families/norms.py", "families/rope.py", "kernels/linear.py", "kernels/ops.py", "kernels/attention.py",
-                  "quant/quantize.py", "quant/base.py", "execution/invariance.py", "execution/compiled.py", "execution/graphs.py",
-                  "kv/cache.py", "kernels/rows.py", "execution/executor.py", "kernels/row_attention.py",
-                  "kernels/csrc/row_invariant.cpp", "kernels/csrc/exact_linear.cpp")
+                  "quant/quantize.py", "quant/base.py", "quant/a8.py", "quant/gguf_blocks.py", "execution/invariance.py",
+                  "execution/compiled.py", "execution/graphs.py", "kv/cache.py", "kernels/rows.py", "execution/executor.py",
+                  "kernels/row_attention.py", "kernels/csrc/row_invariant.cpp", "kernels/csrc/exact_linear.cpp",
+                  "kernels/csrc/quant_linear.cpp", "kernels/csrc/a8_linear.cpp")
 
 
 def check_compilable(cfg: TargetConfig, graphed: bool, compiled: bool) -> None:

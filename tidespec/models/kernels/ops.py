@@ -58,7 +58,7 @@ def _capability() -> str:
     return cap if cap in CAPABILITY_FLAGS else "DEFAULT"
 
 
-def _build_name() -> str:
+def library_name() -> str:
     """Library name keyed by what changes the binary: source, flags, capability, torch version."""
     cap = _capability()
     key = hashlib.sha256()
@@ -72,14 +72,14 @@ def _build_name() -> str:
 def _load() -> None:
     from torch.utils import cpp_extension  # imported lazily: it pulls in setuptools
 
-    name = _build_name()
+    name = library_name()
     build_dir = cache_root() / "kernels" / name
     build_dir.mkdir(parents=True, exist_ok=True)
     if not (build_dir / f"{name}.so").exists():
         log.info("building tidespec's CPU kernels for this CPU (once; cached in %s)", build_dir)
     flags = COMMON_FLAGS + CAPABILITY_FLAGS.get(_capability(), [])
     # A copy: cpp_extension.load appends torch's libraries to the list it is given, and LINK_FLAGS is
-    # part of the library's name (_build_name), so mutating it would name a second library.
+    # part of the library's name (library_name), so mutating it would name a second library.
     cpp_extension.load(name=name, sources=[str(s) for s in SOURCES], extra_cflags=flags, extra_ldflags=list(LINK_FLAGS),
                        build_directory=str(build_dir), is_python_module=False, verbose=False)
     torch.library.register_fake("tidespec::exact_attention")(_exact_attention_fake)
@@ -89,6 +89,7 @@ def _load() -> None:
     torch.library.register_fake("tidespec::int8_linear")(_int8_linear_fake)
     torch.library.register_fake("tidespec::w4a8_linear")(_w4a8_linear_fake)
     torch.library.register_fake("tidespec::w8a8_linear")(_w8a8_linear_fake)
+    torch.library.register_fake("tidespec::gguf_nib_linear")(_gguf_nib_linear_fake)
 
 
 def _exact_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
@@ -125,6 +126,12 @@ def _w4a8_linear_fake(x: torch.Tensor, packed: torch.Tensor, dm: torch.Tensor) -
 
 def _w8a8_linear_fake(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, corr: torch.Tensor) -> torch.Tensor:
     """Shape function for torch.compile: [T, K] x [N / 16, K / 4, 64] -> [T, N] float32."""
+    return x.new_empty(x.shape[0], packed.shape[0] * 16)
+
+
+def _gguf_nib_linear_fake(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                          high: torch.Tensor | None, offset: int) -> torch.Tensor:
+    """Shape function for torch.compile: [T, K] x [N / 16, K / 8, 64] -> [T, N] float32."""
     return x.new_empty(x.shape[0], packed.shape[0] * 16)
 
 

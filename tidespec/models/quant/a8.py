@@ -113,17 +113,41 @@ def pack_w4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> tuple[torch.Te
     """Q4_1 ``(q [N, K], d, m [N, K/32])`` -> the kernel's ``packed [N/16, K/8, 64] uint8`` (at octet j,
     byte 4o + t: q[o, 8j + t] low, q[o, 8j + 4 + t] high) and ``dm [N/16, K/32, 2, 16] float16``;
     N is padded to a multiple of 16 with zero outputs."""
-    q, d, m = _pad_rows(q), _pad_rows(d), _pad_rows(m)
+    return pack_nibbles(q), torch.stack([panel_values(d), panel_values(m)], dim=2).contiguous()
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Codes ``q [N, K]`` uint8 -> the nibble tile's ``packed [N/16, K/8, 64]`` (``pack_w4``'s layout) of
+    their low 4 bits; N padded to a multiple of 16 with zero outputs."""
+    q = _pad_rows(q) & 0x0F
     n, k = q.shape
     q5 = q.reshape(n // A8_PANEL, A8_PANEL, k // 8, 2, 4)  # [P, o, octet, half, t]
     byte = q5[:, :, :, 0, :] | (q5[:, :, :, 1, :] << 4)  # [P, o, octet, t]
-    packed = byte.permute(0, 2, 1, 3).reshape(n // A8_PANEL, k // 8, 64).contiguous()
-    return packed, torch.stack([_panels(d), _panels(m)], dim=2).contiguous()
+    return byte.permute(0, 2, 1, 3).reshape(n // A8_PANEL, k // 8, 64).contiguous()
+
+
+def pack_high(q: torch.Tensor, planes: int) -> torch.Tensor:
+    """Codes ``q [N, K]`` uint8 of 4 + ``planes`` bits -> their high bits, ``[N/16, K/8, planes, 2, 8]``
+    uint8: per octet j, plane h (bit 4 + h) and half (the nibbles of ``pack_nibbles``' low or high half),
+    a 64-bit mask whose bit 4o + t is that of the byte at 4o + t (GGUF's Q5 / Q6_K codes)."""
+    q = _pad_rows(q)
+    n, k = q.shape
+    q5 = q.reshape(n // A8_PANEL, A8_PANEL, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [P, octet, half, o, t]
+    bits = torch.stack([(q5 >> (4 + h)) & 1 for h in range(planes)], dim=2)  # [P, octet, plane, half, o, t]
+    flat = bits.reshape(-1, 8, 8).to(torch.int32)  # 8 bytes of 8 bits each, bit i of byte b = entry 8b + i
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32)
+    return (flat * weights).sum(dim=2).to(torch.uint8).reshape(n // A8_PANEL, k // 8, planes, 2, 8).contiguous()
+
+
+def panel_values(t: torch.Tensor) -> torch.Tensor:
+    """Per-output values ``[N, B]`` (scales, mins, per block) -> the kernels' ``[N/16, B, 16]``, a panel's
+    16 outputs side by side; N padded as the codes are."""
+    return _panels(_pad_rows(t))
 
 
 def pack_w8(q: torch.Tensor, d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Q8_0 ``(q [N, K] int8, d [N, K/32])`` -> ``packed [N/16, K/4, 64] int8`` (at quad j, byte 4o + t:
-    q[o, 4j + t]), ``scales [N/16, K/32, 16] float16`` and ``corr`` of that shape, int32: 128 x each
+    q[o, 4j + t]), ``scales [N/16, K/32, 16]`` (d's dtype) and ``corr`` of that shape, int32: 128 x each
     block's sum of q (the kernel's unsigned activations carry +128)."""
     q, d = _pad_rows(q), _pad_rows(d)
     n, k = q.shape

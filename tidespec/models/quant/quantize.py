@@ -73,21 +73,23 @@ Worked example::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
 
 from tidespec.config import INT4_GROUP_SIZES, QUANTIZATIONS
-from tidespec.models.target import TargetModel
 from tidespec.models.kernels.ops import quant_linear_available
 from tidespec.models.kernels.rows import in_pieces
 from tidespec.models.quant.a8 import W4A8Linear, W8A8Linear, check_a8
 from tidespec.models.quant.base import KERNEL_DTYPE, QuantizationError, QuantizedLinear
+from tidespec.models.quant.gguf_blocks import GgufBlocks, quantize_gguf
+from tidespec.models.target import TargetModel
 
 INT4_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
 INT4_PANEL = 64  # tidespec::int4_linear reads ATen's AVX512 packing of whole panels of 64 outputs
 INT8_K_MULTIPLE = 16  # tidespec::int8_linear reads 16 input features at a time
-A8_QUANTIZATIONS = ("w4a8", "w8a8")  # int8 activations on integer dot products (models/quant/a8.py)
+A8_QUANTIZATIONS = ("w4a8", "w8a8", "gguf")  # int8 activations on integer dot products (models/quant/a8.py)
 # The projections of a decoder layer that ``quantize_model`` replaces (attribute paths).
 LAYER_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
@@ -354,7 +356,8 @@ def check_quantizable(model: TargetModel, mode: str, group_size: int) -> None:
                 + (f"use --quant-group-size {' or '.join(map(str, fits))}" if fits else "use --quantization int8"))
 
 
-def quantize_model(model: TargetModel, mode: str, group_size: int = 32, lm_head: bool = True) -> None:
+def quantize_model(model: TargetModel, mode: str, group_size: int = 32, lm_head: bool = True,
+                   checkpoint: Path | None = None) -> GgufBlocks | None:
     """Replace, in place, the projections of every decoder layer (``layer_projections``) with
     ``Int8Linear`` / ``Int4Linear`` (``mode`` "int8" / "int4"; "none" does nothing) and, when
     ``lm_head``, the LM head with an ``Int8Linear`` in both modes. ``group_size`` is int4's group
@@ -370,10 +373,21 @@ def quantize_model(model: TargetModel, mode: str, group_size: int = 32, lm_head:
     EAGLE-3 drafter, the online trainer, ``truncated`` draft models — works unchanged; a draft
     model from ``model.truncated(k)`` shares the quantized layers. Raises ``QuantizationError``
     (see ``check_quantizable``) before touching anything.
+
+    "gguf" (``models/quant/gguf_blocks.py``): the blocks of the GGUF file ``checkpoint`` (the directory
+    it was converted into) was made from, as they are; returns them, with what ran natively and what
+    was converted to Q8_0 (``GgufBlocks.summary()``).
     """
     check_quantizable(model, mode, group_size)
     if mode == "none":
-        return
+        return None
+    if mode == "gguf":
+        blocks = GgufBlocks.read(checkpoint) if checkpoint is not None else None
+        if blocks is None:
+            raise QuantizationError("--quantization gguf runs a GGUF file's own blocks: this model was not loaded "
+                                    "from a quantized .gguf file (use w4a8 or w8a8)")
+        quantize_gguf(model, blocks, lambda m: quantized_linear(m, "w8a8", group_size))
+        return blocks
     with torch.no_grad():
         for layer in model.layers:
             for parent, name in layer_projections(layer):
@@ -381,6 +395,7 @@ def quantize_model(model: TargetModel, mode: str, group_size: int = 32, lm_head:
         if lm_head and not isinstance(model.lm_head, QuantizedLinear):
             model.lm_head = quantized_linear(model.lm_head, "w8a8" if mode in A8_QUANTIZATIONS else "int8",
                                              group_size)
+    return None
 
 
 def quantize_linears(module: nn.Module, mode: str, group_size: int = 32, int8_names: tuple[str, ...] = ()) -> int:
@@ -413,7 +428,7 @@ def quantize_linears(module: nn.Module, mode: str, group_size: int = 32, int8_na
 
 
 def quantization_of(model: nn.Module) -> str:
-    """What ``quantize_model`` did to ``model``: "none", "int8", "int4-g<group size>", "w4a8" or "w8a8"
+    """What ``quantize_model`` did to ``model``: "none", "int8", "int4-g<group size>", "w4a8", "w8a8" or "gguf"
     (read from its first decoder layer's output projection; used to key cached cost profiles)."""
     layers = getattr(model, "layers", None)
     proj = getattr(getattr(layers[0], "self_attn", None), "o_proj", None) if layers else None

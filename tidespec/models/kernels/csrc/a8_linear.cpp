@@ -19,6 +19,21 @@
 //   w8a8: weight w[o, k] = dw[o, b] * q[o, k], q in -127..127 (Q8_0); dw float16
 //         acc = acc + (dw * dx) * float(sum_k q[o, k] qx[k])
 //
+// A GGUF file's own blocks (models/quant/gguf_blocks.py, --quantization gguf) run with float32 scales
+// (a K-quant's sub-block scale d * sc is exact in float32, not in float16), in two tiles:
+//   nibble tile: codes c in 0 .. 2^bits - 1 stored as a nibble plus 0-2 high bit planes, an integer
+//         offset o (the weight is scale * (c - o) [+ mw]), a scale per SUB = 32 or 16 inputs, optional
+//         mins mw per 32; per sub-block s of block b in order:
+//         acc = acc + (dw[o, s] * dx) * float(sum_{k in s} c qx - o * sum_{k in s} qx)
+//         then, with mins, acc = acc + mw[o, b] * sx.
+//     Q4_0 / Q4_1 / Q4_K (4 bits, mins), Q5_1 / Q5_K (5 bits, mins), Q5_0 (5 bits, o = 16),
+//     Q3_K (3 bits, o = 4, SUB 16), Q6_K (6 bits, o = 32, SUB 16). w4a8 is its 4-bit case with float16
+//     d and m interleaved (above); the offset's product is an exact integer, so for every type
+//     the sums equal those of the signed codes (c - o) times qx.
+//   w8 tile with float32 scales: Q8_0.
+// The activations are quantized per block of 32 as above for every type (llama.cpp quantizes them per
+// 256 for its K-quants, Q8_K: a coarser scale; the weights are the file's either way).
+//
 // with acc from 0 over b in order, each step a float32 multiply or add (built with -ffp-contract=off,
 // so none is fused), and y = acc in float32. tests/models/test_a8_linear.py holds the kernels to a
 // PyTorch rendering of these lines bit for bit.
@@ -28,9 +43,12 @@
 //       q[16p + o, 8j + t] (low nibble) and q[16p + o, 8j + 4 + t] (high nibble);
 //       dm [P, KB, 2, 16] float16: dw then mw of the panel's 16 outputs.
 //   w8: packed [P, K / 4, 64] int8: at quad j, byte 4o + t holds q[16p + o, 4j + t];
-//       scales [P, KB, 16] float16; corr [P, KB, 16] int32 = 128 * sum of the block's q (vpdpbusd
+//       scales [P, KB, 16] float16 or float32; corr of that shape int32 = 128 * sum of the block's q (vpdpbusd
 //       multiplies unsigned by signed bytes: the activations enter as qx + 128, and the correction
 //       takes the 128s back out, exactly).
+//   nibble tile: packed as w4; high [P, K / 8, HB, 2, 8] uint8: for octet j, plane h (bit 4 + h of the
+//       code) and half (the low / high nibbles' vector), 64 bits, bit 4o + t that of the byte at 4o + t;
+//       scales [P, K / SUB, 16] float32, mins [P, KB, 16] float32.
 //
 // Worked example (w4a8, K = 32, one output; q = 1 everywhere, dw = 0.5, mw = -1, so w = -0.5; x = 2
 // everywhere): dx = 2 / 127, qx = 127, sx = dx * 4064 = 64; acc = (0.5 dx) * 4064 + (-1) * 64 = -32,
@@ -47,6 +65,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -61,8 +80,9 @@ constexpr int64_t ROW_GROUP = 5;  // most rows sharing an unpacked weight vector
 bool vnni_here() { return __builtin_cpu_supports("avx512vnni"); }
 
 // One row's activations: x [K] float32 -> qx [K] int8 (plus `offset`: 0, or 128 for the unsigned
-// operand of w8a8), dx [KB], sx [KB].
-A8_TARGET void quantize_row(const float* x, int64_t K, uint8_t offset, uint8_t* qx, float* dx, float* sx) {
+// operand of w8a8), dx [KB], sx [KB], qs16 [K / 16] (integer sums of qx per 16 inputs).
+A8_TARGET void quantize_row(const float* x, int64_t K, uint8_t offset, uint8_t* qx, float* dx, float* sx,
+                            int32_t* qs16) {
   const __m512 sign_off = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int64_t b = 0; b < K / BLOCK; ++b) {
     const __m512 v0 = _mm512_loadu_ps(x + b * BLOCK), v1 = _mm512_loadu_ps(x + b * BLOCK + 16);
@@ -75,25 +95,29 @@ A8_TARGET void quantize_row(const float* x, int64_t K, uint8_t offset, uint8_t* 
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, idv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, idv));
     const __m512i lim = _mm512_set1_epi32(127), neg = _mm512_set1_epi32(-127);
     const __m512i c0 = _mm512_max_epi32(_mm512_min_epi32(q0, lim), neg), c1 = _mm512_max_epi32(_mm512_min_epi32(q1, lim), neg);
-    const int sum = _mm512_reduce_add_epi32(_mm512_add_epi32(c0, c1));
+    const int s0 = _mm512_reduce_add_epi32(c0), s1 = _mm512_reduce_add_epi32(c1), sum = s0 + s1;
     const __m128i o = _mm_set1_epi8(static_cast<char>(offset));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + b * BLOCK), _mm_add_epi8(_mm512_cvtepi32_epi8(c0), o));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(qx + b * BLOCK + 16), _mm_add_epi8(_mm512_cvtepi32_epi8(c1), o));
     dx[b] = d;
     sx[b] = d * static_cast<float>(sum);
+    qs16[2 * b] = s0;
+    qs16[2 * b + 1] = s1;
   }
 }
 
 struct Rows {  // the call's activations, quantized once
   std::vector<uint8_t> q;  // [R, K]
   std::vector<float> d, s;  // [R, KB]
+  std::vector<int32_t> qs16;  // [R, K / 16]
 };
 
 Rows quantize_rows(const float* x, int64_t R, int64_t K, uint8_t offset) {
-  Rows rows{std::vector<uint8_t>(R * K), std::vector<float>(R * (K / BLOCK)), std::vector<float>(R * (K / BLOCK))};
+  Rows rows{std::vector<uint8_t>(R * K), std::vector<float>(R * (K / BLOCK)), std::vector<float>(R * (K / BLOCK)),
+            std::vector<int32_t>(R * (K / 16))};
   for (int64_t r = 0; r < R; ++r) {
     quantize_row(x + r * K, K, offset, rows.q.data() + r * K, rows.d.data() + r * (K / BLOCK),
-                 rows.s.data() + r * (K / BLOCK));
+                 rows.s.data() + r * (K / BLOCK), rows.qs16.data() + r * (K / 16));
   }
   return rows;
 }
@@ -103,6 +127,12 @@ inline int32_t quad(const uint8_t* p) {
   std::memcpy(&v, p, 4);
   return v;
 }
+
+// 16 block scales of a panel as float32: GGUF's float16 (Q4_1 / Q8_0 as w4a8 / w8a8 pack them) or float32.
+A8_TARGET inline __m512 load16(const c10::Half* s) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+}
+A8_TARGET inline __m512 load16(const float* s) { return _mm512_loadu_ps(s); }
 
 // The accumulators of a tile, zeroed; a tile's float32 sums stored to y.
 template <int R, int PN>
@@ -134,50 +164,88 @@ inline void store(const __m512 (&acc)[R][PN], int64_t p0, int64_t r0, float* y, 
   }
 }
 
+// Where a nibble tile's weights live: the 16 scales of panel p's sub-block u at scales + p * panel_s +
+// u * s_stride, its mins of block b at mins + p * panel_m + b * m_stride (w4a8 interleaves d and m).
+template <typename S>
+struct Nibbles {
+  const uint8_t* packed;  // [P, K / 8, 64]
+  const uint8_t* high;  // [P, K / 8, HB, 2, 8] or null
+  const S* scales;
+  int64_t panel_s, s_stride;
+  const S* mins;
+  int64_t panel_m, m_stride;
+};
+
+A8_TARGET inline __mmask64 mask64(const uint8_t* p) {
+  uint64_t v;
+  std::memcpy(&v, p, 8);
+  return _cvtu64_mask64(v);
+}
+
 // R rows (quantized, row stride K / KB) through PN panels starting at panel p0 -> y (row stride ldy).
-// H: independent integer accumulators per (row, panel), to hide vpdpbusd's latency when R * PN is small.
-template <int R, int PN, int H>
-A8_TARGET void w4_tile(const Rows& x, int64_t K, const uint8_t* packed, const c10::Half* dm, int64_t p0, int64_t r0,
-                       float* y, int64_t ldy) {
-  const int64_t KB = K / BLOCK, panel_bytes = K * 8, panel_dm = KB * 2 * OUTS;
+// H: independent integer accumulators per (row, panel, sub-block), to hide vpdpbusd's latency when
+// R * PN is small. HB high bit planes, SUB inputs per scale, OFF the codes' offset, MIN: mins per 32.
+template <int R, int PN, int H, typename S, int HB, int SUB, int OFF, bool MIN>
+A8_TARGET void nib_tile(const Rows& x, int64_t K, const Nibbles<S>& w, int64_t p0, int64_t r0, float* y, int64_t ldy) {
+  constexpr int NS = BLOCK / SUB, OCT = SUB / 8;  // sub-blocks per block, octets per sub-block
+  const int64_t KB = K / BLOCK, panel_bytes = K * 8, panel_high = (K / 8) * HB * 16;
   const __m512i low = _mm512_set1_epi8(0x0f);
   __m512 acc[R][PN];
   zero(acc);
   for (int64_t b = 0; b < KB; ++b) {
-    __m512i isum[R][PN][H];
+    __m512i isum[R][PN][NS * H];
     zero(isum);
     for (int64_t j = 4 * b; j < 4 * b + 4; ++j) {  // the block's 4 octets
+      const int64_t a = (j - 4 * b) / OCT * H;  // the sub-block's accumulators
       for (int p = 0; p < PN; ++p) {
-        const __m512i bytes = _mm512_loadu_si512(packed + (p0 + p) * panel_bytes + j * 64);
-        const __m512i lo = _mm512_and_si512(bytes, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+        const __m512i bytes = _mm512_loadu_si512(w.packed + (p0 + p) * panel_bytes + j * 64);
+        __m512i lo = _mm512_and_si512(bytes, low);
+        __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+        if constexpr (HB > 0) {
+          const uint8_t* planes = w.high + (p0 + p) * panel_high + j * HB * 16;
+          for (int h = 0; h < HB; ++h) {
+            const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << h));
+            lo = _mm512_or_si512(lo, _mm512_maskz_mov_epi8(mask64(planes + h * 16), bit));
+            hi = _mm512_or_si512(hi, _mm512_maskz_mov_epi8(mask64(planes + h * 16 + 8), bit));
+          }
+        }
         for (int r = 0; r < R; ++r) {
           const uint8_t* xr = x.q.data() + (r0 + r) * K + 8 * j;
-          isum[r][p][0] = _mm512_dpbusd_epi32(isum[r][p][0], lo, _mm512_set1_epi32(quad(xr)));
-          isum[r][p][H - 1] = _mm512_dpbusd_epi32(isum[r][p][H - 1], hi, _mm512_set1_epi32(quad(xr + 4)));
+          isum[r][p][a] = _mm512_dpbusd_epi32(isum[r][p][a], lo, _mm512_set1_epi32(quad(xr)));
+          isum[r][p][a + H - 1] = _mm512_dpbusd_epi32(isum[r][p][a + H - 1], hi, _mm512_set1_epi32(quad(xr + 4)));
         }
       }
     }
     for (int p = 0; p < PN; ++p) {
-      const c10::Half* s = dm + (p0 + p) * panel_dm + b * 2 * OUTS;
-      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
-      const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + OUTS)));
-      for (int r = 0; r < R; ++r) {
-        __m512i total = isum[r][p][0];
-        if (H > 1) {
-          total = _mm512_add_epi32(total, isum[r][p][H - 1]);
+      for (int u = 0; u < NS; ++u) {
+        const __m512 dw = load16(w.scales + (p0 + p) * w.panel_s + (b * NS + u) * w.s_stride);
+        for (int r = 0; r < R; ++r) {
+          __m512i total = isum[r][p][u * H];
+          if (H > 1) {
+            total = _mm512_add_epi32(total, isum[r][p][u * H + H - 1]);
+          }
+          if constexpr (OFF != 0) {  // the codes' offset times the sub-block's activation sum: exact integers
+            const int32_t* qs = x.qs16.data() + (r0 + r) * (K / 16) + (b * NS + u) * (SUB / 16);
+            const int32_t sum = SUB == 16 ? qs[0] : qs[0] + qs[1];
+            total = _mm512_sub_epi32(total, _mm512_set1_epi32(OFF * sum));
+          }
+          const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[(r0 + r) * KB + b]));
+          acc[r][p] = _mm512_add_ps(acc[r][p], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(total)));
         }
-        const __m512 scale = _mm512_mul_ps(dw, _mm512_set1_ps(x.d[(r0 + r) * KB + b]));
-        acc[r][p] = _mm512_add_ps(acc[r][p], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(total)));
-        acc[r][p] = _mm512_add_ps(acc[r][p], _mm512_mul_ps(mw, _mm512_set1_ps(x.s[(r0 + r) * KB + b])));
+      }
+      if constexpr (MIN) {
+        const __m512 mw = load16(w.mins + (p0 + p) * w.panel_m + b * w.m_stride);
+        for (int r = 0; r < R; ++r) {
+          acc[r][p] = _mm512_add_ps(acc[r][p], _mm512_mul_ps(mw, _mm512_set1_ps(x.s[(r0 + r) * KB + b])));
+        }
       }
     }
   }
   store(acc, p0, r0, y, ldy);
 }
 
-template <int R, int PN, int H>
-A8_TARGET void w8_tile(const Rows& x, int64_t K, const int8_t* packed, const c10::Half* scales, const int32_t* corr,
+template <int R, int PN, int H, typename S>
+A8_TARGET void w8_tile(const Rows& x, int64_t K, const int8_t* packed, const S* scales, const int32_t* corr,
                        int64_t p0, int64_t r0, float* y, int64_t ldy) {
   const int64_t KB = K / BLOCK, panel_bytes = K * 16, panel_s = KB * OUTS;
   __m512 acc[R][PN];
@@ -196,7 +264,7 @@ A8_TARGET void w8_tile(const Rows& x, int64_t K, const int8_t* packed, const c10
     }
     for (int p = 0; p < PN; ++p) {
       const int64_t at = (p0 + p) * panel_s + b * OUTS;
-      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + at)));
+      const __m512 dw = load16(scales + at);
       const __m512i c = _mm512_loadu_si512(corr + at);
       for (int r = 0; r < R; ++r) {
         __m512i total = isum[r][p][0];
@@ -215,20 +283,19 @@ A8_TARGET void w8_tile(const Rows& x, int64_t K, const int8_t* packed, const c10
 // Tiles: PN panels per task; rows in groups of up to ROW_GROUP, each group one tile call.
 constexpr int64_t TASK_PANELS = 4;
 
-template <int PN>
-void w4_rows(const Rows& x, int64_t K, const uint8_t* packed, const c10::Half* dm, int64_t p0, int64_t r0,
-             int64_t n, float* y, int64_t ldy) {
+template <int PN, typename S, int HB, int SUB, int OFF, bool MIN>
+void nib_rows(const Rows& x, int64_t K, const Nibbles<S>& w, int64_t p0, int64_t r0, int64_t n, float* y, int64_t ldy) {
   switch (n) {
-    case 1: return w4_tile<1, PN, 2>(x, K, packed, dm, p0, r0, y, ldy);
-    case 2: return w4_tile<2, PN, 2>(x, K, packed, dm, p0, r0, y, ldy);
-    case 3: return w4_tile<3, PN, 1>(x, K, packed, dm, p0, r0, y, ldy);
-    case 4: return w4_tile<4, PN, 1>(x, K, packed, dm, p0, r0, y, ldy);
-    default: return w4_tile<5, PN, 1>(x, K, packed, dm, p0, r0, y, ldy);
+    case 1: return nib_tile<1, PN, 2, S, HB, SUB, OFF, MIN>(x, K, w, p0, r0, y, ldy);
+    case 2: return nib_tile<2, PN, 2, S, HB, SUB, OFF, MIN>(x, K, w, p0, r0, y, ldy);
+    case 3: return nib_tile<3, PN, 1, S, HB, SUB, OFF, MIN>(x, K, w, p0, r0, y, ldy);
+    case 4: return nib_tile<4, PN, 1, S, HB, SUB, OFF, MIN>(x, K, w, p0, r0, y, ldy);
+    default: return nib_tile<5, PN, 1, S, HB, SUB, OFF, MIN>(x, K, w, p0, r0, y, ldy);
   }
 }
 
-template <int PN>
-void w8_rows(const Rows& x, int64_t K, const int8_t* packed, const c10::Half* scales, const int32_t* corr,
+template <int PN, typename S>
+void w8_rows(const Rows& x, int64_t K, const int8_t* packed, const S* scales, const int32_t* corr,
              int64_t p0, int64_t r0, int64_t n, float* y, int64_t ldy) {
   switch (n) {
     case 1: return w8_tile<1, PN, 4>(x, K, packed, scales, corr, p0, r0, y, ldy);
@@ -259,18 +326,20 @@ void over_tasks(int64_t panels, int64_t rows, Fn&& tile) {
   });
 }
 
-void run_w4(const float* x, int64_t R, int64_t K, const uint8_t* packed, const c10::Half* dm, int64_t N, float* y) {
+template <typename S, int HB, int SUB, int OFF, bool MIN>
+void run_nib(const float* x, int64_t R, int64_t K, const Nibbles<S>& w, int64_t N, float* y) {
   const Rows rows = quantize_rows(x, R, K, 0);
   over_tasks(N / OUTS, R, [&](int64_t p, int64_t pn, int64_t r0, int64_t n) {
     if (pn == 2) {
-      w4_rows<2>(rows, K, packed, dm, p, r0, n, y, N);
+      nib_rows<2, S, HB, SUB, OFF, MIN>(rows, K, w, p, r0, n, y, N);
     } else {
-      w4_rows<1>(rows, K, packed, dm, p, r0, n, y, N);
+      nib_rows<1, S, HB, SUB, OFF, MIN>(rows, K, w, p, r0, n, y, N);
     }
   });
 }
 
-void run_w8(const float* x, int64_t R, int64_t K, const int8_t* packed, const c10::Half* scales, const int32_t* corr,
+template <typename S>
+void run_w8(const float* x, int64_t R, int64_t K, const int8_t* packed, const S* scales, const int32_t* corr,
             int64_t N, float* y) {
   const Rows rows = quantize_rows(x, R, K, 128);
   over_tasks(N / OUTS, R, [&](int64_t p, int64_t pn, int64_t r0, int64_t n) {
@@ -283,10 +352,21 @@ void run_w8(const float* x, int64_t R, int64_t K, const int8_t* packed, const c1
 }
 #else
 bool vnni_here() { return false; }
-void run_w4(const float*, int64_t, int64_t, const uint8_t*, const c10::Half*, int64_t, float*) {
-  TORCH_CHECK(false, "w4a8_linear: built without AVX512");
+template <typename S>
+struct Nibbles {
+  const uint8_t* packed;
+  const uint8_t* high;
+  const S* scales;
+  int64_t panel_s, s_stride;
+  const S* mins;
+  int64_t panel_m, m_stride;
+};
+template <typename S, int HB, int SUB, int OFF, bool MIN>
+void run_nib(const float*, int64_t, int64_t, const Nibbles<S>&, int64_t, float*) {
+  TORCH_CHECK(false, "a8 kernels: built without AVX512");
 }
-void run_w8(const float*, int64_t, int64_t, const int8_t*, const c10::Half*, const int32_t*, int64_t, float*) {
+template <typename S>
+void run_w8(const float*, int64_t, int64_t, const int8_t*, const S*, const int32_t*, int64_t, float*) {
   TORCH_CHECK(false, "w8a8_linear: built without AVX512");
 }
 #endif
@@ -297,41 +377,107 @@ void check_x(const at::Tensor& x, const char* name) {
   TORCH_CHECK(vnni_here(), name, ": this CPU has no AVX512-VNNI");
 }
 
+void check_packed(const at::Tensor& packed, int64_t K, const char* name) {
+  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(1) * 8 == K && packed.size(2) == 64
+                  && packed.is_contiguous(), name, ": packed must be a contiguous [N / 16, K / 8, 64] uint8");
+}
+
 // x [T, K] float32, packed [N / 16, K / 8, 64] uint8, dm [N / 16, K / 32, 2, 16] float16 -> [T, N] float32.
 at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& dm) {
   check_x(x, "w4a8_linear");
-  const int64_t K = x.size(1), P = packed.size(0);
-  TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kByte && packed.size(1) * 8 == K && packed.size(2) == 64
-                  && packed.is_contiguous(), "w4a8_linear: packed must be a contiguous [N / 16, K / 8, 64] uint8");
-  TORCH_CHECK(dm.dim() == 4 && dm.scalar_type() == at::kHalf && dm.size(0) == P && dm.size(1) * BLOCK == K
+  const int64_t K = x.size(1), P = packed.size(0), KB = K / BLOCK;
+  check_packed(packed, K, "w4a8_linear");
+  TORCH_CHECK(dm.dim() == 4 && dm.scalar_type() == at::kHalf && dm.size(0) == P && dm.size(1) == KB
                   && dm.size(2) == 2 && dm.size(3) == OUTS && dm.is_contiguous(),
               "w4a8_linear: dm must be a contiguous [N / 16, K / 32, 2, 16] float16");
   at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({x.size(0), P * OUTS}, x.options());
   if (x.size(0) > 0) {
-    run_w4(xc.data_ptr<float>(), x.size(0), K, packed.data_ptr<uint8_t>(), dm.data_ptr<c10::Half>(), P * OUTS,
-           y.data_ptr<float>());
+    const c10::Half* d = dm.data_ptr<c10::Half>();
+    const Nibbles<c10::Half> w{packed.data_ptr<uint8_t>(), nullptr, d, KB * 2 * OUTS, 2 * OUTS, d + OUTS, KB * 2 * OUTS,
+                               2 * OUTS};
+    run_nib<c10::Half, 0, 32, 0, true>(xc.data_ptr<float>(), x.size(0), K, w, P * OUTS, y.data_ptr<float>());
   }
   return y;
 }
 
-// x [T, K] float32, packed [N / 16, K / 4, 64] int8, scales [N / 16, K / 32, 16] float16, corr of the
-// same shape int32 -> [T, N] float32.
+// A GGUF matrix on the nibble tile (models/quant/gguf_blocks.py): x [T, K] float32, packed [N / 16, K / 8, 64]
+// uint8, scales [N / 16, K / SUB, 16] float32 (SUB 32 or 16), mins None or [N / 16, K / 32, 16] float32,
+// high None or [N / 16, K / 8, HB, 2, 8] uint8 (HB 1 or 2), offset: the codes' -> [T, N] float32.
+// The (HB, SUB, offset, mins) of Q4_0/1/K, Q5_0, Q5_1/K, Q3_K and Q6_K; any other a one-line error.
+at::Tensor gguf_nib_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                           const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& high, int64_t offset) {
+  check_x(x, "gguf_nib_linear");
+  const int64_t K = x.size(1), P = packed.size(0), KB = K / BLOCK;
+  check_packed(packed, K, "gguf_nib_linear");
+  const int64_t sub = scales.dim() == 3 && scales.size(1) > 0 ? K / scales.size(1) : 0;
+  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.size(0) == P && (sub == 32 || sub == 16)
+                  && scales.size(1) * sub == K && scales.size(2) == OUTS && scales.is_contiguous(),
+              "gguf_nib_linear: scales must be a contiguous [N / 16, K / 32 or K / 16, 16] float32");
+  if (mins.has_value()) {
+    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->dim() == 3 && mins->size(0) == P && mins->size(1) == KB
+                    && mins->size(2) == OUTS && mins->is_contiguous(),
+                "gguf_nib_linear: mins must be a contiguous [N / 16, K / 32, 16] float32");
+  }
+  const int64_t hb = high.has_value() ? high->size(2) : 0;
+  if (high.has_value()) {
+    TORCH_CHECK(high->scalar_type() == at::kByte && high->dim() == 5 && high->size(0) == P && high->size(1) * 8 == K
+                    && (hb == 1 || hb == 2) && high->size(3) == 2 && high->size(4) == 8 && high->is_contiguous(),
+                "gguf_nib_linear: high must be a contiguous [N / 16, K / 8, 1 or 2, 2, 8] uint8");
+  }
+  at::Tensor xc = x.contiguous();
+  at::Tensor y = at::empty({x.size(0), P * OUTS}, x.options());
+  if (x.size(0) == 0) {
+    return y;
+  }
+  const Nibbles<float> w{packed.data_ptr<uint8_t>(), high.has_value() ? high->data_ptr<uint8_t>() : nullptr,
+                         scales.data_ptr<float>(), (K / sub) * OUTS, OUTS,
+                         mins.has_value() ? mins->data_ptr<float>() : nullptr, KB * OUTS, OUTS};
+  const float* xp = xc.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t R = x.size(0), N = P * OUTS;
+  const bool m = mins.has_value();
+  if (hb == 0 && sub == 32 && offset == 0 && m) {
+    run_nib<float, 0, 32, 0, true>(xp, R, K, w, N, yp);  // Q4_0, Q4_1, Q4_K
+  } else if (hb == 1 && sub == 32 && offset == 0 && m) {
+    run_nib<float, 1, 32, 0, true>(xp, R, K, w, N, yp);  // Q5_1, Q5_K
+  } else if (hb == 1 && sub == 32 && offset == 16 && !m) {
+    run_nib<float, 1, 32, 16, false>(xp, R, K, w, N, yp);  // Q5_0
+  } else if (hb == 0 && sub == 16 && offset == 4 && !m) {
+    run_nib<float, 0, 16, 4, false>(xp, R, K, w, N, yp);  // Q3_K
+  } else if (hb == 2 && sub == 16 && offset == 32 && !m) {
+    run_nib<float, 2, 16, 32, false>(xp, R, K, w, N, yp);  // Q6_K
+  } else {
+    TORCH_CHECK(false, "gguf_nib_linear: no tile for ", hb, " high planes, scales per ", sub, ", offset ", offset,
+                m ? ", mins" : ", no mins");
+  }
+  return y;
+}
+
+// x [T, K] float32, packed [N / 16, K / 4, 64] int8, scales [N / 16, K / 32, 16] float16 (w8a8) or float32
+// (a GGUF's Q8_0), corr of the same shape int32 -> [T, N] float32.
 at::Tensor w8a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, const at::Tensor& corr) {
   check_x(x, "w8a8_linear");
   const int64_t K = x.size(1), P = packed.size(0);
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kChar && packed.size(1) * 4 == K && packed.size(2) == 64
                   && packed.is_contiguous(), "w8a8_linear: packed must be a contiguous [N / 16, K / 4, 64] int8");
-  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kHalf && scales.size(0) == P
+  const bool half = scales.scalar_type() == at::kHalf;
+  TORCH_CHECK(scales.dim() == 3 && (half || scales.scalar_type() == at::kFloat) && scales.size(0) == P
                   && scales.size(1) * BLOCK == K && scales.size(2) == OUTS && scales.is_contiguous(),
-              "w8a8_linear: scales must be a contiguous [N / 16, K / 32, 16] float16");
+              "w8a8_linear: scales must be a contiguous [N / 16, K / 32, 16] float16 or float32");
   TORCH_CHECK(corr.sizes() == scales.sizes() && corr.scalar_type() == at::kInt && corr.is_contiguous(),
               "w8a8_linear: corr must be a contiguous int32 of the scales' shape");
   at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({x.size(0), P * OUTS}, x.options());
   if (x.size(0) > 0) {
-    run_w8(xc.data_ptr<float>(), x.size(0), K, packed.data_ptr<int8_t>(), scales.data_ptr<c10::Half>(),
-           corr.data_ptr<int32_t>(), P * OUTS, y.data_ptr<float>());
+    const float* xp = xc.data_ptr<float>();
+    if (half) {
+      run_w8(xp, x.size(0), K, packed.data_ptr<int8_t>(), scales.data_ptr<c10::Half>(), corr.data_ptr<int32_t>(),
+             P * OUTS, y.data_ptr<float>());
+    } else {
+      run_w8(xp, x.size(0), K, packed.data_ptr<int8_t>(), scales.data_ptr<float>(), corr.data_ptr<int32_t>(),
+             P * OUTS, y.data_ptr<float>());
+    }
   }
   return y;
 }
@@ -343,10 +489,12 @@ bool a8_linear_available() { return vnni_here(); }
 TORCH_LIBRARY_FRAGMENT(tidespec, m) {
   m.def("w4a8_linear(Tensor x, Tensor packed, Tensor dm) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor corr) -> Tensor");
+  m.def("gguf_nib_linear(Tensor x, Tensor packed, Tensor scales, Tensor? mins, Tensor? high, int offset) -> Tensor");
   m.def("a8_linear_available() -> bool", &a8_linear_available);
 }
 
 TORCH_LIBRARY_IMPL(tidespec, CPU, m) {
   m.impl("w4a8_linear", &w4a8_linear);
   m.impl("w8a8_linear", &w8a8_linear);
+  m.impl("gguf_nib_linear", &gguf_nib_linear);
 }

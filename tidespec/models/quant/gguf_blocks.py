@@ -1,0 +1,417 @@
+"""``--quantization gguf``: a GGUF file's own quantized blocks, run as they are on the int8-activation kernels.
+
+Why this exists: a self-hoster downloads a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file and expects the model it
+holds. The other modes dequantize the file and quantize again to tidespec's own schemes (w4a8 is
+Q4_1 everywhere): a different, lossier target than the file the user chose. Here every projection and
+the LM head keep the file's codes and scales; only the arithmetic is tidespec's (``csrc/a8_linear.cpp``:
+activations quantized to int8 per block of 32, integer dot products, per-block float steps in one
+order: row-invariant, so speculation stays exact on this target as on every other).
+
+Each type unpacks, per output row, into codes ``q`` and float32 ``scale`` per sub-block of ``sub``
+inputs and, for the types with one, ``mins`` per 32 inputs, with ``w = scale * q + mins`` equal to
+gguf-py's ``dequantize`` bit for bit (``tests/models/test_gguf_blocks.py``):
+
+========  =======================================  ==========================================
+type      w (j: a sub-block)                       codes on the nibble tile (bits per weight here)
+========  =======================================  ==========================================
+Q4_0      d * q - 8 d, q in 0..15                  4 bits, mins (4 + 2: float32 scale and min)
+Q4_1      d * q + m                                4 bits, mins (4 + 2)
+Q4_K      (d sc_j) * q - (dmin m_j), j of 32       4 bits, mins (4 + 2)
+Q5_0      d * (q - 16), q in 0..31                 5 bits, offset 16 (5 + 1)
+Q5_1      d * q + m                                5 bits, mins (5 + 2)
+Q5_K      (d sc_j) * q - (dmin m_j), j of 32       5 bits, mins (5 + 2)
+Q3_K      (d (sc_j - 32)) * (q - 4), j of 16       3 bits, offset 4, scales per 16 (4 + 2)
+Q6_K      (d sc_j) * (q - 32), j of 16             6 bits, offset 32, scales per 16 (6 + 2)
+Q8_0      d * q, q in -127..127                    the w8 tile (8 + 2: scale, code sum)
+========  =======================================  ==========================================
+
+(The scales are float32 because ``d * sc_j`` needs up to 17 bits of mantissa: float16 would round
+them; a code's bits above the 4th are bit planes beside the nibbles, ``a8.pack_high``. llama.cpp's
+own CPU layouts hold 4.5-6.6 bits per weight, these 5-8: more to read per token.) Other types (Q2_K, the IQ types, F16 / BF16 / F32 projections) and a mixture's experts
+are not run natively: ``quantize_gguf`` converts them to Q8_0 (``w8a8``) and says so, per type.
+
+The bit unpacking repeats gguf-py's ``dequantize_blocks`` lines (``gguf.quants``) up to the product:
+gguf-py does not return the codes and scales apart, and the kernel needs them apart.
+
+Worked example (one Q8_0 row of 32 inputs, d = 0.5, codes 0..31)::
+
+    raw = np.concatenate([np.float16(0.5).reshape(1).view(np.uint8), np.arange(32, dtype=np.int8).view(np.uint8)])
+    u = unpack(raw.reshape(1, 34), GGMLQuantizationType.Q8_0)
+    u.sub, u.mins, u.scale.tolist()              # 32, None, [[0.5]]
+    dequantize(u)[0, :3].tolist()                # [0.0, 0.5, 1.0]: gguf.dequantize's values
+    native_linear(u).forward(torch.ones(1, 32)).shape     # torch.Size([1, 1])
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+from gguf.quants import Q4_K
+from safetensors import safe_open
+from torch import nn
+
+from tidespec.models.quant.a8 import A8_BLOCK, A8Linear, W8A8Linear, pack_high, pack_nibbles, pack_w8, panel_values
+from tidespec.models.quant.base import QuantizationError
+from tidespec.models.target import TargetModel
+
+BLOCKS_FILE = "gguf_blocks.safetensors"  # written beside a converted GGUF's model.safetensors
+TYPES_KEY = "ggml_types"  # its metadata: {tensor name: GGML type name}
+
+
+@dataclass(frozen=True)
+class Unpacked:
+    """One matrix's blocks apart: ``w[n, k] = scale[n, k // sub] * q[n, k] + mins[n, k // 32]``; the
+    kernel reads the codes ``q + offset``, in ``0 .. 2^bits - 1`` (8 bits: Q8_0's signed codes as they are)."""
+
+    type_name: str
+    q: np.ndarray  # [N, K] int8
+    scale: np.ndarray  # [N, K / sub] float32
+    mins: np.ndarray | None  # [N, K / 32] float32
+    sub: int  # inputs per scale: 32 or 16
+    bits: int  # 3-6: the nibble tile; 8: the w8 tile
+    offset: int  # subtracted from the kernel's codes ``q + offset`` (Q5_0 16, Q3_K 4, Q6_K 32)
+
+
+def _f16(a: np.ndarray) -> np.ndarray:
+    """[nb, 2] uint8 -> [nb, 1] float32 (a block's float16 field)."""
+    return a.copy().view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
+    """[nb, B] uint8 -> [nb, 2B] uint8: per run of ``width`` bytes, the low nibbles, then the high."""
+    nb = qs.shape[0]
+    q = qs.reshape(nb, -1, 1, width) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (q & np.uint8(0x0F)).reshape(nb, -1)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0 / Q5_1's 32 high bits [nb, 4] uint8 -> [nb, 32] uint8 (0 or 16)."""
+    bits = qh.copy().view(np.uint32).reshape(-1, 1) >> np.arange(32, dtype=np.uint32).reshape(1, 32)
+    return ((bits & np.uint32(1)).astype(np.uint8)) << np.uint8(4)
+
+
+def _q4_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    d = _f16(b[:, :2])
+    return _nibbles(b[:, 2:], 16), d, -8 * d  # d * (q - 8) == d * q + (-8 d) exactly (both exact products)
+
+
+def _q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    return _nibbles(b[:, 4:], 16), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _q5_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    q = _nibbles(b[:, 6:], 16) | _fifth_bits(b[:, 2:6])
+    return q.astype(np.int8) - np.int8(16), _f16(b[:, :2]), None
+
+
+def _q5_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    return _nibbles(b[:, 8:], 16) | _fifth_bits(b[:, 4:8]), _f16(b[:, :2]), _f16(b[:, 2:4])
+
+
+def _q8_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    return b[:, 2:].copy().view(np.int8), _f16(b[:, :2]), None
+
+
+def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K / Q5_K's super-block head -> (scale, mins) [nb, 8]: d * sc_j and -(dmin * m_j)."""
+    sc, m = Q4_K.get_scale_min(b[:, 4:16])
+    return _f16(b[:, :2]) * sc.astype(np.float32), -(_f16(b[:, 2:4]) * m.astype(np.float32))
+
+
+def _q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    return _nibbles(b[:, 16:], 32), *_k_scales(b)
+
+
+def _q5_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    nb = b.shape[0]
+    qh = b[:, 16:48].reshape(nb, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+    return _nibbles(b[:, 48:], 32) | ((qh & np.uint8(1)).reshape(nb, -1) << np.uint8(4)), *_k_scales(b)
+
+
+def _q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    nb = b.shape[0]
+    ql = _nibbles(b[:, :128], 64)
+    qh = b[:, 128:192].reshape(nb, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    q = (ql | ((qh & np.uint8(3)).reshape(nb, -1) << np.uint8(4))).astype(np.int8) - np.int8(32)
+    return q, _f16(b[:, 208:210]) * b[:, 192:208].copy().view(np.int8).astype(np.float32), None
+
+
+def _q3_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    nb = b.shape[0]
+    hmask, qs, scales = b[:, :32], b[:, 32:96], b[:, 96:108]
+    low = (scales[:, :8].reshape(nb, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(nb, 16)
+    high = (scales[:, 8:].reshape(nb, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)).reshape(nb, 16)
+    sc = ((low & np.uint8(0x0F)) | ((high & np.uint8(3)) << np.uint8(4))).astype(np.int8) - np.int8(32)
+    ql = qs.reshape(nb, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    qh = hmask.reshape(nb, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+    q = (ql.reshape(nb, -1) & np.uint8(3)).astype(np.int8) - ((qh.reshape(nb, -1) & np.uint8(1)) ^ np.uint8(1)).astype(np.int8) * np.int8(4)
+    return q, _f16(b[:, 108:110]) * sc.astype(np.float32), None
+
+
+_Unpack = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray | None]]
+# type -> (unpack one block per row of [nb, bytes], inputs per block, inputs per scale, code bits, offset)
+NATIVE: dict[T, tuple[_Unpack, int, int, int, int]] = {
+    T.Q4_0: (_q4_0, 32, 32, 4, 0), T.Q4_1: (_q4_1, 32, 32, 4, 0), T.Q4_K: (_q4_k, 256, 32, 4, 0),
+    T.Q5_0: (_q5_0, 32, 32, 5, 16), T.Q5_1: (_q5_1, 32, 32, 5, 0), T.Q5_K: (_q5_k, 256, 32, 5, 0),
+    T.Q3_K: (_q3_k, 256, 16, 3, 4), T.Q6_K: (_q6_k, 256, 16, 6, 32), T.Q8_0: (_q8_0, 32, 32, 8, 0),
+}
+NATIVE_NAMES = tuple(t.name for t in NATIVE)
+
+
+def unpack(raw: np.ndarray, qtype: T) -> Unpacked:
+    """A matrix's raw blocks ``[N, bytes per row]`` uint8 (as gguf-py's reader holds them) -> ``Unpacked``."""
+    fn, block, sub, bits, offset = NATIVE[qtype]
+    n, row_bytes = raw.shape
+    type_bytes = GGML_QUANT_SIZES[qtype][1]
+    if row_bytes % type_bytes:
+        raise QuantizationError(f"a {qtype.name} row of {row_bytes} bytes is not whole blocks of {type_bytes}")
+    q, scale, mins = fn(np.ascontiguousarray(raw).reshape(-1, type_bytes))
+    k = row_bytes // type_bytes * block
+    return Unpacked(qtype.name, q.reshape(n, k).astype(np.int8), scale.reshape(n, k // sub).astype(np.float32),
+                    None if mins is None else mins.reshape(n, k // 32).astype(np.float32), sub, bits, offset)
+
+
+def dequantize(u: Unpacked) -> np.ndarray:
+    """``scale * q + mins`` [N, K] float32, in gguf-py's float32 steps (the file's weights)."""
+    w = np.repeat(u.scale, u.sub, axis=1) * u.q.astype(np.float32)
+    return w if u.mins is None else w + np.repeat(u.mins, 32, axis=1)
+
+
+class GgufNibLinear(A8Linear):
+    """Codes of 3-6 bits (a nibble and up to two high bit planes) with float32 scales per 32 or 16 inputs,
+    an offset, and mins per 32 for the types with them: ``tidespec::gguf_nib_linear``."""
+
+    scheme = "gguf"
+    kernel_dtype = torch.float32
+    packed: torch.Tensor  # [N_pad/16, K/8, 64] uint8
+    scales: torch.Tensor  # [N_pad/16, K/sub, 16] float32
+    mins: torch.Tensor | None  # [N_pad/16, K/32, 16] float32
+    high: torch.Tensor | None  # [N_pad/16, K/8, bits - 4, 2, 8] uint8
+
+    def __init__(self, u: Unpacked) -> None:
+        n, k = u.q.shape
+        super().__init__(k, n, None)
+        codes = torch.from_numpy((u.q.astype(np.int16) + u.offset).astype(np.uint8))
+        self.register_buffer("packed", pack_nibbles(codes))
+        self.register_buffer("scales", panel_values(torch.from_numpy(u.scale)))
+        self.register_buffer("mins", None if u.mins is None else panel_values(torch.from_numpy(u.mins)))
+        self.register_buffer("high", pack_high(codes, u.bits - 4) if u.bits > 4 else None)
+        self._kernel_buffers = ("scales",) if u.mins is None else ("scales", "mins")
+        self.type_name, self.offset = u.type_name, u.offset
+
+    @property
+    def kernel_name(self) -> str:
+        return f"tidespec-a8-{self.type_name.lower()}"
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, K] float32 -> [T, N_pad] float32
+        return torch.ops.tidespec.gguf_nib_linear(x, self.packed, self.scales, self.mins, self.high, self.offset)
+
+
+class GgufW8Linear(W8A8Linear):
+    """Q8_0 codes with float32 scales on the w8 tile (w8a8's layer, the file's blocks)."""
+
+    scheme = "gguf"
+    kernel_dtype = torch.float32
+    type_name = "Q8_0"
+
+    @property
+    def kernel_name(self) -> str:
+        return "tidespec-a8-q8_0"
+
+
+def native_linear(u: Unpacked) -> GgufNibLinear | GgufW8Linear:
+    """The kernel layer of one matrix's blocks (no bias: ``quantize_gguf`` keeps the model's)."""
+    n, k = u.q.shape
+    if k % A8_BLOCK:
+        raise QuantizationError(f"a {u.type_name} matrix of {k} inputs: the kernels take multiples of {A8_BLOCK}")
+    if u.bits <= 6:
+        return GgufNibLinear(u)
+    return GgufW8Linear(*pack_w8(torch.from_numpy(u.q), torch.from_numpy(u.scale)), k, n)
+
+
+class StackedLinear(nn.Module):
+    """Projections fused in tidespec's model (q|k|v, gate|up) but stored apart in the file, in types
+    that may differ (a Q4_K_M keeps q and k in Q4_K and v in Q6_K): each part on its own kernel, the
+    outputs side by side. Row-invariant as its parts are."""
+
+    bias: torch.Tensor | None
+
+    def __init__(self, parts: list[nn.Module], bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features  # type: ignore[union-attr]
+        self.out_features = sum(p.out_features for p in parts)  # type: ignore[union-attr, misc]
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, K] -> [T, sum of the parts' outputs]
+        y = torch.cat([part(x) for part in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias
+
+
+@dataclass
+class GgufBlocks:
+    """A converted GGUF's raw blocks (``BLOCKS_FILE``): HF tensor name -> (``[N, bytes]`` uint8, type)."""
+
+    path: Path
+    types: dict[str, str]
+    native: Counter[str] = field(default_factory=Counter)  # type -> matrices run as they are
+    converted: Counter[str] = field(default_factory=Counter)  # type (or "float") -> matrices converted to Q8_0
+
+    @classmethod
+    def read(cls, hf_dir: Path) -> GgufBlocks | None:
+        """The blocks of the GGUF ``hf_dir`` was converted from; None for any other checkpoint."""
+        types = cls.types_in(hf_dir)
+        return cls(hf_dir / BLOCKS_FILE, types) if types else None
+
+    @staticmethod
+    def types_in(hf_dir: Path) -> dict[str, str]:
+        """Tensor name -> GGML type of the blocks beside a converted GGUF (its header only); {} elsewhere."""
+        path = hf_dir / BLOCKS_FILE
+        if not path.is_file():
+            return {}
+        with safe_open(str(path), framework="numpy") as f:
+            types: dict[str, str] = json.loads((f.metadata() or {}).get(TYPES_KEY, "{}"))
+        return types
+
+    def unpacked(self, name: str) -> Unpacked | None:
+        """``name``'s blocks unpacked, or None where the file has none in a native type."""
+        type_name = self.types.get(name)
+        if type_name is None or type_name not in NATIVE_NAMES:
+            return None
+        with safe_open(str(self.path), framework="numpy") as f:
+            raw = f.get_tensor(name)
+        return unpack(raw, T[type_name])
+
+    def rows(self, names: list[str], total: int) -> list[int] | None:
+        """Output rows of each stored part of a projection of ``total`` rows: read from the blocks'
+        shapes, one part stored as floats (no blocks) taking the rest; None when two or more are."""
+        with safe_open(str(self.path), framework="numpy") as f:
+            known = {n: f.get_slice(n).get_shape()[0] for n in names if n in self.types}
+        missing = [n for n in names if n not in known]
+        rest = total - sum(known.values())
+        if len(missing) > 1 or (missing and rest <= 0) or (not missing and rest):
+            return None
+        return [known.get(n, rest) for n in names]
+
+    def summary(self) -> str:
+        """One line: what runs natively and what was converted, per type."""
+        native = ", ".join(f"{t} x{c}" for t, c in sorted(self.native.items())) or "none"
+        line = f"GGUF blocks run as they are: {native}"
+        if self.converted:
+            conv = ", ".join(f"{t} x{c}" for t, c in sorted(self.converted.items()))
+            line += f"; not run natively, converted to Q8_0 (w8a8): {conv}"
+        return line
+
+
+# tidespec's fused projections -> the file's parts (HF names, after the layer prefix)
+_PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def quantize_gguf(model: TargetModel, blocks: GgufBlocks,
+                  fallback: Callable[[nn.Module], nn.Module]) -> None:
+    """Replace, in place, every decoder layer's projections and the LM head by the file's own blocks
+    (``native_linear``; fused ones from their parts, ``StackedLinear``); a projection the file holds in
+    another type, or a mixture's experts, goes through ``fallback`` (the w8a8 layer) and is counted in
+    ``blocks.converted``. The token embedding stays the float tensor it was loaded as."""
+    with torch.no_grad():
+        for i, layer in enumerate(model.layers):
+            for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+                parent_path, _, attr = path.rpartition(".")
+                parent = layer.get_submodule(parent_path)
+                module = getattr(parent, attr, None)
+                if module is None:
+                    continue
+                setattr(parent, attr, _replacement(module, f"model.layers.{i}.", path, blocks, fallback))
+            for parent in layer.modules():  # a mixture's experts: stored [E, out, in], not run natively
+                experts = getattr(parent, "experts", None)
+                if isinstance(experts, nn.ModuleList):
+                    for expert in experts:
+                        for name, child in list(expert.named_children()):
+                            setattr(expert, name, fallback(child))
+                            blocks.converted["experts"] += 1
+        head = "lm_head.weight" if "lm_head.weight" in blocks.types else "model.embed_tokens.weight"
+        u = blocks.unpacked(head)
+        if u is not None and u.q.shape == tuple(model.lm_head.weight.shape):
+            model.lm_head = native_linear(u)
+            blocks.native[u.type_name] += 1
+        else:
+            model.lm_head = fallback(model.lm_head)
+            blocks.converted[blocks.types.get(head, "float")] += 1
+
+
+def _merged(pieces: list[Unpacked | nn.Module]) -> list[nn.Module]:
+    """The kernel layers of a projection's pieces, neighbouring blocks of one type as one matrix (their
+    rows stacked): one kernel call for q|k|v when the file holds them alike, two for a Q4_K_M's q|k in
+    Q4_K beside v in Q6_K. Converted pieces (already layers) stay as they are."""
+    runs: list[list[Unpacked]] = []
+    layers: list[nn.Module | list[Unpacked]] = []
+    for piece in pieces:
+        if not isinstance(piece, Unpacked):
+            layers.append(piece)
+        elif runs and layers and layers[-1] is runs[-1] and runs[-1][0].type_name == piece.type_name:
+            runs[-1].append(piece)
+        else:
+            runs.append([piece])
+            layers.append(runs[-1])
+    return [native_linear(_stacked(x)) if isinstance(x, list) else x for x in layers]
+
+
+def _stacked(run: list[Unpacked]) -> Unpacked:
+    """Blocks of one type, rows of ``run[0]`` first."""
+    if len(run) == 1:
+        return run[0]
+    mins = [u.mins for u in run if u.mins is not None]
+    return Unpacked(run[0].type_name, np.concatenate([u.q for u in run]), np.concatenate([u.scale for u in run]),
+                    np.concatenate(mins) if mins else None, run[0].sub, run[0].bits, run[0].offset)
+
+
+def _rows_of(module: nn.Module, start: int, count: int) -> nn.Module:
+    """Rows ``start .. start + count`` of a projection as a bias-free ``nn.Linear`` (for the fallback)."""
+    weight: torch.Tensor = module.weight  # type: ignore[assignment]
+    part = nn.Linear(weight.shape[1], count, bias=False, dtype=weight.dtype)
+    part.weight.copy_(weight[start:start + count])
+    return part
+
+
+def _replacement(module: nn.Module, prefix: str, path: str, blocks: GgufBlocks,
+                 fallback: Callable[[nn.Module], nn.Module]) -> nn.Module:
+    """``module`` (a projection of layer ``prefix``) on the file's blocks: each stored part natively
+    where its type is, through ``fallback`` where not; the whole projection through ``fallback`` when
+    its parts' rows cannot be told apart (two or more stored as floats)."""
+    bias: torch.Tensor | None = getattr(module, "bias", None)
+    weight: torch.Tensor = module.weight  # type: ignore[assignment]
+    whole = f"{prefix}{path}.weight"
+    names = [whole] if whole in blocks.types or path not in _PARTS else [f"{prefix}{p}.weight" for p in _PARTS[path]]
+    rows = blocks.rows(names, weight.shape[0])
+    if rows is None:
+        for name in names:
+            blocks.converted[blocks.types.get(name, "float")] += 1
+        return fallback(module)
+    pieces: list[Unpacked | nn.Module] = []
+    start = 0
+    for name, count in zip(names, rows):
+        u = blocks.unpacked(name)
+        if u is not None:
+            blocks.native[u.type_name] += 1
+            pieces.append(u)
+        else:
+            blocks.converted[blocks.types.get(name, "float")] += 1
+            pieces.append(fallback(module if len(names) == 1 else _rows_of(module, start, count)))
+        start += count
+    if len(pieces) == 1 and isinstance(pieces[0], nn.Module):
+        return pieces[0]  # the fallback of the whole module: its bias included
+    layers = _merged(pieces)
+    if len(layers) == 1 and bias is None:
+        return layers[0]
+    return StackedLinear(layers, bias)
