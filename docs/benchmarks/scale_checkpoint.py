@@ -1,0 +1,104 @@
+"""Write a random-weight GGUF of a real model's shape, and llama.cpp's K-quants of it, for decode
+benchmarks at the sizes people run (issue 79 item 4; no model hub here).
+
+Usage (from the repository root, llama-cpp-python installed as for ``bench decode --compare llamacpp``)::
+
+    PYTHONPATH=. .venv/bin/python docs/benchmarks/scale_checkpoint.py llama-3.2-1b /data/scale Q4_K_M,Q8_0
+
+writes ``/data/scale/llama-3.2-1b.F16.gguf`` and ``llama-3.2-1b.{Q4_K_M,Q8_0}.gguf`` (llama.cpp's
+``llama_model_quantize``). The architecture is llama (random q/k rows need no rope permutation) with
+the shape of the named model, and the embedded SmolLM2-135M-Instruct's
+tokenizer (its 49,152-token vocabulary, copied from the embedded GGUF), so the workloads' prompts
+tokenize; the real models' vocabularies are 128k-152k, so their LM head is larger than this one's.
+Weights: float16, N(0, 0.02) matrices (transformers' initialisation), norms 1, one seeded generator:
+the text is noise, the speed is the shape's.
+"""
+
+import ctypes
+import sys
+from pathlib import Path
+
+import gguf
+import llama_cpp
+import numpy as np
+
+from tidespec.models.loading.loader import resolve_embedded_gguf
+
+# name -> (hidden, layers, intermediate, heads, kv heads, head dim, rope base)
+SHAPES = {
+    "llama-3.2-1b": (2048, 16, 8192, 32, 8, 64, 500000.0),
+    "llama-3.2-3b": (3072, 28, 8192, 24, 8, 128, 500000.0),
+    "qwen3-1.7b": (2048, 28, 6144, 16, 8, 128, 1000000.0),  # as a llama (no q/k norms): Qwen3's widths
+}
+FTYPES = {"Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "Q5_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M,
+          "Q6_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K, "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
+TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
+                  "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
+                  "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
+                  "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template")
+
+
+def write_f16(name: str, path: Path) -> None:
+    hidden, layers, inter, heads, kv_heads, head_dim, rope = SHAPES[name]
+    src = gguf.GGUFReader(str(resolve_embedded_gguf()))
+    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(f"random {name}")
+    w.add_block_count(layers)
+    w.add_context_length(8192)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(rope)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    for key in TOKENIZER_KEYS:  # the embedded model's tokenizer, field by field
+        field = src.fields.get(key)
+        if field is not None:
+            value, kind = field.contents(), field.types[0]
+            sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            w.add_key_value(key, value, kind, sub_type=sub)
+    rng = np.random.default_rng(0)
+
+    def matrix(rows: int, cols: int) -> np.ndarray:
+        return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
+
+    w.add_tensor("token_embd.weight", matrix(vocab, hidden))
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    w.add_tensor("output.weight", matrix(vocab, hidden))
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(f"blk.{i}.attn_q.weight", matrix(heads * head_dim, hidden))
+        w.add_tensor(f"blk.{i}.attn_k.weight", matrix(kv_heads * head_dim, hidden))
+        w.add_tensor(f"blk.{i}.attn_v.weight", matrix(kv_heads * head_dim, hidden))
+        w.add_tensor(f"blk.{i}.attn_output.weight", matrix(hidden, heads * head_dim))
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", matrix(inter, hidden))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", matrix(inter, hidden))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", matrix(hidden, inter))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=True)
+    w.close()
+
+
+if len(sys.argv) not in (3, 4) or sys.argv[1] not in SHAPES:
+    sys.exit(__doc__ + f"\nshapes: {', '.join(SHAPES)}")
+shape, out = sys.argv[1], Path(sys.argv[2])
+kinds = sys.argv[3].split(",") if len(sys.argv) == 4 else ["Q4_K_M", "Q8_0"]
+out.mkdir(parents=True, exist_ok=True)
+f16 = out / f"{shape}.F16.gguf"
+if not f16.exists():
+    write_f16(shape, f16)
+for kind in kinds:
+    dst = out / f"{shape}.{kind}.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FTYPES[kind]
+    if llama_cpp.llama_model_quantize(str(f16).encode(), str(dst).encode(), ctypes.byref(params)) != 0:
+        sys.exit(f"llama.cpp could not quantize {f16}")
+    print(dst)
