@@ -22,10 +22,10 @@ out = Path(sys.argv[1] if len(sys.argv) > 1 else tempfile.mkdtemp(prefix="kquant
 out.mkdir(parents=True, exist_ok=True)
 os.environ.setdefault("TIDESPEC_CACHE", str(out / "cache"))
 
-from tests.helpers import full_logits, tiny_hf_model  # noqa: E402  (after the cache is chosen)
-from tests.models.test_gguf_families import CONFIGS, write_family_gguf  # noqa: E402
-from tests.models.test_loader import write_tiny_gguf  # noqa: E402
-from tidespec.models.loading.loader import load_model  # noqa: E402
+from tests.helpers import full_logits, tiny_hf_model  # after the cache is chosen
+from tests.models.test_gguf_families import CONFIGS, write_family_gguf
+from tests.models.test_loader import write_tiny_gguf
+from tidespec.models.loading.loader import load_model
 
 FTYPES = {"Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "Q5_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M,
           "Q6_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K, "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
