@@ -19,7 +19,7 @@ import transformers
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import full_logits, tiny_gguf_writer, tiny_hf_model, write_tiny_checkpoint
-from tidespec.models.loading import loader
+from tidespec.models.loading import gguf_convert, loader
 from tidespec.models.loading.gguf_convert import convert_gguf
 from tidespec.models.loading.loader import LoadedModel, ModelLoadError, cache_dir, hf_checkpoint_dir, load_model
 
@@ -118,6 +118,23 @@ def test_gguf_conversion_reproduces_hf_model(tiny_gguf: tuple[transformers.PreTr
     assert tok(text)["input_ids"][0] != tok.bos_token_id  # add_bos_token = false carried over
     leftovers = [p.name for p in private_cache.iterdir() if p.name.startswith(".")]
     assert leftovers == []  # the temp dir was renamed into place, nothing left behind
+
+
+def test_large_conversion_is_written_in_shards(tiny_gguf: tuple[transformers.PreTrainedModel, Path],
+                                               tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past ``SHARD_BYTES`` the converter writes HF's sharded layout (it holds one shard at a time) and
+    the loader reads it lazily: the same model as one file."""
+    _, path = tiny_gguf
+    whole = load_model(str(convert_gguf(path, tmp_path / "whole")))
+    monkeypatch.setattr(gguf_convert, "SHARD_BYTES", 40_000)
+    out = convert_gguf(path, tmp_path / "sharded")
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert not (out / "model.safetensors").exists() and len(files) > 2
+    assert files == sorted(p.name for p in out.glob("model-*-of-*.safetensors"))
+    sharded = load_model(str(out))
+    ids = list(range(5, 25))
+    assert torch.equal(full_logits(sharded.model, ids), full_logits(whole.model, ids))
 
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.Q8_0])

@@ -27,7 +27,7 @@ cache, one prefilling a 4-token chunk from scratch::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 import torch
@@ -185,49 +185,55 @@ class DecoderModel(PlacedModule):
         tap_t = torch.cat(taps, dim=-1) if taps else None  # [T, num_taps * H]
         return ModelOutput(logits=logits, taps=tap_t, last_hidden=h)
 
-    def load_hf_state_dict(self, sd: dict[str, torch.Tensor], strict: bool = True) -> None:
+    def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
         """Load HF-named weights (``model.layers.0.self_attn.q_proj.weight`` ...), fusing q|k|v
         and gate|up (a checkpoint that has them fused, Phi-3's, is taken as it is). Raises
-        ``ModelConfigError`` naming the first missing or mis-shaped tensor."""
-        own: dict[str, torch.Tensor] = {}
+        ``ModelConfigError`` naming the first missing or mis-shaped tensor.
+
+        Each tensor is copied into its parameter as soon as it is read, so with a lazy ``sd`` (the
+        loader's reads safetensors files tensor by tensor) loading holds no second copy of the
+        weights (a 3B model is 12.8 GB in float32). After an error the model is partly loaded: the
+        loader discards it."""
+        params = dict(self.named_parameters())
+
+        def put(name: str, t: torch.Tensor) -> None:
+            if params[name].shape != t.shape:
+                raise ModelConfigError(f"weight {name} has shape {tuple(t.shape)}, config expects {tuple(params[name].shape)}")
+            with torch.no_grad():
+                params[name].copy_(t)
+
         get = _Getter(sd)
-        own["embed_tokens.weight"] = get("model.embed_tokens.weight")
-        own["norm.weight"] = get("model.norm.weight")
+        put("embed_tokens.weight", get("model.embed_tokens.weight"))
+        put("norm.weight", get("model.norm.weight"))
         if not self.cfg.tie_word_embeddings:
-            own["lm_head.weight"] = get("lm_head.weight")
+            put("lm_head.weight", get("lm_head.weight"))
         for i in range(self.cfg.num_layers):
             p, ours = f"model.layers.{i}.", f"layers.{i}."
             for norm in LAYER_NORMS[self.cfg.norm_placement]:
-                own[f"{ours}{norm}.weight"] = get(f"{p}{norm}.weight")
+                put(f"{ours}{norm}.weight", get(f"{p}{norm}.weight"))
             a = p + "self_attn."
-            own[ours + "self_attn.qkv_proj.weight"] = get.fused(a + "qkv_proj.weight", a, ("q_proj", "k_proj", "v_proj"))
+            put(ours + "self_attn.qkv_proj.weight", get.fused(a + "qkv_proj.weight", a, ("q_proj", "k_proj", "v_proj")))
             if self.cfg.attention_bias:
-                own[ours + "self_attn.qkv_proj.bias"] = torch.cat(
-                    [get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")])
-            own[ours + "self_attn.o_proj.weight"] = get(a + "o_proj.weight")
+                put(ours + "self_attn.qkv_proj.bias",
+                    torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")]))
+            put(ours + "self_attn.o_proj.weight", get(a + "o_proj.weight"))
             if self.cfg.o_proj_bias:
-                own[ours + "self_attn.o_proj.bias"] = get(a + "o_proj.bias")
+                put(ours + "self_attn.o_proj.bias", get(a + "o_proj.bias"))
             if self.cfg.qk_norm != "none":
-                own[ours + "self_attn.q_norm.weight"] = get(a + "q_norm.weight")
-                own[ours + "self_attn.k_norm.weight"] = get(a + "k_norm.weight")
+                put(ours + "self_attn.q_norm.weight", get(a + "q_norm.weight"))
+                put(ours + "self_attn.k_norm.weight", get(a + "k_norm.weight"))
             if self.cfg.layer_moe(i):  # Mixtral's checkpoints name the mixture block_sparse_moe
                 moe = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in sd else "mlp.")
-                own.update(get.experts(moe, ours + "mlp.", self.cfg.num_experts))
+                for name, t in get.experts(moe, ours + "mlp.", self.cfg.num_experts).items():
+                    put(name, t)
             else:
                 m = p + "mlp."
-                own[ours + "mlp.gate_up_proj.weight"] = get.fused(m + "gate_up_proj.weight", m, ("gate_proj", "up_proj"))
-                own[ours + "mlp.down_proj.weight"] = get(m + "down_proj.weight")
+                put(ours + "mlp.gate_up_proj.weight", get.fused(m + "gate_up_proj.weight", m, ("gate_proj", "up_proj")))
+                put(ours + "mlp.down_proj.weight", get(m + "down_proj.weight"))
                 if self.cfg.mlp_bias:
-                    own[ours + "mlp.gate_up_proj.bias"] = get.fused(m + "gate_up_proj.bias", m, ("gate_proj", "up_proj"),
-                                                                    "bias")
-                    own[ours + "mlp.down_proj.bias"] = get(m + "down_proj.bias")
-        params = dict(self.named_parameters())
-        for name, t in own.items():
-            if params[name].shape != t.shape:
-                raise ModelConfigError(f"weight {name} has shape {tuple(t.shape)}, config expects {tuple(params[name].shape)}")
-        with torch.no_grad():
-            for name, t in own.items():
-                params[name].copy_(t)
+                    put(ours + "mlp.gate_up_proj.bias",
+                        get.fused(m + "gate_up_proj.bias", m, ("gate_proj", "up_proj"), "bias"))
+                    put(ours + "mlp.down_proj.bias", get(m + "down_proj.bias"))
 
     def truncated(self, num_layers: int) -> DecoderModel:
         """A model sharing this one's weights but running only its first ``num_layers`` layers
@@ -259,7 +265,7 @@ def scale_logits(cfg: TargetConfig, logits: torch.Tensor) -> torch.Tensor:
 
 
 class _Getter:
-    def __init__(self, sd: dict[str, torch.Tensor]) -> None:
+    def __init__(self, sd: Mapping[str, torch.Tensor]) -> None:
         self.sd = sd
 
     def __call__(self, name: str) -> torch.Tensor:

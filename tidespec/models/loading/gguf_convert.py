@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import gguf
@@ -41,6 +42,7 @@ from tidespec.models.quant.gguf_blocks import BLOCKS_FILE, TYPES_KEY
 # what a bad file raises from gguf-py, numpy, transformers or torch (RuntimeError's subclasses include the
 # error of an architecture gguf-py or transformers does not map)
 _READ_ERRORS = (ValueError, OSError, IndexError, KeyError, UnicodeDecodeError, RuntimeError, TypeError)
+_DATA_ERRORS = tuple(e for e in _READ_ERRORS if e is not OSError)  # a bad tensor in a file that opened
 
 
 class GgufConversionError(UserError):
@@ -79,10 +81,11 @@ def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, half, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
 
 
-def gguf_state_dict(reader: gguf.GGUFReader, arch: str, config: transformers.PretrainedConfig,
-                    hf_names: list[str], blocks: dict[str, tuple[np.ndarray, str]] | None = None
-                    ) -> dict[str, torch.Tensor]:
-    """The file's tensors as float32 under HF names (``hf_names``: the model class's state-dict keys);
+def gguf_tensors(reader: gguf.GGUFReader, arch: str, config: transformers.PretrainedConfig,
+                 hf_names: list[str], blocks: dict[str, tuple[np.ndarray, str]] | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The file's tensors as float32 under HF names (``hf_names``: the model class's state-dict keys),
+    one at a time (the converter writes them out in shards: a 3B model is 12.8 GB in float32);
     tensors the model has no place for (llama 3's ``rope_freqs``) are left out, as transformers does.
     A mixture's experts (``blk.N.ffn_{gate,up,down}_exps``, [E, out, in] each) become transformers'
     ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I]. ``blocks``, when
@@ -98,7 +101,6 @@ def gguf_state_dict(reader: gguf.GGUFReader, arch: str, config: transformers.Pre
         if gguf_name is not None:
             to_hf[f"{gguf_name}{dot}{suffix}"] = hf_name
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
-    tensors: dict[str, torch.Tensor] = {}
     experts: dict[str, np.ndarray] = {}  # gguf name -> [E, out, in]
     for t in reader.tensors:
         if t.name.endswith("_exps.weight"):
@@ -116,18 +118,18 @@ def gguf_state_dict(reader: gguf.GGUFReader, arch: str, config: transformers.Pre
             blocks[to_hf[t.name]] = (np.array(raw, copy=True), t.tensor_type.name)  # writable: torch takes it
         if row.gguf_norm_shift and t.name.endswith("norm.weight"):  # llama.cpp stored Gemma's norms + 1
             w = w - row.gguf_norm_shift
-        tensors[to_hf[t.name]] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+        yield to_hf[t.name], torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
     for name in hf_names:
         layer, _, rest = name.removeprefix("model.layers.").partition(".")
         blk = f"blk.{layer}.ffn_{{}}_exps.weight"
         if rest == "mlp.experts.gate_up_proj" and blk.format("gate") in experts:
             both = np.concatenate([experts[blk.format("gate")], experts[blk.format("up")]], axis=1)
-            tensors[name] = torch.from_numpy(np.array(both, dtype=np.float32, copy=True))
+            yield name, torch.from_numpy(np.array(both, dtype=np.float32, copy=True))
         elif rest == "mlp.experts.down_proj" and blk.format("down") in experts:
-            tensors[name] = torch.from_numpy(np.array(experts[blk.format("down")], dtype=np.float32, copy=True))
-    return tensors
+            yield name, torch.from_numpy(np.array(experts[blk.format("down")], dtype=np.float32, copy=True))
 
 
+SHARD_BYTES = 2 << 30  # the converted float32 weights are written in shards of at most 2 GiB (HF's default is 5 GB)
 # types stored as floats (their matrices are the float32 weights already: no blocks to keep)
 _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gguf.GGMLQuantizationType.BF16,
                 gguf.GGMLQuantizationType.F64)
@@ -228,8 +230,6 @@ def convert_gguf(gguf_path: Path, out: Path) -> Path:
         with torch.device("meta"):  # the class and its tensor names, no memory
             skeleton = transformers.AutoModelForCausalLM.from_config(hf_config)
         hf_names = list(skeleton.state_dict())
-        blocks: dict[str, tuple[np.ndarray, str]] = {}
-        tensors = gguf_state_dict(reader, arch, hf_config, hf_names, blocks)
     except _READ_ERRORS as exc:
         raise GgufConversionError(f"cannot convert GGUF file {gguf_path}: {one_line(exc)}") from None
     if tokenizer.chat_template is None and template is not None:
@@ -240,18 +240,52 @@ def convert_gguf(gguf_path: Path, out: Path) -> Path:
     config["architectures"] = [type(skeleton).__name__]
     config["dtype"] = "float32"
     tied = bool(config.get("tie_word_embeddings", False))
-    if tied:
-        tensors.pop("lm_head.weight", None)  # HF loaders re-tie it
-    missing = sorted(set(hf_names) - set(tensors) - ({"lm_head.weight"} if tied else set()))
-    if missing:
-        raise GgufConversionError(f"GGUF file {gguf_path} lacks {len(missing)} tensors, e.g. {missing[0]}")
-    _write(out, tensors, blocks, config, tokenizer, transformers.GenerationConfig.from_model_config(hf_config))
+    blocks: dict[str, tuple[np.ndarray, str]] = {}
+    tensors = ((name, t) for name, t in gguf_tensors(reader, arch, hf_config, hf_names, blocks)
+               if not (tied and name == "lm_head.weight"))  # HF loaders re-tie it
+    expected = set(hf_names) - ({"lm_head.weight"} if tied else set())
+    _write(out, gguf_path, tensors, expected, blocks, config, tokenizer,
+           transformers.GenerationConfig.from_model_config(hf_config))
     return out
 
 
-def _write(out: Path, tensors: dict[str, torch.Tensor], blocks: dict[str, tuple[np.ndarray, str]],
-           config: dict[str, object], tokenizer: transformers.PreTrainedTokenizerBase,
-           generation: transformers.GenerationConfig) -> None:
+def _write_shards(tmp: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Save ``tensors`` as it yields them: ``model.safetensors`` when they fit in one shard of
+    ``SHARD_BYTES``, else ``model-0000i-of-0000n.safetensors`` and the ``model.safetensors.index.json``
+    HF loaders read. Holds one shard at a time. Returns the names written."""
+    names: list[list[str]] = []
+    shard: dict[str, torch.Tensor] = {}
+    size = 0
+
+    def flush() -> None:
+        save_file(shard, str(tmp / f"shard-{len(names)}.safetensors"), metadata={"format": "pt"})
+        names.append(list(shard))
+        shard.clear()
+
+    for name, t in tensors:
+        if shard and size + t.nbytes > SHARD_BYTES:
+            flush()
+            size = 0
+        shard[name] = t
+        size += t.nbytes
+    if shard or not names:
+        flush()
+    if len(names) == 1:
+        (tmp / "shard-0.safetensors").rename(tmp / "model.safetensors")
+        return set(names[0])
+    weight_map = {}
+    for i, shard_names in enumerate(names):
+        file = f"model-{i + 1:05d}-of-{len(names):05d}.safetensors"
+        (tmp / f"shard-{i}.safetensors").rename(tmp / file)
+        weight_map.update(dict.fromkeys(shard_names, file))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True), encoding="utf-8")
+    return set(weight_map)
+
+
+def _write(out: Path, gguf_path: Path, tensors: Iterable[tuple[str, torch.Tensor]], expected: set[str],
+           blocks: dict[str, tuple[np.ndarray, str]], config: dict[str, object],
+           tokenizer: transformers.PreTrainedTokenizerBase, generation: transformers.GenerationConfig) -> None:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -259,7 +293,13 @@ def _write(out: Path, tensors: dict[str, torch.Tensor], blocks: dict[str, tuple[
         raise GgufConversionError(f"cannot create cache directory {out.parent}: {one_line(exc)}") from None
     tmp.chmod(0o755)  # mkdtemp makes it private; the cache entry is an ordinary directory
     try:
-        save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        try:
+            written = _write_shards(tmp, tensors)  # reads the file's tensors as it writes them
+        except _DATA_ERRORS as exc:  # an OSError is the writing's: the file is open and mapped
+            raise GgufConversionError(f"cannot convert GGUF file {gguf_path}: {one_line(exc)}") from None
+        missing = sorted(expected - written)
+        if missing:
+            raise GgufConversionError(f"GGUF file {gguf_path} lacks {len(missing)} tensors, e.g. {missing[0]}")
         if blocks:  # the file's own blocks, for --quantization gguf (models/quant/gguf_blocks.py)
             types = json.dumps({name: kind for name, (_, kind) in blocks.items()}, sort_keys=True)
             save_file({name: torch.from_numpy(raw) for name, (raw, _) in blocks.items()}, str(tmp / BLOCKS_FILE),

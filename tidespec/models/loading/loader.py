@@ -33,20 +33,20 @@ import hashlib
 import importlib.util
 import json
 import logging
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import transformers
-from safetensors import SafetensorError
-from safetensors.torch import load_file
+from safetensors import SafetensorError, safe_open
 
 from tidespec.errors import UserError
 from tidespec.files import cache_root, measure_once
 from tidespec.models.families import build_target
 from tidespec.models.loading.gguf_convert import GgufConversionError, convert_gguf, one_line
-from tidespec.models.quant.gguf_blocks import GgufBlocks
+from tidespec.models.quant.gguf_blocks import BLOCKS_FILE, GgufBlocks
 from tidespec.models.quant.quantize import quantize_model
 from tidespec.models.target import ModelConfigError, TargetConfig, TargetModel
 
@@ -207,9 +207,41 @@ def read_config(hf_dir: Path) -> dict[str, Any]:
     return cfg
 
 
-def read_state_dict(hf_dir: Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF directory: ``model.safetensors.index.json`` shards, else every
-    ``*.safetensors`` file."""
+class SafetensorsState(Mapping[str, torch.Tensor]):
+    """The tensors of safetensors files as a read-only mapping that reads a tensor when it is asked
+    for (``safe_open``: the file is memory-mapped, ``get_tensor`` copies that one tensor out), so a
+    model loads holding one tensor beside its parameters rather than a whole second copy.
+
+    Example: ``state = SafetensorsState([Path("model.safetensors")])``; ``"lm_head.weight" in state``;
+    ``state["model.norm.weight"]`` -> a new float tensor [H]."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._where: dict[str, Any] = {}  # tensor name -> the open file holding it
+        for file in files:
+            if not file.is_file():
+                raise ModelLoadError(f"missing weight shard {file}")
+            try:
+                handle = safe_open(str(file), framework="pt")
+                self._where.update(dict.fromkeys(handle.keys(), handle))
+            except (SafetensorError, OSError) as exc:
+                raise ModelLoadError(f"corrupt safetensors file {file}: {one_line(exc)}") from None
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        try:
+            return self._where[name].get_tensor(name)
+        except SafetensorError as exc:  # a truncated file: the header lists more than the file holds
+            raise ModelLoadError(f"corrupt safetensors tensor {name}: {one_line(exc)}") from None
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._where)
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
+def read_state_dict(hf_dir: Path) -> SafetensorsState:
+    """All tensors of an HF directory, read lazily (``SafetensorsState``):
+    ``model.safetensors.index.json`` shards, else every ``*.safetensors`` file."""
     index = hf_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
@@ -217,19 +249,11 @@ def read_state_dict(hf_dir: Path) -> dict[str, torch.Tensor]:
             files = sorted({hf_dir / name for name in weight_map.values()})
         except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise ModelLoadError(f"bad shard index {index}: {one_line(exc)}") from None
-    else:
-        files = sorted(hf_dir.glob("*.safetensors"))
+    else:  # the converter's raw GGUF blocks are not weights
+        files = sorted(f for f in hf_dir.glob("*.safetensors") if f.name != BLOCKS_FILE)
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in {hf_dir}")
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        if not file.is_file():
-            raise ModelLoadError(f"missing weight shard {file}")
-        try:
-            state.update(load_file(str(file)))
-        except (SafetensorError, OSError) as exc:
-            raise ModelLoadError(f"corrupt safetensors file {file}: {one_line(exc)}") from None
-    return state
+    return SafetensorsState(files)
 
 
 def load_tokenizer(hf_dir: Path) -> transformers.PreTrainedTokenizerBase:
