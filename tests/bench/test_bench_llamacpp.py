@@ -214,3 +214,83 @@ def test_probe_reports_a_failing_load_in_one_line(tmp_path: Path) -> None:
 
     note = probe_default_kernels(_fake_gguf(tmp_path), [1, 2])
     assert note.startswith("a probe with llama.cpp's default kernels failed: ") and "\n" not in note
+
+
+# ----------------------------------------------------------------------------- batches and long prompts
+
+
+def test_lengthened_prompts_keep_their_own_tokens_last() -> None:
+    from tidespec.workloads.loader import Prompt, WorkloadRecord, lengthened
+
+    def prompt(i: int, ids: list[int]) -> Prompt:
+        return Prompt(WorkloadRecord(id=f"p{i}", domain="d", kind="completion", prompt="x"), ids)
+
+    prompts = [prompt(0, [1, 2]), prompt(1, [3]), prompt(2, [4, 5, 6])]
+    assert [p.token_ids for p in lengthened(prompts, 4)] == [[5, 6, 1, 2], [6, 1, 2, 3], [3, 4, 5, 6]]
+    assert [p.token_ids for p in lengthened(prompts, 2)] == [[1, 2], [2, 3], [5, 6]]  # longer: its last tokens
+    long = lengthened(prompts, 11)
+    assert [len(p.token_ids) for p in long] == [11] * 3 and long[1].token_ids[-1] == 3
+    assert [p.record.id for p in long] == ["p0", "p1", "p2"]
+    assert lengthened([prompt(0, [7, 8])], 5)[0].token_ids == [8, 7, 8, 7, 8]  # alone: itself as context
+    with pytest.raises(ConfigError, match="prompt tokens must be >= 0"):
+        DecodeBenchConfig(prompt_tokens=-1)
+
+
+class _FakeRunner:
+    """A ``LlamaCppRunner`` stand-in: greedy = the prompt's last token plus 1, 2, ...; records the waves."""
+
+    def __init__(self) -> None:
+        self.note, self.waves, self.closed = "", [], False
+
+    def settings(self) -> dict[str, object]:
+        return {"fake": True}
+
+    def generate(self, ids: list[int], max_tokens: int) -> llamacpp_mod.LlamaCppRun:
+        return llamacpp_mod.LlamaCppRun([ids[-1] + k for k in range(1, max_tokens + 1)], 0.01, 0.02)
+
+    def generate_batch(self, prompts: list[list[int]], max_tokens: int) -> list[llamacpp_mod.LlamaCppRun]:
+        self.waves.append(len(prompts))
+        return [llamacpp_mod.LlamaCppRun([ids[-1] + k for k in range(1, max_tokens + 1)], 0.01 * (j + 1), 0.05)
+                for j, ids in enumerate(prompts)]
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_llamacpp_runs_every_batch_size_wave_by_wave(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """At batch B > 1 llama.cpp decodes each of our waves' prompts together, right after ours: a row per
+    batch size, the headline per batch size (time to first token included), the runner freed at the end."""
+    runner = _FakeRunner()
+    monkeypatch.setattr(decode_mod, "open_llamacpp", lambda gguf, reason, **kw: (runner, ""))
+    monkeypatch.setattr(decode_mod, "target_gguf", lambda model, loaded: (_fake_gguf(tmp_path), ""))
+    cfg = DecodeBenchConfig(workload=str(_workload(tmp_path, n=3)), batch_sizes=(1, 2), max_tokens=4,
+                            compare=("llamacpp",), warmup=False, prompt_tokens=9)
+    doc = run_decode_bench(cfg, _tiny_target(), model_config=ModelConfig(), out_dir=tmp_path / "out", echo=False)
+    assert [(r["engine"], r["batch_size"], r["requests"]) for r in doc["rows"]] == [
+        ("tidespec", 1, 3), ("tidespec", 2, 4), ("llama.cpp", 1, 3), ("llama.cpp", 2, 4)]
+    assert runner.waves == [2, 2] and runner.closed
+    b2 = doc["rows"][3]
+    assert b2["output_tokens"] == 4 * 4 and b2["wall_time_s"] == pytest.approx(2 * 0.05)
+    assert b2["decode_tokens_per_s"] == pytest.approx(4 * 3 / (2 * (0.05 - 0.02)))
+    assert [r["prompt_tokens"] for r in doc["requests"]["llamacpp-b2"]] == [9] * 4
+    head = doc["headline"]
+    assert {"vs_llamacpp_with_prefill", "vs_llamacpp_ttft", "vs_llamacpp_b2_decode_only", "vs_llamacpp_b2_ttft"} <= set(head)
+    report = (tmp_path / "out" / "table.md").read_text()
+    assert "tidespec / llama.cpp (llama-cpp-python, same GGUF) at batch 2:" in report
+
+
+def test_real_llamacpp_batch_of_one_is_its_generate(tmp_path: Path) -> None:
+    """With llama-cpp-python installed (not in CI): the batched path decodes a lone prompt exactly as
+    ``Llama.generate`` does, and a batch of two gives each prompt its tokens and a first-token time."""
+    pytest.importorskip("llama_cpp")
+    runner, notice = open_llamacpp(resolve_embedded_gguf(), "", n_ctx=64, n_threads=1, n_batch=64, probe_ids=[1, 2, 3])
+    assert runner is not None, notice
+    try:
+        a, b = list(range(100, 120)), list(range(300, 310))
+        alone = runner.generate(a, 5)
+        (one,) = runner.generate_batch([a], 5)
+        assert one.token_ids == alone.token_ids
+        two = runner.generate_batch([a, b], 5)
+        assert [len(r.token_ids) for r in two] == [5, 5] and all(0 < r.ttft <= r.latency for r in two)
+    finally:
+        runner.close()

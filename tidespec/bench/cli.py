@@ -78,8 +78,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     _add_workload_args(d, limit=16)
     d.add_argument("--batch-sizes", default="1,4,16", help="comma-separated batch sizes")
     d.add_argument("--compare", default=None, metavar="ENGINES",
-                   help="comma-separated reference engines run at batch 1, interleaved with ours: hf (transformers "
-                        "generate()), llamacpp (llama-cpp-python on the same GGUF; optional, see README)")
+                   help="comma-separated reference engines run interleaved with ours: hf (transformers generate(), "
+                        "batch 1), llamacpp (llama-cpp-python on the same GGUF, every batch size: the wave's prompts "
+                        "as parallel sequences; optional, see README)")
+    d.add_argument("--prompt-tokens", type=int, default=0,
+                   help="make every prompt exactly this many tokens (the workload's other prompts before it as "
+                        "context); 0: the workload's own lengths")
     add_dataclass_args(d, ModelConfig)
     add_dataclass_args(d, SchedulerConfig)
     d.set_defaults(func=cmd_decode)
@@ -257,7 +261,8 @@ def _add_workload_args(p: argparse.ArgumentParser, limit: int) -> None:
 
 def cmd_decode(ns: argparse.Namespace) -> int:
     cfg = DecodeBenchConfig(workload=ns.workload, limit=ns.limit, batch_sizes=parse_int_list(ns.batch_sizes, "--batch-sizes"),
-                            max_tokens=ns.max_tokens, compare=parse_compare(ns.compare), warmup=not ns.no_warmup)
+                            max_tokens=ns.max_tokens, compare=parse_compare(ns.compare), warmup=not ns.no_warmup,
+                            prompt_tokens=ns.prompt_tokens)
     run_decode_bench(cfg, model_config=dataclass_from_args(ModelConfig, ns),
                      scheduler=dataclass_from_args(SchedulerConfig, ns), out_dir=ns.out, command=command_line())
     return 0

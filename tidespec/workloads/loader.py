@@ -33,7 +33,7 @@ Worked example::
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -206,6 +206,24 @@ def load_prompts(name_or_path: str | Path, tokenizer: PreTrainedTokenizerBase,
                  limit: int | None = None) -> list[Prompt]:
     """``load_workload`` then ``tokenize_workload``."""
     return tokenize_workload(load_workload(name_or_path, limit), tokenizer)
+
+
+def lengthened(prompts: list[Prompt], length: int) -> list[Prompt]:
+    """Each prompt exactly ``length`` tokens: its own tokens last, preceded by the workload's other
+    prompts' tokens (the next ones first, cycled) as context, or its last ``length`` tokens when it is
+    longer. For prefill at the lengths people send (a 512-token prompt: a document, a chat history)
+    from a workload of short ones; the text is a concatenation, the cost is the length's.
+
+    Example: prompts [1, 2], [3], [4, 5, 6] at length 4 -> [5, 6, 1, 2] (context: the others from the
+    next one on, [3, 4, 5, 6]), [6, 1, 2, 3] (context [4, 5, 6, 1, 2]), [3, 4, 5, 6]."""
+    out = []
+    for i, p in enumerate(prompts):
+        others = [t for q in prompts[i + 1:] + prompts[:i] for t in q.token_ids] or p.token_ids
+        context: list[int] = []
+        while len(context) + len(p.token_ids) < length:
+            context.extend(others)
+        out.append(replace(p, token_ids=(context + p.token_ids)[-length:]))
+    return out
 
 
 def prefix_text(names: str, tokenizer: PreTrainedTokenizerBase, tokens: int) -> str:

@@ -115,6 +115,7 @@ class LlamaCppRunner:
         self.n_threads = n_threads
         self.extra_buffer_types = extra_buffer_types
         self.note = note  # why the extra buffer types are off, "" when they are on
+        self._contexts: dict[int, Any] = {}  # sequence count -> llama_context* (generate_batch)
 
     def settings(self) -> dict[str, Any]:
         """What the report records of this llama.cpp instance."""
@@ -123,6 +124,85 @@ class LlamaCppRunner:
         return {"gguf": str(self.gguf_path), "llama_cpp_python": getattr(llama_cpp, "__version__", "?"),
                 "n_threads": self.n_threads, "n_ctx": self.llm.n_ctx(), "n_batch": self.llm.n_batch,
                 "extra_buffer_types": self.extra_buffer_types, "note": self.note}
+
+    def generate_batch(self, prompts: list[list[int]], max_tokens: int) -> list[LlamaCppRun]:
+        """Exactly ``max_tokens`` greedy tokens after each prompt (EOS ignored), the prompts decoded
+        together as llama-server's parallel slots decode them: one context of ``len(prompts)``
+        sequences on the same model (unified KV cache, emptied per call), the prompts' tokens in
+        ``llama_decode`` calls of up to ``n_batch`` tokens (logits at each prompt's last token), then one
+        call per step with every sequence's last token. Greedy = the first maximum of the logits, as
+        llama.cpp's greedy sampler takes. A sequence's TTFT is when its first token was taken.
+        (llama-cpp-python's ``Llama`` decodes one sequence; this drives its C API directly.)"""
+        import llama_cpp
+        import numpy as np
+
+        lib, n = llama_cpp, len(prompts)  # the package re-exports the C API (llama_cpp.llama_cpp)
+        ctx = self._context(lib, n)
+        n_vocab = self.llm.n_vocab()
+        lib.llama_memory_clear(lib.llama_get_memory(ctx), True)
+        batch = lib.llama_batch_init(max(self.llm.n_batch, n), 0, 1)
+        out: list[list[int]] = [[] for _ in prompts]
+        first = [0.0] * n
+        try:
+            t0 = time.perf_counter()
+            work = [(s, pos, tok) for s, ids in enumerate(prompts) for pos, tok in enumerate(ids)]
+            while work:  # prefill in n_batch chunks; a prompt ending in a chunk gets its first token
+                chunk, work = work[:self.llm.n_batch], work[self.llm.n_batch:]
+                ends = [(j, s) for j, (s, pos, _) in enumerate(chunk) if pos == len(prompts[s]) - 1]
+                self._decode(lib, ctx, batch, chunk, {j for j, _ in ends})
+                now = time.perf_counter()
+                for j, s in ends:
+                    out[s].append(int(np.argmax(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, j), (n_vocab,)))))
+                    first[s] = now - t0
+            for _ in range(max_tokens - 1):
+                step = [(s, len(prompts[s]) + len(out[s]) - 1, out[s][-1]) for s in range(n)]
+                self._decode(lib, ctx, batch, step, set(range(n)))
+                for s in range(n):
+                    out[s].append(int(np.argmax(np.ctypeslib.as_array(lib.llama_get_logits_ith(ctx, s), (n_vocab,)))))
+            t1 = time.perf_counter()
+        finally:
+            lib.llama_batch_free(batch)
+        return [LlamaCppRun(tokens, ttft, t1 - t0) for tokens, ttft in zip(out, first)]
+
+    def _context(self, lib: Any, n_seq: int) -> Any:
+        """A llama.cpp context for ``n_seq`` sequences of ``n_ctx`` tokens each on this runner's model
+        (made once per sequence count, freed with the runner's ``close``)."""
+        if n_seq not in self._contexts:
+            params = lib.llama_context_default_params()
+            params.n_ctx = self.llm.n_ctx() * n_seq
+            params.n_batch = self.llm.n_batch
+            params.n_ubatch = min(self.llm.n_batch, 512)
+            params.n_seq_max = n_seq
+            params.kv_unified = True
+            params.n_threads = params.n_threads_batch = self.n_threads
+            ctx = lib.llama_init_from_model(self.llm.model, params)
+            if ctx is None:
+                raise RuntimeError(f"llama.cpp could not make a context for {n_seq} sequences")
+            self._contexts[n_seq] = ctx
+        return self._contexts[n_seq]
+
+    @staticmethod
+    def _decode(lib: Any, ctx: Any, batch: Any, tokens: list[tuple[int, int, int]], logits: set[int]) -> None:
+        """One ``llama_decode`` of ``tokens`` = (sequence, position, token id), logits where listed."""
+        for j, (s, pos, tok) in enumerate(tokens):
+            batch.token[j], batch.pos[j], batch.n_seq_id[j], batch.logits[j] = tok, pos, 1, j in logits
+            batch.seq_id[j][0] = s
+        batch.n_tokens = len(tokens)
+        rc = lib.llama_decode(ctx, batch)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode returned {rc}")
+
+    def close(self) -> None:
+        """Free the batched contexts and the ``Llama`` (before the interpreter's shutdown, where
+        llama-cpp-python's own finalizer fails)."""
+        import llama_cpp
+
+        for ctx in self._contexts.values():
+            llama_cpp.llama_free(ctx)
+        self._contexts.clear()
+        close = getattr(self.llm, "close", None)
+        if close is not None:
+            close()
 
     def generate(self, token_ids: list[int], max_tokens: int) -> LlamaCppRun:
         """Exactly ``max_tokens`` greedy tokens after ``token_ids`` (EOS ignored), full prefill."""

@@ -20,7 +20,11 @@ after ours (interleaved, so drift of a shared machine hits all alike), same prom
 same token count, greedy, and reports each as a row (tok/s with prefill and decode-only, as ours
 at batch 1: decode-only = (n - 1) / (time after the first token)) with its ratio to tidespec at
 batch 1, and how many leading greedy tokens it shares with ours per prompt (information only: a
-different numeric path may diverge):
+different numeric path may diverge). llama.cpp also runs each larger batch's waves right after
+ours, the wave's prompts as parallel sequences of one context (as llama-server's slots; decode-only
+= tokens after the first / time after the wave's last first token), and the headline gives
+tidespec / llama.cpp per batch size, time to first token included. ``--prompt-tokens 512`` makes
+every prompt 512 tokens (``lengthened``), the shape of a request with a document or a history:
 
 * ``hf``: ``AutoModelForCausalLM.from_pretrained(<model dir>).generate()``; TTFT from a streamer
   timestamp.
@@ -75,7 +79,7 @@ from tidespec.engine.engine import LLMEngine
 from tidespec.llm import DTYPES, build_engine
 from tidespec.models.loading.loader import LoadedModel, load_model
 from tidespec.sampling import SamplingParams
-from tidespec.workloads.loader import Prompt, load_prompts
+from tidespec.workloads.loader import Prompt, lengthened, load_prompts
 
 # --------------------------------------------------------------------------- shared plumbing
 
@@ -322,8 +326,9 @@ class DecodeBenchConfig:
     limit: int = 16
     batch_sizes: tuple[int, ...] = (1, 4, 16)
     max_tokens: int = 128
-    compare: tuple[str, ...] = ()  # reference engines at batch 1, in run order: "hf", "llamacpp"
+    compare: tuple[str, ...] = ()  # reference engines at batch 1, in run order: "hf", "llamacpp" (every batch size)
     warmup: bool = True
+    prompt_tokens: int = 0  # > 0: every prompt made exactly this long (``lengthened``)
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.compare if c not in COMPARE_ENGINES]
@@ -336,6 +341,8 @@ class DecodeBenchConfig:
             raise ConfigError(f"batch sizes must be >= 1, got {self.batch_sizes}")
         if self.max_tokens < 2:
             raise ConfigError(f"max_tokens must be >= 2 (TPOT needs two tokens), got {self.max_tokens}")
+        if self.prompt_tokens < 0:
+            raise ConfigError(f"prompt tokens must be >= 0 (0: the workload's own lengths), got {self.prompt_tokens}")
 
 
 def run_decode_bench(cfg: DecodeBenchConfig, target: LoadedModel | str | None = None, *,
@@ -350,10 +357,12 @@ def run_decode_bench(cfg: DecodeBenchConfig, target: LoadedModel | str | None = 
     source = target if target is not None else mc.model
     target = resolve_target(source, mc.dtype, mc.device, mc.quantization, mc.quant_group_size)
     prompts = load_prompts(cfg.workload, target.tokenizer, cfg.limit)
+    if cfg.prompt_tokens:
+        prompts = lengthened(prompts, cfg.prompt_tokens)
     econf = bench_engine_config(prompts, cfg.max_tokens, max(cfg.batch_sizes), target.model.cfg.max_position_embeddings,
                                 mc, scheduler)
     engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
-    refs, skipped, ref_settings = _reference_engines(cfg, target, source, mc, econf, prompts[0].token_ids)
+    refs, batched, closers, skipped, ref_settings = _reference_engines(cfg, target, source, mc, econf, prompts[0].token_ids)
     params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=True)
     if cfg.warmup:
         run_wave(engine, prompts, [0], SamplingParams(max_tokens=min(8, cfg.max_tokens), ignore_eos=True))
@@ -364,6 +373,7 @@ def run_decode_bench(cfg: DecodeBenchConfig, target: LoadedModel | str | None = 
     per_batch_requests: dict[str, list[dict[str, Any]]] = {}
     ours_by_prompt: dict[int, list[int]] = {}  # greedy tokens of our smallest batch size, per prompt
     ref_records: dict[str, list[RequestRecord]] = {name: [] for name in refs}
+    ref_waves: dict[str, dict[int, list[list[RequestRecord]]]] = {name: {} for name in batched}  # b > 1
     for b in cfg.batch_sizes:
         waves: list[WaveResult] = []
         records: list[RequestRecord] = []
@@ -376,6 +386,9 @@ def run_decode_bench(cfg: DecodeBenchConfig, target: LoadedModel | str | None = 
             if b == 1:  # reference engines interleaved with ours, prompt by prompt
                 for name, ref in refs.items():
                     ref_records[name].append(ref(prompts[idx[0]], idx[0], cfg.max_tokens))
+            else:  # and wave by wave where they batch
+                for name, wave_ref in batched.items():
+                    ref_waves[name].setdefault(b, []).append(wave_ref(prompts, idx, cfg.max_tokens))
         summary = records_summary(records, sum(w.wall_time for w in waves), sum(w.decode_tokens for w in waves),
                                   sum(w.decode_time for w in waves))
         rows.append({"engine": "tidespec", "batch_size": b, "waves": len(waves), **summary})
@@ -393,6 +406,21 @@ def run_decode_bench(cfg: DecodeBenchConfig, target: LoadedModel | str | None = 
                                                           "identical_prompts": sum(n == cfg.max_tokens for n in prefix)},
                          "settings": ref_settings.get(name, {})})
         per_batch_requests[name] = [{**r.to_json(), "identical_prefix_vs_tidespec": n} for r, n in zip(recs, prefix)]
+    for name, by_batch in ref_waves.items():
+        for b, ref_wave_list in by_batch.items():
+            recs = [r for wave in ref_wave_list for r in wave]
+            dtok = sum(r.output_tokens - 1 for r in recs)  # a wave decodes once every prompt is in
+            dtime = sum(max(r.latency for r in w) - max(r.ttft for r in w) for w in ref_wave_list)
+            prefix = [identical_prefix(r.token_ids, ours_by_prompt[r.prompt_index]) for r in recs]
+            ref_rows.append({"engine": COMPARE_ENGINES[name], "batch_size": b, "waves": len(ref_wave_list),
+                             **records_summary(recs, sum(max(r.latency for r in w) for w in ref_wave_list), dtok, dtime),
+                             "identical_prefix_vs_tidespec": {"per_prompt": prefix, "mean": sum(prefix) / len(prefix),
+                                                              "identical_prompts": sum(n == cfg.max_tokens for n in prefix)},
+                             "settings": ref_settings.get(name, {})})
+            per_batch_requests[f"{name}-b{b}"] = [{**r.to_json(), "identical_prefix_vs_tidespec": n}
+                                                  for r, n in zip(recs, prefix)]
+    for close in closers:
+        close()
     _add_ratios(rows, ref_rows)
 
     doc = {
@@ -410,13 +438,20 @@ def run_decode_bench(cfg: DecodeBenchConfig, target: LoadedModel | str | None = 
 ReferenceEngine = Callable[[Prompt, int, int], RequestRecord]  # (prompt, prompt index, max_tokens) -> record
 
 
+# (all prompts, one wave's prompt indices, max_tokens) -> that wave's records, its prompts decoded together
+BatchedReference = Callable[[list[Prompt], list[int], int], list[RequestRecord]]
+
+
 def _reference_engines(cfg: DecodeBenchConfig, target: LoadedModel, source: LoadedModel | str | None,
                        mc: ModelConfig, econf: EngineConfig, probe_ids: list[int],
-                       ) -> tuple[dict[str, ReferenceEngine], dict[str, str], dict[str, dict[str, Any]]]:
-    """The ``--compare`` engines that can run (in ``cfg.compare`` order), a one-line notice per
-    engine that cannot (printed to stderr now), and settings worth recording per engine. An
-    unusable HF checkpoint stays an error."""
+                       ) -> tuple[dict[str, ReferenceEngine], dict[str, BatchedReference], list[Callable[[], None]],
+                                  dict[str, str], dict[str, dict[str, Any]]]:
+    """The ``--compare`` engines that can run (in ``cfg.compare`` order), those of them that also run
+    batches (llama.cpp), what frees them, a one-line notice per engine that cannot (printed to stderr
+    now), and settings worth recording per engine. An unusable HF checkpoint stays an error."""
     refs: dict[str, ReferenceEngine] = {}
+    batched: dict[str, BatchedReference] = {}
+    closers: list[Callable[[], None]] = []
     skipped: dict[str, str] = {}
     settings: dict[str, dict[str, Any]] = {}
     for name in cfg.compare:
@@ -436,16 +471,25 @@ def _reference_engines(cfg: DecodeBenchConfig, target: LoadedModel, source: Load
                 print(notice, file=sys.stderr)
             else:
                 refs[name] = lambda p, i, n, runner=runner: _llamacpp_record(runner, p, i, n)
+                batched[name] = lambda ps, idx, n, runner=runner: _llamacpp_wave(runner, ps, idx, n)
+                closers.append(runner.close)
                 settings[name] = runner.settings()
                 if runner.note:
                     print(f"llama.cpp: {runner.note}", file=sys.stderr)
-    return refs, skipped, settings
+    return refs, batched, closers, skipped, settings
 
 
 def _llamacpp_record(runner: LlamaCppRunner, prompt: Prompt, index: int, max_tokens: int) -> RequestRecord:
     run = runner.generate(prompt.token_ids, max_tokens)
     return RequestRecord(index, prompt.record.id, len(prompt.token_ids), len(run.token_ids), run.ttft, run.latency,
                          run.token_ids)
+
+
+def _llamacpp_wave(runner: LlamaCppRunner, prompts: list[Prompt], indices: list[int],
+                   max_tokens: int) -> list[RequestRecord]:
+    runs = runner.generate_batch([prompts[i].token_ids for i in indices], max_tokens)
+    return [RequestRecord(i, prompts[i].record.id, len(prompts[i].token_ids), len(run.token_ids), run.ttft,
+                          run.latency, run.token_ids) for i, run in zip(indices, runs)]
 
 
 def _add_ratios(rows: list[dict[str, Any]], ref_rows: list[dict[str, Any]]) -> None:
@@ -464,11 +508,14 @@ def _decode_headline(rows: list[dict[str, Any]], ref_rows: list[dict[str, Any]])
         head["largest_batch"] = bmax
         head["throughput_ratio_largest_vs_batch1"] = by_b[bmax]["tokens_per_s"] / by_b[1]["tokens_per_s"]
         head["decode_ratio_largest_vs_batch1"] = by_b[bmax]["decode_tokens_per_s"] / by_b[1]["decode_tokens_per_s"]
-    for ref in ref_rows:  # tidespec batch 1 / reference: vs_hf_*, vs_llamacpp_*
+    for ref in ref_rows:  # tidespec / reference at the same batch size: vs_hf_*, vs_llamacpp_*, vs_llamacpp_b4_*
         key = next(k for k, v in COMPARE_ENGINES.items() if v == ref["engine"])
-        if 1 in by_b:
-            head[f"vs_{key}_with_prefill"] = by_b[1]["tokens_per_s"] / ref["tokens_per_s"]
-            head[f"vs_{key}_decode_only"] = by_b[1]["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
+        b = ref["batch_size"]
+        if b in by_b:
+            name = f"vs_{key}" if b == 1 else f"vs_{key}_b{b}"
+            head[f"{name}_with_prefill"] = by_b[b]["tokens_per_s"] / ref["tokens_per_s"]
+            head[f"{name}_decode_only"] = by_b[b]["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
+            head[f"{name}_ttft"] = ref["ttft_ms"]["mean"] / by_b[b]["ttft_ms"]["mean"]  # > 1: our first token sooner
     return head
 
 
@@ -493,13 +540,16 @@ def format_decode_report(doc: dict[str, Any], command: str, info: dict[str, Any]
         lines.append(f"- batch {h['largest_batch']} / batch 1 throughput: {h['throughput_ratio_largest_vs_batch1']:.2f}x "
                      f"with prefill, {h['decode_ratio_largest_vs_batch1']:.2f}x decode-only")
     for key, label in (("hf", "HF transformers generate()"), ("llamacpp", "llama.cpp (llama-cpp-python, same GGUF)")):
-        if f"vs_{key}_with_prefill" in h:
-            lines.append(f"- tidespec / {label} at batch 1: {h[f'vs_{key}_with_prefill']:.2f}x with prefill, "
-                         f"{h[f'vs_{key}_decode_only']:.2f}x decode-only")
+        for b in cfg["batch_sizes"]:
+            name = f"vs_{key}" if b == 1 else f"vs_{key}_b{b}"
+            if f"{name}_with_prefill" in h:
+                lines.append(f"- tidespec / {label} at batch {b}: {h[f'{name}_with_prefill']:.2f}x with prefill, "
+                             f"{h[f'{name}_decode_only']:.2f}x decode-only; time to first token "
+                             f"{h[f'{name}_ttft']:.2f}x (theirs / ours: above 1, ours comes sooner)")
     for r in doc["rows"]:
         agree = r.get("identical_prefix_vs_tidespec")
         if agree:
-            lines.append(f"- {r['engine']} greedy tokens identical to tidespec's for the first "
+            lines.append(f"- {r['engine']} (batch {r['batch_size']}) greedy tokens identical to tidespec's for the first "
                          f"{agree['mean']:.1f} of {cfg['max_tokens']} on average (per prompt: "
                          f"{', '.join(str(n) for n in agree['per_prompt'])}; information only)")
     for r in doc["rows"]:
@@ -515,9 +565,13 @@ def _plot_decode(rows: list[dict[str, Any]], ref_rows: list[dict[str, Any]], out
     bs = [r["batch_size"] for r in rows]
     ax.plot(bs, [r["tokens_per_s"] for r in rows], "o-", label="tidespec (with prefill)")
     ax.plot(bs, [r["decode_tokens_per_s"] for r in rows], "s--", label="tidespec (decode only)")
-    for ref, color in zip(ref_rows, ("r", "g", "m")):
-        ax.plot([1], [ref["tokens_per_s"]], f"{color}*", markersize=12, label=f"{ref['engine']} (with prefill)")
-        ax.plot([1], [ref["decode_tokens_per_s"]], f"{color}x", markersize=10, label=f"{ref['engine']} (decode only)")
+    engines = list(dict.fromkeys(r["engine"] for r in ref_rows))
+    for engine, color in zip(engines, ("r", "g", "m")):
+        mine = [r for r in ref_rows if r["engine"] == engine]
+        rb = [r["batch_size"] for r in mine]
+        ax.plot(rb, [r["tokens_per_s"] for r in mine], f"{color}*:", markersize=12, label=f"{engine} (with prefill)")
+        ax.plot(rb, [r["decode_tokens_per_s"] for r in mine], f"{color}x:", markersize=10,
+                label=f"{engine} (decode only)")
     log2_panel(ax, bs, "batch size", "output tokens / s", "Decode throughput")
     ax2.plot(bs, [r["tpot_ms"]["p50"] for r in rows], "o-", label="TPOT p50")
     ax2.plot(bs, [r["ttft_ms"]["p50"] for r in rows], "s--", label="TTFT p50")
