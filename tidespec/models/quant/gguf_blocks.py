@@ -44,6 +44,7 @@ Worked example (one Q8_0 row of 32 inputs, d = 0.5, codes 0..31)::
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -354,17 +355,14 @@ def _merged(pieces: list[Unpacked | nn.Module]) -> list[nn.Module]:
     """The kernel layers of a projection's pieces, neighbouring blocks of one type as one matrix (their
     rows stacked): one kernel call for q|k|v when the file holds them alike, two for a Q4_K_M's q|k in
     Q4_K beside v in Q6_K. Converted pieces (already layers) stay as they are."""
-    runs: list[list[Unpacked]] = []
-    layers: list[nn.Module | list[Unpacked]] = []
-    for piece in pieces:
-        if not isinstance(piece, Unpacked):
-            layers.append(piece)
-        elif runs and layers and layers[-1] is runs[-1] and runs[-1][0].type_name == piece.type_name:
-            runs[-1].append(piece)
+    layers: list[nn.Module] = []
+    for type_name, group in itertools.groupby(pieces, key=lambda p: p.type_name if isinstance(p, Unpacked) else None):
+        run = list(group)
+        if type_name is None:
+            layers.extend(p for p in run if isinstance(p, nn.Module))
         else:
-            runs.append([piece])
-            layers.append(runs[-1])
-    return [native_linear(_stacked(x)) if isinstance(x, list) else x for x in layers]
+            layers.append(native_linear(_stacked([p for p in run if isinstance(p, Unpacked)])))
+    return layers
 
 
 def _stacked(run: list[Unpacked]) -> Unpacked:
