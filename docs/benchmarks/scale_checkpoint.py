@@ -6,10 +6,13 @@ Usage (from the repository root, llama-cpp-python installed as for ``bench decod
     PYTHONPATH=. .venv/bin/python docs/benchmarks/scale_checkpoint.py llama-3.2-1b /data/scale Q4_K_M,Q8_0
 
 writes ``/data/scale/llama-3.2-1b.F16.gguf`` and ``llama-3.2-1b.{Q4_K_M,Q8_0}.gguf`` (llama.cpp's
-``llama_model_quantize``). The architecture is llama (random q/k rows need no rope permutation) with
-the shape of the named model, and the embedded SmolLM2-135M-Instruct's
-tokenizer (its 49,152-token vocabulary, copied from the embedded GGUF), so the workloads' prompts
-tokenize; the real models' vocabularies are 128k-152k, so their LM head is larger than this one's.
+``llama_model_quantize``; also Q5_K_M, Q6_K), and with ``HF`` in the list the HF directory
+``llama-3.2-1b-hf`` (config.json, float32 safetensors shards, tokenizer: tidespec's conversion of the
+F16 file, loadable by transformers and by ``--model``). The architecture is llama (random q/k rows need no rope permutation) with
+the shape of the named model, its LM head tied to the token embedding as the real ones are, and the
+embedded SmolLM2-135M-Instruct's tokenizer (copied from the embedded GGUF, so the workloads' prompts
+tokenize) padded with unused tokens to the real vocabulary's size (128,256 for Llama 3.2, 151,936 for
+Qwen3): the LM head, 10-20 % of a 1-3B model's bytes, has the real model's rows.
 Weights: float16, N(0, 0.02) matrices (transformers' initialisation), norms 1, one seeded generator:
 the text is noise, the speed is the shape's.
 """
@@ -22,14 +25,17 @@ import gguf
 import llama_cpp
 import numpy as np
 
+from tidespec.models.loading.gguf_convert import convert_gguf
 from tidespec.models.loading.loader import resolve_embedded_gguf
 
-# name -> (hidden, layers, intermediate, heads, kv heads, head dim, rope base)
+# name -> (hidden, layers, intermediate, heads, kv heads, head dim, rope base, vocabulary); all three tie
+# the LM head to the token embedding, as the real models do
 SHAPES = {
-    "llama-3.2-1b": (2048, 16, 8192, 32, 8, 64, 500000.0),
-    "llama-3.2-3b": (3072, 28, 8192, 24, 8, 128, 500000.0),
-    "qwen3-1.7b": (2048, 28, 6144, 16, 8, 128, 1000000.0),  # as a llama (no q/k norms): Qwen3's widths
+    "llama-3.2-1b": (2048, 16, 8192, 32, 8, 64, 500000.0, 128256),
+    "llama-3.2-3b": (3072, 28, 8192, 24, 8, 128, 500000.0, 128256),
+    "qwen3-1.7b": (2048, 28, 6144, 16, 8, 128, 1000000.0, 151936),  # as a llama (no q/k norms): Qwen3's widths
 }
+UNUSED = 5  # gguf's token type of a token the tokenizer never produces (llama.cpp's LLAMA_TOKEN_TYPE_UNUSED)
 FTYPES = {"Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "Q5_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M,
           "Q6_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K, "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
@@ -39,9 +45,9 @@ TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.
 
 
 def write_f16(name: str, path: Path) -> None:
-    hidden, layers, inter, heads, kv_heads, head_dim, rope = SHAPES[name]
+    hidden, layers, inter, heads, kv_heads, head_dim, rope, vocab = SHAPES[name]
     src = gguf.GGUFReader(str(resolve_embedded_gguf()))
-    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    pad = vocab - len(src.fields["tokenizer.ggml.tokens"].data)  # the real vocabulary's size, unused tokens
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name(f"random {name}")
     w.add_block_count(layers)
@@ -62,15 +68,18 @@ def write_f16(name: str, path: Path) -> None:
         if field is not None:
             value, kind = field.contents(), field.types[0]
             sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+            if key == "tokenizer.ggml.tokens":
+                value = value + [f"<|unused_{i}|>" for i in range(pad)]
+            elif key == "tokenizer.ggml.token_type":
+                value = value + [UNUSED] * pad
             w.add_key_value(key, value, kind, sub_type=sub)
     rng = np.random.default_rng(0)
 
     def matrix(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
 
-    w.add_tensor("token_embd.weight", matrix(vocab, hidden))
+    w.add_tensor("token_embd.weight", matrix(vocab, hidden))  # also the LM head (tied: no output.weight)
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    w.add_tensor("output.weight", matrix(vocab, hidden))
     for i in range(layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
@@ -91,11 +100,16 @@ if len(sys.argv) not in (3, 4) or sys.argv[1] not in SHAPES:
     sys.exit(__doc__ + f"\nshapes: {', '.join(SHAPES)}")
 shape, out = sys.argv[1], Path(sys.argv[2])
 kinds = sys.argv[3].split(",") if len(sys.argv) == 4 else ["Q4_K_M", "Q8_0"]
+if unknown := [k for k in kinds if k not in FTYPES and k != "HF"]:
+    sys.exit(f"unknown kind {unknown[0]!r}; choose from {', '.join(FTYPES)}, HF")
 out.mkdir(parents=True, exist_ok=True)
 f16 = out / f"{shape}.F16.gguf"
 if not f16.exists():
     write_f16(shape, f16)
 for kind in kinds:
+    if kind == "HF":  # the HF directory: tidespec's conversion of the F16 file (float32 safetensors shards)
+        print(convert_gguf(f16, out / f"{shape}-hf"))
+        continue
     dst = out / f"{shape}.{kind}.gguf"
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = FTYPES[kind]
