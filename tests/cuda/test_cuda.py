@@ -242,5 +242,5 @@ def test_bench_profile_and_the_policy_profiler_time_the_cuda_graphs(model, tmp_p
     assert doc["step"] == "CUDA graphs" and all(r["t_ms"] > 0 and r["t_compiled_ms"] > 0 for r in doc["rows"])
     assert doc["bandwidth_gb_s"] > 0 and (tmp_path / "plot.png").stat().st_size > 0
     prof = measure_profile(model, None, ProfilerConfig(batch_sizes=(1, 2), tokens_per_seq=(1, 3),
-                                                       single_seq_tokens=(1,), passes=1), graphs=True)
+                                                       single_seq_tokens=(1,), passes=1))
     assert prof.verify_latency and all(t > 0 for t in prof.verify_latency.values())

@@ -61,6 +61,7 @@ Worked example (slots 0 and 2 decoding, slot 2 verifying 2 drafts; graph B=4, q=
 from __future__ import annotations
 
 import bisect
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -138,9 +139,18 @@ def capture_graph(body: Callable[[], _T], device: torch.device,
             body()
     torch.cuda.current_stream(device).wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    # thread_local: a trainer thread using the same GPU does not break the capture
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-        outputs = body()
+    # no garbage collection during the capture: a collection there can free an earlier engine's
+    # graphs (their reset is illegal while a stream captures, and invalidates this capture: seen on
+    # an H200, where torch.cuda.graph no longer collects before it captures)
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        # thread_local: a trainer thread using the same GPU does not break the capture
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            outputs = body()
+    finally:
+        if collecting:
+            gc.enable()
     return graph, outputs
 
 
