@@ -14,6 +14,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from tests.helpers import run_to_completion, tiny_hf_model, tiny_llama, tiny_tokenizer
+from tidespec.bench.exactness.run import row_probe
 from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
@@ -190,3 +191,18 @@ def test_embedded_float32_compiled_greedy_equals_eager(embedded) -> None:
         if compile_:
             assert engine.executor.compiled is not None and engine.executor.compiled.num_compiled >= 47 * len(prompts)
     assert texts[0] == texts[1]
+
+
+def test_a_decode_row_has_the_bits_of_a_verification_row_at_a_wide_hidden_size(two_threads: None) -> None:
+    """From a hidden size of 1,024 on 2 threads, inductor split the 1-row graph's norm across threads
+    (and a k-row graph's rows across threads), so a decode row summed in another order than the same
+    row in a verification: the row probe found 14 of 32 rows identical at Llama-3.2-1B's width, and a
+    GGUF of that shape gave plain batched decoding 0 of 8 outputs equal to the prompt alone. The
+    compiled step's generated loops now run on one thread on a CPU; every row is the decode row."""
+    model = tiny_llama(V, layers=1, seed=1, dtype=torch.float32, hidden_size=1024, intermediate_size=256,
+                       num_heads=16, num_kv_heads=4, head_dim=64)
+    cfg = EngineConfig(model=ModelConfig(compile=True), cache=CacheConfig(max_model_len=64, max_num_seqs=4))
+    engine = LLMEngine(model, tiny_tokenizer(V), cfg)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, V, (n,), generator=gen).tolist() for n in (9, 14, 21, 30)]
+    assert row_probe(engine, prompts, k=4) == {"rows": 32, "identical": 32}

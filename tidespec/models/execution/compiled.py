@@ -156,9 +156,20 @@ class CompiledStep:
         # a row-invariant target's graphs round low-precision intermediates where eager code does:
         # otherwise each graph's fusions decide where bfloat16 rounding happens, and the 1-row
         # graph's differ from the k-row graph's
-        options = {"emulate_precision_casts": True} if self.exact and model.dtype in LOW_PRECISION else None
+        options: dict[str, object] = {}
+        if self.exact and model.dtype in LOW_PRECISION:
+            options["emulate_precision_casts"] = True
+        if self.exact and model.device.type == "cpu":
+            # one thread per generated C++ kernel: inductor splits a reduction (a norm over the
+            # hidden size) across threads when its graph has few rows (the 1-row graph: size 1 is
+            # specialized) and splits over rows otherwise, so from a hidden size of 1,024 on 2
+            # threads a decode row summed in another order than the same row in a verification
+            # (row probe 14/32 at Llama-3.2-1B's width). The projections and attention are ops
+            # inductor calls as they are, on torch's threads; what the generated loops keep is
+            # elementwise work and norms.
+            options["cpp.threads"] = 1
         self._fn = torch.compile(self._body_exact if self.exact else self._body, dynamic=True, fullgraph=True,
-                                 options=options)
+                                 options=options or None)
 
     def _body(self, ids: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
               write_offsets: torch.Tensor, q_index: torch.Tensor, masks: tuple[torch.Tensor, ...],
