@@ -421,10 +421,15 @@ class PolicyConfig:
     profile: str | None = opt(None, "profile JSON for analytic/hybrid (default: measured at start-up, cached)")
     guard_kv_usage: float = opt(GUARD_KV_USAGE, "no speculation while KV usage is above this fraction")
     guard_temperature: float = opt(GUARD_TEMPERATURE, "no speculation for requests sampled above this temperature")
+    per_sequence: bool = opt(False, "analytic with several drafters (one model-free): each sequence its own drafter "
+                                    "and length every step, a model-free drafter's draft priced against the model "
+                                    "drafter's estimate")
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.name!r}")
+        if self.per_sequence and self.name != "analytic":
+            raise ConfigError(f"--per-sequence needs --policy analytic, got {self.name!r}")
         if not 0.0 < self.guard_kv_usage <= 1.0:
             raise ConfigError(f"guard_kv_usage must be in (0, 1], got {self.guard_kv_usage}")
         if self.guard_temperature < 0:

@@ -54,6 +54,7 @@ from tidespec.models.execution.executor import ExecutorOptions, ForwardExecutor
 from tidespec.models.target import TargetModel
 from tidespec.sampling import SamplingParams, make_generator
 from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.drafters.multi import model_free_offers
 from tidespec.speculative.forced import compose
 from tidespec.speculative.policy.api import PlanInput, SeqState, SpeculationPolicy, plans_drafters
 from tidespec.speculative.prediction import PredictionDraft
@@ -286,8 +287,10 @@ class LLMEngine:
         room = {s.seq_id: min(s.remaining_tokens, self.max_model_len - len(s.token_ids)) for s in decode}
         names = self.drafter_names
         if self.policy is not None:
+            offers = self._offers(decode, room) if getattr(self.policy, "wants_offers", False) else {}
             inp = PlanInput(len(decode), self.kv.usage(), [
-                SeqState(s.seq_id, s.params.temperature, room[s.seq_id], s.spec_override) for s in decode], names)
+                SeqState(s.seq_id, s.params.temperature, room[s.seq_id], s.spec_override, offers.get(s.seq_id, {}))
+                for s in decode], names)
             if plans_drafters(self.policy):
                 choices = self.policy.plan_drafters(inp)
             else:
@@ -303,6 +306,14 @@ class LLMEngine:
             if gammas[s.seq_id] > 0:
                 chosen[s.seq_id] = name
         return gammas, chosen
+
+    def _offers(self, decode: list[Sequence], room: dict[int, int]) -> dict[int, dict[str, tuple[float, int]]]:
+        """Per-sequence drafting (``speculative/policy/routing.py``): the model-free drafters' drafts of
+        every sequence that may speculate (``offers``); the winner drafts them again in ``_drafted``."""
+        assert self.drafter is not None
+        inputs = [DraftInput(s.seq_id, s.token_ids, min(self.gamma_max, room[s.seq_id] - 1), s.params, self.use_tree,
+                             len(s.prompt_ids)) for s in decode if s.spec_override != 0 and room[s.seq_id] > 1]
+        return model_free_offers(self.drafter, inputs)
 
     def _predicted(self, decode: list[Sequence], gammas: dict[int, int], chosen: dict[int, str]) -> dict[int, list[int]]:
         """The drafts of the sequences whose predicted output (``speculative/prediction.py``) offers some this

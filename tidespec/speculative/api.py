@@ -55,6 +55,8 @@ class SeqDraft:
     token_ids: list[int]  # [n] draft tokens, topological order
     parent_indices: list[int] | None = None  # [n] parent index (-1 = root); None = chain
     draft_probs: torch.Tensor | None = None  # [n, V] draft distribution each token was drawn from; None = point mass
+    score: float | None = None  # the drafter's own estimate of the tokens verification accepts (suffix: its path
+    # probabilities' sum); None: it has none (per-sequence drafting then takes the draft's length)
 
     def __post_init__(self) -> None:
         if self.parent_indices is not None:

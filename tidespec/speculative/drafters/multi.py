@@ -25,6 +25,7 @@ drafter run — and the next shadow draft starts from t11.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -34,6 +35,8 @@ from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observa
 
 if TYPE_CHECKING:
     from tidespec.speculative.vocab.dynamic import DynamicVocab
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -194,6 +197,29 @@ class MultiDrafter:
                         self._scored.setdefault(name, []).append((self.shadow_gamma, 0, 0))
                         continue
                     pending[inp.seq_id] = _Shadow(len(inp.token_ids), self.shadow_gamma, tokens)
+
+
+def model_free_offers(drafter: Drafter, inputs: list[DraftInput]) -> dict[int, dict[str, tuple[float, int]]]:
+    """Each model-free member's draft of each sequence, as (its expected accepted tokens, its length):
+    what per-sequence drafting prices (``speculative/policy/routing.py``, ``SeqState.offers``). A few
+    array operations per sequence; drafting is deterministic in the context, so the member that wins
+    drafts the same tokens again in the step. A member that fails offers nothing (logged).
+
+    Example: suffix drafts [5, 6] with path probabilities 1.0 and 0.5 for sequence 3 and nothing for
+    sequence 4 -> {3: {"suffix": (1.5, 2)}}."""
+    out: dict[int, dict[str, tuple[float, int]]] = {}
+    for name, member in drafter.members.items():
+        if not member.model_free or not inputs:
+            continue
+        try:
+            drafts = member.propose(inputs).drafts
+        except Exception:  # an offer is optional: the step is planned without it
+            log.exception("drafter %s failed to offer drafts", name)
+            continue
+        for sid, d in drafts.items():
+            if d.num_tokens:
+                out.setdefault(sid, {})[name] = (d.score if d.score is not None else float(d.num_tokens), d.num_tokens)
+    return out
 
 
 def find_member(drafter: Drafter | None, name: str) -> Drafter | None:

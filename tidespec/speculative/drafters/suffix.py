@@ -386,7 +386,7 @@ class SuffixDrafter(DrafterBase):
                 best_ids, best_parents, best_score = ids, parents, score
         if best_parents is not None and all(p == j - 1 for j, p in enumerate(best_parents)):
             best_parents = None  # a chain
-        return SeqDraft(best_ids, best_parents)
+        return SeqDraft(best_ids, best_parents, score=best_score)
 
     def propose(self, inputs: list[DraftInput]) -> DraftProposal:
         return DraftProposal(drafts={inp.seq_id: self._draft_one(inp) for inp in inputs})

@@ -11,6 +11,7 @@ the one controller that chooses drafter and gamma from one statistics source.
 from __future__ import annotations
 
 from tidespec.speculative.policy.api import PlanInput, bucket_of, check_gamma_max
+from tidespec.speculative.policy.routing import SequenceRouter
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.speculative.policy.tracking import DrafterTrackers, predicted_speedups
 from tidespec.stats import StepStats
@@ -55,7 +56,8 @@ class AnalyticPolicy:
 
     def __init__(self, profile: Profile, gamma_max: int, ema: float = 0.1, prior_alpha: float = 0.7,
                  drafter: str | None = None, probe_every: int = 64, probe_budget: float = 0.02,
-                 drafters: tuple[str, ...] = (), shadowed: frozenset[str] = frozenset()) -> None:
+                 drafters: tuple[str, ...] = (), shadowed: frozenset[str] = frozenset(),
+                 per_sequence: bool = False) -> None:
         check_gamma_max(gamma_max)
         if probe_every < 0:
             raise ValueError(f"probe_every must be >= 0, got {probe_every}")
@@ -82,6 +84,15 @@ class AnalyticPolicy:
         self._speedup: dict[int, float] = {}
         self._drafter_speedup: dict[str, float] = {}  # drafter -> predicted speedup at its best gamma, last plan
         self.last_predicted_speedup = 1.0  # of the last plan (1.0 = off): read per step, keep it a field
+        # per-sequence drafting (``routing.py``): with several drafters, a model-free one among them
+        self.router = SequenceRouter(profile, ema) if per_sequence and len(drafters) > 1 and shadowed else None
+        self.route_counts: dict[str, int] = {}  # drafter ("none") -> sequence-steps routed to it
+
+    @property
+    def wants_offers(self) -> bool:
+        """Whether the engine should ask the model-free drafters for their drafts before planning
+        (``SeqState.offers``): per-sequence drafting is on."""
+        return self.router is not None
 
     @property
     def multi(self) -> bool:
@@ -113,6 +124,7 @@ class AnalyticPolicy:
         gamma = best[drafter] if table[drafter][best[drafter]] > 1.0 else 0
         speedup = table[drafter][gamma]
         key = bucket_of(inp.batch_size)
+        probed = False
         unseen = [d for d in self.drafters if d not in self.shadowed and (gamma == 0 or d != drafter)]
         if self.probe_every and unseen:
             off = self._off_steps.get(key, 0) + 1
@@ -121,14 +133,32 @@ class AnalyticPolicy:
                     or off * self.probe_budget >= speedup - table[probe][best[probe]]):
                 drafter, gamma, off = probe, best[probe], 0
                 self.num_probes += 1
+                probed = True
             self._off_steps[key] = off
         else:
             self._off_steps[key] = 0
         self._chosen[key] = (drafter, gamma)
         self._speedup[key] = speedup
         self.last_predicted_speedup = speedup
-        name = drafter if drafter is not None and gamma > 0 else (inp.drafters[0] if inp.drafters else "")
+        default = inp.drafters[0] if inp.drafters else ""
+        if self.router is not None and not probed:
+            return self._route(inp, table, best, default)
+        name = drafter if drafter is not None and gamma > 0 else default
         return {s.seq_id: (name or "", gamma) for s in inp.seqs}
+
+    def _route(self, inp: PlanInput, table: dict[str | None, list[float]], best: dict[str | None, int],
+               default: str) -> dict[int, tuple[str, int]]:
+        """Per-sequence choices (``routing.SequenceRouter``): the model drafters priced from this
+        batch size's table, each sequence's offers from the model-free drafters' own drafts."""
+        assert self.router is not None
+        models = {d: (best[d], table[d][best[d]]) for d in self.drafters
+                  if d is not None and d not in self.shadowed}
+        out: dict[int, tuple[str, int]] = {}
+        for s in inp.seqs:
+            name, gamma = self.router.choose(inp.batch_size, models, s.offers)
+            self.route_counts[name or "none"] = self.route_counts.get(name or "none", 0) + 1
+            out[s.seq_id] = (name or default, gamma)
+        return out
 
     def observe(self, step: StepStats) -> None:
         if step.num_decode_seqs < 1:
@@ -137,6 +167,8 @@ class AnalyticPolicy:
         if step.num_cold_drafts:
             self._reprobe[key] = True
         self.trackers.update(key, step)
+        if self.router is not None:
+            self.router.observe(step.drafter_outcomes)
 
     def choices(self) -> dict[int, tuple[str, int]]:
         """Bucket -> the (drafter, gamma) last chosen there (drafter "" = the engine's only one)."""
@@ -158,6 +190,11 @@ class AnalyticPolicy:
             out[f"rho_b{key}"] = self.alphas.rho(key)
             if self.multi:
                 out[f"drafter_b{key}"] = float(self.drafters.index(drafter))
+        for d, count in self.route_counts.items():
+            out[f"routed_{d}"] = float(count)
+        if self.router is not None:
+            for d, calibration in self.router.calibration.items():
+                out[f"calibration_{d}"] = calibration
         if self.multi:
             for d, tracker in self.trackers.trackers.items():
                 out[f"alpha_{d}"] = tracker.global_alpha

@@ -32,7 +32,7 @@ arm is told in ``bandit_policies``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeGuard, runtime_checkable
 
 from tidespec.stats import StepStats
@@ -46,6 +46,9 @@ class SeqState:
     temperature: float
     remaining_tokens: int  # output tokens this sequence may still emit (max_tokens - emitted)
     override: int | None = None  # per-request gamma from the API: 0 = opt out, None = policy decides
+    # model-free drafter -> (tokens it expects accepted, draft length) of its draft for this sequence now,
+    # filled by the engine for a policy that ``wants_offers`` (per-sequence drafting: ``routing.py``)
+    offers: dict[str, tuple[float, int]] = field(default_factory=dict)
 
 
 @dataclass

@@ -36,6 +36,7 @@ class PolicyOptions:
     drafters: tuple[str, ...] = ()  # several drafters loaded (a MultiDrafter's members); () = one
     shadowed: frozenset[str] = frozenset()  # of those, the ones scored on the side (model-free)
     stateful: frozenset[str] = frozenset()  # of those, the ones that must catch up after a pause (bandit's cost)
+    per_sequence: bool = False  # analytic: each sequence its own drafter (``routing.py``)
 
     def __post_init__(self) -> None:
         check_gamma_max(self.gamma_max)
@@ -55,7 +56,7 @@ def _static(o: PolicyOptions) -> SpeculationPolicy:
 
 def _analytic(o: PolicyOptions) -> SpeculationPolicy:
     return AnalyticPolicy(_need_profile(o, "analytic"), o.gamma_max, ema=o.ema, prior_alpha=o.prior_alpha,
-                          drafters=_several(o), shadowed=o.shadowed)
+                          drafters=_several(o), shadowed=o.shadowed, per_sequence=o.per_sequence)
 
 
 def _bandit(o: PolicyOptions) -> SpeculationPolicy:

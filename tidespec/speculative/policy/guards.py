@@ -54,6 +54,11 @@ class Guards:
         self.name = inner.name
         self._counts = {"kv": 0, "temperature": 0, "override": 0, "opt_out": 0, "remaining": 0}
 
+    @property
+    def wants_offers(self) -> bool:
+        """The inner policy's (per-sequence drafting, ``routing.py``)."""
+        return bool(getattr(self.inner, "wants_offers", False))
+
     def plan(self, inp: PlanInput) -> dict[int, int]:
         return {sid: gamma for sid, (_, gamma) in self.plan_drafters(inp).items()}
 
