@@ -55,6 +55,7 @@ from tidespec.bench.quality import run as quality
 from tidespec.bench.shift.config import ShiftBenchConfig
 from tidespec.bench.shift.run import replot as replot_shift
 from tidespec.bench.shift.run import run_shift_bench
+from tidespec.bench.spec.hybrid import HybridBenchConfig, run_hybrid_bench
 from tidespec.bench.spec.predicted import PredictedBenchConfig, run_predicted_bench
 from tidespec.bench.spec.run import SpecBenchConfig, run_spec_bench
 from tidespec.bench.spec.structured import StructuredBenchConfig, run_structured_bench
@@ -128,10 +129,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "beside the controller (--policy, default analytic) over suffix and EAGLE-3, at each of "
                         "--batch-sizes, the drafters' gamma = the largest of --gammas, the prediction's cap "
                         "--prediction-tokens")
+    s.add_argument("--hybrid", action="store_true",
+                   help="per-sequence drafting instead: plain, suffix and eagle3 alone, the controller (--policy, "
+                        "default analytic) over suffix and EAGLE-3 and the same with --per-sequence, at each of "
+                        "--batch-sizes, gamma = the largest of --gammas; reports each drafter's share of steps")
     s.add_argument("--logprobs", type=int, default=None,
                    help="--predicted: also run plain and the prediction with each token's top-K log-probabilities "
                         "(what they cost per step)")
-    s.add_argument("--batch-sizes", default="1,8", help="--structured, --predicted: requests per wave, comma-separated")
+    s.add_argument("--batch-sizes", default="1,8",
+                   help="--structured, --predicted, --hybrid: requests per wave, comma-separated")
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="every request generates --max-tokens tokens; --no-ignore-eos ends each at its EOS as a "
                         "server does (acceptance then leaves out text past EOS, which serving never drafts)")
@@ -278,6 +284,14 @@ def cmd_spec(ns: argparse.Namespace) -> int:
                             scheduler=dataclass_from_args(SchedulerConfig, ns),
                             spec_base=dataclass_from_args(SpecConfig, ns), policy=dataclass_from_args(PolicyConfig, ns),
                             out_dir=ns.out, command=command_line())
+        return 0
+    if ns.hybrid:
+        hcfg = HybridBenchConfig(workload=ns.workload, limit=ns.limit,
+                                 batch_sizes=parse_int_list(ns.batch_sizes, "--batch-sizes"),
+                                 gamma=max(parse_int_list(ns.gammas, "--gammas")), max_tokens=ns.max_tokens)
+        run_hybrid_bench(hcfg, model_config=dataclass_from_args(ModelConfig, ns),
+                         scheduler=dataclass_from_args(SchedulerConfig, ns), spec_base=dataclass_from_args(SpecConfig, ns),
+                         policy=dataclass_from_args(PolicyConfig, ns), out_dir=ns.out, command=command_line())
         return 0
     if ns.structured:
         scfg = StructuredBenchConfig(workload="extraction" if ns.workload == "code" else ns.workload, limit=ns.limit,
