@@ -363,6 +363,30 @@ def run_decode_bench(cfg: DecodeBenchConfig, target: LoadedModel | str | None = 
                                 mc, scheduler)
     engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
     refs, batched, closers, skipped, ref_settings = _reference_engines(cfg, target, source, mc, econf, prompts[0].token_ids)
+    try:  # the reference engines' resources (llama.cpp's contexts) are freed however the measurement ends
+        rows, ref_rows, per_batch_requests = _measure(cfg, engine, prompts, refs, batched, ref_settings)
+    finally:
+        for close in closers:
+            close()
+    _add_ratios(rows, ref_rows)
+
+    doc = {
+        **workload_doc(target, cfg.workload, prompts, cfg),
+        "engine_config": dataclasses.asdict(econf),
+        "rows": rows + ref_rows,
+        "headline": _decode_headline(rows, ref_rows),
+        "skipped": skipped,
+        "requests": per_batch_requests,
+    }
+    return write_results("decode", doc, out_dir, command, mc.precision, format_decode_report,
+                         lambda out: _plot_decode(rows, ref_rows, out), echo)
+
+
+def _measure(cfg: DecodeBenchConfig, engine: LLMEngine, prompts: list[Prompt], refs: dict[str, ReferenceEngine],
+             batched: dict[str, BatchedReference], ref_settings: dict[str, dict[str, Any]]
+             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, list[dict[str, Any]]]]:
+    """Every batch size's waves through ``engine``, the reference engines interleaved (batch 1 prompt by
+    prompt, larger batches wave by wave): (our rows, the references' rows, every request's record)."""
     params = SamplingParams(max_tokens=cfg.max_tokens, ignore_eos=True)
     if cfg.warmup:
         run_wave(engine, prompts, [0], SamplingParams(max_tokens=min(8, cfg.max_tokens), ignore_eos=True))
@@ -399,40 +423,32 @@ def run_decode_bench(cfg: DecodeBenchConfig, target: LoadedModel | str | None = 
     for name, ref in refs.items():
         recs = ref_records[name] or [ref(p, i, cfg.max_tokens) for i, p in enumerate(prompts)]  # batch 1 not run
         dtok, dtime = reference_decode_split(recs)
-        prefix = [identical_prefix(r.token_ids, ours_by_prompt[r.prompt_index]) for r in recs]
-        ref_rows.append({"engine": COMPARE_ENGINES[name], "batch_size": 1, "waves": len(recs),
-                         **records_summary(recs, sum(r.latency for r in recs), dtok, dtime),
-                         "identical_prefix_vs_tidespec": {"per_prompt": prefix, "mean": sum(prefix) / len(prefix),
-                                                          "identical_prompts": sum(n == cfg.max_tokens for n in prefix)},
-                         "settings": ref_settings.get(name, {})})
-        per_batch_requests[name] = [{**r.to_json(), "identical_prefix_vs_tidespec": n} for r, n in zip(recs, prefix)]
+        row, per_batch_requests[name] = _reference_row(name, 1, len(recs), recs, sum(r.latency for r in recs), dtok,
+                                                       dtime, ours_by_prompt, cfg.max_tokens, ref_settings)
+        ref_rows.append(row)
     for name, by_batch in ref_waves.items():
         for b, ref_wave_list in by_batch.items():
             recs = [r for wave in ref_wave_list for r in wave]
             dtok = sum(r.output_tokens - 1 for r in recs)  # a wave decodes once every prompt is in
             dtime = sum(max(r.latency for r in w) - max(r.ttft for r in w) for w in ref_wave_list)
-            prefix = [identical_prefix(r.token_ids, ours_by_prompt[r.prompt_index]) for r in recs]
-            ref_rows.append({"engine": COMPARE_ENGINES[name], "batch_size": b, "waves": len(ref_wave_list),
-                             **records_summary(recs, sum(max(r.latency for r in w) for w in ref_wave_list), dtok, dtime),
-                             "identical_prefix_vs_tidespec": {"per_prompt": prefix, "mean": sum(prefix) / len(prefix),
-                                                              "identical_prompts": sum(n == cfg.max_tokens for n in prefix)},
-                             "settings": ref_settings.get(name, {})})
-            per_batch_requests[f"{name}-b{b}"] = [{**r.to_json(), "identical_prefix_vs_tidespec": n}
-                                                  for r, n in zip(recs, prefix)]
-    for close in closers:
-        close()
-    _add_ratios(rows, ref_rows)
+            row, per_batch_requests[f"{name}-b{b}"] = _reference_row(
+                name, b, len(ref_wave_list), recs, sum(max(r.latency for r in w) for w in ref_wave_list), dtok, dtime,
+                ours_by_prompt, cfg.max_tokens, ref_settings)
+            ref_rows.append(row)
+    return rows, ref_rows, per_batch_requests
 
-    doc = {
-        **workload_doc(target, cfg.workload, prompts, cfg),
-        "engine_config": dataclasses.asdict(econf),
-        "rows": rows + ref_rows,
-        "headline": _decode_headline(rows, ref_rows),
-        "skipped": skipped,
-        "requests": per_batch_requests,
-    }
-    return write_results("decode", doc, out_dir, command, mc.precision, format_decode_report,
-                         lambda out: _plot_decode(rows, ref_rows, out), echo)
+
+def _reference_row(name: str, b: int, waves: int, recs: list[RequestRecord], wall: float, dtok: int, dtime: float,
+                   ours_by_prompt: dict[int, list[int]], max_tokens: int, ref_settings: dict[str, dict[str, Any]]
+                   ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A reference engine's row at batch size ``b`` and its requests' records, each with how many of its
+    first tokens equal ours (information only: another engine's greedy text may differ at a near-tie)."""
+    prefix = [identical_prefix(r.token_ids, ours_by_prompt[r.prompt_index]) for r in recs]
+    row = {"engine": COMPARE_ENGINES[name], "batch_size": b, "waves": waves, **records_summary(recs, wall, dtok, dtime),
+           "identical_prefix_vs_tidespec": {"per_prompt": prefix, "mean": sum(prefix) / len(prefix),
+                                            "identical_prompts": sum(n == max_tokens for n in prefix)},
+           "settings": ref_settings.get(name, {})}
+    return row, [{**r.to_json(), "identical_prefix_vs_tidespec": n} for r, n in zip(recs, prefix)]
 
 
 ReferenceEngine = Callable[[Prompt, int, int], RequestRecord]  # (prompt, prompt index, max_tokens) -> record
@@ -500,6 +516,11 @@ def _add_ratios(rows: list[dict[str, Any]], ref_rows: list[dict[str, Any]]) -> N
             r[f"{key}_vs_tidespec_b1"] = r[key] / base[key] if base is not None and base[key] > 0 else float("nan")
 
 
+def _headline_key(key: str, b: int) -> str:
+    """The headline's name of tidespec / reference ``key`` at batch ``b``: vs_llamacpp, vs_llamacpp_b4."""
+    return f"vs_{key}" if b == 1 else f"vs_{key}_b{b}"
+
+
 def _decode_headline(rows: list[dict[str, Any]], ref_rows: list[dict[str, Any]]) -> dict[str, Any]:
     by_b = {r["batch_size"]: r for r in rows}
     head: dict[str, Any] = {}
@@ -512,7 +533,7 @@ def _decode_headline(rows: list[dict[str, Any]], ref_rows: list[dict[str, Any]])
         key = next(k for k, v in COMPARE_ENGINES.items() if v == ref["engine"])
         b = ref["batch_size"]
         if b in by_b:
-            name = f"vs_{key}" if b == 1 else f"vs_{key}_b{b}"
+            name = _headline_key(key, b)
             head[f"{name}_with_prefill"] = by_b[b]["tokens_per_s"] / ref["tokens_per_s"]
             head[f"{name}_decode_only"] = by_b[b]["decode_tokens_per_s"] / ref["decode_tokens_per_s"]
             head[f"{name}_ttft"] = ref["ttft_ms"]["mean"] / by_b[b]["ttft_ms"]["mean"]  # > 1: our first token sooner
@@ -541,7 +562,7 @@ def format_decode_report(doc: dict[str, Any], command: str, info: dict[str, Any]
                      f"with prefill, {h['decode_ratio_largest_vs_batch1']:.2f}x decode-only")
     for key, label in (("hf", "HF transformers generate()"), ("llamacpp", "llama.cpp (llama-cpp-python, same GGUF)")):
         for b in cfg["batch_sizes"]:
-            name = f"vs_{key}" if b == 1 else f"vs_{key}_b{b}"
+            name = _headline_key(key, b)
             if f"{name}_with_prefill" in h:
                 lines.append(f"- tidespec / {label} at batch {b}: {h[f'{name}_with_prefill']:.2f}x with prefill, "
                              f"{h[f'{name}_decode_only']:.2f}x decode-only; time to first token "
