@@ -56,7 +56,7 @@ from tidespec.sampling import SamplingParams, make_generator
 from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.drafters.multi import model_free_offers
 from tidespec.speculative.forced import compose
-from tidespec.speculative.policy.api import PlanInput, SeqState, SpeculationPolicy, plans_drafters
+from tidespec.speculative.policy.api import PlanInput, SeqState, SpeculationPolicy, plans_drafters, wants_offers
 from tidespec.speculative.prediction import PredictionDraft
 from tidespec.stats import StepStats
 from tidespec.structured.grammar import GrammarCompiler
@@ -287,7 +287,7 @@ class LLMEngine:
         room = {s.seq_id: min(s.remaining_tokens, self.max_model_len - len(s.token_ids)) for s in decode}
         names = self.drafter_names
         if self.policy is not None:
-            offers = self._offers(decode, room) if getattr(self.policy, "wants_offers", False) else {}
+            offers = self._offers(decode, room) if wants_offers(self.policy) else {}
             inp = PlanInput(len(decode), self.kv.usage(), [
                 SeqState(s.seq_id, s.params.temperature, room[s.seq_id], s.spec_override, offers.get(s.seq_id, {}))
                 for s in decode], names)

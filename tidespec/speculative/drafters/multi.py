@@ -208,8 +208,10 @@ def model_free_offers(drafter: Drafter, inputs: list[DraftInput]) -> dict[int, d
     Example: suffix drafts [5, 6] with path probabilities 1.0 and 0.5 for sequence 3 and nothing for
     sequence 4 -> {3: {"suffix": (1.5, 2)}}."""
     out: dict[int, dict[str, tuple[float, int]]] = {}
+    if not inputs:
+        return out
     for name, member in drafter.members.items():
-        if not member.model_free or not inputs:
+        if not member.model_free:
             continue
         try:
             drafts = member.propose(inputs).drafts

@@ -101,3 +101,9 @@ def bucket_of(batch_size: int) -> int:
 def check_gamma_max(gamma_max: int) -> None:
     if not 1 <= gamma_max <= 64:
         raise ValueError(f"gamma_max must be in [1, 64], got {gamma_max}")
+
+
+def wants_offers(policy: SpeculationPolicy) -> bool:
+    """Whether ``policy`` prices each sequence's model-free drafts (``SeqState.offers``): per-sequence
+    drafting (``routing.py``). A policy without the attribute (or a wrapper whose inner has none) does not."""
+    return bool(getattr(policy, "wants_offers", False))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from tidespec.config import GUARD_KV_USAGE, GUARD_TEMPERATURE
 from tidespec.errors import ConfigError
-from tidespec.speculative.policy.api import PlanInput, SpeculationPolicy, check_gamma_max, plans_drafters
+from tidespec.speculative.policy.api import PlanInput, SpeculationPolicy, check_gamma_max, plans_drafters, wants_offers
 from tidespec.stats import StepStats
 
 
@@ -57,7 +57,7 @@ class Guards:
     @property
     def wants_offers(self) -> bool:
         """The inner policy's (per-sequence drafting, ``routing.py``)."""
-        return bool(getattr(self.inner, "wants_offers", False))
+        return wants_offers(self.inner)
 
     def plan(self, inp: PlanInput) -> dict[int, int]:
         return {sid: gamma for sid, (_, gamma) in self.plan_drafters(inp).items()}
