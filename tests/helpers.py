@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerFast
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from tidespec.bench.anchor.run import synthetic_tokenizer
-from tidespec.config import DraftModelConfig, SpecConfig
+from tidespec.config import SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.output import RequestOutput
 from tidespec.llm import build_drafter
@@ -43,6 +43,7 @@ from tidespec.models.layout import BatchLayout
 from tidespec.models.target import TargetConfig
 from tidespec.online.store import SignalShard, SignalStore
 from tidespec.speculative.api import Drafter
+from tidespec.speculative.drafters.draft_model import DraftModelOptions
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
 from tidespec.speculative.policy.api import PlanInput
 from tidespec.stats import StepStats
@@ -53,7 +54,7 @@ EVERY_DRAFTER: dict[str, SpecConfig] = {
     "ngram": SpecConfig(drafter="ngram", num_speculative_tokens=4),
     "suffix": SpecConfig(drafter="suffix", num_speculative_tokens=4),
     "suffix-tree": SpecConfig(drafter="suffix", num_speculative_tokens=4, tree=True),
-    "draft-model": SpecConfig(drafter="draft-model", num_speculative_tokens=3, draft_model=DraftModelConfig(layers=1)),
+    "draft-model": SpecConfig(drafter="draft-model", num_speculative_tokens=3, options={"draft-model": DraftModelOptions(layers=1)}),
     "eagle3": SpecConfig(drafter="eagle3", num_speculative_tokens=3),
     "eagle3-tree": SpecConfig(drafter="eagle3", num_speculative_tokens=3, tree=True),
 }

@@ -8,11 +8,14 @@ import pytest
 import torch
 
 from tidespec.cli import build_parser
-from tidespec.config import Eagle3Options, EngineConfig, ModelConfig, NgramConfig, OnlineTrainingConfig, SpecConfig
+from tidespec.config import EngineConfig, ModelConfig, OnlineTrainingConfig, SpecConfig
 from tidespec.errors import ConfigError
-from tidespec.flags import add_engine_args, engine_config_from_args, flag_defaults
+from tidespec.flags import flag_defaults
 from tidespec.server.cli import register as register_serve
 from tidespec.speculative.drafters.eagle3 import head_quantization
+from tidespec.speculative.drafters.eagle3_options import Eagle3Options, eagle3_options
+from tidespec.speculative.drafters.ngram import NgramOptions
+from tidespec.speculative.registry import add_engine_args, check_config, engine_config_from_args
 
 # Every engine flag and its default as the flat SpecConfig (34 fields) had them, plus those added since
 # (--quantization, --quant-group-size, --compile, --trainer-max-restarts, --trainer-backoff-max-s,
@@ -51,7 +54,11 @@ def _flags(parser: argparse.ArgumentParser) -> dict[str, object]:
 
 
 def test_engine_flags_and_defaults_unchanged() -> None:
-    assert flag_defaults(EngineConfig) == FLAGS
+    """Every flag, the drafters' own among them (declared with each drafter since issue 80), is where it was."""
+    engine = argparse.ArgumentParser(add_help=False)
+    add_engine_args(engine)
+    assert {a.option_strings[0]: a.default for a in engine._actions} == FLAGS
+    assert set(flag_defaults(EngineConfig)) < set(FLAGS)  # the config tree's own, the drafters' options apart
     sub = build_parser()._subparsers._group_actions[0].choices  # type: ignore[union-attr]
     assert _flags(sub["generate"]) == FLAGS and _flags(sub["profile"]) == FLAGS
     serve = argparse.ArgumentParser()
@@ -67,18 +74,23 @@ def test_flags_land_in_their_sections() -> None:
         "--drafter", "eagle3", "--ngram-min", "2", "--draft-layers", "3", "--tree-top-k", "5", "--policy", "hybrid",
         "--guard-kv-usage", "0.5", "--eagle3-dir", "runs/d", "--online-training", "--collect-prompt",
         "--collect-n-init", "7", "--online-poll-s", "0.5"]))
-    assert cfg.spec.drafter == "eagle3" and cfg.spec.ngram.min == 2 and cfg.spec.ngram.max == 4
-    assert cfg.spec.draft_model.layers == 3 and cfg.spec.draft_model.tree_top_k == 5
+    ngram, draft_model = cfg.spec.options["ngram"], cfg.spec.options["draft-model"]
+    assert cfg.spec.drafter == "eagle3" and ngram.min == 2 and ngram.max == 4
+    assert draft_model.layers == 3 and draft_model.tree_top_k == 5
     assert cfg.policy.name == "hybrid" and cfg.policy.guard_kv_usage == 0.5
-    assert cfg.spec.eagle3.dir == "runs/d" and cfg.online.enabled and cfg.online.capture_prompt
+    assert eagle3_options(cfg.spec).dir == "runs/d" and cfg.online.enabled and cfg.online.capture_prompt
     assert cfg.online.collect.n_init == 7 and cfg.online.poll_s == 0.5
 
 
 @pytest.mark.parametrize("build", [
-    lambda: SpecConfig(ngram=NgramConfig(min=3, max=2)),
+    lambda: SpecConfig(options={"ngram": NgramOptions(min=3, max=2)}),
     lambda: EngineConfig(spec=SpecConfig(drafter="ngram"), online=OnlineTrainingConfig(enabled=True)),
-    lambda: EngineConfig(model=ModelConfig(device="cuda"),
-                         spec=SpecConfig(drafter="eagle3", eagle3=Eagle3Options(quantization="int8"))),
+    lambda: SpecConfig(options={"not a name": NgramOptions()}),
+    # the rules of a drafter's options that read other sections: its DrafterKind.check, before anything loads
+    lambda: check_config(EngineConfig(model=ModelConfig(device="cuda"), spec=SpecConfig(
+        drafter="eagle3", options={"eagle3": Eagle3Options(quantization="int8")}))),
+    lambda: check_config(EngineConfig(spec=SpecConfig(drafter="eagle3"), online=OnlineTrainingConfig(enabled=True))),
+    lambda: check_config(EngineConfig(spec=SpecConfig(drafter="ngram", options={"ngram": Eagle3Options()}))),
 ])
 def test_sections_validate_on_construction(build) -> None:
     with pytest.raises(ConfigError):

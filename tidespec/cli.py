@@ -1,7 +1,7 @@
 """``tidespec`` command line: generate, serve, bench, profile, train-drafter.
 
 Why this exists: one entry point whose flags come from the config dataclasses
-(``tidespec.flags.add_engine_args``), so every flag and default lives in one place. Errors a
+(``tidespec.speculative.registry.add_engine_args``), so every flag and default lives in one place. Errors a
 user can fix (bad path, bad parameter) print one line ``error: ...`` and exit 2 — no traceback.
 """
 
@@ -12,7 +12,7 @@ import sys
 import time
 
 from tidespec.commands import Registrar, run_command
-from tidespec.flags import add_engine_args, engine_config_from_args
+from tidespec.speculative.registry import add_engine_args, check_config, engine_config_from_args
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -34,10 +34,9 @@ def sampling_from_args(ns: argparse.Namespace):  # -> SamplingParams
 
 def cmd_generate(ns: argparse.Namespace) -> int:
     from tidespec.llm import LLM
-    from tidespec.speculative.registry import kinds_for
     params = sampling_from_args(ns)
     config = engine_config_from_args(ns)
-    kinds_for(config.spec)  # an unknown drafter is refused before the model loads
+    check_config(config)  # an unknown drafter or options it cannot run are refused before the model loads
     llm = LLM(config)
     if config.model.compile:
         print(f"[compiled the decode step in {llm.engine.compile_seconds:.1f} s]", file=sys.stderr)

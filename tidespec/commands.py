@@ -23,10 +23,22 @@ from tidespec.errors import UserError
 Registrar = Callable[["argparse._SubParsersAction[argparse.ArgumentParser]"], None]
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse ``argv``. A sub-command whose flags depend on its other flags sets an ``extend_parser``
+    default (the engine's: a ``--drafter-modules`` plug-in declares flags of its own): it is called
+    with a first reading, which ignores the flags not known yet, and may add them; then ``argv`` is
+    parsed again, so a flag still unknown is the usual argparse error."""
+    first, _ = parser.parse_known_args(argv)
+    extend = getattr(first, "extend_parser", None)
+    if extend is not None:
+        extend(first)
+    return parser.parse_args(argv)
+
+
 def run_command(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     """Parse and run; a ``UserError`` becomes one line ``error: ...`` and exit code 2."""
-    ns = parser.parse_args(argv)
     try:
+        ns = parse(parser, argv)
         return int(ns.func(ns) or 0)
     except UserError as exc:
         msg = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -14,21 +14,22 @@ The tree::
       cache      CacheConfig       --max-model-len --max-num-seqs --enable-prefix-caching --prefix-cache-mb
       scheduler  SchedulerConfig   --max-num-batched-tokens --max-waiting
       spec       SpecConfig        --drafter --num-speculative-tokens --tree --grammar-drafts --drafter-device
-        ngram        NgramConfig        --ngram-min --ngram-max
-        suffix       SuffixConfig       --suffix-max-tree-tokens --suffix-min-prob --suffix-factor
-        draft_model  DraftModelConfig   --draft-model --draft-layers --tree-top-k
-        eagle3       Eagle3Options      --eagle3-dir --eagle3-draft-vocab --eagle3-tree-depth ...
+        vocab        DraftVocabConfig   --draft-vocab-mode --draft-vocab-core ...
+        options      {drafter name: its own options dataclass}, declared by the drafter's module
+                     (``DrafterKind(options=..., prefix=...)``) and made flags by ``speculative.registry``:
+                     ngram --ngram-min ..., suffix --suffix-factor ..., draft-model --draft-layers ...,
+                     eagle3 --eagle3-dir ..., a --drafter-modules plug-in's its own
       policy     PolicyConfig      --policy --profile --guard-kv-usage --guard-temperature
       online     OnlineTrainingConfig  --online-training --signal-dir ... --trainer-* --collect-prompt
         collect      CollectionConfig   --collect-force --collect-epsilon --collect-n-init ...
       structured StructuredConfig  --json-whitespace
 
-Worked example (``tidespec.flags``)::
+Worked example (``tidespec.speculative.registry``, which adds the drafters' sections to ``tidespec.flags``)::
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)                      # every flag above
     ns = parser.parse_args(["--drafter", "ngram", "--ngram-min", "2", "--policy", "hybrid"])
-    cfg = engine_config_from_args(ns)            # cfg.spec.ngram.min == 2, cfg.policy.name == "hybrid"
+    cfg = engine_config_from_args(ns)            # cfg.spec.options["ngram"].min == 2, cfg.policy.name == "hybrid"
 """
 
 from __future__ import annotations
@@ -39,11 +40,14 @@ import math
 import os
 import re
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from tidespec.errors import ConfigError, check_at_least
+
+T = TypeVar("T")
 
 
 def opt(default: Any, help: str, **kw: Any) -> Any:  # noqa: A002 - mirrors argparse
@@ -250,71 +254,6 @@ POLICIES = ("static", "analytic", "bandit", "hybrid")
 CUDA_INVARIANCE = ("fixed-shape", "row-attention")  # ModelConfig.cuda_invariance
 
 
-@dataclass
-class NgramConfig:
-    min: int = opt(1, "n-gram drafter: shortest suffix to match")
-    max: int = opt(4, "n-gram drafter: longest suffix to match")
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.min <= self.max:
-            raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.min}, {self.max}")
-
-
-@dataclass
-class SuffixConfig:
-    max_tree_tokens: int = opt(20000, "suffix drafter: global tree budget (tokens), oldest evicted first")
-    min_prob: float = opt(0.1, "suffix drafter: prune candidates below this empirical probability")
-    factor: float = opt(1.0, "suffix drafter: speculation length per matched token")
-
-    def __post_init__(self) -> None:
-        check_at_least(0, suffix_max_tree_tokens=self.max_tree_tokens)
-        if not 0.0 <= self.min_prob < 1.0:
-            raise ConfigError(f"suffix_min_prob must be in [0, 1), got {self.min_prob}")
-        if not self.factor > 0.0:
-            raise ConfigError(f"suffix_factor must be > 0, got {self.factor}")
-
-
-@dataclass
-class DraftModelConfig:
-    path: str | None = opt(None, "draft model path (same tokenizer); default: the target truncated",
-                           flag="--draft-model")
-    layers: int = opt(0, "draft model: use the target's first k layers (0 = use --draft-model)",
-                      flag="--draft-layers")
-    tree_top_k: int = opt(2, "draft model trees: children per node", flag="--tree-top-k")
-
-    def __post_init__(self) -> None:
-        check_at_least(0, draft_layers=self.layers)
-        check_at_least(1, tree_top_k=self.tree_top_k)
-
-
-@dataclass
-class Eagle3Options:
-    dir: str | None = opt(None, "EAGLE-3: publish root (v1/, v2/, LATEST: the newest valid version is served) "
-                                "or one exported checkpoint dir; none = the shipped head on the embedded model "
-                                "(no --model), a fresh random head on any other (still lossless)")
-    draft_vocab: int = opt(0, "EAGLE-3: draft vocabulary of a fresh head (0 = the target's vocabulary)")
-    tree_depth: int = opt(5, "EAGLE-3 trees (--tree): expansion depth")
-    tree_top_k: int = opt(4, "EAGLE-3 trees (--tree): children per expanded node and frontier width")
-    dtype: Literal["auto", "float32", "bfloat16", "float16", "float64"] = opt(
-        "auto", "EAGLE-3 head's weights and activations (auto = the target's --dtype); the drafter's precision "
-                "never changes the output, only how often its drafts are accepted and what they cost")
-    min_draft_prob: float = opt(
-        0.4, "EAGLE-3 chains: stop drafting once the product of the chain's draft probabilities under the head "
-             "falls below this (its confidence tracks acceptance, EAGLE-2); the first draft is always proposed. "
-             "0 = draft as many as the policy asks. 0.4: every gamma 3-6 within a few percent of the best on "
-             "code and above plain on chat")
-    quantization: Literal["auto", "none", "int8", "int4"] = opt(
-        "auto", "EAGLE-3 head's weights while drafting: int8 (per output channel) or int4 (groups of 32, LM head "
-                "int8) copies of its linear layers, PyTorch's CPU kernels; the float head still trains, swaps and "
-                "rolls back. auto = int8 on --device cpu, none elsewhere. Lossless whatever it is")
-
-    def __post_init__(self) -> None:
-        check_at_least(0, eagle3_draft_vocab=self.draft_vocab)
-        check_at_least(1, eagle3_tree_depth=self.tree_depth, eagle3_tree_top_k=self.tree_top_k)
-        if not 0.0 <= self.min_draft_prob < 1.0:
-            raise ConfigError(f"--eagle3-min-draft-prob must be in [0, 1), got {self.min_draft_prob}")
-
-
 DRAFT_VOCAB_MODES = ("off", "static", "dynamic")
 # auto draft-vocabulary size for a 49k vocabulary: the shipped head's own 8,192 rows; the size sweep
 # (docs/benchmarks/learning.md) found the core decides coverage and 8,192 covers >= 98 % per phase
@@ -381,11 +320,11 @@ class SpecConfig:
                                   "Only token ids and the target's taps cross devices; "
                                   "EAGLE-3 and the draft model get their own copies of the target weights they read "
                                   "(ngram and suffix run on the host anyway)", flag="--drafter-device")
-    ngram: NgramConfig = section(NgramConfig, "ngram")
-    suffix: SuffixConfig = section(SuffixConfig, "suffix")
-    draft_model: DraftModelConfig = section(DraftModelConfig)
-    eagle3: Eagle3Options = section(Eagle3Options, "eagle3")
     vocab: DraftVocabConfig = section(DraftVocabConfig, "draft-vocab")
+    # each drafter's own options, keyed by drafter name: the options dataclass its ``DrafterKind`` declares
+    # (``speculative.registry``), whose flags the registry adds beside these; a drafter absent here runs
+    # on its defaults. Not a flag itself.
+    options: dict[str, Any] = field(default_factory=dict, metadata={"cli": False})
 
     def __post_init__(self) -> None:
         names = self.drafter_names
@@ -402,6 +341,21 @@ class SpecConfig:
         if not DEVICE_NAME.fullmatch(self.drafter_device):
             raise ConfigError(f"drafter_device must be empty (the target's device), cpu, cuda or cuda:N, "
                               f"got {self.drafter_device!r}")
+        bad = [n for n in self.options if not DRAFTER_NAME.fullmatch(n)]
+        if bad:
+            raise ConfigError(f"options are keyed by drafter name, got {bad[0]!r}")
+
+    def options_for(self, name: str, default: Callable[[], T]) -> T:
+        """Drafter ``name``'s options: those given, else ``default()`` (its defaults).
+
+        Example: ``SpecConfig().options_for("ngram", NgramOptions)`` -> ``NgramOptions(min=1, max=4)``.
+        """
+        got = self.options.get(name)
+        return default() if got is None else got
+
+    def with_options(self, name: str, options: Any) -> SpecConfig:
+        """A copy whose drafter ``name`` has ``options`` (the other drafters' unchanged)."""
+        return dataclasses.replace(self, options={**self.options, name: options})
 
     @property
     def drafter_names(self) -> tuple[str, ...]:
@@ -535,14 +489,10 @@ class EngineConfig:
     structured: StructuredConfig = section(StructuredConfig)
 
     def __post_init__(self) -> None:
+        # the rules that read a drafter's own options are that drafter's (``DrafterKind.check``, run by
+        # ``speculative.registry.check_config`` before anything loads)
         if self.online.enabled and "eagle3" not in self.spec.drafter_names:
             raise ConfigError("--online-training needs the eagle3 drafter (--drafter eagle3, or e.g. suffix,eagle3)")
-        if self.online.enabled and not self.spec.eagle3.dir:
-            raise ConfigError("--online-training needs --eagle3-dir (the directory drafters are published to)")
-        head_device = self.spec.drafter_device or self.model.device  # where the EAGLE-3 head drafts
-        if self.spec.eagle3.quantization in ("int8", "int4") and not head_device.startswith("cpu"):
-            raise ConfigError(f"--eagle3-quantization {self.spec.eagle3.quantization} needs the drafter on the CPU "
-                              f"(PyTorch's CPU kernels; --device or --drafter-device cpu), got {head_device!r}")
         need = self.cache.max_num_seqs * (self.spec.num_speculative_tokens + 1) + 16
         if self.scheduler.max_num_batched_tokens < need:
             # every running sequence must fit its verification tokens in one step, with room left

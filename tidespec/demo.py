@@ -55,7 +55,7 @@ from rich.table import Table
 
 from tidespec.bench.shift.config import ShiftBenchConfig, served_label
 from tidespec.bench.shift.run import quarters_of, run_shift_bench
-from tidespec.config import CacheConfig, EngineConfig, NgramConfig, PolicyConfig, SpecConfig
+from tidespec.config import CacheConfig, EngineConfig, PolicyConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.errors import UserError
 from tidespec.llm import build_drafter, build_policy
@@ -63,6 +63,7 @@ from tidespec.models.eagle3.checkpoint import shipped_bootstrap
 from tidespec.models.loading.loader import LoadedModel, load_model
 from tidespec.online.training.judge import gain_interval
 from tidespec.sampling import SamplingParams
+from tidespec.speculative.drafters.ngram import NgramOptions
 from tidespec.speculative.policy.api import SpeculationPolicy
 from tidespec.workloads.loader import load_prompts, load_workload
 
@@ -94,7 +95,7 @@ def part_drafters(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> 
     for name in ("code", "chat"):
         prompts += [(name, p) for p in load_prompts(name, loaded.tokenizer, limit=ns.prompts_per_domain)]
     drafters = {
-        "ngram": SpecConfig(drafter="ngram", num_speculative_tokens=ns.gamma, ngram=NgramConfig(min=2, max=4)),
+        "ngram": SpecConfig(drafter="ngram", num_speculative_tokens=ns.gamma, options={"ngram": NgramOptions(min=2, max=4)}),
         "suffix": SpecConfig(drafter="suffix", num_speculative_tokens=ns.gamma),
     }
     adaptive = SpecConfig(drafter="suffix", num_speculative_tokens=ns.gamma)

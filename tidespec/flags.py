@@ -5,12 +5,16 @@ Why this exists: flags, defaults and validation are declared once, on the config
 command (serve, generate, bench, train-drafter, fleet). Nested sections contribute their flags,
 prefixed by the section's ``prefix`` unless a field names its flag outright.
 
+Sections this module cannot see (each drafter's options, declared with the drafter) are added by
+the caller with the same two functions: ``speculative.registry.add_engine_args`` does so for the
+engine's flags. A field with ``metadata["cli"] = False`` is set by code, never by a flag.
+
 Worked example::
 
     parser = argparse.ArgumentParser()
-    add_engine_args(parser)
-    ns = parser.parse_args(["--drafter", "ngram", "--ngram-min", "2", "--policy", "hybrid"])
-    cfg = engine_config_from_args(ns)            # cfg.spec.ngram.min == 2, cfg.policy.name == "hybrid"
+    add_dataclass_args(parser, PolicyConfig)
+    ns = parser.parse_args(["--policy", "hybrid", "--guard-kv-usage", "0.5"])
+    cfg = dataclass_from_args(PolicyConfig, ns)  # cfg.name == "hybrid", cfg.guard_kv_usage == 0.5
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import types
 import typing
 from typing import Any, Literal, get_args, get_origin
 
-from tidespec.config import EngineConfig, finite_float
+from tidespec.config import finite_float
 
 
 def _base_type(tp: Any) -> Any:
@@ -55,7 +59,7 @@ def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, prefix: str =
     hints = typing.get_type_hints(cls)
     group = parser.add_argument_group(cls.__name__)
     for f in dataclasses.fields(cls):
-        if f.name in skip:
+        if f.name in skip or f.metadata.get("cli") is False:
             continue
         if _is_section(f):
             add_dataclass_args(parser, _base_type(hints[f.name]), _sub_prefix(f, prefix))
@@ -82,6 +86,8 @@ def dataclass_from_args(cls: type, ns: argparse.Namespace, prefix: str = "") -> 
     hints = typing.get_type_hints(cls)
     kw: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
+        if f.metadata.get("cli") is False:
+            continue
         if _is_section(f):
             kw[f.name] = dataclass_from_args(_base_type(hints[f.name]), ns, _sub_prefix(f, prefix))
             continue
@@ -91,17 +97,9 @@ def dataclass_from_args(cls: type, ns: argparse.Namespace, prefix: str = "") -> 
     return cls(**kw)
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    add_dataclass_args(parser, EngineConfig)
-
-
-def engine_config_from_args(ns: argparse.Namespace) -> EngineConfig:
-    return dataclass_from_args(EngineConfig, ns)
-
-
 def flag_defaults(cls: type, prefix: str = "") -> dict[str, Any]:
     """``{--flag: default}`` of every leaf field of ``cls``, as the generated CLI has them; e.g.
-    ``flag_defaults(EngineConfig)["--policy"]`` is ``"static"`` (``tests/test_config.py`` pins them)."""
+    ``flag_defaults(PolicyConfig)["--policy"]`` is ``"static"``."""
     parser = argparse.ArgumentParser(add_help=False)
     add_dataclass_args(parser, cls, prefix)
     return {a.option_strings[0]: a.default for a in parser._actions if a.option_strings}

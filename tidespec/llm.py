@@ -32,12 +32,13 @@ from tidespec.models.quant.quantize import Int8Linear
 from tidespec.models.target import TargetConfig, TargetModel, output_matrix
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter
+from tidespec.speculative.drafters.eagle3_options import eagle3_options, with_eagle3
 from tidespec.speculative.policy.api import SpeculationPolicy
 from tidespec.speculative.policy.factory import PolicyOptions, make_policy
 from tidespec.speculative.policy.guards import GuardConfig
 from tidespec.speculative.policy.profiler import load_or_measure
 from tidespec.speculative.policy.speedup import Profile
-from tidespec.speculative.registry import build_drafter, stateful_names
+from tidespec.speculative.registry import build_drafter, check_config, stateful_names
 from tidespec.speculative.vocab.arc import ArcConfig
 from tidespec.speculative.vocab.dynamic import DynamicVocab, DynamicVocabConfig
 from tidespec.speculative.vocab.graph import CooccurrenceGraph
@@ -128,20 +129,22 @@ def with_shipped_head(spec: SpecConfig, target_cfg: TargetConfig, online: bool =
     boot = shipped_head_for(target_cfg)
     if boot is None:
         return spec
-    if spec.eagle3.dir is None:
+    root = eagle3_options(spec).dir
+    if root is None:
         log.info("EAGLE-3: the embedded model's shipped head (%s); --eagle3-dir chooses another", boot)
-        return dataclasses.replace(spec, eagle3=dataclasses.replace(spec.eagle3, dir=str(boot)))
-    if online and not is_checkpoint_dir(spec.eagle3.dir):
-        version = seed_root(spec.eagle3.dir, boot, target_cfg)
+        return with_eagle3(spec, dir=str(boot))
+    if online and not is_checkpoint_dir(root):
+        version = seed_root(root, boot, target_cfg)
         if version is not None:
             log.info("online training: %s held no drafter; published the embedded model's shipped head there as "
-                     "v%d, which training fine-tunes", spec.eagle3.dir, version)
+                     "v%d, which training fine-tunes", root, version)
     return spec
 
 
 def build_engine(config: EngineConfig, model: TargetModel | None = None,
                  tokenizer: PreTrainedTokenizerBase | None = None, drafter: Drafter | None = None) -> LLMEngine:
     """Load (unless given) the model and tokenizer and wire the configured drafter and policy."""
+    check_config(config)
     mc = config.model
     if mc.threads:
         torch.set_num_threads(mc.threads)

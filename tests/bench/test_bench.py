@@ -21,11 +21,12 @@ from tidespec.bench.decode.run import DecodeBenchConfig, RequestRecord, run_deco
 from tidespec.bench.profile.run import ProfileConfig, kv_bytes_per_token, run_profile, weight_bytes_per_token
 from tidespec.bench.spec import run as spec_bench
 from tidespec.bench.spec.run import HeadVariant, SpecBenchConfig, _pooled_tpot, run_spec_bench
-from tidespec.config import ConfigError, DraftVocabConfig, Eagle3Options, EngineConfig, ModelConfig, SpecConfig
+from tidespec.config import ConfigError, DraftVocabConfig, EngineConfig, ModelConfig, SpecConfig
 from tidespec.llm import build_engine
 from tidespec.models.eagle3.checkpoint import export_eagle3, fresh_head
 from tidespec.models.loading.loader import LoadedModel, load_model
 from tidespec.sampling import SamplingParams
+from tidespec.speculative.drafters.eagle3_options import Eagle3Options, eagle3_options
 from tidespec.workloads.loader import (
     WorkloadError,
     load_prompts,
@@ -274,7 +275,7 @@ def test_spec_bench_compares_eagle3_heads_in_one_run(tmp_path: Path, monkeypatch
     vocab_modes: list[str] = []  # and its draft-vocabulary mode
 
     def build(econf: Any, **kw: Any) -> Any:
-        built.append(econf.spec.eagle3.dir if econf.spec.drafter == "eagle3" else None)
+        built.append(eagle3_options(econf.spec).dir if econf.spec.drafter == "eagle3" else None)
         vocab_modes.append(econf.spec.vocab.mode)
         return build_engine(econf, **kw)
 
@@ -353,7 +354,7 @@ def test_spec_bench_compares_chains_and_trees_in_one_run(tmp_path: Path, monkeyp
     cfg = SpecBenchConfig(workload=str(_workload(tmp_path, "w", 2)), drafters=("none", "suffix", "eagle3"),
                           gammas=(3,), max_tokens=8, eagle3_shapes=("chain", "tree"))
     doc = run_spec_bench(cfg, target, model_config=ModelConfig(dtype="float64"),
-                         spec_base=SpecConfig(eagle3=Eagle3Options(dir=str(tmp_path / "head"))),
+                         spec_base=SpecConfig(options={"eagle3": Eagle3Options(dir=str(tmp_path / "head"))}),
                          out_dir=tmp_path / "out", echo=False)
     assert trees == [("none", False), ("suffix", False), ("eagle3", False), ("eagle3", True)]
     assert [c["label"] for c in doc["configs"]] == ["plain", "suffix g=3", "eagle3[chain] g=3", "eagle3[tree] g=3"]

@@ -24,8 +24,10 @@ from tidespec.bench.shift.measure import recompute_taps
 from tidespec.bench.shift.report import _curves, config_colors
 from tidespec.bench.shift.run import quarter_acceptance, replot, run_shift_bench, summarize_run, tokens_per_step
 from tidespec.bench.shift.runs import TraceLoop, no_learning_config, run_trace, trace_engine_config
-from tidespec.config import ConfigError, Eagle3Options, EngineConfig, ModelConfig
+from tidespec.config import ConfigError, EngineConfig, ModelConfig
 from tidespec.llm import build_engine
+from tidespec.speculative.drafters.eagle3_options import Eagle3Options
+from tidespec.speculative.drafters.suffix import SuffixOptions
 from tidespec.speculative.drafters.multi import find_member
 
 
@@ -71,7 +73,7 @@ def test_the_chain_floor_reaches_the_engine(tmp_path: Path) -> None:
     for floor in (None, 0.0):
         cfg = ShiftBenchConfig(workloads=str(a), requests_per_phase=2,
                                **({} if floor is None else {"eagle3_min_draft_prob": floor}))
-        got = trace_engine_config(trace, cfg, tiny_llama(64), cfg.gamma).spec.eagle3.min_draft_prob
+        got = trace_engine_config(trace, cfg, tiny_llama(64), cfg.gamma).spec.options["eagle3"].min_draft_prob
         assert got == (Eagle3Options().min_draft_prob if floor is None else floor)
 
 
@@ -342,7 +344,7 @@ def test_no_learning_keeps_frozen_drafters_but_no_suffix_tree_of_past_outputs(tm
     ecfg = trace_engine_config(build_trace(cfg, target.tokenizer), cfg, target.model, cfg.gamma)
     trees = {name: find_member(build_engine(c, target.model, target.tokenizer).drafter, "suffix").max_tree_tokens
              for name, c in (("frozen", ecfg), ("no-learning", no_learning_config(ecfg)))}
-    assert trees == {"frozen": ecfg.spec.suffix.max_tree_tokens, "no-learning": 0} and trees["frozen"] > 0
+    assert trees == {"frozen": ecfg.spec.options_for("suffix", SuffixOptions).max_tree_tokens, "no-learning": 0} and trees["frozen"] > 0
     doc = run_shift_bench(cfg, target, tmp_path / "out", command="test", progress=False, log=lambda _: None)
     assert list(doc["configs"]) == ["plain", "frozen", "no-learning"]
     assert doc["configs"]["no-learning"]["mismatches"] == 0

@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
-from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, ModelConfig, SpecConfig
+from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
 from tidespec.models.execution.graphs import GraphStep
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.layout import BatchLayout
 from tidespec.sampling import SamplingParams
+from tidespec.speculative.drafters.draft_model import DraftModelOptions
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -95,7 +96,7 @@ def test_graphs_equal_eager_plain_decoding(model, plain):
 @pytest.mark.parametrize("gamma", [1, 3])
 def test_greedy_speculation_equals_plain_on_cuda(model, plain, drafter, tree, gamma):
     spec = SpecConfig(drafter=drafter, num_speculative_tokens=gamma, tree=tree,
-                      draft_model=DraftModelConfig(layers=1, tree_top_k=2))
+                      options={"draft-model": DraftModelOptions(layers=1, tree_top_k=2)})
     assert _generate(model, spec) == plain
 
 
@@ -171,7 +172,7 @@ def test_row_attention_engines_in_bfloat16_speculate_and_batch_like_plain_alone(
 def test_dovetail_placement_target_on_cpu_drafter_on_cuda(drafter, tree):
     target = tiny_llama(V, layers=3, seed=2, scale=3.0, dtype=torch.float32)
     spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, tree=tree, drafter_device="cuda",
-                      draft_model=DraftModelConfig(layers=1, tree_top_k=2))
+                      options={"draft-model": DraftModelOptions(layers=1, tree_top_k=2)})
     cfg = EngineConfig(cache=CacheConfig(max_model_len=96, max_num_seqs=4), spec=spec)
     outs = []
     for s in (SpecConfig(), spec):

@@ -24,10 +24,11 @@ from tests.helpers import (
     switching_drafters,
 )
 from tests.speculative.test_spec_sampling import ALPHA, W_SUBTLE, chi2_pvalue, sample_size
-from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SchedulerConfig, SpecConfig
+from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine, RequestError
 from tidespec.engine.output import RequestOutput
 from tidespec.sampling import SamplingParams, SamplingParamsError, StructuredOutputs, target_probs
+from tidespec.speculative.drafters.draft_model import DraftModelOptions
 
 MAX_TOKENS = 32
 MAX_LEN = 256
@@ -133,7 +134,7 @@ def test_every_drafter_alone_and_batched_gives_plain_tokens_and_logprob_bits(mod
 
 def test_the_controller_switching_drafters_gives_plain_tokens_and_logprob_bits(model, tok, jobs, plain) -> None:
     spec = SpecConfig(drafter="suffix,eagle3,draft-model,ngram", num_speculative_tokens=4,
-                      draft_model=DraftModelConfig(layers=1))
+                      options={"draft-model": DraftModelOptions(layers=1)})
     got, _ = run(model, tok, spec, jobs, slots=4, policy=ScriptedPolicy(switching_drafters))
     assert view(got) == view(plain)
 
@@ -226,7 +227,7 @@ def test_sampled_output_with_penalties_has_the_penalised_distribution(model, tok
     dist = exact_penalised(model, tok, prompt, params)
     n = sample_size(dist, W_SUBTLE)
     slots = 1000
-    spec = SpecConfig(drafter="draft-model", num_speculative_tokens=3, draft_model=DraftModelConfig(layers=1))
+    spec = SpecConfig(drafter="draft-model", num_speculative_tokens=3, options={"draft-model": DraftModelOptions(layers=1)})
     cfg = EngineConfig(cache=CacheConfig(max_model_len=32, max_num_seqs=slots), spec=spec,
                        scheduler=SchedulerConfig(max_num_batched_tokens=slots * 24))
     e = LLMEngine(model, tok, cfg, drafter=spec_drafter(spec, model, slots, 32))

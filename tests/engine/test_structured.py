@@ -27,9 +27,10 @@ from tests.helpers import (
     switching_drafters,
 )
 from tests.speculative.test_spec_sampling import ALPHA, W_SUBTLE, chi2_pvalue, sample_size
-from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SchedulerConfig, SpecConfig
+from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.sampling import SamplingParams, StructuredOutputs, target_probs
+from tidespec.speculative.drafters.draft_model import DraftModelOptions
 from tidespec.structured.grammar import JSON_OPTIONS, GrammarCompiler, GrammarError, GrammarMatcher
 from tidespec.structured.tool_calls import HermesParser, ToolSpec
 
@@ -125,7 +126,7 @@ def test_every_drafter_alone_batched_and_on_prefix_hits_equals_plain_constrained
 
 def test_the_controller_switching_drafters_equals_plain_constrained(model, tok, jobs, plain) -> None:
     spec = SpecConfig(drafter="suffix,eagle3,draft-model,ngram", num_speculative_tokens=4,
-                      draft_model=DraftModelConfig(layers=1))
+                      options={"draft-model": DraftModelOptions(layers=1)})
     policy = ScriptedPolicy(switching_drafters)
     got, _ = run(model, tok, spec, jobs, slots=4, waves=2, policy=policy)
     assert got == plain
@@ -283,7 +284,7 @@ def test_sampled_constrained_output_has_the_masked_distribution(model, tok, draf
     dist = exact_constrained(model, tok, prompt, params)
     n = sample_size(dist, W_SUBTLE)
     slots = 1000
-    spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, draft_model=DraftModelConfig(layers=1))
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, options={"draft-model": DraftModelOptions(layers=1)})
     cfg = EngineConfig(cache=CacheConfig(max_model_len=32, max_num_seqs=slots), spec=spec,
                        scheduler=SchedulerConfig(max_num_batched_tokens=slots * 24))
     e = LLMEngine(model, tok, cfg, drafter=spec_drafter(spec, model, slots, 32))

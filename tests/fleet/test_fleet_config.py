@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 
 from tidespec.cli import main
-from tidespec.config import ConfigError, Eagle3Options, EngineConfig, OnlineTrainingConfig, SpecConfig
+from tidespec.config import ConfigError, EngineConfig, OnlineTrainingConfig, SpecConfig
 from tidespec.fleet.cli import local_cpus
 from tidespec.fleet.config import FleetConfig, shared_dirs
+from tidespec.speculative.drafters.eagle3_options import Eagle3Options, eagle3_options
 
 
 @pytest.mark.parametrize("kw", [{"replicas": 0}, {"replica_cpus": 0.0}, {"trainer_cpus": -1.0},
@@ -30,7 +31,7 @@ def test_shared_dirs_are_absolute_and_the_store_defaults_under_the_publish_root(
                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     shared = shared_dirs(_online_config("drafter", None))
-    assert shared.spec.eagle3.dir == str(tmp_path / "drafter")
+    assert eagle3_options(shared.spec).dir == str(tmp_path / "drafter")
     assert shared.online.signal_dir == str(tmp_path / "drafter" / "signals")
     other = shared_dirs(_online_config("drafter", "sig"))
     assert other.online.signal_dir == str(tmp_path / "sig")
@@ -38,7 +39,7 @@ def test_shared_dirs_are_absolute_and_the_store_defaults_under_the_publish_root(
 
 
 def _online_config(root: str, signals: str | None) -> EngineConfig:
-    return EngineConfig(spec=SpecConfig(drafter="eagle3", eagle3=Eagle3Options(dir=root)),
+    return EngineConfig(spec=SpecConfig(drafter="eagle3", options={"eagle3": Eagle3Options(dir=root)}),
                         online=OnlineTrainingConfig(enabled=True, signal_dir=signals))
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
-from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SpecConfig
+from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
 from tidespec.models.execution import executor as executor_module
@@ -20,6 +20,7 @@ from tidespec.models.kernels.row_attention import block_mask
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.layout import BatchLayout
 from tidespec.sampling import SamplingParams
+from tidespec.speculative.drafters.draft_model import DraftModelOptions
 
 
 def test_buckets():
@@ -144,7 +145,7 @@ def _generate(model, spec: SpecConfig) -> tuple[list[list[int]], LLMEngine]:
 def test_engine_over_the_static_block_is_lossless(monkeypatch, drafter, tree):
     model = tiny_llama(V, layers=3, seed=2, scale=3.0)
     spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, tree=tree,
-                      draft_model=DraftModelConfig(layers=1, tree_top_k=2))
+                      options={"draft-model": DraftModelOptions(layers=1, tree_top_k=2)})
     plain, _ = _generate(model, SpecConfig())
     monkeypatch.setattr(executor_module, "uses_graphs", lambda device, enforce_eager: True)  # as on a GPU
     got, engine = _generate(model, spec)

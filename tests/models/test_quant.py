@@ -11,7 +11,7 @@ import torch
 
 from tests.helpers import full_logits, tiny_llama, tiny_tokenizer
 from tests.speculative.test_spec_lossless import PROMPTS, V, generate, generate_in_batches
-from tidespec.config import ConfigError, DraftModelConfig, EngineConfig, ModelConfig, SpecConfig
+from tidespec.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from tidespec.models.quant.quantize import (
     LAYER_PROJECTIONS,
     Int4Linear,
@@ -26,6 +26,7 @@ from tidespec.models.quant.quantize import (
     quantize_model,
 )
 from tidespec.models.target import ModelConfigError
+from tidespec.speculative.drafters.draft_model import DraftModelOptions
 
 
 def _weight(n: int, k: int, seed: int = 0) -> torch.Tensor:
@@ -247,7 +248,7 @@ def test_quantization_changes_the_greedy_output(qplain, tok):
 @pytest.mark.parametrize("gamma,batch", [(3, 1), (5, 4)])
 def test_speculation_is_lossless_wrt_the_quantized_target(qmodel, tok, qplain, drafter, tree, gamma, batch):
     spec = SpecConfig(drafter=drafter, num_speculative_tokens=gamma, tree=tree,
-                      draft_model=DraftModelConfig(layers=1, tree_top_k=2))
+                      options={"draft-model": DraftModelOptions(layers=1, tree_top_k=2)})
     got, drafted = generate_in_batches(qmodel, tok, spec, batch)
     assert got == qplain
     assert drafted > 0, "the drafter never proposed: the test would not exercise verification"

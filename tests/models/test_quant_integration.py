@@ -13,11 +13,12 @@ import torch
 from tests.helpers import tiny_hf_model, write_tiny_checkpoint
 from tests.speculative.test_embedded_lossless import run
 from tidespec.cli import main
-from tidespec.config import DraftModelConfig, ModelConfig, SpecConfig
+from tidespec.config import ModelConfig, SpecConfig
 from tidespec.llm import load_target
 from tidespec.models.loading.loader import LoadedModel
 from tidespec.models.quant.a8 import quantize_q4_1, quantize_q8_0
 from tidespec.models.quant.quantize import Int8Linear, quantization_of, quantize_model
+from tidespec.speculative.drafters.draft_model import DraftModelOptions
 from tidespec.workloads.loader import load_prompts
 
 
@@ -69,7 +70,7 @@ def test_embedded_quantized_speculation_equals_its_plain_decoding(embedded, dtyp
     assert plain != run(embedded, SpecConfig(), prompts, slots=2)  # control: quantized is another model
     for spec in (SpecConfig(drafter="suffix", num_speculative_tokens=4),
                  SpecConfig(drafter="draft-model", num_speculative_tokens=3, tree=True,
-                            draft_model=DraftModelConfig(layers=6, tree_top_k=2))):
+                            options={"draft-model": DraftModelOptions(layers=6, tree_top_k=2)})):
         assert [run(target, spec, [p], slots=1)[0] for p in prompts] == plain, spec.drafter
         assert run(target, spec, prompts, slots=2) == plain, spec.drafter  # batched: still each alone's
     assert model.row_invariant  # the engine chose row-invariant kernels

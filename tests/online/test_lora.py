@@ -14,14 +14,7 @@ import pytest
 import torch
 
 from tests.online.test_online import PROMPTS, drafter_cfg, make_engine, random_head, run
-from tidespec.config import (
-    CollectionConfig,
-    DraftVocabConfig,
-    Eagle3Options,
-    EngineConfig,
-    OnlineTrainingConfig,
-    SpecConfig,
-)
+from tidespec.config import CollectionConfig, DraftVocabConfig, EngineConfig, OnlineTrainingConfig, SpecConfig
 from tidespec.flags import add_dataclass_args, dataclass_from_args
 from tidespec.models.eagle3.checkpoint import fresh_head, publish
 from tidespec.models.eagle3.head import Eagle3Head
@@ -57,6 +50,7 @@ from tidespec.online.training.lora import (
 )
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import build_eagle3_drafter
+from tidespec.speculative.drafters.eagle3_options import Eagle3Options
 
 
 def adapted(head: Eagle3Head, seed: int, rank: int = 4, targets: tuple[str, ...] = TARGETS) -> Eagle3Head:
@@ -362,9 +356,9 @@ def test_lora_options_are_validated_and_reach_the_trainer_child(tmp_path: Path,
     assert LoraAlignConfig(targets="down_proj,q_proj").target_modules == ("q_proj", "down_proj")
     assert OnlineTrainingConfig().lora  # on by default: LoRA first, the whole head later
     assert not OnlineConfig.from_engine_config(EngineConfig(
-        spec=SpecConfig(drafter="eagle3", eagle3=Eagle3Options(dir=str(tmp_path / "r0"))),
+        spec=SpecConfig(drafter="eagle3", options={"eagle3": Eagle3Options(dir=str(tmp_path / "r0"))}),
         online=OnlineTrainingConfig(enabled=True, lora=False))).lora  # --no-online-lora
-    spec = SpecConfig(drafter="eagle3", eagle3=Eagle3Options(dir=str(tmp_path / "root")))
+    spec = SpecConfig(drafter="eagle3", options={"eagle3": Eagle3Options(dir=str(tmp_path / "root"))})
     online = OnlineConfig.from_engine_config(EngineConfig(spec=spec, online=OnlineTrainingConfig(enabled=True,
                                                                                                 lora=True)))
     assert online.lora

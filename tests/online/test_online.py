@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers import SlowStore, tiny_llama
-from tidespec.config import CacheConfig, CollectionConfig, Eagle3Options, EngineConfig, OnlineTrainingConfig, SpecConfig
+from tidespec.config import CacheConfig, CollectionConfig, EngineConfig, OnlineTrainingConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
 from tidespec.models.eagle3.checkpoint import (
@@ -41,6 +41,7 @@ from tidespec.online.signals import TRAINER_STATE_NAME, SignalCollector
 from tidespec.online.store import SignalShard, SignalStore
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig, build_eagle3_drafter
+from tidespec.speculative.drafters.eagle3_options import Eagle3Options
 
 V = 48
 LAYERS = 8  # EAGLE-3 taps (2, 4, 5): distinct without the tiny-model fallback
@@ -380,7 +381,7 @@ def test_trainer_rounds_drive_selective_collection(model: DecoderModel, tok, tmp
 
 def test_online_config_from_engine_config(tmp_path: Path) -> None:
     def engine_config(eagle3_dir: str | None) -> EngineConfig:
-        return EngineConfig(spec=SpecConfig(drafter="eagle3", eagle3=Eagle3Options(dir=eagle3_dir)),
+        return EngineConfig(spec=SpecConfig(drafter="eagle3", options={"eagle3": Eagle3Options(dir=eagle3_dir)}),
                             online=OnlineTrainingConfig(signal_budget_mb=64, poll_s=1.5, capture_prompt=True,
                                                         collect=CollectionConfig(epsilon=0.05, n_init=4,
                                                                                  n_threshold=100, lambda_short=0.5,
@@ -408,7 +409,7 @@ def test_online_training_on_the_embedded_model_starts_from_its_shipped_head(mode
     export_eagle3(random_head(model, 3), shipped)
     monkeypatch.setattr(llm, "shipped_head_for", lambda cfg: shipped)
     root = tmp_path / "root"
-    spec = SpecConfig(drafter="suffix,eagle3", eagle3=Eagle3Options(dir=str(root)))
+    spec = SpecConfig(drafter="suffix,eagle3", options={"eagle3": Eagle3Options(dir=str(root))})
     assert llm.with_shipped_head(spec, model.cfg, online=False) == spec and not root.exists()  # serving only
     assert llm.with_shipped_head(spec, model.cfg, online=True) == spec
     assert latest_version(root) == 1 and is_seed(root)

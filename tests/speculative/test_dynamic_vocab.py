@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
-from tidespec.config import CacheConfig, DraftModelConfig, DraftVocabConfig, EngineConfig, SpecConfig
+from tidespec.config import CacheConfig, DraftVocabConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
 from tidespec.errors import ConfigError
@@ -20,7 +20,7 @@ from tidespec.models.eagle3.head import Eagle3Config, Eagle3Head, fit_row_map, i
 from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.quant.quantize import Int8Linear
 from tidespec.sampling import SamplingParams
-from tidespec.speculative.drafters.draft_model import DraftModelDrafter
+from tidespec.speculative.drafters.draft_model import DraftModelDrafter, DraftModelOptions
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
 from tidespec.speculative.vocab.arc import ArcBuffer, ArcConfig
 from tidespec.speculative.vocab.dynamic import DynamicVocab, DynamicVocabConfig
@@ -481,7 +481,7 @@ def test_sampling_with_a_dynamic_v_t_has_the_targets_distribution(drafter: str, 
     params = SamplingParams(temperature=1.0, top_p=1.0)
     dist = sampling.exact_distribution(model, list(sampling.PROMPT), params)
     n = sampling.sample_size(dist, W_UNNORMALISED)
-    spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, draft_model=DraftModelConfig(layers=1))
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, options={"draft-model": DraftModelOptions(layers=1)})
     samples, accepted, _ = sampling.sample_first3(model, sampling.tiny_tokenizer(sampling.V), list(sampling.PROMPT),
                                                   spec, params, monkeypatch, seeded=False, n=n)
     assert accepted > n // 20 and made[0].stats.published > 0 and made[0].stats.oov_events > 0

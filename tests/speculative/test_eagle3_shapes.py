@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import capture, run_to_completion, tiny_llama, tiny_tokenizer
-from tidespec.config import CacheConfig, ConfigError, Eagle3Options, EngineConfig, SpecConfig
+from tidespec.config import CacheConfig, ConfigError, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.models.eagle3.checkpoint import export_eagle3, import_eagle3, state_dict_equal
 from tidespec.models.eagle3.head import Eagle3Config, Eagle3ConfigError, Eagle3Head, init_from_target
@@ -17,6 +17,7 @@ from tidespec.online.training.eagle3_train import SignalBatch, SignalSegment, tt
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import DraftInput, Observation
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
+from tidespec.speculative.drafters.eagle3_options import Eagle3Options
 
 V = 48
 SHAPES = [(1, "gated"), (2, "concat"), (2, "gated"), (3, "gated")]

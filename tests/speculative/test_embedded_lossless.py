@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.helpers import ScriptedPolicy, switching_drafters
-from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SchedulerConfig, SpecConfig
+from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
 from tidespec.models.eagle3.checkpoint import fresh_head, shipped_bootstrap
@@ -21,6 +21,7 @@ from tidespec.models.layout import BatchLayout
 from tidespec.models.target import output_matrix
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter
+from tidespec.speculative.drafters.draft_model import DraftModelOptions
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig, build_eagle3_drafter
 from tidespec.speculative.policy.api import SpeculationPolicy
 from tidespec.speculative.vocab.arc import ArcConfig
@@ -99,7 +100,7 @@ SUBSET_COVERS = pytest.mark.slow
                                           pytest.param("draft-model", False, marks=SUBSET_COVERS),
                                           ("draft-model", True)])
 def test_speculative_greedy_equals_plain(embedded, prompts, plain_alone, drafter, tree):
-    spec = SpecConfig(drafter=drafter, num_speculative_tokens=4, tree=tree, draft_model=DraftModelConfig(layers=6, tree_top_k=2))
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=4, tree=tree, options={"draft-model": DraftModelOptions(layers=6, tree_top_k=2)})
     got = run(embedded, spec, prompts, slots=4)
     for p, ref, g in zip(prompts, plain_alone, got):
         assert_same_or_near_tie(embedded, p, ref, g)
@@ -124,7 +125,7 @@ def test_controller_switching_drafters_mid_request_equals_plain(embedded, prompt
     """Four drafters loaded at once; per step and sequence the drafter and gamma change, and
     stretches without speculation turn the taps off (EAGLE-3 restarts after each hole)."""
     spec = SpecConfig(drafter="suffix,eagle3,draft-model,ngram", num_speculative_tokens=4,
-                      draft_model=DraftModelConfig(layers=6))
+                      options={"draft-model": DraftModelOptions(layers=6)})
     policy = ScriptedPolicy(switching_drafters)
     got = run(embedded, spec, prompts, slots=4, policy=policy)
     for p, ref, g in zip(prompts, plain_alone, got):

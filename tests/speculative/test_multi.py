@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from tests.helpers import ScriptedPolicy, capture, run_to_completion, switching_drafters, tiny_llama, tiny_tokenizer
-from tidespec.config import CacheConfig, ConfigError, DraftModelConfig, EngineConfig, PolicyConfig, SpecConfig
+from tidespec.config import CacheConfig, ConfigError, EngineConfig, PolicyConfig, SpecConfig
 from tidespec.engine.engine import TAP_LINGER_STEPS, LLMEngine
 from tidespec.engine.observer import Hooks
 from tidespec.llm import build_drafter, build_policy
 from tidespec.models.eagle3.checkpoint import fresh_head
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.drafters.draft_model import DraftModelOptions
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
 from tidespec.speculative.drafters.multi import MultiDrafter, _first_path, _Shadow, score_shadow
 from tidespec.speculative.drafters.ngram import NgramDrafter
@@ -124,7 +125,7 @@ def test_shadow_outcomes_score_what_verification_would_accept(model, tok) -> Non
 
 def test_controllerswitching_drafters_drafters_mid_request_keeps_greedy_outputs(model, tok) -> None:
     plain = outputs(engine(model, tok, SpecConfig()), PROMPTS, max_tokens=60)
-    spec = SpecConfig(drafter=ALL, num_speculative_tokens=4, draft_model=DraftModelConfig(layers=2))
+    spec = SpecConfig(drafter=ALL, num_speculative_tokens=4, options={"draft-model": DraftModelOptions(layers=2)})
     policy = ScriptedPolicy(switching_drafters)
     e = engine(model, tok, spec, policy)
     assert outputs(e, PROMPTS, max_tokens=60) == plain

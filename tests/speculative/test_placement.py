@@ -14,17 +14,18 @@ import pytest
 import torch
 
 from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
-from tidespec.config import CacheConfig, DraftModelConfig, Eagle3Options, EngineConfig, ModelConfig, SpecConfig
+from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.errors import ConfigError
-from tidespec.flags import add_engine_args, engine_config_from_args
 from tidespec.llm import build_drafter
 from tidespec.models.execution import placement
 from tidespec.models.kernels.linear import Linear
 from tidespec.sampling import SamplingParams
-from tidespec.speculative.drafters.draft_model import DraftModelDrafter
+from tidespec.speculative.drafters.draft_model import DraftModelDrafter, DraftModelOptions
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
+from tidespec.speculative.drafters.eagle3_options import Eagle3Options
 from tidespec.speculative.drafters.multi import MultiDrafter
+from tidespec.speculative.registry import add_engine_args, check_config, engine_config_from_args
 
 V = 48
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14]]
@@ -57,14 +58,14 @@ def test_drafter_device_flag() -> None:
 
 
 def test_int8_eagle3_head_needs_the_drafter_on_the_cpu() -> None:
-    int8 = Eagle3Options(quantization="int8")
+    int8 = {"eagle3": Eagle3Options(quantization="int8")}
     with pytest.raises(ConfigError, match="needs the drafter on the CPU"):
-        EngineConfig(spec=SpecConfig(drafter="eagle3", drafter_device="cuda", eagle3=int8))
+        check_config(EngineConfig(spec=SpecConfig(drafter="eagle3", drafter_device="cuda", options=int8)))
     with pytest.raises(ConfigError, match="needs the drafter on the CPU"):
-        EngineConfig(model=ModelConfig(device="cuda"), spec=SpecConfig(drafter="eagle3", eagle3=int8))
+        check_config(EngineConfig(model=ModelConfig(device="cuda"), spec=SpecConfig(drafter="eagle3", options=int8)))
     # a target on a GPU with the drafter on the CPU: the head may draft in int8
-    EngineConfig(model=ModelConfig(device="cuda"), spec=SpecConfig(drafter="eagle3", drafter_device="cpu",
-                                                                  eagle3=int8))
+    check_config(EngineConfig(model=ModelConfig(device="cuda"), spec=SpecConfig(drafter="eagle3", drafter_device="cpu",
+                                                                               options=int8)))
 
 
 def test_resolve_device() -> None:
@@ -147,8 +148,7 @@ def plain(model, tok) -> list[list[int]]:
 
 def spec_for(drafter: str, tree: bool) -> SpecConfig:
     return SpecConfig(drafter=drafter, num_speculative_tokens=3, tree=tree, drafter_device="cpu",
-                      draft_model=DraftModelConfig(layers=1, tree_top_k=2),
-                      eagle3=Eagle3Options(tree_depth=3, tree_top_k=2))
+                      options={"draft-model": DraftModelOptions(layers=1, tree_top_k=2), "eagle3": Eagle3Options(tree_depth=3, tree_top_k=2)})
 
 
 def members(drafter) -> list:

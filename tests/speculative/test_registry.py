@@ -13,15 +13,9 @@ from fastapi.testclient import TestClient
 
 from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
 from tests.speculative.toy_drafter import BigramDrafter
-from tidespec.config import (
-    CacheConfig,
-    DraftModelConfig,
-    DraftVocabConfig,
-    Eagle3Options,
-    EngineConfig,
-    SchedulerConfig,
-    SpecConfig,
-)
+from tidespec.cli import build_parser
+from tidespec.commands import parse
+from tidespec.config import CacheConfig, DraftVocabConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.errors import ConfigError
 from tidespec.llm import attach_draft_vocab, build_engine, with_shipped_head
@@ -29,8 +23,11 @@ from tidespec.models.eagle3.checkpoint import shipped_bootstrap
 from tidespec.models.target import output_matrix
 from tidespec.sampling import SamplingParams
 from tidespec.server.app import ServerConfig, create_app
+from tidespec.speculative.drafters.draft_model import DraftModelOptions
+from tidespec.speculative.drafters.eagle3_options import Eagle3Options, eagle3_options
 from tidespec.speculative.drafters.multi import MultiDrafter
-from tidespec.speculative.registry import build_drafter, drafter_kinds, kinds_for
+from tidespec.speculative.drafters.ngram import NgramOptions
+from tidespec.speculative.registry import build_drafter, drafter_kinds, engine_config_from_args, kinds_for
 
 V = 48
 TOY = "tests.speculative.toy_drafter"
@@ -49,9 +46,28 @@ def test_the_builtin_drafters_are_found_with_their_traits() -> None:
     assert sorted(kinds) == ["draft-model", "eagle3", "grammar", "ngram", "suffix"]
     assert {n for n, k in kinds.items() if k.model_free} == {"grammar", "ngram", "suffix"}
     assert {n for n, k in kinds.items() if k.stateful} == {"draft-model", "eagle3"}
-    assert {n: k.section for n, k in kinds.items()} == {"ngram": "ngram", "suffix": "suffix", "grammar": None,
-                                                        "draft-model": "draft_model", "eagle3": "eagle3"}
+    assert {n: k.prefix for n, k in kinds.items() if k.options} == {"ngram": "ngram", "suffix": "suffix",
+                                                                     "draft-model": "", "eagle3": "eagle3"}
+    assert kinds["grammar"].options is None and kinds["ngram"].options_of(SpecConfig()) == NgramOptions()
     assert "bigram" not in kinds and drafter_kinds((TOY,))["bigram"].cls is BigramDrafter
+
+
+def test_a_drafter_in_one_file_brings_its_own_flags(model, capsys) -> None:
+    """The toy declares ``BigramOptions``; ``--drafter-modules`` makes its ``--bigram-max-draft`` a flag of
+    every engine command (the built-in drafters' flags are found the same way), validated like any other,
+    and the built drafter gets the value. Without the module the flag is unknown."""
+    parser = build_parser()
+    argv = ["generate", "hi", "--drafter-modules", TOY, "--drafter", "suffix,bigram", "--bigram-max-draft", "2",
+            "--suffix-factor", "2.0"]
+    config = engine_config_from_args(parse(parser, argv))
+    assert config.spec.options["bigram"].max_draft == 2 and config.spec.options["suffix"].factor == 2.0
+    multi = build_drafter(config.spec, model, 2, 96)
+    assert isinstance(multi, MultiDrafter) and multi.members["bigram"].max_draft == 2
+    for bad in (argv[:5] + ["--bigram-max-draft", "-1"],  # its bound (Section's min=0)
+                ["generate", "hi", "--drafter", "suffix", "--bigram-max-draft", "2"]):  # no module: no flag
+        with pytest.raises((SystemExit, ConfigError)):
+            engine_config_from_args(parse(build_parser(), bad))
+    assert "--bigram-max-draft" in capsys.readouterr().err  # the unknown flag, named by argparse
 
 
 def _generate(model, spec: SpecConfig, slots: int) -> tuple[list[list[int]], int, int]:
@@ -129,7 +145,7 @@ def test_a_draft_vocabulary_goes_to_the_member_whose_output_layer_can_take_it(mo
     with pytest.raises(ConfigError, match="output layer can draft over it"):
         attach_draft_vocab(toy, vc, model, tiny_tokenizer(V))
     both = build_drafter(SpecConfig(drafter="bigram,draft-model", drafter_modules=TOY,
-                                    draft_model=DraftModelConfig(layers=1)), model, 1, 128)
+                                    options={"draft-model": DraftModelOptions(layers=1)}), model, 1, 128)
     vocab = attach_draft_vocab(both, vc, model, tiny_tokenizer(V))
     assert vocab is not None and both.members["draft-model"].vocab is vocab and both.members["bigram"].vocab is None
     ids = vocab.snapshot.ids.tolist()
@@ -147,12 +163,12 @@ def test_eagle3_without_a_dir_is_the_shipped_head_only_where_it_fits(model, embe
     spec = SpecConfig(drafter="eagle3", num_speculative_tokens=3)
     boot = shipped_bootstrap()
     assert boot is not None
-    assert with_shipped_head(spec, embedded.model.cfg).eagle3.dir == str(boot)
+    assert eagle3_options(with_shipped_head(spec, embedded.model.cfg)).dir == str(boot)
     assert with_shipped_head(spec, model.cfg) is spec  # a tiny target: the head does not fit
-    mine = dataclasses.replace(spec, eagle3=Eagle3Options(dir="/somewhere/else"))
+    mine = dataclasses.replace(spec, options={"eagle3": Eagle3Options(dir="/somewhere/else")})
     assert with_shipped_head(mine, embedded.model.cfg) is mine
     plain = SpecConfig(drafter="suffix")
     assert with_shipped_head(plain, embedded.model.cfg) is plain
     engine = build_engine(EngineConfig(spec=spec, cache=CacheConfig(max_model_len=128, max_num_seqs=1)),
                           model=embedded.model, tokenizer=embedded.tokenizer)
-    assert engine.config.spec.eagle3.dir == str(boot)
+    assert eagle3_options(engine.config.spec).dir == str(boot)

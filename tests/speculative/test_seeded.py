@@ -15,10 +15,11 @@ import torch
 from scipy.stats import chisquare
 
 from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
-from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SpecConfig
+from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
 from tidespec.sampling import SamplingParams, position_seed, seeded_draw
+from tidespec.speculative.drafters.draft_model import DraftModelOptions
 
 V = 64
 PROMPT = [5, 9, 12, 5, 9, 13, 5, 9, 12, 5, 9]
@@ -63,7 +64,7 @@ def test_race_over_a_sub_vocabulary_reads_the_target_noise() -> None:
 def _engine(drafter: str, tree: bool) -> LLMEngine:
     model = tiny_llama(V, layers=4, seed=3, scale=1.5)
     spec = SpecConfig(drafter=drafter, num_speculative_tokens=4 if drafter != "none" else 3, tree=tree,
-                      draft_model=DraftModelConfig(layers=1, tree_top_k=2))
+                      options={"draft-model": DraftModelOptions(layers=1, tree_top_k=2)})
     cfg = EngineConfig(cache=CacheConfig(max_model_len=160, max_num_seqs=4), spec=spec)
     return LLMEngine(model, tiny_tokenizer(V), cfg, drafter=build_drafter(spec, model, 4, 160))
 

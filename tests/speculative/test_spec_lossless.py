@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 
 from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
-from tidespec.config import CacheConfig, DraftModelConfig, EngineConfig, SpecConfig
+from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.drafters.draft_model import DraftModelOptions
 
 V = 48
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7], [9, 10, 11], [12, 13, 14, 15, 16, 12, 13, 14, 15, 16, 12], [3, 3, 3, 3]]
@@ -63,7 +64,7 @@ CASES = [("ngram", False), ("suffix", False), ("suffix", True), ("draft-model", 
 @pytest.mark.parametrize("gamma", [1, 3, 5, 8])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_equals_plain(model, tok, plain, drafter, tree, gamma, batch):
-    spec = SpecConfig(drafter=drafter, num_speculative_tokens=gamma, tree=tree, draft_model=DraftModelConfig(layers=1, tree_top_k=2))
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=gamma, tree=tree, options={"draft-model": DraftModelOptions(layers=1, tree_top_k=2)})
     got, drafted = generate_in_batches(model, tok, spec, batch)
     assert got == plain
     assert drafted > 0, "the drafter never proposed: the test would not exercise verification"

@@ -32,12 +32,14 @@ from scipy.stats import chi2, chisquare, ncx2
 
 import tidespec.speculative.verify as verify_mod
 from tests.helpers import seed_generators_from_counter, tiny_llama, tiny_tokenizer
-from tidespec.config import CacheConfig, DraftModelConfig, Eagle3Options, EngineConfig, SchedulerConfig, SpecConfig
+from tidespec.config import CacheConfig, EngineConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.layout import BatchLayout
 from tidespec.sampling import SamplingParams, target_probs
+from tidespec.speculative.drafters.draft_model import DraftModelOptions
+from tidespec.speculative.drafters.eagle3_options import Eagle3Options
 
 V = 6
 PROMPT = [3, 0, 1, 3, 0, 2, 3, 0, 4, 3, 0, 5, 3]
@@ -206,7 +208,7 @@ def test_speculative_sampling_matches_target(model, tok, prompt, drafter, tree, 
     params = SETTINGS[setting]
     dist = exact_distribution(model, prompt, params)
     n = sample_size(dist, w)
-    spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, tree=tree, draft_model=DraftModelConfig(layers=1, tree_top_k=2))
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, tree=tree, options={"draft-model": DraftModelOptions(layers=1, tree_top_k=2)})
     samples, accepted, branching = sample_first3(model, tok, prompt, spec, params, monkeypatch, params.seed is not None,
                                                  n)
     assert accepted > n // 20, "too few accepted drafts: the test would not exercise verification"
@@ -229,7 +231,7 @@ def test_a_bfloat16_eagle3_head_keeps_the_targets_distribution(tok, prompt, floo
     model = tiny_llama(V, layers=3, seed=4, scale=1.5)  # EAGLE-3 taps need >= 3 layers
     torch.manual_seed(0)
     spec = SpecConfig(drafter="eagle3", num_speculative_tokens=3,
-                      eagle3=Eagle3Options(dtype="bfloat16", quantization="int8", min_draft_prob=floor))
+                      options={"eagle3": Eagle3Options(dtype="bfloat16", quantization="int8", min_draft_prob=floor)})
     drafter = build_drafter(spec, model, 1, 32)
     assert drafter.head.dtype == torch.bfloat16 and type(drafter.served.lm_head).__name__ == "Int8Linear"
     assert drafter.cfg.min_draft_prob == floor
@@ -270,7 +272,7 @@ def test_the_one_transfer_chain_verifier_matches_target(model, tok, prompt, draf
     read), forced on here: point-mass drafts (n-gram) and drafts with probabilities (draft model)."""
     monkeypatch.setattr(verify_mod, "one_transfer", lambda logits: True)
     params = SETTINGS[1]
-    spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, draft_model=DraftModelConfig(layers=1))
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, options={"draft-model": DraftModelOptions(layers=1)})
     samples, accepted, _ = sample_first3(model, tok, prompt, spec, params, monkeypatch, seeded=False)
     assert accepted > len(samples) // 20
     assert chi2_pvalue(samples, exact_distribution(model, prompt, params)) > ALPHA

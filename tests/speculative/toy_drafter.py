@@ -10,11 +10,15 @@ The rule (a bigram table of each sequence's own context): draft the token that l
 current token, then the one that last followed that, up to gamma tokens.
 
 Example: context [5, 6, 7, 5, 6, 9, 5], gamma 3 -> after 5 came 6 (last), after 6 came 9, after 9
-came 5: the draft is [6, 9, 5].
+came 5: the draft is [6, 9, 5]. With ``--bigram-max-draft 2`` (its one option, declared below with
+the drafter) the draft is [6, 9].
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from tidespec.config import Section, opt
 from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.registry import BuildContext, DrafterKind
 
@@ -26,7 +30,8 @@ class BigramDrafter(DrafterBase):
     name = "bigram"
     model_free = True  # no forward: a controller may score it on the side
 
-    def __init__(self) -> None:
+    def __init__(self, max_draft: int = 0) -> None:
+        self.max_draft = max_draft  # most draft tokens a step (0 = as many as asked)
         self.tables: dict[int, tuple[int, dict[int, int]]] = {}  # seq_id -> (tokens seen, successor table)
 
     def _table(self, seq_id: int, token_ids: list[int]) -> dict[int, int]:
@@ -40,7 +45,8 @@ class BigramDrafter(DrafterBase):
         out = DraftProposal()
         for inp in inputs:
             table, draft, token = self._table(inp.seq_id, inp.token_ids), [], inp.token_ids[-1]
-            while len(draft) < inp.num_speculative_tokens and token in table:
+            limit = min(inp.num_speculative_tokens, self.max_draft or inp.num_speculative_tokens)
+            while len(draft) < limit and token in table:
                 token = table[token]
                 draft.append(token)
             if draft:
@@ -55,8 +61,14 @@ class BigramDrafter(DrafterBase):
         self.tables.pop(seq_id, None)
 
 
+@dataclass
+class BigramOptions(Section):
+    max_draft: int = opt(0, "bigram drafter: most draft tokens a step (0 = the policy's gamma)", min=0)
+
+
 def _build(ctx: BuildContext) -> BigramDrafter:
-    return BigramDrafter()
+    return BigramDrafter(max_draft=ctx.options.max_draft)
 
 
-DRAFTER = DrafterKind("bigram", BigramDrafter, _build, summary="each sequence's last-seen successor of a token")
+DRAFTER = DrafterKind("bigram", BigramDrafter, _build, options=BigramOptions, prefix="bigram",
+                      summary="each sequence's last-seen successor of a token")

@@ -60,8 +60,9 @@ from tidespec.bench.spec.predicted import PredictedBenchConfig, run_predicted_be
 from tidespec.bench.spec.run import SpecBenchConfig, run_spec_bench
 from tidespec.bench.spec.structured import StructuredBenchConfig, run_structured_bench
 from tidespec.bench.yield_bench.run import YieldBenchConfig, run_yield_bench
-from tidespec.config import ModelConfig, PolicyConfig, SchedulerConfig, SpecConfig, finite_float, output_dir
+from tidespec.config import ModelConfig, PolicyConfig, SchedulerConfig, finite_float, output_dir
 from tidespec.flags import add_dataclass_args, dataclass_from_args
+from tidespec.speculative.registry import add_spec_args, spec_config_from_args
 from tidespec.workloads.loader import BUILTIN_WORKLOADS
 
 # SpecConfig fields the spec bench sweeps itself (so they are not flags there).
@@ -143,7 +144,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "server does (acceptance then leaves out text past EOS, which serving never drafts)")
     add_dataclass_args(s, ModelConfig)
     add_dataclass_args(s, SchedulerConfig)
-    add_dataclass_args(s, SpecConfig, skip=_SWEPT_SPEC_FIELDS)
+    add_spec_args(s, skip=_SWEPT_SPEC_FIELDS)
     add_dataclass_args(s, PolicyConfig)
     s.set_defaults(func=cmd_spec)
 
@@ -282,7 +283,7 @@ def cmd_spec(ns: argparse.Namespace) -> int:
                                     logprobs=ns.logprobs)
         run_predicted_bench(pcfg, model_config=dataclass_from_args(ModelConfig, ns),
                             scheduler=dataclass_from_args(SchedulerConfig, ns),
-                            spec_base=dataclass_from_args(SpecConfig, ns), policy=dataclass_from_args(PolicyConfig, ns),
+                            spec_base=spec_config_from_args(ns), policy=dataclass_from_args(PolicyConfig, ns),
                             out_dir=ns.out, command=command_line())
         return 0
     if ns.hybrid:
@@ -290,7 +291,7 @@ def cmd_spec(ns: argparse.Namespace) -> int:
                                  batch_sizes=parse_int_list(ns.batch_sizes, "--batch-sizes"),
                                  gamma=max(parse_int_list(ns.gammas, "--gammas")), max_tokens=ns.max_tokens)
         run_hybrid_bench(hcfg, model_config=dataclass_from_args(ModelConfig, ns),
-                         scheduler=dataclass_from_args(SchedulerConfig, ns), spec_base=dataclass_from_args(SpecConfig, ns),
+                         scheduler=dataclass_from_args(SchedulerConfig, ns), spec_base=spec_config_from_args(ns),
                          policy=dataclass_from_args(PolicyConfig, ns), out_dir=ns.out, command=command_line())
         return 0
     if ns.structured:
@@ -299,7 +300,7 @@ def cmd_spec(ns: argparse.Namespace) -> int:
                                      gamma=max(parse_int_list(ns.gammas, "--gammas")), max_tokens=ns.max_tokens)
         run_structured_bench(scfg, model_config=dataclass_from_args(ModelConfig, ns),
                              scheduler=dataclass_from_args(SchedulerConfig, ns),
-                             spec_base=dataclass_from_args(SpecConfig, ns), policy=dataclass_from_args(PolicyConfig, ns),
+                             spec_base=spec_config_from_args(ns), policy=dataclass_from_args(PolicyConfig, ns),
                              out_dir=ns.out, command=command_line())
         return 0
     cfg = SpecBenchConfig(workload=ns.workload, limit=ns.limit, drafters=parse_str_list(ns.drafters, "--drafters"),
@@ -315,7 +316,7 @@ def cmd_spec(ns: argparse.Namespace) -> int:
                           eagle3_shapes=parse_str_list(ns.eagle3_shapes, "--eagle3-shapes") if ns.eagle3_shapes else (),
                           ignore_eos=ns.ignore_eos, turns=ns.turns)
     run_spec_bench(cfg, model_config=dataclass_from_args(ModelConfig, ns),
-                   scheduler=dataclass_from_args(SchedulerConfig, ns), spec_base=dataclass_from_args(SpecConfig, ns),
+                   scheduler=dataclass_from_args(SchedulerConfig, ns), spec_base=spec_config_from_args(ns),
                    policy=dataclass_from_args(PolicyConfig, ns), out_dir=ns.out, command=command_line())
     return 0
 

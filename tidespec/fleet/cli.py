@@ -46,7 +46,7 @@ class FleetStartError(UserError):
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add the ``fleet`` sub-command to the ``tidespec`` CLI."""
-    from tidespec.flags import add_engine_args
+    from tidespec.speculative.registry import add_engine_args
 
     p = subparsers.add_parser("fleet", help="serve with N replicas and one trainer on Ray (needs the fleet extra)")
     add_engine_args(p)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from tidespec.config import EngineConfig, opt
 from tidespec.errors import ConfigError
+from tidespec.speculative.drafters.eagle3_options import eagle3_options, with_eagle3
 
 
 @dataclass
@@ -51,12 +52,12 @@ def shared_dirs(config: EngineConfig) -> EngineConfig:
     default ``<eagle3-dir>/signals``) as absolute paths: every replica and the trainer must name
     the same directories, wherever Ray places them (on several nodes: a shared filesystem mounted
     at that path on each)."""
-    root = config.spec.eagle3.dir
+    root = eagle3_options(config.spec).dir
     if not root:
         return config
     root = str(Path(root).expanduser().resolve())
     signals = config.online.signal_dir
     signals = str(Path(signals).expanduser().resolve()) if signals else str(Path(root) / "signals")
-    spec = dataclasses.replace(config.spec, eagle3=dataclasses.replace(config.spec.eagle3, dir=root))
+    spec = with_eagle3(config.spec, dir=root)
     online = dataclasses.replace(config.online, signal_dir=signals)
     return dataclasses.replace(config, spec=spec, online=online)

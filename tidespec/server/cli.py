@@ -1,6 +1,6 @@
 """``tidespec serve``: the OpenAI-compatible server from the command line.
 
-Why this exists: engine flags come from the config dataclasses (``tidespec.flags.add_engine_args``)
+Why this exists: engine flags come from the config dataclasses (``tidespec.speculative.registry.add_engine_args``)
 so ``serve``, ``generate`` and ``bench`` share every flag and default; this module adds only the
 HTTP ones. The server always runs with a bounded waiting queue: the engine flag ``--max-waiting``
 defaults to ``DEFAULT_MAX_WAITING`` here, and 0 ("unbounded") is replaced by it.
@@ -26,9 +26,8 @@ from typing import TYPE_CHECKING
 
 from tidespec.commands import standalone_main
 from tidespec.config import ConfigError, EngineConfig, finite_float
-from tidespec.flags import add_engine_args, engine_config_from_args
 from tidespec.server.graceful import HEADER_TIMEOUT_S
-from tidespec.speculative.registry import kinds_for
+from tidespec.speculative.registry import add_engine_args, check_config, engine_config_from_args
 from tidespec.structured.tool_calls import REGISTRY as TOOL_PARSERS
 
 if TYPE_CHECKING:
@@ -127,7 +126,7 @@ def served_name(config: EngineConfig) -> str:
 def server_engine_config(ns: argparse.Namespace) -> EngineConfig:
     """The engine config of ``serve``: the waiting queue is always bounded."""
     config = engine_config_from_args(ns)
-    kinds_for(config.spec)  # an unknown drafter is refused before the port is bound and the model loads
+    check_config(config)  # an unknown drafter is refused before the port is bound and the model loads
     if config.scheduler.max_waiting == 0:
         config.scheduler = dataclasses.replace(config.scheduler, max_waiting=DEFAULT_MAX_WAITING)
     return config

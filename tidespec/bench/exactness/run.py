@@ -47,8 +47,6 @@ from tidespec.config import (
     QUANTIZATIONS,
     CacheConfig,
     ConfigError,
-    DraftModelConfig,
-    Eagle3Options,
     EngineConfig,
     ModelConfig,
     PolicyConfig,
@@ -65,6 +63,8 @@ from tidespec.models.loading.loader import LoadedModel, load_model
 from tidespec.models.quant.quantize import quantize_model
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import DraftProposal, SeqDraft
+from tidespec.speculative.drafters.draft_model import DraftModelOptions
+from tidespec.speculative.drafters.eagle3_options import Eagle3Options
 from tidespec.workloads.loader import Prompt, load_prompts
 
 PATHS = ("float32", "float32+compile", "bfloat16", "bfloat16+compile", "int8", "int8+compile", "int4", "int4+compile",
@@ -141,15 +141,16 @@ def spec_for(name: str, gamma: int, layers: int = 0) -> tuple[SpecConfig, Policy
     """The engine sections of a drafter configuration of ``DRAFTERS`` for a target of ``layers`` layers
     (0: the whole embedded model, whose EAGLE-3 drafts with the shipped head and draft model is its
     first 6 layers; else a fresh head and the first half of the layers)."""
-    eagle = Eagle3Options(dir=None if layers else str(shipped_bootstrap()))
+    eagle = {"eagle3": Eagle3Options(dir=None if layers else str(shipped_bootstrap()))}
     if name == "draft-model":
         return SpecConfig(drafter="draft-model", num_speculative_tokens=gamma,
-                          draft_model=DraftModelConfig(layers=max(1, layers // 2) if layers else 6)), PolicyConfig()
+                          options={"draft-model": DraftModelOptions(layers=max(1, layers // 2) if layers else 6)}), \
+            PolicyConfig()
     if name in ("eagle3", "eagle3-tree"):
         return SpecConfig(drafter="eagle3", num_speculative_tokens=gamma, tree=name == "eagle3-tree",
-                          eagle3=eagle), PolicyConfig()
+                          options=eagle), PolicyConfig()
     if name == "suffix,eagle3+analytic":
-        return SpecConfig(drafter="suffix,eagle3", num_speculative_tokens=gamma, eagle3=eagle), \
+        return SpecConfig(drafter="suffix,eagle3", num_speculative_tokens=gamma, options=eagle), \
             PolicyConfig(name="analytic")
     return SpecConfig(drafter=name, num_speculative_tokens=gamma), PolicyConfig()
 

@@ -27,12 +27,12 @@ from tidespec.config import (
     CollectionConfig,
     ConfigError,
     DraftVocabConfig,
-    Eagle3Options,
     OnlineTrainingConfig,
     PolicyConfig,
     SpecConfig,
     opt,
 )
+from tidespec.speculative.drafters.eagle3_options import Eagle3Options
 from tidespec.speculative.policy.factory import MULTI_DRAFTER_POLICIES
 from tidespec.speculative.registry import kinds_for
 from tidespec.workloads.loader import Prompt, load_prompts

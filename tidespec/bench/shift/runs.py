@@ -28,15 +28,7 @@ from typing import Any, Callable
 from tqdm import tqdm
 
 from tidespec.bench.shift.config import ShiftBenchConfig, TraceItem, served_label
-from tidespec.config import (
-    CacheConfig,
-    CollectionConfig,
-    DraftVocabConfig,
-    Eagle3Options,
-    EngineConfig,
-    PolicyConfig,
-    SpecConfig,
-)
+from tidespec.config import CacheConfig, CollectionConfig, DraftVocabConfig, EngineConfig, PolicyConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
 from tidespec.llm import build_engine, draft_vocab_of
@@ -48,6 +40,8 @@ from tidespec.online.serving.attach import OnlineConfig, OnlineTraining, attach_
 from tidespec.online.serving.governor import GovernorConfig
 from tidespec.online.signals import read_trainer_log, read_trainer_rounds
 from tidespec.sampling import SamplingParams
+from tidespec.speculative.drafters.eagle3_options import Eagle3Options, with_eagle3
+from tidespec.speculative.drafters.suffix import SuffixOptions
 from tidespec.stats import RequestStats, StepStats
 
 
@@ -216,7 +210,7 @@ def trace_engine_config(trace: list[TraceItem], cfg: ShiftBenchConfig, model: Ta
     name = drafter or cfg.drafter
     return EngineConfig(cache=CacheConfig(max_model_len=max_len, max_num_seqs=cfg.concurrency),
                         spec=SpecConfig(drafter=name if gamma else "none", num_speculative_tokens=gamma, tree=cfg.tree,
-                                        eagle3=Eagle3Options(min_draft_prob=cfg.eagle3_min_draft_prob)),
+                                        options={"eagle3": Eagle3Options(min_draft_prob=cfg.eagle3_min_draft_prob)}),
                         policy=PolicyConfig(name=cfg.policy, profile=cfg.profile)
                         if name == cfg.drafter else PolicyConfig(name="static"))
 
@@ -224,9 +218,9 @@ def trace_engine_config(trace: list[TraceItem], cfg: ShiftBenchConfig, model: Ta
 def no_learning_config(ecfg: EngineConfig) -> EngineConfig:
     """The ``no-learning`` configuration's engine settings: ``ecfg`` with a suffix drafter that keeps
     no tree of past outputs (it matches the request's own tokens only); its EAGLE-3 head is the frozen
-    one. Example: ``ecfg.spec.suffix.max_tree_tokens`` 20000 -> 0, everything else unchanged."""
-    suffix = dataclasses.replace(ecfg.spec.suffix, max_tree_tokens=0)
-    return dataclasses.replace(ecfg, spec=dataclasses.replace(ecfg.spec, suffix=suffix))
+    one. Example: the suffix drafter's ``max_tree_tokens`` 20000 -> 0, everything else unchanged."""
+    suffix = dataclasses.replace(ecfg.spec.options_for("suffix", SuffixOptions), max_tree_tokens=0)
+    return dataclasses.replace(ecfg, spec=ecfg.spec.with_options("suffix", suffix))
 
 
 def static_engine(target: LoadedModel, ecfg: EngineConfig) -> LLMEngine:
@@ -246,8 +240,8 @@ def eagle3_engine(model: TargetModel, tokenizer: Any, ecfg: EngineConfig, root: 
     """An engine with the EAGLE-3 drafter of publish root ``root`` (its newest published version,
     or a fresh head of ``draft_vocab`` tokens, 0 = the target's, when there is none), beside the
     other drafters ``ecfg.spec.drafter`` names, under ``ecfg.policy`` (``llm.build_engine``)."""
-    eagle3 = dataclasses.replace(ecfg.spec.eagle3, dir=str(root), draft_vocab=draft_vocab)
-    return build_engine(dataclasses.replace(ecfg, spec=dataclasses.replace(ecfg.spec, eagle3=eagle3)), model, tokenizer)
+    spec = with_eagle3(ecfg.spec, dir=str(root), draft_vocab=draft_vocab)
+    return build_engine(dataclasses.replace(ecfg, spec=spec), model, tokenizer)
 
 
 def vocab_engine(model: TargetModel, tokenizer: Any, ecfg: EngineConfig, root: Path, cfg: ShiftBenchConfig,

@@ -68,6 +68,7 @@ from tidespec.models.execution import placement
 from tidespec.models.loading.loader import LoadedModel
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import head_quantization
+from tidespec.speculative.drafters.eagle3_options import eagle3_options, with_eagle3
 from tidespec.speculative.registry import kinds_for
 from tidespec.workloads.loader import load_prompts, load_workload
 
@@ -249,16 +250,17 @@ def run_spec_bench(cfg: SpecBenchConfig, target: LoadedModel | str | None = None
         if drafter not in VOCAB_DRAFTERS:  # --draft-vocab-mode shapes the drafters that have an output layer only
             spec = dataclasses.replace(spec, vocab=dataclasses.replace(base.vocab, mode="off"))
         if head is not None:
-            spec = dataclasses.replace(spec, eagle3=dataclasses.replace(
-                base.eagle3, dir=head.directory or base.eagle3.dir, quantization=head.quantization or base.eagle3.quantization,
-                min_draft_prob=base.eagle3.min_draft_prob if head.min_draft_prob is None else head.min_draft_prob),
+            eagle = eagle3_options(base)
+            spec = dataclasses.replace(with_eagle3(
+                spec, dir=head.directory or eagle.dir, quantization=head.quantization or eagle.quantization,
+                min_draft_prob=eagle.min_draft_prob if head.min_draft_prob is None else head.min_draft_prob),
                 tree=base.tree if head.tree is None else head.tree)
         econf = bench_engine_config(prompts, cfg.max_tokens, cfg.batch_size,
                                     target.model.cfg.max_position_embeddings, mc, scheduler, spec, policy, longest)
         engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
         runs.append(_Run(config_label(drafter, gamma, head.label if head else None), drafter, gamma, engine=engine,
                          head=head.directory if head else None,
-                         quantization=head_quantization(spec.eagle3.quantization, placement.resolve_device(
+                         quantization=head_quantization(eagle3_options(spec).quantization, placement.resolve_device(
                              spec.drafter_device, target.model.device))
                          if drafter == "eagle3" else None))
     hf_runs: list[_Run] = []

@@ -74,6 +74,7 @@ from tidespec.online.serving.supervisor import RestartPolicy, TrainerSupervisor
 from tidespec.online.signals import SignalCollector, read_trainer_rounds
 from tidespec.online.store import TAPS_DTYPES, SignalStore
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
+from tidespec.speculative.drafters.eagle3_options import eagle3_options
 from tidespec.speculative.drafters.multi import find_member
 from tidespec.speculative.policy.factory import policy_profile
 
@@ -138,7 +139,7 @@ class OnlineConfig:
         no drafter trained on this traffic there is no acceptance level to detect a shift against,
         and a server whose traffic is new from its first request would otherwise never collect.
         """
-        root, oc = config.spec.eagle3.dir, config.online
+        root, oc = eagle3_options(config.spec).dir, config.online
         if not root:
             raise OnlineConfigError("online training needs --eagle3-dir (the drafter publish root)")
         if is_checkpoint_dir(root):

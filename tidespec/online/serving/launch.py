@@ -27,6 +27,7 @@ from tidespec.config import EngineConfig
 from tidespec.errors import ConfigError
 from tidespec.online.serving.attach import OnlineConfig
 from tidespec.online.serving.supervisor import RestartPolicy
+from tidespec.speculative.drafters.eagle3_options import eagle3_options
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
@@ -92,7 +93,7 @@ def trainer_starter(config: EngineConfig, online: OnlineConfig) -> Callable[[], 
     oc = config.online
     return functools.partial(
         start_trainer_process, online, config.model.model, dtype=config.model.dtype,
-        device=oc.trainer_device or config.model.device, draft_vocab=config.spec.eagle3.draft_vocab,
+        device=oc.trainer_device or config.model.device, draft_vocab=eagle3_options(config.spec).draft_vocab,
         extra_args=shlex.split(oc.trainer_args), log_path=trainer_log_path(online), nice=oc.trainer_nice)
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tidespec.config import opt
 from tidespec.errors import ConfigError, check_at_least
 from tidespec.models.execution import placement
 from tidespec.models.kernels.linear import tune_linears
@@ -340,8 +341,22 @@ def truncated_on(target: TargetModel, num_layers: int, device: torch.device) -> 
     return placement.module_copy(draft, device)
 
 
+@dataclass
+class DraftModelOptions:
+    path: str | None = opt(None, "draft model path (same tokenizer); default: the target truncated",
+                           flag="--draft-model")
+    layers: int = opt(0, "draft model: use the target's first k layers (0 = use --draft-model)",
+                      flag="--draft-layers")
+    tree_top_k: int = opt(2, "draft model trees: children per node", flag="--tree-top-k")
+
+    def __post_init__(self) -> None:
+        check_at_least(0, draft_layers=self.layers)
+        check_at_least(1, tree_top_k=self.tree_top_k)
+
+
 def _build(ctx: BuildContext) -> DraftModelDrafter:
-    dm, target = ctx.spec.draft_model, ctx.target
+    dm: DraftModelOptions = ctx.options
+    target = ctx.target
     if dm.path and not dm.layers:
         loaded = load_model(dm.path, dtype=target.dtype, device=str(ctx.device))
         if loaded.model.cfg.vocab_size != target.cfg.vocab_size:
@@ -355,5 +370,5 @@ def _build(ctx: BuildContext) -> DraftModelDrafter:
                              tree_top_k=dm.tree_top_k)
 
 
-DRAFTER = DrafterKind("draft-model", DraftModelDrafter, _build, section="draft_model",
+DRAFTER = DrafterKind("draft-model", DraftModelDrafter, _build, options=DraftModelOptions,
                       summary="a small model sharing the target's tokenizer (default: the target's first layers)")

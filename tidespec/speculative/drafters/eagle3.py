@@ -59,6 +59,7 @@ from tidespec.speculative.api import (
     network_signature,
 )
 from tidespec.speculative.drafters.draft_model import draft_seed
+from tidespec.speculative.drafters.eagle3_options import NAME, Eagle3Options, check_eagle3
 from tidespec.speculative.drafters.eagle3_state import CatchUp, SeqState, TapStore
 from tidespec.speculative.drafters.eagle3_tree import TreeJob, grow_trees
 from tidespec.speculative.registry import BuildContext, DrafterKind
@@ -587,7 +588,7 @@ def build_eagle3_drafter(target: TargetModel, source: str | Path | None, draft_v
     return Eagle3Drafter(head, embed, cfg, version=version)
 
 def _build(ctx: BuildContext) -> Eagle3Drafter:
-    o = ctx.spec.eagle3
+    o: Eagle3Options = ctx.options
     return build_eagle3_drafter(ctx.target, o.dir, o.draft_vocab, Eagle3DrafterConfig(
         max_num_seqs=ctx.max_num_seqs, max_model_len=ctx.max_model_len, tree_depth=o.tree_depth,
         tree_top_k=o.tree_top_k, quantization=head_quantization(o.quantization, ctx.device),
@@ -595,5 +596,5 @@ def _build(ctx: BuildContext) -> Eagle3Drafter:
         dtype=None if o.dtype == "auto" else DTYPES[o.dtype], device=ctx.device)
 
 
-DRAFTER = DrafterKind("eagle3", Eagle3Drafter, _build, section="eagle3",
+DRAFTER = DrafterKind(NAME, Eagle3Drafter, _build, options=Eagle3Options, prefix="eagle3", check=check_eagle3,
                       summary="an EAGLE-3 head over the target's hidden states (chains or EAGLE-2 trees)")

@@ -20,9 +20,12 @@ gamma 6 it is ``[3, 4, 1, 2, 3, 4]`` (the period ``[3, 4, 1, 2]`` repeats).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from tidespec.errors import check_at_least
+from tidespec.config import opt
+from tidespec.errors import ConfigError, check_at_least
 from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.registry import BuildContext, DrafterKind
 
@@ -104,9 +107,20 @@ class NgramDrafter(DrafterBase):
         return None
 
 
+@dataclass
+class NgramOptions:
+    min: int = opt(1, "n-gram drafter: shortest suffix to match")
+    max: int = opt(4, "n-gram drafter: longest suffix to match")
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min <= self.max:
+            raise ConfigError(f"need 1 <= ngram_min <= ngram_max, got {self.min}, {self.max}")
+
+
 def _build(ctx: BuildContext) -> NgramDrafter:
-    return NgramDrafter(min_n=ctx.spec.ngram.min, max_n=ctx.spec.ngram.max)
+    o: NgramOptions = ctx.options
+    return NgramDrafter(min_n=o.min, max_n=o.max)
 
 
-DRAFTER = DrafterKind("ngram", NgramDrafter, _build, section="ngram",
+DRAFTER = DrafterKind("ngram", NgramDrafter, _build, options=NgramOptions, prefix="ngram",
                       summary="prompt lookup: the continuation of the context's last n-gram")

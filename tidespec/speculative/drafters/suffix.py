@@ -49,6 +49,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tidespec.config import opt
+from tidespec.errors import ConfigError, check_at_least
 from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.registry import BuildContext, DrafterKind
 
@@ -414,10 +416,24 @@ class SuffixDrafter(DrafterBase):
             self.global_index.evict_oldest()
 
 
+@dataclass
+class SuffixOptions:
+    max_tree_tokens: int = opt(20000, "suffix drafter: global tree budget (tokens), oldest evicted first")
+    min_prob: float = opt(0.1, "suffix drafter: prune candidates below this empirical probability")
+    factor: float = opt(1.0, "suffix drafter: speculation length per matched token")
+
+    def __post_init__(self) -> None:
+        check_at_least(0, suffix_max_tree_tokens=self.max_tree_tokens)
+        if not 0.0 <= self.min_prob < 1.0:
+            raise ConfigError(f"suffix_min_prob must be in [0, 1), got {self.min_prob}")
+        if not self.factor > 0.0:
+            raise ConfigError(f"suffix_factor must be > 0, got {self.factor}")
+
+
 def _build(ctx: BuildContext) -> SuffixDrafter:
-    o = ctx.spec.suffix
+    o: SuffixOptions = ctx.options
     return SuffixDrafter(max_tree_tokens=o.max_tree_tokens, min_prob=o.min_prob, factor=o.factor)
 
 
-DRAFTER = DrafterKind("suffix", SuffixDrafter, _build, section="suffix",
+DRAFTER = DrafterKind("suffix", SuffixDrafter, _build, options=SuffixOptions, prefix="suffix",
                       summary="suffix decoding over this request's context and past outputs")
