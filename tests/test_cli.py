@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import tiny_hf_model, write_tiny_checkpoint
+from tidespec import demo
 from tidespec.cli import main
 from tidespec.demo import main as demo_main
 
@@ -144,3 +145,19 @@ def test_the_demo_checks_part_2s_trace_before_it_starts(args: list[str], message
     with pytest.raises(SystemExit) as exc:
         demo_main(["--part", "online", *args])
     assert exc.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_demo_runs_the_fastest_exact_path_that_starts_in_its_time() -> None:
+    """auto: w4a8 eager (measured the fastest whole demo on 2 cores), saying how to compile; a path asked
+    for is run as asked."""
+    path, why = demo.choose_path("auto")
+    assert path == "w4a8" and "--path w4a8+compile" in why
+    assert demo.choose_path("w4a8+compile") == ("w4a8+compile", "asked (--path)")
+
+
+def test_the_demo_counts_each_drafters_share_of_the_sequence_steps() -> None:
+    steps = [{"decode_seqs": 2, "by_drafter": {"suffix": 2, "eagle3": 0}},
+             {"decode_seqs": 2, "by_drafter": {"suffix": 0, "eagle3": 1}},
+             {"decode_seqs": 0, "by_drafter": {}}]  # a prefill step: no sequence-step
+    assert demo.drafter_shares(steps) == {"eagle3": 0.25, "none": 0.25, "suffix": 0.5}
+    assert demo.drafter_shares([]) == {}

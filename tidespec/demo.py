@@ -3,6 +3,13 @@
 Why this exists: the shortest honest answer to "does speculation help here, is it lossless, and
 does the drafter learn while it serves?"
 
+It runs on the product's fastest exact path that starts within its 4 minutes (``--path auto``,
+printed first): the target's projections as GGUF Q4_1 blocks times int8 activations (w4a8, ~1.8x
+float32 plain decoding on the 2-core VM), eager: the compiled step decodes ~2x faster again per
+token but its compiles cost more than they save in a demo this short (``choose_path``);
+``--path w4a8+compile`` runs it anyway (every engine shares one KV cache shape, so the step compiles
+once, and once more with taps).
+
 Part 1 — drafters and policy. A few code and chat prompts, each decoded greedily with plain
 decoding and with each model-free drafter; the demo checks the outputs are identical and prints
 per-prompt speedup and mean acceptance length (per prompt, because a mean hides the prompts where
@@ -12,15 +19,17 @@ profiled model as prior; the profile is measured once and cached), and the demo 
 policy decided.
 
 Part 2 — everything on: an EAGLE-3 drafter learning online (TIDE) beside the suffix drafter,
-both under the analytic controller. A request trace that shifts domain — code the drafter never
+under the per-sequence hybrid (each sequence its own drafter and length every step, priced by the
+analytic cost model); the demo prints each drafter's share of the sequence-steps and the learned
+drafter's own gain (EAGLE-3's acceptance length learning against frozen, by quarter). A request trace that shifts domain — code the drafter never
 saw, then everyday questions in Russian, a script the shipped head never drafted (``ru_topics``;
 on English chat a round has little to teach it, docs/benchmarks/learning.md) — runs through the
 engine three ways, taking turns on slices of the trace: plain decoding, suffix + EAGLE-3 plus online
 training, and the same drafters with nothing learning across requests (``no-learning``: the shipped
 head, and suffix over each request's own tokens, without its tree of past outputs) — the control
 that tells learning from the prompts' own difficulty, which moves a phase's acceptance from quarter
-to quarter as much as learning does. The controller chooses per step which drafter drafts and how
-far (or none: then the step is plain decoding's), the engine captures the target's hidden states
+to quarter as much as learning does. The hybrid chooses per sequence and step which drafter drafts and
+how far (or none: then the sequence decodes as plain decoding would), the engine captures the target's hidden states
 (its taps, and its final hidden state, from which the trainer recovers the target's top-k
 distribution), selective collection switches on at the shift,
 ``tidespec train-drafter`` runs as a child process that yields the CPU to serving (paused while
@@ -55,7 +64,7 @@ from rich.table import Table
 
 from tidespec.bench.shift.config import ShiftBenchConfig, served_label
 from tidespec.bench.shift.run import quarters_of, run_shift_bench
-from tidespec.config import CacheConfig, EngineConfig, PolicyConfig, SpecConfig
+from tidespec.config import CacheConfig, EngineConfig, ModelConfig, PolicyConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.errors import UserError
 from tidespec.llm import build_drafter, build_policy
@@ -67,6 +76,24 @@ from tidespec.speculative.drafters.ngram import NgramOptions
 from tidespec.speculative.policy.api import SpeculationPolicy
 from tidespec.workloads.loader import load_prompts, load_workload
 
+PATHS = ("auto", "float32", "w4a8", "w4a8+compile")
+# one KV cache shape for both parts: the compiled step is compiled once per cache shape (and again for the
+# graphs with taps), so every engine of the demo shares the first one's graphs
+SLOTS, MAX_LEN = 2, 1024
+
+
+def choose_path(asked: str) -> tuple[str, str]:
+    """The exact path the demo runs and why: ``asked`` unless auto. auto is the fastest exact path that
+    starts within the demo's 4 minutes, measured on the 2-core VM (docs/benchmarks/README.md, make demo):
+    w4a8 eager (GGUF Q4_1 blocks times int8 activations, ~1.8x float32's plain decoding, loads in seconds),
+    the whole demo in 129 s. w4a8 + compile decodes ~2x faster again per token, but its compiles (the step,
+    then the graphs with taps and the profiler's) made the demo 240 s with inductor's cache warm and 370 s
+    cold: more than they save in a demo this short."""
+    if asked != "auto":
+        return asked, "asked (--path)"
+    return "w4a8", ("auto: the fastest exact path that starts within the demo's time; --path w4a8+compile "
+                    "decodes ~2x faster per token but compiles for 1-4 minutes on 2 cores first")
+
 
 @dataclass
 class Run:
@@ -76,9 +103,10 @@ class Run:
 
 
 def decode_one(model, tokenizer, spec: SpecConfig, prompt: list[int], max_tokens: int,
-               policy: SpeculationPolicy | None = None) -> Run:
-    cfg = EngineConfig(cache=CacheConfig(max_model_len=1024, max_num_seqs=1), spec=spec)
-    engine = LLMEngine(model, tokenizer, cfg, drafter=build_drafter(spec, model, 1, 1024), policy=policy)
+               policy: SpeculationPolicy | None = None, compile: bool = False) -> Run:
+    cfg = EngineConfig(model=ModelConfig(compile=compile), cache=CacheConfig(max_model_len=MAX_LEN, max_num_seqs=SLOTS),
+                       spec=spec)
+    engine = LLMEngine(model, tokenizer, cfg, drafter=build_drafter(spec, model, SLOTS, MAX_LEN), policy=policy)
     engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
     t0 = time.perf_counter()
     final = None
@@ -99,13 +127,18 @@ def part_drafters(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> 
         "suffix": SpecConfig(drafter="suffix", num_speculative_tokens=ns.gamma),
     }
     adaptive = SpecConfig(drafter="suffix", num_speculative_tokens=ns.gamma)
-    policy = build_policy(EngineConfig(spec=adaptive, policy=PolicyConfig(name="hybrid")), loaded.model, build_drafter(adaptive, loaded.model, 1, 1024),
+    t0 = time.perf_counter()  # warm-up: first calls of the kernels, and the compile of the compiled path
+    decode_one(loaded.model, loaded.tokenizer, SpecConfig(), prompts[0][1].token_ids, 4, compile=ns.compiled)
+    if ns.compiled:
+        con.print(f"  compiled the decode step in {time.perf_counter() - t0:.0f} s (every engine of the demo shares it)")
+    policy = build_policy(EngineConfig(model=ModelConfig(compile=ns.compiled), spec=adaptive,
+                                       policy=PolicyConfig(name="hybrid")),
+                          loaded.model, build_drafter(adaptive, loaded.model, SLOTS, MAX_LEN),
                           progress=lambda m: con.print(f"  {m}"))
     assert policy is not None
     policies: dict[str, SpeculationPolicy | None] = {name: None for name in drafters}
     drafters["suffix+hybrid"] = adaptive
     policies["suffix+hybrid"] = policy
-    decode_one(loaded.model, loaded.tokenizer, SpecConfig(), prompts[0][1].token_ids, 4)  # warm-up
     table = Table(title="part 1: plain vs model-free drafters, batch 1 (identical outputs checked)")
     for col in ("domain", "prompt", "tokens", "plain tok/s"):
         table.add_column(col, no_wrap=True)
@@ -115,11 +148,12 @@ def part_drafters(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> 
     totals = {name: [0.0, 0.0] for name in drafters}
     lossless = True
     for domain, p in prompts:
-        base = decode_one(loaded.model, loaded.tokenizer, SpecConfig(), p.token_ids, ns.max_tokens)
+        base = decode_one(loaded.model, loaded.tokenizer, SpecConfig(), p.token_ids, ns.max_tokens, compile=ns.compiled)
         row = [domain, " ".join(p.record.prompt.split())[:28], str(len(base.tokens)),
                f"{len(base.tokens) / base.seconds:.1f}"]
         for name, spec in drafters.items():
-            r = decode_one(loaded.model, loaded.tokenizer, spec, p.token_ids, ns.max_tokens, policies[name])
+            r = decode_one(loaded.model, loaded.tokenizer, spec, p.token_ids, ns.max_tokens, policies[name],
+                           compile=ns.compiled)
             same = r.tokens == base.tokens
             lossless &= same
             totals[name][0] += base.seconds
@@ -138,17 +172,33 @@ def part_drafters(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> 
     return lossless
 
 
+def drafter_shares(steps: list[dict]) -> dict[str, float]:
+    """Each drafter's share of the sequence-steps of decode steps (``none``: a sequence decoded without
+    a draft), from a shift run's step records. Example: two steps of 2 sequences, suffix drafting two
+    and eagle3 one -> suffix 50 %, eagle3 25 %, none 25 %."""
+    counts: Counter[str] = Counter()
+    for s in steps:
+        seqs = s.get("decode_seqs", 0)
+        drafted = s.get("by_drafter", {})
+        counts.update({d: n for d, n in drafted.items() if n})
+        counts["none"] += max(0, seqs - sum(drafted.values()))
+    total = sum(counts.values())
+    return {d: n / total for d, n in sorted(counts.items())} if total else {}
+
+
 def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bool:
     """Part 2: the domain-shift trace, plain vs EAGLE-3 with online training; True when lossless."""
     boot = shipped_bootstrap()
     con.print(f"starting drafter: {boot if boot else 'fresh random head (no shipped bootstrap found)'}; "
-              f"drafters suffix + EAGLE-3 under the analytic controller (gamma <= {ns.gamma}); trainer: a child "
+              f"drafters suffix + EAGLE-3, the per-sequence hybrid (each sequence its own drafter and length every "
+              f"step, gamma <= {ns.gamma}); trainer: a child "
               f"process with {ns.threads} threads, running {ns.trainer_share:.0%} of the busy time and whenever serving "
               f"is idle ({ns.idle_s:g} s after every 4 requests, off the clock): LoRA adapters every few hundred rows, "
               f"the whole head every {ns.min_signals} rows (lr {ns.trainer_lr:g})")
     cfg = ShiftBenchConfig(workloads=f"code_unseen:{ns.code_requests},{ns.shift_workload}:{ns.shift_requests}",
                            max_tokens=ns.max_tokens, gamma=ns.gamma, concurrency=2, configs="plain,no-learning,online",
-                           drafter="suffix,eagle3", policy="analytic", turn=4, trainer_share=ns.trainer_share,
+                           drafter="suffix,eagle3", policy="analytic", per_sequence=True, turn=4,
+                           trainer_share=ns.trainer_share, compile=ns.compiled, max_model_len=MAX_LEN,
                            bootstrap=str(boot) if boot else None, min_signals=ns.min_signals, collect_n_init=4,
                            window=4, bin_s=10.0, overhead_repeats=0, recompute_rows=0, online_lora=True,
                            trainer_threads=ns.threads, trainer_catchup_s=ns.idle_s, trainer_epochs=2.0,
@@ -156,7 +206,7 @@ def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bo
     out = Path("runs") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     doc = run_shift_bench(cfg, loaded, out, command="make demo", log=lambda _: None)
     plain, online, still = doc["configs"]["plain"], doc["configs"]["online"], doc["configs"]["no-learning"]
-    table = Table(title="part 2: suffix + EAGLE-3 learning online under the controller, a domain shift "
+    table = Table(title="part 2: suffix + EAGLE-3 learning online, each sequence its own drafter, a domain shift "
                         "(vs plain decoding, 2 in flight, taking turns of 4 requests)")
     for col in ("phase", "requests", "plain tok/s", "online tok/s", "speedup", "accept len",
                 "no-learning: speedup, accept len", "drafters served (version+adapter)"):
@@ -184,6 +234,16 @@ def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bo
                   "across them (no-learning: the shipped head, suffix without its tree of past outputs) "
                   + " / ".join(f"{q:.2f}" for q in still_steps) + "; what learning gained "
                   + " / ".join(f"{a / b:.2f}x" for a, b in zip(mine_steps, still_steps)))
+    for name in ("online", "no-learning"):
+        con.print(f"the hybrid's share of sequence-steps, {name}: " + ", ".join(
+            f"{d} {share:.0%}" for d, share in drafter_shares(doc["runs"][name]["steps"]).items()))
+    for po, ps in zip(online["phases"][1:], still["phases"][1:]):
+        mine, frozen = po.get("quarters", {}).get("eagle3", []), ps.get("quarters", {}).get("eagle3", [])
+        if mine and frozen:
+            con.print(f"the learned drafter's own gain, phase {po['phase']} ({po['workload']}): EAGLE-3's acceptance "
+                      "length by quarter, learning " + " / ".join(f"{q:.2f}" for q in mine) + " vs frozen "
+                      + " / ".join(f"{q:.2f}" for q in frozen) + ": "
+                      + " / ".join(f"{a / b:.2f}x" for a, b in zip(mine, frozen)))
     on = online["online"]
     for r in on.get("rounds", []):
         pub = f"published v{r['published_version']}" if r.get("published_version") else "not published"
@@ -231,6 +291,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="part 2: the trainer's learning rate (a trained head fine-tuned on a few hundred rows)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--part", choices=["all", "drafters", "online"], default="all", help="which part to run")
+    ap.add_argument("--path", choices=PATHS, default="auto",
+                    help="the target's precision and execution, all exact: float32 eager; w4a8 (GGUF Q4_1 blocks "
+                         "times int8 activations) eager; w4a8 + compile; auto = the fastest that starts within the "
+                         "demo's time (w4a8 eager on 2 cores, measured)")
     ns = ap.parse_args(argv)
     if not (ns.idle_s >= 0 and ns.trainer_lr > 0):  # also rejects nan
         ap.error(f"need --idle-s >= 0 and --trainer-lr > 0, got {ns.idle_s:g} and {ns.trainer_lr:g}")
@@ -248,9 +312,11 @@ def main(argv: list[str] | None = None) -> int:
                 ap.error(f"part 2 asks {n} requests of workload {name}, which has {have}")
     torch.set_num_threads(ns.threads)
     con = Console(width=max(Console().width, 176))  # the tables need ~170 columns; never wrap them
-    con.print("[bold]tidespec demo[/bold] — embedded SmolLM2-135M-Instruct, float32, CPU, greedy")
+    path, why = choose_path(ns.path)
+    ns.compiled = path == "w4a8+compile"
+    con.print(f"[bold]tidespec demo[/bold] — embedded SmolLM2-135M-Instruct, {path}, CPU, greedy ({why})")
     t_start = time.perf_counter()
-    loaded = load_model(None)
+    loaded = load_model(None, quantization="none" if path == "float32" else "w4a8")
     con.print(f"model loaded in {time.perf_counter() - t_start:.1f} s from {loaded.path}")
     lossless = True
     if ns.part in ("all", "drafters"):
@@ -258,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"hybrid gamma<={ns.gamma} (suffix+hybrid)")
         lossless &= part_drafters(con, loaded, ns)
     if ns.part in ("all", "online"):
-        con.print("[bold]part 2[/bold]: everything on (suffix + EAGLE-3 learning online, one controller) — code "
+        con.print("[bold]part 2[/bold]: everything on (suffix + EAGLE-3 learning online, the per-sequence hybrid) — code "
                   f"the drafter never saw, then {ns.shift_workload}")
         lossless &= part_online(con, loaded, ns)
     con.print(f"demo took {time.perf_counter() - t_start:.0f} s; outputs identical to plain decoding: "

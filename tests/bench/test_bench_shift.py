@@ -27,8 +27,8 @@ from tidespec.bench.shift.runs import TraceLoop, no_learning_config, run_trace, 
 from tidespec.config import ConfigError, EngineConfig, ModelConfig
 from tidespec.llm import build_engine
 from tidespec.speculative.drafters.eagle3_options import Eagle3Options
-from tidespec.speculative.drafters.suffix import SuffixOptions
 from tidespec.speculative.drafters.multi import find_member
+from tidespec.speculative.drafters.suffix import SuffixOptions
 
 
 def _workload(path: Path, domain: str, n: int, base: int) -> Path:
@@ -64,6 +64,25 @@ def test_the_profile_flag_reaches_the_eagle3_configurations_only(tmp_path: Path)
     assert (eagle3.policy.name, eagle3.policy.profile) == ("analytic", str(prof))
     suffix = trace_engine_config(trace, cfg, model, cfg.gamma, drafter="suffix")
     assert (suffix.policy.name, suffix.policy.profile) == ("static", None)
+
+
+def test_per_sequence_compile_and_the_cache_length_reach_the_eagle3_configurations(tmp_path: Path) -> None:
+    """``--per-sequence`` prices frozen and online per sequence; ``--compile`` compiles every configuration's
+    step; ``--max-model-len`` fixes every configuration's cache (one compiled shape), and below the trace's
+    longest request it is a one-line error."""
+    a = _workload(tmp_path / "a.jsonl", "a", 4, 10)
+    cfg = ShiftBenchConfig(workloads=str(a), requests_per_phase=2, drafter="suffix,eagle3", policy="analytic",
+                           per_sequence=True, compile=True, max_model_len=200)
+    trace, model = build_trace(cfg, checkpoint_tokenizer()), tiny_llama(64)
+    eagle3 = trace_engine_config(trace, cfg, model, cfg.gamma)
+    assert eagle3.policy.per_sequence and eagle3.model.compile and eagle3.cache.max_model_len == 200
+    plain = trace_engine_config(trace, cfg, model, 0, drafter="suffix")
+    assert not plain.policy.per_sequence and plain.model.compile and plain.cache.max_model_len == 200
+    with pytest.raises(ConfigError, match="below the trace's longest request"):
+        trace_engine_config(trace, dataclasses.replace(cfg, max_model_len=20), model, cfg.gamma)
+    with pytest.raises(ConfigError, match="--per-sequence needs --policy analytic"):
+        ShiftBenchConfig(workloads=str(a), requests_per_phase=2, drafter="suffix,eagle3", policy="hybrid",
+                         per_sequence=True)
 
 
 def test_the_chain_floor_reaches_the_engine(tmp_path: Path) -> None:
@@ -424,3 +443,18 @@ def test_a_lora_trainer_learns_as_many_extra_tokens_as_the_engines_buffer_holds(
     assert lora_extra_vocab(engine(True)) == 24  # vocab-dynamic(-lora), whatever sizes it named
     assert lora_extra_vocab(engine(False)) == 0  # vocab-static: nothing outside the core is drafted
     assert lora_extra_vocab(SimpleNamespace(drafter=SimpleNamespace(vocab=None))) == 0  # no draft vocabulary
+
+
+def test_the_compile_flag_reaches_the_shift_bench(monkeypatch, tmp_path: Path) -> None:
+    """``bench shift --compile`` compiles every configuration's step (the flag is the target's ``--compile``;
+    it once parsed and was dropped)."""
+    from tidespec.bench import cli as bench_cli
+    from tidespec.cli import main
+
+    seen: list[ShiftBenchConfig] = []
+    monkeypatch.setattr(bench_cli, "run_shift_bench", lambda cfg, target, out, command="": seen.append(cfg))
+    monkeypatch.setattr(bench_cli, "resolve_target", lambda *a: None)
+    a = _workload(tmp_path / "a.jsonl", "a", 4, 10)
+    for flags, compiled in (([], False), (["--compile"], True)):
+        assert main(["bench", "shift", "--workloads", str(a), "--requests-per-phase", "2", *flags]) == 0
+        assert seen.pop().compile is compiled

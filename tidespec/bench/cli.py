@@ -23,6 +23,7 @@ Worked example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -338,14 +339,18 @@ def cmd_profile(ns: argparse.Namespace) -> int:
 
 
 def _replot_or_run(ns: argparse.Namespace, config_cls: type, run: Callable[..., Any],
-                   replot: Callable[[Path], Any], plot_name: str) -> int:
-    """``--replot DIR``: re-render an earlier run's report; else build the config and run on the target."""
+                   replot: Callable[[Path], Any], plot_name: str,
+                   engine_flags: Callable[[Any, ModelConfig], Any] | None = None) -> int:
+    """``--replot DIR``: re-render an earlier run's report; else build the config (``engine_flags``: with
+    what it takes of the target's flags, e.g. ``--compile``) and run on the target."""
     if ns.replot is not None:
         replot(ns.replot)
         print(f"re-rendered {ns.replot}/README.md and {plot_name}")
         return 0
     mc = dataclass_from_args(ModelConfig, ns)
     cfg = dataclass_from_args(config_cls, ns)
+    if engine_flags is not None:
+        cfg = engine_flags(cfg, mc)
     if mc.threads:
         torch.set_num_threads(mc.threads)
     run(cfg, resolve_target(mc.model, mc.dtype, mc.device, mc.quantization, mc.quant_group_size), ns.out,
@@ -401,7 +406,8 @@ def cmd_memory(ns: argparse.Namespace) -> int:
 
 
 def cmd_shift(ns: argparse.Namespace) -> int:
-    return _replot_or_run(ns, ShiftBenchConfig, run_shift_bench, replot_shift, "shift.png")
+    return _replot_or_run(ns, ShiftBenchConfig, run_shift_bench, replot_shift, "shift.png",
+                          lambda cfg, mc: dataclasses.replace(cfg, compile=mc.compile))
 
 
 def cmd_yield(ns: argparse.Namespace) -> int:

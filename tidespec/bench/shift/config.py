@@ -68,6 +68,12 @@ class ShiftBenchConfig:
                             "(serving's --tree; EAGLE-3 and suffix: several candidates per position, verified in "
                             "the same --gamma + 1 rows as a chain) instead of chains")
     concurrency: int = opt(4, "most requests in flight (closed loop; with --arrival-rate a client's cap)")
+    max_model_len: int = opt(0, "every configuration's KV slots hold this many tokens (0 = just the trace's longest "
+                                "prompt + --max-tokens + slack); a compiled step is compiled per cache shape, so "
+                                "a caller sharing one compile across runs fixes it")
+    compile: bool = opt(False, "every configuration's decode step compiled (the same compiled graphs for all, "
+                               "compiled before the first turn); the flag is --compile, read with the target's "
+                               "flags", cli=False)
     arrival_rate: float = opt(0.0, "open loop: requests arrive at this mean rate per second (Poisson, seeded by "
                                    "--seed) on each configuration's own clock, so serving has the gaps real "
                                    "traffic has and an online trainer gets them; 0 = closed loop")
@@ -83,6 +89,9 @@ class ShiftBenchConfig:
                                  "eagle3 (e.g. suffix,eagle3: --policy analytic, bandit or hybrid chooses per step)")
     policy: str = opt("static", f"speculation policy of frozen and online: {', '.join(POLICIES)} (static: --gamma "
                                 "every step)")
+    per_sequence: bool = opt(PolicyConfig.per_sequence,
+                             "frozen and online under --policy analytic with several drafters (one model-free): "
+                             "each sequence its own drafter every step (serving's --per-sequence)")
     profile: str | None = opt(PolicyConfig.profile, "profile JSON of the analytic/hybrid policy of frozen and online "
                                                      "(default: measured at start-up, cached)")
     turn: int = opt(8, "requests per turn: the configurations take turns on slices of the trace, so each phase of "
@@ -144,7 +153,8 @@ class ShiftBenchConfig:
                      "trainer_threads", "window", "vocab_buffer"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("offset", "draft_vocab", "overhead_repeats", "overhead_requests", "recompute_rows", "vocab_core"):
+        for name in ("offset", "draft_vocab", "overhead_repeats", "overhead_requests", "recompute_rows", "vocab_core",
+                     "max_model_len"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.arrival_rate < float("inf"):  # also refuses nan
@@ -153,6 +163,7 @@ class ShiftBenchConfig:
             raise ConfigError(f"gamma must be <= 16, got {self.gamma}")
         if self.policy not in POLICIES:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
+        PolicyConfig(name=self.policy, per_sequence=self.per_sequence)  # serving's check of --per-sequence
         names = tuple(kinds_for(SpecConfig(drafter=self.drafter)))  # validates the names
         if "eagle3" not in names:
             raise ConfigError(f"drafter must include eagle3 (frozen and online are EAGLE-3 configurations), "

@@ -28,7 +28,16 @@ from typing import Any, Callable
 from tqdm import tqdm
 
 from tidespec.bench.shift.config import ShiftBenchConfig, TraceItem, served_label
-from tidespec.config import CacheConfig, CollectionConfig, DraftVocabConfig, EngineConfig, PolicyConfig, SpecConfig
+from tidespec.config import (
+    CacheConfig,
+    CollectionConfig,
+    ConfigError,
+    DraftVocabConfig,
+    EngineConfig,
+    ModelConfig,
+    PolicyConfig,
+    SpecConfig,
+)
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
 from tidespec.llm import build_engine, draft_vocab_of
@@ -113,7 +122,7 @@ class TraceLoop:
                                    "accepted": st.num_accepted_tokens,
                                    "version": float(engine.drafter.version if engine.drafter is not None else 0),
                                    "adapter": self.adapter(),
-                                   "batch": st.batch_size,
+                                   "batch": st.batch_size, "decode_seqs": st.num_decode_seqs,
                                    "by_drafter": {n: sum(1 for _, d, _ in o if d)
                                                   for n, o in st.drafter_outcomes.items()},
                                    "accepted_by_drafter": {n: sum(a for _, d, a in o if d)
@@ -206,12 +215,16 @@ def trace_engine_config(trace: list[TraceItem], cfg: ShiftBenchConfig, model: Ta
     EAGLE-3 configurations' ``cfg.drafter``, under ``cfg.policy``) at ``gamma`` (0 = plain decoding).
     A drafter other than ``cfg.drafter`` (the static ngram / suffix configurations) runs static."""
     longest = max(len(t.prompt.token_ids) for t in trace) + cfg.max_tokens + cfg.gamma + 2
-    max_len = min(model.cfg.max_position_embeddings, longest)
+    if cfg.max_model_len and cfg.max_model_len < longest:
+        raise ConfigError(f"max_model_len {cfg.max_model_len} is below the trace's longest request ({longest} tokens "
+                          f"with --max-tokens and speculation)")
+    max_len = min(model.cfg.max_position_embeddings, cfg.max_model_len or longest)
     name = drafter or cfg.drafter
-    return EngineConfig(cache=CacheConfig(max_model_len=max_len, max_num_seqs=cfg.concurrency),
+    return EngineConfig(model=ModelConfig(compile=cfg.compile),
+                        cache=CacheConfig(max_model_len=max_len, max_num_seqs=cfg.concurrency),
                         spec=SpecConfig(drafter=name if gamma else "none", num_speculative_tokens=gamma, tree=cfg.tree,
                                         options={"eagle3": Eagle3Options(min_draft_prob=cfg.eagle3_min_draft_prob)}),
-                        policy=PolicyConfig(name=cfg.policy, profile=cfg.profile)
+                        policy=PolicyConfig(name=cfg.policy, profile=cfg.profile, per_sequence=cfg.per_sequence)
                         if name == cfg.drafter else PolicyConfig(name="static"))
 
 
