@@ -301,7 +301,7 @@ class DraftVocabConfig(Section):
 class SpecConfig:
     """What to speculate with: the drafter, how far (gamma), chain or tree, and each drafter's knobs."""
 
-    drafter: str = opt("none", "speculative drafter: none, ngram, suffix, draft-model, eagle3 or one a "
+    drafter: str = opt("none", "speculative drafter: none, ngram, suffix, draft-model, eagle3, medusa or one a "
                                "--drafter-modules module defines; several joined by commas (e.g. suffix,eagle3) "
                                "for --policy analytic, bandit or hybrid to choose from per step")
     drafter_modules: str = opt("", "comma-separated importable modules that each define a drafter "

@@ -43,11 +43,12 @@ def model():
 
 def test_the_builtin_drafters_are_found_with_their_traits() -> None:
     kinds = drafter_kinds()
-    assert sorted(kinds) == ["draft-model", "eagle3", "grammar", "ngram", "suffix"]
+    assert sorted(kinds) == ["draft-model", "eagle3", "grammar", "medusa", "ngram", "suffix"]
     assert {n for n, k in kinds.items() if k.model_free} == {"grammar", "ngram", "suffix"}
     assert {n for n, k in kinds.items() if k.stateful} == {"draft-model", "eagle3"}
     assert {n: k.prefix for n, k in kinds.items() if k.options} == {"ngram": "ngram", "suffix": "suffix",
-                                                                     "draft-model": "", "eagle3": "eagle3"}
+                                                                     "draft-model": "", "eagle3": "eagle3",
+                                                                     "medusa": "medusa"}
     assert kinds["grammar"].options is None and kinds["ngram"].options_of(SpecConfig()) == NgramOptions()
     assert "bigram" not in kinds and drafter_kinds((TOY,))["bigram"].cls is BigramDrafter
 
@@ -122,7 +123,7 @@ def test_a_drafter_in_one_file_is_served_losslessly(model) -> None:
 
 @pytest.mark.parametrize("spec,message", [
     (SpecConfig(drafter="bogus"), "unknown drafter 'bogus': drafter must be one of none, draft-model, eagle3, grammar, "
-                                  "ngram, suffix"),
+                                  "medusa, ngram, suffix"),
     (SpecConfig(drafter="ngram", drafter_modules="no_such_module_xyz"), "cannot import 'no_such_module_xyz'"),
     (SpecConfig(drafter="ngram", drafter_modules="tests.helpers"), "'tests.helpers' defines no DRAFTER"),
     (SpecConfig(drafter="bigram"), "unknown drafter 'bigram'"),  # defined, but its module not named

@@ -57,7 +57,8 @@ def plain(model, tok):
     return generate(model, tok, SpecConfig(), PROMPTS, slots=4)[0]
 
 
-CASES = [("ngram", False), ("suffix", False), ("suffix", True), ("draft-model", False), ("draft-model", True)]
+CASES = [("ngram", False), ("suffix", False), ("suffix", True), ("draft-model", False), ("draft-model", True),
+         ("medusa", False), ("medusa", True)]  # medusa: zero-initialised heads (tests/speculative/test_medusa.py: trained)
 
 
 @pytest.mark.parametrize("drafter,tree", CASES)

@@ -183,11 +183,12 @@ def chi2_pvalue(samples: list[tuple[int, ...]], dist: dict[tuple[int, int, int],
 
 # setting 0 runs seeded requests (race verification), setting 1 unseeded ones (rejection sampling)
 SETTINGS = [SamplingParams(temperature=0.7, top_p=0.9, seed=0), SamplingParams(temperature=1.0, top_p=0.9)]
-CASES = [("ngram", False), ("suffix", False), ("suffix", True), ("draft-model", False), ("draft-model", True)]
+CASES = [("ngram", False), ("suffix", False), ("suffix", True), ("draft-model", False), ("draft-model", True),
+         ("medusa", False)]
 # (setting, drafter, tree) of make test: the seeded race on a branching tree (a race never reads the
 # draft probabilities, so one drafter shows it), rejection sampling on point-mass drafts and on a tree of
 # drafts with probabilities; the other pairs (the draft model's chain among them) in make test-slow
-FAST_CASES = {(0, "suffix", True), (1, "ngram", False), (1, "draft-model", True)}
+FAST_CASES = {(0, "suffix", True), (1, "ngram", False), (1, "draft-model", True), (1, "medusa", False)}
 
 
 def _sampling_cases() -> list:

@@ -141,6 +141,7 @@ class Drafter(Protocol):
     versioned: bool  # it drafts with published versions that online training swaps (``version``)
     version: int  # the published version it drafts with (0 = never published; 0 when not ``versioned``)
     wants_hidden: bool  # whether observations must carry the target's final hidden states
+    drafts_from_hidden: bool  # it drafts from those hidden states (Medusa): the profiler times it with random ones
     vocab: DynamicVocab | None  # its draft vocabulary, when one is attached
     shadowed: frozenset[str]  # members whose drafts are scored on the side (``drain_shadow``)
 
@@ -217,6 +218,7 @@ class DrafterBase:
     versioned: bool = False
     version: int = 0
     wants_hidden: bool = False
+    drafts_from_hidden: bool = False  # it drafts from the final hidden states it observes (Medusa): the profiler feeds it some
     vocab: DynamicVocab | None = None
     shadowed: frozenset[str] = frozenset()
 

@@ -19,6 +19,7 @@ Worked examples::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import sys
@@ -32,25 +33,31 @@ from tidespec.flags import add_dataclass_args, dataclass_from_args
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``train-drafter``, ``synth-prompts`` and ``mine-prompts`` to the top-level parser's sub-parsers."""
+    from tidespec.config import ModelConfig
     from tidespec.online.training.config import MinePromptsConfig, SynthPromptsConfig, TrainerConfig
+    from tidespec.online.training.medusa import MedusaTrainConfig
 
     _command(subparsers, "train-drafter", "train and publish EAGLE-3 drafters from captured signals", TrainerConfig,
              cmd_train_drafter)
     _command(subparsers, "synth-prompts", "write training prompts sampled from the target itself (Magpie "
              "self-instruct) as a workload JSONL", SynthPromptsConfig, cmd_synth_prompts)
+    medusa = _command(subparsers, "train-medusa", "train Medusa heads on the target's own continuations of workload "
+                      "prompts (its final hidden states, self-distilled)", MedusaTrainConfig, cmd_train_medusa)
+    add_dataclass_args(medusa, ModelConfig)
     _command(subparsers, "mine-prompts", "write code-completion training prompts (a documented function's "
              "signature and docstring) mined from Python sources as a workload JSONL", MinePromptsConfig,
              cmd_mine_prompts)
 
 
 def _command(subparsers: argparse._SubParsersAction, name: str, help_text: str, cls: type,
-             func: Callable[[argparse.Namespace], int]) -> None:
+             func: Callable[[argparse.Namespace], int]) -> argparse.ArgumentParser:
     """One sub-command: a flag per field of ``cls``, plus ``--log-level``."""
     p = subparsers.add_parser(name, help=help_text, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add_dataclass_args(p, cls)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"],
                    help="log level")
     p.set_defaults(func=func)
+    return p
 
 
 def _logging(ns: argparse.Namespace) -> None:
@@ -67,6 +74,44 @@ def _prompt_source(cls: type, ns: argparse.Namespace) -> Any:
         raise TrainerConfigError(f"{cfg.out} exists; remove it or choose another --out")
     _writable("--out", os.path.dirname(cfg.out) or ".")
     return cfg
+
+
+def cmd_train_medusa(ns: argparse.Namespace) -> int:
+    """The target continues the workloads' prompts (greedy, batched), then the heads train on those
+    sequences' hidden states; writes the heads and ``report.json`` (held-out top-1 accuracy per head)."""
+    import json
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from tidespec.config import CacheConfig, EngineConfig, ModelConfig
+    from tidespec.llm import LLM
+    from tidespec.online.training.medusa import MedusaTrainConfig, train_medusa
+    from tidespec.sampling import SamplingParams
+    from tidespec.workloads.loader import load_prompts, load_workload
+
+    _logging(ns)
+    cfg, mc = dataclass_from_args(MedusaTrainConfig, ns), dataclass_from_args(ModelConfig, ns)
+    _writable("--out", cfg.out)
+    excluded = {r.prompt for name in cfg.exclude.split(",") if name.strip() for r in load_workload(name.strip())}
+    llm = LLM(EngineConfig(model=mc, cache=CacheConfig(max_model_len=2048, max_num_seqs=16)))
+    prompts = [p for name in cfg.workloads.split(",") if name.strip()
+               for p in load_prompts(name.strip(), llm.tokenizer, cfg.limit or None) if p.record.prompt not in excluded]
+    bar = tqdm(total=len(prompts), desc="continuations", unit="prompt")
+    outs = llm.generate([p.token_ids for p in prompts], SamplingParams(max_tokens=cfg.max_tokens),
+                        progress=lambda o: bar.update(1) if o.finished else None)
+    bar.close()
+    sequences = [(p.token_ids + o.token_ids, len(p.token_ids)) for p, o in zip(prompts, outs)]
+    heads, report = train_medusa(llm.engine.model, sequences, cfg, progress=lambda m: print(m, file=sys.stderr))
+    out = Path(cfg.out)
+    heads.save(out)
+    doc = {"sequences": len(sequences), "rows": sum(len(ids) - start for ids, start in sequences),
+           "top1_accuracy_held_out": report, "config": dataclasses.asdict(cfg), "model": dataclasses.asdict(mc)}
+    (out / "report.json").write_text(json.dumps(doc, indent=1), encoding="utf-8")
+    for when, acc in report.items():
+        print(f"held-out top-1 accuracy per head, {when}: " + " / ".join(f"{a:.3f}" for a in acc))
+    print(f"wrote {out} (serve with --drafter medusa --medusa-dir {out})")
+    return 0
 
 
 def _writable(flag: str, directory: str) -> None:

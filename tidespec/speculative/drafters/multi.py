@@ -118,6 +118,11 @@ class MultiDrafter:
         return any(d.wants_hidden for d in self._members.values())
 
     @property
+    def drafts_from_hidden(self) -> bool:
+        """False: the profiler times each member on its own, never the group."""
+        return False
+
+    @property
     def vocab(self) -> DynamicVocab | None:
         """The draft vocabulary of the member that has one."""
         return next((d.vocab for d in self._members.values() if d.vocab is not None), None)

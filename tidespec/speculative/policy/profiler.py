@@ -200,7 +200,7 @@ def measure_profile(model: TargetModel, drafter: Drafter | None, cfg: ProfilerCo
     catchup: dict[tuple[int, int], float] = {}
     members = list(drafter.members.values()) if drafter is not None else []
     for member in members:  # each drafter of a MultiDrafter on its own: the policy prices each choice
-        clock = _DraftClock(member, len(member.tap_layers) * model.cfg.hidden_size, gen)
+        clock = _DraftClock(member, len(member.tap_layers) * model.cfg.hidden_size, gen, model.cfg.hidden_size)
         d0 = _draft_cost(clock, model.cfg.vocab_size, cfg, gen)
         if clock.drafted == 0 and not member.model_free:  # model-free ones may find no match
             say(f"warning: {member.name} proposed nothing while being timed; D0 is not its drafting cost")
@@ -222,9 +222,10 @@ class _DraftClock:
     ``propose``. Without the taps a feature drafter has no context and proposes nothing: EAGLE-3's
     drafting was once timed at 0.01 ms that way, against 9-14 ms for a real 4-token chain."""
 
-    def __init__(self, drafter: Drafter, tap_width: int, gen: torch.Generator) -> None:
+    def __init__(self, drafter: Drafter, tap_width: int, gen: torch.Generator, hidden_width: int = 0) -> None:
         self.drafter = drafter
         self.tap_width = tap_width if drafter.tap_layers else 0
+        self.hidden_width = hidden_width if drafter.drafts_from_hidden else 0
         self.gen = gen
         self.fed: dict[int, int] = {}  # seq_id -> positions whose taps the drafter has
         self.drafted = 0  # draft tokens proposed over all timed steps
@@ -232,12 +233,13 @@ class _DraftClock:
     def step(self, contexts: list[list[int]], seq_ids: list[int]) -> float:
         """Seconds of one drafting step (observe if tapped, then propose with gamma = 1)."""
         observations = []
-        if self.tap_width:
+        if self.tap_width or self.hidden_width:
             for sid, ctx in zip(seq_ids, contexts):
                 start = self.fed.get(sid, 0)
                 new = max(0, len(ctx) - 1 - start)  # the last token is not in the target's cache yet
-                taps = torch.randn(new, self.tap_width, generator=self.gen)  # [new, num_taps * H]
-                observations.append(Observation(sid, list(ctx), new, taps, start))
+                taps = torch.randn(new, self.tap_width, generator=self.gen) if self.tap_width else None  # [new, taps * H]
+                hidden = torch.randn(new, self.hidden_width, generator=self.gen) if self.hidden_width else None  # [new, H]
+                observations.append(Observation(sid, list(ctx), new, taps, start, hidden))
                 self.fed[sid] = start + new
         inputs = [DraftInput(i, ctx, 1, SamplingParams()) for i, ctx in zip(seq_ids, contexts)]
         t = time.perf_counter()

@@ -1,0 +1,190 @@
+"""The Medusa drafter: K heads on the target's last hidden state draft K tokens at once, no forward per token.
+
+Why this exists: the field guide's Medusa (Cai et al. 2024), the learned drafter a CPU can afford. The
+engine hands every drafter that ``wants_hidden`` the target's final hidden state of each newly final
+position (``Observation.hidden``, computed by every forward anyway); the row that produced a sequence's
+last token is all Medusa needs. Head k drafts the k-th token after it from that one state
+(``models/medusa/heads.py``): a chain is the K heads' top tokens; a tree (``--tree``) takes each
+head's ``--medusa-top-k`` candidates and keeps the likeliest ``gamma`` paths by the product of the
+heads' probabilities (Medusa's sparse candidate tree), verified with the tree masks every drafter uses.
+Sampled requests draw each head's token from its tempered distribution, which verification's
+rejection sampling takes as the draft distribution (the heads do not see the earlier draft tokens, a
+proposal rejection sampling allows): lossless like every drafter.
+
+Worked example (greedy, gamma 3, 4 heads): the last token ``t`` came from hidden ``h``; the heads' top
+tokens over the draft vocabulary are [a, b, c, d] -> draft [a, b, c]. With ``--tree`` and top-k 2, head 1
+gives a (0.6) / a' (0.35), head 2 b (0.5) / b' (0.4): the paths by probability are a (.6), a' (.35),
+a->b (.3), a->b' (.24), a'->b (.175): gamma 3 keeps tokens [a, a', b] with parents [-1, -1, 0].
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from tidespec.config import Section, opt
+from tidespec.errors import ConfigError
+from tidespec.models.eagle3.checkpoint import shipped_bootstrap
+from tidespec.models.medusa.heads import MedusaConfig, MedusaConfigError, MedusaHeads
+from tidespec.models.target import TargetModel, output_matrix
+from tidespec.sampling import make_generator, sample_from, seeded_draw, target_probs
+from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
+from tidespec.speculative.drafters.draft_model import draft_seed
+from tidespec.speculative.registry import BuildContext, DrafterKind
+
+log = logging.getLogger(__name__)
+SHIPPED = "medusa-smollm2-135m-instruct"  # the embedded model's heads, a directory beside the EAGLE-3 head
+
+
+@dataclass
+class MedusaOptions(Section):
+    dir: str | None = opt(None, "Medusa: a heads directory (medusa_config.json + medusa_heads.safetensors, "
+                                "`tidespec train-medusa`); none = the shipped heads on the embedded model, "
+                                "zero-initialised heads elsewhere (each repeats the target's next token: "
+                                "lossless, rarely accepted)")
+    heads: int = opt(4, "Medusa: heads of a zero-initialised set (no --medusa-dir)", min=1, max=16)
+    vocab: int = opt(8192, "Medusa: draft vocabulary of a zero-initialised set (the target's first N ids)", min=1)
+    top_k: int = opt(2, "Medusa trees (--tree): candidates per head; the tree keeps the --num-speculative-tokens "
+                        "likeliest paths", min=1, max=16)
+
+
+class MedusaDrafter(DrafterBase):
+    """Drafts from each sequence's last final hidden state (kept by ``observe``); a sequence whose last
+    token did not come from an observed row (a step that drafted forced tokens, a prefix reused without
+    its hidden rows) is cold for a step."""
+
+    name = "medusa"
+    wants_hidden = True
+    drafts_from_hidden = True  # the profiler hands it random hidden states to time its drafting
+
+    def __init__(self, heads: MedusaHeads, rows: torch.Tensor, vocab_size: int, top_k: int = 2) -> None:
+        self.heads = heads
+        self.ids = torch.tensor(heads.cfg.vocab_ids, dtype=torch.int64)  # [N] target ids of the output rows
+        self.rows = rows.to(heads.dtype)  # [N, H] the target's LM-head rows of the draft vocabulary
+        self.vocab_size = vocab_size
+        self.top_k = top_k
+        self.last: dict[int, tuple[int, torch.Tensor]] = {}  # seq -> (len(token_ids) then, hidden [H])
+        self.generators: dict[int, torch.Generator] = {}
+
+    def cost_signature(self) -> str:
+        return f"medusa K={self.heads.cfg.num_heads} N={len(self.ids)} {self.heads.dtype}"
+
+    def observe(self, observations: list[Observation]) -> None:
+        for o in observations:
+            if o.hidden is not None and o.num_new_cached and o.start + o.num_new_cached + 1 == len(o.token_ids):
+                self.last[o.seq_id] = (len(o.token_ids), o.hidden[-1].detach().clone())
+            else:
+                self.last.pop(o.seq_id, None)
+
+    def release(self, seq_id: int) -> None:
+        self.last.pop(seq_id, None)
+        self.generators.pop(seq_id, None)
+
+    @torch.no_grad()
+    def propose(self, inputs: list[DraftInput]) -> DraftProposal:
+        out = DraftProposal()
+        ready = [inp for inp in inputs if self.last.get(inp.seq_id, (-1,))[0] == len(inp.token_ids)]
+        out.cold = {inp.seq_id for inp in inputs} - {inp.seq_id for inp in ready}
+        if not ready:
+            return out
+        hidden = torch.stack([self.last[inp.seq_id][1] for inp in ready]).to(self.heads.dtype)  # [B, H]
+        # only the heads some sequence drafts with: head k's cost is an N x H product, most of a proposal's
+        depth = max(min(inp.num_speculative_tokens, self.heads.cfg.num_heads) for inp in ready)
+        states = self.heads(hidden, depth)  # [depth, B, H]
+        logits = (states.reshape(-1, states.shape[-1]) @ self.rows.T).float().reshape(depth, len(ready), -1)  # [depth, B, N]
+        greedy_top = self.ids[logits.argmax(-1)].tolist()  # [depth][B]: one host read for the batch
+        for b, inp in enumerate(ready):
+            gamma = min(inp.num_speculative_tokens, self.heads.cfg.num_heads)
+            if inp.params.greedy and inp.tree and self.top_k > 1:
+                out.drafts[inp.seq_id] = self._tree(logits[:, b], inp.num_speculative_tokens)
+            elif inp.params.greedy:
+                out.drafts[inp.seq_id] = SeqDraft([greedy_top[k][b] for k in range(gamma)])
+            else:
+                out.drafts[inp.seq_id] = self._sampled(logits[:gamma, b], inp)
+        return out
+
+    def _sampled(self, logits: torch.Tensor, inp: DraftInput) -> SeqDraft:
+        """logits [g, N] -> g tokens, each drawn from its head's tempered distribution, with [g, V] draft
+        probabilities (zero outside the draft vocabulary) for rejection sampling."""
+        q = target_probs(logits, inp.params)  # [g, N]
+        full = torch.zeros(q.shape[0], self.vocab_size, dtype=q.dtype)  # [g, V]
+        full[:, self.ids] = q
+        position = len(inp.token_ids) - inp.num_prompt_tokens  # the output position of the first draft
+        tokens = []
+        for k in range(q.shape[0]):
+            if inp.params.seed is not None:
+                index = seeded_draw(q[k], inp.params.seed, position + k, self.ids, self.vocab_size)
+            else:
+                index = sample_from(q[k], self._generator(inp))
+            tokens.append(int(self.ids[index]))
+        return SeqDraft(tokens, draft_probs=full)
+
+    def _generator(self, inp: DraftInput) -> torch.Generator:
+        if inp.seq_id not in self.generators:
+            self.generators[inp.seq_id] = make_generator(draft_seed(inp.params.seed))
+        return self.generators[inp.seq_id]
+
+    def _tree(self, logits: torch.Tensor, budget: int) -> SeqDraft:
+        """logits [K, N] -> the ``budget`` likeliest paths through each head's top-k (module docstring).
+        A child's probability product is below its parent's, so a parent is always taken first."""
+        probs, index = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)  # [K, k]
+        p, tok = probs.tolist(), self.ids[index].tolist()
+        heap: list[tuple[float, int, int, int]] = [(-p[0][i], 0, i, -1) for i in range(self.top_k)]  # (-score, level, i, parent)
+        tokens: list[int] = []
+        parents: list[int] = []
+        while heap and len(tokens) < budget:
+            neg, level, i, parent = heapq.heappop(heap)
+            tokens.append(tok[level][i])
+            parents.append(parent)
+            if level + 1 < len(p):
+                me = len(tokens) - 1
+                for j in range(self.top_k):
+                    heapq.heappush(heap, (neg * p[level + 1][j], level + 1, j, me))
+        return SeqDraft(tokens, parents)
+
+
+def draft_dtype(target: TargetModel) -> torch.dtype:
+    """bfloat16 on a CPU: a proposal's cost is reading the output rows (N x H, 19 MB in float32 for
+    8,192 x 576), measured 1.6-5.9 ms in float32 against 0.5-1.0 ms in bfloat16 for 1-4 heads on the
+    2-core EPYC; the drafter's precision changes which drafts are accepted, never the output. Else the
+    target's dtype."""
+    return torch.bfloat16 if target.device.type == "cpu" else target.dtype
+
+
+def heads_for(options: MedusaOptions, target: TargetModel) -> MedusaHeads:
+    """The heads ``--medusa-dir`` names, else the shipped ones where they fit the target, else zero-initialised."""
+    path, dtype = options.dir, draft_dtype(target)
+    if path is None:
+        boot = shipped_bootstrap()
+        shipped = boot.parent / SHIPPED if boot is not None else None
+        if shipped is not None and shipped.is_dir():
+            heads = MedusaHeads.load(shipped, dtype, target.device)
+            if heads.cfg.hidden_size == target.cfg.hidden_size and heads.cfg.target_vocab_size == target.cfg.vocab_size:
+                return heads
+        log.warning("Medusa without --medusa-dir: zero-initialised heads (each repeats the target's next token)")
+        cfg = MedusaConfig(target.cfg.hidden_size, options.heads, list(range(min(options.vocab, target.cfg.vocab_size))),
+                           target.cfg.vocab_size)
+        return MedusaHeads(cfg).to(dtype=dtype, device=target.device).eval()
+    try:
+        heads = MedusaHeads.load(path, dtype, target.device)
+    except MedusaConfigError as exc:
+        raise ConfigError(f"--medusa-dir: {exc}") from None
+    if heads.cfg.hidden_size != target.cfg.hidden_size or (
+            heads.cfg.target_vocab_size and heads.cfg.target_vocab_size != target.cfg.vocab_size):
+        raise ConfigError(f"--medusa-dir {path}: heads for hidden size {heads.cfg.hidden_size} and vocabulary "
+                          f"{heads.cfg.target_vocab_size}, the target has {target.cfg.hidden_size} and {target.cfg.vocab_size}")
+    return heads
+
+
+def _build(ctx: BuildContext) -> MedusaDrafter:
+    o: MedusaOptions = ctx.options
+    heads = heads_for(o, ctx.target)
+    rows = output_matrix(ctx.target)[torch.tensor(heads.cfg.vocab_ids, device=ctx.target.device)]  # [N, H]
+    return MedusaDrafter(heads, rows, ctx.target.cfg.vocab_size, o.top_k)
+
+
+DRAFTER = DrafterKind("medusa", MedusaDrafter, _build, options=MedusaOptions, prefix="medusa",
+                      summary="Medusa heads on the target's last hidden state (K tokens from one state; trees)")
