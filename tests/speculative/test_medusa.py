@@ -134,3 +134,24 @@ def test_train_medusa_writes_heads_the_drafter_loads(tmp_path, capsys) -> None:
     assert heads.cfg.num_heads == 2 and (out / "report.json").is_file()
     assert main(["generate", "w5 w6 w7", "--model", str(ckpt), "--max-tokens", "8", "--drafter", "medusa",
                  "--medusa-dir", str(out)]) == 0
+
+
+def test_medusa_beside_suffix_in_one_verification_equals_plain(model, trained) -> None:
+    """Sequences of one batch drafted by suffix and by Medusa in the same step, the drafter switching
+    per step and sequence (Medusa keeps observing every step, so it drafts whenever it is chosen)."""
+    from tests.helpers import ScriptedPolicy
+
+    path, _ = trained
+    plain, _, _ = _run(model, SpecConfig(), PROMPTS, slots=4)
+    spec = SpecConfig(drafter="suffix,medusa", num_speculative_tokens=3,
+                      options={"medusa": MedusaOptions(dir=str(path))})
+    policy = ScriptedPolicy(lambda step, i: (("suffix", "medusa")[(step + i) % 2], 1 + (step + 2 * i) % 3))
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=64, max_num_seqs=4), spec=spec)
+    engine = LLMEngine(model, tiny_tokenizer(V), cfg, drafter=build_drafter(spec, model, 4, 64), policy=policy)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in PROMPTS]
+    done = run_to_completion(engine)
+    assert [done[i].token_ids for i in ids] == plain
+    mixed = [s for s in policy.seen if set(s.seq_drafters.values()) == {"suffix", "medusa"}]
+    assert mixed, "no step verified both drafters' drafts together"
+    medusa_accepted = sum(a for s in policy.seen for _, d, a in s.drafter_outcomes.get("medusa", []) if d)
+    assert medusa_accepted > 0, "Medusa's drafts were never accepted beside suffix"
