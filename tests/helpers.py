@@ -54,7 +54,8 @@ EVERY_DRAFTER: dict[str, SpecConfig] = {
     "ngram": SpecConfig(drafter="ngram", num_speculative_tokens=4),
     "suffix": SpecConfig(drafter="suffix", num_speculative_tokens=4),
     "suffix-tree": SpecConfig(drafter="suffix", num_speculative_tokens=4, tree=True),
-    "draft-model": SpecConfig(drafter="draft-model", num_speculative_tokens=3, options={"draft-model": DraftModelOptions(layers=1)}),
+    "draft-model": SpecConfig(drafter="draft-model", num_speculative_tokens=3,
+                              options={"draft-model": DraftModelOptions(layers=1)}),
     "eagle3": SpecConfig(drafter="eagle3", num_speculative_tokens=3),
     "eagle3-tree": SpecConfig(drafter="eagle3", num_speculative_tokens=3, tree=True),
 }

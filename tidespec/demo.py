@@ -21,9 +21,10 @@ policy decided.
 Part 2 — everything on: an EAGLE-3 drafter learning online (TIDE) beside the suffix drafter,
 under the per-sequence hybrid (each sequence its own drafter and length every step, priced by the
 analytic cost model); the demo prints each drafter's share of the sequence-steps and the learned
-drafter's own gain (EAGLE-3's acceptance length learning against frozen, by quarter). A request trace that shifts domain — code the drafter never
-saw, then everyday questions in Russian, a script the shipped head never drafted (``ru_topics``;
-on English chat a round has little to teach it, docs/benchmarks/learning.md) — runs through the
+drafter's own gain (EAGLE-3's acceptance length learning against frozen, by quarter). A request trace
+that shifts domain — code the drafter never saw, then everyday questions in Russian, a script the
+shipped head never drafted (``ru_topics``; on English chat a round has little to teach it,
+docs/benchmarks/learning.md) — runs through the
 engine three ways, taking turns on slices of the trace: plain decoding, suffix + EAGLE-3 plus online
 training, and the same drafters with nothing learning across requests (``no-learning``: the shipped
 head, and suffix over each request's own tokens, without its tree of past outputs) — the control
@@ -123,14 +124,16 @@ def part_drafters(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> 
     for name in ("code", "chat"):
         prompts += [(name, p) for p in load_prompts(name, loaded.tokenizer, limit=ns.prompts_per_domain)]
     drafters = {
-        "ngram": SpecConfig(drafter="ngram", num_speculative_tokens=ns.gamma, options={"ngram": NgramOptions(min=2, max=4)}),
+        "ngram": SpecConfig(drafter="ngram", num_speculative_tokens=ns.gamma,
+                            options={"ngram": NgramOptions(min=2, max=4)}),
         "suffix": SpecConfig(drafter="suffix", num_speculative_tokens=ns.gamma),
     }
     adaptive = SpecConfig(drafter="suffix", num_speculative_tokens=ns.gamma)
     t0 = time.perf_counter()  # warm-up: first calls of the kernels, and the compile of the compiled path
     decode_one(loaded.model, loaded.tokenizer, SpecConfig(), prompts[0][1].token_ids, 4, compile=ns.compiled)
     if ns.compiled:
-        con.print(f"  compiled the decode step in {time.perf_counter() - t0:.0f} s (every engine of the demo shares it)")
+        con.print(f"  compiled the decode step in {time.perf_counter() - t0:.0f} s "
+                  "(every engine of the demo shares it)")
     policy = build_policy(EngineConfig(model=ModelConfig(compile=ns.compiled), spec=adaptive,
                                        policy=PolicyConfig(name="hybrid")),
                           loaded.model, build_drafter(adaptive, loaded.model, SLOTS, MAX_LEN),
@@ -324,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"hybrid gamma<={ns.gamma} (suffix+hybrid)")
         lossless &= part_drafters(con, loaded, ns)
     if ns.part in ("all", "online"):
-        con.print("[bold]part 2[/bold]: everything on (suffix + EAGLE-3 learning online, the per-sequence hybrid) — code "
+        con.print("[bold]part 2[/bold]: everything on (suffix + EAGLE-3 learning online, the per-sequence "
+                  "hybrid) — code "
                   f"the drafter never saw, then {ns.shift_workload}")
         lossless &= part_online(con, loaded, ns)
     con.print(f"demo took {time.perf_counter() - t_start:.0f} s; outputs identical to plain decoding: "

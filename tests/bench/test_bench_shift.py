@@ -363,7 +363,8 @@ def test_no_learning_keeps_frozen_drafters_but_no_suffix_tree_of_past_outputs(tm
     ecfg = trace_engine_config(build_trace(cfg, target.tokenizer), cfg, target.model, cfg.gamma)
     trees = {name: find_member(build_engine(c, target.model, target.tokenizer).drafter, "suffix").max_tree_tokens
              for name, c in (("frozen", ecfg), ("no-learning", no_learning_config(ecfg)))}
-    assert trees == {"frozen": ecfg.spec.options_for("suffix", SuffixOptions).max_tree_tokens, "no-learning": 0} and trees["frozen"] > 0
+    frozen = ecfg.spec.options_for("suffix", SuffixOptions).max_tree_tokens
+    assert trees == {"frozen": frozen, "no-learning": 0} and trees["frozen"] > 0
     doc = run_shift_bench(cfg, target, tmp_path / "out", command="test", progress=False, log=lambda _: None)
     assert list(doc["configs"]) == ["plain", "frozen", "no-learning"]
     assert doc["configs"]["no-learning"]["mismatches"] == 0

@@ -227,7 +227,8 @@ def test_sampled_output_with_penalties_has_the_penalised_distribution(model, tok
     dist = exact_penalised(model, tok, prompt, params)
     n = sample_size(dist, W_SUBTLE)
     slots = 1000
-    spec = SpecConfig(drafter="draft-model", num_speculative_tokens=3, options={"draft-model": DraftModelOptions(layers=1)})
+    spec = SpecConfig(drafter="draft-model", num_speculative_tokens=3,
+                      options={"draft-model": DraftModelOptions(layers=1)})
     cfg = EngineConfig(cache=CacheConfig(max_model_len=32, max_num_seqs=slots), spec=spec,
                        scheduler=SchedulerConfig(max_num_batched_tokens=slots * 24))
     e = LLMEngine(model, tok, cfg, drafter=spec_drafter(spec, model, slots, 32))

@@ -100,7 +100,8 @@ SUBSET_COVERS = pytest.mark.slow
                                           pytest.param("draft-model", False, marks=SUBSET_COVERS),
                                           ("draft-model", True)])
 def test_speculative_greedy_equals_plain(embedded, prompts, plain_alone, drafter, tree):
-    spec = SpecConfig(drafter=drafter, num_speculative_tokens=4, tree=tree, options={"draft-model": DraftModelOptions(layers=6, tree_top_k=2)})
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=4, tree=tree,
+                      options={"draft-model": DraftModelOptions(layers=6, tree_top_k=2)})
     got = run(embedded, spec, prompts, slots=4)
     for p, ref, g in zip(prompts, plain_alone, got):
         assert_same_or_near_tie(embedded, p, ref, g)

@@ -17,6 +17,7 @@ from tidespec.online.training.medusa import MedusaTrainConfig, final_hidden, tra
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.medusa import MedusaDrafter, MedusaOptions
 from tidespec.speculative.policy.profiler import _DraftClock
+from tidespec.speculative.registry import check_config
 
 V = 48
 PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16], [3, 4], [20, 21, 22], [30, 31], [40, 41, 42], [1, 2, 3]]
@@ -116,6 +117,8 @@ def test_checkpoints_round_trip_and_a_misfit_is_one_line(model, trained, tmp_pat
         build_drafter(SpecConfig(drafter="medusa", options={"medusa": MedusaOptions(dir=str(tmp_path))}), model, 1, 64)
     with pytest.raises(MedusaConfigError):
         MedusaConfig(hidden_size=8, num_heads=2, vocab_ids=[1, 1])
+    with pytest.raises(ConfigError, match="drafts on the target's device"):
+        check_config(EngineConfig(spec=SpecConfig(drafter="medusa", drafter_device="cuda")))
 
 
 def test_train_medusa_writes_heads_the_drafter_loads(tmp_path, capsys) -> None:

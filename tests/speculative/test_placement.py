@@ -148,7 +148,8 @@ def plain(model, tok) -> list[list[int]]:
 
 def spec_for(drafter: str, tree: bool) -> SpecConfig:
     return SpecConfig(drafter=drafter, num_speculative_tokens=3, tree=tree, drafter_device="cpu",
-                      options={"draft-model": DraftModelOptions(layers=1, tree_top_k=2), "eagle3": Eagle3Options(tree_depth=3, tree_top_k=2)})
+                      options={"draft-model": DraftModelOptions(layers=1, tree_top_k=2),
+                               "eagle3": Eagle3Options(tree_depth=3, tree_top_k=2)})
 
 
 def members(drafter) -> list:

@@ -58,14 +58,15 @@ def plain(model, tok):
 
 
 CASES = [("ngram", False), ("suffix", False), ("suffix", True), ("draft-model", False), ("draft-model", True),
-         ("medusa", False), ("medusa", True)]  # medusa: zero-initialised heads (tests/speculative/test_medusa.py: trained)
+         ("medusa", False), ("medusa", True)]  # medusa: zero-initialised heads (trained: test_medusa.py)
 
 
 @pytest.mark.parametrize("drafter,tree", CASES)
 @pytest.mark.parametrize("gamma", [1, 3, 5, 8])
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_equals_plain(model, tok, plain, drafter, tree, gamma, batch):
-    spec = SpecConfig(drafter=drafter, num_speculative_tokens=gamma, tree=tree, options={"draft-model": DraftModelOptions(layers=1, tree_top_k=2)})
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=gamma, tree=tree,
+                      options={"draft-model": DraftModelOptions(layers=1, tree_top_k=2)})
     got, drafted = generate_in_batches(model, tok, spec, batch)
     assert got == plain
     assert drafted > 0, "the drafter never proposed: the test would not exercise verification"

@@ -209,7 +209,8 @@ def test_speculative_sampling_matches_target(model, tok, prompt, drafter, tree, 
     params = SETTINGS[setting]
     dist = exact_distribution(model, prompt, params)
     n = sample_size(dist, w)
-    spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, tree=tree, options={"draft-model": DraftModelOptions(layers=1, tree_top_k=2)})
+    spec = SpecConfig(drafter=drafter, num_speculative_tokens=3, tree=tree,
+                      options={"draft-model": DraftModelOptions(layers=1, tree_top_k=2)})
     samples, accepted, branching = sample_first3(model, tok, prompt, spec, params, monkeypatch, params.seed is not None,
                                                  n)
     assert accepted > n // 20, "too few accepted drafts: the test would not exercise verification"

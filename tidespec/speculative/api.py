@@ -218,7 +218,8 @@ class DrafterBase:
     versioned: bool = False
     version: int = 0
     wants_hidden: bool = False
-    drafts_from_hidden: bool = False  # it drafts from the final hidden states it observes (Medusa): the profiler feeds it some
+    drafts_from_hidden: bool = False  # it drafts from the final hidden states it observes (Medusa): the profiler
+    # times it with random ones
     vocab: DynamicVocab | None = None
     shadowed: frozenset[str] = frozenset()
 

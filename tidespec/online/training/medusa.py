@@ -37,7 +37,8 @@ IGNORE = -100
 
 @dataclass
 class MedusaTrainConfig(Section):
-    """``tidespec train-medusa``: the data (the target's greedy continuations of workload prompts), the heads, training."""
+    """``tidespec train-medusa``: the data (the target's greedy continuations of workload prompts), the
+    heads, training."""
 
     out: str = opt("runs/medusa", "directory the heads are written to (serve them with --medusa-dir)",
                    flag="--out")

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tidespec.config import Section, opt
+from tidespec.config import EngineConfig, Section, opt
 from tidespec.errors import ConfigError
 from tidespec.models.eagle3.checkpoint import shipped_bootstrap
 from tidespec.models.medusa.heads import MedusaConfig, MedusaConfigError, MedusaHeads
@@ -62,7 +62,8 @@ class MedusaDrafter(DrafterBase):
 
     def __init__(self, heads: MedusaHeads, rows: torch.Tensor, vocab_size: int, top_k: int = 2) -> None:
         self.heads = heads
-        self.ids = torch.tensor(heads.cfg.vocab_ids, dtype=torch.int64)  # [N] target ids of the output rows
+        device = heads.blocks[0].weight.device
+        self.ids = torch.tensor(heads.cfg.vocab_ids, dtype=torch.int64, device=device)  # [N] target ids of the rows
         self.rows = rows.to(heads.dtype)  # [N, H] the target's LM-head rows of the draft vocabulary
         self.vocab_size = vocab_size
         self.top_k = top_k
@@ -94,7 +95,8 @@ class MedusaDrafter(DrafterBase):
         # only the heads some sequence drafts with: head k's cost is an N x H product, most of a proposal's
         depth = max(min(inp.num_speculative_tokens, self.heads.cfg.num_heads) for inp in ready)
         states = self.heads(hidden, depth)  # [depth, B, H]
-        logits = (states.reshape(-1, states.shape[-1]) @ self.rows.T).float().reshape(depth, len(ready), -1)  # [depth, B, N]
+        flat = states.reshape(-1, states.shape[-1]) @ self.rows.T  # [depth * B, N]: one GEMM
+        logits = flat.float().reshape(depth, len(ready), -1)  # [depth, B, N]
         greedy_top = self.ids[logits.argmax(-1)].tolist()  # [depth][B]: one host read for the batch
         for b, inp in enumerate(ready):
             gamma = min(inp.num_speculative_tokens, self.heads.cfg.num_heads)
@@ -110,7 +112,7 @@ class MedusaDrafter(DrafterBase):
         """logits [g, N] -> g tokens, each drawn from its head's tempered distribution, with [g, V] draft
         probabilities (zero outside the draft vocabulary) for rejection sampling."""
         q = target_probs(logits, inp.params)  # [g, N]
-        full = torch.zeros(q.shape[0], self.vocab_size, dtype=q.dtype)  # [g, V]
+        full = torch.zeros(q.shape[0], self.vocab_size, dtype=q.dtype, device=q.device)  # [g, V]
         full[:, self.ids] = q
         position = len(inp.token_ids) - inp.num_prompt_tokens  # the output position of the first draft
         tokens = []
@@ -132,7 +134,8 @@ class MedusaDrafter(DrafterBase):
         A child's probability product is below its parent's, so a parent is always taken first."""
         probs, index = torch.softmax(logits, dim=-1).topk(self.top_k, dim=-1)  # [K, k]
         p, tok = probs.tolist(), self.ids[index].tolist()
-        heap: list[tuple[float, int, int, int]] = [(-p[0][i], 0, i, -1) for i in range(self.top_k)]  # (-score, level, i, parent)
+        # (-score, level, candidate, parent index in the draft)
+        heap: list[tuple[float, int, int, int]] = [(-p[0][i], 0, i, -1) for i in range(self.top_k)]
         tokens: list[int] = []
         parents: list[int] = []
         while heap and len(tokens) < budget:
@@ -165,8 +168,8 @@ def heads_for(options: MedusaOptions, target: TargetModel) -> MedusaHeads:
             if heads.cfg.hidden_size == target.cfg.hidden_size and heads.cfg.target_vocab_size == target.cfg.vocab_size:
                 return heads
         log.warning("Medusa without --medusa-dir: zero-initialised heads (each repeats the target's next token)")
-        cfg = MedusaConfig(target.cfg.hidden_size, options.heads, list(range(min(options.vocab, target.cfg.vocab_size))),
-                           target.cfg.vocab_size)
+        ids = list(range(min(options.vocab, target.cfg.vocab_size)))
+        cfg = MedusaConfig(target.cfg.hidden_size, options.heads, ids, target.cfg.vocab_size)
         return MedusaHeads(cfg).to(dtype=dtype, device=target.device).eval()
     try:
         heads = MedusaHeads.load(path, dtype, target.device)
@@ -175,8 +178,17 @@ def heads_for(options: MedusaOptions, target: TargetModel) -> MedusaHeads:
     if heads.cfg.hidden_size != target.cfg.hidden_size or (
             heads.cfg.target_vocab_size and heads.cfg.target_vocab_size != target.cfg.vocab_size):
         raise ConfigError(f"--medusa-dir {path}: heads for hidden size {heads.cfg.hidden_size} and vocabulary "
-                          f"{heads.cfg.target_vocab_size}, the target has {target.cfg.hidden_size} and {target.cfg.vocab_size}")
+                          f"{heads.cfg.target_vocab_size}, the target has {target.cfg.hidden_size} and "
+                          f"{target.cfg.vocab_size}")
     return heads
+
+
+def check_medusa(config: EngineConfig, options: MedusaOptions) -> None:
+    """Medusa drafts where the target's hidden states are: on the target's device."""
+    if config.spec.drafter_device and config.spec.drafter_device != config.model.device:
+        raise ConfigError(f"the medusa drafter drafts on the target's device ({config.model.device}): its heads "
+                          f"read the target's hidden states there; --drafter-device {config.spec.drafter_device} is "
+                          "for drafters with copies of their own (eagle3, draft-model)")
 
 
 def _build(ctx: BuildContext) -> MedusaDrafter:
@@ -186,5 +198,5 @@ def _build(ctx: BuildContext) -> MedusaDrafter:
     return MedusaDrafter(heads, rows, ctx.target.cfg.vocab_size, o.top_k)
 
 
-DRAFTER = DrafterKind("medusa", MedusaDrafter, _build, options=MedusaOptions, prefix="medusa",
+DRAFTER = DrafterKind("medusa", MedusaDrafter, _build, options=MedusaOptions, prefix="medusa", check=check_medusa,
                       summary="Medusa heads on the target's last hidden state (K tokens from one state; trees)")

@@ -237,8 +237,9 @@ class _DraftClock:
             for sid, ctx in zip(seq_ids, contexts):
                 start = self.fed.get(sid, 0)
                 new = max(0, len(ctx) - 1 - start)  # the last token is not in the target's cache yet
-                taps = torch.randn(new, self.tap_width, generator=self.gen) if self.tap_width else None  # [new, taps * H]
-                hidden = torch.randn(new, self.hidden_width, generator=self.gen) if self.hidden_width else None  # [new, H]
+                # taps [new, num_taps * H], hidden [new, H]: random, the values do not change the cost
+                taps = torch.randn(new, self.tap_width, generator=self.gen) if self.tap_width else None
+                hidden = torch.randn(new, self.hidden_width, generator=self.gen) if self.hidden_width else None
                 observations.append(Observation(sid, list(ctx), new, taps, start, hidden))
                 self.fed[sid] = start + new
         inputs = [DraftInput(i, ctx, 1, SamplingParams()) for i, ctx in zip(seq_ids, contexts)]
