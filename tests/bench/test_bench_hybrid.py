@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import byte_tokenizer, tiny_llama
-from tidespec.bench.spec.hybrid import CONFIGS, HybridBenchConfig, run_hybrid_bench, shares
+from tidespec.bench.spec.hybrid import CONFIGS, HybridBenchConfig, configs_for, run_hybrid_bench, shares
 from tidespec.config import ModelConfig, PolicyConfig
 from tidespec.models.loading.loader import LoadedModel
 from tidespec.speculative.policy.speedup import Profile
@@ -22,6 +22,12 @@ def target() -> LoadedModel:
     tok = byte_tokenizer()
     model = tiny_llama(len(tok), layers=3, seed=3, scale=3.0, eos=0)  # EAGLE-3 taps three layers
     return LoadedModel(model=model, tokenizer=tok, config=model.cfg, path="")
+
+
+def test_the_model_drafter_is_a_choice() -> None:
+    assert list(configs_for("medusa")) == ["plain", "suffix", "medusa", "controller (suffix, medusa)",
+                                           "per-sequence (suffix, medusa)"]
+    assert configs_for("medusa")["per-sequence (suffix, medusa)"] == ("suffix,medusa", True) and CONFIGS == configs_for()
 
 
 def test_shares_hand_traced() -> None:

@@ -131,6 +131,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "beside the controller (--policy, default analytic) over suffix and EAGLE-3, at each of "
                         "--batch-sizes, the drafters' gamma = the largest of --gammas, the prediction's cap "
                         "--prediction-tokens")
+    s.add_argument("--model-drafter", default="eagle3",
+                   help="--hybrid: the drafter with a model beside suffix (eagle3, medusa, draft-model, a plug-in's)")
     s.add_argument("--hybrid", action="store_true",
                    help="per-sequence drafting instead: plain, suffix and eagle3 alone, the controller (--policy, "
                         "default analytic) over suffix and EAGLE-3 and the same with --per-sequence, at each of "
@@ -290,7 +292,8 @@ def cmd_spec(ns: argparse.Namespace) -> int:
     if ns.hybrid:
         hcfg = HybridBenchConfig(workload=ns.workload, limit=ns.limit,
                                  batch_sizes=parse_int_list(ns.batch_sizes, "--batch-sizes"),
-                                 gamma=max(parse_int_list(ns.gammas, "--gammas")), max_tokens=ns.max_tokens)
+                                 gamma=max(parse_int_list(ns.gammas, "--gammas")), max_tokens=ns.max_tokens,
+                                 model_drafter=ns.model_drafter)
         run_hybrid_bench(hcfg, model_config=dataclass_from_args(ModelConfig, ns),
                          scheduler=dataclass_from_args(SchedulerConfig, ns), spec_base=spec_config_from_args(ns),
                          policy=dataclass_from_args(PolicyConfig, ns), out_dir=ns.out, command=command_line())

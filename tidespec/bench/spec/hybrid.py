@@ -7,9 +7,10 @@ thirds of suffix's speed on a prompt where suffix alone flew (issue 80). ``--per
 (``speculative/policy/routing.py``) routes each sequence on its own; this measures whether that
 holds "never slower than the better member" on a domain, next to each member alone.
 
-Method. Configurations (``CONFIGS``): ``plain``, ``suffix`` and ``eagle3`` alone (static gamma),
-the ``controller`` (``--policy``, analytic by default, over suffix and EAGLE-3) and ``per-sequence``
-(the same with ``--per-sequence``). One engine per configuration and batch size sharing the target;
+Method. Configurations (``configs_for``): ``plain``, ``suffix`` and the model drafter alone (static
+gamma; ``--model-drafter``, EAGLE-3 by default, or Medusa, the draft model), the ``controller``
+(``--policy``, analytic by default, over suffix and the model drafter) and ``per-sequence`` (the same
+with ``--per-sequence``). One engine per configuration and batch size sharing the target;
 the workload's prompts in waves of the batch size, every configuration in turn on each wave
 (round-robin) after a warm-up (``waves.py``). Per configuration: tokens/s and the speedup over plain,
 tokens per target step per sequence, a decode step's time, outputs that differ from plain's (0:
@@ -48,14 +49,18 @@ from tidespec.llm import build_engine
 from tidespec.models.loading.loader import LoadedModel
 from tidespec.sampling import SamplingParams
 
-# label -> (drafters, policy: None = static, else per-sequence or not)
-CONFIGS: dict[str, tuple[str, bool | None]] = {
-    "plain": ("none", None),
-    "suffix": ("suffix", None),
-    "eagle3": ("eagle3", None),
-    "controller (suffix, eagle3)": ("suffix,eagle3", False),
-    "per-sequence (suffix, eagle3)": ("suffix,eagle3", True),
-}
+def configs_for(model_drafter: str = "eagle3") -> dict[str, tuple[str, bool | None]]:
+    """label -> (drafters, policy: None = static, else per-sequence or not), around ``model_drafter``.
+
+    Example: ``list(configs_for("medusa"))`` -> ["plain", "suffix", "medusa", "controller (suffix, medusa)",
+    "per-sequence (suffix, medusa)"]."""
+    pair = f"suffix,{model_drafter}"
+    return {"plain": ("none", None), "suffix": ("suffix", None), model_drafter: (model_drafter, None),
+            f"controller (suffix, {model_drafter})": (pair, False),
+            f"per-sequence (suffix, {model_drafter})": (pair, True)}
+
+
+CONFIGS = configs_for()  # the default: EAGLE-3 as the model drafter
 
 
 @dataclass
@@ -65,6 +70,7 @@ class HybridBenchConfig(WaveBenchConfig):
     workload: str = "chat"
     gamma: int = 4
     max_tokens: int = 128
+    model_drafter: str = "eagle3"  # the drafter with a model beside suffix (eagle3, medusa, draft-model)
 
 
 def count_drafters(run: WaveRun, counts: dict[str, int]) -> None:
@@ -97,7 +103,7 @@ def run_hybrid_bench(cfg: HybridBenchConfig, target: LoadedModel | str | None = 
     controller = controller_policy(policy)
     runs: list[WaveRun] = []
     for batch in cfg.batch_sizes:
-        for label, (drafter, per_sequence) in CONFIGS.items():
+        for label, (drafter, per_sequence) in configs_for(cfg.model_drafter).items():
             spec = dataclasses.replace(base, drafter=drafter, num_speculative_tokens=cfg.gamma if drafter != "none" else 0)
             pc = PolicyConfig() if per_sequence is None else dataclasses.replace(controller, per_sequence=per_sequence)
             econf = bench_engine_config(prompts, cfg.max_tokens, batch, target.model.cfg.max_position_embeddings,
@@ -125,7 +131,8 @@ def run_hybrid_bench(cfg: HybridBenchConfig, target: LoadedModel | str | None = 
            "headline": {f"batch {c['batch_size']}": round(c["speedup"], 3) for c in configs
                         if c["config"].startswith("per-sequence")}}
     return report.write_results("spec-hybrid", doc, out_dir, command, mc.precision, format_report,
-                                lambda out: plot_speedups(configs, list(CONFIGS), f"Per-sequence drafting on "
+                                lambda out: plot_speedups(configs, list(configs_for(cfg.model_drafter)),
+                                                          f"Per-sequence drafting on "
                                                           f"{cfg.workload}", "tokens/s vs plain", out), echo)
 
 
