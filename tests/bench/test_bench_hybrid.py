@@ -27,7 +27,8 @@ def target() -> LoadedModel:
 def test_the_model_drafter_is_a_choice() -> None:
     assert list(configs_for("medusa")) == ["plain", "suffix", "medusa", "controller (suffix, medusa)",
                                            "per-sequence (suffix, medusa)"]
-    assert configs_for("medusa")["per-sequence (suffix, medusa)"] == ("suffix,medusa", True) and CONFIGS == configs_for()
+    assert configs_for("medusa")["per-sequence (suffix, medusa)"] == ("suffix,medusa", True)
+    assert CONFIGS == configs_for()
 
 
 def test_shares_hand_traced() -> None:
