@@ -70,7 +70,7 @@ from tidespec.workloads.loader import Prompt, load_prompts
 PATHS = ("float32", "float32+compile", "bfloat16", "bfloat16+compile", "int8", "int8+compile", "int4", "int4+compile",
          "bfloat16+int4", "w4a8", "w4a8+compile", "w8a8", "w8a8+compile", "gguf", "gguf+compile")
 QUANT_PATHS = tuple(q for q in QUANTIZATIONS if q != "none")
-DRAFTERS = ("ngram", "suffix", "draft-model", "eagle3", "eagle3-tree", "suffix,eagle3+analytic")
+DRAFTERS = ("ngram", "suffix", "draft-model", "eagle3", "eagle3-tree", "medusa", "suffix,eagle3+analytic")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
