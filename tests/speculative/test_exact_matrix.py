@@ -72,7 +72,7 @@ PATHS: dict[str, tuple[str, ...]] = {
     "int8": ("ngram", "suffix,eagle3+analytic"),  # the controller: SLOW_CELLS
     "int4": ("suffix",),
     "w4a8": ("suffix", "draft-model"),
-    "w8a8": ("ngram",),
+    "w8a8": ("ngram", "medusa"),
     "float32+compile": ("suffix",),
     "bfloat16+compile": ("suffix",),  # its graphs round like eager code (emulate_precision_casts); else probe 0/48
     "int8+compile": ("ngram",),
