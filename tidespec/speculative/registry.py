@@ -137,9 +137,14 @@ def drafter_kinds(modules: tuple[str, ...] = ()) -> dict[str, DrafterKind]:
     return kinds
 
 
+def module_names(text: str) -> tuple[str, ...]:
+    """The module names of a ``--drafter-modules`` value: "a.b, c" -> ("a.b", "c")."""
+    return tuple(m.strip() for m in text.split(",") if m.strip())
+
+
 def plugin_modules(spec: SpecConfig) -> tuple[str, ...]:
-    """The module names ``--drafter-modules`` gives: "a.b, c" -> ("a.b", "c")."""
-    return tuple(m.strip() for m in spec.drafter_modules.split(",") if m.strip())
+    """The module names ``spec``'s ``--drafter-modules`` gives."""
+    return module_names(spec.drafter_modules)
 
 
 def kinds_for(spec: SpecConfig) -> dict[str, DrafterKind]:
@@ -203,7 +208,7 @@ def _plugin_flags_later(parser: argparse.ArgumentParser) -> None:
     """Have ``commands.parse`` add a ``--drafter-modules`` plug-in's flags once that flag is read."""
 
     def extend(ns: argparse.Namespace) -> None:
-        modules = tuple(m.strip() for m in (getattr(ns, "drafter_modules", "") or "").split(",") if m.strip())
+        modules = module_names(getattr(ns, "drafter_modules", "") or "")
         if modules:
             _add_options(parser, drafter_kinds(modules))
 
