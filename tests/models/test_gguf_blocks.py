@@ -11,6 +11,7 @@ not native is converted and said so.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -122,6 +123,39 @@ def test_the_kernel_is_its_block_arithmetic(qtype: T, rows: int) -> None:
     assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
     alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
     assert torch.equal(y, alone), "a row's output depends on the other rows of the call"
+
+
+# bits per weight each layer reads (codes, high planes, scales, mins, super-scales): about the file's
+BITS_READ = {T.Q4_0: 5.0, T.Q4_1: 5.0, T.Q4_K: 4.625, T.Q5_0: 5.5, T.Q5_1: 6.0, T.Q5_K: 5.625, T.Q3_K: 4.5625,
+             T.Q6_K: 6.5625, T.Q8_0: 9.5}
+
+
+@pytest.mark.parametrize("qtype", list(NATIVE), ids=lambda t: t.name)
+def test_the_scales_are_read_as_the_file_holds_them(qtype: T) -> None:
+    u = unpack(random_blocks(qtype, 48, 512, np.random.default_rng(7 + int(qtype))), qtype)
+    layer = native_linear(u)
+    read = sum(b.numel() * b.element_size() for b in layer.buffers() if b is not None)
+    assert read * 8 / (48 * 512) == BITS_READ[qtype]
+    held = layer.scales.dtype
+    assert held == (torch.int8 if qtype.name.endswith("_K") else torch.float16)
+    layer.to(torch.float64)  # a model-wide cast leaves the kernel's scales as they are
+    assert layer.scales.dtype == held
+
+
+def test_scales_that_float16_or_the_factors_cannot_hold_stay_float32() -> None:
+    """A legacy block whose -8 d overflows float16 (and a K-quant whose factors were tampered with) keeps
+    float32 scales: the same kernel arithmetic, the bits of the reference."""
+    raw = random_blocks(T.Q4_0, 16, 256, np.random.default_rng(3))
+    raw.reshape(-1, GGML_QUANT_SIZES[T.Q4_0][1])[0, :2] = np.array([30000.0], dtype=np.float16).view(np.uint8)
+    u = unpack(raw, T.Q4_0)
+    k = unpack(random_blocks(T.Q4_K, 16, 256, np.random.default_rng(4)), T.Q4_K)
+    assert k.factors is not None
+    bent = dataclasses.replace(k, factors=dataclasses.replace(k.factors, codes=k.factors.codes + 1))
+    for case in (u, bent):
+        layer = native_linear(case)
+        assert layer.scales.dtype == torch.float32 and getattr(layer, "scale_super", None) is None
+        x = torch.randn(3, 256, generator=torch.Generator().manual_seed(5))
+        assert torch.equal(layer(x), block_arithmetic(x, case, torch.float32))
 
 
 # llama.cpp's mixes (llama_model_quantize's choices for a small model, simplified): the tensor kind -> type

@@ -130,7 +130,8 @@ def _w8a8_linear_fake(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
 
 
 def _gguf_nib_linear_fake(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
-                          high: torch.Tensor | None, offset: int) -> torch.Tensor:
+                          high: torch.Tensor | None, offset: int, scale_super: torch.Tensor | None = None,
+                          min_super: torch.Tensor | None = None) -> torch.Tensor:
     """Shape function for torch.compile: [T, K] x [N / 16, K / 8, 64] -> [T, N] float32."""
     return x.new_empty(x.shape[0], packed.shape[0] * 16)
 

@@ -11,24 +11,28 @@ Each type unpacks, per output row, into codes ``q`` and float32 ``scale`` per su
 inputs and, for the types with one, ``mins`` per 32 inputs, with ``w = scale * q + mins`` equal to
 gguf-py's ``dequantize`` bit for bit (``tests/models/test_gguf_blocks.py``):
 
-========  =======================================  ==========================================
-type      w (j: a sub-block)                       codes on the nibble tile (bits per weight here)
-========  =======================================  ==========================================
-Q4_0      d * q - 8 d, q in 0..15                  4 bits, mins (4 + 2: float32 scale and min)
-Q4_1      d * q + m                                4 bits, mins (4 + 2)
-Q4_K      (d sc_j) * q - (dmin m_j), j of 32       4 bits, mins (4 + 2)
-Q5_0      d * (q - 16), q in 0..31                 5 bits, offset 16 (5 + 1)
-Q5_1      d * q + m                                5 bits, mins (5 + 2)
-Q5_K      (d sc_j) * q - (dmin m_j), j of 32       5 bits, mins (5 + 2)
-Q3_K      (d (sc_j - 32)) * (q - 4), j of 16       3 bits, offset 4, scales per 16 (4 + 2)
-Q6_K      (d sc_j) * (q - 32), j of 16             6 bits, offset 32, scales per 16 (6 + 2)
-Q8_0      d * q, q in -127..127                    the w8 tile (8 + 2: scale, code sum)
-========  =======================================  ==========================================
+========  =======================================  ==================================================
+type      w (j: a sub-block)                       on the nibble tile (bits per weight read here)
+========  =======================================  ==================================================
+Q4_0      d * q - 8 d, q in 0..15                  4 bits, mins; float16 d, -8 d (5.0; file 4.5)
+Q4_1      d * q + m                                4 bits, mins; float16 d, m (5.0; file 5.0)
+Q4_K      (d sc_j) * q - (dmin m_j), j of 32       4 bits, mins; int8 sc, m, float16 d, dmin (4.625; 4.5)
+Q5_0      d * (q - 16), q in 0..31                 5 bits, offset 16; float16 d (5.5; 5.5)
+Q5_1      d * q + m                                5 bits, mins; float16 d, m (6.0; 6.0)
+Q5_K      (d sc_j) * q - (dmin m_j), j of 32       5 bits, mins; as Q4_K (5.625; 5.5)
+Q3_K      (d (sc_j - 32)) * (q - 4), j of 16       3 bits in a nibble, offset 4; int8 sc, float16 d (4.5625; 3.44)
+Q6_K      (d sc_j) * (q - 32), j of 16             6 bits, offset 32; int8 sc, float16 d (6.5625; 6.5625)
+Q8_0      d * q, q in -127..127                    the w8 tile; float16 d, int32 code sum (9.5; 8.5)
+========  =======================================  ==================================================
 
-(The scales are float32 because ``d * sc_j`` needs up to 17 bits of mantissa: float16 would round
-them; a code's bits above the 4th are bit planes beside the nibbles, ``a8.pack_high``. llama.cpp's
-own CPU layouts hold 4.5-6.6 bits per weight, these 5-8: more to read per token.) Other types (Q2_K, the IQ types, F16 / BF16 / F32 projections) and a mixture's experts
-are not run natively: ``quantize_gguf`` converts them to Q8_0 (``w8a8``) and says so, per type.
+The kernel reads the scales as the file holds them (``KFactors``: a K-quant's int8 sub-block codes and
+its float16 ``d`` per 256 inputs, the product formed in float32, where it is exact: a float16 times a
+7-bit integer fits float32's mantissa, so the bits are those of ``scale`` above), so a token reads
+about the file's bytes: at batch 1 the projections are bound by memory bandwidth (on a 2-core EPYC,
+float32 scales per sub-block read 1.26x the bytes of a Llama-3.2-1B Q4_K_M and decoded 1.2-1.35x
+slower). A code's bits above the 4th are bit planes beside the nibbles (``a8.pack_high``). Other types
+(Q2_K, the IQ types, F16 / BF16 / F32 projections) and a mixture's experts are not run natively:
+``quantize_gguf`` converts them to Q8_0 (``w8a8``) and says so, per type.
 
 The bit unpacking repeats gguf-py's ``dequantize_blocks`` lines (``gguf.quants``) up to the product:
 gguf-py does not return the codes and scales apart, and the kernel needs them apart.
@@ -79,6 +83,27 @@ class Unpacked:
     sub: int  # inputs per scale: 32 or 16
     bits: int  # 3-6: the nibble tile; 8: the w8 tile
     offset: int  # subtracted from the kernel's codes ``q + offset`` (Q5_0 16, Q3_K 4, Q6_K 32)
+    factors: KFactors | None = None  # a K-quant's scales (and mins) as the file holds them
+
+
+@dataclass(frozen=True)
+class KFactors:
+    """A K-quant matrix's scales as its file holds them: ``scale = d[n, k // 256] * codes`` (and
+    ``mins = min_d * min_codes``), products exact in float32, so the kernel forms them itself and reads
+    8 bits per 16 or 32 inputs and 16 per 256 instead of a float32 per 16 or 32."""
+
+    codes: np.ndarray  # [N, K / sub] int8
+    d: np.ndarray  # [N, K / 256] float16
+    mins: tuple[np.ndarray, np.ndarray] | None  # ([N, K / 32] int8 codes, [N, K / 256] float16 (-dmin))
+
+    def exact(self, u: Unpacked) -> bool:
+        """Whether these factors give ``u``'s float32 scales and mins bit for bit (they do for any file:
+        a float16 times a 7-bit integer fits float32's mantissa); the kernel reads them only then."""
+        def product(codes: np.ndarray, d: np.ndarray) -> np.ndarray:
+            return np.repeat(d.astype(np.float32), codes.shape[1] // d.shape[1], axis=1) * codes
+        if not np.array_equal(product(self.codes, self.d), u.scale):
+            return False
+        return self.mins is None or (u.mins is not None and np.array_equal(product(*self.mins), u.mins))
 
 
 def _f16(a: np.ndarray) -> np.ndarray:
@@ -99,53 +124,77 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
     return ((bits & np.uint32(1)).astype(np.uint8)) << np.uint8(4)
 
 
-def _q4_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+@dataclass(frozen=True)
+class _Parts:
+    """One type's blocks unpacked, per block: codes, float32 scales (and mins) and, for the K-quants, the
+    file's factors of them, ``scale = d * sc`` and ``mins = dmin * m`` (d, dmin float16 per 256 inputs,
+    dmin negated here; sc, m the int8 sub-block codes): what the kernel reads instead of float32 scales."""
+
+    q: np.ndarray  # [nb, block]
+    scale: np.ndarray  # [nb, block / sub] float32
+    mins: np.ndarray | None = None  # [nb, block / 32] float32
+    d: np.ndarray | None = None  # [nb, 1] float16
+    sc: np.ndarray | None = None  # [nb, block / sub] int8
+    dmin: np.ndarray | None = None  # [nb, 1] float16
+    m: np.ndarray | None = None  # [nb, block / 32] int8
+
+
+def _h16(a: np.ndarray) -> np.ndarray:
+    """[nb, 2] uint8 -> [nb, 1] float16 (a block's float16 field as it is)."""
+    return a.copy().view(np.float16)
+
+
+def _q4_0(b: np.ndarray) -> _Parts:
     d = _f16(b[:, :2])
-    return _nibbles(b[:, 2:], 16), d, -8 * d  # d * (q - 8) == d * q + (-8 d) exactly (both exact products)
+    return _Parts(_nibbles(b[:, 2:], 16), d, -8 * d)  # d * (q - 8) == d * q + (-8 d) exactly (exact products)
 
 
-def _q4_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    return _nibbles(b[:, 4:], 16), _f16(b[:, :2]), _f16(b[:, 2:4])
+def _q4_1(b: np.ndarray) -> _Parts:
+    return _Parts(_nibbles(b[:, 4:], 16), _f16(b[:, :2]), _f16(b[:, 2:4]))
 
 
-def _q5_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _q5_0(b: np.ndarray) -> _Parts:
     q = _nibbles(b[:, 6:], 16) | _fifth_bits(b[:, 2:6])
-    return q.astype(np.int8) - np.int8(16), _f16(b[:, :2]), None
+    return _Parts(q.astype(np.int8) - np.int8(16), _f16(b[:, :2]))
 
 
-def _q5_1(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    return _nibbles(b[:, 8:], 16) | _fifth_bits(b[:, 4:8]), _f16(b[:, :2]), _f16(b[:, 2:4])
+def _q5_1(b: np.ndarray) -> _Parts:
+    return _Parts(_nibbles(b[:, 8:], 16) | _fifth_bits(b[:, 4:8]), _f16(b[:, :2]), _f16(b[:, 2:4]))
 
 
-def _q8_0(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    return b[:, 2:].copy().view(np.int8), _f16(b[:, :2]), None
+def _q8_0(b: np.ndarray) -> _Parts:
+    return _Parts(b[:, 2:].copy().view(np.int8), _f16(b[:, :2]))
 
 
-def _k_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K / Q5_K's super-block head -> (scale, mins) [nb, 8]: d * sc_j and -(dmin * m_j)."""
+def _k_scales(q: np.ndarray, b: np.ndarray) -> _Parts:
+    """Q4_K / Q5_K's codes ``q`` and super-block head ``b`` -> scales ``d * sc_j`` and mins ``-(dmin * m_j)``
+    ([nb, 8]), with their factors (``(-dmin) * m_j`` is the same float32 as ``-(dmin * m_j)``)."""
     sc, m = Q4_K.get_scale_min(b[:, 4:16])
-    return _f16(b[:, :2]) * sc.astype(np.float32), -(_f16(b[:, 2:4]) * m.astype(np.float32))
+    d, dmin = _h16(b[:, :2]), -_h16(b[:, 2:4])
+    return _Parts(q, d.astype(np.float32) * sc.astype(np.float32), dmin.astype(np.float32) * m.astype(np.float32),
+                  d, sc.astype(np.int8), dmin, m.astype(np.int8))
 
 
-def _q4_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-    return _nibbles(b[:, 16:], 32), *_k_scales(b)
+def _q4_k(b: np.ndarray) -> _Parts:
+    return _k_scales(_nibbles(b[:, 16:], 32), b)
 
 
-def _q5_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _q5_k(b: np.ndarray) -> _Parts:
     nb = b.shape[0]
     qh = b[:, 16:48].reshape(nb, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
-    return _nibbles(b[:, 48:], 32) | ((qh & np.uint8(1)).reshape(nb, -1) << np.uint8(4)), *_k_scales(b)
+    return _k_scales(_nibbles(b[:, 48:], 32) | ((qh & np.uint8(1)).reshape(nb, -1) << np.uint8(4)), b)
 
 
-def _q6_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _q6_k(b: np.ndarray) -> _Parts:
     nb = b.shape[0]
     ql = _nibbles(b[:, :128], 64)
     qh = b[:, 128:192].reshape(nb, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     q = (ql | ((qh & np.uint8(3)).reshape(nb, -1) << np.uint8(4))).astype(np.int8) - np.int8(32)
-    return q, _f16(b[:, 208:210]) * b[:, 192:208].copy().view(np.int8).astype(np.float32), None
+    d, sc = _h16(b[:, 208:210]), b[:, 192:208].copy().view(np.int8)
+    return _Parts(q, d.astype(np.float32) * sc.astype(np.float32), None, d, sc)
 
 
-def _q3_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+def _q3_k(b: np.ndarray) -> _Parts:
     nb = b.shape[0]
     hmask, qs, scales = b[:, :32], b[:, 32:96], b[:, 96:108]
     low = (scales[:, :8].reshape(nb, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(1, 2, 1)).reshape(nb, 16)
@@ -154,10 +203,11 @@ def _q3_k(b: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     ql = qs.reshape(nb, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
     qh = hmask.reshape(nb, -1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
     q = (ql.reshape(nb, -1) & np.uint8(3)).astype(np.int8) - ((qh.reshape(nb, -1) & np.uint8(1)) ^ np.uint8(1)).astype(np.int8) * np.int8(4)
-    return q, _f16(b[:, 108:110]) * sc.astype(np.float32), None
+    d = _h16(b[:, 108:110])
+    return _Parts(q, d.astype(np.float32) * sc.astype(np.float32), None, d, sc)
 
 
-_Unpack = Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray | None]]
+_Unpack = Callable[[np.ndarray], _Parts]
 # type -> (unpack one block per row of [nb, bytes], inputs per block, inputs per scale, code bits, offset)
 NATIVE: dict[T, tuple[_Unpack, int, int, int, int]] = {
     T.Q4_0: (_q4_0, 32, 32, 4, 0), T.Q4_1: (_q4_1, 32, 32, 4, 0), T.Q4_K: (_q4_k, 256, 32, 4, 0),
@@ -174,10 +224,15 @@ def unpack(raw: np.ndarray, qtype: T) -> Unpacked:
     type_bytes = GGML_QUANT_SIZES[qtype][1]
     if row_bytes % type_bytes:
         raise QuantizationError(f"a {qtype.name} row of {row_bytes} bytes is not whole blocks of {type_bytes}")
-    q, scale, mins = fn(np.ascontiguousarray(raw).reshape(-1, type_bytes))
+    p = fn(np.ascontiguousarray(raw).reshape(-1, type_bytes))
     k = row_bytes // type_bytes * block
-    return Unpacked(qtype.name, q.reshape(n, k).astype(np.int8), scale.reshape(n, k // sub).astype(np.float32),
-                    None if mins is None else mins.reshape(n, k // 32).astype(np.float32), sub, bits, offset)
+    factors = None
+    if p.d is not None and p.sc is not None:
+        mins = None if p.m is None or p.dmin is None else (p.m.reshape(n, k // 32), p.dmin.reshape(n, k // 256))
+        factors = KFactors(p.sc.reshape(n, k // sub), p.d.reshape(n, k // 256), mins)
+    return Unpacked(qtype.name, p.q.reshape(n, k).astype(np.int8), p.scale.reshape(n, k // sub).astype(np.float32),
+                    None if p.mins is None else p.mins.reshape(n, k // 32).astype(np.float32), sub, bits, offset,
+                    factors)
 
 
 def dequantize(u: Unpacked) -> np.ndarray:
@@ -186,26 +241,53 @@ def dequantize(u: Unpacked) -> np.ndarray:
     return w if u.mins is None else w + np.repeat(u.mins, 32, axis=1)
 
 
+def _as_float16(a: np.ndarray | None) -> np.ndarray | None:
+    """``a`` in float16 when that holds every value exactly (the legacy types' d and m are the file's
+    float16 fields), else None."""
+    if a is None:
+        return None
+    with np.errstate(over="ignore"):
+        h = a.astype(np.float16)
+    return h if np.array_equal(h.astype(np.float32), a) else None
+
+
 class GgufNibLinear(A8Linear):
-    """Codes of 3-6 bits (a nibble and up to two high bit planes) with float32 scales per 32 or 16 inputs,
-    an offset, and mins per 32 for the types with them: ``tidespec::gguf_nib_linear``."""
+    """Codes of 3-6 bits (a nibble and up to two high bit planes) with scales per 32 or 16 inputs, an
+    offset, and mins per 32 for the types with them: ``tidespec::gguf_nib_linear``. The scales are held as
+    the file holds them, so a token reads about the file's bytes: a K-quant's int8 sub-block codes and
+    float16 super-block ``d`` (``scale_super``, ``min_super``), a legacy type's float16 ``d`` and ``m``;
+    float32 only where neither is exact (never for a well-formed file)."""
 
     scheme = "gguf"
-    kernel_dtype = torch.float32
+    kernel_dtype = torch.float16
     packed: torch.Tensor  # [N_pad/16, K/8, 64] uint8
-    scales: torch.Tensor  # [N_pad/16, K/sub, 16] float32
-    mins: torch.Tensor | None  # [N_pad/16, K/32, 16] float32
+    scales: torch.Tensor  # [N_pad/16, K/sub, 16] int8 codes, float16 or float32
+    mins: torch.Tensor | None  # [N_pad/16, K/32, 16], the scales' dtype
     high: torch.Tensor | None  # [N_pad/16, K/8, bits - 4, 2, 8] uint8
+    scale_super: torch.Tensor | None  # [N_pad/16, K/256, 16] float16 with int8 codes
+    min_super: torch.Tensor | None  # [N_pad/16, K/256, 16] float16 with int8 codes and mins
 
     def __init__(self, u: Unpacked) -> None:
         n, k = u.q.shape
         super().__init__(k, n, None)
         codes = torch.from_numpy((u.q.astype(np.int16) + u.offset).astype(np.uint8))
         self.register_buffer("packed", pack_nibbles(codes))
-        self.register_buffer("scales", panel_values(torch.from_numpy(u.scale)))
-        self.register_buffer("mins", None if u.mins is None else panel_values(torch.from_numpy(u.mins)))
         self.register_buffer("high", pack_high(codes, u.bits - 4) if u.bits > 4 else None)
-        self._kernel_buffers = ("scales",) if u.mins is None else ("scales", "mins")
+        f = u.factors
+        supers: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
+        if f is not None and f.exact(u):
+            scales, mins = f.codes, None if f.mins is None else f.mins[0]
+            supers = (f.d, None if f.mins is None else f.mins[1])
+        else:
+            scales, mins = _as_float16(u.scale), _as_float16(u.mins)
+            if scales is None or (u.mins is not None and mins is None):
+                scales, mins = u.scale, u.mins
+                self.kernel_dtype = torch.float32
+        for name, values in (("scales", scales), ("mins", mins), ("scale_super", supers[0]),
+                             ("min_super", supers[1])):
+            self.register_buffer(name, None if values is None else panel_values(torch.from_numpy(values)))
+        self._kernel_buffers = tuple(name for name in ("scales", "mins", "scale_super", "min_super")
+                                     if getattr(self, name) is not None and getattr(self, name).is_floating_point())
         self.type_name, self.offset = u.type_name, u.offset
 
     @property
@@ -214,14 +296,14 @@ class GgufNibLinear(A8Linear):
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, K] float32 -> [T, N_pad] float32
-        return torch.ops.tidespec.gguf_nib_linear(x, self.packed, self.scales, self.mins, self.high, self.offset)
+        return torch.ops.tidespec.gguf_nib_linear(x, self.packed, self.scales, self.mins, self.high, self.offset,
+                                                  self.scale_super, self.min_super)
 
 
 class GgufW8Linear(W8A8Linear):
-    """Q8_0 codes with float32 scales on the w8 tile (w8a8's layer, the file's blocks)."""
+    """Q8_0 codes with the file's float16 scales on the w8 tile (w8a8's layer, the file's blocks)."""
 
     scheme = "gguf"
-    kernel_dtype = torch.float32
     type_name = "Q8_0"
 
     @property
@@ -236,7 +318,11 @@ def native_linear(u: Unpacked) -> GgufNibLinear | GgufW8Linear:
         raise QuantizationError(f"a {u.type_name} matrix of {k} inputs: the kernels take multiples of {A8_BLOCK}")
     if u.bits <= 6:
         return GgufNibLinear(u)
-    return GgufW8Linear(*pack_w8(torch.from_numpy(u.q), torch.from_numpy(u.scale)), k, n)
+    half = _as_float16(u.scale)  # Q8_0's d: the file's float16 (float32 kept if a value were not)
+    scale = torch.from_numpy(u.scale if half is None else half)
+    layer = GgufW8Linear(*pack_w8(torch.from_numpy(u.q), scale), k, n)
+    layer.kernel_dtype = scale.dtype
+    return layer
 
 
 class StackedLinear(nn.Module):
@@ -370,8 +456,15 @@ def _stacked(run: list[Unpacked]) -> Unpacked:
     if len(run) == 1:
         return run[0]
     mins = [u.mins for u in run if u.mins is not None]
+    factors = [u.factors for u in run if u.factors is not None]
+    stacked = None
+    if len(factors) == len(run):
+        parts = [f.mins for f in factors if f.mins is not None]
+        min_parts = (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])) if parts else None
+        stacked = KFactors(np.concatenate([f.codes for f in factors]), np.concatenate([f.d for f in factors]),
+                           min_parts)
     return Unpacked(run[0].type_name, np.concatenate([u.q for u in run]), np.concatenate([u.scale for u in run]),
-                    np.concatenate(mins) if mins else None, run[0].sub, run[0].bits, run[0].offset)
+                    np.concatenate(mins) if mins else None, run[0].sub, run[0].bits, run[0].offset, stacked)
 
 
 def _rows_of(module: nn.Module, start: int, count: int) -> nn.Module:

@@ -19,8 +19,11 @@
 //   w8a8: weight w[o, k] = dw[o, b] * q[o, k], q in -127..127 (Q8_0); dw float16
 //         acc = acc + (dw * dx) * float(sum_k q[o, k] qx[k])
 //
-// A GGUF file's own blocks (models/quant/gguf_blocks.py, --quantization gguf) run with float32 scales
-// (a K-quant's sub-block scale d * sc is exact in float32, not in float16), in two tiles:
+// A GGUF file's own blocks (models/quant/gguf_blocks.py, --quantization gguf) run in two tiles, their
+// scales held as the file holds them: the legacy types' float16 d (and m) per 32 inputs, a K-quant's
+// int8 sub-block codes sc per 16 or 32 inputs times the float16 d of its 256-input super-block, the
+// product float(d) * float(sc) formed in the kernel (exact in float32: 11 + 7 bits of mantissa, so the
+// same bits as a float32 scale computed beforehand; float32 scales remain for anything else):
 //   nibble tile: codes c in 0 .. 2^bits - 1 stored as a nibble plus 0-2 high bit planes, an integer
 //         offset o (the weight is scale * (c - o) [+ mw]), a scale per SUB = 32 or 16 inputs, optional
 //         mins mw per 32; per sub-block s of block b in order:
@@ -48,7 +51,8 @@
 //       takes the 128s back out, exactly).
 //   nibble tile: packed as w4; high [P, K / 8, HB, 2, 8] uint8: for octet j, plane h (bit 4 + h of the
 //       code) and half (the low / high nibbles' vector), 64 bits, bit 4o + t that of the byte at 4o + t;
-//       scales [P, K / SUB, 16] float32, mins [P, KB, 16] float32.
+//       scales [P, K / SUB, 16] and mins [P, KB, 16] float32 or float16, or int8 codes with
+//       scale_super / min_super [P, K / 256, 16] float16 (the value: super * code).
 //
 // Worked example (w4a8, K = 32, one output; q = 1 everywhere, dw = 0.5, mw = -1, so w = -0.5; x = 2
 // everywhere): dx = 2 / 127, qx = 127, sx = dx * 4064 = 64; acc = (0.5 dx) * 4064 + (-1) * 64 = -32,
@@ -66,6 +70,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -165,7 +170,9 @@ inline void store(const __m512 (&acc)[R][PN], int64_t p0, int64_t r0, float* y, 
 }
 
 // Where a nibble tile's weights live: the 16 scales of panel p's sub-block u at scales + p * panel_s +
-// u * s_stride, its mins of block b at mins + p * panel_m + b * m_stride (w4a8 interleaves d and m).
+// u * s_stride, its mins of block b at mins + p * panel_m + b * m_stride (w4a8 interleaves d and m);
+// S = int8_t: codes, times the float16 super-scales of block b's 256 inputs at scale_super / min_super +
+// p * panel_super + (b / 8) * 16.
 template <typename S>
 struct Nibbles {
   const uint8_t* packed;  // [P, K / 8, 64]
@@ -174,7 +181,22 @@ struct Nibbles {
   int64_t panel_s, s_stride;
   const S* mins;
   int64_t panel_m, m_stride;
+  const c10::Half* scale_super = nullptr;  // [P, K / 256, 16] when S = int8_t
+  const c10::Half* min_super = nullptr;
+  int64_t panel_super = 0;
 };
+
+// The 16 values (scales or mins) of a panel at v + at: float32 / float16 as stored, or int8 codes times
+// the float16 super-scale at super + sup (float(d) * float(sc): exact, so the bits of d * sc in float32).
+template <typename S>
+A8_TARGET inline __m512 panel_values(const S* v, int64_t at, const c10::Half* super, int64_t sup) {
+  if constexpr (std::is_same_v<S, int8_t>) {
+    const __m128i codes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(v + at));
+    return _mm512_mul_ps(load16(super + sup), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes)));
+  } else {
+    return load16(v + at);
+  }
+}
 
 A8_TARGET inline __mmask64 mask64(const uint8_t* p) {
   uint64_t v;
@@ -218,7 +240,8 @@ A8_TARGET void nib_tile(const Rows& x, int64_t K, const Nibbles<S>& w, int64_t p
     }
     for (int p = 0; p < PN; ++p) {
       for (int u = 0; u < NS; ++u) {
-        const __m512 dw = load16(w.scales + (p0 + p) * w.panel_s + (b * NS + u) * w.s_stride);
+        const __m512 dw = panel_values(w.scales, (p0 + p) * w.panel_s + (b * NS + u) * w.s_stride, w.scale_super,
+                                       (p0 + p) * w.panel_super + (b / 8) * OUTS);
         for (int r = 0; r < R; ++r) {
           __m512i total = isum[r][p][u * H];
           if (H > 1) {
@@ -234,7 +257,8 @@ A8_TARGET void nib_tile(const Rows& x, int64_t K, const Nibbles<S>& w, int64_t p
         }
       }
       if constexpr (MIN) {
-        const __m512 mw = load16(w.mins + (p0 + p) * w.panel_m + b * w.m_stride);
+        const __m512 mw = panel_values(w.mins, (p0 + p) * w.panel_m + b * w.m_stride, w.min_super,
+                                       (p0 + p) * w.panel_super + (b / 8) * OUTS);
         for (int r = 0; r < R; ++r) {
           acc[r][p] = _mm512_add_ps(acc[r][p], _mm512_mul_ps(mw, _mm512_set1_ps(x.s[(r0 + r) * KB + b])));
         }
@@ -360,6 +384,9 @@ struct Nibbles {
   int64_t panel_s, s_stride;
   const S* mins;
   int64_t panel_m, m_stride;
+  const c10::Half* scale_super = nullptr;
+  const c10::Half* min_super = nullptr;
+  int64_t panel_super = 0;
 };
 template <typename S, int HB, int SUB, int OFF, bool MIN>
 void run_nib(const float*, int64_t, int64_t, const Nibbles<S>&, int64_t, float*) {
@@ -401,23 +428,70 @@ at::Tensor w4a8_linear(const at::Tensor& x, const at::Tensor& packed, const at::
   return y;
 }
 
+// The (HB, SUB, offset, mins) tiles of Q4_0/1/K, Q5_0, Q5_1/K, Q3_K and Q6_K for scales of type S (float32
+// for any type; float16 for the legacy types; int8 codes for the K-quants); any other a one-line error.
+template <typename S>
+void run_gguf_nib(const float* xp, int64_t R, int64_t K, const Nibbles<S>& w, int64_t N, float* yp, int64_t hb,
+                  int64_t sub, int64_t offset, bool m) {
+  constexpr bool legacy = !std::is_same_v<S, int8_t>, kquant = !std::is_same_v<S, c10::Half>;
+  if (hb == 0 && sub == 32 && offset == 0 && m) {
+    return run_nib<S, 0, 32, 0, true>(xp, R, K, w, N, yp);  // Q4_0, Q4_1, Q4_K
+  }
+  if (hb == 1 && sub == 32 && offset == 0 && m) {
+    return run_nib<S, 1, 32, 0, true>(xp, R, K, w, N, yp);  // Q5_1, Q5_K
+  }
+  if constexpr (legacy) {
+    if (hb == 1 && sub == 32 && offset == 16 && !m) {
+      return run_nib<S, 1, 32, 16, false>(xp, R, K, w, N, yp);  // Q5_0
+    }
+  }
+  if constexpr (kquant) {
+    if (hb == 0 && sub == 16 && offset == 4 && !m) {
+      return run_nib<S, 0, 16, 4, false>(xp, R, K, w, N, yp);  // Q3_K
+    }
+    if (hb == 2 && sub == 16 && offset == 32 && !m) {
+      return run_nib<S, 2, 16, 32, false>(xp, R, K, w, N, yp);  // Q6_K
+    }
+  }
+  TORCH_CHECK(false, "gguf_nib_linear: no tile for ", hb, " high planes, scales per ", sub, ", offset ", offset,
+              m ? ", mins" : ", no mins", " with ", std::is_same_v<S, int8_t> ? "int8 codes" : "these scales");
+}
+
+void check_values(const at::Tensor& t, int64_t P, int64_t per, const char* name) {
+  TORCH_CHECK(t.dim() == 3 && t.size(0) == P && t.size(1) == per && t.size(2) == OUTS && t.is_contiguous(),
+              "gguf_nib_linear: ", name, " must be a contiguous [N / 16, ", per, ", 16] tensor");
+}
+
 // A GGUF matrix on the nibble tile (models/quant/gguf_blocks.py): x [T, K] float32, packed [N / 16, K / 8, 64]
-// uint8, scales [N / 16, K / SUB, 16] float32 (SUB 32 or 16), mins None or [N / 16, K / 32, 16] float32,
+// uint8, scales [N / 16, K / SUB, 16] (SUB 32 or 16), mins None or [N / 16, K / 32, 16], both float32 or
+// float16, or both int8 codes with scale_super (and min_super, with mins) [N / 16, K / 256, 16] float16;
 // high None or [N / 16, K / 8, HB, 2, 8] uint8 (HB 1 or 2), offset: the codes' -> [T, N] float32.
-// The (HB, SUB, offset, mins) of Q4_0/1/K, Q5_0, Q5_1/K, Q3_K and Q6_K; any other a one-line error.
 at::Tensor gguf_nib_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
-                           const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& high, int64_t offset) {
+                           const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& high, int64_t offset,
+                           const std::optional<at::Tensor>& scale_super, const std::optional<at::Tensor>& min_super) {
   check_x(x, "gguf_nib_linear");
   const int64_t K = x.size(1), P = packed.size(0), KB = K / BLOCK;
   check_packed(packed, K, "gguf_nib_linear");
   const int64_t sub = scales.dim() == 3 && scales.size(1) > 0 ? K / scales.size(1) : 0;
-  TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.size(0) == P && (sub == 32 || sub == 16)
-                  && scales.size(1) * sub == K && scales.size(2) == OUTS && scales.is_contiguous(),
-              "gguf_nib_linear: scales must be a contiguous [N / 16, K / 32 or K / 16, 16] float32");
+  TORCH_CHECK(sub == 32 || sub == 16, "gguf_nib_linear: scales must hold one value per 32 or 16 inputs");
+  check_values(scales, P, K / sub, "scales");
+  const auto type = scales.scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kHalf || type == at::kChar,
+              "gguf_nib_linear: scales must be float32, float16 or int8 codes");
   if (mins.has_value()) {
-    TORCH_CHECK(mins->scalar_type() == at::kFloat && mins->dim() == 3 && mins->size(0) == P && mins->size(1) == KB
-                    && mins->size(2) == OUTS && mins->is_contiguous(),
-                "gguf_nib_linear: mins must be a contiguous [N / 16, K / 32, 16] float32");
+    check_values(*mins, P, KB, "mins");
+    TORCH_CHECK(mins->scalar_type() == type, "gguf_nib_linear: mins must have the scales' dtype");
+  }
+  const bool codes = type == at::kChar;
+  TORCH_CHECK(!codes || K % 256 == 0, "gguf_nib_linear: int8 codes need whole 256-input super-blocks");
+  for (const auto& [super, present, name] : {std::tuple(scale_super, codes, "scale_super"),
+                                             std::tuple(min_super, codes && mins.has_value(), "min_super")}) {
+    TORCH_CHECK(super.has_value() == present, "gguf_nib_linear: ", name, present ? " is required with int8 codes"
+                                                                           : " goes only with int8 codes");
+    if (present) {
+      check_values(*super, P, K / 256, name);
+      TORCH_CHECK(super->scalar_type() == at::kHalf, "gguf_nib_linear: ", name, " must be float16");
+    }
   }
   const int64_t hb = high.has_value() ? high->size(2) : 0;
   if (high.has_value()) {
@@ -430,26 +504,24 @@ at::Tensor gguf_nib_linear(const at::Tensor& x, const at::Tensor& packed, const 
   if (x.size(0) == 0) {
     return y;
   }
-  const Nibbles<float> w{packed.data_ptr<uint8_t>(), high.has_value() ? high->data_ptr<uint8_t>() : nullptr,
-                         scales.data_ptr<float>(), (K / sub) * OUTS, OUTS,
-                         mins.has_value() ? mins->data_ptr<float>() : nullptr, KB * OUTS, OUTS};
+  const uint8_t* hp = high.has_value() ? high->data_ptr<uint8_t>() : nullptr;
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t R = x.size(0), N = P * OUTS;
+  const int64_t R = x.size(0), N = P * OUTS, panel_s = (K / sub) * OUTS, panel_m = KB * OUTS;
   const bool m = mins.has_value();
-  if (hb == 0 && sub == 32 && offset == 0 && m) {
-    run_nib<float, 0, 32, 0, true>(xp, R, K, w, N, yp);  // Q4_0, Q4_1, Q4_K
-  } else if (hb == 1 && sub == 32 && offset == 0 && m) {
-    run_nib<float, 1, 32, 0, true>(xp, R, K, w, N, yp);  // Q5_1, Q5_K
-  } else if (hb == 1 && sub == 32 && offset == 16 && !m) {
-    run_nib<float, 1, 32, 16, false>(xp, R, K, w, N, yp);  // Q5_0
-  } else if (hb == 0 && sub == 16 && offset == 4 && !m) {
-    run_nib<float, 0, 16, 4, false>(xp, R, K, w, N, yp);  // Q3_K
-  } else if (hb == 2 && sub == 16 && offset == 32 && !m) {
-    run_nib<float, 2, 16, 32, false>(xp, R, K, w, N, yp);  // Q6_K
+  if (type == at::kFloat) {
+    const Nibbles<float> w{packed.data_ptr<uint8_t>(), hp, scales.data_ptr<float>(), panel_s, OUTS,
+                           m ? mins->data_ptr<float>() : nullptr, panel_m, OUTS};
+    run_gguf_nib(xp, R, K, w, N, yp, hb, sub, offset, m);
+  } else if (type == at::kHalf) {
+    const Nibbles<c10::Half> w{packed.data_ptr<uint8_t>(), hp, scales.data_ptr<c10::Half>(), panel_s, OUTS,
+                               m ? mins->data_ptr<c10::Half>() : nullptr, panel_m, OUTS};
+    run_gguf_nib(xp, R, K, w, N, yp, hb, sub, offset, m);
   } else {
-    TORCH_CHECK(false, "gguf_nib_linear: no tile for ", hb, " high planes, scales per ", sub, ", offset ", offset,
-                m ? ", mins" : ", no mins");
+    const Nibbles<int8_t> w{packed.data_ptr<uint8_t>(), hp, scales.data_ptr<int8_t>(), panel_s, OUTS,
+                            m ? mins->data_ptr<int8_t>() : nullptr, panel_m, OUTS, scale_super->data_ptr<c10::Half>(),
+                            m ? min_super->data_ptr<c10::Half>() : nullptr, (K / 256) * OUTS};
+    run_gguf_nib(xp, R, K, w, N, yp, hb, sub, offset, m);
   }
   return y;
 }
@@ -489,7 +561,8 @@ bool a8_linear_available() { return vnni_here(); }
 TORCH_LIBRARY_FRAGMENT(tidespec, m) {
   m.def("w4a8_linear(Tensor x, Tensor packed, Tensor dm) -> Tensor");
   m.def("w8a8_linear(Tensor x, Tensor packed, Tensor scales, Tensor corr) -> Tensor");
-  m.def("gguf_nib_linear(Tensor x, Tensor packed, Tensor scales, Tensor? mins, Tensor? high, int offset) -> Tensor");
+  m.def("gguf_nib_linear(Tensor x, Tensor packed, Tensor scales, Tensor? mins, Tensor? high, int offset, "
+        "Tensor? scale_super=None, Tensor? min_super=None) -> Tensor");
   m.def("a8_linear_available() -> bool", &a8_linear_available);
 }
 
