@@ -89,7 +89,7 @@ class AnalyticPolicy:
         self.router = SequenceRouter(profile, ema) if per_sequence and len(drafters) > 1 and shadowed else None
         self.route_counts: dict[str, int] = {}  # drafter ("none") -> sequence-steps routed to it
         # measured step times correct the profile's price of speculating (``step_costs.py``)
-        self.costs = StepCosts(profile) if measured_costs else None
+        self.costs = StepCosts(profile, ema) if measured_costs else None
         self.num_plain_probes = 0
 
     @property
