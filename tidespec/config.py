@@ -378,9 +378,6 @@ class PolicyConfig:
     per_sequence: bool = opt(False, "analytic with several drafters (one model-free): each sequence its own drafter "
                                     "and length every step, a model-free drafter's draft priced against the model "
                                     "drafter's estimate")
-    measured_costs: bool = opt(True, "analytic: scale the profile's cost of a speculating step by measured step "
-                                     "times (speculating against plain, per batch size; a plain step now and "
-                                     "then to measure one)")
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:

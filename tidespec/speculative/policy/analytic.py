@@ -13,7 +13,6 @@ from __future__ import annotations
 from tidespec.speculative.policy.api import PlanInput, bucket_of, check_gamma_max
 from tidespec.speculative.policy.routing import SequenceRouter
 from tidespec.speculative.policy.speedup import Profile
-from tidespec.speculative.policy.step_costs import StepCosts
 from tidespec.speculative.policy.tracking import DrafterTrackers, predicted_speedups
 from tidespec.stats import StepStats
 
@@ -58,7 +57,7 @@ class AnalyticPolicy:
     def __init__(self, profile: Profile, gamma_max: int, ema: float = 0.1, prior_alpha: float = 0.7,
                  drafter: str | None = None, probe_every: int = 64, probe_budget: float = 0.02,
                  drafters: tuple[str, ...] = (), shadowed: frozenset[str] = frozenset(),
-                 per_sequence: bool = False, measured_costs: bool = True) -> None:
+                 per_sequence: bool = False) -> None:
         check_gamma_max(gamma_max)
         if probe_every < 0:
             raise ValueError(f"probe_every must be >= 0, got {probe_every}")
@@ -88,9 +87,6 @@ class AnalyticPolicy:
         # per-sequence drafting (``routing.py``): with several drafters, a model-free one among them
         self.router = SequenceRouter(profile, ema) if per_sequence and len(drafters) > 1 and shadowed else None
         self.route_counts: dict[str, int] = {}  # drafter ("none") -> sequence-steps routed to it
-        # measured step times correct the profile's price of speculating (``step_costs.py``)
-        self.costs = StepCosts(profile, ema) if measured_costs else None
-        self.num_plain_probes = 0
 
     @property
     def wants_offers(self) -> bool:
@@ -106,14 +102,7 @@ class AnalyticPolicy:
         """Eq.-5 speedup of every gamma 0..gamma_max at this batch size for ``drafter`` (the first
         when None), from its own estimates (``predicted_speedups``)."""
         name = drafter if drafter is not None else self.drafters[0]
-        speedups = predicted_speedups(self.trackers[name], batch_size, self.profile, self.gamma_max, name)
-        factor = self.cost_factor(batch_size)
-        return [speedups[0]] + [s / factor for s in speedups[1:]]
-
-    def cost_factor(self, batch_size: int) -> float:
-        """How much dearer a speculating step measures than the profile says, relative to a plain
-        step, at this batch size (``StepCosts.factor``; 1.0 without measured costs)."""
-        return self.costs.factor(batch_size) if self.costs is not None else 1.0
+        return predicted_speedups(self.trackers[name], batch_size, self.profile, self.gamma_max, name)
 
     def decide(self, batch_size: int) -> tuple[int, float]:
         """(gamma, predicted speedup) of the first drafter at this batch size now: the best gamma, 0
@@ -128,9 +117,6 @@ class AnalyticPolicy:
     def plan_drafters(self, inp: PlanInput) -> dict[int, tuple[str, int]]:
         if not inp.seqs:
             return {}
-        if self.costs is not None and self.costs.wants_plain(inp.batch_size):
-            self.num_plain_probes += 1  # measure a plain step at this batch size (``StepCosts.wants_plain``)
-            return {s.seq_id: (inp.drafters[0] if inp.drafters else "", 0) for s in inp.seqs}
         table = {d: self.predicted(inp.batch_size, d) for d in self.drafters}
         best = {d: _argmax(s, 1) for d, s in table.items()}  # each drafter's best gamma >= 1
         self._drafter_speedup = {d or "": table[d][best[d]] for d in self.drafters}
@@ -169,7 +155,7 @@ class AnalyticPolicy:
                   if d is not None and d not in self.shadowed}
         out: dict[int, tuple[str, int]] = {}
         for s in inp.seqs:
-            name, gamma = self.router.choose(inp.batch_size, models, s.offers, self.cost_factor(inp.batch_size))
+            name, gamma = self.router.choose(inp.batch_size, models, s.offers)
             self.route_counts[name or "none"] = self.route_counts.get(name or "none", 0) + 1
             out[s.seq_id] = (name or default, gamma)
         return out
@@ -181,8 +167,6 @@ class AnalyticPolicy:
         if step.num_cold_drafts:
             self._reprobe[key] = True
         self.trackers.update(key, step)
-        if self.costs is not None:
-            self.costs.observe(step)
         if self.router is not None:
             self.router.observe(step.drafter_outcomes)
 
@@ -197,10 +181,7 @@ class AnalyticPolicy:
 
     def stats(self) -> dict[str, float]:
         out = {"predicted_speedup": self.last_predicted_speedup, "alpha": self.alphas.global_alpha,
-               "rho": self.alphas.overall.rho(), "probe_steps": float(self.num_probes),
-               "plain_probe_steps": float(self.num_plain_probes)}
-        if self.costs is not None:
-            out.update(self.costs.stats())
+               "rho": self.alphas.overall.rho(), "probe_steps": float(self.num_probes)}
         for key in sorted(self._chosen):
             drafter, gamma = self._chosen[key]
             out[f"gamma_b{key}"] = float(gamma)

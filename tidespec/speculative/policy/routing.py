@@ -48,13 +48,11 @@ class SequenceRouter:
     _expected: dict[str, float] = field(default_factory=dict)  # this step's routed offers' expected tokens
 
     def choose(self, batch_size: int, models: dict[str, tuple[int, float]],
-               offers: dict[str, tuple[float, int]], cost_factor: float = 1.0) -> tuple[str, int]:
+               offers: dict[str, tuple[float, int]]) -> tuple[str, int]:
         """``models``: model drafter -> (its best gamma, predicted speedup) at this batch size;
         ``offers``: model-free drafter -> (expected accepted tokens, draft length) of its draft for
-        this sequence; ``cost_factor``: the measured price of a speculating step over the profile's
-        (``step_costs.StepCosts.factor``: an offer's speedup is divided by it; the models' come
-        divided). Returns (drafter, gamma), ("", 0) for none. Records a routed offer's expectation
-        for ``observe``."""
+        this sequence. Returns (drafter, gamma), ("", 0) for none. Records a routed offer's
+        expectation for ``observe``."""
         best: tuple[float, int, str] = (1.0, 0, "")  # (speedup, -tokens, drafter): max wins
         for name, (gamma, speedup) in models.items():
             if gamma > 0:
@@ -62,8 +60,7 @@ class SequenceRouter:
         for name, (expected, length) in offers.items():
             if length > 0:
                 accepted = min(float(length), max(0.0, expected) * self.calibration.get(name, 1.0))
-                speedup = speedup_of_lengths(1.0 + accepted, float(length), length, batch_size, self.profile,
-                                             name) / cost_factor
+                speedup = speedup_of_lengths(1.0 + accepted, float(length), length, batch_size, self.profile, name)
                 best = max(best, (speedup, -length, name))
         _, neg_gamma, name = best
         if name in offers:
