@@ -241,7 +241,9 @@ A8_TARGET void unpack_panels(const Nibbles<S>& w, int64_t K, int64_t p, int64_t 
 // R rows (quantized, row stride K / KB) through PN panels starting at panel p0 -> y (row stride ldy).
 // H: independent integer accumulators per (row, panel, sub-block), to hide vpdpbusd's latency when
 // R * PN is small. HB high bit planes, SUB inputs per scale, OFF the codes' offset, MIN: mins per 32.
-template <int R, int PN, int H, typename S, int HB, int SUB, int OFF, bool MIN>
+// PRE: the codes come unpacked (``Nibbles::pre``), a compile-time choice so that the decode tiles keep
+// their loop as it was.
+template <int R, int PN, int H, typename S, int HB, int SUB, int OFF, bool MIN, bool PRE>
 A8_TARGET void nib_tile(const Rows& x, int64_t K, const Nibbles<S>& w, int64_t p0, int64_t r0, float* y, int64_t ldy) {
   constexpr int NS = BLOCK / SUB, OCT = SUB / 8;  // sub-blocks per block, octets per sub-block
   const int64_t KB = K / BLOCK;
@@ -254,7 +256,7 @@ A8_TARGET void nib_tile(const Rows& x, int64_t K, const Nibbles<S>& w, int64_t p
       const int64_t a = (j - 4 * b) / OCT * H;  // the sub-block's accumulators
       for (int p = 0; p < PN; ++p) {
         __m512i lo, hi;
-        if (w.pre != nullptr) {
+        if constexpr (PRE) {
           const uint8_t* codes = w.pre + ((p0 + p - w.pre_p0) * (K / 8) + j) * 128;
           lo = _mm512_loadu_si512(codes);
           hi = _mm512_loadu_si512(codes + 64);
@@ -337,14 +339,14 @@ A8_TARGET void w8_tile(const Rows& x, int64_t K, const int8_t* packed, const S* 
 // Tiles: PN panels per task; rows in groups of up to ROW_GROUP, each group one tile call.
 constexpr int64_t TASK_PANELS = 4;
 
-template <int PN, typename S, int HB, int SUB, int OFF, bool MIN>
+template <int PN, typename S, int HB, int SUB, int OFF, bool MIN, bool PRE>
 void nib_rows(const Rows& x, int64_t K, const Nibbles<S>& w, int64_t p0, int64_t r0, int64_t n, float* y, int64_t ldy) {
   switch (n) {
-    case 1: return nib_tile<1, PN, 2, S, HB, SUB, OFF, MIN>(x, K, w, p0, r0, y, ldy);
-    case 2: return nib_tile<2, PN, 2, S, HB, SUB, OFF, MIN>(x, K, w, p0, r0, y, ldy);
-    case 3: return nib_tile<3, PN, 1, S, HB, SUB, OFF, MIN>(x, K, w, p0, r0, y, ldy);
-    case 4: return nib_tile<4, PN, 1, S, HB, SUB, OFF, MIN>(x, K, w, p0, r0, y, ldy);
-    default: return nib_tile<5, PN, 1, S, HB, SUB, OFF, MIN>(x, K, w, p0, r0, y, ldy);
+    case 1: return nib_tile<1, PN, 2, S, HB, SUB, OFF, MIN, PRE>(x, K, w, p0, r0, y, ldy);
+    case 2: return nib_tile<2, PN, 2, S, HB, SUB, OFF, MIN, PRE>(x, K, w, p0, r0, y, ldy);
+    case 3: return nib_tile<3, PN, 1, S, HB, SUB, OFF, MIN, PRE>(x, K, w, p0, r0, y, ldy);
+    case 4: return nib_tile<4, PN, 1, S, HB, SUB, OFF, MIN, PRE>(x, K, w, p0, r0, y, ldy);
+    default: return nib_tile<5, PN, 1, S, HB, SUB, OFF, MIN, PRE>(x, K, w, p0, r0, y, ldy);
   }
 }
 
@@ -391,20 +393,24 @@ void run_nib(const float* x, int64_t R, int64_t K, const Nibbles<S>& w, int64_t 
   const Rows rows = quantize_rows(x, R, K, 0);
   const bool pre = HB > 0 && R > ROW_GROUP;
   over_tasks(N / OUTS, R, [&](int64_t p, int64_t pn, int64_t r0, int64_t n) {
-    Nibbles<S> wp = w;
-    if (pre) {
-      thread_local std::vector<uint8_t> scratch;
-      if (r0 == 0) {  // the pair's first row group (over_tasks runs a pair's groups in order, on one thread)
-        scratch.resize(static_cast<size_t>(pn * K * 16));
-        unpack_panels<HB>(w, K, p, pn, scratch.data());
+    if constexpr (HB > 0) {
+      if (pre) {
+        thread_local std::vector<uint8_t> scratch;
+        if (r0 == 0) {  // the pair's first row group (over_tasks runs a pair's groups in order, on one thread)
+          scratch.resize(static_cast<size_t>(pn * K * 16));
+          unpack_panels<HB>(w, K, p, pn, scratch.data());
+        }
+        Nibbles<S> wp = w;
+        wp.pre = scratch.data();
+        wp.pre_p0 = p;
+        return pn == 2 ? nib_rows<2, S, HB, SUB, OFF, MIN, true>(rows, K, wp, p, r0, n, y, N)
+                       : nib_rows<1, S, HB, SUB, OFF, MIN, true>(rows, K, wp, p, r0, n, y, N);
       }
-      wp.pre = scratch.data();
-      wp.pre_p0 = p;
     }
     if (pn == 2) {
-      nib_rows<2, S, HB, SUB, OFF, MIN>(rows, K, wp, p, r0, n, y, N);
+      nib_rows<2, S, HB, SUB, OFF, MIN, false>(rows, K, w, p, r0, n, y, N);
     } else {
-      nib_rows<1, S, HB, SUB, OFF, MIN>(rows, K, wp, p, r0, n, y, N);
+      nib_rows<1, S, HB, SUB, OFF, MIN, false>(rows, K, w, p, r0, n, y, N);
     }
   });
 }
