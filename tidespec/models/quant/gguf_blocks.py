@@ -106,9 +106,14 @@ class KFactors:
         return self.mins is None or (u.mins is not None and np.array_equal(product(*self.mins), u.mins))
 
 
+def _h16(a: np.ndarray) -> np.ndarray:
+    """[nb, 2] uint8 -> [nb, 1] float16 (a block's float16 field as it is)."""
+    return a.copy().view(np.float16)
+
+
 def _f16(a: np.ndarray) -> np.ndarray:
     """[nb, 2] uint8 -> [nb, 1] float32 (a block's float16 field)."""
-    return a.copy().view(np.float16).astype(np.float32)
+    return _h16(a).astype(np.float32)
 
 
 def _nibbles(qs: np.ndarray, width: int) -> np.ndarray:
@@ -137,11 +142,6 @@ class _Parts:
     sc: np.ndarray | None = None  # [nb, block / sub] int8
     dmin: np.ndarray | None = None  # [nb, 1] float16
     m: np.ndarray | None = None  # [nb, block / 32] int8
-
-
-def _h16(a: np.ndarray) -> np.ndarray:
-    """[nb, 2] uint8 -> [nb, 1] float16 (a block's float16 field as it is)."""
-    return a.copy().view(np.float16)
 
 
 def _q4_0(b: np.ndarray) -> _Parts:
