@@ -35,6 +35,7 @@ from tests.helpers import (
 from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.models.loading.loader import LoadedModel, ModelLoadError, load_model
+from tidespec.models.quant import a8, gguf_blocks
 from tidespec.models.quant.a8 import a8_error
 from tidespec.models.quant.gguf_blocks import (
     NATIVE,
@@ -123,6 +124,20 @@ def test_the_kernel_is_its_block_arithmetic(qtype: T, rows: int) -> None:
     assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max().item())
     alone = torch.cat([layer(x[i:i + 1]) for i in range(rows)])
     assert torch.equal(y, alone), "a row's output depends on the other rows of the call"
+
+
+@pytest.mark.parametrize("qtype", [T.Q4_K, T.Q6_K, T.Q5_0, T.Q8_0], ids=lambda t: t.name)
+def test_unpacking_and_packing_in_pieces_equal_them_at_once(qtype: T, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a large matrix (a 128k vocabulary's head) is unpacked and packed a few million weights at a time, so
+    # that loading does not hold ~40 bytes of temporaries per weight: the pieces must join to the same layer
+    raw = random_blocks(qtype, 72, 512, np.random.default_rng(3 + int(qtype)))
+    whole = native_linear(unpack(raw, qtype))
+    monkeypatch.setattr(gguf_blocks, "UNPACK_WEIGHTS", 5 * 512)  # 5 rows a piece: 15 pieces, the last of 2
+    monkeypatch.setattr(a8, "PACK_WEIGHTS", 16 * 512)  # one 16-row panel a piece (72 rows pad to 80)
+    pieces = native_linear(unpack(raw, qtype))
+    assert whole.state_dict().keys() == pieces.state_dict().keys()
+    for name, t in whole.state_dict().items():
+        assert torch.equal(t, pieces.state_dict()[name]), name
 
 
 # bits per weight each layer reads (codes, high planes, scales, mins, super-scales): about the file's

@@ -15,9 +15,9 @@ from tests.speculative.test_embedded_lossless import run
 from tidespec.cli import main
 from tidespec.config import ModelConfig, SpecConfig
 from tidespec.llm import load_target
-from tidespec.models.loading.loader import LoadedModel
-from tidespec.models.quant.a8 import quantize_q4_1, quantize_q8_0
-from tidespec.models.quant.quantize import Int8Linear, quantization_of, quantize_model
+from tidespec.models.loading.loader import LoadedModel, load_model
+from tidespec.models.quant.a8 import a8_error, quantize_q4_1, quantize_q8_0
+from tidespec.models.quant.quantize import Int8Linear, ModelQuantizer, quantization_of, quantize_model
 from tidespec.speculative.drafters.draft_model import DraftModelOptions
 from tidespec.workloads.loader import load_prompts
 
@@ -34,6 +34,35 @@ def test_load_target_quantizes_as_configured(ckpt: Path) -> None:
     assert quantization_of(loaded.model) == "int4-g64"
     assert loaded.model.dtype == torch.float32  # the rest of the model keeps --dtype
     assert quantization_of(load_target(ModelConfig(model=str(ckpt), quantization="int8")).model) == "int8"
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4", "w4a8"])
+def test_a_quantized_load_holds_one_float_layer_at_a_time(ckpt: Path, mode: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # each layer is quantized as soon as its weights are read, while the layers after it are not yet
+    # allocated (meta), and the model is the same as one loaded in float and quantized after
+    if mode == "w4a8" and a8_error() is not None:
+        pytest.skip(f"a8 kernels unavailable: {a8_error()}")
+    reference = load_model(str(ckpt)).model
+    quantize_model(reference, mode)
+    seen: list[int] = []
+    layer = ModelQuantizer.layer
+
+    def checked(self: ModelQuantizer, i: int, module: torch.nn.Module) -> None:
+        later = list(self.model.layers)[i + 1:]
+        assert all(p.is_meta for m in later for p in m.parameters()), f"layer {i}: a later layer is allocated"
+        assert not any(p.is_meta for p in module.parameters())
+        seen.append(i)
+        layer(self, i, module)
+
+    monkeypatch.setattr(ModelQuantizer, "layer", checked)
+    loaded = load_model(str(ckpt), quantization=mode).model
+    assert seen == list(range(reference.cfg.num_layers))
+    assert quantization_of(loaded) == quantization_of(reference)
+    ref, got = reference.state_dict(), loaded.state_dict()
+    assert ref.keys() == got.keys()
+    for name, t in ref.items():
+        assert torch.equal(t, got[name]), name
 
 
 def test_generate_cli_runs_quantized_and_rejects_a_bad_group_size(ckpt: Path, capsys) -> None:

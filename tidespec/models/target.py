@@ -18,7 +18,7 @@ Worked example::
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -350,7 +350,8 @@ class TargetModel(Protocol):
 
     def warm_rope(self, device: torch.device, dtype: torch.dtype) -> None: ...
 
-    def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None: ...
+    def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True,
+                           each_layer: Callable[[int, nn.Module], None] | None = None) -> None: ...
 
     def tie_weights(self) -> None: ...
 

@@ -185,16 +185,20 @@ class DecoderModel(PlacedModule):
         tap_t = torch.cat(taps, dim=-1) if taps else None  # [T, num_taps * H]
         return ModelOutput(logits=logits, taps=tap_t, last_hidden=h)
 
-    def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True) -> None:
+    def load_hf_state_dict(self, sd: Mapping[str, torch.Tensor], strict: bool = True,
+                           each_layer: Callable[[int, nn.Module], None] | None = None) -> None:
         """Load HF-named weights (``model.layers.0.self_attn.q_proj.weight`` ...), fusing q|k|v
         and gate|up (a checkpoint that has them fused, Phi-3's, is taken as it is). Raises
         ``ModelConfigError`` naming the first missing or mis-shaped tensor.
 
         Each tensor is copied into its parameter as soon as it is read, so with a lazy ``sd`` (the
         loader's reads safetensors files tensor by tensor) loading holds no second copy of the
-        weights (a 3B model is 12.8 GB in float32). After an error the model is partly loaded: the
-        loader discards it."""
-        params = dict(self.named_parameters())
+        weights (a 3B model is 12.8 GB in float32). A layer still on the meta device (the loader builds
+        them there) is allocated just before its weights are copied in, and ``each_layer(i, layer)`` runs
+        as soon as layer i is full: the loader quantizes it there, so a quantized model loads holding
+        one layer in float, never all of them. After an error the model is partly loaded: the loader
+        discards it."""
+        params = {name: p for name, p in self.named_parameters() if not name.startswith("layers.")}
 
         def put(name: str, t: torch.Tensor) -> None:
             if params[name].shape != t.shape:
@@ -207,8 +211,11 @@ class DecoderModel(PlacedModule):
         put("norm.weight", get("model.norm.weight"))
         if not self.cfg.tie_word_embeddings:
             put("lm_head.weight", get("lm_head.weight"))
-        for i in range(self.cfg.num_layers):
+        for i, layer in enumerate(self.layers):
             p, ours = f"model.layers.{i}.", f"layers.{i}."
+            if any(w.is_meta for w in layer.parameters()):
+                layer.to_empty(device=self.embed_tokens.weight.device)
+            params.update((ours + name, w) for name, w in layer.named_parameters())
             for norm in LAYER_NORMS[self.cfg.norm_placement]:
                 put(f"{ours}{norm}.weight", get(f"{p}{norm}.weight"))
             a = p + "self_attn."
@@ -234,6 +241,10 @@ class DecoderModel(PlacedModule):
                     put(ours + "mlp.gate_up_proj.bias",
                         get.fused(m + "gate_up_proj.bias", m, ("gate_proj", "up_proj"), "bias"))
                     put(ours + "mlp.down_proj.bias", get(m + "down_proj.bias"))
+            for name in [n for n in params if n.startswith(ours)]:  # the layer's float weights: each_layer's now
+                del params[name]
+            if each_layer is not None:
+                each_layer(i, layer)
 
     def truncated(self, num_layers: int) -> DecoderModel:
         """A model sharing this one's weights but running only its first ``num_layers`` layers

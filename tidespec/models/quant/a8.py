@@ -41,6 +41,7 @@ from tidespec.models.quant.base import QuantizationError, QuantizedLinear
 A8_BLOCK = 32  # inputs per weight and activation block (GGUF's Q4_1 / Q8_0)
 A8_PANEL = 16  # outputs per packed panel (one vector of 16 int32 sums)
 SCALE_DTYPE = torch.float16  # GGUF's block scales
+PACK_WEIGHTS = 1 << 22  # weights per piece of a packing with large temporaries (``pack_high``)
 
 
 def a8_error() -> str | None:
@@ -132,11 +133,14 @@ def pack_high(q: torch.Tensor, planes: int) -> torch.Tensor:
     a 64-bit mask whose bit 4o + t is that of the byte at 4o + t (GGUF's Q5 / Q6_K codes)."""
     q = _pad_rows(q)
     n, k = q.shape
+    step = max(1, PACK_WEIGHTS // (A8_PANEL * k)) * A8_PANEL  # whole panels at a time: bounded temporaries
+    if n > step:
+        return torch.cat([pack_high(q[i:i + step], planes) for i in range(0, n, step)])
     q5 = q.reshape(n // A8_PANEL, A8_PANEL, k // 8, 2, 4).permute(0, 2, 3, 1, 4)  # [P, octet, half, o, t]
     bits = torch.stack([(q5 >> (4 + h)) & 1 for h in range(planes)], dim=2)  # [P, octet, plane, half, o, t]
-    flat = bits.reshape(-1, 8, 8).to(torch.int32)  # 8 bytes of 8 bits each, bit i of byte b = entry 8b + i
-    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.int32)
-    return (flat * weights).sum(dim=2).to(torch.uint8).reshape(n // A8_PANEL, k // 8, planes, 2, 8).contiguous()
+    flat = bits.reshape(-1, 8, 8)  # 8 bytes of 8 bits each, bit i of byte b = entry 8b + i
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+    return (flat * weights).sum(dim=2, dtype=torch.uint8).reshape(n // A8_PANEL, k // 8, planes, 2, 8).contiguous()
 
 
 def panel_values(t: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ about the file's bytes: at batch 1 the projections are bound by memory bandwidth
 float32 scales per sub-block read 1.26x the bytes of a Llama-3.2-1B Q4_K_M and decoded 1.2-1.35x
 slower). A code's bits above the 4th are bit planes beside the nibbles (``a8.pack_high``). Other types
 (Q2_K, the IQ types, F16 / BF16 / F32 projections) and a mixture's experts are not run natively:
-``quantize_gguf`` converts them to Q8_0 (``w8a8``) and says so, per type.
+``gguf_layer`` / ``gguf_head`` convert them to Q8_0 (``w8a8``) and says so, per type.
 
 The bit unpacking repeats gguf-py's ``dequantize_blocks`` lines (``gguf.quants``) up to the product:
 gguf-py does not return the codes and scales apart, and the kernel needs them apart.
@@ -215,12 +215,19 @@ NATIVE: dict[T, tuple[_Unpack, int, int, int, int]] = {
     T.Q3_K: (_q3_k, 256, 16, 3, 4), T.Q6_K: (_q6_k, 256, 16, 6, 32), T.Q8_0: (_q8_0, 32, 32, 8, 0),
 }
 NATIVE_NAMES = tuple(t.name for t in NATIVE)
+UNPACK_WEIGHTS = 1 << 22  # weights unpacked at a time (``unpack``)
 
 
 def unpack(raw: np.ndarray, qtype: T) -> Unpacked:
-    """A matrix's raw blocks ``[N, bytes per row]`` uint8 (as gguf-py's reader holds them) -> ``Unpacked``."""
+    """A matrix's raw blocks ``[N, bytes per row]`` uint8 (as gguf-py's reader holds them) -> ``Unpacked``.
+    At most ``UNPACK_WEIGHTS`` weights at a time: the per-type unpacking holds ~40 bytes of numpy
+    temporaries per weight, 10 GB at once for the 128k-token vocabulary's tied head of Llama 3.2 1B
+    (measured), ~170 MB per piece."""
     fn, block, sub, bits, offset = NATIVE[qtype]
     n, row_bytes = raw.shape
+    rows = max(1, UNPACK_WEIGHTS // (row_bytes // GGML_QUANT_SIZES[qtype][1] * block))
+    if n > rows:
+        return _stacked([unpack(raw[i:i + rows], qtype) for i in range(0, n, rows)])
     type_bytes = GGML_QUANT_SIZES[qtype][1]
     if row_bytes % type_bytes:
         raise QuantizationError(f"a {qtype.name} row of {row_bytes} bytes is not whole blocks of {type_bytes}")
@@ -312,7 +319,7 @@ class GgufW8Linear(W8A8Linear):
 
 
 def native_linear(u: Unpacked) -> GgufNibLinear | GgufW8Linear:
-    """The kernel layer of one matrix's blocks (no bias: ``quantize_gguf`` keeps the model's)."""
+    """The kernel layer of one matrix's blocks (no bias: ``gguf_layer`` keeps the model's)."""
     n, k = u.q.shape
     if k % A8_BLOCK:
         raise QuantizationError(f"a {u.type_name} matrix of {k} inputs: the kernels take multiples of {A8_BLOCK}")
@@ -405,36 +412,38 @@ _PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_a
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
 
 
-def quantize_gguf(model: TargetModel, blocks: GgufBlocks,
-                  fallback: Callable[[nn.Module], nn.Module]) -> None:
-    """Replace, in place, every decoder layer's projections and the LM head by the file's own blocks
-    (``native_linear``; fused ones from their parts, ``StackedLinear``); a projection the file holds in
-    another type, or a mixture's experts, goes through ``fallback`` (the w8a8 layer) and is counted in
-    ``blocks.converted``. The token embedding stays the float tensor it was loaded as."""
-    with torch.no_grad():
-        for i, layer in enumerate(model.layers):
-            for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
-                parent_path, _, attr = path.rpartition(".")
-                parent = layer.get_submodule(parent_path)
-                module = getattr(parent, attr, None)
-                if module is None:
-                    continue
-                setattr(parent, attr, _replacement(module, f"model.layers.{i}.", path, blocks, fallback))
-            for parent in layer.modules():  # a mixture's experts: stored [E, out, in], not run natively
-                experts = getattr(parent, "experts", None)
-                if isinstance(experts, nn.ModuleList):
-                    for expert in experts:
-                        for name, child in list(expert.named_children()):
-                            setattr(expert, name, fallback(child))
-                            blocks.converted["experts"] += 1
-        head = "lm_head.weight" if "lm_head.weight" in blocks.types else "model.embed_tokens.weight"
-        u = blocks.unpacked(head)
-        if u is not None and u.q.shape == tuple(model.lm_head.weight.shape):
-            model.lm_head = native_linear(u)
-            blocks.native[u.type_name] += 1
-        else:
-            model.lm_head = fallback(model.lm_head)
-            blocks.converted[blocks.types.get(head, "float")] += 1
+def gguf_layer(i: int, layer: nn.Module, blocks: GgufBlocks, fallback: Callable[[nn.Module], nn.Module]) -> None:
+    """Replace, in place, decoder layer ``i``'s projections by the file's own blocks (``native_linear``;
+    fused ones from their parts, ``StackedLinear``); a projection the file holds in another type, or a
+    mixture's experts, goes through ``fallback`` (the w8a8 layer) and is counted in ``blocks.converted``.
+    ``ModelQuantizer`` (``models/quant/quantize.py``) calls it per layer, then ``gguf_head``."""
+    for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+        parent_path, _, attr = path.rpartition(".")
+        parent = layer.get_submodule(parent_path)
+        module = getattr(parent, attr, None)
+        if module is None:
+            continue
+        setattr(parent, attr, _replacement(module, f"model.layers.{i}.", path, blocks, fallback))
+    for parent in layer.modules():  # a mixture's experts: stored [E, out, in], not run natively
+        experts = getattr(parent, "experts", None)
+        if isinstance(experts, nn.ModuleList):
+            for expert in experts:
+                for name, child in list(expert.named_children()):
+                    setattr(expert, name, fallback(child))
+                    blocks.converted["experts"] += 1
+
+
+def gguf_head(model: TargetModel, blocks: GgufBlocks, fallback: Callable[[nn.Module], nn.Module]) -> None:
+    """Replace the LM head by the file's blocks (the token embedding's when the head is tied), else
+    ``fallback``. The token embedding stays the float tensor it was loaded as."""
+    head = "lm_head.weight" if "lm_head.weight" in blocks.types else "model.embed_tokens.weight"
+    u = blocks.unpacked(head)
+    if u is not None and u.q.shape == tuple(model.lm_head.weight.shape):
+        model.lm_head = native_linear(u)
+        blocks.native[u.type_name] += 1
+    else:
+        model.lm_head = fallback(model.lm_head)
+        blocks.converted[blocks.types.get(head, "float")] += 1
 
 
 def _merged(pieces: list[Unpacked | nn.Module]) -> list[nn.Module]:

@@ -83,7 +83,7 @@ from tidespec.models.kernels.ops import quant_linear_available
 from tidespec.models.kernels.rows import in_pieces
 from tidespec.models.quant.a8 import W4A8Linear, W8A8Linear, check_a8
 from tidespec.models.quant.base import KERNEL_DTYPE, QuantizationError, QuantizedLinear
-from tidespec.models.quant.gguf_blocks import GgufBlocks, quantize_gguf
+from tidespec.models.quant.gguf_blocks import GgufBlocks, gguf_head, gguf_layer
 from tidespec.models.target import TargetModel
 
 INT4_ROW_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu needs N % 16 == 0
@@ -378,24 +378,57 @@ def quantize_model(model: TargetModel, mode: str, group_size: int = 32, lm_head:
     it was converted into) was made from, as they are; returns them, with what ran natively and what
     was converted to Q8_0 (``GgufBlocks.summary()``).
     """
-    check_quantizable(model, mode, group_size)
-    if mode == "none":
-        return None
-    if mode == "gguf":
-        blocks = GgufBlocks.read(checkpoint) if checkpoint is not None else None
-        if blocks is None:
-            raise QuantizationError("--quantization gguf runs a GGUF file's own blocks: this model was not loaded "
-                                    "from a quantized .gguf file (use w4a8 or w8a8)")
-        quantize_gguf(model, blocks, lambda m: quantized_linear(m, "w8a8", group_size))
-        return blocks
-    with torch.no_grad():
-        for layer in model.layers:
+    quantizer = ModelQuantizer(model, mode, group_size, lm_head, checkpoint)
+    for i, layer in enumerate(model.layers):
+        quantizer.layer(i, layer)
+    return quantizer.finish()
+
+
+class ModelQuantizer:
+    """``quantize_model`` one layer at a time: ``layer(i, layer)`` replaces that layer's projections,
+    ``finish()`` the LM head (and returns the GGUF blocks, mode "gguf"). The loader passes ``layer`` to
+    ``load_hf_state_dict`` as ``each_layer``, so each layer is quantized as soon as its float weights are
+    in and they are freed before the next layer is read. Checks everything (``check_quantizable``, the
+    blocks of "gguf") on construction, before touching anything.
+
+    Example: ``q = ModelQuantizer(model, "w4a8")``; ``model.load_hf_state_dict(state, each_layer=q.layer)``;
+    ``q.finish()`` -> None."""
+
+    def __init__(self, model: TargetModel, mode: str, group_size: int = 32, lm_head: bool = True,
+                 checkpoint: Path | None = None) -> None:
+        check_quantizable(model, mode, group_size)
+        self.model, self.mode, self.group_size, self.lm_head = model, mode, group_size, lm_head
+        self.blocks: GgufBlocks | None = None
+        if mode == "gguf":
+            self.blocks = GgufBlocks.read(checkpoint) if checkpoint is not None else None
+            if self.blocks is None:
+                raise QuantizationError("--quantization gguf runs a GGUF file's own blocks: this model was not "
+                                        "loaded from a quantized .gguf file (use w4a8 or w8a8)")
+
+    def _fallback(self, module: nn.Module) -> nn.Module:
+        return quantized_linear(module, "w8a8", self.group_size)
+
+    def layer(self, i: int, layer: nn.Module) -> None:
+        """Quantize decoder layer ``i`` in place (its projections; the file's blocks in mode "gguf")."""
+        if self.mode == "none":
+            return
+        with torch.no_grad():
+            if self.blocks is not None:
+                gguf_layer(i, layer, self.blocks, self._fallback)
+                return
             for parent, name in layer_projections(layer):
-                setattr(parent, name, quantized_linear(getattr(parent, name), mode, group_size))
-        if lm_head and not isinstance(model.lm_head, QuantizedLinear):
-            model.lm_head = quantized_linear(model.lm_head, "w8a8" if mode in A8_QUANTIZATIONS else "int8",
-                                             group_size)
-    return None
+                setattr(parent, name, quantized_linear(getattr(parent, name), self.mode, self.group_size))
+
+    def finish(self) -> GgufBlocks | None:
+        """Quantize the LM head (every layer done); the GGUF blocks in mode "gguf", else None."""
+        model = self.model
+        with torch.no_grad():
+            if self.blocks is not None:
+                gguf_head(model, self.blocks, self._fallback)
+            elif self.mode != "none" and self.lm_head and not isinstance(model.lm_head, QuantizedLinear):
+                model.lm_head = quantized_linear(model.lm_head, "w8a8" if self.mode in A8_QUANTIZATIONS else "int8",
+                                                 self.group_size)
+        return self.blocks
 
 
 def quantize_linears(module: nn.Module, mode: str, group_size: int = 32, int8_names: tuple[str, ...] = ()) -> int:
