@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 
 from tests.helpers import run_to_completion, tiny_hf_model, tiny_llama, tiny_tokenizer
 from tidespec.bench.exactness.run import row_probe
-from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SpecConfig
+from tidespec.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.llm import build_drafter
 from tidespec.models.execution.compiled import CompiledStep
@@ -109,12 +109,15 @@ def test_far_apart_slots_are_left_to_eager() -> None:
 def _engine(compile_: bool, drafter: str) -> LLMEngine:
     model = tiny_llama(V, layers=3, seed=7, scale=1.5)
     spec = SpecConfig(drafter=drafter, num_speculative_tokens=4)
+    # a step budget of 36 tokens (16 raised to what 4 decoding sequences need): the 60-token prompt is chunked,
+    # and its first chunk has no logits (a graph call of its own)
     cfg = EngineConfig(model=ModelConfig(compile=compile_), cache=CacheConfig(max_model_len=128, max_num_seqs=4),
-                       spec=spec)
+                       scheduler=SchedulerConfig(max_num_batched_tokens=16), spec=spec)
     return LLMEngine(model, tiny_tokenizer(V), cfg, drafter=build_drafter(spec, model, 4, 128))
 
 
-PROMPTS = [[5, 9, 12, 5, 9, 13, 5, 9, 12, 5, 9], [7, 8, 9], [20, 21, 22, 20, 21], [3] * 6]
+PROMPTS = [[5, 9, 12, 5, 9, 13, 5, 9, 12, 5, 9], [7, 8, 9], [20, 21, 22, 20, 21], [3] * 6,
+           [(7 * i + 2) % V for i in range(60)]]
 
 
 def _greedy(engine: LLMEngine) -> list[list[int]]:

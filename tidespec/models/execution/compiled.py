@@ -41,12 +41,12 @@ from dataclasses import dataclass
 import torch
 
 from tidespec.files import cache_root
-from tidespec.models.target import TargetModel
 from tidespec.models.kernels.attention import AttentionPlan, attend_exact, attend_padded, transposed_keys
 from tidespec.models.kernels.ops import library_name
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.kv.paged import PagedKVCache
 from tidespec.models.layout import BatchLayout, ModelOutput
+from tidespec.models.target import TargetModel
 
 RECOMPILE_LIMIT = 64
 # positions a cache needs beyond the longest sequence: a graph traced on a key length below the
@@ -209,13 +209,15 @@ class CompiledStep:
         if plan.row_mask is not None:  # every batch runs: the exact kernel reads each row's own slot
             rows = logits_rows if logits_rows is not None else torch.arange(ids.shape[0], device=ids.device)
             none = rows.shape[0] == 0  # a prompt chunk without logits: the last row's, dropped (no graph of its own)
+            # made before inference mode, as every other input is: an inference tensor's dispatch keys
+            # differ, and dynamo compiled a graph of its own for them at the first prompt longer than a
+            # step's budget (measured: 6 s on that request, w4a8 + compile on the embedded model)
+            picked = rows if not none else rows.new_full((1,), ids.shape[0] - 1)
             paged = layout.block_table is not None
             to, at = layout.paged_writes() if paged else (layout.write_slots, layout.write_offsets)
             with torch.inference_mode():
                 logits, taps, last = self._fn(ids, layout.positions, to, at, layout.write_slots,
-                                              tuple(p.row_mask for p in plans),
-                                              rows if not none else rows.new_full((1,), ids.shape[0] - 1),
-                                              layout.block_table)
+                                              tuple(p.row_mask for p in plans), picked, layout.block_table)
             self.num_compiled += 1
             if none and logits is not None:
                 logits = logits[:0]
