@@ -39,6 +39,7 @@ from tidespec.models.quant import a8, gguf_blocks
 from tidespec.models.quant.a8 import a8_error
 from tidespec.models.quant.gguf_blocks import (
     NATIVE,
+    GgufBlocks,
     GgufNibLinear,
     GgufW8Linear,
     StackedLinear,
@@ -245,8 +246,19 @@ def test_a_gguf_runs_its_own_blocks_in_the_right_rows(mix: str, tmp_path: Path, 
     with caplog.at_level(logging.INFO, logger="tidespec.models.loading.loader"):
         floats = load_model(str(path)).model  # the file dequantized by gguf-py
         assert any("blocks run dequantized to float32 (--quantization gguf" in r.getMessage() for r in caplog.records)
-        native = load_model(str(path), quantization="gguf").model
+        unread: list[set[str]] = []
+        with pytest.MonkeyPatch.context() as patch:  # what the loader leaves unread: the natively run parts
+            spy = GgufBlocks.read_natively
+            patch.setattr(GgufBlocks, "read_natively", lambda self, *a: unread.append(spy(self, *a)) or unread[-1])
+            native = load_model(str(path), quantization="gguf").model
+        with pytest.MonkeyPatch.context() as patch:  # control: every float weight read
+            patch.setattr(GgufBlocks, "read_natively", lambda self, *a: set())
+            read_all = load_model(str(path), quantization="gguf").model
     assert quantization_of(native) == "gguf"
+    assert unread and unread[0], "no projection left unread"
+    assert all(n.startswith("model.layers.") and n.endswith("_proj.weight") for n in unread[0])
+    ours, control = native.state_dict(), read_all.state_dict()
+    assert ours.keys() == control.keys() and all(torch.equal(ours[k], control[k]) for k in ours)
     converted = {t: c for t, c in counts.items() if t not in NATIVE}
     summary = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF blocks"))
     for qtype, count in counts.items():

@@ -64,6 +64,8 @@ GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 # Files that hold a tokenizer's vocabulary (fast JSON, sentencepiece, byte-level BPE, tiktoken).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
 # the --dtype / --export-dtype names and the torch dtypes they load as (engine, benchmarks, trainer child)
+# safetensors' dtype names -> torch's, for tensors handed out unread (``SafetensorsState.unread``)
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -153,6 +155,8 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str
     model = empty_model(cfg, dtype, target, layers=False)  # each layer allocated as its weights are read
     try:
         quantizer = ModelQuantizer(model, quantization, quant_group_size, checkpoint=hf_dir)
+        if quantizer.blocks is not None:  # the projections the file's blocks replace: their floats go unread
+            state.unread = quantizer.blocks.read_natively(cfg.num_layers, state.rows)
         # every parameter overwritten (cast to ``dtype``), each layer quantized as soon as it is full:
         # a quantized model never holds more than one layer in float (a 3B model is 12.8 GB in float32)
         model.load_hf_state_dict(state, each_layer=quantizer.layer)
@@ -226,6 +230,9 @@ class SafetensorsState(Mapping[str, torch.Tensor]):
 
     def __init__(self, files: list[Path]) -> None:
         self._where: dict[str, Path] = {}  # tensor name -> the file holding it
+        # tensors handed out unread, as uninitialized ones of their shape and dtype: weights the model
+        # replaces without reading (a GGUF's projections under --quantization gguf)
+        self.unread: set[str] = set()
         for file in files:
             if not file.is_file():
                 raise ModelLoadError(f"missing weight shard {file}")
@@ -239,9 +246,17 @@ class SafetensorsState(Mapping[str, torch.Tensor]):
         file = self._where[name]
         try:
             with safe_open(str(file), framework="pt") as handle:
+                if name in self.unread:
+                    part = handle.get_slice(name)
+                    return torch.empty(part.get_shape(), dtype=SAFETENSORS_DTYPES[part.get_dtype()])
                 return handle.get_tensor(name)
         except (SafetensorError, OSError) as exc:  # a truncated file: the header lists more than the file holds
             raise ModelLoadError(f"corrupt safetensors tensor {name}: {one_line(exc)}") from None
+
+    def rows(self, name: str) -> int:
+        """The first dimension of tensor ``name`` (its file's header only); KeyError if there is none."""
+        with safe_open(str(self._where[name]), framework="pt") as handle:
+            return int(handle.get_slice(name).get_shape()[0])
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._where)

@@ -397,6 +397,23 @@ class GgufBlocks:
             return None
         return [known.get(n, rest) for n in names]
 
+    def read_natively(self, num_layers: int, float_rows: Callable[[str], int]) -> set[str]:
+        """HF names of the projection weights that ``gguf_layer`` takes from the blocks and never from
+        the float weights, as ``_replacement`` decides (``float_rows``: a float tensor's row count, from
+        the checkpoint's header): the loader need not read them. A projection that would go through
+        the fallback whole (two or more parts without blocks) keeps all its parts."""
+        names_read: set[str] = set()
+        for i in range(num_layers):
+            for path in PROJECTIONS:
+                names = _names(f"model.layers.{i}.", path, self)
+                try:
+                    total = sum(float_rows(n) for n in names)
+                except KeyError:  # not in the checkpoint (a mixture's layer): nothing to leave out
+                    continue
+                if self.rows(names, total) is not None:
+                    names_read.update(n for n in names if self.types.get(n) in NATIVE_NAMES)
+        return names_read
+
     def summary(self) -> str:
         """One line: what runs natively and what was converted, per type."""
         native = ", ".join(f"{t} x{c}" for t, c in sorted(self.native.items())) or "none"
@@ -407,9 +424,18 @@ class GgufBlocks:
         return line
 
 
-# tidespec's fused projections -> the file's parts (HF names, after the layer prefix)
+# a decoder layer's projections in tidespec's model, and the fused ones' parts in the file (HF names,
+# after the layer prefix)
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 _PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def _names(prefix: str, path: str, blocks: GgufBlocks) -> list[str]:
+    """The file's tensors of projection ``path`` of layer ``prefix``: the whole one where the file holds
+    it so (or it is not fused in tidespec), else its parts."""
+    whole = f"{prefix}{path}.weight"
+    return [whole] if whole in blocks.types or path not in _PARTS else [f"{prefix}{p}.weight" for p in _PARTS[path]]
 
 
 def gguf_layer(i: int, layer: nn.Module, blocks: GgufBlocks, fallback: Callable[[nn.Module], nn.Module]) -> None:
@@ -417,7 +443,7 @@ def gguf_layer(i: int, layer: nn.Module, blocks: GgufBlocks, fallback: Callable[
     fused ones from their parts, ``StackedLinear``); a projection the file holds in another type, or a
     mixture's experts, goes through ``fallback`` (the w8a8 layer) and is counted in ``blocks.converted``.
     ``ModelQuantizer`` (``models/quant/quantize.py``) calls it per layer, then ``gguf_head``."""
-    for path in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+    for path in PROJECTIONS:
         parent_path, _, attr = path.rpartition(".")
         parent = layer.get_submodule(parent_path)
         module = getattr(parent, attr, None)
@@ -491,8 +517,7 @@ def _replacement(module: nn.Module, prefix: str, path: str, blocks: GgufBlocks,
     its parts' rows cannot be told apart (two or more stored as floats)."""
     bias: torch.Tensor | None = getattr(module, "bias", None)
     weight: torch.Tensor = module.weight  # type: ignore[assignment]
-    whole = f"{prefix}{path}.weight"
-    names = [whole] if whole in blocks.types or path not in _PARTS else [f"{prefix}{p}.weight" for p in _PARTS[path]]
+    names = _names(prefix, path, blocks)
     rows = blocks.rows(names, weight.shape[0])
     if rows is None:
         for name in names:
