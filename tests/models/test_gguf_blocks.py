@@ -34,10 +34,11 @@ from tests.helpers import (
 )
 from tidespec.config import CacheConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.models.loading.loader import LoadedModel, ModelLoadError, load_model
+from tidespec.models.loading.loader import LoadedModel, ModelLoadError, load_model, read_state_dict
 from tidespec.models.quant import a8, gguf_blocks
 from tidespec.models.quant.a8 import a8_error
 from tidespec.models.quant.gguf_blocks import (
+    BLOCKS_FILE,
     NATIVE,
     GgufBlocks,
     GgufNibLinear,
@@ -276,6 +277,28 @@ def test_a_gguf_runs_its_own_blocks_in_the_right_rows(mix: str, tmp_path: Path, 
         want = xi.double() @ ref.weight.double().T  # the file's weights: an error of int8 activations only
         got = layer(xi).double()
         assert ((got - want).norm() / want.norm()).item() < 0.03, name  # a misplaced row or part: O(1)
+
+
+def test_gguf_mode_converts_without_the_floats_it_never_reads(tmp_path: Path, private_cache: Path) -> None:
+    # a fresh cache, --quantization gguf first: the conversion keeps the native projections as blocks only
+    # (Q2_K's ffn_up, converted to Q8_0 at load, keeps its floats); the model equals the one from the full
+    # conversion, and the blocks-only matrices read as floats are the full conversion's bit for bit
+    path, _ = write_mix_gguf(tmp_path / "tiny.with-Q2_K.gguf", MIXES["with-Q2_K"])
+    light = load_model(str(path), quantization="gguf")
+    assert Path(light.path).name.endswith("-blocks")
+    floats = {n for n, f in read_state_dict(Path(light.path))._where.items() if f.name != BLOCKS_FILE}
+    assert "model.layers.0.mlp.up_proj.weight" in floats and "model.embed_tokens.weight" in floats
+    assert not any(n.endswith(("q_proj.weight", "gate_proj.weight", "down_proj.weight")) for n in floats)
+    full = load_model(str(path))  # a float model needs the full conversion: made beside the other
+    assert not Path(full.path).name.endswith("-blocks")
+    again = load_model(str(path), quantization="gguf")
+    assert again.path == full.path  # the full conversion serves every mode once it exists
+    ours, control = light.model.state_dict(), again.model.state_dict()
+    assert ours.keys() == control.keys() and all(torch.equal(ours[k], control[k]) for k in ours)
+    sd_light, sd_full = read_state_dict(Path(light.path)), read_state_dict(Path(full.path))
+    assert set(sd_light) == set(sd_full)
+    for name in sd_full:
+        assert torch.equal(sd_light[name], sd_full[name]), name
 
 
 @pytest.mark.parametrize("mix", ["Q4_K_M", "legacy"])

@@ -168,9 +168,9 @@ def test_second_load_reuses_conversion(tiny_gguf: tuple[transformers.PreTrainedM
     calls: list[Path] = []
     real_convert = loader.convert_gguf
 
-    def counting_convert(gguf_path: Path, out: Path) -> Path:
+    def counting_convert(gguf_path: Path, out: Path, floats: bool = True) -> Path:
         calls.append(gguf_path)
-        return real_convert(gguf_path, out)
+        return real_convert(gguf_path, out, floats)
 
     monkeypatch.setattr(loader, "convert_gguf", counting_convert)
     first = load_model(str(path))

