@@ -65,9 +65,9 @@ CONVERTER_VERSION = 3  # 3: the raw blocks beside the float32 weights (--quantiz
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 # Files that hold a tokenizer's vocabulary (fast JSON, sentencepiece, byte-level BPE, tiktoken).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")
-# the --dtype / --export-dtype names and the torch dtypes they load as (engine, benchmarks, trainer child)
 # safetensors' dtype names -> torch's, for tensors handed out unread (``SafetensorsState.unread``)
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+# the --dtype / --export-dtype names and the torch dtypes they load as (engine, benchmarks, trainer child)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
@@ -241,7 +241,6 @@ class SafetensorsState(Mapping[str, torch.Tensor]):
         # matrices held only as a GGUF's blocks (``convert_gguf(floats=False)``): name -> GGML type name,
         # dequantized by gguf-py when read (the floats the converter would have written, bit for bit)
         self._blocks: dict[str, str] = {}
-        self._blocks_file = blocks
         for file in files:
             if not file.is_file():
                 raise ModelLoadError(f"missing weight shard {file}")
@@ -270,17 +269,19 @@ class SafetensorsState(Mapping[str, torch.Tensor]):
     def _from_blocks(self, name: str) -> torch.Tensor:
         """A matrix held only as blocks: gguf-py's float32 of them, or (``unread``) an empty one of its shape."""
         qtype = gguf.GGMLQuantizationType[self._blocks[name]]
-        with safe_open(str(self._where[name]), framework="numpy") as handle:
-            if name in self.unread:
-                rows, row_bytes = handle.get_slice(name).get_shape()
-                block, size = gguf.GGML_QUANT_SIZES[qtype]
-                return torch.empty(rows, row_bytes // size * block)
-            raw = handle.get_tensor(name)
         block, size = gguf.GGML_QUANT_SIZES[qtype]
-        step = max(1, UNPACK_WEIGHTS // (raw.shape[1] // size * block))  # rows at a time: bounded temporaries
-        out = torch.empty(raw.shape[0], raw.shape[1] // size * block)
-        for i in range(0, raw.shape[0], step):  # gguf-py's dequantization is row by row: the same bits
-            out[i:i + step] = torch.from_numpy(gguf.dequantize(raw[i:i + step], qtype).astype(np.float32))
+        try:
+            with safe_open(str(self._where[name]), framework="numpy") as handle:
+                rows, row_bytes = handle.get_slice(name).get_shape()
+                out = torch.empty(rows, row_bytes // size * block)
+                if name in self.unread:
+                    return out
+                raw = handle.get_tensor(name)
+            step = max(1, UNPACK_WEIGHTS // out.shape[1])  # rows at a time: bounded temporaries
+            for i in range(0, rows, step):  # gguf-py's dequantization is row by row: the same bits at once
+                out[i:i + step] = torch.from_numpy(gguf.dequantize(raw[i:i + step], qtype).astype(np.float32))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ModelLoadError(f"corrupt GGUF blocks {name}: {one_line(exc)}") from None
         return out
 
     def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor to find out
