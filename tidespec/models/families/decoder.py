@@ -200,7 +200,9 @@ class DecoderModel(PlacedModule):
         discards it."""
         params = {name: p for name, p in self.named_parameters() if not name.startswith("layers.")}
 
-        def put(name: str, t: torch.Tensor) -> None:
+        def put(name: str, t: torch.Tensor | None) -> None:
+            if t is None:  # handed out unread: each_layer replaces the module without reading it
+                return
             if params[name].shape != t.shape:
                 raise ModelConfigError(f"weight {name} has shape {tuple(t.shape)}, config expects {tuple(params[name].shape)}")
             with torch.no_grad():
@@ -223,7 +225,7 @@ class DecoderModel(PlacedModule):
             if self.cfg.attention_bias:
                 put(ours + "self_attn.qkv_proj.bias",
                     torch.cat([get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias")]))
-            put(ours + "self_attn.o_proj.weight", get(a + "o_proj.weight"))
+            put(ours + "self_attn.o_proj.weight", get.weight(a + "o_proj.weight"))
             if self.cfg.o_proj_bias:
                 put(ours + "self_attn.o_proj.bias", get(a + "o_proj.bias"))
             if self.cfg.qk_norm != "none":
@@ -236,7 +238,7 @@ class DecoderModel(PlacedModule):
             else:
                 m = p + "mlp."
                 put(ours + "mlp.gate_up_proj.weight", get.fused(m + "gate_up_proj.weight", m, ("gate_proj", "up_proj")))
-                put(ours + "mlp.down_proj.weight", get(m + "down_proj.weight"))
+                put(ours + "mlp.down_proj.weight", get.weight(m + "down_proj.weight"))
                 if self.cfg.mlp_bias:
                     put(ours + "mlp.gate_up_proj.bias",
                         get.fused(m + "gate_up_proj.bias", m, ("gate_proj", "up_proj"), "bias"))
@@ -276,20 +278,32 @@ def scale_logits(cfg: TargetConfig, logits: torch.Tensor) -> torch.Tensor:
 
 
 class _Getter:
+    """Reads of a checkpoint mapping by HF name. A mapping may name in ``unread`` tensors whose values
+    the caller will never use (the loader's ``SafetensorsState``: projections a GGUF's blocks replace);
+    those come back as None, and a fused tensor all of whose parts are unread too, so nothing is copied."""
+
     def __init__(self, sd: Mapping[str, torch.Tensor]) -> None:
         self.sd = sd
+        self.unread: set[str] = getattr(sd, "unread", set())
 
     def __call__(self, name: str) -> torch.Tensor:
         if name not in self.sd:
             raise ModelConfigError(f"checkpoint is missing tensor {name}")
         return self.sd[name]
 
-    def fused(self, name: str, prefix: str, parts: tuple[str, ...], kind: str = "weight") -> torch.Tensor:
+    def weight(self, name: str) -> torch.Tensor | None:
+        """A projection's weight, None when it is unread."""
+        return None if name in self.unread and name in self.sd else self(name)
+
+    def fused(self, name: str, prefix: str, parts: tuple[str, ...], kind: str = "weight") -> torch.Tensor | None:
         """The fused tensor ``name`` if the checkpoint has it, else its ``parts``' ``kind`` ("weight",
-        "bias") concatenated by rows."""
+        "bias") concatenated by rows; None when every one of them is unread."""
         if name in self.sd:
-            return self.sd[name]
-        return torch.cat([self(f"{prefix}{part}.{kind}") for part in parts])
+            return None if name in self.unread else self.sd[name]
+        names = [f"{prefix}{part}.{kind}" for part in parts]
+        if self.unread and all(n in self.unread and n in self.sd for n in names):
+            return None
+        return torch.cat([self(n) for n in names])
 
     def experts(self, hf: str, ours: str, num: int) -> dict[str, torch.Tensor]:
         """A mixture's router and experts under our names (``ours`` + ``gate.weight``,

@@ -277,7 +277,8 @@ class GgufNibLinear(A8Linear):
     def __init__(self, u: Unpacked) -> None:
         n, k = u.q.shape
         super().__init__(k, n, None)
-        codes = torch.from_numpy((u.q.astype(np.int16) + u.offset).astype(np.uint8))
+        # q + offset is in [0, 2^bits - 1] (bits <= 6): in int8 without overflow, viewed as uint8 (one pass)
+        codes = torch.from_numpy((u.q + np.int8(u.offset)).view(np.uint8))
         self.register_buffer("packed", pack_nibbles(codes))
         self.register_buffer("high", pack_high(codes, u.bits - 4) if u.bits > 4 else None)
         f = u.factors
