@@ -293,7 +293,7 @@ class _Getter:
 
     def weight(self, name: str) -> torch.Tensor | None:
         """A projection's weight, None when it is unread."""
-        return None if name in self.unread and name in self.sd else self(name)
+        return None if name in self.unread else self(name)
 
     def fused(self, name: str, prefix: str, parts: tuple[str, ...], kind: str = "weight") -> torch.Tensor | None:
         """The fused tensor ``name`` if the checkpoint has it, else its ``parts``' ``kind`` ("weight",
@@ -301,7 +301,7 @@ class _Getter:
         if name in self.sd:
             return None if name in self.unread else self.sd[name]
         names = [f"{prefix}{part}.{kind}" for part in parts]
-        if self.unread and all(n in self.unread and n in self.sd for n in names):
+        if all(n in self.unread for n in names):
             return None
         return torch.cat([self(n) for n in names])
 

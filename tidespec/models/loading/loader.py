@@ -157,7 +157,7 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str
     if path is None:  # the GGUF's template knows no tools; tidespec's renders the same without them
         tokenizer.chat_template = EMBEDDED_CHAT_TEMPLATE.read_text(encoding="utf-8")
     state = read_state_dict(hf_dir)
-    model = empty_model(cfg, dtype, target, layers=False)  # each layer allocated as its weights are read
+    model = empty_model(cfg, dtype, target)  # each layer allocated as its weights are read
     try:
         quantizer = ModelQuantizer(model, quantization, quant_group_size, checkpoint=hf_dir)
         if quantizer.blocks is not None:  # the projections the file's blocks replace: their floats go unread
@@ -193,15 +193,15 @@ def check_device(device: str | torch.device) -> torch.device:
     return target
 
 
-def empty_model(cfg: TargetConfig, dtype: torch.dtype, device: str | torch.device, layers: bool = True) -> TargetModel:
+def empty_model(cfg: TargetConfig, dtype: torch.dtype, device: str | torch.device) -> TargetModel:
     """``build_target(cfg)`` with uninitialized parameters allocated directly in ``dtype`` on
     ``device``: built on the meta device, so no seconds are spent on random init that the
-    checkpoint overwrites anyway, and no float32 copy is made of a bfloat16 model. ``layers=False``
-    leaves the decoder layers on the meta device: ``load_hf_state_dict`` allocates each as it reads it."""
+    checkpoint overwrites anyway, and no float32 copy is made of a bfloat16 model. The decoder layers
+    stay on the meta device: ``load_hf_state_dict`` allocates each as it reads it."""
     with torch.device("meta"):
         model = build_target(cfg).to(dtype=dtype)
     for name, child in model.named_children():
-        if layers or name != "layers":
+        if name != "layers":
             child.to_empty(device=device)
     model.tie_weights()  # to_empty materializes the shared weight twice; share it again
     return model
