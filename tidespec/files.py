@@ -1,5 +1,5 @@
-"""Durable file writes and the one cache directory: what the model loader, the profiler, the
-EAGLE-3 checkpoint publisher and the signal store share.
+"""Durable file writes, the one cache directory and the versioned publish area: what the model loader,
+the profiler, the drafter publishers (EAGLE-3 and Medusa heads) and the signal store share.
 
 Why this exists: a crash must never leave a half-written cache entry, checkpoint or manifest
 that a later reader trusts, and every cached artefact (converted GGUF checkpoints, measured
@@ -24,13 +24,16 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import json
 import os
 import platform
+import re
+import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -139,3 +142,78 @@ def directory_fingerprint(directory: Path) -> tuple[tuple[str, int, int], ...]:
     except OSError:  # a file vanished while we looked: different from anything seen, so tried again
         return (("", -1, -1),)
     return tuple(sorted((name, st.st_size, st.st_mtime_ns) for name, st in stats))
+
+
+# ----------------------------------------------------------------------------------------------
+# a versioned publish area: root/v1, v2, ... and LATEST (EAGLE-3 heads, Medusa heads)
+# ----------------------------------------------------------------------------------------------
+
+METRICS_NAME = "metrics.json"  # each version's record of the round that published it
+LATEST_NAME = "LATEST"
+_PUBLISH_LOCK_NAME = ".lock"
+_VERSION_DIR = re.compile(r"^v(\d+)$")
+
+
+def list_versions(root: Path | str) -> list[int]:
+    """Complete versions present (``v{N}`` dirs; temp dirs are ignored), ascending."""
+    r = Path(root)
+    if not r.is_dir():
+        return []
+    out = [int(m.group(1)) for p in r.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir()]
+    return sorted(out)
+
+
+def latest_version(root: Path | str) -> int | None:
+    """The version ``LATEST`` points at; without a readable ``LATEST``, the newest ``v{N}`` dir."""
+    r = Path(root)
+    try:
+        n = int((r / LATEST_NAME).read_text(encoding="utf-8").strip())
+        if (r / f"v{n}").is_dir():
+            return n
+    except (OSError, ValueError):
+        pass
+    versions = list_versions(r)
+    return versions[-1] if versions else None
+
+
+def publish_version(root: Path, write: Callable[[Path], None], metrics: dict[str, Any]) -> int:
+    """Write ``root/v{N}`` atomically and point ``LATEST`` at it; returns N. ``write(d)`` writes one
+    version's files into the empty directory ``d``; ``metrics`` (JSON) go beside them as ``metrics.json``
+    with ``"version": N``. A temp dir is written, fsynced and renamed into place whole, so a reader
+    never sees half a version; concurrent publishers each get a distinct N (a lost rename race retries
+    with N+1); ``LATEST`` only ever moves forward.
+
+    Example: an empty root -> 1 (``root/v1``, ``LATEST`` "1"), then 2, ...
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    metrics_json = json.loads(json.dumps(metrics))  # fail early on non-JSON metrics
+    while True:
+        versions = list_versions(root)
+        n = (versions[-1] if versions else 0) + 1
+        tmp = root / f"{TMP_PREFIX}v{n}-{uuid.uuid4().hex[:8]}"
+        try:
+            tmp.mkdir()
+            write(tmp)
+            write_synced(tmp / METRICS_NAME,
+                         (json.dumps({"version": n, **metrics_json}, indent=2, sort_keys=True) + "\n").encode())
+            fsync_path(tmp)
+            try:
+                os.rename(tmp, root / f"v{n}")
+            except OSError:
+                if (root / f"v{n}").exists():
+                    continue  # another publisher took v{n}: try the next number
+                raise
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp, ignore_errors=True)
+        break
+    fsync_path(root)
+    with open(root / _PUBLISH_LOCK_NAME, "a+", encoding="utf-8") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        current = latest_version(root) if (root / LATEST_NAME).exists() else None
+        if current is None or n > current:
+            tmp_latest = root / f"{TMP_PREFIX}{LATEST_NAME}-{uuid.uuid4().hex[:8]}"
+            write_synced(tmp_latest, f"{n}\n".encode())
+            os.replace(tmp_latest, root / LATEST_NAME)
+            fsync_path(root)
+    return n

@@ -28,8 +28,8 @@ import torch
 from tests.helpers import processes_mentioning, tiny_hf_model, write_tiny_checkpoint
 from tidespec.bench.serve.run import free_port
 from tidespec.config import EngineConfig, ModelConfig
+from tidespec.files import latest_version
 from tidespec.llm import LLM
-from tidespec.models.eagle3.checkpoint import latest_version
 from tidespec.online.store import SignalStore
 from tidespec.sampling import SamplingParams
 

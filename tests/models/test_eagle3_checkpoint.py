@@ -11,13 +11,12 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from tests.helpers import tiny_llama
+from tidespec.files import latest_version, list_versions
 from tidespec.models.eagle3 import checkpoint as ckpt
 from tidespec.models.eagle3.checkpoint import (
     DrafterCheckpointError,
     export_eagle3,
     import_eagle3,
-    latest_version,
-    list_versions,
     load_version,
     publish,
     state_dict_equal,

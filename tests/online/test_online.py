@@ -17,15 +17,14 @@ from tests.helpers import SlowStore, tiny_llama
 from tidespec.config import CacheConfig, CollectionConfig, EngineConfig, OnlineTrainingConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.engine.observer import Hooks
+from tidespec.files import LATEST_NAME, latest_version
 from tidespec.models.eagle3.checkpoint import (
     CONFIG_NAME,
-    LATEST_NAME,
     WEIGHTS_NAME,
     DrafterCheckpointError,
     export_eagle3,
     fresh_head,
     is_seed,
-    latest_version,
     load_version,
     publish,
     seed_root,

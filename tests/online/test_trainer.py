@@ -15,7 +15,8 @@ import torch
 from tests.helpers import tiny_hf_model, tiny_llama, tiny_tokenizer, write_tiny_checkpoint
 from tidespec.config import CacheConfig, CollectionConfig, EngineConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
-from tidespec.models.eagle3.checkpoint import import_eagle3, latest_version, load_version, publish
+from tidespec.files import latest_version
+from tidespec.models.eagle3.checkpoint import import_eagle3, load_version, publish
 from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.loading.loader import load_model
 from tidespec.online.capture import CaptureBuffer

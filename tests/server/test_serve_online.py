@@ -17,7 +17,7 @@ import torch
 
 from tests.helpers import processes_mentioning, tiny_hf_model, write_tiny_checkpoint
 from tidespec.bench.serve.run import free_port, launch_server, stop_server
-from tidespec.models.eagle3.checkpoint import latest_version
+from tidespec.files import latest_version
 from tidespec.online.store import SignalStore
 
 

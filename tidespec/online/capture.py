@@ -69,8 +69,8 @@ class CaptureBuffer:
     one, else bfloat16. ``topk``: K of the optional target top-k rows (0 = none captured).
     ``hidden_dim``: H of the optional rows of the target's final hidden state (0 = none captured;
     stored in ``taps_dtype``).
-    ``taps_dim``: k*H; given, the ring is allocated now, else at the first push (a one-off
-    allocation on the hot path). ``pin_memory``: page-lock the ring (needed for truly asynchronous
+    ``taps_dim``: k*H (0: no taps, rows of hidden states only, what Medusa heads train on); given, the
+    ring is allocated now, else at the first push (a one-off allocation on the hot path). ``pin_memory``: page-lock the ring (needed for truly asynchronous
     device-to-host copies); None = when CUDA is available (``taps_dim`` given) or the first
     pushed taps are on CUDA.
     """
@@ -87,8 +87,8 @@ class CaptureBuffer:
             raise ValueError(f"topk and hidden_dim must be >= 0, got {topk}, {hidden_dim}")
         if max_shard_age_s <= 0:
             raise ValueError(f"max_shard_age_s must be > 0, got {max_shard_age_s}")
-        if taps_dim is not None and taps_dim < 1:
-            raise ValueError(f"taps_dim must be >= 1, got {taps_dim}")
+        if taps_dim is not None and taps_dim < 0:
+            raise ValueError(f"taps_dim must be >= 0, got {taps_dim}")
         self._sink = store
         self.capacity_rows = capacity_rows
         self.flush_rows = flush_rows

@@ -44,8 +44,9 @@ class TapCaptureDrafter(DrafterBase):
 
     name = "taps"
 
-    def __init__(self, tap_layers: tuple[int, ...]) -> None:
+    def __init__(self, tap_layers: tuple[int, ...], hidden: bool = False) -> None:
         self.tap_layers = tuple(tap_layers)
+        self.wants_hidden = hidden  # the final hidden states too (or alone, with no tap layers: Medusa's rows)
 
     def propose(self, inputs: list[DraftInput]) -> DraftProposal:
         return DraftProposal()
@@ -67,9 +68,10 @@ class SignalCollector(EngineObserver):
     """
 
     def __init__(self, engine: LLMEngine, buffer: CaptureBuffer, selective: SelectiveCollector, *,
-                 capture_prompt: bool = True, salt: int | None = None) -> None:
+                 capture_prompt: bool = True, salt: int | None = None, taps: bool = True) -> None:
         self.engine = engine
         self.buffer = buffer
+        self.taps = taps  # False: rows of final hidden states only (Medusa), taps [n, 0]
         self.selective = selective
         self.capture_prompt = capture_prompt
         self.salt = (random.getrandbits(22) if salt is None else salt) << SEQ_SALT_SHIFT
@@ -84,8 +86,9 @@ class SignalCollector(EngineObserver):
         return engine.add_observer(self)
 
     def wants_hidden(self) -> bool:
-        """With the taps, the target's final hidden states, when LoRA alignment stores them."""
-        return bool(self.buffer.hidden_dim) and self.wants_taps()
+        """The target's final hidden states, while collecting (with the taps, when LoRA alignment stores
+        them; alone, for Medusa heads)."""
+        return bool(self.buffer.hidden_dim) and self._collecting()
 
     def wants_taps(self) -> bool:
         """The target's taps are wanted while collection is on and the
@@ -94,6 +97,9 @@ class SignalCollector(EngineObserver):
         batch, a domain where no drafter helps yet) decode steps stay plain decoding's; signals
         are then captured only in the steps that compute taps anyway (prefill, a drafter's probes
         and the steps after them), a bounded share."""
+        return self.taps and self._collecting()
+
+    def _collecting(self) -> bool:
         return self.enabled and self.selective.collection_enabled and speculation_pays(self.engine.policy)
 
     def on_observations(self, observations: list[Observation]) -> None:
@@ -103,7 +109,8 @@ class SignalCollector(EngineObserver):
             return
         seqs = {s.seq_id: s for s in self.engine.seqs.values()}
         for obs in observations:
-            if obs.taps is None or obs.num_new_cached <= 0 or obs.start < 0:
+            taps = obs.taps if self.taps or obs.hidden is None else obs.hidden.new_empty(obs.num_new_cached, 0)
+            if taps is None or obs.num_new_cached <= 0 or obs.start < 0:
                 continue
             start = obs.start
             n = min(obs.num_new_cached, len(obs.token_ids) - 1 - start)  # rows whose label is known
@@ -127,7 +134,7 @@ class SignalCollector(EngineObserver):
             ids = obs.token_ids
             self.buffer.push(self.store_seq_id(obs.seq_id), list(range(start + lo, start + n)),
                              ids[start + lo:start + n], ids[start + lo + 1:start + n + 1],
-                             obs.taps[lo:n], domain=domain, alpha=alpha, hidden=hidden)
+                             taps[lo:n], domain=domain, alpha=alpha, hidden=hidden)
 
     def on_finish(self, seq: Sequence) -> None:
         """Feed Algorithm 1 the acceptance rate of a finished request."""

@@ -223,7 +223,7 @@ def run_config(name: str, cfg: FleetBenchConfig, work: Path) -> Run:
 
 def _published(root: Path, seeded: bool) -> int:
     """Versions in ``root`` that training published (a seeded bootstrap's v1 excluded)."""
-    from tidespec.models.eagle3.checkpoint import list_versions
+    from tidespec.files import list_versions
 
     return len([v for v in list_versions(root) if v > int(seeded)]) if root.exists() else 0
 

@@ -42,10 +42,7 @@ from __future__ import annotations
 import fcntl
 import json
 import logging
-import os
 import re
-import shutil
-import uuid
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -56,18 +53,14 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from tidespec.errors import UserError
-from tidespec.files import TMP_PREFIX, fsync_path, write_synced
+from tidespec.files import METRICS_NAME, fsync_path, latest_version, list_versions, publish_version, write_synced
 from tidespec.models.eagle3.head import Eagle3Config, Eagle3ConfigError, Eagle3Head
 from tidespec.models.target import TargetConfig
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
-METRICS_NAME = "metrics.json"
-LATEST_NAME = "LATEST"
-LOCK_NAME = ".lock"
 SEED_LOCK_NAME = ".seed.lock"  # held while a root's first version is seeded (``seed_root``)
-_VERSION_DIR = re.compile(r"^v(\d+)$")
 FRESH_HEAD_SEED = 0  # engine and trainer build the same random head when nothing was published
 BOOTSTRAP_DRAFTER = "eagle3-smollm2-135m-instruct"  # the embedded model's head, a directory under tidespec/assets
 
@@ -383,66 +376,10 @@ def _check_fit(cfg: Eagle3Config, target_cfg: TargetConfig) -> None:
 # ----------------------------------------------------------------------------------------------
 
 
-def list_versions(root: Path | str) -> list[int]:
-    """Complete versions present (``v{N}`` dirs; temp dirs are ignored), ascending."""
-    r = Path(root)
-    if not r.is_dir():
-        return []
-    out = [int(m.group(1)) for p in r.iterdir() if (m := _VERSION_DIR.match(p.name)) and p.is_dir()]
-    return sorted(out)
-
-
-def latest_version(root: Path | str) -> int | None:
-    """The version ``LATEST`` points at; without a readable ``LATEST``, the newest ``v{N}`` dir."""
-    r = Path(root)
-    try:
-        n = int((r / LATEST_NAME).read_text(encoding="utf-8").strip())
-        if (r / f"v{n}").is_dir():
-            return n
-    except (OSError, ValueError):
-        pass
-    versions = list_versions(r)
-    return versions[-1] if versions else None
-
-
 def publish(root: Path | str, head: Eagle3Head, metrics: dict[str, Any],
             embed: torch.nn.Embedding | None = None) -> int:
-    """Write ``root/v{N}`` atomically (temp dir, fsync, rename) and point ``LATEST`` at it; returns N.
-
-    Concurrent publishers each get a distinct N (a lost rename race retries with N+1); ``LATEST``
-    only ever moves forward.
-    """
-    r = Path(root)
-    r.mkdir(parents=True, exist_ok=True)
-    metrics_json = json.loads(json.dumps(metrics))  # fail early on non-JSON metrics
-    while True:
-        versions = list_versions(r)
-        n = (versions[-1] if versions else 0) + 1
-        tmp = r / f"{TMP_PREFIX}v{n}-{uuid.uuid4().hex[:8]}"
-        try:
-            export_eagle3(head, tmp, embed)
-            _write_json(tmp / METRICS_NAME, {"version": n, **metrics_json})
-            fsync_path(tmp)
-            try:
-                os.rename(tmp, r / f"v{n}")
-            except OSError:
-                if (r / f"v{n}").exists():
-                    continue  # another publisher took v{n}: try the next number
-                raise
-        finally:
-            if tmp.exists():
-                shutil.rmtree(tmp, ignore_errors=True)
-        break
-    fsync_path(r)
-    with open(r / LOCK_NAME, "a+", encoding="utf-8") as lock:
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-        current = latest_version(r) if (r / LATEST_NAME).exists() else None
-        if current is None or n > current:
-            tmp_latest = r / f"{TMP_PREFIX}{LATEST_NAME}-{uuid.uuid4().hex[:8]}"
-            write_synced(tmp_latest, f"{n}\n".encode())
-            os.replace(tmp_latest, r / LATEST_NAME)
-            fsync_path(r)
-    return n
+    """Write ``root/v{N}`` atomically and point ``LATEST`` at it (``files.publish_version``); returns N."""
+    return publish_version(Path(root), lambda d: export_eagle3(head, d, embed), metrics)
 
 
 def seed_root(root: Path | str, source: Path | str, target_cfg: TargetConfig, dtype: torch.dtype = torch.float32,

@@ -18,19 +18,26 @@ Worked example::
     out = heads(h)                        # h [B, 576] -> [4, B, 576]: one state per head
     logits = out @ rows.T                 # rows = the LM head's rows of vocab_ids [8192, 576] -> [4, B, 8192]
     heads.save(path); MedusaHeads.load(path)
+    publish_heads(root, heads, {"round": 1})   # root/v1, as the online trainer publishes (then v2, ...)
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
 from tidespec.errors import ConfigError
+from tidespec.files import METRICS_NAME, latest_version, list_versions, publish_version
+
+log = logging.getLogger(__name__)
 
 CONFIG = "medusa_config.json"
 WEIGHTS = "medusa_heads.safetensors"
@@ -86,10 +93,63 @@ class MedusaHeads(nn.Module):
     @classmethod
     def load(cls, directory: Path | str, dtype: torch.dtype = torch.float32,
              device: torch.device | str = "cpu") -> MedusaHeads:
+        """The heads ``directory`` holds; a missing, unreadable, misshapen or non-finite set raises
+        ``MedusaConfigError`` (a published version is read while a trainer may write the next)."""
         directory = Path(directory)
         if not (directory / CONFIG).is_file() or not (directory / WEIGHTS).is_file():
             raise MedusaConfigError(f"{directory} holds no Medusa heads ({CONFIG} and {WEIGHTS})")
-        cfg = MedusaConfig(**json.loads((directory / CONFIG).read_text(encoding="utf-8")))
-        heads = cls(cfg)
-        heads.load_state_dict(load_file(str(directory / WEIGHTS)))
+        try:
+            cfg = MedusaConfig(**json.loads((directory / CONFIG).read_text(encoding="utf-8")))
+            heads = cls(cfg)
+            state = load_file(str(directory / WEIGHTS))
+            heads.load_state_dict(state)
+        except MedusaConfigError:
+            raise
+        except (OSError, ValueError, TypeError, RuntimeError, SafetensorError) as exc:
+            raise MedusaConfigError(f"{directory}: unreadable Medusa heads: {str(exc).splitlines()[0]}") from None
+        if not all(bool(torch.isfinite(t).all()) for t in state.values()):
+            raise MedusaConfigError(f"{directory}: Medusa heads with non-finite weights")
         return heads.to(dtype=dtype, device=device).eval()
+
+
+def publish_heads(root: Path, heads: MedusaHeads, metrics: dict[str, Any]) -> int:
+    """Publish ``heads`` (float32) as the next version of the publish area ``root`` (``files.publish_version``:
+    ``root/v{N}``, ``LATEST``), the online trainer's output; returns N."""
+    cpu = MedusaHeads(heads.cfg)
+    cpu.load_state_dict({k: v.detach().float().cpu() for k, v in heads.state_dict().items()})
+    return publish_version(root, cpu.save, metrics)
+
+
+def load_published(root: Path, version: int, dtype: torch.dtype = torch.float32,
+                   device: torch.device | str = "cpu") -> tuple[MedusaHeads, dict[str, Any]]:
+    """Version ``version`` of the publish area ``root``: its heads and its metrics (``MedusaConfigError`` if
+    unusable)."""
+    d = root / f"v{version}"
+    heads = MedusaHeads.load(d, dtype, device)
+    try:
+        metrics = json.loads((d / METRICS_NAME).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        metrics = {}
+    return heads, metrics if isinstance(metrics, dict) else {}
+
+
+def latest_published(root: Path, hidden_size: int, vocab_size: int, dtype: torch.dtype = torch.float32,
+                     device: torch.device | str = "cpu") -> tuple[int, MedusaHeads] | None:
+    """The newest version under ``root`` (up to ``LATEST``) whose heads load and fit a target of this hidden
+    size and vocabulary, as (version, heads); each refused version is logged; None when there is none."""
+    newest = latest_version(root)
+    for version in sorted((v for v in list_versions(root) if newest is None or v <= newest), reverse=True):
+        try:
+            heads, _ = load_published(root, version, dtype, device)
+            check_fit(heads.cfg, hidden_size, vocab_size)
+            return version, heads
+        except MedusaConfigError as exc:
+            log.warning("refusing Medusa heads version %d under %s: %s", version, root, exc)
+    return None
+
+
+def check_fit(cfg: MedusaConfig, hidden_size: int, vocab_size: int) -> None:
+    """``MedusaConfigError`` unless heads of ``cfg`` read a target of this hidden size and vocabulary."""
+    if cfg.hidden_size != hidden_size or (cfg.target_vocab_size and cfg.target_vocab_size != vocab_size):
+        raise MedusaConfigError(f"heads for hidden size {cfg.hidden_size} and vocabulary {cfg.target_vocab_size}, "
+                                f"the target has {hidden_size} and {vocab_size}")

@@ -53,13 +53,12 @@ import torch
 from tidespec.config import CollectionConfig, EngineConfig
 from tidespec.engine.observer import EngineObserver
 from tidespec.errors import ConfigError
-from tidespec.files import directory_fingerprint
+from tidespec.files import directory_fingerprint, latest_version
 from tidespec.models.eagle3.checkpoint import (
     DrafterCheckpointError,
     PublishedDrafter,
     is_checkpoint_dir,
     is_seed,
-    latest_version,
     load_version,
 )
 from tidespec.models.eagle3.head import Eagle3Config, Eagle3ConfigError, Eagle3Head

@@ -101,7 +101,11 @@ class TrainerConfig(TargetOptions):
     """Flags of ``tidespec train-drafter`` (one field = one ``--flag``)."""
 
     signal_dir: str = opt("", "signal store directory to watch (written by the engine or --from-workload)")
-    publish_root: str = opt("", "drafter publish root (v1/, v2/, LATEST); the engine's --eagle3-dir")
+    publish_root: str = opt("", "drafter publish root (v1/, v2/, LATEST); the engine's --eagle3-dir "
+                                "(--medusa-dir with --drafter medusa)")
+    drafter: Literal["eagle3", "medusa"] = opt("eagle3", "what the rounds train: an EAGLE-3 head on the target's "
+                                                         "taps, or Medusa heads on its final hidden states (rows "
+                                                         "captured with them, as a medusa server captures)")
     draft_vocab: int = opt(0, "draft vocabulary of a fresh head, most frequent captured tokens (0 = full vocab)")
     init_from: str | None = opt(None, "exported EAGLE-3 checkpoint to start from when nothing is published")
     widen_vocab: int = opt(1024, "a round adds up to this many tokens of its new rows that the head's draft "
@@ -223,6 +227,8 @@ class TrainerConfig(TargetOptions):
             raise TrainerConfigError(f"judge_confidence must be in [0, 1), got {self.judge_confidence}")
         if self.judge_block_rows < 1:
             raise TrainerConfigError(f"judge_block_rows must be >= 1, got {self.judge_block_rows}")
+        if self.drafter == "medusa" and (self.lora.enabled or self.topk):
+            raise TrainerConfigError("--drafter medusa trains on the target's tokens: no --lora, no --topk")
         if self.judge_min_sequences < 2:
             raise TrainerConfigError(f"judge_min_sequences must be >= 2 (one sample shows no spread), got "
                                      f"{self.judge_min_sequences}")

@@ -16,6 +16,7 @@ o3; position 3 teaches head 1 o3 only.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections import Counter
 from collections.abc import Callable
@@ -120,22 +121,40 @@ def train_medusa(model: TargetModel, sequences: list[tuple[list[int], int]], cfg
     x, y = rows_of(model, train, cfg.heads, index, progress)
     hx, hy = rows_of(model, held, cfg.heads, index, progress) if held else (x[:0], y[:0])
     report = {"before": accuracy(heads, rows, hx, hy)} if held else {}
-    opt = torch.optim.AdamW(heads.parameters(), lr=cfg.lr, weight_decay=0.0)
+    fit_heads(heads, rows, x, y, cfg.epochs, cfg.lr, cfg.batch_rows, progress)
+    if held:
+        report["after"] = accuracy(heads, rows, hx, hy)
+    return heads.eval(), report
+
+
+def fit_heads(heads: MedusaHeads, rows: torch.Tensor, x: torch.Tensor, y: torch.Tensor, epochs: float, lr: float,
+              batch_rows: int, progress: Callable[[str], None] = log.info) -> float:
+    """Train ``heads`` in place: AdamW, cross-entropy of each head over the draft vocabulary's output rows
+    ``rows`` [N, H], on hidden states ``x`` [R, H] and targets ``y`` [R, K] (draft-vocabulary indices,
+    IGNORE where none), ``epochs`` passes (a fraction: that share of one) in shuffled batches of
+    ``batch_rows``. Returns the mean loss per head of the last pass. Shared by ``tidespec train-medusa``
+    and the online rounds (``medusa_rounds``)."""
+    opt = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
     loss_fn = nn.CrossEntropyLoss(ignore_index=IGNORE)
-    for epoch in range(cfg.epochs):
-        perm, total = torch.randperm(x.shape[0]), 0.0
-        for lo in range(0, x.shape[0], cfg.batch_rows):
-            b = perm[lo:lo + cfg.batch_rows]
+    num_heads = y.shape[1]
+    heads.train()
+    mean = float("nan")
+    for epoch in range(max(1, math.ceil(epochs))):
+        share = min(1.0, epochs - epoch)  # the last pass of a fractional count covers that share of the rows
+        perm = torch.randperm(x.shape[0])[:max(1, round(share * x.shape[0]))]
+        total, seen = 0.0, 0
+        for lo in range(0, perm.shape[0], batch_rows):
+            b = perm[lo:lo + batch_rows]
             logits = heads(x[b]) @ rows.T  # [K, b, N]
-            loss = sum(loss_fn(logits[k], y[b, k]) for k in range(cfg.heads) if (y[b, k] != IGNORE).any())
+            loss = sum(loss_fn(logits[k], y[b, k]) for k in range(num_heads) if (y[b, k] != IGNORE).any())
             if not isinstance(loss, torch.Tensor):  # no head has a target in these rows
                 continue
             opt.zero_grad()
             loss.backward()  # type: ignore[union-attr]
             opt.step()
             total += loss.item() * len(b)
-        progress(f"epoch {epoch + 1}/{cfg.epochs}: loss {total / max(1, x.shape[0]) / cfg.heads:.3f} per head, "
-                 f"{x.shape[0]} rows")
-    if held:
-        report["after"] = accuracy(heads, rows, hx, hy)
-    return heads.eval(), report
+            seen += len(b)
+        mean = total / max(1, seen) / num_heads
+        progress(f"epoch {epoch + 1}/{math.ceil(epochs)}: loss {mean:.3f} per head, {seen} rows")
+    heads.eval()
+    return mean

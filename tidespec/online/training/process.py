@@ -25,6 +25,7 @@ from tqdm import tqdm
 from tidespec.config import CollectionConfig
 from tidespec.models.eagle3.checkpoint import export_eagle3, head_from_published, load_latest_valid
 from tidespec.models.eagle3.head import Eagle3Config
+from tidespec.models.medusa.heads import latest_published
 from tidespec.models.target import TargetConfig, TargetModel
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
@@ -33,6 +34,7 @@ from tidespec.online.store import SignalStore
 from tidespec.online.training.config import TrainerConfig, TrainerConfigError
 from tidespec.online.training.dist import DistContext
 from tidespec.online.training.distill import bootstrap_engine, generate_continuations, teacher_pass, training_prompts
+from tidespec.online.training.medusa_rounds import MedusaTrainer
 from tidespec.online.training.rounds import DraftTrainer, RoundResult
 
 logger = logging.getLogger(__name__)
@@ -46,19 +48,22 @@ logger = logging.getLogger(__name__)
 
 def capture_from_workload(model: TargetModel, tokenizer: Any, workload: str, signal_dir: str | Path, *,
                           max_tokens: int = 128, limit: int = 0, budget_bytes: int = 2 << 30,
-                          max_num_seqs: int = 8, progress: bool = True, exclude: str = "") -> dict[str, int]:
+                          max_num_seqs: int = 8, progress: bool = True, exclude: str = "",
+                          hidden: bool = False) -> dict[str, int]:
     """Greedy-generate every prompt of the comma-separated workloads with the target, capturing the
-    taps of every final position into the store at ``signal_dir``. Returns the capture counters."""
+    taps (``hidden``: the final hidden states instead, what Medusa heads train on) of every final position
+    into the store at ``signal_dir``. Returns the capture counters."""
     from tidespec.engine.engine import RequestError
     from tidespec.sampling import SamplingParams
 
     prompts = training_prompts(workload, tokenizer, exclude=exclude, limit=limit)
-    taps = Eagle3Config.for_target(model.cfg).tap_layers
-    engine = bootstrap_engine(model, tokenizer, prompts, max_tokens, max_num_seqs, TapCaptureDrafter(taps))
+    taps = () if hidden else Eagle3Config.for_target(model.cfg).tap_layers
+    engine = bootstrap_engine(model, tokenizer, prompts, max_tokens, max_num_seqs, TapCaptureDrafter(taps, hidden))
     store = SignalStore(signal_dir, budget_bytes)
     capacity = max(4096, 4 * max_num_seqs * engine.max_model_len)
-    capture = CaptureBuffer(store, capacity, min(2048, capacity), taps_dim=len(taps) * model.cfg.hidden_size)
-    collector = SignalCollector(engine, capture, SelectiveCollector(CollectionConfig(force=True)))
+    capture = CaptureBuffer(store, capacity, min(2048, capacity), taps_dim=len(taps) * model.cfg.hidden_size,
+                            hidden_dim=model.cfg.hidden_size if hidden else 0)
+    collector = SignalCollector(engine, capture, SelectiveCollector(CollectionConfig(force=True)), taps=not hidden)
     collector.hook_into(engine)
     params = SamplingParams(max_tokens=max_tokens)
     added = 0
@@ -105,6 +110,9 @@ def train_drafter(cfg: TrainerConfig) -> list[RoundResult]:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     ctx = DistContext.from_env(cfg.backend, cfg.device)
+    if ctx.enabled and cfg.drafter == "medusa":
+        ctx.close()
+        raise TrainerConfigError("--drafter medusa trains in one process (its heads are small): not under torchrun")
     try:
         device = cfg.device
         if ctx.enabled and device == "cuda":
@@ -118,12 +126,14 @@ def train_drafter(cfg: TrainerConfig) -> list[RoundResult]:
                 capture_from_workload(loaded.model, loaded.tokenizer, cfg.from_workload, cfg.signal_dir,
                                       max_tokens=cfg.max_tokens, limit=cfg.workload_limit,
                                       budget_bytes=cfg.budget_mb << 20, progress=cfg.progress,
-                                      exclude=cfg.exclude_workload)
+                                      exclude=cfg.exclude_workload, hidden=cfg.drafter == "medusa")
             ctx.barrier()
             if cfg.capture_only:
                 return []
         run_cfg = dataclasses.replace(cfg, device=device)
-        trainer = DraftTrainer(run_cfg, loaded.config, loaded.model.embed_tokens, ctx, target=loaded.model)
+        trainer: DraftTrainer | MedusaTrainer = (
+            MedusaTrainer(run_cfg, loaded.model) if cfg.drafter == "medusa"
+            else DraftTrainer(run_cfg, loaded.config, loaded.model.embed_tokens, ctx, target=loaded.model))
         if cfg.from_workload:  # the bootstrap signals form one round now, whatever their count
             first = trainer.run_round(min_signals=1)
             results = [first] if first is not None else []
@@ -131,7 +141,9 @@ def train_drafter(cfg: TrainerConfig) -> list[RoundResult]:
                 results += trainer.run(max_rounds=cfg.max_rounds - len(results) if cfg.max_rounds else 0)
         else:
             results = trainer.run()
-        if cfg.export_dir and ctx.is_main:
+        if cfg.export_dir and ctx.is_main and cfg.drafter == "medusa":
+            export_latest_medusa(cfg.publish_root, cfg.export_dir, loaded.model)
+        elif cfg.export_dir and ctx.is_main:
             export_latest(cfg.publish_root, cfg.export_dir, loaded.config, DTYPES[cfg.export_dtype])
         # leave together: a rank tearing its process group down while another is still publishing
         # aborted at exit under CPU contention ("terminate called without an active exception")
@@ -139,6 +151,17 @@ def train_drafter(cfg: TrainerConfig) -> list[RoundResult]:
         return results
     finally:
         ctx.close()
+
+
+def export_latest_medusa(root: str | Path, directory: str | Path, target: TargetModel) -> int:
+    """``export_latest`` for Medusa heads: the newest valid version under ``root`` written to ``directory``
+    (serve it with ``--medusa-dir``). Returns the version; ``TrainerConfigError`` when none is published."""
+    found = latest_published(Path(root), target.cfg.hidden_size, target.cfg.vocab_size)
+    if found is None:
+        raise TrainerConfigError(f"no valid Medusa heads are published under {root}; nothing to export")
+    found[1].save(Path(directory))
+    logger.info("exported Medusa heads version %d from %s to %s", found[0], root, directory)
+    return found[0]
 
 
 def export_latest(root: str | Path, directory: str | Path, target_cfg: TargetConfig, dtype: torch.dtype) -> int:

@@ -524,17 +524,7 @@ class DraftTrainer:
 
     def run(self, max_rounds: int | None = None, once: bool | None = None) -> list[RoundResult]:
         """Rounds until ``max_rounds`` trained rounds (0 = forever) or, with ``once``, one attempt."""
-        max_rounds = self.cfg.max_rounds if max_rounds is None else max_rounds
-        once = self.cfg.once if once is None else once
-        results: list[RoundResult] = []
-        while True:
-            result = self.run_round(min_signals=1 if once else None)
-            if result is not None:
-                results.append(result)
-            if once or (max_rounds and len(results) >= max_rounds):
-                return results
-            if result is None and not self.align():
-                time.sleep(self.cfg.poll_s)
+        return run_rounds(self.run_round, self.cfg, max_rounds, once, self.align)
 
     def align(self) -> bool:
         """One step of the LoRA path on the current head, if it is on; True if it read new signals.
@@ -549,6 +539,24 @@ class DraftTrainer:
         before = self.aligner.cursor
         self.aligner.step(head, self.current_version)
         return self.aligner.cursor != before
+
+
+def run_rounds(run_round: Callable[[int | None], RoundResult | None], cfg: TrainerConfig, max_rounds: int | None,
+               once: bool | None, idle: Callable[[], bool] = lambda: False) -> list[RoundResult]:
+    """A trainer's loop (EAGLE-3's, Medusa's): ``run_round`` until ``max_rounds`` trained rounds (default
+    ``cfg.max_rounds``, 0 = forever) or, with ``once`` (default ``cfg.once``), one attempt on whatever
+    arrived; between rounds ``idle()`` (True: it used the wait) or a ``cfg.poll_s`` sleep."""
+    max_rounds = cfg.max_rounds if max_rounds is None else max_rounds
+    once = cfg.once if once is None else once
+    results: list[RoundResult] = []
+    while True:
+        result = run_round(1 if once else None)
+        if result is not None:
+            results.append(result)
+        if once or (max_rounds and len(results) >= max_rounds):
+            return results
+        if result is None and not idle():
+            time.sleep(cfg.poll_s)
 
 
 def lr_factor(step: int, steps: int, warmup: int, schedule: str, floor: float = 0.1) -> float:

@@ -1,0 +1,139 @@
+"""Online rounds for Medusa heads (``online/training/medusa_rounds.py``): rows, the walk, a round that
+publishes better heads, one that does not publish worse ones, and ``train-drafter --drafter medusa``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tests.helpers import run_to_completion, tiny_llama, tiny_tokenizer
+from tidespec.config import CacheConfig, EngineConfig, SpecConfig
+from tidespec.engine.engine import LLMEngine
+from tidespec.files import latest_version
+from tidespec.models.medusa.heads import MedusaConfig, MedusaHeads, latest_published, load_published, publish_heads
+from tidespec.online.store import SignalShard, SignalStore
+from tidespec.online.training.config import TrainerConfig, TrainerConfigError
+from tidespec.online.training.medusa import final_hidden
+from tidespec.online.training.medusa_rounds import MedusaTrainer, medusa_runs, walk_blocks
+from tidespec.sampling import SamplingParams
+
+V = 48
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_llama(V, layers=2, seed=3, scale=3.0)
+
+
+def _sequences(model, count: int, offset: int) -> list[list[int]]:
+    """The target's greedy continuations (24 tokens) of ``count`` short prompts."""
+    prompts = [[(7 * i + j + offset) % (V - 1) + 1 for j in range(3 + i % 4)] for i in range(count)]
+    cfg = EngineConfig(cache=CacheConfig(max_model_len=64, max_num_seqs=8), spec=SpecConfig())
+    engine = LLMEngine(model, tiny_tokenizer(V), cfg)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in prompts]
+    done = run_to_completion(engine)
+    return [p + done[i].token_ids for p, i in zip(prompts, ids)]
+
+
+def _shard(model, sequences: list[list[int]], first_seq: int) -> SignalShard:
+    """Every position of ``sequences`` but the last as captured rows with the final hidden states."""
+    hidden, tokens, nexts, seqs, pos = [], [], [], [], []
+    for n, ids in enumerate(sequences):
+        h = final_hidden(model, ids)  # [L, H]
+        hidden.append(h[:-1])
+        tokens += ids[:-1]
+        nexts += ids[1:]
+        seqs += [first_seq + n] * (len(ids) - 1)
+        pos += list(range(len(ids) - 1))
+    rows = len(tokens)
+    return SignalShard(taps=torch.zeros(rows, 0), token_ids=torch.tensor(tokens), next_token_ids=torch.tensor(nexts),
+                       seq_ids=torch.tensor(seqs), positions=torch.tensor(pos), hidden=torch.cat(hidden).float())
+
+
+def _config(tmp_path, **kw) -> TrainerConfig:
+    base = dict(signal_dir=str(tmp_path / "signals"), publish_root=str(tmp_path / "root"), drafter="medusa",
+                min_signals=1, epochs=100.0, lr=1e-2, finetune_lr=1e-2, heldout_frac=0.25, judge_min_sequences=4,
+                gamma=3, progress=False)
+    return TrainerConfig(**{**base, **kw})
+
+
+def test_rows_are_labelled_with_the_tokens_each_head_drafts() -> None:
+    """Positions 4, 5, 6, 9 of one sequence (next tokens 11, 12, 13, 14), 2 heads: a run 4..6 whose row 4
+    teaches head 1 the token after 12 (13) and head 2 the one after that (past the run: -1)."""
+    shard = SignalShard(taps=torch.zeros(4, 0), token_ids=torch.tensor([1, 2, 3, 4]),
+                        next_token_ids=torch.tensor([11, 12, 13, 14]), seq_ids=torch.tensor([7, 7, 7, 7]),
+                        positions=torch.tensor([4, 5, 6, 9]), hidden=torch.arange(8.0).reshape(4, 2))
+    runs = medusa_runs([shard], num_heads=2)[7]
+    assert [r.num_rows for r in runs] == [3, 1]
+    assert runs[0].labels.tolist() == [[12, 13], [13, -1], [-1, -1]] and runs[1].labels.tolist() == [[-1, -1]]
+    assert runs[0].hidden[:, 0].tolist() == [0.0, 2.0, 4.0]
+    cut = medusa_runs([shard], num_heads=2, max_len=2)[7]
+    assert [r.labels.tolist() for r in cut] == [[[12, 13], [13, -1]], [[-1, -1]], [[-1, -1]]]
+    assert medusa_runs([SignalShard(taps=torch.zeros(1, 0), token_ids=torch.tensor([1]),
+                                    next_token_ids=torch.tensor([2]), seq_ids=torch.tensor([1]),
+                                    positions=torch.tensor([0]))], 2) == {}  # no hidden states: nothing
+
+
+def test_the_walk_follows_a_greedy_server() -> None:
+    """The module docstring's example: accepted 2, 0, 1, 2, 0, 0 -> rows 0 and 3 visited, 6 tokens in 2 steps;
+    in blocks of 3 each block starts again at its first row."""
+    assert walk_blocks([2, 0, 1, 2, 0, 0], block_rows=32) == [(2, 6)]
+    assert walk_blocks([2, 0, 1, 2, 0, 0], block_rows=3) == [(1, 3), (1, 3)]
+    assert walk_blocks([0, 0, 0], block_rows=2) == [(2, 2), (1, 1)]
+
+
+def test_a_round_publishes_heads_that_draft_more_and_never_worse_ones(model, tmp_path) -> None:
+    """Zero heads published as v1 (each repeats the target's next token); captured rows of 24 sequences, 12
+    requests each served twice (a tiny random target's text does not generalise across prompts, so the
+    held-out sequences' twins are in the training split, as repeated traffic is): the round fine-tunes the
+    heads, the held-out walk gains and v2 is published, loads and fits the target;
+    a second round whose candidate cannot gain (the heads already fit, training rate tiny and the
+    confidence demands a gain) publishes nothing."""
+    root = tmp_path / "root"
+    zero = MedusaHeads(MedusaConfig(model.cfg.hidden_size, 3, list(range(V)), V)).double()
+    assert publish_heads(root, zero, {"bootstrap": "zero"}) == 1
+    store = SignalStore(tmp_path / "signals", 1 << 30)
+    twice = [seq for seq in _sequences(model, 12, 0) for _ in range(2)]  # twins side by side: one held out
+    store.append(_shard(model, twice, first_seq=100))
+    trainer = MedusaTrainer(_config(tmp_path), model)
+    assert trainer.current_version == 1
+    result = trainer.run_round()
+    assert result is not None and result.published_version == 2, result
+    assert result.candidate_accept_len > result.baseline_accept_len + 0.3, result
+    assert latest_version(root) == 2
+    heads, metrics = load_published(root, 2)
+    assert metrics["parent_version"] == 1 and metrics["drafter"] == "medusa" and heads.cfg.num_heads == 3
+    state = json.loads((root / "trainer_state.json").read_text())
+    assert state["rounds"][0]["published_version"] == 2 and state["rounds"][0]["alpha_eval"] > 0
+    assert latest_published(root, model.cfg.hidden_size, V)[0] == 2
+    assert latest_published(root, model.cfg.hidden_size + 1, V) is None  # heads for another target: refused
+
+    store.append(_shard(model, _sequences(model, 24, 5), first_seq=200))
+    again = MedusaTrainer(_config(tmp_path, finetune_lr=1e-9, epochs=1.0, min_gain=0.05), model)
+    assert again.current_version == 2
+    result = again.run_round()
+    assert result is not None and result.published_version is None, result
+    assert latest_version(root) == 2
+    assert again.run_round() is None  # every shard consumed: nothing new to train on
+
+
+def test_train_drafter_medusa_bootstraps_from_a_workload_and_exports(tmp_path, capsys) -> None:
+    """``tidespec train-drafter --drafter medusa --from-workload``: captured with hidden states, one round,
+    the heads published and exported; a torchrun-free, tap-free path; its refusals are one line."""
+    from tests.helpers import tiny_hf_model, write_tiny_checkpoint
+    from tidespec.cli import main
+
+    hf, _ = tiny_hf_model("llama", torch.float32)
+    ckpt = write_tiny_checkpoint(hf, tmp_path / "ckpt")
+    out = tmp_path / "export"
+    args = ["train-drafter", "--drafter", "medusa", "--model", str(ckpt), "--from-workload", "code",
+            "--workload-limit", "8", "--max-tokens", "16", "--signal-dir", str(tmp_path / "sig"),
+            "--publish-root", str(tmp_path / "root"), "--once", "--no-progress", "--heldout-frac", "0.25",
+            "--judge-confidence", "0", "--epochs", "2", "--export-dir", str(out)]
+    assert main(args) == 0
+    assert "round 1:" in capsys.readouterr().out
+    assert latest_version(tmp_path / "root") == 1 and MedusaHeads.load(out).cfg.hidden_size == hf.config.hidden_size
+    with pytest.raises(TrainerConfigError, match="no --lora, no --topk"):
+        _config(tmp_path, topk=4)
