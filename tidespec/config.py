@@ -363,6 +363,12 @@ class SpecConfig:
         return tuple(n.strip() for n in self.drafter.split(",") if n.strip())
 
     @property
+    def online_drafter(self) -> str | None:
+        """The drafter ``--online-training`` trains: eagle3 when it is among the drafters, else medusa, else
+        None. Example: "suffix,medusa" -> "medusa"."""
+        return next((n for n in ("eagle3", "medusa") if n in self.drafter_names), None)
+
+    @property
     def enabled(self) -> bool:
         return self.drafter != "none" and self.num_speculative_tokens > 0
 
@@ -424,10 +430,11 @@ class CollectionConfig:
 class OnlineTrainingConfig:
     """Online drafter training while serving: signal capture, the trainer child process, collection."""
 
-    enabled: bool = opt(False, "EAGLE-3: capture the target's hidden states while serving, train in a child "
-                               "process, swap better drafters in between steps (needs --eagle3-dir)",
-                        flag="--online-training")
-    signal_dir: str | None = opt(None, "training-signal store directory (default: <eagle3-dir>/signals)")
+    enabled: bool = opt(False, "capture the target's hidden states while serving, train the EAGLE-3 head (or, "
+                               "without eagle3 among the drafters, the Medusa heads) in a child process, swap "
+                               "better versions in between steps (needs --eagle3-dir / --medusa-dir: the "
+                               "publish root)", flag="--online-training")
+    signal_dir: str | None = opt(None, "training-signal store directory (default: <publish root>/signals)")
     signal_budget_mb: int = opt(2048, "signal store byte budget in MiB (oldest shards evicted first)")
     poll_s: float = opt(2.0, "seconds between checks for a newly published drafter", flag="--online-poll-s")
     trainer_device: str | None = opt(None, "device of the trainer child process (default: --device)")
@@ -491,8 +498,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         # the rules that read a drafter's own options are that drafter's (``DrafterKind.check``, run by
         # ``speculative.registry.check_config`` before anything loads)
-        if self.online.enabled and "eagle3" not in self.spec.drafter_names:
-            raise ConfigError("--online-training needs the eagle3 drafter (--drafter eagle3, or e.g. suffix,eagle3)")
+        if self.online.enabled and self.spec.online_drafter is None:
+            raise ConfigError("--online-training needs a drafter it can train: eagle3 or medusa (--drafter eagle3, or "
+                              "e.g. suffix,medusa)")
         need = self.cache.max_num_seqs * (self.spec.num_speculative_tokens + 1) + 16
         if self.scheduler.max_num_batched_tokens < need:
             # every running sequence must fit its verification tokens in one step, with room left

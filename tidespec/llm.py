@@ -33,6 +33,7 @@ from tidespec.models.target import TargetConfig, TargetModel, output_matrix
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter
 from tidespec.speculative.drafters.eagle3_options import eagle3_options, with_eagle3
+from tidespec.speculative.drafters.medusa import medusa_options, seed_medusa_root
 from tidespec.speculative.policy.api import SpeculationPolicy
 from tidespec.speculative.policy.factory import PolicyOptions, make_policy
 from tidespec.speculative.policy.guards import GuardConfig
@@ -155,6 +156,8 @@ def build_engine(config: EngineConfig, model: TargetModel | None = None,
     if drafter is None:
         if mc.model is None:  # the embedded model: its shipped EAGLE-3 head unless --eagle3-dir names one
             config = dataclasses.replace(config, spec=with_shipped_head(config.spec, model.cfg, config.online.enabled))
+        if config.online.enabled and config.spec.online_drafter == "medusa":  # training starts from what serves
+            seed_medusa_root(medusa_options(config.spec), model)
         drafter = build_drafter(config.spec, model, config.cache.max_num_seqs, max_len, config.model.enforce_eager,
                                 config.model.compile)
         attach_draft_vocab(drafter, config.spec.vocab, model, tokenizer)

@@ -53,9 +53,9 @@ def _shard(model, sequences: list[list[int]], first_seq: int) -> SignalShard:
 
 
 def _config(tmp_path, **kw) -> TrainerConfig:
-    base = dict(signal_dir=str(tmp_path / "signals"), publish_root=str(tmp_path / "root"), drafter="medusa",
-                min_signals=1, epochs=100.0, lr=1e-2, finetune_lr=1e-2, heldout_frac=0.25, judge_min_sequences=4,
-                gamma=3, progress=False)
+    base = {"signal_dir": str(tmp_path / "signals"), "publish_root": str(tmp_path / "root"), "drafter": "medusa",
+            "min_signals": 1, "epochs": 100.0, "lr": 1e-2, "finetune_lr": 1e-2, "heldout_frac": 0.25,
+            "judge_min_sequences": 4, "gamma": 3, "progress": False}
     return TrainerConfig(**{**base, **kw})
 
 
@@ -137,3 +137,52 @@ def test_train_drafter_medusa_bootstraps_from_a_workload_and_exports(tmp_path, c
     assert latest_version(tmp_path / "root") == 1 and MedusaHeads.load(out).cfg.hidden_size == hf.config.hidden_size
     with pytest.raises(TrainerConfigError, match="no --lora, no --topk"):
         _config(tmp_path, topk=4)
+
+
+def test_served_capture_trains_publishes_and_swaps_in_between_steps(model, tmp_path) -> None:
+    """The whole loop on a tiny target: an engine drafts with Medusa heads from a publish root seeded with
+    zero heads (``--online-training``'s start), captures rows of final hidden states (no taps) while it
+    serves, a trainer round on them publishes v2, the updater loads it off the step and the engine
+    swaps it in between steps; every output equals plain decoding's, before and after the swap; a
+    broken v3 is refused in one line and serving goes on with v2."""
+    from tidespec.llm import build_engine
+    from tidespec.online.serving.attach import OnlineConfig, attach_online_training
+    from tidespec.speculative.drafters.medusa import MedusaOptions
+
+    root = tmp_path / "root"
+    options = MedusaOptions(dir=str(root), heads=3, vocab=V)
+    spec = SpecConfig(drafter="medusa", num_speculative_tokens=3, options={"medusa": options})
+    config = EngineConfig(cache=CacheConfig(max_model_len=64, max_num_seqs=4), spec=spec)
+    config.online.enabled = True
+    engine = build_engine(config, model=model, tokenizer=tiny_tokenizer(V))
+    assert latest_version(root) == 1 and engine.drafter.version == 1 and engine.drafter.versioned
+    online = OnlineConfig.from_engine_config(config)
+    assert online.drafter == "medusa" and not online.lora and online.collection.bootstrap  # seeded: collect
+    online.capture_flush_rows = 64
+    attached = attach_online_training(engine, online, start=False)
+    prompts = [[(7 * i + j) % (V - 1) + 1 for j in range(3 + i % 4)] for i in range(12)]
+    plain = _sequences(model, 12, 0)
+
+    def serve() -> list[list[int]]:  # every request twice, side by side: one twin held out, one trained on
+        twins = [p for p in prompts for _ in range(2)]
+        ids = [engine.add_request(p, SamplingParams(max_tokens=24, ignore_eos=True)) for p in twins]
+        done = run_to_completion(engine)
+        return [p + done[i].token_ids for p, i in zip(twins, ids)][::2]
+
+    assert serve() == plain
+    attached.capture.close()
+    shards = [s for _, s in SignalStore(online.signal_dir, 1 << 30).iter_shards()]
+    assert shards and all(s.taps.shape[1] == 0 and s.hidden is not None for s in shards)
+    result = MedusaTrainer(_config(tmp_path, signal_dir=online.signal_dir, publish_root=str(root)), model).run_round()
+    assert result is not None and result.published_version == 2, result
+    assert attached.updater.poll_once() == 2 and engine.drafter.version == 1  # parked, not yet swapped
+    engine.step()  # an idle step runs the between-steps hooks
+    assert engine.drafter.version == 2 and attached.state()["swaps"] == 1
+    assert serve() == plain
+    (root / "v3").mkdir()
+    (root / "v3" / "medusa_config.json").write_text("{")
+    (root / "v3" / "medusa_heads.safetensors").write_bytes(b"")
+    (root / "LATEST").write_text("3\n")
+    assert attached.updater.poll_once() is None and 3 in attached.updater.refused
+    assert serve() == plain and engine.drafter.version == 2
+    attached.close()

@@ -78,7 +78,7 @@ def test_trained_heads_are_accepted_and_greedy_equals_plain(model, trained, tree
 def test_the_tree_keeps_the_likeliest_paths() -> None:
     """The module docstring's example: head 1 a .6 / a' .35, head 2 b .5 / b' .4, gamma 3 -> [a, a', b]."""
     heads = MedusaHeads(MedusaConfig(hidden_size=4, num_heads=2, vocab_ids=[10, 11, 12, 13]))
-    drafter = MedusaDrafter(heads, torch.zeros(4, 4), vocab_size=16, top_k=2)
+    drafter = MedusaDrafter(heads, torch.zeros(16, 4), vocab_size=16, top_k=2)
     probs = torch.tensor([[0.6, 0.35, 0.03, 0.02], [0.5, 0.4, 0.05, 0.05]])
     draft = drafter._tree(probs.log(), 3)
     assert draft.token_ids == [10, 11, 10] and draft.parent_indices == [-1, -1, 0]

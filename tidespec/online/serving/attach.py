@@ -53,7 +53,7 @@ import torch
 from tidespec.config import CollectionConfig, EngineConfig
 from tidespec.engine.observer import EngineObserver
 from tidespec.errors import ConfigError
-from tidespec.files import directory_fingerprint, latest_version
+from tidespec.files import latest_version
 from tidespec.models.eagle3.checkpoint import (
     DrafterCheckpointError,
     PublishedDrafter,
@@ -62,18 +62,21 @@ from tidespec.models.eagle3.checkpoint import (
     load_version,
 )
 from tidespec.models.eagle3.head import Eagle3Config, Eagle3ConfigError, Eagle3Head
+from tidespec.models.medusa.heads import CONFIG as MEDUSA_CONFIG
 from tidespec.models.target import TargetConfig
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
 from tidespec.online.serving.adapters import AdapterUpdater
 from tidespec.online.serving.governor import GovernorConfig, TrainingGovernor
-from tidespec.online.serving.poller import RootPoller
+from tidespec.online.serving.medusa_updates import MedusaUpdater
+from tidespec.online.serving.poller import RoundRelay, VersionPoller
 from tidespec.online.serving.rollback import RollbackConfig, ServedCheck
 from tidespec.online.serving.supervisor import RestartPolicy, TrainerSupervisor
-from tidespec.online.signals import SignalCollector, read_trainer_rounds
+from tidespec.online.signals import SignalCollector
 from tidespec.online.store import TAPS_DTYPES, SignalStore
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
 from tidespec.speculative.drafters.eagle3_options import eagle3_options
+from tidespec.speculative.drafters.medusa import MedusaDrafter, medusa_options
 from tidespec.speculative.drafters.multi import find_member
 from tidespec.speculative.policy.factory import policy_profile
 
@@ -109,6 +112,7 @@ class OnlineConfig:
     collection: CollectionConfig = field(default_factory=CollectionConfig)
     rollback_min_drafts: int = 0  # drafts of a new version before the served check decides (0 = no check)
     lora: bool = False  # capture final hidden states and merge the trainer's LoRA adapters (EvoSpec path B)
+    drafter: str = "eagle3"  # what is trained: "eagle3" (rows of taps) or "medusa" (rows of final hidden states)
     # the trainer's adapters also learn this many emitted tokens outside the head's vocabulary
     # (``--lora-extra-vocab``): the dynamic draft vocabulary's buffer, 0 without one
     lora_extra_vocab: int = 0
@@ -125,6 +129,8 @@ class OnlineConfig:
                                     f"capture_capacity_rows ({self.capture_capacity_rows})")
         if self.max_shard_age_s <= 0 or self.poll_s <= 0:
             raise OnlineConfigError("max_shard_age_s and poll_s must be > 0")
+        if self.drafter not in ("eagle3", "medusa"):
+            raise OnlineConfigError(f"drafter must be eagle3 or medusa, got {self.drafter!r}")
         if self.rollback_min_drafts < 0 or self.lora_extra_vocab < 0:
             raise OnlineConfigError("rollback_min_drafts and lora_extra_vocab must be >= 0, got "
                                     f"{self.rollback_min_drafts} and {self.lora_extra_vocab}")
@@ -138,11 +144,13 @@ class OnlineConfig:
         no drafter trained on this traffic there is no acceptance level to detect a shift against,
         and a server whose traffic is new from its first request would otherwise never collect.
         """
-        root, oc = eagle3_options(config.spec).dir, config.online
+        oc, trained = config.online, config.spec.online_drafter or "eagle3"
+        root = (eagle3_options(config.spec) if trained == "eagle3" else medusa_options(config.spec)).dir
+        flag = f"--{trained}-dir"
         if not root:
-            raise OnlineConfigError("online training needs --eagle3-dir (the drafter publish root)")
-        if is_checkpoint_dir(root):
-            raise OnlineConfigError(f"--eagle3-dir {root} is one exported checkpoint; online training "
+            raise OnlineConfigError(f"online training needs {flag} (the drafter publish root)")
+        if is_checkpoint_dir(root) or (Path(root) / MEDUSA_CONFIG).is_file():
+            raise OnlineConfigError(f"{flag} {root} is one exported checkpoint; online training "
                                     "needs a publish root (a directory of v1/, v2/, ...)")
         bootstrap = oc.collect.bootstrap or latest_version(root) is None or is_seed(root)
         return cls(
@@ -153,7 +161,8 @@ class OnlineConfig:
             poll_s=oc.poll_s,
             collection=dataclasses.replace(oc.collect, bootstrap=bootstrap),
             rollback_min_drafts=oc.rollback_min_drafts,
-            lora=oc.lora,
+            lora=oc.lora and trained == "eagle3",  # Medusa heads train on the target's tokens
+            drafter=trained,
             lora_extra_vocab=config.spec.vocab.buffer if config.spec.vocab.mode == "dynamic" else 0,
         )
 
@@ -168,7 +177,7 @@ class OnlineConfig:
 # ----------------------------------------------------------------------------------------------
 
 
-class DrafterUpdater(RootPoller, EngineObserver):
+class DrafterUpdater(VersionPoller, EngineObserver):
     """Polls a publish root in a background thread and swaps new drafter versions in between steps.
 
     The thread does all I/O, validation and tensor conversion; ``on_step_start`` (the engine hook)
@@ -180,17 +189,14 @@ class DrafterUpdater(RootPoller, EngineObserver):
                  check: ServedCheck | None = None) -> None:
         if poll_s <= 0:
             raise OnlineConfigError(f"poll_s must be > 0, got {poll_s}")
-        super().__init__(root, poll_s, "tidespec-drafter-updater")
+        super().__init__(root, poll_s, "tidespec-drafter-updater", drafter.version)
         self.drafter = drafter
         self.target_cfg = target_cfg
         self.selective = selective
         self.capture = capture
-        self.refused: dict[int, str] = {}  # version -> reason
         self.num_swaps = 0
         self.check = check  # the served check after each swap (rollback); None: swaps are final
-        self._loaded = drafter.version  # newest version loaded (served or parked)
-        self._refused_files: dict[int, tuple[tuple[str, int, int], ...]] = {}  # version -> files when refused
-        self._rounds_seen = len(read_trainer_rounds(self.root))  # rounds before we started are history
+        self.rounds = RoundRelay(self.root, selective)
         self._lock = threading.Lock()
         self._pending: PublishedDrafter | None = None
         self._pending_served: Eagle3Head | None = None  # its drafting copy (quantized here, off the step)
@@ -200,28 +206,22 @@ class DrafterUpdater(RootPoller, EngineObserver):
         version, or None. A refused version is tried again only once its files changed, so an
         unchanged bad directory costs one stat per poll and one log line in all. Also relays new
         trainer rounds to the selective collector."""
-        self._relay_rounds()
-        newest = latest_version(self.root)
-        if newest is None or newest <= self._loaded:
+        self.rounds.relay()
+        found = self.next_version()
+        if found is None:
             return None
-        files = directory_fingerprint(self.root / f"v{newest}")  # before reading: a later change is seen next poll
-        if self._refused_files.get(newest) == files:
-            return None
+        newest, files = found
         try:
             pub = load_version(self.root, newest, self.target_cfg)  # validates names, shapes, finiteness
             if pub.config.tap_layers != self.drafter.tap_layers:
                 raise DrafterCheckpointError(
                     f"tap layers {pub.config.tap_layers} differ from the serving drafter's {self.drafter.tap_layers}")
         except (DrafterCheckpointError, Eagle3ConfigError) as exc:
-            again = " again" if newest in self.refused else ""
-            self.refused[newest] = str(exc)
-            self._refused_files[newest] = files
+            again = self.refuse(newest, files, str(exc))
             logger.warning("refusing EAGLE-3 drafter version %d under %s%s: %s; keeping version %d (tried again "
                            "when its files change)", newest, self.root, again, exc, self.drafter.version)
             return None
-        self._loaded = newest
-        self.refused.pop(newest, None)
-        self._refused_files.pop(newest, None)
+        self.loaded(newest)
         head = self.drafter.head
         pub.state_dict = {k: (v.to(device=head.device, dtype=head.dtype) if v.is_floating_point()
                               else v.to(device=head.device)) for k, v in pub.state_dict.items()}
@@ -231,20 +231,6 @@ class DrafterUpdater(RootPoller, EngineObserver):
         logger.info("drafter version %d loaded from %s (metrics %s); swapping in at the next step",
                     pub.version, self.root, pub.metrics)
         return pub.version
-
-    def _relay_rounds(self) -> None:
-        if self.selective is None:
-            return
-        rounds = read_trainer_rounds(self.root)
-        for r in rounds[self._rounds_seen:]:
-            try:
-                a_train = min(1.0, max(0.0, float(r["alpha_train"])))
-                a_eval = min(1.0, max(0.0, float(r["alpha_eval"])))
-            except (KeyError, TypeError, ValueError):
-                continue
-            decision = self.selective.report_training(a_train, a_eval)
-            logger.info("trainer round %s: alpha %.3f -> %.3f, %s", r.get("round"), a_train, a_eval, decision.value)
-        self._rounds_seen = max(self._rounds_seen, len(rounds))
 
     def on_step_start(self, engine: LLMEngine) -> None:
         """Between steps (an engine observer): act on the served check of the last swap (roll back a
@@ -305,12 +291,12 @@ class OnlineTraining:
     """Everything ``attach_online_training`` wired into an engine; ``state()`` feeds metrics."""
 
     config: OnlineConfig
-    drafter: Eagle3Drafter
+    drafter: Eagle3Drafter | MedusaDrafter
     store: SignalStore
     capture: CaptureBuffer
     selective: SelectiveCollector
     collector: SignalCollector
-    updater: DrafterUpdater
+    updater: DrafterUpdater | MedusaUpdater
     adapters: AdapterUpdater | None = None  # LoRA adapters of the served version (``--online-lora``)
     trainer: TrainerSupervisor | None = None  # set by ``supervise_trainer``
     governor: TrainingGovernor | None = None  # pauses the trainer while serving is busy (shared CPU)
@@ -403,21 +389,33 @@ def budget_shortfall(config: OnlineConfig, taps_dim: int) -> str | None:
 
 
 def attach_online_training(engine: LLMEngine, config: OnlineConfig, *, start: bool = True) -> OnlineTraining:
-    """Wire capture, selective collection and drafter updates into ``engine`` (whose drafter
-    must be an ``Eagle3Drafter``). ``start=False`` leaves the poller thread off (tests poll by hand)."""
-    drafter = find_member(engine.drafter, "eagle3")
-    if not isinstance(drafter, Eagle3Drafter):
-        raise OnlineConfigError("online training needs the eagle3 drafter (--drafter eagle3, or e.g. suffix,eagle3)")
-    shortfall = budget_shortfall(config, drafter.head.cfg.tap_size)
+    """Wire capture, selective collection and drafter updates into ``engine`` (whose drafter must be an
+    ``Eagle3Drafter``, or a ``MedusaDrafter`` when ``config.drafter`` is "medusa": rows of final hidden
+    states, no taps, no LoRA, no served rollback check). ``start=False`` leaves the poller thread off
+    (tests poll by hand)."""
+    drafter = find_member(engine.drafter, config.drafter)
+    if not isinstance(drafter, Eagle3Drafter | MedusaDrafter):
+        raise OnlineConfigError(f"online training needs the {config.drafter} drafter (--drafter {config.drafter}, "
+                                f"or e.g. suffix,{config.drafter})")
+    medusa = isinstance(drafter, MedusaDrafter)
+    taps_dim = 0 if medusa else drafter.head.cfg.tap_size
+    hidden = engine.model.cfg.hidden_size
+    shortfall = budget_shortfall(config, hidden if medusa else taps_dim)
     if shortfall is not None:
         logger.warning(shortfall)
     store = SignalStore(config.signal_dir, config.signal_budget_bytes, config.taps_dtype)
     capture = CaptureBuffer(store, config.capture_capacity_rows, config.capture_flush_rows,
-                            taps_dim=drafter.head.cfg.tap_size, max_shard_age_s=config.max_shard_age_s,
-                            drafter_version=drafter.version,
-                            hidden_dim=engine.model.cfg.hidden_size if config.lora else 0)
+                            taps_dim=taps_dim, max_shard_age_s=config.max_shard_age_s,
+                            drafter_version=drafter.version, hidden_dim=hidden if config.lora or medusa else 0)
     selective = SelectiveCollector(config.collection)
-    collector = SignalCollector(engine, capture, selective, capture_prompt=config.capture_prompt)
+    collector = SignalCollector(engine, capture, selective, capture_prompt=config.capture_prompt, taps=not medusa)
+    if medusa:
+        medusa_updater = MedusaUpdater(drafter, config.publish_root, engine.model.cfg, config.poll_s, selective, capture)
+        collector.hook_into(engine)
+        engine.add_observer(medusa_updater)
+        if start:
+            medusa_updater.start()
+        return OnlineTraining(config, drafter, store, capture, selective, collector, medusa_updater)
     check = None
     if config.rollback_min_drafts:
         policy = engine.policy

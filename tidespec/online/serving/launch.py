@@ -48,7 +48,7 @@ def start_trainer_process(online: OnlineConfig, model: str | None, dtype: str = 
            "--signal-dir", online.signal_dir, "--publish-root", online.publish_root,
            "--min-signals", str(online.collection.n_threshold), "--dtype", dtype, "--device", device,
            "--draft-vocab", str(draft_vocab), "--budget-mb", str(max(1, online.signal_budget_bytes >> 20)),
-           "--no-progress"]
+           "--no-progress", "--drafter", online.drafter]
     if model:
         cmd += ["--model", model]
     if online.lora:

@@ -22,13 +22,23 @@ from __future__ import annotations
 import heapq
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from tidespec.config import EngineConfig, Section, opt
+from tidespec.config import EngineConfig, Section, SpecConfig, opt
 from tidespec.errors import ConfigError
+from tidespec.files import latest_version
 from tidespec.models.eagle3.checkpoint import shipped_bootstrap
-from tidespec.models.medusa.heads import MedusaConfig, MedusaConfigError, MedusaHeads
+from tidespec.models.medusa.heads import (
+    CONFIG,
+    MedusaConfig,
+    MedusaConfigError,
+    MedusaHeads,
+    check_fit,
+    latest_published,
+    publish_heads,
+)
 from tidespec.models.target import TargetModel, output_matrix
 from tidespec.sampling import make_generator, sample_from, seeded_draw, target_probs
 from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
@@ -42,7 +52,9 @@ SHIPPED = "medusa-smollm2-135m-instruct"  # the embedded model's heads, a direct
 @dataclass
 class MedusaOptions(Section):
     dir: str | None = opt(None, "Medusa: a heads directory (medusa_config.json + medusa_heads.safetensors, "
-                                "`tidespec train-medusa`); none = the shipped heads on the embedded model, "
+                                "`tidespec train-medusa`) or a publish root of versions (v1/, v2/, LATEST: "
+                                "`train-drafter --drafter medusa`, --online-training); none = the shipped heads on "
+                                "the embedded model, "
                                 "zero-initialised heads elsewhere (each repeats the target's next token: "
                                 "lossless, rarely accepted)")
     heads: int = opt(4, "Medusa: heads of a zero-initialised set (no --medusa-dir)", min=1, max=16)
@@ -60,15 +72,30 @@ class MedusaDrafter(DrafterBase):
     wants_hidden = True
     drafts_from_hidden = True  # the profiler hands it random hidden states to time its drafting
 
-    def __init__(self, heads: MedusaHeads, rows: torch.Tensor, vocab_size: int, top_k: int = 2) -> None:
+    def __init__(self, heads: MedusaHeads, lm: torch.Tensor, vocab_size: int, top_k: int = 2, version: int = 0,
+                 versioned: bool = False) -> None:
+        self.lm = lm  # [V, H] the target's LM-head rows (its own weights, not a copy)
+        self.vocab_size = vocab_size
+        self.top_k = top_k
+        self.version = version  # the published version drafting (``versioned``: from a publish root)
+        self.versioned = versioned
+        self.last: dict[int, tuple[int, torch.Tensor]] = {}  # seq -> (len(token_ids) then, hidden [H])
+        self.generators: dict[int, torch.Generator] = {}
+        self._use(heads)
+
+    def _use(self, heads: MedusaHeads) -> None:
         self.heads = heads
         device = heads.blocks[0].weight.device
         self.ids = torch.tensor(heads.cfg.vocab_ids, dtype=torch.int64, device=device)  # [N] target ids of the rows
-        self.rows = rows.to(heads.dtype)  # [N, H] the target's LM-head rows of the draft vocabulary
-        self.vocab_size = vocab_size
-        self.top_k = top_k
-        self.last: dict[int, tuple[int, torch.Tensor]] = {}  # seq -> (len(token_ids) then, hidden [H])
-        self.generators: dict[int, torch.Generator] = {}
+        # [N, H] the LM-head rows of the draft vocabulary, in the heads' dtype (a proposal's one GEMM)
+        self.rows = self.lm[self.ids.to(self.lm.device)].to(device=device, dtype=heads.dtype)
+
+    def swap(self, version: int, heads: MedusaHeads) -> None:
+        """Draft with ``heads`` (published as ``version``) from the next proposal on; called between steps
+        (``online/serving/medusa_updates.py``). Each sequence's last hidden state is the target's, so
+        nothing per sequence changes."""
+        self._use(heads)
+        self.version = version
 
     def cost_signature(self) -> str:
         return f"medusa K={self.heads.cfg.num_heads} N={len(self.ids)} {self.heads.dtype}"
@@ -149,6 +176,11 @@ class MedusaDrafter(DrafterBase):
         return SeqDraft(tokens, parents)
 
 
+def medusa_options(spec: SpecConfig) -> MedusaOptions:
+    """The Medusa options in ``spec`` (the defaults when it has none)."""
+    return spec.options_for("medusa", MedusaOptions)
+
+
 def draft_dtype(target: TargetModel) -> torch.dtype:
     """bfloat16 on a CPU: a proposal's cost is reading the output rows (N x H, 19 MB in float32 for
     8,192 x 576), measured 1.6-5.9 ms in float32 against 0.5-1.0 ms in bfloat16 for 1-4 heads on the
@@ -157,30 +189,59 @@ def draft_dtype(target: TargetModel) -> torch.dtype:
     return torch.bfloat16 if target.device.type == "cpu" else target.dtype
 
 
-def heads_for(options: MedusaOptions, target: TargetModel) -> MedusaHeads:
-    """The heads ``--medusa-dir`` names, else the shipped ones where they fit the target, else zero-initialised."""
+def heads_for(options: MedusaOptions, target: TargetModel) -> tuple[MedusaHeads, int]:
+    """The heads ``--medusa-dir`` names (a heads directory; a publish root: its newest valid version), else
+    the shipped ones where they fit the target, else zero-initialised; with the version they were published
+    as (-1: not from a publish root)."""
     path, dtype = options.dir, draft_dtype(target)
     if path is None:
-        boot = shipped_bootstrap()
-        shipped = boot.parent / SHIPPED if boot is not None else None
-        if shipped is not None and shipped.is_dir():
-            heads = MedusaHeads.load(shipped, dtype, target.device)
-            if heads.cfg.hidden_size == target.cfg.hidden_size and heads.cfg.target_vocab_size == target.cfg.vocab_size:
-                return heads
-        log.warning("Medusa without --medusa-dir: zero-initialised heads (each repeats the target's next token)")
-        ids = list(range(min(options.vocab, target.cfg.vocab_size)))
-        cfg = MedusaConfig(target.cfg.hidden_size, options.heads, ids, target.cfg.vocab_size)
-        return MedusaHeads(cfg).to(dtype=dtype, device=target.device).eval()
+        return default_heads(options, target, dtype)[0], -1
+    if not (Path(path) / CONFIG).is_file() and latest_version(path) is not None:
+        found = latest_published(Path(path), target.cfg.hidden_size, target.cfg.vocab_size, dtype, target.device)
+        if found is None:
+            raise ConfigError(f"--medusa-dir {path}: no published version of its heads fits this target")
+        return found[1], found[0]
     try:
         heads = MedusaHeads.load(path, dtype, target.device)
+        check_fit(heads.cfg, target.cfg.hidden_size, target.cfg.vocab_size)
     except MedusaConfigError as exc:
-        raise ConfigError(f"--medusa-dir: {exc}") from None
-    if heads.cfg.hidden_size != target.cfg.hidden_size or (
-            heads.cfg.target_vocab_size and heads.cfg.target_vocab_size != target.cfg.vocab_size):
-        raise ConfigError(f"--medusa-dir {path}: heads for hidden size {heads.cfg.hidden_size} and vocabulary "
-                          f"{heads.cfg.target_vocab_size}, the target has {target.cfg.hidden_size} and "
-                          f"{target.cfg.vocab_size}")
-    return heads
+        raise ConfigError(f"--medusa-dir {path}: {exc}") from None
+    return heads, -1
+
+
+def default_heads(options: MedusaOptions, target: TargetModel, dtype: torch.dtype) -> tuple[MedusaHeads, str]:
+    """The shipped heads where they fit the target (the embedded model), else zero-initialised ones; with
+    which of the two ("shipped", "zero")."""
+    boot = shipped_bootstrap()
+    shipped = boot.parent / SHIPPED if boot is not None else None
+    if shipped is not None and shipped.is_dir():
+        heads = MedusaHeads.load(shipped, dtype, target.device)
+        if heads.cfg.hidden_size == target.cfg.hidden_size and heads.cfg.target_vocab_size == target.cfg.vocab_size:
+            return heads, "shipped"
+    log.warning("Medusa: zero-initialised heads (each repeats the target's next token), the shipped ones do not fit")
+    ids = list(range(min(options.vocab, target.cfg.vocab_size)))
+    cfg = MedusaConfig(target.cfg.hidden_size, options.heads, ids, target.cfg.vocab_size)
+    return MedusaHeads(cfg).to(dtype=dtype, device=target.device).eval(), "zero"
+
+
+def seed_medusa_root(options: MedusaOptions, target: TargetModel) -> int | None:
+    """With ``--online-training``: when the publish root ``--medusa-dir`` holds no heads that fit the target,
+    publish the heads a server would start from (``default_heads``) there as its first version, so the
+    trainer fine-tunes them and the server drafts with a version it can be judged against; returns that
+    version, or None when the root already had one. A heads directory (not a root) is refused in one line."""
+    if options.dir is None:
+        raise ConfigError("online training of Medusa heads needs --medusa-dir (the heads' publish root)")
+    root = Path(options.dir)
+    if (root / CONFIG).is_file():
+        raise ConfigError(f"--medusa-dir {root} holds one set of heads; online training needs a publish root "
+                          "(a directory of v1/, v2/, ...): start from an empty directory")
+    if latest_published(root, target.cfg.hidden_size, target.cfg.vocab_size) is not None:
+        return None
+    heads, source = default_heads(options, target, torch.float32)
+    version = publish_heads(root, heads, {"bootstrap": source})
+    log.info("online training: %s held no Medusa heads; published the %s heads there as v%d, which training "
+             "fine-tunes", root, source, version)
+    return version
 
 
 def check_medusa(config: EngineConfig, options: MedusaOptions) -> None:
@@ -193,9 +254,9 @@ def check_medusa(config: EngineConfig, options: MedusaOptions) -> None:
 
 def _build(ctx: BuildContext) -> MedusaDrafter:
     o: MedusaOptions = ctx.options
-    heads = heads_for(o, ctx.target)
-    rows = output_matrix(ctx.target)[torch.tensor(heads.cfg.vocab_ids, device=ctx.target.device)]  # [N, H]
-    return MedusaDrafter(heads, rows, ctx.target.cfg.vocab_size, o.top_k)
+    heads, version = heads_for(o, ctx.target)
+    return MedusaDrafter(heads, output_matrix(ctx.target), ctx.target.cfg.vocab_size, o.top_k, max(version, 0),
+                         versioned=version >= 0)
 
 
 DRAFTER = DrafterKind("medusa", MedusaDrafter, _build, options=MedusaOptions, prefix="medusa", check=check_medusa,
