@@ -54,7 +54,7 @@ def _shard(model, sequences: list[list[int]], first_seq: int) -> SignalShard:
 
 def _config(tmp_path, **kw) -> TrainerConfig:
     base = {"signal_dir": str(tmp_path / "signals"), "publish_root": str(tmp_path / "root"), "drafter": "medusa",
-            "min_signals": 1, "epochs": 100.0, "lr": 1e-2, "finetune_lr": 1e-2, "heldout_frac": 0.25,
+            "min_signals": 1, "epochs": 100.0, "medusa_lr": 1e-2, "heldout_frac": 0.25,
             "judge_min_sequences": 4, "gamma": 3, "progress": False}
     return TrainerConfig(**{**base, **kw})
 
@@ -89,8 +89,8 @@ def test_a_round_publishes_heads_that_draft_more_and_never_worse_ones(model, tmp
     requests each served twice (a tiny random target's text does not generalise across prompts, so the
     held-out sequences' twins are in the training split, as repeated traffic is): the round fine-tunes the
     heads, the held-out walk gains and v2 is published, loads and fits the target;
-    a second round whose candidate cannot gain (the heads already fit, training rate tiny and the
-    confidence demands a gain) publishes nothing."""
+    a second round (training on its new rows and, replayed, the first round's) whose candidate cannot gain
+    (training rate tiny, the judgement demands a gain) publishes nothing."""
     root = tmp_path / "root"
     zero = MedusaHeads(MedusaConfig(model.cfg.hidden_size, 3, list(range(V)), V)).double()
     assert publish_heads(root, zero, {"bootstrap": "zero"}) == 1
@@ -111,10 +111,12 @@ def test_a_round_publishes_heads_that_draft_more_and_never_worse_ones(model, tmp
     assert latest_published(root, model.cfg.hidden_size + 1, V) is None  # heads for another target: refused
 
     store.append(_shard(model, _sequences(model, 24, 5), first_seq=200))
-    again = MedusaTrainer(_config(tmp_path, finetune_lr=1e-9, epochs=1.0, min_gain=0.05), model)
+    again = MedusaTrainer(_config(tmp_path, medusa_lr=1e-9, epochs=1.0, min_gain=0.05), model)
     assert again.current_version == 2
+    first_rows = result.num_train_rows
     result = again.run_round()
     assert result is not None and result.published_version is None, result
+    assert result.num_train_rows > first_rows + 300  # the first round's rows replayed beside the new ones
     assert latest_version(root) == 2
     assert again.run_round() is None  # every shard consumed: nothing new to train on
 

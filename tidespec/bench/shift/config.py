@@ -85,8 +85,9 @@ class ShiftBenchConfig:
                                              "(the same with online LoRA alignment), vocab-static:CORE / "
                                              "vocab-dynamic:CORE:BUFFER (chosen sizes: a sweep); 'none' runs only the "
                                              "capture-overhead and signals-vs-recompute measurements")
-    drafter: str = opt("eagle3", "drafters of frozen and online: eagle3, or several joined by commas that include "
-                                 "eagle3 (e.g. suffix,eagle3: --policy analytic, bandit or hybrid chooses per step)")
+    drafter: str = opt("eagle3", "drafters of frozen and online: eagle3 or medusa (the learned drafter online "
+                                 "trains), or several joined by commas that include one (e.g. suffix,eagle3: --policy "
+                                 "analytic, bandit or hybrid chooses per step)")
     policy: str = opt("static", f"speculation policy of frozen and online: {', '.join(POLICIES)} (static: --gamma "
                                 "every step)")
     per_sequence: bool = opt(PolicyConfig.per_sequence,
@@ -103,8 +104,9 @@ class ShiftBenchConfig:
                                         "alone this many seconds more, on no configuration's clock: a trainer on "
                                         "hardware of its own (TIDE's decoupled trainer) on a machine that has none "
                                         "to spare (0 = it only gets its share of the turns)")
-    bootstrap: str | None = opt(None, "starting drafter: a publish root or an exported EAGLE-3 checkpoint "
-                                     "(default: a fresh random head)")
+    bootstrap: str | None = opt(None, "starting drafter: a publish root or an exported EAGLE-3 checkpoint, or "
+                                     "a Medusa heads directory (default: a fresh random head; Medusa: the shipped "
+                                     "heads on the embedded model, else zero heads)")
     draft_vocab: int = opt(8192, "draft vocabulary of a fresh head (0 = the target's)")
     eagle3_min_draft_prob: float = opt(Eagle3Options.min_draft_prob,
                                        "EAGLE-3 chains of frozen and online stop once their drafts' product of head "
@@ -165,9 +167,12 @@ class ShiftBenchConfig:
             raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         PolicyConfig(name=self.policy, per_sequence=self.per_sequence)  # serving's check of --per-sequence
         names = tuple(kinds_for(SpecConfig(drafter=self.drafter)))  # validates the names
-        if "eagle3" not in names:
-            raise ConfigError(f"drafter must include eagle3 (frozen and online are EAGLE-3 configurations), "
+        if self.learned is None:
+            raise ConfigError(f"drafter must include eagle3 or medusa (frozen and online run the learned drafter), "
                               f"got {self.drafter!r}")
+        vocab = [c for c in self.config_names if c.startswith("vocab-")]
+        if vocab and self.learned != "eagle3":
+            raise ConfigError(f"{vocab[0]}: draft vocabularies are the EAGLE-3 head's (--drafter with eagle3)")
         if len(names) > 1 and self.policy not in MULTI_DRAFTER_POLICIES:
             raise ConfigError(f"several drafters ({self.drafter}) need a policy that chooses among them: "
                               f"--policy {', '.join(MULTI_DRAFTER_POLICIES)}")
@@ -183,6 +188,11 @@ class ShiftBenchConfig:
                 raise ConfigError(f"{name} {value} is not a directory")
         if self.profile is not None and not Path(self.profile).is_file():
             raise ConfigError(f"profile {self.profile} is not a file")
+
+    @property
+    def learned(self) -> str | None:
+        """The learned drafter frozen and online run (and online trains): eagle3, else medusa (serving's rule)."""
+        return SpecConfig(drafter=self.drafter).online_drafter
 
     @property
     def phase_specs(self) -> list[tuple[str, int]]:

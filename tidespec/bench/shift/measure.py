@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 from tidespec.bench.shift.config import ShiftBenchConfig, TraceItem
-from tidespec.bench.shift.runs import eagle3_engine, run_trace, trace_engine_config
+from tidespec.bench.shift.runs import learned_engine, run_trace, trace_engine_config
 from tidespec.config import CollectionConfig
 from tidespec.models.eagle3.head import Eagle3Config
 from tidespec.models.kv.cache import KVCache
@@ -45,12 +45,12 @@ def measure_capture_overhead(target: LoadedModel, trace: list[TraceItem], cfg: S
     ecfg = trace_engine_config(items, cfg, target.model, cfg.gamma)
     pairs: list[dict[str, float]] = []
     dropped = 0
-    warm = eagle3_engine(target.model, target.tokenizer, ecfg, root, cfg.draft_vocab)
+    warm = learned_engine(target.model, target.tokenizer, ecfg, root, cfg.draft_vocab)
     run_trace(warm, items[:1], 1, min(8, cfg.max_tokens), "capture warm-up", False)
     for rep in range(cfg.overhead_repeats):
         pair: dict[str, float] = {}
         for mode in (("off", "on") if rep % 2 == 0 else ("on", "off")):  # alternate who goes first
-            engine = eagle3_engine(target.model, target.tokenizer, ecfg, root, cfg.draft_vocab)
+            engine = learned_engine(target.model, target.tokenizer, ecfg, root, cfg.draft_vocab)
             online: OnlineTraining | None = None
             with tempfile.TemporaryDirectory(prefix="tidespec-capture-") as tmp:
                 if mode == "on":

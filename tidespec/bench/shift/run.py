@@ -86,8 +86,8 @@ from tidespec.bench.shift.runs import (
     OnlineSetup,
     TraceLoop,
     TraceRun,
-    eagle3_engine,
     finish_online,
+    learned_engine,
     no_learning_config,
     online_status,
     seed_publish_root,
@@ -198,7 +198,7 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
     frozen_root = out_dir / "frozen-drafter"
     if frozen_root.exists():
         shutil.rmtree(frozen_root)
-    seed_publish_root(frozen_root, cfg.bootstrap, target.model)
+    seed_publish_root(frozen_root, cfg.bootstrap, target.model, cfg.learned or "eagle3")
     loops: dict[str, TraceLoop] = {}
     onlines: dict[str, OnlineSetup] = {}
     # open loop: the same seeded Poisson arrival times for every configuration, each on its own clock
@@ -220,7 +220,7 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
         elif name in ("frozen", "no-learning"):
             ecfg = trace_engine_config(trace, cfg, target.model, cfg.gamma)
             ecfg = no_learning_config(ecfg) if name == "no-learning" else ecfg
-            engine = eagle3_engine(target.model, target.tokenizer, ecfg, frozen_root, cfg.draft_vocab)
+            engine = learned_engine(target.model, target.tokenizer, ecfg, frozen_root, cfg.draft_vocab)
         else:  # plain, or a model-free drafter alone at a static gamma
             gamma = 0 if name == "plain" else cfg.gamma
             engine = static_engine(target, trace_engine_config(trace, cfg, target.model, gamma, name))
@@ -240,10 +240,12 @@ def run_shift_bench(cfg: ShiftBenchConfig, target: LoadedModel, out_dir: Path | 
                                        for n, r in runs.items()},
                            "runs": {n: {"steps": r.steps, "requests": r.requests, "turns": r.turns}
                                     for n, r in runs.items()}}
-    if cfg.overhead_repeats:
+    if cfg.learned != "eagle3" and (cfg.overhead_repeats or cfg.recompute_rows):
+        log("capture overhead and signals vs recompute: measured for EAGLE-3's taps only; skipped")
+    elif cfg.overhead_repeats:
         doc["capture_overhead"] = measure_capture_overhead(target, trace, cfg, frozen_root, progress)
     signal_dir = Path(cfg.signal_dir) if cfg.signal_dir else (out_dir / "online" / "signals")
-    if cfg.recompute_rows and signal_dir.is_dir():
+    if cfg.recompute_rows and signal_dir.is_dir() and cfg.learned == "eagle3":
         doc["training_sources"] = measure_training_sources(target, signal_dir, cfg, progress)
 
     return finish_run(out_dir, "shift", doc, command, str(target.model.dtype).removeprefix("torch."), report,

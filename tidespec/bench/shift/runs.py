@@ -8,7 +8,7 @@ every configuration the same cache sizing and the same starting drafter (``seed_
 
 Worked example::
 
-    engine = eagle3_engine(model, tokenizer, trace_engine_config(trace, cfg, model, cfg.gamma), root, 8192)
+    engine = learned_engine(model, tokenizer, trace_engine_config(trace, cfg, model, cfg.gamma), root, 8192)
     run = run_trace(engine, trace, concurrency=4, max_tokens=128, desc="frozen")
     run.requests[0]["accepted"], run.steps[-1]["version"]
 """
@@ -44,12 +44,14 @@ from tidespec.llm import build_engine, draft_vocab_of
 from tidespec.models.eagle3.checkpoint import seed_root
 from tidespec.models.eagle3.lora import LORA_DIR
 from tidespec.models.loading.loader import LoadedModel
+from tidespec.models.medusa.heads import MedusaHeads, publish_heads
 from tidespec.models.target import TargetModel
 from tidespec.online.serving.attach import OnlineConfig, OnlineTraining, attach_online_training
 from tidespec.online.serving.governor import GovernorConfig
 from tidespec.online.signals import read_trainer_log, read_trainer_rounds
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3_options import Eagle3Options, with_eagle3
+from tidespec.speculative.drafters.medusa import MedusaOptions, seed_medusa_root
 from tidespec.speculative.drafters.suffix import SuffixOptions
 from tidespec.stats import RequestStats, StepStats
 
@@ -241,19 +243,29 @@ def static_engine(target: LoadedModel, ecfg: EngineConfig) -> LLMEngine:
     return build_engine(ecfg, target.model, target.tokenizer)
 
 
-def seed_publish_root(root: Path, bootstrap: str | None, target: TargetModel) -> int | None:
+def seed_publish_root(root: Path, bootstrap: str | None, target: TargetModel, learned: str = "eagle3") -> int | None:
     """Publish the bootstrap drafter as the first version of a new root (so frozen and online
-    start from the same weights); None without a bootstrap. Returns the version published."""
+    start from the same weights); None without a bootstrap. Returns the version published. Medusa
+    (``learned``): the heads directory ``bootstrap`` names, else the ones a server starts from (shipped on
+    the embedded model, else zero: ``seed_medusa_root``), always published."""
+    if learned == "medusa" and bootstrap is not None:
+        return publish_heads(root, MedusaHeads.load(bootstrap), {"bootstrap": bootstrap})
+    if learned == "medusa":
+        return seed_medusa_root(MedusaOptions(dir=str(root)), target)
     if bootstrap is None:
         return None
     return seed_root(root, bootstrap, target.cfg, target.dtype, target.device)
 
 
-def eagle3_engine(model: TargetModel, tokenizer: Any, ecfg: EngineConfig, root: Path, draft_vocab: int) -> LLMEngine:
-    """An engine with the EAGLE-3 drafter of publish root ``root`` (its newest published version,
-    or a fresh head of ``draft_vocab`` tokens, 0 = the target's, when there is none), beside the
-    other drafters ``ecfg.spec.drafter`` names, under ``ecfg.policy`` (``llm.build_engine``)."""
-    spec = with_eagle3(ecfg.spec, dir=str(root), draft_vocab=draft_vocab)
+def learned_engine(model: TargetModel, tokenizer: Any, ecfg: EngineConfig, root: Path, draft_vocab: int) -> LLMEngine:
+    """An engine whose learned drafter (EAGLE-3, else Medusa: ``SpecConfig.online_drafter``) drafts with
+    publish root ``root``'s newest version (EAGLE-3 without one: a fresh head of ``draft_vocab`` tokens, 0 = the
+    target's), beside the other drafters ``ecfg.spec.drafter`` names, under ``ecfg.policy`` (``llm.build_engine``)."""
+    if ecfg.spec.online_drafter == "medusa":
+        medusa = dataclasses.replace(ecfg.spec.options_for("medusa", MedusaOptions), dir=str(root))
+        spec = ecfg.spec.with_options("medusa", medusa)
+    else:
+        spec = with_eagle3(ecfg.spec, dir=str(root), draft_vocab=draft_vocab)
     return build_engine(dataclasses.replace(ecfg, spec=spec), model, tokenizer)
 
 
@@ -275,7 +287,7 @@ def vocab_engine(model: TargetModel, tokenizer: Any, ecfg: EngineConfig, root: P
         buffer = cfg.vocab_buffer
     vocab = DraftVocabConfig(mode=mode, core=core, buffer=buffer or DraftVocabConfig.buffer, corpus=cfg.vocab_corpus)
     spec = dataclasses.replace(ecfg.spec, vocab=vocab)
-    engine = eagle3_engine(model, tokenizer, dataclasses.replace(ecfg, spec=spec), root, cfg.draft_vocab)
+    engine = learned_engine(model, tokenizer, dataclasses.replace(ecfg, spec=spec), root, cfg.draft_vocab)
     dv = draft_vocab_of(engine)
     if dv is not None:
         dv.prepare()
@@ -310,15 +322,16 @@ def start_online(target: LoadedModel, trace: list[TraceItem], cfg: ShiftBenchCon
     from tidespec.online.serving.launch import start_trainer_process
 
     root, signals = work / "drafter", work / "signals"
-    seeded = seed_publish_root(root, cfg.bootstrap, target.model)
+    seeded = seed_publish_root(root, cfg.bootstrap, target.model, cfg.learned or "eagle3")
     ecfg = trace_engine_config(trace, cfg, target.model, cfg.gamma)
     lora_only = name.endswith("-lora")
     lora = lora_only or cfg.online_lora
     engine = (vocab_engine(target.model, target.tokenizer, ecfg, root, cfg, name.removesuffix("-lora")) if lora_only
-              else eagle3_engine(target.model, target.tokenizer, ecfg, root, cfg.draft_vocab))
+              else learned_engine(target.model, target.tokenizer, ecfg, root, cfg.draft_vocab))
     online = attach_online_training(engine, OnlineConfig(
         publish_root=str(root), signal_dir=str(signals), poll_s=1.0, capture_prompt=cfg.capture_prompt,
-        capture_flush_rows=256 if lora else OnlineConfig.capture_flush_rows, lora=lora,
+        capture_flush_rows=256 if lora else OnlineConfig.capture_flush_rows, lora=lora and cfg.learned == "eagle3",
+        drafter=cfg.learned or "eagle3",
         lora_extra_vocab=lora_extra_vocab(engine),
         collection=CollectionConfig(n_init=cfg.collect_n_init, epsilon=cfg.collect_epsilon,
                                     n_threshold=cfg.min_signals, force=cfg.collect_force or lora_only,

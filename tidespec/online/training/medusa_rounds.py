@@ -39,12 +39,12 @@ import torch
 from tidespec.files import latest_version
 from tidespec.models.medusa.heads import MedusaConfig, MedusaHeads, latest_published, publish_heads
 from tidespec.models.target import TargetModel, output_matrix
-from tidespec.online.store import ShardGone, SignalShard, SignalStore
+from tidespec.online.store import ShardGone, ShardInfo, SignalShard, SignalStore
 from tidespec.online.training.config import TrainerConfig
 from tidespec.online.training.data import heldout_keys
 from tidespec.online.training.judge import HeadWalk, PairedJudgement, compare, gain_interval
 from tidespec.online.training.medusa import IGNORE, draft_vocabulary, fit_heads
-from tidespec.online.training.rounds import RoundResult, TrainerState, run_rounds
+from tidespec.online.training.rounds import RoundResult, TrainerState, replay_infos, run_rounds
 
 logger = logging.getLogger(__name__)
 ROWS_PER_STEP = 512  # rows per optimizer step, as ``tidespec train-medusa``'s default
@@ -164,6 +164,7 @@ class MedusaTrainer:
         self.lm = output_matrix(target).detach().to(device="cpu", dtype=self.dtype)  # [V, H]
         self.current_version = -1
         self.current: MedusaHeads | None = None
+        self.carry: MedusaHeads | None = None  # an unpublished candidate the next round trains on from
         self._refresh_current()
 
     def _refresh_current(self) -> MedusaHeads | None:
@@ -173,7 +174,17 @@ class MedusaTrainer:
         found = latest_published(self.root, self.target.cfg.hidden_size, self.target.cfg.vocab_size, self.dtype)
         if found is not None:
             self.current_version, self.current = found
+            self.carry = None  # it descends from heads that are no longer current
         return self.current
+
+    def _read(self, infos: list[ShardInfo]) -> list[SignalShard]:
+        shards: list[SignalShard] = []
+        for info in infos:
+            try:
+                shards.append(self.store.read(info.shard_id))
+            except ShardGone:
+                logger.info("shard %s was evicted before it was read", info.shard_id)
+        return shards
 
     def _rows(self, heads: MedusaHeads) -> tuple[torch.Tensor, torch.Tensor]:
         """(``rows`` [N, H], ``ids`` [N]): the output rows of ``heads``' draft vocabulary, and its ids."""
@@ -200,12 +211,7 @@ class MedusaTrainer:
         infos = self.store.list_shards(since=self.state.last_shard_id)
         if not infos or sum(i.num_signals for i in infos) < max(1, need):
             return None
-        shards: list[SignalShard] = []
-        for info in infos:
-            try:
-                shards.append(self.store.read(info.shard_id))
-            except ShardGone:
-                logger.info("shard %s was evicted before it was read", info.shard_id)
+        shards, old = self._read(infos), self._read(replay_infos(self.store, infos, cfg.replay_rows))
         self.state.last_shard_id = infos[-1].shard_id
         parent = self._refresh_current()
         num_heads = parent.cfg.num_heads if parent is not None else 4
@@ -213,6 +219,9 @@ class MedusaTrainer:
         held = heldout_keys(list(by_seq), cfg.heldout_frac, cfg.judge_min_sequences) if len(by_seq) >= 2 else set()
         train = [r for sid, runs in by_seq.items() if sid not in held for r in runs]
         heldout = [r for sid, runs in by_seq.items() if sid in held for r in runs]
+        # earlier rounds' rows train too (never judge: the held-out split measures the traffic of now)
+        train += [r for sid, runs in medusa_runs(old, num_heads, cfg.max_segment_len).items() if sid not in held
+                  for r in runs]
         round_no = len(self.state.rounds) + 1
         if not train or not heldout:
             logger.warning("round %d: %d shards hold too few sequences with hidden states to train and judge on",
@@ -220,7 +229,8 @@ class MedusaTrainer:
             self.state.save(self.root)
             return None
         base = parent if parent is not None else self._fresh(train, num_heads)
-        candidate = copy.deepcopy(base).to(self.dtype)
+        # from the last unpublished candidate that gained on average (--carry-unpublished), as EAGLE-3's rounds
+        candidate = copy.deepcopy(self.carry if self.carry is not None else base).to(self.dtype)
         rows, ids = self._rows(candidate)
         index = torch.full((self.target.cfg.vocab_size,), IGNORE, dtype=torch.int64)
         index[ids] = torch.arange(ids.shape[0])
@@ -228,11 +238,10 @@ class MedusaTrainer:
         labels = torch.cat([r.labels for r in train])  # [R, K]
         y = torch.where(labels >= 0, index[labels.clamp(min=0)], IGNORE)  # [R, K] draft-vocabulary indices
         torch.manual_seed(cfg.seed + round_no)
-        lr = cfg.finetune_lr if parent is not None and self.current_version > 0 else cfg.lr
         t0 = time.perf_counter()
         per_step = max(1, min(ROWS_PER_STEP, x.shape[0] // 8))  # a small round still takes 8 steps a pass
         epochs = max(cfg.epochs, cfg.min_steps / math.ceil(x.shape[0] / per_step))  # and --min-steps in all
-        loss = fit_heads(candidate, rows, x, y, epochs, lr, per_step, progress=logger.debug)
+        loss = fit_heads(candidate, rows, x, y, epochs, cfg.medusa_lr, per_step, progress=logger.debug)
         train_time = time.perf_counter() - t0
         judged = self._judge(base, candidate, heldout)
         num_train, num_held = x.shape[0], sum(r.num_rows for r in heldout)
@@ -243,6 +252,7 @@ class MedusaTrainer:
                 "heldout_accept_len": judged.cand, "baseline_accept_len": judged.base, "num_train_rows": num_train,
                 "num_heldout_rows": num_held, "train_time_s": train_time, "drafter": "medusa"})
             self.current, self.current_version = candidate.eval(), version
+        self.carry = candidate if cfg.carry_unpublished and version is None and judged.cand > judged.base else None
         logger.info("medusa round %d: %d train / %d held-out rows, loss %.3f, walked accept len %.3f -> %.3f, "
                     "gain %+.3f%s, %s", round_no, num_train, num_held, loss, judged.base, judged.cand,
                     judged.cand - judged.base, gain_interval(judged_json := judged.to_json()),

@@ -316,17 +316,7 @@ class DraftTrainer:
 
         Example: consumed shards of 300, 500 and 400 rows (oldest first), replay_rows 800 ->
         the 400- and 500-row shards (the 300-row one would exceed the budget)."""
-        chosen: list[ShardInfo] | None = None
-        if self.ctx.is_main:
-            new = {i.shard_id for i in pending}
-            chosen, rows = [], 0
-            for info in reversed(self.store.list_shards()):
-                if info.shard_id in new:
-                    continue
-                if rows + info.num_signals > self.cfg.replay_rows:
-                    break
-                chosen.append(info)
-                rows += info.num_signals
+        chosen = replay_infos(self.store, pending, self.cfg.replay_rows) if self.ctx.is_main else None
         return self.ctx.broadcast(chosen)
 
     def run_round(self, min_signals: int | None = None) -> RoundResult | None:
@@ -539,6 +529,22 @@ class DraftTrainer:
         before = self.aligner.cursor
         self.aligner.step(head, self.current_version)
         return self.aligner.cursor != before
+
+
+def replay_infos(store: SignalStore, pending: list[ShardInfo], replay_rows: int) -> list[ShardInfo]:
+    """Already-consumed shards still in ``store`` (not in ``pending``), newest first, up to ``replay_rows`` rows
+    (``DraftTrainer.replay_signals``' example); what a round trains on beside its new rows."""
+    new = {i.shard_id for i in pending}
+    chosen: list[ShardInfo] = []
+    rows = 0
+    for info in reversed(store.list_shards()):
+        if info.shard_id in new:
+            continue
+        if rows + info.num_signals > replay_rows:
+            break
+        chosen.append(info)
+        rows += info.num_signals
+    return chosen
 
 
 def run_rounds(run_round: Callable[[int | None], RoundResult | None], cfg: TrainerConfig, max_rounds: int | None,
