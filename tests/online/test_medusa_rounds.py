@@ -188,3 +188,19 @@ def test_served_capture_trains_publishes_and_swaps_in_between_steps(model, tmp_p
     assert attached.updater.poll_once() is None and 3 in attached.updater.refused
     assert serve() == plain and engine.drafter.version == 2
     attached.close()
+
+
+def test_a_round_widens_the_draft_vocabulary_by_the_tokens_its_rows_need(model, tmp_path) -> None:
+    """Tokens of the round's rows outside the heads' vocabulary seen twice or more join it, most frequent
+    first, up to --widen-vocab; the blocks are unchanged (the output rows are the target's own)."""
+    from tidespec.online.training.medusa_rounds import MedusaRun
+
+    trainer = MedusaTrainer(_config(tmp_path, widen_vocab=2), model)
+    heads = MedusaHeads(MedusaConfig(model.cfg.hidden_size, 2, list(range(10)), V)).double()
+    torch.nn.init.normal_(heads.blocks[0].weight)
+    labels = torch.tensor([[20, -1], [20, 1], [21, 2], [20, 3], [21, -1], [22, -1], [23, 5], [23, 6], [23, 7]])
+    run = MedusaRun(0, torch.zeros(labels.shape[0], model.cfg.hidden_size), labels)
+    wide = trainer._widened(heads, [run])
+    assert wide.cfg.vocab_ids == list(range(10)) + [20, 23]  # 20 and 23 three times each; 21 twice is past room
+    assert torch.equal(wide.blocks[0].weight, heads.blocks[0].weight)
+    assert trainer._widened(wide, [MedusaRun(0, run.hidden[:1], labels[:1])]) is wide  # once: nothing joins

@@ -87,13 +87,20 @@ def _quarter_lines(doc: dict[str, Any]) -> list[str]:
             markdown_table(["config", "phase", "drafts", "1st quarter", "2nd", "3rd", "4th"], rows), ""]
 
 
+def _default_start(drafter: str) -> str:
+    """What frozen and online start from without --bootstrap: EAGLE-3's fresh head, or Medusa's seeded heads."""
+    names = drafter.split(",")
+    return ("the heads a server starts from (shipped for the embedded model, else zero)"
+            if "medusa" in names and "eagle3" not in names else "fresh random head")
+
+
 def report(doc: dict[str, Any]) -> str:
     cfg = doc["config"]
     lines = ["# bench shift", "", f"Command: `{doc.get('command', '')}`", "",
              f"Machine: {machine_line(doc['machine'])}", "",
              f"Trace: {' -> '.join(f'{w} x{n}' for w, n in doc['phase_sizes'])}, "
              f"{eos_words(cfg.get('ignore_eos', True), cfg['max_tokens'])}, {cfg['concurrency']} in flight, gamma {cfg['gamma']} ({'trees' if cfg.get('tree') else 'chains'}); "
-             f"starting drafter: {cfg['bootstrap'] or 'fresh random head'}."
+             f"starting drafter: {cfg['bootstrap'] or _default_start(cfg.get('drafter', 'eagle3'))}."
              + (f" Trainer children ran alone {cfg['trainer_catchup_s']:g} s after each of their configuration's "
                 "turns, on no configuration's clock (a trainer on hardware of its own)."
                 if cfg.get("trainer_catchup_s") else ""), ""]
