@@ -70,9 +70,9 @@ class CaptureBuffer:
     ``hidden_dim``: H of the optional rows of the target's final hidden state (0 = none captured;
     stored in ``taps_dtype``).
     ``taps_dim``: k*H (0: no taps, rows of hidden states only, what Medusa heads train on); given, the
-    ring is allocated now, else at the first push (a one-off allocation on the hot path). ``pin_memory``: page-lock the ring (needed for truly asynchronous
-    device-to-host copies); None = when CUDA is available (``taps_dim`` given) or the first
-    pushed taps are on CUDA.
+    ring is allocated now, else at the first push (a one-off allocation on the hot path).
+    ``pin_memory``: page-lock the ring (needed for truly asynchronous device-to-host copies); None =
+    when CUDA is available (``taps_dim`` given) or the first pushed taps are on CUDA.
     """
 
     def __init__(self, store: ShardSink | None, capacity_rows: int, flush_rows: int, *,
