@@ -204,3 +204,35 @@ def test_a_round_widens_the_draft_vocabulary_by_the_tokens_its_rows_need(model, 
     assert wide.cfg.vocab_ids == list(range(10)) + [20, 23]  # 20 and 23 three times each; 21 twice is past room
     assert torch.equal(wide.blocks[0].weight, heads.blocks[0].weight)
     assert trainer._widened(wide, [MedusaRun(0, run.hidden[:1], labels[:1])]) is wide  # once: nothing joins
+
+
+def test_the_served_judgement_reverts_heads_that_lose_on_the_rows_after_them(model, tmp_path) -> None:
+    """A published version is judged against the heads it replaced on the rows captured after its round,
+    before any further round: trained heads against the zero ones they replaced are kept; heads that lose
+    (random blocks, against trained ones) are reverted by publishing the replaced heads again, which servers
+    swap in like any other version."""
+    from tidespec.online.training.rounds import Awaiting
+
+    root = tmp_path / "root"
+    publish_heads(root, MedusaHeads(MedusaConfig(model.cfg.hidden_size, 3, list(range(V)), V)).double(), {})
+    store = SignalStore(tmp_path / "signals", 1 << 30)
+    twice = [seq for seq in _sequences(model, 12, 0) for _ in range(2)]
+    store.append(_shard(model, twice, first_seq=100))
+    trainer = MedusaTrainer(_config(tmp_path, judge_min_sequences=2), model)
+    assert trainer.run_round().published_version == 2 and trainer.awaiting is not None  # v2 awaits its judgement
+    store.append(_shard(model, twice, first_seq=150))
+    kept = trainer.judge_served()  # v2 against the zero heads on the rows after it: kept
+    assert kept is not None and kept["reverted_as"] is None and trainer.current_version == 2, kept
+    good = trainer.current
+    bad = MedusaHeads(MedusaConfig(model.cfg.hidden_size, 3, list(range(V)), V)).double()
+    for block in bad.blocks:
+        torch.nn.init.normal_(block.weight, std=3.0)
+    trainer.current, trainer.current_version = bad, publish_heads(root, bad, {"round": 2})  # as if v3 were published
+    trainer.awaiting = Awaiting(3, good, 2, store.list_shards()[-1].shard_id)
+    assert trainer.run_round() is None  # no rows after v3 yet: it waits, and no round runs
+    store.append(_shard(model, twice, first_seq=200))
+    judgement = trainer.judge_served()
+    assert judgement is not None and judgement["reverted_as"] == 4, judgement
+    assert latest_version(root) == 4 and load_published(root, 4)[1]["reverts"] == 3
+    assert trainer.current_version == 4 and trainer.awaiting is None
+    assert json.loads((root / "trainer_state.json").read_text())["judgements"][-1]["reverted_as"] == 4

@@ -30,7 +30,7 @@ from tidespec.online.training.data import cut_segment, heldout_keys, segments_by
 from tidespec.online.training.eagle3_train import SignalSegment
 from tidespec.online.training.judge import PairedJudgement
 from tidespec.online.training.process import capture_from_workload, distill_from_workload, export_latest, train_drafter
-from tidespec.online.training.rounds import DraftTrainer, _Awaiting
+from tidespec.online.training.rounds import Awaiting, DraftTrainer
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig, build_eagle3_drafter
 
@@ -326,7 +326,7 @@ def test_a_published_version_is_judged_paired_on_the_rows_captured_after_it(mode
     # the newest trained one; judged on the rows after round 1, the trained head is published again
     best, best_version = trainer.current, trainer.current_version
     newest = latest_version(root)
-    trainer.awaiting = _Awaiting(newest, best, best_version, round_end)
+    trainer.awaiting = Awaiting(newest, best, best_version, round_end)
     trainer.current = fresh
     j2 = trainer.judge_served()
     assert j2 is not None and j2["reverted_as"] == newest + 1 == latest_version(root)

@@ -5,7 +5,9 @@ the same decoupled loop (``rounds.DraftTrainer``, TIDE Sec. 3.3): new rows arriv
 candidate is fine-tuned from the published heads, both are walked over held-out sequences as a greedy
 server would draft with them, and the candidate is published only when the paired judgement
 (``judge.compare``, a bootstrap over blocks and sequences) says it drafts more tokens per step; the
-serving engine swaps it in between steps (``online/serving/medusa_updates.py``). A Medusa head needs no
+serving engine swaps it in between steps (``online/serving/medusa_updates.py``). Before the next round, a
+published version is judged again on the rows served after it, against the heads it replaced, and
+reverted if it lost there (``judge_served``, as EAGLE-3's rounds do). A Medusa head needs no
 taps: each row's final hidden state (what the engine hands the drafter while serving) and the tokens
 after it are its training example, so the rounds read shards captured with ``hidden``.
 
@@ -35,6 +37,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,7 +49,14 @@ from tidespec.online.training.config import TrainerConfig
 from tidespec.online.training.data import heldout_keys
 from tidespec.online.training.judge import HeadWalk, PairedJudgement, compare, gain_interval
 from tidespec.online.training.medusa import IGNORE, draft_vocabulary, fit_heads
-from tidespec.online.training.rounds import WIDEN_MIN_COUNT, RoundResult, TrainerState, replay_infos, run_rounds
+from tidespec.online.training.rounds import (
+    WIDEN_MIN_COUNT,
+    Awaiting,
+    RoundResult,
+    TrainerState,
+    replay_infos,
+    run_rounds,
+)
 
 logger = logging.getLogger(__name__)
 ROWS_PER_STEP = 512  # rows per optimizer step, as ``tidespec train-medusa``'s default
@@ -167,6 +177,7 @@ class MedusaTrainer:
         self.current_version = -1
         self.current: MedusaHeads | None = None
         self.carry: MedusaHeads | None = None  # an unpublished candidate the next round trains on from
+        self.awaiting: Awaiting[MedusaHeads] | None = None  # a published version before its served judgement
         self._refresh_current()
 
     def _refresh_current(self) -> MedusaHeads | None:
@@ -231,6 +242,10 @@ class MedusaTrainer:
         with hidden states arrived; None otherwise (nothing consumed)."""
         cfg = self.cfg
         need = cfg.min_signals if min_signals is None else min_signals
+        if self.awaiting is not None:
+            self.judge_served()
+            if self.awaiting is not None:
+                return None  # test, then train: the rows after a new version judge it before any round uses them
         infos = self.store.list_shards(since=self.state.last_shard_id)
         if not infos or sum(i.num_signals for i in infos) < max(1, need):
             return None
@@ -277,6 +292,8 @@ class MedusaTrainer:
                 "round": round_no, "parent_version": parent_version, "train_loss": loss,
                 "heldout_accept_len": judged.cand, "baseline_accept_len": judged.base, "num_train_rows": num_train,
                 "num_heldout_rows": num_held, "train_time_s": train_time, "drafter": "medusa"})
+            if cfg.served_judge_rows and parent is not None:
+                self.awaiting = Awaiting(version, parent, parent_version, infos[-1].shard_id)
             self.current, self.current_version = candidate.eval(), version
         self.carry = candidate if cfg.carry_unpublished and version is None and judged.cand > judged.base else None
         logger.info("medusa round %d: %d train / %d held-out rows, loss %.3f, walked accept len %.3f -> %.3f, "
@@ -292,6 +309,43 @@ class MedusaTrainer:
         self.state.save(self.root)
         return RoundResult(round_no, num_train, num_held, judged.base, judged.cand, loss, train_time, version,
                            parent_version)
+
+    def judge_served(self) -> dict[str, Any] | None:
+        """Judge the version awaiting its served judgement once ``--served-judge-rows`` rows of at least
+        ``--judge-min-sequences`` requests were captured after its round: both heads walked on the same rows
+        (``judge.compare``); a version below the one it replaced by more than ``--served-margin`` (at the
+        upper end of the gain's interval) is reverted by publishing the replaced heads again as the newest
+        version, which servers swap in like any other. Returns the judgement (also in
+        ``trainer_state.json``), or None while rows are missing. As ``rounds.DraftTrainer.judge_served``."""
+        a, cfg = self.awaiting, self.cfg
+        assert a is not None and self.current is not None
+        for info in self.store.list_shards(since=a.after):
+            if info.shard_id not in a.read:
+                a.read.add(info.shard_id)
+                a.shards += self._read([info])
+        runs = [r for runs in medusa_runs(a.shards, a.parent.cfg.num_heads, cfg.max_segment_len).values()
+                for r in runs]
+        n = sum(r.num_rows for r in runs)
+        if n < cfg.served_judge_rows or len({r.seq_id for r in runs}) < cfg.judge_min_sequences:
+            return None
+        judged = self._judge(a.parent, self.current, runs)
+        judgement: dict[str, Any] = {**judged.to_json(), "time": time.time(), "version": a.version,
+                                     "replaced_version": a.parent_version, "judged_rows": n, "drafter": "medusa",
+                                     "reverted_as": None}
+        if judged.worse(cfg.served_margin):
+            version = publish_heads(self.root, a.parent, {"reverts": a.version, "restores": a.parent_version,
+                                                          "accept_len": judged.base, "reverted_accept_len": judged.cand,
+                                                          "judged_rows": n, "drafter": "medusa"})
+            self.current, self.current_version = a.parent, version
+            judgement["reverted_as"] = version
+        logger.info("Medusa heads v%d judged on %d rows captured after them: walked accept len %.3f, v%d's %.3f%s: %s",
+                    a.version, n, judged.cand, a.parent_version, judged.base, gain_interval(judgement),
+                    f"reverted (v{a.parent_version} published again as v{judgement['reverted_as']})"
+                    if judgement["reverted_as"] else "kept")
+        self.awaiting = None
+        self.state.judgements.append(judgement)
+        self.state.save(self.root)
+        return judgement
 
     def run(self, max_rounds: int | None = None, once: bool | None = None) -> list[RoundResult]:
         """Rounds until ``max_rounds`` trained rounds (0 = forever) or, with ``once``, one attempt."""

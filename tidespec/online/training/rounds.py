@@ -54,7 +54,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch import nn
@@ -170,13 +170,16 @@ class RoundResult:
     parent_version: int
 
 
+Head = TypeVar("Head", bound=nn.Module)  # what a trainer's rounds train: an EAGLE-3 head, Medusa heads
+
+
 @dataclass
-class _Awaiting:
+class Awaiting(Generic[Head]):
     """A published version waiting for its served judgement: the head it replaced, and the rows
     captured after the round's last shard (neither head trained on them), read so far."""
 
     version: int
-    parent: Eagle3Head
+    parent: Head
     parent_version: int
     after: str
     shards: list[SignalShard] = field(default_factory=list)
@@ -210,7 +213,7 @@ class DraftTrainer:
         self.current = self._refresh_current()
         self._out_rows: torch.Tensor | None = None  # the target's LM-head rows, once a shard has hidden states
         self.aligner = self._aligner(target) if cfg.lora.enabled else None
-        self.awaiting: _Awaiting | None = None  # a published version before its served judgement
+        self.awaiting: Awaiting[Eagle3Head] | None = None  # a published version before its served judgement
         self.carry: Eagle3Head | None = None  # an unpublished candidate the next round trains on from
 
     # -- the current drafter ---------------------------------------------------------------------
@@ -391,7 +394,7 @@ class DraftTrainer:
         self.carry = candidate.eval() if self.cfg.carry_unpublished and version is None and cand > base else None
         if version is not None:
             if self.cfg.served_judge_rows:
-                self.awaiting = _Awaiting(version, parent, parent_version, infos[-1].shard_id)
+                self.awaiting = Awaiting(version, parent, parent_version, infos[-1].shard_id)
             self.current, self.current_version = candidate.eval(), version
         result = RoundResult(round_no, sum(s.num_positions for s in train), sum(s.num_positions for s in heldout),
                              base, cand, loss, train_time, version, parent_version)
