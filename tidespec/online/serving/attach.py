@@ -2,7 +2,8 @@
 
 Why this exists: TIDE (Sec. 3, 4.2) reuses the hidden states the target already computed during
 prefill and verification as training signals, trains an EAGLE-3 head in a separate process, and
-deploys a new head only when it is measurably better. The building blocks live elsewhere
+deploys a new head only when it is measurably better (with ``--drafter medusa``: Medusa heads, from rows
+of final hidden states without taps, swapped in by ``medusa_updates.MedusaUpdater``). The building blocks live elsewhere
 (``capture``, ``store``, ``collection``, ``checkpoint``, ``eagle3_train``); this module plugs them
 into a running ``LLMEngine`` as observers of its steps (``engine/observer.py``), without touching
 the engine loop:
