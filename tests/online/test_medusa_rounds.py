@@ -236,3 +236,26 @@ def test_the_served_judgement_reverts_heads_that_lose_on_the_rows_after_them(mod
     assert latest_version(root) == 4 and load_published(root, 4)[1]["reverts"] == 3
     assert trainer.current_version == 4 and trainer.awaiting is None
     assert json.loads((root / "trainer_state.json").read_text())["judgements"][-1]["reverted_as"] == 4
+
+
+def test_seeding_a_root_publishes_the_starting_heads_once(model, tmp_path) -> None:
+    """``--online-training``'s start: an empty root gets the heads a server starts from as v1 (zero heads off
+    the embedded model), seeding again publishes nothing (processes seed under a lock), a heads directory
+    is refused in one line."""
+    import threading
+
+    from tidespec.errors import ConfigError
+    from tidespec.speculative.drafters.medusa import MedusaOptions, seed_medusa_root
+
+    options = MedusaOptions(dir=str(tmp_path / "root"), heads=2, vocab=V)
+    got: list[int | None] = []
+    threads = [threading.Thread(target=lambda: got.append(seed_medusa_root(options, model))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got, key=str) == [1, None, None] and latest_version(tmp_path / "root") == 1
+    assert load_published(tmp_path / "root", 1)[1]["bootstrap"] == "zero"
+    MedusaHeads(MedusaConfig(model.cfg.hidden_size, 2, [1, 2], V)).save(tmp_path / "heads")
+    with pytest.raises(ConfigError, match="holds one set of heads"):
+        seed_medusa_root(MedusaOptions(dir=str(tmp_path / "heads")), model)

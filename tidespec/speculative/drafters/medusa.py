@@ -19,6 +19,7 @@ a->b (.3), a->b' (.24), a'->b (.175): gamma 3 keeps tokens [a, a', b] with paren
 
 from __future__ import annotations
 
+import fcntl
 import heapq
 import logging
 from dataclasses import dataclass
@@ -29,7 +30,7 @@ import torch
 from tidespec.config import EngineConfig, Section, SpecConfig, opt
 from tidespec.errors import ConfigError
 from tidespec.files import latest_version
-from tidespec.models.eagle3.checkpoint import shipped_bootstrap
+from tidespec.models.eagle3.checkpoint import SEED_LOCK_NAME, shipped_bootstrap
 from tidespec.models.medusa.heads import (
     CONFIG,
     MedusaConfig,
@@ -235,10 +236,13 @@ def seed_medusa_root(options: MedusaOptions, target: TargetModel) -> int | None:
     if (root / CONFIG).is_file():
         raise ConfigError(f"--medusa-dir {root} holds one set of heads; online training needs a publish root "
                           "(a directory of v1/, v2/, ...): start from an empty directory")
-    if latest_published(root, target.cfg.hidden_size, target.cfg.vocab_size) is not None:
-        return None
-    heads, source = default_heads(options, target, torch.float32)
-    version = publish_heads(root, heads, {"bootstrap": source})
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / SEED_LOCK_NAME, "a+", encoding="utf-8") as lock:  # a fleet's replicas seed it once
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        if latest_published(root, target.cfg.hidden_size, target.cfg.vocab_size) is not None:
+            return None
+        heads, source = default_heads(options, target, torch.float32)
+        version = publish_heads(root, heads, {"bootstrap": source})
     log.info("online training: %s held no Medusa heads; published the %s heads there as v%d, which training "
              "fine-tunes", root, source, version)
     return version
