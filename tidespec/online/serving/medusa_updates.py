@@ -1,6 +1,6 @@
 """``MedusaUpdater``: Medusa heads the trainer child publishes, swapped into a serving engine between steps.
 
-Why this exists: the Medusa drafter's online loop (issue 80 item 2) needs what ``attach.DrafterUpdater`` does
+Why this exists: the Medusa drafter's online loop needs what ``attach.DrafterUpdater`` does
 for the EAGLE-3 head: a thread polls the publish root (``--medusa-dir``), reads and checks a newer version
 off the hot path (``models/medusa/heads.py``: readable, finite, fits the target) and parks it; the engine's
 step hook only swaps the parked heads in (``MedusaDrafter.swap``), so a step never waits on the disk. A

@@ -1,6 +1,6 @@
 """Online rounds for Medusa heads: the trainer child's rounds when the served drafter is ``--drafter medusa``.
 
-Why this exists: Medusa heads (issue 80 item 2) learn from the same captured signals as the EAGLE-3 head, by
+Why this exists: Medusa heads learn from the same captured signals as the EAGLE-3 head, by
 the same decoupled loop (``rounds.DraftTrainer``, TIDE Sec. 3.3): new rows arrive in the signal store, a
 candidate is fine-tuned from the published heads, both are walked over held-out sequences as a greedy
 server would draft with them, and the candidate is published only when the paired judgement
