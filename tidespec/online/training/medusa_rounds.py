@@ -54,6 +54,8 @@ from tidespec.online.training.rounds import (
     Awaiting,
     RoundResult,
     TrainerState,
+    chain_alpha,
+    finite_or_none,
     replay_infos,
     run_rounds,
 )
@@ -303,8 +305,8 @@ class MedusaTrainer:
         gamma = min(cfg.gamma, candidate.cfg.num_heads)
         self.state.rounds.append({
             "round": round_no, "time": time.time(), "published_version": version, "drafter": "medusa",
-            "baseline_accept_len": _finite(judged.base), "candidate_accept_len": _finite(judged.cand),
-            "alpha_train": _alpha(judged.base, gamma), "alpha_eval": _alpha(judged.cand, gamma), "train_loss": loss,
+            "baseline_accept_len": finite_or_none(judged.base), "candidate_accept_len": finite_or_none(judged.cand),
+            "alpha_train": chain_alpha(judged.base, gamma), "alpha_eval": chain_alpha(judged.cand, gamma), "train_loss": loss,
             "num_train_rows": num_train, "num_heldout_rows": num_held, "judgement": judged_json})
         self.state.save(self.root)
         return RoundResult(round_no, num_train, num_held, judged.base, judged.cand, loss, train_time, version,
@@ -351,11 +353,3 @@ class MedusaTrainer:
         """Rounds until ``max_rounds`` trained rounds (0 = forever) or, with ``once``, one attempt."""
         return run_rounds(self.run_round, self.cfg, max_rounds, once)
 
-
-def _finite(v: float) -> float | None:
-    return v if math.isfinite(v) else None
-
-
-def _alpha(accept_len: float, gamma: int) -> float | None:
-    """Acceptance rate of a gamma-chain with mean walked length L: (L - 1) / gamma (the collector's alpha)."""
-    return min(1.0, max(0.0, (accept_len - 1.0) / gamma)) if math.isfinite(accept_len) and gamma else None

@@ -401,8 +401,8 @@ class DraftTrainer:
         g = self.cfg.gamma
         self.state.rounds.append({
             "round": round_no, "time": time.time(), "published_version": version,
-            "baseline_accept_len": _finite_or_none(base), "candidate_accept_len": _finite_or_none(cand),
-            "alpha_train": _alpha(base, g), "alpha_eval": _alpha(cand, g), "train_loss": loss,
+            "baseline_accept_len": finite_or_none(base), "candidate_accept_len": finite_or_none(cand),
+            "alpha_train": chain_alpha(base, g), "alpha_eval": chain_alpha(cand, g), "train_loss": loss,
             "num_train_rows": result.num_train_rows, "num_heldout_rows": result.num_heldout_rows,
             "judgement": verdict,
         })
@@ -444,7 +444,7 @@ class DraftTrainer:
         n, new, old, lost, verdict = found
         judgement: dict[str, Any] = {**verdict, "time": time.time(), "version": a.version,
                                      "replaced_version": a.parent_version, "judged_rows": n, "gamma": self.cfg.gamma,
-                                     "accept_len": _finite_or_none(new), "replaced_accept_len": _finite_or_none(old),
+                                     "accept_len": finite_or_none(new), "replaced_accept_len": finite_or_none(old),
                                      "reverted_as": None}
         if lost:
             version = None
@@ -587,10 +587,10 @@ def _json_number(v: Any) -> bool:
     return not isinstance(v, float) or math.isfinite(v)
 
 
-def _finite_or_none(v: float) -> float | None:
+def finite_or_none(v: float) -> float | None:
     return v if math.isfinite(v) else None
 
 
-def _alpha(accept_len: float, gamma: int) -> float | None:
+def chain_alpha(accept_len: float, gamma: int) -> float | None:
     """Acceptance rate of a gamma-chain with mean acceptance length L: (L - 1) / gamma."""
     return min(1.0, max(0.0, (accept_len - 1.0) / gamma)) if math.isfinite(accept_len) else None
