@@ -16,6 +16,7 @@ from typing import Any
 
 from tidespec.bench.common.report import eos_words, machine_line, markdown_table, new_figure, save_figure
 from tidespec.bench.shift.config import served_label
+from tidespec.config import SpecConfig
 from tidespec.online.training.judge import gain_interval
 
 COLORS = {"plain": "tab:gray", "frozen": "tab:blue", "online": "tab:orange", "vocab-static": "tab:red",
@@ -89,9 +90,8 @@ def _quarter_lines(doc: dict[str, Any]) -> list[str]:
 
 def _default_start(drafter: str) -> str:
     """What frozen and online start from without --bootstrap: EAGLE-3's fresh head, or Medusa's seeded heads."""
-    names = drafter.split(",")
     return ("the heads a server starts from (shipped for the embedded model, else zero)"
-            if "medusa" in names and "eagle3" not in names else "fresh random head")
+            if SpecConfig(drafter=drafter).online_drafter == "medusa" else "fresh random head")
 
 
 def report(doc: dict[str, Any]) -> str:
