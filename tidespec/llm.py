@@ -115,7 +115,8 @@ def build_policy(config: EngineConfig, model: TargetModel, drafter: Drafter | No
     several = tuple(drafter.members) if len(drafter.members) > 1 else ()
     return make_policy(pc.name, PolicyOptions(
         gamma_max=gamma_max, profile=profile, guards=guards, drafters=several, shadowed=drafter.shadowed,
-        stateful=stateful_names(drafter), per_sequence=pc.per_sequence))
+        stateful=stateful_names(drafter), per_sequence=pc.per_sequence,
+        measured_routes=pc.measured_routes))
 
 
 def with_shipped_head(spec: SpecConfig, target_cfg: TargetConfig, online: bool = False) -> SpecConfig:

@@ -44,6 +44,7 @@ class StepStats:
     seq_drafters: dict[int, str] = field(default_factory=dict)  # seq_id -> drafter asked to draft (gamma > 0)
     # (gamma asked, draft depth, accepted) of every decode sequence asked for gamma > 0
     seq_outcomes: list[tuple[int, int, int]] = field(default_factory=list)
+    seq_accepted: dict[int, int] = field(default_factory=dict)  # seq_id -> its accepted draft tokens (gamma > 0)
     # the same outcomes per drafter name (a drafter that could not draft yet for lack of context,
     # e.g. EAGLE-3 right after a step without taps, is left out: ``num_cold_drafts``)
     drafter_outcomes: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)

@@ -152,6 +152,26 @@ def test_true_off_computes_no_taps_and_eagle3_drafts_again_after_a_hole(model, t
     assert policy.seen[30].num_drafts == 1
 
 
+class _PricedOut(ScriptedPolicy):
+    """A scripted policy that says EAGLE-3 gets no sequence (``api.priced_out``) from step 3 on."""
+
+    def priced_out(self, drafter: str) -> bool:
+        return drafter == "eagle3" and self.num_steps >= 3
+
+
+def test_taps_do_not_linger_after_eagle3_drafts_when_the_policy_priced_it_out(model, tok) -> None:
+    """The per-sequence router priced EAGLE-3 out: the steps after its draft run plain decoding's forward
+    (no taps) instead of ``TAP_LINGER_STEPS`` of taps; a step where it drafts (a probe) still has them."""
+    spec = SpecConfig(drafter="eagle3", num_speculative_tokens=3)
+    policy = _PricedOut(lambda step, i: ("eagle3", 3 if step <= 5 or step == 20 else 0))
+    e = engine(model, tok, spec, policy, slots=1)
+    plain = outputs(engine(model, tok, SpecConfig(), slots=1), PROMPTS[:1], max_tokens=40)
+    assert outputs(e, PROMPTS[:1], max_tokens=40) == plain
+    taps = [s.taps for s in policy.seen]
+    assert taps[:5] == [True] * 5 and not any(taps[5:19]) and taps[19]  # step 20 drafts (cold): taps again
+    assert policy.seen[19].num_cold_drafts == 1
+
+
 def test_eagle3_restarts_its_context_after_a_hole_in_the_taps() -> None:
     """After a hole the head drafts exactly as a fresh head that only ever saw the later window."""
     target = tiny_llama(V, layers=4, seed=3)

@@ -123,6 +123,7 @@ def count_draft(stats: StepStats, seq: Sequence, gamma: int, drafter: str | None
     if gamma > 0:
         outcome = (gamma, depth, res.num_accepted if depth else 0)
         stats.seq_outcomes.append(outcome)
+        stats.seq_accepted[seq.seq_id] = outcome[2]
         stats.drafter_outcomes.setdefault(drafter or "", []).append(outcome)
     if draft is None or not draft.num_tokens:
         return

@@ -56,6 +56,7 @@ from tidespec.sampling import SamplingParams, make_generator
 from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.drafters.multi import model_free_offers
 from tidespec.speculative.forced import compose
+from tidespec.speculative.policy import api as policy_api
 from tidespec.speculative.policy.api import PlanInput, SeqState, SpeculationPolicy, plans_drafters, wants_offers
 from tidespec.speculative.prediction import PredictionDraft
 from tidespec.stats import StepStats
@@ -340,15 +341,18 @@ class LLMEngine:
     def _want_taps(self, chosen: dict[int, str], prefill: bool) -> bool:
         """Whether this step computes and hands out the target's taps: in a step with prompt chunks
         (so a feature drafter always knows the prompt; next to a prefill's compute the copy is
-        small), while a tap-reading drafter drafts (and ``TAP_LINGER_STEPS`` after), or while an
-        observer ``wants_taps``. Otherwise a decode step does exactly plain decoding's work; the
+        small), while a tap-reading drafter drafts (and ``TAP_LINGER_STEPS`` after, unless the policy
+        priced it out: ``api.priced_out``), or while an observer ``wants_taps``. Otherwise a decode step does exactly plain decoding's work; the
         drafter then restarts its context after the hole (``Drafter`` contract)."""
         if self.drafter is None or not self.drafter.tap_layers:
             return False
         tapped = self.drafter.tapped
         if any(name == tapped for name in chosen.values()):
             self._last_tapped_draft = self.step_count
-        if prefill or self.step_count - self._last_tapped_draft <= TAP_LINGER_STEPS:
+        if prefill or self._last_tapped_draft == self.step_count:
+            return True
+        if self.step_count - self._last_tapped_draft <= TAP_LINGER_STEPS and not (
+                self.policy is not None and policy_api.priced_out(self.policy, tapped or "")):
             return True
         return any(observer.wants_taps() for observer in self.observers)
 

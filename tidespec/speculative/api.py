@@ -129,7 +129,9 @@ class Drafter(Protocol):
     cope (EAGLE-3 restarts its context at the next position that has taps).
 
     Traits (class attributes of each drafter): ``model_free`` — ``propose`` runs no model forward,
-    so a controller may score it on the side for free; ``stateful`` — it keeps per-sequence model
+    so a controller may score it on the side for free, and its draft depends only on the context's
+    token ids, the gamma and the tree flag (``MultiDrafter`` hands one draft out for offer, route and
+    shadow); ``stateful`` — it keeps per-sequence model
     state (a KV cache) that must catch up after a pause, a cost the profiler measures.
     Several drafters behind one (``MultiDrafter``) answer the same protocol; ``members`` names them
     (a single drafter: itself), ``tapped`` the one that reads taps."""

@@ -17,6 +17,14 @@ would have accepted (verification keeps the longest prefix that matches the targ
 sampled ones a point-mass draft token is accepted with probability p(token), which is also the
 probability that the target's own draw equals it, so the score has the right distribution.
 
+One draft per step. Per-sequence drafting asks the model-free members for their drafts before
+planning (``offers``), the winner drafts the sequence in the step, and the shadow drafts the same
+context after the step: up to three proposals of one context. A model-free member's draft is
+deterministic in the context, the gamma and the tree flag, so the wrapper keeps the last one per
+member and sequence (``_Kept``) and hands it out again: the shadow drafted after step k is step
+k + 1's offer, and the offer is the routed draft (a gamma at least its length; a sequence whose
+context grew, or a draft longer than the gamma asked, is drafted anew).
+
 Worked example (suffix shadowing eagle3, gamma 3): context ... t9 observed, the shadow drafts
 [a, b, c] for positions 10..12; the target then emits t10 = a, t11 = x: the draft is scored
 (gamma 3, depth 3, accepted 1) — the same outcome the engine would have counted had the suffix
@@ -31,7 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tidespec.sampling import SamplingParams
-from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observation
+from tidespec.speculative.api import Drafter, DraftInput, DraftProposal, Observation, SeqDraft
 
 if TYPE_CHECKING:
     from tidespec.speculative.vocab.dynamic import DynamicVocab
@@ -46,6 +54,27 @@ class _Shadow:
     start: int  # context length when it was proposed: the draft guesses token_ids[start:]
     gamma: int
     tokens: list[int]
+
+
+@dataclass
+class _Kept:
+    """A model-free member's last draft of a sequence, and what it was drafted from."""
+
+    length: int  # context length (len(token_ids)): a sequence's context only grows by verified tokens
+    last: int  # its last token (-1: empty)
+    gamma: int
+    tree: bool
+    draft: SeqDraft
+
+    def fits(self, inp: DraftInput) -> bool:
+        """Whether it answers ``inp``: the same context and tree flag, a gamma at least as long as the draft
+        and no longer than the gamma it was drafted at (a longer ask might have drafted more)."""
+        return (self.length == len(inp.token_ids) and self.last == _last(inp.token_ids) and self.tree == inp.tree
+                and self.draft.num_tokens <= inp.num_speculative_tokens <= self.gamma)
+
+
+def _last(token_ids: Sequence[int]) -> int:
+    return token_ids[-1] if token_ids else -1
 
 
 def score_shadow(shadow: _Shadow, token_ids: Sequence[int]) -> tuple[int, int, int] | None:
@@ -93,6 +122,7 @@ class MultiDrafter:
                          if shadow_gamma else frozenset())
         self._pending: dict[str, dict[int, _Shadow]] = {n: {} for n in self.shadowed}
         self._running: dict[int, str] = {}  # seq_id -> the member that drafted it in the last propose
+        self._kept: dict[str, dict[int, _Kept]] = {d.name: {} for d in drafters if d.model_free}
         self._scored: dict[str, list[tuple[int, int, int]]] = {}
 
     @property
@@ -147,9 +177,55 @@ class MultiDrafter:
         self._running = {inp.seq_id: name for name, group in groups.items() for inp in group}
         out = DraftProposal()
         for name, group in groups.items():
-            part = self._members[name].propose(group)
-            out.drafts.update(part.drafts)
-            out.cold |= part.cold
+            kept = self._kept.get(name, {})
+            fresh = []
+            for inp in group:
+                k = kept.get(inp.seq_id)
+                if k is not None and k.fits(inp):
+                    out.drafts[inp.seq_id] = k.draft
+                else:
+                    fresh.append(inp)
+            if fresh:
+                part = self._members[name].propose(fresh)
+                out.drafts.update(part.drafts)
+                out.cold |= part.cold
+        return out
+
+    def offers(self, inputs: list[DraftInput]) -> dict[int, dict[str, tuple[float, int]]]:
+        """Each model-free member's draft of each sequence (kept for the step, or the one kept since the
+        last shadow), as (its expected accepted tokens, its length): ``model_free_offers``."""
+        out: dict[int, dict[str, tuple[float, int]]] = {}
+        for name in self._kept:
+            try:
+                drafts = self._drafts(name, inputs)
+            except Exception:  # an offer is optional: the step is planned without it
+                log.exception("drafter %s failed to offer drafts", name)
+                continue
+            for sid, d in drafts.items():
+                if d.num_tokens:
+                    out.setdefault(sid, {})[name] = (d.score if d.score is not None else float(d.num_tokens),
+                                                     d.num_tokens)
+        return out
+
+    def _drafts(self, name: str, inputs: list[DraftInput]) -> dict[int, SeqDraft]:
+        """Member ``name``'s drafts of ``inputs``: the kept ones that fit, the others proposed (and kept)."""
+        kept = self._kept[name]
+        out: dict[int, SeqDraft] = {}
+        fresh = []
+        for inp in inputs:
+            k = kept.get(inp.seq_id)
+            if k is not None and k.fits(inp) and k.gamma == inp.num_speculative_tokens:
+                out[inp.seq_id] = k.draft
+            else:
+                fresh.append(inp)
+        if fresh:
+            drafts = self._members[name].propose(fresh).drafts
+            for inp in fresh:
+                d = drafts.get(inp.seq_id)
+                if d is not None:
+                    out[inp.seq_id] = d
+                    kept[inp.seq_id] = _Kept(len(inp.token_ids), _last(inp.token_ids), inp.num_speculative_tokens,
+                                             inp.tree, d)
         return out
 
     def observe(self, observations: list[Observation]) -> None:
@@ -166,6 +242,8 @@ class MultiDrafter:
             member.release(seq_id)
         for pending in self._pending.values():
             pending.pop(seq_id, None)
+        for kept in self._kept.values():
+            kept.pop(seq_id, None)
         self._running.pop(seq_id, None)
 
     def drain_shadow(self) -> dict[str, list[tuple[int, int, int]]]:
@@ -192,7 +270,7 @@ class MultiDrafter:
                     continue  # a prompt chunk before the prompt's end: nothing generated yet
                 fresh.append(DraftInput(obs.seq_id, obs.token_ids, self.shadow_gamma, SamplingParams()))
             if fresh:
-                drafts = self._members[name].propose(fresh).drafts
+                drafts = self._drafts(name, fresh)
                 for inp in fresh:
                     d = drafts.get(inp.seq_id)
                     tokens = list(d.token_ids) if d is not None and not d.is_tree else []
@@ -207,26 +285,15 @@ class MultiDrafter:
 def model_free_offers(drafter: Drafter, inputs: list[DraftInput]) -> dict[int, dict[str, tuple[float, int]]]:
     """Each model-free member's draft of each sequence, as (its expected accepted tokens, its length):
     what per-sequence drafting prices (``speculative/policy/routing.py``, ``SeqState.offers``). A few
-    array operations per sequence; drafting is deterministic in the context, so the member that wins
-    drafts the same tokens again in the step. A member that fails offers nothing (logged).
+    array operations per sequence, and none for a draft the wrapper kept (``MultiDrafter.offers``); the
+    member that wins drafts the step with the same draft. A member that fails offers nothing (logged);
+    a single drafter offers nothing (there is nothing to route between).
 
     Example: suffix drafts [5, 6] with path probabilities 1.0 and 0.5 for sequence 3 and nothing for
     sequence 4 -> {3: {"suffix": (1.5, 2)}}."""
-    out: dict[int, dict[str, tuple[float, int]]] = {}
-    if not inputs:
-        return out
-    for name, member in drafter.members.items():
-        if not member.model_free:
-            continue
-        try:
-            drafts = member.propose(inputs).drafts
-        except Exception:  # an offer is optional: the step is planned without it
-            log.exception("drafter %s failed to offer drafts", name)
-            continue
-        for sid, d in drafts.items():
-            if d.num_tokens:
-                out.setdefault(sid, {})[name] = (d.score if d.score is not None else float(d.num_tokens), d.num_tokens)
-    return out
+    if not inputs or not isinstance(drafter, MultiDrafter):
+        return {}
+    return drafter.offers(inputs)
 
 
 def find_member(drafter: Drafter | None, name: str) -> Drafter | None:

@@ -11,7 +11,7 @@ the one controller that chooses drafter and gamma from one statistics source.
 from __future__ import annotations
 
 from tidespec.speculative.policy.api import PlanInput, bucket_of, check_gamma_max
-from tidespec.speculative.policy.routing import SequenceRouter
+from tidespec.speculative.policy.routing import RouteMeter, SequenceRouter
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.speculative.policy.tracking import DrafterTrackers, predicted_speedups
 from tidespec.stats import StepStats
@@ -43,7 +43,10 @@ class AnalyticPolicy:
     few steps; where a probe is hopeless (s = 0.3) every 35th step, spending about
     ``probe_budget`` of the time either way. A probe whose drafter could not draft (a cold
     feature drafter after steps without taps, ``StepStats.num_cold_drafts``) is repeated on the
-    next step.
+    next step; a cold draft in a step that was not a probe (the per-sequence router sent a sequence
+    to a drafter that had lost its context) is not. Measured on sql_help at batch 1 (w4a8 + compile),
+    this and pricing a probe at the drafter's measured speed (``_probe_speedup``) together took EAGLE-3
+    probes from 54 to 27 of about 660 steps.
 
     Worked example, one drafter (probe_budget 0.02, probe_every 64; the model says off with the best
     gamma 1 predicted at s = 0.952, so a probe costs 0.048): gammas 0, 0, 1, 0, 0, 1, ... (savings
@@ -57,7 +60,7 @@ class AnalyticPolicy:
     def __init__(self, profile: Profile, gamma_max: int, ema: float = 0.1, prior_alpha: float = 0.7,
                  drafter: str | None = None, probe_every: int = 64, probe_budget: float = 0.02,
                  drafters: tuple[str, ...] = (), shadowed: frozenset[str] = frozenset(),
-                 per_sequence: bool = False) -> None:
+                 per_sequence: bool = False, measured_routes: bool = False) -> None:
         check_gamma_max(gamma_max)
         if probe_every < 0:
             raise ValueError(f"probe_every must be >= 0, got {probe_every}")
@@ -73,6 +76,8 @@ class AnalyticPolicy:
         self.num_probes = 0
         self._off_steps: dict[int, int] = {}  # bucket -> steps since its last probe
         self._reprobe: dict[int, bool] = {}  # bucket -> its last probe came back cold: probe again
+        self._probed: dict[int, bool] = {}  # bucket -> whether its last plan was a probe
+        self._model_prices: dict[str, float] = {}  # model drafter -> its measured price at the last routed plan
         self.profile = profile
         self.gamma_max = gamma_max
         self.drafter = drafter
@@ -83,9 +88,13 @@ class AnalyticPolicy:
         self._chosen: dict[int, tuple[str | None, int]] = {}
         self._speedup: dict[int, float] = {}
         self._drafter_speedup: dict[str, float] = {}  # drafter -> predicted speedup at its best gamma, last plan
+        # (drafter, batch size) -> (its tracker's revision, ``predicted``'s table then)
+        self._tables: dict[tuple[str | None, int], tuple[int, list[float]]] = {}
         self.last_predicted_speedup = 1.0  # of the last plan (1.0 = off): read per step, keep it a field
         # per-sequence drafting (``routing.py``): with several drafters, a model-free one among them
-        self.router = SequenceRouter(profile, ema) if per_sequence and len(drafters) > 1 and shadowed else None
+        meter = RouteMeter(profile, ema) if measured_routes else None
+        self.router = (SequenceRouter(profile, ema, meter) if per_sequence and len(drafters) > 1 and shadowed
+                       else None)
         self.route_counts: dict[str, int] = {}  # drafter ("none") -> sequence-steps routed to it
 
     @property
@@ -102,7 +111,13 @@ class AnalyticPolicy:
         """Eq.-5 speedup of every gamma 0..gamma_max at this batch size for ``drafter`` (the first
         when None), from its own estimates (``predicted_speedups``)."""
         name = drafter if drafter is not None else self.drafters[0]
-        return predicted_speedups(self.trackers[name], batch_size, self.profile, self.gamma_max, name)
+        tracker = self.trackers[name]
+        cached = self._tables.get((name, batch_size))
+        if cached is not None and cached[0] == tracker.revision:
+            return list(cached[1])  # every step plans, few steps change a drafter's estimates: ~0.1 ms a step
+        table = predicted_speedups(tracker, batch_size, self.profile, self.gamma_max, name)
+        self._tables[name, batch_size] = (tracker.revision, table)
+        return table
 
     def decide(self, batch_size: int) -> tuple[int, float]:
         """(gamma, predicted speedup) of the first drafter at this batch size now: the best gamma, 0
@@ -130,21 +145,43 @@ class AnalyticPolicy:
             off = self._off_steps.get(key, 0) + 1
             probe = max(unseen, key=lambda d: (table[d][best[d]], -self.drafters.index(d)))
             if (self._reprobe.pop(key, False) or off >= self.probe_every
-                    or off * self.probe_budget >= speedup - table[probe][best[probe]]):
+                    or off * self.probe_budget >= speedup - self._probe_speedup(inp.batch_size, probe, table, best)):
                 drafter, gamma, off = probe, best[probe], 0
                 self.num_probes += 1
                 probed = True
             self._off_steps[key] = off
         else:
             self._off_steps[key] = 0
+        self._probed[key] = probed
         self._chosen[key] = (drafter, gamma)
         self._speedup[key] = speedup
         self.last_predicted_speedup = speedup
         default = inp.drafters[0] if inp.drafters else ""
-        if self.router is not None and not probed:
-            return self._route(inp, table, best, default)
+        if self.router is not None:
+            self.router.start_step()
+            if not probed:
+                return self._route(inp, table, best, default)
+            self.router.planned(drafter or "", table[drafter][gamma], len(inp.seqs))
         name = drafter if drafter is not None and gamma > 0 else default
         return {s.seq_id: (name or "", gamma) for s in inp.seqs}
+
+    def priced_out(self, drafter: str) -> bool:
+        """Whether the per-sequence router, measuring routes, priced ``drafter`` below no draft at the last
+        plan (``routing.RouteMeter``): it gets no sequence until its estimates change or a probe runs, so
+        keeping its context warm (the engine's lingering taps) buys nothing."""
+        if self.router is None or self.router.meter is None:
+            return False
+        return self._model_prices.get(drafter, 1.0) < 1.0
+
+    def _probe_speedup(self, batch_size: int, probe: str | None, table: dict[str | None, list[float]],
+                       best: dict[str | None, int]) -> float:
+        """What a probe of ``probe`` is priced at: its table's best, times its measured route speed when
+        per-sequence drafting measures routes (``routing.RouteMeter``: a drafter whose steps were measured
+        slower than the profile says is probed less often, at the same budget)."""
+        speedup = table[probe][best[probe]]
+        if self.router is not None and self.router.meter is not None and probe is not None:
+            speedup *= self.router.meter.factor(batch_size, probe)
+        return speedup
 
     def _route(self, inp: PlanInput, table: dict[str | None, list[float]], best: dict[str | None, int],
                default: str) -> dict[int, tuple[str, int]]:
@@ -153,9 +190,12 @@ class AnalyticPolicy:
         assert self.router is not None
         models = {d: (best[d], table[d][best[d]]) for d in self.drafters
                   if d is not None and d not in self.shadowed}
+        if self.router.meter is not None:
+            self._model_prices = {d: price * self.router.meter.factor(inp.batch_size, d)
+                                  for d, (_, price) in models.items()}
         out: dict[int, tuple[str, int]] = {}
         for s in inp.seqs:
-            name, gamma = self.router.choose(inp.batch_size, models, s.offers)
+            name, gamma = self.router.choose(inp.batch_size, models, s.offers, s.seq_id)
             self.route_counts[name or "none"] = self.route_counts.get(name or "none", 0) + 1
             out[s.seq_id] = (name or default, gamma)
         return out
@@ -164,11 +204,12 @@ class AnalyticPolicy:
         if step.num_decode_seqs < 1:
             return
         key = bucket_of(step.num_decode_seqs)
-        if step.num_cold_drafts:
+        if step.num_cold_drafts and self._probed.get(key, False):  # a probe that drafted nothing: again
             self._reprobe[key] = True
         self.trackers.update(key, step)
         if self.router is not None:
-            self.router.observe(step.drafter_outcomes)
+            self.router.observe(step.seq_accepted)
+            self.router.measure(step)
 
     def choices(self) -> dict[int, tuple[str, int]]:
         """Bucket -> the (drafter, gamma) last chosen there (drafter "" = the engine's only one)."""
@@ -193,8 +234,11 @@ class AnalyticPolicy:
         for d, count in self.route_counts.items():
             out[f"routed_{d}"] = float(count)
         if self.router is not None:
-            for d, calibration in self.router.calibration.items():
-                out[f"calibration_{d}"] = calibration
+            for (d, band), calibration in sorted(self.router.calibration.items()):
+                out[f"calibration_{d}_{band}"] = calibration
+            if self.router.meter is not None:
+                for (key, route), g in self.router.meter.measured().items():
+                    out[f"route_speed_{route}_b{key}"] = g
         if self.multi:
             for d, tracker in self.trackers.trackers.items():
                 out[f"alpha_{d}"] = tracker.global_alpha

@@ -103,6 +103,14 @@ def check_gamma_max(gamma_max: int) -> None:
         raise ValueError(f"gamma_max must be in [1, 64], got {gamma_max}")
 
 
+def priced_out(policy: SpeculationPolicy, drafter: str) -> bool:
+    """Whether ``policy`` would not give ``drafter`` a sequence now (the per-sequence router priced it below
+    decoding without a draft at the last plan, ``AnalyticPolicy.priced_out``); False for a policy that does
+    not say. The engine then stops keeping a tap-reading drafter's context warm (``TAP_LINGER_STEPS``)."""
+    check = getattr(policy, "priced_out", None)
+    return bool(check(drafter)) if callable(check) else False
+
+
 def wants_offers(policy: SpeculationPolicy) -> bool:
     """Whether ``policy`` prices each sequence's model-free drafts (``SeqState.offers``): per-sequence
     drafting (``routing.py``). A policy without the attribute (or a wrapper whose inner has none) does not."""

@@ -37,6 +37,7 @@ class PolicyOptions:
     shadowed: frozenset[str] = frozenset()  # of those, the ones scored on the side (model-free)
     stateful: frozenset[str] = frozenset()  # of those, the ones that must catch up after a pause (bandit's cost)
     per_sequence: bool = False  # analytic: each sequence its own drafter (``routing.py``)
+    measured_routes: bool = False  # per-sequence: prices scaled by measured route speeds (``routing.RouteMeter``)
 
     def __post_init__(self) -> None:
         check_gamma_max(self.gamma_max)
@@ -56,7 +57,8 @@ def _static(o: PolicyOptions) -> SpeculationPolicy:
 
 def _analytic(o: PolicyOptions) -> SpeculationPolicy:
     return AnalyticPolicy(_need_profile(o, "analytic"), o.gamma_max, ema=o.ema, prior_alpha=o.prior_alpha,
-                          drafters=_several(o), shadowed=o.shadowed, per_sequence=o.per_sequence)
+                          drafters=_several(o), shadowed=o.shadowed, per_sequence=o.per_sequence,
+                          measured_routes=o.measured_routes)
 
 
 def _bandit(o: PolicyOptions) -> SpeculationPolicy:

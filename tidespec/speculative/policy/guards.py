@@ -12,7 +12,14 @@ from dataclasses import dataclass
 
 from tidespec.config import GUARD_KV_USAGE, GUARD_TEMPERATURE
 from tidespec.errors import ConfigError
-from tidespec.speculative.policy.api import PlanInput, SpeculationPolicy, check_gamma_max, plans_drafters, wants_offers
+from tidespec.speculative.policy.api import (
+    PlanInput,
+    SpeculationPolicy,
+    check_gamma_max,
+    plans_drafters,
+    priced_out,
+    wants_offers,
+)
 from tidespec.stats import StepStats
 
 
@@ -58,6 +65,10 @@ class Guards:
     def wants_offers(self) -> bool:
         """The inner policy's (per-sequence drafting, ``routing.py``)."""
         return wants_offers(self.inner)
+
+    def priced_out(self, drafter: str) -> bool:
+        """The inner policy's (``api.priced_out``)."""
+        return priced_out(self.inner, drafter)
 
     def plan(self, inp: PlanInput) -> dict[int, int]:
         return {sid: gamma for sid, (_, gamma) in self.plan_drafters(inp).items()}

@@ -122,6 +122,7 @@ class AlphaTracker:
     pseudo: float = 1.0  # sequences' worth of the geometric model in each per-position estimate
     overall: _Counts = field(init=False)
     per_bucket: dict[int, _Counts] = field(default_factory=dict)
+    revision: int = 0  # bumped by every fold: a policy's table computed from these estimates is stale
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.prior_alpha <= 1.0:
@@ -169,6 +170,7 @@ class AlphaTracker:
 
     def _fold(self, bucket: int, counts: tuple[float, float, float, float],
               outcomes: Sequence[tuple[int, int, int]]) -> None:
+        self.revision += 1
         if bucket not in self.per_bucket:  # a new bucket starts from what all steps say
             self.per_bucket[bucket] = self.overall.copy()
         keep = 1.0 - self.ema
