@@ -168,7 +168,7 @@ def test_taps_do_not_linger_after_eagle3_drafts_when_the_policy_priced_it_out(mo
     plain = outputs(engine(model, tok, SpecConfig(), slots=1), PROMPTS[:1], max_tokens=40)
     assert outputs(e, PROMPTS[:1], max_tokens=40) == plain
     taps = [s.taps for s in policy.seen]
-    assert taps[:5] == [True] * 5 and not any(taps[5:19]) and taps[19]  # step 20 drafts (cold): taps again
+    assert all(taps[:5]) and not any(taps[5:19]) and taps[19]  # step 20 drafts (cold): taps again
     assert policy.seen[19].num_cold_drafts == 1
 
 

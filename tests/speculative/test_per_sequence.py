@@ -118,8 +118,8 @@ def test_the_analytic_policy_measures_routes_from_its_steps_and_its_probes() -> 
     """A policy whose EAGLE-3 accepts 3 of 4 but whose routed EAGLE-3 steps take 4 plain steps' time:
     sequences without a suffix offer go to none once measured; the policy's probes of EAGLE-3 (the
     suffix drafter's side drafts keep it the batch-level choice) still run and keep its speed measured."""
-    inner = AnalyticPolicy(FLAT, 4, drafters=("suffix", "eagle3"), shadowed=frozenset({"suffix"}), per_sequence=True,
-                           probe_every=6, measured_routes=True)
+    inner = AnalyticPolicy(FLAT, 4, measured_routes=True, drafters=("suffix", "eagle3"), shadowed=frozenset({"suffix"}),
+                           per_sequence=True, probe_every=6)
     for _ in range(30):
         inner.observe(StepStats(num_decode_seqs=1, drafter_outcomes={"eagle3": [(4, 4, 3)]},
                                 shadow_outcomes={"suffix": [(4, 4, 4)]}))
@@ -272,8 +272,8 @@ def test_a_cold_draft_the_router_chose_is_not_probed_again_but_a_cold_probe_is()
 
 
 def test_measured_routes_price_a_probe_at_the_drafters_measured_speed() -> None:
-    inner = AnalyticPolicy(FLAT, 4, drafters=("suffix", "eagle3"), shadowed=frozenset({"suffix"}), per_sequence=True,
-                           probe_every=1000, measured_routes=True)
+    inner = AnalyticPolicy(FLAT, 4, measured_routes=True, drafters=("suffix", "eagle3"), shadowed=frozenset({"suffix"}),
+                           per_sequence=True, probe_every=1000)
     for _ in range(30):
         inner.observe(StepStats(num_decode_seqs=1, drafter_outcomes={"eagle3": [(4, 4, 2)]},
                                 shadow_outcomes={"suffix": [(4, 4, 3)]}))

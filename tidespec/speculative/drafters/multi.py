@@ -177,14 +177,8 @@ class MultiDrafter:
         self._running = {inp.seq_id: name for name, group in groups.items() for inp in group}
         out = DraftProposal()
         for name, group in groups.items():
-            kept = self._kept.get(name, {})
-            fresh = []
-            for inp in group:
-                k = kept.get(inp.seq_id)
-                if k is not None and k.fits(inp):
-                    out.drafts[inp.seq_id] = k.draft
-                else:
-                    fresh.append(inp)
+            hits, fresh = self._split(name, group, exact=False)
+            out.drafts.update(hits)
             if fresh:
                 part = self._members[name].propose(fresh)
                 out.drafts.update(part.drafts)
@@ -207,17 +201,24 @@ class MultiDrafter:
                                                      d.num_tokens)
         return out
 
+    def _split(self, name: str, inputs: list[DraftInput], exact: bool) -> tuple[dict[int, SeqDraft], list[DraftInput]]:
+        """Member ``name``'s kept drafts that answer ``inputs`` (``exact``: only one drafted at the very gamma
+        asked, as an offer must be), and the inputs left to propose (every one for a member that keeps none)."""
+        kept = self._kept.get(name, {})
+        hits: dict[int, SeqDraft] = {}
+        fresh: list[DraftInput] = []
+        for inp in inputs:
+            k = kept.get(inp.seq_id)
+            if k is not None and k.fits(inp) and (not exact or k.gamma == inp.num_speculative_tokens):
+                hits[inp.seq_id] = k.draft
+            else:
+                fresh.append(inp)
+        return hits, fresh
+
     def _drafts(self, name: str, inputs: list[DraftInput]) -> dict[int, SeqDraft]:
         """Member ``name``'s drafts of ``inputs``: the kept ones that fit, the others proposed (and kept)."""
         kept = self._kept[name]
-        out: dict[int, SeqDraft] = {}
-        fresh = []
-        for inp in inputs:
-            k = kept.get(inp.seq_id)
-            if k is not None and k.fits(inp) and k.gamma == inp.num_speculative_tokens:
-                out[inp.seq_id] = k.draft
-            else:
-                fresh.append(inp)
+        out, fresh = self._split(name, inputs, exact=True)
         if fresh:
             drafts = self._members[name].propose(fresh).drafts
             for inp in fresh:

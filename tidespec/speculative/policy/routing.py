@@ -81,6 +81,10 @@ class _RouteSpeed:
     predicted: float = 0.0
     steps: int = 0
 
+    def g(self, min_steps: int) -> float | None:
+        """tokens / predicted once ``min_steps`` steps were measured, else None."""
+        return self.tokens / self.predicted if self.steps >= min_steps and self.predicted > 0 else None
+
 
 @dataclass
 class RouteMeter:
@@ -94,14 +98,12 @@ class RouteMeter:
     def g(self, batch_size: int, route: str) -> float:
         """Tokens emitted / tokens predicted for ``route`` at this bucket; 1.0 until ``min_steps`` measured."""
         speed = self._speeds.get((bucket_of(batch_size), route))
-        if speed is None or speed.steps < self.min_steps or speed.predicted <= 0:
-            return 1.0
-        return speed.tokens / speed.predicted
+        g = speed.g(self.min_steps) if speed is not None else None
+        return 1.0 if g is None else g
 
     def measured(self) -> dict[tuple[int, str], float]:
         """(bucket, route) -> g, for the routes measured on ``min_steps`` steps or more."""
-        return {(key, route): speed.tokens / speed.predicted for (key, route), speed in sorted(self._speeds.items())
-                if speed.steps >= self.min_steps and speed.predicted > 0}
+        return {key: g for key, speed in sorted(self._speeds.items()) if (g := speed.g(self.min_steps)) is not None}
 
     def factor(self, batch_size: int, route: str) -> float:
         """What a price of ``route`` is multiplied by: its realised speed relative to none's."""
