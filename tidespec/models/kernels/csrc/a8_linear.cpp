@@ -250,34 +250,35 @@ A8_TARGET void nib_tile(const Rows& x, int64_t K, const Nibbles<S>& w, int64_t p
   __m512 acc[R][PN];
   zero(acc);
   for (int64_t b = 0; b < KB; ++b) {
-    __m512i isum[R][PN][NS * H];
-    zero(isum);
-    for (int64_t j = 4 * b; j < 4 * b + 4; ++j) {  // the block's 4 octets
-      const int64_t a = (j - 4 * b) / OCT * H;  // the sub-block's accumulators
-      for (int p = 0; p < PN; ++p) {
-        __m512i lo, hi;
-        if constexpr (PRE) {
-          const uint8_t* codes = w.pre + ((p0 + p - w.pre_p0) * (K / 8) + j) * 128;
-          lo = _mm512_loadu_si512(codes);
-          hi = _mm512_loadu_si512(codes + 64);
-        } else {
-          unpack_octet<HB>(w, K, p0 + p, j, lo, hi);
-        }
-        for (int r = 0; r < R; ++r) {
-          const uint8_t* xr = x.q.data() + (r0 + r) * K + 8 * j;
-          isum[r][p][a] = _mm512_dpbusd_epi32(isum[r][p][a], lo, _mm512_set1_epi32(quad(xr)));
-          isum[r][p][a + H - 1] = _mm512_dpbusd_epi32(isum[r][p][a + H - 1], hi, _mm512_set1_epi32(quad(xr + 4)));
+    // a sub-block at a time, folded into acc before the next: isum is indexed by constants, so it stays in
+    // registers (indexed by octet, Q6_K's lived on the stack); each acc[r][p] gets the same float steps
+    for (int u = 0; u < NS; ++u) {
+      __m512i isum[R][PN][H];
+      zero(isum);
+      for (int64_t j = 4 * b + u * OCT; j < 4 * b + (u + 1) * OCT; ++j) {  // the sub-block's octets
+        for (int p = 0; p < PN; ++p) {
+          __m512i lo, hi;
+          if constexpr (PRE) {
+            const uint8_t* codes = w.pre + ((p0 + p - w.pre_p0) * (K / 8) + j) * 128;
+            lo = _mm512_loadu_si512(codes);
+            hi = _mm512_loadu_si512(codes + 64);
+          } else {
+            unpack_octet<HB>(w, K, p0 + p, j, lo, hi);
+          }
+          for (int r = 0; r < R; ++r) {
+            const uint8_t* xr = x.q.data() + (r0 + r) * K + 8 * j;
+            isum[r][p][0] = _mm512_dpbusd_epi32(isum[r][p][0], lo, _mm512_set1_epi32(quad(xr)));
+            isum[r][p][H - 1] = _mm512_dpbusd_epi32(isum[r][p][H - 1], hi, _mm512_set1_epi32(quad(xr + 4)));
+          }
         }
       }
-    }
-    for (int p = 0; p < PN; ++p) {
-      for (int u = 0; u < NS; ++u) {
+      for (int p = 0; p < PN; ++p) {
         const __m512 dw = panel_values(w.scales, (p0 + p) * w.panel_s + (b * NS + u) * w.s_stride, w.scale_super,
                                        (p0 + p) * w.panel_super + (b / 8) * OUTS);
         for (int r = 0; r < R; ++r) {
-          __m512i total = isum[r][p][u * H];
+          __m512i total = isum[r][p][0];
           if (H > 1) {
-            total = _mm512_add_epi32(total, isum[r][p][u * H + H - 1]);
+            total = _mm512_add_epi32(total, isum[r][p][H - 1]);
           }
           if constexpr (OFF != 0) {  // the codes' offset times the sub-block's activation sum: exact integers
             const int32_t* qs = x.qs16.data() + (r0 + r) * (K / 16) + (b * NS + u) * (SUB / 16);
@@ -288,7 +289,9 @@ A8_TARGET void nib_tile(const Rows& x, int64_t K, const Nibbles<S>& w, int64_t p
           acc[r][p] = _mm512_add_ps(acc[r][p], _mm512_mul_ps(scale, _mm512_cvtepi32_ps(total)));
         }
       }
-      if constexpr (MIN) {
+    }
+    if constexpr (MIN) {
+      for (int p = 0; p < PN; ++p) {
         const __m512 mw = panel_values(w.mins, (p0 + p) * w.panel_m + b * w.m_stride, w.min_super,
                                        (p0 + p) * w.panel_super + (b / 8) * OUTS);
         for (int r = 0; r < R; ++r) {
@@ -385,8 +388,8 @@ void over_tasks(int64_t panels, int64_t rows, Fn&& tile) {
 // With high bit planes and more rows than one group (a prompt), each panel pair is unpacked once into
 // a per-thread scratch buffer (2 x K x 16 bytes) and every row group reads it: the same codes, so the
 // same sums, without redoing the bit-plane work per group (a Q5_K matrix of 8192 x 2048 over 512 rows:
-// 37-38 -> 33 ms on a 2-core Zen 4; Q6_K's unchanged, 54 ms: its cost is elsewhere, not found yet; rows
-// in groups of 3 instead of 5 did not change it either). The scratch is thread_local because ATen's
+// 37-38 -> 33 ms on a 2-core Zen 4; Q6_K's 51 ms was its sub-block sums on the stack, 39 ms since
+// ``nib_tile`` folds one sub-block at a time). The scratch is thread_local because ATen's
 // parallel_for gives no per-task storage.
 template <typename S, int HB, int SUB, int OFF, bool MIN>
 void run_nib(const float* x, int64_t R, int64_t K, const Nibbles<S>& w, int64_t N, float* y) {

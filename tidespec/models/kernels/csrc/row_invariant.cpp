@@ -244,39 +244,44 @@ inline float softmax_weights(const bool* mrow, const float* sc, int64_t nk, int6
 }
 
 // P @ V for R query vectors of one KV head over keys [j0, j1), into the accumulators acc [R, HV * VL]:
-// keys in ascending order (= each vector's rank order); a value row (vrows[j - j0], float: in the
-// cache, else converted in ``vbuf``) is loaded once for all R, and vector i adds key j only where its
-// mask says visible.
+// keys in ascending order (= each vector's rank order); vector i adds key j only where its mask says
+// visible; keys [0, all) are visible to all R, and there nothing is checked (a decode row's heads, a
+// chain's rows up to the first row's end). One VL-wide column of the head dim at a time, so that the R
+// accumulators stay in registers (R x HV of them at once were kept on the stack by the compiler); the
+// value rows (vrows[j - j0], float: in the cache, else converted in ``vbuf``) stay in L1 across the
+// columns. Every accumulator sees the same operations in the same order as a row-at-a-time loop would.
 template <int64_t R, int64_t HV>
-void pv_tile(const bool* const* mrows, const float* w, int64_t kv_pad, int64_t j0, int64_t j1,
+void pv_tile(const bool* const* mrows, const float* w, int64_t kv_pad, int64_t j0, int64_t j1, int64_t all,
              const float* const* vrows, int64_t hd, float* acc) {
-  Vec a[R][HV];
-  for (int64_t i = 0; i < R; ++i) {
-    for (int64_t k = 0; k < HV; ++k) a[i][k] = Vec::loadu(acc + (i * HV + k) * VL);
-  }
-  for (int64_t j = j0; j < j1; ++j) {
-    const float* vr = vrows[j - j0];
-    Vec v[HV];
-    for (int64_t k = 0; k < HV; ++k) v[k] = load(vr + k * VL, std::min<int64_t>(VL, hd - k * VL));
-    for (int64_t i = 0; i < R; ++i) {
-      if (!mrows[i][j]) continue;
-      const Vec p(w[i * kv_pad + j]);
-      for (int64_t k = 0; k < HV; ++k) a[i][k] = at::vec::fmadd(p, v[k], a[i][k]);
+  const int64_t js = std::min(j1, std::max(j0, all));  // keys [j0, js) need no check
+  for (int64_t k = 0; k < HV; ++k) {
+    const int64_t c = std::min<int64_t>(VL, hd - k * VL);
+    Vec a[R];
+    for (int64_t i = 0; i < R; ++i) a[i] = Vec::loadu(acc + (i * HV + k) * VL);
+    for (int64_t j = j0; j < js; ++j) {
+      const Vec v = load(vrows[j - j0] + k * VL, c);
+      for (int64_t i = 0; i < R; ++i) a[i] = at::vec::fmadd(Vec(w[i * kv_pad + j]), v, a[i]);
     }
-  }
-  for (int64_t i = 0; i < R; ++i) {
-    for (int64_t k = 0; k < HV; ++k) a[i][k].store(acc + (i * HV + k) * VL);
+    for (int64_t j = js; j < j1; ++j) {
+      const Vec v = load(vrows[j - j0] + k * VL, c);
+      for (int64_t i = 0; i < R; ++i) {
+        if (!mrows[i][j]) continue;
+        a[i] = at::vec::fmadd(Vec(w[i * kv_pad + j]), v, a[i]);
+      }
+    }
+    for (int64_t i = 0; i < R; ++i) a[i].store(acc + (i * HV + k) * VL);
   }
 }
 
-// R query vectors: key tiles of KT, within a tile groups of vectors whose accumulators fit the
-// registers (G of them: G * HV accumulators, HV values and a weight in 32 vector registers); then
-// each output row scaled by its 1 / sum. A bfloat16 / half tile's values are converted to float
+// R query vectors: key tiles of KT, within a tile groups of G vectors (pv_tile's accumulators, a value
+// and a weight in registers); then each output row scaled by its 1 / sum. open[i]: vector i's first
+// key it may not see (nk if none). A bfloat16 / half tile's values are converted to float
 // once into ``vbuf`` ([KT, HV * VL]), not once per group.
 template <int64_t HV, typename scalar_t>
-void pv_groups(int64_t R, const bool* const* mrows, const float* w, int64_t kv_pad, const float* inv, int64_t nk,
-               const scalar_t* vb, const Pages& vp, int64_t hd, float* acc, float* vbuf, scalar_t* const* orows) {
-  constexpr int64_t G = HV <= 2 ? 8 : (HV <= 4 ? 6 : 2);
+void pv_groups(int64_t R, const bool* const* mrows, const float* w, int64_t kv_pad, const float* inv,
+               const int64_t* open, int64_t nk, const scalar_t* vb, const Pages& vp, int64_t hd, float* acc,
+               float* vbuf, scalar_t* const* orows) {
+  constexpr int64_t G = 8;
   std::fill(acc, acc + R * HV * VL, 0.0f);
   const float* vrows[KT];
   for (int64_t j0 = 0; j0 < nk; j0 += KT) {
@@ -296,18 +301,19 @@ void pv_groups(int64_t R, const bool* const* mrows, const float* w, int64_t kv_p
       const float* wi = w + i0 * kv_pad;
       float* ai = acc + i0 * HV * VL;
       const bool* const* mi = mrows + i0;
+      const int64_t all = *std::min_element(open + i0, open + i0 + r);
       auto run = [&](auto rows) {
         constexpr int64_t RR = decltype(rows)::value;
-        pv_tile<RR, HV>(mi, wi, kv_pad, j0, j1, vrows, hd, ai);
+        pv_tile<RR, HV>(mi, wi, kv_pad, j0, j1, all, vrows, hd, ai);
       };
       switch (r) {
         case 1: run(std::integral_constant<int64_t, 1>{}); break;
         case 2: run(std::integral_constant<int64_t, 2>{}); break;
-        case 3: run(std::integral_constant<int64_t, (G >= 3 ? 3 : 2)>{}); break;
-        case 4: run(std::integral_constant<int64_t, (G >= 4 ? 4 : 2)>{}); break;
-        case 5: run(std::integral_constant<int64_t, (G >= 5 ? 5 : 2)>{}); break;
-        case 6: run(std::integral_constant<int64_t, (G >= 6 ? 6 : 2)>{}); break;
-        case 7: run(std::integral_constant<int64_t, (G >= 7 ? 7 : 2)>{}); break;
+        case 3: run(std::integral_constant<int64_t, 3>{}); break;
+        case 4: run(std::integral_constant<int64_t, 4>{}); break;
+        case 5: run(std::integral_constant<int64_t, 5>{}); break;
+        case 6: run(std::integral_constant<int64_t, 6>{}); break;
+        case 7: run(std::integral_constant<int64_t, 7>{}); break;
         default: run(std::integral_constant<int64_t, G>{}); break;
       }
     }
@@ -324,18 +330,19 @@ void pv_groups(int64_t R, const bool* const* mrows, const float* w, int64_t kv_p
 }
 
 template <typename scalar_t>
-void pv_dispatch(int64_t R, const bool* const* mrows, const float* w, int64_t kv_pad, const float* inv, int64_t nk,
+void pv_dispatch(int64_t R, const bool* const* mrows, const float* w, int64_t kv_pad, const float* inv,
+                 const int64_t* open, int64_t nk,
                  const scalar_t* vb, const Pages& vp, int64_t hd, float* acc, float* vbuf, scalar_t* const* orows) {
   const int64_t hv = (hd + VL - 1) / VL;
   switch (hv) {
-    case 1: pv_groups<1>(R, mrows, w, kv_pad, inv, nk, vb, vp, hd, acc, vbuf, orows); break;
-    case 2: pv_groups<2>(R, mrows, w, kv_pad, inv, nk, vb, vp, hd, acc, vbuf, orows); break;
-    case 3: pv_groups<3>(R, mrows, w, kv_pad, inv, nk, vb, vp, hd, acc, vbuf, orows); break;
-    case 4: pv_groups<4>(R, mrows, w, kv_pad, inv, nk, vb, vp, hd, acc, vbuf, orows); break;
-    case 5: pv_groups<5>(R, mrows, w, kv_pad, inv, nk, vb, vp, hd, acc, vbuf, orows); break;
-    case 6: pv_groups<6>(R, mrows, w, kv_pad, inv, nk, vb, vp, hd, acc, vbuf, orows); break;
-    case 7: pv_groups<7>(R, mrows, w, kv_pad, inv, nk, vb, vp, hd, acc, vbuf, orows); break;
-    case 8: pv_groups<8>(R, mrows, w, kv_pad, inv, nk, vb, vp, hd, acc, vbuf, orows); break;
+    case 1: pv_groups<1>(R, mrows, w, kv_pad, inv, open, nk, vb, vp, hd, acc, vbuf, orows); break;
+    case 2: pv_groups<2>(R, mrows, w, kv_pad, inv, open, nk, vb, vp, hd, acc, vbuf, orows); break;
+    case 3: pv_groups<3>(R, mrows, w, kv_pad, inv, open, nk, vb, vp, hd, acc, vbuf, orows); break;
+    case 4: pv_groups<4>(R, mrows, w, kv_pad, inv, open, nk, vb, vp, hd, acc, vbuf, orows); break;
+    case 5: pv_groups<5>(R, mrows, w, kv_pad, inv, open, nk, vb, vp, hd, acc, vbuf, orows); break;
+    case 6: pv_groups<6>(R, mrows, w, kv_pad, inv, open, nk, vb, vp, hd, acc, vbuf, orows); break;
+    case 7: pv_groups<7>(R, mrows, w, kv_pad, inv, open, nk, vb, vp, hd, acc, vbuf, orows); break;
+    case 8: pv_groups<8>(R, mrows, w, kv_pad, inv, open, nk, vb, vp, hd, acc, vbuf, orows); break;
     default: TORCH_CHECK(false, "exact_attention: head size ", hd, " above ", 8 * VL);
   }
 }
@@ -378,14 +385,17 @@ void attend_float(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
       const bool* mrows[RB];
       scalar_t* orows[RB];
       float inv[RB];
+      int64_t open[RB];
       for (int64_t i = 0; i < R; ++i) {
         const int64_t row = task.row0 + i / task.heads, h = task.head0 + i % task.heads;
         mrows[i] = md + row * kv_len;
         orows[i] = od + (row * n_h + h) * hd;
         inv[i] = softmax_weights(mrows[i], scores.data() + i * kv_pad, nk, rank.data(), e.data(),
                                  weights.data() + i * kv_pad);
+        const void* hidden = std::memchr(mrows[i], 0, static_cast<size_t>(nk));
+        open[i] = hidden ? static_cast<const bool*>(hidden) - mrows[i] : nk;
       }
-      pv_dispatch(R, mrows, weights.data(), kv_pad, inv, nk, vb, vp, hd, acc.data(), vbuf.data(), orows);
+      pv_dispatch(R, mrows, weights.data(), kv_pad, inv, open, nk, vb, vp, hd, acc.data(), vbuf.data(), orows);
     }
   });
 }
