@@ -246,30 +246,44 @@ inline float softmax_weights(const bool* mrow, const float* sc, int64_t nk, int6
 // P @ V for R query vectors of one KV head over keys [j0, j1), into the accumulators acc [R, HV * VL]:
 // keys in ascending order (= each vector's rank order); vector i adds key j only where its mask says
 // visible; keys [0, all) are visible to all R, and there nothing is checked (a decode row's heads, a
-// chain's rows up to the first row's end). One VL-wide column of the head dim at a time, so that the R
-// accumulators stay in registers (R x HV of them at once were kept on the stack by the compiler); the
-// value rows (vrows[j - j0], float: in the cache, else converted in ``vbuf``) stay in L1 across the
-// columns. Every accumulator sees the same operations in the same order as a row-at-a-time loop would.
+// chain's rows up to the first row's end). KC VL-wide columns of the head dim at a time (R x KC
+// accumulators: R x HV of them at once were kept on the stack by the compiler, from 16 on), a value
+// row loaded once per chunk; the rows (vrows[j - j0], float: in the cache, else converted in ``vbuf``)
+// stay in L1 across the chunks. Every accumulator sees the same operations in the same order as a
+// row-at-a-time loop would.
 template <int64_t R, int64_t HV>
 void pv_tile(const bool* const* mrows, const float* w, int64_t kv_pad, int64_t j0, int64_t j1, int64_t all,
              const float* const* vrows, int64_t hd, float* acc) {
+  constexpr int64_t KC = std::max<int64_t>(1, std::min<int64_t>(HV, 8 / R));
   const int64_t js = std::min(j1, std::max(j0, all));  // keys [j0, js) need no check
-  for (int64_t k = 0; k < HV; ++k) {
-    const int64_t c = std::min<int64_t>(VL, hd - k * VL);
-    Vec a[R];
-    for (int64_t i = 0; i < R; ++i) a[i] = Vec::loadu(acc + (i * HV + k) * VL);
-    for (int64_t j = j0; j < js; ++j) {
-      const Vec v = load(vrows[j - j0] + k * VL, c);
-      for (int64_t i = 0; i < R; ++i) a[i] = at::vec::fmadd(Vec(w[i * kv_pad + j]), v, a[i]);
-    }
-    for (int64_t j = js; j < j1; ++j) {
-      const Vec v = load(vrows[j - j0] + k * VL, c);
-      for (int64_t i = 0; i < R; ++i) {
-        if (!mrows[i][j]) continue;
-        a[i] = at::vec::fmadd(Vec(w[i * kv_pad + j]), v, a[i]);
+  for (int64_t k0 = 0; k0 < HV; k0 += KC) {
+    const int64_t kn = std::min<int64_t>(KC, HV - k0);  // columns in this chunk
+    Vec a[R][KC];
+    for (int64_t i = 0; i < R; ++i) {
+      for (int64_t c = 0; c < KC; ++c) {
+        if (c < kn) a[i][c] = Vec::loadu(acc + (i * HV + k0 + c) * VL);
       }
     }
-    for (int64_t i = 0; i < R; ++i) a[i].store(acc + (i * HV + k) * VL);
+    auto add = [&](int64_t j, bool check) {
+      Vec v[KC];
+      for (int64_t c = 0; c < KC; ++c) {
+        if (c < kn) v[c] = load(vrows[j - j0] + (k0 + c) * VL, std::min<int64_t>(VL, hd - (k0 + c) * VL));
+      }
+      for (int64_t i = 0; i < R; ++i) {
+        if (check && !mrows[i][j]) continue;
+        const Vec p(w[i * kv_pad + j]);
+        for (int64_t c = 0; c < KC; ++c) {
+          if (c < kn) a[i][c] = at::vec::fmadd(p, v[c], a[i][c]);
+        }
+      }
+    };
+    for (int64_t j = j0; j < js; ++j) add(j, false);
+    for (int64_t j = js; j < j1; ++j) add(j, true);
+    for (int64_t i = 0; i < R; ++i) {
+      for (int64_t c = 0; c < KC; ++c) {
+        if (c < kn) a[i][c].store(acc + (i * HV + k0 + c) * VL);
+      }
+    }
   }
 }
 
