@@ -191,7 +191,7 @@ class CompiledStep:
             options["cpp.threads"] = 1
         # Guards: dynamo checks before every call that what the graph read still holds, and of the
         # ~3,600 checks on the embedded model all but ~280 are on the model's modules (their types,
-        # attributes, parameters' shapes): 1.1-1.4 ms a decode step, about a tenth of it at batch 1.
+        # attributes, parameters' shapes): 0.42 ms of a 6.9 ms decode step at batch 1 (w4a8 + compile).
         # The model's modules do not change while this step lives (the engine prepares them before
         # it is built), and the graphs are this step's alone (``own_code``), so those checks are
         # skipped; the inputs' and the KV cache's are kept (they pick among the step's graphs).
