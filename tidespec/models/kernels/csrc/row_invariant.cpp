@@ -139,41 +139,73 @@ struct Task {
 };
 
 // Scores of R query vectors (qv, [hd, R]: element d of every vector together) against keys [0, nk)
-// of one KV head: blocks of KT keys are first copied into ``kbuf`` ([hd, KT] float, L1-resident;
-// the cache rows are a page apart, so the next block is prefetched meanwhile), then tiles of VL keys get one fma chain over d per lane; R is a template argument so the
-// accumulators stay in registers.
+// of one KV head: each VL keys get one fma chain over d per lane, in tiles of KT keys that lie in up
+// to KT / VL blocks; the next tile's rows are prefetched meanwhile (a page away, where no hardware
+// prefetcher looks). R is a template argument so the accumulators stay in registers.
+//   R > 4: a tile is first copied into ``kbuf`` ([hd, KT] float, L1-resident), then each VL keys of it
+//     go through the d loop with their R chains.
+//   R <= 4 (a decode row's heads): R chains alone would wait on the fma latency (R = 1: one fma per
+//     latency), so the tile's KT / VL key vectors go through the d loop together, read where the cache
+//     holds them, each once (measured slower with more vectors: the R > 4 way stays).
+// A lane's chain is the same whichever way computes it.
 template <int64_t R, typename scalar_t>
 void score_tiles(const float* qv, const scalar_t* kb, const Pages& kp, int64_t kd, int64_t hd, int64_t nk,
                  int64_t kv_pad, float scale, float softcap, float* kbuf, float* scores) {
+  constexpr int64_t U = KT / VL;  // key vectors of a tile
   const Vec vscale(scale), vcap(softcap);
   constexpr int64_t LINE = 64 / static_cast<int64_t>(sizeof(scalar_t));  // keys per cache line
-  int64_t at[KT / VL], ahead[KT / LINE + 1];  // where each VL keys of this tile (each line of the next) start
+  int64_t at[U], ahead[KT / LINE + 1];  // where each VL keys of this tile (each line of the next) start
+  auto store = [&](const Vec& s, int64_t i, int64_t at_key) {
+    const Vec scaled = s * vscale;
+    // Gemma 2's soft cap, as transformers writes it: cap * tanh(score / cap), lane by lane
+    (softcap > 0.0f ? vcap * (scaled / vcap).tanh() : scaled).store(scores + i * kv_pad + at_key);
+  };
   for (int64_t b0 = 0; b0 < nk; b0 += KT) {
     const int64_t bw = std::min<int64_t>(KT, nk - b0);
     const int64_t next = std::min<int64_t>(KT, nk - b0 - KT);  // keys of the next tile, if any
     for (int64_t l0 = 0; l0 < bw; l0 += VL) at[l0 / VL] = kp.at(b0 + l0);
     for (int64_t l0 = 0; l0 < next; l0 += LINE) ahead[l0 / LINE] = kp.at(b0 + KT + l0);
-    for (int64_t d = 0; d < hd; ++d) {
-      // the next tile's row of head dim d: a page away from this one, where no hardware prefetcher looks
-      for (int64_t l0 = 0; l0 < next; l0 += LINE) {
-        __builtin_prefetch(kb + d * kd + ahead[l0 / LINE]);
-      }
-      for (int64_t l0 = 0; l0 < bw; l0 += VL) {
-        load(kb + d * kd + at[l0 / VL], std::min<int64_t>(VL, bw - l0)).store(kbuf + d * KT + l0);
-      }
-    }
-    for (int64_t t0 = 0; t0 < bw; t0 += VL) {
-      Vec s[R];
-      for (int64_t i = 0; i < R; ++i) s[i] = Vec(0.0f);
+    if constexpr (R > 4) {
       for (int64_t d = 0; d < hd; ++d) {
-        const Vec kt = Vec::loadu(kbuf + d * KT + t0);
-        const float* qd = qv + d * R;  // the R vectors' element d, adjacent: one base pointer for all R
-        for (int64_t i = 0; i < R; ++i) s[i] = at::vec::fmadd(Vec(qd[i]), kt, s[i]);
+        for (int64_t l0 = 0; l0 < next; l0 += LINE) __builtin_prefetch(kb + d * kd + ahead[l0 / LINE]);
+        for (int64_t l0 = 0; l0 < bw; l0 += VL) {
+          load(kb + d * kd + at[l0 / VL], std::min<int64_t>(VL, bw - l0)).store(kbuf + d * KT + l0);
+        }
+      }
+      for (int64_t t0 = 0; t0 < bw; t0 += VL) {
+        Vec s[R];
+        for (int64_t i = 0; i < R; ++i) s[i] = Vec(0.0f);
+        for (int64_t d = 0; d < hd; ++d) {
+          const Vec kt = Vec::loadu(kbuf + d * KT + t0);
+          const float* qd = qv + d * R;  // the R vectors' element d, adjacent: one base pointer for all R
+          for (int64_t i = 0; i < R; ++i) s[i] = at::vec::fmadd(Vec(qd[i]), kt, s[i]);
+        }
+        for (int64_t i = 0; i < R; ++i) store(s[i], i, b0 + t0);
+      }
+    } else {
+      const int64_t un = (bw + VL - 1) / VL;  // key vectors in this tile
+      int64_t count[U];  // keys of each (a partial one's other lanes load 0)
+      for (int64_t u = 0; u < U; ++u) count[u] = std::min<int64_t>(VL, bw - u * VL);
+      Vec s[R][U];
+      for (int64_t i = 0; i < R; ++i) {
+        for (int64_t u = 0; u < U; ++u) s[i][u] = Vec(0.0f);
+      }
+      for (int64_t d = 0; d < hd; ++d) {
+        for (int64_t l0 = 0; l0 < next; l0 += LINE) __builtin_prefetch(kb + d * kd + ahead[l0 / LINE]);
+        Vec kt[U];
+        for (int64_t u = 0; u < U; ++u) {
+          if (u < un) kt[u] = load(kb + d * kd + at[u], count[u]);
+        }
+        const float* qd = qv + d * R;
+        for (int64_t i = 0; i < R; ++i) {
+          const Vec qi(qd[i]);
+          for (int64_t u = 0; u < U; ++u) {
+            if (u < un) s[i][u] = at::vec::fmadd(qi, kt[u], s[i][u]);
+          }
+        }
       }
       for (int64_t i = 0; i < R; ++i) {
-        const Vec scaled = s[i] * vscale;
-        // Gemma 2's soft cap, as transformers writes it: cap * tanh(score / cap), lane by lane
-        (softcap > 0.0f ? vcap * (scaled / vcap).tanh() : scaled).store(scores + i * kv_pad + b0 + t0);
+        for (int64_t u = 0; u < un; ++u) store(s[i][u], i, b0 + u * VL);
       }
     }
   }
@@ -298,10 +330,28 @@ void pv_groups(int64_t R, const bool* const* mrows, const float* w, int64_t kv_p
   constexpr int64_t G = 8;
   std::fill(acc, acc + R * HV * VL, 0.0f);
   const float* vrows[KT];
+  constexpr int64_t LINE = 64 / static_cast<int64_t>(sizeof(scalar_t));  // elements per cache line
   for (int64_t j0 = 0; j0 < nk; j0 += KT) {
     const int64_t j1 = std::min<int64_t>(nk, j0 + KT);
-    for (int64_t j = j0; j < j1; ++j) {
-      const scalar_t* src = vb + vp.at(j);
+    // key j at row j % bs of block table[j / bs], walked without a division per key; the next tile's
+    // value rows are prefetched (in other blocks: no hardware prefetcher follows)
+    int64_t blk = j0 / vp.bs, off = j0 % vp.bs;
+    const int64_t ahead_end = std::min<int64_t>(nk, j1 + KT);
+    for (int64_t j = j1, b = blk + KT / vp.bs, o = off + KT % vp.bs; j < ahead_end; ++j) {
+      if (o >= vp.bs) {
+        o -= vp.bs;
+        ++b;
+      }
+      const scalar_t* ahead = vb + vp.table[b] * vp.block_stride + o * vp.pos_stride;
+      for (int64_t l = 0; l < hd; l += LINE) __builtin_prefetch(ahead + l);
+      ++o;
+    }
+    for (int64_t j = j0; j < j1; ++j, ++off) {
+      if (off == vp.bs) {
+        off = 0;
+        ++blk;
+      }
+      const scalar_t* src = vb + vp.table[blk] * vp.block_stride + off * vp.pos_stride;
       if constexpr (std::is_same_v<scalar_t, float>) {
         vrows[j - j0] = src;
       } else {
