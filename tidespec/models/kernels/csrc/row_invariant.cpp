@@ -283,6 +283,32 @@ inline float softmax_weights(const bool* mrow, const float* sc, int64_t nk, int6
 // row loaded once per chunk; the rows (vrows[j - j0], float: in the cache, else converted in ``vbuf``)
 // stay in L1 across the chunks. Every accumulator sees the same operations in the same order as a
 // row-at-a-time loop would.
+// Keys [ja, jb) of pv_tile's key loop into its accumulators a [R][KC] (columns k0 .. k0 + kn - 1);
+// CHECK: vector i adds key j only where its mask row says visible. A function of its own, inlined with
+// every index a constant, so the accumulators stay in registers (as a lambda called from two loops,
+// GCC kept them on the stack from R = 3 on: every fma waited on a store and a load).
+template <int64_t R, int64_t KC, bool CHECK>
+__attribute__((always_inline)) inline void pv_keys(Vec (&a)[R][KC], int64_t kn, const bool* const* mrows,
+                                                   const float* w, int64_t kv_pad, int64_t j0, int64_t ja,
+                                                   int64_t jb, const float* const* vrows, int64_t k0, int64_t hd) {
+  for (int64_t j = ja; j < jb; ++j) {
+    Vec v[KC];
+#pragma GCC unroll 8
+    for (int64_t c = 0; c < KC; ++c) {
+      if (c < kn) v[c] = load(vrows[j - j0] + (k0 + c) * VL, std::min<int64_t>(VL, hd - (k0 + c) * VL));
+    }
+#pragma GCC unroll 16
+    for (int64_t i = 0; i < R; ++i) {
+      if (CHECK && !mrows[i][j]) continue;
+      const Vec p(w[i * kv_pad + j]);
+#pragma GCC unroll 8
+      for (int64_t c = 0; c < KC; ++c) {
+        if (c < kn) a[i][c] = at::vec::fmadd(p, v[c], a[i][c]);
+      }
+    }
+  }
+}
+
 template <int64_t R, int64_t HV>
 void pv_tile(const bool* const* mrows, const float* w, int64_t kv_pad, int64_t j0, int64_t j1, int64_t all,
              const float* const* vrows, int64_t hd, float* acc) {
@@ -296,21 +322,8 @@ void pv_tile(const bool* const* mrows, const float* w, int64_t kv_pad, int64_t j
         if (c < kn) a[i][c] = Vec::loadu(acc + (i * HV + k0 + c) * VL);
       }
     }
-    auto add = [&](int64_t j, bool check) {
-      Vec v[KC];
-      for (int64_t c = 0; c < KC; ++c) {
-        if (c < kn) v[c] = load(vrows[j - j0] + (k0 + c) * VL, std::min<int64_t>(VL, hd - (k0 + c) * VL));
-      }
-      for (int64_t i = 0; i < R; ++i) {
-        if (check && !mrows[i][j]) continue;
-        const Vec p(w[i * kv_pad + j]);
-        for (int64_t c = 0; c < KC; ++c) {
-          if (c < kn) a[i][c] = at::vec::fmadd(p, v[c], a[i][c]);
-        }
-      }
-    };
-    for (int64_t j = j0; j < js; ++j) add(j, false);
-    for (int64_t j = js; j < j1; ++j) add(j, true);
+    pv_keys<R, KC, false>(a, kn, mrows, w, kv_pad, j0, j0, js, vrows, k0, hd);
+    pv_keys<R, KC, true>(a, kn, mrows, w, kv_pad, j0, js, j1, vrows, k0, hd);
     for (int64_t i = 0; i < R; ++i) {
       for (int64_t c = 0; c < KC; ++c) {
         if (c < kn) a[i][c].store(acc + (i * HV + k0 + c) * VL);
