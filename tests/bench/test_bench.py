@@ -371,6 +371,18 @@ def test_profile_smoke(tmp_path: Path) -> None:
     assert all(1 <= r["repeats"] <= 2 for r in doc["rows"])
     assert doc["bandwidth_gb_s"] > 0 and doc["ceiling_tokens_per_s"] > 0
     assert doc["weight_bytes_per_token"] == 82688
+    assert doc["forwards"].startswith("serving's")  # the row-invariant kernels over a paged cache, as serving runs
+
+
+def test_profile_without_row_invariance_times_one_slot_per_sequence(tmp_path: Path) -> None:
+    cfg = ProfileConfig(ns=(1, 2), batch_sizes=(1, 2), context=16, repeats=2, target_s=0.01, bandwidth_mib=8)
+    doc = run_profile(cfg, _tiny_target(), model_config=ModelConfig(row_invariant=False), out_dir=tmp_path,
+                      command="x", echo=False)
+    assert doc["forwards"] == "one cache slot per sequence (no row invariance)"
+    assert "Forwards: one cache slot" in (tmp_path / "table.md").read_text()
+    with pytest.raises(ConfigError, match="--no-row-invariant"):
+        run_profile(dataclasses.replace(cfg, compare_untuned=True), _tiny_target(), out_dir=tmp_path, command="x",
+                    echo=False)
 
 
 @pytest.mark.slow  # 18-36 s of cold compile; the compiled step itself is checked in tests/models/test_compiled.py
@@ -399,7 +411,8 @@ def test_profile_times_untuned_kernels_next_to_the_measured_ones(tmp_path: Path)
     lin.choice, lin.tuned_threads = ("tall",) * 4, torch.get_num_threads()
     cfg = ProfileConfig(ns=(1, 3), batch_sizes=(1,), context=16, repeats=2, target_s=0.01, bandwidth_mib=8,
                         compare_untuned=True)
-    doc = run_profile(cfg, model, out_dir=tmp_path, command="x", echo=False)
+    doc = run_profile(cfg, model, model_config=ModelConfig(row_invariant=False), out_dir=tmp_path, command="x",
+                      echo=False)
     assert all(r["t_untuned_ms"] > 0 and r["kernel_speedup"] > 0 for r in doc["rows"])
     assert lin.choice == ("tall",) * 4  # restored after each untuned timing
     assert "`F.linear` instead of the kernels" in (tmp_path / "table.md").read_text()

@@ -8,9 +8,11 @@ benchmark write-up need it measured, not assumed. The bandwidth ceiling says how
 batch-1 decoding is from the hardware limit (every weight byte read once per token).
 
 Method. T(n, B) = wall time of one target forward of n new tokens for each of B sequences on a
-``context``-token KV cache (default 200), logits for every new row (as verification needs),
-driving ``TargetModel.forward`` directly with a ``KVCache`` whose context is filled with random
-values (the contents do not change the cost). One warm-up forward per shape, then
+``context``-token KV cache (default 200), logits for every new row (as verification needs), over a
+cache whose context is filled with random values (the contents do not change the cost). On a CPU
+the forwards are serving's (``ForwardExecutor``: the row-invariant kernels over a paged cache, the
+compiled step with ``--compile``); on a GPU, or with ``--no-row-invariant``, ``TargetModel.forward``
+and the CUDA graphs / compiled step over one slot per sequence. One warm-up forward per shape, then
 ``repeats`` timed forwards — fewer on big shapes, so each shape costs about ``target_s`` — and
 the median is kept. Bandwidth = 2 x bytes / time of a large ``Tensor.copy_`` (read + write),
 median of 5 after a warm-up. Ceiling (tokens/s) = bandwidth / bytes read per batch-1 token,
@@ -48,6 +50,7 @@ from tidespec.bench.decode.run import resolve_target
 from tidespec.config import ConfigError, ModelConfig
 from tidespec.errors import check_at_least
 from tidespec.models.execution.compiled import KV_MARGIN, CompiledStep
+from tidespec.models.execution.executor import ExecutorOptions, ForwardExecutor, exact_attention
 from tidespec.models.execution.graphs import GraphStep, uses_graphs
 from tidespec.models.kernels.linear import tune_linears, untuned
 from tidespec.models.kv.cache import KVCache
@@ -55,7 +58,7 @@ from tidespec.models.layout import BatchLayout
 from tidespec.models.loading.loader import LoadedModel
 from tidespec.models.quant.quantize import quantization_of
 from tidespec.models.target import TargetModel
-from tidespec.speculative.policy.profiler import Forward, time_forward
+from tidespec.speculative.policy.profiler import Forward, executor_forward, time_forward
 from tidespec.speculative.policy.profiler import sync_device as _sync
 
 
@@ -139,36 +142,33 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | TargetModel | str | No
                           f"({model.cfg.max_position_embeddings})")
     gen = torch.Generator().manual_seed(cfg.seed)
     graphs = uses_graphs(model.device, mc.enforce_eager)
-    kv = KVCache.for_model(model.cfg, num_slots=max(cfg.batch_sizes), max_len=cfg.context + max(cfg.ns) + KV_MARGIN,
-                           dtype=model.dtype, device=model.device, spare_slot=graphs)
     fill_gen = gen if model.device.type == "cpu" else None  # a CPU generator cannot fill device tensors
-    for k, v in zip(kv.k, kv.v):  # plausible K/V values in the context region
-        k.normal_(generator=fill_gen)
-        v.normal_(generator=fill_gen)
-
-    step: CompiledStep | GraphStep | None = None
+    max_len = cfg.context + max(cfg.ns) + 1
+    budget = max(ExecutorOptions().budget, max(cfg.batch_sizes) * max(cfg.ns))
+    invariant = ExecutorOptions(row_invariant=mc.row_invariant, budget=budget)
+    step: CompiledStep | GraphStep | ForwardExecutor | None = None
     compile_s = 0.0
-    if graphs:  # on a GPU what decode steps run: the CUDA graphs (each captured by its shape's untimed warm-up)
-        t0 = time.perf_counter()
-        step = GraphStep(model, kv, (), max(cfg.ns), capture=model.device.type == "cuda", compile=mc.compile)
-        compile_s = time.perf_counter() - t0
-    elif mc.compile:  # the compiled decode step, timed right after the eager forward of each shape
-        t0 = time.perf_counter()
-        step = CompiledStep(model, kv)
-        step.warm_up(max(cfg.ns))
-        compile_s = time.perf_counter() - t0
-    def eager(tokens: list[int], q_lens: list[int], ctx_lens: list[int], slots: list[int]) -> object:
-        layout = BatchLayout.build(q_lens=q_lens, ctx_lens=ctx_lens, slots=slots, device=model.device)
-        return model(torch.tensor(tokens, device=model.device), layout, kv, logits_rows=None)
-
-    def stepped(tokens: list[int], q_lens: list[int], ctx_lens: list[int], slots: list[int]) -> object:
-        """The compiled step or the CUDA graphs where they take the shape, else eager."""
-        if isinstance(step, GraphStep):
-            out = step(tokens, q_lens, ctx_lens, slots)
-        else:
-            layout = BatchLayout.build(q_lens=q_lens, ctx_lens=ctx_lens, slots=slots, device=model.device)
-            out = step(torch.tensor(tokens, device=model.device), layout) if step is not None else None
-        return out if out is not None else eager(tokens, q_lens, ctx_lens, slots)
+    if exact_attention(model, invariant) and not graphs:
+        if cfg.compare_untuned:
+            raise ConfigError("--compare-untuned times the kernels measured per row count, which run only without "
+                              "row invariance: add --no-row-invariant")
+        # what serving runs on a CPU: the row-invariant kernels over a paged cache (models/execution/executor.py),
+        # eager and, with --compile, the compiled step every forward goes through
+        executors = [ForwardExecutor(model, invariant, max(cfg.batch_sizes), max_len, rows_per_seq=max(cfg.ns))]
+        if mc.compile:
+            executors.append(ForwardExecutor(model, dataclasses.replace(invariant, compile=True), max(cfg.batch_sizes),
+                                             max_len, rows_per_seq=max(cfg.ns)))
+            step, compile_s = executors[1], executors[1].warm_up_seconds
+        for ex in executors:  # plausible K/V values (the pool's blocks are handed out as the forwards write)
+            for k, v in zip(ex.kv.k, ex.kv.v):
+                k.normal_(generator=fill_gen)
+                v.normal_(generator=fill_gen)
+        eager = executor_forward(executors[0])
+        stepped = executor_forward(executors[-1])
+        forwards = "serving's: row-invariant kernels over a paged cache"
+    else:
+        eager, stepped, step, compile_s = _unpaged_forwards(model, cfg, mc, graphs, gen)
+        forwards = "one cache slot per sequence" + ("" if model.device.type != "cpu" else " (no row invariance)")
 
     def timed(forward: Forward, b: int, n: int) -> tuple[float, int]:
         return time_forward(forward, model.device, model.cfg.vocab_size, b, n, cfg.context, cfg.repeats,
@@ -204,6 +204,7 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | TargetModel | str | No
         "model": name,
         "config": dataclasses.asdict(cfg),
         "rows": rows,
+        "forwards": forwards,
         "grid_seconds": grid_s,
         "bandwidth_gb_s": bw,
         "weight_bytes_per_token": wbytes,
@@ -223,6 +224,44 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | TargetModel | str | No
                          format_profile_report, lambda out: _plot_profile(rows, cfg, out), echo)
 
 
+def _unpaged_forwards(model: TargetModel, cfg: ProfileConfig, mc: ModelConfig, graphs: bool, gen: torch.Generator
+                      ) -> tuple[Forward, Forward, CompiledStep | GraphStep | None, float]:
+    """The eager and the stepped forward over a cache of one slot per sequence: a GPU's (its CUDA graphs) and
+    a CPU's without row invariance (``--no-row-invariant``); the step (None without one) and its warm-up seconds."""
+    kv = KVCache.for_model(model.cfg, num_slots=max(cfg.batch_sizes), max_len=cfg.context + max(cfg.ns) + KV_MARGIN,
+                           dtype=model.dtype, device=model.device, spare_slot=graphs)
+    fill_gen = gen if model.device.type == "cpu" else None  # a CPU generator cannot fill device tensors
+    for k, v in zip(kv.k, kv.v):  # plausible K/V values in the context region
+        k.normal_(generator=fill_gen)
+        v.normal_(generator=fill_gen)
+    step: CompiledStep | GraphStep | None = None
+    compile_s = 0.0
+    if graphs:  # on a GPU what decode steps run: the CUDA graphs (each captured by its shape's untimed warm-up)
+        t0 = time.perf_counter()
+        step = GraphStep(model, kv, (), max(cfg.ns), capture=model.device.type == "cuda", compile=mc.compile)
+        compile_s = time.perf_counter() - t0
+    elif mc.compile:  # the compiled decode step, timed right after the eager forward of each shape
+        t0 = time.perf_counter()
+        step = CompiledStep(model, kv)
+        step.warm_up(max(cfg.ns))
+        compile_s = time.perf_counter() - t0
+
+    def eager(tokens: list[int], q_lens: list[int], ctx_lens: list[int], slots: list[int]) -> object:
+        layout = BatchLayout.build(q_lens=q_lens, ctx_lens=ctx_lens, slots=slots, device=model.device)
+        return model(torch.tensor(tokens, device=model.device), layout, kv, logits_rows=None)
+
+    def stepped(tokens: list[int], q_lens: list[int], ctx_lens: list[int], slots: list[int]) -> object:
+        """The compiled step or the CUDA graphs where they take the shape, else eager."""
+        if isinstance(step, GraphStep):
+            out = step(tokens, q_lens, ctx_lens, slots)
+        else:
+            layout = BatchLayout.build(q_lens=q_lens, ctx_lens=ctx_lens, slots=slots, device=model.device)
+            out = step(torch.tensor(tokens, device=model.device), layout) if step is not None else None
+        return out if out is not None else eager(tokens, q_lens, ctx_lens, slots)
+
+    return eager, stepped, step, compile_s
+
+
 def format_profile_report(doc: dict[str, Any], command: str, info: dict[str, Any]) -> str:
     cfg = doc["config"]
     bs = list(cfg["batch_sizes"])
@@ -234,6 +273,7 @@ def format_profile_report(doc: dict[str, Any], command: str, info: dict[str, Any
                              [[n] + [cell[(b, n)]["ratio_to_n1"] for b in bs] for n in ns], digits=2)
     lines = [f"### T(n): one target forward of n new tokens per sequence on a {cfg['context']}-token cache", "",
              f"Command: `{command}`", "", f"Machine: {machine_line(info)}", "",
+             f"Forwards: {doc.get('forwards', 'one cache slot per sequence')}", "",
              "Median wall time per forward (ms):", "", t_table, "", "T(n) / T(1):", "", r_table, "",
              f"- memory bandwidth (tensor copy, read + write): {doc['bandwidth_gb_s']:.1f} GB/s",
              f"- bytes per batch-1 token: weights {doc['weight_bytes_per_token'] / 1e6:.1f} MB + KV at "
