@@ -28,6 +28,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <immintrin.h>
@@ -39,6 +40,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <optional>
 
 namespace {
 
@@ -286,14 +288,33 @@ int64_t exact_linear_lanes() { return VL; }
 
 bool exact_linear_bf16_pairs() { return bf16_pairs(); }
 
+// packed_linear(x, packed, w): MKL's packed sgemm (PyTorch's mkl::_mkl_linear) over a weight packed
+// once, called with the input's own row count: measured row-invariant on the Xeons (a row's bits do not
+// depend on how many rows share the call, 1 to 1024 rows), where a plain sgemm picks its kernel by the
+// row count. An op of its own so that torch.compile calls it as it is (inductor's own lowering of
+// mkl::_mkl_linear wants a constant row count).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("mkl::_mkl_linear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                         const std::optional<at::Tensor>&, int64_t)>();
+  return op.call(x, packed, w, std::nullopt, x.size(0));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tidespec, m) {
   m.def("exact_linear(Tensor x, Tensor wp, int n_out) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor packed, Tensor w) -> Tensor");
   m.def("exact_linear_lanes() -> int", &exact_linear_lanes);  // no tensor to dispatch on: one kernel
   m.def("exact_linear_bf16_pairs() -> bool", &exact_linear_bf16_pairs);
 }
 
 TORCH_LIBRARY_IMPL(tidespec, CPU, m) {
   m.impl("exact_linear", &exact_linear);
+  m.impl("packed_linear", &packed_linear);
+}
+
+TORCH_LIBRARY_IMPL(tidespec, MkldnnCPU, m) {  // the packed weight is an MKL-DNN tensor: its key wins
+  m.impl("packed_linear", &packed_linear);
 }

@@ -1,12 +1,5 @@
-// Row-invariant CPU kernels: tidespec::exact_attention and tidespec::packed_linear.
-//
-// packed_linear(x, packed, w) is MKL's packed sgemm (PyTorch's mkl::_mkl_linear) over a weight
-// packed once, called with the input's own row count: measured row-invariant (a row's bits do not
-// depend on how many rows share the call, 1 to 1024 rows), where a plain sgemm picks its kernel by
-// the row count. It is an op of its own so that torch.compile calls it as it is (inductor's own
-// lowering of mkl::_mkl_linear wants a constant row count).
-//
-// exact_attention: the rest of this note.
+// tidespec::exact_attention: the row-invariant CPU attention (tidespec::packed_linear, the other
+// row-invariant op of this file once, is in exact_linear.cpp).
 //
 // Why this exists: greedy speculative decoding is lossless only if a verification forward (k rows
 // per sequence) computes each row's logits bit for bit as a decode forward (1 row) does, and
@@ -48,7 +41,6 @@
 //   scores [1, 0] -> max 1 -> e = [1, exp(-1)] -> sum 1.3679 -> out = (1*[2,0] + 0.3679*[0,4]) / 1.3679
 //                                                                  = [1.4621, 1.0758]
 #include <ATen/ATen.h>
-#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
@@ -441,10 +433,20 @@ void attend_float(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
   const int64_t bs = k_cache.size(2);
 
   at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qv(RB * hd), scores(RB * kv_pad), weights(RB * kv_pad), e(kv_pad + VL),
-        acc(RB * ((hd + VL - 1) / VL) * VL), kbuf(hd * KT),
-        vbuf(KT * ((hd + VL - 1) / VL) * VL);
-    std::vector<int64_t> rank(kv_pad + 1);
+    // per-thread scratch kept across calls (ATen's parallel_for has no per-thread storage), grown when needed,
+    // never zeroed: every element is written before it is read (a weight only for keys its row sees, the only
+    // ones read). Allocating and zeroing 2 x 16 x kv_pad floats per call cost 256 KB a thread at 2,000 keys.
+    thread_local std::vector<float> qv, scores, weights, e, acc, kbuf, vbuf;
+    thread_local std::vector<int64_t> rank;
+    auto fit = [](auto& v, int64_t n) { if (static_cast<int64_t>(v.size()) < n) v.resize(static_cast<size_t>(n)); };
+    fit(qv, RB * hd);
+    fit(scores, RB * kv_pad);
+    fit(weights, RB * kv_pad);
+    fit(e, kv_pad + VL);
+    fit(acc, RB * ((hd + VL - 1) / VL) * VL);
+    fit(kbuf, hd * KT);
+    fit(vbuf, KT * ((hd + VL - 1) / VL) * VL);
+    fit(rank, kv_pad + 1);
     for (int64_t ti = begin; ti < end; ++ti) {
       const Task& task = tasks[ti];
       const int64_t R = task.rows * task.heads;  // query vectors, row-major over (row, head)
@@ -586,27 +588,13 @@ at::Tensor exact_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   return out;
 }
 
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& w) {
-  static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("mkl::_mkl_linear", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const std::optional<at::Tensor>&, int64_t)>();
-  return op.call(x, packed, w, std::nullopt, x.size(0));
-}
-
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(tidespec, m) {
   m.def("exact_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor mask, float scale, "
         "Tensor? block_table=None, float softcap=0.0) -> Tensor");
-  m.def("packed_linear(Tensor x, Tensor packed, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tidespec, CPU, m) {
   m.impl("exact_attention", &exact_attention);
-  m.impl("packed_linear", &packed_linear);
-}
-
-TORCH_LIBRARY_IMPL(tidespec, MkldnnCPU, m) {  // the packed weight is an MKL-DNN tensor: its key wins
-  m.impl("packed_linear", &packed_linear);
 }
