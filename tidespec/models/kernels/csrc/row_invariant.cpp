@@ -1,5 +1,4 @@
-// tidespec::exact_attention: the row-invariant CPU attention (tidespec::packed_linear, the other
-// row-invariant op of this file once, is in exact_linear.cpp).
+// tidespec::exact_attention: the row-invariant CPU attention (packed_linear, once here: exact_linear.cpp).
 //
 // Why this exists: greedy speculative decoding is lossless only if a verification forward (k rows
 // per sequence) computes each row's logits bit for bit as a decode forward (1 row) does, and
@@ -232,9 +231,10 @@ void score_dispatch(int64_t R, const float* qv, const scalar_t* kb, const Pages&
 // tokens) has rank m = key m, so its softmax runs on the scores in place: the same elements in the
 // same order as the compacted copy, hence the same bits, without the gather and scatter.
 inline float softmax_weights(const bool* mrow, const float* sc, int64_t nk, int64_t* rk, float* e, float* w) {
-  int64_t n = 0;
-  for (int64_t j = 0; j < nk; ++j) n += mrow[j] ? 1 : 0;
-  const bool prefix = n == 0 || std::memchr(mrow, 0, static_cast<size_t>(n)) == nullptr;
+  const void* hole = std::memchr(mrow, 0, static_cast<size_t>(nk));  // a prefix found by memchr, not byte by byte
+  int64_t n = hole ? static_cast<const bool*>(hole) - mrow : nk;
+  const bool prefix = n == nk || last_visible(mrow + n, nk - n) < 0;
+  if (!prefix) n = std::count(mrow, mrow + nk, true);
   if (prefix) {
     e = w;  // the weights are computed where the scores were copied to, key m at element m
     std::copy(sc, sc + n, e);
