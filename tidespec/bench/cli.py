@@ -161,7 +161,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="timed seconds aimed at per shape; big shapes get fewer repeats")
     p.add_argument("--bandwidth-mib", type=int, default=256, help="buffer size of the copy bandwidth test")
     p.add_argument("--compare-untuned", action="store_true",
-                   help="also time every shape with F.linear for all projections (the kernels' gain)")
+                   help="also time every shape with F.linear for all projections (the per-row-count kernels' "
+                        "gain; with --no-row-invariant, where those kernels run)")
     p.add_argument("--out", type=output_dir, default=None, help="output directory (default: runs/bench-profile-<time>)")
     add_dataclass_args(p, ModelConfig)
     p.set_defaults(func=cmd_profile)
