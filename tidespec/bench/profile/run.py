@@ -142,7 +142,6 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | TargetModel | str | No
                           f"({model.cfg.max_position_embeddings})")
     gen = torch.Generator().manual_seed(cfg.seed)
     graphs = uses_graphs(model.device, mc.enforce_eager)
-    fill_gen = gen if model.device.type == "cpu" else None  # a CPU generator cannot fill device tensors
     max_len = cfg.context + max(cfg.ns) + 1
     budget = max(ExecutorOptions().budget, max(cfg.batch_sizes) * max(cfg.ns))
     invariant = ExecutorOptions(row_invariant=mc.row_invariant, budget=budget)
@@ -159,10 +158,8 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | TargetModel | str | No
             executors.append(ForwardExecutor(model, dataclasses.replace(invariant, compile=True), max(cfg.batch_sizes),
                                              max_len, rows_per_seq=max(cfg.ns)))
             step, compile_s = executors[1], executors[1].warm_up_seconds
-        for ex in executors:  # plausible K/V values (the pool's blocks are handed out as the forwards write)
-            for k, v in zip(ex.kv.k, ex.kv.v):
-                k.normal_(generator=fill_gen)
-                v.normal_(generator=fill_gen)
+        for ex in executors:  # the pool's blocks are handed out as the forwards write
+            _random_kv(ex.kv, gen)
         eager = executor_forward(executors[0])
         stepped = executor_forward(executors[-1])
         forwards = "serving's: row-invariant kernels over a paged cache"
@@ -224,16 +221,21 @@ def run_profile(cfg: ProfileConfig, target: LoadedModel | TargetModel | str | No
                          format_profile_report, lambda out: _plot_profile(rows, cfg, out), echo)
 
 
+def _random_kv(kv: KVCache, gen: torch.Generator) -> None:
+    """Plausible K/V values everywhere in ``kv`` (attention's cost does not depend on them)."""
+    fill_gen = gen if kv.k[0].device.type == "cpu" else None  # a CPU generator cannot fill device tensors
+    for k, v in zip(kv.k, kv.v):
+        k.normal_(generator=fill_gen)
+        v.normal_(generator=fill_gen)
+
+
 def _unpaged_forwards(model: TargetModel, cfg: ProfileConfig, mc: ModelConfig, graphs: bool, gen: torch.Generator
                       ) -> tuple[Forward, Forward, CompiledStep | GraphStep | None, float]:
     """The eager and the stepped forward over a cache of one slot per sequence: a GPU's (its CUDA graphs) and
     a CPU's without row invariance (``--no-row-invariant``); the step (None without one) and its warm-up seconds."""
     kv = KVCache.for_model(model.cfg, num_slots=max(cfg.batch_sizes), max_len=cfg.context + max(cfg.ns) + KV_MARGIN,
                            dtype=model.dtype, device=model.device, spare_slot=graphs)
-    fill_gen = gen if model.device.type == "cpu" else None  # a CPU generator cannot fill device tensors
-    for k, v in zip(kv.k, kv.v):  # plausible K/V values in the context region
-        k.normal_(generator=fill_gen)
-        v.normal_(generator=fill_gen)
+    _random_kv(kv, gen)
     step: CompiledStep | GraphStep | None = None
     compile_s = 0.0
     if graphs:  # on a GPU what decode steps run: the CUDA graphs (each captured by its shape's untimed warm-up)
