@@ -11,6 +11,7 @@ from tidespec.cli import build_parser
 from tidespec.config import EngineConfig, ModelConfig, OnlineTrainingConfig, SpecConfig
 from tidespec.errors import ConfigError
 from tidespec.flags import flag_defaults
+from tidespec.models.quant.a8 import a8_error
 from tidespec.server.cli import register as register_serve
 from tidespec.speculative.drafters.eagle3 import head_quantization
 from tidespec.speculative.drafters.eagle3_options import Eagle3Options, eagle3_options
@@ -102,7 +103,7 @@ def test_sections_validate_on_construction(build) -> None:
 def test_eagle3_quantization_auto_is_int8_on_a_cpu_only() -> None:
     """The head drafts with int8 weights on a CPU by default (bound by reading them there); a CUDA
     head stays float unless asked, and asking there is a one-line configuration error (above)."""
-    assert head_quantization("auto", torch.device("cpu")) == "int8"
+    assert head_quantization("auto", torch.device("cpu")) == ("w8a8" if a8_error() is None else "int8")
     assert head_quantization("auto", torch.device("cuda", 0)) == "none"
     assert head_quantization("int4", torch.device("cpu")) == "int4"
     EngineConfig(model=ModelConfig(device="cuda"), spec=SpecConfig(drafter="eagle3"))  # auto: fine anywhere

@@ -135,7 +135,7 @@ def section(cls: type, prefix: str = "") -> Any:
 
 
 QUANTIZATIONS = ("none", "int8", "int4", "w4a8", "w8a8", "gguf")
-HEAD_QUANTIZATIONS = ("none", "int8", "int4")  # what an EAGLE-3 head can draft in (models.eagle3_head)
+HEAD_QUANTIZATIONS = ("none", "int8", "int4", "w8a8")  # what an EAGLE-3 head can draft in (models.eagle3_head)
 MAX_THREADS = 4096  # more than any CPU has; torch.set_num_threads overflows past a C int
 INT4_GROUP_SIZES = (32, 64, 128, 256)  # what PyTorch's CPU int4 kernel accepts
 

@@ -12,6 +12,7 @@ import torch
 from tests.helpers import full_logits, tiny_llama, tiny_tokenizer
 from tests.speculative.test_spec_lossless import PROMPTS, V, generate, generate_in_batches
 from tidespec.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
+from tidespec.models.quant.a8 import W8A8Linear, a8_error
 from tidespec.models.quant.quantize import (
     LAYER_PROJECTIONS,
     Int4Linear,
@@ -193,13 +194,19 @@ def test_quantize_linears_reaches_every_linear_of_another_network() -> None:
     assert isinstance(head.lm_head, Int8Linear) and isinstance(head.fc, Int4Linear)
     assert isinstance(head.blocks[0].mlp.down_proj, Int4Linear) and isinstance(head.midlayer.gated.gate, Int4Linear)
     assert not any(isinstance(m, torch.nn.Linear) for m in head.modules())
+    if a8_error() is None:  # w8a8: every linear, the output layer too, on the a8 kernels
+        w8 = Eagle3Head(Eagle3Config.for_target(target.cfg, num_layers=2, fusion="gated")).double()
+        assert quantize_linears(w8, "w8a8", int8_names=("lm_head",)) == 12
+        assert isinstance(w8.lm_head, W8A8Linear) and isinstance(w8.fc, W8A8Linear)
+        with pytest.raises(QuantizationError, match="multiples of 32"):
+            quantize_linears(torch.nn.Sequential(torch.nn.Linear(48, 32)), "w8a8")
     odd = torch.nn.Sequential(torch.nn.Linear(48, 32), torch.nn.Linear(32, 16))
     with pytest.raises(QuantizationError, match="does not divide 0's input size 48; use int8"):
         quantize_linears(odd, "int4", 32)
     assert isinstance(odd[1], torch.nn.Linear) and not isinstance(odd[1], Int4Linear)  # nothing was touched
     with pytest.raises(QuantizationError, match="need a CPU"):
         quantize_linears(torch.nn.Sequential(torch.nn.Linear(32, 16)).to("meta"), "int8")
-    with pytest.raises(QuantizationError, match="int8 or int4"):
+    with pytest.raises(QuantizationError, match="int8, int4 or w8a8"):
         quantize_linears(odd, "none")
 
 

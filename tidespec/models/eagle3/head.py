@@ -331,8 +331,8 @@ HEAD_INT4_GROUP_SIZE = 32  # the int4 kernel's finest group (GGUF Q4_1's block):
 
 
 def quantized_head(head: Eagle3Head, mode: str, in_place: bool = False) -> Eagle3Head:
-    """A copy of ``head`` whose linear layers hold int8 or int4 weights (``models.quant``), for
-    drafting on a CPU; ``head`` itself is left as it is (training, LoRA merges, rollbacks and the
+    """A copy of ``head`` whose linear layers hold int8, int4 or w8a8 (Q8_0 blocks, int8 activations) weights
+    (``models.quant``), for drafting on a CPU; ``head`` itself is left as it is (training, LoRA merges, rollbacks and the
     dynamic vocabulary's output rows read its float weights). ``mode`` "none" returns ``head``.
 
     Why: at one row per step the head is bound by reading its weights, and its float32 weights

@@ -433,8 +433,8 @@ class ModelQuantizer:
 
 def quantize_linears(module: nn.Module, mode: str, group_size: int = 32, int8_names: tuple[str, ...] = ()) -> int:
     """Replace, in place, every ``nn.Linear`` inside ``module`` (any depth) with its ``mode``
-    ("int8" / "int4") quantized twin; children whose attribute name is in ``int8_names`` get int8
-    whatever the mode (an output layer: see ``quantize_model``). Returns how many were replaced.
+    ("int8" / "int4" / "w8a8") quantized twin; under int4, children whose attribute name is in ``int8_names``
+    get int8 (an output layer: see ``quantize_model``). Returns how many were replaced.
 
     For networks that are not a ``TargetModel`` (the EAGLE-3 head). Raises ``QuantizationError``
     before touching anything: a mode other than int8/int4, a weight not on a CPU, an int4 group
@@ -443,8 +443,8 @@ def quantize_linears(module: nn.Module, mode: str, group_size: int = 32, int8_na
     Example: a head with ``fc`` [576, 1728], q/k/v [960, 1152], o, MLP and ``lm_head`` [8192, 576]
     -> ``quantize_linears(head, "int4", 32, ("lm_head",))`` == 6 (``lm_head`` int8, the rest int4).
     """
-    if mode not in ("int8", "int4"):
-        raise QuantizationError(f"quantization must be int8 or int4, got {mode!r}")
+    if mode not in ("int8", "int4", "w8a8"):
+        raise QuantizationError(f"quantization must be int8, int4 or w8a8, got {mode!r}")
     found = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
              if isinstance(child, nn.Linear)]
     for _, name, child in found:
@@ -454,9 +454,12 @@ def quantize_linears(module: nn.Module, mode: str, group_size: int = 32, int8_na
         if mode == "int4" and name not in int8_names and child.in_features % group_size:
             raise QuantizationError(f"int4 group size {group_size} does not divide {name}'s input size "
                                     f"{child.in_features}; use int8")
+    if mode == "w8a8":
+        check_a8(mode, [child.in_features for _, _, child in found])
     with torch.no_grad():
         for parent, name, child in found:
-            setattr(parent, name, quantized_linear(child, "int8" if name in int8_names else mode, group_size))
+            setattr(parent, name, quantized_linear(child, "int8" if name in int8_names and mode == "int4" else mode,
+                                                   group_size))
     return len(found)
 
 

@@ -39,10 +39,11 @@ class Eagle3Options:
              "falls below this (its confidence tracks acceptance, EAGLE-2); the first draft is always proposed. "
              "0 = draft as many as the policy asks. 0.4: every gamma 3-6 within a few percent of the best on "
              "code and above plain on chat")
-    quantization: Literal["auto", "none", "int8", "int4"] = opt(
-        "auto", "EAGLE-3 head's weights while drafting: int8 (per output channel) or int4 (groups of 32, LM head "
-                "int8) copies of its linear layers, PyTorch's CPU kernels; the float head still trains, swaps and "
-                "rolls back. auto = int8 on --device cpu, none elsewhere. Lossless whatever it is")
+    quantization: Literal["auto", "none", "int8", "int4", "w8a8"] = opt(
+        "auto", "EAGLE-3 head's weights while drafting: int8 (per output channel), int4 (groups of 32, LM head "
+                "int8) or w8a8 (Q8_0 weights x int8 activations, AVX512-VNNI) copies of its linear layers, CPU "
+                "kernels; the float head still trains, swaps and rolls back. auto = w8a8 on --device cpu with "
+                "AVX512-VNNI, int8 on another CPU, none elsewhere. Lossless whatever it is")
 
     def __post_init__(self) -> None:
         check_at_least(0, eagle3_draft_vocab=self.draft_vocab)
@@ -68,6 +69,6 @@ def check_eagle3(config: EngineConfig, options: Eagle3Options) -> None:
     if config.online.enabled and not options.dir:
         raise ConfigError("--online-training needs --eagle3-dir (the directory drafters are published to)")
     head_device = config.spec.drafter_device or config.model.device  # where the EAGLE-3 head drafts
-    if options.quantization in ("int8", "int4") and not head_device.startswith("cpu"):
+    if options.quantization in ("int8", "int4", "w8a8") and not head_device.startswith("cpu"):
         raise ConfigError(f"--eagle3-quantization {options.quantization} needs the drafter on the CPU "
                           f"(PyTorch's CPU kernels; --device or --drafter-device cpu), got {head_device!r}")
