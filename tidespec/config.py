@@ -384,6 +384,9 @@ class PolicyConfig:
     per_sequence: bool = opt(False, "analytic with several drafters (one model-free): each sequence its own drafter "
                                     "and length every step, a model-free drafter's draft priced against the model "
                                     "drafter's estimate")
+    trim_drafts: bool = opt(True, "analytic and hybrid: verify only the drafted tokens (across the batch) whose "
+                                  "expected accepted share, calibrated per drafter, pays for their rows in the "
+                                  "profiled forward; drafters without per-token probabilities are kept whole")
     measured_routes: bool = opt(False, "per-sequence drafting (experimental): scale the model drafter's price by its "
                                        "measured speed (its steps' tokens per second against plain decoding's in the "
                                        "same engine), so the costs the start-up profile leaves out count")

@@ -35,10 +35,11 @@ from tidespec.speculative.api import Drafter
 from tidespec.speculative.drafters.eagle3_options import eagle3_options, with_eagle3
 from tidespec.speculative.drafters.medusa import medusa_options, seed_medusa_root
 from tidespec.speculative.policy.api import SpeculationPolicy
-from tidespec.speculative.policy.factory import PolicyOptions, make_policy
+from tidespec.speculative.policy.factory import PolicyOptions, make_policy, policy_profile
 from tidespec.speculative.policy.guards import GuardConfig
 from tidespec.speculative.policy.profiler import load_or_measure
 from tidespec.speculative.policy.speedup import Profile
+from tidespec.speculative.policy.trim import DraftTrim
 from tidespec.speculative.registry import build_drafter, check_config, stateful_names
 from tidespec.speculative.vocab.arc import ArcConfig
 from tidespec.speculative.vocab.dynamic import DynamicVocab, DynamicVocabConfig
@@ -167,7 +168,16 @@ def build_engine(config: EngineConfig, model: TargetModel | None = None,
             if seconds:
                 log.info("warmed the drafter up (CUDA graphs captured) in %.1f s", seconds)
     policy = build_policy(config, model, drafter) if config.spec.num_speculative_tokens else None
-    return LLMEngine(model, tokenizer, config, drafter=drafter, policy=policy)
+    return LLMEngine(model, tokenizer, config, drafter=drafter, policy=policy, trim=build_trim(config, policy))
+
+
+def build_trim(config: EngineConfig, policy: SpeculationPolicy | None) -> DraftTrim | None:
+    """The draft trim (``speculative/policy/trim.py``) of a policy that prices steps from a profile (analytic,
+    hybrid) with ``--trim-drafts`` on; None otherwise (a static gamma verifies every draft whole)."""
+    profile = policy_profile(policy) if policy is not None else None
+    if profile is None or not config.policy.trim_drafts or config.policy.name not in ("analytic", "hybrid"):
+        return None
+    return DraftTrim(profile)
 
 
 class LLM:

@@ -38,6 +38,7 @@ class StepStats:
     num_rejected: int = 0  # speculating sequences whose draft was cut by a rejection (accepted < depth)
     num_draft_depth: int = 0  # sum of draft depths (= draft tokens for chains)
     num_short_drafts: int = 0  # sequences asked for gamma > 0 whose draft was shallower than gamma
+    num_trimmed: int = 0  # drafted tokens cut before verification: their rows cost more than they return
     num_emitted_tokens: int = 0  # tokens appended to outputs this step
     accepted_per_pos: list[int] = field(default_factory=list)  # [max depth] accepted count per draft position
     spec_lens: dict[int, int] = field(default_factory=dict)  # seq_id -> gamma chosen this step

@@ -42,9 +42,11 @@ def test_on_step_hand_traced() -> None:
                         spec_lens={0: 4, 1: 4, 2: 0}, num_prefill_tokens=11, num_emitted_tokens=7,
                         num_running=3, num_waiting=1, kv_usage=0.75))
     m.on_step_end(StepStats(num_drafts=1, num_draft_tokens=4, num_accepted_tokens=1, accepted_per_pos=[1],
-                        spec_lens={0: 2}, num_emitted_tokens=2, num_running=1, kv_usage=0.25, num_draft_errors=3))
+                        spec_lens={0: 2}, num_emitted_tokens=2, num_running=1, kv_usage=0.25, num_draft_errors=3,
+                        num_trimmed=2))
     assert _value(m, "tidespec:spec_decode_num_drafts_total") == 3
     assert _value(m, "tidespec:spec_decode_draft_errors_total") == 3
+    assert _value(m, "tidespec:spec_decode_num_trimmed_tokens_total") == 2
     assert _value(m, "tidespec:spec_decode_num_draft_tokens_total") == 12
     assert _value(m, "tidespec:spec_decode_num_accepted_tokens_total") == 6
     assert _value(m, "tidespec:spec_decode_num_accepted_tokens_per_pos_total", position="0") == 3

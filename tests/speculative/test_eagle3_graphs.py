@@ -54,6 +54,10 @@ def test_graph_bodies_draft_what_the_eager_drafter_drafts(min_draft_prob: float,
         want, got = eager.propose(inputs).drafts, graphed.propose(inputs).drafts
         assert {s: d.token_ids for s, d in got.items()} == {s: d.token_ids for s, d in want.items()}
         assert len(want) == 3 and all(d.draft_probs is None and d.parent_indices is None for d in got.values())
+        for s, d in got.items():  # path probabilities for the draft trim: products of the head's, non-increasing
+            assert d.token_probs is not None and all(a >= b for a, b in zip(d.token_probs, d.token_probs[1:]))
+            if min_draft_prob > 0:
+                assert d.token_probs == pytest.approx(want[s].token_probs, rel=1e-5)
         for s in cached:
             a, b = eager._states[s], graphed._states[s]
             assert a.kv_len == b.kv_len and a.last_logits is not None and b.last_logits is not None
@@ -71,10 +75,11 @@ def test_graph_bodies_draft_what_the_eager_drafter_drafts(min_draft_prob: float,
 
 def test_confident_prefix_hand_traced() -> None:
     _, graphed, _ = _pair(0.3)
-    assert graphed._confident_prefix([7, 8, 9, 10], [0.9, 0.5, 0.6, 0.8]) == [7, 8, 9]
-    assert graphed._confident_prefix([7, 8], [0.1, 0.9]) == [7]  # the first draft is always kept
+    draft = graphed._confident_prefix([7, 8, 9, 10], [0.9, 0.5, 0.6, 0.8])
+    assert draft.token_ids == [7, 8, 9] and draft.token_probs == pytest.approx([0.9, 0.45, 0.27])
+    assert graphed._confident_prefix([7, 8], [0.1, 0.9]).token_ids == [7]  # the first draft is always kept
     graphed.cfg.min_draft_prob = 0.0
-    assert graphed._confident_prefix([7, 8, 9], [0.1, 0.1, 0.1]) == [7, 8, 9]
+    assert graphed._confident_prefix([7, 8, 9], [0.1, 0.1, 0.1]).token_ids == [7, 8, 9]
 
 
 def test_trees_sampled_chains_and_no_fitting_graph_take_the_eager_path() -> None:

@@ -134,3 +134,24 @@ def count_draft(stats: StepStats, seq: Sequence, gamma: int, drafter: str | None
     stats.num_draft_depth += depth
     stats.num_rejected += int(res.num_accepted < depth)
     add_per_position(stats.accepted_per_pos, res.num_accepted)
+
+
+def predicted_drafts(decode: list[Sequence], gammas: dict[int, int], chosen: dict[int, str], cap: int,
+                     max_model_len: int) -> dict[int, list[int]]:
+    """The drafts of the sequences whose predicted output (``speculative/prediction.py``) offers some this
+    step, up to ``cap`` tokens (``--prediction-tokens``) and never past max_tokens or the context: they
+    replace the planned drafter's where they are at least as long (``gammas`` and ``chosen`` are updated);
+    a request that opted out of speculation has none. Example: a prediction offering 6 tokens, gamma 4
+    planned for suffix -> its 6 tokens, gamma 6, no drafter."""
+    out: dict[int, list[int]] = {}
+    for s in decode:
+        if s.prediction is None or s.spec_override == 0 or not cap:
+            continue
+        room = min(s.remaining_tokens, max_model_len - len(s.token_ids)) - 1
+        draft = s.prediction.draft(min(cap, room))
+        # a drafter planned for as many tokens or more keeps the step (it may match longer)
+        if draft and len(draft) >= gammas.get(s.seq_id, 0):
+            out[s.seq_id] = draft
+            gammas[s.seq_id] = len(draft)
+            chosen.pop(s.seq_id, None)
+    return out

@@ -40,7 +40,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from tidespec.config import EngineConfig
-from tidespec.engine.decide import Decision, count_draft, count_prediction, decide, prompt_logprobs
+from tidespec.engine.decide import Decision, count_draft, count_prediction, decide, predicted_drafts, prompt_logprobs
 from tidespec.engine.detok import IncrementalDetokenizer
 from tidespec.engine.logits import LogitsProcessing, TokenLogprob
 from tidespec.engine.observer import EngineObserver
@@ -58,6 +58,7 @@ from tidespec.speculative.drafters.multi import model_free_offers
 from tidespec.speculative.forced import compose
 from tidespec.speculative.policy import api as policy_api
 from tidespec.speculative.policy.api import PlanInput, SeqState, SpeculationPolicy, plans_drafters, wants_offers
+from tidespec.speculative.policy.trim import DraftTrim
 from tidespec.speculative.prediction import PredictionDraft
 from tidespec.stats import StepStats
 from tidespec.structured.grammar import GrammarCompiler
@@ -98,12 +99,14 @@ class LLMEngine:
     """Continuous-batching engine over one target model, optional drafter and planner."""
 
     def __init__(self, model: TargetModel, tokenizer: PreTrainedTokenizerBase, config: EngineConfig,
-                 drafter: Drafter | None = None, policy: SpeculationPolicy | None = None) -> None:
+                 drafter: Drafter | None = None, policy: SpeculationPolicy | None = None,
+                 trim: DraftTrim | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config = config
         self.drafter = drafter
         self.policy = policy
+        self.trim = trim  # drafted tokens cut where their rows cost more than they return (``policy/trim.py``)
         self.device = model.device
         cc = config.cache
         self.max_model_len = min(cc.max_model_len, model.cfg.max_position_embeddings)
@@ -231,7 +234,8 @@ class LLMEngine:
         if self.prefix_cache is not None and admitted:
             self._reuse_prefixes(admitted, stats)
         gammas, chosen = self._plan(self.scheduler.decoding())
-        predicted = self._predicted(self.scheduler.decoding(), gammas, chosen)
+        predicted = predicted_drafts(self.scheduler.decoding(), gammas, chosen, self.config.spec.prediction_tokens,
+                                     self.max_model_len)
         batch = self.scheduler.schedule(gammas)  # may lower gammas (KV blocks) and preempt
         chosen = {sid: name for sid, name in chosen.items() if gammas.get(sid, 0) > 0}
         stats.num_preempted = len(batch.preempted)
@@ -239,6 +243,9 @@ class LLMEngine:
             return []
         stats.taps = self._want_taps(chosen, bool(batch.prefill))  # before propose: a cold sequence needs them
         proposal = self._propose(batch.decode, gammas, chosen, predicted, stats)
+        if self.trim is not None and not batch.prefill:
+            stats.num_trimmed = self.trim.cut(proposal.drafts, chosen, {s.seq_id for s in batch.decode
+                                                                        if not s.params.greedy}, len(batch.decode))
         t_verify = time.perf_counter()
         fwd = self.runner.forward(batch, proposal, self._tap_layers() if stats.taps else ())
         # every row verified and every first token sampled before any commit: a row that raises
@@ -315,25 +322,6 @@ class LLMEngine:
         inputs = [DraftInput(s.seq_id, s.token_ids, min(self.gamma_max, room[s.seq_id] - 1), s.params, self.use_tree,
                              len(s.prompt_ids)) for s in decode if s.spec_override != 0 and room[s.seq_id] > 1]
         return model_free_offers(self.drafter, inputs)
-
-    def _predicted(self, decode: list[Sequence], gammas: dict[int, int], chosen: dict[int, str]) -> dict[int, list[int]]:
-        """The drafts of the sequences whose predicted output (``speculative/prediction.py``) offers some this
-        step, up to ``--prediction-tokens`` and never past max_tokens or the context: they replace the planned
-        drafter's where they are at least as long (``gammas`` and ``chosen`` are updated); a request that
-        opted out of speculation has none."""
-        cap = self.config.spec.prediction_tokens
-        out: dict[int, list[int]] = {}
-        for s in decode:
-            if s.prediction is None or s.spec_override == 0 or not cap:
-                continue
-            room = min(s.remaining_tokens, self.max_model_len - len(s.token_ids)) - 1
-            draft = s.prediction.draft(min(cap, room))
-            # a drafter planned for as many tokens or more keeps the step (it may match longer)
-            if draft and len(draft) >= gammas.get(s.seq_id, 0):
-                out[s.seq_id] = draft
-                gammas[s.seq_id] = len(draft)
-                chosen.pop(s.seq_id, None)
-        return out
 
     def _tap_layers(self) -> tuple[int, ...]:
         return self.drafter.tap_layers if self.drafter is not None else ()
@@ -434,6 +422,8 @@ class LLMEngine:
             count_prediction(stats, seq, row.draft.num_tokens, res.num_accepted)
         else:
             count_draft(stats, seq, gamma, drafter, row.draft, res)
+            if self.trim is not None and row.draft is not None:
+                self.trim.learn(drafter or "", not seq.params.greedy, row.draft, res.accepted)
         if seq.prediction is not None:
             seq.prediction.advance(res.token_ids)
         if seq.grammar is not None:  # the grammar moves over the emitted tokens only: the rest was never consumed

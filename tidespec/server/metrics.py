@@ -161,6 +161,8 @@ class Metrics(EngineObserver):
                                            registry=r)
         self.draft_errors = Counter(f"{p}spec_decode_draft_errors", "Sequence-steps whose drafter raised: they "
                                     "decoded without drafts (the server log has the traceback).", registry=r)
+        self.num_trimmed = Counter(f"{p}spec_decode_num_trimmed_tokens", "Drafted tokens cut before verification: "
+                                   "their rows cost more than they were expected to return (--trim-drafts).", registry=r)
         self.accepted_per_pos = Counter(f"{p}spec_decode_num_accepted_tokens_per_pos",
                                         "Accepted draft tokens by position in the draft (0 = first).",
                                         ["position"], registry=r)
@@ -273,6 +275,7 @@ class Metrics(EngineObserver):
         self.num_draft_tokens.inc(stats.num_draft_tokens)
         self.num_accepted_tokens.inc(stats.num_accepted_tokens)
         self.draft_errors.inc(stats.num_draft_errors)
+        self.num_trimmed.inc(stats.num_trimmed)
         for pos, n in enumerate(stats.accepted_per_pos):
             if n:
                 self.accepted_per_pos.labels(position=str(pos)).inc(n)

@@ -57,6 +57,8 @@ class SeqDraft:
     draft_probs: torch.Tensor | None = None  # [n, V] draft distribution each token was drawn from; None = point mass
     score: float | None = None  # the drafter's own estimate of the tokens verification accepts (suffix: its path
     # probabilities' sum); None: it has none (per-sequence drafting then takes the draft's length)
+    token_probs: list[float] | None = None  # [n] the drafter's probability that the path to each token is accepted
+    # (never above its parent's); None: it has none (``policy/trim.py`` then keeps the draft whole)
 
     def __post_init__(self) -> None:
         if self.parent_indices is not None:
@@ -65,6 +67,8 @@ class SeqDraft:
             check_parents(self.parent_indices)
         if self.draft_probs is not None and self.draft_probs.shape[0] != len(self.token_ids):
             raise ValueError("draft_probs must have one row per draft token")
+        if self.token_probs is not None and len(self.token_probs) != len(self.token_ids):
+            raise ValueError("token_probs must have one entry per draft token")
 
     @property
     def num_tokens(self) -> int:

@@ -468,12 +468,11 @@ class Eagle3Drafter(DrafterBase):
                                  [st.kv_len for _, st, _ in chains], [st.slot for _, st, _ in chains],
                                  max(g for _, _, g in chains))
             if found is not None:
-                return {inp.seq_id: SeqDraft(self._confident_prefix(ids[:g], tops), None, None)
-                        for (inp, _, g), ids, tops in zip(chains, *found)}
+                return {inp.seq_id: self._confident_prefix(ids[:g], tops) for (inp, _, g), ids, tops in zip(chains, *found)}
         toks: dict[int, list[int]] = {}
         probs: dict[int, list[torch.Tensor]] = {}
         hidden: dict[int, torch.Tensor] = {}
-        confident: dict[int, float] = {}  # product of the chain's draft probabilities so far
+        confident: dict[int, list[float]] = {}  # the chain's path probabilities: products of its drafts' so far
         floor = self.cfg.min_draft_prob
         roots = [st.root_output() for _, st, _ in chains]
         root_conf = self._confidence(torch.stack([logits for _, logits in roots])) if floor > 0 else None
@@ -484,11 +483,11 @@ class Eagle3Drafter(DrafterBase):
             probs[inp.seq_id] = [p] if p is not None else []
             hidden[inp.seq_id] = root_hidden
             if root_conf is not None:
-                confident[inp.seq_id] = _drawn_prob(root_conf[i], p, tok)
+                confident[inp.seq_id] = [_drawn_prob(root_conf[i], p, tok)]
         step = 1
         while True:
             live = [(inp, st) for inp, st, g in chains
-                    if len(toks[inp.seq_id]) < g and confident.get(inp.seq_id, 1.0) >= floor]
+                    if len(toks[inp.seq_id]) < g and confident.get(inp.seq_id, [1.0])[-1] >= floor]
             if not live:
                 break
             fused = torch.stack([hidden[inp.seq_id] for inp, _ in live])  # [B, H]
@@ -505,21 +504,23 @@ class Eagle3Drafter(DrafterBase):
                     probs[inp.seq_id].append(p)
                 hidden[inp.seq_id] = out[b]
                 if conf is not None:
-                    confident[inp.seq_id] *= _drawn_prob(conf[b], p, tok)
+                    path = confident[inp.seq_id]
+                    path.append(path[-1] * _drawn_prob(conf[b], p, tok))
             step += 1
         return {inp.seq_id: SeqDraft(toks[inp.seq_id], None,
-                                     torch.stack(probs[inp.seq_id]) if probs[inp.seq_id] else None)
+                                     torch.stack(probs[inp.seq_id]) if probs[inp.seq_id] else None,
+                                     token_probs=confident.get(inp.seq_id))
                 for inp, _, _ in chains}
 
-    def _confident_prefix(self, ids: list[int], tops: list[float]) -> list[int]:
+    def _confident_prefix(self, ids: list[int], tops: list[float]) -> SeqDraft:
         """The drafts a chain keeps under ``min_draft_prob`` given the head's probability of each:
         the ``k``-th draft is kept while the product of the probabilities before it is >= the floor
-        (as the eager loop decides). Example: floor 0.3, tops 0.9, 0.5, 0.6, 0.8 -> 3 drafts."""
-        keep, product = 1, tops[0]
-        while keep < len(ids) and product >= self.cfg.min_draft_prob:
-            product *= tops[keep]
-            keep += 1
-        return ids[:keep]
+        (as the eager loop decides), with those products as its path probabilities (``token_probs``).
+        Example: floor 0.3, tops 0.9, 0.5, 0.6, 0.8 -> 3 drafts, path probabilities 0.9, 0.45, 0.27."""
+        path = [tops[0]]
+        while len(path) < len(ids) and path[-1] >= self.cfg.min_draft_prob:
+            path.append(path[-1] * tops[len(path)])
+        return SeqDraft(ids[:len(path)], None, None, token_probs=path)
 
     @staticmethod
     def _confidence(logits: torch.Tensor) -> list[float]:

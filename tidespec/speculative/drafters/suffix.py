@@ -242,19 +242,20 @@ class _Candidate:
     ends: np.ndarray = field(compare=False)  # [K] positions of this node's last token
 
 
-def grow_chain(index: SuffixIndex, ends: np.ndarray, budget: int, min_prob: float) -> tuple[list[int], float]:
+def grow_chain(index: SuffixIndex, ends: np.ndarray, budget: int, min_prob: float) -> tuple[list[int], list[float]]:
     """Greedy chain from the node whose occurrences end at ``ends``: follow the most frequent child
-    while the path probability stays >= ``min_prob``. Returns (token_ids, score).
+    while the path probability stays >= ``min_prob``. Returns (token_ids, their path probabilities).
 
     Once a single occurrence is left the rest is deterministic (probability 1 per step), so it is
     copied in one slice.
     """
     token_ids: list[int] = []
-    prob, score = 1.0, 0.0
+    probs: list[float] = []
+    prob = 1.0
     while len(token_ids) < budget:
         if ends.shape[0] == 1:
             rest = index.copy_after(int(ends[0]), budget - len(token_ids)).tolist()
-            return token_ids + rest, score + prob * len(rest)
+            return token_ids + rest, probs + [prob] * len(rest)
         toks, counts, nxt = index.children_of(ends)
         if toks.shape[0] == 0:
             break
@@ -263,20 +264,21 @@ def grow_chain(index: SuffixIndex, ends: np.ndarray, budget: int, min_prob: floa
             break
         tok = int(toks[0])
         token_ids.append(tok)
-        prob, score = p, score + p
+        probs.append(p)
+        prob = p
         ends = nxt[index.tokens[nxt] == tok]
-    return token_ids, score
+    return token_ids, probs
 
 
 def grow_tree(
     index: SuffixIndex, ends: np.ndarray, budget: int, min_prob: float
-) -> tuple[list[int], list[int], float]:
+) -> tuple[list[int], list[int], list[float]]:
     """Best-first tree from the node whose occurrences end at ``ends``: repeatedly add the offered
     candidate with the highest path probability (ties: higher count, then offer order), offering
-    all its children above ``min_prob``. Returns (token_ids, parent_indices, score)."""
+    all its children above ``min_prob``. Returns (token_ids, parent_indices, path probabilities)."""
     token_ids: list[int] = []
     parents: list[int] = []
-    score = 0.0
+    probs: list[float] = []
     heap: list[_Candidate] = []
     rank = 0
 
@@ -299,9 +301,9 @@ def grow_tree(
         cand = heapq.heappop(heap)
         token_ids.append(cand.token)
         parents.append(cand.parent)
-        score += -cand.neg_prob
+        probs.append(-cand.neg_prob)
         offer(cand.ends, -cand.neg_prob, len(token_ids) - 1)
-    return token_ids, parents, score
+    return token_ids, parents, probs
 
 
 @dataclass
@@ -372,6 +374,7 @@ class SuffixDrafter(DrafterBase):
         max_match = max(1, self.max_depth - gamma)
         best_ids: list[int] = []
         best_parents: list[int] | None = None
+        best_probs: list[float] = []
         best_score = 0.0
         for index in (state.index, self.global_index):
             if best_score >= gamma:
@@ -381,14 +384,15 @@ class SuffixDrafter(DrafterBase):
                 continue
             budget = min(gamma, math.ceil(self.factor * match_len))
             if inp.tree:
-                ids, parents, score = grow_tree(index, ends, budget, self.min_prob)
+                ids, parents, probs = grow_tree(index, ends, budget, self.min_prob)
             else:
-                (ids, score), parents = grow_chain(index, ends, budget, self.min_prob), None
+                (ids, probs), parents = grow_chain(index, ends, budget, self.min_prob), None
+            score = sum(probs)
             if score > best_score:
-                best_ids, best_parents, best_score = ids, parents, score
+                best_ids, best_parents, best_probs, best_score = ids, parents, probs, score
         if best_parents is not None and all(p == j - 1 for j, p in enumerate(best_parents)):
             best_parents = None  # a chain
-        return SeqDraft(best_ids, best_parents, score=best_score)
+        return SeqDraft(best_ids, best_parents, score=best_score, token_probs=best_probs)
 
     def propose(self, inputs: list[DraftInput]) -> DraftProposal:
         return DraftProposal(drafts={inp.seq_id: self._draft_one(inp) for inp in inputs})
