@@ -114,7 +114,8 @@ def test_workload_missing_empty_and_bad_limit(tmp_path: Path) -> None:
 
 def test_builtin_workloads_ship_with_sources_and_licenses() -> None:
     sizes = {"code": 16, "chat": 48, "code_unseen": 32, "drafter_boot": 150, "code_extra": 72, "zh_chat": 16,
-             "shared_prefix": 16, "zh_topics": 80, "ru_topics": 80, "es_topics": 64, "ar_topics": 64}
+             "shared_prefix": 16, "zh_topics": 80, "ru_topics": 80, "es_topics": 64, "ar_topics": 64,
+             "sql_help": 16, "cooking": 16, "home_repair": 16}
     for name, size in sizes.items():
         path = resolve_workload_path(name)
         assert path.parent.name == "workloads" and path.name == f"{name}.jsonl"

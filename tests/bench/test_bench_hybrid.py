@@ -27,7 +27,11 @@ def target() -> LoadedModel:
 def test_the_model_drafter_is_a_choice() -> None:
     assert list(configs_for("medusa")) == ["plain", "suffix", "medusa", "controller (suffix, medusa)",
                                            "per-sequence (suffix, medusa)"]
-    assert configs_for("medusa")["per-sequence (suffix, medusa)"] == ("suffix,medusa", True)
+    assert configs_for("medusa")["per-sequence (suffix, medusa)"] == ("suffix,medusa", True, True)
+    assert list(configs_for("eagle3", untrimmed=True))[-2:] == ["controller (suffix, eagle3), untrimmed",
+                                                                "per-sequence (suffix, eagle3), untrimmed"]
+    assert configs_for("eagle3", untrimmed=True)["controller (suffix, eagle3), untrimmed"] == ("suffix,eagle3", False,
+                                                                                               False)
     assert CONFIGS == configs_for()
 
 

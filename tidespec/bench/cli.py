@@ -133,6 +133,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "--prediction-tokens")
     s.add_argument("--model-drafter", default="eagle3",
                    help="--hybrid: the drafter with a model beside suffix (eagle3, medusa, draft-model, a plug-in's)")
+    s.add_argument("--untrimmed", action="store_true",
+                   help="--hybrid: run the two controllers once more with --no-trim-drafts (the draft trim's effect, "
+                        "same run)")
     s.add_argument("--hybrid", action="store_true",
                    help="per-sequence drafting instead: plain, suffix and eagle3 alone, the controller (--policy, "
                         "default analytic) over suffix and EAGLE-3 and the same with --per-sequence, at each of "
@@ -294,7 +297,7 @@ def cmd_spec(ns: argparse.Namespace) -> int:
         hcfg = HybridBenchConfig(workload=ns.workload, limit=ns.limit,
                                  batch_sizes=parse_int_list(ns.batch_sizes, "--batch-sizes"),
                                  gamma=max(parse_int_list(ns.gammas, "--gammas")), max_tokens=ns.max_tokens,
-                                 model_drafter=ns.model_drafter)
+                                 model_drafter=ns.model_drafter, untrimmed=ns.untrimmed)
         run_hybrid_bench(hcfg, model_config=dataclass_from_args(ModelConfig, ns),
                          scheduler=dataclass_from_args(SchedulerConfig, ns), spec_base=spec_config_from_args(ns),
                          policy=dataclass_from_args(PolicyConfig, ns), out_dir=ns.out, command=command_line())

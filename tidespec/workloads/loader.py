@@ -47,7 +47,7 @@ KINDS = ("completion", "chat")
 REQUIRED_KEYS = ("id", "domain", "kind", "prompt")
 BUILTIN_WORKLOADS = ("code", "chat", "code_unseen", "drafter_boot", "code_extra", "zh_chat", "multilingual",
                      "shared_prefix", "zh_topics", "ru_topics", "es_topics", "ar_topics", "extraction", "tool_use",
-                     "code_edit", "sql_help", "cooking")
+                     "code_edit", "sql_help", "cooking", "home_repair")
 
 
 class WorkloadError(ConfigError):

@@ -10,7 +10,8 @@ holds "never slower than the better member" on a domain, next to each member alo
 Method. Configurations (``configs_for``): ``plain``, ``suffix`` and the model drafter alone (static
 gamma; ``--model-drafter``, EAGLE-3 by default, or Medusa, the draft model), the ``controller``
 (``--policy``, analytic by default, over suffix and the model drafter) and ``per-sequence`` (the same
-with ``--per-sequence``). One engine per configuration and batch size sharing the target;
+with ``--per-sequence``; with ``--untrimmed`` both once more with ``--no-trim-drafts``, the draft trim's
+effect in the same run). One engine per configuration and batch size sharing the target;
 the workload's prompts in waves of the batch size, every configuration in turn on each wave
 (round-robin) after a warm-up (``waves.py``). Per configuration: tokens/s and the speedup over plain,
 tokens per target step per sequence, a decode step's time, outputs that differ from plain's (0:
@@ -49,15 +50,21 @@ from tidespec.llm import build_engine
 from tidespec.models.loading.loader import LoadedModel
 from tidespec.sampling import SamplingParams
 
-def configs_for(model_drafter: str = "eagle3") -> dict[str, tuple[str, bool | None]]:
-    """label -> (drafters, policy: None = static, else per-sequence or not), around ``model_drafter``.
+def configs_for(model_drafter: str = "eagle3", untrimmed: bool = False) -> dict[str, tuple[str, bool | None, bool]]:
+    """label -> (drafters, policy: None = static, else per-sequence or not, drafts trimmed), around
+    ``model_drafter``; with ``untrimmed`` the two controllers once more with ``--no-trim-drafts``.
 
     Example: ``list(configs_for("medusa"))`` -> ["plain", "suffix", "medusa", "controller (suffix, medusa)",
     "per-sequence (suffix, medusa)"]."""
     pair = f"suffix,{model_drafter}"
-    return {"plain": ("none", None), "suffix": ("suffix", None), model_drafter: (model_drafter, None),
-            f"controller (suffix, {model_drafter})": (pair, False),
-            f"per-sequence (suffix, {model_drafter})": (pair, True)}
+    out = {"plain": ("none", None, False), "suffix": ("suffix", None, False),
+           model_drafter: (model_drafter, None, False),
+           f"controller (suffix, {model_drafter})": (pair, False, True),
+           f"per-sequence (suffix, {model_drafter})": (pair, True, True)}
+    if untrimmed:
+        out[f"controller (suffix, {model_drafter}), untrimmed"] = (pair, False, False)
+        out[f"per-sequence (suffix, {model_drafter}), untrimmed"] = (pair, True, False)
+    return out
 
 
 CONFIGS = configs_for()  # the default: EAGLE-3 as the model drafter
@@ -71,6 +78,7 @@ class HybridBenchConfig(WaveBenchConfig):
     gamma: int = 4
     max_tokens: int = 128
     model_drafter: str = "eagle3"  # the drafter with a model beside suffix (eagle3, medusa, draft-model)
+    untrimmed: bool = False  # the controllers once more without the draft trim (``policy/trim.py``)
 
 
 def count_drafters(run: WaveRun, counts: dict[str, int]) -> None:
@@ -103,9 +111,10 @@ def run_hybrid_bench(cfg: HybridBenchConfig, target: LoadedModel | str | None = 
     controller = controller_policy(policy)
     runs: list[WaveRun] = []
     for batch in cfg.batch_sizes:
-        for label, (drafter, per_sequence) in configs_for(cfg.model_drafter).items():
+        for label, (drafter, per_sequence, trim) in configs_for(cfg.model_drafter, cfg.untrimmed).items():
             spec = dataclasses.replace(base, drafter=drafter, num_speculative_tokens=cfg.gamma if drafter != "none" else 0)
-            pc = PolicyConfig() if per_sequence is None else dataclasses.replace(controller, per_sequence=per_sequence)
+            pc = PolicyConfig() if per_sequence is None else dataclasses.replace(controller, per_sequence=per_sequence,
+                                                                                  trim_drafts=trim)
             econf = bench_engine_config(prompts, cfg.max_tokens, batch, target.model.cfg.max_position_embeddings,
                                         mc, scheduler, spec, pc)
             runs.append(WaveRun(label, batch, build_engine(econf, model=target.model, tokenizer=target.tokenizer)))
@@ -131,7 +140,7 @@ def run_hybrid_bench(cfg: HybridBenchConfig, target: LoadedModel | str | None = 
            "headline": {f"batch {c['batch_size']}": round(c["speedup"], 3) for c in configs
                         if c["config"].startswith("per-sequence")}}
     return report.write_results("spec-hybrid", doc, out_dir, command, mc.precision, format_report,
-                                lambda out: plot_speedups(configs, list(configs_for(cfg.model_drafter)),
+                                lambda out: plot_speedups(configs, list(configs_for(cfg.model_drafter, cfg.untrimmed)),
                                                           f"Per-sequence drafting on "
                                                           f"{cfg.workload}", "tokens/s vs plain", out), echo)
 
