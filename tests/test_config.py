@@ -13,8 +13,7 @@ from tidespec.errors import ConfigError
 from tidespec.flags import flag_defaults
 from tidespec.models.quant.a8 import a8_error
 from tidespec.server.cli import register as register_serve
-from tidespec.speculative.drafters.eagle3 import head_quantization
-from tidespec.speculative.drafters.eagle3_options import Eagle3Options, eagle3_options
+from tidespec.speculative.drafters.eagle3_options import Eagle3Options, eagle3_options, head_quantization
 from tidespec.speculative.drafters.ngram import NgramOptions
 from tidespec.speculative.registry import add_engine_args, check_config, engine_config_from_args
 

@@ -67,8 +67,7 @@ from tidespec.llm import build_engine
 from tidespec.models.execution import placement
 from tidespec.models.loading.loader import LoadedModel
 from tidespec.sampling import SamplingParams
-from tidespec.speculative.drafters.eagle3 import head_quantization
-from tidespec.speculative.drafters.eagle3_options import eagle3_options, with_eagle3
+from tidespec.speculative.drafters.eagle3_options import eagle3_options, head_quantization, with_eagle3
 from tidespec.speculative.registry import kinds_for
 from tidespec.workloads.loader import load_prompts, load_workload
 

@@ -47,7 +47,6 @@ from tidespec.models.execution.graphs import uses_graphs
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.layout import BatchLayout
 from tidespec.models.loading.loader import DTYPES
-from tidespec.models.quant.a8 import a8_error
 from tidespec.models.target import TargetModel
 from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
 from tidespec.speculative.api import (
@@ -60,7 +59,7 @@ from tidespec.speculative.api import (
     network_signature,
 )
 from tidespec.speculative.drafters.draft_model import draft_seed
-from tidespec.speculative.drafters.eagle3_options import NAME, Eagle3Options, check_eagle3
+from tidespec.speculative.drafters.eagle3_options import NAME, Eagle3Options, check_eagle3, head_quantization
 from tidespec.speculative.drafters.eagle3_state import CatchUp, SeqState, TapStore
 from tidespec.speculative.drafters.eagle3_tree import TreeJob, grow_trees
 from tidespec.speculative.registry import BuildContext, DrafterKind
@@ -547,22 +546,6 @@ class Eagle3Drafter(DrafterBase):
         for ids, parents in grow_trees(jobs, self.cfg.tree_top_k, step, self.head.device):
             drafts.append(SeqDraft(vocab.ids[torch.tensor(ids, device=vocab.ids.device)].tolist(), parents, None))
         return drafts
-
-
-def head_quantization(option: str, device: torch.device) -> str:
-    """``--eagle3-quantization`` resolved for a head on ``device``: "auto" on a CPU is w8a8 where the CPU has
-    AVX512-VNNI (``a8_error``: Q8_0 weights x int8 activations, 15 % less drafting time than int8's weight-only
-    kernels for the shipped head, docs/benchmarks/drafters.md), else int8 (drafting is bound by reading the
-    head's weights); none elsewhere.
-
-    Example: ``head_quantization("auto", torch.device("cpu"))`` -> "w8a8" on a CPU with AVX512-VNNI, "int8"
-    on one without; on cuda:0 -> "none".
-    """
-    if option != "auto":
-        return option
-    if device.type != "cpu":
-        return "none"
-    return "w8a8" if a8_error() is None else "int8"
 
 
 def build_eagle3_drafter(target: TargetModel, source: str | Path | None, draft_vocab_size: int = 0,
