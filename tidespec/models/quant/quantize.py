@@ -81,7 +81,7 @@ from torch import nn
 from tidespec.config import INT4_GROUP_SIZES, QUANTIZATIONS
 from tidespec.models.kernels.ops import quant_linear_available
 from tidespec.models.kernels.rows import in_pieces
-from tidespec.models.quant.a8 import W4A8Linear, W8A8Linear, check_a8
+from tidespec.models.quant.a8 import A8_BLOCK, W4A8Linear, W8A8Linear, a8_error, check_a8
 from tidespec.models.quant.base import KERNEL_DTYPE, QuantizationError, QuantizedLinear
 from tidespec.models.quant.gguf_blocks import GgufBlocks, gguf_head, gguf_layer
 from tidespec.models.target import TargetModel
@@ -434,7 +434,9 @@ class ModelQuantizer:
 def quantize_linears(module: nn.Module, mode: str, group_size: int = 32, int8_names: tuple[str, ...] = ()) -> int:
     """Replace, in place, every ``nn.Linear`` inside ``module`` (any depth) with its ``mode``
     ("int8" / "int4" / "w8a8") quantized twin; under int4, children whose attribute name is in ``int8_names``
-    get int8 (an output layer: see ``quantize_model``). Returns how many were replaced.
+    get int8 (an output layer: see ``quantize_model``); under w8a8, a layer whose input size is not a multiple
+    of 32 (the a8 kernels' block) gets int8: a drafting copy is lossless whatever its layers run. Returns how
+    many were replaced.
 
     For networks that are not a ``TargetModel`` (the EAGLE-3 head). Raises ``QuantizationError``
     before touching anything: a mode other than int8/int4, a weight not on a CPU, an int4 group
@@ -454,12 +456,12 @@ def quantize_linears(module: nn.Module, mode: str, group_size: int = 32, int8_na
         if mode == "int4" and name not in int8_names and child.in_features % group_size:
             raise QuantizationError(f"int4 group size {group_size} does not divide {name}'s input size "
                                     f"{child.in_features}; use int8")
-    if mode == "w8a8":
-        check_a8(mode, [child.in_features for _, _, child in found])
+    if mode == "w8a8" and (error := a8_error()) is not None:
+        raise QuantizationError(f"w8a8: {error}")
     with torch.no_grad():
         for parent, name, child in found:
-            setattr(parent, name, quantized_linear(child, "int8" if name in int8_names and mode == "int4" else mode,
-                                                   group_size))
+            as_int8 = (mode == "int4" and name in int8_names) or (mode == "w8a8" and child.in_features % A8_BLOCK)
+            setattr(parent, name, quantized_linear(child, "int8" if as_int8 else mode, group_size))
     return len(found)
 
 
