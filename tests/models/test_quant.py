@@ -201,6 +201,11 @@ def test_quantize_linears_reaches_every_linear_of_another_network() -> None:
         mixed = torch.nn.Sequential(torch.nn.Linear(48, 32), torch.nn.Linear(32, 16))  # 48: not a whole block
         assert quantize_linears(mixed, "w8a8") == 2
         assert isinstance(mixed[0], Int8Linear) and isinstance(mixed[1], W8A8Linear)
+    else:  # no AVX512-VNNI here: refused in one line, nothing touched
+        w8 = Eagle3Head(Eagle3Config.for_target(target.cfg, num_layers=2, fusion="gated")).double()
+        with pytest.raises(QuantizationError, match="w8a8"):
+            quantize_linears(w8, "w8a8")
+        assert isinstance(w8.lm_head, torch.nn.Linear)
     odd = torch.nn.Sequential(torch.nn.Linear(48, 32), torch.nn.Linear(32, 16))
     with pytest.raises(QuantizationError, match="does not divide 0's input size 48; use int8"):
         quantize_linears(odd, "int4", 32)
