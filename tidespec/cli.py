@@ -59,15 +59,12 @@ def cmd_generate(ns: argparse.Namespace) -> int:
 
 
 def cmd_profile(ns: argparse.Namespace) -> int:
-    from tidespec.llm import build_engine
-    from tidespec.models.execution.executor import ExecutorOptions
-    from tidespec.speculative.policy.profiler import load_or_measure
+    from tidespec.llm import build_engine, load_profile
     config = engine_config_from_args(ns)
     engine = build_engine(config)
     t0 = time.perf_counter()
-    prof, path = load_or_measure(engine.model, engine.drafter, refresh=ns.refresh,
-                                 progress=lambda m: print(m, file=sys.stderr),
-                                 options=ExecutorOptions.of(config.model, config.scheduler.max_num_batched_tokens))
+    prof, path = load_profile(config, engine.model, engine.drafter, refresh=ns.refresh,
+                              progress=lambda m: print(m, file=sys.stderr))
     print(f"profile {prof.key} ({time.perf_counter() - t0:.1f} s; cached at {path})")
     qs = sorted({q for _, q in prof.verify_latency})
     print("| batch | " + " | ".join(f"T(b, q={q}) ms" for q in qs) + " |")
@@ -75,6 +72,9 @@ def cmd_profile(ns: argparse.Namespace) -> int:
     for b in sorted({b for b, _ in prof.verify_latency}):
         print(f"| {b} | " + " | ".join(f"{prof.verify(b, q) * 1e3:.1f}" for q in qs) + " |")
     print("D0: " + ", ".join(f"{k}={v * 1e3:.2f} ms" for k, v in prof.draft_cost.items()))
+    if prof.draft_batch_cost:
+        print("D0(b) ms: " + ", ".join(f"{k}(b={b})={v * 1e3:.2f}" for (k, b), v in sorted(prof.draft_batch_cost.items())
+                                       if k != "default"))
     if prof.catchup:
         print("catch-up (tokens, batch) ms: " + ", ".join(
             f"({t},{b})={c * 1e3:.1f}" for (t, b), c in sorted(prof.catchup.items())))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
@@ -37,7 +38,7 @@ from tidespec.speculative.drafters.medusa import medusa_options, seed_medusa_roo
 from tidespec.speculative.policy.api import SpeculationPolicy
 from tidespec.speculative.policy.factory import PolicyOptions, make_policy, policy_profile
 from tidespec.speculative.policy.guards import GuardConfig
-from tidespec.speculative.policy.profiler import load_or_measure
+from tidespec.speculative.policy.profiler import ProfilerConfig, load_or_measure
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.speculative.policy.trim import DraftTrim
 from tidespec.speculative.registry import build_drafter, check_config, stateful_names
@@ -95,6 +96,16 @@ def draft_vocab_of(engine: LLMEngine) -> DynamicVocab | None:
     return engine.drafter.vocab if engine.drafter is not None else None
 
 
+def load_profile(config: EngineConfig, model: TargetModel, drafter: Drafter | None, refresh: bool = False,
+                 progress: Callable[[str], None] | None = None) -> tuple[Profile, Path]:
+    """The start-up profile of an engine built from ``config`` (``profiler.load_or_measure``): its
+    forwards as the engine runs them, its drafters timed within the engine's context length and
+    sequence count (``ProfilerConfig.fitted``)."""
+    max_len = min(config.cache.max_model_len, model.cfg.max_position_embeddings)  # the drafter's, as build_engine
+    return load_or_measure(model, drafter, ProfilerConfig().fitted(max_len, config.cache.max_num_seqs), refresh,
+                           progress, ExecutorOptions.of(config.model, config.scheduler.max_num_batched_tokens))
+
+
 def build_policy(config: EngineConfig, model: TargetModel, drafter: Drafter | None,
                  progress: Callable[[str], None] | None = None) -> SpeculationPolicy | None:
     """The speculation-length policy with guards (``config.policy``, gamma_max from ``config.spec``);
@@ -109,8 +120,7 @@ def build_policy(config: EngineConfig, model: TargetModel, drafter: Drafter | No
     if pc.profile:
         profile = Profile.load(pc.profile)
     elif needs_profile:
-        profile, _ = load_or_measure(model, drafter, progress=progress, options=ExecutorOptions.of(
-            config.model, config.scheduler.max_num_batched_tokens))
+        profile, _ = load_profile(config, model, drafter, progress=progress)
     guards = GuardConfig(kv_threshold=pc.guard_kv_usage, temperature_threshold=pc.guard_temperature,
                          gamma_max=gamma_max)
     several = tuple(drafter.members) if len(drafter.members) > 1 else ()

@@ -213,6 +213,28 @@ def test_analytic_policy_chooses_the_drafter_and_probes_the_unmeasured_one() -> 
     assert pol.stats()["drafter_b1"] == 1.0 and pol.choices() == {1: ("eagle3", 4)}
 
 
+def test_analytic_policy_prices_a_model_drafter_at_its_batch_sizes_own_drafting_cost() -> None:
+    """EAGLE-3 runs its head over every drafting sequence, so its step costs more at batch 4 than at 1.
+    With one D0 for every batch size the controller chose it at both; profiled per batch size, it keeps
+    it at batch 1 and decodes plainly at batch 4, where drafting costs twice a plain step."""
+    latency = {1: 0.010, 4: 0.011, 16: 0.016, 64: 0.05}
+    flat = Profile(target_latency=latency, draft_cost={"default": 0.0, "suffix": 0.0, "eagle3": 0.002})
+    rows = {("eagle3", 1): 0.002, ("eagle3", 4): 0.020, ("suffix", 1): 0.0, ("suffix", 4): 0.0}
+    per_batch = Profile(target_latency=latency, draft_cost=dict(flat.draft_cost), draft_batch_cost=rows)
+    choices = {}
+    for name, profile in (("flat", flat), ("per batch", per_batch)):
+        pol = AnalyticPolicy(profile, 4, drafters=("suffix", "eagle3"), shadowed=frozenset({"suffix"}),
+                             probe_every=10_000)
+        for b in (1, 4):
+            for _ in range(30):  # eagle3 gets 2 of 4 accepted, suffix (scored on the side) nothing
+                pol.observe(StepStats(num_decode_seqs=b, shadow_outcomes={"suffix": [(4, 4, 0)] * b},
+                                      drafter_outcomes={"eagle3": [(4, 4, 2)] * b}))
+        choices[name] = [pol.plan_drafters(PlanInput(b, 0.1, [SeqState(i, 0.0, 100) for i in range(b)],
+                                                     ("suffix", "eagle3")))[0] for b in (1, 4)]
+    assert [d for d, _ in choices["flat"]] == ["eagle3", "eagle3"] and choices["per batch"][0] == choices["flat"][0]
+    assert choices["per batch"][1] == ("suffix", 0)  # no speculation at batch 4
+
+
 def test_analytic_policy_reprobes_after_a_cold_probe_and_goes_off() -> None:
     pol = AnalyticPolicy(_profile(), 2, drafters=("suffix", "eagle3"), shadowed=frozenset({"suffix"}),
                          probe_every=16)

@@ -354,7 +354,7 @@ class Metrics(EngineObserver):
             prof = self.profile
             t.plain_time += stats.num_emitted_tokens * prof.verify(b, 1) / b
             t.model_time += prof.verify(b, 1 + stats.num_draft_tokens / b) + (
-                prof.d0() if stats.num_draft_tokens else 0.0)
+                prof.d0(None, b) if stats.num_draft_tokens else 0.0)
 
     def attach_drafter(self, drafter: Drafter) -> None:
         """Export ``drafter.version`` (a ``versioned`` drafter's current version)."""

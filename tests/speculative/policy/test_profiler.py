@@ -72,12 +72,12 @@ def test_the_profile_of_an_engine_on_cuda_graphs_times_the_graph_step() -> None:
         return real_call(self, *args, **kw)
 
     options = ExecutorOptions()
-    eager_key = profile_key_for(model, None, executor_key(model, options, prepare_target(model, options)))
+    eager_key = profile_key_for(model, None, executor_key(model, options, prepare_target(model, options)), cfg)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(GraphStep, "__call__", counting)
         mp.setattr(executor_module, "uses_graphs", lambda device, enforce_eager: True)  # a GPU's engine
         prof = measure_profile(model, None, cfg)
-        graphs_key = profile_key_for(model, None, executor_key(model, options, prepare_target(model, options)))
+        graphs_key = profile_key_for(model, None, executor_key(model, options, prepare_target(model, options)), cfg)
     assert len(replayed) >= 5 and all(t > 0 for t in prof.verify_latency.values())
     assert prof.key == graphs_key != eager_key
 
@@ -93,9 +93,9 @@ def test_the_profile_times_the_kernels_the_engine_runs() -> None:
     assert model.row_invariant  # measured on the row-invariant kernels, as the engine will run them
     exact = executor_key(model, ExecutorOptions(), prepare_target(model, ExecutorOptions()))
     assert exact["executor"] == "eager" and exact["row_invariance"].startswith("row invariance: exact")
-    assert prof.key == profile_key_for(model, None, exact)
+    assert prof.key == profile_key_for(model, None, exact, cfg)
     loose = ExecutorOptions(row_invariant=False)
-    assert profile_key_for(model, None, executor_key(model, loose, prepare_target(model, loose))) != prof.key
+    assert profile_key_for(model, None, executor_key(model, loose, prepare_target(model, loose)), cfg) != prof.key
     compiled = ExecutorOptions(compile=True)
     assert executor_key(model, compiled, prepare_target(model, compiled))["executor"] == "compiled-every-forward"
 
@@ -118,10 +118,49 @@ def test_a_drafter_that_reads_taps_is_fed_them_while_timed() -> None:
 
     drafter.propose = counting  # type: ignore[method-assign]
     cfg = ProfilerConfig(batch_sizes=(1,), tokens_per_seq=(1, 2), single_seq_tokens=(1,), context=32, passes=1,
-                         catchup_tokens=(1, 8), catchup_batches=(1, 2))
+                         catchup_tokens=(1, 8), catchup_batches=(1, 2), draft_batches=(3,))
     prof = measure_profile(model, drafter, cfg)
     assert drafted and all(n > 0 for n in drafted)  # every timed step drafted a token
+    assert 3 in drafted  # a step of the batch-3 row drafted for all three sequences
     assert prof.draft_cost["eagle3"] > 0 and set(prof.catchup) == {(1, 1), (8, 1), (1, 2), (8, 2)}
+    # D0(b): b = 1 always measured, the default's row is the first drafter's
+    assert set(prof.draft_batch_cost) == {("eagle3", 1), ("eagle3", 3), ("default", 1), ("default", 3)}
+    assert prof.draft_batch_cost[("eagle3", 1)] == prof.draft_cost["eagle3"]
+    assert all(v > 0 for v in prof.draft_batch_cost.values())
+
+
+def test_a_drafter_is_timed_within_the_engines_context_and_sequences(caplog) -> None:
+    """An EAGLE-3 head sized for short requests (a benchmark's, 64 tokens here) timed on the default
+    200-token context has no room to draft: it proposed nothing, a D0 of a few microseconds, and the
+    controller priced its drafting as free. Fitted to the engine's limits, every timed step drafts,
+    the catch-up lags fit in the context, and no batch exceeds the head's sequence slots."""
+    from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig, build_eagle3_drafter
+
+    fitted = ProfilerConfig().fitted(180, 4)
+    assert (fitted.context, fitted.catchup_tokens, fitted.draft_batches, fitted.catchup_batches) == (
+        131, (1, 8, 32), (1, 4), (1, 4))
+    assert ProfilerConfig().fitted(4096, 64) == ProfilerConfig()  # a server's limits change nothing
+    model = tiny_llama(64, layers=4, seed=2)
+    grid = {"batch_sizes": (1,), "tokens_per_seq": (1, 2), "single_seq_tokens": (1,), "passes": 1}
+    counts: dict[str, list[int]] = {}
+    for name, cfg in (("default", ProfilerConfig(**grid)), ("fitted", ProfilerConfig(**grid).fitted(64, 2))):
+        drafter = build_eagle3_drafter(model, None, cfg=Eagle3DrafterConfig(max_num_seqs=2, max_model_len=64))
+        real_propose, drafted = drafter.propose, counts.setdefault(name, [])
+
+        def counting(inputs, real_propose=real_propose, drafted=drafted):
+            proposal = real_propose(inputs)
+            drafted.append(proposal.num_draft_tokens)
+            return proposal
+
+        drafter.propose = counting  # type: ignore[method-assign]
+        with caplog.at_level("WARNING"):
+            caplog.clear()
+            prof = measure_profile(model, drafter, cfg)
+        warned = "proposed nothing" in caplog.text
+        assert warned == (name == "default")
+    assert not any(counts["default"])  # the bug: no room, no draft, D0 a no-op's time
+    assert counts["fitted"] and all(counts["fitted"])
+    assert {b for _, b in prof.draft_batch_cost} == {1} and {b for _, b in prof.catchup} == {1}
 
 
 def test_profile_key_tells_eagle3_heads_of_another_shape_dtype_or_quantization_apart() -> None:

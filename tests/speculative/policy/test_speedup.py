@@ -220,6 +220,28 @@ def test_draft_cost_per_drafter() -> None:
     assert c(p, 1, "ngram") == 0.0
 
 
+def test_draft_cost_per_batch_size() -> None:
+    """A drafter profiled per batch size (EAGLE-3 runs its head over every drafting sequence) is priced
+    at the batch's own D0: linear between measured sizes, clamped below, the last segment extended
+    above; a drafter without a batch row keeps its one D0; eq. 5 falls where drafting costs more."""
+    flat = Profile(target_latency={1: 0.010, 64: 0.010}, draft_cost={"default": 0.0, "eagle3": 0.0016})
+    rows = {("eagle3", 1): 0.0016, ("eagle3", 4): 0.0034, ("eagle3", 16): 0.0106}
+    p = Profile(target_latency={1: 0.010, 64: 0.010}, draft_cost={"default": 0.0, "eagle3": 0.0016},
+                draft_batch_cost=rows)
+    assert p.d0("eagle3", 1) == pytest.approx(0.0016)
+    assert p.d0("eagle3", 2) == pytest.approx(0.0022)
+    assert p.d0("eagle3", 8) == pytest.approx(0.0034 + 4 * 0.0006)
+    assert p.d0("eagle3", 32) == pytest.approx(0.0106 + 16 * 0.0006)
+    assert p.d0("eagle3") == pytest.approx(0.0016)  # b = 1 unless told
+    assert p.d0("suffix", 4) == 0.0 and p.d0(None, 16) == 0.0  # the default's flat D0
+    assert c(p, 4, "eagle3") == pytest.approx(0.34)
+    assert practical_speedup(0.7, 3, 1, p, "eagle3") == pytest.approx(practical_speedup(0.7, 3, 1, flat, "eagle3"))
+    assert practical_speedup(0.7, 3, 4, p, "eagle3") < practical_speedup(0.7, 3, 4, flat, "eagle3")
+    assert Profile.from_json(p.to_json()) == p
+    with pytest.raises(ValueError, match="draft_batch_cost"):
+        Profile(target_latency={1: 0.01}, draft_cost={"default": 0.0}, draft_batch_cost={("eagle3", 0): 0.001})
+
+
 def test_json_round_trip(tmp_path: Path) -> None:
     p = nightjar_profile()
     q = Profile.from_json(p.to_json())

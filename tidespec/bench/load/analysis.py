@@ -185,7 +185,7 @@ def model_check(results: list[RunResult], profile: Profile, min_steps: int = 20)
                 continue
             b, b_plain = st["seqs"] / st["steps"], pl["seqs"] / pl["steps"]
             e, d = st["emitted"] / st["seqs"], st["drafted"] / st["seqs"]
-            t1, tq, d0 = profile.verify(b, 1), profile.verify(b, 1.0 + d), profile.d0()
+            t1, tq, d0 = profile.verify(b, 1), profile.verify(b, 1.0 + d), profile.d0(None, b)
             rows.append({
                 "config": r.config, "kind": r.kind, "rate": r.rate, "repeat": r.repeat, "bucket": int(bucket),
                 "steps": int(st["steps"]),

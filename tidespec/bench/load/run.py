@@ -153,14 +153,16 @@ def ensure_profile(cfg: LoadBenchConfig, out_dir: Path) -> str:
 
     from tidespec.config import ModelConfig, SpecConfig
     from tidespec.llm import build_drafter, load_target
-    from tidespec.speculative.policy.profiler import load_or_measure
+    from tidespec.speculative.policy.profiler import ProfilerConfig, load_or_measure
 
     torch.set_num_threads(cfg.threads)
     spec = SpecConfig(drafter=cfg.drafter, num_speculative_tokens=cfg.gamma_max)
     # no policy needs building here (several drafters would refuse the static one): only the drafter
     model = load_target(ModelConfig(model=cfg.model, threads=cfg.threads)).model
-    drafter = build_drafter(spec, model, cfg.max_num_seqs, min(2048, model.cfg.max_position_embeddings))
-    prof, _ = load_or_measure(model, drafter, progress=lambda m: print(m, file=sys.stderr))
+    max_len = min(2048, model.cfg.max_position_embeddings)
+    drafter = build_drafter(spec, model, cfg.max_num_seqs, max_len)
+    prof, _ = load_or_measure(model, drafter, ProfilerConfig().fitted(max_len, cfg.max_num_seqs),
+                              progress=lambda m: print(m, file=sys.stderr))
     path = out_dir / "profile.json"
     prof.save(path)
     return str(path)

@@ -20,6 +20,9 @@ once decided a whole benchmark's batch-1 choice, docs/benchmarks/policies.md):
 - ``draft_cost[name]``: D0, one drafting step with gamma = 1 on a ``context``-token sequence (for a
   drafter that reads the target's taps: ``observe`` of the new position with taps, then ``propose``),
   for each drafter of a ``MultiDrafter`` (``"default"``: the first);
+- ``draft_batch_cost[(name, b)]``: the same step for b sequences at once, at ``draft_batches``: a
+  drafter that runs a network costs more rows per step as the batch grows (EAGLE-3's drafting measured
+  5.8 ms a step at batch 4 against 2.9 ms at batch 1 in the engine, where one D0 priced both alike);
 - ``catchup[(L, b)]``: extra seconds a stateful drafter spends re-ingesting L lagging tokens for
   each of b sequences (Nightjar's c_prefill(L, B)).
 
@@ -31,8 +34,10 @@ Worked example::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -50,6 +55,8 @@ from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import Drafter, DraftInput, Observation
 from tidespec.speculative.policy.speedup import Profile
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class ProfilerConfig:
@@ -58,6 +65,7 @@ class ProfilerConfig:
     single_seq_tokens: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
     catchup_tokens: tuple[int, ...] = (1, 8, 32, 128)
     catchup_batches: tuple[int, ...] = (1, 4, 16)
+    draft_batches: tuple[int, ...] = (1, 4, 16)  # D0(b) per drafter (b = 1 always); linear between, extended above
     context: int = 200
     repeats: int = 1  # timed forwards per shape and pass (fewer on slow shapes, at least 1)
     target_s: float = 0.3  # time budget per shape and pass
@@ -66,8 +74,28 @@ class ProfilerConfig:
     def __post_init__(self) -> None:
         if self.context < 1 or self.repeats < 1 or self.passes < 1:
             raise ValueError("context, repeats and passes must be >= 1")
-        if min(self.batch_sizes) < 1 or min(self.tokens_per_seq) < 1:
+        if min(self.batch_sizes) < 1 or min(self.tokens_per_seq) < 1 or min(self.draft_batches, default=1) < 1:
             raise ValueError("batch sizes and tokens per sequence must be >= 1")
+
+    def fitted(self, max_len: int, max_seqs: int) -> ProfilerConfig:
+        """This configuration within an engine's limits: a drafter sized for ``max_len`` tokens and
+        ``max_seqs`` sequences is timed on contexts that fit (the catch-up lags, which grow one context,
+        up to half of ``max_len``; the context in what is left) and at batch sizes it can draft for.
+        A drafter timed past its room drafts nothing: EAGLE-3 sized for a benchmark's 180-token
+        requests was once timed at 0.03 ms a step (no room on a 200-token context), and the controller
+        priced its drafting as free.
+
+        Example: the defaults fitted to (180, 4): catch-up lags (1, 8, 32) (their sum 41 <= 90),
+        context min(200, 180 - 8 - 41) = 131, draft and catch-up batches (1, 4)."""
+        lags: list[int] = []
+        for t in self.catchup_tokens:
+            if sum(lags) + t <= max_len // 2:
+                lags.append(t)
+        context = max(1, min(self.context, max_len - 8 - sum(lags)))
+        def within(sizes: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(b for b in sizes if b <= max_seqs) or (1,)
+        return dataclasses.replace(self, context=context, catchup_tokens=tuple(lags),
+                                   draft_batches=within(self.draft_batches), catchup_batches=within(self.catchup_batches))
 
 
 def sync_device(device: torch.device) -> None:
@@ -114,9 +142,14 @@ def time_forward(forward: Forward, device: torch.device, vocab_size: int, batch:
     return statistics.median(times), len(times)
 
 
+# read once, at import: the code that measures is the code that was imported (a process that read the
+# file at call time once keyed a profile measured by the old code with the edited file's digest)
+_MEASURING_DIGEST = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+
+
 def measuring_digest() -> str:
-    """A digest of this module's code: cached profiles measured another way are never reused."""
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:12]
+    """A digest of this module's code as imported: cached profiles measured another way are never reused."""
+    return _MEASURING_DIGEST
 
 
 def profile_cache_dir() -> Path:
@@ -151,11 +184,14 @@ def drafter_signature(drafter: Drafter | None) -> dict[str, str]:
     return {d.name: s for d in members if (s := d.cost_signature())}
 
 
-def profile_key_for(model: TargetModel, drafter: Drafter | None, executor: dict[str, str]) -> str:
+def profile_key_for(model: TargetModel, drafter: Drafter | None, executor: dict[str, str],
+                    cfg: ProfilerConfig | None = None) -> str:
     """``profile_key`` of ``model`` speculating with ``drafter`` (its networks included), its forwards
-    run as ``executor`` says (``executor_key``)."""
+    run as ``executor`` says (``executor_key``), measured as ``cfg`` says (in the key unless it is the
+    default: a profile timed on short contexts is not another engine's)."""
+    extra = {} if cfg is None or cfg == ProfilerConfig() else {"profiler": repr(cfg)}
     return profile_key(model, drafter.name if drafter is not None else "none",
-                       {**executor, **drafter_signature(drafter)})
+                       {**executor, **drafter_signature(drafter), **extra})
 
 
 def measure_profile(model: TargetModel, drafter: Drafter | None, cfg: ProfilerConfig | None = None,
@@ -197,22 +233,30 @@ def measure_profile(model: TargetModel, drafter: Drafter | None, cfg: ProfilerCo
     verify = {shape: statistics.median(times) for shape, times in samples.items()}
     single = {n: statistics.median(times) for n, times in single_samples.items()}
     draft_cost = {"default": 0.0}
+    draft_batch_cost: dict[tuple[str, int], float] = {}
     catchup: dict[tuple[int, int], float] = {}
     members = list(drafter.members.values()) if drafter is not None else []
     for member in members:  # each drafter of a MultiDrafter on its own: the policy prices each choice
         clock = _DraftClock(member, len(member.tap_layers) * model.cfg.hidden_size, gen, model.cfg.hidden_size)
         d0 = _draft_cost(clock, model.cfg.vocab_size, cfg, gen)
         if clock.drafted == 0 and not member.model_free:  # model-free ones may find no match
-            say(f"warning: {member.name} proposed nothing while being timed; D0 is not its drafting cost")
+            log.warning("%s proposed nothing while being timed on a %d-token context: D0 is not its drafting "
+                        "cost", member.name, cfg.context)
         draft_cost[member.name] = d0
         if member is members[0]:
             draft_cost["default"] = d0
-        say(f"D0({member.name}) = {d0 * 1e3:.2f} ms")
+        for b in sorted({1, *cfg.draft_batches}):
+            d0_b = d0 if b == 1 else _draft_cost(clock, model.cfg.vocab_size, cfg, gen, b)
+            for name in (member.name, "default") if member is members[0] else (member.name,):
+                draft_batch_cost[(name, b)] = d0_b
+        say(f"D0({member.name}) = {d0 * 1e3:.2f} ms" + "".join(
+            f", {draft_batch_cost[(member.name, b)] * 1e3:.2f} ms at b={b}" for b in cfg.draft_batches if b > 1))
         if member.stateful and not catchup:  # the catch-up of the (first) stateful one
             catchup = _catchup(clock, model.cfg.vocab_size, cfg, gen)
             say(f"catch-up table of {member.name} measured")
-    key = profile_key_for(model, drafter, executor.key())
-    return Profile(target_latency=single, draft_cost=draft_cost, catchup=catchup, key=key, verify_latency=verify)
+    key = profile_key_for(model, drafter, executor.key(), cfg)
+    return Profile(target_latency=single, draft_cost=draft_cost, catchup=catchup, key=key, verify_latency=verify,
+                   draft_batch_cost=draft_batch_cost)
 
 
 class _DraftClock:
@@ -257,15 +301,17 @@ class _DraftClock:
             self.fed.pop(sid, None)
 
 
-def _draft_cost(clock: _DraftClock, vocab: int, cfg: ProfilerConfig, gen: torch.Generator) -> float:
-    ctx = torch.randint(0, vocab, (cfg.context,), generator=gen).tolist()
-    sid = 1 << 40  # far from real sequence ids
-    clock.step([ctx], [sid])  # warm-up (and first-sight prefill of stateful drafters)
+def _draft_cost(clock: _DraftClock, vocab: int, cfg: ProfilerConfig, gen: torch.Generator, batch: int = 1) -> float:
+    """Median seconds of one drafting step for ``batch`` sequences of ``context`` random tokens, each
+    one token longer than at the step before (after an untimed first step: the first-sight prefill)."""
+    ctxs = [torch.randint(0, vocab, (cfg.context,), generator=gen).tolist() for _ in range(batch)]
+    sids = [(1 << 40) + i for i in range(batch)]  # far from real sequence ids
+    clock.step(ctxs, sids)
     times = []
     for _ in range(max(3, cfg.repeats)):
-        ctx = ctx + [int(torch.randint(0, vocab, (1,), generator=gen))]
-        times.append(clock.step([ctx], [sid]))
-    clock.release([sid])
+        ctxs = [c + [int(torch.randint(0, vocab, (1,), generator=gen))] for c in ctxs]
+        times.append(clock.step(ctxs, sids))
+    clock.release(sids)
     return statistics.median(times)
 
 
@@ -293,7 +339,7 @@ def load_or_measure(model: TargetModel, drafter: Drafter | None, cfg: ProfilerCo
     target is prepared for them first: its row-invariant kernels chosen), measured (and cached)
     when missing."""
     options = options or ExecutorOptions()
-    key = profile_key_for(model, drafter, executor_key(model, options, prepare_target(model, options)))
+    key = profile_key_for(model, drafter, executor_key(model, options, prepare_target(model, options)), cfg)
     path = profile_cache_dir() / f"{key}.json"
     def measure() -> Profile:
         prof = measure_profile(model, drafter, cfg, progress, options)

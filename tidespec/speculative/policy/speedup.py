@@ -7,12 +7,13 @@ visibly more than decoding ``b`` tokens, and a fixed-gamma engine loses throughp
 module predicts the speedup of every speculation length so a controller can pick one (or 0).
 
 The model (TIDE eqs. 2-5), with ``T(n)`` the target latency to process ``n`` tokens in one
-forward pass and ``D0`` the draft cost of one drafting step (batch-independent: it is CPU
-launch overhead for small drafters)::
+forward pass and ``D0`` the draft cost of one drafting step (TIDE treats it as batch-independent,
+CPU launch overhead for small drafters; a drafter whose cost grows with the batch is profiled per
+batch size, ``D0(b)``, see ``Profile.d0``)::
 
     E[l](alpha, gamma) = (1 - alpha**(gamma + 1)) / (1 - alpha)        # eq. 2, = gamma+1 at alpha=1
     beta(b, gamma)     = T(b * (gamma + 1)) / T(b)                     # verification / plain decode
-    c(b)               = D0 / T(b)                                     # draft / plain decode
+    c(b)               = D0(b) / T(b)                                  # draft / plain decode
     speedup            = E[l] / (c(b) * gamma + beta(b, gamma))        # eq. 5
 
 Worked example with TIDE's gpt-oss-120b profile (Table 5, milliseconds), b = 1, gamma = 3,
@@ -81,7 +82,9 @@ class Profile:
     drafting step of drafter ``name``; ``draft_cost["default"]`` is required and used for
     unknown names. ``catchup[(tokens, batch)]``: time for a stateful drafter to re-ingest
     ``tokens`` lagging tokens for each of ``batch`` sequences after speculation was off
-    (Nightjar's c_prefill(L_max, B), Table 1).
+    (Nightjar's c_prefill(L_max, B), Table 1). ``draft_batch_cost[(name, b)]`` (optional): one
+    drafting step of drafter ``name`` for ``b`` sequences at once, where it was measured per batch
+    size (``d0`` interpolates it; without it ``draft_cost[name]`` holds at every batch size).
     """
 
     target_latency: dict[int, float]
@@ -92,10 +95,12 @@ class Profile:
     # that attends per sequence, b sequences x q tokens costs more than b*q tokens of one
     # sequence, so beta and c use this table when it is measured.
     verify_latency: dict[tuple[int, int], float] = field(default_factory=dict)
+    draft_batch_cost: dict[tuple[str, int], float] = field(default_factory=dict)
     _ts: list[float] = field(init=False, repr=False, compare=False)
     _tlat: list[float] = field(init=False, repr=False, compare=False)
     _rows: dict[int, tuple[list[float], list[float]]] = field(init=False, repr=False, compare=False)
     _vrows: dict[int, tuple[list[float], list[float]]] = field(init=False, repr=False, compare=False)
+    _drows: dict[str, tuple[list[float], list[float]]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.target_latency:
@@ -121,6 +126,12 @@ class Profile:
             if b < 1 or q < 1 or not math.isfinite(t) or t <= 0:
                 raise ValueError(f"verify_latency needs b, q >= 1 and finite T > 0, got T({b}, {q}) = {t}")
         self._vrows = _batch_rows({(q, b): t for (b, q), t in self.verify_latency.items()})
+        drows: dict[str, dict[int, float]] = {}
+        for (name, b), d in self.draft_batch_cost.items():
+            if b < 1 or not math.isfinite(d) or d < 0:
+                raise ValueError(f"draft_batch_cost needs b >= 1 and a finite cost >= 0, got {(name, b)}: {d}")
+            drows.setdefault(name, {})[b] = d
+        self._drows = {n: ([float(b) for b in sorted(r)], [r[b] for b in sorted(r)]) for n, r in drows.items()}
 
     # ---- lookups -------------------------------------------------------------------------
     def target(self, n: float) -> float:
@@ -129,9 +140,19 @@ class Profile:
             raise ValueError(f"T(n) needs n > 0, got {n}")
         return _interp(self._ts, self._tlat, float(n))
 
-    def d0(self, drafter: str | None = None) -> float:
-        """D0 of ``drafter`` (the default drafter's when None or unknown), seconds per drafting step."""
-        return self.draft_cost.get(drafter or DEFAULT_DRAFTER, self.draft_cost[DEFAULT_DRAFTER])
+    def d0(self, drafter: str | None = None, b: float = 1.0) -> float:
+        """D0 of ``drafter`` (the default drafter's when None or unknown): seconds of one drafting step
+        for a batch of ``b`` sequences. Where the drafter was profiled per batch size, linear between
+        the measured sizes, the smallest one's below them and the last segment extended above (a
+        batched drafter's cost grows with the rows it runs); else ``draft_cost``, the same at every b.
+
+        Example: EAGLE-3 measured at 1.6 ms for b = 1 and 3.4 ms for b = 4 prices b = 2 at 2.2 ms and
+        b = 8 at 5.8 ms; the suffix drafter, measured once at 0.05 ms, costs 0.05 ms at every b."""
+        name = drafter if drafter in self.draft_cost else DEFAULT_DRAFTER
+        row = self._drows.get(name)
+        if row is None:
+            return self.draft_cost[name]
+        return max(0.0, _interp(*row, float(b)))
 
     def catchup_cost(self, tokens: int, batch: int) -> float:
         """Seconds to catch a stateful drafter up on ``tokens`` lagging tokens for ``batch`` seqs.
@@ -162,6 +183,7 @@ class Profile:
             "draft_cost_s": dict(sorted(self.draft_cost.items())),
             "catchup_s": [[tokens, batch, cost] for (tokens, batch), cost in sorted(self.catchup.items())],
             "verify_latency_s": [[b, q, t] for (b, q), t in sorted(self.verify_latency.items())],
+            "draft_batch_cost_s": [[name, b, t] for (name, b), t in sorted(self.draft_batch_cost.items())],
         }
 
     @classmethod
@@ -174,6 +196,7 @@ class Profile:
             catchup={(int(t), int(b)): float(c) for t, b, c in data.get("catchup_s", [])},
             key=str(data.get("key", "")),
             verify_latency={(int(b), int(q)): float(t) for b, q, t in data.get("verify_latency_s", [])},
+            draft_batch_cost={(str(n), int(b)): float(t) for n, b, t in data.get("draft_batch_cost_s", [])},
         )
 
     def to_json(self) -> str:
@@ -269,8 +292,8 @@ def beta(profile: Profile, b: int, gamma: int) -> float:
 
 
 def c(profile: Profile, b: int, drafter: str | None = None) -> float:
-    """c(b) = D0 / T(b): one drafting step relative to one plain decode step at batch b."""
-    return profile.d0(drafter) / profile.verify(b, 1)
+    """c(b) = D0(b) / T(b): one drafting step relative to one plain decode step at batch b."""
+    return profile.d0(drafter, b) / profile.verify(b, 1)
 
 
 def expected_draft_length(rho: float, gamma: float) -> float:
@@ -310,7 +333,7 @@ def speedup_of_lengths(accept_length: float, draft_length: float, gamma: int, b:
     if b < 1 or accept_length < 1.0 or draft_length < 0:
         raise ValueError(f"need b >= 1, accept_length >= 1, draft_length >= 0; got {b}, {accept_length}, {draft_length}")
     t1 = profile.verify(b, 1)
-    return accept_length / (profile.d0(drafter) / t1 * gamma + profile.verify(b, 1.0 + draft_length) / t1)
+    return accept_length / (profile.d0(drafter, b) / t1 * gamma + profile.verify(b, 1.0 + draft_length) / t1)
 
 
 def best_gamma(
