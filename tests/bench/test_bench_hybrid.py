@@ -9,8 +9,10 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import byte_tokenizer, tiny_llama
+from tidespec.bench.decode.run import wave_indices
 from tidespec.bench.spec.hybrid import CONFIGS, HybridBenchConfig, configs_for, run_hybrid_bench, shares
-from tidespec.config import ModelConfig, PolicyConfig
+from tidespec.bench.spec.waves import schedule
+from tidespec.config import ConfigError, ModelConfig, PolicyConfig
 from tidespec.models.loading.loader import LoadedModel
 from tidespec.speculative.policy.speedup import Profile
 
@@ -59,3 +61,30 @@ def test_hybrid_bench_smoke_lossless(tmp_path: Path, target: LoadedModel) -> Non
     routed = [c["shares"] for c in doc["configs"] if c["config"].startswith("per-sequence")]
     assert all(s.get("suffix", 0) > 0 for s in routed)
     assert set(doc["headline"]) == {"batch 1", "batch 2"}
+
+
+def test_schedule_hand_traced() -> None:
+    assert schedule(16, 4) == wave_indices(16, 4) and len(schedule(16, 4)) == 4
+    assert schedule(16, 4, 2) == [list(range(8)), list(range(8, 16))]
+    assert schedule(16, 4, 8) == [list(range(16))]
+    assert schedule(2, 4, 8) == [[0, 1, 0, 1]]  # never below the batch
+    with pytest.raises(ConfigError, match="refill"):
+        HybridBenchConfig(refill=0)
+
+
+def test_refilled_waves_keep_the_batch_full_and_stay_lossless(tmp_path: Path, target: LoadedModel) -> None:
+    """--refill 2 at batch 2: one wave of all four prompts on two KV slots, the engine admitting a queued
+    prompt whenever a sequence finishes; outputs still equal plain's, every request answered."""
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("".join(json.dumps({"id": f"r{i}", "domain": "x", "kind": "completion", "prompt": p}) + "\n"
+                                for i, p in enumerate(PROMPTS)))
+    profile = tmp_path / "profile.json"
+    Profile(target_latency={1: 0.010, 64: 0.010}, draft_cost={"default": 0.0, "suffix": 0.0, "eagle3": 0.002}
+            ).save(profile)
+    cfg = HybridBenchConfig(workload=str(workload), limit=4, batch_sizes=(2,), gamma=3, max_tokens=16, refill=2)
+    doc = run_hybrid_bench(cfg, target, model_config=ModelConfig(dtype="float64"),
+                           policy=PolicyConfig(name="analytic", profile=str(profile)), out_dir=tmp_path / "out",
+                           echo=False)
+    assert doc["refill"] == 2 and "refilled as sequences finish" in (tmp_path / "out" / "table.md").read_text()
+    for c in doc["configs"]:
+        assert c["mismatches"] == 0 and c["requests"] == 4, c

@@ -145,6 +145,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "(what they cost per step)")
     s.add_argument("--batch-sizes", default="1,8",
                    help="--structured, --predicted, --hybrid: requests per wave, comma-separated")
+    s.add_argument("--refill", type=int, default=1,
+                   help="--structured, --predicted, --hybrid: prompts per wave = REFILL x the batch size, on batch-size "
+                        "KV slots, so the engine admits a queued prompt as a sequence finishes (continuous batching, "
+                        "as a server does); 1: waves of exactly the batch, which last as long as their slowest sequence")
     s.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="every request generates --max-tokens tokens; --no-ignore-eos ends each at its EOS as a "
                         "server does (acceptance then leaves out text past EOS, which serving never drafts)")
@@ -287,7 +291,7 @@ def cmd_spec(ns: argparse.Namespace) -> int:
         pcfg = PredictedBenchConfig(workload="code_edit" if ns.workload == "code" else ns.workload, limit=ns.limit,
                                     batch_sizes=parse_int_list(ns.batch_sizes, "--batch-sizes"),
                                     gamma=max(parse_int_list(ns.gammas, "--gammas")), max_tokens=ns.max_tokens,
-                                    logprobs=ns.logprobs)
+                                    logprobs=ns.logprobs, refill=ns.refill)
         run_predicted_bench(pcfg, model_config=dataclass_from_args(ModelConfig, ns),
                             scheduler=dataclass_from_args(SchedulerConfig, ns),
                             spec_base=spec_config_from_args(ns), policy=dataclass_from_args(PolicyConfig, ns),
@@ -297,7 +301,7 @@ def cmd_spec(ns: argparse.Namespace) -> int:
         hcfg = HybridBenchConfig(workload=ns.workload, limit=ns.limit,
                                  batch_sizes=parse_int_list(ns.batch_sizes, "--batch-sizes"),
                                  gamma=max(parse_int_list(ns.gammas, "--gammas")), max_tokens=ns.max_tokens,
-                                 model_drafter=ns.model_drafter, untrimmed=ns.untrimmed)
+                                 model_drafter=ns.model_drafter, untrimmed=ns.untrimmed, refill=ns.refill)
         run_hybrid_bench(hcfg, model_config=dataclass_from_args(ModelConfig, ns),
                          scheduler=dataclass_from_args(SchedulerConfig, ns), spec_base=spec_config_from_args(ns),
                          policy=dataclass_from_args(PolicyConfig, ns), out_dir=ns.out, command=command_line())
@@ -305,7 +309,8 @@ def cmd_spec(ns: argparse.Namespace) -> int:
     if ns.structured:
         scfg = StructuredBenchConfig(workload="extraction" if ns.workload == "code" else ns.workload, limit=ns.limit,
                                      batch_sizes=parse_int_list(ns.batch_sizes, "--batch-sizes"),
-                                     gamma=max(parse_int_list(ns.gammas, "--gammas")), max_tokens=ns.max_tokens)
+                                     gamma=max(parse_int_list(ns.gammas, "--gammas")), max_tokens=ns.max_tokens,
+                                     refill=ns.refill)
         run_structured_bench(scfg, model_config=dataclass_from_args(ModelConfig, ns),
                              scheduler=dataclass_from_args(SchedulerConfig, ns),
                              spec_base=spec_config_from_args(ns), policy=dataclass_from_args(PolicyConfig, ns),

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from tidespec.bench.common import report
-from tidespec.bench.decode.run import bench_engine_config, wave_indices
+from tidespec.bench.decode.run import bench_engine_config
 from tidespec.bench.spec.waves import (
     WaveBenchConfig,
     WaveRun,
@@ -41,6 +41,7 @@ from tidespec.bench.spec.waves import (
     plot_speedups,
     run_rounds,
     run_wave,
+    schedule,
     speed_summary,
     warm_up,
     wave_target,
@@ -49,6 +50,7 @@ from tidespec.config import ModelConfig, PolicyConfig, SchedulerConfig, SpecConf
 from tidespec.llm import build_engine
 from tidespec.models.loading.loader import LoadedModel
 from tidespec.sampling import SamplingParams
+
 
 def configs_for(model_drafter: str = "eagle3", untrimmed: bool = False) -> dict[str, tuple[str, bool | None, bool]]:
     """label -> (drafters, policy: None = static, else per-sequence or not, drafts trimmed), around
@@ -123,7 +125,7 @@ def run_hybrid_bench(cfg: HybridBenchConfig, target: LoadedModel | str | None = 
         return lambda _p: SamplingParams(max_tokens=max_tokens)
 
     for r in runs:  # warm-up, nothing counted (compiled: every wave's prompt lengths, as waves.py explains)
-        warm_up(r, prompts, params(8), wave_indices(len(prompts), r.batch) if mc.compile else ([0],))
+        warm_up(r, prompts, params(8), schedule(len(prompts), r.batch, cfg.refill) if mc.compile else ([0],))
         r.engine.history.clear()
     counts: dict[int, dict[str, int]] = {id(r): {} for r in runs}
 
@@ -131,11 +133,12 @@ def run_hybrid_bench(cfg: HybridBenchConfig, target: LoadedModel | str | None = 
         run_wave(run, prompts, wave, params(cfg.max_tokens))
         count_drafters(run, counts[id(run)])  # per wave: the history keeps only the last 4,096 steps
 
-    run_rounds(runs, len(prompts), cfg.batch_sizes, "bench spec --hybrid", each, echo)
+    run_rounds(runs, len(prompts), cfg.batch_sizes, "bench spec --hybrid", each, echo, cfg.refill)
     configs = [{**speed_summary(r, next(p for p in runs if p.batch == r.batch)), "shares": shares(counts[id(r)])}
                for r in runs]
     doc = {"workload": cfg.workload, "prompts": len(prompts), "model": str(target.path), "gamma": cfg.gamma,
            "max_tokens": cfg.max_tokens, "batch_sizes": list(cfg.batch_sizes), "policy": controller.name,
+           "refill": cfg.refill,
            "configs": configs,
            "headline": {f"batch {c['batch_size']}": round(c["speedup"], 3) for c in configs
                         if c["config"].startswith("per-sequence")}}
@@ -146,8 +149,11 @@ def run_hybrid_bench(cfg: HybridBenchConfig, target: LoadedModel | str | None = 
 
 
 def format_report(doc: dict[str, Any], command: str, machine: dict[str, Any]) -> str:
+    refill = doc.get("refill", 1)
+    waves = (f"waves of {refill} x the batch, the batch refilled as sequences finish" if refill > 1
+             else "waves of the batch size")
     title = (f"# bench spec --hybrid: {doc['workload']} ({doc['prompts']} prompts), up to {doc['max_tokens']} tokens, "
-             f"gamma {doc['gamma']}, controller policy {doc['policy']}")
+             f"gamma {doc['gamma']}, controller policy {doc['policy']}, {waves}")
     where = (f"machine: {machine.get('cpu', '')}, {machine.get('usable_cores', '')} cores, "
              f"{machine.get('torch_threads', '')} torch threads, torch {machine.get('torch', '')}")
     header = ("| batch | configuration | tok/s | x plain | tokens / step | ms / decode step | drafted by (sequence-steps) "

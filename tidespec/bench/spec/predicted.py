@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from tidespec.bench.common import report
-from tidespec.bench.decode.run import bench_engine_config, wave_indices
+from tidespec.bench.decode.run import bench_engine_config
 from tidespec.bench.spec.waves import (
     WaveBenchConfig,
     WaveRun,
@@ -42,6 +42,7 @@ from tidespec.bench.spec.waves import (
     plot_speedups,
     run_rounds,
     run_wave,
+    schedule,
     speed_summary,
     warm_up,
     wave_target,
@@ -119,7 +120,8 @@ def run_predicted_bench(cfg: PredictedBenchConfig, target: LoadedModel | str | N
     for r in runs:  # warm-up, nothing counted: the first kernels run; compiled, every wave's prompt lengths
         # (measured 2026-12-03: with the first prompt alone, w4a8 + compile's plain runs, first in each
         # wave, paid ~55 s of compiles inside their timed waves and every ratio over plain read 1.5x high)
-        warm_up(r.run, prompts, params(r, 8), wave_indices(len(prompts), r.run.batch) if mc.compile else ([0],))
+        warm_up(r.run, prompts, params(r, 8), schedule(len(prompts), r.run.batch, cfg.refill) if mc.compile
+                else ([0],))
 
     def each(r: _Predicted, wave: list[int]) -> None:
         before = _accepted(r)
@@ -128,7 +130,7 @@ def run_predicted_bench(cfg: PredictedBenchConfig, target: LoadedModel | str | N
 
     by_run = {id(r.run): r for r in runs}
     run_rounds([r.run for r in runs], len(prompts), cfg.batch_sizes, "bench spec --predicted",
-               lambda run, wave: each(by_run[id(run)], wave), echo)
+               lambda run, wave: each(by_run[id(run)], wave), echo, cfg.refill)
     configs = [_summary(r, next(p.run for p in runs if p.run.batch == r.run.batch)) for r in runs]
     doc = {"workload": cfg.workload, "prompts": len(prompts), "model": str(target.path), "gamma": cfg.gamma,
            "prediction_tokens": base.prediction_tokens, "max_tokens": cfg.max_tokens,

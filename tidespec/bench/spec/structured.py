@@ -146,7 +146,7 @@ def run_structured_bench(cfg: StructuredBenchConfig, target: LoadedModel | str |
     run_rounds(runs, len(prompts), cfg.batch_sizes, "bench spec --structured",
                lambda r, wave: run_wave(r, prompts, wave, lambda p: SamplingParams(max_tokens=cfg.max_tokens,
                                                                                   structured=constraints.of(p))),
-               echo)
+               echo, cfg.refill)
     configs = [_summary(r, next(p for p in runs if p.batch == r.batch), prompts, constraints) for r in runs]
     doc = {"workload": cfg.workload, "prompts": len(prompts), "model": str(target.path), "gamma": cfg.gamma,
            "max_tokens": cfg.max_tokens, "batch_sizes": list(cfg.batch_sizes), "policy": controller.name,

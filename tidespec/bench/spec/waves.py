@@ -47,10 +47,16 @@ class WaveBenchConfig:
     batch_sizes: tuple[int, ...] = (1, 4)
     gamma: int = 8
     max_tokens: int = 192
+    # prompts per wave = refill x the batch size, run on batch-size KV slots: as a sequence finishes, the
+    # engine admits the next queued prompt (continuous batching, as a server or vLLM's offline generate
+    # does); 1: waves of exactly the batch, an offline batch that lasts as long as its slowest sequence
+    refill: int = 1
 
     def __post_init__(self) -> None:
         if self.limit < 1 or not self.batch_sizes or min(self.batch_sizes) < 1:
             raise ConfigError(f"need limit >= 1 and batch sizes >= 1, got {self.limit}, {self.batch_sizes}")
+        if self.refill < 1:
+            raise ConfigError(f"need refill >= 1 (prompts per wave = refill x batch size), got {self.refill}")
         if not 1 <= self.gamma <= 64 or self.max_tokens < 2:
             raise ConfigError(f"need gamma in [1, 64] and max_tokens >= 2, got {self.gamma}, {self.max_tokens}")
 
@@ -124,15 +130,24 @@ def warm_up(run: WaveRun, prompts: list[Prompt], params: Callable[[Prompt], Samp
         run.engine.reset_prefix_cache()
 
 
+def schedule(num_prompts: int, batch: int, refill: int = 1) -> list[list[int]]:
+    """The waves of prompt indices a batch size runs (``WaveBenchConfig.refill``): ``refill`` x ``batch``
+    prompts a wave, at most every prompt once (the last wave cycles to fill, never below the batch).
+
+    Example: ``schedule(16, 4) == wave_indices(16, 4)`` (4 waves of 4); ``schedule(16, 4, 2)``: 2 waves
+    of 8; ``schedule(16, 4, 8)``: one wave of all 16; ``schedule(2, 4, 8) == [[0, 1, 0, 1]]``."""
+    return wave_indices(num_prompts, max(batch, min(batch * refill, num_prompts)))
+
+
 def run_rounds(runs: Sequence[WaveRun], num_prompts: int, batch_sizes: Sequence[int], desc: str,
-               each: Callable[[WaveRun, list[int]], None], echo: bool) -> None:
-    """For every batch size and wave of it, ``each(run, wave)`` for every run of that batch size in turn
-    (an empty prefix cache before each), with a progress bar."""
-    total = sum(len(wave_indices(num_prompts, r.batch)) for r in runs)
+               each: Callable[[WaveRun, list[int]], None], echo: bool, refill: int = 1) -> None:
+    """For every batch size and wave of it (``schedule``), ``each(run, wave)`` for every run of that batch
+    size in turn (an empty prefix cache before each), with a progress bar."""
+    total = sum(len(schedule(num_prompts, r.batch, refill)) for r in runs)
     with tqdm(total=total, desc=desc, unit="run", disable=not echo, file=sys.stderr) as bar:
         for batch in batch_sizes:
             group = [r for r in runs if r.batch == batch]
-            for wave in wave_indices(num_prompts, batch):
+            for wave in schedule(num_prompts, batch, refill):
                 for r in group:
                     bar.set_postfix_str(f"batch {batch} {r.label}")
                     r.engine.reset_prefix_cache()
