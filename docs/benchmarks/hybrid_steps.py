@@ -1,12 +1,13 @@
 """Where a per-sequence step's time goes, against suffix alone and plain decoding: the engines' step records.
 
 Runs plain, suffix alone and the per-sequence hybrid (suffix + the shipped EAGLE-3 head, analytic policy)
-on one workload at batch 1 in turn per prompt (as ``bench spec --hybrid`` does), then splits each
+on one workload at batch 1 (``--batch B``: in waves of B; then only the steps with B sequences count) in turn
+per wave (as ``bench spec --hybrid`` does), then splits each
 configuration's decode steps by kind (a step where a draft was verified, or none) and reports per kind the
 steps, milliseconds in drafting / the forward and verification / the rest (planning, offers, policy,
 drafters' observe), and tokens per step; and the per-sequence policy's route counts and calibrations.
 
-    PYTHONPATH=. .venv/bin/python docs/benchmarks/hybrid_steps.py sql_help 8 [--compile] [--no-measured-routes]
+    PYTHONPATH=. .venv/bin/python docs/benchmarks/hybrid_steps.py sql_help 8 [--compile] [--no-measured-routes] [--batch 4]
 
 Before / after a change: the same script with ``PYTHONPATH`` at a ``git worktree`` of the older commit,
 alternating with the newer one.
@@ -24,6 +25,7 @@ ap = argparse.ArgumentParser()
 ap.add_argument("workload")
 ap.add_argument("limit", type=int)
 ap.add_argument("--compile", action="store_true")
+ap.add_argument("--batch", type=int, default=1)
 ap.add_argument("--measured-routes", action=argparse.BooleanOptionalAction, default=True)
 ns = ap.parse_args()
 mc = ModelConfig(quantization="w4a8", threads=2, compile=ns.compile)
@@ -35,21 +37,22 @@ for label, (drafter, per_seq) in configs.items():
     # (an older checkout, run with PYTHONPATH at it for a before/after, has no measured_routes)
     extra = {"measured_routes": ns.measured_routes} if "measured_routes" in PolicyConfig.__dataclass_fields__ else {}
     pc = PolicyConfig() if per_seq is None else PolicyConfig(name="analytic", per_sequence=True, **extra)
-    econf = bench_engine_config(prompts, 128, 1, target.model.cfg.max_position_embeddings, mc, None, spec, pc)
-    runs.append(WaveRun(label, 1, build_engine(econf, model=target.model, tokenizer=target.tokenizer)))
+    econf = bench_engine_config(prompts, 128, ns.batch, target.model.cfg.max_position_embeddings, mc, None, spec, pc)
+    runs.append(WaveRun(label, ns.batch, build_engine(econf, model=target.model, tokenizer=target.tokenizer)))
 for r in runs:
-    warm_up(r, prompts, lambda _p: SamplingParams(max_tokens=8), wave_indices(len(prompts), 1) if ns.compile else ([0],))
+    warm_up(r, prompts, lambda _p: SamplingParams(max_tokens=8),
+            wave_indices(len(prompts), ns.batch) if ns.compile else ([0],))
     r.engine.history.clear()
 steps: dict[str, list] = {r.label: [] for r in runs}
 
 
 def each(run: WaveRun, wave: list[int]) -> None:
     run_wave(run, prompts, wave, lambda _p: SamplingParams(max_tokens=128))
-    steps[run.label] += [s for s in run.engine.history if s.num_decode_seqs and not s.num_prefill_tokens]
+    steps[run.label] += [s for s in run.engine.history if s.num_decode_seqs == ns.batch and not s.num_prefill_tokens]
     run.engine.history.clear()
 
 
-run_rounds(runs, len(prompts), (1,), "hybrid steps", each, True)
+run_rounds(runs, len(prompts), (ns.batch,), "hybrid steps", each, True)
 print("| configuration | tok/s | step kind | steps | ms / step | draft | forward + verify | rest | tokens / step |")
 print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
 for r in runs:
