@@ -21,8 +21,9 @@ once decided a whole benchmark's batch-1 choice, docs/benchmarks/policies.md):
   drafter that reads the target's taps: ``observe`` of the new position with taps, then ``propose``),
   for each drafter of a ``MultiDrafter`` (``"default"``: the first);
 - ``draft_batch_cost[(name, b)]``: the same step for b sequences at once, at ``draft_batches``: a
-  drafter that runs a network costs more rows per step as the batch grows (EAGLE-3's drafting measured
-  5.8 ms a step at batch 4 against 2.9 ms at batch 1 in the engine, where one D0 priced both alike);
+  drafter that runs a network costs more rows per step as the batch grows (EAGLE-3's gamma-1 drafting
+  call 2.37 ms at batch 4 against 1.66 ms at batch 1 in the engine, ``docs/benchmarks/eagle3_draft_cost.py``,
+  where one D0 priced both alike);
 - ``catchup[(L, b)]``: extra seconds a stateful drafter spends re-ingesting L lagging tokens for
   each of b sequences (Nightjar's c_prefill(L, B)).
 
