@@ -96,13 +96,18 @@ def draft_vocab_of(engine: LLMEngine) -> DynamicVocab | None:
     return engine.drafter.vocab if engine.drafter is not None else None
 
 
+def drafter_max_len(config: EngineConfig, model: TargetModel) -> int:
+    """The context a drafter of an engine built from ``config`` is sized for (and profiled within)."""
+    return min(config.cache.max_model_len, model.cfg.max_position_embeddings)
+
+
 def load_profile(config: EngineConfig, model: TargetModel, drafter: Drafter | None, refresh: bool = False,
                  progress: Callable[[str], None] | None = None) -> tuple[Profile, Path]:
     """The start-up profile of an engine built from ``config`` (``profiler.load_or_measure``): its
     forwards as the engine runs them, its drafters timed within the engine's context length and
     sequence count (``ProfilerConfig.fitted``)."""
-    max_len = min(config.cache.max_model_len, model.cfg.max_position_embeddings)  # the drafter's, as build_engine
-    return load_or_measure(model, drafter, ProfilerConfig().fitted(max_len, config.cache.max_num_seqs), refresh,
+    return load_or_measure(model, drafter, ProfilerConfig().fitted(drafter_max_len(config, model),
+                                                                   config.cache.max_num_seqs), refresh,
                            progress, ExecutorOptions.of(config.model, config.scheduler.max_num_batched_tokens))
 
 
@@ -164,7 +169,7 @@ def build_engine(config: EngineConfig, model: TargetModel | None = None,
     if model is None or tokenizer is None:
         loaded = load_target(mc)
         model, tokenizer = loaded.model, loaded.tokenizer
-    max_len = min(config.cache.max_model_len, model.cfg.max_position_embeddings)
+    max_len = drafter_max_len(config, model)
     if drafter is None:
         if mc.model is None:  # the embedded model: its shipped EAGLE-3 head unless --eagle3-dir names one
             config = dataclasses.replace(config, spec=with_shipped_head(config.spec, model.cfg, config.online.enabled))

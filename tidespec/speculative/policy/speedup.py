@@ -54,11 +54,12 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from tidespec.errors import ConfigError
 
 DEFAULT_DRAFTER = "default"
+K = TypeVar("K", int, str)
 PROFILE_FORMAT_VERSION = 1
 
 
@@ -126,12 +127,10 @@ class Profile:
             if b < 1 or q < 1 or not math.isfinite(t) or t <= 0:
                 raise ValueError(f"verify_latency needs b, q >= 1 and finite T > 0, got T({b}, {q}) = {t}")
         self._vrows = _batch_rows({(q, b): t for (b, q), t in self.verify_latency.items()})
-        drows: dict[str, dict[int, float]] = {}
         for (name, b), d in self.draft_batch_cost.items():
             if b < 1 or not math.isfinite(d) or d < 0:
                 raise ValueError(f"draft_batch_cost needs b >= 1 and a finite cost >= 0, got {(name, b)}: {d}")
-            drows.setdefault(name, {})[b] = d
-        self._drows = {n: ([float(b) for b in sorted(r)], [r[b] for b in sorted(r)]) for n, r in drows.items()}
+        self._drows = _batch_rows({(b, name): d for (name, b), d in self.draft_batch_cost.items()})
 
     # ---- lookups -------------------------------------------------------------------------
     def target(self, n: float) -> float:
@@ -223,9 +222,9 @@ class Profile:
 
 
 # ---- the model ---------------------------------------------------------------------------
-def _batch_rows(table: dict[tuple[int, int], float]) -> dict[int, tuple[list[float], list[float]]]:
-    """{(x, batch): y} -> {batch: (sorted xs, ys)}."""
-    rows: dict[int, dict[int, float]] = {}
+def _batch_rows(table: dict[tuple[int, K], float]) -> dict[K, tuple[list[float], list[float]]]:
+    """{(x, row): y} -> {row: (sorted xs, ys)}; a row is a batch size, or a drafter's name (D0 per batch size)."""
+    rows: dict[K, dict[int, float]] = {}
     for (x, batch), y in table.items():
         rows.setdefault(batch, {})[x] = y
     return {b: ([float(t) for t in sorted(r)], [r[t] for t in sorted(r)]) for b, r in rows.items()}
