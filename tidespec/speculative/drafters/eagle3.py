@@ -288,12 +288,13 @@ class Eagle3Drafter(DrafterBase):
         everything pending): a step whose sequences do not speculate (the policy chose gamma 0)
         then costs a tap copy, not a head forward, and a sequence that never speculates again
         never pays for one."""
+        dtype, device, tap_size = self.head.dtype, self.head.device, self.head.cfg.tap_size  # once: each walks modules
         for obs in observations:
             st = self._state(obs.seq_id)
             if st is None:
                 continue
             if len(obs.token_ids) > len(st.tokens):
-                st.tokens = list(obs.token_ids)
+                st.tokens.extend(obs.token_ids[len(st.tokens):])  # final tokens only grow: no copy of the context
             if obs.num_new_cached <= 0 or st.lost:
                 continue
             if obs.taps is None:
@@ -302,14 +303,14 @@ class Eagle3Drafter(DrafterBase):
             if obs.start < 0 and st.hole:
                 st.lost = True  # cannot tell where the taps resume
                 continue
-            if tuple(obs.taps.shape) != (obs.num_new_cached, self.head.cfg.tap_size):
+            if tuple(obs.taps.shape) != (obs.num_new_cached, tap_size):
                 raise ValueError(f"taps for sequence {obs.seq_id} have shape {tuple(obs.taps.shape)}, "
-                                 f"expected ({obs.num_new_cached}, {self.head.cfg.tap_size})")
+                                 f"expected ({obs.num_new_cached}, {tap_size})")
             if obs.start >= 0 and obs.start != st.base + st.taps.end:
                 self._restart(st, obs.start)
             st.hole = False
             # copy: the engine may reuse its tap buffer, and a view would pin the whole batch's taps
-            st.taps.append(obs.taps.to(dtype=self.head.dtype, device=self.head.device, copy=True))
+            st.taps.append(obs.taps.to(dtype=dtype, device=device, copy=True))
         if self.vocab is not None:
             self.vocab.observe(observations)
 

@@ -61,6 +61,7 @@ from tidespec.errors import ConfigError
 DEFAULT_DRAFTER = "default"
 K = TypeVar("K", int, str)
 PROFILE_FORMAT_VERSION = 1
+MEMO_SIZE = 4096  # lookups a Profile remembers before it starts over
 
 
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -102,6 +103,9 @@ class Profile:
     _rows: dict[int, tuple[list[float], list[float]]] = field(init=False, repr=False, compare=False)
     _vrows: dict[int, tuple[list[float], list[float]]] = field(init=False, repr=False, compare=False)
     _drows: dict[str, tuple[list[float], list[float]]] = field(init=False, repr=False, compare=False)
+    # lookups already made, T(b, q) and D0(drafter, b): a policy prices the same few every step
+    _verify_memo: dict[tuple[float, float], float] = field(init=False, repr=False, compare=False)
+    _d0_memo: dict[tuple[str | None, float], float] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not self.target_latency:
@@ -131,6 +135,7 @@ class Profile:
             if b < 1 or not math.isfinite(d) or d < 0:
                 raise ValueError(f"draft_batch_cost needs b >= 1 and a finite cost >= 0, got {(name, b)}: {d}")
         self._drows = _batch_rows({(b, name): d for (name, b), d in self.draft_batch_cost.items()})
+        self._verify_memo, self._d0_memo = {}, {}
 
     # ---- lookups -------------------------------------------------------------------------
     def target(self, n: float) -> float:
@@ -147,11 +152,12 @@ class Profile:
 
         Example: EAGLE-3 measured at 1.6 ms for b = 1 and 3.4 ms for b = 4 prices b = 2 at 2.2 ms and
         b = 8 at 5.8 ms; the suffix drafter, measured once at 0.05 ms, costs 0.05 ms at every b."""
-        name = drafter if drafter in self.draft_cost else DEFAULT_DRAFTER
-        row = self._drows.get(name)
-        if row is None:
-            return self.draft_cost[name]
-        return max(0.0, _interp(*row, float(b)))
+        found = self._d0_memo.get((drafter, b))
+        if found is None:
+            name = drafter if drafter in self.draft_cost else DEFAULT_DRAFTER
+            row = self._drows.get(name)
+            found = self._d0_memo[drafter, b] = self.draft_cost[name] if row is None else max(0.0, _interp(*row, float(b)))
+        return found
 
     def catchup_cost(self, tokens: int, batch: int) -> float:
         """Seconds to catch a stateful drafter up on ``tokens`` lagging tokens for ``batch`` seqs.
@@ -165,9 +171,12 @@ class Profile:
 
     def verify(self, b: float, q: float) -> float:
         """T(b, q): b sequences with q new tokens each; T(b * q) when no 2-D table was measured."""
-        if not self._vrows:
-            return self.target(b * q)
-        return _row_interp(self._vrows, float(q), b)
+        found = self._verify_memo.get((b, q))
+        if found is None:
+            if len(self._verify_memo) >= MEMO_SIZE:  # q is often a measured mean draft length: keys keep coming
+                self._verify_memo.clear()
+            found = self._verify_memo[b, q] = _row_interp(self._vrows, float(q), b) if self._vrows else self.target(b * q)
+        return found
 
     def baseline_tokens_per_s(self, b: int) -> float:
         """Plain-decode goodput at batch ``b``: b tokens every T(b, 1) seconds."""
