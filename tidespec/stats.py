@@ -90,12 +90,27 @@ class RequestStats:
     num_preemptions: int = 0  # times its KV blocks were taken back (it was prefilled again)
     num_accepted_prediction_tokens: int = 0  # of its predicted output's drafts, kept (also in num_accepted_tokens)
     num_rejected_prediction_tokens: int = 0  # ... and refused by the target
+    # drafter name -> [draft tokens, accepted tokens] of the drafts it made for this request
+    per_drafter: dict[str, list[int]] = field(default_factory=dict)
 
-    def add_accepted(self, num_draft: int, num_accepted: int) -> None:
+    def add_accepted(self, num_draft: int, num_accepted: int, drafter: str | None = None) -> None:
+        """One verified draft; ``drafter``: the drafter that made it (None: a predicted output's)."""
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
         add_per_position(self.accepted_per_pos, num_accepted)
+        if drafter is not None:
+            counts = self.per_drafter.setdefault(drafter, [0, 0])
+            counts[0] += num_draft
+            counts[1] += num_accepted
+
+    def acceptance(self, drafter: str | None = None) -> float | None:
+        """Accepted / drafted tokens of ``drafter``'s drafts for this request (None: of every draft); None
+        where none were made. Example: suffix drafted 6 tokens and 4 were kept, eagle3 2 and 0 ->
+        ``acceptance("eagle3") == 0.0``, ``acceptance() == 0.5``, ``acceptance("medusa") is None``."""
+        drafted, accepted = (self.num_draft_tokens, self.num_accepted_tokens) if drafter is None else \
+            self.per_drafter.get(drafter, (0, 0))
+        return accepted / drafted if drafted else None
 
     @property
     def mean_acceptance_length(self) -> float:

@@ -9,6 +9,7 @@ import shutil
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -41,6 +42,7 @@ from tidespec.online.store import SignalShard, SignalStore
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig, build_eagle3_drafter
 from tidespec.speculative.drafters.eagle3_options import Eagle3Options
+from tidespec.stats import RequestStats
 
 V = 48
 LAYERS = 8  # EAGLE-3 taps (2, 4, 5): distinct without the tiny-model fallback
@@ -163,6 +165,24 @@ def test_no_capture_while_collection_is_off(model: DecoderModel, tok) -> None:
     run(engine, PROMPTS[:2])
     assert buf.num_captured == 0 and collector.num_skipped_rows > 0
     assert selective.state()["num_requests"] == 2  # both requests drafted and fed their acceptance
+
+
+def test_the_collector_follows_the_learned_drafters_own_acceptance(model: DecoderModel, tok) -> None:
+    """Beside the suffix drafter a request's served acceptance is mostly suffix's: Algorithm 1 (and the
+    alpha stored with the rows, which judges a round) reads the learned drafter's own, and a request it
+    drafted nothing for tells it nothing."""
+    engine = make_engine(model, tok, build_eagle3_drafter(model, None, cfg=drafter_cfg()))
+    selective = SelectiveCollector(CollectionConfig(n_init=1))
+    collector = SignalCollector(engine, CaptureBuffer(None, 1024, 64), selective, learned="eagle3")
+    mixed = RequestStats()
+    for drafter, drafted, kept in (("suffix", 4, 4), ("suffix", 4, 4), ("eagle3", 2, 0)):
+        mixed.add_accepted(drafted, kept, drafter)
+    assert mixed.acceptance() == 0.8 and mixed.acceptance("eagle3") == 0.0 and mixed.acceptance("medusa") is None
+    suffix_only = RequestStats()
+    suffix_only.add_accepted(4, 4, "suffix")
+    for stats in (mixed, suffix_only):
+        collector.on_finish(SimpleNamespace(stats=stats))  # type: ignore[arg-type]
+    assert selective.state()["num_requests"] == 1 and selective.state()["alpha_short"] == 0.0
 
 
 def test_capture_never_blocks_the_engine_with_a_slow_store(model: DecoderModel, tok, tmp_path: Path) -> None:

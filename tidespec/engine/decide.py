@@ -127,7 +127,7 @@ def count_draft(stats: StepStats, seq: Sequence, gamma: int, drafter: str | None
         stats.drafter_outcomes.setdefault(drafter or "", []).append(outcome)
     if draft is None or not draft.num_tokens:
         return
-    seq.stats.add_accepted(draft.num_tokens, res.num_accepted)
+    seq.stats.add_accepted(draft.num_tokens, res.num_accepted, drafter or "")
     stats.num_drafts += 1
     stats.num_draft_tokens += draft.num_tokens
     stats.num_accepted_tokens += res.num_accepted

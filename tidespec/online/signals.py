@@ -68,10 +68,14 @@ class SignalCollector(EngineObserver):
     """
 
     def __init__(self, engine: LLMEngine, buffer: CaptureBuffer, selective: SelectiveCollector, *,
-                 capture_prompt: bool = True, salt: int | None = None, taps: bool = True) -> None:
+                 capture_prompt: bool = True, salt: int | None = None, taps: bool = True,
+                 learned: str | None = None) -> None:
         self.engine = engine
         self.buffer = buffer
         self.taps = taps  # False: rows of final hidden states only (Medusa), taps [n, 0]
+        # the drafter being trained: its own acceptance per request, not the served one, drives Algorithm 1
+        # and judges its rounds (beside the suffix drafter the served acceptance is mostly suffix's)
+        self.learned = learned
         self.selective = selective
         self.capture_prompt = capture_prompt
         self.salt = (random.getrandbits(22) if salt is None else salt) << SEQ_SALT_SHIFT
@@ -123,8 +127,7 @@ class SignalCollector(EngineObserver):
             alpha: float | None = None
             domain = ""
             if seq is not None:
-                st = seq.stats
-                alpha = st.num_accepted_tokens / st.num_draft_tokens if st.num_draft_tokens else None
+                alpha = seq.stats.acceptance(self.learned)
                 domain = seq.label or ""
             hidden = None
             if self.buffer.hidden_dim:
@@ -137,10 +140,11 @@ class SignalCollector(EngineObserver):
                              taps[lo:n], domain=domain, alpha=alpha, hidden=hidden)
 
     def on_finish(self, seq: Sequence) -> None:
-        """Feed Algorithm 1 the acceptance rate of a finished request."""
-        st = seq.stats
-        if st.num_draft_tokens:
-            self.selective.observe_request(min(1.0, st.num_accepted_tokens / st.num_draft_tokens))
+        """Feed Algorithm 1 the acceptance rate of a finished request: the learned drafter's drafts' (every
+        draft's when none is named); a request it drafted nothing for tells nothing about it."""
+        alpha = seq.stats.acceptance(self.learned)
+        if alpha is not None:
+            self.selective.observe_request(min(1.0, alpha))
 
 
 def read_trainer_rounds(root: Path | str) -> list[dict[str, Any]]:

@@ -409,7 +409,8 @@ def attach_online_training(engine: LLMEngine, config: OnlineConfig, *, start: bo
                             taps_dim=taps_dim, max_shard_age_s=config.max_shard_age_s,
                             drafter_version=drafter.version, hidden_dim=hidden if config.lora or medusa else 0)
     selective = SelectiveCollector(config.collection)
-    collector = SignalCollector(engine, capture, selective, capture_prompt=config.capture_prompt, taps=not medusa)
+    collector = SignalCollector(engine, capture, selective, capture_prompt=config.capture_prompt, taps=not medusa,
+                                learned=drafter.name)
     if medusa:
         medusa_updater = MedusaUpdater(drafter, config.publish_root, engine.model.cfg, config.poll_s, selective, capture)
         collector.hook_into(engine)
