@@ -108,8 +108,10 @@ class RequestStats:
         """Accepted / drafted tokens of ``drafter``'s drafts for this request (None: of every draft); None
         where none were made. Example: suffix drafted 6 tokens and 4 were kept, eagle3 2 and 0 ->
         ``acceptance("eagle3") == 0.0``, ``acceptance() == 0.5``, ``acceptance("medusa") is None``."""
-        drafted, accepted = (self.num_draft_tokens, self.num_accepted_tokens) if drafter is None else \
-            self.per_drafter.get(drafter, (0, 0))
+        if drafter is None:
+            drafted, accepted = self.num_draft_tokens, self.num_accepted_tokens
+        else:
+            drafted, accepted = self.per_drafter.get(drafter, (0, 0))
         return accepted / drafted if drafted else None
 
     @property
