@@ -181,7 +181,7 @@ def build_engine(config: EngineConfig, model: TargetModel | None = None,
         if drafter is not None:  # CUDA graphs captured now, the draft vocabulary attached
             seconds = drafter.warm_up(config.spec.num_speculative_tokens)
             if seconds:
-                log.info("warmed the drafter up (CUDA graphs captured) in %.1f s", seconds)
+                log.info("warmed the drafter up (CUDA graphs captured or its step compiled) in %.1f s", seconds)
     policy = build_policy(config, model, drafter) if config.spec.num_speculative_tokens else None
     return LLMEngine(model, tokenizer, config, drafter=drafter, policy=policy, trim=build_trim(config, policy))
 

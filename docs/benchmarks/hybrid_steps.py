@@ -3,7 +3,8 @@
 Runs plain, suffix alone and the per-sequence hybrid (suffix + the shipped EAGLE-3 head, analytic policy)
 on one workload at batch 1 (``--batch B``: in waves of B; then only the steps with B sequences count) in turn
 per wave (as ``bench spec --hybrid`` does), then splits each
-configuration's decode steps by kind (a step where a draft was verified, or none) and reports per kind the
+configuration's decode steps by kind (a step where a draft was verified, by the drafters that drafted it, or
+none) and reports per kind the
 steps, milliseconds in drafting / the forward and verification / the rest (planning, offers, policy,
 drafters' observe), and tokens per step; and the per-sequence policy's route counts and calibrations.
 
@@ -56,7 +57,10 @@ run_rounds(runs, len(prompts), (ns.batch,), "hybrid steps", each, True)
 print("| configuration | tok/s | step kind | steps | ms / step | draft | forward + verify | rest | tokens / step |")
 print("|---|---:|---|---:|---:|---:|---:|---:|---:|")
 for r in runs:
-    for kind, keep in (("drafted", lambda s: s.num_drafts > 0), ("no draft", lambda s: s.num_drafts == 0)):
+    routes = sorted({"+".join(sorted(set(s.seq_drafters.values()))) for s in steps[r.label] if s.num_drafts > 0})
+    kinds = [(f"drafted: {route}", lambda s, route=route: s.num_drafts > 0
+              and "+".join(sorted(set(s.seq_drafters.values()))) == route) for route in routes]
+    for kind, keep in (*kinds, ("no draft", lambda s: s.num_drafts == 0)):
         group = [s for s in steps[r.label] if keep(s)]
         if not group:
             continue

@@ -20,6 +20,7 @@ from tidespec.online.training.eagle3_train import select_draft_vocab
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import DraftInput, Observation
 from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterConfig
+from tidespec.speculative.drafters.eagle3_state import confident_prefix
 
 
 def _pair(min_draft_prob: float = 0.0, compile: bool = False) -> tuple[Eagle3Drafter, Eagle3Drafter, torch.nn.Module]:
@@ -58,28 +59,37 @@ def test_graph_bodies_draft_what_the_eager_drafter_drafts(min_draft_prob: float,
             assert d.token_probs is not None and all(a >= b for a, b in zip(d.token_probs, d.token_probs[1:]))
             if min_draft_prob > 0:
                 assert d.token_probs == pytest.approx(want[s].token_probs, rel=1e-5)
-        for s in cached:
-            a, b = eager._states[s], graphed._states[s]
-            assert a.kv_len == b.kv_len and a.last_logits is not None and b.last_logits is not None
-            tol = 1e-5 if compile else 1e-9  # inductor's kernels round otherwise (float32-level)
-            torch.testing.assert_close(b.last_logits, a.last_logits, rtol=tol, atol=tol)
-            torch.testing.assert_close(graphed.kv.k[0][b.slot, :, :b.kv_len], eager.kv.k[0][a.slot, :, :a.kv_len],
-                                       rtol=tol, atol=tol)
-        for (s, c), n in zip(list(cached.items()), accepted):
-            for d in (eager, graphed):
-                d.observe([Observation(s, seqs[s][:c + n + 1], n, taps[s][c:c + n])])
-            cached[s] = c + n
+        # inductor's kernels round otherwise (float32-level)
+        same_head_state(eager, graphed, cached, 1e-5 if compile else 1e-9)
+        advance(eager, graphed, seqs, taps, cached, accepted)
     graphs = graphed._graphs
     assert graphs is not None and graphs.num_replayed == 4 + 3  # 4 chains; catch-ups but the first
 
 
+def same_head_state(eager: Eagle3Drafter, other: Eagle3Drafter, cached: dict[int, int], tol: float) -> None:
+    """Both drafters hold the same head K/V length, logits where drafting starts and K/V (to ``tol``)."""
+    for s in cached:
+        a, b = eager._states[s], other._states[s]
+        assert a.kv_len == b.kv_len and a.last_logits is not None and b.last_logits is not None
+        torch.testing.assert_close(b.last_logits, a.last_logits, rtol=tol, atol=tol)
+        torch.testing.assert_close(other.kv.k[0][b.slot, :, :b.kv_len], eager.kv.k[0][a.slot, :, :a.kv_len],
+                                   rtol=tol, atol=tol)
+
+
+def advance(eager: Eagle3Drafter, other: Eagle3Drafter, seqs: dict[int, list[int]], taps: dict[int, torch.Tensor],
+            cached: dict[int, int], accepted: list[int]) -> None:
+    """Both drafters observe ``accepted[i]`` more tokens of the i-th sequence of ``cached`` (updated)."""
+    for (s, c), n in zip(list(cached.items()), accepted):
+        for d in (eager, other):
+            d.observe([Observation(s, seqs[s][:c + n + 1], n, taps[s][c:c + n])])
+        cached[s] = c + n
+
+
 def test_confident_prefix_hand_traced() -> None:
-    _, graphed, _ = _pair(0.3)
-    draft = graphed._confident_prefix([7, 8, 9, 10], [0.9, 0.5, 0.6, 0.8])
+    draft = confident_prefix([7, 8, 9, 10], [0.9, 0.5, 0.6, 0.8], 0.3)
     assert draft.token_ids == [7, 8, 9] and draft.token_probs == pytest.approx([0.9, 0.45, 0.27])
-    assert graphed._confident_prefix([7, 8], [0.1, 0.9]).token_ids == [7]  # the first draft is always kept
-    graphed.cfg.min_draft_prob = 0.0
-    assert graphed._confident_prefix([7, 8, 9], [0.1, 0.1, 0.1]).token_ids == [7, 8, 9]
+    assert confident_prefix([7, 8], [0.1, 0.9], 0.3).token_ids == [7]  # the first draft is always kept
+    assert confident_prefix([7, 8, 9], [0.1, 0.1, 0.1], 0.0).token_ids == [7, 8, 9]
 
 
 def test_trees_sampled_chains_and_no_fitting_graph_take_the_eager_path() -> None:

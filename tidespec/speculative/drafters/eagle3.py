@@ -40,6 +40,7 @@ from torch import nn
 
 from tidespec.config import HEAD_QUANTIZATIONS
 from tidespec.models.eagle3.checkpoint import fresh_head, head_from_published, load_drafter_source, shipped_bootstrap
+from tidespec.models.eagle3.compiled import CompiledHeadStep
 from tidespec.models.eagle3.graphs import HeadGraphs
 from tidespec.models.eagle3.head import Eagle3Config, Eagle3ConfigError, Eagle3Head, quantized_head
 from tidespec.models.execution import placement
@@ -60,18 +61,12 @@ from tidespec.speculative.api import (
 )
 from tidespec.speculative.drafters.draft_model import draft_seed
 from tidespec.speculative.drafters.eagle3_options import NAME, Eagle3Options, check_eagle3, head_quantization
-from tidespec.speculative.drafters.eagle3_state import CatchUp, SeqState, TapStore
+from tidespec.speculative.drafters.eagle3_state import CatchUp, SeqState, TapStore, confident_prefix, drawn_prob
 from tidespec.speculative.drafters.eagle3_tree import TreeJob, grow_trees
 from tidespec.speculative.registry import BuildContext, DrafterKind
 from tidespec.speculative.vocab.dynamic import DynamicVocab
 
 log = logging.getLogger(__name__)
-
-
-def _drawn_prob(top: float, probs: torch.Tensor | None, token: int) -> float:
-    """A draft's probability under the head: greedy (``probs`` None) the top one, sampled the drawn
-    token's in ``probs`` [V] (the distribution it was drawn from)."""
-    return top if probs is None else float(probs[token])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,7 +89,9 @@ class Eagle3DrafterConfig:
     # catch up and draft greedy chains through ``models.eagle3_graphs`` (CUDA graphs on a GPU; on
     # a CPU their static bodies run uncaptured, which only the tests want)
     graphs: bool = False
-    compile: bool = False  # with graphs: inductor-compile the head's step before capturing it (--compile)
+    # --compile: with graphs, inductor-compiles the head's step before capturing it; on a CPU without them,
+    # the catch-ups and greedy chain steps over the head's own vocabulary run compiled (models/eagle3/compiled.py)
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.quantization not in HEAD_QUANTIZATIONS:
@@ -167,6 +164,7 @@ class Eagle3Drafter(DrafterBase):
         self._states: dict[int, SeqState] = {}
         self._untracked: set[int] = set()  # first seen with no free slot: later taps would be misaligned
         self._graphs: HeadGraphs | None = None  # built on first use (cfg.graphs), over the served head
+        self._compiled: CompiledHeadStep | None = None  # built on first use (cfg.compile without graphs)
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -223,10 +221,21 @@ class Eagle3Drafter(DrafterBase):
                                       compile=self.cfg.compile)
         return self._graphs
 
+    def _compiled_step(self, vocab: _Vocab) -> CompiledHeadStep | None:
+        """The compiled step (``cfg.compile`` without graphs, the head's own vocabulary), rebuilt for a
+        swapped-in head of another configuration or kind (``CompiledHeadStep.serves``)."""
+        if not self.cfg.compile or self.cfg.graphs or vocab.rows is not None:
+            return None
+        if self._compiled is None or not self._compiled.serves(self.served, self.kv):
+            self._compiled = CompiledHeadStep(self.served, self.kv)
+        return self._compiled
+
     def warm_up(self, max_gamma: int) -> float:
-        """Capture the head's CUDA graphs for chains of up to ``max_gamma`` drafts now (with
-        ``cfg.graphs`` on a GPU and the head's own vocabulary; else nothing). Returns seconds."""
-        graphs = self._head_graphs(self._vocab())
+        """Capture the head's CUDA graphs for chains of up to ``max_gamma`` drafts now (``cfg.graphs``, the head's
+        own vocabulary), or compile its CPU step (``cfg.compile`` without graphs); else nothing. Returns seconds."""
+        graphs, compiled = self._head_graphs(self._vocab()), self._compiled_step(self._vocab())
+        if compiled is not None:
+            return compiled.warm_up(self.served, max_gamma + 1)
         return graphs.warm_up(max_gamma) if graphs is not None else 0.0
 
     # -- weights ---------------------------------------------------------------------------------
@@ -415,12 +424,15 @@ class Eagle3Drafter(DrafterBase):
         vocab = vocab if vocab is not None else self._vocab()
         graphs = self._head_graphs(vocab)
         found = graphs.catch_up(taps, tokens, q_lens, starts, slots) if graphs is not None else None
+        if found is None:
+            layout = BatchLayout.build(q_lens, starts, slots, device=self.head.device)
+            last = torch.tensor(q_lens, device=self.head.device).cumsum(0) - 1  # [J] each job's last row
+            compiled, embeds = self._compiled_step(vocab), self._embed(tokens)
+            found = compiled(self.served, taps, embeds, layout, last) if compiled is not None else None
         if found is not None:
             last_hidden, last_logits = found  # [J, H], [J, Vd]: each job's last row
         else:
-            layout = BatchLayout.build(q_lens, starts, slots, device=self.head.device)
-            out = self.served.step(self.served.fuse(taps), self._embed(tokens), layout, self.kv)  # [T, H]
-            last = torch.tensor(q_lens, device=out.device).cumsum(0) - 1  # [J] each job's last row
+            out = self.served.step(self.served.fuse(taps), embeds, layout, self.kv)  # [T, H]
             last_hidden = out.index_select(0, last)  # [J, H]
             last_logits = self.served.logits(last_hidden, vocab.rows)  # [J, n]: only where drafting starts
         for i, j in enumerate(jobs):
@@ -468,7 +480,8 @@ class Eagle3Drafter(DrafterBase):
                                  [st.kv_len for _, st, _ in chains], [st.slot for _, st, _ in chains],
                                  max(g for _, _, g in chains))
             if found is not None:
-                return {inp.seq_id: self._confident_prefix(ids[:g], tops) for (inp, _, g), ids, tops in zip(chains, *found)}
+                return {inp.seq_id: confident_prefix(ids[:g], tops, self.cfg.min_draft_prob)
+                        for (inp, _, g), ids, tops in zip(chains, *found)}
         toks: dict[int, list[int]] = {}
         probs: dict[int, list[torch.Tensor]] = {}
         hidden: dict[int, torch.Tensor] = {}
@@ -483,8 +496,9 @@ class Eagle3Drafter(DrafterBase):
             probs[inp.seq_id] = [p] if p is not None else []
             hidden[inp.seq_id] = root_hidden
             if root_conf is not None:
-                confident[inp.seq_id] = [_drawn_prob(root_conf[i], p, tok)]
-        step = 1
+                confident[inp.seq_id] = [drawn_prob(root_conf[i], p, tok)]
+        step, compiled = 1, self._compiled_step(vocab)
+        every = torch.arange(len(chains), device=self.head.device)  # a chain step's rows: one per live chain
         while True:
             live = [(inp, st) for inp, st, g in chains
                     if len(toks[inp.seq_id]) < g and confident.get(inp.seq_id, [1.0])[-1] >= floor]
@@ -494,7 +508,8 @@ class Eagle3Drafter(DrafterBase):
             embeds = self._embed([toks[inp.seq_id][-1] for inp, _ in live])  # [B, H]
             layout = BatchLayout.build([1] * len(live), [st.kv_len + step - 1 for _, st in live],
                                        [st.slot for _, st in live], device=self.head.device)
-            out, logits = self.served(fused, embeds, layout, self.kv, rows=vocab.rows)
+            found = compiled(self.served, None, embeds, layout, every[:len(live)], fused) if compiled else None
+            out, logits = found if found is not None else self.served(fused, embeds, layout, self.kv, rows=vocab.rows)
             conf = self._confidence(logits) if floor > 0 else None
             for b, (inp, st) in enumerate(live):
                 tok, p = self._draw(logits[b], vocab.ids, inp.params, st.generator,
@@ -505,22 +520,12 @@ class Eagle3Drafter(DrafterBase):
                 hidden[inp.seq_id] = out[b]
                 if conf is not None:
                     path = confident[inp.seq_id]
-                    path.append(path[-1] * _drawn_prob(conf[b], p, tok))
+                    path.append(path[-1] * drawn_prob(conf[b], p, tok))
             step += 1
         return {inp.seq_id: SeqDraft(toks[inp.seq_id], None,
                                      torch.stack(probs[inp.seq_id]) if probs[inp.seq_id] else None,
                                      token_probs=confident.get(inp.seq_id))
                 for inp, _, _ in chains}
-
-    def _confident_prefix(self, ids: list[int], tops: list[float]) -> SeqDraft:
-        """The drafts a chain keeps under ``min_draft_prob`` given the head's probability of each:
-        the ``k``-th draft is kept while the product of the probabilities before it is >= the floor
-        (as the eager loop decides), with those products as its path probabilities (``token_probs``).
-        Example: floor 0.3, tops 0.9, 0.5, 0.6, 0.8 -> 3 drafts, path probabilities 0.9, 0.45, 0.27."""
-        path = [tops[0]]
-        while len(path) < len(ids) and path[-1] >= self.cfg.min_draft_prob:
-            path.append(path[-1] * tops[len(path)])
-        return SeqDraft(ids[:len(path)], None, None, token_probs=path)
 
     @staticmethod
     def _confidence(logits: torch.Tensor) -> list[float]:

@@ -1,4 +1,5 @@
-"""Per-sequence state of the EAGLE-3 drafter: its tap rows, its head-KV position, where its chain starts.
+"""Per-sequence state of the EAGLE-3 drafter: its tap rows, its head-KV position, where its chain starts;
+and how a chain's confidence decides its length (``drawn_prob``, ``confident_prefix``).
 
 Why this exists: ``drafters/eagle3.py`` owns the drafting logic; the bookkeeping it keeps per
 sequence (see that module's docstring for the positions' meaning) lives here so each module stays
@@ -10,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+
+from tidespec.speculative.api import SeqDraft
 
 
 class TapStore:
@@ -79,3 +82,20 @@ class CatchUp:
     state: SeqState
     start: int  # first head position to compute
     end: int  # one past the last
+
+
+def drawn_prob(top: float, probs: torch.Tensor | None, token: int) -> float:
+    """A draft's probability under the head: greedy (``probs`` None) the top one, sampled the drawn
+    token's in ``probs`` [V] (the distribution it was drawn from)."""
+    return top if probs is None else float(probs[token])
+
+
+def confident_prefix(ids: list[int], tops: list[float], floor: float) -> SeqDraft:
+    """The drafts a chain keeps under the confidence ``floor`` (``min_draft_prob``) given the head's
+    probability of each: the ``k``-th draft is kept while the product of the probabilities before it is
+    >= the floor (as the eager loop decides), with those products as its path probabilities (``token_probs``).
+    Example: floor 0.3, tops 0.9, 0.5, 0.6, 0.8 -> 3 drafts, path probabilities 0.9, 0.45, 0.27."""
+    path = [tops[0]]
+    while len(path) < len(ids) and path[-1] >= floor:
+        path.append(path[-1] * tops[len(path)])
+    return SeqDraft(ids[:len(path)], None, None, token_probs=path)
