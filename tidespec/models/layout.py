@@ -3,7 +3,7 @@
 Why this exists: the engine, the drafters, capture and the executors lay out a step's tokens
 (``BatchLayout``: ragged sequences flattened into ``T`` rows, each with its KV slot, positions and
 tree mask) and read a forward's ``ModelOutput`` the same way whatever the model family; a family
-module (``models/families/``) only consumes the layout. Moved out of ``families/llama.py`` on
+module (``models/families/``) only consumes the layout. Moved out of the family module (then ``families/llama.py``) on
 2026-12-03 with no change.
 
 Worked example: two sequences, one decoding a verified token plus 2 draft tokens on a 10-token

@@ -321,7 +321,7 @@ def _sliding_layers(cfg: dict[str, Any], layers: int) -> tuple[bool, ...] | None
 
 
 class TargetModel(Protocol):
-    """A target model as the layers above ``models/`` use it (``families/llama.py``'s ``DecoderModel`` is
+    """A target model as the layers above ``models/`` use it (``families/decoder.py``'s ``DecoderModel`` is
     one): ``model(ids [T], layout, kv, logits_rows, tap_layers) -> ModelOutput``, its weights on one
     ``device`` and ``dtype``, the token embedding and LM head (drafters share them), its decoder
     ``layers`` (EAGLE-3 taps their inputs; a draft model keeps the first few), and ``row_invariant``
