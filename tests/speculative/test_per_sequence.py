@@ -136,6 +136,7 @@ def test_the_analytic_policy_measures_routes_from_its_steps_and_its_probes() -> 
                                 num_emitted_tokens=1, spec_lens={1: gamma},
                                 shadow_outcomes={"suffix": [(4, 4, 4)]}))
     assert routed[:3] == ["eagle3"] * 3 and set(routed[-20:]) == {"none"} and probes >= 5
+    assert inner.stats()["routed_eagle3"] == routed.count("eagle3") + probes  # a probe's steps count too
     assert inner.stats()["route_speed_eagle3_b1"] < 0.5
     assert inner.priced_out("eagle3") and Guards(inner).priced_out("eagle3")  # its taps need not linger
 

@@ -95,7 +95,7 @@ class AnalyticPolicy:
         meter = RouteMeter(profile, ema) if measured_routes else None
         self.router = (SequenceRouter(profile, ema, meter) if per_sequence and len(drafters) > 1 and shadowed
                        else None)
-        self.route_counts: dict[str, int] = {}  # drafter ("none") -> sequence-steps routed to it
+        self.route_counts: dict[str, int] = {}  # drafter ("none") -> sequence-steps routed (or probed) to it
 
     @property
     def wants_offers(self) -> bool:
@@ -162,6 +162,8 @@ class AnalyticPolicy:
             if not probed:
                 return self._route(inp, table, best, default)
             self.router.planned(drafter or "", table[drafter][gamma], len(inp.seqs))
+            probed_route = drafter or "none"  # a probe's sequence-steps count as routed to what drafted them
+            self.route_counts[probed_route] = self.route_counts.get(probed_route, 0) + len(inp.seqs)
         name = drafter if drafter is not None and gamma > 0 else default
         return {s.seq_id: (name or "", gamma) for s in inp.seqs}
 
