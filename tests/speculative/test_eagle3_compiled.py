@@ -52,5 +52,6 @@ def test_the_compiled_head_drafts_what_the_eager_head_drafts_before_and_after_a_
         same_head_state(eager, compiled, cached, TOL)
         advance(eager, compiled, seqs, taps, cached, accepted)
     assert compiled._compiled is step and step.num_compiled >= 8  # the swap kept the graphs; catch-ups and chains
+    assert not step.serves(tiny_head(target, draft_vocab=32), compiled.kv)  # another configuration: a step of its own
     assert counters["stats"]["unique_graphs"] == graphs  # the warm-up traced every shape class the drafts used
     assert eager._compiled is None

@@ -47,6 +47,7 @@ class CompiledHeadStep:
         inductor_cache_dir()
         self.cfg: Eagle3Config = head.cfg
         self.kind = _kind(head)
+        self._fits = head  # the last head ``serves`` found to fit
         self.kv = kv
         self.window = head.cfg.layer_config().sliding_window
         self.num_compiled = 0  # steps run compiled
@@ -56,8 +57,15 @@ class CompiledHeadStep:
 
     def serves(self, head: Eagle3Head, kv: KVCache) -> bool:
         """Whether ``head`` can run through these graphs: the same configuration and kind of layers
-        (weights may differ: they are read at each call), over the same cache."""
-        return kv is self.kv and head.cfg == self.cfg and _kind(head) == self.kind
+        (weights may differ: they are read at each call), over the same cache. Asked every proposal: the
+        head last found to fit is remembered, so the layers are walked once per swap."""
+        if kv is not self.kv:
+            return False
+        if head is not self._fits:
+            if head.cfg != self.cfg or _kind(head) != self.kind:
+                return False
+            self._fits = head
+        return True
 
     def _body(self, head: Eagle3Head, taps: torch.Tensor | None, hidden: torch.Tensor | None,
               embeds: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
