@@ -10,6 +10,7 @@ the weights are read at each call, not baked into the graphs. After the warm-up 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -23,6 +24,7 @@ from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterCon
 TOL = 1e-5  # inductor's generated kernels round at float32 level, even over float64 (as test_eagle3_graphs's)
 
 
+@pytest.mark.slow  # its own graphs: 28 s on CI's empty cache (as the GPU graphs' compiled bodies, make test-slow)
 def test_the_compiled_head_drafts_what_the_eager_head_drafts_before_and_after_a_swap() -> None:
     target = tiny_target()
     head = tiny_head(target)

@@ -233,7 +233,8 @@ class Eagle3Drafter(DrafterBase):
     def warm_up(self, max_gamma: int) -> float:
         """Capture the head's CUDA graphs for chains of up to ``max_gamma`` drafts now (``cfg.graphs``, the head's
         own vocabulary), or compile its CPU step (``cfg.compile`` without graphs); else nothing. Returns seconds."""
-        graphs, compiled = self._head_graphs(self._vocab()), self._compiled_step(self._vocab())
+        vocab = self._vocab()
+        graphs, compiled = self._head_graphs(vocab), self._compiled_step(vocab)
         if compiled is not None:
             return compiled.warm_up(self.served, max_gamma + 1)
         return graphs.warm_up(max_gamma) if graphs is not None else 0.0
@@ -498,7 +499,8 @@ class Eagle3Drafter(DrafterBase):
             if root_conf is not None:
                 confident[inp.seq_id] = [drawn_prob(root_conf[i], p, tok)]
         step, compiled = 1, self._compiled_step(vocab)
-        every = torch.arange(len(chains), device=self.head.device)  # a chain step's rows: one per live chain
+        # a compiled chain step's rows: one per live chain
+        every = torch.arange(len(chains), device=self.head.device) if compiled is not None else None
         while True:
             live = [(inp, st) for inp, st, g in chains
                     if len(toks[inp.seq_id]) < g and confident.get(inp.seq_id, [1.0])[-1] >= floor]
@@ -508,7 +510,8 @@ class Eagle3Drafter(DrafterBase):
             embeds = self._embed([toks[inp.seq_id][-1] for inp, _ in live])  # [B, H]
             layout = BatchLayout.build([1] * len(live), [st.kv_len + step - 1 for _, st in live],
                                        [st.slot for _, st in live], device=self.head.device)
-            found = compiled(self.served, None, embeds, layout, every[:len(live)], fused) if compiled else None
+            found = (compiled(self.served, None, embeds, layout, every[:len(live)], fused)
+                     if compiled is not None and every is not None else None)
             out, logits = found if found is not None else self.served(fused, embeds, layout, self.kv, rows=vocab.rows)
             conf = self._confidence(logits) if floor > 0 else None
             for b, (inp, st) in enumerate(live):
