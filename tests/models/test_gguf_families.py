@@ -5,11 +5,14 @@ tensor names, Gemma's norm weights stored plus one, a mixture's experts as [E, o
 Phi-3's fused q|k|v and gate|up), from a tiny transformers model whose config follows what llama.cpp
 assumes where a GGUF says nothing (Gemma's query scale, Gemma 3's sliding pattern of 6, Qwen3-MoE's
 renormalized top k); an F32 file is lossless, so the converted model's logits equal the original's
-to float32 rounding; a Q8_0 file's weights are its blocks dequantized.
+to float32 rounding; a Q8_0 file's weights are its blocks dequantized. A K-quant file (gguf-py cannot
+write K-quants) holds random blocks that the tiny model's matrices are set to, dequantized: its float
+load is that model, and ``--quantization gguf`` runs it on the blocks.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -20,12 +23,16 @@ import torch
 import transformers
 
 from tests.helpers import full_logits, tiny_gguf_writer, tiny_hf_model
+from tests.models.test_gguf_blocks import MIXES, random_blocks
+from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.loading.loader import load_model
+from tidespec.models.quant.a8 import a8_error
+from tidespec.models.target import TargetConfig
 
 VOCAB = 261  # 256 bytes, 2 merges, 3 control tokens
 # llama.cpp writes a Mixtral as "llama" with experts (and q/k permuted as for any llama)
 GGUF_ARCH = {"gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "qwen3-moe": "qwen3moe", "mixtral": "llama",
-             "olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3"}
+             "olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3", "qwen2": "qwen2", "qwen3": "qwen3"}
 PERMUTED_QK = ("llama", "granite", "smollm3")  # llama.cpp's LlamaModel and its subclasses reorder q/k rows
 # tiny configs in llama.cpp's conventions: a GGUF has no query_pre_attn_scalar (llama.cpp: head_dim
 # below 27B), no layer types (Gemma 2 alternates, Gemma 3 slides 5 of every 6), Gemma 3's global
@@ -42,11 +49,43 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "olmo2": {},
     "granite": {},
     "smollm3": dict(num_hidden_layers=5, no_rope_layer_interval=4),  # llama.cpp: a NoPE layer every 4th
+    "qwen2": {},
+    "qwen3": {},
 }
+# K-quant files: every matrix's input width a multiple of 256 (a K-quant super-block), as in real models
+KQUANT_SHAPE: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+                                 "num_key_value_heads": 2, "head_dim": 64}
+KQUANT_CONFIGS: dict[str, dict[str, Any]] = {
+    "gemma2": {"query_pre_attn_scalar": 64}, "gemma3": {"query_pre_attn_scalar": 64},
+    "qwen3-moe": {"moe_intermediate_size": 256}, "mixtral": {"intermediate_size": 256}}
+RowBlocks = dict[bytes, tuple[gguf.GGMLQuantizationType, np.ndarray]]  # a float32 row's bytes -> (type, its blocks)
+
+
+def random_blocks_in_place(hf: transformers.PreTrainedModel, mix: dict[str, gguf.GGMLQuantizationType],
+                           seed: int) -> RowBlocks:
+    """Replace every matrix llama.cpp quantizes (embedding, projections, experts; not norms, biases or
+    a router) by random blocks of the type ``mix`` gives its kind, dequantized by gguf-py; returns each
+    row's blocks, so that a writer can write a matrix whose rows it reordered or split as their blocks."""
+    rng, table = np.random.default_rng(seed), {}
+    with torch.no_grad():
+        for key, p in hf.named_parameters():
+            if not (key.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight")) or ".experts." in key):
+                continue
+            kind = ("attn_v" if key.endswith(".v_proj.weight") else "ffn_down" if "down_proj" in key
+                    else "token_embd" if "embed_tokens" in key else "default")
+            qtype = mix.get(kind, mix["default"])
+            raw = random_blocks(qtype, p.numel() // p.shape[-1], p.shape[-1], rng, rms=p.shape[-1] ** -0.5)
+            rows = gguf.dequantize(raw, qtype)
+            p.copy_(torch.from_numpy(rows).reshape(p.shape))
+            table.update((row.tobytes(), (qtype, r)) for row, r in zip(rows, raw, strict=True))
+    return table
 
 
 def write_family_gguf(hf: transformers.PreTrainedModel, arch: str, path: Path,
-                      qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
+                      qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+                      blocks: RowBlocks | None = None) -> Path:
+    """``hf`` as llama.cpp's converter writes ``arch``: matrices in ``qtype``, or, with ``blocks``
+    (``random_blocks_in_place``), each matrix as the blocks its rows were dequantized from."""
     cfg, g = hf.config, GGUF_ARCH[arch]
     w = tiny_gguf_writer(hf, path, g)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -78,7 +117,12 @@ def write_family_gguf(hf: transformers.PreTrainedModel, arch: str, path: Path,
     w.add_pad_token_id(VOCAB - 3)
 
     def add(name: str, t: np.ndarray) -> None:
-        if t.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32:
+        rows = t.reshape(-1, t.shape[-1]) if t.ndim >= 2 else None
+        if blocks is not None and rows is not None and rows[0].tobytes() in blocks:  # the rows' own blocks
+            kind = blocks[rows[0].tobytes()][0]
+            raw = np.stack([blocks[r.tobytes()][1] for r in rows])
+            w.add_tensor(name, raw.reshape(*t.shape[:-1], -1), raw_dtype=kind)
+        elif t.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32:
             w.add_tensor(name, gguf.quantize(t, qtype), raw_dtype=qtype)
         else:
             w.add_tensor(name, t)
@@ -142,3 +186,44 @@ def test_a_family_gguf_loads_as_the_model_it_was_written_from(arch: str, qtype: 
         embed = hf.model.embed_tokens.weight.detach().numpy()
         want = torch.from_numpy(gguf.dequantize(gguf.quantize(embed, qtype), qtype))
         assert torch.equal(loaded.model.embed_tokens.weight, want)
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q6_K"])
+@pytest.mark.parametrize("arch", sorted(GGUF_ARCH))
+def test_a_family_k_quant_gguf_loads_and_runs_its_own_blocks(arch: str, mix: str, tmp_path: Path, private_cache: Path,
+                                                            caplog: pytest.LogCaptureFixture) -> None:
+    # llama.cpp's K-quant mixes of every family: the file's weights are its blocks (the float load is
+    # the model whose matrices are those blocks dequantized), and --quantization gguf runs the
+    # projections on the blocks, within int8 activations' error of the floats; a mixture's experts are
+    # not run natively and the start-up line says what they were converted to
+    hf, _ = tiny_hf_model(arch, torch.float32, seed=9, vocab_size=VOCAB,
+                          **{**CONFIGS[arch], **KQUANT_SHAPE, **KQUANT_CONFIGS.get(arch, {})})
+    blocks = random_blocks_in_place(hf, MIXES[mix], seed=len(arch))
+    ours = DecoderModel(TargetConfig.from_hf(hf.config.to_dict()))
+    ours.load_hf_state_dict(hf.state_dict())
+    path = write_family_gguf(hf, arch, tmp_path / f"tiny-{arch}.{mix}.gguf", blocks=blocks)
+    ids = list(range(5, 25))
+    floats = load_model(str(path)).model
+    want = full_logits(ours.eval(), ids)
+    assert (full_logits(floats, ids) - want).abs().max().item() < 1e-4
+    if a8_error() is not None:
+        pytest.skip(f"the float load holds; the native half needs the a8 kernels: {a8_error()}")
+    with caplog.at_level(logging.INFO, logger="tidespec.models.loading.loader"):
+        native = load_model(str(path), quantization="gguf").model
+    summary = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF blocks"))
+    ran, _, converted = summary.partition("; ")
+    assert all(f"{t.name} x" in ran for t in {q for q, _ in blocks.values()}), summary
+    assert ("experts x" in converted) == (arch in ("qwen3-moe", "mixtral")), summary
+    if converted:  # said at start-up as a warning, naming the type converted to
+        assert any(r.levelno == logging.WARNING and "Q8_0" in r.getMessage() for r in caplog.records)
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    float_layers = dict(floats.named_modules())
+    for name, layer in native.named_modules():  # each projection on its blocks: a misplaced row or part is O(1)
+        if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")) or name == "lm_head":
+            ref = float_layers[name]
+            xi = x[:, :ref.weight.shape[1]]
+            bias = None if ref.bias is None else ref.bias.double()
+            want_i = torch.nn.functional.linear(xi.double(), ref.weight.double(), bias)
+            assert ((layer(xi).double() - want_i).norm() / want_i.norm()).item() < 0.03, name
+    got = full_logits(native, ids)  # and the model end to end: int8 activations' error through every layer
+    assert ((got - want).norm() / want.norm()).item() < 0.15

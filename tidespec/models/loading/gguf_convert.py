@@ -186,7 +186,11 @@ def llama_cpp_conventions(config: transformers.PretrainedConfig, reader: gguf.GG
     """The config with what a GGUF file says (or llama.cpp assumes) but transformers' GGUF config
     mapping leaves at its class's defaults: a Mixtral (llama.cpp writes it as ``llama`` with experts)
     as a Mixtral, a Qwen3-MoE's expert width and its renormalized top k (llama.cpp's graph always
-    renormalizes), Gemma 2's soft caps, Gemma 3's scaled global rope, both Gemmas' query scale."""
+    renormalizes), Gemma 2's soft caps, Gemma 3's scaled global rope, both Gemmas' query scale, and
+    the head width where it is not hidden / heads (transformers' mapping leaves Qwen3's at 128)."""
+    key_length = _field(reader, f"{arch}.attention.key_length")
+    if key_length is not None and getattr(config, "head_dim", None) is not None:
+        config.head_dim = int(key_length)  # type: ignore[attr-defined, arg-type]
     experts = _field(reader, f"{arch}.expert_count")
     if arch in ("llama", "mistral") and experts:
         fields = {k: v for k, v in config.to_dict().items() if k not in ("model_type", "architectures")}
