@@ -83,11 +83,14 @@ def random_blocks_in_place(hf: transformers.PreTrainedModel, mix: dict[str, gguf
 
 def write_family_gguf(hf: transformers.PreTrainedModel, arch: str, path: Path,
                       qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
-                      blocks: RowBlocks | None = None) -> Path:
+                      blocks: RowBlocks | None = None, template: str | None = None) -> Path:
     """``hf`` as llama.cpp's converter writes ``arch``: matrices in ``qtype``, or, with ``blocks``
-    (``random_blocks_in_place``), each matrix as the blocks its rows were dequantized from."""
+    (``random_blocks_in_place``), each matrix as the blocks its rows were dequantized from; with
+    ``template``, that chat template in ``tokenizer.chat_template``."""
     cfg, g = hf.config, GGUF_ARCH[arch]
     w = tiny_gguf_writer(hf, path, g)
+    if template is not None:
+        w.add_chat_template(template)
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)

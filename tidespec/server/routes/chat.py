@@ -60,6 +60,13 @@ class ChatMessage(StrictModel):
         return "".join(p.text for p in self.content)
 
 
+# apply_chat_template's own arguments and the variables the server sets: not a request's to override
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
+    "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs", "bos_token", "eos_token", "pad_token", "unk_token", "raise_exception"})
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -68,11 +75,23 @@ class ChatCompletionRequest(SamplingRequest):
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's and SGLang's extension: variables for the chat template (Qwen3's and SmolLM3's
+    # enable_thinking, Llama 3's date_string), passed to it beside the messages
+    chat_template_kwargs: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise PydanticCustomError("top_logprobs", "top_logprobs needs logprobs: true", {"param": "top_logprobs"})
+        return self
+
+    @model_validator(mode="after")
+    def _template_kwargs_are_variables(self) -> ChatCompletionRequest:
+        taken = sorted(set(self.chat_template_kwargs or {}) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise PydanticCustomError(
+                "chat_template_kwargs", "chat_template_kwargs cannot set {name}: the request's own fields decide it",
+                {"param": "chat_template_kwargs", "name": taken[0]})
         return self
 
     def _logprobs(self) -> tuple[int | None, int | None]:
@@ -156,7 +175,9 @@ def chat_prompt(server: Server, body: ChatCompletionRequest, plan: ToolPlan) -> 
     """``body``'s messages (and its tools) rendered by the chat template, or a 400 naming ``messages``
     (or ``tools``, when the template ignores the tools a request needs it to show)."""
     tokenizer = server.engine.tokenizer
-    extra = {"chat_template": server.chat_template} if server.chat_template else {}
+    extra: dict[str, Any] = {**(body.chat_template_kwargs or {})}
+    if server.chat_template:
+        extra["chat_template"] = server.chat_template
     messages = body.template_messages()
     try:
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
