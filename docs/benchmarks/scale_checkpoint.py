@@ -8,8 +8,9 @@ Usage (from the repository root, llama-cpp-python installed as for ``bench decod
 writes ``/data/scale/llama-3.2-1b.F16.gguf`` and ``llama-3.2-1b.{Q4_K_M,Q8_0}.gguf`` (llama.cpp's
 ``llama_model_quantize``; also Q5_K_M, Q6_K), and with ``HF`` in the list the HF directory
 ``llama-3.2-1b-hf`` (config.json, float32 safetensors shards, tokenizer: tidespec's conversion of the
-F16 file, loadable by transformers and by ``--model``). The architecture is llama (random q/k rows need no rope permutation) with
-the shape of the named model, its LM head tied to the token embedding as the real ones are, and the
+F16 file, loadable by transformers and by ``--model``). The architecture is the named model's (llama,
+qwen3 with its q/k norms, qwen3moe with its experts; random q/k rows need no rope permutation) with
+the shape of the named model, its LM head tied to the token embedding where the real one is, and the
 embedded SmolLM2-135M-Instruct's tokenizer (copied from the embedded GGUF, so the workloads' prompts
 tokenize) padded with unused tokens to the real vocabulary's size (128,256 for Llama 3.2, 151,936 for
 Qwen3): the LM head, 10-20 % of a 1-3B model's bytes, has the real model's rows.
@@ -19,6 +20,7 @@ the text is noise, the speed is the shape's.
 
 import ctypes
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import gguf
@@ -28,12 +30,40 @@ import numpy as np
 from tidespec.models.loading.gguf_convert import convert_gguf
 from tidespec.models.loading.loader import resolve_embedded_gguf
 
-# name -> (hidden, layers, intermediate, heads, kv heads, head dim, rope base, vocabulary); all three tie
-# the LM head to the token embedding, as the real models do
+
+@dataclass(frozen=True)
+class Shape:
+    """A real model's shape: its GGUF architecture and widths (``experts`` > 0: every layer a mixture of
+    ``experts`` experts of width ``expert_width``, ``used`` per token, routed by an F32 gate)."""
+
+    arch: str
+    hidden: int
+    layers: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope: float
+    vocab: int
+    tied: bool = True
+    experts: int = 0
+    used: int = 0
+    expert_width: int = 0
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.arch.startswith("qwen3")
+
+
 SHAPES = {
-    "llama-3.2-1b": (2048, 16, 8192, 32, 8, 64, 500000.0, 128256),
-    "llama-3.2-3b": (3072, 28, 8192, 24, 8, 128, 500000.0, 128256),
-    "qwen3-1.7b": (2048, 28, 6144, 16, 8, 128, 1000000.0, 151936),  # as a llama (no q/k norms): Qwen3's widths
+    "llama-3.2-1b": Shape("llama", 2048, 16, 8192, 32, 8, 64, 500000.0, 128256),
+    "llama-3.2-3b": Shape("llama", 3072, 28, 8192, 24, 8, 128, 500000.0, 128256),
+    "qwen3-1.7b": Shape("qwen3", 2048, 28, 6144, 16, 8, 128, 1000000.0, 151936),
+    # Qwen3-30B-A3B's layers (48, hidden 2048, 32/4 heads of 128, experts of width 768, 8 used a token,
+    # untied head) with 16 of its 128 experts: a token reads what it reads in the real model (3.3B
+    # parameters), the file holds 5.1B (10 GB in F16, 3 GB in Q4_K_M) instead of 30.5B
+    "qwen3-30b-a3b-16e": Shape("qwen3moe", 2048, 48, 6144, 32, 4, 128, 1000000.0, 151936, tied=False,
+                               experts=16, used=8, expert_width=768),
 }
 UNUSED = 5  # gguf's token type of a token the tokenizer never produces (llama.cpp's LLAMA_TOKEN_TYPE_UNUSED)
 FTYPES = {"Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "Q5_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M,
@@ -45,10 +75,12 @@ TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.
 
 
 def write_f16(name: str, path: Path) -> None:
-    hidden, layers, inter, heads, kv_heads, head_dim, rope, vocab = SHAPES[name]
+    shape = SHAPES[name]
+    hidden, layers, inter, heads, kv_heads, head_dim, vocab = (shape.hidden, shape.layers, shape.intermediate,
+                                                               shape.heads, shape.kv_heads, shape.head_dim, shape.vocab)
     src = gguf.GGUFReader(str(resolve_embedded_gguf()))
     pad = vocab - len(src.fields["tokenizer.ggml.tokens"].data)  # the real vocabulary's size, unused tokens
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), shape.arch)
     w.add_name(f"random {name}")
     w.add_block_count(layers)
     w.add_context_length(8192)
@@ -59,7 +91,11 @@ def write_f16(name: str, path: Path) -> None:
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(rope)
+    w.add_rope_freq_base(shape.rope)
+    if shape.experts:
+        w.add_expert_count(shape.experts)
+        w.add_expert_used_count(shape.used)
+        w.add_expert_feed_forward_length(shape.expert_width)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
@@ -78,7 +114,9 @@ def write_f16(name: str, path: Path) -> None:
     def matrix(rows: int, cols: int) -> np.ndarray:
         return (rng.standard_normal((rows, cols), dtype=np.float32) * 0.02).astype(np.float16)
 
-    w.add_tensor("token_embd.weight", matrix(vocab, hidden))  # also the LM head (tied: no output.weight)
+    w.add_tensor("token_embd.weight", matrix(vocab, hidden))  # also the LM head when tied (no output.weight)
+    if not shape.tied:
+        w.add_tensor("output.weight", matrix(vocab, hidden))
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
     for i in range(layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
@@ -87,6 +125,16 @@ def write_f16(name: str, path: Path) -> None:
         w.add_tensor(f"blk.{i}.attn_k.weight", matrix(kv_heads * head_dim, hidden))
         w.add_tensor(f"blk.{i}.attn_v.weight", matrix(kv_heads * head_dim, hidden))
         w.add_tensor(f"blk.{i}.attn_output.weight", matrix(hidden, heads * head_dim))
+        if shape.qk_norm:
+            w.add_tensor(f"blk.{i}.attn_q_norm.weight", np.ones(head_dim, np.float32))
+            w.add_tensor(f"blk.{i}.attn_k_norm.weight", np.ones(head_dim, np.float32))
+        if shape.experts:  # [E, out, in] per projection; the router stays F32, as llama.cpp keeps it
+            e, width = shape.experts, shape.expert_width
+            w.add_tensor(f"blk.{i}.ffn_gate_inp.weight", matrix(e, hidden).astype(np.float32))
+            w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", matrix(e * width, hidden).reshape(e, width, hidden))
+            w.add_tensor(f"blk.{i}.ffn_up_exps.weight", matrix(e * width, hidden).reshape(e, width, hidden))
+            w.add_tensor(f"blk.{i}.ffn_down_exps.weight", matrix(e * hidden, width).reshape(e, hidden, width))
+            continue
         w.add_tensor(f"blk.{i}.ffn_gate.weight", matrix(inter, hidden))
         w.add_tensor(f"blk.{i}.ffn_up.weight", matrix(inter, hidden))
         w.add_tensor(f"blk.{i}.ffn_down.weight", matrix(hidden, inter))

@@ -305,12 +305,13 @@ class _Getter:
             return None
         return torch.cat([self(n) for n in names])
 
-    def experts(self, hf: str, ours: str, num: int) -> dict[str, torch.Tensor]:
+    def experts(self, hf: str, ours: str, num: int) -> dict[str, torch.Tensor | None]:
         """A mixture's router and experts under our names (``ours`` + ``gate.weight``,
         ``experts.{e}.gate_up_proj.weight``, ``experts.{e}.down_proj.weight``), from transformers'
         in-memory layout (``experts.gate_up_proj`` [E, 2I, H], ``experts.down_proj`` [E, H, I]) or
-        a checkpoint's per-expert tensors (``experts.{e}.gate_proj.weight``, ...; Mixtral's w1/w3/w2)."""
-        out = {ours + "gate.weight": self(hf + "gate.weight")}
+        a checkpoint's per-expert tensors (``experts.{e}.gate_proj.weight``, ...; Mixtral's w1/w3/w2);
+        None for an expert's matrix that is unread (a GGUF's blocks run it)."""
+        out: dict[str, torch.Tensor | None] = {ours + "gate.weight": self(hf + "gate.weight")}
         fused_up, fused_down = self.sd.get(hf + "experts.gate_up_proj"), self.sd.get(hf + "experts.down_proj")
         for e in range(num):
             x = f"{hf}experts.{e}."
@@ -319,7 +320,7 @@ class _Getter:
             elif x + "w1.weight" in self.sd:  # Mixtral: w1 gate, w3 up, w2 down
                 up, down = torch.cat([self(x + "w1.weight"), self(x + "w3.weight")]), self(x + "w2.weight")
             else:
-                up, down = self.fused(x + "gate_up_proj.weight", x, ("gate_proj", "up_proj")), self(x + "down_proj.weight")
+                up, down = self.fused(x + "gate_up_proj.weight", x, ("gate_proj", "up_proj")), self.weight(x + "down_proj.weight")
             out[f"{ours}experts.{e}.gate_up_proj.weight"] = up
             out[f"{ours}experts.{e}.down_proj.weight"] = down
         return out

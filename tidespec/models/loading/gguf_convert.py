@@ -28,6 +28,7 @@ import shutil
 import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -82,15 +83,17 @@ def unpermute_qk(w: np.ndarray, heads: int) -> np.ndarray:
 
 
 def gguf_tensors(reader: gguf.GGUFReader, arch: str, config: transformers.PretrainedConfig,
-                 hf_names: list[str], blocks: dict[str, tuple[np.ndarray, str]] | None = None
-                 ) -> Iterator[tuple[str, torch.Tensor]]:
+                 hf_names: list[str], blocks: dict[str, tuple[np.ndarray, str]] | None = None,
+                 per_expert: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """The file's tensors as float32 under HF names (``hf_names``: the model class's state-dict keys),
     one at a time (the converter writes them out in shards: a 3B model is 12.8 GB in float32);
     tensors the model has no place for (llama 3's ``rope_freqs``) are left out, as transformers does.
     A mixture's experts (``blk.N.ffn_{gate,up,down}_exps``, [E, out, in] each) become transformers'
-    ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I]. ``blocks``, when
-    given, receives every quantized matrix's raw blocks under its HF name: ``([out, bytes per row]
-    uint8, GGML type name)``, rows in HF's order (what ``--quantization gguf`` runs)."""
+    ``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I], or with
+    ``per_expert`` a checkpoint's per-expert matrices (``mlp.experts.{e}.{gate,up,down}_proj.weight``,
+    ``expert_names``), dequantized one layer at a time. ``blocks``, when given, receives every quantized
+    matrix's raw blocks under its HF name: ``([out, bytes per row] uint8, GGML type name)``, rows in
+    HF's order (what ``--quantization gguf`` runs); an expert's under its per-expert names."""
     arch_ids = {name: arch_id for arch_id, name in gguf.MODEL_ARCH_NAMES.items()}
     row = GGUF_ARCHITECTURES[arch]
     name_map = gguf.get_tensor_name_map(arch_ids[row.gguf_tensor_names], config.num_hidden_layers)
@@ -101,10 +104,16 @@ def gguf_tensors(reader: gguf.GGUFReader, arch: str, config: transformers.Pretra
         if gguf_name is not None:
             to_hf[f"{gguf_name}{dot}{suffix}"] = hf_name
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
-    experts: dict[str, np.ndarray] = {}  # gguf name -> [E, out, in]
+    experts: dict[str, Any] = {}  # gguf name -> its ReaderTensor ([E, out, in]), dequantized when written
     for t in reader.tensors:
         if t.name.endswith("_exps.weight"):
-            experts[t.name] = gguf.dequantize(t.data, t.tensor_type)
+            experts[t.name] = t
+            if blocks is not None and t.tensor_type not in _FLOAT_TYPES:  # each expert's rows: a matrix
+                layer, kind = t.name.split(".")[1], t.name.split(".")[2].removeprefix("ffn_").removesuffix("_exps")
+                raw = np.asarray(t.data)  # [E, out, bytes per row]
+                for e in range(raw.shape[0]):
+                    blocks[f"model.layers.{layer}.mlp.experts.{e}.{kind}_proj.weight"] = (
+                        np.array(raw[e], copy=True), t.tensor_type.name)
             continue
         if t.name not in to_hf:
             continue
@@ -119,14 +128,46 @@ def gguf_tensors(reader: gguf.GGUFReader, arch: str, config: transformers.Pretra
         if row.gguf_norm_shift and t.name.endswith("norm.weight"):  # llama.cpp stored Gemma's norms + 1
             w = w - row.gguf_norm_shift
         yield to_hf[t.name], torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
+
+    def floats(name: str) -> np.ndarray:  # [E, out, in] float32
+        t = experts[name]
+        return np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)
+
     for name in hf_names:
         layer, _, rest = name.removeprefix("model.layers.").partition(".")
         blk = f"blk.{layer}.ffn_{{}}_exps.weight"
         if rest == "mlp.experts.gate_up_proj" and blk.format("gate") in experts:
-            both = np.concatenate([experts[blk.format("gate")], experts[blk.format("up")]], axis=1)
-            yield name, torch.from_numpy(np.array(both, dtype=np.float32, copy=True))
+            gate, up = floats(blk.format("gate")), floats(blk.format("up"))
+            if per_expert:
+                for e in range(gate.shape[0]):
+                    yield f"model.layers.{layer}.mlp.experts.{e}.gate_proj.weight", torch.from_numpy(gate[e].copy())
+                    yield f"model.layers.{layer}.mlp.experts.{e}.up_proj.weight", torch.from_numpy(up[e].copy())
+            else:
+                yield name, torch.from_numpy(np.concatenate([gate, up], axis=1))
         elif rest == "mlp.experts.down_proj" and blk.format("down") in experts:
-            yield name, torch.from_numpy(np.array(experts[blk.format("down")], dtype=np.float32, copy=True))
+            down = floats(blk.format("down"))
+            if per_expert:
+                for e in range(down.shape[0]):
+                    yield f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight", torch.from_numpy(down[e].copy())
+            else:
+                yield name, torch.from_numpy(np.array(down, copy=True))
+
+
+def expert_names(hf_names: list[str], num_experts: int) -> list[str]:
+    """``hf_names`` with a mixture's fused experts (transformers' ``mlp.experts.gate_up_proj`` /
+    ``down_proj``) as the per-expert matrices ``gguf_tensors(per_expert=True)`` writes.
+
+    Example: ``["model.layers.0.mlp.experts.down_proj"]``, 2 experts ->
+    ``["model.layers.0.mlp.experts.0.down_proj.weight", "model.layers.0.mlp.experts.1.down_proj.weight"]``."""
+    out: list[str] = []
+    for name in hf_names:
+        prefix, fused, kind = name.rpartition("mlp.experts.")[0], "mlp.experts." in name, name.rpartition(".")[2]
+        if fused and kind in ("gate_up_proj", "down_proj"):
+            parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
+            out.extend(f"{prefix}mlp.experts.{e}.{part}.weight" for e in range(num_experts) for part in parts)
+        else:
+            out.append(name)
+    return out
 
 
 SHARD_BYTES = 2 << 30  # the converted float32 weights are written in shards of at most 2 GiB (HF's default is 5 GB)
@@ -222,7 +263,8 @@ def convert_gguf(gguf_path: Path, out: Path, floats: bool = True) -> Path:
     so a crash never leaves a half-written cache entry.
 
     ``floats=False`` (what ``--quantization gguf`` asks for): no float32 copy of a decoder layer's
-    projection whose blocks are of a type the kernels run (``NATIVE_NAMES``): the directory is then
+    projection whose blocks are of a type the kernels run (``NATIVE_NAMES``), a mixture's experts
+    included (written per expert, not fused as transformers holds them): the directory is then
     about the file's size plus the embedding's floats (a 3B Q4_K_M: 3.5 GB against 14 GB) and not an HF
     checkpoint; the loader dequantizes those blocks on the rare read (``loader.SafetensorsState``), bit
     for bit the floats this would have written."""
@@ -251,10 +293,15 @@ def convert_gguf(gguf_path: Path, out: Path, floats: bool = True) -> Path:
     config["dtype"] = "float32"
     tied = bool(config.get("tie_word_embeddings", False))
     blocks: dict[str, tuple[np.ndarray, str]] = {}
-    tensors = ((name, t) for name, t in gguf_tensors(reader, arch, hf_config, hf_names, blocks)
+    # without floats, a mixture's experts are written per expert (as the checkpoints people download
+    # hold them): each one's matrices then run on its own blocks, and none is written as floats
+    num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
+    per_expert = not floats and num_experts > 0
+    tensors = ((name, t) for name, t in gguf_tensors(reader, arch, hf_config, hf_names, blocks, per_expert)
                if not (tied and name == "lm_head.weight")  # HF loaders re-tie it
                and (floats or not _runs_on_blocks(name, blocks)))
-    expected = set(hf_names) - ({"lm_head.weight"} if tied else set())
+    expected = (set(expert_names(hf_names, num_experts) if per_expert else hf_names)
+                - ({"lm_head.weight"} if tied else set()))
     _write(out, gguf_path, tensors, expected, blocks, config, tokenizer,
            transformers.GenerationConfig.from_model_config(hf_config), floats)
     return out

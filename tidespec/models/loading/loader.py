@@ -61,7 +61,7 @@ EMBEDDED_CHAT_TEMPLATE = Path(__file__).resolve().parents[2] / "assets" / "chat_
 GGUF_MAGIC = b"GGUF"
 # Bump when the converted-directory layout changes, so stale caches are not reused (2: tidespec's own
 # one-read converter, ``models/loading/gguf_convert.py``; the same tensors as transformers' conversion)
-CONVERTER_VERSION = 3  # 3: the raw blocks beside the float32 weights (--quantization gguf)
+CONVERTER_VERSION = 4  # 3: the raw blocks beside the float32 weights (--quantization gguf); 4: experts' blocks
 GENERIC_TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast")
 # Files that hold a tokenizer's vocabulary (fast JSON, sentencepiece, byte-level BPE, tiktoken).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer.tiktoken")

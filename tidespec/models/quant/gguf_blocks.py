@@ -30,9 +30,10 @@ its float16 ``d`` per 256 inputs, the product formed in float32, where it is exa
 7-bit integer fits float32's mantissa, so the bits are those of ``scale`` above), so a token reads
 about the file's bytes: at batch 1 the projections are bound by memory bandwidth (on a 2-core EPYC,
 float32 scales per sub-block read 1.26x the bytes of a Llama-3.2-1B Q4_K_M and decoded 1.2-1.35x
-slower). A code's bits above the 4th are bit planes beside the nibbles (``a8.pack_high``). Other types
-(Q2_K, the IQ types, F16 / BF16 / F32 projections) and a mixture's experts are not run natively:
-``gguf_layer`` / ``gguf_head`` convert them to Q8_0 (``w8a8``) and says so, per type.
+slower). A code's bits above the 4th are bit planes beside the nibbles (``a8.pack_high``). A mixture's
+experts run on their blocks too, each expert's rows of the file's [E, out, in] tensors as one matrix
+(the converter keeps them per expert). Other types (Q2_K, the IQ types, F16 / BF16 / F32 projections)
+are not run natively: ``gguf_layer`` / ``gguf_head`` convert them to Q8_0 (``w8a8``) and says so, per type.
 
 The bit unpacking repeats gguf-py's ``dequantize_blocks`` lines (``gguf.quants``) up to the product:
 gguf-py does not return the codes and scales apart, and the kernel needs them apart.
@@ -413,6 +414,8 @@ class GgufBlocks:
                     continue
                 if self.rows(names, total) is not None:
                     names_read.update(n for n in names if self.types.get(n) in NATIVE_NAMES)
+        # a mixture's experts held per expert (``convert_gguf`` without floats): every native one's
+        names_read.update(n for n, t in self.types.items() if ".mlp.experts." in n and t in NATIVE_NAMES)
         return names_read
 
     def summary(self) -> str:
@@ -429,7 +432,8 @@ class GgufBlocks:
 # after the layer prefix)
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 _PARTS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+          "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+EXPERT_PROJECTIONS = ("gate_up_proj", "down_proj")  # an expert's, after ``mlp.experts.{e}.``
 
 
 def _names(prefix: str, path: str, blocks: GgufBlocks) -> list[str]:
@@ -441,8 +445,9 @@ def _names(prefix: str, path: str, blocks: GgufBlocks) -> list[str]:
 
 def gguf_layer(i: int, layer: nn.Module, blocks: GgufBlocks, fallback: Callable[[nn.Module], nn.Module]) -> None:
     """Replace, in place, decoder layer ``i``'s projections by the file's own blocks (``native_linear``;
-    fused ones from their parts, ``StackedLinear``); a projection the file holds in another type, or a
-    mixture's experts, goes through ``fallback`` (the w8a8 layer) and is counted in ``blocks.converted``.
+    fused ones from their parts, ``StackedLinear``; a mixture's experts each from its own blocks); a
+    projection the file holds in another type (or an expert of a cache converted before experts had
+    blocks) goes through ``fallback`` (the w8a8 layer) and is counted in ``blocks.converted``.
     ``ModelQuantizer`` (``models/quant/quantize.py``) calls it per layer, then ``gguf_head``."""
     for path in PROJECTIONS:
         parent_path, _, attr = path.rpartition(".")
@@ -451,13 +456,13 @@ def gguf_layer(i: int, layer: nn.Module, blocks: GgufBlocks, fallback: Callable[
         if module is None:
             continue
         setattr(parent, attr, _replacement(module, f"model.layers.{i}.", path, blocks, fallback))
-    for parent in layer.modules():  # a mixture's experts: stored [E, out, in], not run natively
+    for parent_name, parent in layer.named_modules():  # a mixture's experts: each one's blocks, as a layer's
         experts = getattr(parent, "experts", None)
         if isinstance(experts, nn.ModuleList):
-            for expert in experts:
-                for name, child in list(expert.named_children()):
-                    setattr(expert, name, fallback(child))
-                    blocks.converted["experts"] += 1
+            for e, expert in enumerate(experts):
+                for path in EXPERT_PROJECTIONS:
+                    prefix = f"model.layers.{i}.{parent_name}.experts.{e}."
+                    setattr(expert, path, _replacement(getattr(expert, path), prefix, path, blocks, fallback))
 
 
 def gguf_head(model: TargetModel, blocks: GgufBlocks, fallback: Callable[[nn.Module], nn.Module]) -> None:
