@@ -159,14 +159,20 @@ def target_model(dtype: str, quantization: str, cache: dict[tuple[str, str], Loa
                  device: str = "cpu", layers: int = 0) -> LoadedModel:
     """The model at ``path`` (None: the embedded one) on ``device`` in ``dtype`` with ``quantization``,
     truncated to its first ``layers`` layers (0: all; sharing the whole model's weights) (one copy per
-    pair, kept for the run)."""
+    pair, kept for the run). A quantized model is a copy of the float one when that is loaded already,
+    else loaded quantized layer by layer: a 5B GGUF's float32 copy would not fit beside it."""
     key = (dtype, quantization) if not layers else (dtype, f"{quantization}:{layers}")
     if key not in cache:
-        base = cache.get((dtype, "none")) or load_model(path, dtype=DTYPES[dtype], device=device)
-        cache.setdefault((dtype, "none"), base)
+        base = cache.get((dtype, "none"))
+        fresh = base is None and quantization != "none"
+        if fresh:
+            base = load_model(path, dtype=DTYPES[dtype], device=device, quantization=quantization)
+        else:
+            base = base or load_model(path, dtype=DTYPES[dtype], device=device)
+            cache.setdefault((dtype, "none"), base)
         if layers:
             base = dataclasses.replace(base, model=base.model.truncated(min(layers, base.model.cfg.num_layers)))
-        if quantization != "none":  # a quantized copy; the float model stays as it is
+        if quantization != "none" and not fresh:  # a quantized copy; the float model stays as it is
             base = dataclasses.replace(base, model=copy.deepcopy(base.model))
             quantize_model(base.model, quantization, checkpoint=Path(base.path))
         cache[key] = base
@@ -362,7 +368,8 @@ def run_exactness_bench(cfg: ExactnessBenchConfig, row_invariant: bool = True, o
     targets: dict[tuple[str, str], LoadedModel] = {}
     doc: dict[str, Any] = {"config": {**dataclasses.asdict(cfg), "row_invariant": row_invariant}, "paths": [],
                            "machine": machine_info("per path"), "command": command_line()}
-    first = target_model(parse_path(cfg.path_list[0])[0], "none", targets, cfg.model, cfg.device)
+    dtype, quant, _ = parse_path(cfg.path_list[0])  # the first path's target: its tokenizer, and loaded once
+    first = target_model(dtype, quant, targets, cfg.model, cfg.device, cfg.layers)
     prompts = [p for w in cfg.workload_list for p in load_prompts(w, first.tokenizer, limit=cfg.limit)]
     bar = tqdm(total=len(cfg.path_list) * (2 + 2 * len(cfg.drafter_list)), desc="exactness", disable=not progress)
     for path in cfg.path_list:
