@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from pathlib import Path
 
 import gguf
@@ -358,3 +359,25 @@ def test_embedded_tokenizer(embedded: LoadedModel) -> None:
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True, tokenize=False)
     assert prompt.endswith("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     assert tok.convert_tokens_to_ids("<|im_end|>") in embedded.config.eos_token_ids
+
+
+def test_a_gguf_too_large_for_the_disk_or_the_memory_is_a_one_line_error_naming_gguf(
+        tiny_gguf: tuple[transformers.PreTrainedModel, Path], tmp_path: Path, private_cache: Path) -> None:
+    # a llama.cpp user's 18 GB Q4_K_M under the default --quantization none would need 122 GB of float32:
+    # said before anything is written or allocated, naming the mode that runs the file as it is
+    hf, _ = tiny_gguf
+    path = write_tiny_gguf(hf, tmp_path / "tiny-test.Q8_0.gguf", qtype=gguf.GGMLQuantizationType.Q8_0)
+    weights = sum(int(t.n_elements) for t in gguf.GGUFReader(str(path)).tensors)
+    with pytest.MonkeyPatch.context() as m:  # the disk holds the file's size but not its float32 copy
+        m.setattr(loader.shutil, "disk_usage", lambda _: types.SimpleNamespace(free=2 * weights))
+        with pytest.raises(ModelLoadError) as exc:
+            load_model(str(path), quantization="int8")
+        _assert_one_line_error(exc, path.name, "float32 conversion needs", "--quantization gguf")
+        assert not private_cache.exists() or not list(private_cache.iterdir())  # nothing written
+    with pytest.MonkeyPatch.context() as m:  # memory for the weights in bfloat16, not in float32
+        m.setattr(loader.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=2 * weights))
+        with pytest.raises(ModelLoadError) as exc:
+            load_model(str(path))
+        _assert_one_line_error(exc, "of memory", "--quantization gguf", "w4a8")
+        assert load_model(str(path), dtype=torch.bfloat16).model.dtype == torch.bfloat16
+        assert load_model(str(path), quantization="int8").model is not None  # layer by layer: no float model

@@ -33,6 +33,7 @@ import hashlib
 import importlib.util
 import json
 import logging
+import shutil
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from typing import Any
 
 import gguf
 import numpy as np
+import psutil
 import torch
 import transformers
 from safetensors import SafetensorError, safe_open
@@ -47,7 +49,7 @@ from safetensors import SafetensorError, safe_open
 from tidespec.errors import UserError
 from tidespec.files import cache_root, measure_once
 from tidespec.models.families import build_target
-from tidespec.models.loading.gguf_convert import GgufConversionError, convert_gguf, one_line
+from tidespec.models.loading.gguf_convert import GgufConversionError, convert_gguf, one_line, read_gguf
 from tidespec.models.quant.gguf_blocks import BLOCKS_FILE, UNPACK_WEIGHTS, GgufBlocks
 from tidespec.models.quant.quantize import ModelQuantizer
 from tidespec.models.target import ModelConfigError, TargetConfig, TargetModel
@@ -115,11 +117,12 @@ def converted_dir_for(gguf_path: Path, floats: bool = True) -> Path:
     return cache_dir() / f"{gguf_path.stem}-{hashlib.sha256(key).hexdigest()[:12]}{'' if floats else '-blocks'}"
 
 
-def hf_checkpoint_dir(path: str | None, floats: bool = True) -> Path:
+def hf_checkpoint_dir(path: str | None, floats: bool = True, bytes_per_weight: int = 0) -> Path:
     """Resolve ``path`` (HF directory, GGUF file, or None = embedded) to an HF-style directory,
     converting a GGUF file into the cache if it is not there yet. ``floats=False`` (``--quantization
     gguf``): a GGUF's full conversion if there is one, else one without the floats of the matrices its
-    blocks run (``convert_gguf``), about the file's size."""
+    blocks run (``convert_gguf``), about the file's size. ``bytes_per_weight`` (a GGUF to be loaded as a
+    float model of that element size; 0: not) checks the memory first (``check_room``)."""
     src = resolve_embedded_gguf() if path is None else Path(path).expanduser()
     if not src.exists():
         raise ModelLoadError(f"model path {src} does not exist")
@@ -128,12 +131,12 @@ def hf_checkpoint_dir(path: str | None, floats: bool = True) -> Path:
             return src
         ggufs = sorted(src.glob("*.gguf"))
         if len(ggufs) == 1:
-            return _cached_conversion(ggufs[0], floats)
+            return _cached_conversion(ggufs[0], floats, bytes_per_weight)
         raise ModelLoadError(f"{src} is not a model directory (no config.json)")
     if not _has_gguf_magic(src):
         kind = "a GGUF file (bad magic bytes)" if src.suffix == ".gguf" else "a model"
         raise ModelLoadError(f"{src} is not {kind}: expected an HF checkpoint directory or a .gguf file")
-    return _cached_conversion(src, floats)
+    return _cached_conversion(src, floats, bytes_per_weight)
 
 
 def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str = "cpu",
@@ -147,7 +150,8 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str
     Raises ``ModelLoadError`` with a one-line message on any problem.
     """
     target = check_device(device)
-    hf_dir = hf_checkpoint_dir(path, floats=quantization != "gguf")
+    hf_dir = hf_checkpoint_dir(path, floats=quantization != "gguf",
+                               bytes_per_weight=dtype.itemsize if quantization == "none" else 0)
     cfg_dict = read_config(hf_dir)
     try:
         cfg = TargetConfig.from_hf(cfg_dict)
@@ -348,9 +352,39 @@ def _has_gguf_magic(path: Path) -> bool:
         raise ModelLoadError(f"cannot read {path}: {one_line(exc)}") from None
 
 
-def _cached_conversion(gguf_path: Path, floats: bool = True) -> Path:
+def check_room(gguf_path: Path, out: Path, bytes_per_weight: int = 0) -> None:
+    """A one-line ``ModelLoadError``, before anything is written or allocated, when ``gguf_path``'s
+    float32 conversion into ``out`` would not fit the disk's free space (checked when ``out`` is not
+    there yet), or its model in floats (``bytes_per_weight`` a weight; 0: not loaded so) the available
+    memory. Both name ``--quantization gguf``, which needs about the file's size.
+
+    Example: a Qwen3-30B-A3B Q4_K_M (18.6 GB, 30.5B weights) with the default ``--quantization none``:
+    122 GB of float32 on disk and in memory; a llama.cpp user expects the file to run as it is."""
+    reader, _, _ = read_gguf(gguf_path)
+    weights = sum(int(t.n_elements) for t in reader.tensors)
+    size = gguf_path.stat().st_size
+    hint = f"--quantization gguf runs the file's own blocks in about its size ({size / 1e9:.1f} GB)"
+    if not (out / "config.json").is_file():
+        where = next(p for p in (out, *out.parents) if p.exists())
+        free, need = shutil.disk_usage(where).free, 4 * weights + size  # the float32 weights and the blocks
+        if need > free:
+            raise ModelLoadError(f"{gguf_path.name}: its float32 conversion needs {need / 1e9:.1f} GB in {out.parent} "
+                                 f"({free / 1e9:.1f} GB free); {hint}")
+    available = int(psutil.virtual_memory().available)
+    if bytes_per_weight and bytes_per_weight * weights > available:
+        raise ModelLoadError(f"{gguf_path.name}: {weights / 1e9:.1f}B weights in floats need "
+                             f"{bytes_per_weight * weights / 1e9:.1f} GB of memory ({available / 1e9:.1f} GB available); "
+                             f"{hint}, --quantization w4a8 or int4 in less")
+
+
+def _cached_conversion(gguf_path: Path, floats: bool = True, bytes_per_weight: int = 0) -> Path:
     full = converted_dir_for(gguf_path)
     out = full if floats or (full / "config.json").is_file() else converted_dir_for(gguf_path, floats=False)
+    if floats:
+        try:
+            check_room(gguf_path, out, bytes_per_weight)
+        except GgufConversionError as exc:
+            raise ModelLoadError(str(exc)) from None
     try:  # processes starting together convert once: the others wait, then read it
         return measure_once(out, lambda: out if (out / "config.json").is_file() else None,
                             lambda: convert_gguf(gguf_path, out, floats=out == full))
