@@ -27,8 +27,6 @@ Worked example::
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import logging
 import secrets
 import time
@@ -38,6 +36,7 @@ from typing import Any, Literal
 from fastapi.responses import JSONResponse
 
 from tidespec.config import ConfigError
+from tidespec.heap import find_malloc_trim
 from tidespec.server.api_errors import error_body, error_response
 from tidespec.server.dashboard import DASHBOARD_PATH, basic_auth_password
 
@@ -70,12 +69,7 @@ class MemoryTrimmer:
         self.every_s = every_s
         self._last = 0.0
         self._pending = False
-        path = ctypes.util.find_library("c")
-        libc = ctypes.CDLL(path) if path else None
-        self._trim = getattr(libc, "malloc_trim", None) if libc is not None else None
-        if self._trim is not None:
-            self._trim.argtypes = [ctypes.c_size_t]
-            self._trim.restype = ctypes.c_int
+        self._trim = find_malloc_trim()
 
     def after_large_request(self) -> None:
         """Schedule a trim on the running loop's executor: now, or ``every_s`` after the last one

@@ -48,6 +48,7 @@ from safetensors import SafetensorError, safe_open
 
 from tidespec.errors import UserError
 from tidespec.files import cache_root, measure_once
+from tidespec.heap import find_malloc_trim
 from tidespec.models.families import build_target
 from tidespec.models.loading.gguf_convert import GgufConversionError, convert_gguf, one_line, read_gguf
 from tidespec.models.quant.gguf_blocks import BLOCKS_FILE, UNPACK_WEIGHTS, GgufBlocks
@@ -173,6 +174,8 @@ def load_model(path: str | None, dtype: torch.dtype = torch.float32, device: str
         blocks = quantizer.finish()
     except ModelConfigError as exc:
         raise ModelLoadError(f"{hf_dir}: {exc}") from None
+    if quantization != "none" and (trim := find_malloc_trim()) is not None:
+        trim(0)  # the float layers and unpacking temporaries freed while loading: their pages back to the OS
     if blocks is not None:
         log.info("%s", blocks.summary())
         if blocks.converted:
