@@ -34,6 +34,7 @@ import gguf
 import numpy as np
 import torch
 import transformers
+from safetensors.numpy import save_file as save_numpy
 from safetensors.torch import save_file
 
 from tidespec.errors import UserError
@@ -113,7 +114,7 @@ def gguf_tensors(reader: gguf.GGUFReader, arch: str, config: transformers.Pretra
                 raw = np.asarray(t.data)  # [E, out, bytes per row]
                 for e in range(raw.shape[0]):
                     blocks[f"model.layers.{layer}.mlp.experts.{e}.{kind}_proj.weight"] = (
-                        np.array(raw[e], copy=True), t.tensor_type.name)
+                        raw[e], t.tensor_type.name)
             continue
         if t.name not in to_hf:
             continue
@@ -124,7 +125,7 @@ def gguf_tensors(reader: gguf.GGUFReader, arch: str, config: transformers.Pretra
         elif row.gguf_permuted_qk and ".attn_k." in t.name:
             w, raw = unpermute_qk(w, kv_heads), None if raw is None else unpermute_qk(raw, kv_heads)
         if raw is not None and blocks is not None:  # a row's blocks are that row's: the permutation moves rows
-            blocks[to_hf[t.name]] = (np.array(raw, copy=True), t.tensor_type.name)  # writable: torch takes it
+            blocks[to_hf[t.name]] = (raw, t.tensor_type.name)  # a view of the file where no permutation copied it
         if row.gguf_norm_shift and t.name.endswith("norm.weight"):  # llama.cpp stored Gemma's norms + 1
             w = w - row.gguf_norm_shift
         yield to_hf[t.name], torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
@@ -370,8 +371,10 @@ def _write(out: Path, gguf_path: Path, tensors: Iterable[tuple[str, torch.Tensor
             raise GgufConversionError(f"GGUF file {gguf_path} lacks {len(missing)} tensors, e.g. {missing[0]}")
         if blocks:  # the file's own blocks, for --quantization gguf (models/quant/gguf_blocks.py)
             types = json.dumps({name: kind for name, (_, kind) in blocks.items()}, sort_keys=True)
-            save_file({name: torch.from_numpy(raw) for name, (raw, _) in blocks.items()}, str(tmp / BLOCKS_FILE),
-                      metadata={"format": "pt", TYPES_KEY: types})
+            # numpy's writer reads each array where it lies (safetensors >= 0.8: by pointer): the blocks
+            # are views of the mapped file, so an 18 GB GGUF's are never copied into memory
+            save_numpy({name: np.ascontiguousarray(raw) for name, (raw, _) in blocks.items()}, str(tmp / BLOCKS_FILE),
+                       metadata={"format": "pt", TYPES_KEY: types})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True), encoding="utf-8")
         tokenizer.save_pretrained(str(tmp))
         generation.save_pretrained(str(tmp))
