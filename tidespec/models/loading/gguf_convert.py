@@ -130,7 +130,7 @@ def gguf_tensors(reader: gguf.GGUFReader, arch: str, config: transformers.Pretra
             w = w - row.gguf_norm_shift
         yield to_hf[t.name], torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
 
-    def floats(name: str) -> np.ndarray:  # [E, out, in] float32
+    def dequantized(name: str) -> np.ndarray:  # [E, out, in] float32
         t = experts[name]
         return np.asarray(gguf.dequantize(t.data, t.tensor_type), dtype=np.float32)
 
@@ -138,7 +138,7 @@ def gguf_tensors(reader: gguf.GGUFReader, arch: str, config: transformers.Pretra
         layer, _, rest = name.removeprefix("model.layers.").partition(".")
         blk = f"blk.{layer}.ffn_{{}}_exps.weight"
         if rest == "mlp.experts.gate_up_proj" and blk.format("gate") in experts:
-            gate, up = floats(blk.format("gate")), floats(blk.format("up"))
+            gate, up = dequantized(blk.format("gate")), dequantized(blk.format("up"))
             if per_expert:
                 for e in range(gate.shape[0]):
                     yield f"model.layers.{layer}.mlp.experts.{e}.gate_proj.weight", torch.from_numpy(gate[e].copy())
@@ -146,7 +146,7 @@ def gguf_tensors(reader: gguf.GGUFReader, arch: str, config: transformers.Pretra
             else:
                 yield name, torch.from_numpy(np.concatenate([gate, up], axis=1))
         elif rest == "mlp.experts.down_proj" and blk.format("down") in experts:
-            down = floats(blk.format("down"))
+            down = dequantized(blk.format("down"))
             if per_expert:
                 for e in range(down.shape[0]):
                     yield f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight", torch.from_numpy(down[e].copy())

@@ -363,11 +363,14 @@ def check_room(gguf_path: Path, out: Path, bytes_per_weight: int = 0) -> None:
 
     Example: a Qwen3-30B-A3B Q4_K_M (18.6 GB, 30.5B weights) with the default ``--quantization none``:
     122 GB of float32 on disk and in memory; a llama.cpp user expects the file to run as it is."""
+    converted = (out / "config.json").is_file()
+    if converted and not bytes_per_weight:
+        return
     reader, _, _ = read_gguf(gguf_path)
     weights = sum(int(t.n_elements) for t in reader.tensors)
     size = gguf_path.stat().st_size
     hint = f"--quantization gguf runs the file's own blocks in about its size ({size / 1e9:.1f} GB)"
-    if not (out / "config.json").is_file():
+    if not converted:
         where = next(p for p in (out, *out.parents) if p.exists())
         free, need = shutil.disk_usage(where).free, 4 * weights + size  # the float32 weights and the blocks
         if need > free:
