@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from tests.helpers import EVERY_DRAFTER, full_logits, tiny_gguf_writer, tiny_hf_model
-from tests.models.test_gguf_blocks import MIXES, _decode, random_blocks
+from tests.models.test_gguf_blocks import MIXES, _decode, _projections, random_blocks
 from tidespec.config import SpecConfig
 from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.loading.loader import load_model, read_state_dict
@@ -193,25 +193,41 @@ def test_a_family_gguf_loads_as_the_model_it_was_written_from(arch: str, qtype: 
         assert torch.equal(loaded.model.embed_tokens.weight, want)
 
 
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q6_K"])
-@pytest.mark.parametrize("arch", sorted(GGUF_ARCH))
-def test_a_family_k_quant_gguf_loads_and_runs_its_own_blocks(arch: str, mix: str, tmp_path: Path, private_cache: Path,
-                                                            caplog: pytest.LogCaptureFixture) -> None:
-    # llama.cpp's K-quant mixes of every family: the file's weights are its blocks (the float load is
-    # the model whose matrices are those blocks dequantized), and --quantization gguf runs every
-    # projection, a mixture's experts included, on the blocks (within int8 activations' error of the
-    # floats), from a conversion that wrote none of their floats
+KQUANT_IDS = list(range(5, 25))
+NO_A8 = pytest.mark.skipif(a8_error() is not None, reason=f"the a8 kernels (AVX512-VNNI) are unavailable: {a8_error()}")
+
+
+def _k_quant_file(arch: str, mix: str, tmp_path: Path) -> tuple[RowBlocks, Path, torch.Tensor]:
+    """A tiny ``arch`` written as llama.cpp's ``mix``: its blocks, the file, and the logits [20, V] of
+    the model whose matrices are those blocks dequantized (for ids 5..24)."""
     hf, _ = tiny_hf_model(arch, torch.float32, seed=9, vocab_size=VOCAB,
                           **{**CONFIGS[arch], **KQUANT_SHAPE, **KQUANT_CONFIGS.get(arch, {})})
     blocks = random_blocks_in_place(hf, MIXES[mix], seed=len(arch))
     ours = DecoderModel(TargetConfig.from_hf(hf.config.to_dict()))
     ours.load_hf_state_dict(hf.state_dict())
     path = write_family_gguf(hf, arch, tmp_path / f"tiny-{arch}.{mix}.gguf", blocks=blocks)
-    ids = list(range(5, 25))
-    want = full_logits(ours.eval(), ids)
-    if a8_error() is not None:
-        assert (full_logits(load_model(str(path)).model, ids) - want).abs().max().item() < 1e-4
-        pytest.skip(f"the float load holds; the native half needs the a8 kernels: {a8_error()}")
+    return blocks, path, full_logits(ours.eval(), KQUANT_IDS)
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q6_K"])
+@pytest.mark.parametrize("arch", sorted(GGUF_ARCH))
+def test_a_family_k_quant_gguf_loads_as_its_blocks_dequantized(arch: str, mix: str, tmp_path: Path,
+                                                               private_cache: Path) -> None:
+    # llama.cpp's K-quant mixes of every family: the file's weights are its blocks, so the float load is
+    # the model whose matrices are those blocks dequantized
+    _, path, want = _k_quant_file(arch, mix, tmp_path)
+    assert (full_logits(load_model(str(path)).model, KQUANT_IDS) - want).abs().max().item() < 1e-4
+
+
+@NO_A8
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q6_K"])
+@pytest.mark.parametrize("arch", sorted(GGUF_ARCH))
+def test_a_family_k_quant_gguf_runs_its_own_blocks(arch: str, mix: str, tmp_path: Path, private_cache: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    # --quantization gguf runs every projection, a mixture's experts included, on the blocks (within int8
+    # activations' error of the floats), from a conversion that wrote none of their floats
+    blocks, path, want = _k_quant_file(arch, mix, tmp_path)
+    ids = KQUANT_IDS
     with caplog.at_level(logging.INFO, logger="tidespec.models.loading.loader"):
         light = load_model(str(path), quantization="gguf")  # a fresh cache: the conversion without floats
     native = light.model
@@ -223,24 +239,22 @@ def test_a_family_k_quant_gguf_loads_and_runs_its_own_blocks(arch: str, mix: str
     floats = load_model(str(path)).model  # the full conversion: the model the blocks are
     assert (full_logits(floats, ids) - want).abs().max().item() < 1e-4
     x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
-    float_layers = dict(floats.named_modules())
-    for name, layer in native.named_modules():  # each projection on its blocks: a misplaced row or part is O(1)
-        if name.endswith(("qkv_proj", "o_proj", "gate_up_proj", "down_proj")) or name == "lm_head":
-            ref = float_layers[name]
-            xi = x[:, :ref.weight.shape[1]]
-            bias = None if ref.bias is None else ref.bias.double()
-            want_i = torch.nn.functional.linear(xi.double(), ref.weight.double(), bias)
-            assert ((layer(xi).double() - want_i).norm() / want_i.norm()).item() < 0.03, name
+    float_layers = _projections(floats)
+    for name, layer in _projections(native).items():  # each on its blocks: a misplaced row or part is O(1)
+        ref = float_layers[name]
+        xi = x[:, :ref.weight.shape[1]]
+        bias = None if ref.bias is None else ref.bias.double()
+        want_i = torch.nn.functional.linear(xi.double(), ref.weight.double(), bias)
+        assert ((layer(xi).double() - want_i).norm() / want_i.norm()).item() < 0.03, name
     got = full_logits(native, ids)  # and the model end to end: int8 activations' error through every layer
     assert ((got - want).norm() / want.norm()).item() < 0.15
 
 
+@NO_A8
 @pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
 def test_speculation_on_a_mixtures_own_blocks_gives_the_plain_tokens(arch: str, tmp_path: Path,
                                                                     private_cache: Path) -> None:
     # each expert runs its blocks over whatever rows chose it: a verification row gets its decode row's bits
-    if a8_error() is not None:
-        pytest.skip(f"a8 kernels unavailable: {a8_error()}")
     hf, _ = tiny_hf_model(arch, torch.float32, seed=5, vocab_size=VOCAB,
                           **{**CONFIGS[arch], **KQUANT_SHAPE, **KQUANT_CONFIGS.get(arch, {})})
     path = write_family_gguf(hf, arch, tmp_path / f"tiny-{arch}.gguf", blocks=random_blocks_in_place(

@@ -60,6 +60,8 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-moe": (QWEN3, {"enable_thinking": False}), "smollm3": (SMOLLM3, {"enable_thinking": False}),
     "gemma2": (GEMMA, {}), "gemma3": (GEMMA, {}), "phi3": (PHI3, {}), "olmo2": (OLMO2, {}), "granite": (GRANITE, {}),
     "mixtral": (MISTRAL, {}), "qwen2": (IM, {})}
+# one token, whatever the random model draws (EOS included): every answer ends at its length
+ONE_TOKEN: dict[str, Any] = {"ignore_eos": True}
 MESSAGES = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello."},
             {"role": "user", "content": "Name a colour."}]
 
@@ -99,13 +101,14 @@ def test_a_family_checkpoint_serves_its_own_chat_template(arch: str, tmp_path: P
     with server:
         client = server.client()
         out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,  # type: ignore[arg-type]
-                                             extra_body={"chat_template_kwargs": kwargs} if kwargs else None)
+                                             extra_body={**ONE_TOKEN, "chat_template_kwargs": kwargs} if kwargs else ONE_TOKEN)
         assert out.choices[0].finish_reason == "length"
         want = reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False, **kwargs)
         assert prompts == [want]
         assert out.usage is not None and out.usage.prompt_tokens == len(reference(want)["input_ids"])
         if kwargs:  # the variables reached the template: without them it renders otherwise
-            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1)  # type: ignore[arg-type]
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,  # type: ignore[arg-type]
+                                           extra_body=ONE_TOKEN)
             assert prompts[1] == reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
             assert prompts[1] != prompts[0]
 
@@ -141,5 +144,6 @@ def test_a_templates_refusal_and_a_reserved_variable_are_400s(tmp_path: Path) ->
         assert reserved.value.body["param"] == "chat_template_kwargs"  # type: ignore[index]
         assert "add_generation_prompt" in str(reserved.value)
         assert prompts == []  # neither reached the engine
-        ok = client.chat.completions.create(model="tiny", max_tokens=1, messages=MESSAGES)  # type: ignore[arg-type]
+        ok = client.chat.completions.create(model="tiny", max_tokens=1, messages=MESSAGES,  # type: ignore[arg-type]
+                                            extra_body=ONE_TOKEN)
         assert ok.choices[0].finish_reason == "length"  # the server answers the next request
