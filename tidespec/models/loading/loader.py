@@ -41,7 +41,6 @@ from typing import Any
 
 import gguf
 import numpy as np
-import psutil
 import torch
 import transformers
 from safetensors import SafetensorError, safe_open
@@ -50,6 +49,7 @@ from tidespec.errors import UserError
 from tidespec.files import cache_root, measure_once
 from tidespec.heap import find_malloc_trim
 from tidespec.models.families import build_target
+from tidespec.models.kv.cache import available_memory
 from tidespec.models.loading.gguf_convert import GgufConversionError, convert_gguf, one_line, read_gguf
 from tidespec.models.quant.gguf_blocks import BLOCKS_FILE, UNPACK_WEIGHTS, GgufBlocks
 from tidespec.models.quant.quantize import ModelQuantizer
@@ -376,7 +376,7 @@ def check_room(gguf_path: Path, out: Path, bytes_per_weight: int = 0) -> None:
         if need > free:
             raise ModelLoadError(f"{gguf_path.name}: its float32 conversion needs {need / 1e9:.1f} GB in {out.parent} "
                                  f"({free / 1e9:.1f} GB free); {hint}")
-    available = int(psutil.virtual_memory().available)
+    available = available_memory()
     if bytes_per_weight and bytes_per_weight * weights > available:
         raise ModelLoadError(f"{gguf_path.name}: {weights / 1e9:.1f}B weights in floats need "
                              f"{bytes_per_weight * weights / 1e9:.1f} GB of memory ({available / 1e9:.1f} GB available); "

@@ -460,8 +460,8 @@ def gguf_layer(i: int, layer: nn.Module, blocks: GgufBlocks, fallback: Callable[
         experts = getattr(parent, "experts", None)
         if isinstance(experts, nn.ModuleList):
             for e, expert in enumerate(experts):
+                prefix = f"model.layers.{i}.{parent_name}.experts.{e}."
                 for path in EXPERT_PROJECTIONS:
-                    prefix = f"model.layers.{i}.{parent_name}.experts.{e}."
                     setattr(expert, path, _replacement(getattr(expert, path), prefix, path, blocks, fallback))
 
 
