@@ -216,6 +216,14 @@ TINY_HF_ARCHS: dict[str, tuple[type, type, dict[str, Any]]] = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], pad_token_id=None,
         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
                          "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1000000.0)})),
+    # attention sinks, sliding (window 5) and global layers, YaRN, a biased router (softmax over the top 2
+    # logits), biased experts with gate|up interleaved, a SwiGLU clamp small enough to bite
+    "gpt-oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM, dict(
+        num_hidden_layers=3, head_dim=16, sliding_window=5, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=48, swiglu_limit=1.5, pad_token_id=None, bos_token_id=1, eos_token_id=2,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=8.0, beta_slow=1.0,
+                             original_max_position_embeddings=32, truncate=False))),
 }
 
 
@@ -288,7 +296,7 @@ def tiny_hf_model(arch: str, dtype: torch.dtype, seed: int = 0,
     hf_cfg.architectures = [model_cls.__name__]
     # experts looped one by one (transformers' reference; its grouped GEMM takes no float64); eager
     # attention where the scores are soft-capped (SDPA has no place for the cap)
-    attn = "eager" if getattr(hf_cfg, "attn_logit_softcapping", None) else "sdpa"
+    attn = "eager" if getattr(hf_cfg, "attn_logit_softcapping", None) or not model_cls._supports_sdpa else "sdpa"
     hf = model_cls._from_config(hf_cfg, attn_implementation=attn, experts_implementation="eager", dtype=torch.float32)
     randomize_(hf, seed)
     hf = hf.to(dtype).eval()

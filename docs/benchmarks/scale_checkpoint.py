@@ -9,7 +9,8 @@ writes ``/data/scale/llama-3.2-1b.F16.gguf`` and ``llama-3.2-1b.{Q4_K_M,Q8_0}.gg
 ``llama_model_quantize``; also Q5_K_M, Q6_K), and with ``HF`` in the list the HF directory
 ``llama-3.2-1b-hf`` (config.json, float32 safetensors shards, tokenizer: tidespec's conversion of the
 F16 file, loadable by transformers and by ``--model``). The architecture is the named model's (llama,
-qwen3 with its q/k norms, qwen3moe with its experts; random q/k rows need no rope permutation) with
+qwen3 with its q/k norms, qwen3moe with its experts, gpt-oss with its sinks, biases and MXFP4 experts
+(``MXFP4_MOE``); random q/k rows need no rope permutation) with
 the shape of the named model, its LM head tied to the token embedding where the real one is, and the
 embedded SmolLM2-135M-Instruct's tokenizer (copied from the embedded GGUF, so the workloads' prompts
 tokenize) padded with unused tokens to the real vocabulary's size (128,256 for Llama 3.2, 151,936 for
@@ -54,6 +55,12 @@ class Shape:
     def qk_norm(self) -> bool:
         return self.arch.startswith("qwen3")
 
+    @property
+    def oss(self) -> bool:
+        """gpt-oss: biases on q/k/v/o, the router and the experts, attention sinks, the norm before the
+        mixture named post_attention_norm."""
+        return self.arch == "gpt-oss"
+
 
 SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 16, 8192, 32, 8, 64, 500000.0, 128256),
@@ -64,10 +71,16 @@ SHAPES = {
     # parameters), the file holds 5.1B (10 GB in F16, 3 GB in Q4_K_M) instead of 30.5B
     "qwen3-30b-a3b-16e": Shape("qwen3moe", 2048, 48, 6144, 32, 4, 128, 1000000.0, 151936, tied=False,
                                experts=16, used=8, expert_width=768),
+    # gpt-oss-20b's layers (24, hidden 2880, 64/8 heads of 64, attention sinks, every other layer a window of
+    # 128, YaRN, biased router and experts of width 2880, 4 used a token, untied head) with 8 of its 32
+    # experts: a token reads what it reads in the real model (3.6B parameters), the file holds 6.6B
+    "gpt-oss-20b-8e": Shape("gpt-oss", 2880, 24, 2880, 64, 8, 64, 150000.0, 201088, tied=False,
+                            experts=8, used=4, expert_width=2880),
 }
 UNUSED = 5  # gguf's token type of a token the tokenizer never produces (llama.cpp's LLAMA_TOKEN_TYPE_UNUSED)
 FTYPES = {"Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "Q5_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M,
-          "Q6_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K, "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0}
+          "Q6_K": llama_cpp.LLAMA_FTYPE_MOSTLY_Q6_K, "Q8_0": llama_cpp.LLAMA_FTYPE_MOSTLY_Q8_0,
+          "MXFP4_MOE": llama_cpp.LLAMA_FTYPE_MOSTLY_MXFP4_MOE}  # gpt-oss's: experts MXFP4, the rest Q8_0
 TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
                   "tokenizer.ggml.merges", "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id",
                   "tokenizer.ggml.unknown_token_id", "tokenizer.ggml.padding_token_id",
@@ -96,6 +109,11 @@ def write_f16(name: str, path: Path) -> None:
         w.add_expert_count(shape.experts)
         w.add_expert_used_count(shape.used)
         w.add_expert_feed_forward_length(shape.expert_width)
+    if shape.oss:
+        w.add_sliding_window(128)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(32.0)
+        w.add_rope_scaling_orig_ctx_len(4096)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
@@ -118,9 +136,17 @@ def write_f16(name: str, path: Path) -> None:
     if not shape.tied:
         w.add_tensor("output.weight", matrix(vocab, hidden))
     w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    def bias(*shape_: int) -> np.ndarray:
+        return (rng.standard_normal(shape_, dtype=np.float32) * 0.02).astype(np.float32)
+
     for i in range(layers):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+        w.add_tensor(f"blk.{i}.{'post_attention_norm' if shape.oss else 'ffn_norm'}.weight", np.ones(hidden, np.float32))
+        if shape.oss:
+            w.add_tensor(f"blk.{i}.attn_sinks.weight", bias(heads))
+            for part, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim),
+                               ("output", hidden)):
+                w.add_tensor(f"blk.{i}.attn_{part}.bias", bias(rows))
         w.add_tensor(f"blk.{i}.attn_q.weight", matrix(heads * head_dim, hidden))
         w.add_tensor(f"blk.{i}.attn_k.weight", matrix(kv_heads * head_dim, hidden))
         w.add_tensor(f"blk.{i}.attn_v.weight", matrix(kv_heads * head_dim, hidden))
@@ -134,6 +160,10 @@ def write_f16(name: str, path: Path) -> None:
             w.add_tensor(f"blk.{i}.ffn_gate_exps.weight", matrix(e * width, hidden).reshape(e, width, hidden))
             w.add_tensor(f"blk.{i}.ffn_up_exps.weight", matrix(e * width, hidden).reshape(e, width, hidden))
             w.add_tensor(f"blk.{i}.ffn_down_exps.weight", matrix(e * hidden, width).reshape(e, hidden, width))
+            if shape.oss:
+                w.add_tensor(f"blk.{i}.ffn_gate_inp.bias", bias(e))
+                for part, rows in (("gate", width), ("up", width), ("down", hidden)):
+                    w.add_tensor(f"blk.{i}.ffn_{part}_exps.bias", bias(e, rows))
             continue
         w.add_tensor(f"blk.{i}.ffn_gate.weight", matrix(inter, hidden))
         w.add_tensor(f"blk.{i}.ffn_up.weight", matrix(inter, hidden))

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 from transformers.models.gemma2 import modeling_gemma2
 from transformers.models.gemma3 import modeling_gemma3
+from transformers.models.gpt_oss import modeling_gpt_oss
 from transformers.models.granite import modeling_granite
 from transformers.models.llama import modeling_llama
 from transformers.models.mistral import modeling_mistral
@@ -21,7 +22,7 @@ from transformers.models.smollm3 import modeling_smollm3
 HF_RMSNORMS = (modeling_llama.LlamaRMSNorm, modeling_mistral.MistralRMSNorm, modeling_qwen2.Qwen2RMSNorm,
                modeling_qwen3.Qwen3RMSNorm, modeling_smollm3.SmolLM3RMSNorm, modeling_olmo2.Olmo2RMSNorm,
                modeling_granite.GraniteRMSNorm, modeling_phi3.Phi3RMSNorm, modeling_qwen3_moe.Qwen3MoeRMSNorm,
-               modeling_mixtral.MixtralRMSNorm)
+               modeling_mixtral.MixtralRMSNorm, modeling_gpt_oss.GptOssRMSNorm)
 HF_ROUTERS = (modeling_qwen3_moe.Qwen3MoeTopKRouter, modeling_mixtral.MixtralTopKRouter)
 
 
@@ -64,7 +65,8 @@ def honest_hf_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
     unpatched float64 HF model is only float32-accurate and could never meet a 1e-10 bound. Patch
     them to compute in the input dtype (what our RMSNorm does for float64), and the routers of the
     mixtures of experts and Gemma 2's eager attention (soft-capped scores) likewise. Attention uses sdpa,
-    which stays in float64 (eager softmax would also downcast); rope cos/sin are computed in
+    which stays in float64 (eager softmax would also downcast; gpt-oss's eager attention with sinks and its
+    router keep the input dtype); rope cos/sin are computed in
     float32 by both HF and us, so they need no patch."""
     for cls in HF_RMSNORMS:
         monkeypatch.setattr(cls, "forward", _rmsnorm_in_input_dtype)

@@ -173,6 +173,41 @@ def test_exact_kernel_soft_caps_scores_as_the_padded_path_does(dtype: torch.dtyp
     assert (capped - attend(True, None)).abs().max() > 0.1
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
+def test_exact_kernel_sinks_join_the_softmax_as_the_padded_path_does(dtype: torch.dtype) -> None:
+    """gpt-oss's sinks (a logit per head in each softmax's denominator) in the row-invariant kernel equal
+    the padded path's (transformers' eager formula, itself checked against transformers in
+    test_model_reference.py), beside a soft cap and a window; a sink far below the scores changes nothing,
+    one far above silences the head; and a token's row keeps its bits decoded alone."""
+    torch.manual_seed(3)
+    slots = [2, 0, 3, 1]
+    new, ctx, _, masks = _batch(slots)
+    q_lens = [len(n) for n in new]
+    k = torch.randn(16, 2, 32, 8, dtype=dtype) * 2
+    v = torch.randn_like(k)
+    q = torch.randn(sum(q_lens), 4, 8, dtype=dtype)
+    sinks = torch.tensor([-1.0, 0.5, 2.0, 4.0], dtype=dtype)
+
+    def attend(exact: bool, sinks: torch.Tensor | None, softcap: float | None = None,
+               rows: slice = slice(None)) -> torch.Tensor:
+        keep = list(range(len(slots)))[rows]
+        plan = AttentionPlan.build([q_lens[i] for i in keep], [ctx[i] for i in keep], [slots[i] for i in keep],
+                                   [masks[i] for i in keep], 6, "cpu", exact=exact)
+        starts = [sum(q_lens[:i]) for i in keep]
+        qs = torch.cat([q[s:s + q_lens[i]] for s, i in zip(starts, keep)])
+        return plan.attend(qs, _transposed(k) if exact else k, v, scale=0.3, softcap=softcap, sinks=sinks)
+
+    tol = 1e-12 if dtype == torch.float64 else 2e-6
+    with_sinks = attend(True, sinks)
+    torch.testing.assert_close(with_sinks, attend(False, sinks), rtol=0, atol=tol)
+    torch.testing.assert_close(attend(True, sinks, 1.5), attend(False, sinks, 1.5), rtol=0, atol=tol)
+    assert (with_sinks - attend(True, None)).abs().max() > 0.1
+    low, high = torch.full((4,), -1e4, dtype=dtype), torch.full((4,), 1e4, dtype=dtype)
+    assert torch.equal(attend(True, low), attend(True, None))
+    assert attend(True, high).abs().max() == 0
+    assert torch.equal(attend(True, sinks, rows=slice(1, 2)), with_sinks[q_lens[0]:q_lens[0] + q_lens[1]])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_exact_kernel_row_has_the_same_bits_whatever_the_call_holds(dtype: torch.dtype) -> None:
     """A token's output from the row-invariant kernel is bit for bit its output decoded alone, when

@@ -9,6 +9,7 @@ parts that a tiny prompt does not reach (LongRoPE's long factors) and what is re
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -110,6 +111,42 @@ def test_a_saved_checkpoint_loads_with_the_same_logits(arch: str, tmp_path: Path
     assert torch.equal(full_logits(loaded.model, ids), full_logits(ours, ids))
 
 
+FP4 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # e2m1 codes
+
+
+def test_a_gpt_oss_checkpoint_with_mxfp4_experts_loads_them_dequantized(tmp_path: Path) -> None:
+    """The released gpt-oss checkpoints hold their experts as MXFP4 (``*_blocks``: two e2m1 codes a byte, the
+    low nibble first; ``*_scales``: a power of two per 32 values, biased by 127). Such a directory loads with
+    those experts dequantized: the logits of the same model whose experts are the decoded values."""
+    from safetensors.torch import load_file, save_file
+
+    hf, _ = tiny_hf_model("gpt-oss", torch.float32, seed=13, intermediate_size=64)  # blocks of 32 inputs
+    directory = write_tiny_checkpoint(hf, tmp_path / "gpt-oss-mxfp4")
+    tensors = load_file(str(directory / "model.safetensors"))
+    gen = torch.Generator().manual_seed(2)
+    lut = torch.tensor(FP4)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        e, rows, cols = tensors[name].transpose(1, 2).shape  # [E, out, in]: the blocks run along the inputs
+        blocks = torch.randint(0, 256, (e, rows, cols // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(124, 129, (e, rows, cols // 32), generator=gen, dtype=torch.uint8)
+        codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).reshape(e, rows, cols // 32, 32).long()
+        values = lut[codes] * torch.pow(2.0, scales.float() - 127).unsqueeze(-1)  # [E, out, in / 32, 32]
+        tensors.pop(name)
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+        layer, kind = int(name.split(".")[2]), name.rpartition(".")[2]
+        with torch.no_grad():
+            getattr(hf.model.layers[layer].mlp.experts, kind).copy_(values.reshape(e, rows, cols).transpose(1, 2))
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (directory / "config.json").write_text(json.dumps(config))
+    ids = list(range(3, 20))
+    with torch.no_grad():
+        want = hf(torch.tensor([ids])).logits[0]
+    got = full_logits(load_model(str(directory)).model, ids)
+    assert (got - want).abs().max().item() < 1e-4
+
+
 def test_longrope_uses_the_long_factors_past_the_original_length() -> None:
     """Positions from ``original_max_position_embeddings`` on: transformers' cos/sin of a sequence
     longer than that (its long factors); before it: those of a short one."""
@@ -153,8 +190,8 @@ def test_unsupported_family_features_are_one_line_errors() -> None:
     llama = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                      num_attention_heads=4).to_dict()
     llama["architectures"] = ["LlamaForCausalLM"]
-    llama["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}
-    with pytest.raises(ModelConfigError, match="unsupported rope_scaling type 'yarn'"):
+    llama["rope_parameters"] = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0}
+    with pytest.raises(ModelConfigError, match="unsupported rope_scaling type 'dynamic'"):
         TargetConfig.from_hf(llama)
     phi3 = transformers.Phi3Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, pad_token_id=None).to_dict()
@@ -207,9 +244,9 @@ def test_an_older_config_json_gets_transformers_defaults() -> None:
     assert TargetConfig.from_hf(qwen2).uniform_attention and TargetConfig.from_hf(qwen2).layer_window(3) is None
 
 
-@pytest.mark.parametrize("arch", ["llama", "olmo2", "gemma3"])
+@pytest.mark.parametrize("arch", ["llama", "olmo2", "gemma3", "gpt-oss"])
 def test_the_norm_rounds_bfloat16_where_the_family_does(arch: str) -> None:
-    """Llama multiplies by the norm's weight after the cast to bfloat16, OLMo 2 and Gemma before it:
+    """Llama multiplies by the norm's weight after the cast to bfloat16, OLMo 2, Gemma and gpt-oss before it:
     the bits of a bfloat16 model's norm are transformers' for each."""
     hf, ours = tiny_hf_model(arch, torch.bfloat16, seed=2)
     x = torch.randn(5, hf.config.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
@@ -219,14 +256,18 @@ def test_the_norm_rounds_bfloat16_where_the_family_does(arch: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["int8", "w4a8"])
-def test_a_quantized_mixture_keeps_its_router_and_speculates_exactly(mode: str) -> None:
-    """Quantization replaces the attention's and every expert's projections, not the router (it picks
-    the experts, as llama.cpp keeps it float); suffix speculation then gives the plain tokens."""
-    _, model = tiny_hf_model("qwen3-moe", torch.float32, seed=14, moe_intermediate_size=64)
+@pytest.mark.parametrize("arch", ["qwen3-moe", "gpt-oss"])
+def test_a_quantized_mixture_keeps_its_router_and_speculates_exactly(arch: str, mode: str) -> None:
+    """Quantization replaces the attention's and every expert's projections (gpt-oss's with their biases),
+    not the router (it picks the experts, as llama.cpp keeps it float); suffix speculation then gives the
+    plain tokens."""
+    width = {"moe_intermediate_size": 64} if arch == "qwen3-moe" else {"intermediate_size": 64}
+    _, model = tiny_hf_model(arch, torch.float32, seed=14, **width)
     quantize_model(model, mode)
     moe = model.layers[0].mlp
     assert isinstance(moe, SparseMoE) and type(moe.gate) is Linear
-    assert isinstance(model.layers[1].mlp.down_proj, QuantizedLinear)  # the dense layer
+    if arch == "qwen3-moe":
+        assert isinstance(model.layers[1].mlp.down_proj, QuantizedLinear)  # the dense layer
     assert all(isinstance(e.down_proj, QuantizedLinear) for e in moe.experts)
     prompts = _prompts(model.cfg.vocab_size)
     plain, _ = _decode(model, SpecConfig(), prompts, slots=1)

@@ -34,7 +34,8 @@ from tidespec.models.target import TargetConfig
 VOCAB = 261  # 256 bytes, 2 merges, 3 control tokens
 # llama.cpp writes a Mixtral as "llama" with experts (and q/k permuted as for any llama)
 GGUF_ARCH = {"gemma2": "gemma2", "gemma3": "gemma3", "phi3": "phi3", "qwen3-moe": "qwen3moe", "mixtral": "llama",
-             "olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3", "qwen2": "qwen2", "qwen3": "qwen3"}
+             "olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3", "qwen2": "qwen2", "qwen3": "qwen3",
+             "gpt-oss": "gpt-oss"}
 PERMUTED_QK = ("llama", "granite", "smollm3")  # llama.cpp's LlamaModel and its subclasses reorder q/k rows
 # tiny configs in llama.cpp's conventions: a GGUF has no query_pre_attn_scalar (llama.cpp: head_dim
 # below 27B), no layer types (Gemma 2 alternates, Gemma 3 slides 5 of every 6), Gemma 3's global
@@ -53,13 +54,19 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "smollm3": dict(num_hidden_layers=5, no_rope_layer_interval=4),  # llama.cpp: a NoPE layer every 4th
     "qwen2": {},
     "qwen3": {},
+    # llama.cpp: layers alternate sliding and global from layer 0, SwiGLU clamped at 7, YaRN's betas 32 and 1
+    # and (as the released checkpoints' config.json says) no truncation of its ramp
+    "gpt-oss": dict(intermediate_size=64, swiglu_limit=7.0, layer_types=None, rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+        original_max_position_embeddings=32, truncate=False)),
 }
 # K-quant files: every matrix's input width a multiple of 256 (a K-quant super-block), as in real models
 KQUANT_SHAPE: dict[str, Any] = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
                                  "num_key_value_heads": 2, "head_dim": 64}
 KQUANT_CONFIGS: dict[str, dict[str, Any]] = {
     "gemma2": {"query_pre_attn_scalar": 64}, "gemma3": {"query_pre_attn_scalar": 64},
-    "qwen3-moe": {"moe_intermediate_size": 256}, "mixtral": {"intermediate_size": 256}}
+    "qwen3-moe": {"moe_intermediate_size": 256}, "mixtral": {"intermediate_size": 256},
+    "gpt-oss": {"intermediate_size": 256}}
 RowBlocks = dict[bytes, tuple[gguf.GGMLQuantizationType, np.ndarray]]  # a float32 row's bytes -> (type, its blocks)
 
 
@@ -70,9 +77,13 @@ def random_blocks_in_place(hf: transformers.PreTrainedModel, mix: dict[str, gguf
     row's blocks, so that a writer can write a matrix whose rows it reordered or split as their blocks."""
     rng, table = np.random.default_rng(seed), {}
     with torch.no_grad():
-        for key, p in hf.named_parameters():
+        for key, param in hf.named_parameters():
             if not (key.endswith(("proj.weight", "embed_tokens.weight", "lm_head.weight")) or ".experts." in key):
                 continue
+            if key.endswith("_bias"):  # gpt-oss's expert biases stay floats
+                continue
+            # gpt-oss holds its experts transposed ([E, in, out]): the file's rows are the columns
+            p = param.transpose(-1, -2) if _oss_experts(hf) and ".experts." in key else param
             kind = ("attn_v" if key.endswith(".v_proj.weight") else "ffn_down" if "down_proj" in key
                     else "token_embd" if "embed_tokens" in key else "default")
             qtype = mix.get(kind, mix["default"])
@@ -83,10 +94,17 @@ def random_blocks_in_place(hf: transformers.PreTrainedModel, mix: dict[str, gguf
     return table
 
 
+def _oss_experts(hf: transformers.PreTrainedModel) -> bool:
+    """Whether ``hf``'s experts are gpt-oss's: transposed, gate and up interleaved, with biases."""
+    return hf.config.model_type == "gpt_oss"
+
+
 def write_family_gguf(hf: transformers.PreTrainedModel, arch: str, path: Path,
                       qtype: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
-                      blocks: RowBlocks | None = None, template: str | None = None) -> Path:
-    """``hf`` as llama.cpp's converter writes ``arch``: matrices in ``qtype``, or, with ``blocks``
+                      blocks: RowBlocks | None = None, template: str | None = None,
+                      expert_qtype: gguf.GGMLQuantizationType | None = None) -> Path:
+    """``hf`` as llama.cpp's converter writes ``arch``: matrices in ``qtype`` (a mixture's experts in
+    ``expert_qtype`` when given: gpt-oss's files hold them in MXFP4), or, with ``blocks``
     (``random_blocks_in_place``), each matrix as the blocks its rows were dequantized from; with
     ``template``, that chat template in ``tokenizer.chat_template``."""
     cfg, g = hf.config, GGUF_ARCH[arch]
@@ -114,6 +132,14 @@ def write_family_gguf(hf: transformers.PreTrainedModel, arch: str, path: Path,
     if arch == "mixtral":
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
+    if arch == "gpt-oss":
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
     if arch == "granite":
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
@@ -123,20 +149,34 @@ def write_family_gguf(hf: transformers.PreTrainedModel, arch: str, path: Path,
 
     def add(name: str, t: np.ndarray) -> None:
         rows = t.reshape(-1, t.shape[-1]) if t.ndim >= 2 else None
+        kind = expert_qtype if expert_qtype is not None and "_exps.weight" in name else qtype
         if blocks is not None and rows is not None and rows[0].tobytes() in blocks:  # the rows' own blocks
             kind = blocks[rows[0].tobytes()][0]
             raw = np.stack([blocks[r.tobytes()][1] for r in rows])
             w.add_tensor(name, raw.reshape(*t.shape[:-1], -1), raw_dtype=kind)
-        elif t.ndim >= 2 and qtype != gguf.GGMLQuantizationType.F32:
-            w.add_tensor(name, gguf.quantize(t, qtype), raw_dtype=qtype)
+        elif t.ndim >= 2 and kind != gguf.GGMLQuantizationType.F32 and not name.endswith(".bias"):
+            w.add_tensor(name, gguf.quantize(np.ascontiguousarray(t), kind), raw_dtype=kind)
         else:
-            w.add_tensor(name, t)
+            w.add_tensor(name, np.ascontiguousarray(t))
 
     ids = {n: a for a, n in gguf.MODEL_ARCH_NAMES.items()}
     names = gguf.get_tensor_name_map(ids[g], cfg.num_hidden_layers)
     for key, value in hf.state_dict().items():
         t = value.detach().float().numpy()
         if key == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if key.endswith(".sinks"):  # gpt-oss: [n_h] per layer
+            add(f"{names.get_name(key)}.weight", t)
+            continue
+        if _oss_experts(hf) and ".mlp.experts." in key:  # [E, H, 2I] gate|up interleaved, [E, I, H] down
+            blk, kind = "blk." + key.split(".")[2], key.rpartition(".")[2]
+            suffix = "bias" if kind.endswith("_bias") else "weight"
+            t = t if suffix == "bias" else t.swapaxes(1, 2)  # [E, out, in] as llama.cpp holds a matrix
+            if kind.startswith("gate_up_proj"):
+                add(f"{blk}.ffn_gate_exps.{suffix}", t[:, 0::2])
+                add(f"{blk}.ffn_up_exps.{suffix}", t[:, 1::2])
+            else:
+                add(f"{blk}.ffn_down_exps.{suffix}", t)
             continue
         if key.endswith("mlp.experts.gate_up_proj"):  # [E, 2I, H] -> ffn_gate_exps, ffn_up_exps [E, I, H]
             blk = "blk." + key.split(".")[2]
@@ -177,7 +217,7 @@ def test_a_family_gguf_loads_as_the_model_it_was_written_from(arch: str, qtype: 
     path = write_family_gguf(hf, arch, tmp_path / f"tiny-{arch}.{qtype.name}.gguf", qtype)
     loaded = load_model(str(path))
     assert loaded.config.architecture == ours.cfg.architecture
-    for field in ("sliding_layers", "attn_logit_softcap", "final_logit_softcap", "rope_scaling", "num_experts",
+    for field in ("sliding_layers", "sliding_window", "attn_logit_softcap", "final_logit_softcap", "rope_scaling", "num_experts",
                   "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "tie_word_embeddings",
                   "rope_layers", "qk_norm", "norm_placement"):
         assert getattr(loaded.config, field) == getattr(ours.cfg, field), field
@@ -250,8 +290,37 @@ def test_a_family_k_quant_gguf_runs_its_own_blocks(arch: str, mix: str, tmp_path
     assert ((got - want).norm() / want.norm()).item() < 0.15
 
 
+def test_a_gpt_oss_file_with_mxfp4_experts_loads_them_and_says_what_they_run_as(
+        tmp_path: Path, private_cache: Path, caplog: pytest.LogCaptureFixture) -> None:
+    # what gpt-oss files hold: the experts in MXFP4 (run on the w8 tile, their values exactly, no floats
+    # written), the rest in Q8_0; the float load's experts are the MXFP4 blocks dequantized as gguf-py does
+    hf, _ = tiny_hf_model("gpt-oss", torch.float32, seed=9, vocab_size=VOCAB, **CONFIGS["gpt-oss"])
+    mx = gguf.GGMLQuantizationType.MXFP4
+    path = write_family_gguf(hf, "gpt-oss", tmp_path / "tiny-gpt-oss.mxfp4.gguf", gguf.GGMLQuantizationType.Q8_0,
+                             expert_qtype=mx)
+    native = None
+    if a8_error() is None:
+        with caplog.at_level(logging.INFO, logger="tidespec.models.loading.loader"):
+            light = load_model(str(path), quantization="gguf")  # a fresh cache: the conversion without floats
+        native = light.model
+        summary = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("GGUF blocks"))
+        experts = 3 * 4 * 3  # layers x experts x (gate, up, down)
+        assert "Q8_0 x" in summary and f"MXFP4 x{experts}" in summary and "; " not in summary, summary
+        stored = read_state_dict(Path(light.path))._where
+        assert not [n for n, f in stored.items() if f.name != BLOCKS_FILE and n.endswith("_proj.weight")
+                    and n.startswith("model.layers.")], "a projection's floats written beside its blocks"
+    floats = load_model(str(path)).model
+    up = hf.model.layers[1].mlp.experts.gate_up_proj.detach()[2].t().numpy()  # expert 2: [2I, H] interleaved
+    want = torch.from_numpy(gguf.dequantize(gguf.quantize(np.ascontiguousarray(up[0::2]), mx), mx))
+    got = floats.layers[1].mlp.experts[2].gate_up_proj.weight[:up.shape[0] // 2]
+    assert torch.equal(got, want) and not torch.equal(got, torch.from_numpy(up[0::2]))
+    if native is not None:  # the blocks' values exactly: within int8 activations' error of the float load
+        want_logits = full_logits(floats, KQUANT_IDS)
+        assert ((full_logits(native, KQUANT_IDS) - want_logits).norm() / want_logits.norm()).item() < 0.15
+
+
 @NO_A8
-@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3-moe", "mixtral", "gpt-oss"])
 def test_speculation_on_a_mixtures_own_blocks_gives_the_plain_tokens(arch: str, tmp_path: Path,
                                                                     private_cache: Path) -> None:
     # each expert runs its blocks over whatever rows chose it: a verification row gets its decode row's bits

@@ -4,7 +4,7 @@ A self-hoster's model brings its own template: an HF directory in its tokenizer 
 ``tokenizer.chat_template``. The templates here are written for these tests in each family's turn
 format, with the features the real ones use: Gemma's refusal of a system turn (``raise_exception``),
 Llama 3's date (``strftime_now`` unless the request passes ``date_string``), Qwen3's and SmolLM3's
-``enable_thinking``, Mistral's alternation check. The server gets them from the checkpoint it loaded
+``enable_thinking``, Mistral's alternation check, gpt-oss's ``reasoning_effort``. The server gets them from the checkpoint it loaded
 (no template of its own), passes a request's ``chat_template_kwargs`` to them (vLLM's field), and
 answers a template's refusal with a 400 naming ``messages``.
 """
@@ -54,12 +54,20 @@ MISTRAL = ("{{ bos_token }}{% for m in messages if m['role'] != 'system' %}"
            "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
            "{% if m['role'] == 'user' %}[INST] {{ m['content'] }} [/INST]{% else %}{{ m['content'] }}{{ eos_token }}"
            "{% endif %}{% endfor %}")
+# gpt-oss's harmony format: a system turn with the reasoning effort (the request's ``reasoning_effort``),
+# answers on the final channel
+HARMONY = ("{% set effort = reasoning_effort if reasoning_effort is defined else 'medium' %}"
+           "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n\n"
+           "Reasoning: {{ effort }}\n\n# Valid channels: analysis, commentary, final.<|end|>"
+           "{% for m in messages %}{% if m['role'] == 'assistant' %}<|start|>assistant<|channel|>final<|message|>"
+           "{{ m['content'] }}<|end|>{% else %}<|start|>{{ m['role'] }}<|message|>{{ m['content'] }}<|end|>{% endif %}"
+           "{% endfor %}{% if add_generation_prompt %}<|start|>assistant{% endif %}")
 # tiny arch -> (its family's template, the request's chat_template_kwargs)
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama3": (LLAMA3, {"date_string": "26 Jul 2024"}), "qwen3": (QWEN3, {"enable_thinking": False}),
     "qwen3-moe": (QWEN3, {"enable_thinking": False}), "smollm3": (SMOLLM3, {"enable_thinking": False}),
     "gemma2": (GEMMA, {}), "gemma3": (GEMMA, {}), "phi3": (PHI3, {}), "olmo2": (OLMO2, {}), "granite": (GRANITE, {}),
-    "mixtral": (MISTRAL, {}), "qwen2": (IM, {})}
+    "mixtral": (MISTRAL, {}), "qwen2": (IM, {}), "gpt-oss": (HARMONY, {})}
 # one token, whatever the random model draws (EOS included): every answer ends at its length
 ONE_TOKEN: dict[str, Any] = {"ignore_eos": True}
 MESSAGES = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello."},
@@ -128,6 +136,27 @@ def test_a_family_gguf_carries_its_chat_template(arch: str, tmp_path: Path, monk
     assert tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False, **kwargs) == \
         reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False, chat_template=template,
                                       **kwargs)
+
+
+def test_reasoning_effort_reaches_the_template(tmp_path: Path) -> None:
+    # OpenAI's reasoning_effort is a request field (the SDK's keyword), passed to the template as vLLM does:
+    # gpt-oss's harmony template writes it into its system turn
+    directory = _checkpoint("gpt-oss", tmp_path / "gpt-oss")
+    reference = transformers.AutoTokenizer.from_pretrained(str(directory))
+    server, prompts = _serve(directory)
+    with server:
+        client = server.client()
+        for effort in ("low", None):
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,  # type: ignore[arg-type]
+                                           extra_body=ONE_TOKEN, **({"reasoning_effort": effort} if effort else {}))
+        assert prompts == [reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False,
+                                                         reasoning_effort="low"),
+                           reference.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)]
+        assert "Reasoning: low" in prompts[0] and "Reasoning: medium" in prompts[1]
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=1,  # type: ignore[arg-type]
+                                           extra_body={"reasoning_effort": "extreme"})
+        assert bad.value.body["param"] == "reasoning_effort"  # type: ignore[index]
 
 
 def test_a_templates_refusal_and_a_reserved_variable_are_400s(tmp_path: Path) -> None:

@@ -37,6 +37,9 @@ class Architecture:
     norm_offset: bool = False  # Gemma's RMSNorm scales by (1 + weight), in float32 before the cast
     norm_cast_after: bool = False  # OLMo 2's RMSNorm multiplies by its weight in float32, then casts
     embed_scale_sqrt: bool = False  # Gemma: embeddings times sqrt(hidden_size) (rounded to float32, as HF does)
+    mlp_bias: bool = False  # the MLP's (or the experts') projections carry biases unless config.json says otherwise
+    attention_sinks: bool = False  # a learned logit per head joins each attention softmax (gpt-oss)
+    router_topk_first: bool = False  # a biased router, softmax over its top k logits only (gpt-oss)
     gguf: tuple[str, ...] = ()  # GGUF general.architecture values converted to it
     gguf_tensor_names: str = "llama"  # the gguf-py architecture whose tensor names its GGUF files use
     gguf_permuted_qk: bool = False  # llama.cpp's converter permuted q/k rows (undone on conversion)
@@ -61,6 +64,9 @@ ARCHITECTURES: dict[str, Architecture] = {a.hf_class: a for a in (
     # a mixture of experts in place of the MLP (config.json's num_experts, decoder_sparse_step, ...)
     Architecture("Qwen3MoeForCausalLM", qk_norm="head", gguf=("qwen3moe",), gguf_tensor_names="qwen3moe"),
     Architecture("MixtralForCausalLM", o_proj_bias=False),
+    # attention sinks, sliding and global layers, YaRN rope, biased router and experts, clamped SwiGLU
+    Architecture("GptOssForCausalLM", attention_bias=True, norm_cast_after=True, mlp_bias=True,
+                 attention_sinks=True, router_topk_first=True, gguf=("gpt-oss",), gguf_tensor_names="gpt-oss"),
     # Gemma 3 without q/k norms, with soft caps on the attention scores and the logits (config.json)
     Architecture("Gemma2ForCausalLM", norm_placement="sandwich", norm_offset=True, embed_scale_sqrt=True,
                  gguf=("gemma2",), gguf_tensor_names="gemma2", gguf_norm_shift=1.0),

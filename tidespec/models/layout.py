@@ -108,10 +108,12 @@ class BatchLayout:
             v_cache[self.write_slots, :, self.write_offsets] = v
 
     def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+               scale: float | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, n_h, hd] (its K/V already written) -> attention output [T, n_h, hd]; ``scale``: the
-        softmax scale (None: hd ** -0.5); ``softcap``: Gemma 2's cap on the scores."""
-        return self.attention_plan(window).attend(q, k_cache, v_cache, scale, softcap)
+        softmax scale (None: hd ** -0.5); ``softcap``: Gemma 2's cap on the scores; ``sinks`` [n_h]:
+        gpt-oss's per-head logits that join each softmax and add no value."""
+        return self.attention_plan(window).attend(q, k_cache, v_cache, scale, softcap, sinks)
 
     @property
     def num_tokens(self) -> int:
@@ -149,7 +151,8 @@ class ForwardLayout(Protocol):
     def write_kv(self, k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
     def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, scale: float | None = None, softcap: float | None = None) -> torch.Tensor: ...
+               v_cache: torch.Tensor, scale: float | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class KVStorage(Protocol):

@@ -83,6 +83,12 @@ class TargetConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalize the top k routing weights to sum to 1
     moe_layers: tuple[bool, ...] | None = None  # per layer: True = the mixture; None = every layer (if experts)
+    router_topk_first: bool = False  # gpt-oss: the top k of the router's logits, then a softmax over those k
+    router_bias: bool = False  # gpt-oss: the router carries a bias
+    # gpt-oss's clamped SwiGLU: gate <= limit, |up| <= limit, gate * sigmoid(alpha * gate) * (up + 1)
+    swiglu_limit: float | None = None
+    swiglu_alpha: float = 1.0
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head in each attention softmax
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -150,7 +156,8 @@ class TargetConfig:
         return (self.norm_placement == "pre" and not self.norm_offset and self.qk_norm == "none"
                 and self.hidden_act == "silu" and self.residual_scale == 1.0 and self.attention_scale is None
                 and self.rope_layers is None and self.partial_rotary_factor == 1.0 and self.num_experts == 0
-                and self.attn_logit_softcap is None and self.final_logit_softcap is None)
+                and self.attn_logit_softcap is None and self.final_logit_softcap is None
+                and not self.attention_sinks and self.swiglu_limit is None)
 
     @functools.cached_property
     def layer_windows(self) -> tuple[int | None, ...]:
@@ -195,7 +202,7 @@ class TargetConfig:
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 attention_bias=bool(cfg.get("attention_bias", family.attention_bias)),
                 o_proj_bias=bool(cfg.get("attention_bias", family.attention_bias)) and family.o_proj_bias,
-                mlp_bias=bool(cfg.get("mlp_bias", False)),
+                mlp_bias=bool(cfg.get("mlp_bias", family.mlp_bias)),
                 qk_norm=family.qk_norm,
                 sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
                 architecture=arch,
@@ -216,7 +223,10 @@ class TargetConfig:
                 local_rope_scaling=rope.local_scaling,
                 rope_layers=tuple(bool(x) for x in cfg["no_rope_layers"]) if cfg.get("no_rope_layers") else None,
                 partial_rotary_factor=rope.partial_rotary_factor,
-                **_moe_fields(cfg, layers),
+                swiglu_limit=_optional_float(cfg.get("swiglu_limit")),
+                swiglu_alpha=float(cfg.get("swiglu_alpha") or 1.0),
+                attention_sinks=family.attention_sinks,
+                **_moe_fields(cfg, layers, family.router_topk_first),
             )
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, ModelConfigError):
@@ -224,7 +234,7 @@ class TargetConfig:
             raise ModelConfigError(f"config.json is missing or has a bad field: {exc}") from None
 
 
-ROPE_KINDS = ("default", "llama3", "linear", "longrope")
+ROPE_KINDS = ("default", "llama3", "linear", "longrope", "yarn")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 
 
@@ -295,10 +305,11 @@ def _embedding_scale(cfg: dict[str, Any], sqrt_hidden: bool, hidden: int) -> flo
     return float(cfg.get("embedding_multiplier") or 1.0)
 
 
-def _moe_fields(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
+def _moe_fields(cfg: dict[str, Any], layers: int, topk_first: bool = False) -> dict[str, Any]:
     """A mixture's fields: Qwen3-MoE's (``num_experts``, ``moe_intermediate_size``, sparse every
     ``decoder_sparse_step`` layers but ``mlp_only_layers``) or Mixtral's (``num_local_experts``, the
-    experts as wide as ``intermediate_size``, top k always renormalized)."""
+    experts as wide as ``intermediate_size``, top k always renormalized); ``topk_first``: gpt-oss's
+    router (a bias, the softmax over the top k logits only)."""
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     if not experts:
         return {}
@@ -307,7 +318,8 @@ def _moe_fields(cfg: dict[str, Any], layers: int) -> dict[str, Any]:
     return {"num_experts": experts, "num_experts_per_tok": int(cfg["num_experts_per_tok"]),
             "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
             "norm_topk_prob": bool(cfg.get("norm_topk_prob", "num_local_experts" in cfg)),
-            "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers))}
+            "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
+            "router_topk_first": topk_first, "router_bias": topk_first}
 
 
 def _sliding_layers(cfg: dict[str, Any], layers: int) -> tuple[bool, ...] | None:

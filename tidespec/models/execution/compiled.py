@@ -78,14 +78,15 @@ class StepLayout:
         v_cache[self.write_slots, :, self.write_offsets] = v
 
     def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+               scale: float | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, n_h, hd] -> [T, n_h, hd] under the mask of the layer's ``window``."""
         mask = self.masks[self.windows.index(window)]
         rows, kv_len = mask.shape[0], mask.shape[3]
         lo = self.lo_biased - LO_BIAS
         keys = k_cache.narrow(0, lo, rows)[:, :, :kv_len]  # [Sb, n_kv, Lk, hd], a view
         values = v_cache.narrow(0, lo, rows)[:, :, :kv_len]
-        return attend_padded(q, self.q_index, mask, keys, values, scale=scale, softcap=softcap)
+        return attend_padded(q, self.q_index, mask, keys, values, scale=scale, softcap=softcap, sinks=sinks)
 
 
 @dataclass
@@ -107,10 +108,11 @@ class ExactStepLayout:
         v_cache[self.write_slots, :, self.write_offsets] = v
 
     def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+               scale: float | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [T, n_h, hd] -> [T, n_h, hd] under the row mask of the layer's ``window``."""
         row_mask = self.row_masks[self.windows.index(window)]
-        return attend_exact(q, k_cache, v_cache, self.row_slots, row_mask, self.block_table, scale, softcap)
+        return attend_exact(q, k_cache, v_cache, self.row_slots, row_mask, self.block_table, scale, softcap, sinks)
 
 
 def inductor_cache_dir() -> str:

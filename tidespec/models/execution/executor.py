@@ -76,9 +76,9 @@ def check_compilable(cfg: TargetConfig, graphed: bool, compiled: bool) -> None:
                                f"windows; run {fix}")
     if (graphed or compiled) and cfg.num_experts:
         raise ModelConfigError(f"{cfg.architecture}: {what} does not yet run a mixture of experts; run {fix}")
-    if graphed and (cfg.attention_scale is not None or cfg.attn_logit_softcap is not None):
+    if graphed and (cfg.attention_scale is not None or cfg.attn_logit_softcap is not None or cfg.attention_sinks):
         raise ModelConfigError(f"{cfg.architecture}: CUDA graphs do not yet take a non-default attention "
-                               "scale or soft cap; run --enforce-eager")
+                               "scale, soft cap or sinks; run --enforce-eager")
 
 
 @dataclass(frozen=True)

@@ -245,9 +245,10 @@ class SlotBlockLayout:
         v_cache[self.write_slots, :, self.write_offsets] = v
 
     def attend(self, window: int | None, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+               scale: float | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q [B * q, n_h, hd] -> [B * q, n_h, hd] over the keys of slots 0 .. B-1 (``window`` is in the
-        mask; ``scale`` is hd ** -0.5 and ``softcap`` None: the graphs take only such models,
+        mask; ``scale`` is hd ** -0.5, ``softcap`` and ``sinks`` None: the graphs take only such models,
         ``execution/executor.py``'s ``check_compilable``)."""
         if self.mask is None:  # the row kernel: a row's bits do not depend on the rest of the block
             assert self.lim is not None and self.bits is not None

@@ -4,9 +4,10 @@ Why this exists: the families' attention differs in a few places only: q/k/v bia
 RMSNorm on q and k per head (Qwen3, Gemma 3) or over the whole projection (OLMo 2), the softmax
 scale (Gemma's ``query_pre_attn_scalar``, Granite's ``attention_multiplier``), Gemma 2's soft cap on
 the scores, which rope a layer applies (none: SmolLM3's NoPE layers; a partial one: Phi-4) and the
-layer's sliding window (Gemma 2 and 3 alternate). One module reads them from ``TargetConfig`` and its
+layer's sliding window (Gemma 2 and 3, gpt-oss alternate), and gpt-oss's attention sinks (a learned
+logit per head in each softmax's denominator). One module reads them from ``TargetConfig`` and its
 layer index; the attention itself is the layout's (``models/kernels/attention.py``), which takes the
-scale, the cap and the window.
+scale, the cap, the sinks and the window.
 
 Worked example (a layer of a 4-head, 2-KV-head model of head_dim 16 over 3 new tokens)::
 
@@ -45,6 +46,7 @@ class Attention(nn.Module):
         self.rope_variant = cfg.layer_rope(layer)  # "global", "local" or None (no rope)
         self.scale = cfg.attention_scale if cfg.attention_scale is not None else self.hd ** -0.5
         self.softcap = cfg.attn_logit_softcap  # Gemma 2: scores -> cap * tanh(score / cap)
+        self.sinks = nn.Parameter(torch.zeros(self.n_h)) if cfg.attention_sinks else None  # [n_h] gpt-oss
 
     def forward(self, x: torch.Tensor, rope: Rope, layout: ForwardLayout,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -63,5 +65,5 @@ class Attention(nn.Module):
             qk = apply_rope(qk, rope[0].unsqueeze(1), rope[1].unsqueeze(1))
         q, k = qk[:, :self.n_h], qk[:, self.n_h:]  # [T, n_h, hd], [T, n_kv, hd]
         layout.write_kv(k_cache, v_cache, k, v)
-        out = layout.attend(self.window, q, k_cache, v_cache, self.scale, self.softcap)  # [T, n_h, hd]
+        out = layout.attend(self.window, q, k_cache, v_cache, self.scale, self.softcap, self.sinks)  # [T, n_h, hd]
         return self.o_proj.forward(out.reshape(T, self.q_size))  # a view unless SDPA laid it out otherwise (CUDA)

@@ -231,9 +231,12 @@ class DecoderModel(PlacedModule):
             if self.cfg.qk_norm != "none":
                 put(ours + "self_attn.q_norm.weight", get(a + "q_norm.weight"))
                 put(ours + "self_attn.k_norm.weight", get(a + "k_norm.weight"))
+            if self.cfg.attention_sinks:
+                put(ours + "self_attn.sinks", get(a + "sinks"))
             if self.cfg.layer_moe(i):  # Mixtral's checkpoints name the mixture block_sparse_moe
                 moe = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in sd else "mlp.")
-                for name, t in get.experts(moe, ours + "mlp.", self.cfg.num_experts).items():
+                experts = get.oss_experts if self.cfg.router_bias else get.experts
+                for name, t in experts(moe, ours + "mlp.", self.cfg.num_experts).items():
                     put(name, t)
             else:
                 m = p + "mlp."
@@ -323,4 +326,43 @@ class _Getter:
                 up, down = self.fused(x + "gate_up_proj.weight", x, ("gate_proj", "up_proj")), self.weight(x + "down_proj.weight")
             out[f"{ours}experts.{e}.gate_up_proj.weight"] = up
             out[f"{ours}experts.{e}.down_proj.weight"] = down
+        return out
+
+    def mxfp4(self, name: str) -> torch.Tensor:
+        """gpt-oss's fused experts ``name`` [E, in, out] as floats: the tensor itself, or, in the released
+        checkpoints, its MXFP4 ``name_blocks`` / ``name_scales`` dequantized by transformers' own routine
+        (one layer at a time: the loader quantizes each layer as soon as it is full)."""
+        if name in self.sd:
+            return self(name)
+        from transformers.integrations.mxfp4 import convert_moe_packed_tensors  # 2 s to import: only here
+
+        return convert_moe_packed_tensors(self(name + "_blocks"), self(name + "_scales"), dtype=torch.float32)
+
+    def oss_experts(self, hf: str, ours: str, num: int) -> dict[str, torch.Tensor | None]:
+        """gpt-oss's mixture under our names (``experts``' and the biases): its router
+        (``router.weight`` [E, H], ``router.bias`` [E]) and its experts as transformers holds them,
+        transposed ([E, H, 2I] gate|up, [E, I, H] down, biases [E, 2I], [E, H]; the released
+        checkpoints' in MXFP4) with gate and up interleaved (gate the even columns, up the odd ones),
+        or per expert (``experts.{e}.gate_proj.weight`` [I, H], ..., with ``.bias``: a GGUF's
+        conversion). Our fused gate|up is the gate rows, then the up rows.
+
+        Example: transformers' gate_up_proj[e] columns [g0, u0, g1, u1] -> our rows [g0, g1, u0, u1]."""
+        out: dict[str, torch.Tensor | None] = {ours + "gate.weight": self(hf + "router.weight"),
+                                               ours + "gate.bias": self(hf + "router.bias")}
+        x = hf + "experts."
+        fused = x + "gate_up_proj" in self.sd or x + "gate_up_proj_blocks" in self.sd
+        up, up_bias = (self.mxfp4(x + "gate_up_proj"), self(x + "gate_up_proj_bias")) if fused else (None, None)
+        down, down_bias = (self.mxfp4(x + "down_proj"), self(x + "down_proj_bias")) if fused else (None, None)
+        for e in range(num):
+            y, z = f"{ours}experts.{e}.", f"{x}{e}."
+            if up is not None and up_bias is not None and down is not None and down_bias is not None:
+                w = up[e].t()  # [2I, H], gate and up rows interleaved
+                out[y + "gate_up_proj.weight"] = torch.cat([w[0::2], w[1::2]])
+                out[y + "gate_up_proj.bias"] = torch.cat([up_bias[e][0::2], up_bias[e][1::2]])
+                out[y + "down_proj.weight"], out[y + "down_proj.bias"] = down[e].t(), down_bias[e]
+            else:
+                out[y + "gate_up_proj.weight"] = self.fused(z + "gate_up_proj.weight", z, ("gate_proj", "up_proj"))
+                out[y + "gate_up_proj.bias"] = self.fused(z + "gate_up_proj.bias", z, ("gate_proj", "up_proj"), "bias")
+                out[y + "down_proj.weight"] = self.weight(z + "down_proj.weight")
+                out[y + "down_proj.bias"] = self(z + "down_proj.bias")
         return out

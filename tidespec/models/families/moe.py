@@ -1,4 +1,4 @@
-"""A mixture of experts in place of a layer's MLP (Qwen3-MoE): top-k routing, each expert run once over the rows that chose it.
+"""A mixture of experts in place of a layer's MLP (Qwen3-MoE, Mixtral, gpt-oss): top-k routing, each expert run once over the rows that chose it.
 
 Why this exists: on a CPU a mixture with few active parameters (Qwen3-30B-A3B reads ~3B of its
 30B per token) is what makes a large model fit the memory bandwidth. For speculation to stay
@@ -34,17 +34,21 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: TargetConfig) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
+        self.topk_first = cfg.router_topk_first
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)  # the router
         self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [T, H] -> [T, H]
         logits = self.gate.forward(x)  # [T, E]
-        # softmax in float32 (float64 stays float64), then the top k renormalized, as transformers routes
-        probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
-        weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        if self.topk_first:  # gpt-oss: the top k logits, a softmax over those k (in the logits' dtype)
+            top, chosen = torch.topk(logits, self.top_k, dim=-1)  # [T, k] each
+            weights = torch.softmax(top, dim=-1)
+        else:  # softmax in float32 (float64 stays float64), then the top k renormalized, as transformers routes
+            probs = torch.softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+            weights, chosen = torch.topk(probs, self.top_k, dim=-1)  # [T, k] each
+            if self.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
         flat = chosen.flatten()  # [T * k] expert of each (row, choice)
         order = torch.argsort(flat, stable=True)  # grouped by expert, rows ascending within one

@@ -1,8 +1,9 @@
 """Rotary position embeddings of the decoder families: the frequency schedules, partial rotary, NoPE.
 
 Why this exists: families differ in their rope (Llama 3's banded scaling, linear scaling, Phi's
-LongRoPE with its attention factor, Phi-4's rope over part of each head, Gemma 3's own theta for
-its sliding layers, SmolLM3's layers without rope). Each is a schedule of inverse frequencies and
+LongRoPE with its attention factor, gpt-oss's YaRN (interpolated low frequencies, an attention
+factor), Phi-4's rope over part of each head, Gemma 3's own theta for its sliding layers, SmolLM3's
+layers without rope). Each is a schedule of inverse frequencies and
 a cos/sin scale; the model keeps one float32-computed table per variant it uses and every layer
 looks up its own (``TargetConfig.layer_rope``).
 
@@ -37,6 +38,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None, s
     if kind == "longrope":
         factors = torch.tensor(scaling["short_factor" if short else "long_factor"], dtype=torch.float32)
         return 1.0 / (factors * theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if kind == "yarn":
+        return _yarn_inv_freq(dim, theta, scaling)
     if kind == "llama3":
         factor = float(scaling["factor"])
         low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
@@ -49,6 +52,45 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None, s
         medium = ~(wavelen < high_wl) & ~(wavelen > low_wl)
         return torch.where(medium, smoothed, scaled)
     return inv
+
+
+def _yarn_inv_freq(dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN's inverse frequencies, as transformers computes them: the original ones above the
+    ``beta_fast`` band, divided by ``factor`` below ``beta_slow``, a linear ramp between.
+
+    Example: dim 4, theta 10000, factor 4, original length 64: inv [1.0, 0.01] -> [1.0, 0.0025]
+    (the high frequency turns 64 / 2 pi ~ 10 times in the original context: kept; the low one: scaled)."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:  # the dim whose wavelength fits ``rotations`` times
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extrapolation = 1 - ramp  # 1: keep the original frequency
+    return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def yarn_attention_factor(scaling: dict[str, Any], max_positions: int) -> float:
+    """YaRN's cos/sin scale (its ``mscale``), as transformers derives it when the config does not give it."""
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling.get("factor") or max_positions / float(scaling["original_max_position_embeddings"]))
+
+    def mscale(m: float) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return float(mscale(float(scaling["mscale"])) / mscale(float(scaling["mscale_all_dim"])))
+    return mscale(1.0)
 
 
 def longrope_attention_factor(scaling: dict[str, Any], max_positions: int) -> float:
@@ -86,6 +128,9 @@ def rope_table(cfg: TargetConfig, variant: str, device: torch.device,
         (float(cfg.local_rope_theta or cfg.rope_theta), cfg.local_rope_scaling)
     pos = torch.arange(cfg.max_position_embeddings, device=device)
     inv = rope_inv_freq(cfg.rotary_dim, theta, scaling).to(device)  # [rd/2] float32
+    if rope_kind(scaling) == "yarn":
+        assert scaling is not None
+        return rope_cos_sin(pos, inv, dtype, yarn_attention_factor(scaling, cfg.max_position_embeddings))
     if rope_kind(scaling) != "longrope":
         return rope_cos_sin(pos, inv, dtype)
     assert scaling is not None

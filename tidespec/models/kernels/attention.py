@@ -151,13 +151,16 @@ class AttentionPlan:
         return cache[self.lo:self.hi, :, :self.kv_len]
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+               scale: float | None = None, softcap: float | None = None,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
         """q: [T, n_h, hd] (rope applied, K/V of these tokens already in the cache) -> [T, n_h, hd].
-        ``scale``: the softmax scale (None: hd ** -0.5); ``softcap``: scores -> cap * tanh(score / cap)."""
+        ``scale``: the softmax scale (None: hd ** -0.5); ``softcap``: scores -> cap * tanh(score / cap);
+        ``sinks`` [n_h]: a logit per head that joins the softmax and adds no value (gpt-oss)."""
         if self.row_mask is not None and self.row_slots is not None:
-            return attend_exact(q, k_cache, v_cache, self.row_slots, self.row_mask, self.block_table, scale, softcap)
+            return attend_exact(q, k_cache, v_cache, self.row_slots, self.row_mask, self.block_table, scale, softcap,
+                                sinks)
         return attend_padded(q, None if self.identity else self.q_index, self.mask, self.keys(k_cache),
-                             self.keys(v_cache), self.causal, scale, softcap)
+                             self.keys(v_cache), self.causal, scale, softcap, sinks)
 
 
 def _visible_keys(rows: torch.Tensor, q: int, c: int, tmask: torch.Tensor | None, window: int | None) -> None:
@@ -183,7 +186,8 @@ def transposed_keys(k_cache: torch.Tensor) -> bool:
 
 def attend_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, row_slots: torch.Tensor,
                  row_mask: torch.Tensor, block_table: torch.Tensor | None = None,
-                 scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+                 scale: float | None = None, softcap: float | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Each new token attended on its own by ``tidespec::exact_attention``: q [T, n_h, hd], the whole
     caches [S, n_kv, L, hd] (keys transposed), row_slots [T], row_mask [T, kv_len] -> [T, n_h, hd].
     Paged: the caches are block pools [NB, n_kv, bs, hd] and ``block_table`` [S, nb] maps slots to blocks."""
@@ -191,12 +195,12 @@ def attend_exact(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         exact_attention_op()
     return torch.ops.tidespec.exact_attention(q, k_cache, v_cache, row_slots, row_mask,
                                               q.shape[-1] ** -0.5 if scale is None else scale, block_table,
-                                              softcap or 0.0)
+                                              softcap or 0.0, sinks)
 
 
 def attend_padded(q: torch.Tensor, q_index: torch.Tensor | None, mask: torch.Tensor, keys: torch.Tensor,
                   values: torch.Tensor, causal: bool = False, scale: float | None = None,
-                  softcap: float | None = None) -> torch.Tensor:
+                  softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """One SDPA call for a ragged batch laid out as a padded block (the eager plan and the compiled
     step both run it).
 
@@ -204,7 +208,8 @@ def attend_padded(q: torch.Tensor, q_index: torch.Tensor | None, mask: torch.Ten
     tokens already fill it in order; mask: [Sb, 1, q_max, Lk] bool; keys/values: [Sb, n_kv, Lk, hd].
     ``causal``: one sequence from an empty cache, where SDPA's own causal mask replaces ``mask``
     (the kernel then skips the masked blocks). ``scale``: the softmax scale (None: hd ** -0.5);
-    ``softcap``: Gemma 2's cap on the scores, which SDPA has no place for (``_capped``). Returns [T, n_h, hd].
+    ``softcap``: Gemma 2's cap on the scores, ``sinks`` [n_h]: gpt-oss's per-head logits in each softmax's
+    denominator; SDPA has a place for neither (``_written_out``). Returns [T, n_h, hd].
     """
     T, n_h, hd = q.shape
     rows, _, q_max, _ = mask.shape
@@ -215,23 +220,30 @@ def attend_padded(q: torch.Tensor, q_index: torch.Tensor | None, mask: torch.Ten
     qb = qp.view(rows, q_max, n_h, hd).transpose(1, 2)  # [Sb, n_h, q_max, hd]
     eager_cuda = q.is_cuda and not torch.compiler.is_compiling()
     with sdpa_kernel(NOT_CUDNN) if eager_cuda else contextlib.nullcontext():
-        out = _sdpa(qb, keys, values, mask, causal, scale) if softcap is None else \
-            _capped(qb, keys, values, mask, scale, softcap)
+        out = _sdpa(qb, keys, values, mask, causal, scale) if softcap is None and sinks is None else \
+            _written_out(qb, keys, values, mask, scale, softcap, sinks)
     out = out.transpose(1, 2).reshape(rows * q_max, n_h, hd)
     return out if q_index is None else out.index_select(0, q_index)
 
 
-def _capped(qb: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float | None,
-            softcap: float) -> torch.Tensor:
-    """Attention with soft-capped scores, written out as transformers' eager Gemma 2 attention does
-    (no fused kernel takes a cap): qb [Sb, n_h, q, hd], keys/values [Sb, n_kv, Lk, hd], mask [Sb, 1,
-    q, Lk] -> [Sb, n_h, q, hd]. The softmax runs in float32 (float64 stays float64)."""
+def _written_out(qb: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float | None,
+                 softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Attention with soft-capped scores or sinks, written out as transformers' eager Gemma 2 and gpt-oss
+    attention do (no fused kernel takes a cap or a sink): qb [Sb, n_h, q, hd], keys/values [Sb, n_kv, Lk, hd],
+    mask [Sb, 1, q, Lk], sinks [n_h] -> [Sb, n_h, q, hd]. The softmax runs in float32 (float64 stays
+    float64); a sink is one more column of it, dropped after."""
     group = qb.shape[1] // keys.shape[1]
     k, v = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)  # [Sb, n_h, Lk, hd]
     scores = torch.matmul(qb, k.transpose(2, 3)) * (qb.shape[-1] ** -0.5 if scale is None else scale)
-    scores = torch.tanh(scores / softcap) * softcap  # [Sb, n_h, q, Lk]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap  # [Sb, n_h, q, Lk]
     scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(qb.dtype, torch.float32)).to(qb.dtype)
+    soft = torch.promote_types(qb.dtype, torch.float32)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=soft).to(qb.dtype)
+    else:
+        sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)  # [Sb, n_h, q, 1]
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=soft)[..., :-1].to(qb.dtype)
     return torch.matmul(probs, v)
 
 

@@ -94,7 +94,7 @@ def _load() -> None:
 
 def _exact_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
                           mask: torch.Tensor, scale: float, block_table: torch.Tensor | None = None,
-                          softcap: float = 0.0) -> torch.Tensor:
+                          softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Shape function for torch.compile: the output has q's shape and dtype."""
     return torch.empty_like(q)
 

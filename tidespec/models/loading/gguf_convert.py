@@ -104,9 +104,14 @@ def gguf_tensors(reader: gguf.GGUFReader, arch: str, config: transformers.Pretra
         gguf_name = name_map.get_name(base) if suffix in ("weight", "bias") else None
         if gguf_name is not None:
             to_hf[f"{gguf_name}{dot}{suffix}"] = hf_name
+        elif suffix == "sinks" and (sinks := name_map.get_name(hf_name)) is not None:  # gpt-oss: a parameter, no .weight
+            to_hf[f"{sinks}.weight"] = hf_name
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads or config.num_attention_heads
     experts: dict[str, Any] = {}  # gguf name -> its ReaderTensor ([E, out, in]), dequantized when written
     for t in reader.tensors:
+        if t.name.endswith("_exps.bias"):  # gpt-oss: [E, out]
+            experts[t.name] = t
+            continue
         if t.name.endswith("_exps.weight"):
             experts[t.name] = t
             if blocks is not None and t.tensor_type not in _FLOAT_TYPES:  # each expert's rows: a matrix
@@ -152,6 +157,11 @@ def gguf_tensors(reader: gguf.GGUFReader, arch: str, config: transformers.Pretra
                     yield f"model.layers.{layer}.mlp.experts.{e}.down_proj.weight", torch.from_numpy(down[e].copy())
             else:
                 yield name, torch.from_numpy(np.array(down, copy=True))
+        elif rest in ("mlp.experts.gate_up_proj_bias", "mlp.experts.down_proj_bias"):  # gpt-oss: always per expert
+            for kind in ("gate", "up") if rest.startswith("mlp.experts.gate_up") else ("down",):
+                bias = dequantized(f"blk.{layer}.ffn_{kind}_exps.bias")  # [E, out]
+                for e in range(bias.shape[0]):
+                    yield f"model.layers.{layer}.mlp.experts.{e}.{kind}_proj.bias", torch.from_numpy(bias[e].copy())
 
 
 def expert_names(hf_names: list[str], num_experts: int) -> list[str]:
@@ -163,9 +173,10 @@ def expert_names(hf_names: list[str], num_experts: int) -> list[str]:
     out: list[str] = []
     for name in hf_names:
         prefix, fused, kind = name.rpartition("mlp.experts.")[0], "mlp.experts." in name, name.rpartition(".")[2]
-        if fused and kind in ("gate_up_proj", "down_proj"):
-            parts = ("gate_proj", "up_proj") if kind == "gate_up_proj" else ("down_proj",)
-            out.extend(f"{prefix}mlp.experts.{e}.{part}.weight" for e in range(num_experts) for part in parts)
+        if fused and kind.removesuffix("_bias") in ("gate_up_proj", "down_proj"):  # gpt-oss's biases too
+            parts = ("gate_proj", "up_proj") if kind.startswith("gate_up_proj") else ("down_proj",)
+            what = "bias" if kind.endswith("_bias") else "weight"
+            out.extend(f"{prefix}mlp.experts.{e}.{part}.{what}" for e in range(num_experts) for part in parts)
         else:
             out.append(name)
     return out
@@ -177,7 +188,8 @@ _FLOAT_TYPES = (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16, gg
                 gguf.GGMLQuantizationType.F64)
 # GGUF architectures whose config transformers' GGUF loader does not read: their HF model types
 # (``config_from_metadata`` reads them with transformers' llama key mapping and their own keys)
-OWN_CONFIGS = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3"}
+# (gpt-oss: transformers 5.25 reads its rope scaling keys' first part, the key's length, and fails on every file)
+OWN_CONFIGS = {"olmo2": "olmo2", "granite": "granite", "smollm3": "smollm3", "gpt-oss": "gpt_oss"}
 # Granite's multipliers: GGUF key (after the architecture) -> HF config field
 _GRANITE_SCALES = {"embedding_scale": "embedding_multiplier", "residual_scale": "residual_multiplier",
                    "attention.scale": "attention_multiplier", "logit_scale": "logits_scaling"}
@@ -215,7 +227,32 @@ def config_from_metadata(reader: gguf.GGUFReader, arch: str) -> transformers.Pre
     theta = fields.pop("rope_theta", None)
     if theta is not None:
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    if arch == "gpt-oss":
+        fields.update(_gpt_oss_fields(reader, arch, theta))
     return transformers.AutoConfig.for_model(OWN_CONFIGS[arch], **fields)
+
+
+def _gpt_oss_fields(reader: gguf.GGUFReader, arch: str, theta: object) -> dict[str, object]:
+    """A gpt-oss file's mixture, window and YaRN rope. What it does not say is what llama.cpp assumes
+    and the released checkpoints' config.json says: layers alternate sliding and global from layer 0
+    (transformers' default), SwiGLU clamped at 7 (the class's default), YaRN's betas 32 and 1 (unless
+    the file has ``rope.scaling.yarn_beta_*``) and its ramp not truncated (``truncate: false``; llama.cpp
+    rounds the ramp's ends, a difference in a few frequencies of each head)."""
+    out: dict[str, object] = {}
+    for key, name in (("expert_count", "num_local_experts"), ("expert_used_count", "num_experts_per_tok"),
+                      ("expert_feed_forward_length", "intermediate_size"), ("attention.sliding_window", "sliding_window")):
+        value = _field(reader, f"{arch}.{key}")
+        if value is not None:
+            out[name] = value
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    if _field(reader, f"{arch}.rope.scaling.type") == "yarn" and factor is not None:
+        out["rope_parameters"] = {
+            "rope_type": "yarn", "rope_theta": theta if theta is not None else 150000.0, "factor": factor,
+            "original_max_position_embeddings": _field(reader, f"{arch}.rope.scaling.original_context_length"),
+            "beta_fast": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_fast") or 32.0),  # type: ignore[arg-type]
+            "beta_slow": float(_field(reader, f"{arch}.rope.scaling.yarn_beta_slow") or 1.0),  # type: ignore[arg-type]
+            "truncate": False}
+    return out
 
 
 # the layers count of the 27B Gemma 2 / Gemma 3, whose attention llama.cpp scales by 1/sqrt(hidden / heads)
@@ -297,7 +334,8 @@ def convert_gguf(gguf_path: Path, out: Path, floats: bool = True) -> Path:
     # without floats, a mixture's experts are written per expert (as the checkpoints people download
     # hold them): each one's matrices then run on its own blocks, and none is written as floats
     num_experts = int(config.get("num_experts") or config.get("num_local_experts") or 0)
-    per_expert = not floats and num_experts > 0
+    # (gpt-oss's experts, biased, always: transformers holds them transposed with gate and up interleaved)
+    per_expert = num_experts > 0 and (not floats or any(n.endswith("_proj_bias") for n in hf_names))
     tensors = ((name, t) for name, t in gguf_tensors(reader, arch, hf_config, hf_names, blocks, per_expert)
                if not (tied and name == "lm_head.weight")  # HF loaders re-tie it
                and (floats or not _runs_on_blocks(name, blocks)))

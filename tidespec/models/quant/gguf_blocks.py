@@ -23,7 +23,12 @@ Q5_K      (d sc_j) * q - (dmin m_j), j of 32       5 bits, mins; as Q4_K (5.625;
 Q3_K      (d (sc_j - 32)) * (q - 4), j of 16       3 bits in a nibble, offset 4; int8 sc, float16 d (4.5625; 3.44)
 Q6_K      (d sc_j) * (q - 32), j of 16             6 bits, offset 32; int8 sc, float16 d (6.5625; 6.5625)
 Q8_0      d * q, q in -127..127                    the w8 tile; float16 d, int32 code sum (9.5; 8.5)
+MXFP4     2^(e-128) * q, q an e2m1 value doubled   the w8 tile, exactly (|q| <= 12); float16 d (9.5; 4.25)
 ========  =======================================  ==================================================
+
+MXFP4 (gpt-oss's experts) is run on the w8 tile: its values are exactly int8 codes times a power of
+two, so the file's weights are kept bit for bit, at twice its bytes (a nibble kernel with a lookup of
+the e2m1 values would read the file's 4.25 bits; not written yet).
 
 The kernel reads the scales as the file holds them (``KFactors``: a K-quant's int8 sub-block codes and
 its float16 ``d`` per 256 inputs, the product formed in float32, where it is exact: a float16 times a
@@ -60,7 +65,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
-from gguf.quants import Q4_K
+from gguf.quants import MXFP4, Q4_K
 from safetensors import safe_open
 from torch import nn
 
@@ -167,6 +172,14 @@ def _q8_0(b: np.ndarray) -> _Parts:
     return _Parts(b[:, 2:].copy().view(np.int8), _f16(b[:, :2]))
 
 
+_E2M1_DOUBLED = np.array(MXFP4.kvalues, dtype=np.int8)  # a 4-bit code's e2m1 value times 2
+
+
+def _mxfp4(b: np.ndarray) -> _Parts:
+    # [nb, 17]: an E8M0 exponent e, then 32 4-bit codes (the low nibbles first); w = 2^(e - 128) * 2 * e2m1(code)
+    return _Parts(_E2M1_DOUBLED[_nibbles(b[:, 1:], 16)], MXFP4.e8m0_to_fp32_half(b[:, :1]))
+
+
 def _k_scales(q: np.ndarray, b: np.ndarray) -> _Parts:
     """Q4_K / Q5_K's codes ``q`` and super-block head ``b`` -> scales ``d * sc_j`` and mins ``-(dmin * m_j)``
     ([nb, 8]), with their factors (``(-dmin) * m_j`` is the same float32 as ``-(dmin * m_j)``)."""
@@ -214,6 +227,7 @@ NATIVE: dict[T, tuple[_Unpack, int, int, int, int]] = {
     T.Q4_0: (_q4_0, 32, 32, 4, 0), T.Q4_1: (_q4_1, 32, 32, 4, 0), T.Q4_K: (_q4_k, 256, 32, 4, 0),
     T.Q5_0: (_q5_0, 32, 32, 5, 16), T.Q5_1: (_q5_1, 32, 32, 5, 0), T.Q5_K: (_q5_k, 256, 32, 5, 0),
     T.Q3_K: (_q3_k, 256, 16, 3, 4), T.Q6_K: (_q6_k, 256, 16, 6, 32), T.Q8_0: (_q8_0, 32, 32, 8, 0),
+    T.MXFP4: (_mxfp4, 32, 32, 8, 0),
 }
 NATIVE_NAMES = tuple(t.name for t in NATIVE)
 UNPACK_WEIGHTS = 1 << 22  # weights unpacked at a time (``unpack``)
@@ -313,11 +327,11 @@ class GgufW8Linear(W8A8Linear):
     """Q8_0 codes with the file's float16 scales on the w8 tile (w8a8's layer, the file's blocks)."""
 
     scheme = "gguf"
-    type_name = "Q8_0"
+    type_name = "Q8_0"  # or MXFP4, whose values are int8 codes times a power of two
 
     @property
     def kernel_name(self) -> str:
-        return "tidespec-a8-q8_0"
+        return f"tidespec-a8-{self.type_name.lower()}"
 
 
 def native_linear(u: Unpacked) -> GgufNibLinear | GgufW8Linear:
@@ -330,7 +344,7 @@ def native_linear(u: Unpacked) -> GgufNibLinear | GgufW8Linear:
     half = _as_float16(u.scale)  # Q8_0's d: the file's float16 (float32 kept if a value were not)
     scale = torch.from_numpy(u.scale if half is None else half)
     layer = GgufW8Linear(*pack_w8(torch.from_numpy(u.q), scale), k, n)
-    layer.kernel_dtype = scale.dtype
+    layer.kernel_dtype, layer.type_name = scale.dtype, u.type_name
     return layer
 
 

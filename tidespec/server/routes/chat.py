@@ -64,7 +64,7 @@ class ChatMessage(StrictModel):
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt", "continue_final_message",
     "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
-    "tokenizer_kwargs", "bos_token", "eos_token", "pad_token", "unk_token", "raise_exception"})
+    "tokenizer_kwargs", "bos_token", "eos_token", "pad_token", "unk_token", "raise_exception", "reasoning_effort"})
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -78,6 +78,9 @@ class ChatCompletionRequest(SamplingRequest):
     # vLLM's and SGLang's extension: variables for the chat template (Qwen3's and SmolLM3's
     # enable_thinking, Llama 3's date_string), passed to it beside the messages
     chat_template_kwargs: dict[str, Any] | None = None
+    # OpenAI's field: how much a reasoning model thinks; the chat template reads it (gpt-oss's harmony
+    # template puts it in the system turn), as vLLM passes it
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
 
     @model_validator(mode="after")
     def _top_needs_logprobs(self) -> ChatCompletionRequest:
@@ -176,6 +179,8 @@ def chat_prompt(server: Server, body: ChatCompletionRequest, plan: ToolPlan) -> 
     (or ``tools``, when the template ignores the tools a request needs it to show)."""
     tokenizer = server.engine.tokenizer
     extra: dict[str, Any] = {**(body.chat_template_kwargs or {})}
+    if body.reasoning_effort is not None:
+        extra["reasoning_effort"] = body.reasoning_effort
     if server.chat_template:
         extra["chat_template"] = server.chat_template
     messages = body.template_messages()

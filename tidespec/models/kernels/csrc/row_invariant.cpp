@@ -34,6 +34,9 @@
 // the same rank order as in a chain: a token verified in a tree gets the bits of a chain.
 //
 // softcap > 0 (Gemma 2): each scaled score s becomes softcap * tanh(s / softcap) before the softmax.
+// sinks (gpt-oss, [n_h]): each head's learned logit joins the softmax's max and its denominator and
+// adds no value: out = sum_j exp(s_j - m) v_j / (sum_j exp(s_j - m) + exp(sink - m)), m the max of the
+// scores and the sink. Per head, the same in every call: a row's bits still depend on nothing else.
 //
 // Worked example (one head, hd = 2, two visible keys, scale 1):
 //   q = [1, 0], keys [[1, 0], [0, 1]], values [[2, 0], [0, 4]]
@@ -46,12 +49,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -202,27 +207,15 @@ void score_tiles(const float* qv, const scalar_t* kb, const Pages& kp, int64_t k
   }
 }
 
+// score_tiles<R> for R = 1 .. 16 (R above 16: 16), picked from a table built at compile time.
+template <typename scalar_t, std::size_t... I>
+constexpr auto score_table(std::index_sequence<I...>) { return std::array{&score_tiles<I + 1, scalar_t>...}; }
+
 template <typename scalar_t>
 void score_dispatch(int64_t R, const float* qv, const scalar_t* kb, const Pages& kp, int64_t kd, int64_t hd,
                     int64_t nk, int64_t kv_pad, float scale, float softcap, float* kbuf, float* scores) {
-  switch (R) {
-    case 1: score_tiles<1>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
-    case 2: score_tiles<2>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
-    case 3: score_tiles<3>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
-    case 4: score_tiles<4>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
-    case 5: score_tiles<5>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
-    case 6: score_tiles<6>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
-    case 7: score_tiles<7>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
-    case 8: score_tiles<8>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
-    case 9: score_tiles<9>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
-    case 10: score_tiles<10>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
-    case 11: score_tiles<11>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
-    case 12: score_tiles<12>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
-    case 13: score_tiles<13>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
-    case 14: score_tiles<14>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
-    case 15: score_tiles<15>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
-    default: score_tiles<16>(qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores); break;
-  }
+  static constexpr auto table = score_table<scalar_t>(std::make_index_sequence<16>{});
+  table[std::min<int64_t>(R, 16) - 1](qv, kb, kp, kd, hd, nk, kv_pad, scale, softcap, kbuf, scores);
 }
 
 // One query vector's softmax over its visible keys by rank: its unnormalised weight of key j goes to
@@ -230,7 +223,8 @@ void score_dispatch(int64_t R, const float* qv, const scalar_t* kb, const Pages&
 // A row whose visible keys are the prefix [0, n) (a chain's row: its context, then its own earlier
 // tokens) has rank m = key m, so its softmax runs on the scores in place: the same elements in the
 // same order as the compacted copy, hence the same bits, without the gather and scatter.
-inline float softmax_weights(const bool* mrow, const float* sc, int64_t nk, int64_t* rk, float* e, float* w) {
+inline float softmax_weights(const bool* mrow, const float* sc, int64_t nk, int64_t* rk, float* e, float* w,
+                             const float* sink) {
   const void* hole = std::memchr(mrow, 0, static_cast<size_t>(nk));  // a prefix found by memchr, not byte by byte
   int64_t n = hole ? static_cast<const bool*>(hole) - mrow : nk;
   const bool prefix = n == nk || last_visible(mrow + n, nk - n) < 0;
@@ -252,7 +246,8 @@ inline float softmax_weights(const bool* mrow, const float* sc, int64_t nk, int6
     const int64_t c = std::min<int64_t>(VL, n - m0);
     vmax = at::vec::maximum(vmax, c == VL ? Vec::loadu(e + m0) : Vec::set(ninf, Vec::loadu(e + m0, c), c));
   }
-  const Vec mx(fold_max(vmax));
+  const float top = sink ? std::max(fold_max(vmax), *sink) : fold_max(vmax);
+  const Vec mx(top);
   Vec vsum(0.0f);
   for (int64_t m0 = 0; m0 < n; m0 += VL) {
     const int64_t c = std::min<int64_t>(VL, n - m0);
@@ -264,7 +259,8 @@ inline float softmax_weights(const bool* mrow, const float* sc, int64_t nk, int6
   if (!prefix) {
     for (int64_t m = 0; m < n; ++m) w[rk[m]] = e[m];
   }
-  return n ? 1.0f / fold_sum(vsum) : 0.0f;
+  if (!n) return 0.0f;
+  return sink ? 1.0f / (fold_sum(vsum) + std::exp(*sink - top)) : 1.0f / fold_sum(vsum);
 }
 
 // P @ V for R query vectors of one KV head over keys [j0, j1), into the accumulators acc [R, HV * VL]:
@@ -398,27 +394,22 @@ void pv_groups(int64_t R, const bool* const* mrows, const float* w, int64_t kv_p
   }
 }
 
+template <typename scalar_t, std::size_t... I>
+constexpr auto pv_table(std::index_sequence<I...>) { return std::array{&pv_groups<I + 1, scalar_t>...}; }
+
 template <typename scalar_t>
 void pv_dispatch(int64_t R, const bool* const* mrows, const float* w, int64_t kv_pad, const float* inv,
                  const int64_t* open, int64_t nk,
                  const scalar_t* vb, const Pages& vp, int64_t hd, float* acc, float* vbuf, scalar_t* const* orows) {
+  static constexpr auto table = pv_table<scalar_t>(std::make_index_sequence<8>{});  // pv_groups<HV>, HV = 1 .. 8
   const int64_t hv = (hd + VL - 1) / VL;
-  switch (hv) {
-    case 1: pv_groups<1>(R, mrows, w, kv_pad, inv, open, nk, vb, vp, hd, acc, vbuf, orows); break;
-    case 2: pv_groups<2>(R, mrows, w, kv_pad, inv, open, nk, vb, vp, hd, acc, vbuf, orows); break;
-    case 3: pv_groups<3>(R, mrows, w, kv_pad, inv, open, nk, vb, vp, hd, acc, vbuf, orows); break;
-    case 4: pv_groups<4>(R, mrows, w, kv_pad, inv, open, nk, vb, vp, hd, acc, vbuf, orows); break;
-    case 5: pv_groups<5>(R, mrows, w, kv_pad, inv, open, nk, vb, vp, hd, acc, vbuf, orows); break;
-    case 6: pv_groups<6>(R, mrows, w, kv_pad, inv, open, nk, vb, vp, hd, acc, vbuf, orows); break;
-    case 7: pv_groups<7>(R, mrows, w, kv_pad, inv, open, nk, vb, vp, hd, acc, vbuf, orows); break;
-    case 8: pv_groups<8>(R, mrows, w, kv_pad, inv, open, nk, vb, vp, hd, acc, vbuf, orows); break;
-    default: TORCH_CHECK(false, "exact_attention: head size ", hd, " above ", 8 * VL);
-  }
+  TORCH_CHECK(hv <= 8, "exact_attention: head size ", hd, " above ", 8 * VL);
+  table[hv - 1](R, mrows, w, kv_pad, inv, open, nk, vb, vp, hd, acc, vbuf, orows);
 }
 
 template <typename scalar_t>
 void attend_float(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& mask,
-                  const std::vector<Task>& tasks, float scale, float softcap, at::Tensor& out) {
+                  const std::vector<Task>& tasks, float scale, float softcap, const float* sinks, at::Tensor& out) {
   const int64_t n_h = q.size(1), hd = q.size(2);
   const int64_t group = n_h / k_cache.size(1), kv_len = mask.size(1);
   const int64_t kv_pad = (kv_len + VL - 1) / VL * VL;
@@ -470,7 +461,7 @@ void attend_float(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
         mrows[i] = md + row * kv_len;
         orows[i] = od + (row * n_h + h) * hd;
         inv[i] = softmax_weights(mrows[i], scores.data() + i * kv_pad, nk, rank.data(), e.data(),
-                                 weights.data() + i * kv_pad);
+                                 weights.data() + i * kv_pad, sinks ? sinks + h : nullptr);
         const void* hidden = std::memchr(mrows[i], 0, static_cast<size_t>(nk));
         open[i] = hidden ? static_cast<const bool*>(hidden) - mrows[i] : nk;
       }
@@ -482,7 +473,8 @@ void attend_float(const at::Tensor& q, const at::Tensor& k_cache, const at::Tens
 // float64 (the tests' reference dtype): the same visiting order, plain scalar loops; ``tables[t]`` is
 // row t's block table row (a contiguous cache: its slot).
 void attend_double(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& mask,
-                   const std::vector<const int64_t*>& tables, double scale, double softcap, at::Tensor& out) {
+                   const std::vector<const int64_t*>& tables, double scale, double softcap, const double* sinks,
+                   at::Tensor& out) {
   const int64_t T = q.size(0), n_h = q.size(1), hd = q.size(2);
   const int64_t group = n_h / k_cache.size(1), kv_len = mask.size(1), bs = k_cache.size(2);
   const auto qa = q.accessor<double, 3>();
@@ -509,8 +501,10 @@ void attend_double(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
         s[n] = softcap > 0.0 ? softcap * std::tanh(dot * scale / softcap) : dot * scale;
         mx = std::max(mx, s[n++]);
       }
+      if (sinks) mx = std::max(mx, sinks[h]);
       double sum = 0;
       for (int64_t m = 0; m < n; ++m) sum += (s[m] = std::exp(s[m] - mx));
+      if (sinks) sum += std::exp(sinks[h] - mx);
       for (int64_t d = 0; d < hd; ++d) {
         double a = 0;
         for (int64_t m = 0; m < n; ++m) a = std::fma(s[m], vd[vp.at(rk[m]) + g * vs1 + d * v_d], a);
@@ -522,7 +516,8 @@ void attend_double(const at::Tensor& q, const at::Tensor& k_cache, const at::Ten
 
 at::Tensor exact_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& slots, const at::Tensor& mask, double scale,
-                           const std::optional<at::Tensor>& block_table, double softcap) {
+                           const std::optional<at::Tensor>& block_table, double softcap,
+                           const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "exact_attention runs on the CPU");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
@@ -545,6 +540,10 @@ at::Tensor exact_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   } else {
     TORCH_CHECK(mask.size(1) <= bs, "mask longer than the cache");
   }
+  if (sinks.has_value()) TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == q.size(1), "sinks [n_h]");
+  const bool dbl = q.scalar_type() == at::kDouble;
+  const at::Tensor sk = sinks.has_value() ? sinks->to(dbl ? at::kDouble : at::kFloat).contiguous() : at::Tensor();
+  const float* sinks_f = sinks.has_value() && !dbl ? sk.data_ptr<float>() : nullptr;
   at::Tensor qc = q.contiguous(), mc = mask.contiguous(), sc = slots.contiguous();
   at::Tensor out = at::empty_like(qc);
   const int64_t T = q.size(0), n_kv = k_cache.size(1), group = q.size(1) / n_kv;
@@ -556,7 +555,8 @@ at::Tensor exact_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   if (q.scalar_type() == at::kDouble) {  // reference path
     std::vector<const int64_t*> tables(T);
     for (int64_t t = 0; t < T; ++t) tables[t] = table(t);
-    attend_double(qc, k_cache, v_cache, mc, tables, scale, softcap, out);
+    attend_double(qc, k_cache, v_cache, mc, tables, scale, softcap, sinks.has_value() ? sk.data_ptr<double>() : nullptr,
+                  out);
     return out;
   }
   TORCH_CHECK(k_cache.stride(2) == 1, "the key cache must be stored transposed ([S, n_kv, hd, L] in memory)");
@@ -578,11 +578,11 @@ at::Tensor exact_attention(const at::Tensor& q, const at::Tensor& k_cache, const
   }
   switch (q.scalar_type()) {
     case at::kFloat: attend_float<float>(qc, k_cache, v_cache, mc, tasks, static_cast<float>(scale),
-                                         static_cast<float>(softcap), out); break;
+                                         static_cast<float>(softcap), sinks_f, out); break;
     case at::kBFloat16: attend_float<at::BFloat16>(qc, k_cache, v_cache, mc, tasks, static_cast<float>(scale),
-                                                   static_cast<float>(softcap), out); break;
+                                                   static_cast<float>(softcap), sinks_f, out); break;
     case at::kHalf: attend_float<at::Half>(qc, k_cache, v_cache, mc, tasks, static_cast<float>(scale),
-                                           static_cast<float>(softcap), out); break;
+                                           static_cast<float>(softcap), sinks_f, out); break;
     default: TORCH_CHECK(false, "exact_attention: unsupported dtype ", q.scalar_type());
   }
   return out;
@@ -592,7 +592,7 @@ at::Tensor exact_attention(const at::Tensor& q, const at::Tensor& k_cache, const
 
 TORCH_LIBRARY_FRAGMENT(tidespec, m) {
   m.def("exact_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor mask, float scale, "
-        "Tensor? block_table=None, float softcap=0.0) -> Tensor");
+        "Tensor? block_table=None, float softcap=0.0, Tensor? sinks=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tidespec, CPU, m) {
