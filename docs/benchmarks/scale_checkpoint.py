@@ -76,6 +76,9 @@ SHAPES = {
     # experts: a token reads what it reads in the real model (3.6B parameters), the file holds 6.6B
     "gpt-oss-20b-8e": Shape("gpt-oss", 2880, 24, 2880, 64, 8, 64, 150000.0, 201088, tied=False,
                             experts=8, used=4, expert_width=2880),
+    # its first 2 layers: an F16 file small enough for both engines' float logits (llamacpp_logits.py)
+    "gpt-oss-20b-2l": Shape("gpt-oss", 2880, 2, 2880, 64, 8, 64, 150000.0, 201088, tied=False,
+                            experts=8, used=4, expert_width=2880),
 }
 UNUSED = 5  # gguf's token type of a token the tokenizer never produces (llama.cpp's LLAMA_TOKEN_TYPE_UNUSED)
 FTYPES = {"Q4_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_K_M, "Q5_K_M": llama_cpp.LLAMA_FTYPE_MOSTLY_Q5_K_M,
