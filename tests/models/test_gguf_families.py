@@ -317,6 +317,11 @@ def test_a_gpt_oss_file_with_mxfp4_experts_loads_them_and_says_what_they_run_as(
     if native is not None:  # the blocks' values exactly: within int8 activations' error of the float load
         want_logits = full_logits(floats, KQUANT_IDS)
         assert ((full_logits(native, KQUANT_IDS) - want_logits).norm() / want_logits.norm()).item() < 0.15
+        prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4, list(range(40, 52))]
+        plain, _ = _decode(native, SpecConfig(), prompts, slots=1)
+        for slots in (1, 3):  # each expert on its MXFP4 blocks over whatever rows chose it: exact speculation
+            got, drafted = _decode(native, EVERY_DRAFTER["suffix"], prompts, slots)
+            assert got == plain and drafted > 0, slots
 
 
 @NO_A8

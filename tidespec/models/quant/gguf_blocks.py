@@ -23,12 +23,13 @@ Q5_K      (d sc_j) * q - (dmin m_j), j of 32       5 bits, mins; as Q4_K (5.625;
 Q3_K      (d (sc_j - 32)) * (q - 4), j of 16       3 bits in a nibble, offset 4; int8 sc, float16 d (4.5625; 3.44)
 Q6_K      (d sc_j) * (q - 32), j of 16             6 bits, offset 32; int8 sc, float16 d (6.5625; 6.5625)
 Q8_0      d * q, q in -127..127                    the w8 tile; float16 d, int32 code sum (9.5; 8.5)
-MXFP4     2^(e-128) * q, q an e2m1 value doubled   the w8 tile, exactly (|q| <= 12); float16 d (9.5; 4.25)
+MXFP4     2^(e-128) * q, q an e2m1 value doubled   Q5_0's tile: q + 16 in 4..28; float16 d (5.5; 4.25)
 ========  =======================================  ==================================================
 
-MXFP4 (gpt-oss's experts) is run on the w8 tile: its values are exactly int8 codes times a power of
-two, so the file's weights are kept bit for bit, at twice its bytes (a nibble kernel with a lookup of
-the e2m1 values would read the file's 4.25 bits; not written yet).
+MXFP4 (gpt-oss's experts) runs on Q5_0's tile: its values are exactly integers of -12..12 (an e2m1
+value doubled) times a power of two, so the codes with Q5_0's offset of 16 and the exponent as a
+float16 scale keep the file's weights bit for bit, at 5.5 bits read per weight (a kernel that looked
+up the e2m1 values from the file's nibbles would read its 4.25; not written).
 
 The kernel reads the scales as the file holds them (``KFactors``: a K-quant's int8 sub-block codes and
 its float16 ``d`` per 256 inputs, the product formed in float32, where it is exact: a float16 times a
@@ -227,7 +228,7 @@ NATIVE: dict[T, tuple[_Unpack, int, int, int, int]] = {
     T.Q4_0: (_q4_0, 32, 32, 4, 0), T.Q4_1: (_q4_1, 32, 32, 4, 0), T.Q4_K: (_q4_k, 256, 32, 4, 0),
     T.Q5_0: (_q5_0, 32, 32, 5, 16), T.Q5_1: (_q5_1, 32, 32, 5, 0), T.Q5_K: (_q5_k, 256, 32, 5, 0),
     T.Q3_K: (_q3_k, 256, 16, 3, 4), T.Q6_K: (_q6_k, 256, 16, 6, 32), T.Q8_0: (_q8_0, 32, 32, 8, 0),
-    T.MXFP4: (_mxfp4, 32, 32, 8, 0),
+    T.MXFP4: (_mxfp4, 32, 32, 5, 16),
 }
 NATIVE_NAMES = tuple(t.name for t in NATIVE)
 UNPACK_WEIGHTS = 1 << 22  # weights unpacked at a time (``unpack``)
@@ -327,7 +328,7 @@ class GgufW8Linear(W8A8Linear):
     """Q8_0 codes with the file's float16 scales on the w8 tile (w8a8's layer, the file's blocks)."""
 
     scheme = "gguf"
-    type_name = "Q8_0"  # or MXFP4, whose values are int8 codes times a power of two
+    type_name = "Q8_0"
 
     @property
     def kernel_name(self) -> str:
