@@ -83,8 +83,9 @@ class TargetConfig:
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False  # renormalize the top k routing weights to sum to 1
     moe_layers: tuple[bool, ...] | None = None  # per layer: True = the mixture; None = every layer (if experts)
-    router_topk_first: bool = False  # gpt-oss: the top k of the router's logits, then a softmax over those k
-    router_bias: bool = False  # gpt-oss: the router carries a bias
+    # gpt-oss's router: a bias, the top k of its logits, then a softmax over those k (its checkpoints hold the
+    # experts transposed, gate and up interleaved: ``families/decoder.py`` reads them so)
+    router_topk_first: bool = False
     # gpt-oss's clamped SwiGLU: gate <= limit, |up| <= limit, gate * sigmoid(alpha * gate) * (up + 1)
     swiglu_limit: float | None = None
     swiglu_alpha: float = 1.0
@@ -319,7 +320,7 @@ def _moe_fields(cfg: dict[str, Any], layers: int, topk_first: bool = False) -> d
             "moe_intermediate_size": int(cfg.get("moe_intermediate_size") or cfg["intermediate_size"]),
             "norm_topk_prob": bool(cfg.get("norm_topk_prob", "num_local_experts" in cfg)),
             "moe_layers": tuple(i not in dense and (i + 1) % step == 0 for i in range(layers)),
-            "router_topk_first": topk_first, "router_bias": topk_first}
+            "router_topk_first": topk_first}
 
 
 def _sliding_layers(cfg: dict[str, Any], layers: int) -> tuple[bool, ...] | None:

@@ -235,7 +235,7 @@ class DecoderModel(PlacedModule):
                 put(ours + "self_attn.sinks", get(a + "sinks"))
             if self.cfg.layer_moe(i):  # Mixtral's checkpoints name the mixture block_sparse_moe
                 moe = p + ("block_sparse_moe." if p + "block_sparse_moe.gate.weight" in sd else "mlp.")
-                experts = get.oss_experts if self.cfg.router_bias else get.experts
+                experts = get.oss_experts if self.cfg.router_topk_first else get.experts
                 for name, t in experts(moe, ours + "mlp.", self.cfg.num_experts).items():
                     put(name, t)
             else:

@@ -35,7 +35,7 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k, self.norm_topk_prob = cfg.num_experts_per_tok, cfg.norm_topk_prob
         self.topk_first = cfg.router_topk_first
-        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_bias)  # the router
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, bias=cfg.router_topk_first)  # the router (gpt-oss's: biased)
         self.experts = nn.ModuleList(MLP(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -332,7 +332,7 @@ class GgufW8Linear(W8A8Linear):
 
     @property
     def kernel_name(self) -> str:
-        return f"tidespec-a8-{self.type_name.lower()}"
+        return "tidespec-a8-q8_0"
 
 
 def native_linear(u: Unpacked) -> GgufNibLinear | GgufW8Linear:
@@ -345,7 +345,7 @@ def native_linear(u: Unpacked) -> GgufNibLinear | GgufW8Linear:
     half = _as_float16(u.scale)  # Q8_0's d: the file's float16 (float32 kept if a value were not)
     scale = torch.from_numpy(u.scale if half is None else half)
     layer = GgufW8Linear(*pack_w8(torch.from_numpy(u.q), scale), k, n)
-    layer.kernel_dtype, layer.type_name = scale.dtype, u.type_name
+    layer.kernel_dtype = scale.dtype
     return layer
 
 
