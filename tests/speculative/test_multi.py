@@ -172,6 +172,26 @@ def test_taps_do_not_linger_after_eagle3_drafts_when_the_policy_priced_it_out(mo
     assert policy.seen[19].num_cold_drafts == 1
 
 
+class _AnnouncedProbe(_PricedOut):
+    """Off from step 6 on except a probe at step 20, which the plan of step 19 announces (``api.probe_due``)."""
+
+    def probe_due(self, drafter: str) -> bool:
+        return drafter == "eagle3" and self.num_steps == 19
+
+
+def test_a_probe_the_policy_announced_finds_eagle3_warm(model, tok) -> None:
+    """The step before an announced probe computes the taps, and only that one: the probe drafts instead of
+    coming back cold (``AnalyticPolicy.probe_due``), and the output is plain decoding's."""
+    spec = SpecConfig(drafter="eagle3", num_speculative_tokens=3)
+    policy = _AnnouncedProbe(lambda step, i: ("eagle3", 3 if step <= 5 or step == 20 else 0))
+    e = engine(model, tok, spec, policy, slots=1)
+    plain = outputs(engine(model, tok, SpecConfig(), slots=1), PROMPTS[:1], max_tokens=40)
+    assert outputs(e, PROMPTS[:1], max_tokens=40) == plain
+    taps = [s.taps for s in policy.seen]
+    assert all(taps[:5]) and not any(taps[5:18]) and taps[18] and taps[19] and not any(taps[20:])
+    assert policy.seen[19].num_cold_drafts == 0 and policy.seen[19].num_drafts == 1
+
+
 def test_eagle3_restarts_its_context_after_a_hole_in_the_taps() -> None:
     """After a hole the head drafts exactly as a fresh head that only ever saw the later window."""
     target = tiny_llama(V, layers=4, seed=3)

@@ -272,12 +272,13 @@ def test_analytic_probes_more_often_where_a_probe_is_cheap() -> None:
     """The class docstring's rule with alpha 0 (the model says off everywhere): at b = 4 the
     best probe (gamma 1) is predicted at 1 / 1.05 = 0.952, so it costs 0.048 of a step and comes
     every 3rd step; at b = 64 gamma 1 verifies 128 tokens (T = 80 ms vs 40 ms): s = 1 / 2.0125,
-    cost 0.503 -> the 26th off step (26 x 0.02 = 0.52)."""
+    cost 0.503 -> the 26th off step (26 x 0.02 = 0.52). Each probe that leaves the choice as it was
+    doubles the next one's price (0.096 -> the 5th step, 0.19 -> the 10th; at b = 64 1.006 -> the 51st)."""
     policy = AnalyticPolicy(synthetic_profile(), gamma_max=4, prior_alpha=0.0, probe_budget=0.02)
     assert policy.predicted(4)[1] == pytest.approx(1 / 1.05)
-    assert [policy.plan(plan_input(4))[0] for _ in range(6)] == [0, 0, 1, 0, 0, 1]
+    assert [policy.plan(plan_input(4))[0] for _ in range(18)] == [0, 0, 1] + [0] * 4 + [1] + [0] * 9 + [1]
     assert policy.predicted(64)[1] == pytest.approx(1 / 2.0125)
-    assert [policy.plan(plan_input(64))[0] for _ in range(27)] == [0] * 25 + [1, 0]
+    assert [policy.plan(plan_input(64))[0] for _ in range(77)] == [0] * 25 + [1] + [0] * 50 + [1]
     with pytest.raises(ValueError, match="probe_budget"):
         AnalyticPolicy(synthetic_profile(), gamma_max=4, probe_budget=1.5)
 

@@ -14,8 +14,9 @@ from tidespec.llm import build_drafter, build_trim
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.api import DraftInput, SeqDraft
 from tidespec.speculative.drafters.suffix import SuffixDrafter
+from tidespec.speculative.policy.analytic import AnalyticPolicy
 from tidespec.speculative.policy.factory import PolicyOptions, make_policy
-from tidespec.speculative.policy.guards import GuardConfig
+from tidespec.speculative.policy.guards import GuardConfig, Guards
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.speculative.policy.trim import DraftTrim, best_count, keep_tokens
 from tidespec.stats import StepStats
@@ -116,7 +117,8 @@ def test_trimmed_verification_gives_plain_decodings_tokens_alone_and_batched(tre
     steps: list[StepStats] = []
 
     def engine() -> LLMEngine:
-        policy = make_policy("analytic", PolicyOptions(gamma_max=4, profile=ROWS, guards=GuardConfig(gamma_max=4)))
+        # a probe whenever the policy is off: every step drafts (the policy's own probes back off)
+        policy = Guards(AnalyticPolicy(ROWS, 4, probe_every=1), GuardConfig(gamma_max=4))
         e = LLMEngine(model, tok, EngineConfig(cache=cache, spec=spec), drafter=build_drafter(spec, model, 4, 96),
                       policy=policy, trim=DraftTrim(ROWS, explore_every=3))
         e.add_observer(Hooks(step_end=steps.append))

@@ -111,6 +111,14 @@ def priced_out(policy: SpeculationPolicy, drafter: str) -> bool:
     return bool(check(drafter)) if callable(check) else False
 
 
+def probe_due(policy: SpeculationPolicy, drafter: str) -> bool:
+    """Whether ``policy``'s next plan will probe ``drafter`` (``AnalyticPolicy.probe_due``); False for a policy
+    that does not say. The engine then computes the target's taps this step, so a tap-reading drafter that
+    was off is warm when the probe runs."""
+    check = getattr(policy, "probe_due", None)
+    return bool(check(drafter)) if callable(check) else False
+
+
 def wants_offers(policy: SpeculationPolicy) -> bool:
     """Whether ``policy`` prices each sequence's model-free drafts (``SeqState.offers``): per-sequence
     drafting (``routing.py``). A policy without the attribute (or a wrapper whose inner has none) does not."""

@@ -18,6 +18,7 @@ from tidespec.speculative.policy.api import (
     check_gamma_max,
     plans_drafters,
     priced_out,
+    probe_due,
     wants_offers,
 )
 from tidespec.stats import StepStats
@@ -69,6 +70,10 @@ class Guards:
     def priced_out(self, drafter: str) -> bool:
         """The inner policy's (``api.priced_out``)."""
         return priced_out(self.inner, drafter)
+
+    def probe_due(self, drafter: str) -> bool:
+        """The inner policy's (``api.probe_due``)."""
+        return probe_due(self.inner, drafter)
 
     def plan(self, inp: PlanInput) -> dict[int, int]:
         return {sid: gamma for sid, (_, gamma) in self.plan_drafters(inp).items()}
