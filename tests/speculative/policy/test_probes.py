@@ -79,3 +79,5 @@ def test_a_policy_that_decodes_plainly_announces_its_next_probe() -> None:
     on = AnalyticPolicy(synthetic_profile(), gamma_max=4, prior_alpha=0.9)
     on.plan(plan_input(4))
     assert not probe_due(on, "eagle3") and not priced_out(on, "eagle3")
+    with pytest.raises(ValueError, match="warm_steps"):
+        AnalyticPolicy(synthetic_profile(), gamma_max=4, warm_steps=-1)

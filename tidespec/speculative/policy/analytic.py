@@ -79,6 +79,8 @@ class AnalyticPolicy:
         check_gamma_max(gamma_max)
         if probe_every < 0:
             raise ValueError(f"probe_every must be >= 0, got {probe_every}")
+        if warm_steps < 0:
+            raise ValueError(f"warm_steps must be >= 0, got {warm_steps}")
         if not 0.0 <= probe_budget <= 1.0:
             raise ValueError(f"probe_budget must be in [0, 1], got {probe_budget}")
         if drafter is not None and drafters:
