@@ -330,8 +330,8 @@ class LLMEngine:
         """Whether this step computes and hands out the target's taps: in a step with prompt chunks
         (so a feature drafter always knows the prompt; next to a prefill's compute the copy is
         small), while a tap-reading drafter drafts (and ``TAP_LINGER_STEPS`` after, unless the policy
-        priced it out: ``api.priced_out``), in the step before the policy probes it (``api.probe_due``: the
-        probe finds it warm), or while an observer ``wants_taps``. Otherwise a decode step does exactly plain decoding's work; the
+        priced it out: ``api.priced_out``), in the steps before the policy probes it (``api.probe_due``: the
+        probe finds it with a context), or while an observer ``wants_taps``. Otherwise a decode step does exactly plain decoding's work; the
         drafter then restarts its context after the hole (``Drafter`` contract)."""
         if self.drafter is None or not self.drafter.tap_layers:
             return False
@@ -341,7 +341,7 @@ class LLMEngine:
         if prefill or self._last_tapped_draft == self.step_count:
             return True
         if self.policy is not None and policy_api.probe_due(self.policy, tapped or ""):
-            return True  # the next step probes it: warm, not cold
+            return True  # a probe of it is due: it drafts from a context, not cold
         if self.step_count - self._last_tapped_draft <= TAP_LINGER_STEPS and not (
                 self.policy is not None and policy_api.priced_out(self.policy, tapped or "")):
             return True

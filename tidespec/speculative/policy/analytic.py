@@ -247,7 +247,8 @@ class AnalyticPolicy:
         probed = self._probed.get(key, False)
         if step.num_cold_drafts and probed:  # a probe that drafted nothing: again
             self._reprobe[key] = True
-        self.probes.record(step, self._chosen[key][0] if key in self._chosen else None, probed)
+        if self.router is None:  # per-sequence drafting keeps eq. 5's probe prices (class docstring)
+            self.probes.record(step, self._chosen[key][0] if key in self._chosen else None, probed)
         self.trackers.update(key, step)
         if self.router is not None:
             self.router.observe(step.seq_accepted)

@@ -112,9 +112,9 @@ def priced_out(policy: SpeculationPolicy, drafter: str) -> bool:
 
 
 def probe_due(policy: SpeculationPolicy, drafter: str) -> bool:
-    """Whether ``policy``'s next plan will probe ``drafter`` (``AnalyticPolicy.probe_due``); False for a policy
-    that does not say. The engine then computes the target's taps this step, so a tap-reading drafter that
-    was off is warm when the probe runs."""
+    """Whether one of ``policy``'s next few plans will probe ``drafter`` (``AnalyticPolicy.probe_due``, its
+    ``warm_steps``); False for a policy that does not say. The engine then computes the target's taps, so a
+    tap-reading drafter that was off drafts from a context when the probe runs."""
     check = getattr(policy, "probe_due", None)
     return bool(check(drafter)) if callable(check) else False
 
