@@ -184,6 +184,18 @@ class SamplingParams:
         return self.temperature < GREEDY_TEMPERATURE
 
 
+def row_argmax(x: torch.Tensor) -> torch.Tensor:
+    """[..., V] -> [...]: the index of each row's largest value, the first one among ties, a NaN counting as
+    the largest, exactly as ``torch.argmax(x, -1)``. It is ``torch.max(x, -1).indices``: on a CPU
+    ``torch.argmax`` takes 2-3x as long for the same answer (torch 2.13, 2 threads, float32 rows of
+    SmolLM2's 49,152 logits: 69 vs 36 us for one row, 214 vs 81 us for 5, 753 vs 273 us for 20), and every
+    decode step takes the argmax of every row it verifies (``engine/runner.py``), so speculation paid it
+    per drafted token.
+
+    Example: ``row_argmax(torch.tensor([[1.0, 3.0, 3.0], [0.0, nan, 5.0]]))`` -> ``tensor([1, 1])``."""
+    return torch.max(x, dim=-1).indices
+
+
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """[N, V] logits -> [N, V] float probabilities after temperature, top-k, top-p.
 
@@ -193,7 +205,7 @@ def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     x = logits.to(dt)
     if params.greedy:
-        return torch.nn.functional.one_hot(x.argmax(-1), x.shape[-1]).to(dt)
+        return torch.nn.functional.one_hot(row_argmax(x), x.shape[-1]).to(dt)
     x = x / params.temperature
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[..., -1:]

@@ -22,7 +22,7 @@ import torch
 from tidespec.engine.logits import TokenLogprob, emitted_rows, token_logprobs
 from tidespec.engine.runner import ForwardOutput
 from tidespec.engine.sequence import Sequence
-from tidespec.sampling import sample_from, seeded_draw, target_probs
+from tidespec.sampling import row_argmax, sample_from, seeded_draw, target_probs
 from tidespec.speculative.api import SeqDraft
 from tidespec.speculative.tree import row_paths
 from tidespec.speculative.verify import VerifyResult, verify_greedy, verify_sampled, verify_seeded
@@ -51,7 +51,7 @@ def target_rows(seq: Sequence, fwd: ForwardOutput, lo: int, n: int,
         logits = seq.grammar.constrain(logits, tokens, parents)
     if seq.processing is not None:
         logits = seq.processing.apply(logits, seq.output_ids, row_paths(tokens, parents))
-    return logits, logits.argmax(-1).tolist() if seq.params.greedy else []
+    return logits, row_argmax(logits).tolist() if seq.params.greedy else []
 
 
 def decide(seq: Sequence, fwd: ForwardOutput, lo: int, n: int, draft: SeqDraft | None) -> Decision:

@@ -39,7 +39,7 @@ from tidespec.engine.logits import LogitsProcessing
 from tidespec.engine.observer import EngineObserver
 from tidespec.engine.scheduler import PrefillChunk, ScheduledBatch
 from tidespec.engine.sequence import Sequence
-from tidespec.sampling import SamplingParams, StructuredOutputs
+from tidespec.sampling import SamplingParams, StructuredOutputs, row_argmax
 from tidespec.speculative.api import DraftProposal
 from tidespec.structured.grammar import GrammarMatcher
 
@@ -157,7 +157,7 @@ class ExactnessChecker(EngineObserver):
         logits = chk.logits if chk.grammar is None else chk.grammar.constrain(chk.logits.unsqueeze(0), [], None)[0]
         if chk.processing is not None:  # the served request's bias and penalties at this position
             logits = chk.processing.apply(logits.unsqueeze(0), chk.output_ids[:chk.position], [[]])[0]
-        plain = int(logits.argmax())
+        plain = int(row_argmax(logits))
         served = chk.output_ids[chk.position]
         if plain != served:
             top2 = torch.topk(logits.float(), 2).values

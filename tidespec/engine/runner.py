@@ -23,6 +23,7 @@ import torch
 
 from tidespec.engine.scheduler import ScheduledBatch
 from tidespec.models.execution.executor import ForwardExecutor
+from tidespec.sampling import row_argmax
 from tidespec.speculative.api import DraftProposal, SeqDraft
 from tidespec.speculative.tree import tree_depths, tree_mask
 
@@ -78,7 +79,7 @@ class ModelRunner:
         plan = self.plan(batch, proposal)
         out = self.executor(plan.tokens, plan.q_lens, plan.ctx_lens, plan.slots, plan.logits_rows, plan.depths,
                             plan.masks, tap_layers, prefill=bool(batch.prefill))
-        argmax = out.logits.argmax(-1).tolist() if out.logits is not None else []
+        argmax = row_argmax(out.logits).tolist() if out.logits is not None else []
         return ForwardOutput(plan.rows, out.logits, argmax, out.taps if tap_layers else None, out.last_hidden)
 
     def plan(self, batch: ScheduledBatch, proposal: DraftProposal) -> ForwardPlan:

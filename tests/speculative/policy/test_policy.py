@@ -26,7 +26,7 @@ from tidespec.speculative.policy.speedup import (
     practical_speedup,
 )
 from tidespec.speculative.policy.static import StaticPolicy
-from tidespec.speculative.policy.tracking import AlphaTracker
+from tidespec.speculative.policy.tracking import AlphaTracker, position_counts
 from tidespec.stats import StepStats
 
 D0 = 0.0005
@@ -117,6 +117,44 @@ def test_bucket_of() -> None:
     assert [bucket_of(b) for b in (1, 2, 3, 4, 5, 8, 9, 33)] == [1, 2, 4, 4, 8, 8, 16, 64]
     with pytest.raises(ValueError):
         bucket_of(0)
+
+
+def _lengths_per_gamma(tracker: AlphaTracker, bucket: int, gamma: int) -> tuple[float, float]:
+    """The per-position sums of ``_Counts.lengths`` for one gamma, written out on their own (the reference
+    ``all_lengths`` must equal)."""
+    c = tracker.per_bucket.get(bucket, tracker.overall)
+    alpha, rho = c.alpha(), c.rho()
+    accept_len, draft_len, acc_prev, draft_prev = 1.0, 0.0, 1.0, 1.0
+    for k in range(1, gamma + 1):
+        geo_acc, geo_draft = (alpha * rho) ** k, rho ** k
+        if k <= len(c.positions) and c.positions[k - 1][0] + tracker.pseudo > 0:
+            asked, reached, acc = c.positions[k - 1]
+            geo_acc = (acc + tracker.pseudo * geo_acc) / (asked + tracker.pseudo)
+            geo_draft = (reached + tracker.pseudo * geo_draft) / (asked + tracker.pseudo)
+        draft_prev = min(draft_prev, geo_draft)
+        acc_prev = min(acc_prev, geo_acc, draft_prev)
+        accept_len += acc_prev
+        draft_len += draft_prev
+    return accept_len, draft_len
+
+
+def test_position_counts_and_all_lengths_in_one_pass() -> None:
+    """The per-position counts of position_counts' docstring, and all_lengths equal, bit for bit, to the
+    per-gamma sums at every gamma over random outcome histories (one pass computes the same prefix sums)."""
+    assert position_counts([(4, 4, 4), (4, 2, 1), (2, 0, 0)]) == [(3, 2, 2), (3, 2, 1), (2, 1, 1), (2, 1, 1)]
+    assert position_counts([]) == []
+    rng = random.Random(0)
+    for pseudo in (0.0, 1.0):
+        tracker = AlphaTracker(prior_alpha=0.6, ema=0.1, pseudo=pseudo)
+        for _ in range(50):
+            outcomes = []
+            for _ in range(rng.randint(1, 4)):
+                gamma = rng.randint(1, 5)
+                depth = rng.randint(0, gamma)
+                outcomes.append((gamma, depth, rng.randint(0, depth)))
+            tracker.update_outcomes(rng.choice((1, 4)), outcomes)
+            for bucket in (1, 4, 16):
+                assert tracker.all_lengths(bucket, 7) == [_lengths_per_gamma(tracker, bucket, g) for g in range(8)]
 
 
 def test_tracker_worked_example_alpha_and_rho() -> None:

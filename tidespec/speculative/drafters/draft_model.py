@@ -49,7 +49,7 @@ from tidespec.models.layout import BatchLayout
 from tidespec.models.loading.loader import load_model
 from tidespec.models.quant.quantize import QuantizedLinear
 from tidespec.models.target import TargetModel, output_matrix
-from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
+from tidespec.sampling import SamplingParams, make_generator, row_argmax, sample_from, seeded_draw, target_probs
 from tidespec.speculative import api
 from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.registry import BuildContext, DrafterKind
@@ -103,7 +103,7 @@ class _ChainJob:
     def consume(self, logits: torch.Tensor) -> None:
         """logits: [1, V] at the last fed position -> one more draft token."""
         if self.params.greedy:
-            self.tokens.append(int(logits[0].argmax().item()))
+            self.tokens.append(int(row_argmax(logits[0]).item()))
             return
         probs = target_probs(logits, self.params)[0]  # [V]
         if self.params.seed is not None:  # the target's race noise at this position: drafts agree with its draws

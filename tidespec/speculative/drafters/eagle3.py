@@ -49,7 +49,7 @@ from tidespec.models.kv.cache import KVCache
 from tidespec.models.layout import BatchLayout
 from tidespec.models.loading.loader import DTYPES
 from tidespec.models.target import TargetModel
-from tidespec.sampling import SamplingParams, make_generator, sample_from, seeded_draw, target_probs
+from tidespec.sampling import SamplingParams, make_generator, row_argmax, sample_from, seeded_draw, target_probs
 from tidespec.speculative.api import (
     DrafterBase,
     DraftInput,
@@ -453,7 +453,7 @@ class Eagle3Drafter(DrafterBase):
         ``position``: the output position the token is drafted for; a seeded request draws with the
         target's race noise there (``sampling.seeded_draw``), so draft and target agree more often."""
         if params.greedy:
-            return int(ids[logits.argmax()].item()), None
+            return int(ids[row_argmax(logits)].item()), None
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # a half-precision head's too
         q = target_probs(logits.unsqueeze(0), params)[0]  # [n]: the softmax renormalised over ids
         vocab = self.head.cfg.target_vocab_size

@@ -41,7 +41,7 @@ from tidespec.models.medusa.heads import (
     publish_heads,
 )
 from tidespec.models.target import TargetModel, output_matrix
-from tidespec.sampling import make_generator, sample_from, seeded_draw, target_probs
+from tidespec.sampling import make_generator, row_argmax, sample_from, seeded_draw, target_probs
 from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation, SeqDraft
 from tidespec.speculative.drafters.draft_model import draft_seed
 from tidespec.speculative.registry import BuildContext, DrafterKind
@@ -125,7 +125,7 @@ class MedusaDrafter(DrafterBase):
         states = self.heads(hidden, depth)  # [depth, B, H]
         flat = states.reshape(-1, states.shape[-1]) @ self.rows.T  # [depth * B, N]: one GEMM
         logits = flat.float().reshape(depth, len(ready), -1)  # [depth, B, N]
-        greedy_top = self.ids[logits.argmax(-1)].tolist()  # [depth][B]: one host read for the batch
+        greedy_top = self.ids[row_argmax(logits)].tolist()  # [depth][B]: one host read for the batch
         for b, inp in enumerate(ready):
             gamma = min(inp.num_speculative_tokens, self.heads.cfg.num_heads)
             if inp.params.greedy and inp.tree and self.top_k > 1:

@@ -45,27 +45,32 @@ class _Counts:
         self.proposed = keep * self.proposed + proposed
         self.stopped = keep * self.stopped + stopped
 
-    def add_positions(self, keep: float, outcomes: Sequence[tuple[int, int, int]]) -> None:
-        """Fold in (gamma asked, draft depth, accepted) of each sequence; positions nobody was
-        asked for this step keep their counts."""
-        deepest = max((g for g, _, _ in outcomes), default=0)
-        while len(self.positions) < deepest:
+    def add_positions(self, keep: float, counts: Sequence[tuple[int, int, int]]) -> None:
+        """Fold in one step's per-position counts (``position_counts``); positions nobody was asked for
+        this step keep their counts."""
+        while len(self.positions) < len(counts):
             self.positions.append([0.0, 0.0, 0.0])
-        for k in range(1, deepest + 1):
-            row = self.positions[k - 1]
-            row[0] = keep * row[0] + sum(g >= k for g, _, _ in outcomes)
-            row[1] = keep * row[1] + sum(d >= k for g, d, _ in outcomes if g >= k)
-            row[2] = keep * row[2] + sum(a >= k for g, _, a in outcomes if g >= k)
+        for row, (asked, reached, accepted) in zip(self.positions, counts):
+            row[0] = keep * row[0] + asked
+            row[1] = keep * row[1] + reached
+            row[2] = keep * row[2] + accepted
 
     def lengths(self, gamma: int, pseudo: float) -> tuple[float, float]:
         """(E[l], mean draft length) when asking for ``gamma``: per position k, the measured
         share of sequences whose draft reached k and that accepted >= k, each shrunk towards the
         geometric model ((alpha rho)**k and rho**k) by ``pseudo`` sequences — the model alone
         where position k was never asked for."""
+        return self.all_lengths(gamma, pseudo)[gamma]
+
+    def all_lengths(self, gamma_max: int, pseudo: float) -> list[tuple[float, float]]:
+        """``lengths`` of every gamma 0..gamma_max in one pass (the sums over positions 1..gamma are
+        prefixes of one another: entry g is exactly ``lengths(g)``). Example: alpha 1, rho 1, nothing
+        measured -> [(1, 0), (2, 1), (3, 2)] for gamma_max 2."""
         alpha, rho = self.alpha(), self.rho()
         accept_len, draft_len = 1.0, 0.0
         acc_prev = draft_prev = 1.0
-        for k in range(1, gamma + 1):
+        out = [(accept_len, draft_len)]
+        for k in range(1, gamma_max + 1):
             geo_acc, geo_draft = (alpha * rho) ** k, rho ** k
             if k <= len(self.positions) and self.positions[k - 1][0] + pseudo > 0:
                 asked, reached, acc = self.positions[k - 1]
@@ -75,7 +80,8 @@ class _Counts:
             acc_prev = min(acc_prev, geo_acc, draft_prev)  # accepting k implies accepting k - 1 and reaching k
             accept_len += acc_prev
             draft_len += draft_prev
-        return accept_len, draft_len
+            out.append((accept_len, draft_len))
+        return out
 
     def copy(self) -> _Counts:
         return _Counts(self.accepted, self.rejected, self.proposed, self.stopped, [list(r) for r in self.positions])
@@ -150,6 +156,10 @@ class AlphaTracker:
         """(E[l], mean draft length) of asking for ``gamma`` in this bucket (``_Counts.lengths``)."""
         return self._counts(bucket).lengths(gamma, self.pseudo)
 
+    def all_lengths(self, bucket: int, gamma_max: int) -> list[tuple[float, float]]:
+        """``lengths`` of every gamma 0..gamma_max in this bucket, in one pass (``_Counts.all_lengths``)."""
+        return self._counts(bucket).all_lengths(gamma_max, self.pseudo)
+
     def update(self, bucket: int, step: StepStats) -> None:
         """Fold in one step's counts (accepted, rejected, draft depth, short drafts and the
         per-sequence outcomes); a step that asked for no drafts changes nothing."""
@@ -174,10 +184,19 @@ class AlphaTracker:
         if bucket not in self.per_bucket:  # a new bucket starts from what all steps say
             self.per_bucket[bucket] = self.overall.copy()
         keep = 1.0 - self.ema
+        positions = position_counts(outcomes)  # once: both counts fold the same step
         for c in (self.per_bucket[bucket], self.overall):
             c.add(keep, *counts)
-            if outcomes:
-                c.add_positions(keep, outcomes)
+            c.add_positions(keep, positions)
+
+
+def position_counts(outcomes: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Per draft position k = 1 .. the deepest gamma asked, of the (gamma asked, draft depth, accepted)
+    ``outcomes``: (sequences asked for >= k tokens, of those whose draft reached depth k, of those that
+    accepted >= k). Example: [(4, 4, 4), (4, 2, 1), (2, 0, 0)] -> [(3, 2, 2), (3, 2, 1), (2, 1, 1), (2, 1, 1)]."""
+    deepest = max((g for g, _, _ in outcomes), default=0)
+    return [(sum(g >= k for g, _, _ in outcomes), sum(d >= k for g, d, _ in outcomes if g >= k),
+             sum(a >= k for g, _, a in outcomes if g >= k)) for k in range(1, deepest + 1)]
 
 
 class DrafterTrackers:
@@ -210,9 +229,6 @@ def predicted_speedups(tracker: AlphaTracker, batch_size: int, profile: Profile,
                        drafter: str | None = None) -> list[float]:
     """Eq. 5 for every gamma 0..gamma_max at this batch size, with the acceptance and draft
     lengths the tracker measured for the batch size's bucket (``AlphaTracker.lengths``)."""
-    key = bucket_of(batch_size)
-    out = [1.0]
-    for g in range(1, gamma_max + 1):
-        accept_len, draft_len = tracker.lengths(key, g)
-        out.append(speedup_of_lengths(accept_len, draft_len, g, batch_size, profile, drafter))
-    return out
+    lengths = tracker.all_lengths(bucket_of(batch_size), gamma_max)
+    return [1.0] + [speedup_of_lengths(accept_len, draft_len, g, batch_size, profile, drafter)
+                    for g, (accept_len, draft_len) in enumerate(lengths) if g > 0]
