@@ -228,7 +228,7 @@ class DrafterTrackers:
 def predicted_speedups(tracker: AlphaTracker, batch_size: int, profile: Profile, gamma_max: int,
                        drafter: str | None = None) -> list[float]:
     """Eq. 5 for every gamma 0..gamma_max at this batch size, with the acceptance and draft
-    lengths the tracker measured for the batch size's bucket (``AlphaTracker.lengths``)."""
+    lengths the tracker measured for the batch size's bucket (``AlphaTracker.all_lengths``: every gamma in one pass)."""
     lengths = tracker.all_lengths(bucket_of(batch_size), gamma_max)
     return [1.0] + [speedup_of_lengths(accept_len, draft_len, g, batch_size, profile, drafter)
                     for g, (accept_len, draft_len) in enumerate(lengths) if g > 0]
