@@ -34,6 +34,7 @@ FLAGS = {
     '--suffix-max-tree-tokens': 20000, '--suffix-min-prob': 0.1, '--suffix-factor': 1.0, '--draft-model': None,
     '--draft-layers': 0, '--tree-top-k': 2, '--policy': 'static', '--profile': None, '--guard-kv-usage': 0.9,
     '--guard-temperature': 2.0, '--per-sequence': False, '--trim-drafts': True, '--measured-routes': False,
+    '--gate-model-drafters': True,
     '--eagle3-dir': None, '--eagle3-draft-vocab': 0, '--eagle3-tree-depth': 5,
     '--eagle3-tree-top-k': 4, '--eagle3-dtype': 'auto', '--eagle3-min-draft-prob': 0.4,
     '--eagle3-quantization': 'auto', '--medusa-dir': None, '--medusa-heads': 4, '--medusa-vocab': 8192,

@@ -390,6 +390,9 @@ class PolicyConfig:
     measured_routes: bool = opt(False, "per-sequence drafting (experimental): scale the model drafter's price by its "
                                        "measured speed (its steps' tokens per second against plain decoding's in the "
                                        "same engine), so the costs the start-up profile leaves out count")
+    gate_model_drafters: bool = opt(True, "per-sequence drafting: ask the model drafters only while the goodput "
+                                          "measured in alternating epochs (with them, without them) says they pay "
+                                          "beside the model-free drafters")
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:

@@ -132,7 +132,7 @@ def build_policy(config: EngineConfig, model: TargetModel, drafter: Drafter | No
     return make_policy(pc.name, PolicyOptions(
         gamma_max=gamma_max, profile=profile, guards=guards, drafters=several, shadowed=drafter.shadowed,
         stateful=stateful_names(drafter), per_sequence=pc.per_sequence,
-        measured_routes=pc.measured_routes))
+        measured_routes=pc.measured_routes, gate=pc.gate_model_drafters))
 
 
 def with_shipped_head(spec: SpecConfig, target_cfg: TargetConfig, online: bool = False) -> SpecConfig:

@@ -82,7 +82,8 @@ for item in ns.configs:
     drafter, policy, *flags = rest.split(":")
     spec = dataclasses.replace(SpecConfig(), drafter=drafter, num_speculative_tokens=4 if drafter != "none" else 0)
     pc = PolicyConfig() if policy == "static" else PolicyConfig(name=policy, per_sequence="perseq" in flags,
-                                                                 trim_drafts="notrim" not in flags)
+                                                                 trim_drafts="notrim" not in flags,
+                                                                 gate_model_drafters="nogate" not in flags)
     econf = bench_engine_config(prompts, ns.max_tokens, ns.batch, target.model.cfg.max_position_embeddings, mc, None,
                                 spec, pc)
     engine = build_engine(econf, model=target.model, tokenizer=target.tokenizer)
@@ -150,4 +151,4 @@ for r in runs[1:]:
           f"{reference.label}'s {same}/{len(reference.outputs)}")
     if r.engine.policy is not None:
         print({k: round(v, 3) for k, v in r.engine.policy.stats().items()
-               if k.startswith(("routed_", "probe", "alpha", "gamma_b"))})
+               if k.startswith(("routed_", "probe", "alpha", "gamma_b", "gate_"))})

@@ -11,6 +11,7 @@ the one controller that chooses drafter and gamma from one statistics source.
 from __future__ import annotations
 
 from tidespec.speculative.policy.api import PlanInput, bucket_of, check_gamma_max
+from tidespec.speculative.policy.gate import ModelGate
 from tidespec.speculative.policy.probes import ProbeMeter
 from tidespec.speculative.policy.routing import RouteMeter, SequenceRouter
 from tidespec.speculative.policy.speedup import Profile
@@ -58,7 +59,8 @@ class AnalyticPolicy:
     (``probe_due``), so it drafts from a context instead of coming back cold. Under per-sequence drafting
     the probes stay as they were: they are what keeps the router's model-drafter price and offers from
     settling on none (backed off, chat at batch 4 decoded 91 % of its sequence-steps without a draft, 0.93x
-    plain).
+    plain). With ``gate`` (``gate.py``), per-sequence drafting asks the model drafters, routes and probes alike,
+    only in the epochs where the measured goodput says they pay beside the model-free ones.
 
     Worked example of the backoff (alpha 0, a probe costs 0.048 as below): probes at steps 3, 8, 18, ...
     (0.048, then 0.096, then 0.19 of savings).
@@ -75,7 +77,8 @@ class AnalyticPolicy:
     def __init__(self, profile: Profile, gamma_max: int, ema: float = 0.1, prior_alpha: float = 0.7,
                  drafter: str | None = None, probe_every: int = 64, probe_budget: float = 0.02,
                  drafters: tuple[str, ...] = (), shadowed: frozenset[str] = frozenset(),
-                 per_sequence: bool = False, measured_routes: bool = False, warm_steps: int = 8) -> None:
+                 per_sequence: bool = False, measured_routes: bool = False, warm_steps: int = 8,
+                 gate: bool = False) -> None:
         check_gamma_max(gamma_max)
         if probe_every < 0:
             raise ValueError(f"probe_every must be >= 0, got {probe_every}")
@@ -117,6 +120,7 @@ class AnalyticPolicy:
         self.router = (SequenceRouter(profile, ema, meter) if per_sequence and len(drafters) > 1 and shadowed
                        else None)
         self.route_counts: dict[str, int] = {}  # drafter ("none") -> sequence-steps routed (or probed) to it
+        self.gate = ModelGate() if gate and self.router is not None else None  # model drafters in or out
 
     @property
     def wants_offers(self) -> bool:
@@ -161,7 +165,8 @@ class AnalyticPolicy:
         speedup = table[drafter][gamma]
         key = bucket_of(inp.batch_size)
         probed = False
-        unseen = [d for d in self.drafters if d not in self.shadowed and (gamma == 0 or d != drafter)]
+        gated = self.gate is not None and not self.gate.allows(inp.batch_size)  # model drafters out: no probe
+        unseen = [d for d in self.drafters if d not in self.shadowed and (gamma == 0 or d != drafter) and not gated]
         self._due = ()
         if self._probed.get(key, False) and self.router is None:  # the step after a probe: did it change the choice?
             last = self._chosen[key][0]
@@ -189,7 +194,7 @@ class AnalyticPolicy:
         if self.router is not None:
             self.router.start_step()
             if not probed:
-                return self._route(inp, table, best, default)
+                return self._route(inp, table, best, default, gated)
             self.router.planned(drafter or "", table[drafter][gamma], len(inp.seqs))
             probed_route = drafter or "none"  # a probe's sequence-steps count as routed to what drafted them
             self.route_counts[probed_route] = self.route_counts.get(probed_route, 0) + len(inp.seqs)
@@ -202,12 +207,17 @@ class AnalyticPolicy:
         steps. Without them a tap-reading drafter is cold at the probe (no draft, and a second probe next
         step) or, a step later, drafts from a context of one position, which measured it at 0.18 accepted
         tokens a probe where it accepts 0.48 drafting every step (EAGLE-3 alone, chat, batch 1)."""
+        if self.gate is not None and drafter not in self.shadowed and self.gate.warming():
+            return True  # the gate lets the model drafters in within a few steps
         return bool(self._due) and self._due[0] in (drafter, None)  # None: the engine's only drafter
 
     def priced_out(self, drafter: str) -> bool:
         """Whether the per-sequence router, measuring routes, priced ``drafter`` below no draft at the last
         plan (``routing.RouteMeter``): it gets no sequence until its estimates change or a probe runs, so
-        keeping its context warm (the engine's lingering taps) buys nothing."""
+        keeping its context warm (the engine's lingering taps) buys nothing. So does a gate that has the model
+        drafters out (``gate.ModelGate``)."""
+        if self.gate is not None and drafter not in self.shadowed and self.gate.keeps_out():
+            return True
         if self.router is None or self.router.meter is None:
             return False
         return self._model_prices.get(drafter, 1.0) < 1.0
@@ -224,12 +234,12 @@ class AnalyticPolicy:
         return speedup if measured is None else min(speedup, measured)
 
     def _route(self, inp: PlanInput, table: dict[str | None, list[float]], best: dict[str | None, int],
-               default: str) -> dict[int, tuple[str, int]]:
+               default: str, gated: bool = False) -> dict[int, tuple[str, int]]:
         """Per-sequence choices (``routing.SequenceRouter``): the model drafters priced from this
-        batch size's table, each sequence's offers from the model-free drafters' own drafts."""
+        batch size's table (none while ``gated``), each sequence's offers from the model-free drafters' own drafts."""
         assert self.router is not None
         models = {d: (best[d], table[d][best[d]]) for d in self.drafters
-                  if d is not None and d not in self.shadowed}
+                  if d is not None and d not in self.shadowed and not gated}
         if self.router.meter is not None:
             self._model_prices = {d: price * self.router.meter.factor(inp.batch_size, d)
                                   for d, (_, price) in models.items()}
@@ -253,6 +263,8 @@ class AnalyticPolicy:
         if self.router is not None:
             self.router.observe(step.seq_accepted)
             self.router.measure(step)
+        if self.gate is not None:
+            self.gate.record(step)
 
     def choices(self) -> dict[int, tuple[str, int]]:
         """Bucket -> the (drafter, gamma) last chosen there (drafter "" = the engine's only one)."""
@@ -277,6 +289,8 @@ class AnalyticPolicy:
         out.update(self.probes.measured())
         for d, count in self.route_counts.items():
             out[f"routed_{d}"] = float(count)
+        if self.gate is not None:
+            out.update(self.gate.stats())
         if self.router is not None:
             for (d, band), calibration in sorted(self.router.calibration.items()):
                 out[f"calibration_{d}_{band}"] = calibration

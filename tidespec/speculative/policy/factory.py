@@ -38,6 +38,7 @@ class PolicyOptions:
     stateful: frozenset[str] = frozenset()  # of those, the ones that must catch up after a pause (bandit's cost)
     per_sequence: bool = False  # analytic: each sequence its own drafter (``routing.py``)
     measured_routes: bool = False  # per-sequence: prices scaled by measured route speeds (``routing.RouteMeter``)
+    gate: bool = False  # per-sequence: model drafters in or out by measured goodput (``gate.ModelGate``)
 
     def __post_init__(self) -> None:
         check_gamma_max(self.gamma_max)
@@ -58,7 +59,7 @@ def _static(o: PolicyOptions) -> SpeculationPolicy:
 def _analytic(o: PolicyOptions) -> SpeculationPolicy:
     return AnalyticPolicy(_need_profile(o, "analytic"), o.gamma_max, ema=o.ema, prior_alpha=o.prior_alpha,
                           drafters=_several(o), shadowed=o.shadowed, per_sequence=o.per_sequence,
-                          measured_routes=o.measured_routes)
+                          measured_routes=o.measured_routes, gate=o.gate)
 
 
 def _bandit(o: PolicyOptions) -> SpeculationPolicy:
