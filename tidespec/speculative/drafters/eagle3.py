@@ -9,8 +9,7 @@ described in ``tidespec.models.eagle3.head``; this module owns the per-sequence 
 Drafter state per sequence: the taps ``observe`` handed over, the head's own K/V for every
 position whose tap row and next token are final (one slot of a ``KVCache`` with a layer per head
 layer; extended over the pending taps at the next ``propose``, so steps without speculation cost no
-head forward), plus
-the last position's output (pre-norm hidden and logits), which starts the next proposal.
+head forward), plus the last position's output (pre-norm hidden and logits), which starts the next proposal.
 Speculative positions are written past the cached length and simply forgotten afterwards (the
 rollback is not advancing the length).
 
@@ -298,7 +297,7 @@ class Eagle3Drafter(DrafterBase):
         everything pending): a step whose sequences do not speculate (the policy chose gamma 0)
         then costs a tap copy, not a head forward, and a sequence that never speculates again
         never pays for one."""
-        dtype, device, tap_size = self.head.dtype, self.head.device, self.head.cfg.tap_size  # once: each walks modules
+        kept: tuple[torch.dtype, torch.device, int] | None = None  # read once, at the first taps: each walks modules
         for obs in observations:
             st = self._state(obs.seq_id)
             if st is None:
@@ -313,6 +312,8 @@ class Eagle3Drafter(DrafterBase):
             if obs.start < 0 and st.hole:
                 st.lost = True  # cannot tell where the taps resume
                 continue
+            kept = kept or (self.head.dtype, self.head.device, self.head.cfg.tap_size)  # a step without taps never reads
+            dtype, device, tap_size = kept
             if tuple(obs.taps.shape) != (obs.num_new_cached, tap_size):
                 raise ValueError(f"taps for sequence {obs.seq_id} have shape {tuple(obs.taps.shape)}, "
                                  f"expected ({obs.num_new_cached}, {tap_size})")
