@@ -13,7 +13,8 @@ statistics.
         --configs plain=none:static e3=eagle3:analytic perseq=suffix,eagle3:analytic:perseq
 
 Flags, to take a per-sequence configuration apart (each turns one part off or fixes it, in this process only):
-``perseq`` (per-sequence drafting), ``notrim`` (``--no-trim-drafts``), ``noprobe`` (the analytic policy never probes),
+``perseq`` (per-sequence drafting), ``nogate`` (``--no-gate-model-drafters``: the model drafters routed and probed in
+every step), ``notrim`` (``--no-trim-drafts``), ``noprobe`` (the analytic policy never probes),
 ``takeall`` (the router's choice replaced by the model-free drafter's offer whenever it has one, else no draft: suffix
 alone's decisions, with the per-sequence machinery around them), ``rows=T1/ROW/D0`` (milliseconds: the profile's
 batch-1 row of T(1, q) set to T1 + (q - 1) ROW and the model drafter's D0 at batch 1 to D0, e.g. what this engine's
