@@ -53,6 +53,7 @@ disjoint from the trace; recipe in its README), or a fresh head when it is missi
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections import Counter
@@ -189,6 +190,11 @@ def drafter_shares(steps: list[dict]) -> dict[str, float]:
     return {d: n / total for d, n in sorted(counts.items())} if total else {}
 
 
+def _shown(value: float, unit: str = "") -> str:
+    """A figure for the console: two decimals, "-" where there is none (NaN: nothing was measured)."""
+    return "-" if math.isnan(value) else f"{value:.2f}{unit}"
+
+
 def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bool:
     """Part 2: the domain-shift trace, plain vs EAGLE-3 with online training; True when lossless."""
     boot = shipped_bootstrap()
@@ -244,9 +250,10 @@ def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bo
         mine, frozen = po.get("quarters", {}).get("eagle3", []), ps.get("quarters", {}).get("eagle3", [])
         if mine and frozen:
             con.print(f"the learned drafter's own gain, phase {po['phase']} ({po['workload']}): EAGLE-3's acceptance "
-                      "length by quarter, learning " + " / ".join(f"{q:.2f}" for q in mine) + " vs frozen "
-                      + " / ".join(f"{q:.2f}" for q in frozen) + ": "
-                      + " / ".join(f"{a / b:.2f}x" for a, b in zip(mine, frozen)))
+                      "length by quarter, learning " + " / ".join(_shown(q) for q in mine) + " vs frozen "
+                      + " / ".join(_shown(q) for q in frozen) + ": "
+                      + " / ".join(_shown(a / b, "x") if b > 0 else "-" for a, b in zip(mine, frozen))
+                      + (" (-: no EAGLE-3 draft in that quarter)" if any(map(math.isnan, mine + frozen)) else ""))
     on = online["online"]
     for r in on.get("rounds", []):
         pub = f"published v{r['published_version']}" if r.get("published_version") else "not published"
