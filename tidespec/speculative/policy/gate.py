@@ -72,8 +72,8 @@ class ModelGate:
     min_pairs: int = 6
     max_wait: int = 8
     ema: float = 0.1
-    _buckets: dict[int, _Epochs] = field(default_factory=dict)
-    _key: int = 1  # the bucket of the last plan
+    _buckets: dict[int, _Epochs] = field(default_factory=dict, init=False, repr=False)
+    _key: int = field(default=1, init=False)  # the bucket of the last plan
 
     def __post_init__(self) -> None:
         if self.min_pairs < 1 or self.max_wait < 1 or not 0.0 < self.ema <= 1.0:
