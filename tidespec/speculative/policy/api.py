@@ -98,6 +98,12 @@ def bucket_of(batch_size: int) -> int:
     return 1 << (batch_size - 1).bit_length()
 
 
+def measures_decoding(step: StepStats) -> bool:
+    """Whether ``step`` times decoding alone: decode sequences, no prompt tokens (their cost is the prompt's) and a
+    time. What the meters that compare steps' speeds keep (``probes``, ``routing``, ``gate``)."""
+    return step.num_decode_seqs >= 1 and not step.num_prefill_tokens and step.total_time > 0
+
+
 def check_gamma_max(gamma_max: int) -> None:
     if not 1 <= gamma_max <= 64:
         raise ValueError(f"gamma_max must be in [1, 64], got {gamma_max}")

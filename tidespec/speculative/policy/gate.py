@@ -41,7 +41,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from tidespec.speculative.policy.api import bucket_of
+from tidespec.speculative.policy.api import bucket_of, measures_decoding
 from tidespec.stats import StepStats
 
 
@@ -102,13 +102,13 @@ class ModelGate:
         """Whether the planned bucket's model drafters are out and come in within ``warm`` steps: the engine then
         hands them the target's taps, so the epoch in starts from a context (``AnalyticPolicy.probe_due``)."""
         state = self._state(self._key)
-        return not state.arm and state.left <= self.warm and self._next_arm(state) is True
+        return not state.arm and state.left <= self.warm and self._transition(state)[0]
 
     def record(self, step: StepStats) -> None:
         """A decode step's tokens and seconds go to its bucket's epoch, unless it is among the epoch's first
         ``washout`` or last ``warm`` steps (those pay for the arm before or after); a step with prompt tokens (its cost
         is the prompt's) or without a time teaches nothing."""
-        if step.num_decode_seqs < 1 or step.num_prefill_tokens or step.total_time <= 0:
+        if not measures_decoding(step):
             return
         state = self._state(bucket_of(step.num_decode_seqs))
         if self.warm < state.left <= self.epoch_steps - self.washout:
@@ -144,9 +144,6 @@ class ModelGate:
         if since >= state.wait:
             return not preferred, since, state.wait, True
         return preferred, since, state.wait, False
-
-    def _next_arm(self, state: _Epochs) -> bool:
-        return self._transition(state)[0]
 
     def stats(self) -> dict[str, float]:
         """Per bucket: the arm running (1 = in), the paired estimate of log(g_in / g_out), epochs per arm."""

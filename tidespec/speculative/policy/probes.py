@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tidespec.speculative.policy.api import bucket_of
+from tidespec.speculative.policy.api import bucket_of, measures_decoding
 from tidespec.speculative.policy.speedup import Profile
 from tidespec.stats import StepStats
 
@@ -56,9 +56,9 @@ class ProbeMeter:
     def record(self, step: StepStats, probe: str | None, probed: bool) -> None:
         """One decode step (one with a prompt chunk teaches nothing): a probe of ``probe`` when
         ``probed``, else, when nobody drafted in it, a plain step."""
-        b = step.num_decode_seqs
-        if b < 1 or step.num_prefill_tokens or step.total_time <= 0:
+        if not measures_decoding(step):
             return
+        b = step.num_decode_seqs
         if probed:
             speedup = (step.num_emitted_tokens / b) / (step.total_time / self.plain_seconds(b))
             _fold(self._probes, (probe, bucket_of(b)), speedup, self.ema)

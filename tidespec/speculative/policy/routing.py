@@ -63,7 +63,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tidespec.speculative.policy.api import bucket_of
+from tidespec.speculative.policy.api import bucket_of, measures_decoding
 from tidespec.speculative.policy.speedup import Profile, speedup_of_lengths
 from tidespec.stats import StepStats
 
@@ -112,9 +112,9 @@ class RouteMeter:
     def record(self, route: str, predicted: float, step: StepStats) -> None:
         """One decode step in which every sequence took ``route``, priced ``predicted`` (raw, before
         ``factor``)."""
-        b = step.num_decode_seqs
-        if b < 1 or step.num_prefill_tokens or step.total_time <= 0:
+        if not measures_decoding(step):
             return
+        b = step.num_decode_seqs
         expected = predicted * self.profile.baseline_tokens_per_s(b) * step.total_time
         speed = self._speeds.setdefault((bucket_of(b), route), _RouteSpeed())
         if speed.steps == 0:
