@@ -152,4 +152,4 @@ for r in runs[1:]:
           f"{reference.label}'s {same}/{len(reference.outputs)}")
     if r.engine.policy is not None:
         print({k: round(v, 3) for k, v in r.engine.policy.stats().items()
-               if k.startswith(("routed_", "probe", "alpha", "gamma_b", "gate_"))})
+               if k.startswith(("routed_", "probe", "alpha", "gamma_b", "gate_", "depth_"))})

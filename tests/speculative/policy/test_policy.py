@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
@@ -319,6 +320,51 @@ def test_analytic_probes_more_often_where_a_probe_is_cheap() -> None:
     assert [policy.plan(plan_input(64))[0] for _ in range(77)] == [0] * 25 + [1] + [0] * 50 + [1]
     with pytest.raises(ValueError, match="probe_budget"):
         AnalyticPolicy(synthetic_profile(), gamma_max=4, probe_budget=1.5)
+
+
+def _chain_step(gamma: int, accepted: int) -> StepStats:
+    """A batch-1 step that asked for ``gamma``, drafted it whole and accepted ``accepted`` of it."""
+    return step_stats(1, gamma, 1, gamma, accepted, accepted + 1, 0.012, 0.001, 0.011,
+                      num_rejected=int(accepted < gamma), seq_outcomes=[(gamma, gamma, accepted)])
+
+
+def test_analytic_depth_probes_refresh_positions_a_short_gamma_never_asks() -> None:
+    """Positions 2-4 measured bad once (one request), then the policy sits at gamma 1, where nothing
+    asks for them again. A depth probe asks for gamma_max within the budget (its price: s(1) - s(4));
+    once the deep positions accept, the policy moves to gamma 4. Where they stay bad, each depth probe
+    that leaves gamma 1 as it was doubles the next one's price: the gaps grow."""
+    profile = Profile(target_latency={1: 0.010, 2: 0.012, 5: 0.018, 16: 0.050}, draft_cost={"default": 0.0005})
+    def stale() -> AnalyticPolicy:
+        policy = AnalyticPolicy(profile, gamma_max=4, ema=0.1, prior_alpha=0.9, probe_budget=0.02)
+        for _ in range(10):
+            policy.observe(_chain_step(4, 1))
+        for _ in range(30):
+            policy.observe(_chain_step(1, 1))
+        return policy
+    policy = stale()
+    s = policy.predicted(1)
+    assert policy.decide(1)[0] == 1 and s[1] - s[4] > 0.2  # the stale second position keeps gamma 1 best
+    gammas = []
+    for _ in range(200):  # the deep positions accept now
+        g = policy.plan(plan_input(1))[0]
+        gammas.append(g)
+        policy.observe(_chain_step(g, g))
+    first = gammas.index(4)
+    assert 0 < first <= (s[1] - s[4]) / 0.02 + 1  # the first depth probe, once the budget covers its price
+    assert gammas[-20:] == [4] * 20 and policy.decide(1)[0] == 4 and policy.stats()["depth_probe_steps"] >= 1
+    still = stale()
+    probes = []
+    for i in range(400):  # the deep positions stay bad: gamma 1 stays, the depth probes thin out
+        g = still.plan(plan_input(1))[0]
+        if g == 4:
+            probes.append(i)
+        still.observe(_chain_step(g, 1))
+    gaps = [b - a for a, b in itertools.pairwise(probes)]
+    assert len(probes) >= 3 and gaps == sorted(gaps) and gaps[-1] > gaps[0]
+    assert still.decide(1)[0] == 1
+    never = stale()
+    never.probe_every = 0
+    assert {never.plan(plan_input(1))[0] for _ in range(100)} == {1}
 
 
 def test_analytic_unseen_bucket_uses_global_alpha() -> None:

@@ -81,16 +81,22 @@ def test_practical_speedup_hand_computed_gpt_oss() -> None:
 
 
 def test_practical_speedup_with_a_drafter_that_stops_early() -> None:
-    """The module docstring's example: alpha 0.5, rho 0.5, gamma 4, b = 1, gpt-oss profile."""
+    """The module docstring's example: alpha 0.8, rho 0.75, gamma 4, b = 1, gpt-oss profile; the drafting is
+    charged for the d tokens drafted, at least one call."""
     p = table5("gpt-oss-120b")
     assert expected_draft_length(0.5, 4) == pytest.approx(0.9375) and expected_draft_length(1.0, 4) == 4.0
-    verify = p.target(1.9375) / p.target(1)
-    assert verify == pytest.approx(1.1175, abs=1e-3)
-    expected = expected_accept_length(0.25, 4) / (4 * 0.393 / 3.416 + verify)
-    assert practical_speedup(0.5, 4, 1, p, rho=0.5) == pytest.approx(expected, abs=1e-9)
-    assert practical_speedup(0.5, 4, 1, p, rho=0.5) == pytest.approx(0.8443, abs=1e-4)
-    assert practical_speedup(0.5, 4, 1, p, rho=1.0) == pytest.approx(1.0785, abs=1e-4)
-    assert practical_speedup(0.5, 4, 1, p, rho=1.0) == practical_speedup(0.5, 4, 1, p)  # eq. 5 as printed
+    d = expected_draft_length(0.75, 4)
+    assert d == pytest.approx(2.0508, abs=1e-4)
+    verify = p.target(1 + d) / p.target(1)
+    assert verify == pytest.approx(1.2017, abs=1e-3)
+    expected = expected_accept_length(0.6, 4) / (d * 0.393 / 3.416 + verify)
+    assert practical_speedup(0.8, 4, 1, p, rho=0.75) == pytest.approx(expected, abs=1e-9)
+    assert practical_speedup(0.8, 4, 1, p, rho=0.75) == pytest.approx(1.6037, abs=1e-4)
+    assert practical_speedup(0.8, 4, 1, p, rho=1.0) == pytest.approx(1.8712, abs=1e-4)
+    assert practical_speedup(0.8, 4, 1, p, rho=1.0) == practical_speedup(0.8, 4, 1, p)  # eq. 5 as printed
+    # a drafter that mostly proposes nothing still pays one call: d = 0.94 is charged as 1
+    short = expected_accept_length(0.25, 4) / (0.393 / 3.416 + p.target(1 + 0.9375) / p.target(1))
+    assert practical_speedup(0.5, 4, 1, p, rho=0.5) == pytest.approx(short, abs=1e-9)
     with pytest.raises(ValueError, match="rho"):
         practical_speedup(0.5, 4, 1, p, rho=1.5)
 

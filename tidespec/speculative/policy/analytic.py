@@ -102,6 +102,10 @@ class AnalyticPolicy:
         self._due: tuple[str | None, ...] = ()  # (the drafter the next plan will probe,) if the savings hold
         self._backoff: dict[int, int] = {}  # bucket -> 2^(probes in a row that left the choice as it was)
         self._model_prices: dict[str, float] = {}  # model drafter -> its measured price at the last routed plan
+        self.num_depth_probes = 0
+        self._deep_steps: dict[int, int] = {}  # bucket -> steps since its last depth probe
+        self._deep_backoff: dict[int, int] = {}  # bucket -> 2^(depth probes in a row that left gamma as it was)
+        self._deepened: dict[int, int] = {}  # bucket -> the gamma its last plan deepened to gamma_max (a depth probe)
         self.profile = profile
         self.gamma_max = gamma_max
         self.drafter = drafter
@@ -186,6 +190,8 @@ class AnalyticPolicy:
             self._off_steps[key] = off
         else:
             self._off_steps[key] = 0
+        if self.router is None:
+            gamma = self._deepen(key, drafter, gamma, probed, table[drafter])
         self._probed[key] = probed
         self._chosen[key] = (drafter, gamma)
         self._speedup[key] = speedup
@@ -200,6 +206,33 @@ class AnalyticPolicy:
             self.route_counts[probed_route] = self.route_counts.get(probed_route, 0) + len(inp.seqs)
         name = drafter if drafter is not None and gamma > 0 else default
         return {s.seq_id: (name or "", gamma) for s in inp.seqs}
+
+    def _deepen(self, key: int, drafter: str | None, gamma: int, probed: bool, speedups: list[float]) -> int:
+        """The gamma to run: ``gamma``, or ``gamma_max`` for a depth probe. The tracker learns what the
+        positions past ``gamma`` deliver only from steps that ask for them, and a drafter kept at a short gamma
+        keeps whatever those positions said when it was last asked for them (EAGLE-3 alone on code sat at
+        gamma 1 on a second position measured during one chat-like request). So a drafted step may ask for
+        ``gamma_max`` instead, priced like a drafter probe: ``s(gamma) - s(gamma_max)`` of a step, paid from
+        ``probe_budget`` per step (at the latest after ``probe_every`` steps), the price doubling after each
+        depth probe that left the choice as it was (up to ``probe_every``) and starting over after one that
+        deepened it. Example (budget 0.02): s(1) = 1.39 against s(4) = 1.33 costs 0.06: a depth probe every
+        3rd step, then every 6th, 12th, ... while gamma 1 stays the best."""
+        last = self._deepened.pop(key, None)
+        if last is not None:  # the plan after a depth probe: did it deepen the choice?
+            self._deep_backoff[key] = 1 if gamma > last else min(self._deep_backoff.get(key, 1) * 2,
+                                                                  self.probe_every or 1)
+        if probed or gamma < 1 or gamma >= self.gamma_max or not self.probe_every:
+            self._deep_steps[key] = 0
+            return gamma
+        steps = self._deep_steps.get(key, 0) + 1
+        cost = (speedups[gamma] - speedups[self.gamma_max]) * self._deep_backoff.get(key, 1)
+        if steps >= self.probe_every or steps * self.probe_budget >= cost:
+            self._deep_steps[key] = 0
+            self._deepened[key] = gamma
+            self.num_depth_probes += 1
+            return self.gamma_max
+        self._deep_steps[key] = steps
+        return gamma
 
     def probe_due(self, drafter: str) -> bool:
         """Whether one of the next ``warm_steps`` plans will probe ``drafter`` (as the last plan's savings
@@ -277,7 +310,8 @@ class AnalyticPolicy:
 
     def stats(self) -> dict[str, float]:
         out = {"predicted_speedup": self.last_predicted_speedup, "alpha": self.alphas.global_alpha,
-               "rho": self.alphas.overall.rho(), "probe_steps": float(self.num_probes)}
+               "rho": self.alphas.overall.rho(), "probe_steps": float(self.num_probes),
+               "depth_probe_steps": float(self.num_depth_probes)}
         for key in sorted(self._chosen):
             drafter, gamma = self._chosen[key]
             out[f"gamma_b{key}"] = float(gamma)
