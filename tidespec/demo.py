@@ -236,7 +236,7 @@ def part_online(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> bo
         quarters = po.get("quarters", {})
         con.print(f"phase {po['phase']} ({po['workload']}) by quarter of its requests: drafter served "
                   + " / ".join(served) + "; acceptance length "
-                  + "; ".join(f"{who} " + " / ".join(f"{q:.2f}" for q in v) for who, v in quarters.items()))
+                  + "; ".join(f"{who} " + " / ".join(_shown(q) for q in v) for who, v in quarters.items()))
         mine_steps, still_steps = po["quarter_tokens_per_step"], ps["quarter_tokens_per_step"]
         con.print("  tokens per target step (every step, drafted or not) by quarter: online "
                   + " / ".join(f"{q:.2f}" for q in mine_steps) + "; the same requests with nothing learning "

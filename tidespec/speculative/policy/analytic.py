@@ -62,6 +62,9 @@ class AnalyticPolicy:
     plain). With ``gate`` (``gate.py``), per-sequence drafting asks the model drafters, routes and probes alike,
     only in the epochs where the measured goodput says they pay beside the model-free ones.
 
+    Depth probes (``_deepen``): a batch-level choice at a gamma below ``gamma_max`` asks for ``gamma_max`` now and
+    then, at the same budget and backoff, so the deeper positions' estimates are measured again.
+
     Worked example of the backoff (alpha 0, a probe costs 0.048 as below): probes at steps 3, 8, 18, ...
     (0.048, then 0.096, then 0.19 of savings).
 
@@ -191,7 +194,7 @@ class AnalyticPolicy:
         else:
             self._off_steps[key] = 0
         if self.router is None:
-            gamma = self._deepen(key, drafter, gamma, probed, table[drafter])
+            gamma = self._deepen(key, gamma, probed, table[drafter])
         self._probed[key] = probed
         self._chosen[key] = (drafter, gamma)
         self._speedup[key] = speedup
@@ -207,7 +210,7 @@ class AnalyticPolicy:
         name = drafter if drafter is not None and gamma > 0 else default
         return {s.seq_id: (name or "", gamma) for s in inp.seqs}
 
-    def _deepen(self, key: int, drafter: str | None, gamma: int, probed: bool, speedups: list[float]) -> int:
+    def _deepen(self, key: int, gamma: int, probed: bool, speedups: list[float]) -> int:
         """The gamma to run: ``gamma``, or ``gamma_max`` for a depth probe. The tracker learns what the
         positions past ``gamma`` deliver only from steps that ask for them, and a drafter kept at a short gamma
         keeps whatever those positions said when it was last asked for them (EAGLE-3 alone on code sat at
