@@ -177,18 +177,16 @@ class AnalyticPolicy:
         self._due = ()
         if self._probed.get(key, False) and self.router is None:  # the step after a probe: did it change the choice?
             last = self._chosen[key][0]
-            self._backoff[key] = 1 if gamma > 0 and drafter == last else min(
-                self._backoff.get(key, 1) * 2, self.probe_every or 1)
+            self._backoff[key] = self._backed_off(self._backoff.get(key, 1), gamma > 0 and drafter == last)
         if self.probe_every and unseen:
             off = self._off_steps.get(key, 0) + 1
             probe = max(unseen, key=lambda d: (table[d][best[d]], -self.drafters.index(d)))
             cost = (speedup - self._probe_speedup(inp.batch_size, probe, table, best)) * self._backoff.get(key, 1)
-            if self._reprobe.pop(key, False) or off >= self.probe_every or off * self.probe_budget >= cost:
+            if self._reprobe.pop(key, False) or self._affordable(off, cost):
                 drafter, gamma, off = probe, best[probe], 0
                 self.num_probes += 1
                 probed = True
-            elif self.router is None and (off + self.warm_steps >= self.probe_every
-                                          or (off + self.warm_steps) * self.probe_budget >= cost):
+            elif self.router is None and self._affordable(off + self.warm_steps, cost):
                 self._due = (probe,)  # a plan within ``warm_steps`` probes it (unless the estimates move)
             self._off_steps[key] = off
         else:
@@ -222,20 +220,29 @@ class AnalyticPolicy:
         3rd step, then every 6th, 12th, ... while gamma 1 stays the best."""
         last = self._deepened.pop(key, None)
         if last is not None:  # the plan after a depth probe: did it deepen the choice?
-            self._deep_backoff[key] = 1 if gamma > last else min(self._deep_backoff.get(key, 1) * 2,
-                                                                  self.probe_every or 1)
+            self._deep_backoff[key] = self._backed_off(self._deep_backoff.get(key, 1), gamma > last)
         if probed or gamma < 1 or gamma >= self.gamma_max or not self.probe_every:
             self._deep_steps[key] = 0
             return gamma
         steps = self._deep_steps.get(key, 0) + 1
         cost = (speedups[gamma] - speedups[self.gamma_max]) * self._deep_backoff.get(key, 1)
-        if steps >= self.probe_every or steps * self.probe_budget >= cost:
+        if self._affordable(steps, cost):
             self._deep_steps[key] = 0
             self._deepened[key] = gamma
             self.num_depth_probes += 1
             return self.gamma_max
         self._deep_steps[key] = steps
         return gamma
+
+    def _affordable(self, steps: int, cost: float) -> bool:
+        """Whether a probe priced ``cost`` of a step runs after ``steps`` steps without one: the savings of
+        ``probe_budget`` a step cover it, or ``probe_every`` steps have passed (drafter and depth probes alike)."""
+        return steps >= self.probe_every or steps * self.probe_budget >= cost
+
+    def _backed_off(self, backoff: int, changed: bool) -> int:
+        """A probe's price multiplier after a probe: 1 when it changed the choice, else doubled (up to
+        ``probe_every``)."""
+        return 1 if changed else min(backoff * 2, self.probe_every or 1)
 
     def probe_due(self, drafter: str) -> bool:
         """Whether one of the next ``warm_steps`` plans will probe ``drafter`` (as the last plan's savings
