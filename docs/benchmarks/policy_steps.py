@@ -16,7 +16,8 @@ Flags, to take a per-sequence configuration apart (each turns one part off or fi
 ``perseq`` (per-sequence drafting), ``nogate`` (``--no-gate-model-drafters``: the model drafters routed and probed in
 every step), ``notrim`` (``--no-trim-drafts``), ``noprobe`` (the analytic policy never probes),
 ``takeall`` (the router's choice replaced by the model-free drafter's offer whenever it has one, else no draft: suffix
-alone's decisions, with the per-sequence machinery around them), ``rows=T1/ROW/D0`` (milliseconds: the profile's
+alone's decisions, with the per-sequence machinery around them), ``span=N`` (the acceptance estimates forget per
+``N`` drafts: ``span=1`` at batch 1 is the per-step memory before 2026-12-07), ``rows=T1/ROW/D0`` (milliseconds: the profile's
 batch-1 row of T(1, q) set to T1 + (q - 1) ROW and the model drafter's D0 at batch 1 to D0, e.g. what this engine's
 own steps measured).
 
@@ -55,6 +56,10 @@ def taken_apart(engine: LLMEngine, flags: list[str]) -> None:
     """The flags ``noprobe``, ``takeall`` and ``rows=`` of the module docstring, applied to an engine's analytic
     policy (and, for ``rows=``, to its draft trim)."""
     policy: Any = getattr(engine.policy, "inner", engine.policy)
+    for flag in flags:
+        if flag.startswith("span="):  # the acceptance estimates forget per span drafts (span=1 at batch 1: per step)
+            for tracker in policy.trackers.trackers.values():
+                tracker.span = int(flag[len("span="):])
     if "noprobe" in flags:
         policy.probe_every = 0
     router = getattr(policy, "router", None)

@@ -179,6 +179,32 @@ def test_tracker_worked_example_alpha_and_rho() -> None:
     assert tracker.alpha(4) == pytest.approx(5 / 6) and tracker.rho(4) == pytest.approx(0.75)
 
 
+def test_tracker_memory_counts_drafts_not_steps() -> None:
+    """The AlphaTracker docstring's memory in drafts (ema 0.1, span 4: a draft's weight falls 0.9 ** 0.25 per later
+    draft): 40 rejected then 4 accepted drafts, one per step at batch 1, weigh as the same drafts four per step at
+    batch 4 (within the spread of weights inside a step); forgetting per step, batch 1 forgot four times faster."""
+    rejected, accepted = (4, 4, 0), (4, 4, 4)
+    one, four = AlphaTracker(prior_alpha=0.7, ema=0.1), AlphaTracker(prior_alpha=0.7, ema=0.1)
+    for _ in range(40):
+        one.update_outcomes(1, [rejected])
+    for _ in range(10):
+        four.update_outcomes(4, [rejected] * 4)
+    for _ in range(4):
+        one.update_outcomes(1, [accepted])
+    four.update_outcomes(4, [accepted] * 4)
+    k = 0.9**0.25
+    acc = 0.7 * k**44 + sum(4 * k**i for i in range(4))  # the prior, then the accepted drafts (4 tokens each)
+    rej = k**4 * (0.3 * k**40 + sum(k**i for i in range(40)))
+    assert one.alpha(1) == pytest.approx(acc / (acc + rej))
+    assert one.alpha(1) == pytest.approx(four.alpha(4), rel=0.05) and one.alpha(1) < 0.45
+    per_step = AlphaTracker(prior_alpha=0.7, ema=0.1, span=1)  # the memory before: 0.9 per step at any batch size
+    for outcome in [rejected] * 40 + [accepted] * 4:
+        per_step.update_outcomes(1, [outcome])
+    assert per_step.alpha(1) > 0.55  # four accepted drafts outweighed forty rejected ones
+    with pytest.raises(ValueError, match="span"):
+        AlphaTracker(span=0)
+
+
 def test_tracker_is_unbiased_at_batch_one_where_averaging_step_estimates_is_not() -> None:
     """Batch 1, gamma 4, true alpha 0.45: averaging per-step inversions of eq. 2 lands near 0.30
     (0.2965 exactly), below the ~0.33 where eq. 5 turns speculation on at batch 1 on the
@@ -370,9 +396,10 @@ def test_analytic_depth_probes_refresh_positions_a_short_gamma_never_asks() -> N
 def test_analytic_unseen_bucket_uses_global_alpha() -> None:
     policy = AnalyticPolicy(synthetic_profile(), gamma_max=4, ema=0.5, prior_alpha=0.7)
     policy.observe(feedback(1, 4, 0.0))
-    # forgotten counts: accepted 0.5 * 0.7 + 0, rejected 0.5 * 0.3 + 1 -> 0.35 / 1.5
-    assert policy.alphas.alpha(1) == pytest.approx(0.35 / 1.5)
-    assert policy.alphas.alpha(32) == pytest.approx(0.35 / 1.5)  # no data at 32: all steps' estimate
+    # one draft, a quarter of span 4: the prior keeps 0.5 ** 0.25 of its weight; accepted 0.7 keep, rejected 0.3 keep + 1
+    keep = 0.5**0.25
+    assert policy.alphas.alpha(1) == pytest.approx(0.7 * keep / (keep + 1))
+    assert policy.alphas.alpha(32) == pytest.approx(0.7 * keep / (keep + 1))  # no data at 32: all steps' estimate
 
 
 # ---- bandit ----

@@ -121,10 +121,19 @@ class AlphaTracker:
 
     The priors enter as one pseudo-observation (``prior_alpha`` accepted-vs-rejected, a drafter
     that always fills gamma), so the first real steps replace them.
+
+    Memory in drafts, not steps. A step's counts fall by ``(1 - ema) ** (n / span)`` per later fold of ``n``
+    sequences' drafts, so the estimate remembers about ``span / ema`` drafts at every batch size: a step of
+    ``span`` (4) drafts forgets by ``1 - ema`` as each step did before, a batch-1 step by a quarter of that.
+    Forgetting per step gave a batch-1 estimate a fourth of batch 4's evidence, and a few rejected drafts in a
+    row turned off a drafter that pays: suffix alone under the analytic policy on chat and sql_help ran 2.6-2.8 %
+    slower than with batch 4's memory (docs/benchmarks/policies.md, 2026-12-07). Example (ema 0.1, span 4): after
+    a fold of 1 draft, the older counts keep 0.9 ** 0.25 = 0.974 of their weight; after one of 4 drafts, 0.9.
     """
 
     prior_alpha: float = 0.7
-    ema: float = 0.1  # 1 - the factor by which a step's weight falls per later step
+    ema: float = 0.1  # 1 - the factor by which a draft's weight falls per ``span`` later drafts
+    span: int = 4  # drafts over which weights fall by 1 - ema: ema is the per-step rate at batch ``span``
     pseudo: float = 1.0  # sequences' worth of the geometric model in each per-position estimate
     overall: _Counts = field(init=False)
     per_bucket: dict[int, _Counts] = field(default_factory=dict)
@@ -137,6 +146,8 @@ class AlphaTracker:
             raise ValueError(f"ema must be in (0, 1], got {self.ema}")
         if self.pseudo < 0:
             raise ValueError(f"pseudo must be >= 0, got {self.pseudo}")
+        if self.span < 1:
+            raise ValueError(f"span must be >= 1, got {self.span}")
         self.overall = _Counts(self.prior_alpha, 1.0 - self.prior_alpha, 1.0, 0.0)
 
     @property
@@ -165,8 +176,9 @@ class AlphaTracker:
         per-sequence outcomes); a step that asked for no drafts changes nothing."""
         if step.num_drafts + step.num_short_drafts <= 0:
             return
+        drafts = len(step.seq_outcomes) or max(step.num_drafts, step.num_short_drafts)  # the sequences asked
         self._fold(bucket, (float(step.num_accepted_tokens), float(step.num_rejected), float(step.num_draft_depth),
-                            float(step.num_short_drafts)), step.seq_outcomes)
+                            float(step.num_short_drafts)), step.seq_outcomes, drafts)
 
     def update_outcomes(self, bucket: int, outcomes: Sequence[tuple[int, int, int]]) -> None:
         """Fold in (gamma asked, draft depth, accepted) per sequence — one drafter's share of a step,
@@ -176,14 +188,14 @@ class AlphaTracker:
             return
         self._fold(bucket, (float(sum(a for _, _, a in outcomes)), float(sum(a < d for _, d, a in outcomes)),
                             float(sum(d for _, d, _ in outcomes)), float(sum(d < g for g, d, _ in outcomes))),
-                   outcomes)
+                   outcomes, len(outcomes))
 
     def _fold(self, bucket: int, counts: tuple[float, float, float, float],
-              outcomes: Sequence[tuple[int, int, int]]) -> None:
+              outcomes: Sequence[tuple[int, int, int]], drafts: int) -> None:
         self.revision += 1
         if bucket not in self.per_bucket:  # a new bucket starts from what all steps say
             self.per_bucket[bucket] = self.overall.copy()
-        keep = 1.0 - self.ema
+        keep = (1.0 - self.ema) ** (drafts / self.span)  # memory in drafts (class docstring)
         positions = position_counts(outcomes)  # once: both counts fold the same step
         for c in (self.per_bucket[bucket], self.overall):
             c.add(keep, *counts)
