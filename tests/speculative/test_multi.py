@@ -123,7 +123,7 @@ def test_shadow_outcomes_score_what_verification_would_accept(model, tok) -> Non
     assert all("ngram" in s.shadow_outcomes or not s.shadow_outcomes for s in policy.seen)
 
 
-def test_controllerswitching_drafters_drafters_mid_request_keeps_greedy_outputs(model, tok) -> None:
+def test_a_controller_switching_drafters_mid_request_keeps_greedy_outputs(model, tok) -> None:
     plain = outputs(engine(model, tok, SpecConfig()), PROMPTS, max_tokens=60)
     spec = SpecConfig(drafter=ALL, num_speculative_tokens=4, options={"draft-model": DraftModelOptions(layers=2)})
     policy = ScriptedPolicy(switching_drafters)
