@@ -127,7 +127,7 @@ class AlphaTracker:
     ``span`` (4) drafts forgets by ``1 - ema`` as each step did before, a batch-1 step by a quarter of that.
     Forgetting per step gave a batch-1 estimate a fourth of batch 4's evidence, and a few rejected drafts in a
     row turned off a drafter that pays: at batch 1 with the per-step memory, suffix alone under the analytic policy
-    ran 1.7 % (chat) and 3.6 % (sql_help) slower, EAGLE-3 alone 6.6 % on code (docs/benchmarks/policies.md,
+    ran 1.7 % (chat) and 3.5 % (sql_help) slower, EAGLE-3 alone 6.2 % on code (docs/benchmarks/policies.md,
     2026-12-07). Example (ema 0.1, span 4): after
     a fold of 1 draft, the older counts keep 0.9 ** 0.25 = 0.974 of their weight; after one of 4 drafts, 0.9.
     """
