@@ -53,8 +53,8 @@ mc = ModelConfig(quantization="w4a8", threads=2, compile=ns.compile)
 
 
 def taken_apart(engine: LLMEngine, flags: list[str]) -> None:
-    """The flags ``noprobe``, ``takeall`` and ``rows=`` of the module docstring, applied to an engine's analytic
-    policy (and, for ``rows=``, to its draft trim)."""
+    """The flags ``span=``, ``noprobe``, ``takeall`` and ``rows=`` of the module docstring, applied to an engine's
+    analytic policy (and, for ``rows=``, to its draft trim)."""
     policy: Any = getattr(engine.policy, "inner", engine.policy)
     for flag in flags:
         if flag.startswith("span="):  # the acceptance estimates forget per span drafts (span=1 at batch 1: per step)
