@@ -18,7 +18,7 @@ from tidespec.speculative.drafters.ngram import NgramOptions
 from tidespec.speculative.registry import add_engine_args, check_config, engine_config_from_args
 
 # Every engine flag and its default as the flat SpecConfig (34 fields) had them, plus those added since
-# (--quantization, --quant-group-size, --compile, --trainer-max-restarts, --trainer-backoff-max-s,
+# (--quantization, --quant-group-size, --compile, --trainer-max-restarts, --trainer-backoff-max-s, --capture-idle-share,
 # --drafter-device); nesting the config
 # must not rename a flag or move a default (deliberate moves: --draft-vocab-core 4096 -> 0 = auto and
 # --draft-vocab-buffer 256 -> 512, after the size sweep in docs/benchmarks/learning.md).
@@ -44,7 +44,7 @@ FLAGS = {
     '--draft-vocab-corpus': 'drafter_boot,code_extra', '--online-training': False, '--signal-dir': None, '--signal-budget-mb': 2048,
     '--online-poll-s': 2.0, '--trainer-device': None, '--trainer-args': '', '--trainer-nice': 0,
     '--trainer-share': 0.02, '--rollback-min-drafts': 0, '--online-lora': True,
-    '--trainer-max-restarts': 5, '--trainer-backoff-max-s': 60.0,
+    '--trainer-max-restarts': 5, '--trainer-backoff-max-s': 60.0, '--capture-idle-share': 0.25,
     '--collect-force': False, '--collect-prompt': False, '--collect-bootstrap': False, '--collect-epsilon': 0.02,
     '--collect-n-init': 20, '--collect-n-threshold': 512, '--collect-lambda-short': 0.9,
     '--collect-lambda-long': 0.99, '--json-whitespace': 'compact',

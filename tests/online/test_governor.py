@@ -158,3 +158,40 @@ def test_collection_asks_for_taps_only_while_speculation_pays() -> None:
     policy.last_predicted_speedup = 1.0  # the controller went off: nothing pays at this load
     assert not collector.wants_taps()
     assert speculation_pays(None)  # no policy (static engine): always
+
+
+def test_collection_captures_bursts_while_nothing_pays() -> None:
+    """With ``idle_share``, a parked drafter still gets runs of rows: the first 16 of every 16 / share decode steps
+    ask for the taps (and the final hidden states) when no drafter pays; steps without decode sequences do not
+    count, and paying steps capture as before."""
+    from types import SimpleNamespace
+
+    from tidespec.config import CollectionConfig
+    from tidespec.online.capture import CaptureBuffer
+    from tidespec.online.collection import SelectiveCollector
+    from tidespec.online.signals import IDLE_BURST_STEPS, SignalCollector
+    from tidespec.stats import StepStats
+
+    class Predicts:
+        last_predicted_speedup = 1.0  # off: nothing pays
+
+    policy = Predicts()
+    engine = SimpleNamespace(policy=policy)
+    collector = SignalCollector(engine, CaptureBuffer(None, 64, 8, hidden_dim=4),
+                                SelectiveCollector(CollectionConfig(force=True)), idle_share=0.25)
+    wanted = []
+    for step in range(3 * 64):
+        wanted.append((collector.wants_taps(), collector.wants_hidden()))
+        collector.on_step_end(StepStats(step=step, num_decode_seqs=1))
+        collector.on_step_end(StepStats(step=step, num_decode_seqs=0))  # a prefill-only step: not counted
+    assert [w for w, _ in wanted] == ([True] * IDLE_BURST_STEPS + [False] * 48) * 3
+    assert [h for _, h in wanted] == [w for w, _ in wanted]
+    policy.last_predicted_speedup = 1.2  # a drafter pays again: every step captures, in a burst or not
+    for step in range(IDLE_BURST_STEPS + 1):
+        assert collector.wants_taps()
+        collector.on_step_end(StepStats(step=step, num_decode_seqs=1))
+    silent = SignalCollector(engine, CaptureBuffer(None, 64, 8), SelectiveCollector(CollectionConfig(force=True)))
+    policy.last_predicted_speedup = 1.0
+    assert not silent.wants_taps()  # idle_share 0 (the default): only while speculating pays
+    with pytest.raises(ValueError, match="idle_share"):
+        SignalCollector(engine, CaptureBuffer(None, 64, 8), SelectiveCollector(CollectionConfig()), idle_share=1.5)

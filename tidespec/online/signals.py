@@ -26,12 +26,14 @@ from tidespec.online.collection import SelectiveCollector
 from tidespec.speculative.api import DrafterBase, DraftInput, DraftProposal, Observation
 from tidespec.speculative.policy.api import SpeculationPolicy
 from tidespec.speculative.policy.factory import predicted_speedup
+from tidespec.stats import StepStats
 
 if TYPE_CHECKING:
     from tidespec.engine.engine import LLMEngine
     from tidespec.engine.sequence import Sequence
 
 TRAINER_STATE_NAME = "trainer_state.json"  # written by the trainer into the publish root
+IDLE_BURST_STEPS = 16  # decode steps of one capture burst while no drafter pays: consecutive rows a round trains on
 SEQ_SALT_SHIFT = 40  # store seq id = salt << 40 | engine seq id (engine ids restart per process)
 
 
@@ -69,7 +71,9 @@ class SignalCollector(EngineObserver):
 
     def __init__(self, engine: LLMEngine, buffer: CaptureBuffer, selective: SelectiveCollector, *,
                  capture_prompt: bool = True, salt: int | None = None, taps: bool = True,
-                 learned: str | None = None) -> None:
+                 learned: str | None = None, idle_share: float = 0.0) -> None:
+        if not 0.0 <= idle_share <= 1.0:
+            raise ValueError(f"idle_share must be in [0, 1], got {idle_share}")
         self.engine = engine
         self.buffer = buffer
         self.taps = taps  # False: rows of final hidden states only (Medusa), taps [n, 0]
@@ -81,6 +85,8 @@ class SignalCollector(EngineObserver):
         self.salt = (random.getrandbits(22) if salt is None else salt) << SEQ_SALT_SHIFT
         self.enabled = True  # off for good when no trainer will ever read the signals
         self.num_skipped_rows = 0  # rows seen while collection was off
+        self.idle_share = idle_share  # share of decode steps captured while no drafter pays (``_idle_burst``)
+        self.num_decode_steps = 0  # decode steps seen: where the idle bursts fall
 
     def store_seq_id(self, engine_seq_id: int) -> int:
         return self.salt | engine_seq_id
@@ -98,13 +104,31 @@ class SignalCollector(EngineObserver):
         """The target's taps are wanted while collection is on and the
         engine's policy predicts that speculating pays at the current load — also in steps where no
         drafter reads them (the drafter being trained may be parked). Where nothing pays (a large
-        batch, a domain where no drafter helps yet) decode steps stay plain decoding's; signals
-        are then captured only in the steps that compute taps anyway (prefill, a drafter's probes
-        and the steps after them), a bounded share."""
+        batch, a domain where no drafter helps yet) only ``idle_share`` of the decode steps capture
+        (``_idle_burst``); the others stay plain decoding's, besides the steps that compute taps
+        anyway (prefill, a drafter's probes and the steps around them)."""
         return self.taps and self._collecting()
 
     def _collecting(self) -> bool:
-        return self.enabled and self.selective.collection_enabled and speculation_pays(self.engine.policy)
+        return self.enabled and self.selective.collection_enabled and (speculation_pays(self.engine.policy)
+                                                                       or self._idle_burst())
+
+    def _idle_burst(self) -> bool:
+        """Whether this step lies in a capture burst: the first ``IDLE_BURST_STEPS`` of every
+        ``IDLE_BURST_STEPS / idle_share`` decode steps. Without them a learned drafter that the policy parks
+        on traffic it drafts badly for gets no rows of that traffic, so it never learns what would make it pay:
+        EAGLE-3 alone on 64 Chinese requests (``bench shift``, w4a8 + compile) captured 22 rows, no round ran.
+        Bursts, not scattered steps: a round trains on runs of consecutive positions (``rounds.py``).
+
+        Example (idle_share 0.25): a period of 64 decode steps, steps 0-15 of each captured, 16-63 not."""
+        if self.idle_share <= 0.0:
+            return False
+        period = max(IDLE_BURST_STEPS, round(IDLE_BURST_STEPS / self.idle_share))
+        return self.num_decode_steps % period < IDLE_BURST_STEPS
+
+    def on_step_end(self, stats: StepStats) -> None:
+        if stats.num_decode_seqs:
+            self.num_decode_steps += 1
 
     def on_observations(self, observations: list[Observation]) -> None:
         """Push the observed rows with their taps into the capture buffer while collection is on."""

@@ -121,6 +121,9 @@ class ShiftBenchConfig:
                                  "online: short-vs-long EMA acceptance drop that means a shift")
     collect_force: bool = opt(CollectionConfig.force,
                               "online: collect all the time, not only after a detected shift")
+    capture_idle_share: float = opt(OnlineTrainingConfig.capture_idle_share,
+                                    "online: share of the decode steps that capture while collection is on but no "
+                                    "drafter pays (serving's --capture-idle-share; 0 = only while speculating pays)")
     capture_prompt: bool = opt(OnlineTrainingConfig.capture_prompt,
                                "online: also capture prompt positions (default: the target's outputs only)")
     online_lora: bool = opt(OnlineTrainingConfig.lora,
@@ -176,6 +179,8 @@ class ShiftBenchConfig:
         if len(names) > 1 and self.policy not in MULTI_DRAFTER_POLICIES:
             raise ConfigError(f"several drafters ({self.drafter}) need a policy that chooses among them: "
                               f"--policy {', '.join(MULTI_DRAFTER_POLICIES)}")
+        if not 0.0 <= self.capture_idle_share <= 1.0:
+            raise ConfigError(f"capture_idle_share must be in [0, 1], got {self.capture_idle_share}")
         if self.turn < 0 or self.trainer_catchup_s < 0 or not 0.0 <= self.trainer_share <= 1.0:
             raise ConfigError("turn and trainer_catchup_s must be >= 0 and trainer_share in [0, 1]")
         if not 0.0 <= self.collect_epsilon < 1.0:

@@ -330,6 +330,7 @@ def start_online(target: LoadedModel, trace: list[TraceItem], cfg: ShiftBenchCon
               else learned_engine(target.model, target.tokenizer, ecfg, root, cfg.draft_vocab))
     online = attach_online_training(engine, OnlineConfig(
         publish_root=str(root), signal_dir=str(signals), poll_s=1.0, capture_prompt=cfg.capture_prompt,
+        capture_idle_share=cfg.capture_idle_share,
         capture_flush_rows=256 if lora else OnlineConfig.capture_flush_rows, lora=lora and cfg.learned == "eagle3",
         drafter=cfg.learned or "eagle3",
         lora_extra_vocab=lora_extra_vocab(engine),

@@ -109,6 +109,7 @@ class OnlineConfig:
     capture_flush_rows: int = 1024  # rows per shard
     max_shard_age_s: float = 5.0  # a partial shard is cut after this long
     capture_prompt: bool = False  # also capture prompt positions (labels = the prompt's next token)
+    capture_idle_share: float = 0.0  # share of decode steps captured while no drafter pays (``SignalCollector``)
     poll_s: float = 2.0  # seconds between checks of the publish root
     collection: CollectionConfig = field(default_factory=CollectionConfig)
     rollback_min_drafts: int = 0  # drafts of a new version before the served check decides (0 = no check)
@@ -159,6 +160,7 @@ class OnlineConfig:
             signal_dir=oc.signal_dir or str(Path(root) / "signals"),
             signal_budget_bytes=oc.signal_budget_mb << 20,
             capture_prompt=oc.capture_prompt,
+            capture_idle_share=oc.capture_idle_share,
             poll_s=oc.poll_s,
             collection=dataclasses.replace(oc.collect, bootstrap=bootstrap),
             rollback_min_drafts=oc.rollback_min_drafts,
@@ -410,7 +412,7 @@ def attach_online_training(engine: LLMEngine, config: OnlineConfig, *, start: bo
                             drafter_version=drafter.version, hidden_dim=hidden if config.lora or medusa else 0)
     selective = SelectiveCollector(config.collection)
     collector = SignalCollector(engine, capture, selective, capture_prompt=config.capture_prompt, taps=not medusa,
-                                learned=drafter.name)
+                                learned=drafter.name, idle_share=config.capture_idle_share)
     if medusa:
         medusa_updater = MedusaUpdater(drafter, config.publish_root, engine.model.cfg, config.poll_s, selective, capture)
         collector.hook_into(engine)
