@@ -85,7 +85,8 @@ class SignalCollector(EngineObserver):
         self.salt = (random.getrandbits(22) if salt is None else salt) << SEQ_SALT_SHIFT
         self.enabled = True  # off for good when no trainer will ever read the signals
         self.num_skipped_rows = 0  # rows seen while collection was off
-        self.idle_share = idle_share  # share of decode steps captured while no drafter pays (``_idle_burst``)
+        # decode steps per capture burst and pause while no drafter pays (``_idle_burst``); 0: no bursts
+        self._burst_period = max(IDLE_BURST_STEPS, round(IDLE_BURST_STEPS / idle_share)) if idle_share > 0 else 0
         self.num_decode_steps = 0  # decode steps seen: where the idle bursts fall
 
     def store_seq_id(self, engine_seq_id: int) -> int:
@@ -115,16 +116,13 @@ class SignalCollector(EngineObserver):
 
     def _idle_burst(self) -> bool:
         """Whether this step lies in a capture burst: the first ``IDLE_BURST_STEPS`` of every
-        ``IDLE_BURST_STEPS / idle_share`` decode steps. Without them a learned drafter that the policy parks
+        ``IDLE_BURST_STEPS / idle_share`` decode steps (``_burst_period``). Without them a learned drafter that the policy parks
         on traffic it drafts badly for gets no rows of that traffic, so it never learns what would make it pay:
         EAGLE-3 alone on 64 Chinese requests (``bench shift``, w4a8 + compile) captured 22 rows, no round ran.
         Bursts, not scattered steps: a round trains on runs of consecutive positions (``rounds.py``).
 
         Example (idle_share 0.25): a period of 64 decode steps, steps 0-15 of each captured, 16-63 not."""
-        if self.idle_share <= 0.0:
-            return False
-        period = max(IDLE_BURST_STEPS, round(IDLE_BURST_STEPS / self.idle_share))
-        return self.num_decode_steps % period < IDLE_BURST_STEPS
+        return self._burst_period > 0 and self.num_decode_steps % self._burst_period < IDLE_BURST_STEPS
 
     def on_step_end(self, stats: StepStats) -> None:
         if stats.num_decode_seqs:
