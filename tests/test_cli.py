@@ -147,11 +147,15 @@ def test_the_demo_checks_part_2s_trace_before_it_starts(args: list[str], message
     assert exc.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_the_demo_runs_the_fastest_exact_path_that_starts_in_its_time() -> None:
-    """auto: w4a8 eager (measured the fastest whole demo on 2 cores), saying how to compile; a path asked
-    for is run as asked."""
+def test_the_demo_runs_the_fastest_exact_path_that_starts_in_its_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto: w4a8 eager (measured the fastest whole demo on 2 cores), saying how to compile; float32 on a CPU
+    whose kernels cannot run w4a8, saying why; a path asked for is run as asked."""
+    monkeypatch.setattr(demo, "a8_error", lambda: None)
     path, why = demo.choose_path("auto")
     assert path == "w4a8" and "--path w4a8+compile" in why
+    monkeypatch.setattr(demo, "a8_error", lambda: "this CPU has no AVX512-VNNI")
+    path, why = demo.choose_path("auto")
+    assert path == "float32" and "no AVX512-VNNI" in why
     assert demo.choose_path("w4a8+compile") == ("w4a8+compile", "asked (--path)")
 
 

@@ -5,7 +5,7 @@ does the drafter learn while it serves?"
 
 It runs on the product's fastest exact path that starts within its 4 minutes (``--path auto``,
 printed first): the target's projections as GGUF Q4_1 blocks times int8 activations (w4a8, ~1.8x
-float32 plain decoding on the 2-core VM), eager: the compiled step decodes ~2x faster again per
+float32 plain decoding on the 2-core VM; float32 on a CPU without AVX512-VNNI, where w4a8 cannot run), eager: the compiled step decodes ~2x faster again per
 token but its compiles cost more than they save in a demo this short (``choose_path``);
 ``--path w4a8+compile`` runs it anyway (every engine shares one KV cache shape, so the step compiles
 once, and once more with taps).
@@ -72,6 +72,7 @@ from tidespec.errors import UserError
 from tidespec.llm import build_drafter, build_policy
 from tidespec.models.eagle3.checkpoint import shipped_bootstrap
 from tidespec.models.loading.loader import LoadedModel, load_model
+from tidespec.models.quant.a8 import a8_error
 from tidespec.online.training.judge import gain_interval
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.ngram import NgramOptions
@@ -93,6 +94,10 @@ def choose_path(asked: str) -> tuple[str, str]:
     cold: more than they save in a demo this short."""
     if asked != "auto":
         return asked, "asked (--path)"
+    error = a8_error()
+    if error is not None:  # an AMD EPYC without AVX-512, 2026-12-07: float32 22.8 tok/s with prefill, int4 21.7, int8 19.9
+        return "float32", (f"auto: w4a8 cannot run here ({error}); float32 is the fastest exact path on such a CPU, "
+                           "measured with bench decode")
     return "w4a8", ("auto: the fastest exact path that starts within the demo's time; --path w4a8+compile "
                     "decodes ~2x faster per token but compiles for 1-4 minutes on 2 cores first")
 
@@ -326,7 +331,10 @@ def main(argv: list[str] | None = None) -> int:
     ns.compiled = path == "w4a8+compile"
     con.print(f"[bold]tidespec demo[/bold] — embedded SmolLM2-135M-Instruct, {path}, CPU, greedy ({why})")
     t_start = time.perf_counter()
-    loaded = load_model(None, quantization="none" if path == "float32" else "w4a8")
+    try:
+        loaded = load_model(None, quantization="none" if path == "float32" else "w4a8")
+    except UserError as exc:  # e.g. --path w4a8 on a CPU without AVX512-VNNI: one line, not a traceback
+        ap.error(str(exc))
     con.print(f"model loaded in {time.perf_counter() - t_start:.1f} s from {loaded.path}")
     lossless = True
     if ns.part in ("all", "drafters"):
