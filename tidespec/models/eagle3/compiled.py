@@ -29,6 +29,7 @@ Worked example::
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -37,6 +38,8 @@ from tidespec.models.eagle3.head import Eagle3Config, Eagle3Head
 from tidespec.models.execution.compiled import LO_BIAS, RECOMPILE_LIMIT, StepLayout, inductor_cache_dir, own_code
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.layout import BatchLayout
+
+logger = logging.getLogger(__name__)
 
 
 class CompiledHeadStep:
@@ -62,10 +65,20 @@ class CompiledHeadStep:
         if kv is not self.kv:
             return False
         if head is not self._fits:
-            if head.cfg != self.cfg or _kind(head) != self.kind:
+            if not self.fits(head):
                 return False
             self._fits = head
         return True
+
+    def fits(self, head: Eagle3Head) -> bool:
+        """Whether ``head`` has the configuration and kind of layers these graphs were traced through."""
+        return head.cfg == self.cfg and _kind(head) == self.kind
+
+    def rebind(self, kv: KVCache) -> None:
+        """Run over ``kv`` from now on: a step warmed up over a scratch cache of the same geometry
+        (``Eagle3Drafter.prepare``, off the engine thread) takes over the drafter's cache. The K/V
+        tensors are graph inputs guarded by shape, so the graphs compiled over the scratch serve."""
+        self.kv = kv
 
     def _body(self, head: Eagle3Head, taps: torch.Tensor | None, hidden: torch.Tensor | None,
               embeds: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
@@ -116,6 +129,76 @@ class CompiledHeadStep:
                 if rows == 1 and ctx:  # a chain step (its own tensors: dynamo guards on two inputs being one)
                     self(head, None, embeds, layout, last, hidden=torch.zeros_like(embeds))
         return time.perf_counter() - t0
+
+
+class HeadSteps:
+    """The compiled steps of the heads a drafter has drafted with, newest first (at most
+    ``MAX_STEPS``), and the one for a head about to be swapped in, compiled ahead of the swap.
+
+    Why: a published head of another configuration (a round widened its draft vocabulary, 8,192 ->
+    8,228 tokens) does not fit the step in use, and its first drafts compiled new graphs on the
+    engine thread: 3.1 s and 1.2 s on Arabic (docs/benchmarks/learning.md, 2026-12-07). ``precompile``
+    runs where the new weights are loaded (the updater's thread, ``Eagle3Drafter.prepare``) and warms
+    the new step over a scratch cache of the drafter's geometry, so it never touches a serving
+    sequence's K/V; the first proposal after the swap rebinds it to the drafter's cache. A rollback
+    to the previous head finds its step still here.
+
+    Example::
+
+        steps = HeadSteps()
+        steps.warm_up(steps.step(head, kv), head, 5)   # at start-up (engine thread)
+        steps.precompile(wider, kv)                     # updater thread: wider.cfg.draft_vocab_size 8228
+        steps.step(wider, kv)                           # after the swap: compiled already, rebound to kv
+    """
+
+    MAX_STEPS = 3
+
+    def __init__(self) -> None:
+        self.steps: list[CompiledHeadStep] = []
+        self.warm_rows = 2  # the most rows a catch-up warm-up compiled for
+        self.num_built_on_demand = 0  # steps built at a proposal (compiled on the engine thread)
+
+    def step(self, head: Eagle3Head, kv: KVCache) -> CompiledHeadStep:
+        """The step that runs ``head`` over ``kv``: the one in use, else a kept or precompiled one of
+        its configuration (rebound to ``kv``), else a new one (compiled at its first calls)."""
+        if self.steps and self.steps[0].serves(head, kv):
+            return self.steps[0]
+        found = next((s for s in self.steps if s.fits(head) and same_geometry(s.kv, kv)), None)
+        if found is None:
+            found = CompiledHeadStep(head, kv)
+            self.num_built_on_demand += 1
+        else:
+            self.steps.remove(found)
+            found.rebind(kv)
+        self.steps = [found, *self.steps][: self.MAX_STEPS]
+        return found
+
+    def warm_up(self, step: CompiledHeadStep, head: Eagle3Head, max_rows: int) -> float:
+        """``step.warm_up`` for catch-ups of up to ``max_rows`` rows, remembered for ``precompile``."""
+        self.warm_rows = max(2, max_rows)
+        return step.warm_up(head, self.warm_rows)
+
+    def precompile(self, head: Eagle3Head, kv: KVCache) -> float:
+        """Compile and warm up a step for the drafting ``head`` (on the caller's thread) unless a kept
+        step fits it, over a scratch cache shaped like ``kv``. Returns seconds (0 when none was needed).
+        Only once a step is in use: a drafter that never drafted compiled compiles nothing here."""
+        if not self.steps or any(s.fits(head) for s in self.steps):
+            return 0.0
+        scratch = KVCache(head.cfg.num_layers, kv.num_slots, kv.max_len, head.cfg.num_kv_heads, head.cfg.head_dim,
+                          head.dtype, head.device, transposed_keys=kv.transposed_keys)
+        step = CompiledHeadStep(head, scratch)
+        seconds = step.warm_up(head, self.warm_rows)
+        self.steps = [*self.steps, step]  # a new list: the engine thread may be reading the old one
+        logger.info("compiled the next EAGLE-3 head's step off the engine thread in %.1f s (draft vocabulary %d)",
+                    seconds, head.cfg.draft_vocab_size)
+        return seconds
+
+
+def same_geometry(a: KVCache, b: KVCache) -> bool:
+    """Whether two caches hold tensors of one shape, layout and dtype: a step compiled over one runs
+    over the other without new graphs (its guards compare exactly these)."""
+    return len(a.k) == len(b.k) and all(x.shape == y.shape and x.stride() == y.stride() and x.dtype == y.dtype
+                                        for x, y in zip(a.k + a.v, b.k + b.v))
 
 
 def _kind(head: Eagle3Head) -> tuple[str, ...]:

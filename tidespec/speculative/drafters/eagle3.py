@@ -39,7 +39,7 @@ from torch import nn
 
 from tidespec.config import HEAD_QUANTIZATIONS
 from tidespec.models.eagle3.checkpoint import fresh_head, head_from_published, load_drafter_source, shipped_bootstrap
-from tidespec.models.eagle3.compiled import CompiledHeadStep
+from tidespec.models.eagle3.compiled import CompiledHeadStep, HeadSteps
 from tidespec.models.eagle3.graphs import HeadGraphs
 from tidespec.models.eagle3.head import Eagle3Config, Eagle3ConfigError, Eagle3Head, quantized_head
 from tidespec.models.execution import placement
@@ -60,7 +60,7 @@ from tidespec.speculative.api import (
 )
 from tidespec.speculative.drafters.draft_model import draft_seed
 from tidespec.speculative.drafters.eagle3_options import NAME, Eagle3Options, check_eagle3, head_quantization
-from tidespec.speculative.drafters.eagle3_state import CatchUp, SeqState, TapStore, confident_prefix, drawn_prob
+from tidespec.speculative.drafters.eagle3_state import CatchUp, DraftVocab, SeqState, confident_prefix, drawn_prob
 from tidespec.speculative.drafters.eagle3_tree import TreeJob, grow_trees
 from tidespec.speculative.registry import BuildContext, DrafterKind
 from tidespec.speculative.vocab.dynamic import DynamicVocab
@@ -106,15 +106,6 @@ class Eagle3DrafterConfig:
             raise Eagle3ConfigError(f"tree_budget must be >= 0, got {self.tree_budget}")
         if not 0.0 <= self.min_draft_prob < 1.0:
             raise Eagle3ConfigError(f"min_draft_prob must be in [0, 1), got {self.min_draft_prob}")
-
-
-@dataclass(frozen=True)
-class _Vocab:
-    """The vocabulary one ``propose`` drafts over: the head's own (``rows`` None) or a dynamic V_t."""
-
-    version: int  # -1: the head's own draft vocabulary
-    ids: torch.Tensor  # [n] target id of each logit
-    rows: torch.Tensor | nn.Module | None  # [n, H] output rows or their int8 layer; None = the head's LM head
 
 
 class Eagle3Drafter(DrafterBase):
@@ -163,7 +154,7 @@ class Eagle3Drafter(DrafterBase):
         self._states: dict[int, SeqState] = {}
         self._untracked: set[int] = set()  # first seen with no free slot: later taps would be misaligned
         self._graphs: HeadGraphs | None = None  # built on first use (cfg.graphs), over the served head
-        self._compiled: CompiledHeadStep | None = None  # built on first use (cfg.compile without graphs)
+        self._steps = HeadSteps()  # compiled steps (cfg.compile without graphs), built on first use or by ``prepare``
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -196,19 +187,19 @@ class Eagle3Drafter(DrafterBase):
         """[draft_vocab] target id of each of the head's own logits."""
         return self.head.draft_to_target(torch.arange(self.head.cfg.draft_vocab_size, device=self.head.device))
 
-    def _vocab(self) -> _Vocab:
+    def _vocab(self) -> DraftVocab:
         """The vocabulary to draft over now (read once per ``propose``: V_t swaps between steps)."""
         if self.vocab is None:
-            return _Vocab(-1, self._own_ids, None)
+            return DraftVocab(-1, self._own_ids, None)
         snap = self.vocab.snapshot
-        return _Vocab(snap.version, snap.ids, snap.weights)
+        return DraftVocab(snap.version, snap.ids, snap.weights)
 
     def _new_kv(self) -> KVCache:
         c = self.head.cfg
         return KVCache(c.num_layers, self.cfg.max_num_seqs, self.cfg.max_model_len, c.num_kv_heads, c.head_dim,
                        self.head.dtype, self.head.device, spare_slot=self.cfg.graphs)
 
-    def _head_graphs(self, vocab: _Vocab) -> HeadGraphs | None:
+    def _head_graphs(self, vocab: DraftVocab) -> HeadGraphs | None:
         """The head's graphs when they can serve this proposal: ``cfg.graphs``, the head's own draft
         vocabulary (a dynamic V_t changes size between steps), float weights, the embedding on the
         head's device. Rebuilt after a swap that replaced the head or its cache."""
@@ -220,14 +211,12 @@ class Eagle3Drafter(DrafterBase):
                                       compile=self.cfg.compile)
         return self._graphs
 
-    def _compiled_step(self, vocab: _Vocab) -> CompiledHeadStep | None:
-        """The compiled step (``cfg.compile`` without graphs, the head's own vocabulary), rebuilt for a
-        swapped-in head of another configuration or kind (``CompiledHeadStep.serves``)."""
+    def _compiled_step(self, vocab: DraftVocab) -> CompiledHeadStep | None:
+        """The compiled step (``cfg.compile`` without graphs, the head's own vocabulary) for the served
+        head: one compiled ahead for a swapped-in head of another configuration (``HeadSteps``)."""
         if not self.cfg.compile or self.cfg.graphs or vocab.rows is not None:
             return None
-        if self._compiled is None or not self._compiled.serves(self.served, self.kv):
-            self._compiled = CompiledHeadStep(self.served, self.kv)
-        return self._compiled
+        return self._steps.step(self.served, self.kv)
 
     def warm_up(self, max_gamma: int) -> float:
         """Capture the head's CUDA graphs for chains of up to ``max_gamma`` drafts now (``cfg.graphs``, the head's
@@ -235,7 +224,7 @@ class Eagle3Drafter(DrafterBase):
         vocab = self._vocab()
         graphs, compiled = self._head_graphs(vocab), self._compiled_step(vocab)
         if compiled is not None:
-            return compiled.warm_up(self.served, max_gamma + 1)
+            return self._steps.warm_up(compiled, self.served, max_gamma + 1)
         return graphs.warm_up(max_gamma) if graphs is not None else 0.0
 
     # -- weights ---------------------------------------------------------------------------------
@@ -243,10 +232,16 @@ class Eagle3Drafter(DrafterBase):
     def prepare(self, state_dict: dict[str, torch.Tensor], config: Eagle3Config | None = None) -> Eagle3Head | None:
         """The int8/int4 drafting copy of weights about to be swapped in, built where they were loaded
         (an updater's thread; ~45 ms for SmolLM2's head) so ``load_state`` does not quantize on the
-        engine thread. None when the head drafts with its float weights."""
-        if self.cfg.quantization == "none":
+        engine thread. None when the head drafts with its float weights. A head of another configuration
+        gets its compiled step there too (``HeadSteps.precompile``)."""
+        config = config or self.head.cfg
+        compile_ahead = config != self.head.cfg and self.cfg.compile and not self.cfg.graphs
+        if self.cfg.quantization == "none" and not compile_ahead:
             return None
-        return quantized_head(self._built(config or self.head.cfg, state_dict), self.cfg.quantization, in_place=True)
+        drafting = quantized_head(self._built(config, state_dict), self.cfg.quantization, in_place=True)
+        if compile_ahead:
+            self._steps.precompile(drafting, self.kv)
+        return drafting if self.cfg.quantization != "none" else None  # "none": load_state drafts with the head
 
     def _built(self, config: Eagle3Config, state_dict: dict[str, torch.Tensor]) -> Eagle3Head:
         """A new head of ``config`` holding ``state_dict``, in the served head's dtype and device."""
@@ -390,21 +385,20 @@ class Eagle3Drafter(DrafterBase):
                 self._untracked.add(seq_id)  # more live sequences than slots: never drafted for
                 return None
             # the draft sampler draws on the head's device (a CUDA tensor needs a CUDA generator)
-            st = SeqState(slot=slot, taps=TapStore(), generator=make_generator(None, self.head.device))
+            st = SeqState(slot=slot, generator=make_generator(None, self.head.device))
             self._states[seq_id] = st
         return st
 
     def _restart(self, st: SeqState, position: int) -> None:
         """Start the sequence's head context afresh at context ``position`` (after a hole)."""
-        st.base, st.taps = position, TapStore()
-        st.kv_len, st.last_hidden, st.last_logits, st.stale = 0, None, None, False
+        st.restart(position)
         self.kv.set_length(st.slot, 0)
 
     def _embed(self, token_ids: list[int]) -> torch.Tensor:
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.embed.weight.device)
         return self.embed(ids).to(dtype=self.head.dtype, device=self.head.device)  # [T, H]
 
-    def _sync(self, states: list[SeqState], vocab: _Vocab | None = None) -> None:
+    def _sync(self, states: list[SeqState], vocab: DraftVocab | None = None) -> None:
         """Rebuild stale sequences and extend every sequence's head KV to
         ``min(taps held, tokens - 1)`` positions, in one ragged forward."""
         jobs: list[CatchUp] = []
@@ -466,7 +460,7 @@ class Eagle3Drafter(DrafterBase):
         full[ids] = q
         return int(ids[draft_id].item()), full
 
-    def _propose_chains(self, chains: list[tuple[DraftInput, SeqState, int]], vocab: _Vocab) -> dict[int, SeqDraft]:
+    def _propose_chains(self, chains: list[tuple[DraftInput, SeqState, int]], vocab: DraftVocab) -> dict[int, SeqDraft]:
         """Greedy / sampled chains, all sequences batched one token per forward.
 
         With ``min_draft_prob`` > 0 a chain also stops once the product of its drafts' probabilities
@@ -545,7 +539,7 @@ class Eagle3Drafter(DrafterBase):
             st.seeded = True
         return st.generator
 
-    def _propose_trees(self, jobs: list[TreeJob], vocab: _Vocab) -> list[SeqDraft]:
+    def _propose_trees(self, jobs: list[TreeJob], vocab: DraftVocab) -> list[SeqDraft]:
         """EAGLE-2 trees over ``vocab`` (``eagle3_tree.grow_trees``; one head forward per level)."""
 
         def step(fused: torch.Tensor, tokens: list[int], layout: BatchLayout) -> tuple[torch.Tensor, torch.Tensor]:

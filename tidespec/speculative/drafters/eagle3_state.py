@@ -11,8 +11,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from tidespec.speculative.api import SeqDraft
+
+
+@dataclass(frozen=True)
+class DraftVocab:
+    """The vocabulary one ``propose`` drafts over: the head's own (``rows`` None) or a dynamic V_t."""
+
+    version: int  # -1: the head's own draft vocabulary
+    ids: torch.Tensor  # [n] target id of each logit
+    rows: torch.Tensor | nn.Module | None  # [n, H] output rows or their int8 layer; None = the head's LM head
 
 
 class TapStore:
@@ -57,8 +67,8 @@ class TapStore:
 @dataclass
 class SeqState:
     slot: int
-    taps: TapStore
     generator: torch.Generator
+    taps: TapStore = field(default_factory=TapStore)
     tokens: list[int] = field(default_factory=list)  # context token ids known to the drafter
     base: int = 0  # context position of head position 0 (> 0 after a hole in the taps)
     kv_len: int = 0  # head positions with final K/V: pairs (tap_{base+j}, token_{base+j+1}) for j < kv_len
@@ -69,6 +79,11 @@ class SeqState:
     hole: bool = False  # a step without taps since the last taps
     lost: bool = False  # taps resumed at an unknown position (``Observation.start`` -1): never drafted again
     seeded: bool = False  # generator seeded from the request seed already
+
+    def restart(self, position: int) -> None:
+        """Start the head context afresh at context ``position`` (after a hole); the caller empties its K/V."""
+        self.base, self.taps = position, TapStore()
+        self.kv_len, self.last_hidden, self.last_logits, self.stale = 0, None, None, False
 
     def root_output(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(pre-norm hidden [H], logits [Vd]) at the last final position: where drafting starts."""
