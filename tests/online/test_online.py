@@ -42,6 +42,7 @@ from tidespec.online.store import SignalShard, SignalStore
 from tidespec.sampling import SamplingParams
 from tidespec.speculative.drafters.eagle3 import Eagle3DrafterConfig, build_eagle3_drafter
 from tidespec.speculative.drafters.eagle3_options import Eagle3Options
+from tidespec.speculative.policy.static import StaticPolicy
 from tidespec.stats import RequestStats
 
 V = 48
@@ -231,6 +232,9 @@ def test_greedy_equals_plain_across_a_drafter_swap(model: DecoderModel, tok, pla
                                    cfg=dataclasses.replace(drafter_cfg(), quantization=quantization))
     assert drafter.version == 1
     engine = make_engine(model, tok, drafter, gamma=4, tree=tree)
+    heard: list[str] = []  # what the policy is told (``policy.api.drafter_changed``)
+    engine.policy = StaticPolicy(4)
+    engine.policy.drafter_changed = heard.append  # type: ignore[attr-defined]
     online = attach_online_training(engine, cfg, start=False)
     swapped_at: list[int] = []
     prepared: list[object] = []
@@ -248,7 +252,7 @@ def test_greedy_equals_plain_across_a_drafter_swap(model: DecoderModel, tok, pla
     outs, drafted = run(engine, PROMPTS, between=between)
     assert outs == plain
     assert drafted > 0
-    assert swapped_at == [5]
+    assert swapped_at == [5] and heard == ["eagle3"]
     assert drafter.served is (prepared[0] if quantization != "none" else drafter.head) and drafter.served is not None
     state = online.state()
     assert state["drafter_version"] == 2 and state["swaps"] == 1 and state["collection_enabled"]

@@ -333,6 +333,36 @@ def test_analytic_probes_a_bucket_stuck_off_and_recovers() -> None:
         AnalyticPolicy(synthetic_profile(), gamma_max=4, probe_every=-1)
 
 
+def test_a_drafter_whose_weights_changed_is_probed_within_warm_steps_and_judged_on_its_new_drafts() -> None:
+    """Parked at b = 4 with alpha 0, the probes back off to one every ``probe_every`` plans. Told its drafter's
+    weights changed (online training swapped a head in), the policy probes within ``warm_steps`` plans, and
+    one probe of the new weights accepting all (alpha 0.95's expected counts) turns speculation on; its twin,
+    not told, keeps the old evidence: the same probe comes much later and leaves it off."""
+    told, twin = (AnalyticPolicy(synthetic_profile(), gamma_max=4, ema=0.02, prior_alpha=0.0, probe_every=64)
+                  for _ in range(2))
+    for policy in (told, twin):
+        for _ in range(600):
+            g = policy.plan(plan_input(4))[0]
+            policy.observe(feedback(4, g, 0.0))
+    assert told.stats()["probe_steps"] == twin.stats()["probe_steps"]
+    told.drafter_changed("eagle3")  # the engine's only drafter
+    assert told.alphas.alpha(4) == 0.0 and told.alphas.per_bucket[4].rejected == pytest.approx(2.0)
+    gammas: dict[str, list[int]] = {"told": [], "twin": []}
+    for name, policy in (("told", told), ("twin", twin)):
+        for _ in range(told.warm_steps + 1):
+            g = policy.plan(plan_input(4))[0]
+            gammas[name].append(g)
+            policy.observe(feedback(4, g, 0.95 if g else 0.0))
+    assert any(gammas["told"]) and not any(gammas["twin"])
+    assert told.plan(plan_input(4))[0] >= 1 and told.alphas.alpha(4) > 0.6
+    twin.drafter_changed("medusa")  # not this policy's drafter name, but its only one: the same reset
+    assert twin.alphas.per_bucket[4].rejected == pytest.approx(2.0)
+    several = AnalyticPolicy(synthetic_profile(), gamma_max=4, drafters=("suffix", "eagle3"),
+                             shadowed=frozenset({"suffix"}))
+    several.drafter_changed("draft-model")  # not one of its drafters: nothing
+    several.drafter_changed("suffix")  # model-free: nothing to forget
+
+
 def test_analytic_probes_more_often_where_a_probe_is_cheap() -> None:
     """The class docstring's rule with alpha 0 (the model says off everywhere): at b = 4 the
     best probe (gamma 1) is predicted at 1 / 1.05 = 0.952, so it costs 0.048 of a step and comes

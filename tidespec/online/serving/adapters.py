@@ -40,6 +40,7 @@ from tidespec.files import directory_fingerprint
 from tidespec.models.eagle3.lora import AdapterError, adapter_dir, list_adapters, load_adapter, merged_state
 from tidespec.online.serving.poller import RootPoller
 from tidespec.online.serving.rollback import ServedCheck
+from tidespec.speculative.policy.api import drafter_changed
 
 if TYPE_CHECKING:
     from tidespec.engine.engine import LLMEngine
@@ -139,6 +140,7 @@ class AdapterUpdater(RootPoller, EngineObserver):
         self.drafter.load_state(version, parked.state, served=parked.served)
         self.applied = parked.number
         self.num_swaps += 1
+        drafter_changed(engine.policy, self.drafter.name)
 
     def state(self) -> dict[str, Any]:
         return {"adapter": self.applied, "adapter_swaps": self.num_swaps,

@@ -79,6 +79,7 @@ from tidespec.speculative.drafters.eagle3 import Eagle3Drafter
 from tidespec.speculative.drafters.eagle3_options import eagle3_options
 from tidespec.speculative.drafters.medusa import MedusaDrafter, medusa_options
 from tidespec.speculative.drafters.multi import find_member
+from tidespec.speculative.policy.api import drafter_changed
 from tidespec.speculative.policy.factory import policy_profile
 
 if TYPE_CHECKING:
@@ -237,7 +238,14 @@ class DrafterUpdater(VersionPoller, EngineObserver):
 
     def on_step_start(self, engine: LLMEngine) -> None:
         """Between steps (an engine observer): act on the served check of the last swap (roll back a
-        version that loses in service), then swap in a parked version (weights already in memory)."""
+        version that loses in service), then swap in a parked version (weights already in memory); the
+        engine's policy hears of either (``policy.api.drafter_changed``: it measured the old weights)."""
+        swaps = self.num_swaps
+        self._swap_pending()
+        if self.num_swaps != swaps:
+            drafter_changed(engine.policy, self.drafter.name)
+
+    def _swap_pending(self) -> None:
         if self.check is not None and self.check.previous is not None:
             self._settle(self.check)
         if self._pending is None:

@@ -28,6 +28,7 @@ from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
 from tidespec.online.serving.poller import RoundRelay, VersionPoller
 from tidespec.speculative.drafters.medusa import MedusaDrafter
+from tidespec.speculative.policy.api import drafter_changed
 
 if TYPE_CHECKING:
     from tidespec.engine.engine import LLMEngine
@@ -85,3 +86,4 @@ class MedusaUpdater(VersionPoller, EngineObserver):
         if self.capture is not None:
             self.capture.set_drafter_version(pending[0])
         self.num_swaps += 1
+        drafter_changed(engine.policy, self.drafter.name)

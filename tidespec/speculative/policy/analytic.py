@@ -77,6 +77,8 @@ class AnalyticPolicy:
     10 x 0.02) until eagle3's estimates say it beats the suffix drafter.
     """
 
+    CHANGED_WEIGHT = 2.0  # counts left behind a drafter's estimates when its weights change (``drafter_changed``)
+
     def __init__(self, profile: Profile, gamma_max: int, ema: float = 0.1, prior_alpha: float = 0.7,
                  drafter: str | None = None, probe_every: int = 64, probe_budget: float = 0.02,
                  drafters: tuple[str, ...] = (), shadowed: frozenset[str] = frozenset(),
@@ -308,6 +310,27 @@ class AnalyticPolicy:
             self.router.measure(step)
         if self.gate is not None:
             self.gate.record(step)
+
+    def drafter_changed(self, drafter: str) -> None:
+        """``drafter`` now drafts with other weights (online training swapped a head in, or rolled one back):
+        what the policy measured of the old weights stops holding it off. Its estimates keep their values but
+        at most ``CHANGED_WEIGHT`` counts behind them (``AlphaTracker.discount``), its probes' realised
+        speedups are forgotten (``ProbeMeter.forget``), the probe backoff starts over and a probe is due in
+        every bucket ``warm_steps`` plans ahead (the engine hands the drafter the target's taps meanwhile).
+        Why: a parked EAGLE-3 head published with a better held-out acceptance (Chinese, 1.02 -> 1.29) was
+        probed at the backed-off rate of the old one and stayed parked for the rest of the phase
+        (docs/benchmarks/learning.md, 2026-12-07). Example: alpha 0.2 on 300 counts, probes backed off to
+        every 64 steps -> alpha 0.2 on 2 counts, a probe 8 plans on; if it accepts 3 of 4 the estimate is
+        (0.4 + 3) / (2 + 4) = 0.57."""
+        name: str | None = drafter if drafter in self.drafters else None
+        if name is None and self.drafters != (None,) or name in self.shadowed:
+            return  # not one of this policy's, or model-free (scored on the side every step)
+        self.trackers[name].discount(self.CHANGED_WEIGHT)
+        self.probes.forget(name)
+        self._backoff = dict.fromkeys(self._backoff, 1)
+        if self.probe_every:
+            due = max(0, self.probe_every - self.warm_steps)
+            self._off_steps = {key: max(off, due) for key, off in self._off_steps.items()}
 
     def choices(self) -> dict[int, tuple[str, int]]:
         """Bucket -> the (drafter, gamma) last chosen there (drafter "" = the engine's only one)."""

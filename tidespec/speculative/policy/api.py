@@ -125,6 +125,15 @@ def probe_due(policy: SpeculationPolicy, drafter: str) -> bool:
     return bool(check(drafter)) if callable(check) else False
 
 
+def drafter_changed(policy: SpeculationPolicy | None, drafter: str) -> None:
+    """Tell ``policy`` that ``drafter`` drafts with other weights from the next step on (a published head
+    swapped in, a rollback, a merged adapter: ``AnalyticPolicy.drafter_changed``); nothing for a policy that
+    does not ask (or no policy)."""
+    hook = getattr(policy, "drafter_changed", None)
+    if callable(hook):
+        hook(drafter)
+
+
 def wants_offers(policy: SpeculationPolicy) -> bool:
     """Whether ``policy`` prices each sequence's model-free drafts (``SeqState.offers``): per-sequence
     drafting (``routing.py``). A policy without the attribute (or a wrapper whose inner has none) does not."""

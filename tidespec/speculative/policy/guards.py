@@ -16,6 +16,7 @@ from tidespec.speculative.policy.api import (
     PlanInput,
     SpeculationPolicy,
     check_gamma_max,
+    drafter_changed,
     plans_drafters,
     priced_out,
     probe_due,
@@ -74,6 +75,10 @@ class Guards:
     def probe_due(self, drafter: str) -> bool:
         """The inner policy's (``api.probe_due``)."""
         return probe_due(self.inner, drafter)
+
+    def drafter_changed(self, drafter: str) -> None:
+        """The inner policy's (``api.drafter_changed``)."""
+        drafter_changed(self.inner, drafter)
 
     def plan(self, inp: PlanInput) -> dict[int, int]:
         return {sid: gamma for sid, (_, gamma) in self.plan_drafters(inp).items()}

@@ -65,6 +65,10 @@ class ProbeMeter:
         elif step.num_drafts == 0 and step.num_cold_drafts == 0:
             _fold(self._plain, bucket_of(b), step.total_time / self.profile.verify(b, 1), self.ema)
 
+    def forget(self, drafter: str | None) -> None:
+        """Drop what ``drafter``'s probes realised (its weights changed: they measured another head)."""
+        self._probes = {k: m for k, m in self._probes.items() if k[0] != drafter}
+
     def measured(self) -> dict[str, float]:
         """``probe_speedup_<drafter>_b<bucket>`` for every measured pair (``stats``)."""
         return {f"probe_speedup_{d or 'default'}_b{key}": m[0] for (d, key), m in sorted(

@@ -83,6 +83,12 @@ class _Counts:
             out.append((accept_len, draft_len))
         return out
 
+    def scale(self, factor: float) -> None:
+        """Every count times ``factor``: the same estimates, worth ``factor`` of the evidence."""
+        self.accepted, self.rejected = factor * self.accepted, factor * self.rejected
+        self.proposed, self.stopped = factor * self.proposed, factor * self.stopped
+        self.positions = [[factor * x for x in row] for row in self.positions]
+
     def copy(self) -> _Counts:
         return _Counts(self.accepted, self.rejected, self.proposed, self.stopped, [list(r) for r in self.positions])
 
@@ -190,6 +196,17 @@ class AlphaTracker:
         self._fold(bucket, (float(sum(a for _, _, a in outcomes)), float(sum(a < d for _, d, a in outcomes)),
                             float(sum(d for _, d, _ in outcomes)), float(sum(d < g for g, d, _ in outcomes))),
                    outcomes, len(outcomes))
+
+    def discount(self, weight: float) -> None:
+        """Keep the estimates, each (per bucket and overall) backed by at most ``weight`` counts of
+        accepted tokens plus rejections (the prior is one): after the drafter's weights changed, a few
+        drafts of the new weights move them. Example: 40 accepted and 60 rejected, discount(2) -> 0.8
+        and 1.2 (alpha still 0.4; one probe that accepts 4 of 4 then says 4.8 / 6 = 0.8)."""
+        self.revision += 1
+        for c in (*self.per_bucket.values(), self.overall):
+            n = c.accepted + c.rejected
+            if n > weight:
+                c.scale(weight / n)
 
     def _fold(self, bucket: int, counts: tuple[float, float, float, float],
               outcomes: Sequence[tuple[int, int, int]], drafts: int) -> None:
