@@ -29,7 +29,6 @@ Worked example::
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
@@ -38,8 +37,6 @@ from tidespec.models.eagle3.head import Eagle3Config, Eagle3Head
 from tidespec.models.execution.compiled import LO_BIAS, RECOMPILE_LIMIT, StepLayout, inductor_cache_dir, own_code
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.layout import BatchLayout
-
-logger = logging.getLogger(__name__)
 
 
 class CompiledHeadStep:
@@ -73,12 +70,6 @@ class CompiledHeadStep:
     def fits(self, head: Eagle3Head) -> bool:
         """Whether ``head`` has the configuration and kind of layers these graphs were traced through."""
         return head.cfg == self.cfg and _kind(head) == self.kind
-
-    def rebind(self, kv: KVCache) -> None:
-        """Run over ``kv`` from now on: a step warmed up over a scratch cache of the same geometry
-        (``Eagle3Drafter.prepare``, off the engine thread) takes over the drafter's cache. The K/V
-        tensors are graph inputs guarded by shape, so the graphs compiled over the scratch serve."""
-        self.kv = kv
 
     def _body(self, head: Eagle3Head, taps: torch.Tensor | None, hidden: torch.Tensor | None,
               embeds: torch.Tensor, positions: torch.Tensor, write_slots: torch.Tensor,
@@ -132,73 +123,44 @@ class CompiledHeadStep:
 
 
 class HeadSteps:
-    """The compiled steps of the heads a drafter has drafted with, newest first (at most
-    ``MAX_STEPS``), and the one for a head about to be swapped in, compiled ahead of the swap.
+    """The compiled steps of the heads a drafter has drafted with, newest first (at most ``MAX_STEPS``),
+    so a rollback to the previous head finds its step instead of compiling it again.
 
-    Why: a published head of another configuration (a round widened its draft vocabulary, 8,192 ->
-    8,228 tokens) does not fit the step in use, and its first drafts compiled new graphs on the
-    engine thread: 3.1 s and 1.2 s on Arabic (docs/benchmarks/learning.md, 2026-12-07). ``precompile``
-    runs where the new weights are loaded (the updater's thread, ``Eagle3Drafter.prepare``) and warms
-    the new step over a scratch cache of the drafter's geometry, so it never touches a serving
-    sequence's K/V; the first proposal after the swap rebinds it to the drafter's cache. A rollback
-    to the previous head finds its step still here.
+    A head of another configuration (a round widened its draft vocabulary, 8,192 -> 8,228 tokens) gets a
+    step of its own, compiled at its first drafts on the engine thread: 8.4 s in one step on an AMD EPYC
+    (3.1 s + 1.2 s on a Xeon, docs/benchmarks/learning.md). Compiling it ahead of the swap did worse
+    (docs/benchmarks/swap_stall.py, 2026-12-07): on the updater's thread, dynamo and inductor held the GIL
+    through most of the compile and the engine thread, which gives it up at every kernel call, waited for
+    it each time (49 s of serving lost against 14 s); in a child process at a lower priority, the compile
+    took a core for 81 s (serving ~30 % slower meanwhile), the first drafts still compiled for 7.4 s, 30 s lost.
 
     Example::
 
         steps = HeadSteps()
-        steps.warm_up(steps.step(head, kv), head, 5)   # at start-up (engine thread)
-        steps.precompile(wider, kv)                     # updater thread: wider.cfg.draft_vocab_size 8228
-        steps.step(wider, kv)                           # after the swap: compiled already, rebound to kv
+        steps.warm_up(steps.step(head, kv), head, 5)   # at start-up
+        steps.step(wider, kv)                           # a swapped-in head of 8228 draft tokens: a new step
+        steps.step(head, kv)                            # rolled back: the first step again, nothing compiled
     """
 
     MAX_STEPS = 3
 
     def __init__(self) -> None:
         self.steps: list[CompiledHeadStep] = []
-        self.warm_rows = 2  # the most rows a catch-up warm-up compiled for
-        self.num_built_on_demand = 0  # steps built at a proposal (compiled on the engine thread)
+        self.num_built = 0  # steps built (each compiles its graphs at its first calls)
 
     def step(self, head: Eagle3Head, kv: KVCache) -> CompiledHeadStep:
-        """The step that runs ``head`` over ``kv``: the one in use, else a kept or precompiled one of
-        its configuration (rebound to ``kv``), else a new one (compiled at its first calls)."""
+        """The step that runs ``head`` over ``kv``: the one in use, else a kept one that serves it, else a
+        new one (compiled at its first calls)."""
         if self.steps and self.steps[0].serves(head, kv):
             return self.steps[0]
-        found = next((s for s in self.steps if s.fits(head) and same_geometry(s.kv, kv)), None)
+        found = next((s for s in self.steps if s.serves(head, kv)), None)
         if found is None:
             found = CompiledHeadStep(head, kv)
-            self.num_built_on_demand += 1
+            self.num_built += 1
         else:
             self.steps.remove(found)
-            found.rebind(kv)
         self.steps = [found, *self.steps][: self.MAX_STEPS]
         return found
-
-    def warm_up(self, step: CompiledHeadStep, head: Eagle3Head, max_rows: int) -> float:
-        """``step.warm_up`` for catch-ups of up to ``max_rows`` rows, remembered for ``precompile``."""
-        self.warm_rows = max(2, max_rows)
-        return step.warm_up(head, self.warm_rows)
-
-    def precompile(self, head: Eagle3Head, kv: KVCache) -> float:
-        """Compile and warm up a step for the drafting ``head`` (on the caller's thread) unless a kept
-        step fits it, over a scratch cache shaped like ``kv``. Returns seconds (0 when none was needed).
-        Only once a step is in use: a drafter that never drafted compiled compiles nothing here."""
-        if not self.steps or any(s.fits(head) for s in self.steps):
-            return 0.0
-        scratch = KVCache(head.cfg.num_layers, kv.num_slots, kv.max_len, head.cfg.num_kv_heads, head.cfg.head_dim,
-                          head.dtype, head.device, transposed_keys=kv.transposed_keys)
-        step = CompiledHeadStep(head, scratch)
-        seconds = step.warm_up(head, self.warm_rows)
-        self.steps = [*self.steps, step]  # a new list: the engine thread may be reading the old one
-        logger.info("compiled the next EAGLE-3 head's step off the engine thread in %.1f s (draft vocabulary %d)",
-                    seconds, head.cfg.draft_vocab_size)
-        return seconds
-
-
-def same_geometry(a: KVCache, b: KVCache) -> bool:
-    """Whether two caches hold tensors of one shape, layout and dtype: a step compiled over one runs
-    over the other without new graphs (its guards compare exactly these)."""
-    return len(a.k) == len(b.k) and all(x.shape == y.shape and x.stride() == y.stride() and x.dtype == y.dtype
-                                        for x, y in zip(a.k + a.v, b.k + b.v))
 
 
 def _kind(head: Eagle3Head) -> tuple[str, ...]:

@@ -154,7 +154,7 @@ class Eagle3Drafter(DrafterBase):
         self._states: dict[int, SeqState] = {}
         self._untracked: set[int] = set()  # first seen with no free slot: later taps would be misaligned
         self._graphs: HeadGraphs | None = None  # built on first use (cfg.graphs), over the served head
-        self._steps = HeadSteps()  # compiled steps (cfg.compile without graphs), built on first use or by ``prepare``
+        self._steps = HeadSteps()  # compiled steps (cfg.compile without graphs), built on first use
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -213,7 +213,7 @@ class Eagle3Drafter(DrafterBase):
 
     def _compiled_step(self, vocab: DraftVocab) -> CompiledHeadStep | None:
         """The compiled step (``cfg.compile`` without graphs, the head's own vocabulary) for the served
-        head: one compiled ahead for a swapped-in head of another configuration (``HeadSteps``)."""
+        head: a kept one for a head rolled back to (``HeadSteps``)."""
         if not self.cfg.compile or self.cfg.graphs or vocab.rows is not None:
             return None
         return self._steps.step(self.served, self.kv)
@@ -224,7 +224,7 @@ class Eagle3Drafter(DrafterBase):
         vocab = self._vocab()
         graphs, compiled = self._head_graphs(vocab), self._compiled_step(vocab)
         if compiled is not None:
-            return self._steps.warm_up(compiled, self.served, max_gamma + 1)
+            return compiled.warm_up(self.served, max_gamma + 1)
         return graphs.warm_up(max_gamma) if graphs is not None else 0.0
 
     # -- weights ---------------------------------------------------------------------------------
@@ -232,16 +232,10 @@ class Eagle3Drafter(DrafterBase):
     def prepare(self, state_dict: dict[str, torch.Tensor], config: Eagle3Config | None = None) -> Eagle3Head | None:
         """The int8/int4 drafting copy of weights about to be swapped in, built where they were loaded
         (an updater's thread; ~45 ms for SmolLM2's head) so ``load_state`` does not quantize on the
-        engine thread. None when the head drafts with its float weights. A head of another configuration
-        gets its compiled step there too (``HeadSteps.precompile``)."""
-        config = config or self.head.cfg
-        compile_ahead = config != self.head.cfg and self.cfg.compile and not self.cfg.graphs
-        if self.cfg.quantization == "none" and not compile_ahead:
+        engine thread. None when the head drafts with its float weights."""
+        if self.cfg.quantization == "none":
             return None
-        drafting = quantized_head(self._built(config, state_dict), self.cfg.quantization, in_place=True)
-        if compile_ahead:
-            self._steps.precompile(drafting, self.kv)
-        return drafting if self.cfg.quantization != "none" else None  # "none": load_state drafts with the head
+        return quantized_head(self._built(config or self.head.cfg, state_dict), self.cfg.quantization, in_place=True)
 
     def _built(self, config: Eagle3Config, state_dict: dict[str, torch.Tensor]) -> Eagle3Head:
         """A new head of ``config`` holding ``state_dict``, in the served head's dtype and device."""
