@@ -89,7 +89,7 @@ SUBSET = [p for p in PATHS if not parse_path(p)[2] or p in COMPILED_IN_MAKE_TEST
 # (tests/speculative/test_embedded_lossless.py)
 SLOW_CELLS = {("int8", "suffix,eagle3+analytic")}
 WHOLE_MODEL_EXTRA = {"float32+compile": ("eagle3-tree",)}  # make test-slow's compiled paths: the shipped head over
-# the compiled step's taps (make test covers EAGLE-3 over compiled taps in tests/models/test_compiled.py)
+# the compiled step's taps (tests/models/test_compiled.py checks EAGLE-3 over compiled taps in make test-slow too)
 BREAKS = ("library-gemm", "attention", "projections")
 # the row probe's prompts: the first of each (53-96 tokens; the code workload's first, 207 tokens, took half
 # the probe's time: every probe prompt is prefilled five times)

@@ -137,7 +137,7 @@ class HeadSteps:
     Example::
 
         steps = HeadSteps()
-        steps.warm_up(steps.step(head, kv), head, 5)   # at start-up
+        steps.step(head, kv).warm_up(head, 5)          # at start-up
         steps.step(wider, kv)                           # a swapped-in head of 8228 draft tokens: a new step
         steps.step(head, kv)                            # rolled back: the first step again, nothing compiled
     """
