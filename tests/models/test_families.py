@@ -183,8 +183,8 @@ def test_smollm3_nope_layers_and_truncation_keep_per_layer_fields() -> None:
 
 
 def test_unsupported_family_features_are_one_line_errors() -> None:
-    gemma3 = transformers.Gemma3Config(text_config=dict(vocab_size=96, hidden_size=64, intermediate_size=128,
-                                                        num_hidden_layers=2, num_attention_heads=4)).to_dict()
+    gemma3 = transformers.Gemma3Config(text_config={"vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+                                                        "num_hidden_layers": 2, "num_attention_heads": 4}).to_dict()
     gemma3["architectures"] = ["Gemma3ForConditionalGeneration"]  # the multimodal checkpoints (4B and up)
     with pytest.raises(ModelConfigError, match="unknown architecture 'Gemma3ForConditionalGeneration'"):
         TargetConfig.from_hf(gemma3)
