@@ -323,7 +323,7 @@ class AnalyticPolicy:
         every 64 steps -> alpha 0.2 on 2 counts, a probe 8 plans on; if it accepts 3 of 4 the estimate is
         (0.4 + 3) / (2 + 4) = 0.57."""
         name: str | None = drafter if drafter in self.drafters else None
-        if name is None and self.drafters != (None,) or name in self.shadowed:
+        if (name is None and self.drafters != (None,)) or name in self.shadowed:
             return  # not one of this policy's, or model-free (scored on the side every step)
         self.trackers[name].discount(self.CHANGED_WEIGHT)
         self.probes.forget(name)
