@@ -171,6 +171,32 @@ def test_explore_scale_zero_never_explores() -> None:
     assert bandit.explore_steps == 0
 
 
+def test_forgotten_arms_lose_their_data_and_the_deepest_is_replayed() -> None:
+    """``forget``'s docstring example: arms 1 and 2 lose their data, their blended means are the prior's,
+    the next select is eq. 3's (``replay_due`` says the one after replays arm 2) and the one after plays
+    arm 2 outside the schedule (which stays where it was); a batch size never seen has nothing to forget."""
+    bandit = NightjarBandit(gamma_max=2, seed=0, prior=lambda key: [100.0, 95.0, 130.0], prior_count=4.0,
+                            explore_scale=lambda key, means: 0.0)
+    for arm, (n, mean) in enumerate([(30, 100.0), (50, 90.0), (4, 60.0)]):
+        for _ in range(n):
+            bandit.update(1, arm, mean, 0.01)
+    assert bandit.arm_means(1)[2] == pytest.approx(95.0) and bandit.select(1) == 0
+    bandit.forget([1, 2])
+    assert bandit.arm_counts(1) == [30, 0, 0] and bandit.arm_means(1) == pytest.approx([100.0, 95.0, 130.0])
+    assert not bandit.replay_due(1, [1, 2])
+    assert bandit.select(1) == 2 and not bandit.last_explored  # eq. 3: the prior's 130 now wins
+    assert bandit.replay_due(1, [1, 2]) and not bandit.replay_due(1, [0])
+    position = bandit.position(1)
+    assert bandit.select(1) == 2 and bandit.last_explored and bandit.position(1) == position
+    assert not bandit.replay_due(1, [1, 2])
+    for _ in range(3):  # the new weights measure worse: (4 x 130 + 3 x 40) / 7 = 91.4, below arm 0's 100
+        bandit.update(1, 2, 40.0, 0.01)
+    assert bandit.select(1) == 0 and not bandit.last_explored
+    assert not bandit.replay_due(5, [1, 2]) and bandit.select(5) == 2  # a new batch size: eq. 3 alone
+    with pytest.raises(ValueError):
+        bandit.forget([3])
+
+
 def test_seeded_runs_are_deterministic() -> None:
     def run(seed: int) -> list[int]:
         bandit = NightjarBandit(gamma_max=4, seed=seed)

@@ -540,6 +540,40 @@ def test_hybrid_learns_when_prior_is_wrong() -> None:
     assert sum(g == 4 for g in chosen[-300:]) > 250
 
 
+def test_hybrid_told_of_new_weights_measures_them_at_once() -> None:
+    """A drafter that accepted 5 % for 600 steps (the hybrid settled on plain decoding, exploring rarely in
+    its late blocks) is swapped for one that accepts 95 %. Told (``drafter_changed``), the policy drops the
+    old arms' goodputs and discounts the acceptance estimate, plays the new weights at its next step and
+    speculates at gamma 4 from then on; the twin not told is still mostly off 100 steps later (seeds where
+    it happens to explore sooner exist; these two do not). The bandit-only policy drops the same arms."""
+    for seed in (2, 4):
+        told, twin = (HybridPolicy(synthetic_profile(), gamma_max=4, seed=seed, prior_alpha=0.5) for _ in "ab")
+        for policy in (told, twin):
+            run_world(policy, 600, 1, 0.05)
+        told.drafter_changed("eagle3")  # the engine's only drafter, whatever its name
+        assert told.bandit.arm_counts(1)[1:] == [0] * 4 and twin.bandit.arm_counts(1)[0] > 0
+        assert told.plan(plan_input(1))[0] == 0 and told.probe_due("eagle3") and not twin.probe_due("eagle3")
+        told.observe(feedback(1, 0, 0.95, slowdown=1.25))
+        assert told.plan(plan_input(1))[0] == 4 and not told.probe_due("eagle3")  # the replay, warmed
+        told.observe(feedback(1, 4, 0.95, slowdown=1.25))
+        told_gammas, twin_gammas = run_world(told, 100, 1, 0.95), run_world(twin, 100, 1, 0.95)
+        assert told_gammas.count(4) >= 90 and twin_gammas.count(4) < 10
+    several = HybridPolicy(synthetic_profile(), gamma_max=2, drafters=("suffix", "eagle3"),
+                           stateful=frozenset({"eagle3"}))
+    run_world(several, 50, 1, 0.5)
+    counts = several.bandit.arm_counts(1)
+    several.drafter_changed("medusa")  # not one of its drafters: nothing
+    assert several.bandit.arm_counts(1) == counts
+    several.drafter_changed("eagle3")
+    assert several.bandit.arm_counts(1) == counts[:3] + [0, 0]
+    bandit = BanditPolicy(gamma_max=2, seed=0)
+    run_world(bandit, 50, 1, 0.5)
+    bandit.drafter_changed("eagle3")
+    assert bandit.bandit.arm_counts(1)[1:] == [0, 0]
+    bandit.plan(plan_input(1))
+    assert bandit.probe_due("eagle3") and bandit.plan(plan_input(1))[0] == 2  # the deepest, replayed
+
+
 # ---- factory ----
 def test_make_policy() -> None:
     p = synthetic_profile()

@@ -15,7 +15,7 @@ from tidespec.speculative.policy.gate import ModelGate
 from tidespec.speculative.policy.probes import ProbeMeter
 from tidespec.speculative.policy.routing import RouteMeter, SequenceRouter
 from tidespec.speculative.policy.speedup import Profile
-from tidespec.speculative.policy.tracking import DrafterTrackers, predicted_speedups
+from tidespec.speculative.policy.tracking import CHANGED_WEIGHT, DrafterTrackers, predicted_speedups
 from tidespec.stats import StepStats
 
 
@@ -77,7 +77,6 @@ class AnalyticPolicy:
     10 x 0.02) until eagle3's estimates say it beats the suffix drafter.
     """
 
-    CHANGED_WEIGHT = 2.0  # counts left behind a drafter's estimates when its weights change (``drafter_changed``)
 
     def __init__(self, profile: Profile, gamma_max: int, ema: float = 0.1, prior_alpha: float = 0.7,
                  drafter: str | None = None, probe_every: int = 64, probe_budget: float = 0.02,
@@ -325,7 +324,7 @@ class AnalyticPolicy:
         name: str | None = drafter if drafter in self.drafters else None
         if (name is None and self.drafters != (None,)) or name in self.shadowed:
             return  # not one of this policy's, or model-free (scored on the side every step)
-        self.trackers[name].discount(self.CHANGED_WEIGHT)
+        self.trackers[name].discount(CHANGED_WEIGHT)
         self.probes.forget(name)
         self._backoff = dict.fromkeys(self._backoff, 1)
         if self.probe_every:

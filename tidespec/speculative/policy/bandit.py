@@ -88,6 +88,8 @@ class _BucketState:
     explore_steps: int = 0
     exploit_steps: int = 0
     last_choice: int = 0
+    replay: int | None = None  # a forgotten arm to play (``NightjarBandit.forget``) ...
+    replay_wait: int = 0  # ... after this many more selects
 
     def __post_init__(self) -> None:
         self.means = [0.0] * self.num_arms
@@ -208,6 +210,13 @@ class NightjarBandit:
         """Choose the arm (gamma, by default) for this engine step at ``batch_size`` (Algorithm 1
         lines 5-23)."""
         key, st = self._state(batch_size)
+        if st.replay is not None and st.replay_wait == 0:  # a forgotten arm, replayed (``forget``)
+            gamma, st.replay = st.replay, None
+            st.explore_steps += 1
+            st.last_choice = gamma
+            self.last_explored = True
+            return gamma
+        st.replay_wait = max(0, st.replay_wait - 1)
         if st.tau == 1:
             p = 1.0 / math.sqrt(st.b)
             if self.explore_scale is not None:
@@ -245,6 +254,35 @@ class NightjarBandit:
             st.time_s[gamma] += step_time
         self._last_arm = gamma
         self._zero_run = self._zero_run + 1 if self.arm_gammas[gamma] == 0 else 0
+
+    def forget(self, arms: Sequence[int]) -> None:
+        """Drop what every batch size measured of ``arms`` (their means, counts and time): they play other
+        weights now (a drafter swapped). Eq. 3 then sees the prior alone for them, and each batch size seen
+        so far replays the deepest of them (largest gamma: its outcomes measure every draft position) at its
+        second ``select`` from now, an exploration step outside the schedule, which goes on where it was. So
+        the new weights are measured within two steps rather than at the next exploring bin, which in a late
+        block can be hundreds of steps away; the step between lets a stateful drafter be warmed for the
+        replay (``replay_due``: the engine computes the target's taps).
+
+        Example: counts [30, 50, 4] and means [100, 90, 120] at b = 1, prior [100, 95, 130], prior_count
+        4; forget([1, 2]) -> counts [30, 0, 0], means [100, 0, 0], the blended means the prior's 95 and 130
+        for arms 1 and 2; the next select(1) is eq. 3's as usual, the one after plays arm 2 (gamma 2)
+        whatever its mean.
+        """
+        for arm in arms:
+            if not 0 <= arm < self.num_arms:
+                raise ValueError(f"arm must be in [0, {self.num_arms - 1}], got {arm}")
+        for st in self._states.values():
+            for arm in arms:
+                st.means[arm], st.counts[arm], st.time_s[arm] = 0.0, 0, 0.0
+            st.replay = max(arms, key=lambda arm: (self.arm_gammas[arm], -arm), default=None)
+            st.replay_wait = 1
+
+    def replay_due(self, batch_size: int, arms: Sequence[int]) -> bool:
+        """Whether batch size ``batch_size``'s next ``select`` replays one of ``arms`` (``forget``)."""
+        key = self.bucket(batch_size)
+        st = self._states.get(key)
+        return st is not None and st.replay in arms and st.replay_wait == 0
 
     # ---- reporting -----------------------------------------------------------------------
     @property

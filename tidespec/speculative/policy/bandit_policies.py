@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from tidespec.speculative.policy.api import PlanInput, bucket_of, check_gamma_max
 from tidespec.speculative.policy.bandit import NightjarBandit, SwitchingCost
 from tidespec.speculative.policy.speedup import Profile
-from tidespec.speculative.policy.tracking import DrafterTrackers, predicted_speedups
+from tidespec.speculative.policy.tracking import CHANGED_WEIGHT, DrafterTrackers, predicted_speedups
 from tidespec.stats import StepStats
 
 
@@ -71,6 +71,13 @@ class DrafterArms:
             drafter = self.drafters[0]
         return 1 + self.drafters.index(drafter) * self.gamma_max + gamma - 1
 
+    def arms_of(self, drafter: str) -> list[int]:
+        """The speculating arms that draft with ``drafter`` (all of them for the engine's only drafter,
+        ``drafters == (None,)``); none for a drafter not among them. Example: drafters ("suffix", "eagle3"),
+        gamma_max 2 -> arms_of("eagle3") == [3, 4]."""
+        return [arm for arm, (d, g) in enumerate(self.pairs)
+                if g > 0 and (d == drafter or self.drafters == (None,))]
+
     def plan(self, inp: PlanInput, arm: int) -> dict[int, tuple[str, int]]:
         """Every sequence gets ``arm``'s (drafter, gamma); off uses the engine's first drafter."""
         drafter, gamma = self.pairs[arm]
@@ -84,6 +91,11 @@ def _bandit_stats(bandit: NightjarBandit) -> dict[str, float]:
         for name, value in bandit.bucket_summary(key).items():
             out[f"{name}_b{key}"] = value
     return out
+
+
+def _replay_due(bandit: NightjarBandit, arms: DrafterArms, batch_size: int, drafter: str) -> bool:
+    """Whether ``bandit``'s next select at ``batch_size`` (the last plan's) replays one of ``drafter``'s arms."""
+    return batch_size >= 1 and bandit.replay_due(batch_size, arms.arms_of(drafter))
 
 
 def _goodput(step: StepStats) -> float:
@@ -109,6 +121,7 @@ class BanditPolicy:
         self.gamma_max = gamma_max
         self.profile = profile  # not used to decide; kept so metrics can check speedup against it
         self.arms = DrafterArms(drafters or (None,), gamma_max, stateful)
+        self.last_batch = 0  # the batch size of the last plan (``probe_due``)
         self.bandit = NightjarBandit(
             gamma_max, switching_cost, seed, bucket=bucket_of if bucketed else None,
             arm_gammas=self.arms.gammas, switch_arms=self.arms.switching,
@@ -120,6 +133,7 @@ class BanditPolicy:
     def plan_drafters(self, inp: PlanInput) -> dict[int, tuple[str, int]]:
         if not inp.seqs:
             return {}
+        self.last_batch = inp.batch_size
         return self.arms.plan(inp, self.bandit.select(inp.batch_size))
 
     def observe(self, step: StepStats) -> None:
@@ -127,6 +141,16 @@ class BanditPolicy:
         if batch >= 1 and step.total_time > 0:
             self.bandit.update(batch, self.arms.arm_of(step), _goodput(step), step.total_time,
                                credit=not step.num_prefill_tokens)
+
+    def drafter_changed(self, drafter: str) -> None:
+        """``drafter`` drafts with other weights from now on (``api.drafter_changed``): its arms' goodputs were
+        measured of the old ones and are dropped (``NightjarBandit.forget``): unmeasured again, the deepest
+        replayed two plans on."""
+        self.bandit.forget(self.arms.arms_of(drafter))
+
+    def probe_due(self, drafter: str) -> bool:
+        """Whether the next plan replays an arm of ``drafter`` (``api.probe_due``: the engine warms it)."""
+        return _replay_due(self.bandit, self.arms, self.last_batch, drafter)
 
     def stats(self) -> dict[str, float]:
         return _bandit_stats(self.bandit)
@@ -196,6 +220,7 @@ class HybridPolicy:
         self._scale_sum = 0.0
         self._scale_n = 0
         self.last_predicted_speedup = 1.0
+        self.last_batch = 0  # the batch size of the last plan (``probe_due``)
         self.bandit = NightjarBandit(
             gamma_max,
             profile.catchup_cost if use_switching_cost else None,
@@ -234,6 +259,7 @@ class HybridPolicy:
         if not inp.seqs:
             return {}
         key = self._bucket(inp.batch_size)
+        self.last_batch = inp.batch_size
         arm = self.bandit.select(inp.batch_size)
         drafter, gamma = self.arms.pairs[arm]
         self.last_predicted_speedup = predicted_speedups(self.trackers[drafter], key, self.profile, self.gamma_max,
@@ -253,6 +279,26 @@ class HybridPolicy:
             self.kappa += self.ema * (goodput / predicted - self.kappa)
         self.bandit.update(batch, arm, goodput, step.total_time, credit=credit)
         self.trackers.update(bucket_of(key), step)
+
+    def drafter_changed(self, drafter: str) -> None:
+        """``drafter`` drafts with other weights from now on (``api.drafter_changed``). Its arms' measured
+        goodputs are dropped (``NightjarBandit.forget``), so eq. 3 sees the prior alone for them, and its
+        acceptance estimates keep their values with at most ``CHANGED_WEIGHT`` counts behind them
+        (``AlphaTracker.discount``); its deepest arm is replayed two plans on (the engine warms the drafter
+        for it: ``probe_due``), and that one step's outcomes move the prior of every arm of the drafter.
+        Why: the old weights' means, backed by tens of steps, outvoted every exploration step of the new
+        ones (an incremental mean moves 1/n per step), and in a late block an exploring bin can be hundreds
+        of steps away. Example: an EAGLE-3 arm measured at 80 tokens/s over 40 steps; the new head replayed
+        once at 150 -> its data mean is 150 (it was 81.7)."""
+        arms = self.arms.arms_of(drafter)
+        if not arms:
+            return  # not one of this policy's drafters
+        self.bandit.forget(arms)
+        self.trackers[self.arms.drafters[0] if self.arms.drafters == (None,) else drafter].discount(CHANGED_WEIGHT)
+
+    def probe_due(self, drafter: str) -> bool:
+        """Whether the next plan replays an arm of ``drafter`` (``api.probe_due``: the engine warms it)."""
+        return _replay_due(self.bandit, self.arms, self.last_batch, drafter)
 
     def stats(self) -> dict[str, float]:
         out = _bandit_stats(self.bandit)

@@ -229,6 +229,9 @@ def position_counts(outcomes: Sequence[tuple[int, int, int]]) -> list[tuple[int,
              sum(a >= k for g, _, a in outcomes if g >= k)) for k in range(1, deepest + 1)]
 
 
+CHANGED_WEIGHT = 2.0  # counts left behind a drafter's estimates when its weights change (``api.drafter_changed``)
+
+
 class DrafterTrackers:
     """One ``AlphaTracker`` per drafter a policy chooses among. With one drafter it learns from
     whole steps (``AlphaTracker.update``); with several, each from its own outcomes
