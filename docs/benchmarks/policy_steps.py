@@ -45,11 +45,13 @@ ap = argparse.ArgumentParser()
 ap.add_argument("workload")
 ap.add_argument("limit", type=int)
 ap.add_argument("--compile", action="store_true")
+ap.add_argument("--quantization", default="w4a8",
+                help="the target's path (none: float32, the fastest exact path on a CPU without AVX512-VNNI)")
 ap.add_argument("--batch", type=int, default=1)
 ap.add_argument("--max-tokens", type=int, default=128)
 ap.add_argument("--configs", nargs="+", required=True)
 ns = ap.parse_args()
-mc = ModelConfig(quantization="w4a8", threads=2, compile=ns.compile)
+mc = ModelConfig(quantization=ns.quantization, threads=2, compile=ns.compile)
 
 
 def taken_apart(engine: LLMEngine, flags: list[str]) -> None:

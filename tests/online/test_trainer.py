@@ -18,6 +18,7 @@ from tidespec.engine.engine import LLMEngine
 from tidespec.files import latest_version
 from tidespec.models.eagle3.checkpoint import import_eagle3, load_version, publish
 from tidespec.models.families.decoder import DecoderModel
+from tidespec.models.kernels import linear
 from tidespec.models.loading.loader import load_model
 from tidespec.online.capture import CaptureBuffer
 from tidespec.online.collection import SelectiveCollector
@@ -275,6 +276,24 @@ def test_start_trainer_process_runs_the_cli_and_logs(tmp_path: Path) -> None:
     assert proc.wait(timeout=120) == 2  # flags parsed; the missing model is a one-line user error
     log = (tmp_path / "drafter" / "trainer.log").read_text()
     assert log.startswith("error: ") and "no-such-model" in log and "Traceback" not in log
+
+
+def test_only_a_trainer_that_runs_the_target_measures_its_kernels(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Online rounds read the target's LM-head rows only: the trainer child measures no matmul kernels (it
+    did, in the idle gaps serving gave it); the capture-only bootstrap runs the target's forwards and does."""
+    tuned: list[int] = []
+    monkeypatch.setattr(linear, "tune_linears", lambda model: tuned.append(1) or {})
+    hf, _ = tiny_hf_model("llama", torch.float32, num_hidden_layers=4)
+    ckpt = write_tiny_checkpoint(hf, tmp_path / "model")
+    online = TrainerConfig(signal_dir=str(tmp_path / "empty"), publish_root=str(tmp_path / "drafter"),
+                           model=str(ckpt), once=True, progress=False)
+    assert train_drafter(online) == [] and tuned == []
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(json.dumps({"id": "r0", "domain": "code", "kind": "completion", "prompt": "w3 w5 w7"}) + "\n")
+    capture = TrainerConfig(signal_dir=str(tmp_path / "signals"), model=str(ckpt), from_workload=str(workload),
+                            capture_only=True, samples=1, max_tokens=2, progress=False)
+    assert train_drafter(capture) == [] and tuned == [1]
 
 
 def test_capture_only_bootstrap_fills_the_store_and_trains_nothing(tmp_path: Path) -> None:
