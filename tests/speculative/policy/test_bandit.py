@@ -193,6 +193,10 @@ def test_forgotten_arms_lose_their_data_and_the_deepest_is_replayed() -> None:
         bandit.update(1, 2, 40.0, 0.01)
     assert bandit.select(1) == 0 and not bandit.last_explored
     assert not bandit.replay_due(5, [1, 2]) and bandit.select(5) == 2  # a new batch size: eq. 3 alone
+    bandit.forget([1, 2])
+    bandit.select(1)
+    bandit.forget([])  # nothing to forget (a drafter not among the arms): the replay due stays due
+    assert bandit.replay_due(1, [1, 2]) and bandit.select(1) == 2
     with pytest.raises(ValueError):
         bandit.forget([3])
 

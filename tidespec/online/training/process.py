@@ -118,12 +118,12 @@ def train_drafter(cfg: TrainerConfig) -> list[RoundResult]:
         if ctx.enabled and device == "cuda":
             device = f"cuda:{ctx.local_rank}"
         loaded = load_model(cfg.model, dtype=DTYPES[cfg.dtype], device=device)
-        if cfg.from_workload:  # its capture and distillation forwards: the fastest kernel per row count (CPU).
-            # Not in online rounds: they never run the target's layers (only its LM-head rows), and a trainer
-            # child that yields the CPU to serving spent a fresh machine's idle gaps measuring them (the
-            # whole of make demo's trainer time on a Zen 3 EPYC, 2026-12-07: no round reached)
-            tune_linears(loaded.model)
         if cfg.from_workload:
+            # its capture and distillation forwards: the fastest kernel per row count (CPU). Not for online
+            # rounds: they never run the target's layers (only its LM-head rows), and a trainer child that
+            # yields the CPU to serving spent a fresh machine's idle gaps measuring them (all of make demo's
+            # trainer time on a Zen 3 EPYC, 2026-12-07: no round reached)
+            tune_linears(loaded.model)
             if ctx.is_main and cfg.topk:
                 distill_from_workload(loaded.model, loaded.tokenizer, cfg)
             elif ctx.is_main:

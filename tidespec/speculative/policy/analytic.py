@@ -77,7 +77,6 @@ class AnalyticPolicy:
     10 x 0.02) until eagle3's estimates say it beats the suffix drafter.
     """
 
-
     def __init__(self, profile: Profile, gamma_max: int, ema: float = 0.1, prior_alpha: float = 0.7,
                  drafter: str | None = None, probe_every: int = 64, probe_budget: float = 0.02,
                  drafters: tuple[str, ...] = (), shadowed: frozenset[str] = frozenset(),

@@ -272,10 +272,12 @@ class NightjarBandit:
         for arm in arms:
             if not 0 <= arm < self.num_arms:
                 raise ValueError(f"arm must be in [0, {self.num_arms - 1}], got {arm}")
+        if not arms:
+            return  # nothing forgotten: a replay already due stays due
         for st in self._states.values():
             for arm in arms:
                 st.means[arm], st.counts[arm], st.time_s[arm] = 0.0, 0, 0.0
-            st.replay = max(arms, key=lambda arm: (self.arm_gammas[arm], -arm), default=None)
+            st.replay = max(arms, key=lambda arm: (self.arm_gammas[arm], -arm))
             st.replay_wait = 1
 
     def replay_due(self, batch_size: int, arms: Sequence[int]) -> bool:
