@@ -19,8 +19,8 @@ from tidespec.speculative.drafters.eagle3 import Eagle3Drafter, Eagle3DrafterCon
 from tidespec.speculative.drafters.multi import MultiDrafter, _first_path, _Shadow, score_shadow
 from tidespec.speculative.drafters.ngram import NgramDrafter
 from tidespec.speculative.policy.analytic import AnalyticPolicy
-from tidespec.speculative.policy.api import DrafterPolicy, PlanInput, SeqState
-from tidespec.speculative.policy.bandit_policies import DrafterArms
+from tidespec.speculative.policy.api import DrafterPolicy, PlanInput, SeqState, drafter_changed
+from tidespec.speculative.policy.bandit_policies import DrafterArms, HybridPolicy
 from tidespec.speculative.policy.factory import PolicyOptions, make_policy
 from tidespec.speculative.policy.guards import GuardConfig, Guards
 from tidespec.speculative.policy.profiler import ProfilerConfig, measure_profile
@@ -190,6 +190,44 @@ def test_a_probe_the_policy_announced_finds_eagle3_warm(model, tok) -> None:
     taps = [s.taps for s in policy.seen]
     assert all(taps[:5]) and not any(taps[5:18]) and taps[18] and taps[19] and not any(taps[20:])
     assert policy.seen[19].num_cold_drafts == 0 and policy.seen[19].num_drafts == 1
+
+
+class _RecordingHybrid(HybridPolicy):
+    """The hybrid policy, every step it observes kept in ``seen``."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen: list[StepStats] = []
+
+    def observe(self, step: StepStats) -> None:
+        self.seen.append(step)
+        super().observe(step)
+
+
+@pytest.mark.parametrize("announced", [True, False])
+def test_the_hybrids_replay_of_a_swapped_drafter_finds_it_warm(model, tok, announced: bool) -> None:
+    """A random EAGLE-3 head under the hybrid policy settles off (no taps once ``TAP_LINGER_STEPS`` passed); told
+    that its weights changed (``api.drafter_changed``), the policy replays its deepest arm at the second plan, and
+    the plan before says so (``probe_due``): that step computes the taps and the replay drafts. Without the
+    announcement (``announced`` False) the replay comes back cold and runs as an undrafted step: what the first
+    version did."""
+    profile = Profile(target_latency={1: 0.010, 16: 0.010}, draft_cost={"default": 0.002}, key="t")
+    policy = _RecordingHybrid(profile, gamma_max=3, seed=0, prior_alpha=0.3)
+    if not announced:
+        policy.probe_due = lambda drafter: False  # type: ignore[method-assign]
+    e = engine(model, tok, SpecConfig(drafter="eagle3", num_speculative_tokens=3), policy, slots=1)
+    e.add_request(PROMPTS[0], SamplingParams(max_tokens=85, ignore_eos=True))
+    told = 0
+    while e.has_unfinished_requests():
+        e.step()
+        quiet = policy.seen[-(TAP_LINGER_STEPS + 2):]
+        if not told and len(quiet) == TAP_LINGER_STEPS + 2 and not any(s.gamma or s.taps for s in quiet[1:]):
+            drafter_changed(e.policy, "eagle3")
+            told = len(policy.seen)
+    assert told, "the hybrid never settled off"
+    before, replay = policy.seen[told], policy.seen[told + 1]
+    assert before.gamma == 0 and before.taps == announced
+    assert (replay.gamma, replay.num_drafts, replay.num_cold_drafts) == ((3, 1, 0) if announced else (0, 0, 1))
 
 
 def test_eagle3_restarts_its_context_after_a_hole_in_the_taps() -> None:
