@@ -274,11 +274,11 @@ class NightjarBandit:
                 raise ValueError(f"arm must be in [0, {self.num_arms - 1}], got {arm}")
         if not arms:
             return  # nothing forgotten: a replay already due stays due
+        deepest = max(arms, key=lambda arm: (self.arm_gammas[arm], -arm))
         for st in self._states.values():
             for arm in arms:
                 st.means[arm], st.counts[arm], st.time_s[arm] = 0.0, 0, 0.0
-            st.replay = max(arms, key=lambda arm: (self.arm_gammas[arm], -arm))
-            st.replay_wait = 1
+            st.replay, st.replay_wait = deepest, 1
 
     def replay_due(self, batch_size: int, arms: Sequence[int]) -> bool:
         """Whether batch size ``batch_size``'s next ``select`` replays one of ``arms`` (``forget``)."""
