@@ -107,7 +107,7 @@ def _activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 
 def block_arithmetic(x: torch.Tensor, u: Unpacked, dtype: torch.dtype) -> torch.Tensor:
-    """csrc/a8_linear.cpp's lines in ``dtype``: per block b of 32 inputs in order, per sub-block s
+    """csrc/a8_tiles.h's lines in ``dtype``: per block b of 32 inputs in order, per sub-block s
     ``acc += (scale * dx) * isum``, then ``acc += mins * sx``. In float32: the kernel's bits."""
     qx, dx, sx = _activations(x)
     n, k = u.q.shape

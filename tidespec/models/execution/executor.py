@@ -60,7 +60,8 @@ KERNEL_SOURCES = ("families/decoder.py", "families/attention.py", "families/mlp.
                   "quant/quantize.py", "quant/base.py", "quant/a8.py", "quant/gguf_blocks.py", "execution/invariance.py",
                   "execution/compiled.py", "execution/graphs.py", "kv/cache.py", "kernels/rows.py", "execution/executor.py",
                   "kernels/row_attention.py", "kernels/csrc/row_invariant.cpp", "kernels/csrc/exact_linear.cpp",
-                  "kernels/csrc/quant_linear.cpp", "kernels/csrc/a8_linear.cpp")
+                  "kernels/csrc/quant_linear.cpp", "kernels/csrc/a8_linear.cpp", "kernels/csrc/gguf_linear.cpp",
+                  "kernels/csrc/a8_tiles.h")
 
 
 def check_compilable(cfg: TargetConfig, graphed: bool, compiled: bool) -> None:

@@ -38,7 +38,10 @@ from tidespec.files import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("row_invariant.cpp", "exact_linear.cpp",
-                                                                     "quant_linear.cpp", "a8_linear.cpp"))
+                                                                     "quant_linear.cpp", "a8_linear.cpp",
+                                                                     "gguf_linear.cpp"))
+# included by the sources: part of the library's name, so a change to one builds a new library
+HEADERS = (Path(__file__).parent / "csrc" / "a8_tiles.h",)
 # per vector capability: the flags that make ATen's Vectorized<float> use it (what PyTorch's own
 # kernels are compiled with for that capability)
 CAPABILITY_FLAGS = {
@@ -62,7 +65,7 @@ def library_name() -> str:
     """Library name keyed by what changes the binary: source, flags, capability, torch version."""
     cap = _capability()
     key = hashlib.sha256()
-    for source in SOURCES:
+    for source in SOURCES + HEADERS:
         key.update(source.read_bytes())
     key.update(" ".join(COMMON_FLAGS + CAPABILITY_FLAGS.get(cap, []) + LINK_FLAGS).encode())
     key.update(torch.__version__.encode())

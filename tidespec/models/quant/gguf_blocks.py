@@ -3,7 +3,7 @@
 Why this exists: a self-hoster downloads a Q4_K_M, Q5_K_M, Q6_K or Q8_0 file and expects the model it
 holds. The other modes dequantize the file and quantize again to tidespec's own schemes (w4a8 is
 Q4_1 everywhere): a different, lossier target than the file the user chose. Here every projection and
-the LM head keep the file's codes and scales; only the arithmetic is tidespec's (``csrc/a8_linear.cpp``:
+the LM head keep the file's codes and scales; only the arithmetic is tidespec's (``csrc/gguf_linear.cpp``:
 activations quantized to int8 per block of 32, integer dot products, per-block float steps in one
 order: row-invariant, so speculation stays exact on this target as on every other).
 
