@@ -69,7 +69,7 @@ MAX_TOKENS = 16  # the near-tie is the 9th token (module docstring)
 PATHS: dict[str, tuple[str, ...]] = {
     "float32": ("suffix", "eagle3-tree"),
     "bfloat16": ("eagle3",),
-    "int8": ("ngram", "suffix,eagle3+analytic"),  # the controller: SLOW_CELLS
+    "int8": ("ngram", "suffix,eagle3+analytic", "suffix,eagle3+per-sequence"),  # the analytic policy: SLOW_CELLS
     "int4": ("suffix", "eagle3"),  # EAGLE-3 chains in make test (the bfloat16 path is in make test-slow)
     "w4a8": ("suffix", "draft-model"),
     "w8a8": ("ngram", "medusa"),
@@ -87,7 +87,7 @@ SUBSET = [p for p in PATHS if not parse_path(p)[2] or p in COMPILED_IN_MAKE_TEST
 # make test-slow: the analytic policy profiles its costs before its first step (37 s on CI's empty cache);
 # make test checks the controller switching drafters mid-request under a scripted policy
 # (tests/speculative/test_embedded_lossless.py)
-SLOW_CELLS = {("int8", "suffix,eagle3+analytic")}
+SLOW_CELLS = {("int8", "suffix,eagle3+analytic"), ("int8", "suffix,eagle3+per-sequence")}
 WHOLE_MODEL_EXTRA = {"float32+compile": ("eagle3-tree",)}  # make test-slow's compiled paths: the shipped head over
 # the compiled step's taps (tests/models/test_compiled.py checks EAGLE-3 over compiled taps in make test-slow too)
 BREAKS = ("library-gemm", "attention", "projections")
@@ -247,8 +247,9 @@ def test_paths_name_dtype_quantization_and_compile() -> None:
     for bad in ("int5", "compile", "int4+x", "float16", "bfloat16+compile+compile"):
         with pytest.raises(ConfigError, match="unknown path"):
             ExactnessBenchConfig(paths=f"float32,{bad}")
-    with pytest.raises(ConfigError, match="layers"):
-        ExactnessBenchConfig(paths="int8", drafters="suffix,eagle3+analytic", layers=4)
+    for profiled in ("suffix,eagle3+analytic", "suffix,eagle3+per-sequence"):
+        with pytest.raises(ConfigError, match="layers"):
+            ExactnessBenchConfig(paths="int8", drafters=profiled, layers=4)
 
 
 @pytest.mark.slow

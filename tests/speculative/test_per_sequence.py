@@ -157,6 +157,7 @@ def test_one_step_routes_one_sequence_to_suffix_one_to_the_model_drafter_and_one
     assert out[1] == ("suffix", 4) and out[2][0] == "eagle3" and out[2][1] > 0 and out[3][1] == 0
     stats = inner.stats()
     assert stats["routed_suffix"] == 2.0 and stats["routed_eagle3"] == 1.0  # the guard turned 3 off after
+    assert stats["mixed_steps"] == 1.0  # one step verified three routes
 
 
 def test_model_free_offers_are_the_suffix_drafters_own_drafts_with_its_score() -> None:

@@ -70,7 +70,10 @@ from tidespec.workloads.loader import Prompt, load_prompts
 PATHS = ("float32", "float32+compile", "bfloat16", "bfloat16+compile", "int8", "int8+compile", "int4", "int4+compile",
          "bfloat16+int4", "w4a8", "w4a8+compile", "w8a8", "w8a8+compile", "gguf", "gguf+compile")
 QUANT_PATHS = tuple(q for q in QUANTIZATIONS if q != "none")
-DRAFTERS = ("ngram", "suffix", "draft-model", "eagle3", "eagle3-tree", "medusa", "suffix,eagle3+analytic")
+DRAFTERS = ("ngram", "suffix", "draft-model", "eagle3", "eagle3-tree", "medusa", "suffix,eagle3+analytic",
+            "suffix,eagle3+per-sequence")
+# the configurations whose policy prices drafters from the target's profiled costs (the whole target's)
+PROFILED = ("suffix,eagle3+analytic", "suffix,eagle3+per-sequence")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -103,8 +106,9 @@ class ExactnessBenchConfig:
         bad = [d for d in self.drafter_list if d not in DRAFTERS]
         if bad:
             raise ConfigError(f"unknown drafter configuration(s) {', '.join(bad)}; choose from {'; '.join(DRAFTERS)}")
-        if self.layers and "suffix,eagle3+analytic" in self.drafter_list:
-            raise ConfigError("--layers: the suffix,eagle3+analytic configuration needs the whole target (its "
+        profiled = [d for d in self.drafter_list if d in PROFILED]
+        if self.layers and profiled:
+            raise ConfigError(f"--layers: the {' and '.join(profiled)} configuration needs the whole target (its "
                               "profiled costs and the trained head); leave it out or drop --layers")
 
     @property
@@ -149,9 +153,9 @@ def spec_for(name: str, gamma: int, layers: int = 0) -> tuple[SpecConfig, Policy
     if name in ("eagle3", "eagle3-tree"):
         return SpecConfig(drafter="eagle3", num_speculative_tokens=gamma, tree=name == "eagle3-tree",
                           options=eagle), PolicyConfig()
-    if name == "suffix,eagle3+analytic":
+    if name in PROFILED:  # the controller, or each sequence its own drafter in one verification
         return SpecConfig(drafter="suffix,eagle3", num_speculative_tokens=gamma, options=eagle), \
-            PolicyConfig(name="analytic")
+            PolicyConfig(name="analytic", per_sequence=name.endswith("per-sequence"))
     return SpecConfig(drafter=name, num_speculative_tokens=gamma), PolicyConfig()
 
 
@@ -213,6 +217,15 @@ def _cell(target: LoadedModel, prompts: list[Prompt], plain: list[list[int]], en
     got = _generate(engine, [p.token_ids for p in prompts], max_tokens, batched)
     return {**_compare(target, prompts, plain, got), "prefix_hit_tokens": (pc.hit_tokens - before) if pc else 0,
             "preempted": engine.scheduler.num_preemptions - preempted}
+
+
+def _routes(engine: LLMEngine) -> dict[str, float]:
+    """Per-sequence drafting's counts so far (``AnalyticPolicy.stats``): the sequence-steps routed to each
+    drafter ("none": to no draft) and the steps that verified more than one route at once, which a
+    per-sequence cell must hold for its exactness to say something about mixed verifications; {} for
+    any other policy."""
+    stats = engine.policy.stats() if engine.policy is not None else {}
+    return {k: v for k, v in stats.items() if k.startswith("routed_") or k == "mixed_steps"}
 
 
 def _shadow(engine: LLMEngine, tokens: list[int]) -> Sequence:
@@ -345,8 +358,10 @@ class PathRun:
         engine = build_engine(econf, model=self.target.model, tokenizer=self.target.tokenizer)
         out = {}
         for batched in (False, True):
-            out[f"{name}/{'batched' if batched else 'alone'}"] = _cell(self.target, self.prompts, self.plain, engine,
-                                                                       self.cfg.max_tokens, batched)
+            before = _routes(engine)
+            cell = _cell(self.target, self.prompts, self.plain, engine, self.cfg.max_tokens, batched)
+            routes = {k: v - before.get(k, 0.0) for k, v in _routes(engine).items()}
+            out[f"{name}/{'batched' if batched else 'alone'}"] = {**cell, "routes": routes} if routes else cell
         self.entry["cells"].update(out)
         self.entry["seconds"] = round(time.perf_counter() - self.t0, 1)
         return out
@@ -395,7 +410,8 @@ def exact(doc: dict[str, Any]) -> bool:
 
 
 def table(doc: dict[str, Any]) -> str:
-    """Markdown: one row per path, one column per cell (identical/total), the row probe last."""
+    """Markdown: one row per path, one column per cell (identical/total; per-sequence cells: with the steps
+    that verified more than one route), the row probe last."""
     cells = list(dict.fromkeys(c for p in doc["paths"] for c in p["cells"]))  # a cut-short path has fewer
     lines = ["| path | " + " | ".join(cells) + " | rows bit-identical (probe) |",
              "|---|" + "---:|" * (len(cells) + 1)]
@@ -407,7 +423,9 @@ def table(doc: dict[str, Any]) -> str:
                 vals.append("-")
                 continue
             text = f"{cell['identical']}/{cell['total']}"
-            vals.append(text if cell["identical"] == cell["total"] else f"**{text}**")
+            text = text if cell["identical"] == cell["total"] else f"**{text}**"
+            mixed = cell.get("routes", {}).get("mixed_steps")
+            vals.append(text if mixed is None else f"{text} ({mixed:.0f} mixed steps)")
         probe = p["row_probe"]
         vals.append(f"{probe['identical']}/{probe['rows']}")
         lines.append(f"| {p['path']} | " + " | ".join(vals) + " |")

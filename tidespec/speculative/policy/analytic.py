@@ -127,6 +127,7 @@ class AnalyticPolicy:
         self.router = (SequenceRouter(profile, ema, meter) if per_sequence and len(drafters) > 1 and shadowed
                        else None)
         self.route_counts: dict[str, int] = {}  # drafter ("none") -> sequence-steps routed (or probed) to it
+        self.mixed_steps = 0  # routed steps whose sequences went to more than one route ("none" is one)
         self.gate = ModelGate() if gate and self.router is not None else None  # model drafters in or out
 
     @property
@@ -287,10 +288,13 @@ class AnalyticPolicy:
             self._model_prices = {d: price * self.router.meter.factor(inp.batch_size, d)
                                   for d, (_, price) in models.items()}
         out: dict[int, tuple[str, int]] = {}
+        routes: set[str | None] = set()
         for s in inp.seqs:
             name, gamma = self.router.choose(inp.batch_size, models, s.offers, s.seq_id)
             self.route_counts[name or "none"] = self.route_counts.get(name or "none", 0) + 1
             out[s.seq_id] = (name or default, gamma)
+            routes.add(name)
+        self.mixed_steps += len(routes) > 1
         return out
 
     def observe(self, step: StepStats) -> None:
@@ -354,6 +358,8 @@ class AnalyticPolicy:
         out.update(self.probes.measured())
         for d, count in self.route_counts.items():
             out[f"routed_{d}"] = float(count)
+        if self.router is not None:
+            out["mixed_steps"] = float(self.mixed_steps)
         if self.gate is not None:
             out.update(self.gate.stats())
         if self.router is not None:
