@@ -16,8 +16,9 @@ from tidespec.models.eagle3.head import Eagle3Head
 from tidespec.models.eagle3.lora import adapter_dir, list_adapters, load_adapter, merged_state
 from tidespec.models.families.decoder import DecoderModel
 from tidespec.models.target import output_matrix
+from tidespec.online.store import SignalStore
 from tidespec.online.training import lora
-from tidespec.online.training.config import LoraAlignConfig
+from tidespec.online.training.config import LoraAlignConfig, TrainerConfigError
 from tidespec.online.training.eagle3_train import SignalBatch, unroll
 from tidespec.online.training.lora import LoraAligner, eligible_rows, extra_vocab
 
@@ -62,7 +63,7 @@ def test_the_aligner_learns_emitted_tokens_outside_the_head_and_publishes_narrow
     _, shards, live = served_in_turn(model, tok, tmp_path)
     base = pruned_head(model, 1)
     common = {"enabled": True, "rank": 4, "alpha": 8.0, "buffer_rows": 8, "steps": 6, "lr": 5e-3, "min_rows": 8,
-              "topk": 6, "judge_rows": 16}
+              "topk": 6, "judge_rows": 16, "min_coverage": 0.0}
     seen: set[int] = set()
     for s in shards:
         seen.update(t for t in s.token_ids.tolist() if t >= OWN)
@@ -116,7 +117,7 @@ def test_the_replay_window_keeps_earlier_rows_in_training(model: DecoderModel, t
     for replay in (0, 40):
         steps.clear()
         cfg = LoraAlignConfig(enabled=True, rank=4, alpha=8.0, buffer_rows=4, steps=2, min_rows=8, topk=6,
-                              judge_rows=8, replay_rows=replay)
+                              judge_rows=8, replay_rows=replay, min_coverage=0.0)
         store = type(live)(tmp_path / f"live{replay}", 1 << 30)
         aligner = LoraAligner(cfg, store, tmp_path / f"root{replay}", model.embed_tokens, output_matrix(model),
                               gamma=3, ttt_steps=3, max_segment_len=64)
@@ -143,3 +144,32 @@ def test_a_new_base_version_drops_remembered_tokens_it_owns(model: DecoderModel,
     assert aligner.base_version == 2
     with aligner._wide(aligner.head) as head:
         assert head.cfg.draft_vocab_size == max(remembered) + 1  # nothing added: all of them are its own
+
+
+def test_traffic_outside_the_heads_vocabulary_is_left_to_the_full_rounds(model: DecoderModel, tok,
+                                                                        tmp_path: Path) -> None:
+    """Adapters cannot add vocabulary: on rows whose next tokens mostly lie outside the pruned head's 24
+    (a new script to a real head) the aligner neither runs its eligibility pass nor updates; the same rows
+    covered by the remembered extra tokens, or with the gate off, make an update."""
+    _, shards, _ = served_in_turn(model, tok, tmp_path)
+    labels = torch.cat([s.token_ids[1:] for s in shards])
+    inside = float((labels < OWN).float().mean())
+    assert inside < 0.7  # the precondition: this traffic is mostly outside the head's vocabulary
+    base = pruned_head(model, 1)
+    common = {"enabled": True, "rank": 4, "alpha": 8.0, "buffer_rows": 8, "steps": 6, "lr": 5e-3, "min_rows": 8,
+              "topk": 6, "judge_rows": 16}
+    updates = {}
+    for name, extra, coverage in (("default", 0, LoraAlignConfig.min_coverage), ("extra", 512, 0.7),
+                                  ("off", 0, 0.0)):
+        live = SignalStore(tmp_path / f"live-{name}", 1 << 30)
+        cfg = LoraAlignConfig(**common, extra_vocab=extra, min_coverage=coverage)
+        aligner = LoraAligner(cfg, live, tmp_path / f"root-{name}", model.embed_tokens, output_matrix(model),
+                              gamma=3, ttt_steps=3, max_segment_len=64)
+        for shard in shards:
+            live.append(shard)
+            aligner.step(base, 1)
+        updates[name] = (aligner.pending is not None or bool(aligner.results), aligner.num_uncovered_rows)
+    assert updates["default"][0] is False and updates["default"][1] > 0
+    assert updates["extra"][0] and updates["off"] == (True, 0)
+    with pytest.raises(TrainerConfigError, match="lora_min_coverage"):
+        LoraAlignConfig(min_coverage=1.5)

@@ -52,6 +52,10 @@ class LoraAlignConfig:
     extra_vocab: int = opt(0, "tokens outside the head's own vocabulary the adapters are trained and judged "
                               "on: the newest distinct ones the target emitted, drafted through calibrated rows "
                               "(a dynamic draft vocabulary's buffer; 0 = the head's own vocabulary only)")
+    min_coverage: float = opt(0.7, "share of the new rows' next tokens inside the head's vocabulary (with the extra "
+                                   "tokens) below which the aligner leaves them to the full rounds: adapters cannot "
+                                   "add vocabulary, rounds widen it (a new script: 40-50 %% inside, English 86-96 %%; "
+                                   "0 = align on any traffic)")
 
     @property
     def target_modules(self) -> tuple[str, ...]:
@@ -67,6 +71,8 @@ class LoraAlignConfig:
             raise TrainerConfigError(f"lora_targets: {exc}") from None
         if self.alpha <= 0 or self.temperature <= 0 or self.lr <= 0:
             raise TrainerConfigError("lora_alpha, lora_temperature and lora_lr must be > 0")
+        if not 0.0 <= self.min_coverage <= 1.0:
+            raise TrainerConfigError(f"lora_min_coverage must be in [0, 1], got {self.min_coverage}")
         if self.beta < 0 or self.kl_threshold < 0 or self.anchor < 0:
             raise TrainerConfigError("lora_beta, lora_kl_threshold and lora_anchor must be >= 0")
         if self.replay_rows < 0 or self.extra_vocab < 0:
