@@ -5,7 +5,9 @@ hidden states kept, no trainer child) against the same engine without capture, p
 Prints per engine the tok/s, the rows captured, and the median time of the no-draft steps with and without the
 target's taps (and of their Python outside the forward).
 
-    PYTHONPATH=. .venv/bin/python docs/benchmarks/idle_capture_cost.py zh_topics 12 0.25
+    PYTHONPATH=. .venv/bin/python docs/benchmarks/idle_capture_cost.py zh_topics 12 0.25 [QUANTIZATION [COMPILE]]
+
+(QUANTIZATION: w4a8 by default, with --compile unless COMPILE is 0; a CPU without AVX512-VNNI runs "none 0".)
 """
 import statistics
 import sys
@@ -22,7 +24,8 @@ from tidespec.stats import StepStats
 
 SHIPPED = "tidespec/assets/eagle3-smollm2-135m-instruct"
 workload, limit, share = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-mc = ModelConfig(quantization="w4a8", threads=2, compile=True)
+quantization = sys.argv[4] if len(sys.argv) > 4 else "w4a8"
+mc = ModelConfig(quantization=quantization, threads=2, compile=len(sys.argv) <= 5 or sys.argv[5] != "0")
 target, prompts = wave_target(mc, None, workload, limit)
 work = Path(tempfile.mkdtemp(prefix="tidespec-idle-capture-"))
 runs: list[tuple[WaveRun, OnlineTraining | None, list[StepStats]]] = []
