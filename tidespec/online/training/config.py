@@ -54,8 +54,8 @@ class LoraAlignConfig:
                               "(a dynamic draft vocabulary's buffer; 0 = the head's own vocabulary only)")
     min_coverage: float = opt(0.7, "share of the new rows' next tokens inside the head's vocabulary (with the extra "
                                    "tokens) below which the aligner leaves them to the full rounds: adapters cannot "
-                                   "add vocabulary, rounds widen it (a new script: 40-50 %% inside, English 86-96 %%; "
-                                   "0 = align on any traffic)")
+                                   "add vocabulary, rounds widen it (measured inside: Arabic 13 %%, Chinese 34 %%, Russian 66 %%, "
+                                   "English 86-96 %%; 0 = align on any traffic)")
 
     @property
     def target_modules(self) -> tuple[str, ...]:
