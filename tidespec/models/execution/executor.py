@@ -46,7 +46,7 @@ from tidespec.models.execution.invariance import (
 )
 from tidespec.models.target import ModelConfigError, TargetConfig, TargetModel
 from tidespec.models.kernels import row_attention
-from tidespec.models.kernels.ops import exact_attention_error
+from tidespec.models.kernels.ops import HEADERS, SOURCES, exact_attention_error
 from tidespec.models.kv.cache import KVCache
 from tidespec.models.kv.paged import kernel_block_size, paged_kv_cache
 from tidespec.models.layout import BatchLayout, ModelOutput
@@ -59,9 +59,8 @@ KERNEL_SOURCES = ("families/decoder.py", "families/attention.py", "families/mlp.
                   "families/norms.py", "families/rope.py", "kernels/linear.py", "kernels/ops.py", "kernels/attention.py",
                   "quant/quantize.py", "quant/base.py", "quant/a8.py", "quant/gguf_blocks.py", "execution/invariance.py",
                   "execution/compiled.py", "execution/graphs.py", "kv/cache.py", "kernels/rows.py", "execution/executor.py",
-                  "kernels/row_attention.py", "kernels/csrc/row_invariant.cpp", "kernels/csrc/exact_linear.cpp",
-                  "kernels/csrc/quant_linear.cpp", "kernels/csrc/a8_linear.cpp", "kernels/csrc/gguf_linear.cpp",
-                  "kernels/csrc/a8_tiles.h")
+                  "kernels/row_attention.py") + tuple(  # the C++ sources and headers the kernel library builds from
+    f"kernels/csrc/{path.name}" for path in SOURCES + HEADERS)
 
 
 def check_compilable(cfg: TargetConfig, graphed: bool, compiled: bool) -> None:
