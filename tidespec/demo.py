@@ -65,7 +65,8 @@ from rich.console import Console
 from rich.table import Table
 
 from tidespec.bench.shift.config import ShiftBenchConfig, served_label
-from tidespec.bench.shift.run import quarters_of, run_shift_bench
+from tidespec.bench.shift.report import drafter_shares, quarters_of
+from tidespec.bench.shift.run import run_shift_bench
 from tidespec.config import CacheConfig, EngineConfig, ModelConfig, PolicyConfig, SpecConfig
 from tidespec.engine.engine import LLMEngine
 from tidespec.errors import UserError
@@ -179,20 +180,6 @@ def part_drafters(con: Console, loaded: LoadedModel, ns: argparse.Namespace) -> 
               f"{st.get('exploit_steps', 0):.0f} exploitation steps, gamma chosen at batch 1: "
               f"{st.get('gamma_b1', float('nan')):.0f}, model calibration {st.get('calibration', float('nan')):.2f}")
     return lossless
-
-
-def drafter_shares(steps: list[dict]) -> dict[str, float]:
-    """Each drafter's share of the sequence-steps of decode steps (``none``: a sequence decoded without
-    a draft), from a shift run's step records. Example: two steps of 2 sequences, suffix drafting two
-    and eagle3 one -> suffix 50 %, eagle3 25 %, none 25 %."""
-    counts: Counter[str] = Counter()
-    for s in steps:
-        seqs = s.get("decode_seqs", 0)
-        drafted = s.get("by_drafter", {})
-        counts.update({d: n for d, n in drafted.items() if n})
-        counts["none"] += max(0, seqs - sum(drafted.values()))
-    total = sum(counts.values())
-    return {d: n / total for d, n in sorted(counts.items())} if total else {}
 
 
 def _shown(value: float, unit: str = "") -> str:

@@ -21,7 +21,7 @@ from tests.helpers import capture, checkpoint_tokenizer, tiny_hf_model, tiny_lla
 from tidespec.bench.decode.run import resolve_target
 from tidespec.bench.shift.config import ShiftBenchConfig, build_trace
 from tidespec.bench.shift.measure import recompute_taps
-from tidespec.bench.shift.report import _curves, config_colors
+from tidespec.bench.shift.report import _curves, _share_lines, config_colors, quarter_shares
 from tidespec.bench.shift.run import quarter_acceptance, replot, run_shift_bench, summarize_run, tokens_per_step
 from tidespec.bench.shift.runs import TraceLoop, no_learning_config, run_trace, trace_engine_config
 from tidespec.config import ConfigError, EngineConfig, ModelConfig
@@ -223,6 +223,23 @@ def test_quarters_split_acceptance_by_requests_and_by_drafter() -> None:
     assert q["suffix"] == [2.5] * 4 and q["eagle3"] == [1.0] * 4
     short = quarter_acceptance(reqs[:2], steps[:2])  # quarters without requests are nan, not errors
     assert math.isnan(short["served"][0]) and short["served"][1] == 1.0 and short["suffix"][3] == 2.5
+
+
+def test_quarter_shares_count_each_route_of_the_sequence_steps() -> None:
+    """Each route's share of a quarter's sequence-steps, none included; a quarter without steps is nan."""
+    reqs = [{"t_start": float(i), "t_end": i + 1.0} for i in range(8)]
+    steps = [{"t": i + 0.5, "decode_seqs": 4, "by_drafter": {"suffix": 2, "eagle3": 1} if i < 4 else {"suffix": 3}}
+             for i in range(8)]
+    shares = quarter_shares(reqs, steps)
+    assert shares == {"eagle3": [0.25, 0.25, 0.0, 0.0], "none": [0.25, 0.25, 0.25, 0.25],
+                      "suffix": [0.5, 0.5, 0.75, 0.75]}
+    early = quarter_shares(reqs, steps[:2])  # both steps in the 1st quarter (requests 0-1): the others have none
+    assert early["suffix"][0] == 0.5 and all(math.isnan(q) for q in early["suffix"][1:])
+    zh = [dict(r, phase=0, workload="zh") for r in reqs]
+    doc = {"runs": {"online": {"requests": zh, "steps": steps},
+                    "frozen": {"requests": zh, "steps": [dict(s, by_drafter={"eagle3": 4}) for s in steps]}}}
+    table = "\n".join(_share_lines(doc))
+    assert "| online | 1: zh | suffix | 0.50 | 0.50 | 0.75 | 0.75 |" in table and "frozen" not in table
 
 
 

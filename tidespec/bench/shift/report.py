@@ -11,6 +11,7 @@ Worked example: ``_curves`` with window 2 over requests accepting (drafts, accep
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,26 @@ def _quarter_lines(doc: dict[str, Any]) -> list[str]:
             markdown_table(["config", "phase", "drafts", "1st quarter", "2nd", "3rd", "4th"], rows), ""]
 
 
+def _share_lines(doc: dict[str, Any]) -> list[str]:
+    """Each route's share of the sequence-steps per quarter of each phase (``quarter_shares``, from the
+    run's own step records, so ``--replot`` shows it for any earlier run), where a policy chose among
+    routes: several drafters, or a drafter and none."""
+    rows = []
+    for name, run in doc.get("runs", {}).items():
+        for p in sorted({r["phase"] for r in run["requests"]}):
+            reqs = [r for r in run["requests"] if r["phase"] == p]
+            shares = quarter_shares(reqs, run["steps"])
+            if len(shares) < 2:
+                continue  # one route every step (plain: none; a static drafter): nothing was chosen
+            for who, qs in shares.items():
+                rows.append([name, f"{p + 1}: {reqs[0]['workload']}", who, *(_fmt(q) for q in qs)])
+    if not rows:
+        return []
+    return [("Share of each quarter's sequence-steps per route (none: decoded without a draft); what a learned "
+             "drafter gains reaches only its own share of the steps:"), "",
+            markdown_table(["config", "phase", "route", "1st quarter", "2nd", "3rd", "4th"], rows), ""]
+
+
 def _default_start(drafter: str) -> str:
     """What frozen and online start from without --bootstrap: EAGLE-3's fresh head, or Medusa's seeded heads."""
     return ("the heads a server starts from (shipped for the embedded model, else zero)"
@@ -125,7 +146,7 @@ def report(doc: dict[str, Any]) -> str:
                              [[name] + [(_fmt(1e3 * p["mean_latency_s"], 0) if "mean_latency_s" in p else "-")
                                         + (f" ({_fmt(p['latency_speedup'])}x)" if "latency_speedup" in p else "")
                                         for p in s["phases"]] for name, s in doc["configs"].items()]), ""]
-    lines += _quarter_lines(doc) + _step_lines(doc)
+    lines += _quarter_lines(doc) + _share_lines(doc) + _step_lines(doc)
     lines += _vocab_lines(doc)
     for name, s in doc["configs"].items():
         ads = s.get("online", {}).get("adapters")
@@ -280,6 +301,53 @@ def drafter_acceptance(steps: list[dict[str, Any]], names: list[str]) -> dict[st
         k = sum(s.get("by_drafter", {}).get(n, 0) for s in steps)
         out[n] = (sum(s.get("accepted_by_drafter", {}).get(n, 0) for s in steps) + k) / k if k else float("nan")
     return out
+
+
+def drafter_shares(steps: list[dict[str, Any]]) -> dict[str, float]:
+    """Each drafter's share of the sequence-steps of decode steps (``none``: a sequence decoded without
+    a draft), from a shift run's step records. Example: two steps of 2 sequences, suffix drafting two
+    and eagle3 one -> suffix 50 %, eagle3 25 %, none 25 %."""
+    counts: Counter[str] = Counter()
+    for s in steps:
+        seqs = s.get("decode_seqs", 0)
+        drafted = s.get("by_drafter", {})
+        counts.update({d: n for d, n in drafted.items() if n})
+        counts["none"] += max(0, seqs - sum(drafted.values()))
+    total = sum(counts.values())
+    return {d: n / total for d, n in sorted(counts.items())} if total else {}
+
+
+def quarters_of(reqs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """A phase's requests in four consecutive slices: 8 requests -> 0-1, 2-3, 4-5, 6-7; 2 -> [], [0], [], [1]."""
+    n = len(reqs)
+    return [reqs[n * q // 4:n * (q + 1) // 4] for q in range(4)]
+
+
+def quarter_steps(reqs: list[dict[str, Any]], steps: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+    """The steps of each quarter of a phase's requests (``quarters_of``): from the quarter's first
+    request's start to the next quarter's (the last: to the phase's last finish); a quarter without
+    requests has none. Example: 8 requests of 1 s each from t = 0, one step at t + 0.5 of each ->
+    the steps at 0.5 and 1.5, 2.5 and 3.5, and so on."""
+    bounds = quarters_of(reqs)
+    edges = [min((r["t_start"] for r in b), default=float("nan")) for b in bounds]
+    edges.append(max((r["t_end"] for r in reqs), default=float("nan")) + 1e-9)  # the phase's end closes the last
+    for q in reversed(range(4)):  # an empty quarter (a phase of < 4 requests) ends where the next one starts
+        edges[q] = edges[q + 1] if math.isnan(edges[q]) else edges[q]
+    return [[s for s in steps if edges[q] <= s["t"] < edges[q + 1]] if b else [] for q, b in enumerate(bounds)]
+
+
+def quarter_shares(reqs: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Each drafter's share of the sequence-steps per quarter of a phase's requests (``drafter_shares`` of
+    the quarter's steps; ``none``: decoded without a draft; 0.0 where it drafted nothing that quarter,
+    nan in a quarter without steps). Why: under a controller or per-sequence routing, what a learned
+    drafter gains reaches only the steps routed to it, so its share bounds what learning can add to
+    the phase's tokens per step.
+
+    Example: a quarter whose steps drafted suffix for 3 sequence-steps and left 1 undrafted -> suffix
+    0.75, none 0.25."""
+    per_q = [drafter_shares(q) for q in quarter_steps(reqs, steps)]
+    names = sorted({d for q in per_q for d, share in q.items() if share > 0})  # the routes taken
+    return {n: [q.get(n, 0.0) if q else float("nan") for q in per_q] for n in names}
 
 
 def tokens_per_step(reqs: list[dict[str, Any]]) -> float:

@@ -69,7 +69,6 @@ closed loop and the engines in ``bench.shift.runs``, the side measurements in
 from __future__ import annotations
 
 import functools
-import math
 import random
 import shutil
 import time
@@ -81,7 +80,14 @@ from tidespec.bench.common.report import default_out_dir, finish_run, rerender_r
 from tidespec.bench.serve.run import arrival_times
 from tidespec.bench.shift.config import ONLINE_CONFIGS, ShiftBenchConfig, TraceItem, build_trace, served_label
 from tidespec.bench.shift.measure import measure_capture_overhead, measure_training_sources
-from tidespec.bench.shift.report import drafter_acceptance, plot_shift, report, tokens_per_step
+from tidespec.bench.shift.report import (
+    drafter_acceptance,
+    plot_shift,
+    quarter_steps,
+    quarters_of,
+    report,
+    tokens_per_step,
+)
 from tidespec.bench.shift.runs import (
     OnlineSetup,
     TraceLoop,
@@ -99,32 +105,20 @@ from tidespec.bench.shift.runs import (
 from tidespec.models.loading.loader import LoadedModel
 
 
-def quarters_of(reqs: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """A phase's requests in four consecutive slices: 8 requests -> 0-1, 2-3, 4-5, 6-7; 2 -> [], [0], [], [1]."""
-    n = len(reqs)
-    return [reqs[n * q // 4:n * (q + 1) // 4] for q in range(4)]
-
-
 def quarter_acceptance(reqs: list[dict[str, Any]], steps: list[dict[str, Any]]) -> dict[str, list[float]]:
     """Mean acceptance length per quarter of a phase's requests (in trace order): ``served`` over all
-    its drafts, and each drafter's over the drafts it made in the steps of that quarter (from the
-    first request's start to the next quarter's). Why: under a controller the served figure mixes
-    drafters, so a learning drafter's own trend shows only per drafter.
+    its drafts, and each drafter's over the drafts it made in the steps of that quarter
+    (``quarter_steps``). Why: under a controller the served figure mixes drafters, so a learning
+    drafter's own trend shows only per drafter.
 
     Example: 8 requests -> quarters of requests 0-1, 2-3, 4-5, 6-7; a quarter's steps in which suffix
     drafted 10 sequences and had 15 tokens accepted -> suffix 2.5 there.
     """
-    bounds = quarters_of(reqs)
-    edges = [min((r["t_start"] for r in b), default=float("nan")) for b in bounds]
-    edges.append(max((r["t_end"] for r in reqs), default=float("nan")) + 1e-9)  # the phase's end closes the last
-    for q in reversed(range(4)):  # an empty quarter (a phase of < 4 requests) ends where the next one starts
-        edges[q] = edges[q + 1] if math.isnan(edges[q]) else edges[q]
     names = sorted({d for s in steps for d in s.get("accepted_by_drafter", {})})
     out: dict[str, list[float]] = {name: [] for name in ["served", *names]}
-    for q, b in enumerate(bounds):
+    for b, in_q in zip(quarters_of(reqs), quarter_steps(reqs, steps)):
         drafts = sum(r["drafts"] for r in b)
         out["served"].append((sum(r["accepted"] for r in b) + drafts) / drafts if drafts else float("nan"))
-        in_q = [s for s in steps if edges[q] <= s["t"] < edges[q + 1]] if b else []
         for name, acc in drafter_acceptance(in_q, names).items():
             out[name].append(acc)
     return out
