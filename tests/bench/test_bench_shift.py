@@ -21,7 +21,7 @@ from tests.helpers import capture, checkpoint_tokenizer, tiny_hf_model, tiny_lla
 from tidespec.bench.decode.run import resolve_target
 from tidespec.bench.shift.config import ShiftBenchConfig, build_trace
 from tidespec.bench.shift.measure import recompute_taps
-from tidespec.bench.shift.report import _curves, _share_lines, config_colors, quarter_shares
+from tidespec.bench.shift.report import _curves, _gate_lines, _share_lines, config_colors, quarter_shares
 from tidespec.bench.shift.run import quarter_acceptance, replot, run_shift_bench, summarize_run, tokens_per_step
 from tidespec.bench.shift.runs import TraceLoop, no_learning_config, run_trace, trace_engine_config
 from tidespec.config import ConfigError, EngineConfig, ModelConfig
@@ -211,6 +211,7 @@ def test_shift_bench_interleaves_a_controller_with_several_drafters(tmp_path: Pa
     assert served and all(re.fullmatch(r"v\d+(\+a\d+)?", label) for label in served), served
     quarters = doc["configs"]["online"]["phases"][0]["quarters"]
     assert len(quarters["served"]) == 4 and set(quarters) <= {"served", "suffix", "eagle3"}
+    assert all("probe_steps" in r["policy"] for r in doc["runs"]["online"]["requests"])  # the controller's stats
 
 
 def test_quarters_split_acceptance_by_requests_and_by_drafter() -> None:
@@ -240,6 +241,20 @@ def test_quarter_shares_count_each_route_of_the_sequence_steps() -> None:
                     "frozen": {"requests": zh, "steps": [dict(s, by_drafter={"eagle3": 4}) for s in steps]}}}
     table = "\n".join(_share_lines(doc))
     assert "| online | 1: zh | suffix | 0.50 | 0.50 | 0.75 | 0.75 |" in table and "frozen" not in table
+
+
+def test_gate_lines_count_the_epochs_of_each_phase() -> None:
+    """The gate's epochs per phase are differences of the cumulative counters each finished request recorded."""
+    def req(phase: int, t: float, epochs_in: float, epochs_out: float, arm: float) -> dict[str, object]:
+        return {"phase": phase, "workload": ["code", "zh"][phase], "t_end": t,
+                "policy": {"gate_in_b1": arm, "gate_diff_b1": -0.05, "gate_epochs_in_b1": epochs_in,
+                           "gate_epochs_out_b1": epochs_out}}
+    reqs = [req(0, 1.0, 2, 1, 1.0), req(0, 2.0, 5, 10, 1.0), req(1, 3.0, 7, 12, 0.0), req(1, 4.0, 9, 30, 0.0)]
+    table = "\n".join(_gate_lines({"runs": {"online": {"requests": reqs, "steps": []},
+                                            "plain": {"requests": [dict(r, policy={}) for r in reqs], "steps": []}}}))
+    assert "| online | 1: code | 1 | 5 | 10 | in | -0.050 |" in table
+    assert "| online | 2: zh | 1 | 4 | 20 | out | -0.050 |" in table and "plain" not in table
+    assert _gate_lines({"runs": {"plain": {"requests": [{"phase": 0, "workload": "a", "t_end": 1.0}]}}}) == []
 
 
 

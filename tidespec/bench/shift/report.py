@@ -109,6 +109,35 @@ def _share_lines(doc: dict[str, Any]) -> list[str]:
             markdown_table(["config", "phase", "route", "1st quarter", "2nd", "3rd", "4th"], rows), ""]
 
 
+def _gate_lines(doc: dict[str, Any]) -> list[str]:
+    """Per configuration and phase, the model-drafter gate of per-sequence drafting (``policy/gate.py``) in
+    each batch-size bucket: the epochs it ran with the model drafters in and out during the phase, its arm
+    and its paired estimate of log(goodput in / goodput out) at the phase's last finish. From the policy
+    stats each request records as it finishes (a run saved before they were recorded shows nothing).
+
+    Example: a phase that ends with ``gate_epochs_in_b1`` 9 and ``gate_epochs_out_b1`` 30, after a phase
+    that ended at 5 and 10 -> in 4, out 20 epochs in the phase."""
+    rows = []
+    for name, run in doc.get("runs", {}).items():
+        before: dict[str, float] = {}
+        for p in sorted({r["phase"] for r in run["requests"]}):
+            reqs = sorted((r for r in run["requests"] if r["phase"] == p), key=lambda r: r["t_end"])
+            last = reqs[-1].get("policy") or {}
+            for key in sorted(k for k in last if k.startswith("gate_in_b")):
+                b = key[len("gate_in_b"):]
+                epochs = [last.get(f"gate_epochs_{arm}_b{b}", 0.0) - before.get(f"gate_epochs_{arm}_b{b}", 0.0)
+                          for arm in ("in", "out")]
+                rows.append([name, f"{p + 1}: {reqs[0]['workload']}", b, *(f"{e:.0f}" for e in epochs),
+                             "in" if last[key] else "out", _fmt(last.get(f"gate_diff_b{b}"), 3)])
+            before = last
+    if not rows:
+        return []
+    return [("The model-drafter gate per phase (`--gate-model-drafters`: epochs with the model drafters in and out "
+             "during the phase; its arm and paired estimate of log(goodput in / out) at the phase's end):"), "",
+            markdown_table(["config", "phase", "batch bucket", "epochs in", "epochs out", "arm at the end",
+                            "log(g_in / g_out)"], rows), ""]
+
+
 def _default_start(drafter: str) -> str:
     """What frozen and online start from without --bootstrap: EAGLE-3's fresh head, or Medusa's seeded heads."""
     return ("the heads a server starts from (shipped for the embedded model, else zero)"
@@ -146,7 +175,7 @@ def report(doc: dict[str, Any]) -> str:
                              [[name] + [(_fmt(1e3 * p["mean_latency_s"], 0) if "mean_latency_s" in p else "-")
                                         + (f" ({_fmt(p['latency_speedup'])}x)" if "latency_speedup" in p else "")
                                         for p in s["phases"]] for name, s in doc["configs"].items()]), ""]
-    lines += _quarter_lines(doc) + _share_lines(doc) + _step_lines(doc)
+    lines += _quarter_lines(doc) + _share_lines(doc) + _gate_lines(doc) + _step_lines(doc)
     lines += _vocab_lines(doc)
     for name, s in doc["configs"].items():
         ads = s.get("online", {}).get("adapters")

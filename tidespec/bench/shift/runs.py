@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import shlex
 import time
 from collections import deque
@@ -162,6 +163,8 @@ class TraceLoop:
                              "draft_tokens": st.num_draft_tokens, "accepted": st.num_accepted_tokens,
                              "version": int(self.engine.drafter.version if self.engine.drafter is not None else 0),
                              "adapter": self.adapter()}
+        if self.engine.policy is not None:  # cumulative counters and the latest estimates, as at this finish
+            self.results[idx]["policy"] = {k: v for k, v in self.engine.policy.stats().items() if math.isfinite(v)}
         if self.vocab is not None:  # cumulative: a phase's coverage is the difference across it
             self.results[idx].update(vocab_verified=self.vocab.stats.verified, vocab_covered=self.vocab.stats.covered)
         self.outputs[idx] = list(token_ids)
