@@ -127,6 +127,42 @@ def test_a_gated_policy_routes_and_probes_the_model_drafter_only_in_its_epochs()
     assert not _policy(gate=False).stats().keys() & {"gate_in_b1"}
 
 
+def test_epochs_out_do_not_reset_the_count_to_a_probe_of_a_model_drafter_priced_below_none() -> None:
+    """EAGLE-3 accepted nothing (priced below none: no route; a probe costs more than 64 steps' budget, suffix
+    predicting far more) and the gate alternates epochs of 16 steps in and out:
+    the steps out do not count towards a probe, nor restart the count, so it is probed once 64 steps in have passed,
+    and within the next epoch in after a swap (before: the count restarted every epoch out and never reached 64)."""
+    policy = _policy(gate=True, probe_every=64)
+    gate = policy.gate = ModelGate(min_pairs=10**6)  # alternates for good
+    for _ in range(30):
+        policy.observe(StepStats(num_decode_seqs=1, drafter_outcomes={"eagle3": [(4, 4, 0)]},
+                                 shadow_outcomes={"suffix": [(4, 4, 4)]}))
+    probes: list[tuple[int, int]] = []  # (plan, steps in so far) of each probe
+    steps_in = 0
+
+    def plan(i: int) -> None:
+        nonlocal steps_in
+        before = policy.num_probes
+        allowed = gate.allows(1)
+        _, gamma = policy.plan_drafters(PlanInput(1, 0.1, [SeqState(1, 0.0, 100)], ("suffix", "eagle3")))[1]
+        steps_in += allowed
+        if policy.num_probes > before:
+            probes.append((i, steps_in))
+        else:
+            assert gamma == 0  # priced below none: never routed
+        policy.observe(StepStats(num_decode_seqs=1, total_time=0.010, num_emitted_tokens=1, spec_lens={1: gamma},
+                                 shadow_outcomes={"suffix": [(4, 4, 4)]}))
+
+    for i in range(300):
+        plan(i)
+    assert [n for _, n in probes] == [64, 128]  # every 64 steps in, over 300 plans (150 of them out)
+    policy.drafter_changed("eagle3")
+    swapped_at = steps_in
+    for i in range(300, 340):
+        plan(i)
+    assert len(probes) == 3 and probes[2][1] - swapped_at == 8  # the swapped head: probed 8 steps in after the swap
+
+
 def test_the_gate_is_per_sequence_only_and_on_by_default_in_the_config() -> None:
     assert PolicyConfig().gate_model_drafters is True
     assert AnalyticPolicy(FLAT, 4, gate=True).gate is None  # one drafter, no router: nothing to gate

@@ -60,7 +60,12 @@ class AnalyticPolicy:
     the probes stay as they were: they are what keeps the router's model-drafter price and offers from
     settling on none (backed off, chat at batch 4 decoded 91 % of its sequence-steps without a draft, 0.93x
     plain). With ``gate`` (``gate.py``), per-sequence drafting asks the model drafters, routes and probes alike,
-    only in the epochs where the measured goodput says they pay beside the model-free ones.
+    only in the epochs where the measured goodput says they pay beside the model-free ones; the steps it keeps them
+    out neither probe nor count towards a probe, and do not reset the count either: reset by every epoch out, the
+    count never reached ``probe_every`` within the 16 steps of an epoch in, so a model drafter priced below none was
+    never probed again, not even after a swap brought a better head in (Chinese under the per-sequence hybrid: EAGLE-3's
+    alpha stayed at 0.14 from the 24th Chinese request to the 48th, through a swap to a head that walked 1.54 on
+    held-out rows against its predecessor's 1.33, 2026-12-07).
 
     Depth probes (``_deepen``): a batch-level choice at a gamma below ``gamma_max`` asks for ``gamma_max`` now and
     then, at the same budget and backoff, so the deeper positions' estimates are measured again.
@@ -190,7 +195,7 @@ class AnalyticPolicy:
             elif self.router is None and self._affordable(off + self.warm_steps, cost):
                 self._due = (probe,)  # a plan within ``warm_steps`` probes it (unless the estimates move)
             self._off_steps[key] = off
-        else:
+        elif not gated:
             self._off_steps[key] = 0
         if self.router is None:
             gamma = self._deepen(key, gamma, probed, table[drafter])
