@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,21 @@ def _fmt(v: Any, digits: int = 2) -> str:
     return "-" if v is None or (isinstance(v, float) and not math.isfinite(v)) else f"{v:.{digits}f}"
 
 
+def _section(title: str, heads: list[str], rows: list[list[str]]) -> list[str]:
+    """A report section: its title line and table, or nothing when there are no rows."""
+    return [title, "", markdown_table(heads, rows), ""] if rows else []
+
+
+QUARTERS = ["1st quarter", "2nd", "3rd", "4th"]
+
+
+def _phase_requests(run: dict[str, Any]) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    """Each phase of a run's records: its label ("2: zh_topics") and its requests in trace order."""
+    for p in sorted({r["phase"] for r in run["requests"]}):
+        reqs = [r for r in run["requests"] if r["phase"] == p]
+        yield f"{p + 1}: {reqs[0]['workload']}", reqs
+
+
 def _step_lines(doc: dict[str, Any]) -> list[str]:
     """Tokens per target step per quarter of each phase (every step, drafted or not), with the ratio
     to ``no-learning`` on the same requests where that control ran."""
@@ -58,12 +74,10 @@ def _step_lines(doc: dict[str, Any]) -> list[str]:
             rows.append([name, f"{p['phase']}: {p['workload']}"]
                         + [_fmt(q) + (f" ({_fmt(q / b)}x)" if _positive(q) and _positive(b) else "")
                            for q, b in zip(qs, base or [None] * len(qs))])
-    if not rows:
-        return []
-    return [("Tokens per target step per quarter of each phase's requests (every step, drafted or not: served "
-             "acceptance counts drafted steps only" + ("; in brackets the ratio to no-learning on the same "
-                                                        "requests" if control else "") + "):"), "",
-            markdown_table(["config", "phase", "1st quarter", "2nd", "3rd", "4th"], rows), ""]
+    return _section("Tokens per target step per quarter of each phase's requests (every step, drafted or not: served "
+                    "acceptance counts drafted steps only" + ("; in brackets the ratio to no-learning on the same "
+                                                               "requests" if control else "") + "):",
+                    ["config", "phase", *QUARTERS], rows)
 
 
 def _positive(v: Any) -> bool:
@@ -82,11 +96,8 @@ def _quarter_lines(doc: dict[str, Any]) -> list[str]:
                 if all(q is None or not math.isfinite(q) for q in qs):  # nan, or null once saved as JSON
                     continue
                 rows.append([name, f"{p['phase']}: {p['workload']}", who, *(_fmt(q) for q in qs)])
-    if not rows:
-        return []
-    return [("Acceptance length per quarter of each phase's requests (served: every draft; per drafter: the "
-             "drafts it made in that quarter's steps):"), "",
-            markdown_table(["config", "phase", "drafts", "1st quarter", "2nd", "3rd", "4th"], rows), ""]
+    return _section("Acceptance length per quarter of each phase's requests (served: every draft; per drafter: the "
+                    "drafts it made in that quarter's steps):", ["config", "phase", "drafts", *QUARTERS], rows)
 
 
 def _share_lines(doc: dict[str, Any]) -> list[str]:
@@ -95,18 +106,14 @@ def _share_lines(doc: dict[str, Any]) -> list[str]:
     routes: several drafters, or a drafter and none."""
     rows = []
     for name, run in doc.get("runs", {}).items():
-        for p in sorted({r["phase"] for r in run["requests"]}):
-            reqs = [r for r in run["requests"] if r["phase"] == p]
+        for phase, reqs in _phase_requests(run):
             shares = quarter_shares(reqs, run["steps"])
             if len(shares) < 2:
                 continue  # one route every step (plain: none; a static drafter): nothing was chosen
-            for who, qs in shares.items():
-                rows.append([name, f"{p + 1}: {reqs[0]['workload']}", who, *(_fmt(q) for q in qs)])
-    if not rows:
-        return []
-    return [("Share of each quarter's sequence-steps per route (none: decoded without a draft); what a learned "
-             "drafter gains reaches only its own share of the steps:"), "",
-            markdown_table(["config", "phase", "route", "1st quarter", "2nd", "3rd", "4th"], rows), ""]
+            rows += [[name, phase, who, *(_fmt(q) for q in qs)] for who, qs in shares.items()]
+    return _section("Share of each quarter's sequence-steps per route (none: decoded without a draft); what a learned "
+                    "drafter gains reaches only its own share of the steps:", ["config", "phase", "route", *QUARTERS],
+                    rows)
 
 
 def _gate_lines(doc: dict[str, Any]) -> list[str]:
@@ -120,22 +127,19 @@ def _gate_lines(doc: dict[str, Any]) -> list[str]:
     rows = []
     for name, run in doc.get("runs", {}).items():
         before: dict[str, float] = {}
-        for p in sorted({r["phase"] for r in run["requests"]}):
-            reqs = sorted((r for r in run["requests"] if r["phase"] == p), key=lambda r: r["t_end"])
-            last = reqs[-1].get("policy") or {}
+        for phase, reqs in _phase_requests(run):
+            last = max(reqs, key=lambda r: r["t_end"]).get("policy") or {}  # the phase's last finish
             for key in sorted(k for k in last if k.startswith("gate_in_b")):
                 b = key[len("gate_in_b"):]
                 epochs = [last.get(f"gate_epochs_{arm}_b{b}", 0.0) - before.get(f"gate_epochs_{arm}_b{b}", 0.0)
                           for arm in ("in", "out")]
-                rows.append([name, f"{p + 1}: {reqs[0]['workload']}", b, *(f"{e:.0f}" for e in epochs),
+                rows.append([name, phase, b, *(f"{e:.0f}" for e in epochs),
                              "in" if last[key] else "out", _fmt(last.get(f"gate_diff_b{b}"), 3)])
             before = last
-    if not rows:
-        return []
-    return [("The model-drafter gate per phase (`--gate-model-drafters`: epochs with the model drafters in and out "
-             "during the phase; its arm and paired estimate of log(goodput in / out) at the phase's end):"), "",
-            markdown_table(["config", "phase", "batch bucket", "epochs in", "epochs out", "arm at the end",
-                            "log(g_in / g_out)"], rows), ""]
+    return _section("The model-drafter gate per phase (`--gate-model-drafters`: epochs with the model drafters in and "
+                    "out during the phase; its arm and paired estimate of log(goodput in / out) at the phase's end):",
+                    ["config", "phase", "batch bucket", "epochs in", "epochs out", "arm at the end",
+                     "log(g_in / g_out)"], rows)
 
 
 def _default_start(drafter: str) -> str:
